@@ -1,0 +1,248 @@
+"""Cost and memory model consumed by the simulator and the schedule search.
+
+Times and memory are plain Python numbers. Pass ``fractions.Fraction`` values
+to get exact arithmetic (the tests do, to assert closed forms); floats are the
+fast default.
+
+Memory is counted per virtual stage: an F allocates ``mem_f[s]`` (the state B
+needs, M_B); B keeps ``mem_w[s]`` of it (the state W needs, M_W) and frees the
+rest; W frees ``mem_w[s]``; BW frees all of ``mem_f[s]``. With the defaults a
+device's units are "one microbatch's activations over all of that device's
+layers", so a device holding v chunks allocates 1/v per chunk F.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from numbers import Real
+from pathlib import Path
+
+from zerobubble.schedule.ir import Op
+
+Number = Real
+
+
+def _div(x: Number, v: int) -> Number:
+    """Divide keeping exactness for ints and Fractions."""
+    if isinstance(x, int | Fraction):
+        q = Fraction(x, 1) / v
+        return q.numerator if q.denominator == 1 else q
+    return x / v
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-virtual-stage durations and memory deltas.
+
+    Attributes:
+        f, b, w: Duration of F, B and W of each virtual stage. BW costs b + w.
+        comm: Latency added to every dependency that crosses devices. It delays
+            the consumer but does not occupy either device's compute.
+        mem_f: Memory an F allocates (M_B of the stage).
+        mem_w: Memory still held after B until W (M_W of the stage, <= mem_f).
+    """
+
+    f: tuple[Number, ...]
+    b: tuple[Number, ...]
+    w: tuple[Number, ...]
+    comm: Number = 0
+    mem_f: tuple[Number, ...] = ()
+    mem_w: tuple[Number, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.f)
+        for name in ("f", "b", "w", "mem_f", "mem_w"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if not self.mem_f:
+            object.__setattr__(self, "mem_f", (1,) * n)
+        if not self.mem_w:
+            object.__setattr__(self, "mem_w", tuple(_div(m, 2) for m in self.mem_f))
+        for name in ("b", "w", "mem_f", "mem_w"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"cost array {name!r} has {len(getattr(self, name))} entries, "
+                    f"expected one per virtual stage ({n})"
+                )
+        for name in ("f", "b", "w", "mem_f", "mem_w"):
+            for s, x in enumerate(getattr(self, name)):
+                if not math.isfinite(float(x)) or x < 0:
+                    raise ValueError(f"{name}[{s}]={x} must be a finite number >= 0")
+        if not math.isfinite(float(self.comm)) or self.comm < 0:
+            raise ValueError(f"comm={self.comm} must be a finite number >= 0")
+        for s, (mf, mw) in enumerate(zip(self.mem_f, self.mem_w, strict=True)):
+            if mw > mf:
+                raise ValueError(
+                    f"mem_w[{s}]={mw} exceeds mem_f[{s}]={mf}: W cannot hold more than F allocated"
+                )
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.f)
+
+    def duration(self, op: Op, stage: int) -> Number:
+        """How long ``op`` takes on virtual stage ``stage``."""
+        match op:
+            case Op.F:
+                return self.f[stage]
+            case Op.B:
+                return self.b[stage]
+            case Op.W:
+                return self.w[stage]
+            case Op.BW:
+                return self.b[stage] + self.w[stage]
+        raise AssertionError(op)  # pragma: no cover
+
+    def memory_delta(self, op: Op, stage: int) -> Number:
+        """Net memory change when ``op`` of ``stage`` completes."""
+        match op:
+            case Op.F:
+                return self.mem_f[stage]
+            case Op.B:
+                return -(self.mem_f[stage] - self.mem_w[stage])
+            case Op.W:
+                return -self.mem_w[stage]
+            case Op.BW:
+                return -self.mem_f[stage]
+        raise AssertionError(op)  # pragma: no cover
+
+    # ---- constructors ----------------------------------------------------------------------
+
+    @classmethod
+    def from_device_totals(
+        cls,
+        placement: Sequence[int],
+        F: Number = 1,
+        B: Number = 1,
+        W: Number = 1,
+        comm: Number = 0,
+        mem_w: Number = Fraction(1, 2),
+    ) -> CostModel:
+        """Uniform costs given as per-device totals.
+
+        A device holding v chunks spends F/v, B/v, W/v per chunk and allocates
+        1/v (of its M_B) per chunk F; ``mem_w`` is r = M_W / M_B.
+        """
+        counts: dict[int, int] = {}
+        for d in placement:
+            counts[d] = counts.get(d, 0) + 1
+        vs = [counts[d] for d in placement]
+        if not 0 <= mem_w <= 1:
+            raise ValueError(f"mem_w ratio r={mem_w} must be in [0, 1]")
+        return cls(
+            f=tuple(_div(F, v) for v in vs),
+            b=tuple(_div(B, v) for v in vs),
+            w=tuple(_div(W, v) for v in vs),
+            comm=comm,
+            mem_f=tuple(_div(1, v) for v in vs),
+            mem_w=tuple(_div(mem_w, v) for v in vs),
+        )
+
+    @classmethod
+    def per_stage(
+        cls,
+        f: Sequence[Number],
+        b: Sequence[Number],
+        w: Sequence[Number],
+        comm: Number = 0,
+        mem_f: Sequence[Number] | None = None,
+        mem_w: Sequence[Number] | None = None,
+    ) -> CostModel:
+        """Costs given as one value per virtual stage (e.g. from a profile)."""
+        return cls(tuple(f), tuple(b), tuple(w), comm, tuple(mem_f or ()), tuple(mem_w or ()))
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "F": [float(x) for x in self.f],
+            "B": [float(x) for x in self.b],
+            "W": [float(x) for x in self.w],
+            "comm": float(self.comm),
+            "mem_B": [float(x) for x in self.mem_f],
+            "mem_W": [float(x) for x in self.mem_w],
+        }
+
+
+@dataclass(frozen=True)
+class CostSpec:
+    """What a user typed: per-device totals (``--costs``) or a per-stage file.
+
+    ``resolve`` turns it into a :class:`CostModel` for a concrete placement, so
+    the same spec serves schedules with different chunk counts.
+    """
+
+    F: Number = 1
+    B: Number = 1
+    W: Number = 1
+    comm: Number = 0
+    mem_w: Number = Fraction(1, 2)
+    stage_costs: CostModel | None = None
+    mem_limit: Number | None = None
+
+    def resolve(self, placement: Sequence[int]) -> CostModel:
+        if self.stage_costs is not None:
+            if self.stage_costs.num_stages != len(placement):
+                raise ValueError(
+                    f"the costs file describes {self.stage_costs.num_stages} virtual stages "
+                    f"but the schedule has {len(placement)}; regenerate the profile for this "
+                    "partition or pick a schedule with that many stages"
+                )
+            return self.stage_costs
+        return CostModel.from_device_totals(
+            placement, self.F, self.B, self.W, self.comm, self.mem_w
+        )
+
+
+def parse_costs(text: str, mem_w: Number | None = None) -> CostSpec:
+    """Parse ``F=1,B=1,W=1,comm=0`` (any subset, any order)."""
+    values: dict[str, Number] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, raw = part.partition("=")
+        key = key.strip()
+        if not sep or key not in {"F", "B", "W", "comm"}:
+            raise ValueError(
+                f"cannot parse cost {part!r}: expected KEY=NUMBER with KEY one of F, B, W, comm "
+                "(e.g. --costs F=1,B=1,W=0.5,comm=0.1)"
+            )
+        values[key] = _parse_number(raw.strip(), part)
+    if mem_w is not None:
+        values["mem_w"] = mem_w
+    return CostSpec(**values)
+
+
+def _parse_number(raw: str, context: str) -> Number:
+    try:
+        return int(raw)
+    except ValueError:
+        pass
+    try:
+        return Fraction(raw) if "/" in raw else float(raw)
+    except (ValueError, ZeroDivisionError) as exc:
+        raise ValueError(f"cannot parse number in {context!r}") from exc
+
+
+def load_costs_file(path: str | Path) -> CostSpec:
+    """Read a per-stage costs JSON (the profiler writes this format).
+
+    Keys: ``F``, ``B``, ``W`` (arrays, one per virtual stage), optional
+    ``comm`` (number), ``mem_B`` / ``mem_W`` (arrays) and ``mem_limit``.
+    """
+    data = json.loads(Path(path).read_text())
+    return costs_from_mapping(data, source=str(path))
+
+
+def costs_from_mapping(data: Mapping[str, object], source: str = "costs") -> CostSpec:
+    missing = [k for k in ("F", "B", "W") if k not in data]
+    if missing:
+        raise ValueError(f"{source}: missing per-stage arrays {missing}; expected keys F, B, W")
+    model = CostModel.per_stage(
+        f=data["F"],  # type: ignore[arg-type]
+        b=data["B"],  # type: ignore[arg-type]
+        w=data["W"],  # type: ignore[arg-type]
+        comm=data.get("comm", 0),  # type: ignore[arg-type]
+        mem_f=data.get("mem_B"),  # type: ignore[arg-type]
+        mem_w=data.get("mem_W"),  # type: ignore[arg-type]
+    )
+    return CostSpec(stage_costs=model, mem_limit=data.get("mem_limit"))  # type: ignore[arg-type]

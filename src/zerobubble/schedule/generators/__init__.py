@@ -1,0 +1,129 @@
+"""Schedule generators: pure functions from (P, M, options) to an immutable Schedule.
+
+``GENERATORS`` maps each kind name (the CLI's ``KIND``) to a :class:`Generator`
+that records which options the kind understands, so a caller asking for an
+option a kind ignores gets an error instead of a silently different schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from zerobubble.schedule.costs import CostSpec, Number
+from zerobubble.schedule.generators.classic import gpipe, interleaved_1f1b, one_f_one_b
+from zerobubble.schedule.generators.zero_bubble import zb_h1, zb_h2, zbv
+from zerobubble.schedule.ir import Schedule
+
+__all__ = [
+    "GENERATORS",
+    "Generator",
+    "generate",
+    "gpipe",
+    "interleaved_1f1b",
+    "one_f_one_b",
+    "register",
+    "zb_h1",
+    "zb_h2",
+    "zbv",
+]
+
+
+@dataclass(frozen=True)
+class Generator:
+    """A schedule kind.
+
+    Attributes:
+        name: The kind's name on the command line.
+        fn: ``fn(P, M, **options) -> Schedule``.
+        summary: One line for ``--help`` and the docs.
+        options: The keyword options ``fn`` accepts, among ``chunks``,
+            ``split_backward``, ``costs`` (a :class:`CostSpec`) and ``mem_limit``.
+        baseline: True for schedules without a B/W split (kept for comparison).
+    """
+
+    name: str
+    fn: Callable[..., Schedule]
+    summary: str
+    options: frozenset[str] = frozenset()
+    baseline: bool = False
+
+
+_REGISTRY: dict[str, Generator] = {}
+
+
+def register(gen: Generator) -> Generator:
+    """Add a kind (import-time only; kinds are never replaced)."""
+    if gen.name in _REGISTRY:
+        raise ValueError(f"schedule kind {gen.name!r} is already registered")
+    _REGISTRY[gen.name] = gen
+    return gen
+
+
+GENERATORS: Mapping[str, Generator] = MappingProxyType(_REGISTRY)
+
+register(
+    Generator(
+        "gpipe", gpipe, "all forwards, then all backwards", frozenset({"split_backward"}), True
+    )
+)
+register(
+    Generator(
+        "1f1b",
+        one_f_one_b,
+        "one forward, one backward (PipeDream-Flush)",
+        frozenset({"split_backward"}),
+        True,
+    )
+)
+register(
+    Generator(
+        "interleaved-1f1b",
+        interleaved_1f1b,
+        "Megatron interleaved 1F1B, v chunks per device, looped placement",
+        frozenset({"chunks", "split_backward"}),
+        True,
+    )
+)
+register(Generator("zb-h1", zb_h1, "Zero Bubble H1: 1F1B memory, 1/3 of its bubble"))
+register(Generator("zb-h2", zb_h2, "Zero Bubble H2: zero bubble with 2P-1 microbatches in flight"))
+register(Generator("zbv", zbv, "Zero Bubble V: V placement, zero bubble at 1F1B memory"))
+
+
+def generate(
+    kind: str,
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    chunks: int | None = None,
+    split_backward: bool = False,
+    costs: CostSpec | None = None,
+    mem_limit: Number | None = None,
+) -> Schedule:
+    """Build a schedule of ``kind``; options the kind does not use are an error."""
+    try:
+        gen = GENERATORS[kind]
+    except KeyError:
+        raise ValueError(
+            f"unknown schedule kind {kind!r}; choose one of: {', '.join(GENERATORS)}"
+        ) from None
+    given = {
+        "chunks": chunks,
+        "split_backward": split_backward or None,
+        "costs": costs,
+        "mem_limit": mem_limit,
+    }
+    kwargs = {}
+    for key, value in given.items():
+        if value is None:
+            continue
+        if key not in gen.options:
+            if key == "costs":  # costs only matter to cost-aware kinds; timing uses them anyway
+                continue
+            raise ValueError(
+                f"schedule kind {kind!r} does not take option {key!r} "
+                f"(it takes: {', '.join(sorted(gen.options)) or 'no options'})"
+            )
+        kwargs[key] = value
+    return gen.fn(num_devices, num_microbatches, **kwargs)

@@ -1,0 +1,209 @@
+"""The schedule intermediate representation.
+
+A schedule is *only* an ordered list of compute actions per device plus the
+facts needed to interpret them (how many stages, where each stage lives, how
+many microbatches). Dependencies are never stored: they follow from the ops
+themselves (see :func:`dependencies`), so a schedule cannot disagree with its
+own dependency graph.
+
+Everything here is immutable and torch-free.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+
+class Op(enum.StrEnum):
+    """A compute pass of one virtual stage on one microbatch."""
+
+    F = "F"
+    """Forward."""
+    B = "B"
+    """Backward for the stage input only (the critical-path half of backward)."""
+    W = "W"
+    """Backward for the weights only (can be deferred until the optimizer step)."""
+    BW = "BW"
+    """Combined backward, for schedules that do not split B and W."""
+
+    @property
+    def is_backward(self) -> bool:
+        """True for the ops that consume the output gradient (B and BW)."""
+        return self is Op.B or self is Op.BW
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Action:
+    """One op of one virtual stage on one microbatch."""
+
+    op: Op
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.op.value}(s{self.stage},mb{self.mb})"
+
+
+def F(stage: int, mb: int) -> Action:
+    return Action(Op.F, stage, mb)
+
+
+def B(stage: int, mb: int) -> Action:
+    return Action(Op.B, stage, mb)
+
+
+def W(stage: int, mb: int) -> Action:
+    return Action(Op.W, stage, mb)
+
+
+def BW(stage: int, mb: int) -> Action:
+    return Action(Op.BW, stage, mb)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """An immutable pipeline schedule.
+
+    Attributes:
+        name: Human-readable name (usually the generator kind).
+        num_devices: P, the number of pipeline ranks.
+        num_stages: S, the number of virtual stages in model order.
+        num_microbatches: M.
+        placement: ``placement[s]`` is the device that holds virtual stage ``s``.
+        actions: ``actions[d]`` is device ``d``'s ordered list of actions.
+    """
+
+    name: str
+    num_devices: int
+    num_stages: int
+    num_microbatches: int
+    placement: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...]
+
+    def __post_init__(self) -> None:
+        # Normalise containers so a caller passing lists still gets an immutable value.
+        object.__setattr__(self, "placement", tuple(int(d) for d in self.placement))
+        object.__setattr__(self, "actions", tuple(tuple(acts) for acts in self.actions))
+        if self.num_devices < 1:
+            raise ValueError(f"num_devices must be >= 1, got {self.num_devices}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        if self.num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
+        if len(self.placement) != self.num_stages:
+            raise ValueError(
+                f"placement has {len(self.placement)} entries but num_stages={self.num_stages}"
+            )
+        if len(self.actions) != self.num_devices:
+            raise ValueError(
+                f"actions has {len(self.actions)} device lists but num_devices={self.num_devices}"
+            )
+        for s, d in enumerate(self.placement):
+            if not 0 <= d < self.num_devices:
+                raise ValueError(f"placement[{s}]={d} is not a device in [0, {self.num_devices})")
+
+    # ---- derived views -------------------------------------------------------------------
+
+    @cached_property
+    def stages_of_device(self) -> tuple[tuple[int, ...], ...]:
+        """``stages_of_device[d]``: the virtual stages held by ``d``, in model order."""
+        held: list[list[int]] = [[] for _ in range(self.num_devices)]
+        for s, d in enumerate(self.placement):
+            held[d].append(s)
+        return tuple(tuple(h) for h in held)
+
+    @cached_property
+    def chunk_of_stage(self) -> tuple[int, ...]:
+        """Local chunk index of each stage on its device (0 = earliest in model order)."""
+        chunk = [0] * self.num_stages
+        for stages in self.stages_of_device:
+            for i, s in enumerate(stages):
+                chunk[s] = i
+        return tuple(chunk)
+
+    def chunks(self, device: int) -> int:
+        """How many virtual stages ``device`` holds (v for uniform placements)."""
+        return len(self.stages_of_device[device])
+
+    @property
+    def uses_split_backward(self) -> bool:
+        """True if any action is a split B or W."""
+        return any(a.op in (Op.B, Op.W) for acts in self.actions for a in acts)
+
+    def __iter__(self) -> Iterator[tuple[int, int, Action]]:
+        """Yield ``(device, position, action)`` for every action."""
+        for d, acts in enumerate(self.actions):
+            for i, a in enumerate(acts):
+                yield d, i, a
+
+    def __len__(self) -> int:
+        return sum(len(acts) for acts in self.actions)
+
+    def with_actions(
+        self, actions: Sequence[Iterable[Action]], name: str | None = None
+    ) -> Schedule:
+        """A copy with other per-device action lists (used by mutation tests and passes)."""
+        return Schedule(
+            name=self.name if name is None else name,
+            num_devices=self.num_devices,
+            num_stages=self.num_stages,
+            num_microbatches=self.num_microbatches,
+            placement=self.placement,
+            actions=tuple(tuple(a) for a in actions),
+        )
+
+
+# ---- placements ----------------------------------------------------------------------------
+
+
+def looped_placement(num_devices: int, chunks: int) -> tuple[int, ...]:
+    """Interleaved (cyclic) placement: stage ``s`` lives on device ``s % P``."""
+    return tuple(s % num_devices for s in range(num_devices * chunks))
+
+
+def v_placement(num_devices: int) -> tuple[int, ...]:
+    """V placement: device ``d`` holds stages ``d`` and ``2P-1-d``."""
+    p = num_devices
+    return tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
+
+
+# ---- dependencies ---------------------------------------------------------------------------
+
+
+def backward_ops(schedule: Schedule) -> dict[tuple[int, int], Op]:
+    """Map (stage, mb) -> the backward op (B or BW) the schedule uses for it.
+
+    The first occurrence wins; duplicates and conflicts are the validator's business.
+    """
+    found: dict[tuple[int, int], Op] = {}
+    for acts in schedule.actions:
+        for a in acts:
+            if a.op.is_backward:
+                found.setdefault((a.stage, a.mb), a.op)
+    return found
+
+
+def dependencies(
+    action: Action, num_stages: int, backward_op: dict[tuple[int, int], Op]
+) -> tuple[Action, ...]:
+    """The actions that must finish before ``action`` may start.
+
+    F(s,j) needs F(s-1,j); B(s,j) and BW(s,j) need F(s,j) and the backward of
+    (s+1,j), which is whichever of B or BW the schedule uses; W(s,j) needs B(s,j).
+    """
+    s, j = action.stage, action.mb
+    match action.op:
+        case Op.F:
+            return (Action(Op.F, s - 1, j),) if s > 0 else ()
+        case Op.B | Op.BW:
+            fwd = Action(Op.F, s, j)
+            if s + 1 < num_stages:
+                nxt = backward_op.get((s + 1, j), Op.B)
+                return (fwd, Action(nxt, s + 1, j))
+            return (fwd,)
+        case Op.W:
+            return (Action(Op.B, s, j),)
+    raise AssertionError(action)  # pragma: no cover
