@@ -21,3 +21,27 @@ def emit_backward(stage: int, mb: int, split: bool) -> list[Action]:
     if split:
         return [Action(Op.B, stage, mb), Action(Op.W, stage, mb)]
     return [Action(Op.BW, stage, mb)]
+
+
+class DeviceOrder:
+    """Builds one device's action list, numbering microbatches per (op, stage) in order.
+
+    Generators that describe a device as "do the next F of stage s, then the
+    next B of stage t, ..." use this instead of tracking counters by hand.
+    """
+
+    def __init__(self) -> None:
+        self.actions: list[Action] = []
+        self._next: dict[tuple[Op, int], int] = {}
+
+    def add(self, op: Op, stage: int) -> Action:
+        """Append the next microbatch of ``op`` on ``stage``."""
+        j = self._next.get((op, stage), 0)
+        self._next[op, stage] = j + 1
+        action = Action(op, stage, j)
+        self.actions.append(action)
+        return action
+
+    def count(self, op: Op, stage: int) -> int:
+        """How many ``op`` of ``stage`` were added so far."""
+        return self._next.get((op, stage), 0)

@@ -12,7 +12,7 @@ F = B = W. Both formulas hold for M >= P (H1) and M >= 2P (H2) when W <= F, B.
 
 from __future__ import annotations
 
-from zerobubble.schedule.generators.common import check_counts
+from zerobubble.schedule.generators.common import DeviceOrder, check_counts
 from zerobubble.schedule.ir import Action, Op, Schedule, v_placement
 
 
@@ -63,50 +63,35 @@ def zbv(num_devices: int, num_microbatches: int) -> Schedule:
     actions = []
     for d in range(p):
         down, up = d, 2 * p - 1 - d  # first and second visit of the V
-        nxt = {(Op.F, down): 0, (Op.F, up): 0, (Op.B, down): 0, (Op.B, up): 0}
-        w_next = {down: 0, up: 0}
-        acts: list[Action] = []
-
-        def emit(op: Op, stage: int) -> None:
-            j = nxt[op, stage]
-            nxt[op, stage] = j + 1
-            acts.append(Action(op, stage, j))
-
-        def emit_w(stage: int) -> None:
-            acts.append(Action(Op.W, stage, w_next[stage]))
-            w_next[stage] += 1
-
+        o = DeviceOrder()
         # Warm-up 1: forwards of the down chunk until the V's turn reaches us.
         for _ in range(2 * (p - d) - 1):
-            emit(Op.F, down)
+            o.add(Op.F, down)
         # Warm-up 2: the turn has reached us; alternate up and down forwards.
         for _ in range(d):
-            emit(Op.F, up)
-            emit(Op.F, down)
+            o.add(Op.F, up)
+            o.add(Op.F, down)
         # Warm-up 3: the up chunk's own backwards start (loss side of the V).
         for _ in range(p - d):
-            emit(Op.F, up)
-            emit(Op.B, up)
-            emit_w(up)
-        # Steady state: one F, B and W of each chunk per round.
-        while nxt[Op.F, up] < nxt[Op.F, down] or nxt[Op.F, down] < n:
-            if nxt[Op.F, down] < n:
-                emit(Op.F, down)
-            emit(Op.B, down)
-            emit_w(down)
-            emit(Op.F, up)
-            emit(Op.B, up)
-            emit_w(up)
+            for op in (Op.F, Op.B, Op.W):
+                o.add(op, up)
+        # Steady state: one F (while any are left), B and W of each chunk per round.
+        while o.count(Op.F, up) < o.count(Op.F, down) or o.count(Op.F, down) < n:
+            if o.count(Op.F, down) < n:
+                o.add(Op.F, down)
+            o.add(Op.B, down)
+            o.add(Op.W, down)
+            for op in (Op.F, Op.B, Op.W):
+                o.add(op, up)
         # Cool-down: backwards first, their W fill the tail.
         for _ in range(d):
-            emit(Op.B, down)
-            emit(Op.B, up)
+            o.add(Op.B, down)
+            o.add(Op.B, up)
         for _ in range(p - d):
-            emit(Op.B, down)
-            emit_w(down)
-        while w_next[up] < nxt[Op.B, up]:
-            emit_w(up)
-        while w_next[down] < nxt[Op.B, down]:
-            emit_w(down)
-        actions.append([a for a in acts if a.mb < m])
+            o.add(Op.B, down)
+            o.add(Op.W, down)
+        for stage in (up, down):
+            while o.count(Op.W, stage) < o.count(Op.B, stage):
+                o.add(Op.W, stage)
+        actions.append([a for a in o.actions if a.mb < m])
     return Schedule("zbv", p, 2 * p, m, v_placement(p), actions)
