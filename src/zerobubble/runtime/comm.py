@@ -1,0 +1,139 @@
+"""Point-to-point messages between pipeline ranks, with timeouts and clear failures.
+
+Every wait is bounded: a peer that died, or one that never sends, turns into a
+:class:`PeerError` naming this rank, the peer and what was being done, instead
+of a hang. Pipeline device ``d`` is rank ``d`` of the process group.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+
+
+class PeerError(RuntimeError):
+    """Communication with another pipeline rank failed or timed out.
+
+    Attributes:
+        rank: This rank.
+        peer: The rank it was talking to.
+        action: What this rank was doing (an instruction, with its compute).
+    """
+
+    def __init__(self, rank: int, peer: int, action: str, cause: str) -> None:
+        super().__init__(f"rank {rank}: {action} with peer rank {peer} failed: {cause}")
+        self.rank = rank
+        self.peer = peer
+        self.action = action
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of a tensor crossing a stage boundary."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorMeta:
+        return cls(tuple(t.shape), t.dtype)
+
+    def __str__(self) -> str:
+        return f"{list(self.shape)} {str(self.dtype).removeprefix('torch.')}"
+
+
+class P2P:
+    """Non-blocking sends and receives with bounded waits, for one rank of a group."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        timeout_s: float,
+    ) -> None:
+        self.group = group
+        self.device = device
+        self.timeout_s = timeout_s
+        self.rank = dist.get_rank(group)
+
+    def isend(self, tensor: torch.Tensor, peer: int, action: str) -> dist.Work:
+        """Start sending ``tensor`` to ``peer``; the caller keeps it alive until waited."""
+        try:
+            return dist.isend(tensor, group=self.group, group_dst=peer)
+        except Exception as e:
+            raise PeerError(self.rank, peer, action, str(e)) from e
+
+    def irecv(self, buffer: torch.Tensor, peer: int, action: str) -> dist.Work:
+        """Post a receive from ``peer`` into ``buffer``."""
+        try:
+            return dist.irecv(buffer, group=self.group, group_src=peer)
+        except Exception as e:
+            raise PeerError(self.rank, peer, action, str(e)) from e
+
+    def wait(self, work: dist.Work, peer: int, action: str) -> None:
+        """Wait for ``work`` at most ``timeout_s`` seconds."""
+        start = time.monotonic()
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except Exception as e:
+            took = time.monotonic() - start
+            raise PeerError(
+                self.rank,
+                peer,
+                action,
+                f"no completion after {took:.1f}s (comm timeout {self.timeout_s:g}s; the peer "
+                f"may have died or be stuck): {e}",
+            ) from e
+
+    def send_ints(self, values: list[int], peer: int, action: str) -> None:
+        """Blocking send of a short list of integers (metadata)."""
+        head = torch.tensor([len(values)], dtype=torch.int64, device=self.device)
+        body = torch.tensor(values, dtype=torch.int64, device=self.device)
+        works = [self.isend(head, peer, action), self.isend(body, peer, action)]
+        for w in works:
+            self.wait(w, peer, action)
+
+    def recv_ints(self, peer: int, action: str) -> list[int]:
+        """Blocking receive of a list sent with :meth:`send_ints`."""
+        head = torch.empty(1, dtype=torch.int64, device=self.device)
+        self.wait(self.irecv(head, peer, action), peer, action)
+        body = torch.empty(int(head.item()), dtype=torch.int64, device=self.device)
+        self.wait(self.irecv(body, peer, action), peer, action)
+        return body.tolist()
+
+
+def encode_metas(metas: list[TensorMeta]) -> list[int]:
+    """Flatten metadata to integers: per tensor, dtype code, ndim, dims."""
+    out: list[int] = []
+    for m in metas:
+        if m.dtype not in _DTYPES:
+            raise TypeError(f"dtype {m.dtype} cannot cross a pipeline boundary")
+        out += [_DTYPES.index(m.dtype), len(m.shape), *m.shape]
+    return out
+
+
+def decode_metas(values: list[int]) -> list[TensorMeta]:
+    """Inverse of :func:`encode_metas`."""
+    metas, i = [], 0
+    while i < len(values):
+        code, ndim = values[i], values[i + 1]
+        metas.append(TensorMeta(tuple(values[i + 2 : i + 2 + ndim]), _DTYPES[code]))
+        i += 2 + ndim
+    return metas
