@@ -27,10 +27,16 @@ Number = Real
 
 
 def _div(x: Number, v: int) -> Number:
-    """Divide keeping exactness for ints and Fractions."""
-    if isinstance(x, int | Fraction):
-        q = Fraction(x, 1) / v
+    """Divide, staying exact for Fractions and for ints that divide evenly.
+
+    Anything else becomes a float: Fraction arithmetic is ~50x slower, so
+    exactness is opt-in (pass Fractions).
+    """
+    if isinstance(x, Fraction):
+        q = x / v
         return q.numerator if q.denominator == 1 else q
+    if isinstance(x, int) and x % v == 0:
+        return x // v
     return x / v
 
 
@@ -119,7 +125,7 @@ class CostModel:
         B: Number = 1,
         W: Number = 1,
         comm: Number = 0,
-        mem_w: Number = Fraction(1, 2),
+        mem_w: Number = 0.5,
     ) -> CostModel:
         """Uniform costs given as per-device totals.
 
@@ -177,7 +183,7 @@ class CostSpec:
     B: Number = 1
     W: Number = 1
     comm: Number = 0
-    mem_w: Number = Fraction(1, 2)
+    mem_w: Number = 0.5
     stage_costs: CostModel | None = None
     mem_limit: Number | None = None
 
