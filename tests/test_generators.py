@@ -5,8 +5,8 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
-from conftest import exact_costs
 
+from conftest import exact_costs
 from zerobubble.schedule.generators import GENERATORS, generate
 from zerobubble.schedule.ir import Op, looped_placement, v_placement
 from zerobubble.schedule.validate import validate
@@ -65,7 +65,7 @@ def test_interleaved_bubble(p, m, v):
     [(2, 2, 1), (1, 1, Fraction(1, 2)), (3, 2, 1), (1, 2, 1), (2, 1, 1), (1, 3, 1), (1, 1, 1)],
 )
 @pytest.mark.parametrize("p", [2, 4, 8])
-def test_unequal_cost_bubble_formulas(F, B, W, p):  # noqa: N803
+def test_unequal_cost_bubble_formulas(F, B, W, p):
     """The paper's formulas hold whenever W <= F and W <= B (and M large enough)."""
     m = 4 * p
     h1 = run("zb-h1", p, m, F=F, B=B, W=W)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
-from conftest import exact_costs
 
+from conftest import exact_costs
 from zerobubble.schedule.costs import CostModel, CostSpec, parse_costs
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.ir import Action, Op, Schedule

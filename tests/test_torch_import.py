@@ -9,9 +9,9 @@ import csv
 import io
 
 import pytest
-from conftest import exact_costs
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
+from conftest import exact_costs
 from zerobubble.interop.torch_pipelining import torch_schedule
 from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.formats import torch_csv
@@ -62,7 +62,7 @@ def test_our_zbv_is_no_worse_than_torchs_under_uneven_costs():
     from zerobubble.schedule.generators import generate
 
     ours, theirs = generate("zbv", 4, 12), torch_schedule("ZBVZeroBubble", 4, 12)
-    for F, B, W in ((1, 1, 1), (1, 2, 1), (1, 1.5, 0.5)):  # noqa: N806
+    for F, B, W in ((1, 1, 1), (1, 2, 1), (1, 1.5, 0.5)):
         a = validate(ours, costs=exact_costs(ours, F, B, W))
         b = validate(theirs, costs=exact_costs(theirs, F, B, W))
         assert a.cost <= b.cost
