@@ -11,13 +11,13 @@ the result is deterministic.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import accumulate
+from itertools import accumulate, pairwise
 
 
 def stage_costs(layer_costs: Sequence[float], boundaries: Sequence[int]) -> list[float]:
     """Cost of each stage; ``boundaries`` = [0, b1, ..., L] (stage s = layers b_s .. b_{s+1}-1)."""
     prefix = [0.0, *accumulate(layer_costs)]
-    return [prefix[b] - prefix[a] for a, b in zip(boundaries, boundaries[1:], strict=False)]
+    return [prefix[b] - prefix[a] for a, b in pairwise(boundaries)]
 
 
 def equal_boundaries(num_layers: int, num_stages: int) -> list[int]:
