@@ -3,11 +3,21 @@
 Every wait is bounded: a peer that died, or one that never sends, turns into a
 :class:`PeerError` naming this rank, the peer and what was being done, instead
 of a hang. Pipeline device ``d`` is rank ``d`` of the process group.
+
+Transports: gloo buffers each direction independently, which is the model the
+lowered programs are checked against (:func:`~zerobubble.runtime.lowering.validate_lowered`).
+NCCL runs both directions of a rank pair on one communicator whose operations
+execute in issue order, and a large send does not finish before its receive
+runs; a send queued behind a receive can then deadlock (1F1B's steady state
+does exactly that). With ``directed=True`` every direction of every pair gets
+its own two-rank subgroup, which restores the buffered model; the executor
+turns it on for every backend but gloo.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -67,23 +77,44 @@ class P2P:
         group: dist.ProcessGroup | None,
         device: torch.device,
         timeout_s: float,
+        *,
+        directed: bool = False,
+        pairs: Iterable[tuple[int, int]] = (),
     ) -> None:
+        """``pairs`` are the (src, dst) ranks that exchange messages; with ``directed``
+        every rank of the default group must pass the same ones (subgroup creation
+        is collective)."""
         self.group = group
         self.device = device
         self.timeout_s = timeout_s
         self.rank = dist.get_rank(group)
+        self._lanes: dict[tuple[int, int], tuple[dist.ProcessGroup | None, int]] = {}
+        if directed:
+            for src, dst in sorted(set(pairs)):
+                ranks = [dist.get_global_rank(group, r) if group else r for r in (src, dst)]
+                sub = dist.new_group(ranks)
+                if self.rank in (src, dst):
+                    peer = ranks[1] if self.rank == src else ranks[0]
+                    self._lanes[src, dst] = (sub, dist.get_group_rank(sub, peer))
+
+    def _lane(self, src: int, dst: int) -> tuple[dist.ProcessGroup | None, int]:
+        """Group and group rank of the peer for messages from ``src`` to ``dst``."""
+        peer = dst if src == self.rank else src
+        return self._lanes.get((src, dst), (self.group, peer))
 
     def isend(self, tensor: torch.Tensor, peer: int, action: str) -> dist.Work:
         """Start sending ``tensor`` to ``peer``; the caller keeps it alive until waited."""
+        g, p = self._lane(self.rank, peer)
         try:
-            return dist.isend(tensor, group=self.group, group_dst=peer)
+            return dist.isend(tensor, group=g, group_dst=p)
         except Exception as e:
             raise PeerError(self.rank, peer, action, str(e)) from e
 
     def irecv(self, buffer: torch.Tensor, peer: int, action: str) -> dist.Work:
         """Post a receive from ``peer`` into ``buffer``."""
+        g, p = self._lane(peer, self.rank)
         try:
-            return dist.irecv(buffer, group=self.group, group_src=peer)
+            return dist.irecv(buffer, group=g, group_src=p)
         except Exception as e:
             raise PeerError(self.rank, peer, action, str(e)) from e
 

@@ -260,22 +260,25 @@ def validate_lowered(lowered: LoweredSchedule) -> None:
     """Run the programs in a model of the transport; raise ``ScheduleError`` if they
     cannot complete.
 
-    Model: a :class:`Send` never blocks (buffered); a :class:`PostRecv` never
-    blocks; the k-th receive a device posts from a peer matches the k-th message
-    that peer sends to it; :class:`WaitRecv` blocks until its match was sent;
-    :class:`WaitSends` blocks until every message the device sent has a posted
-    receive. A compute must find its inputs (a completed receive, or the local
-    producer having run). Reports ``COMM_ORDER`` for a mismatched match,
-    ``MISSING`` for an input nobody delivered, ``DEADLOCK`` naming every stuck
-    instruction when no device can advance.
+    Model (gloo's, and NCCL's with one communicator per direction, see
+    :mod:`zerobubble.runtime.comm`): issuing a :class:`Send` or :class:`PostRecv`
+    never blocks; the k-th receive a device posts from a peer matches the k-th
+    message that peer sends to it; :class:`WaitRecv` blocks until its message
+    was sent; :class:`WaitSends` blocks until every message the device sent has
+    a posted receive.
+
+    A compute must find its inputs (a completed receive, or the local producer
+    having run). Reports ``COMM_ORDER`` for a mismatched match, ``MISSING`` for
+    an input nobody delivered, ``DEADLOCK`` naming every stuck instruction when
+    no device can advance.
     """
     sched = lowered.schedule
     P, S = sched.num_devices, sched.num_stages
     progs = lowered.programs
     pc = [0] * P
-    sent: dict[tuple[int, int], list[Message]] = defaultdict(list)
-    posted: dict[tuple[int, int], list[Message]] = defaultdict(list)
-    received: list[set[Message]] = [set() for _ in range(P)]
+    sent: dict[tuple[int, int], list[Message]] = defaultdict(list)  # (src, dst) -> issued
+    posted: dict[tuple[int, int], list[Message]] = defaultdict(list)  # (src, dst) -> posted
+    arrived: list[set[Message]] = [set() for _ in range(P)]  # completed receives
     done: list[set[Action]] = [set() for _ in range(P)]
 
     def fail(reason: Reason, d: int, msg: str) -> ScheduleError:
@@ -286,40 +289,44 @@ def validate_lowered(lowered: LoweredSchedule) -> None:
     def has_local(d: int, a: Action) -> bool:
         return a in done[d] or (a.op is Op.B and Action(Op.BW, a.stage, a.mb) in done[d])
 
+    def match(src: int, dst: int, k: int, d: int) -> Message | None:
+        """The k-th message src sent to dst, if sent yet; it must be the k-th posted one."""
+        if len(sent[src, dst]) <= k or len(posted[src, dst]) <= k:
+            return None
+        if sent[src, dst][k] != posted[src, dst][k]:
+            raise fail(
+                Reason.COMM_ORDER,
+                d,
+                f"receive #{k} of device {dst} from device {src} is {posted[src, dst][k]} but "
+                f"device {src} sent {sent[src, dst][k]}",
+            )
+        return sent[src, dst][k]
+
     def step(d: int) -> bool:
         """Execute device d's next instruction if it can run; report whether it did."""
         ins = progs[d][pc[d]]
         if isinstance(ins, PostRecv):
             posted[ins.peer, d].append(ins.msg)
         elif isinstance(ins, WaitRecv):
-            mine = posted[ins.peer, d]
-            if ins.msg not in mine:
+            if ins.msg not in posted[ins.peer, d]:
                 raise fail(Reason.MISSING, d, "waits for a receive that was never posted")
-            k = mine.index(ins.msg)
-            theirs = sent[ins.peer, d]
-            if len(theirs) <= k:
+            if match(ins.peer, d, posted[ins.peer, d].index(ins.msg), d) is None:
                 return False
-            if theirs[k] != ins.msg:
-                raise fail(
-                    Reason.COMM_ORDER,
-                    d,
-                    f"receive #{k} from device {ins.peer} matches {theirs[k]} instead",
-                )
-            received[d].add(ins.msg)
+            arrived[d].add(ins.msg)
         elif isinstance(ins, Send):
             if not has_local(d, producer(ins.msg)):
                 raise fail(Reason.MISSING, d, f"sent before {producer(ins.msg)} produced it")
             sent[d, ins.peer].append(ins.msg)
         elif isinstance(ins, WaitSends):
-            for (src, dst), msgs in sent.items():
-                if src == d and len(posted[src, dst]) < len(msgs):
+            for dst in range(P):
+                if len(posted[d, dst]) < len(sent[d, dst]):
                     return False
         else:
             a = ins.action
             need = input_message(a, S)
             if need is not None:
                 local = sched.placement[need.src_stage] == d
-                if not (has_local(d, producer(need)) if local else need in received[d]):
+                if not (has_local(d, producer(need)) if local else need in arrived[d]):
                     how = "its producer has not run here" if local else "no WaitRecv precedes it"
                     raise fail(Reason.MISSING, d, f"input {need} is not available ({how})")
             if a.op in (Op.B, Op.BW) and Action(Op.F, a.stage, a.mb) not in done[d]:

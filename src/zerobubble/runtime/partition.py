@@ -15,8 +15,8 @@ from torch import nn
 
 from zerobubble.schedule.ir import Schedule
 
-LayerSource = Sequence[nn.Module] | nn.Sequential | Callable[[int], nn.Module]
-"""An ordered list of layers (or ``nn.Sequential``), or a factory ``i -> layer i``."""
+LayerSource = Sequence[nn.Module] | nn.Sequential | nn.ModuleList | Callable[[int], nn.Module]
+"""Ordered layers (a list, ``nn.Sequential``, ``nn.ModuleList``) or a factory ``i -> layer i``."""
 
 
 def stage_bounds(
@@ -30,9 +30,9 @@ def stage_bounds(
     stage: the first and last stages also carry the embedding and the loss, so
     they are the last to grow.
 
-    ``boundaries`` are the ``num_stages - 1`` cut points: stage ``s`` gets the
-    layers ``[boundaries[s-1], boundaries[s])`` (with 0 and ``num_layers`` at
-    the ends), so they must increase strictly inside ``(0, num_layers)``.
+    ``boundaries`` (e.g. from :func:`zerobubble.profile.balance.balanced_boundaries`)
+    are ``[0, b_1, ..., b_{S-1}, num_layers]``: stage ``s`` gets the layers
+    ``[b_s, b_{s+1})``, so they must increase strictly from 0 to ``num_layers``.
     """
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
@@ -48,29 +48,27 @@ def stage_bounds(
         sizes = [base] * num_stages
         for s in order[:extra]:
             sizes[s] += 1
-        cuts, at = [], 0
-        for n in sizes[:-1]:
-            at += n
-            cuts.append(at)
+        edges = [0]
+        for n in sizes:
+            edges.append(edges[-1] + n)
     else:
-        cuts = list(boundaries)
-        if len(cuts) != num_stages - 1:
+        edges = list(boundaries)
+        if len(edges) != num_stages + 1:
             raise ValueError(
-                f"boundaries has {len(cuts)} cut points but {num_stages} stages need "
-                f"{num_stages - 1} (stage s gets layers [cut[s-1], cut[s]))"
+                f"boundaries has {len(edges)} entries but {num_stages} stages need "
+                f"{num_stages + 1}: [0, b_1, ..., {num_layers}] (stage s gets layers "
+                "[b_s, b_{s+1}))"
             )
-        for k, c in enumerate(cuts):
-            if not isinstance(c, int) or not 0 < c < num_layers:
+        if edges[0] != 0 or edges[-1] != num_layers:
+            raise ValueError(
+                f"boundaries must start at 0 and end at the layer count {num_layers}, got {edges}"
+            )
+        for s in range(num_stages):
+            if not isinstance(edges[s + 1], int) or edges[s + 1] <= edges[s]:
                 raise ValueError(
-                    f"boundary #{k} = {c!r} must be an integer in [1, {num_layers - 1}] "
-                    f"(the model has {num_layers} layers)"
+                    f"boundaries must increase strictly: {edges} leaves stage {s} without "
+                    f"layers (b_{s} = {edges[s]}, b_{s + 1} = {edges[s + 1]})"
                 )
-            if k and c <= cuts[k - 1]:
-                raise ValueError(
-                    f"boundaries must increase strictly: boundary #{k} = {c} follows "
-                    f"{cuts[k - 1]}, which would leave stage {k} without layers"
-                )
-    edges = [0, *cuts, num_layers]
     return tuple(range(edges[s], edges[s + 1]) for s in range(num_stages))
 
 
@@ -98,7 +96,7 @@ def build_stage_modules(
     """
     if not 0 <= rank < schedule.num_devices:
         raise ValueError(f"rank {rank} is not a device of a {schedule.num_devices}-device schedule")
-    is_list = isinstance(source, nn.Sequential | Sequence)
+    is_list = isinstance(source, nn.Sequential | nn.ModuleList | Sequence)
     if is_list:
         layers = list(source)
         if num_layers is not None and num_layers != len(layers):
