@@ -125,13 +125,11 @@ class P2P:
             work.wait(timeout=timedelta(seconds=self.timeout_s))
         except Exception as e:
             took = time.monotonic() - start
-            raise PeerError(
-                self.rank,
-                peer,
-                action,
-                f"no completion after {took:.1f}s (comm timeout {self.timeout_s:g}s; the peer "
-                f"may have died or be stuck): {e}",
-            ) from e
+            if took >= 0.99 * self.timeout_s:
+                why = f"no completion within the comm timeout of {self.timeout_s:g}s (peer stuck?)"
+            else:
+                why = f"the transport failed after {took:.1f}s (peer died?)"
+            raise PeerError(self.rank, peer, action, f"{why}: {e}") from e
 
     def send_ints(self, values: list[int], peer: int, action: str) -> None:
         """Blocking send of a short list of integers (metadata)."""

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerobubble.runtime.bw_split import WeightGradStore
 from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.comm import P2P, TensorMeta
 from zerobubble.runtime.lowering import (
@@ -77,8 +76,8 @@ class PipelineExecutor:
         schedule: The compute schedule; validated here, so an invalid one is refused
             with the validator's message before any compute.
         stages: This rank's virtual stages, ``stage -> nn.Module`` (wrapped in a
-            :class:`StageChunk` with its own weight-gradient store) or ready
-            :class:`StageChunk` objects. Must be exactly the stages the schedule
+            :class:`StageChunk`, B/W-split where the schedule splits that stage's
+            backward) or ready :class:`StageChunk` objects. Must be exactly the stages the schedule
             places on this rank.
         loss_fn: ``loss_fn(output, target)`` of the last stage (used when wrapping modules).
         group: Process group whose rank ``d`` runs device ``d`` (default: the world).
@@ -150,14 +149,7 @@ class PipelineExecutor:
         if s == S - 1 and loss_fn is None:
             raise ValueError(f"rank {self.rank} holds the last stage {s}: pass loss_fn")
         split = any(a.op is Op.B and a.stage == s for a in self.schedule.actions[self.rank])
-        return StageChunk(
-            m,
-            s,
-            S,
-            loss_fn=loss_fn if s == S - 1 else None,
-            store=WeightGradStore(),
-            split=split,
-        )
+        return StageChunk(m, s, S, loss_fn=loss_fn if s == S - 1 else None, split=split)
 
     def held_bytes(self) -> int:
         """Activation bytes held by this rank's stages."""

@@ -29,10 +29,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import connection, get_context
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,9 @@ def init_distributed(timeout_s: float = 60.0) -> DistInfo:
     Picks the device-agnostic pair: the current accelerator (indexed by
     ``LOCAL_RANK``) with its default backend (NCCL on CUDA), else CPU with gloo.
     """
+    import torch  # here, not at module level: launcher processes do not need torch
+    import torch.distributed as dist
+
     missing = [
         k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
     ]
@@ -142,7 +145,8 @@ def _worker(
     parent: int,
 ) -> None:
     os.environ.update(rank_env(rank, nprocs, port))
-    torch.set_num_threads(1)
+    if "torch" in sys.modules:  # imported while unpickling fn, before OMP_NUM_THREADS was set
+        sys.modules["torch"].set_num_threads(1)
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     code = 0
     try:

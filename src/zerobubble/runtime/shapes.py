@@ -91,8 +91,6 @@ def negotiate(
                     f"received metadata for {len(incoming[s])} microbatches, expected {M}; "
                     "every rank must run the same schedule",
                 )
-        if s == S - 1:
-            continue
         cache: dict[TensorMeta, TensorMeta] = {}
         outs = []
         for j, meta in enumerate(incoming[s]):
@@ -109,7 +107,7 @@ def negotiate(
                         f"(microbatch {j}): {type(e).__name__}: {e}",
                     ) from e
             out = cache[meta]
-            if not out.dtype.is_floating_point:
+            if s < S - 1 and not out.dtype.is_floating_point:
                 raise ShapeMismatchError(
                     s,
                     s + 1,
@@ -118,13 +116,13 @@ def negotiate(
                 )
             outs.append(out)
         outgoing[s] = outs
-        if place[s + 1] != rank:
+        if s < S - 1 and place[s + 1] != rank:
             what = f"shape handshake: send stage {s}'s output metadata to stage {s + 1}"
             p2p.send_ints(encode_metas(outs), place[s + 1], what)
 
     metas: dict[Message, TensorMeta] = {}
     for s, per_mb in outgoing.items():
-        if place[s + 1] != rank:
+        if s < S - 1 and place[s + 1] != rank:
             for j in range(M):
                 metas[Message(MsgKind.ACT, s, s + 1, j)] = per_mb[j]
                 metas[Message(MsgKind.GRAD, s + 1, s, j)] = per_mb[j]

@@ -1,0 +1,337 @@
+"""The executor on real processes (gloo): bitwise equality with the single-process
+reference for every registered schedule kind, optimizers, trace, and failures.
+
+Each launch runs many cases inside the spawned ranks (process start-up dominates).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerobubble.interop.torch_pipelining import torch_schedule
+from zerobubble.models import GPTConfig, build_gpt, build_mlp, gpt_loss, mlp_loss
+from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.runtime.launcher import LaunchError, init_distributed, launch
+from zerobubble.runtime.partition import build_stage_modules, stage_bounds
+from zerobubble.runtime.reference import reference_step
+from zerobubble.runtime.trace import TRACKS, chrome_trace, gather_traces, read_jsonl, write_jsonl
+from zerobubble.schedule.errors import Reason, ScheduleError
+from zerobubble.schedule.generators import GENERATORS, generate
+from zerobubble.schedule.ir import Schedule
+from zerobubble.schedule.validate import validate
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT = 240.0  # a whole launch, generous for a loaded 2-core machine
+
+
+# ---- helpers run inside the ranks ---------------------------------------------------------
+
+
+def schedules(p: int) -> list[Schedule]:
+    """Every registered kind at M in {1, P-1, P, 2P+1}, where the kind allows that M."""
+    out = []
+    for kind, gen in GENERATORS.items():
+        opts = {"chunks": 2} if "chunks" in gen.options else {}
+        for m in sorted({1, max(p - 1, 1), p, 2 * p + 1}):
+            try:
+                out.append(generate(kind, p, m, **opts))
+            except ValueError:  # the kind does not support this M
+                continue
+    return out
+
+
+def make_model(kind: str, num_stages: int, m: int, seed: int = 0):
+    """Layers (two more than stages, so the remainder rule is exercised), loss, batch."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    n = 2 * m + 1  # uneven: tensor_split makes the last microbatch smaller
+    if kind == "mlp":
+        layers = list(build_mlp([5] * (num_stages + 3), seed=seed))
+        return layers, mlp_loss, torch.randn(n, 5, generator=gen), torch.randn(n, 5, generator=gen)
+    cfg = GPTConfig(vocab_size=17, max_seq_len=6, d_model=8, n_heads=2, n_layers=num_stages)
+    layers = list(build_gpt(cfg))
+    x = torch.randint(0, 17, (n, 6), generator=gen)
+    return layers, gpt_loss, x, torch.randint(0, 17, (n, 6), generator=gen)
+
+
+def param_names(pipe: PipelineExecutor, layers: list[nn.Module]) -> dict[str, nn.Parameter]:
+    """This rank's parameters under the reference's names ("<layer index>.<name>")."""
+    bounds = stage_bounds(len(layers), pipe.schedule.num_stages)
+    out = {}
+    for s, chunk in pipe.chunks.items():
+        for name, p in chunk.module.named_parameters():
+            local, rest = name.split(".", 1)
+            out[f"{bounds[s].start + int(local)}.{rest}"] = p
+    return out
+
+
+def check_step(sched: Schedule, model: str, rank: int, **opts) -> dict:
+    """One pipeline step against reference_step; returns what differed."""
+    m = sched.num_microbatches
+    layers, loss_fn, x, y = make_model(model, sched.num_stages, m)
+    stages = build_stage_modules(layers, sched, rank)
+    pipe = PipelineExecutor(sched, stages, loss_fn=loss_fn, options=ExecutorOptions(**opts))
+    losses: list[torch.Tensor] = []
+    returned = pipe.step(x, target=y, losses=losses)
+    ref_losses, ref_grads = reference_step(layers, loss_fn, x, y, m)
+    name = f"{sched.name} P={sched.num_devices} M={m} {model}"
+    bad = []
+    if pipe.has_last:
+        same = len(losses) == m and all(map(torch.equal, losses, ref_losses))
+        if not same or returned != losses:
+            bad.append(f"{name}: losses {losses} != reference {ref_losses}")
+    elif returned is not None or losses:
+        bad.append(f"{name}: rank {rank} without the last stage returned losses")
+    mine = param_names(pipe, layers)
+    for key, p in mine.items():
+        if p.grad is None or not torch.equal(p.grad, ref_grads[key]):
+            bad.append(f"{name}: gradient of {key} differs")
+    return {"case": name, "checked": sorted(mine), "expected": sorted(ref_grads), "bad": bad}
+
+
+def optimizer_run(rank: int, kind: str, opt_name: str) -> list[str]:
+    """Five steps with an optimizer on both sides; returns parameters that differ."""
+    sched = generate(kind, 2, 4)
+    layers, loss_fn, _, _ = make_model("gpt", sched.num_stages, 4)
+    pipe = PipelineExecutor(sched, build_stage_modules(layers, sched, rank), loss_fn=loss_fn)
+    mine = param_names(pipe, layers)
+    ref = dict(nn.Sequential(*layers).named_parameters())
+
+    def make(params):
+        if opt_name == "sgd":
+            return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+    opt, ref_opt = make(list(mine.values())), make(list(ref.values()))
+    for step in range(5):
+        _, _, x, y = make_model("gpt", sched.num_stages, 4, seed=step)
+        opt.zero_grad()
+        pipe.step(x, target=y)
+        opt.step()
+        pipe.param_version += 1
+        reference_step(layers, loss_fn, x, y, 4)
+        ref_opt.step()
+    return [f"{kind}/{opt_name}: {k}" for k, p in mine.items() if not torch.equal(p, ref[k])]
+
+
+def trace_run(rank: int) -> dict:
+    sched = generate("zb-h1", 2, 3)
+    layers, loss_fn, x, y = make_model("mlp", sched.num_stages, 3)
+    pipe = PipelineExecutor(sched, build_stage_modules(layers, sched, rank), loss_fn=loss_fn)
+    for version in (7, 8):
+        pipe.param_version = version
+        pipe.step(x, target=y)
+    events = gather_traces(pipe.trace)
+    return {"events": events, "schedule": sched}
+
+
+def main_job(p: int) -> dict:
+    info = init_distributed(timeout_s=60)
+    out: dict = {"cases": []}
+    for sched in schedules(p):
+        for model in ("mlp", "gpt"):
+            out["cases"].append(check_step(sched, model, info.rank))
+    if p == 2:
+        imported = torch_schedule("ZBVZeroBubble", 2, 4)
+        out["torch"] = check_step(imported, "gpt", info.rank)
+        out["directed"] = check_step(generate("zbv", 2, 3), "gpt", info.rank, directed_groups=True)
+        out["optim"] = [
+            bad
+            for kind in ("zb-h1", "zbv")
+            for opt in ("sgd", "adamw")
+            for bad in optimizer_run(info.rank, kind, opt)
+        ]
+        out["trace"] = trace_run(info.rank)
+    dist.destroy_process_group()
+    return out
+
+
+# ---- the launches, one per P ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def p1():
+    return launch(main_job, 1, 1, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def p2():
+    return launch(main_job, 2, 2, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def p4():
+    return launch(main_job, 4, 4, timeout=TIMEOUT)
+
+
+def assert_bitwise(per_rank: list[dict]) -> None:
+    """No rank saw a difference, and together the ranks checked every parameter."""
+    for case in zip(*per_rank, strict=True):
+        bad = [b for c in case for b in c["bad"]]
+        assert not bad, "\n".join(bad)
+        checked = sorted(k for c in case for k in c["checked"])
+        assert checked == case[0]["expected"], case[0]["case"]
+
+
+@pytest.mark.parametrize("fixture", ["p1", "p2", "p4"])
+def test_every_kind_matches_the_reference_bitwise(fixture, request):
+    results = request.getfixturevalue(fixture)
+    p = len(results)
+    assert_bitwise([r["cases"] for r in results])
+    kinds = {c["case"].split()[0] for c in results[0]["cases"]}
+    assert kinds == set(GENERATORS)  # every registered kind ran
+    counts = {c["case"].split()[2] for c in results[0]["cases"]}
+    assert f"M={2 * p + 1}" in counts and "M=1" in counts
+
+
+def test_imported_torch_schedule_and_directed_groups_match(p2):
+    assert_bitwise([[r["torch"]] for r in p2])
+    assert p2[0]["torch"]["case"].startswith("torch:ZBVZeroBubble")
+    assert_bitwise([[r["directed"]] for r in p2])
+
+
+def test_sgd_and_adamw_steps_match_the_reference(p2):
+    assert [r["optim"] for r in p2] == [[], []]
+
+
+def test_trace_records_every_action_and_message(p2, tmp_path):
+    events = p2[0]["trace"]["events"]
+    assert p2[1]["trace"]["events"] is None  # gathered on rank 0 only
+    sched: Schedule = p2[0]["trace"]["schedule"]
+    for it, version in ((0, 7), (1, 8)):
+        step = [e for e in events if e.iteration == it]
+        assert {e.param_version for e in step} == {version}
+        for d in range(2):
+            mine = sorted((e for e in step if e.rank == d), key=lambda e: e.start_ns)
+            computes = [(e.op, e.stage, e.mb) for e in mine if e.track == "compute"]
+            assert computes == [(a.op.value, a.stage, a.mb) for a in sched.actions[d]]
+            assert mine[0].mem_before == 0 and mine[-1].mem_after == 0  # nothing leaks
+            fwd = [e for e in mine if e.op == "F"]
+            assert all(e.mem_after > e.mem_before for e in fwd)
+        sends = sorted(e.msg for e in step if e.op == "send")
+        posts = sorted(e.msg for e in step if e.op == "post_recv")
+        waits = sorted(e.msg for e in step if e.op == "wait_recv")
+        expected = sorted(
+            [("act", 0, 1, j) for j in range(3)] + [("grad", 1, 0, j) for j in range(3)]
+        )
+        assert sends == posts == waits == expected
+        for e in step:
+            if e.op == "send":
+                assert e.peer == 1 - e.rank and e.stage == e.msg[1]
+            if e.op in ("post_recv", "wait_recv"):
+                assert e.peer == 1 - e.rank and e.stage == e.msg[2]
+    path = tmp_path / "trace.jsonl"
+    write_jsonl(events, path)
+    assert read_jsonl(path) == events
+    chrome = json.loads(json.dumps(chrome_trace(events)))
+    threads = {
+        (e["pid"], e["tid"], e["args"]["name"])
+        for e in chrome["traceEvents"]
+        if e["name"] == "thread_name"
+    }
+    assert threads == {(r, t, name) for r in (0, 1) for t, name in enumerate(TRACKS)}
+    spans = [e for e in chrome["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == len(events)
+    assert {e["pid"] for e in spans} == {0, 1}
+
+
+# ---- refusals and failures -------------------------------------------------------------------
+
+
+def test_invalid_schedule_is_refused_before_any_compute():
+    sched = generate("1f1b", 1, 2)
+    broken = sched.with_actions([sched.actions[0][::-1]])  # backwards before forwards
+    with pytest.raises(ScheduleError) as expected:
+        validate(broken)
+    calls = []
+    layer = nn.Linear(2, 2)
+    layer.register_forward_hook(lambda *_: calls.append(1))
+    with pytest.raises(ScheduleError) as err:
+        PipelineExecutor(broken, {0: nn.Sequential(layer)}, loss_fn=mlp_loss)
+    assert err.value.reason is Reason.LOCAL_ORDER
+    assert str(err.value) == str(expected.value)
+    assert calls == []
+
+
+def mismatch_job() -> None:
+    info = init_distributed(timeout_s=30)
+    sched = generate("1f1b", 2, 2)
+    layers = [nn.Sequential(nn.Linear(4, 6), nn.Tanh()), nn.Linear(5, 3)]  # 6 != 5
+    pipe = PipelineExecutor(
+        sched,
+        build_stage_modules(layers, sched, info.rank),
+        loss_fn=mlp_loss,
+        options=ExecutorOptions(comm_timeout_s=10),
+    )
+    pipe.step(torch.randn(4, 4), target=torch.randn(4, 3))
+
+
+def test_shape_mismatch_names_both_stages():
+    with pytest.raises(LaunchError) as err:
+        launch(mismatch_job, 2, timeout=TIMEOUT, grace=20)
+    by_rank = {f.rank: f.error for f in err.value.failures}
+    want = "stage 0 -> stage 1: stage 1 (rank 1) cannot consume stage 0's output of [2, 6] float32"
+    assert f"ShapeMismatchError: {want}" in by_rank[1]
+    assert "PeerError: rank 0:" in by_rank[0] and "peer rank 1" in by_rank[0]
+
+
+class Bomb(nn.Module):
+    """Identity that kills its process on the second microbatch it forwards with autograd."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():  # not the no-grad shape handshake
+            self.calls += 1
+            if self.calls == 2:
+                if self.mode == "die":
+                    os._exit(13)
+                time.sleep(120)
+        return x
+
+
+def failure_job(mode: str, timeout_s: float) -> None:
+    info = init_distributed(timeout_s=60)
+    p = dist.get_world_size()
+    sched = generate("zb-h1", p, 4)
+    layers = list(build_mlp([3] * (p + 1), seed=0))
+    layers.insert(2, Bomb(mode))  # on stage 1
+    pipe = PipelineExecutor(
+        sched,
+        build_stage_modules(layers, sched, info.rank, boundaries=[0, 1, 3, *range(4, p + 2)]),
+        loss_fn=mlp_loss,
+        options=ExecutorOptions(comm_timeout_s=timeout_s),
+    )
+    pipe.step(torch.randn(8, 3), target=torch.randn(8, 3))
+
+
+def test_dead_peer_makes_every_rank_fail_naming_peer_and_action():
+    with pytest.raises(LaunchError) as err:
+        launch(failure_job, 3, "die", 20.0, timeout=TIMEOUT, grace=30)
+    by_rank = {f.rank: f for f in err.value.failures}
+    assert by_rank[1].exitcode == 13
+    for r in (0, 2):  # each failed on its own (not killed), naming rank 1 and what it did
+        text = by_rank[r].error
+        assert by_rank[r].exitcode == 1, text
+        assert f"PeerError: rank {r}:" in text and "with peer rank 1 failed" in text
+        assert any(w in text for w in ("wait_recv", "send", "post_recv")), text
+
+
+def test_stuck_peer_times_out_with_the_waiting_action():
+    with pytest.raises(LaunchError) as err:
+        launch(failure_job, 2, "hang", 2.0, timeout=TIMEOUT, grace=1)
+    first = err.value.failures[0]
+    assert first.rank == 0 and first.exitcode == 1
+    assert "PeerError: rank 0: wait_recv grad(s1->s0," in first.error
+    assert "with peer rank 1 failed: no completion within the comm timeout of 2s" in first.error
+    assert err.value.failures[1].exitcode is None  # the stuck rank was stopped, not left behind

@@ -1,0 +1,114 @@
+"""The local launcher: torchrun-style environment, first failure wins, nothing left running."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from zerobubble.runtime.launcher import LaunchError, init_distributed, launch
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def report_env() -> dict:
+    import torch
+
+    keys = (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "OMP_NUM_THREADS",
+    )
+    return {**{k: os.environ[k] for k in keys}, "threads": torch.get_num_threads()}
+
+
+def fail_on_rank_one(piddir: str) -> None:
+    rank = int(os.environ["RANK"])
+    Path(piddir, str(rank)).write_text(str(os.getpid()))
+    if rank == 1:
+        time.sleep(0.2)
+        raise ValueError("boom from rank 1")
+    if rank == 2:
+        os._exit(7)
+    time.sleep(60)
+
+
+def sleep_forever(piddir: str) -> None:
+    Path(piddir, os.environ["RANK"]).write_text(str(os.getpid()))
+    time.sleep(60)
+
+
+def assert_all_dead(piddir: Path, n: int) -> None:
+    pids = [int(p.read_text()) for p in sorted(piddir.iterdir())]
+    assert len(pids) == n
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_launch_sets_the_torchrun_environment():
+    results = launch(report_env, 2, timeout=60)
+    for rank, env in enumerate(results):
+        assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+        assert env["OMP_NUM_THREADS"] == "1" and env["threads"] == 1
+
+
+def test_first_failure_is_reported_and_the_others_are_stopped(tmp_path):
+    with pytest.raises(LaunchError) as err:
+        launch(fail_on_rank_one, 3, str(tmp_path), timeout=60, grace=1.0)
+    failures = err.value.failures
+    by_rank = {f.rank: f for f in failures}
+    assert sorted(by_rank) == [0, 1, 2]
+    assert "ValueError: boom from rank 1" in by_rank[1].error and by_rank[1].exitcode == 1
+    assert by_rank[2].exitcode == 7 and "exited with code 7" in by_rank[2].error
+    assert by_rank[0].exitcode is None and "killed 1s after rank" in by_rank[0].error
+    assert failures[-1].rank == 0  # the killed rank is reported last
+    assert str(err.value).startswith(f"rank {failures[0].rank} failed first")
+    assert_all_dead(tmp_path, 3)
+
+
+def test_overall_timeout_kills_everything(tmp_path):
+    with pytest.raises(LaunchError) as err:
+        launch(sleep_forever, 2, str(tmp_path), timeout=4.0)
+    assert [f.rank for f in err.value.failures] == [0, 1]
+    assert all("overall timeout of 4s" in f.error for f in err.value.failures)
+    assert_all_dead(tmp_path, 2)
+
+
+def test_init_distributed_explains_a_missing_launcher(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(RuntimeError, match=r"RANK.*python -m zerobubble.launch -n P"):
+        init_distributed()
+
+
+SCRIPT = """
+import os, sys
+rank = int(os.environ["RANK"])
+with open(os.path.join(sys.argv[1], f"rank{rank}"), "w") as f:
+    f.write(" ".join([os.environ["WORLD_SIZE"], os.environ["MASTER_PORT"], *sys.argv[2:]]))
+sys.exit(int(sys.argv[2]) if rank == 1 else 0)
+"""
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_module_entry_point_runs_a_script(tmp_path, code):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, "-m", "zerobubble.launch", "-n", "2", "--grace", "1"]
+    proc = subprocess.run([*cmd, str(script), str(tmp_path), str(code)], env=env, timeout=60)
+    assert proc.returncode == code
+    seen = [(tmp_path / f"rank{r}").read_text().split() for r in range(2)]
+    assert seen[0][0] == seen[1][0] == "2" and seen[0][1] == seen[1][1]  # same world and port
+    assert seen[0][2:] == [str(code)]
