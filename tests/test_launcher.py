@@ -112,3 +112,16 @@ def test_module_entry_point_runs_a_script(tmp_path, code):
     seen = [(tmp_path / f"rank{r}").read_text().split() for r in range(2)]
     assert seen[0][0] == seen[1][0] == "2" and seen[0][1] == seen[1][1]  # same world and port
     assert seen[0][2:] == [str(code)]
+
+
+def test_example_trains_with_the_same_losses_on_any_number_of_ranks():
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    example = str(ROOT / "examples" / "train_gpt_zb.py")
+    outputs = []
+    for n in ("1", "2"):
+        cmd = [sys.executable, "-m", "zerobubble.launch", "-n", n, example, "--steps", "2"]
+        proc = subprocess.run(cmd, env=env, timeout=120, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        outputs.append([line.split(" (")[0] for line in proc.stdout.splitlines()])
+    assert outputs[0] == outputs[1]  # the pipeline computes exactly the single-rank math
+    assert [line.split(":")[0] for line in outputs[0]] == ["step 0", "step 1"]
