@@ -18,7 +18,12 @@ Times are thread CPU time (``time.thread_time``: with one thread all the work
 runs on the calling thread, and the figure is not inflated when other
 processes share the cores), medians over ``--repeats`` runs after two warm-up
 runs, the three methods interleaved; forward is not timed.
-``time_ratio = (t_B + t_W) / t_fused`` (goal <= 1.05). PyTorch pipelining is
+``time_ratio = (t_B + t_W) / t_fused`` (goal <= 1.05). Before measuring, glibc
+is told (``mallopt``) to keep freed memory instead of returning it to the OS:
+otherwise whichever op first touches fresh pages pays a few microseconds per
+4 KiB page fault, which lands on one method or another depending on the heap's
+history (10-15 ms per op here), not on the method. PyTorch's own caching
+allocators behave the same way on GPUs. PyTorch pipelining is
 compared on the block only: on a first stage (integer input) its
 ``stage_backward_input`` finds no input to differentiate and computes nothing,
 so there is no split to measure.
@@ -52,6 +57,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
 import copy
+import ctypes
 import json
 import statistics
 import time
@@ -67,6 +73,18 @@ from torch.distributed.pipelining._backward import (
 
 from zerobubble.models import GPTConfig, build_gpt, gpt_loss
 from zerobubble.runtime.chunk import StageChunk, storage_bytes
+
+
+def _keep_freed_memory() -> bool:
+    """No heap trimming and no mmap below 32 MiB (glibc); False where unavailable."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(
+        libc.mallopt(m_trim_threshold, 2**31 - 1)
+    )
 
 
 class SavedTracker:
@@ -234,15 +252,18 @@ def workloads(quick: bool) -> list[Workload]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=9, help="timed runs per measurement")
+    parser.add_argument("--repeats", type=int, default=15, help="timed runs per measurement")
     parser.add_argument("--quick", action="store_true", help="small shapes, for smoke tests")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    kept = _keep_freed_memory()
     results = [bench(w, args.repeats) for w in workloads(args.quick)]
     out = {
         "bench": "bw_split",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "timer": "thread CPU time",
+        "allocator_keeps_freed_memory": kept,
         "repeats": args.repeats,
         "goals": {"time_ratio": 1.05, "memory_ratio": 0.6},
         "results": results,

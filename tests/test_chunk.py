@@ -132,6 +132,7 @@ CASES = {
     "gpipe-split": (lambda: gpipe(2, 4, split_backward=True), "mlp", [0, 2]),
     "scrambled-gpt": (None, "gpt", [0, 1, 3, 5]),
     "scrambled-mlp": (None, "mlp", [0, 1, 3]),
+    "tied-one-stage": (None, "gpt-tied", [0]),
 }
 
 
@@ -139,8 +140,9 @@ CASES = {
 def test_chained_chunks_match_reference_bitwise(case: str) -> None:
     make_schedule, kind, cuts = CASES[case]
     m = 4
-    if kind == "gpt":
-        model, loss_fn, (x, y) = build_gpt(GPT), gpt_loss, gpt_data(6)  # uneven microbatches
+    if kind.startswith("gpt"):
+        cfg = GPTConfig(**{**GPT.__dict__, "tie_embeddings": kind == "gpt-tied"})
+        model, loss_fn, (x, y) = build_gpt(cfg), gpt_loss, gpt_data(6)  # uneven microbatches
     else:
         model, loss_fn, (x, y) = build_mlp([6, 8, 8, 8, 3], seed=2), mlp_loss, mlp_data(7)
     ref = copy.deepcopy(model)

@@ -270,22 +270,10 @@ def _linear_weight_grad(g2d: Tensor, x2d: Tensor, weight: Tensor) -> Tensor:
     return x2d.t().mm(g2d).t()
 
 
-def _linear_param_grads(
-    x: Tensor, gy: Tensor, weight: Tensor, has_bias: bool, need_w: bool, need_b: bool
-) -> tuple[Tensor | None, Tensor | None]:
-    """(dW, db) from the layer input and output gradient; ``weight`` only supplies the layout."""
-    g2d = _grad_2d(gy)
-    gw = gb = None
-    if need_w:
-        gw = _linear_weight_grad(g2d, _linear_operand(x, weight.size(1), has_bias), weight)
-    if need_b:
-        # addmm's self-gradient is the 2-D grad; the add path gets the N-D one.
-        # Either way the engine reduces it to the bias shape with sum_to.
-        src = g2d if _bias_via_addmm(x) else gy
-        gb = src.sum_to_size((gy.shape[-1],))
-        if gb.data_ptr() == gy.data_ptr():  # nothing to reduce (1-D input): keep gy intact
-            gb = gb.clone()
-    return gw, gb
+def _bias_grad(gsum: Tensor) -> Tensor:
+    """db: the engine reduces the bias's incoming gradient with sum_to."""
+    gb = gsum.sum_to_size((gsum.shape[-1],))
+    return gb.clone() if gb.data_ptr() == gsum.data_ptr() else gb  # nothing reduced: a copy
 
 
 class _SplitLinearFn(torch.autograd.Function):
@@ -307,21 +295,31 @@ class _SplitLinearFn(torch.autograd.Function):
     def backward(ctx: torch.autograd.function.FunctionCtx, gy: Tensor):  # type: ignore[override]
         x, w = ctx.saved_tensors
         weight, bias = ctx.params
-        has_bias = bias is not None
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        gx = None
-        if need_x:
-            gx = _linear_input_grad(_grad_2d(gy), w, _linear_operand(x, w.size(1), has_bias), x)
+        # The operands of the 2-D product, built once for B and W. The bias gets
+        # addmm's 2-D gradient, or on the matmul-then-add path the N-D one.
+        x2d = _linear_operand(x, w.size(1), bias is not None)
+        g2d = _grad_2d(gy)
+        gsum = g2d if _bias_via_addmm(x) else gy
+        gx = _linear_input_grad(g2d, w, x2d, x) if need_x else None
         store: WeightGradStore = ctx.store
         if store.capturing is None:
-            gw, gb = _linear_param_grads(x, gy, w, has_bias, need_w, need_b)
-            return gx, gw, gb, None
+            gw = _linear_weight_grad(g2d, x2d, w) if need_w else None
+            return gx, gw, _bias_grad(gsum) if need_b else None, None
+
+        # Keep only what W needs alive (a closure holds every name it mentions).
+        w_operands = (x2d, g2d) if need_w else None
+        b_operand = gsum if need_b else None
 
         def compute() -> GradList:
-            gw, gb = _linear_param_grads(x, gy, w, has_bias, need_w, need_b)
-            return [(p, g) for p, g in ((weight, gw), (bias, gb)) if g is not None]
+            grads: GradList = []
+            if w_operands is not None:
+                grads.append((weight, _linear_weight_grad(w_operands[1], w_operands[0], w)))
+            if b_operand is not None:
+                grads.append((bias, _bias_grad(b_operand)))
+            return grads
 
-        store.defer(compute, (x, gy))
+        store.defer(compute, (*(w_operands or ()), *(() if b_operand is None else (b_operand,))))
         return gx, None, None, None
 
 
