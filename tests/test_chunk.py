@@ -244,6 +244,17 @@ def test_out_of_order_w_holds_gradients_until_earlier_microbatches_finish() -> N
     assert chunk.module[0].weight.grad is not None and chunk.held_bytes() == 0
 
 
+def test_pass_through_stages() -> None:
+    identity = StageChunk(nn.Identity(), 1, 3)
+    out = identity.forward(0, torch.ones(2, 3))
+    g = torch.full((2, 3), 2.0)
+    assert torch.equal(out, torch.ones(2, 3))
+    assert torch.equal(identity.backward_full(0, g), g)
+    ids = StageChunk(nn.Identity(), 0, 3)  # integer ids: no gradient either way
+    ids.forward(0, torch.tensor([[1, 2]]))
+    assert ids.backward_full(0, None) is None and ids.pending() == {}
+
+
 def _mid_chunk() -> StageChunk:
     return StageChunk(build_mlp([4, 3], seed=0), 1, 3)
 

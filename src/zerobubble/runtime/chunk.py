@@ -203,7 +203,9 @@ class StageChunk:
             gx, param_grads = None, grads
         early = [(p, g) for p, g in zip(params, param_grads, strict=True) if g is not None]
         self.store.add_grads(self.stage, mb, early)
-        rec.state, rec.x, rec.root, rec.saved = "B", None, None, []
+        # The weak references to saved tensors stay: held_bytes would expose a
+        # graph that B failed to free.
+        rec.state, rec.x, rec.root = "B", None, None
         return gx
 
     def backward_weight(self, mb: int) -> None:
@@ -265,6 +267,8 @@ class StageChunk:
                     "the last stage's backward starts from its loss: pass grad_output=None",
                 )
             return
+        if grad is None and rec.root is None:
+            return  # the output carries no gradient (e.g. integer ids passed along)
         if grad is None:
             raise StageChunkError(
                 self.stage, mb, "grad_output is None; pass the gradient of this stage's output"
