@@ -1,0 +1,1 @@
+"""Bridges to other pipeline libraries (they import torch; schedule/ never does)."""
