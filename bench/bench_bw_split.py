@@ -18,6 +18,8 @@ Times are thread CPU time (``time.thread_time``: with one thread all the work
 runs on the calling thread, and the figure is not inflated when other
 processes share the cores), medians over ``--repeats`` runs after two warm-up
 runs, the three methods interleaved; forward is not timed.
+``time_ratio_of_minima`` divides the fastest B + W by the fastest fused
+backward: on a shared machine the minimum is the least disturbed run.
 ``time_ratio = (t_B + t_W) / t_fused`` (goal <= 1.05). Before measuring, glibc
 is told (``mallopt``) to keep freed memory instead of returning it to the OS:
 otherwise whichever op first touches fresh pages pays a few microseconds per
@@ -207,10 +209,12 @@ def bench(w: Workload, repeats: int) -> dict[str, object]:
     def summary(runs: list[dict[str, float]], with_bw: bool) -> dict[str, object]:
         t_b, t_w = _median(runs, "B"), _median(runs, "W")
         held_f, held_b = runs[0]["held_F"], runs[0]["held_B"]
+        best = min(r["B"] + r["W"] for r in runs) / min(fused)
         s: dict[str, object] = {
             "t_B_ms": round(1e3 * t_b, 3),
             "t_W_ms": round(1e3 * t_w, 3),
             "time_ratio": round((t_b + t_w) / t_fused, 3),
+            "time_ratio_of_minima": round(best, 3),
             "held_after_F_bytes": int(held_f),
             "held_after_B_bytes": int(held_b),
             "memory_ratio": round(held_b / held_f, 3),
