@@ -260,6 +260,15 @@ def test_invalid_schedule_is_refused_before_any_compute():
     assert calls == []
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [("comm_timeout_s", 0, "comm_timeout_s must be > 0"), ("recv_lookahead", -1, ">= 0")],
+)
+def test_bad_options_are_refused(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        ExecutorOptions(**{field: value})
+
+
 def mismatch_job() -> None:
     info = init_distributed(timeout_s=30)
     sched = generate("1f1b", 2, 2)

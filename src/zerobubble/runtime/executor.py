@@ -68,6 +68,12 @@ class ExecutorOptions:
     """Record a :class:`~zerobubble.runtime.trace.TraceEvent` per executed instruction
     in :attr:`PipelineExecutor.trace` (one ``held_bytes`` query per event)."""
 
+    def __post_init__(self) -> None:
+        if not self.comm_timeout_s > 0:
+            raise ValueError(f"comm_timeout_s must be > 0 seconds, got {self.comm_timeout_s}")
+        if self.recv_lookahead < 0:
+            raise ValueError(f"recv_lookahead must be >= 0, got {self.recv_lookahead}")
+
 
 class PipelineExecutor:
     """Executes one rank's part of a pipeline schedule, step after step.
@@ -144,6 +150,11 @@ class PipelineExecutor:
 
     def _chunk(self, s: int, m: nn.Module | StageChunk, loss_fn: nn.Module | None) -> StageChunk:
         if isinstance(m, StageChunk):
+            if m.stage != s or m.num_stages != self.schedule.num_stages:
+                raise ValueError(
+                    f"the StageChunk given for stage {s} is stage {m.stage} of {m.num_stages}; "
+                    f"the schedule has {self.schedule.num_stages} stages"
+                )
             return m
         S = self.schedule.num_stages
         if s == S - 1 and loss_fn is None:
