@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerobubble.interop.torch_pipelining import torch_schedule
+from zerobubble.interop.torch_pipelining import torch_rows
 from zerobubble.models import GPTConfig, build_gpt, build_mlp, gpt_loss, mlp_loss
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.launcher import LaunchError, init_distributed, launch
@@ -23,6 +23,7 @@ from zerobubble.runtime.partition import build_stage_modules, stage_bounds
 from zerobubble.runtime.reference import reference_step
 from zerobubble.runtime.trace import TRACKS, chrome_trace, gather_traces, read_jsonl, write_jsonl
 from zerobubble.schedule.errors import Reason, ScheduleError
+from zerobubble.schedule.formats import torch_csv
 from zerobubble.schedule.generators import GENERATORS, generate
 from zerobubble.schedule.ir import Schedule
 from zerobubble.schedule.validate import validate
@@ -139,7 +140,8 @@ def main_job(p: int) -> dict:
         for model in ("mlp", "gpt"):
             out["cases"].append(check_step(sched, model, info.rank))
     if p == 2:
-        imported = torch_schedule("ZBVZeroBubble", 2, 4)
+        csv_text = "\n".join(",".join(row) for row in torch_rows("ZBVZeroBubble", 2, 4))
+        imported = torch_csv.loads(csv_text, name="torch:ZBVZeroBubble", num_microbatches=4)
         out["torch"] = check_step(imported, "gpt", info.rank)
         out["directed"] = check_step(generate("zbv", 2, 3), "gpt", info.rank, directed_groups=True)
         out["optim"] = [
