@@ -43,12 +43,14 @@ squeezed slot order is the device order; real durations only time it.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Sequence
-from itertools import accumulate
+
+import numpy as np
 
 from zerobubble.schedule.generators.common import check_counts, emit_backward
-from zerobubble.schedule.ir import Action, Op, Schedule, dependencies, v_placement
+from zerobubble.schedule.ir import Action, Op, Schedule, v_placement
 
 _PERIOD = 6
 # Memory in quarters of a device's microbatch activations: a chunk F holds 2,
@@ -59,8 +61,11 @@ _MEM = {Op.F: 2, Op.B: -1, Op.W: -1, Op.BW: -2}
 Block = Sequence[tuple[Op, int, int]]
 
 
+_WIDTH = {Op.F: 1, Op.B: 1, Op.W: 1, Op.BW: 2}  # slots a pass occupies
+
+
 def _width(op: Op) -> int:
-    return 2 if op is Op.BW else 1
+    return _WIDTH[op]
 
 
 def v_min_block(num_devices: int) -> list[Block]:
@@ -106,7 +111,8 @@ def one_f_one_b_v_block(num_devices: int) -> list[Block]:
 
     Forwards hop one slot. Each BW takes the earliest two adjacent slots after
     its dependency that its device's other passes leave free modulo 6, which
-    makes the backward chain hop 2, 2, 5 slots in turn.
+    makes the backward chain hop 2, 2, 5 slots in turn (when 3 | P its first
+    and last hops stretch to 4 and 7).
     """
     p = num_devices
     used: list[set[int]] = [set() for _ in range(p)]
@@ -140,27 +146,26 @@ def _check_block(blocks: Sequence[Block]) -> None:
 def _tile(blocks: Sequence[Block], m: int) -> list[dict[Action, int]]:
     """Start slot of every pass: the block repeated for microbatches 0..M-1, plus the W.
 
-    Each W takes the first slot after its B that no pass covers (first come,
-    first served); the leftovers follow the last pass.
+    Blocks with a split backward (all passes one slot wide) leave two slots per
+    period free; each W takes the first free slot after its B (first come,
+    first served), the leftovers follow the last pass.
     """
     starts: list[dict[Action, int]] = []
     for block in blocks:
-        at: dict[int, Action] = {}
-        covered: set[int] = set()
-        for op, stage, t in block:
-            for j in range(m):
-                at[t + _PERIOD * j] = Action(op, stage, j)
-                covered.update(range(t + _PERIOD * j, t + _PERIOD * j + _width(op)))
+        at = {t + _PERIOD * j: Action(op, stage, j) for op, stage, t in block for j in range(m)}
+        if not any(op is Op.B for op, _, _ in block):
+            starts.append({a: t for t, a in at.items()})
+            continue
         placed: dict[Action, int] = {}
         pending: deque[Action] = deque()
         t, last = 0, max(at)
         while t <= last or pending:
-            if t in at:
-                a = at[t]
+            a = at.get(t)
+            if a is not None:
                 placed[a] = t
                 if a.op is Op.B:
                     pending.append(Action(Op.W, a.stage, a.mb))
-            elif t not in covered and pending:
+            elif pending:
                 placed[pending.popleft()] = t
             t += 1
         starts.append(placed)
@@ -168,45 +173,73 @@ def _tile(blocks: Sequence[Block], m: int) -> list[dict[Action, int]]:
 
 
 def _squeeze(starts: list[dict[Action, int]], num_stages: int) -> list[list[Action]]:
-    """Move passes to earlier free slots without raising any device's peak; return the orders."""
-    horizon = max(t + _width(a.op) for placed in starts for a, t in placed.items())
+    """Move passes to earlier free slots without raising any device's peak; return the orders.
+
+    Passes are visited in slot order, so on a device every slot below the
+    current pass is settled: it is either taken or in that device's sorted
+    ``free`` list, which stays short (warm-up and cool-down holes).
+    """
+    horizon = max(t + 2 for placed in starts for t in placed.values())
     busy = [[False] * horizon for _ in starts]
-    level: list[list[int]] = []  # memory once every pass starting at or before the slot ran
+    # level[d][k]: memory once every pass starting at or before slot k ran. Passes
+    # move by up to ~P slots each, so its range updates are vectorised.
+    level = np.zeros((len(starts), horizon), dtype=np.int64)
     for d, placed in enumerate(starts):
-        delta = [0] * horizon
         for a, t in placed.items():
-            for k in range(t, t + _width(a.op)):
-                busy[d][k] = True
-            delta[t] += _MEM[a.op]
-        level.append(list(accumulate(delta)))
-    cap = [max(row) for row in level]
+            busy[d][t] = True
+            if a.op is Op.BW:
+                busy[d][t + 1] = True
+            level[d, t] += _MEM[a.op]
+    np.cumsum(level, axis=1, out=level)
+    cap = level.max(axis=1).tolist()
+    free: list[list[int]] = [[] for _ in starts]
+    settled = [0] * len(starts)  # slots below this are in ``free`` or taken
     backward = {(a.stage, a.mb): a.op for placed in starts for a in placed if a.op.is_backward}
-    final: dict[Action, int] = {}
+    end: dict[tuple[Op, int, int], int] = {}  # where each settled pass ends
     orders: list[list[tuple[int, Action]]] = [[] for _ in starts]
     kind_end: dict[tuple[Op, int], int] = {}  # keeps each (op, stage) in microbatch order
     for t0, d, a in sorted((t, d, a) for d, placed in enumerate(starts) for a, t in placed.items()):
-        w, delta = _width(a.op), _MEM[a.op]
-        ready = kind_end.get((a.op, a.stage), 0)
-        for dep in dependencies(a, num_stages, backward):
-            ready = max(ready, final[dep] + _width(dep.op))
-        row, mem = busy[d], level[d]
-        for t in range(ready, t0):
-            # Our own cells (>= t0) count as free: a BW may slide by one slot.
-            if row[t] or (w == 2 and t + 1 < t0 and row[t + 1]):
-                continue
-            if delta > 0 and any(mem[k] + delta > cap[d] for k in range(t, t0)):
-                continue
-            for k in range(t0, t0 + w):
-                row[k] = False
-            for k in range(t, t + w):
-                row[k] = True
-            for k in range(t, t0):
-                mem[k] += delta
-            t0 = t
-            break
-        final[a] = t0
+        row, mem, holes = busy[d], level[d], free[d]
+        for k in range(settled[d], t0):
+            if not row[k]:
+                holes.append(k)
+        settled[d] = t0
+        op, stage, mb = a
+        w, delta = _WIDTH[op], _MEM[op]
+        # ir.dependencies' rules, on plain tuples (they hash like Actions, build faster).
+        ready = kind_end.get((op, stage), 0)
+        if op is Op.F:
+            if stage:
+                ready = max(ready, end[Op.F, stage - 1, mb])
+        elif op is Op.W:
+            ready = max(ready, end[Op.B, stage, mb])
+        else:
+            ready = max(ready, end[Op.F, stage, mb])
+            if stage + 1 < num_stages:
+                ready = max(ready, end[backward[stage + 1, mb], stage + 1, mb])
+        i = bisect_left(holes, ready)
+        if i < len(holes) and holes[i] < t0:
+            if delta > 0:  # an F moved up holds its memory longer: stay under the cap
+                over = np.flatnonzero(mem[holes[i] : t0] > cap[d] - delta)
+                if over.size:
+                    i = bisect_left(holes, holes[i] + int(over[-1]) + 1, i)
+            for t in holes[i:]:
+                if t >= t0:
+                    break
+                # A BW needs the next slot too (its own old slot t0 counts as free).
+                if w == 2 and t + 1 < t0 and row[t + 1]:
+                    continue
+                holes.remove(t)
+                if w == 2 and t + 1 < t0:
+                    holes.remove(t + 1)
+                row[t0 : t0 + w] = [False] * w
+                row[t : t + w] = [True] * w
+                mem[t:t0] += delta
+                t0 = t
+                break
+        end[a] = t0 + w
         orders[d].append((t0, a))
-        kind_end[a.op, a.stage] = t0 + w
+        kind_end[op, stage] = t0 + w
     return [[a for _, a in sorted(order)] for order in orders]
 
 
@@ -244,7 +277,7 @@ def one_f_one_b_v(
     Any P, M >= 1. At F = B = W and M >= 2P: peak 2P//3 + 1; bubble 5P/2 - c
     with c = 7/2, 5/2, 3 for P % 3 = 0, 1, 2 (0 for P = 1); cost 3M plus the
     bubble. ``split_backward=True`` writes each BW as B immediately followed by
-    W: same timing and peak.
+    W: same order and peak, and the gradient leaves a W earlier.
     """
     p, m = check_counts(num_devices, num_microbatches)
     sched = _block_schedule("1f1b-v", p, m, one_f_one_b_v_block(p))
