@@ -23,9 +23,13 @@ from zerobubble.schedule.ir import Action, Op, Schedule, v_placement
 def dualpipev(num_devices: int, num_microbatches: int) -> Schedule:
     """DualPipeV, phase for phase as in DeepSeek's ``dualpipev.py``.
 
+    The order equals PyTorch's ``ScheduleDualPipeV`` listing. At F = B = W
+    (per-device totals 1, M_W = M_B/2) and M >= 2P: cost 3M + (P-1)/2,
+    peak memory P + 1/2 (1F1B: 3M + 3(P-1) and P).
+
     DeepSeek requires M >= 2P. Any M >= 1 works here: the order is built for
     max(M, 2P) microbatches and the extra ones are dropped, which keeps every
-    dependency satisfied (figures for M < 2P are then not DualPipeV's).
+    dependency satisfied (the figures above then no longer hold).
     """
     p, m = check_counts(num_devices, num_microbatches)
     n = max(m, 2 * p)

@@ -53,19 +53,13 @@ from zerobubble.schedule.generators.common import check_counts, emit_backward
 from zerobubble.schedule.ir import Action, Op, Schedule, v_placement
 
 _PERIOD = 6
+_WIDTH = {Op.F: 1, Op.B: 1, Op.W: 1, Op.BW: 2}  # slots a pass occupies
 # Memory in quarters of a device's microbatch activations: a chunk F holds 2,
 # B frees the half W does not need.
 _MEM = {Op.F: 2, Op.B: -1, Op.W: -1, Op.BW: -2}
 
 # One pass of a building block: (op, virtual stage, slot of microbatch 0).
 Block = Sequence[tuple[Op, int, int]]
-
-
-_WIDTH = {Op.F: 1, Op.B: 1, Op.W: 1, Op.BW: 2}  # slots a pass occupies
-
-
-def _width(op: Op) -> int:
-    return _WIDTH[op]
 
 
 def v_min_block(num_devices: int) -> list[Block]:
@@ -125,20 +119,20 @@ def one_f_one_b_v_block(num_devices: int) -> list[Block]:
     )
     ready = 0
     for d, op, stage in chain:
-        cells = range(_width(op))
+        cells = range(_WIDTH[op])
         t = ready
         while any((t + k) % _PERIOD in used[d] for k in cells):
             t += 1
         used[d].update((t + k) % _PERIOD for k in cells)
         blocks[d].append((op, stage, t))
-        ready = t + _width(op)
+        ready = t + _WIDTH[op]
     return blocks
 
 
 def _check_block(blocks: Sequence[Block]) -> None:
     """Every device's passes must cover distinct slots modulo the period."""
     for d, block in enumerate(blocks):
-        cells = [(t + k) % _PERIOD for op, _, t in block for k in range(_width(op))]
+        cells = [(t + k) % _PERIOD for op, _, t in block for k in range(_WIDTH[op])]
         if len(set(cells)) != len(cells):
             raise AssertionError(f"building block collides with itself on device {d}: {block}")
 
@@ -176,8 +170,7 @@ def _squeeze(starts: list[dict[Action, int]], num_stages: int) -> list[list[Acti
     """Move passes to earlier free slots without raising any device's peak; return the orders.
 
     Passes are visited in slot order, so on a device every slot below the
-    current pass is settled: it is either taken or in that device's sorted
-    ``free`` list, which stays short (warm-up and cool-down holes).
+    current pass is settled: taken, or in that device's sorted ``free`` list.
     """
     horizon = max(t + 2 for placed in starts for t in placed.values())
     busy = [[False] * horizon for _ in starts]
