@@ -58,6 +58,8 @@ def test_zbv_zero_bubble_at_1f1b_memory(p, m):
 def test_interleaved_bubble(p, m, v):
     r = run("interleaved-1f1b", p, m, chunks=v)
     assert r.bubble_time == Fraction(3 * (p - 1), v)
+    # Megatron's warm-up of 2(P-1) + (v-1)P chunk forwards, plus the first steady one.
+    assert r.peak_memory[0] == Fraction(min(2 * (p - 1) + (v - 1) * p + 1, m * v), v)
 
 
 @pytest.mark.parametrize(

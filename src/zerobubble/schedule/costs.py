@@ -132,6 +132,8 @@ class CostModel:
         A device holding v chunks spends F/v, B/v, W/v per chunk and allocates
         1/v (of its M_B) per chunk F; ``mem_w`` is r = M_W / M_B.
         """
+        # Exact in, exact out: one Fraction among the inputs makes memory exact too.
+        unit = Fraction(1) if any(isinstance(x, Fraction) for x in (F, B, W, mem_w)) else 1
         counts: dict[int, int] = {}
         for d in placement:
             counts[d] = counts.get(d, 0) + 1
@@ -143,7 +145,7 @@ class CostModel:
             b=tuple(_div(B, v) for v in vs),
             w=tuple(_div(W, v) for v in vs),
             comm=comm,
-            mem_f=tuple(_div(1, v) for v in vs),
+            mem_f=tuple(_div(unit, v) for v in vs),
             mem_w=tuple(_div(mem_w, v) for v in vs),
         )
 
