@@ -13,17 +13,23 @@ from types import MappingProxyType
 
 from zerobubble.schedule.costs import CostSpec, Number
 from zerobubble.schedule.generators.classic import gpipe, interleaved_1f1b, one_f_one_b
+from zerobubble.schedule.generators.dualpipe import dualpipev
+from zerobubble.schedule.generators.v_family import one_f_one_b_v, v_half, v_min
 from zerobubble.schedule.generators.zero_bubble import zb_h1, zb_h2, zbv
 from zerobubble.schedule.ir import Schedule
 
 __all__ = [
     "GENERATORS",
     "Generator",
+    "dualpipev",
     "generate",
     "gpipe",
     "interleaved_1f1b",
     "one_f_one_b",
+    "one_f_one_b_v",
     "register",
+    "v_half",
+    "v_min",
     "zb_h1",
     "zb_h2",
     "zbv",
@@ -89,6 +95,25 @@ register(
 register(Generator("zb-h1", zb_h1, "Zero Bubble H1: 1F1B memory, 1/3 of its bubble"))
 register(Generator("zb-h2", zb_h2, "Zero Bubble H2: zero bubble with 2P-1 microbatches in flight"))
 register(Generator("zbv", zbv, "Zero Bubble V: V placement, zero bubble at 1F1B memory"))
+# V-shaped building blocks (Qi et al., 2024) and DeepSeek's DualPipeV: any P, M >= 1.
+register(Generator("v-half", v_half, "V-Half: V placement, about 1/2 of 1F1B's memory"))
+register(Generator("v-min", v_min, "V-Min: V placement, about 1/3 of 1F1B's memory"))
+register(
+    Generator(
+        "1f1b-v",
+        one_f_one_b_v,
+        "1F1B-V: V placement without B/W split, about 2/3 of 1F1B's memory",
+        frozenset({"split_backward"}),
+        True,
+    )
+)
+register(
+    Generator(
+        "dualpipev",
+        dualpipev,
+        "DeepSeek's DualPipeV: DualPipe cut in half onto the V placement",
+    )
+)
 
 
 def generate(
