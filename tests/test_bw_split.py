@@ -40,9 +40,43 @@ INPUTS = {
 }
 
 
+def _split_backward(
+    store: WeightGradStore,
+    layer: nn.Module,
+    x: torch.Tensor,
+    gy: torch.Tensor,
+    mb: int,
+    recorded: bool,
+) -> torch.Tensor:
+    """F then B of one microbatch through either protocol; returns the output.
+
+    Recorded (StageChunk's protocol): forward inside ``record``, B through
+    ``store.backward``, gradients of the other parameters handed to the store.
+    """
+    if recorded:
+        with store.record(0, mb):
+            y = layer(x)
+        params = [p for p in layer.parameters() if p.requires_grad]
+        inputs = ([x] if x.requires_grad else []) + params
+        grads = store.backward(0, mb, y, gy, inputs)
+        if x.requires_grad:
+            x.grad, grads = grads[0], grads[1:]
+        early = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
+        store.add_grads(0, mb, early)
+        return y
+    y = layer(x)  # plain forward, any backward inside capture()
+    with store.capture(0, mb):
+        y.backward(gy)
+    return y
+
+
+PROTOCOLS = pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "captured"])
+
+
+@PROTOCOLS
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("shape", list(INPUTS))
-def test_split_linear_matches_autograd_bitwise(shape: str, bias: bool) -> None:
+def test_split_linear_matches_autograd_bitwise(shape: str, bias: bool, recorded: bool) -> None:
     g = _gen()
     x0 = INPUTS[shape](g)
     lin = _linear(24, 10, bias)
@@ -56,11 +90,11 @@ def test_split_linear_matches_autograd_bitwise(shape: str, bias: bool) -> None:
     y_ref = ref(x_ref)
     y_ref.backward(gy)
 
+    if recorded:  # B returns the input gradient as torch.autograd.grad does
+        x_ref.grad = torch.autograd.grad(ref(x_ref), x_ref, gy)[0]
     x = x0.detach().requires_grad_()
-    y = split(x)
+    y = _split_backward(store, split, x, gy, 0, recorded)
     assert torch.equal(y, y_ref)
-    with store.capture(0, 0):
-        y.backward(gy)
     # B: only the input gradient, with autograd's layout.
     assert torch.equal(x.grad, x_ref.grad) and x.grad.stride() == x_ref.grad.stride()
     assert lin.weight.grad is None and (not bias or lin.bias.grad is None)
@@ -70,6 +104,40 @@ def test_split_linear_matches_autograd_bitwise(shape: str, bias: bool) -> None:
     if bias:
         assert torch.equal(lin.bias.grad, ref.bias.grad)
     assert store.in_flight() == {} and store.held_tensors() == []
+
+
+def test_recorded_first_layer_input_without_gradient() -> None:
+    # Stage 0 of an MLP: the input needs no gradient, only the weights do.
+    lin = _linear(24, 10, True)
+    ref = copy.deepcopy(lin)
+    store = WeightGradStore()
+    split = SplitLinear.from_linear(lin, store)
+    x = INPUTS["3d"](_gen())
+    gy = torch.randn(3, 5, 10, generator=_gen(1))
+    ref(x).backward(gy)
+    _split_backward(store, split, x, gy, 0, recorded=True)
+    assert lin.weight.grad is None and len(store.held_tensors()) == 2  # x and gy for W
+    store.run(0, 0)
+    assert torch.equal(lin.weight.grad, ref.weight.grad)
+    assert torch.equal(lin.bias.grad, ref.bias.grad)
+
+
+def test_recorded_layer_used_three_times_sums_in_autograds_order() -> None:
+    # With three uses the order of the two additions shows in the bits.
+    lin = _linear(6, 6, True)
+    ref = copy.deepcopy(lin)
+    x0 = torch.randn(4, 6, generator=_gen(7)) * 1e3
+    gy = torch.randn(4, 6, generator=_gen(8))
+    x_ref = x0.detach().requires_grad_()
+    ref(ref(ref(x_ref))).backward(gy)
+    store = WeightGradStore()
+    split = SplitLinear.from_linear(lin, store)
+    x = x0.detach().requires_grad_()
+    _split_backward(store, nn.Sequential(split, split, split), x, gy, 0, recorded=True)
+    store.run(0, 0)
+    assert torch.equal(x.grad, x_ref.grad)
+    assert torch.equal(lin.weight.grad, ref.weight.grad)
+    assert torch.equal(lin.bias.grad, ref.bias.grad)
 
 
 @pytest.mark.parametrize("shape", ["2d", "3d", "3d_transposed"])
@@ -112,7 +180,8 @@ def _order_sensitive_microbatches() -> tuple[nn.Linear, list[torch.Tensor], list
     return lin, xs, gys
 
 
-def test_out_of_order_w_still_accumulates_in_microbatch_order() -> None:
+@PROTOCOLS
+def test_out_of_order_w_still_accumulates_in_microbatch_order(recorded: bool) -> None:
     lin, xs, gys = _order_sensitive_microbatches()
     ref = copy.deepcopy(lin)
     for x, gy in zip(xs, gys, strict=True):
@@ -122,8 +191,7 @@ def test_out_of_order_w_still_accumulates_in_microbatch_order() -> None:
     store = WeightGradStore()
     split = SplitLinear.from_linear(lin, store)
     for j, (x, gy) in enumerate(zip(xs, gys, strict=True)):
-        with store.capture(0, j):
-            split(x).backward(gy)
+        _split_backward(store, split, x, gy, j, recorded)
     store.run(0, 2)  # held: microbatches 0 and 1 are not yet added
     assert lin.weight.grad is None
     assert store.in_flight() == {(0, 0): "backward", (0, 1): "backward", (0, 2): "ready"}
@@ -160,8 +228,9 @@ EMBEDDINGS = {
 }
 
 
+@PROTOCOLS
 @pytest.mark.parametrize("kwargs", list(EMBEDDINGS.values()), ids=list(EMBEDDINGS))
-def test_split_embedding_matches_autograd_bitwise(kwargs: dict) -> None:
+def test_split_embedding_matches_autograd_bitwise(kwargs: dict, recorded: bool) -> None:
     g = _gen(2)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -174,10 +243,8 @@ def test_split_embedding_matches_autograd_bitwise(kwargs: dict) -> None:
     for j, gy in enumerate(gys):
         y_ref = ref(idx)
         y_ref.backward(gy)
-        y = split(idx)
+        y = _split_backward(store, split, idx, gy, j, recorded)
         assert torch.equal(y, y_ref)
-        with store.capture(0, j):
-            y.backward(gy)
     assert emb.weight.grad is None
     store.run(0, 1)
     store.run(0, 0)
@@ -236,7 +303,8 @@ def test_enable_bw_split_swaps_in_place_and_keeps_parameters() -> None:
     assert isinstance(swapped, SplitLinear) and swapped.weight is lone.weight
 
 
-def test_unsplit_parameters_get_gradients_in_b_and_split_ones_in_w() -> None:
+@PROTOCOLS
+def test_unsplit_parameters_get_gradients_in_b_and_split_ones_in_w(recorded: bool) -> None:
     net = _net()
     ref = copy.deepcopy(net)
     store = WeightGradStore()
@@ -245,20 +313,46 @@ def test_unsplit_parameters_get_gradients_in_b_and_split_ones_in_w() -> None:
     idx = torch.randint(0, 11, (2, 5), generator=g)
     gy = torch.randn(2, 5, 3, generator=g)
     ref(idx).backward(gy)
-    out = net(idx)
-    with store.capture(0, 0):
-        out.backward(gy)
+    _split_backward(store, net, idx, gy, 0, recorded)
     split_names = {"emb.weight", "shared.weight", "shared.bias", "head.1.weight"}
     got = dict(net.named_parameters())
     want = dict(ref.named_parameters())
     for name in want:
-        if name in split_names:
+        if name in split_names or recorded:  # recorded: B hands every gradient to the store
             assert got[name].grad is None, name
         else:  # LayerNorm and MultiheadAttention: exact, right after B
             assert torch.equal(got[name].grad, want[name].grad), name
     store.run(0, 0)
-    for name in split_names:  # the Linear used twice sums both uses, as autograd does
+    for name in want:  # the Linear used twice sums both uses, as autograd does
         assert torch.equal(got[name].grad, want[name].grad), name
+
+
+class _Reuse(nn.Module):
+    """A Linear called twice and its weight also used directly: three contributions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = _linear(6, 6, True, seed=9)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return torch.nn.functional.linear(torch.tanh(h), self.lin.weight) + self.lin(h * 1e3)
+
+
+def test_recorded_weight_used_outside_its_layer_keeps_that_gradient() -> None:
+    net, ref = _Reuse(), _Reuse()
+    x0 = torch.randn(4, 6, generator=_gen(10))
+    gy = torch.randn(4, 6, generator=_gen(11))
+    x_ref = x0.detach().requires_grad_()
+    ref(x_ref).backward(gy)
+    store = WeightGradStore()
+    enable_bw_split(net, store)
+    x = x0.detach().requires_grad_()
+    _split_backward(store, net, x, gy, 0, recorded=True)
+    store.run(0, 0)
+    assert torch.equal(x.grad, x_ref.grad)
+    assert torch.equal(net.lin.weight.grad, ref.lin.weight.grad)
+    assert torch.equal(net.lin.bias.grad, ref.lin.bias.grad)
 
 
 def test_unmodified_training_loop_is_unchanged() -> None:
@@ -276,7 +370,8 @@ def test_unmodified_training_loop_is_unchanged() -> None:
         assert torch.equal(a, b)
 
 
-def test_tied_weight_sums_both_uses_within_a_microbatch() -> None:
+@PROTOCOLS
+def test_tied_weight_sums_both_uses_within_a_microbatch(recorded: bool) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(6)
         emb, head = nn.Embedding(9, 4), nn.Linear(4, 9, bias=False)
@@ -287,10 +382,10 @@ def test_tied_weight_sums_both_uses_within_a_microbatch() -> None:
     enable_bw_split(net, store)
     assert net[0].weight is net[2].weight
     idx = torch.tensor([[1, 4, 4, 8]])
+    gy = torch.randn(1, 4, 9, generator=_gen(12))
     for j in range(2):
-        ref(idx).sum().backward()
-        with store.capture(0, j):
-            net(idx).sum().backward()
+        ref(idx).backward(gy)
+        _split_backward(store, net, idx, gy, j, recorded)
     store.run(0, 1)
     store.run(0, 0)
     assert torch.equal(net[0].weight.grad, ref[0].weight.grad)

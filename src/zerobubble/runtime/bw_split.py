@@ -3,10 +3,23 @@
 A pipeline stage must send the gradient of its input upstream as early as
 possible; the gradient of its own weights is only needed before the optimizer
 step. For a linear layer ``Y = X Wᵀ + b`` the two are separate matrix products
-(``dX = dY W`` and ``dW = dYᵀ X``), so :class:`SplitLinear` computes ``dX`` when
-autograd reaches it (B) and hands ``dW``/``db`` to a :class:`WeightGradStore` as
-deferred work that a later W op runs. :class:`SplitEmbedding` does the same
-(its B is empty: token ids have no gradient).
+(``dX = dY W`` and ``dW = dYᵀ X``), so B computes ``dX`` and a
+:class:`WeightGradStore` keeps ``X`` and ``dY`` for a later W op that computes
+``dW``/``db``. :class:`SplitEmbedding` does the same (its B is empty: token ids
+have no gradient).
+
+Two mechanisms, one store:
+
+* Recorded (the fast path, used by :class:`~zerobubble.runtime.chunk.StageChunk`):
+  inside :meth:`WeightGradStore.record` a :class:`SplitLinear` whose input needs
+  a gradient runs the native ``F.linear`` on a detached alias of its weight and
+  notes its input and output. The autograd graph is plain PyTorch without
+  weight branches; :meth:`WeightGradStore.backward` asks autograd for the
+  gradients of the recorded outputs along with the stage input, and W turns
+  them into weight gradients. No Python runs per layer during forward or B.
+* Captured (everything else: embeddings, inputs that need no gradient, layers
+  used outside ``record``): a custom autograd Function whose backward, inside
+  :meth:`WeightGradStore.capture`, returns only ``dX`` and queues ``dW``.
 
 Exactness: B and W call the very kernels PyTorch's autograd calls for
 ``F.linear`` / ``F.embedding`` (same folding of N-D inputs, same operand order
@@ -24,12 +37,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 __all__ = [
     "GradList",
@@ -46,8 +61,7 @@ GradList = list[tuple[Tensor, Tensor]]
 """``(parameter, gradient)`` pairs, in the order they were produced."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Grad:
+class _Grad(NamedTuple):
     """One parameter's gradient for one microbatch; ``owned`` if no one else holds it."""
 
     param: Tensor
@@ -55,8 +69,7 @@ class _Grad:
     owned: bool
 
 
-@dataclass(frozen=True, slots=True)
-class _Deferred:
+class _Deferred(NamedTuple):
     """One split layer's weight-gradient work for one microbatch."""
 
     compute: Callable[[], GradList]
@@ -64,28 +77,41 @@ class _Deferred:
     """The tensors ``compute`` keeps alive until it runs (for memory accounting)."""
 
 
+class _Call(NamedTuple):
+    """A split layer's call recorded at forward: what W will need, and where its output sits."""
+
+    held: Tensor
+    """The layer's input (kept for W)."""
+    out: GradientEdge
+    """Where autograd delivers the gradient of the layer's output."""
+    work: Callable[[Tensor], _Deferred]
+    """Turns that gradient into W's work."""
+
+
 class WeightGradStore:
     """Deferred weight-gradient work of one pipeline stage, keyed by (chunk, microbatch).
 
     Owned by one stage object and handed to its split layers at swap time; it
     holds no global state. The split layers learn which (chunk, microbatch) a
-    backward belongs to only inside :meth:`capture`; outside it they compute
-    full gradients immediately, like the layers they replace.
+    pass belongs to only inside :meth:`record` (forward) and :meth:`capture`
+    (backward); outside both they compute full gradients immediately, like the
+    layers they replace.
 
     Gradient order: every gradient a microbatch contributes (deferred weight
     gradients, and gradients produced during B that :meth:`add_grads` hands
     over) is added to ``.grad`` only once all earlier microbatches of the same
     chunk are added. A microbatch counts from :meth:`begin` (called at forward
-    time by :class:`~zerobubble.runtime.chunk.StageChunk`, or implicitly by the
-    first :meth:`capture`) until its gradients are added; "earlier" means a
-    smaller microbatch index among those in flight. This gives microbatch order
-    as long as a chunk forwards its microbatches in increasing order, which
-    every schedule in this library does.
+    time by :meth:`record`, or implicitly by the first :meth:`capture`) until
+    its gradients are added; "earlier" means a smaller microbatch index among
+    those in flight. This gives microbatch order as long as a chunk forwards its
+    microbatches in increasing order, which every schedule in this library does.
     """
 
     def __init__(self) -> None:
         self._key: Key | None = None
+        self._calls: list[_Call] | None = None  # the forward being recorded
         self._state: dict[Key, str] = {}  # "open" -> "backward" -> "ready" -> (removed)
+        self._recorded: dict[Key, list[_Call]] = {}
         self._work: dict[Key, list[_Deferred]] = {}
         self._early: dict[Key, GradList] = {}
         self._ready: dict[Key, list[_Grad]] = {}
@@ -101,6 +127,38 @@ class WeightGradStore:
                 "run its W before forwarding it again"
             )
         self._state[key] = "open"
+
+    @contextmanager
+    def record(self, chunk: int, mb: int) -> Iterator[None]:
+        """Forward of (chunk, mb): begins it and lets split layers record their calls.
+
+        Its backward must then go through :meth:`backward`, which asks autograd
+        for the gradients of the recorded outputs (a plain ``.backward()`` would
+        skip the recorded layers' weights).
+        """
+        if self._calls is not None:
+            raise RuntimeError(
+                f"record({chunk}, {mb}) entered while another forward is being recorded; "
+                "run one microbatch's forward at a time"
+            )
+        self.begin(chunk, mb)
+        calls: list[_Call] = []
+        self._calls = calls
+        try:
+            yield
+        except BaseException:
+            del self._state[chunk, mb]  # a failed forward leaves nothing in flight
+            raise
+        else:
+            if calls:
+                self._recorded[chunk, mb] = calls
+        finally:
+            self._calls = None
+
+    @property
+    def recording(self) -> list[_Call] | None:
+        """The call list of the forward being recorded, or None (split layers only)."""
+        return self._calls
 
     @contextmanager
     def capture(self, chunk: int, mb: int) -> Iterator[None]:
@@ -130,6 +188,44 @@ class WeightGradStore:
         """The (chunk, microbatch) of the current capture context, or None."""
         return self._key
 
+    def backward(
+        self,
+        chunk: int,
+        mb: int,
+        root: Tensor | GradientEdge | None,
+        grad_output: Tensor | None,
+        inputs: Sequence[Tensor],
+    ) -> tuple[Tensor | None, ...]:
+        """B of (chunk, mb): the gradients of ``inputs``; weight gradients wait for :meth:`run`.
+
+        One ``torch.autograd.grad`` call from ``root`` that also returns the
+        gradients of the outputs recorded at forward time; those, with the
+        recorded inputs, are W's work. Like ``torch.autograd.grad`` with
+        ``allow_unused``: None for an input the root does not depend on (all
+        None if ``root`` is None: an output that needs no gradient).
+        """
+        calls = self._recorded.pop((chunk, mb), [])
+        targets: list[Tensor | GradientEdge] = [*inputs, *(c.out for c in calls)]
+        with self.capture(chunk, mb):
+            if root is None or not targets:
+                return (None,) * len(inputs)
+            grads = torch.autograd.grad(
+                [root],
+                targets,
+                grad_outputs=None if grad_output is None else [grad_output],
+                allow_unused=True,
+            )
+        n = len(inputs)
+        # Reversed: W sums a layer's uses in the order autograd's backward meets them.
+        work = [
+            c.work(gy)
+            for c, gy in zip(reversed(calls), reversed(grads[n:]), strict=True)
+            if gy is not None
+        ]
+        if work:
+            self._work.setdefault((chunk, mb), [])[:0] = work
+        return grads[:n]
+
     def defer(self, compute: Callable[[], GradList], held: Sequence[Tensor]) -> None:
         """Queue weight-gradient work for the microbatch being captured (split layers only)."""
         if self._key is None:
@@ -143,7 +239,8 @@ class WeightGradStore:
             raise RuntimeError(
                 f"add_grads for chunk {chunk}, microbatch {mb}, which is not in flight"
             )
-        self._early.setdefault(key, []).extend(grads)
+        if grads:
+            self._early.setdefault(key, []).extend(grads)
 
     def run(self, chunk: int, mb: int) -> None:
         """W: compute the deferred work of (chunk, mb) and accumulate in microbatch order."""
@@ -158,9 +255,9 @@ class WeightGradStore:
             raise RuntimeError(f"W of chunk {chunk}, microbatch {mb}: it {why}")
         # Gradients from B may alias tensors autograd handed elsewhere; the
         # split layers' own results are fresh tensors that .grad may adopt.
-        grads = [_Grad(p, g, owned=False) for p, g in self._early.pop(key, [])]
-        for item in self._work.pop(key, []):
-            grads.extend(_Grad(p, g, owned=True) for p, g in item.compute())
+        grads = [_Grad(p, g, False) for p, g in self._early.pop(key, ())]
+        for item in self._work.pop(key, ()):
+            grads.extend(_Grad(p, g, True) for p, g in item.compute())
         self._ready[key] = _sum_per_param(grads)
         self._state[key] = "ready"
         self._flush(chunk)
@@ -174,6 +271,9 @@ class WeightGradStore:
     def held_tensors(self, chunk: int | None = None) -> list[Tensor]:
         """Every tensor the store keeps alive for ``chunk`` (all chunks if None)."""
         out: list[Tensor] = []
+        for key, calls in self._recorded.items():
+            if chunk is None or key[0] == chunk:
+                out.extend(c.held for c in calls)
         for key, items in self._work.items():
             if chunk is None or key[0] == chunk:
                 out.extend(t for item in items for t in item.held)
@@ -188,16 +288,13 @@ class WeightGradStore:
     # ---- internals ----------------------------------------------------------------------
 
     def _flush(self, chunk: int) -> None:
+        """Add every ready microbatch of ``chunk`` that no earlier one is waiting for."""
         while True:
-            mine = [mb for (c, mb) in self._state if c == chunk]
-            if not mine:
-                return
-            first = (chunk, min(mine))
-            if self._state[first] != "ready":
+            first = min((k for k in self._state if k[0] == chunk), default=None)
+            if first is None or self._state[first] != "ready":
                 return
             del self._state[first]
-            for r in self._ready.pop(first):
-                _accumulate(r)
+            _accumulate(self._ready.pop(first))
 
 
 def _sum_per_param(grads: list[_Grad]) -> list[_Grad]:
@@ -209,20 +306,27 @@ def _sum_per_param(grads: list[_Grad]) -> list[_Grad]:
     return list(total.values())
 
 
-def _accumulate(g: _Grad) -> None:
+def _accumulate(grads: list[_Grad]) -> None:
     """``.grad = g`` for the first microbatch, ``.grad += g`` after: AccumulateGrad's arithmetic.
 
     Like AccumulateGrad, the first gradient is adopted only if nobody else holds
-    it and it has the parameter's strides; otherwise ``.grad`` gets a copy.
+    it and it has the parameter's strides; otherwise ``.grad`` gets a copy. The
+    additions run as one ``_foreach_add_`` (elementwise, so the same bits as
+    one ``add_`` per parameter).
     """
-    param, grad = g.param, g.grad
+    dst: list[Tensor] = []
+    src: list[Tensor] = []
     with torch.no_grad():
-        if param.grad is None:
-            if not g.owned or grad.stride() != param.stride():
-                grad = torch.empty_like(param).copy_(grad)
-            param.grad = grad
-        else:
-            param.grad.add_(grad)
+        for param, grad, owned in grads:
+            if param.grad is None:
+                if not owned or grad.stride() != param.stride():
+                    grad = torch.empty_like(param).copy_(grad)
+                param.grad = grad
+            else:
+                dst.append(param.grad)
+                src.append(grad)
+        if dst:
+            torch._foreach_add_(dst, src)
 
 
 # ---- Linear -------------------------------------------------------------------------------
@@ -274,6 +378,43 @@ def _bias_grad(gsum: Tensor) -> Tensor:
     """db: the engine reduces the bias's incoming gradient with sum_to."""
     gb = gsum.sum_to_size((gsum.shape[-1],))
     return gb.clone() if gb.data_ptr() == gsum.data_ptr() else gb  # nothing reduced: a copy
+
+
+def _leaf(p: Tensor) -> Tensor:
+    """A fresh leaf sharing ``p``'s data (and version counter), outside any backward's inputs.
+
+    A recorded layer computes with such aliases of its parameters: the graph is
+    exactly the one the parameters would build (PyTorch picks kernels and saved
+    tensors by ``requires_grad``), but B, which asks only for the stage input,
+    the other parameters and the recorded outputs, never reaches them.
+    """
+    return p.detach().requires_grad_(p.requires_grad)
+
+
+def _edge(y: Tensor) -> GradientEdge:
+    """``get_gradient_edge(y)`` for the output of a built-in op, without its checks."""
+    fn = y.grad_fn
+    if isinstance(fn, torch._C._FunctionBase):  # a Python node: needs an ownership token
+        return get_gradient_edge(y)
+    return GradientEdge(fn, y.output_nr)
+
+
+def _linear_work(
+    weight: Tensor, bias: Tensor | None, need_w: bool, need_b: bool, x: Tensor, gy: Tensor
+) -> _Deferred:
+    """W of a recorded linear call: dW and db from its input and output gradient."""
+
+    def compute() -> GradList:
+        x2d = _linear_operand(x, weight.size(1), bias is not None)
+        g2d = _grad_2d(gy)
+        grads: GradList = []
+        if need_w:
+            grads.append((weight, _linear_weight_grad(g2d, x2d, weight)))
+        if need_b:
+            grads.append((bias, _bias_grad(g2d if _bias_via_addmm(x) else gy)))
+        return grads
+
+    return _Deferred(compute, (x, gy))
 
 
 class _SplitLinearFn(torch.autograd.Function):
@@ -336,9 +477,11 @@ class SplitLinear(nn.Module):
     """``nn.Linear`` whose backward defers the weight gradient to a store (B/W split).
 
     Reuses the original Parameter objects (optimizers and state_dict keys are
-    unaffected). Inside ``store.capture(chunk, mb)`` its backward returns only
-    the input gradient and queues ``dW``/``db`` for ``store.run(chunk, mb)``;
-    outside it behaves exactly like ``nn.Linear``.
+    unaffected). Called inside ``store.record(chunk, mb)`` it records itself for
+    ``store.backward(chunk, mb, ...)``; otherwise, inside ``store.capture(chunk,
+    mb)`` its backward returns only the input gradient and queues ``dW``/``db``.
+    Either way ``store.run(chunk, mb)`` adds them. Outside both it behaves
+    exactly like ``nn.Linear``.
     """
 
     def __init__(
@@ -356,10 +499,19 @@ class SplitLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         w, b = self.weight, self.bias
-        wants = w.requires_grad or (b is not None and b.requires_grad)
-        if not (torch.is_grad_enabled() and wants):
+        need_w = w.requires_grad
+        need_b = b is not None and b.requires_grad
+        if not ((need_w or need_b) and torch.is_grad_enabled()):
             return F.linear(x, w, b)  # no weight gradient to defer
         _check_autocast(x, "SplitLinear")
+        calls = self.store.recording
+        # Recorded unless matmul would fold a non-contiguous N-D input into a copy:
+        # W would then need that copy, which only the captured path keeps.
+        if calls is not None and (x.dim() <= 2 or x.is_contiguous()):
+            y = F.linear(x, _leaf(w), None if b is None else _leaf(b))
+            work = partial(_linear_work, w, b, need_w, need_b, x)
+            calls.append(_Call(x, _edge(y), work))
+            return y
         return _SplitLinearFn.apply(x, w, b, self.store)
 
     def extra_repr(self) -> str:
@@ -384,10 +536,7 @@ class _SplitEmbeddingFn(torch.autograd.Function):
         out = F.embedding(idx, weight, m.padding_idx, m.max_norm, m.norm_type, m.scale_grad_by_freq)
         ctx.save_for_backward(idx)
         ctx.weight = weight
-        ctx.num_weights = weight.size(0)
-        # F.embedding passes -1 for "no padding index" to the kernel.
-        ctx.padding_idx = -1 if m.padding_idx is None else m.padding_idx
-        ctx.scale_grad_by_freq = m.scale_grad_by_freq
+        ctx.args = m.backward_args()
         ctx.store = m.store
         return out
 
@@ -395,17 +544,23 @@ class _SplitEmbeddingFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: torch.autograd.function.FunctionCtx, gy: Tensor):  # type: ignore[override]
         (idx,) = ctx.saved_tensors
-        weight = ctx.weight
-        args = (ctx.num_weights, ctx.padding_idx, ctx.scale_grad_by_freq)
-
-        def compute() -> GradList:
-            return [(weight, torch.ops.aten.embedding_dense_backward(gy, idx, *args))]
-
+        deferred = _embedding_work(ctx.weight, idx, ctx.args, gy)
         store: WeightGradStore = ctx.store
         if store.capturing is None:
-            return None, compute()[0][1], None
-        store.defer(compute, (idx, gy))
+            return None, deferred.compute()[0][1], None
+        store.defer(*deferred)
         return None, None, None
+
+
+def _embedding_work(
+    weight: Tensor, idx: Tensor, args: tuple[int, int, bool], gy: Tensor
+) -> _Deferred:
+    """W of an embedding call: the dense weight gradient, as ``F.embedding``'s backward."""
+
+    def compute() -> GradList:
+        return [(weight, torch.ops.aten.embedding_dense_backward(gy, idx, *args))]
+
+    return _Deferred(compute, (idx, gy))
 
 
 class SplitEmbedding(nn.Module):
@@ -435,17 +590,31 @@ class SplitEmbedding(nn.Module):
         self.store = store
 
     def forward(self, idx: Tensor) -> Tensor:
-        if not (torch.is_grad_enabled() and self.weight.requires_grad):
+        w = self.weight
+        if not (torch.is_grad_enabled() and w.requires_grad):
             return F.embedding(
+                idx, w, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq
+            )
+        _check_autocast(w, "SplitEmbedding")
+        calls = self.store.recording
+        if calls is not None:
+            y = F.embedding(
                 idx,
-                self.weight,
+                _leaf(w),
                 self.padding_idx,
                 self.max_norm,
                 self.norm_type,
                 self.scale_grad_by_freq,
             )
-        _check_autocast(self.weight, "SplitEmbedding")
-        return _SplitEmbeddingFn.apply(idx, self.weight, self)
+            work = partial(_embedding_work, w, idx, self.backward_args())
+            calls.append(_Call(idx, _edge(y), work))
+            return y
+        return _SplitEmbeddingFn.apply(idx, w, self)
+
+    def backward_args(self) -> tuple[int, int, bool]:
+        """``embedding_dense_backward``'s trailing arguments (-1: no padding index)."""
+        pad = -1 if self.padding_idx is None else self.padding_idx
+        return self.num_embeddings, pad, self.scale_grad_by_freq
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}"

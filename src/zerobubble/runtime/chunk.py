@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +82,9 @@ class StageChunk:
             store is made if None.
         split: Swap Linear/Embedding for their B/W-split versions. With False,
             B computes every gradient and W only adds them to ``.grad``.
+        track_memory: Keep track of the tensors each microbatch's graph saves, so
+            that :meth:`held_bytes` can count them. Costs a Python call per saved
+            tensor in F and in B; without it :meth:`held_bytes` is unavailable.
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class StageChunk:
         loss_fn: LossFn | None = None,
         store: WeightGradStore | None = None,
         split: bool = True,
+        track_memory: bool = True,
     ) -> None:
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage {stage} is not in [0, num_stages={num_stages})")
@@ -110,7 +115,11 @@ class StageChunk:
         self.store = WeightGradStore() if store is None else store
         self.split = split
         self.module = enable_bw_split(module, self.store) if split else module
+        self.track_memory = track_memory
+        self._params = list(self.module.parameters())
+        self._submodules = list(self.module.modules())
         self._records: dict[int, _Record] = {}
+        self._held: int | None = 0  # held_bytes() until the next op; None: recount
 
     # ---- ops ----------------------------------------------------------------------------
 
@@ -146,7 +155,9 @@ class StageChunk:
             saved.append(weakref.ref(alias))
             return alias
 
-        with torch.enable_grad(), saved_tensors_hooks(pack, _identity):
+        self._held = None
+        hooks = saved_tensors_hooks(pack, _identity) if self.track_memory else nullcontext()
+        with torch.enable_grad(), hooks, self.store.record(self.stage, mb):
             out = self.module(inp)
             if not isinstance(out, Tensor):
                 raise StageChunkError(
@@ -168,7 +179,6 @@ class StageChunk:
             # Keep the output's node, not its data, unless the loss (a scalar) or a
             # leaf that the stage passed through.
             root = out if self.is_last or out.grad_fn is None else get_gradient_edge(out)
-        self.store.begin(self.stage, mb)
         self._records[mb] = _Record("F", inp, root, out.shape, out.dtype, out.device, saved)
         return result.detach()
 
@@ -182,19 +192,12 @@ class StageChunk:
         """
         rec = self._require(mb, "F", "backward_input (B)")
         self._check_grad_output(mb, rec, grad_output)
+        self._held = None
         x = rec.x
         assert x is not None
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        params = [p for p in self._params if p.requires_grad]
         inputs = ([x] if x.requires_grad else []) + params
-        grads: tuple[Tensor | None, ...] = (None,) * len(inputs)
-        with self.store.capture(self.stage, mb):
-            if rec.root is not None and inputs:
-                grads = torch.autograd.grad(
-                    [rec.root],
-                    inputs,
-                    grad_outputs=None if grad_output is None else [grad_output],
-                    allow_unused=True,
-                )
+        grads = self.store.backward(self.stage, mb, rec.root, grad_output, inputs)
         if x.requires_grad:
             gx, param_grads = grads[0], grads[1:]
             if gx is None:  # the output does not depend on the input
@@ -211,6 +214,7 @@ class StageChunk:
     def backward_weight(self, mb: int) -> None:
         """W. Runs the deferred weight-gradient work and adds gradients in microbatch order."""
         self._require(mb, "B", "backward_weight (W)")
+        self._held = None
         self.store.run(self.stage, mb)
         del self._records[mb]
 
@@ -229,17 +233,30 @@ class StageChunk:
         in-flight microbatch's input and the saved tensors of its graph that are
         still alive, and everything the store keeps for this chunk (W's inputs
         and output gradients, gradients waiting for an earlier microbatch).
+        Counted at the first call after each op of this chunk (only ops change
+        it), so callers may ask around every instruction.
         """
-        tensors: list[Tensor] = []
-        for rec in self._records.values():
-            if rec.x is not None:
-                tensors.append(rec.x)
-            if isinstance(rec.root, Tensor):
-                tensors.append(rec.root)
-            tensors.extend(t for ref in rec.saved if (t := ref()) is not None)
-        tensors.extend(self.store.held_tensors(self.stage))
-        weights = [*self.module.parameters(), *self.module.buffers()]
-        return storage_bytes(tensors, exclude=weights)
+        if not self.track_memory:
+            raise RuntimeError(
+                f"stage {self.stage}: held_bytes() needs StageChunk(track_memory=True)"
+            )
+        if self._held is None:
+            tensors: list[Tensor] = []
+            for rec in self._records.values():
+                if rec.x is not None:
+                    tensors.append(rec.x)
+                if isinstance(rec.root, Tensor):
+                    tensors.append(rec.root)
+                tensors.extend(t for ref in rec.saved if (t := ref()) is not None)
+            tensors.extend(self.store.held_tensors(self.stage))
+            weights = [
+                t
+                for m in self._submodules
+                for t in (*m._parameters.values(), *m._buffers.values())
+                if t is not None
+            ]
+            self._held = storage_bytes(tensors, exclude=weights)
+        return self._held
 
     def pending(self) -> dict[int, str]:
         """Microbatches in flight: "F" (awaiting B) or "B" (awaiting W)."""

@@ -102,23 +102,27 @@ class P2P:
         peer = dst if src == self.rank else src
         return self._lanes.get((src, dst), (self.group, peer))
 
-    def isend(self, tensor: torch.Tensor, peer: int, action: str) -> dist.Work:
-        """Start sending ``tensor`` to ``peer``; the caller keeps it alive until waited."""
+    def isend(self, tensor: torch.Tensor, peer: int, action: object) -> dist.Work:
+        """Start sending ``tensor`` to ``peer``; the caller keeps it alive until waited.
+
+        ``action`` (here and below) says what this rank was doing; it is turned
+        into text only for a :class:`PeerError`, so it may be a lazy description.
+        """
         g, p = self._lane(self.rank, peer)
         try:
             return dist.isend(tensor, group=g, group_dst=p)
         except Exception as e:
-            raise PeerError(self.rank, peer, action, str(e)) from e
+            raise PeerError(self.rank, peer, str(action), str(e)) from e
 
-    def irecv(self, buffer: torch.Tensor, peer: int, action: str) -> dist.Work:
+    def irecv(self, buffer: torch.Tensor, peer: int, action: object) -> dist.Work:
         """Post a receive from ``peer`` into ``buffer``."""
         g, p = self._lane(peer, self.rank)
         try:
             return dist.irecv(buffer, group=g, group_src=p)
         except Exception as e:
-            raise PeerError(self.rank, peer, action, str(e)) from e
+            raise PeerError(self.rank, peer, str(action), str(e)) from e
 
-    def wait(self, work: dist.Work, peer: int, action: str) -> None:
+    def wait(self, work: dist.Work, peer: int, action: object) -> None:
         """Wait for ``work`` at most ``timeout_s`` seconds."""
         start = time.monotonic()
         try:
@@ -129,7 +133,7 @@ class P2P:
                 why = f"no completion within the comm timeout of {self.timeout_s:g}s (peer stuck?)"
             else:
                 why = f"the transport failed after {took:.1f}s (peer died?)"
-            raise PeerError(self.rank, peer, action, f"{why}: {e}") from e
+            raise PeerError(self.rank, peer, str(action), f"{why}: {e}") from e
 
     def send_ints(self, values: list[int], peer: int, action: str) -> None:
         """Blocking send of a short list of integers (metadata)."""

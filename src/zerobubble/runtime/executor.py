@@ -66,7 +66,9 @@ class ExecutorOptions:
 
     trace: bool = True
     """Record a :class:`~zerobubble.runtime.trace.TraceEvent` per executed instruction
-    in :attr:`PipelineExecutor.trace` (one ``held_bytes`` query per event)."""
+    in :attr:`PipelineExecutor.trace` (one ``held_bytes`` query per event). The stages
+    then track their saved tensors (``StageChunk(track_memory=True)``), a Python call per
+    saved tensor in F and in B; turn it off for the fastest steps."""
 
     def __post_init__(self) -> None:
         if not self.comm_timeout_s > 0:
@@ -155,12 +157,25 @@ class PipelineExecutor:
                     f"the StageChunk given for stage {s} is stage {m.stage} of {m.num_stages}; "
                     f"the schedule has {self.schedule.num_stages} stages"
                 )
+            if self.options.trace and not m.track_memory:
+                raise ValueError(
+                    f"the StageChunk given for stage {s} has track_memory=False, but the trace "
+                    "records held bytes: build it with track_memory=True or pass "
+                    "ExecutorOptions(trace=False)"
+                )
             return m
         S = self.schedule.num_stages
         if s == S - 1 and loss_fn is None:
             raise ValueError(f"rank {self.rank} holds the last stage {s}: pass loss_fn")
         split = any(a.op is Op.B and a.stage == s for a in self.schedule.actions[self.rank])
-        return StageChunk(m, s, S, loss_fn=loss_fn if s == S - 1 else None, split=split)
+        return StageChunk(
+            m,
+            s,
+            S,
+            loss_fn=loss_fn if s == S - 1 else None,
+            split=split,
+            track_memory=self.options.trace,
+        )
 
     def held_bytes(self) -> int:
         """Activation bytes held by this rank's stages."""
@@ -324,13 +339,9 @@ class _Step:
                 "the batch shape fixed across steps",
             )
 
-    def describe(self, ins: PostRecv | WaitRecv | Send) -> str:
-        """The instruction and the compute it serves, for error messages."""
-        m = ins.msg
-        if isinstance(ins, Send):
-            return f"{ins} (output of {_producer_name(m)})"
-        consumer = "F" if m.kind is MsgKind.ACT else "backward"
-        return f"{ins} (input of {consumer}(s{m.dst_stage},mb{m.mb}))"
+    def describe(self, ins: PostRecv | WaitRecv | Send) -> _Description:
+        """The instruction and the compute it serves, for error messages (formatted lazily)."""
+        return _Description(ins)
 
     def event(self, ins: Instruction, t0: int, t1: int, mem0: int, mem1: int) -> TraceEvent:
         pipe = self.pipe
@@ -353,6 +364,22 @@ class _Step:
         here = m.src_stage if isinstance(ins, Send) else m.dst_stage
         msg_id = (m.kind.value, m.src_stage, m.dst_stage, m.mb)
         return TraceEvent(op=op, stage=here, mb=m.mb, peer=ins.peer, msg=msg_id, **common)
+
+
+class _Description:
+    """Text for a PeerError, built only if one is raised (not on every instruction)."""
+
+    __slots__ = ("ins",)
+
+    def __init__(self, ins: PostRecv | WaitRecv | Send) -> None:
+        self.ins = ins
+
+    def __str__(self) -> str:
+        ins, m = self.ins, self.ins.msg
+        if isinstance(ins, Send):
+            return f"{ins} (output of {_producer_name(m)})"
+        consumer = "F" if m.kind is MsgKind.ACT else "backward"
+        return f"{ins} (input of {consumer}(s{m.dst_stage},mb{m.mb}))"
 
 
 def _producer_name(m: Message) -> str:
