@@ -37,7 +37,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -61,12 +60,8 @@ GradList = list[tuple[Tensor, Tensor]]
 """``(parameter, gradient)`` pairs, in the order they were produced."""
 
 
-class _Grad(NamedTuple):
-    """One parameter's gradient for one microbatch; ``owned`` if no one else holds it."""
-
-    param: Tensor
-    grad: Tensor
-    owned: bool
+_Grad = tuple[Tensor, Tensor, bool]
+"""``(parameter, gradient, owned)`` for one microbatch; ``owned`` if no one else holds it."""
 
 
 class _Deferred(NamedTuple):
@@ -84,8 +79,9 @@ class _Call(NamedTuple):
     """The layer's input (kept for W)."""
     out: GradientEdge
     """Where autograd delivers the gradient of the layer's output."""
-    work: Callable[[Tensor], _Deferred]
-    """Turns that gradient into W's work."""
+    work: Callable[..., _Deferred]
+    """``work(*args, gy)`` turns that gradient into W's work."""
+    args: tuple
 
 
 class WeightGradStore:
@@ -218,7 +214,7 @@ class WeightGradStore:
         n = len(inputs)
         # Reversed: W sums a layer's uses in the order autograd's backward meets them.
         work = [
-            c.work(gy)
+            c.work(*c.args, gy)
             for c, gy in zip(reversed(calls), reversed(grads[n:]), strict=True)
             if gy is not None
         ]
@@ -255,9 +251,9 @@ class WeightGradStore:
             raise RuntimeError(f"W of chunk {chunk}, microbatch {mb}: it {why}")
         # Gradients from B may alias tensors autograd handed elsewhere; the
         # split layers' own results are fresh tensors that .grad may adopt.
-        grads = [_Grad(p, g, False) for p, g in self._early.pop(key, ())]
+        grads: list[_Grad] = [(p, g, False) for p, g in self._early.pop(key, ())]
         for item in self._work.pop(key, ()):
-            grads.extend(_Grad(p, g, True) for p, g in item.compute())
+            grads.extend([(p, g, True) for p, g in item.compute()])
         self._ready[key] = _sum_per_param(grads)
         self._state[key] = "ready"
         self._flush(chunk)
@@ -282,7 +278,7 @@ class WeightGradStore:
                 out.extend(g for _, g in grads)
         for key, ready in self._ready.items():
             if chunk is None or key[0] == chunk:
-                out.extend(r.grad for r in ready)
+                out.extend(g for _, g, _ in ready)
         return out
 
     # ---- internals ----------------------------------------------------------------------
@@ -299,10 +295,12 @@ class WeightGradStore:
 
 def _sum_per_param(grads: list[_Grad]) -> list[_Grad]:
     """Sum contributions to the same parameter in arrival order, as autograd's input buffer does."""
+    if len({id(p) for p, _, _ in grads}) == len(grads):
+        return grads  # one contribution each: the common case
     total: dict[int, _Grad] = {}
-    for g in grads:
-        prev = total.get(id(g.param))
-        total[id(g.param)] = g if prev is None else _Grad(g.param, prev.grad + g.grad, True)
+    for p, g, owned in grads:
+        prev = total.get(id(p))
+        total[id(p)] = (p, g, owned) if prev is None else (p, prev[1] + g, True)
     return list(total.values())
 
 
@@ -380,14 +378,20 @@ def _bias_grad(gsum: Tensor) -> Tensor:
     return gb.clone() if gb.data_ptr() == gsum.data_ptr() else gb  # nothing reduced: a copy
 
 
-def _leaf(p: Tensor) -> Tensor:
-    """A fresh leaf sharing ``p``'s data (and version counter), outside any backward's inputs.
+def _alias(p: Tensor | None, cached: Tensor | None) -> Tensor | None:
+    """A leaf sharing ``p``'s data and version counter (``cached`` while it still is one).
 
     A recorded layer computes with such aliases of its parameters: the graph is
     exactly the one the parameters would build (PyTorch picks kernels and saved
     tensors by ``requires_grad``), but B, which asks only for the stage input,
-    the other parameters and the recorded outputs, never reaches them.
+    the parameters and the recorded outputs, never reaches the aliases. Reusing
+    one alias across microbatches, as autograd reuses a parameter's, saves
+    building a new leaf per call.
     """
+    if p is None:
+        return None
+    if cached is not None and cached.is_set_to(p) and cached.requires_grad == p.requires_grad:
+        return cached
     return p.detach().requires_grad_(p.requires_grad)
 
 
@@ -464,13 +468,17 @@ class _SplitLinearFn(torch.autograd.Function):
         return gx, None, None, None
 
 
+def _autocast_error(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"{what} does not support autocast: its deferred weight gradient would use the "
+        "uncast operands. Cast the model (e.g. model.to(torch.bfloat16)) instead of "
+        "running it under torch.autocast, or leave this module unsplit."
+    )
+
+
 def _check_autocast(x: Tensor, what: str) -> None:
     if torch.is_autocast_enabled(x.device.type):
-        raise RuntimeError(
-            f"{what} does not support autocast: its deferred weight gradient would use the "
-            "uncast operands. Cast the model (e.g. model.to(torch.bfloat16)) instead of "
-            "running it under torch.autocast, or leave this module unsplit."
-        )
+        raise _autocast_error(what)
 
 
 class SplitLinear(nn.Module):
@@ -492,6 +500,7 @@ class SplitLinear(nn.Module):
         self.weight = weight
         self.register_parameter("bias", bias)
         self.store = store
+        self._aliases: list[Tensor | None] = [None, None]  # of weight and bias, see _alias
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, store: WeightGradStore) -> SplitLinear:
@@ -503,16 +512,19 @@ class SplitLinear(nn.Module):
         need_b = b is not None and b.requires_grad
         if not ((need_w or need_b) and torch.is_grad_enabled()):
             return F.linear(x, w, b)  # no weight gradient to defer
-        _check_autocast(x, "SplitLinear")
         calls = self.store.recording
         # Recorded unless matmul would fold a non-contiguous N-D input into a copy:
         # W would then need that copy, which only the captured path keeps.
-        if calls is not None and (x.dim() <= 2 or x.is_contiguous()):
-            y = F.linear(x, _leaf(w), None if b is None else _leaf(b))
-            work = partial(_linear_work, w, b, need_w, need_b, x)
-            calls.append(_Call(x, _edge(y), work))
-            return y
-        return _SplitLinearFn.apply(x, w, b, self.store)
+        if calls is None or not (x.dim() <= 2 or x.is_contiguous()):
+            _check_autocast(x, "SplitLinear")
+            return _SplitLinearFn.apply(x, w, b, self.store)
+        aliases = self._aliases
+        aliases[0], aliases[1] = _alias(w, aliases[0]), _alias(b, aliases[1])
+        y = F.linear(x, aliases[0], aliases[1])
+        if not (x.dtype == y.dtype == w.dtype):  # only autocast gets F.linear there
+            raise _autocast_error("SplitLinear")
+        calls.append(_Call(x, _edge(y), _linear_work, (w, b, need_w, need_b, x)))
+        return y
 
     def extra_repr(self) -> str:
         return (
@@ -588,6 +600,7 @@ class SplitEmbedding(nn.Module):
         self.scale_grad_by_freq = embedding.scale_grad_by_freq
         self.weight = embedding.weight
         self.store = store
+        self._aliases: list[Tensor | None] = [None]  # of the weight, see _alias
 
     def forward(self, idx: Tensor) -> Tensor:
         w = self.weight
@@ -598,16 +611,17 @@ class SplitEmbedding(nn.Module):
         _check_autocast(w, "SplitEmbedding")
         calls = self.store.recording
         if calls is not None:
+            aliases = self._aliases
+            aliases[0] = _alias(w, aliases[0])
             y = F.embedding(
                 idx,
-                _leaf(w),
+                aliases[0],
                 self.padding_idx,
                 self.max_norm,
                 self.norm_type,
                 self.scale_grad_by_freq,
             )
-            work = partial(_embedding_work, w, idx, self.backward_args())
-            calls.append(_Call(idx, _edge(y), work))
+            calls.append(_Call(idx, _edge(y), _embedding_work, (w, idx, self.backward_args())))
             return y
         return _SplitEmbeddingFn.apply(idx, w, self)
 
