@@ -84,6 +84,35 @@ class _Call(NamedTuple):
     args: tuple
 
 
+class _Raw(NamedTuple):
+    """What B's autograd call returned for parameters and recorded outputs, as it came."""
+
+    params: Sequence[Tensor]
+    param_grads: Sequence[Tensor | None]
+    calls: list[_Call]
+    out_grads: Sequence[Tensor | None]
+
+    def early(self) -> GradList:
+        """Parameter gradients produced by B (None: the parameter was not reached)."""
+        return [(p, g) for p, g in zip(self.params, self.param_grads, strict=True) if g is not None]
+
+    def work(self) -> list[_Deferred]:
+        """W's work for the recorded calls, in the order autograd's backward met them
+        (reverse forward order), so that a layer's uses are summed as autograd sums them."""
+        return [
+            c.work(*c.args, gy)
+            for c, gy in zip(reversed(self.calls), reversed(self.out_grads), strict=True)
+            if gy is not None
+        ]
+
+    def held(self) -> list[Tensor]:
+        out = [g for g in self.param_grads if g is not None]
+        for c, gy in zip(self.calls, self.out_grads, strict=True):
+            if gy is not None:
+                out += (c.held, gy)
+        return out
+
+
 class WeightGradStore:
     """Deferred weight-gradient work of one pipeline stage, keyed by (chunk, microbatch).
 
@@ -108,6 +137,7 @@ class WeightGradStore:
         self._calls: list[_Call] | None = None  # the forward being recorded
         self._state: dict[Key, str] = {}  # "open" -> "backward" -> "ready" -> (removed)
         self._recorded: dict[Key, list[_Call]] = {}
+        self._raw: dict[Key, _Raw] = {}  # B's gradients, sorted out by run()
         self._work: dict[Key, list[_Deferred]] = {}
         self._early: dict[Key, GradList] = {}
         self._ready: dict[Key, list[_Grad]] = {}
@@ -191,17 +221,22 @@ class WeightGradStore:
         root: Tensor | GradientEdge | None,
         grad_output: Tensor | None,
         inputs: Sequence[Tensor],
+        params: Sequence[Tensor] = (),
     ) -> tuple[Tensor | None, ...]:
         """B of (chunk, mb): the gradients of ``inputs``; weight gradients wait for :meth:`run`.
 
-        One ``torch.autograd.grad`` call from ``root`` that also returns the
-        gradients of the outputs recorded at forward time; those, with the
-        recorded inputs, are W's work. Like ``torch.autograd.grad`` with
-        ``allow_unused``: None for an input the root does not depend on (all
-        None if ``root`` is None: an output that needs no gradient).
+        One ``torch.autograd.grad`` call from ``root`` for ``inputs``, ``params``
+        and the outputs recorded at forward time. The gradients of ``params``
+        (parameters of unsplit modules, and split ones used outside their layer)
+        are kept as if handed to :meth:`add_grads`; those of the recorded
+        outputs, with the recorded inputs, are W's work. Like
+        ``torch.autograd.grad`` with ``allow_unused``: None for an input the root
+        does not depend on (all None if ``root`` is None: an output that needs
+        no gradient). Everything but the autograd call waits for :meth:`run`:
+        B is on the pipeline's critical path, W is not.
         """
         calls = self._recorded.pop((chunk, mb), [])
-        targets: list[Tensor | GradientEdge] = [*inputs, *(c.out for c in calls)]
+        targets = [*inputs, *params, *(c.out for c in calls)]
         with self.capture(chunk, mb):
             if root is None or not targets:
                 return (None,) * len(inputs)
@@ -212,14 +247,10 @@ class WeightGradStore:
                 allow_unused=True,
             )
         n = len(inputs)
-        # Reversed: W sums a layer's uses in the order autograd's backward meets them.
-        work = [
-            c.work(*c.args, gy)
-            for c, gy in zip(reversed(calls), reversed(grads[n:]), strict=True)
-            if gy is not None
-        ]
-        if work:
-            self._work.setdefault((chunk, mb), [])[:0] = work
+        if params or calls:
+            self._raw[chunk, mb] = _Raw(
+                params, grads[n : n + len(params)], calls, grads[n + len(params) :]
+            )
         return grads[:n]
 
     def defer(self, compute: Callable[[], GradList], held: Sequence[Tensor]) -> None:
@@ -251,8 +282,14 @@ class WeightGradStore:
             raise RuntimeError(f"W of chunk {chunk}, microbatch {mb}: it {why}")
         # Gradients from B may alias tensors autograd handed elsewhere; the
         # split layers' own results are fresh tensors that .grad may adopt.
-        grads: list[_Grad] = [(p, g, False) for p, g in self._early.pop(key, ())]
-        for item in self._work.pop(key, ()):
+        raw = self._raw.pop(key, None)
+        early = self._early.pop(key, [])
+        work = self._work.pop(key, [])
+        if raw is not None:
+            early = raw.early() + early
+            work = raw.work() + work  # captured work arrives after the recorded calls
+        grads: list[_Grad] = [(p, g, False) for p, g in early]
+        for item in work:
             grads.extend([(p, g, True) for p, g in item.compute()])
         self._ready[key] = _sum_per_param(grads)
         self._state[key] = "ready"
@@ -270,6 +307,9 @@ class WeightGradStore:
         for key, calls in self._recorded.items():
             if chunk is None or key[0] == chunk:
                 out.extend(c.held for c in calls)
+        for key, raw in self._raw.items():
+            if chunk is None or key[0] == chunk:
+                out.extend(raw.held())
         for key, items in self._work.items():
             if chunk is None or key[0] == chunk:
                 out.extend(t for item in items for t in item.held)

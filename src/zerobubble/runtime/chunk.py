@@ -196,16 +196,13 @@ class StageChunk:
         x = rec.x
         assert x is not None
         params = [p for p in self._params if p.requires_grad]
-        inputs = ([x] if x.requires_grad else []) + params
-        grads = self.store.backward(self.stage, mb, rec.root, grad_output, inputs)
         if x.requires_grad:
-            gx, param_grads = grads[0], grads[1:]
+            (gx,) = self.store.backward(self.stage, mb, rec.root, grad_output, [x], params)
             if gx is None:  # the output does not depend on the input
                 gx = torch.zeros_like(x)
         else:
-            gx, param_grads = None, grads
-        early = [(p, g) for p, g in zip(params, param_grads, strict=True) if g is not None]
-        self.store.add_grads(self.stage, mb, early)
+            gx = None
+            self.store.backward(self.stage, mb, rec.root, grad_output, [], params)
         # The weak references to saved tensors stay: held_bytes would expose a
         # graph that B failed to free.
         rec.state, rec.x, rec.root = "B", None, None
