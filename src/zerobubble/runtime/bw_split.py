@@ -253,6 +253,29 @@ class WeightGradStore:
             )
         return grads[:n]
 
+    def direct(self, chunk: int, mb: int) -> bool:
+        """True if B of (chunk, mb) may add its gradients to ``.grad`` itself, right away.
+
+        That is the case when it is the oldest microbatch of its chunk in flight
+        and its forward recorded nothing: adding now is what :meth:`run` would
+        do. The caller then closes it with :meth:`finish`.
+        """
+        key = (chunk, mb)
+        if self._state.get(key) != "open" or key in self._recorded:
+            return False
+        return min(k for k in self._state if k[0] == chunk) == key
+
+    def finish(self, chunk: int, mb: int) -> None:
+        """Close (chunk, mb) after its gradients went to ``.grad`` directly (see :meth:`direct`)."""
+        key = (chunk, mb)
+        if not self.direct(chunk, mb):
+            raise RuntimeError(
+                f"finish({chunk}, {mb}): not the oldest microbatch of its chunk in flight, or "
+                "its forward was recorded; run its backward through backward() and run()"
+            )
+        del self._state[key]
+        self._flush(chunk)
+
     def defer(self, compute: Callable[[], GradList], held: Sequence[Tensor]) -> None:
         """Queue weight-gradient work for the microbatch being captured (split layers only)."""
         if self._key is None:

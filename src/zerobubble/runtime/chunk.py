@@ -24,7 +24,12 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge, saved_tensors_hooks
 
-from zerobubble.runtime.bw_split import WeightGradStore, enable_bw_split
+from zerobubble.runtime.bw_split import (
+    SplitEmbedding,
+    SplitLinear,
+    WeightGradStore,
+    enable_bw_split,
+)
 
 __all__ = ["StageChunk", "StageChunkError", "storage_bytes"]
 
@@ -117,6 +122,11 @@ class StageChunk:
         self.module = enable_bw_split(module, self.store) if split else module
         self.track_memory = track_memory
         self._params = list(self.module.parameters())
+        # Without split layers a BW in microbatch order can let autograd add the
+        # gradients itself (AccumulateGrad, as the reference does).
+        self._plain = not any(
+            isinstance(m, SplitLinear | SplitEmbedding) for m in self.module.modules()
+        )
         self._submodules = list(self.module.modules())
         self._records: dict[int, _Record] = {}
         self._held: int | None = 0  # held_bytes() until the next op; None: recount
@@ -216,10 +226,29 @@ class StageChunk:
         del self._records[mb]
 
     def backward_full(self, mb: int, grad_output: Tensor | None) -> Tensor | None:
-        """BW: B then W, for schedules that do not split the backward."""
-        gx = self.backward_input(mb, grad_output)
-        self.backward_weight(mb)
-        return gx
+        """BW: B then W, for schedules that do not split the backward.
+
+        Without split layers and in microbatch order, one ``torch.autograd.backward``
+        adds the parameter gradients as it goes, like plain autograd.
+        """
+        if not (self._plain and self.store.direct(self.stage, mb)):
+            gx = self.backward_input(mb, grad_output)
+            self.backward_weight(mb)
+            return gx
+        rec = self._require(mb, "F", "backward_full (BW)")
+        self._check_grad_output(mb, rec, grad_output)
+        self._held = None
+        x = rec.x
+        assert x is not None
+        inputs = ([x] if x.requires_grad else []) + [p for p in self._params if p.requires_grad]
+        if rec.root is not None and inputs:
+            grads = None if grad_output is None else [grad_output]
+            torch.autograd.backward([rec.root], grads, inputs=inputs)
+        self.store.finish(self.stage, mb)
+        del self._records[mb]
+        if not x.requires_grad:
+            return None
+        return torch.zeros_like(x) if x.grad is None else x.grad
 
     # ---- inspection ---------------------------------------------------------------------
 
