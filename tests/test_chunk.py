@@ -248,6 +248,47 @@ def test_out_of_order_w_holds_gradients_until_earlier_microbatches_finish() -> N
     assert chunk.module[0].weight.grad is not None and chunk.held_bytes() == 0
 
 
+def test_held_bytes_kept_between_ops_equals_a_recount_after_every_op() -> None:
+    # Two chunks share one store (a V placement's device); out-of-order B and W
+    # make one chunk's W flush gradients that waited. The count kept between ops
+    # (queried like the executor's trace, around every op of every chunk) must
+    # equal a recount from scratch.
+    model = build_gpt(GPT)
+    chunks = make_chunks(model, [0, 2, 3], gpt_loss, placement=(0, 0, 1))
+    x, y = gpt_data(4)
+    xs, ys = split_batch(x, 4), split_batch(y, 4)
+    acts, grads = {}, {}
+    seen = 0
+    for a in scrambled_order(3, 4, seed=11):
+        c, s, j = chunks[a.stage], a.stage, a.mb
+        before = [k.held_bytes() for k in chunks]
+        if a.op is Op.F:
+            inp = xs[j] if c.is_first else acts[s - 1, j]
+            kw = {"target": ys[j]} if c.is_last else {}
+            acts[s, j] = c.forward(j, inp, **kw)
+        elif a.op is Op.W:
+            c.backward_weight(j)
+        else:
+            step = c.backward_input if a.op is Op.B else c.backward_full
+            grads[s, j] = step(j, None if c.is_last else grads[s + 1, j])
+        for k, held in zip(chunks, before, strict=True):
+            if k is not c:  # an op of one chunk leaves the others' counts alone
+                assert k.held_bytes() == held
+        kept = [k.held_bytes() for k in chunks]
+        for k in chunks:
+            k._held = None  # forget the kept count: the next query recounts
+        assert [k.held_bytes() for k in chunks] == kept
+        seen += sum(kept) > 0
+    assert seen > 10 and all(k.held_bytes() == 0 for k in chunks)
+
+
+def test_untracked_chunk_refuses_held_bytes() -> None:
+    chunk = StageChunk(build_mlp([4, 3], seed=0), 1, 3, track_memory=False)
+    chunk.forward(0, torch.randn(2, 4))
+    with pytest.raises(RuntimeError, match=r"track_memory=True"):
+        chunk.held_bytes()
+
+
 def test_pass_through_stages() -> None:
     identity = StageChunk(nn.Identity(), 1, 3)
     out = identity.forward(0, torch.ones(2, 3))

@@ -6,6 +6,7 @@ Each launch runs many cases inside the spawned ranks (process start-up dominates
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -17,6 +18,7 @@ from torch import nn
 
 from zerobubble.interop.torch_pipelining import torch_rows
 from zerobubble.models import GPTConfig, build_gpt, build_mlp, gpt_loss, mlp_loss
+from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.launcher import LaunchError, init_distributed, launch
 from zerobubble.runtime.partition import build_stage_modules, stage_bounds
@@ -133,6 +135,21 @@ def trace_run(rank: int) -> dict:
     return {"events": events, "schedule": sched}
 
 
+def untracked_chunk_refusal(rank: int) -> str:
+    """A StageChunk that does not track memory, handed to a tracing executor."""
+    sched = generate("1f1b", 2, 2)
+    layers, loss_fn, _, _ = make_model("mlp", 2, 2)
+    chunks = {
+        s: StageChunk(m, s, 2, loss_fn=loss_fn if s == 1 else None, track_memory=False)
+        for s, m in build_stage_modules(layers, sched, rank).items()
+    }
+    try:
+        PipelineExecutor(sched, chunks, loss_fn=loss_fn)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 def main_job(p: int) -> dict:
     info = init_distributed(timeout_s=60)
     out: dict = {"cases": []}
@@ -144,6 +161,9 @@ def main_job(p: int) -> dict:
         imported = torch_csv.loads(csv_text, name="torch:ZBVZeroBubble", num_microbatches=4)
         out["torch"] = check_step(imported, "gpt", info.rank)
         out["directed"] = check_step(generate("zbv", 2, 3), "gpt", info.rank, directed_groups=True)
+        # Untraced: the stages skip tracking saved tensors; same bits.
+        out["untraced"] = check_step(generate("zb-h2", 2, 4), "gpt", info.rank, trace=False)
+        out["refused"] = untracked_chunk_refusal(info.rank)
         out["optim"] = [
             bad
             for kind in ("zb-h1", "zbv")
@@ -199,6 +219,12 @@ def test_imported_torch_schedule_and_directed_groups_match(p2):
     assert_bitwise([[r["directed"]] for r in p2])
 
 
+def test_untraced_steps_match_and_untracked_chunks_need_trace_off(p2):
+    assert_bitwise([[r["untraced"]] for r in p2])
+    for r in p2:
+        assert "track_memory=False" in r["refused"] and "trace=False" in r["refused"]
+
+
 def test_sgd_and_adamw_steps_match_the_reference(p2):
     assert [r["optim"] for r in p2] == [[], []]
 
@@ -217,6 +243,10 @@ def test_trace_records_every_action_and_message(p2, tmp_path):
             assert mine[0].mem_before == 0 and mine[-1].mem_after == 0  # nothing leaks
             fwd = [e for e in mine if e.op == "F"]
             assert all(e.mem_after > e.mem_before for e in fwd)
+            # Held bytes change only inside compute events, and each event starts
+            # from where the previous one ended (the count is kept between ops).
+            assert all(a.mem_after == b.mem_before for a, b in itertools.pairwise(mine))
+            assert all(e.mem_before == e.mem_after for e in mine if e.track != "compute")
         sends = sorted(e.msg for e in step if e.op == "send")
         posts = sorted(e.msg for e in step if e.op == "post_recv")
         waits = sorted(e.msg for e in step if e.op == "wait_recv")

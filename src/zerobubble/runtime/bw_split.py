@@ -79,8 +79,8 @@ class _Call(NamedTuple):
     """The layer's input (kept for W)."""
     out: GradientEdge
     """Where autograd delivers the gradient of the layer's output."""
-    work: Callable[..., _Deferred]
-    """``work(*args, gy)`` turns that gradient into W's work."""
+    grads: Callable[..., GradList]
+    """W: ``grads(*args, gy)`` turns that gradient into parameter gradients."""
     args: tuple
 
 
@@ -96,14 +96,14 @@ class _Raw(NamedTuple):
         """Parameter gradients produced by B (None: the parameter was not reached)."""
         return [(p, g) for p, g in zip(self.params, self.param_grads, strict=True) if g is not None]
 
-    def work(self) -> list[_Deferred]:
-        """W's work for the recorded calls, in the order autograd's backward met them
-        (reverse forward order), so that a layer's uses are summed as autograd sums them."""
-        return [
-            c.work(*c.args, gy)
-            for c, gy in zip(reversed(self.calls), reversed(self.out_grads), strict=True)
-            if gy is not None
-        ]
+    def grads(self) -> list[_Grad]:
+        """W for the recorded calls, in the order autograd's backward met them (reverse
+        forward order), so that a layer's uses are summed as autograd sums them."""
+        out: list[_Grad] = []
+        for c, gy in zip(reversed(self.calls), reversed(self.out_grads), strict=True):
+            if gy is not None:
+                out.extend([(p, g, True) for p, g in c.grads(*c.args, gy)])
+        return out
 
     def held(self) -> list[Tensor]:
         out = [g for g in self.param_grads if g is not None]
@@ -307,12 +307,12 @@ class WeightGradStore:
         # split layers' own results are fresh tensors that .grad may adopt.
         raw = self._raw.pop(key, None)
         early = self._early.pop(key, [])
-        work = self._work.pop(key, [])
         if raw is not None:
             early = raw.early() + early
-            work = raw.work() + work  # captured work arrives after the recorded calls
         grads: list[_Grad] = [(p, g, False) for p, g in early]
-        for item in work:
+        if raw is not None:
+            grads += raw.grads()
+        for item in self._work.pop(key, ()):  # captured work arrives after the recorded calls
             grads.extend([(p, g, True) for p, g in item.compute()])
         self._ready[key] = _sum_per_param(grads)
         self._state[key] = "ready"
@@ -466,22 +466,18 @@ def _edge(y: Tensor) -> GradientEdge:
     return GradientEdge(fn, y.output_nr)
 
 
-def _linear_work(
+def _linear_grads(
     weight: Tensor, bias: Tensor | None, need_w: bool, need_b: bool, x: Tensor, gy: Tensor
-) -> _Deferred:
+) -> GradList:
     """W of a recorded linear call: dW and db from its input and output gradient."""
-
-    def compute() -> GradList:
-        x2d = _linear_operand(x, weight.size(1), bias is not None)
-        g2d = _grad_2d(gy)
-        grads: GradList = []
-        if need_w:
-            grads.append((weight, _linear_weight_grad(g2d, x2d, weight)))
-        if need_b:
-            grads.append((bias, _bias_grad(g2d if _bias_via_addmm(x) else gy)))
-        return grads
-
-    return _Deferred(compute, (x, gy))
+    x2d = _linear_operand(x, weight.size(1), bias is not None)
+    g2d = _grad_2d(gy)
+    grads: GradList = []
+    if need_w:
+        grads.append((weight, _linear_weight_grad(g2d, x2d, weight)))
+    if need_b:
+        grads.append((bias, _bias_grad(g2d if _bias_via_addmm(x) else gy)))
+    return grads
 
 
 class _SplitLinearFn(torch.autograd.Function):
@@ -586,7 +582,7 @@ class SplitLinear(nn.Module):
         y = F.linear(x, aliases[0], aliases[1])
         if not (x.dtype == y.dtype == w.dtype):  # only autocast gets F.linear there
             raise _autocast_error("SplitLinear")
-        calls.append(_Call(x, _edge(y), _linear_work, (w, b, need_w, need_b, x)))
+        calls.append(_Call(x, _edge(y), _linear_grads, (w, b, need_w, need_b, x)))
         return y
 
     def extra_repr(self) -> str:
@@ -619,23 +615,19 @@ class _SplitEmbeddingFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: torch.autograd.function.FunctionCtx, gy: Tensor):  # type: ignore[override]
         (idx,) = ctx.saved_tensors
-        deferred = _embedding_work(ctx.weight, idx, ctx.args, gy)
+        weight, args = ctx.weight, ctx.args
         store: WeightGradStore = ctx.store
         if store.capturing is None:
-            return None, deferred.compute()[0][1], None
-        store.defer(*deferred)
+            return None, _embedding_grads(weight, idx, args, gy)[0][1], None
+        store.defer(lambda: _embedding_grads(weight, idx, args, gy), (idx, gy))
         return None, None, None
 
 
-def _embedding_work(
+def _embedding_grads(
     weight: Tensor, idx: Tensor, args: tuple[int, int, bool], gy: Tensor
-) -> _Deferred:
+) -> GradList:
     """W of an embedding call: the dense weight gradient, as ``F.embedding``'s backward."""
-
-    def compute() -> GradList:
-        return [(weight, torch.ops.aten.embedding_dense_backward(gy, idx, *args))]
-
-    return _Deferred(compute, (idx, gy))
+    return [(weight, torch.ops.aten.embedding_dense_backward(gy, idx, *args))]
 
 
 class SplitEmbedding(nn.Module):
@@ -684,7 +676,7 @@ class SplitEmbedding(nn.Module):
                 self.norm_type,
                 self.scale_grad_by_freq,
             )
-            calls.append(_Call(idx, _edge(y), _embedding_work, (w, idx, self.backward_args())))
+            calls.append(_Call(idx, _edge(y), _embedding_grads, (w, idx, self.backward_args())))
             return y
         return _SplitEmbeddingFn.apply(idx, w, self)
 

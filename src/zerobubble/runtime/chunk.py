@@ -158,11 +158,11 @@ class StageChunk:
         inp = x.detach()
         if not self.is_first and (inp.is_floating_point() or inp.is_complex()):
             inp.requires_grad_(True)
-        saved: list[weakref.ref[Tensor]] = []
+        saved: list[Tensor] = []  # held by the graph anyway until F returns
 
         def pack(t: Tensor) -> Tensor:
             alias = t.detach()  # an alias, not t itself: t may own this very graph
-            saved.append(weakref.ref(alias))
+            saved.append(alias)
             return alias
 
         self._held = None
@@ -189,7 +189,8 @@ class StageChunk:
             # Keep the output's node, not its data, unless the loss (a scalar) or a
             # leaf that the stage passed through.
             root = out if self.is_last or out.grad_fn is None else get_gradient_edge(out)
-        self._records[mb] = _Record("F", inp, root, out.shape, out.dtype, out.device, saved)
+        refs = [weakref.ref(t) for t in saved]
+        self._records[mb] = _Record("F", inp, root, out.shape, out.dtype, out.device, refs)
         return result.detach()
 
     def backward_input(self, mb: int, grad_output: Tensor | None) -> Tensor | None:
