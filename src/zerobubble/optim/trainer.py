@@ -56,7 +56,7 @@ from zerobubble.runtime.replay import StepHooks
 from zerobubble.runtime.trace import TraceEvent
 from zerobubble.schedule.ir import Action as ComputeAction
 
-__all__ = ["Commit", "PipelineTrainer"]
+__all__ = ["Commit", "PipelineTrainer", "group_settings"]
 
 
 @dataclass(frozen=True)
@@ -244,31 +244,33 @@ class PipelineTrainer:
             action = decide(total, self.config)
             replay = not (action is Action.STEP and vec[flags + FLAG_DEFERRED] == 0)
             vec[flags + FLAG_REPLAY] = float(replay)
+            if d > 0:  # send the full state back first: the others' validation waits on it
+                self._send(vec, d - 1, f"send of iteration {k}'s validated optimizer state")
             self._event("opt_prefix", k, t0)
             self._apply(action, total, k)
-            if d > 0:
-                self._send(vec, d - 1, f"send of iteration {k}'s validated optimizer state")
             self._pending = _Pending(k, None, replay=replay)
             self._commit(k, action, total, replay=replay)
             return
         prefix = self.layout.total(vec, self.config.norm_type, self.pipe.device, prefix=True)
         stepped = may_step_early(prefix, self.config)
+        if not stepped:
+            vec[flags + FLAG_DEFERRED] = 1.0
+        # Pass the prefix on before stepping, so the ranks' steps overlap.
+        self._send(vec, d + 1, f"send of iteration {k}'s gradient-norm prefix state")
+        back = self.layout.new_vector()
+        what = f"receive of iteration {k}'s validated optimizer state"
+        work = self.pipe.p2p.irecv(back, d + 1, what)
         self._event("opt_prefix", k, t0)
-        hyper = _hyperparams(self.optimizer)
         t0 = self._now()
+        hyper = group_settings(self.optimizer)
         if stepped:
             assert self.undo is not None
             self.undo.prepare()
             self.optimizer.step()
-        else:
-            vec[flags + FLAG_DEFERRED] = 1.0
         self.versions.provisional(k, stepped)
         self.pipe.param_version = self.versions.param_version
         self._event("opt_provisional" if stepped else "opt_defer", k, t0)
-        self._send(vec, d + 1, f"send of iteration {k}'s gradient-norm prefix state")
-        back = self.layout.new_vector()
-        what = f"receive of iteration {k}'s validated optimizer state"
-        self._pending = _Pending(k, stepped, hyper, (back, self.pipe.p2p.irecv(back, d + 1, what)))
+        self._pending = _Pending(k, stepped, hyper, (back, work))
         self.faults.crash(d, k, CrashPoint.AFTER_PROVISIONAL)
 
     def _gate(self) -> bool:
@@ -382,7 +384,7 @@ class PipelineTrainer:
         )
 
 
-def _hyperparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Every param group's settings (lr, betas, ...), copied: a scheduler may change them."""
     return [
         {k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups
@@ -394,7 +396,7 @@ def _hyperparams_set(
     optimizer: torch.optim.Optimizer, hyper: list[dict[str, Any]]
 ) -> Iterator[None]:
     """Run with the settings a provisional step used (redo and undo must match it)."""
-    current = _hyperparams(optimizer)
+    current = group_settings(optimizer)
     for g, h in zip(optimizer.param_groups, hyper, strict=True):
         g.update(h)
     try:
