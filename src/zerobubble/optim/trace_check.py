@@ -71,9 +71,6 @@ def check_versions(events: Iterable[TraceEvent], *, conservative: bool = False) 
                 )
             if e.op not in COMPUTE_OPS:
                 continue
-            if e.iteration in replayed_at and e.start_ns < replayed_at[e.iteration]:
-                continue  # discarded speculative work
-            versions[e.iteration, e.mb].add(e.param_version)
             prev = committed_at.get(e.iteration - 1)
             if (
                 conservative
@@ -85,6 +82,9 @@ def check_versions(events: Iterable[TraceEvent], *, conservative: bool = False) 
                     f"rank {rank}: F(s{e.stage},mb{e.mb}) of iteration {e.iteration} starts "
                     f"before iteration {e.iteration - 1} is committed on this rank"
                 )
+            if e.iteration in replayed_at and e.start_ns < replayed_at[e.iteration]:
+                continue  # discarded speculative work
+            versions[e.iteration, e.mb].add(e.param_version)
     for (it, mb), vs in sorted(versions.items()):
         if len(vs) > 1:
             problems.append(
