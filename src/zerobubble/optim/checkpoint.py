@@ -68,7 +68,13 @@ def save_checkpoint(
     v = trainer.versions
     mine = (step, v.iteration, v.param_version, str(v.opt))
     confirmations: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(confirmations, mine, group=group)
+    try:
+        dist.all_gather_object(confirmations, mine, group=group)
+    except Exception as e:
+        raise RuntimeError(
+            f"rank {trainer.rank}: checkpoint of step {step} is not committed: confirming the "
+            f"save with the other ranks failed ({e}); the previous checkpoint stays the newest"
+        ) from e
     if any(c != confirmations[0] for c in confirmations):
         raise RuntimeError(
             f"ranks saved different states {confirmations} (step, iteration, version, optimizer "
