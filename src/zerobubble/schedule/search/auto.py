@@ -1,0 +1,185 @@
+"""The automatic zero-bubble schedulers: ``zb-auto`` (one stage per device) and
+``zbv-auto`` (V placement, two stages per device).
+
+Both run the same search, a deterministic pure function of its inputs:
+
+1. one pass of the list-scheduling heuristic (:mod:`.greedy`) per point of a
+   grid over its binary choices; a pass stops early once it cannot beat the
+   best cost so far;
+2. the matching handcrafted schedules (ZB-H1 and ZB-H2, or ZB-V) join as
+   candidates when they fit the memory limit, so the search never returns
+   anything worse than them;
+3. the cheapest candidate is polished by local search (:mod:`.refine`) with a
+   budget of trial simulations that shrinks as the instance grows (large
+   instances skip it).
+
+The memory limit is per device, in the units of the cost model's ``mem_f``
+(with the default costs: one microbatch's activations on a whole device,
+M_B). A limit below one microbatch's M_B on some device cannot be met by any
+schedule; the error names the smallest feasible limit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from zerobubble.schedule.costs import CostModel, CostSpec, Number
+from zerobubble.schedule.errors import Reason, ScheduleError
+from zerobubble.schedule.generators.common import check_counts
+from zerobubble.schedule.generators.zero_bubble import zb_h1, zb_h2, zbv
+from zerobubble.schedule.ir import Schedule, looped_placement, v_placement
+from zerobubble.schedule.search.graph import ActionGraph, min_feasible_limit
+from zerobubble.schedule.search.greedy import Policy, run_pass
+from zerobubble.schedule.search.refine import Evaluator, refine
+
+#: Grid for one stage per device. Chosen from every combination of the choices
+#: (f_first x f_overrun x w_overrun x inflight in {0, 1, 2}) as the smallest set
+#: that keeps the best of the full grid on seeded random instances (bench_search.py
+#: --grid reruns that study). Ordered so that likely winners come first and prune
+#: the rest.
+GRID_1: tuple[Policy, ...] = (
+    Policy(f_first=False, f_overrun=True, w_overrun=True, inflight=2),
+    Policy(f_first=True, f_overrun=True, w_overrun=False, inflight=1),
+    Policy(f_first=True, f_overrun=True, w_overrun=True, inflight=1),
+    Policy(f_first=True, f_overrun=False, w_overrun=False, inflight=1),
+    Policy(f_first=False, f_overrun=True, w_overrun=False, inflight=2),
+    Policy(f_first=True, f_overrun=False, w_overrun=True, inflight=1),
+    Policy(f_first=False, f_overrun=False, w_overrun=False, inflight=0),
+)
+
+#: Grid for the V placement (two stages per device), chosen the same way from
+#: f_first x f_overrun x w_overrun x later_first x inflight in {0, 1}.
+GRID_V: tuple[Policy, ...] = (
+    Policy(f_first=True, f_overrun=True, w_overrun=True, later_first=True, inflight=1),
+    Policy(f_first=False, f_overrun=True, w_overrun=True, later_first=True, inflight=0),
+    Policy(f_first=True, f_overrun=True, w_overrun=False, later_first=True, inflight=1),
+    Policy(f_first=False, f_overrun=True, w_overrun=True, later_first=False, inflight=0),
+    Policy(f_first=True, f_overrun=False, w_overrun=True, later_first=True, inflight=0),
+    Policy(f_first=True, f_overrun=False, w_overrun=False, later_first=True, inflight=1),
+)
+
+#: Trial simulations the local search may spend, as action-steps (evaluations x actions).
+REFINE_WORK = 1_000_000
+#: Below this many evaluations the local search is skipped (it would barely move).
+REFINE_MIN_EVALS = 200
+
+
+def resolve_costs(
+    placement: tuple[int, ...], costs: CostSpec | None, mem_limit: Number | None, default: float
+) -> tuple[CostModel, float]:
+    """The cost model and the memory limit a generator should use.
+
+    An explicit ``mem_limit`` wins over one carried by the costs file; without
+    either the limit is ``default`` times one microbatch's M_B on the busiest device.
+    """
+    spec = costs if costs is not None else CostSpec()
+    model = spec.resolve(placement)
+    if mem_limit is None:
+        mem_limit = spec.mem_limit
+    unit = min_feasible_limit(placement, model)
+    limit = default * unit if mem_limit is None else mem_limit
+    if not isinstance(limit, int | float) and not hasattr(limit, "__float__"):
+        raise ValueError(f"memory limit must be a number, got {limit!r}")
+    limit_f = float(limit)
+    if not math.isfinite(limit_f) or limit_f <= 0:
+        raise ValueError(f"memory limit must be a finite number > 0, got {limit!r}")
+    if limit_f < float(unit) * (1 - 1e-12):
+        raise ScheduleError(
+            Reason.MEMORY,
+            f"memory limit {limit_f:g} is infeasible: the smallest feasible limit is "
+            f"{float(unit):g} (one microbatch's M_B on every stage of the busiest device, "
+            "which a microbatch holds until its backward returns); raise the limit to at "
+            f"least {float(unit):g}",
+        )
+    return model, limit_f
+
+
+def auto_schedule(
+    name: str,
+    placement: tuple[int, ...],
+    num_microbatches: int,
+    costs: CostModel,
+    mem_limit: float,
+    grid: Sequence[Policy],
+    seeds: Sequence[Schedule] = (),
+) -> Schedule:
+    """Search for the cheapest schedule of ``placement`` x M within ``mem_limit``."""
+    graph = ActionGraph(placement, num_microbatches)
+    ev = Evaluator(graph, costs)
+    limit = mem_limit + 1e-10 * max(1.0, abs(mem_limit))
+    budget = REFINE_WORK // len(graph)
+    polish = budget >= REFINE_MIN_EVALS
+    # Candidates by cost; without polishing only the best matters, so passes prune.
+    found: dict[tuple[tuple[int, ...], ...], float] = {}
+    best = math.inf
+    for policy in grid:
+        cutoff = math.inf if polish else best
+        cand = run_pass(placement, num_microbatches, costs, mem_limit, policy, cutoff)
+        if cand is not None:
+            found.setdefault(cand.orders, cand.cost)
+            best = min(best, cand.cost)
+    for seed in seeds:
+        orders = tuple(
+            tuple(graph.index(a.op, a.stage, a.mb) for a in acts) for acts in seed.actions
+        )
+        if orders not in found and all(ev.fits(list(o), limit) for o in orders):
+            spans = ev.spans([list(o) for o in orders])
+            if spans is not None:
+                found[orders] = max(spans)
+    ranked = sorted(found.items(), key=lambda item: item[1])
+    if not polish:
+        ranked = ranked[:1]
+    winner, cost = [list(o) for o in ranked[0][0]], ranked[0][1]
+    for k, (orders, _) in enumerate(ranked if polish else ()):
+        share = (budget - 0) // (len(ranked) - k)
+        polished, c = refine(graph, costs, mem_limit, [list(o) for o in orders], max_evals=share)
+        budget -= share
+        if c < cost:
+            winner, cost = polished, c
+    P = max(placement) + 1
+    return Schedule(
+        name,
+        P,
+        len(placement),
+        num_microbatches,
+        placement,
+        tuple(tuple(graph.actions[i] for i in o) for o in winner),
+    )
+
+
+def zb_auto(
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    costs: CostSpec | None = None,
+    mem_limit: Number | None = None,
+) -> Schedule:
+    """Automatic zero-bubble schedule, one stage per device, under a memory limit.
+
+    Without ``mem_limit`` (here or in the costs file) the limit is P microbatches'
+    M_B, 1F1B's and ZB-H1's peak: the paper's ZB-1p. Pass 2P for ZB-2p.
+    """
+    p, m = check_counts(num_devices, num_microbatches)
+    placement = looped_placement(p, 1)
+    model, limit = resolve_costs(placement, costs, mem_limit, default=p)
+    return auto_schedule(
+        "zb-auto", placement, m, model, limit, GRID_1, seeds=(zb_h1(p, m), zb_h2(p, m))
+    )
+
+
+def zbv_auto(
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    costs: CostSpec | None = None,
+    mem_limit: Number | None = None,
+) -> Schedule:
+    """Automatic ZB-V: V placement (device d holds stages d and 2P-1-d) under a memory limit.
+
+    Without ``mem_limit`` the limit is P microbatches' M_B per device, ZB-V's own peak.
+    """
+    p, m = check_counts(num_devices, num_microbatches)
+    placement = v_placement(p)
+    model, limit = resolve_costs(placement, costs, mem_limit, default=p)
+    return auto_schedule("zbv-auto", placement, m, model, limit, GRID_V, seeds=(zbv(p, m),))
