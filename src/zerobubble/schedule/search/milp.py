@@ -148,11 +148,7 @@ def solve_optimal(
     """
     placement = incumbent.placement
     graph = ActionGraph(placement, incumbent.num_microbatches)
-    if len(graph) > MAX_ACTIONS:
-        raise ValueError(
-            f"the exact search is for small instances (at most {MAX_ACTIONS} F/B/W actions, "
-            f"this one has {len(graph)}); use zb-auto or zbv-auto for larger ones"
-        )
+    _check_size(len(graph))
     dur = durations(graph, costs)
     if min(dur) <= 0:
         raise ValueError("the exact search needs every F, B and W duration to be > 0")
@@ -206,10 +202,19 @@ def optimal(
     seconds and the best schedule found is returned (zb-auto's if nothing better).
     """
     p, m = check_counts(num_devices, num_microbatches)
+    _check_size(3 * p * m)
     placement = looped_placement(p, 1)
     model, limit = resolve_costs(placement, costs, mem_limit, default=2 * p)
     incumbent = auto_schedule("zb-auto", placement, m, model, limit, GRID_1)
     return solve_optimal(incumbent, model, limit).schedule
+
+
+def _check_size(actions: int) -> None:
+    if actions > MAX_ACTIONS:
+        raise ValueError(
+            f"the exact search is for small instances (at most {MAX_ACTIONS} F/B/W actions, "
+            f"this one has {actions}); use zb-auto or zbv-auto for larger ones"
+        )
 
 
 @dataclass
