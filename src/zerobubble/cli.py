@@ -47,7 +47,7 @@ def _add_cost_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mem-w",
         type=_number,
-        default=Fraction(1, 2),
+        default=0.5,
         help="r = M_W / M_B, the share of activation memory kept after B until W (default 0.5)",
     )
     p.add_argument(
@@ -157,7 +157,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         m=8,
         costs="F=1,B=1,W=1,comm=0",
         costs_file=None,
-        mem_w=Fraction(1, 2),
+        mem_w=0.5,
         mem_limit=None,
         kinds=None,
         chunks=2,

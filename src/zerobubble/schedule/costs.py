@@ -27,10 +27,16 @@ Number = Real
 
 
 def _div(x: Number, v: int) -> Number:
-    """Divide keeping exactness for ints and Fractions."""
-    if isinstance(x, int | Fraction):
-        q = Fraction(x, 1) / v
+    """Divide, staying exact for Fractions and for ints that divide evenly.
+
+    Anything else becomes a float: Fraction arithmetic is ~50x slower, so
+    exactness is opt-in (pass Fractions).
+    """
+    if isinstance(x, Fraction):
+        q = x / v
         return q.numerator if q.denominator == 1 else q
+    if isinstance(x, int) and x % v == 0:
+        return x // v
     return x / v
 
 
@@ -119,13 +125,15 @@ class CostModel:
         B: Number = 1,
         W: Number = 1,
         comm: Number = 0,
-        mem_w: Number = Fraction(1, 2),
+        mem_w: Number = 0.5,
     ) -> CostModel:
         """Uniform costs given as per-device totals.
 
         A device holding v chunks spends F/v, B/v, W/v per chunk and allocates
         1/v (of its M_B) per chunk F; ``mem_w`` is r = M_W / M_B.
         """
+        # Exact in, exact out: one Fraction among the inputs makes memory exact too.
+        unit = Fraction(1) if any(isinstance(x, Fraction) for x in (F, B, W, mem_w)) else 1
         counts: dict[int, int] = {}
         for d in placement:
             counts[d] = counts.get(d, 0) + 1
@@ -137,7 +145,7 @@ class CostModel:
             b=tuple(_div(B, v) for v in vs),
             w=tuple(_div(W, v) for v in vs),
             comm=comm,
-            mem_f=tuple(_div(1, v) for v in vs),
+            mem_f=tuple(_div(unit, v) for v in vs),
             mem_w=tuple(_div(mem_w, v) for v in vs),
         )
 
@@ -177,7 +185,7 @@ class CostSpec:
     B: Number = 1
     W: Number = 1
     comm: Number = 0
-    mem_w: Number = Fraction(1, 2)
+    mem_w: Number = 0.5
     stage_costs: CostModel | None = None
     mem_limit: Number | None = None
 

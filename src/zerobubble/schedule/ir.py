@@ -15,6 +15,7 @@ import enum
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 
 class Op(enum.StrEnum):
@@ -29,15 +30,22 @@ class Op(enum.StrEnum):
     BW = "BW"
     """Combined backward, for schedules that do not split B and W."""
 
+    # Enum hashes through a Python-level method; the str hash is equivalent here
+    # (names equal values) and runs in C, which matters for large schedules.
+    __hash__ = str.__hash__
+
     @property
     def is_backward(self) -> bool:
         """True for the ops that consume the output gradient (B and BW)."""
         return self is Op.B or self is Op.BW
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class Action:
-    """One op of one virtual stage on one microbatch."""
+class Action(NamedTuple):
+    """One op of one virtual stage on one microbatch.
+
+    A named tuple rather than a dataclass: schedules hold hundreds of
+    thousands of actions and tuple hashing/comparison runs in C.
+    """
 
     op: Op
     stage: int

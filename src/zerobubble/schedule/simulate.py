@@ -20,10 +20,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import accumulate
 
 from zerobubble.schedule.costs import CostModel, Number
 from zerobubble.schedule.errors import Reason, ScheduleError
-from zerobubble.schedule.ir import Action, Schedule, backward_ops, dependencies
+from zerobubble.schedule.graph import Graph, build_graph
+from zerobubble.schedule.ir import Op, Schedule
 
 
 @dataclass(frozen=True)
@@ -112,12 +114,15 @@ class SimResult:
         }
 
 
-def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
+def simulate(
+    schedule: Schedule, costs: CostModel | None = None, *, graph: Graph | None = None
+) -> SimResult:
     """Simulate ``schedule``; raises :class:`ScheduleError` if it deadlocks.
 
     The schedule is assumed structurally valid (see ``validate``); missing
     dependencies are treated as satisfied so that partial schedules can be
-    timed while they are being built.
+    timed while they are being built. ``graph`` lets a caller that already
+    indexed the schedule skip that work.
     """
     if costs is None:
         costs = CostModel.from_device_totals(schedule.placement)
@@ -125,85 +130,77 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
         raise ValueError(
             f"cost model has {costs.num_stages} stages, schedule has {schedule.num_stages}"
         )
-    start, end = _times(schedule, costs)
+    graph = graph if graph is not None else build_graph(schedule)
+    start, end = _times(schedule, costs, graph)
     memory = _memory(schedule, costs)
     return SimResult(schedule, costs, start, end, memory)
 
 
 def _times(
-    schedule: Schedule, costs: CostModel
+    schedule: Schedule, costs: CostModel, graph: Graph
 ) -> tuple[tuple[tuple[Number, ...], ...], tuple[tuple[Number, ...], ...]]:
-    acts = schedule.actions
-    where: dict[Action, tuple[int, int]] = {}
-    for d, lst in enumerate(acts):
-        for i, a in enumerate(lst):
-            where.setdefault(a, (d, i))
-    bw = backward_ops(schedule)
-    nstages = schedule.num_stages
+    flat, device, preds, offsets = graph.flat, graph.device, graph.preds, graph.offsets
+    n = len(flat)
     comm = costs.comm
-    dur = costs.duration
+    table = {(op, st): costs.duration(op, st) for op in Op for st in range(costs.num_stages)}
+    dur = [table[a.op, a.stage] for a in flat]
 
-    # waiting[d][i]: unfinished predecessors (device order + dependencies present in schedule).
-    deps_of: list[list[tuple[tuple[int, int], ...]]] = []
-    waiting: list[list[int]] = []
-    dependents: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for d, lst in enumerate(acts):
-        dl, wl = [], []
-        for i, a in enumerate(lst):
-            locs = tuple(where[x] for x in dependencies(a, nstages, bw) if x in where)
-            dl.append(locs)
-            wl.append(len(locs) + (1 if i else 0))
-            for loc in locs:
-                dependents.setdefault(loc, []).append((d, i))
-        deps_of.append(dl)
-        waiting.append(wl)
+    first = set(offsets[:-1])
+    waiting = [len(p) + (g not in first) for g, p in enumerate(preds)]
+    succs: list[list[int]] = [[] for _ in range(n)]
+    for g, p in enumerate(preds):
+        for x in p:
+            succs[x].append(g)
+    last_of = {offsets[d + 1] - 1 for d in range(len(offsets) - 1)}
 
-    start: list[list[Number]] = [[0] * len(lst) for lst in acts]
-    end: list[list[Number]] = [[0] * len(lst) for lst in acts]
+    start: list[Number] = [0] * n
+    end: list[Number] = [0] * n
+    ready = [g for g in range(n) if waiting[g] == 0]
     done = 0
-    ready = [(d, 0) for d, lst in enumerate(acts) if lst and waiting[d][0] == 0]
+    pop, push = ready.pop, ready.append
     while ready:
-        d, i = ready.pop()
-        a = acts[d][i]
-        t = end[d][i - 1] if i else 0
-        for dd, ii in deps_of[d][i]:
-            ready_at = end[dd][ii] + (comm if dd != d else 0)
-            if ready_at > t:
-                t = ready_at
-        start[d][i] = t
-        end[d][i] = t + dur(a.op, a.stage)
+        g = pop()
+        d = device[g]
+        t = end[g - 1] if g not in first else 0
+        for x in preds[g]:
+            r = end[x] + comm if device[x] != d else end[x]
+            if r > t:
+                t = r
+        start[g] = t
+        end[g] = t + dur[g]
         done += 1
-        for nd, ni in dependents.get((d, i), ()):
-            waiting[nd][ni] -= 1
-            if waiting[nd][ni] == 0:
-                ready.append((nd, ni))
-        if i + 1 < len(acts[d]):
-            waiting[d][i + 1] -= 1
-            if waiting[d][i + 1] == 0:
-                ready.append((d, i + 1))
-    if done != len(schedule):
-        raise _deadlock_error(schedule, waiting, deps_of)
-    return tuple(map(tuple, start)), tuple(map(tuple, end))
+        for x in succs[g]:
+            waiting[x] -= 1
+            if waiting[x] == 0:
+                push(x)
+        if g not in last_of:
+            waiting[g + 1] -= 1
+            if waiting[g + 1] == 0:
+                push(g + 1)
+    if done != n:
+        raise _deadlock_error(schedule, graph, waiting)
+    per_dev_start = tuple(
+        tuple(start[offsets[d] : offsets[d + 1]]) for d in range(len(offsets) - 1)
+    )
+    per_dev_end = tuple(tuple(end[offsets[d] : offsets[d + 1]]) for d in range(len(offsets) - 1))
+    return per_dev_start, per_dev_end
 
 
-def _deadlock_error(
-    schedule: Schedule,
-    waiting: list[list[int]],
-    deps_of: list[list[tuple[tuple[int, int], ...]]],
-) -> ScheduleError:
+def _deadlock_error(schedule: Schedule, graph: Graph, waiting: list[int]) -> ScheduleError:
     """Describe the wait-for cycle among the stuck device heads."""
     acts = schedule.actions
+    offsets = graph.offsets
     # The first unfinished position of each device: everything before it ran.
     head: dict[int, int] = {}
-    for d, wl in enumerate(waiting):
-        for i, n in enumerate(wl):
-            if n > 0:
-                head[d] = i
+    for d in range(len(offsets) - 1):
+        for g in range(offsets[d], offsets[d + 1]):
+            if waiting[g] > 0:
+                head[d] = g - offsets[d]
                 break
 
     def blocker(d: int) -> tuple[int, int]:
-        i = head[d]
-        for dd, ii in deps_of[d][i]:
+        for x in graph.preds[offsets[d] + head[d]]:
+            dd, ii = graph.location(x)
             if ii >= head.get(dd, len(acts[dd])):
                 return dd, ii
         raise AssertionError("stuck head without a stuck dependency")  # pragma: no cover
@@ -233,16 +230,11 @@ def _deadlock_error(
 
 
 def _memory(schedule: Schedule, costs: CostModel) -> tuple[tuple[Number, ...], ...]:
-    out = []
-    delta = costs.memory_delta
-    for lst in schedule.actions:
-        level: Number = 0
-        curve = []
-        for a in lst:
-            level = level + delta(a.op, a.stage)
-            curve.append(level)
-        out.append(tuple(curve))
-    return tuple(out)
+    table = {(op, s): costs.memory_delta(op, s) for op in Op for s in range(costs.num_stages)}
+    return tuple(
+        tuple(accumulate((table[a.op, a.stage] for a in lst), initial=0))[1:]
+        for lst in schedule.actions
+    )
 
 
 def device_peak(schedule: Schedule, costs: CostModel) -> Sequence[Number]:

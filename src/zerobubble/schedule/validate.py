@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from zerobubble.schedule.costs import CostModel, Number
 from zerobubble.schedule.errors import Reason, ScheduleError
-from zerobubble.schedule.ir import Action, Op, Schedule, backward_ops, dependencies
+from zerobubble.schedule.graph import Graph, build_graph
+from zerobubble.schedule.ir import Action, Op, Schedule
 from zerobubble.schedule.simulate import SimResult, simulate
 
 
@@ -26,18 +27,33 @@ def validate(
             ``costs`` (M_B of a whole device with the default costs).
         costs: Cost model for timing and memory (uniform F=B=W=1 by default).
     """
-    check_structure(schedule)
-    result = simulate(schedule, costs)  # raises DEADLOCK
+    graph = check_structure(schedule)
+    result = simulate(schedule, costs, graph=graph)  # raises DEADLOCK
     if mem_limit is not None:
         check_memory(result, mem_limit)
     return result
 
 
-def check_structure(schedule: Schedule) -> None:
-    """Every check that needs no timing: ranges, placement, completeness, local order."""
+def check_structure(schedule: Schedule) -> Graph:
+    """Every check that needs no timing: ranges, placement, completeness, local order.
+
+    Returns the dependency graph it built, for the simulator to reuse.
+    """
     S, M = schedule.num_stages, schedule.num_microbatches
-    seen: dict[Action, tuple[int, int]] = {}
-    for d, i, a in schedule:
+    placement = schedule.placement
+    graph = build_graph(schedule)
+    index = graph.index
+    for g, a in enumerate(graph.flat):
+        if (
+            type(a) is Action
+            and type(a.op) is Op
+            and 0 <= a.stage < S
+            and 0 <= a.mb < M
+            and placement[a.stage] == graph.device[g]
+            and index[a] == g
+        ):
+            continue  # the common case; below, name the first problem precisely
+        d, i = graph.location(g)
         if not isinstance(a, Action) or not isinstance(a.op, Op):
             raise ScheduleError(
                 Reason.OUT_OF_RANGE, f"{a!r} is not an Action", device=d, position=i
@@ -58,16 +74,17 @@ def check_structure(schedule: Schedule) -> None:
                 position=i,
                 action=a,
             )
-        if schedule.placement[a.stage] != d:
+        if placement[a.stage] != d:
             raise ScheduleError(
                 Reason.WRONG_DEVICE,
-                f"stage {a.stage} is placed on device {schedule.placement[a.stage]}, not {d}",
+                f"stage {a.stage} is placed on device {placement[a.stage]}, not {d}",
                 device=d,
                 position=i,
                 action=a,
             )
-        if a in seen:
-            fd, fi = seen[a]
+        first = index[a]
+        if first != g:
+            fd, fi = graph.location(first)
             raise ScheduleError(
                 Reason.DUPLICATE,
                 f"already scheduled at device {fd} position {fi}",
@@ -75,13 +92,20 @@ def check_structure(schedule: Schedule) -> None:
                 position=i,
                 action=a,
             )
-        seen[a] = (d, i)
 
     # B/BW conflicts and the W that needs a B.
-    for d, i, a in schedule:
-        s, j = a.stage, a.mb
-        if a.op is Op.BW and Action(Op.B, s, j) in seen:
-            fd, fi = seen[Action(Op.B, s, j)]
+    for g, a in enumerate(graph.flat):
+        op, s, j = a
+        if op is Op.F:
+            continue
+        has_b = (Op.B, s, j) in index
+        if (op is Op.BW and not has_b) or (op is Op.W and has_b):
+            continue
+        if op is Op.B and (Op.W, s, j) in index:
+            continue
+        d, i = graph.location(g)
+        if op is Op.BW and has_b:
+            fd, fi = graph.location(index[Op.B, s, j])
             raise ScheduleError(
                 Reason.CONFLICT,
                 f"stage {s} microbatch {j} also has a split B at device {fd} position {fi}; "
@@ -90,20 +114,17 @@ def check_structure(schedule: Schedule) -> None:
                 position=i,
                 action=a,
             )
-        if a.op is Op.W and Action(Op.B, s, j) not in seen:
+        if op is Op.W and not has_b:
+            uses_bw = (Op.BW, s, j) in index
             raise ScheduleError(
                 Reason.MISSING,
                 f"W without its B: stage {s} microbatch {j} has no B"
-                + (
-                    " (it uses BW, which already computes the weight gradient)"
-                    if Action(Op.BW, s, j) in seen
-                    else ""
-                ),
+                + (" (it uses BW, which already computes the weight gradient)" if uses_bw else ""),
                 device=d,
                 position=i,
                 action=a,
             )
-        if a.op is Op.B and Action(Op.W, s, j) not in seen:
+        if op is Op.B and (Op.W, s, j) not in index:
             raise ScheduleError(
                 Reason.MISSING,
                 f"B without its W: stage {s} microbatch {j} never computes its weight gradient",
@@ -112,34 +133,36 @@ def check_structure(schedule: Schedule) -> None:
                 action=a,
             )
 
-    for s in range(S):
-        for j in range(M):
-            if Action(Op.F, s, j) not in seen:
-                raise ScheduleError(
-                    Reason.MISSING,
-                    f"stage {s} microbatch {j} has no F (expected on device "
-                    f"{schedule.placement[s]})",
-                )
-            if Action(Op.B, s, j) not in seen and Action(Op.BW, s, j) not in seen:
-                raise ScheduleError(
-                    Reason.MISSING,
-                    f"stage {s} microbatch {j} has no backward (B+W or BW) (expected on device "
-                    f"{schedule.placement[s]})",
-                )
+    expected = S * M * 2 + sum(1 for a in graph.flat if a.op is Op.W)
+    if len(graph.flat) != expected:
+        for s in range(S):
+            for j in range(M):
+                if (Op.F, s, j) not in index:
+                    raise ScheduleError(
+                        Reason.MISSING,
+                        f"stage {s} microbatch {j} has no F (expected on device {placement[s]})",
+                    )
+                if (Op.B, s, j) not in index and (Op.BW, s, j) not in index:
+                    raise ScheduleError(
+                        Reason.MISSING,
+                        f"stage {s} microbatch {j} has no backward (B+W or BW) (expected on "
+                        f"device {placement[s]})",
+                    )
 
-    bw = backward_ops(schedule)
-    for d, i, a in schedule:
-        for dep in dependencies(a, S, bw):
-            dd, di = seen[dep]
-            if dd == d and di > i:
+    for g, p in enumerate(graph.preds):
+        for x in p:
+            if x > g and graph.device[x] == graph.device[g]:
+                d, i = graph.location(g)
+                _, xi = graph.location(x)
                 raise ScheduleError(
                     Reason.LOCAL_ORDER,
-                    f"it depends on {dep}, which comes later on the same device "
-                    f"(position {di}); move it after position {di}",
+                    f"it depends on {graph.flat[x]}, which comes later on the same device "
+                    f"(position {xi}); move it after position {xi}",
                     device=d,
                     position=i,
-                    action=a,
+                    action=graph.flat[g],
                 )
+    return graph
 
 
 def check_memory(result: SimResult, mem_limit: Number) -> None:

@@ -60,7 +60,8 @@ def parse_cell(cell: str, rank: int, column: int) -> list[Action]:
     if m := _CELL.match(text):
         return [Action(_TO_OURS[m.group(2)], int(m.group(1)), int(m.group(3)))]
     raise ValueError(
-        f"rank {rank} column {column}: cannot parse {text!r}; expected cells like 0F0, 2I0, 2W0, 1B3"
+        f"rank {rank} column {column}: cannot parse {text!r}; "
+        "expected cells like 0F0, 2I0, 2W0, 1B3"
     )
 
 

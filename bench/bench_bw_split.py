@@ -1,0 +1,279 @@
+"""Cost of the B/W split: time of B + W against one fused backward, and memory held after B.
+
+Run: ``OMP_NUM_THREADS=1 PYTHONPATH=src python bench/bench_bw_split.py [--repeats N] [--quick]``
+Prints one JSON object.
+
+Workloads (CPU, one thread): one GPT block as a middle stage (float input that
+needs a gradient, output gradient given), and a whole small GPT as a single
+stage ending in the loss. Each is run three ways on identical weights:
+
+* ``fused``: the unmodified layers, one ``torch.autograd.backward`` call.
+* ``ours``: :class:`~zerobubble.runtime.chunk.StageChunk` with split Linear and
+  Embedding layers: ``backward_input`` (B), ``backward_weight`` (W), and
+  ``backward_full`` (BW) for reference.
+* ``torch_pipelining``: the unmodified layers with PyTorch pipelining's
+  ``stage_backward_input`` (its B, "I") and ``stage_backward_weight`` (its W).
+
+Times are thread CPU time (``time.thread_time``: with one thread all the work
+runs on the calling thread, and the figure is not inflated when other
+processes share the cores), medians over ``--repeats`` runs after two warm-up
+runs, the three methods interleaved; forward is not timed.
+``time_ratio_of_minima`` divides the fastest B + W by the fastest fused
+backward: on a shared machine the minimum is the least disturbed run.
+``time_ratio = (t_B + t_W) / t_fused`` (goal <= 1.05). Before measuring, glibc
+is told (``mallopt``) to keep freed memory instead of returning it to the OS:
+otherwise whichever op first touches fresh pages pays a few microseconds per
+4 KiB page fault, which lands on one method or another depending on the heap's
+history (10-15 ms per op here), not on the method. PyTorch's own caching
+allocators behave the same way on GPUs. PyTorch pipelining is
+compared on the block only: on a first stage (integer input) its
+``stage_backward_input`` finds no input to differentiate and computes nothing,
+so there is no split to measure.
+
+Memory ("bytes held") counts the distinct storages a method keeps alive for
+the microbatch, excluding parameters and buffers:
+
+* tensors saved for backward: the forward runs under
+  ``torch.autograd.graph.saved_tensors_hooks`` whose pack hook stores a
+  detached alias and keeps a weak reference to it, so a saved tensor counts
+  exactly while autograd still holds it;
+* tensors the method itself holds: the stage input (and, for PyTorch
+  pipelining, the stage output it keeps as the backward root) after F; after B
+  the store's W inputs and output gradients for ours, the ``param_groups``
+  gradients for PyTorch pipelining.
+
+``memory_ratio = held after B / held after F`` (goal <= 0.6). After B our
+split keeps, per Linear, its input and its output gradient, so a block's token
+terms are equal before and after B (16 * d_model floats per token each way);
+what B frees is everything else, chiefly the softmax probabilities
+(n_heads * T floats per token). The ratio therefore falls with T / head_dim:
+for head_dim 32 and T 512 it is about 0.5. PyTorch pipelining retains the
+graph between I and W, so its ratio is near or above 1.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse
+import copy
+import ctypes
+import json
+import statistics
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.pipelining._backward import (
+    stage_backward_input,
+    stage_backward_weight,
+)
+
+from zerobubble.models import GPTConfig, build_gpt, gpt_loss
+from zerobubble.runtime.chunk import StageChunk, storage_bytes
+
+
+def _keep_freed_memory() -> bool:
+    """No heap trimming and no mmap below 32 MiB (glibc); False where unavailable."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(
+        libc.mallopt(m_trim_threshold, 2**31 - 1)
+    )
+
+
+class SavedTracker:
+    """Weak references to every tensor autograd saves inside the context."""
+
+    def __init__(self) -> None:
+        self.refs: list[weakref.ref[Tensor]] = []
+
+    def _pack(self, t: Tensor) -> Tensor:
+        alias = t.detach()
+        self.refs.append(weakref.ref(alias))
+        return alias
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def alive(self) -> list[Tensor]:
+        return [t for r in self.refs if (t := r()) is not None]
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.thread_time()
+    fn()
+    return time.thread_time() - t0
+
+
+def _clear(module: nn.Module) -> None:
+    for p in module.parameters():
+        p.grad = None
+
+
+class Workload:
+    """One stage: its layers, an input, and either an output gradient or a loss target."""
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        x: Tensor,
+        *,
+        grad: Tensor | None = None,
+        target: Tensor | None = None,
+    ) -> None:
+        self.name, self.module, self.x, self.grad, self.target = name, module, x, grad, target
+        self.is_loss = target is not None
+
+    def _plain_forward(self, module: nn.Module, x: Tensor) -> Tensor:
+        out = module(x)
+        return gpt_loss(out, self.target) if self.is_loss else out
+
+    def _input(self) -> Tensor:
+        x = self.x.detach()
+        return x if not x.is_floating_point() else x.requires_grad_(True)
+
+    def fused(self, module: nn.Module) -> float:
+        _clear(module)
+        out = self._plain_forward(module, self._input())
+        return _timed(lambda: torch.autograd.backward([out], None if self.is_loss else [self.grad]))
+
+    def ours(self, chunk: StageChunk) -> dict[str, float]:
+        _clear(chunk.module)
+        kw = {"target": self.target} if self.is_loss else {}
+        chunk.forward(0, self.x, **kw)
+        held_f = chunk.held_bytes()
+        t_b = _timed(lambda: chunk.backward_input(0, self.grad))
+        held_b = chunk.held_bytes()
+        t_w = _timed(lambda: chunk.backward_weight(0))
+        chunk.forward(1, self.x, **kw)
+        t_bw = _timed(lambda: chunk.backward_full(1, self.grad))
+        return {"B": t_b, "W": t_w, "BW": t_bw, "held_F": held_f, "held_B": held_b}
+
+    def torch_pipelining(self, module: nn.Module) -> dict[str, float]:
+        _clear(module)
+        tracker = SavedTracker()
+        x = self._input()
+        with tracker.hooks():
+            out = self._plain_forward(module, x)
+        params = [*module.parameters(), *module.buffers()]
+        held_f = storage_bytes([x, out, *tracker.alive()], exclude=params)
+        res: dict[str, object] = {}
+
+        def run_b() -> None:
+            res["b"] = stage_backward_input(
+                [out], None if self.is_loss else [self.grad], [x], module.parameters()
+            )
+
+        t_b = _timed(run_b)
+        _, groups = res.pop("b")  # type: ignore[misc]
+        held = tracker.alive() + [g for pg in groups for gs in pg.get("grads", []) for g in gs
+                                  if g is not None]  # fmt: skip
+        held_b = storage_bytes(held, exclude=params)
+        t_w = _timed(lambda: stage_backward_weight(module.parameters(), groups))
+        return {"B": t_b, "W": t_w, "held_F": held_f, "held_B": held_b}
+
+
+def _median(runs: list[dict[str, float]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def bench(w: Workload, repeats: int) -> dict[str, object]:
+    plain = copy.deepcopy(w.module)
+    compare = not w.is_loss  # PyTorch pipelining's split needs a differentiable input
+    pipelining = copy.deepcopy(w.module)
+    stage, num_stages = (0, 1) if w.is_loss else (1, 3)
+    loss_fn = gpt_loss if w.is_loss else None
+    chunk = StageChunk(copy.deepcopy(w.module), stage, num_stages, loss_fn=loss_fn)
+    fused: list[float] = []
+    ours: list[dict[str, float]] = []
+    tp: list[dict[str, float]] = []
+    for i in range(repeats + 2):
+        f, o = w.fused(plain), w.ours(chunk)
+        t = w.torch_pipelining(pipelining) if compare else None
+        if i >= 2:
+            fused.append(f)
+            ours.append(o)
+            if t is not None:
+                tp.append(t)
+    t_fused = statistics.median(fused)
+
+    def summary(runs: list[dict[str, float]], with_bw: bool) -> dict[str, object]:
+        t_b, t_w = _median(runs, "B"), _median(runs, "W")
+        held_f, held_b = runs[0]["held_F"], runs[0]["held_B"]
+        best = min(r["B"] + r["W"] for r in runs) / min(fused)
+        s: dict[str, object] = {
+            "t_B_ms": round(1e3 * t_b, 3),
+            "t_W_ms": round(1e3 * t_w, 3),
+            "time_ratio": round((t_b + t_w) / t_fused, 3),
+            "time_ratio_of_minima": round(best, 3),
+            "held_after_F_bytes": int(held_f),
+            "held_after_B_bytes": int(held_b),
+            "memory_ratio": round(held_b / held_f, 3),
+        }
+        if with_bw:
+            s["t_BW_ms"] = round(1e3 * _median(runs, "BW"), 3)
+            s["bw_ratio"] = round(_median(runs, "BW") / t_fused, 3)
+        return s
+
+    result: dict[str, object] = {
+        "workload": w.name,
+        "t_fused_backward_ms": round(1e3 * t_fused, 3),
+        "ours": summary(ours, True),
+    }
+    if compare:
+        result["torch_pipelining"] = summary(tp, False)
+    return result
+
+
+def workloads(quick: bool) -> list[Workload]:
+    gen = torch.Generator().manual_seed(0)
+    b, t = (1, 128) if quick else (2, 512)
+    block_cfg = GPTConfig(vocab_size=512, max_seq_len=t, d_model=128, n_heads=4, n_layers=1)
+    block = build_gpt(block_cfg)[1]
+    x = torch.randn(b, t, block_cfg.d_model, generator=gen)
+    g = torch.randn(b, t, block_cfg.d_model, generator=gen)
+    gpt_cfg = GPTConfig(vocab_size=512, max_seq_len=t, d_model=128, n_heads=4, n_layers=2)
+    ids = torch.randint(0, gpt_cfg.vocab_size, (b, t + 1), generator=gen)
+    return [
+        Workload(f"gpt_block d=128 h=4 T={t} B={b}", block, x, grad=g),
+        Workload(
+            f"gpt_stage L=2 d=128 h=4 V=512 T={t} B={b}",
+            build_gpt(gpt_cfg),
+            ids[:, :-1],
+            target=ids[:, 1:],
+        ),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15, help="timed runs per measurement")
+    parser.add_argument("--quick", action="store_true", help="small shapes, for smoke tests")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    kept = _keep_freed_memory()
+    results = [bench(w, args.repeats) for w in workloads(args.quick)]
+    out = {
+        "bench": "bw_split",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "timer": "thread CPU time",
+        "allocator_keeps_freed_memory": kept,
+        "repeats": args.repeats,
+        "goals": {"time_ratio": 1.05, "memory_ratio": 0.6},
+        "results": results,
+    }
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

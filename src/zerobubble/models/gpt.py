@@ -1,0 +1,157 @@
+"""A small GPT, built as an ordered list of layers so a partitioner can cut it anywhere.
+
+``build_gpt(cfg)`` returns ``nn.Sequential(embedding, block_0 .. block_{L-1},
+final LayerNorm, LM head)``; :func:`gpt_loss` is the token-mean cross-entropy.
+Attention is written with plain matmul and softmax (no fused SDPA kernel) so
+CPU results are deterministic and its saved tensors are ordinary autograd
+tensors. There is no dropout: every run is reproducible bitwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["Block", "CausalSelfAttention", "GPTConfig", "GPTEmbedding", "build_gpt", "gpt_loss"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape and initialisation of :func:`build_gpt`'s model."""
+
+    vocab_size: int = 256
+    """Number of distinct token ids; also the LM head's output width."""
+    max_seq_len: int = 64
+    """Longest sequence the position embedding (and the causal mask) covers."""
+    d_model: int = 64
+    """Width of the residual stream."""
+    n_heads: int = 4
+    """Attention heads per block; must divide ``d_model``."""
+    n_layers: int = 2
+    """Number of transformer blocks."""
+    mlp_ratio: int = 4
+    """Hidden width of each block's MLP, in multiples of ``d_model``."""
+    layer_norm_eps: float = 1e-5
+    """Epsilon of every LayerNorm."""
+    init_std: float = 0.02
+    """Std of the normal init of Linear and Embedding weights (biases start at 0).
+    The two residual projections of each block use ``init_std / sqrt(2 * n_layers)``,
+    as in GPT-2, so the residual stream's variance does not grow with depth."""
+    tie_embeddings: bool = False
+    """Share the token embedding matrix with the LM head. Only valid in a pipeline
+    when the first and last layers live on the same stage (nothing synchronises
+    the two halves of a tied gradient across stages)."""
+    seed: int = 0
+    """Seed of the initialisation; the global RNG is left untouched."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "max_seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"GPTConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+class GPTEmbedding(nn.Module):
+    """Token plus learned position embedding: (B, T) ids -> (B, T, d_model)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.max_seq_len = cfg.max_seq_len
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        t = idx.shape[-1]
+        if t > self.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds max_seq_len={self.max_seq_len}")
+        return self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with separate q/k/v/out nn.Linear projections."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.n_heads = cfg.n_heads
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d)
+        self.v = nn.Linear(d, d)
+        self.out = nn.Linear(d, d)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        future = torch.ones(cfg.max_seq_len, cfg.max_seq_len, dtype=torch.bool).triu(1)
+        self.register_buffer("future", future, persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        h = self.n_heads
+
+        def heads(y: Tensor) -> Tensor:
+            return y.view(b, t, h, d // h).transpose(1, 2)  # (B, H, T, D)
+
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        scores = (q @ k.transpose(-2, -1)) * self.scale
+        scores = scores.masked_fill(self.future[:t, :t], float("-inf"))
+        y = torch.softmax(scores, dim=-1) @ v
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln1(x)), then + mlp(ln2(.))."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.ln1 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+        self.fc = nn.Linear(d, cfg.mlp_ratio * d)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(cfg.mlp_ratio * d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.proj(self.act(self.fc(self.ln2(x))))
+
+
+def _init(model: nn.Sequential, cfg: GPTConfig) -> None:
+    gen = torch.Generator().manual_seed(cfg.seed)
+    residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, nn.Linear | nn.Embedding):
+                is_residual = name.endswith(("attn.out", ".proj"))
+                std = residual_std if is_residual else cfg.init_std
+                nn.init.normal_(m.weight, 0.0, std, generator=gen)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
+def build_gpt(cfg: GPTConfig) -> nn.Sequential:
+    """``[GPTEmbedding, Block x n_layers, LayerNorm, Linear head]``, seeded by ``cfg.seed``."""
+    with torch.random.fork_rng(devices=[]):  # module constructors draw from the global RNG
+        layers: list[nn.Module] = [GPTEmbedding(cfg)]
+        layers += [Block(cfg) for _ in range(cfg.n_layers)]
+        layers.append(nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps))
+        layers.append(nn.Linear(cfg.d_model, cfg.vocab_size, bias=False))
+        model = nn.Sequential(*layers)
+        _init(model, cfg)
+    if cfg.tie_embeddings:
+        model[-1].weight = model[0].tok.weight
+    return model
+
+
+def gpt_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy: logits (B, T, V), targets (B, T) ids."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,1 @@
+"""Running schedules on torch: B/W split, per-stage compute, lowering, executor."""

@@ -1,0 +1,327 @@
+"""The B/W split reproduces plain autograd bit for bit and accumulates in microbatch order."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from zerobubble.runtime.bw_split import (
+    SplitEmbedding,
+    SplitLinear,
+    WeightGradStore,
+    enable_bw_split,
+)
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _linear(in_f: int, out_f: int, bias: bool, seed: int = 0) -> nn.Linear:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Linear(in_f, out_f, bias=bias)
+
+
+# Inputs covering every path F.linear takes: 2-D (addmm/mm, also column-major),
+# contiguous N-D (flattened view), non-contiguous N-D (matmul fold with a copy),
+# 1-D (unsqueezed).
+INPUTS = {
+    "2d": lambda g: torch.randn(12, 24, generator=g),
+    "2d_column_major": lambda g: torch.randn(24, 12, generator=g).t(),
+    "3d": lambda g: torch.randn(3, 5, 24, generator=g),
+    "3d_transposed": lambda g: torch.randn(5, 3, 24, generator=g).transpose(0, 1),
+    "3d_sliced": lambda g: torch.randn(3, 5, 30, generator=g)[:, :, :24],
+    "4d": lambda g: torch.randn(2, 3, 4, 24, generator=g),
+    "1d": lambda g: torch.randn(24, generator=g),
+}
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("shape", list(INPUTS))
+def test_split_linear_matches_autograd_bitwise(shape: str, bias: bool) -> None:
+    g = _gen()
+    x0 = INPUTS[shape](g)
+    lin = _linear(24, 10, bias)
+    ref = copy.deepcopy(lin)
+    store = WeightGradStore()
+    split = SplitLinear.from_linear(lin, store)
+    assert split.weight is lin.weight and split.bias is lin.bias
+    gy = torch.randn(*x0.shape[:-1], 10, generator=g)
+
+    x_ref = x0.detach().requires_grad_()
+    y_ref = ref(x_ref)
+    y_ref.backward(gy)
+
+    x = x0.detach().requires_grad_()
+    y = split(x)
+    assert torch.equal(y, y_ref)
+    with store.capture(0, 0):
+        y.backward(gy)
+    # B: only the input gradient, with autograd's layout.
+    assert torch.equal(x.grad, x_ref.grad) and x.grad.stride() == x_ref.grad.stride()
+    assert lin.weight.grad is None and (not bias or lin.bias.grad is None)
+    # W: the weight and bias gradients.
+    store.run(0, 0)
+    assert torch.equal(lin.weight.grad, ref.weight.grad)
+    if bias:
+        assert torch.equal(lin.bias.grad, ref.bias.grad)
+    assert store.in_flight() == {} and store.held_tensors() == []
+
+
+@pytest.mark.parametrize("shape", ["2d", "3d", "3d_transposed"])
+def test_outside_capture_split_linear_gives_full_gradients_at_once(shape: str) -> None:
+    g = _gen(1)
+    x0 = INPUTS[shape](g)
+    lin = _linear(24, 10, True)
+    ref = copy.deepcopy(lin)
+    split = SplitLinear.from_linear(lin, WeightGradStore())
+    gy = torch.randn(*x0.shape[:-1], 10, generator=g)
+    x_ref, x = x0.detach().requires_grad_(), x0.detach().requires_grad_()
+    for _ in range(2):  # a second backward accumulates, as with nn.Linear
+        ref(x_ref).backward(gy)
+        split(x).backward(gy)
+    for a, b in [(x, x_ref), (lin.weight, ref.weight), (lin.bias, ref.bias)]:
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_frozen_weight_takes_the_plain_path() -> None:
+    lin = _linear(4, 3, True)
+    lin.weight.requires_grad_(False)
+    lin.bias.requires_grad_(False)
+    store = WeightGradStore()
+    split = SplitLinear.from_linear(lin, store)
+    x = torch.randn(2, 4, requires_grad=True)
+    with store.capture(0, 0):
+        split(x).sum().backward()
+    assert x.grad is not None and store.held_tensors() == []
+
+
+def _order_sensitive_microbatches() -> tuple[nn.Linear, list[torch.Tensor], list[torch.Tensor]]:
+    """A 1x1 linear whose per-microbatch weight gradients are 1e8, 1, -1e8.
+
+    In float32, (1e8 + 1) - 1e8 = 0 but (-1e8 + 1e8) + 1 = 1, so the order
+    of accumulation shows in the result.
+    """
+    lin = _linear(1, 1, True)
+    xs = [torch.tensor([[1e8]]), torch.tensor([[1.0]]), torch.tensor([[-1e8]])]
+    gys = [torch.ones(1, 1)] * 3
+    return lin, xs, gys
+
+
+def test_out_of_order_w_still_accumulates_in_microbatch_order() -> None:
+    lin, xs, gys = _order_sensitive_microbatches()
+    ref = copy.deepcopy(lin)
+    for x, gy in zip(xs, gys, strict=True):
+        ref(x).backward(gy)
+    assert ref.weight.grad.item() == 0.0  # in order: (1e8 + 1) - 1e8
+
+    store = WeightGradStore()
+    split = SplitLinear.from_linear(lin, store)
+    for j, (x, gy) in enumerate(zip(xs, gys, strict=True)):
+        with store.capture(0, j):
+            split(x).backward(gy)
+    store.run(0, 2)  # held: microbatches 0 and 1 are not yet added
+    assert lin.weight.grad is None
+    assert store.in_flight() == {(0, 0): "backward", (0, 1): "backward", (0, 2): "ready"}
+    store.run(0, 0)  # adds 0 only
+    assert lin.weight.grad.item() == 1e8
+    store.run(0, 1)  # adds 1, then the waiting 2
+    assert torch.equal(lin.weight.grad, ref.weight.grad)
+    assert torch.equal(lin.bias.grad, ref.bias.grad)
+    assert store.in_flight() == {}
+
+
+def test_microbatch_order_is_per_chunk() -> None:
+    a, xs, gys = _order_sensitive_microbatches()
+    b = copy.deepcopy(a)
+    store = WeightGradStore()
+    sa, sb = SplitLinear.from_linear(a, store), SplitLinear.from_linear(b, store)
+    for j in range(3):
+        for chunk, layer in ((0, sa), (1, sb)):
+            with store.capture(chunk, j):
+                layer(xs[j]).backward(gys[j])
+    for j in (0, 1, 2):
+        store.run(1, j)  # chunk 1 in order: does not wait for chunk 0
+    assert b.weight.grad.item() == 0.0 and a.weight.grad is None
+    for j in (2, 1, 0):
+        store.run(0, j)
+    assert a.weight.grad.item() == 0.0
+
+
+EMBEDDINGS = {
+    "plain": {},
+    "padding": {"padding_idx": 2},
+    "scale_by_freq": {"scale_grad_by_freq": True},
+    "max_norm": {"max_norm": 1.0},
+}
+
+
+@pytest.mark.parametrize("kwargs", list(EMBEDDINGS.values()), ids=list(EMBEDDINGS))
+def test_split_embedding_matches_autograd_bitwise(kwargs: dict) -> None:
+    g = _gen(2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        emb = nn.Embedding(7, 5, **kwargs)
+    ref = copy.deepcopy(emb)
+    store = WeightGradStore()
+    split = SplitEmbedding(emb, store)
+    idx = torch.tensor([[0, 2, 2, 6], [1, 2, 0, 0]])  # repeats and the padding index
+    gys = [torch.randn(2, 4, 5, generator=g) for _ in range(2)]
+    for j, gy in enumerate(gys):
+        y_ref = ref(idx)
+        y_ref.backward(gy)
+        y = split(idx)
+        assert torch.equal(y, y_ref)
+        with store.capture(0, j):
+            y.backward(gy)
+    assert emb.weight.grad is None
+    store.run(0, 1)
+    store.run(0, 0)
+    assert torch.equal(emb.weight.grad, ref.weight.grad)
+    assert torch.equal(emb.weight, ref.weight)  # max_norm renormalised both alike
+
+
+def test_sparse_embedding_is_rejected() -> None:
+    with pytest.raises(ValueError, match=r"sparse=True"):
+        SplitEmbedding(nn.Embedding(4, 2, sparse=True), WeightGradStore())
+    with pytest.raises(ValueError, match=r"sparse=True"):
+        enable_bw_split(nn.Sequential(nn.Embedding(4, 2, sparse=True)), WeightGradStore())
+
+
+class _Net(nn.Module):
+    """Embedding, a Linear used twice, LayerNorm, a nested head, and an attention module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.shared = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Sequential(nn.GELU(), nn.Linear(8, 3, bias=False))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.shared(self.emb(idx))
+        h = self.norm(self.shared(h) + h)
+        h = h + self.mha(h, h, h, need_weights=False)[0]
+        return self.head(h)
+
+
+def _net() -> _Net:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        return _Net()
+
+
+def test_enable_bw_split_swaps_in_place_and_keeps_parameters() -> None:
+    net = _net()
+    params = dict(net.named_parameters())
+    keys = list(net.state_dict())
+    store = WeightGradStore()
+    assert enable_bw_split(net, store) is net
+    assert isinstance(net.emb, SplitEmbedding) and isinstance(net.shared, SplitLinear)
+    assert isinstance(net.head[1], SplitLinear)
+    # MultiheadAttention reads out_proj's weight directly: left alone.
+    assert type(net.mha.out_proj) is not SplitLinear
+    assert dict(net.named_parameters()) == params
+    assert list(net.state_dict()) == keys
+    store2 = WeightGradStore()
+    enable_bw_split(net, store2)  # re-split rebinds to the new store
+    assert net.shared.store is store2
+    lone = nn.Linear(2, 2)
+    swapped = enable_bw_split(lone, store)
+    assert isinstance(swapped, SplitLinear) and swapped.weight is lone.weight
+
+
+def test_unsplit_parameters_get_gradients_in_b_and_split_ones_in_w() -> None:
+    net = _net()
+    ref = copy.deepcopy(net)
+    store = WeightGradStore()
+    enable_bw_split(net, store)
+    g = _gen(4)
+    idx = torch.randint(0, 11, (2, 5), generator=g)
+    gy = torch.randn(2, 5, 3, generator=g)
+    ref(idx).backward(gy)
+    out = net(idx)
+    with store.capture(0, 0):
+        out.backward(gy)
+    split_names = {"emb.weight", "shared.weight", "shared.bias", "head.1.weight"}
+    got = dict(net.named_parameters())
+    want = dict(ref.named_parameters())
+    for name in want:
+        if name in split_names:
+            assert got[name].grad is None, name
+        else:  # LayerNorm and MultiheadAttention: exact, right after B
+            assert torch.equal(got[name].grad, want[name].grad), name
+    store.run(0, 0)
+    for name in split_names:  # the Linear used twice sums both uses, as autograd does
+        assert torch.equal(got[name].grad, want[name].grad), name
+
+
+def test_unmodified_training_loop_is_unchanged() -> None:
+    net, ref = _net(), _net()
+    enable_bw_split(net, WeightGradStore())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (net, ref)]
+    g = _gen(5)
+    for _ in range(3):
+        idx = torch.randint(0, 11, (2, 5), generator=g)
+        for m, opt in zip((net, ref), opts, strict=True):
+            opt.zero_grad()
+            m(idx).square().mean().backward()
+            opt.step()
+    for a, b in zip(net.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_tied_weight_sums_both_uses_within_a_microbatch() -> None:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(6)
+        emb, head = nn.Embedding(9, 4), nn.Linear(4, 9, bias=False)
+    head.weight = emb.weight
+    net = nn.Sequential(emb, nn.Tanh(), head)
+    ref = copy.deepcopy(net)
+    store = WeightGradStore()
+    enable_bw_split(net, store)
+    assert net[0].weight is net[2].weight
+    idx = torch.tensor([[1, 4, 4, 8]])
+    for j in range(2):
+        ref(idx).sum().backward()
+        with store.capture(0, j):
+            net(idx).sum().backward()
+    store.run(0, 1)
+    store.run(0, 0)
+    assert torch.equal(net[0].weight.grad, ref[0].weight.grad)
+
+
+def test_store_rejects_misuse_with_clear_errors() -> None:
+    store = WeightGradStore()
+    with pytest.raises(RuntimeError, match=r"chunk 0, microbatch 3: it was never forwarded"):
+        store.run(0, 3)
+    with pytest.raises(RuntimeError, match="outside a capture context"):
+        store.defer(lambda: [], ())
+    store.begin(0, 0)
+    with pytest.raises(RuntimeError, match="has not run its backward"):
+        store.run(0, 0)
+    with pytest.raises(RuntimeError, match="already in flight"):
+        store.begin(0, 0)
+    with (
+        store.capture(0, 0),
+        pytest.raises(RuntimeError, match="inside capture"),
+        store.capture(0, 1),
+    ):
+        pass  # pragma: no cover
+    store.run(0, 0)
+    with pytest.raises(RuntimeError, match="never forwarded or its W already ran"):
+        store.run(0, 0)
+
+
+def test_autocast_is_rejected() -> None:
+    split = SplitLinear.from_linear(nn.Linear(4, 4), WeightGradStore())
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        pytest.raises(RuntimeError, match="autocast"),
+    ):
+        split(torch.randn(2, 4))

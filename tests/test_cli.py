@@ -1,0 +1,79 @@
+"""The command line: fixed subcommands and flags, clear errors, exit codes."""
+
+from __future__ import annotations
+
+import json
+
+from zerobubble.cli import main
+from zerobubble.schedule.formats import json_format, torch_csv
+from zerobubble.schedule.generators import GENERATORS, generate
+
+
+def test_schedule_formats(capsys, tmp_path):
+    assert main(["schedule", "zb-h1", "-p", "2", "-m", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == "d0 |F0 F1 ...B0 W0 B1 W1 "
+    out = tmp_path / "s.json"
+    assert main(["schedule", "zbv", "-p", "3", "-m", "6", "--format", "json", "-o", str(out)]) == 0
+    assert json_format.load(out) == generate("zbv", 3, 6)
+    assert (
+        main(["schedule", "1f1b", "-p", "2", "-m", "3", "--split-backward", "--format", "csv"]) == 0
+    )
+    assert (
+        torch_csv.loads(capsys.readouterr().out).actions
+        == generate("1f1b", 2, 3, split_backward=True).actions
+    )
+    assert (
+        main(
+            [
+                "schedule",
+                "interleaved-1f1b",
+                "-p",
+                "2",
+                "-m",
+                "4",
+                "--chunks",
+                "3",
+                "--format",
+                "json",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    assert json_format.load(out).num_stages == 6
+
+
+def test_simulate_json_with_costs(capsys, tmp_path):
+    path = tmp_path / "s.csv"
+    main(["schedule", "zb-h1", "-p", "4", "-m", "8", "--format", "csv", "-o", str(path)])
+    capsys.readouterr()
+    assert main(["simulate", str(path), "--costs", "F=2,B=2,W=1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["cost"] == 8 * (2 + 2 + 1) + 3 * (2 + 2 - 1)  # M(F+B+W) + (P-1)(F+B-W)
+    assert data["bubble_time"] == 9
+    assert len(data["idle"]) == 4
+
+
+def test_compare_lists_every_kind_and_plots(capsys, tmp_path):
+    png = tmp_path / "c.png"
+    assert main(["compare", "-p", "4", "-m", "8", "--json", "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    data = json.loads(text[: text.rindex("]") + 1])
+    assert [d["kind"] for d in data] == list(GENERATORS)
+    by_kind = {d["kind"]: d for d in data}
+    assert by_kind["zb-h2"]["cost"] == 24 and by_kind["1f1b"]["cost"] == 33
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_input_exits_2_with_a_message(capsys, tmp_path):
+    assert main(["schedule", "zb-h1", "-p", "0", "-m", "4"]) == 2
+    assert "number of devices P must be an integer >= 1" in capsys.readouterr().err
+    assert main(["compare", "-p", "2", "-m", "2", "--costs", "F=x"]) == 2
+    assert "cannot parse number" in capsys.readouterr().err
+    bad = tmp_path / "bad.csv"
+    bad.write_text("0F0,0B0\n")
+    assert main(["simulate", str(bad), "-m", "2"]) == 2
+    assert "[missing]" in capsys.readouterr().err
+    assert main(["schedule", "zb-h2", "-p", "4", "-m", "8", "--mem-limit", "6"]) == 2
+    assert "[memory]" in capsys.readouterr().err
