@@ -271,3 +271,30 @@ def test_mem_limit_from_costs_file_and_explicit_override():
 def test_default_costs_are_uniform():
     assert simulate(generate("zb-auto", 4, 8)).cost == 27  # ZB-1p = ZB-H1 at F=B=W
     assert simulate(generate("zbv-auto", 4, 8)).cost == 24
+
+
+def test_incremental_timing_equals_full_simulation():
+    """The local search re-simulates only what a move can affect; check it against a full run."""
+    from zerobubble.schedule.search.refine import Evaluator
+
+    rng = random.Random(4)
+    P, M = 4, 6
+    costs = realistic(rng, P)
+    g = ActionGraph(looped_placement(P, 1), M)
+    ev = Evaluator(g, costs)
+    orders = _orders_of(zb_h1(P, M))
+    base = ev.timing(orders)
+    checked = 0
+    for _ in range(300):
+        d = rng.randrange(P)
+        i, k = sorted(rng.sample(range(len(orders[d])), 2))
+        trial = [list(o) for o in orders]
+        trial[d].insert(i, trial[d].pop(k))
+        full = ev.timing(trial)
+        part = ev.timing(trial, base, d, i)
+        assert (full is None) == (part is None)
+        if full is not None:
+            assert part.spans == full.spans
+            assert part.end == full.end
+            checked += 1
+    assert checked > 20

@@ -9,9 +9,10 @@ Both run the same search, a deterministic pure function of its inputs:
 2. the matching handcrafted schedules (ZB-H1 and ZB-H2, or ZB-V) join as
    candidates when they fit the memory limit, so the search never returns
    anything worse than them;
-3. the cheapest candidate is polished by local search (:mod:`.refine`) with a
-   budget of trial simulations that shrinks as the instance grows (large
-   instances skip it).
+3. every distinct candidate, cheapest first, is polished by local search
+   (:mod:`.refine`) within a shared budget of simulated actions; instances too
+   large for the budget to cover REFINE_MIN_RUNS full simulations skip this
+   (the grid's passes then prune each other instead).
 
 The memory limit is per device, in the units of the cost model's ``mem_f``
 (with the default costs: one microbatch's activations on a whole device,
@@ -59,10 +60,10 @@ GRID_V: tuple[Policy, ...] = (
     Policy(f_first=True, f_overrun=False, w_overrun=False, later_first=True, inflight=1),
 )
 
-#: Trial simulations the local search may spend, as action-steps (evaluations x actions).
-REFINE_WORK = 1_000_000
-#: Below this many evaluations the local search is skipped (it would barely move).
-REFINE_MIN_EVALS = 200
+#: Actions the local search may simulate, over all its trials and starting points.
+REFINE_STEPS = 3_000_000
+#: The local search runs only if its budget covers this many full simulations.
+REFINE_MIN_RUNS = 200
 
 
 def resolve_costs(
@@ -108,8 +109,8 @@ def auto_schedule(
     graph = ActionGraph(placement, num_microbatches)
     ev = Evaluator(graph, costs)
     limit = mem_limit + 1e-10 * max(1.0, abs(mem_limit))
-    budget = REFINE_WORK // len(graph)
-    polish = budget >= REFINE_MIN_EVALS
+    budget = REFINE_STEPS
+    polish = budget // len(graph) >= REFINE_MIN_RUNS
     # Candidates by cost; without polishing only the best matters, so passes prune.
     found: dict[tuple[tuple[int, ...], ...], float] = {}
     best = math.inf
@@ -131,10 +132,13 @@ def auto_schedule(
     if not polish:
         ranked = ranked[:1]
     winner, cost = [list(o) for o in ranked[0][0]], ranked[0][1]
-    for k, (orders, _) in enumerate(ranked if polish else ()):
-        share = (budget - 0) // (len(ranked) - k)
-        polished, c = refine(graph, costs, mem_limit, [list(o) for o in orders], max_evals=share)
-        budget -= share
+    for orders, _ in ranked if polish else ():  # cheapest first; each may use what is left
+        if budget <= 0:
+            break
+        polished, c, spent = refine(
+            graph, costs, mem_limit, [list(o) for o in orders], max_steps=budget
+        )
+        budget -= spent
         if c < cost:
             winner, cost = polished, c
     P = max(placement) + 1

@@ -5,18 +5,47 @@ instances the best order often differs from it in a few places. This pass
 moves one action at a time to a nearby position on its device (up to
 ``window`` places), keeps a move if it lowers the cost (ties broken by the sum
 of device spans, which rewards progress off the critical device), and stops
-when no move helps or after ``max_evals`` trial simulations (a count, not a
-clock, so the result is deterministic). Moves never cross an action's
+when no move helps or after ``max_steps`` simulated actions over all trials
+(a count, not a clock, so the result is deterministic). Moves never cross an action's
 same-device predecessors or successors, never exceed the memory limit, and a
 move that deadlocks is rejected by the simulation.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 from zerobubble.schedule.costs import CostModel
 from zerobubble.schedule.search.graph import ActionGraph, durations, memory_deltas
 
 _EPS = 1e-9
+
+
+class Timing:
+    """Start and end of every action of one set of orders (indexed by action)."""
+
+    def __init__(
+        self,
+        orders: list[list[int]],
+        start: list[float],
+        end: list[float],
+        first: list[float],
+        spans: list[float],
+        work: int,
+    ) -> None:
+        self.orders = orders  # the inner lists are never modified in place
+        self.start = start
+        self.end = end
+        self.first = first
+        self.spans = spans
+        self.work = work  # actions simulated to get here (incremental runs: the suffix)
+        self._starts: dict[int, list[float]] = {}
+
+    def starts(self, device: int) -> list[float]:
+        """Start times of ``device``'s actions in its order (non-decreasing)."""
+        if device not in self._starts:
+            self._starts[device] = [self.start[a] for a in self.orders[device]]
+        return self._starts[device]
 
 
 class Evaluator:
@@ -39,13 +68,37 @@ class Evaluator:
 
     def spans(self, orders: list[list[int]]) -> list[float] | None:
         """Per-device spans of the as-soon-as-possible execution, None on deadlock."""
+        timing = self.timing(orders)
+        return None if timing is None else timing.spans
+
+    def timing(
+        self, orders: list[list[int]], base: Timing | None = None, changed: int = 0, at: int = 0
+    ) -> Timing | None:
+        """Simulate ``orders``; None on deadlock.
+
+        With ``base`` (the timing of orders that differ only on device ``changed`` from
+        position ``at`` on), everything that started before the first changed action
+        could start is kept: it cannot depend on the change.
+        """
         deps, dur = self.deps, self.dur
         P = self.num_devices
-        end = [-1.0] * len(dur)
-        pos = [0] * P
-        free = [0.0] * P
-        first = [0.0] * P
-        todo = sum(len(o) for o in orders)
+        if base is None or at == 0:
+            end = [-1.0] * len(dur)
+            start = [0.0] * len(dur)
+            pos = [0] * P
+            free = [0.0] * P
+            first = [0.0] * P
+        else:
+            end = base.end.copy()
+            start = base.start.copy()
+            first = list(base.first)
+            horizon = base.end[orders[changed][at - 1]]
+            pos = [at if e == changed else bisect_left(base.starts(e), horizon) for e in range(P)]
+            free = [end[orders[e][pos[e] - 1]] if pos[e] else 0.0 for e in range(P)]
+            for e in range(P):
+                for a in orders[e][pos[e] :]:
+                    end[a] = -1.0
+        todo = work = sum(len(o) - k for o, k in zip(orders, pos, strict=True))
         while todo:
             progressed = False
             for d in range(P):
@@ -66,6 +119,7 @@ class Evaluator:
                     else:
                         if i == 0:
                             first[d] = t
+                        start[a] = t
                         t_free = end[a] = t + dur[a]
                         i += 1
                         continue
@@ -77,7 +131,8 @@ class Evaluator:
                     progressed = True
             if not progressed:
                 return None
-        return [free[d] - first[d] if orders[d] else 0.0 for d in range(P)]
+        spans = [free[d] - first[d] if orders[d] else 0.0 for d in range(P)]
+        return Timing(list(orders), start, end, first, spans, work)
 
     def fits(self, order: list[int], limit: float) -> bool:
         level = 0.0
@@ -105,28 +160,31 @@ def refine(
     mem_limit: float,
     orders: list[list[int]],
     *,
-    max_evals: int,
+    max_steps: int,
     window: int = 6,
-) -> tuple[list[list[int]], float]:
-    """Improve ``orders`` (a valid schedule within ``mem_limit``); returns it and its cost."""
+) -> tuple[list[list[int]], float, int]:
+    """Improve ``orders`` (a valid schedule within ``mem_limit``).
+
+    Returns the orders, their cost and the simulation steps spent.
+    """
     ev = Evaluator(graph, costs)
     orders = [list(o) for o in orders]
-    spans = ev.spans(orders)
-    if spans is None:
+    timing = ev.timing(orders)
+    if timing is None:
         raise ValueError("refine() needs a schedule that runs; this one deadlocks")
-    best = _key(spans)
+    best = _key(timing.spans)
     limit = mem_limit + 1e-10 * max(1.0, abs(mem_limit))
-    steps = [s for k in range(1, window + 1) for s in (-k, k)]
-    evals = 0
+    offsets = [s for k in range(1, window + 1) for s in (-k, k)]
+    spent = 0
     improved = True
-    while improved and evals < max_evals:
+    while improved and spent < max_steps:
         improved = False
         for d in range(ev.num_devices):
             lst = orders[d]
-            i = 0
-            while i < len(lst) and evals < max_evals:
+            i = len(lst) - 1
+            while i >= 0 and spent < max_steps:
                 a = lst[i]
-                for step in steps:
+                for step in offsets:
                     k = i + step
                     if not 0 <= k < len(lst):
                         continue
@@ -141,14 +199,14 @@ def refine(
                     if not ev.fits(new, limit):
                         continue
                     orders[d] = new
-                    evals += 1
-                    trial = ev.spans(orders)
-                    if trial is not None and _better(_key(trial), best):
-                        best = _key(trial)
+                    trial = ev.timing(orders, timing, d, min(i, k))
+                    spent += len(graph) if trial is None else trial.work
+                    if trial is not None and _better(_key(trial.spans), best):
+                        timing, best = trial, _key(trial.spans)
                         lst = new
                         improved = True
                         break
                     orders[d] = lst
                 else:
-                    i += 1
-    return orders, best[0]
+                    i -= 1
+    return orders, best[0], spent
