@@ -10,7 +10,14 @@ import pytest
 
 from zerobubble.schedule.costs import CostModel, CostSpec
 from zerobubble.schedule.errors import Reason, ScheduleError
-from zerobubble.schedule.generators import GENERATORS, generate, zb_h1, zb_h2, zbv
+from zerobubble.schedule.generators import (
+    GENERATORS,
+    generate,
+    interleaved_1f1b,
+    zb_h1,
+    zb_h2,
+    zbv,
+)
 from zerobubble.schedule.ir import Action, Op, Schedule, looped_placement, v_placement
 from zerobubble.schedule.search import (
     ActionGraph,
@@ -252,10 +259,31 @@ def test_smallest_feasible_limit_is_schedulable(v_shape):
 
 
 def test_registered_kinds_take_costs_and_mem_limit():
-    for kind in ("zb-auto", "zbv-auto", "optimal"):
+    assert GENERATORS["zb-auto"].options == frozenset({"costs", "mem_limit", "chunks"})
+    for kind in ("zbv-auto", "optimal"):
         assert GENERATORS[kind].options == frozenset({"costs", "mem_limit"})
     with pytest.raises(ValueError, match="does not take option 'chunks'"):
-        generate("zb-auto", 4, 8, chunks=2)
+        generate("zbv-auto", 4, 8, chunks=2)
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_zb_auto_interleaved(chunks):
+    """chunks > 1: looped placement; beats split interleaved 1F1B, works at the tightest limit."""
+    rng = random.Random(chunks)
+    for P, M in [(2, 4), (4, 8)]:
+        placement = looped_placement(P, chunks)
+        base = realistic(rng, len(placement), 1 / chunks)
+        costs = CostModel.per_stage(
+            base.f, base.b, base.w, base.comm, mem_f=[rng.choice([1, 2]) for _ in placement]
+        )
+        spec = CostSpec(stage_costs=costs)
+        hand = interleaved_1f1b(P, M, chunks=chunks, split_backward=True)
+        limit = max(simulate(hand, costs).peak_memory)
+        sched = generate("zb-auto", P, M, chunks=chunks, costs=spec, mem_limit=limit)
+        assert sched.placement == placement
+        assert validate(sched, limit, costs).cost <= simulate(hand, costs).cost
+        tight = min_feasible_limit(placement, costs)
+        validate(zb_auto(P, M, chunks=chunks, costs=spec, mem_limit=tight), tight, costs)
 
 
 def test_mem_limit_from_costs_file_and_explicit_override():

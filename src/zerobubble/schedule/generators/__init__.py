@@ -116,8 +116,9 @@ register(
     Generator(
         "zb-auto",
         _zb_auto,
-        "automatic zero bubble for the given costs and memory limit (default P: ZB-1p)",
-        _SEARCH_OPTIONS,
+        "automatic zero bubble for the given costs and memory limit (default P: ZB-1p); "
+        "chunks > 1 interleaves",
+        _SEARCH_OPTIONS | {"chunks"},
     )
 )
 register(

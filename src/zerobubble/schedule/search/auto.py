@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 from zerobubble.schedule.costs import CostModel, CostSpec, Number
 from zerobubble.schedule.errors import Reason, ScheduleError
+from zerobubble.schedule.generators.classic import interleaved_1f1b
 from zerobubble.schedule.generators.common import check_counts
 from zerobubble.schedule.generators.zero_bubble import zb_h1, zb_h2, zbv
 from zerobubble.schedule.ir import Schedule, looped_placement, v_placement
@@ -49,7 +50,7 @@ GRID_1: tuple[Policy, ...] = (
     Policy(f_first=False, f_overrun=False, w_overrun=False, inflight=0),
 )
 
-#: Grid for the V placement (two stages per device), chosen the same way from
+#: Grid for several stages per device (V or looped placement), chosen the same way from
 #: f_first x f_overrun x w_overrun x later_first x inflight in {0, 1}.
 GRID_V: tuple[Policy, ...] = (
     Policy(f_first=True, f_overrun=True, w_overrun=True, later_first=True, inflight=1),
@@ -156,20 +157,28 @@ def zb_auto(
     num_devices: int,
     num_microbatches: int,
     *,
+    chunks: int = 1,
     costs: CostSpec | None = None,
     mem_limit: Number | None = None,
 ) -> Schedule:
-    """Automatic zero-bubble schedule, one stage per device, under a memory limit.
+    """Automatic zero-bubble schedule under a memory limit.
 
-    Without ``mem_limit`` (here or in the costs file) the limit is P microbatches'
-    M_B, 1F1B's and ZB-H1's peak: the paper's ZB-1p. Pass 2P for ZB-2p.
+    One stage per device by default (the paper's ZB-1p / ZB-2p); ``chunks`` > 1
+    uses the interleaved (looped) placement, stage s on device s % P, like
+    PyTorch's InterleavedZeroBubble. Without ``mem_limit`` (here or in the costs
+    file) the limit is P microbatches' M_B, 1F1B's and ZB-H1's peak: ZB-1p.
+    Pass 2P for ZB-2p.
     """
     p, m = check_counts(num_devices, num_microbatches)
-    placement = looped_placement(p, 1)
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
+    placement = looped_placement(p, chunks)
     model, limit = resolve_costs(placement, costs, mem_limit, default=p)
-    return auto_schedule(
-        "zb-auto", placement, m, model, limit, GRID_1, seeds=(zb_h1(p, m), zb_h2(p, m))
-    )
+    if chunks == 1:
+        grid, seeds = GRID_1, (zb_h1(p, m), zb_h2(p, m))
+    else:
+        grid, seeds = GRID_V, (interleaved_1f1b(p, m, chunks=chunks, split_backward=True),)
+    return auto_schedule("zb-auto", placement, m, model, limit, grid, seeds)
 
 
 def zbv_auto(
