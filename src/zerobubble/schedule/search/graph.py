@@ -84,14 +84,15 @@ class ActionGraph:
         for a, b, _ in self.edges:
             succ[a].append(b)
         reach = [0] * len(self)
-        for a in reversed(self._topological()):
+        for a in reversed(self.topological()):
             bits = 0
             for b in succ[a]:
                 bits |= (1 << b) | reach[b]
             reach[a] = bits
         return tuple(reach)
 
-    def _topological(self) -> list[int]:
+    def topological(self) -> list[int]:
+        """All actions, each after everything it depends on."""
         indeg = [0] * len(self)
         succ: list[list[int]] = [[] for _ in range(len(self))]
         for a, b, _ in self.edges:

@@ -240,7 +240,7 @@ def _build(
     dev = [graph.device(i) for i in range(n)]
     first = {graph.index(Op.F, s, 0) for s in range(graph.num_devices)}
     # Bounds on end times: earliest from the graph, latest from the cost cut.
-    order = graph._topological()
+    order = graph.topological()
     lo = [0.0] * n
     for i in order:  # all the device's work that must come first fits after T0
         head = sum(dur[j] for j in graph.by_device[dev[i]] if graph.precedes(j, i))
