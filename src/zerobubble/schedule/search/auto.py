@@ -37,7 +37,7 @@ from zerobubble.schedule.search.refine import Evaluator, refine
 
 #: Grid for one stage per device. Chosen from every combination of the choices
 #: (f_first x f_overrun x w_overrun x inflight in {0, 1, 2}) as the smallest set
-#: that keeps the best of the full grid on seeded random instances (bench_search.py
+#: that keeps the best of the full grid on seeded random instances (bench_grid.py
 #: --grid reruns that study). Ordered so that likely winners come first and prune
 #: the rest.
 GRID_1: tuple[Policy, ...] = (

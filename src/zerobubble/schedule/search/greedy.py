@@ -55,9 +55,6 @@ class Policy:
     """Start an F even if a B arrives before it ends (fills gaps, may delay that B)."""
     w_overrun: bool = False
     """Start a W in a gap shorter than the W (no idling, may delay what arrives)."""
-    w_lazy: bool = False
-    """Run a W only when memory blocks an F or nothing else is left to come: keeps W for
-    the cool-down, where the last microbatches' backward leaves the longest gaps."""
     later_first: bool = False
     """Among ready F (or ready B) of several stages on a device, run the later stage
     (for F: nearer the loss; for B: the longer backward still to go) rather than the
@@ -294,11 +291,7 @@ class _Builder:
             # The gap lasts until the next B (if a ready F is held back for it) or until
             # the next F or B arrives; with nothing (admissible) to come it stays open.
             gap_end = next_b if best_f >= 0 else min(next_b, next_f)
-            if (
-                blocked
-                or (not pol.w_lazy and (pol.w_overrun or free + self.w[s] <= gap_end))
-                or (pol.w_lazy and gap_end == _INF)
-            ):
+            if blocked or pol.w_overrun or free + self.w[s] <= gap_end:
                 self._put(d, 2, s, free)
                 return
         # Wait for the next known arrival; unknown ones send news when scheduled.
