@@ -81,9 +81,10 @@ def resolve_costs(
         mem_limit = spec.mem_limit
     unit = min_feasible_limit(placement, model)
     limit = default * unit if mem_limit is None else mem_limit
-    if not isinstance(limit, int | float) and not hasattr(limit, "__float__"):
-        raise ValueError(f"memory limit must be a number, got {limit!r}")
-    limit_f = float(limit)
+    try:
+        limit_f = float(limit)
+    except (TypeError, ValueError):
+        raise ValueError(f"memory limit must be a number, got {limit!r}") from None
     if not math.isfinite(limit_f) or limit_f <= 0:
         raise ValueError(f"memory limit must be a finite number > 0, got {limit!r}")
     if limit_f < float(unit) * (1 - 1e-12):
