@@ -1,18 +1,17 @@
-"""The automatic zero-bubble schedulers: ``zb-auto`` (one stage per device) and
-``zbv-auto`` (V placement, two stages per device).
+"""The automatic zero-bubble schedulers: ``zb-auto`` (one stage per device, or
+interleaved with ``chunks``) and ``zbv-auto`` (V placement, two stages per device).
 
 Both run the same search, a deterministic pure function of its inputs:
 
 1. one pass of the list-scheduling heuristic (:mod:`.greedy`) per point of a
-   grid over its binary choices; a pass stops early once it cannot beat the
-   best cost so far;
-2. the matching handcrafted schedules (ZB-H1 and ZB-H2, or ZB-V) join as
-   candidates when they fit the memory limit, so the search never returns
-   anything worse than them;
+   grid over its binary choices;
+2. the matching handcrafted schedules (ZB-H1 and ZB-H2, interleaved 1F1B, or
+   ZB-V) join as candidates when they fit the memory limit, so the search
+   never returns anything worse than them;
 3. every distinct candidate, cheapest first, is polished by local search
    (:mod:`.refine`) within a shared budget of simulated actions; instances too
-   large for the budget to cover REFINE_MIN_RUNS full simulations skip this
-   (the grid's passes then prune each other instead).
+   large for the budget to cover REFINE_MIN_RUNS full simulations skip this,
+   and there a pass stops as soon as it cannot beat the best one so far.
 
 The memory limit is per device, in the units of the cost model's ``mem_f``
 (with the default costs: one microbatch's activations on a whole device,
