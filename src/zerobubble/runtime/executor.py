@@ -354,7 +354,8 @@ class _Step:
         pipe = self.pipe
         plan = pipe.gate_plan
         assert plan is not None
-        t0, mem0 = pipe.trace.now(), pipe.held_bytes()
+        tracing = pipe.options.trace
+        t0, mem0 = (pipe.trace.now(), pipe.held_bytes()) if tracing else (0, 0)
         for peer, msgs in plan.stale[pipe.rank].items():
             for msg in msgs[plan.posted[pipe.rank].get(peer, 0) :]:
                 self.post(msg, peer, f"drain of stale {msg} from device {peer}")
@@ -367,7 +368,7 @@ class _Step:
         fresh = _Step(pipe, self.inputs, self.targets, self.scales)
         fresh.attempt, fresh.gated, fresh.in_flight = self.attempt + 1, True, self.in_flight
         pipe.replays += 1
-        if pipe.options.trace:
+        if tracing:
             common = self.common(t0, pipe.trace.now(), mem0, pipe.held_bytes())
             pipe.trace.record(TraceEvent(op="replay", stage=None, mb=None, **common))
         return fresh
