@@ -84,8 +84,9 @@ def normwise_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 @pytest.mark.parametrize("steps", [0, 1, 5])
-def test_inverse_restores_state_structure_exactly_and_values_within_bound(name, steps):
-    params, opt = setup(OPTIMIZERS[name], steps)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inverse_restores_state_structure_exactly_and_values_within_bound(name, steps, dtype):
+    params, opt = setup(OPTIMIZERS[name], steps, dtype)
     before = state_of(opt, params)
     undo = Inverse(opt)
     undo.prepare()
