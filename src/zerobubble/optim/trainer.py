@@ -3,7 +3,8 @@
 ``PipelineTrainer(executor, optimizer, OptimConfig(...))`` owns zero_grad, the
 global gradient norm, clipping, NaN/Inf skipping and the optimizer step::
 
-    trainer = PipelineTrainer(pipe, torch.optim.AdamW(trainer_params, ...), config)
+    params = [p for c in pipe.chunks.values() for p in c.module.parameters()]
+    trainer = PipelineTrainer(pipe, torch.optim.AdamW(params, ...), config)
     for x, y in batches:
         trainer.step(x, target=y)      # iteration k (+ validation of k-1 in post-validation)
     trainer.drain()                    # validated drain point: checkpoint, evaluate, stop
@@ -299,7 +300,7 @@ class PipelineTrainer:
         self._event("opt_validate", k, t0)
         rolled_back = False
         assert pend.hyper is not None
-        with _hyperparams_set(self.optimizer, pend.hyper):
+        with _settings_applied(self.optimizer, pend.hyper):
             if pend.stepped and action is not Action.STEP:
                 t0 = self._now()
                 assert self.undo is not None
@@ -392,7 +393,7 @@ def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def _hyperparams_set(
+def _settings_applied(
     optimizer: torch.optim.Optimizer, hyper: list[dict[str, Any]]
 ) -> Iterator[None]:
     """Run with the settings a provisional step used (redo and undo must match it)."""
