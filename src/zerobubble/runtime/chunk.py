@@ -251,6 +251,17 @@ class StageChunk:
             return None
         return torch.zeros_like(x) if x.grad is None else x.grad
 
+    def discard(self) -> None:
+        """Drop every microbatch in flight, leaving ``.grad`` untouched.
+
+        For speculative work that is replayed after a parameter rollback (see
+        :mod:`zerobubble.runtime.replay`); the graphs and stored inputs are freed.
+        """
+        self._held = None
+        for mb in self._records:
+            self.store.discard(self.stage, mb)
+        self._records.clear()
+
     # ---- inspection ---------------------------------------------------------------------
 
     def held_bytes(self) -> int:
