@@ -10,7 +10,8 @@ stage ending in the loss. Each is run three ways on identical weights:
 * ``fused``: the unmodified layers, one ``torch.autograd.backward`` call.
 * ``ours``: :class:`~zerobubble.runtime.chunk.StageChunk` with split Linear and
   Embedding layers: ``backward_input`` (B), ``backward_weight`` (W), and
-  ``backward_full`` (BW) for reference.
+  ``backward_full`` (BW) for reference. Timed without memory tracking (as the
+  executor runs untraced); the held bytes come from a tracking twin.
 * ``torch_pipelining``: the unmodified layers with PyTorch pipelining's
   ``stage_backward_input`` (its B, "I") and ``stage_backward_weight`` (its W).
 
@@ -146,13 +147,19 @@ class Workload:
         out = self._plain_forward(module, self._input())
         return _timed(lambda: torch.autograd.backward([out], None if self.is_loss else [self.grad]))
 
-    def ours(self, chunk: StageChunk) -> dict[str, float]:
-        _clear(chunk.module)
+    def ours(self, chunk: StageChunk, tracked: StageChunk) -> dict[str, float]:
+        """Times on ``chunk`` (no memory tracking, as the executor runs untraced);
+        held bytes from ``tracked``, run alike but not timed."""
         kw = {"target": self.target} if self.is_loss else {}
+        _clear(tracked.module)
+        tracked.forward(0, self.x, **kw)
+        held_f = tracked.held_bytes()
+        tracked.backward_input(0, self.grad)
+        held_b = tracked.held_bytes()
+        tracked.backward_weight(0)
+        _clear(chunk.module)
         chunk.forward(0, self.x, **kw)
-        held_f = chunk.held_bytes()
         t_b = _timed(lambda: chunk.backward_input(0, self.grad))
-        held_b = chunk.held_bytes()
         t_w = _timed(lambda: chunk.backward_weight(0))
         chunk.forward(1, self.x, **kw)
         t_bw = _timed(lambda: chunk.backward_full(1, self.grad))
@@ -192,12 +199,15 @@ def bench(w: Workload, repeats: int) -> dict[str, object]:
     pipelining = copy.deepcopy(w.module)
     stage, num_stages = (0, 1) if w.is_loss else (1, 3)
     loss_fn = gpt_loss if w.is_loss else None
-    chunk = StageChunk(copy.deepcopy(w.module), stage, num_stages, loss_fn=loss_fn)
+    chunk, tracked = (
+        StageChunk(copy.deepcopy(w.module), stage, num_stages, loss_fn=loss_fn, track_memory=t)
+        for t in (False, True)
+    )
     fused: list[float] = []
     ours: list[dict[str, float]] = []
     tp: list[dict[str, float]] = []
     for i in range(repeats + 2):
-        f, o = w.fused(plain), w.ours(chunk)
+        f, o = w.fused(plain), w.ours(chunk, tracked)
         t = w.torch_pipelining(pipelining) if compare else None
         if i >= 2:
             fused.append(f)

@@ -6,9 +6,21 @@ PyTorch's: ``Schedule1F1B``, ``ScheduleInterleavedZeroBubble`` and
 ``ScheduleZBVZeroBubble`` over ``PipelineStage`` objects built from the very
 same layers and the same cut (equal transformer blocks per stage). Each entry is
 the median wall time of the timed steps after warm-up, measured on rank 0
-between two barriers; configurations take turns step by step.
+between two barriers; configurations take turns step by step. ``cpu_ms`` is
+each rank's median process CPU time per step (compute plus communication
+threads): on a machine whose cores are shared, wall time also counts waiting
+for a core, and only a quiet machine shows the schedules' bubbles.
 
-    PYTHONPATH=src python bench/bench_runtime.py [--steps 8] [--warmup 2]
+Model size: at P = 2 and M = 8 the 1F1B bubble is 1/9 of the step, and a
+zero-bubble schedule recovers part of it only if the split backward (B + W)
+costs about what a fused one does. Each op must therefore be large against the
+runtime's fixed cost per op (Python, autograd bookkeeping, re-reading W's
+operands from memory). The default ``--seq-len 128`` (512 tokens per
+microbatch, ops of 5-25 ms on one core) is the smallest size where that holds
+here; at 32 (128 tokens, ops of 2-4 ms) the fixed costs take 10-15% of a
+backward and the bubble gain is gone (see bench_stage_ops for both sizes).
+
+    PYTHONPATH=src python bench/bench_runtime.py [--steps 8] [--warmup 2] [--seq-len 128]
 
 Figures on a shared or loaded machine are noisy; compare on a quiet one.
 """
@@ -31,8 +43,8 @@ from zerobubble.runtime.partition import build_stage_modules
 from zerobubble.schedule.generators import generate
 
 P, M = 2, 8
-CFG = GPTConfig(vocab_size=128, max_seq_len=32, d_model=128, n_heads=4, n_layers=4)
 BATCH = 32
+SEQ_LEN = 128
 StepFn = Callable[[torch.Tensor, torch.Tensor], object]
 OURS = ("1f1b", "zb-h1", "zb-h2", "zbv")
 # PyTorch class -> our kind with the same placement (for the layer cut).
@@ -43,33 +55,38 @@ THEIRS = {
 }
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gpt_config(seq_len: int = SEQ_LEN) -> GPTConfig:
+    """The benchmarked GPT: 4 blocks of width 128, 4 heads, vocabulary 128."""
+    return GPTConfig(vocab_size=128, max_seq_len=seq_len, d_model=128, n_heads=4, n_layers=4)
+
+
+def _batch(cfg: GPTConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(step)
-    x = torch.randint(0, CFG.vocab_size, (BATCH, CFG.max_seq_len), generator=gen)
-    return x, torch.randint(0, CFG.vocab_size, (BATCH, CFG.max_seq_len), generator=gen)
+    x = torch.randint(0, cfg.vocab_size, (BATCH, cfg.max_seq_len), generator=gen)
+    return x, torch.randint(0, cfg.vocab_size, (BATCH, cfg.max_seq_len), generator=gen)
 
 
-def _cut(num_stages: int) -> list[int]:
+def cut(cfg: GPTConfig, num_stages: int) -> list[int]:
     """Equal transformer blocks per stage (the embedding rides on the first stage, the
     final norm and head on the last), so no stage dominates and bubbles matter."""
-    k = CFG.n_layers // num_stages
-    return [0, *(1 + k * s for s in range(1, num_stages)), CFG.n_layers + 3]
+    k = cfg.n_layers // num_stages
+    return [0, *(1 + k * s for s in range(1, num_stages)), cfg.n_layers + 3]
 
 
-def _ours(kind: str, rank: int) -> tuple[StepFn, list[torch.nn.Parameter]]:
+def _ours(cfg: GPTConfig, kind: str, rank: int) -> tuple[StepFn, list[torch.nn.Parameter]]:
     sched = generate(kind, P, M)
-    stages = build_stage_modules(build_gpt(CFG), sched, rank, boundaries=_cut(sched.num_stages))
+    stages = build_stage_modules(build_gpt(cfg), sched, rank, boundaries=cut(cfg, sched.num_stages))
     pipe = PipelineExecutor(sched, stages, loss_fn=gpt_loss, options=ExecutorOptions(trace=False))
     params = [p for c in pipe.chunks.values() for p in c.module.parameters()]
     return (lambda x, y: pipe.step(x, target=y)), params
 
 
-def _theirs(name: str, rank: int) -> tuple[StepFn, list[torch.nn.Parameter]]:
+def _theirs(cfg: GPTConfig, name: str, rank: int) -> tuple[StepFn, list[torch.nn.Parameter]]:
     from torch.distributed import pipelining
 
     kind = THEIRS[name]
     sched = generate(kind, P, M, **({"chunks": 2} if kind == "interleaved-1f1b" else {}))
-    mods = build_stage_modules(build_gpt(CFG), sched, rank, boundaries=_cut(sched.num_stages))
+    mods = build_stage_modules(build_gpt(cfg), sched, rank, boundaries=cut(cfg, sched.num_stages))
     stages = [
         pipelining.PipelineStage(m, s, sched.num_stages, torch.device("cpu"))
         for s, m in sorted(mods.items())
@@ -80,33 +97,42 @@ def _theirs(name: str, rank: int) -> tuple[StepFn, list[torch.nn.Parameter]]:
     return (lambda x, y: runner.step(x, target=y)), params
 
 
-def bench(steps: int, warmup: int) -> list[dict]:
+def bench(seq_len: int, steps: int, warmup: int) -> list[dict]:
     """Round-robin over the configurations, one step each per round, so that load
-    changes on the machine hit every configuration alike."""
+    changes on the machine hit every configuration alike. Every rank returns its
+    rows (wall time is rank 0's; CPU time is per rank)."""
     info = init_distributed()
-    runners = {("zerobubble", k): _ours(k, info.rank) for k in OURS}
-    runners |= {("torch", n): _theirs(n, info.rank) for n in THEIRS}
-    times: dict[tuple[str, str], list[float]] = {key: [] for key in runners}
+    cfg = gpt_config(seq_len)
+    runners = {("zerobubble", k): _ours(cfg, k, info.rank) for k in OURS}
+    runners |= {("torch", n): _theirs(cfg, n, info.rank) for n in THEIRS}
+    walls: dict[tuple[str, str], list[float]] = {key: [] for key in runners}
+    cpus: dict[tuple[str, str], list[float]] = {key: [] for key in runners}
     for i in range(warmup + steps):
-        x, y = _batch(i)
+        x, y = _batch(cfg, i)
         for key, (step, params) in runners.items():
             for p in params:
                 p.grad = None
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             step(x, y)
+            cpu = time.process_time() - cpu
             dist.barrier()
             if i >= warmup:
-                times[key].append((time.perf_counter() - start) * 1000)
+                walls[key].append((time.perf_counter() - start) * 1000)
+                cpus[key].append(cpu * 1000)
     dist.destroy_process_group()
-    return [{"runtime": r, "schedule": s, **_summary(t)} for (r, s), t in times.items()]
+    return [
+        {"runtime": r, "schedule": s, **_summary(walls[r, s]), "cpu_ms": _median(cpus[r, s])}
+        for r, s in runners
+    ]
+
+
+def _median(times: list[float]) -> float:
+    return round(statistics.median(times), 2)
 
 
 def _summary(times: list[float]) -> dict:
-    return {
-        "median_ms": round(statistics.median(times), 2),
-        "steps_ms": [round(t, 2) for t in times],
-    }
+    return {"median_ms": _median(times), "steps_ms": [round(t, 2) for t in times]}
 
 
 def main() -> None:
@@ -115,18 +141,25 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=8, help="timed steps per schedule")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument(
+        "--seq-len", type=int, default=SEQ_LEN, help="tokens per sequence (see the docstring)"
+    )
     args = parser.parse_args()
-    rows = launch(bench, P, args.steps, args.warmup, timeout=900)[0]
+    per_rank = launch(bench, P, args.seq_len, args.steps, args.warmup, timeout=1800)
+    rows = per_rank[0]
+    for row, *others in zip(rows, *per_rank[1:], strict=True):
+        row["cpu_ms"] = [row["cpu_ms"], *(o["cpu_ms"] for o in others)]
     med = {r["schedule"]: r["median_ms"] for r in rows}
     ours_zb = [med[k] for k in ("zb-h1", "zb-h2", "zbv")]
     torch_zb = [med["ScheduleInterleavedZeroBubble"], med["ScheduleZBVZeroBubble"]]
+    cfg = gpt_config(args.seq_len)
     report = {
         "config": {
             "ranks": P,
             "threads_per_rank": 1,
             "microbatches": M,
             "batch": BATCH,
-            "model": {"d_model": CFG.d_model, "n_layers": CFG.n_layers, "seq_len": CFG.max_seq_len},
+            "model": {"d_model": cfg.d_model, "n_layers": cfg.n_layers, "seq_len": cfg.max_seq_len},
             "timed_steps": args.steps,
             "warmup_steps": args.warmup,
         },

@@ -1,11 +1,12 @@
 """Per-op cost of bench_runtime's stages, and the step time the simulator predicts from it.
 
-Run: ``OMP_NUM_THREADS=1 PYTHONPATH=src python bench/bench_stage_ops.py [--rounds N]``
-Prints one JSON object.
+Run: ``OMP_NUM_THREADS=1 PYTHONPATH=src python bench/bench_stage_ops.py [--rounds N]
+[--quantile Q] [--seq-len T]``. Prints one JSON object.
 
 bench_runtime's question is whether our zero-bubble schedules beat our own 1F1B
 on 2 ranks at M = 8. That is bubble arithmetic plus overhead, and this bench
-separates the two in a single process (one thread, no communication). For
+separates the two in a single process (one thread, no communication), which
+also makes it usable on a machine too busy for bench_runtime's wall times. For
 every stage of bench_runtime's model and cut (2 stages for 1f1b/zb-h1/zb-h2, 4
 virtual stages for zbv) it times each op three ways on identical weights:
 
@@ -14,16 +15,17 @@ virtual stages for zbv) it times each op three ways on identical weights:
   split, F and BW (what our 1f1b runs);
 * ``split``: StageChunk with split layers, F, B and W (what our ZB kinds run).
 
-A round runs the M microbatches of one step through each implementation,
-interleaved op by op, with gradients accumulating as in a step. Times are
-thread CPU time (``time.thread_time_ns``), the ``--quantile`` (default: median) over
-all timed microbatches.
+Chunks are built as the executor builds them with tracing off. A round runs
+the M microbatches of one step through each implementation, interleaved op by
+op, with gradients accumulating as in a step. Times are thread CPU time
+(``time.thread_time_ns``), the ``--quantile`` over all timed microbatches
+(default 0.5, the median; 0.2 is less disturbed by other processes).
 ``overhead`` compares against ``plain``: ``F`` = F / F_plain, ``backward`` =
 (B + W) / BW_plain (or BW / BW_plain).
 
-``predicted_step_ms`` feeds these medians to
+``predicted_step_ms`` feeds these figures to
 :func:`zerobubble.schedule.simulate.simulate` as per-stage costs (1f1b: F and BW
-of ``unsplit``; the ZB kinds: F, B, W of ``split``; ``comm`` added to every
+of ``unsplit``; the ZB kinds: F, B, W of ``split``; ``--comm-ms`` added to every
 cross-device dependency) and reports the simulated step time (``cost``: the
 longest device span). ``plain`` predicts what each schedule would take with
 no runtime overhead at all, splitting BW_plain into B and W in the ratio the
@@ -45,10 +47,10 @@ from collections.abc import Callable
 
 import torch
 from bench_bw_split import _keep_freed_memory
-from bench_runtime import BATCH, CFG, OURS, M, P, _cut
+from bench_runtime import BATCH, OURS, SEQ_LEN, M, P, cut, gpt_config
 from torch import Tensor, nn
 
-from zerobubble.models import build_gpt, gpt_loss
+from zerobubble.models import GPTConfig, build_gpt, gpt_loss
 from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.partition import stage_bounds
 from zerobubble.schedule.costs import CostModel
@@ -66,7 +68,6 @@ class StageBench:
         self.stage, self.last = stage, stage == num_stages - 1
         loss_fn = gpt_loss if self.last else None
         self.plain = copy.deepcopy(module)
-        # As the executor builds them with tracing off (bench_runtime's setting).
         self.unsplit = StageChunk(
             copy.deepcopy(module),
             stage,
@@ -138,9 +139,9 @@ def _quantile(values: list[int], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
-def _stages(num_stages: int) -> list[StageBench]:
-    model = build_gpt(CFG)
-    bounds = stage_bounds(len(model), num_stages, _cut(num_stages))
+def _stages(cfg: GPTConfig, num_stages: int) -> list[StageBench]:
+    model = build_gpt(cfg)
+    bounds = stage_bounds(len(model), num_stages, cut(cfg, num_stages))
     return [
         StageBench(nn.Sequential(*(model[i] for i in r)), s, num_stages)
         for s, r in enumerate(bounds)
@@ -148,15 +149,15 @@ def _stages(num_stages: int) -> list[StageBench]:
 
 
 def _measure(
-    num_stages: int, rounds: int, warmup: int, q: float
+    cfg: GPTConfig, num_stages: int, rounds: int, warmup: int, q: float
 ) -> list[dict[str, dict[str, float]]]:
     gen = torch.Generator().manual_seed(0)
-    mb = BATCH // M
-    ids = torch.randint(0, CFG.vocab_size, (mb, CFG.max_seq_len), generator=gen)
-    target = torch.randint(0, CFG.vocab_size, (mb, CFG.max_seq_len), generator=gen)
-    hidden = torch.randn(mb, CFG.max_seq_len, CFG.d_model, generator=gen)
-    grad = torch.randn(mb, CFG.max_seq_len, CFG.d_model, generator=gen)
-    stages = _stages(num_stages)
+    mb, t = BATCH // M, cfg.max_seq_len
+    ids = torch.randint(0, cfg.vocab_size, (mb, t), generator=gen)
+    target = torch.randint(0, cfg.vocab_size, (mb, t), generator=gen)
+    hidden = torch.randn(mb, t, cfg.d_model, generator=gen)
+    grad = torch.randn(mb, t, cfg.d_model, generator=gen)
+    stages = _stages(cfg, num_stages)
     for _ in range(warmup + rounds):
         for sb in stages:
             sb.clear()
@@ -196,6 +197,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="timed steps (M microbatches each)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--comm-ms", type=float, default=0.0, help="latency per message")
+    parser.add_argument("--seq-len", type=int, default=SEQ_LEN, help="as in bench_runtime")
     parser.add_argument(
         "--quantile",
         type=float,
@@ -205,7 +207,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     kept = _keep_freed_memory()
-    measured = {n: _measure(n, args.rounds, args.warmup, args.quantile) for n in (P, 2 * P)}
+    cfg = gpt_config(args.seq_len)
+    measured = {n: _measure(cfg, n, args.rounds, args.warmup, args.quantile) for n in (P, 2 * P)}
     ops: dict[str, list[dict[str, object]]] = {}
     for n, per_stage in measured.items():
         ops[f"{n}_stages"] = [
@@ -242,7 +245,7 @@ def main() -> None:
             "ranks": P,
             "microbatches": M,
             "microbatch_rows": BATCH // M,
-            "model": {"d_model": CFG.d_model, "n_layers": CFG.n_layers, "seq_len": CFG.max_seq_len},
+            "model": {"d_model": cfg.d_model, "n_layers": cfg.n_layers, "seq_len": cfg.max_seq_len},
         },
         "rounds": args.rounds,
         "quantile": args.quantile,

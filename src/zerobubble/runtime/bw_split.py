@@ -11,14 +11,15 @@ have no gradient).
 Two mechanisms, one store:
 
 * Recorded (the fast path, used by :class:`~zerobubble.runtime.chunk.StageChunk`):
-  inside :meth:`WeightGradStore.record` a :class:`SplitLinear` whose input needs
-  a gradient runs the native ``F.linear`` on a detached alias of its weight and
-  notes its input and output. The autograd graph is plain PyTorch without
-  weight branches; :meth:`WeightGradStore.backward` asks autograd for the
-  gradients of the recorded outputs along with the stage input, and W turns
-  them into weight gradients. No Python runs per layer during forward or B.
-* Captured (everything else: embeddings, inputs that need no gradient, layers
-  used outside ``record``): a custom autograd Function whose backward, inside
+  inside :meth:`WeightGradStore.record` a split layer runs the native kernel
+  on a leaf alias of its weight (see :func:`_alias`) and notes its input and
+  where its output sits in the graph. The graph is the one plain autograd
+  builds; :meth:`WeightGradStore.backward` asks autograd for the gradients of
+  the recorded outputs along with the stage input and the parameters (not the
+  aliases), and W turns them into weight gradients. No custom autograd node,
+  no Python per layer during B.
+* Captured (the rest: a non-contiguous N-D input to a Linear, layers used
+  outside ``record``): a custom autograd Function whose backward, inside
   :meth:`WeightGradStore.capture`, returns only ``dX`` and queues ``dW``.
 
 Exactness: B and W call the very kernels PyTorch's autograd calls for
@@ -106,6 +107,7 @@ class _Raw(NamedTuple):
         return out
 
     def held(self) -> list[Tensor]:
+        """The tensors kept for W (for memory accounting)."""
         out = [g for g in self.param_grads if g is not None]
         for c, gy in zip(self.calls, self.out_grads, strict=True):
             if gy is not None:

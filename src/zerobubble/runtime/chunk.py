@@ -8,9 +8,10 @@ It knows nothing of devices or communication: the executor moves the tensors
 that :meth:`StageChunk.forward` and :meth:`StageChunk.backward_input` return.
 
 All parameter gradients, including those of unsplit modules (LayerNorm...)
-that autograd produces during B, reach ``.grad`` through the store, in
-microbatch order, so a pipeline run matches
-:func:`~zerobubble.runtime.reference.reference_step` bitwise.
+that autograd produces during B, reach ``.grad`` in microbatch order (through
+the store, or straight from autograd for a BW that is next in line), so a
+pipeline run matches :func:`~zerobubble.runtime.reference.reference_step`
+bitwise.
 """
 
 from __future__ import annotations
