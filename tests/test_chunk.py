@@ -11,7 +11,7 @@ from torch import nn
 
 from zerobubble.models import GPTConfig, build_gpt, build_mlp, gpt_loss, mlp_loss
 from zerobubble.runtime.bw_split import WeightGradStore
-from zerobubble.runtime.chunk import StageChunk, StageChunkError
+from zerobubble.runtime.chunk import StageChunk, StageChunkError, storage_bytes
 from zerobubble.runtime.microbatch import loss_scales, split_batch
 from zerobubble.runtime.reference import reference_step
 from zerobubble.schedule.generators import gpipe, one_f_one_b, zb_h1, zbv
@@ -231,6 +231,22 @@ def test_held_bytes_of_a_gpt_block_exactly() -> None:
     # plus the four LayerNorm parameter gradients waiting for W (4 * d floats).
     after_b = 4 * b * t * 16 * d + 4 * 4 * d
     assert chunk.held_bytes() == after_b < after_f
+    chunk.backward_weight(0)
+    assert chunk.held_bytes() == 0
+
+
+def test_b_frees_the_graph_of_a_whole_gpt_stage() -> None:
+    # Embeddings, blocks, head and loss on one stage: after B only W's operands
+    # (layer inputs, output gradients, LayerNorm gradients) may stay alive.
+    model = build_gpt(GPT)
+    chunk = StageChunk(model, 0, 1, loss_fn=gpt_loss)
+    x, y = gpt_data(2)
+    chunk.forward(0, x, target=y)
+    after_f = chunk.held_bytes()
+    chunk.backward_input(0, None)
+    weights = list(model.parameters())
+    w_operands = storage_bytes(chunk.store.held_tensors(0), exclude=weights)
+    assert after_f > chunk.held_bytes() == w_operands > 0
     chunk.backward_weight(0)
     assert chunk.held_bytes() == 0
 

@@ -85,12 +85,20 @@ class _Call(NamedTuple):
     args: tuple
 
 
+class _Work(NamedTuple):
+    """A recorded call after B: its place in the graph is no longer needed."""
+
+    held: Tensor
+    grads: Callable[..., GradList]
+    args: tuple
+
+
 class _Raw(NamedTuple):
     """What B's autograd call returned for parameters and recorded outputs, as it came."""
 
     params: Sequence[Tensor]
     param_grads: Sequence[Tensor | None]
-    calls: list[_Call]
+    calls: list[_Work]
     out_grads: Sequence[Tensor | None]
 
     def early(self) -> GradList:
@@ -250,8 +258,10 @@ class WeightGradStore:
             )
         n = len(inputs)
         if params or calls:
+            # Drop the graph edges: a node that B did not run keeps its saved tensors.
+            work = [_Work(c.held, c.grads, c.args) for c in calls]
             self._raw[chunk, mb] = _Raw(
-                params, grads[n : n + len(params)], calls, grads[n + len(params) :]
+                params, grads[n : n + len(params)], work, grads[n + len(params) :]
             )
         return grads[:n]
 

@@ -191,6 +191,7 @@ class StageChunk:
             # leaf that the stage passed through.
             root = out if self.is_last or out.grad_fn is None else get_gradient_edge(out)
         refs = [weakref.ref(t) for t in saved]
+        saved.clear()  # every saved tensor's hooks keep `pack`, and with it this list, alive
         self._records[mb] = _Record("F", inp, root, out.shape, out.dtype, out.device, refs)
         return result.detach()
 
