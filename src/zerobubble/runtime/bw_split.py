@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 __all__ = [
     "GradList",
@@ -53,6 +53,9 @@ __all__ = [
     "WeightGradStore",
     "enable_bw_split",
 ]
+
+_PyNode = torch._C._FunctionBase
+"""Type of a custom Function's graph node, which a bare GradientEdge does not keep alive."""
 
 Key = tuple[int, int]
 """(chunk, microbatch)."""
@@ -73,20 +76,14 @@ class _Deferred(NamedTuple):
     """The tensors ``compute`` keeps alive until it runs (for memory accounting)."""
 
 
-class _Call(NamedTuple):
-    """A split layer's call recorded at forward: what W will need, and where its output sits."""
-
-    held: Tensor
-    """The layer's input (kept for W)."""
-    out: GradientEdge
-    """Where autograd delivers the gradient of the layer's output."""
-    grads: Callable[..., GradList]
-    """W: ``grads(*args, gy)`` turns that gradient into parameter gradients."""
-    args: tuple
+_Call = tuple[Tensor, "Node | GradientEdge", Callable[..., GradList], tuple]
+"""A split layer's call recorded at forward: ``(input kept for W, node of the output,
+grads, args)``; W runs ``grads(*args, output gradient)``. A plain tuple: one is built
+per layer and microbatch on the critical path."""
 
 
 class _Work(NamedTuple):
-    """A recorded call after B: its place in the graph is no longer needed."""
+    """A recorded call after B (its place in the graph no longer needed)."""
 
     held: Tensor
     grads: Callable[..., GradList]
@@ -246,7 +243,7 @@ class WeightGradStore:
         B is on the pipeline's critical path, W is not.
         """
         calls = self._recorded.pop((chunk, mb), [])
-        targets = [*inputs, *params, *(c.out for c in calls)]
+        targets = [*inputs, *params, *(_edge(out) for _, out, _, _ in calls)]
         with self.capture(chunk, mb):
             if root is None or not targets:
                 return (None,) * len(inputs)
@@ -259,7 +256,7 @@ class WeightGradStore:
         n = len(inputs)
         if params or calls:
             # Drop the graph edges: a node that B did not run keeps its saved tensors.
-            work = [_Work(c.held, c.grads, c.args) for c in calls]
+            work = [_Work(held, grads, args) for held, _, grads, args in calls]
             self._raw[chunk, mb] = _Raw(
                 params, grads[n : n + len(params)], work, grads[n + len(params) :]
             )
@@ -348,7 +345,7 @@ class WeightGradStore:
         out: list[Tensor] = []
         for key, calls in self._recorded.items():
             if chunk is None or key[0] == chunk:
-                out.extend(c.held for c in calls)
+                out.extend(call[0] for call in calls)
         for key, raw in self._raw.items():
             if chunk is None or key[0] == chunk:
                 out.extend(raw.held())
@@ -460,29 +457,35 @@ def _bias_grad(gsum: Tensor) -> Tensor:
     return gb.clone() if gb.data_ptr() == gsum.data_ptr() else gb  # nothing reduced: a copy
 
 
-def _alias(p: Tensor | None, cached: Tensor | None) -> Tensor | None:
-    """A leaf sharing ``p``'s data and version counter (``cached`` while it still is one).
+def _alias(p: Tensor) -> Tensor:
+    """A leaf sharing ``p``'s data and version counter, with ``p.requires_grad``.
 
     A recorded layer computes with such aliases of its parameters: the graph is
     exactly the one the parameters would build (PyTorch picks kernels and saved
     tensors by ``requires_grad``), but B, which asks only for the stage input,
-    the parameters and the recorded outputs, never reaches the aliases. Reusing
-    one alias across microbatches, as autograd reuses a parameter's, saves
-    building a new leaf per call.
+    the parameters and the recorded outputs, never reaches the aliases. A layer
+    keeps its aliases across microbatches (as autograd reuses a parameter's
+    gradient accumulator) while :func:`_current` holds.
     """
-    if p is None:
-        return None
-    if cached is not None and cached.is_set_to(p) and cached.requires_grad == p.requires_grad:
-        return cached
     return p.detach().requires_grad_(p.requires_grad)
 
 
-def _edge(y: Tensor) -> GradientEdge:
-    """``get_gradient_edge(y)`` for the output of a built-in op, without its checks."""
+def _current(alias: Tensor | None, p: Tensor) -> bool:
+    """``alias`` still is :func:`_alias` of ``p`` (same memory, size, strides, requires_grad)."""
+    return alias is not None and alias.is_set_to(p) and alias.requires_grad == p.requires_grad
+
+
+def _output(y: Tensor) -> Node | GradientEdge:
+    """Where autograd delivers ``y``'s gradient (see :func:`_edge`), cheaply, at forward."""
     fn = y.grad_fn
-    if isinstance(fn, torch._C._FunctionBase):  # a Python node: needs an ownership token
+    if isinstance(fn, _PyNode) or y.output_nr:  # rare: keep the graph-owning edge
         return get_gradient_edge(y)
-    return GradientEdge(fn, y.output_nr)
+    return fn
+
+
+def _edge(out: Node | GradientEdge) -> GradientEdge:
+    """The gradient edge of a recorded output, for ``torch.autograd.grad``'s inputs."""
+    return out if isinstance(out, GradientEdge) else GradientEdge(out, 0)
 
 
 def _linear_grads(
@@ -578,7 +581,7 @@ class SplitLinear(nn.Module):
         self.weight = weight
         self.register_parameter("bias", bias)
         self.store = store
-        self._aliases: list[Tensor | None] = [None, None]  # of weight and bias, see _alias
+        self._aliases: list[Tensor | None] = [None, None]  # of weight and bias (_alias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, store: WeightGradStore) -> SplitLinear:
@@ -590,18 +593,21 @@ class SplitLinear(nn.Module):
         need_b = b is not None and b.requires_grad
         if not ((need_w or need_b) and torch.is_grad_enabled()):
             return F.linear(x, w, b)  # no weight gradient to defer
-        calls = self.store.recording
+        calls = self.store._calls  # self.store.recording, minus a call: this runs per layer
         # Recorded unless matmul would fold a non-contiguous N-D input into a copy:
         # W would then need that copy, which only the captured path keeps.
         if calls is None or not (x.dim() <= 2 or x.is_contiguous()):
             _check_autocast(x, "SplitLinear")
             return _SplitLinearFn.apply(x, w, b, self.store)
-        aliases = self._aliases
-        aliases[0], aliases[1] = _alias(w, aliases[0]), _alias(b, aliases[1])
-        y = F.linear(x, aliases[0], aliases[1])
+        lw, lb = aliases = self._aliases
+        if not _current(lw, w):
+            lw = aliases[0] = _alias(w)
+        if b is not None and not _current(lb, b):
+            lb = aliases[1] = _alias(b)
+        y = F.linear(x, lw, lb)
         if not (x.dtype == y.dtype == w.dtype):  # only autocast gets F.linear there
             raise _autocast_error("SplitLinear")
-        calls.append(_Call(x, _edge(y), _linear_grads, (w, b, need_w, need_b, x)))
+        calls.append((x, _output(y), _linear_grads, (w, b, need_w, need_b, x)))
         return y
 
     def extra_repr(self) -> str:
@@ -686,7 +692,8 @@ class SplitEmbedding(nn.Module):
         calls = self.store.recording
         if calls is not None:
             aliases = self._aliases
-            aliases[0] = _alias(w, aliases[0])
+            if not _current(aliases[0], w):
+                aliases[0] = _alias(w)
             y = F.embedding(
                 idx,
                 aliases[0],
@@ -695,7 +702,7 @@ class SplitEmbedding(nn.Module):
                 self.norm_type,
                 self.scale_grad_by_freq,
             )
-            calls.append(_Call(idx, _edge(y), _embedding_grads, (w, idx, self.backward_args())))
+            calls.append((idx, _output(y), _embedding_grads, (w, idx, self.backward_args())))
             return y
         return _SplitEmbeddingFn.apply(idx, w, self)
 
