@@ -3,7 +3,7 @@
 From "Pipeline Parallelism with Controllable Memory" (Qi et al., 2024). All
 three use the V placement (device d holds stages d and 2P-1-d) and are built
 the paper's way: a *building block* says where one microbatch's passes sit
-on each device; it is repeated every 6 slots and then squeezed.
+on each device; it is repeated every 6 slots and then reordered.
 
 Slots. With uniform costs a chunk's F, B and W take one slot each (half of a
 per-device F) and a combined BW two. Per microbatch a device runs 2 F and
@@ -48,8 +48,8 @@ time it.
 Speed. The steady state repeats every period, microbatches shifted by one,
 and the reorder never reaches back more than a period into it. So the order
 is built for just enough microbatches to hold a few steady periods (about
-P + 7), and the rest of the periods are spliced in: generating P = 64,
-M = 512 costs what M = 71 does.
+P + 9 for V-Half), and the rest of the periods are spliced in: generating
+V-Half at P = 64, M = 512 costs what M = 73 does.
 
 The closed forms in the generators' docstrings were read off exact
 simulations (F = B = W) and checked for every P <= 24; tests/test_v_family.py
