@@ -1,0 +1,494 @@
+"""The end-to-end job every rank runs: profile -> plan -> train -> measure.
+
+Phases, in lock step on all ranks (rank 0 analyses and reports):
+
+1. **Layers.** Rank 0 times every layer alone (:mod:`zerobubble.profile.layers`)
+   and sends the costs to all ranks; the balanced cut minimises the slowest
+   stage. A few ZB-H1 steps on a copy cut into equal layer counts measure
+   the stage times *before* balancing.
+2. **Baselines.** 1F1B, then ZB-H1, train the model (balanced cut). Their
+   traces are the stage profile (ZB-H1: F, B, W and memory; 1F1B: BW); a
+   ping-pong per stage boundary gives the latency.
+3. **Plan.** Rank 0 plans with :data:`PLANNER` under the memory limit from
+   the profile and sends the schedule to all ranks.
+4. **Train.** The planned schedule trains on; its trace is saved and checked.
+
+Every step of every phase trains the same model with the same optimizer;
+gradients are bitwise the same whatever the schedule, so the phases only
+change the speed. Warm-up steps are excluded from every figure.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerobubble.models import GPTConfig, build_gpt, gpt_loss
+from zerobubble.models.corpus import CharCorpus, stdlib_corpus
+from zerobubble.profile.balance import balanced_boundaries, boundaries_of, stage_costs
+from zerobubble.profile.bubbles import IterationBubbles, analyze_iteration
+from zerobubble.profile.costs_file import Profile
+from zerobubble.profile.layers import LayerProfile, profile_layers
+from zerobubble.profile.stages import boundary_pairs, p2p_latency, stage_profile
+from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.runtime.launcher import init_distributed
+from zerobubble.runtime.partition import build_stage_modules, stage_bounds
+from zerobubble.runtime.trace import TraceEvent, gather_traces, write_chrome_trace, write_jsonl
+from zerobubble.runtime.trace_check import TraceReport, check_trace
+from zerobubble.schedule.costs import CostModel, CostSpec
+from zerobubble.schedule.generators import GENERATORS, generate, one_f_one_b
+from zerobubble.schedule.ir import Schedule
+from zerobubble.schedule.simulate import SimResult, simulate
+from zerobubble.schedule.validate import validate
+from zerobubble.train.config import TrainConfig
+
+PLANNER = "zb-auto"
+"""The planning schedule kind. Until it is registered (the schedule search), the job
+falls back to ZB-H1 (see :func:`plan_schedule`)."""
+FALLBACK = "zb-h1"
+
+
+class Reporter(Protocol):
+    """Live progress of rank 0 (the CLI prints it; tests pass None)."""
+
+    def info(self, text: str) -> None: ...
+    def start(self, total_steps: int) -> None: ...
+    def step(self, phase: str, step: int, loss: float, seconds: float, warmup: bool) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Balance:
+    """Stage balancing: the equal-count cut against the balanced one.
+
+    Times are per-stage medians of F + B + W in ms: ``predicted_*`` summed from the
+    layer profile, ``measured_*`` from pipeline runs (None when both cuts agree).
+    """
+
+    equal: tuple[int, ...]
+    balanced: tuple[int, ...]
+    predicted_equal: tuple[float, ...]
+    predicted_balanced: tuple[float, ...]
+    measured_equal: tuple[float, ...] | None
+    measured_balanced: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class PhaseResult:
+    """One schedule's training steps, measured (warm-up excluded) and predicted."""
+
+    name: str
+    schedule: Schedule
+    planned: bool
+    """True for the schedule the job planned from the profile."""
+    step_s: tuple[float, ...]
+    """Wall time of each measured step (pipeline + optimizer), slowest rank."""
+    pipe_s: tuple[float, ...]
+    """Wall time of each measured pipeline step alone, slowest rank."""
+    losses: tuple[float, ...]
+    """Mean loss of every step, warm-up included."""
+    bubbles: tuple[IterationBubbles, ...]
+    """Idle-time breakdown of each measured iteration."""
+    predicted: SimResult
+    """The schedule simulated with the measured profile (times in ms)."""
+
+    @property
+    def step_time(self) -> float:
+        return statistics.median(self.step_s)
+
+    @property
+    def pipe_time(self) -> float:
+        return statistics.median(self.pipe_s)
+
+    @property
+    def bubble_rate(self) -> float:
+        return statistics.median(b.bubble_rate for b in self.bubbles)
+
+    @property
+    def peak_memory(self) -> int:
+        return max(b.peak_memory for b in self.bubbles)
+
+    @property
+    def predicted_bubble_rate(self) -> float:
+        """Σ idle / (P · makespan) of the simulation: the measured rate's definition."""
+        r = self.predicted
+        busy = sum(float(x) for x in r.busy)
+        return 1 - busy / (len(r.busy) * float(r.makespan)) if r.makespan else 0.0
+
+    def idle_ms(self) -> dict[str, float]:
+        """Idle time by cause, summed over devices, median over measured iterations."""
+        keys = self.bubbles[0].totals().keys()
+        return {k: statistics.median(b.totals()[k] for b in self.bubbles) / 1e6 for k in keys}
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What rank 0 hands back: every figure the CLI prints and the bench reports."""
+
+    config: TrainConfig
+    layers: LayerProfile
+    balance: Balance
+    profile: Profile
+    mem_limit: int
+    plan_kind: str
+    phases: tuple[PhaseResult, ...]
+    trace_report: TraceReport | None
+    files: dict[str, str] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+def plan_schedule(
+    num_devices: int, num_microbatches: int, costs: CostModel, mem_limit: int
+) -> tuple[Schedule, str]:
+    """The planned schedule and the kind that made it: :data:`PLANNER` when registered,
+    else ZB-H1 (which fits any limit at or above 1F1B's peak)."""
+    if PLANNER in GENERATORS:
+        spec = CostSpec(stage_costs=costs)
+        sched = generate(PLANNER, num_devices, num_microbatches, costs=spec, mem_limit=mem_limit)
+        kind = PLANNER
+    else:
+        sched, kind = generate(FALLBACK, num_devices, num_microbatches), FALLBACK
+    validate(sched, mem_limit=mem_limit, costs=costs)
+    return sched, kind
+
+
+def optimizer_step(opt: torch.optim.Optimizer) -> None:
+    """THE optimizer call site of the job.
+
+    A plain AdamW step for now. When ``zerobubble.optim`` lands (a synchronous step:
+    global grad-norm clipping and NaN/Inf skipping across stages), call it here.
+    """
+    opt.step()
+
+
+# ---- the job --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Ctx:
+    """State shared by the phases on one rank."""
+
+    cfg: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    corpus: CharCorpus
+    data: torch.Generator
+    reporter: Reporter | None
+    version: int = 0
+    step_index: int = 0
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+    def say(self, text: str) -> None:
+        if self.lead and self.reporter is not None:
+            self.reporter.info(text)
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.corpus.batch(self.cfg.batch_size, self.cfg.seq_len, self.data)
+
+
+def run_job(cfg: TrainConfig, reporter: Reporter | None = None) -> JobResult | None:
+    """Run the whole job on this rank (start it with one process per device).
+
+    Returns the :class:`JobResult` on rank 0 and None elsewhere.
+    """
+    began = time.perf_counter()
+    info = init_distributed(timeout_s=cfg.comm_timeout_s)
+    if info.world_size != cfg.devices:
+        raise ValueError(
+            f"the job was configured for {cfg.devices} devices but runs on {info.world_size} "
+            "ranks; pass -p with the number of processes"
+        )
+    ctx = _Ctx(
+        cfg,
+        info.rank,
+        info.world_size,
+        info.device,
+        stdlib_corpus(max_chars=cfg.corpus_chars),
+        torch.Generator().manual_seed(cfg.seed),
+        reporter,
+    )
+    try:
+        return _run(ctx, began)
+    finally:
+        if ctx.lead and reporter is not None:
+            reporter.close()
+        dist.destroy_process_group()
+
+
+def _run(ctx: _Ctx, began: float) -> JobResult | None:
+    cfg, P = ctx.cfg, ctx.world
+    gpt = GPTConfig(
+        vocab_size=ctx.corpus.vocab_size,
+        max_seq_len=cfg.seq_len,
+        d_model=cfg.d_model,
+        n_heads=cfg.n_heads,
+        n_layers=cfg.n_layers,
+        seed=cfg.seed,
+    )
+    layers = list(build_gpt(gpt))
+    n_params = sum(p.numel() for p in nn.Sequential(*layers).parameters())
+    ctx.say(
+        f"GPT: {len(layers)} layers ({cfg.n_layers} blocks, d={cfg.d_model}), "
+        f"{n_params / 1e6:.2f}M parameters; {ctx.corpus.sources} stdlib files, "
+        f"{len(ctx.corpus.tokens):,} characters; P={P} ranks, M={cfg.microbatches} "
+        f"microbatches of {cfg.microbatch_size}x{cfg.seq_len} tokens"
+    )
+
+    # 1. Per-layer costs on rank 0, the same cut everywhere.
+    lp: LayerProfile | None = None
+    if ctx.lead:
+        gen = torch.Generator().manual_seed(cfg.seed + 1)
+        x, y = ctx.corpus.batch(cfg.microbatch_size, cfg.seq_len, gen)
+        lp = profile_layers(layers, gpt_loss, x, y, warmup=1, iters=cfg.layer_iters)
+    lp = _broadcast(lp)
+    equal = tuple(boundaries_of(stage_bounds(len(layers), P)))
+    balanced = tuple(balanced_boundaries(lp.costs(), P))
+    ctx.say(f"layer cut: equal counts {list(equal)} -> balanced {list(balanced)}")
+    measured_equal = None
+    if equal != balanced:
+        measured_equal = _measure_cut(ctx, layers, equal)
+
+    # 2. Baselines on the balanced cut: they train and profile.
+    base = one_f_one_b(P, cfg.microbatches)
+    mods = build_stage_modules(layers, base, ctx.rank, boundaries=balanced, device=ctx.device)
+    params = [p for m in mods.values() for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.lr)
+    total = 2 * (cfg.warmup + cfg.baseline_steps)
+    total += 0 if cfg.profile_only else cfg.warmup + cfg.steps
+    if ctx.lead and ctx.reporter is not None:
+        ctx.reporter.start(total)
+    runs = [
+        _train_phase(ctx, sched.name, sched, mods, opt, cfg.baseline_steps, planned=False)
+        for sched in (base, generate("zb-h1", P, cfg.microbatches))
+    ]
+    boundary = cfg.microbatch_size * cfg.seq_len * cfg.d_model * 4  # float32 activations
+    pairs = [(a, b) for _, a, b in boundary_pairs(base.placement)]
+    latency = p2p_latency(pairs, boundary, device=ctx.device)
+
+    # 3. Plan on rank 0.
+    plan: tuple[Profile, int, Schedule, str] | None = None
+    if ctx.lead:
+        plan = _plan(ctx, runs, lp, balanced, latency, base)
+    profile, mem_limit, planned, kind = _broadcast(plan)
+    ctx.say(f"planned with {kind} under a memory limit of {mem_limit / 2**20:.2f} MiB per device")
+
+    # 4. Train with the plan.
+    if not cfg.profile_only:
+        runs.append(_train_phase(ctx, kind, planned, mods, opt, cfg.steps, planned=True))
+    if not ctx.lead:
+        return None
+    return _report(ctx, runs, lp, measured_equal, equal, balanced, profile, mem_limit, kind, began)
+
+
+def _broadcast(obj):
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _options(cfg: TrainConfig) -> ExecutorOptions:
+    return ExecutorOptions(comm_timeout_s=cfg.comm_timeout_s)
+
+
+def _measure_cut(ctx: _Ctx, layers: list[nn.Module], cut: tuple[int, ...]) -> tuple[float, ...]:
+    """Per-stage F + B + W (ms) of a few ZB-H1 steps on a copy of the model cut at ``cut``."""
+    cfg = ctx.cfg
+    sched = generate("zb-h1", ctx.world, cfg.microbatches)
+    stages = build_stage_modules(layers, sched, ctx.rank, boundaries=cut, device=ctx.device)
+    pipe = PipelineExecutor(
+        sched, stages, loss_fn=gpt_loss, device=ctx.device, options=_options(cfg)
+    )
+    gen = torch.Generator().manual_seed(cfg.seed + 2)
+    for _ in range(cfg.warmup + 2):
+        x, y = ctx.corpus.batch(cfg.batch_size, cfg.seq_len, gen)
+        pipe.step(x, target=y)
+    events = gather_traces(pipe.trace)
+    if events is None:
+        return ()
+    prof = stage_profile(events, sched.num_stages, skip_iterations=cfg.warmup)
+    return tuple(prof.stage_time(s) for s in range(sched.num_stages))
+
+
+@dataclass
+class _Run:
+    """A phase on rank 0 before analysis."""
+
+    name: str
+    schedule: Schedule
+    planned: bool
+    events: list[TraceEvent]
+    step_s: list[float]
+    pipe_s: list[float]
+    losses: list[float]
+
+
+def _train_phase(
+    ctx: _Ctx,
+    name: str,
+    sched: Schedule,
+    mods: dict[int, nn.Module],
+    opt: torch.optim.Optimizer,
+    steps: int,
+    *,
+    planned: bool,
+) -> _Run:
+    cfg = ctx.cfg
+    pipe = PipelineExecutor(sched, mods, loss_fn=gpt_loss, device=ctx.device, options=_options(cfg))
+    run = _Run(name, sched, planned, [], [], [], [])
+    for i in range(cfg.warmup + steps):
+        x, y = ctx.batch()
+        opt.zero_grad(set_to_none=True)
+        pipe.param_version = ctx.version
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses = pipe.step(x, target=y)
+        t1 = time.perf_counter()
+        o0, held = pipe.trace.now(), pipe.held_bytes()
+        optimizer_step(opt)
+        pipe.trace.record(
+            TraceEvent(
+                pipe.iteration - 1,
+                ctx.rank,
+                "opt_step",
+                None,
+                None,
+                ctx.version,
+                o0,
+                pipe.trace.now(),
+                held,
+                held,
+            )
+        )
+        t2 = time.perf_counter()
+        ctx.version += 1
+        loss = torch.stack(losses).mean().item() if losses else 0.0
+        mine = torch.tensor(
+            [t1 - t0, t2 - t0, loss, float(losses is not None)], dtype=torch.float64
+        )
+        every = [torch.zeros_like(mine) for _ in range(ctx.world)]
+        dist.all_gather(every, mine)
+        if ctx.lead:
+            pipe_s = max(float(t[0]) for t in every)
+            step_s = max(float(t[1]) for t in every)
+            loss = next(float(t[2]) for t in every if t[3] > 0)
+            warm = i < cfg.warmup
+            if not warm:
+                run.pipe_s.append(pipe_s)
+                run.step_s.append(step_s)
+            run.losses.append(loss)
+            if ctx.reporter is not None:
+                ctx.reporter.step(name, ctx.step_index, loss, step_s, warm)
+        ctx.step_index += 1
+    run.events = gather_traces(pipe.trace) or []
+    return run
+
+
+def _plan(
+    ctx: _Ctx,
+    runs: list[_Run],
+    lp: LayerProfile,
+    balanced: tuple[int, ...],
+    latency: dict,
+    base: Schedule,
+) -> tuple[Profile, int, Schedule, str]:
+    cfg = ctx.cfg
+    f1b, zbh1 = runs
+    S = base.num_stages
+    split = stage_profile(zbh1.events, S, skip_iterations=cfg.warmup)
+    full = stage_profile(f1b.events, S, skip_iterations=cfg.warmup)
+    lat = tuple((s, latency[a, b]) for s, a, b in boundary_pairs(base.placement))
+    prof = Profile(split, base.placement, lat, lp, balanced, None, cfg.warmup, fused=full)
+    costs = prof.cost_model()
+    limit = cfg.mem_limit
+    if limit is None:
+        peak_1f1b = max(float(m) for m in simulate(base, prof.cost_model(fused=True)).peak_memory)
+        limit = int(cfg.mem_ratio * peak_1f1b)
+    prof = replace(prof, mem_limit=limit)
+    planned, kind = plan_schedule(ctx.world, cfg.microbatches, costs, limit)
+    return prof, limit, planned, kind
+
+
+def _report(
+    ctx: _Ctx,
+    runs: list[_Run],
+    lp: LayerProfile,
+    measured_equal: tuple[float, ...] | None,
+    equal: tuple[int, ...],
+    balanced: tuple[int, ...],
+    profile: Profile,
+    mem_limit: int,
+    kind: str,
+    began: float,
+) -> JobResult:
+    cfg = ctx.cfg
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    phases = tuple(_analyze(run, profile, mem_limit, cfg.warmup) for run in runs)
+    files = {"profile": str(profile.save(out / "profile.json"))}
+    report = None
+    if not cfg.profile_only:
+        from zerobubble.viz.measured import measured_row, plot_measured
+
+        last = runs[-1]
+        write_jsonl(last.events, out / "trace.jsonl")
+        write_chrome_trace(last.events, out / "trace.chrome.json")
+        files["trace"] = str(out / "trace.jsonl")
+        files["chrome"] = str(out / "trace.chrome.json")
+        report = check_trace(last.events, mem_budget=mem_limit)
+        panels = []
+        for run, ph in zip(runs, phases, strict=True):
+            it = ph.bubbles[-1]
+            title = (
+                f"{run.name} (measured, iteration {it.iteration}): {it.window_ns / 1e6:.0f} ms, "
+                f"bubble {it.bubble_rate:.1%}"
+            )
+            panels.append((measured_row(run.events, it.iteration, title), it))
+        files["timeline"] = str(plot_measured(panels, out / "timeline.png"))
+    before = measured_equal
+    after = phases[1] if len(phases) > 1 else phases[0]
+    balance = Balance(
+        equal,
+        balanced,
+        tuple(stage_costs(lp.costs(), equal)),
+        tuple(stage_costs(lp.costs(), balanced)),
+        before,
+        tuple(profile.stages.stage_time(s) for s in range(after.schedule.num_stages)),
+    )
+    return JobResult(
+        cfg,
+        lp,
+        balance,
+        profile,
+        mem_limit,
+        kind,
+        phases,
+        report,
+        files,
+        time.perf_counter() - began,
+    )
+
+
+def _analyze(run: _Run, profile: Profile, mem_limit: int, warmup: int) -> PhaseResult:
+    iters = sorted({e.iteration for e in run.events if e.iteration >= warmup})
+    bubbles = tuple(analyze_iteration(run.events, k, mem_budget=mem_limit) for k in iters)
+    return PhaseResult(
+        run.name,
+        run.schedule,
+        run.planned,
+        tuple(run.step_s),
+        tuple(run.pipe_s),
+        tuple(run.losses),
+        bubbles,
+        simulate(run.schedule, profile.cost_model(fused=not run.schedule.uses_split_backward)),
+    )
