@@ -23,8 +23,12 @@ import time
 from collections.abc import Sequence
 from fractions import Fraction
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from zerobubble.schedule.costs import CostSpec, Number, load_costs_file, parse_costs
+
+if TYPE_CHECKING:
+    from zerobubble.train.config import TrainConfig
 
 EXIT_BAD_INPUT = 2
 
@@ -208,20 +212,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return cmd_train(build_parser().parse_args(["train", "--out", str(args.out)]))
 
 
-def _train_config(args: argparse.Namespace):
+def _train_config(args: argparse.Namespace) -> TrainConfig:
     from zerobubble.train.config import TrainConfig, default_devices
 
     devices = args.p
     if devices is None:
         devices = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else default_devices()
+    d = TrainConfig()
     return TrainConfig(
         devices=devices,
-        microbatches=args.m,
+        microbatches=args.m if args.m is not None else max(d.microbatches, 2 * devices),
         microbatch_size=args.microbatch_size,
         seq_len=args.seq_len,
         d_model=args.d_model,
         n_heads=args.heads,
-        n_layers=args.layers,
+        n_layers=args.layers if args.layers is not None else max(d.n_layers, devices),
         lr=args.lr,
         steps=args.steps,
         baseline_steps=args.baseline_steps,
@@ -239,12 +244,14 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
     d = TrainConfig()
     p.add_argument("-p", type=int, help="pipeline ranks (default: one per CPU core)")
-    p.add_argument("-m", type=int, default=d.microbatches, help="microbatches per step")
+    p.add_argument(
+        "-m", type=int, help=f"microbatches per step (default: max({d.microbatches}, 2P))"
+    )
     p.add_argument("--microbatch-size", type=int, default=d.microbatch_size)
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--d-model", type=int, default=d.d_model)
     p.add_argument("--heads", type=int, default=d.n_heads)
-    p.add_argument("--layers", type=int, default=d.n_layers, help="transformer blocks")
+    p.add_argument("--layers", type=int, help=f"transformer blocks (default: max({d.n_layers}, P))")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--steps", type=int, default=d.steps, help="measured steps of the plan")
     p.add_argument(
