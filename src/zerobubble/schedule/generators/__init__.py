@@ -116,6 +116,54 @@ register(
 )
 
 
+# The search kinds import their module on first use: schedule.search builds on the
+# generators above, so importing it here would be circular.
+def _zb_auto(num_devices: int, num_microbatches: int, **options: object) -> Schedule:
+    from zerobubble.schedule.search.auto import zb_auto as fn
+
+    return fn(num_devices, num_microbatches, **options)  # type: ignore[arg-type]
+
+
+def _zbv_auto(num_devices: int, num_microbatches: int, **options: object) -> Schedule:
+    from zerobubble.schedule.search.auto import zbv_auto as fn
+
+    return fn(num_devices, num_microbatches, **options)  # type: ignore[arg-type]
+
+
+def _optimal(num_devices: int, num_microbatches: int, **options: object) -> Schedule:
+    from zerobubble.schedule.search.milp import optimal as fn
+
+    return fn(num_devices, num_microbatches, **options)  # type: ignore[arg-type]
+
+
+_SEARCH_OPTIONS = frozenset({"costs", "mem_limit"})
+register(
+    Generator(
+        "zb-auto",
+        _zb_auto,
+        "automatic zero bubble for the given costs and memory limit (default P: ZB-1p); "
+        "chunks > 1 interleaves",
+        _SEARCH_OPTIONS | {"chunks"},
+    )
+)
+register(
+    Generator(
+        "zbv-auto",
+        _zbv_auto,
+        "automatic ZB-V for the given costs and memory limit (default P)",
+        _SEARCH_OPTIONS,
+    )
+)
+register(
+    Generator(
+        "optimal",
+        _optimal,
+        "exact optimum by MILP for small P*M (default memory limit 2P)",
+        _SEARCH_OPTIONS,
+    )
+)
+
+
 def generate(
     kind: str,
     num_devices: int,

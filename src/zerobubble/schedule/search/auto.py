@@ -1,0 +1,198 @@
+"""The automatic zero-bubble schedulers: ``zb-auto`` (one stage per device, or
+interleaved with ``chunks``) and ``zbv-auto`` (V placement, two stages per device).
+
+Both run the same search, a deterministic pure function of its inputs:
+
+1. one pass of the list-scheduling heuristic (:mod:`.greedy`) per point of a
+   grid over its binary choices;
+2. the matching handcrafted schedules (ZB-H1 and ZB-H2, interleaved 1F1B, or
+   ZB-V) join as candidates when they fit the memory limit, so the search
+   never returns anything worse than them;
+3. every distinct candidate, cheapest first, is polished by local search
+   (:mod:`.refine`) within a shared budget of simulated actions; instances too
+   large for the budget to cover REFINE_MIN_RUNS full simulations skip this,
+   and there a pass stops as soon as it cannot beat the best one so far.
+
+The memory limit is per device, in the units of the cost model's ``mem_f``
+(with the default costs: one microbatch's activations on a whole device,
+M_B). A limit below one microbatch's M_B on some device cannot be met by any
+schedule; the error names the smallest feasible limit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from zerobubble.schedule.costs import CostModel, CostSpec, Number
+from zerobubble.schedule.errors import Reason, ScheduleError
+from zerobubble.schedule.generators.classic import interleaved_1f1b
+from zerobubble.schedule.generators.common import check_counts
+from zerobubble.schedule.generators.zero_bubble import zb_h1, zb_h2, zbv
+from zerobubble.schedule.ir import Schedule, looped_placement, v_placement
+from zerobubble.schedule.search.graph import ActionGraph, min_feasible_limit
+from zerobubble.schedule.search.greedy import Policy, run_pass
+from zerobubble.schedule.search.refine import Evaluator, refine
+
+#: Grid for one stage per device. Chosen from every combination of the choices
+#: (f_first x f_overrun x w_overrun x inflight in {0, 1, 2}) as the smallest set
+#: that keeps the best of the full grid on seeded random instances (bench_grid.py
+#: --grid reruns that study). Ordered so that likely winners come first and prune
+#: the rest.
+GRID_1: tuple[Policy, ...] = (
+    Policy(f_first=False, f_overrun=True, w_overrun=True, inflight=2),
+    Policy(f_first=True, f_overrun=True, w_overrun=False, inflight=1),
+    Policy(f_first=True, f_overrun=True, w_overrun=True, inflight=1),
+    Policy(f_first=True, f_overrun=False, w_overrun=False, inflight=1),
+    Policy(f_first=False, f_overrun=True, w_overrun=False, inflight=2),
+    Policy(f_first=True, f_overrun=False, w_overrun=True, inflight=1),
+    Policy(f_first=False, f_overrun=False, w_overrun=False, inflight=0),
+)
+
+#: Grid for several stages per device (V or looped placement), chosen the same way from
+#: f_first x f_overrun x w_overrun x later_first x inflight in {0, 1}.
+GRID_V: tuple[Policy, ...] = (
+    Policy(f_first=True, f_overrun=True, w_overrun=True, later_first=True, inflight=1),
+    Policy(f_first=False, f_overrun=True, w_overrun=True, later_first=True, inflight=0),
+    Policy(f_first=True, f_overrun=True, w_overrun=False, later_first=True, inflight=1),
+    Policy(f_first=False, f_overrun=True, w_overrun=True, later_first=False, inflight=0),
+    Policy(f_first=True, f_overrun=False, w_overrun=True, later_first=True, inflight=0),
+    Policy(f_first=True, f_overrun=False, w_overrun=False, later_first=True, inflight=1),
+)
+
+#: Actions the local search may simulate, over all its trials and starting points.
+REFINE_STEPS = 3_000_000
+#: The local search runs only if its budget covers this many full simulations.
+REFINE_MIN_RUNS = 200
+
+
+def resolve_costs(
+    placement: tuple[int, ...], costs: CostSpec | None, mem_limit: Number | None, default: float
+) -> tuple[CostModel, float]:
+    """The cost model and the memory limit a generator should use.
+
+    An explicit ``mem_limit`` wins over one carried by the costs file; without
+    either the limit is ``default`` times one microbatch's M_B on the busiest device.
+    """
+    spec = costs if costs is not None else CostSpec()
+    model = spec.resolve(placement)
+    if mem_limit is None:
+        mem_limit = spec.mem_limit
+    unit = min_feasible_limit(placement, model)
+    limit = default * unit if mem_limit is None else mem_limit
+    try:
+        limit_f = float(limit)
+    except (TypeError, ValueError):
+        raise ValueError(f"memory limit must be a number, got {limit!r}") from None
+    if not math.isfinite(limit_f) or limit_f <= 0:
+        raise ValueError(f"memory limit must be a finite number > 0, got {limit!r}")
+    if limit_f < float(unit) * (1 - 1e-12):
+        raise ScheduleError(
+            Reason.MEMORY,
+            f"memory limit {limit_f:g} is infeasible: the smallest feasible limit is "
+            f"{float(unit):g} (one microbatch's M_B on every stage of the busiest device, "
+            "which a microbatch holds until its backward returns); raise the limit to at "
+            f"least {float(unit):g}",
+        )
+    return model, limit_f
+
+
+def auto_schedule(
+    name: str,
+    placement: tuple[int, ...],
+    num_microbatches: int,
+    costs: CostModel,
+    mem_limit: float,
+    grid: Sequence[Policy],
+    seeds: Sequence[Schedule] = (),
+) -> Schedule:
+    """Search for the cheapest schedule of ``placement`` x M within ``mem_limit``."""
+    graph = ActionGraph(placement, num_microbatches)
+    ev = Evaluator(graph, costs)
+    limit = mem_limit + 1e-10 * max(1.0, abs(mem_limit))
+    budget = REFINE_STEPS
+    polish = budget // len(graph) >= REFINE_MIN_RUNS
+    # Candidates by cost; without polishing only the best matters, so passes prune.
+    found: dict[tuple[tuple[int, ...], ...], float] = {}
+    best = math.inf
+    for policy in grid:
+        cutoff = math.inf if polish else best
+        cand = run_pass(placement, num_microbatches, costs, mem_limit, policy, cutoff)
+        if cand is not None:
+            found.setdefault(cand.orders, cand.cost)
+            best = min(best, cand.cost)
+    for seed in seeds:
+        orders = tuple(
+            tuple(graph.index(a.op, a.stage, a.mb) for a in acts) for acts in seed.actions
+        )
+        if orders not in found and all(ev.fits(list(o), limit) for o in orders):
+            spans = ev.spans([list(o) for o in orders])
+            if spans is not None:
+                found[orders] = max(spans)
+    ranked = sorted(found.items(), key=lambda item: item[1])
+    if not polish:
+        ranked = ranked[:1]
+    winner, cost = [list(o) for o in ranked[0][0]], ranked[0][1]
+    for orders, _ in ranked if polish else ():  # cheapest first; each may use what is left
+        if budget <= 0:
+            break
+        polished, c, spent = refine(
+            graph, costs, mem_limit, [list(o) for o in orders], max_steps=budget
+        )
+        budget -= spent
+        if c < cost:
+            winner, cost = polished, c
+    P = max(placement) + 1
+    return Schedule(
+        name,
+        P,
+        len(placement),
+        num_microbatches,
+        placement,
+        tuple(tuple(graph.actions[i] for i in o) for o in winner),
+    )
+
+
+def zb_auto(
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    chunks: int = 1,
+    costs: CostSpec | None = None,
+    mem_limit: Number | None = None,
+) -> Schedule:
+    """Automatic zero-bubble schedule under a memory limit.
+
+    One stage per device by default (the paper's ZB-1p / ZB-2p); ``chunks`` > 1
+    uses the interleaved (looped) placement, stage s on device s % P, like
+    PyTorch's InterleavedZeroBubble. Without ``mem_limit`` (here or in the costs
+    file) the limit is P microbatches' M_B, 1F1B's and ZB-H1's peak: ZB-1p.
+    Pass 2P for ZB-2p.
+    """
+    p, m = check_counts(num_devices, num_microbatches)
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
+    placement = looped_placement(p, chunks)
+    model, limit = resolve_costs(placement, costs, mem_limit, default=p)
+    if chunks == 1:
+        grid, seeds = GRID_1, (zb_h1(p, m), zb_h2(p, m))
+    else:
+        grid, seeds = GRID_V, (interleaved_1f1b(p, m, chunks=chunks, split_backward=True),)
+    return auto_schedule("zb-auto", placement, m, model, limit, grid, seeds)
+
+
+def zbv_auto(
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    costs: CostSpec | None = None,
+    mem_limit: Number | None = None,
+) -> Schedule:
+    """Automatic ZB-V: V placement (device d holds stages d and 2P-1-d) under a memory limit.
+
+    Without ``mem_limit`` the limit is P microbatches' M_B per device, ZB-V's own peak.
+    """
+    p, m = check_counts(num_devices, num_microbatches)
+    placement = v_placement(p)
+    model, limit = resolve_costs(placement, costs, mem_limit, default=p)
+    return auto_schedule("zbv-auto", placement, m, model, limit, GRID_V, seeds=(zbv(p, m),))

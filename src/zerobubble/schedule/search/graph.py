@@ -1,0 +1,139 @@
+"""The F/B/W action graph of a split-backward schedule, shared by the searches.
+
+Each (stage, microbatch) has an F, a B and a W. Besides the true dependencies
+(``ir.dependencies``) the searches order same-op same-stage actions by
+microbatch (F(s,j) before F(s,j+1), likewise B and W). That loses nothing:
+microbatches are interchangeable, so any schedule can be relabelled into one
+whose every chain is in order without changing a single start time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+from zerobubble.schedule.costs import CostModel, Number
+from zerobubble.schedule.ir import Action, Op
+
+OPS = (Op.F, Op.B, Op.W)
+
+
+@dataclass(frozen=True)
+class ActionGraph:
+    """All F/B/W actions of S stages and M microbatches, indexed 0..N-1.
+
+    Index of ``Action(op, s, j)`` is ``(k * S + s) * M + j`` with k the position
+    of op in (F, B, W).
+    """
+
+    placement: tuple[int, ...]
+    num_microbatches: int
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.placement)
+
+    @property
+    def num_devices(self) -> int:
+        return max(self.placement) + 1
+
+    def __len__(self) -> int:
+        return 3 * self.num_stages * self.num_microbatches
+
+    def index(self, op: Op, stage: int, mb: int) -> int:
+        return (OPS.index(op) * self.num_stages + stage) * self.num_microbatches + mb
+
+    @cached_property
+    def actions(self) -> tuple[Action, ...]:
+        return tuple(
+            Action(op, s, j)
+            for op in OPS
+            for s in range(self.num_stages)
+            for j in range(self.num_microbatches)
+        )
+
+    def device(self, i: int) -> int:
+        return self.placement[self.actions[i].stage]
+
+    @cached_property
+    def edges(self) -> tuple[tuple[int, int, bool], ...]:
+        """``(before, after, crosses_devices)``: dependencies plus the in-order chains."""
+        S, M, idx = self.num_stages, self.num_microbatches, self.index
+        out: list[tuple[int, int, bool]] = []
+        for s in range(S):
+            for j in range(M):
+                if s > 0:
+                    out.append((idx(Op.F, s - 1, j), idx(Op.F, s, j), self._cross(s - 1, s)))
+                out.append((idx(Op.F, s, j), idx(Op.B, s, j), False))
+                if s + 1 < S:
+                    out.append((idx(Op.B, s + 1, j), idx(Op.B, s, j), self._cross(s + 1, s)))
+                out.append((idx(Op.B, s, j), idx(Op.W, s, j), False))
+                if j + 1 < M:
+                    for op in OPS:
+                        out.append((idx(op, s, j), idx(op, s, j + 1), False))
+        return tuple(out)
+
+    def _cross(self, s: int, t: int) -> bool:
+        return self.placement[s] != self.placement[t]
+
+    @cached_property
+    def descendants(self) -> tuple[int, ...]:
+        """Bitset of every action reachable from each action (transitive closure)."""
+        succ: list[list[int]] = [[] for _ in range(len(self))]
+        for a, b, _ in self.edges:
+            succ[a].append(b)
+        reach = [0] * len(self)
+        for a in reversed(self.topological()):
+            bits = 0
+            for b in succ[a]:
+                bits |= (1 << b) | reach[b]
+            reach[a] = bits
+        return tuple(reach)
+
+    def topological(self) -> list[int]:
+        """All actions, each after everything it depends on."""
+        indeg = [0] * len(self)
+        succ: list[list[int]] = [[] for _ in range(len(self))]
+        for a, b, _ in self.edges:
+            succ[a].append(b)
+            indeg[b] += 1
+        order = [i for i in range(len(self)) if indeg[i] == 0]
+        for a in order:
+            for b in succ[a]:
+                indeg[b] -= 1
+                if indeg[b] == 0:
+                    order.append(b)
+        return order
+
+    def precedes(self, a: int, b: int) -> bool:
+        """True if every schedule of this graph runs ``a`` before ``b``."""
+        return bool(self.descendants[a] >> b & 1)
+
+    @cached_property
+    def by_device(self) -> tuple[tuple[int, ...], ...]:
+        held: list[list[int]] = [[] for _ in range(self.num_devices)]
+        for i in range(len(self)):
+            held[self.device(i)].append(i)
+        return tuple(tuple(h) for h in held)
+
+
+def durations(graph: ActionGraph, costs: CostModel) -> list[float]:
+    return [float(costs.duration(a.op, a.stage)) for a in graph.actions]
+
+
+def memory_deltas(graph: ActionGraph, costs: CostModel) -> list[float]:
+    return [float(costs.memory_delta(a.op, a.stage)) for a in graph.actions]
+
+
+def min_feasible_limit(placement: Sequence[int], costs: CostModel) -> Number:
+    """The smallest per-device memory limit under which any schedule exists.
+
+    A microbatch's forwards on one device all stay alive until its backward
+    reaches that device again, so each device must hold one microbatch's M_B
+    for all its stages at once; running one microbatch at a time needs no more.
+    """
+    need: dict[int, Number] = {}
+    for s, d in enumerate(placement):
+        need[d] = need.get(d, 0) + costs.mem_f[s]
+    return max(need.values())

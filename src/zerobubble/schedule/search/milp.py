@@ -1,0 +1,351 @@
+"""Exact schedule search: a mixed-integer program solved by HiGHS (scipy.optimize.milp).
+
+The model (the ZB paper's ILP, tightened):
+
+* variables: the end time ``e_a`` of every F/B/W action, one binary ``y_ab``
+  ("a runs before b") per pair of actions on one device whose order the
+  graph leaves open, and the cost ``C``;
+* dependencies and in-order chains (see :mod:`.graph`):
+  ``e_b >= e_a + dur_b (+ comm across devices)``;
+* one action at a time per device, big-M disjunctions on ``y``;
+* memory: after each F (where a device's memory peaks) the sum of the
+  deltas of the actions ordered before it, a linear function of ``y``, stays
+  within the limit;
+* cost: the first action of device d is F(first stage, 0); executed as soon
+  as possible it starts at a constant ``T0_d`` (the forward chain of
+  microbatch 0 reaches it uncontended), so ``C >= e_last - T0_d``. Fixing
+  that start makes the optimum equal to the best cost ``simulate`` can give
+  any order (as-soon-as-possible times are the least solution of these
+  constraints);
+* tightening: the heuristic's cost is an upper-bound cut (scipy's milp has no
+  warm start), which also bounds every ``e`` and so every big-M; per action,
+  "busy before" and "busy after" cuts (``e_a - dur_a >= T0_d + sum dur_c y_ca``
+  and ``T0_d + C >= e_a + sum dur_c y_ac``) give the relaxation the device
+  load; ``y`` is monotone along the in-order chains.
+
+Durations must be positive (with zero-length actions an order is not
+determined by times).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_array
+
+from zerobubble.schedule.costs import CostModel, CostSpec, Number
+from zerobubble.schedule.errors import Reason, ScheduleError
+from zerobubble.schedule.generators.common import check_counts
+from zerobubble.schedule.ir import Op, Schedule, looped_placement
+from zerobubble.schedule.search.auto import GRID_1, auto_schedule, resolve_costs
+from zerobubble.schedule.search.graph import (
+    ActionGraph,
+    durations,
+    memory_deltas,
+    min_feasible_limit,
+)
+from zerobubble.schedule.simulate import simulate
+
+log = logging.getLogger(__name__)
+
+#: Seconds HiGHS may spend in the ``optimal`` generator.
+DEFAULT_TIME_LIMIT = 60.0
+#: Largest instance (F/B/W actions) the exact search accepts.
+MAX_ACTIONS = 600
+
+
+@dataclass(frozen=True)
+class OptimalResult:
+    """Outcome of :func:`solve_optimal`.
+
+    Attributes:
+        schedule: The best schedule found (the MILP's, or the incumbent if the
+            MILP found nothing better).
+        cost: Its simulated cost.
+        lower_bound: A proven lower bound on the cost of any schedule of this
+            placement under the limit (the MILP's dual bound).
+        gap: ``(cost - lower_bound) / cost``; 0 means proven optimal.
+        proven: True if HiGHS closed the gap to its tolerance.
+    """
+
+    schedule: Schedule
+    cost: float
+    lower_bound: float
+    gap: float
+    proven: bool
+
+
+class _Rows:
+    """Sparse constraint rows ``lb <= sum(coef * x) <= ub``."""
+
+    def __init__(self) -> None:
+        self.r: list[int] = []
+        self.c: list[int] = []
+        self.v: list[float] = []
+        self.lb: list[float] = []
+        self.ub: list[float] = []
+
+    def add(self, terms: dict[int, float], lb: float, ub: float) -> None:
+        row = len(self.lb)
+        for col, val in terms.items():
+            if val != 0:
+                self.r.append(row)
+                self.c.append(col)
+                self.v.append(val)
+        self.lb.append(lb)
+        self.ub.append(ub)
+
+    def constraint(self, ncols: int) -> LinearConstraint:
+        a = coo_array((self.v, (self.r, self.c)), shape=(len(self.lb), ncols)).tocsr()
+        return LinearConstraint(a, np.array(self.lb), np.array(self.ub))
+
+
+def first_starts(graph: ActionGraph, costs: CostModel) -> list[float]:
+    """``T0_d``: when device d's first action, F(first stage, 0), starts as soon as possible.
+
+    Needs stages 0..P-1 on distinct devices (true of looped and V placements),
+    so that each link of microbatch 0's forward chain is its device's first action.
+    """
+    P = graph.num_devices
+    if sorted(graph.placement[:P]) != list(range(P)):
+        raise ValueError(
+            "the exact search needs stages 0..P-1 on distinct devices (looped or V placement)"
+        )
+    t, starts = 0.0, [0.0] * P
+    for s in range(P):
+        if s > 0:
+            t += float(costs.f[s - 1]) + (
+                float(costs.comm) if graph.placement[s - 1] != graph.placement[s] else 0.0
+            )
+        starts[graph.placement[s]] = t
+    return starts
+
+
+def solve_optimal(
+    incumbent: Schedule,
+    costs: CostModel,
+    mem_limit: Number | None,
+    *,
+    time_limit: float = DEFAULT_TIME_LIMIT,
+    rel_gap: float = 1e-6,
+    name: str = "optimal",
+) -> OptimalResult:
+    """Minimise the cost of a split-backward schedule exactly (up to ``rel_gap``).
+
+    Args:
+        incumbent: A valid schedule within the limit (the heuristic's). It fixes the
+            placement and M; its cost is the upper-bound cut, and it is returned if
+            the solver finds nothing better.
+        costs: Per-stage costs; every duration must be > 0.
+        mem_limit: Per-device memory limit in the units of ``costs`` (None: unbounded).
+        time_limit: Seconds HiGHS may spend; the result then carries the gap it proved.
+        rel_gap: Relative optimality tolerance.
+        name: Name of the returned schedule.
+    """
+    placement = incumbent.placement
+    graph = ActionGraph(placement, incumbent.num_microbatches)
+    _check_size(len(graph))
+    dur = durations(graph, costs)
+    if min(dur) <= 0:
+        raise ValueError("the exact search needs every F, B and W duration to be > 0")
+    floor = min_feasible_limit(placement, costs)
+    if mem_limit is not None and mem_limit < floor:
+        raise ScheduleError(
+            Reason.MEMORY,
+            f"memory limit {float(mem_limit):g} is infeasible: the smallest feasible limit "
+            f"is {float(floor):g} (one microbatch's M_B on every stage of the busiest device)",
+        )
+    incumbent = incumbent.with_actions(incumbent.actions, name=name)
+    inc_cost = float(simulate(incumbent, costs).cost)
+    model = _build(graph, costs, dur, mem_limit, inc_cost)
+    res = milp(
+        model.objective,
+        constraints=model.rows.constraint(model.ncols),
+        integrality=model.integrality,
+        bounds=Bounds(model.lo, model.hi),
+        options={"time_limit": time_limit, "mip_rel_gap": rel_gap, "disp": False},
+    )
+    best, best_cost = incumbent, inc_cost
+    if res.x is not None:
+        cand = _extract(graph, dur, res.x, incumbent)
+        cand_cost = float(simulate(cand, costs).cost)
+        if cand_cost < best_cost - 1e-9 * max(1.0, best_cost):
+            best, best_cost = cand, cand_cost
+    if res.status == 0:  # solved to rel_gap
+        bound = float(res.fun) * (1 - rel_gap)
+    elif res.status == 2:  # nothing beats the cut: the incumbent is optimal
+        bound = best_cost
+    else:
+        bound = float(getattr(res, "mip_dual_bound", None) or 0.0)
+    bound = min(bound, best_cost)
+    gap = (best_cost - bound) / best_cost if best_cost > 0 else 0.0
+    if res.status not in (0, 2):
+        log.warning("exact search stopped (%s) with a gap of %.2f%%", res.message, 100 * gap)
+    return OptimalResult(best, best_cost, bound, gap, res.status in (0, 2))
+
+
+def optimal(
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    costs: CostSpec | None = None,
+    mem_limit: Number | None = None,
+) -> Schedule:
+    """The exact optimum (one stage per device) under a memory limit, by MILP.
+
+    Without ``mem_limit`` the limit is 2P microbatches' M_B (ZB-2p's budget).
+    Small instances only (3·P·M <= MAX_ACTIONS); HiGHS gets DEFAULT_TIME_LIMIT
+    seconds and the best schedule found is returned (zb-auto's if nothing better).
+    """
+    p, m = check_counts(num_devices, num_microbatches)
+    _check_size(3 * p * m)
+    placement = looped_placement(p, 1)
+    model, limit = resolve_costs(placement, costs, mem_limit, default=2 * p)
+    incumbent = auto_schedule("zb-auto", placement, m, model, limit, GRID_1)
+    return solve_optimal(incumbent, model, limit).schedule
+
+
+def _check_size(actions: int) -> None:
+    if actions > MAX_ACTIONS:
+        raise ValueError(
+            f"the exact search is for small instances (at most {MAX_ACTIONS} F/B/W actions, "
+            f"this one has {actions}); use zb-auto or zbv-auto for larger ones"
+        )
+
+
+@dataclass
+class _Model:
+    objective: np.ndarray
+    rows: _Rows
+    integrality: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    ncols: int
+
+
+def _build(
+    graph: ActionGraph,
+    costs: CostModel,
+    dur: list[float],
+    mem_limit: Number | None,
+    upper: float,
+) -> _Model:
+    n = len(graph)
+    comm = float(costs.comm)
+    t0 = first_starts(graph, costs)
+    dev = [graph.device(i) for i in range(n)]
+    first = {graph.index(Op.F, s, 0) for s in range(graph.num_devices)}
+    # Bounds on end times: earliest from the graph, latest from the cost cut.
+    order = graph.topological()
+    lo = [0.0] * n
+    for i in order:  # all the device's work that must come first fits after T0
+        head = sum(dur[j] for j in graph.by_device[dev[i]] if graph.precedes(j, i))
+        lo[i] = t0[dev[i]] + head + dur[i]
+    for a, b, cross in _by_source(graph.edges, order):
+        lo[b] = max(lo[b], lo[a] + dur[b] + (comm if cross else 0.0))
+    hi = [0.0] * n
+    tail = [0.0] * n  # work on the same device that must follow
+    for i in range(n):
+        tail[i] = sum(dur[j] for j in graph.by_device[dev[i]] if graph.precedes(i, j))
+        hi[i] = t0[dev[i]] + upper - tail[i]
+    for i in first:
+        lo[i] = hi[i] = t0[dev[i]] + dur[i]
+
+    # Binary ordering variables for the open pairs of each device.
+    pair: dict[tuple[int, int], int] = {}
+    ncols = n + 1  # e_0..e_{n-1}, C
+    for held in graph.by_device:
+        for x, a in enumerate(held):
+            for b in held[x + 1 :]:
+                if not graph.precedes(a, b) and not graph.precedes(b, a):
+                    pair[a, b] = ncols
+                    ncols += 1
+    cost_col = n
+
+    def before(a: int, b: int) -> tuple[float, dict[int, float]]:
+        """``[a before b]`` as constant + linear terms."""
+        if graph.precedes(a, b):
+            return 1.0, {}
+        if graph.precedes(b, a):
+            return 0.0, {}
+        if (a, b) in pair:
+            return 0.0, {pair[a, b]: 1.0}
+        return 1.0, {pair[b, a]: -1.0}
+
+    rows = _Rows()
+    for a, b, cross in graph.edges:
+        rows.add({b: 1.0, a: -1.0}, dur[b] + (comm if cross else 0.0), math.inf)
+    for (a, b), y in pair.items():
+        big_ab = hi[a] + dur[b] - lo[b]  # y=1: a first, so e_b >= e_a + dur_b
+        rows.add({b: 1.0, a: -1.0, y: -big_ab}, dur[b] - big_ab, math.inf)
+        big_ba = hi[b] + dur[a] - lo[a]  # y=0: b first
+        rows.add({a: 1.0, b: -1.0, y: big_ba}, dur[a], math.inf)
+
+    deltas = memory_deltas(graph, costs)
+    for d, held in enumerate(graph.by_device):
+        for x in held:
+            head_c, head = 0.0, {x: 1.0}
+            tail_c, tail_t = 0.0, {cost_col: 1.0, x: -1.0}
+            mem_c, mem = deltas[x], {}
+            for c in held:
+                if c == x:
+                    continue
+                k, terms = before(c, x)
+                head_c += dur[c] * k
+                mem_c += deltas[c] * k
+                for col, v in terms.items():
+                    head[col] = head.get(col, 0.0) - dur[c] * v
+                    mem[col] = mem.get(col, 0.0) + deltas[c] * v
+                k, terms = before(x, c)
+                tail_c += dur[c] * k
+                for col, v in terms.items():
+                    tail_t[col] = tail_t.get(col, 0.0) - dur[c] * v
+            # e_x - dur_x - T0 >= work before x;  T0 + C - e_x >= work after x
+            rows.add(head, t0[d] + dur[x] + head_c, math.inf)
+            rows.add(tail_t, tail_c - t0[d], math.inf)
+            if mem_limit is not None and graph.actions[x].op is Op.F and mem:
+                rows.add(mem, -math.inf, float(mem_limit) - mem_c + 1e-9)
+    # y is monotone along the in-order chains: a later b / an earlier a keeps "a before b".
+    chain_next = {a: b for a, b, _ in graph.edges if _same_chain(graph, a, b)}
+    for a, b in pair:
+        for u, v in ((a, chain_next.get(b)), (chain_next.get(a), b)):
+            if u is None or v is None:
+                continue
+            k1, t1 = before(a, b) if u == a else before(u, v)
+            k2, t2 = before(u, v) if u == a else before(a, b)
+            row = dict(t1)  # before(lhs) - before(rhs) <= 0
+            for col, val in t2.items():
+                row[col] = row.get(col, 0.0) - val
+            if row:
+                rows.add(row, -math.inf, k2 - k1)
+
+    objective = np.zeros(ncols)
+    objective[cost_col] = 1.0
+    integrality = np.zeros(ncols)
+    integrality[n + 1 :] = 1
+    lo_all = np.concatenate([lo, [0.0], np.zeros(ncols - n - 1)])
+    hi_all = np.concatenate([hi, [upper], np.ones(ncols - n - 1)])
+    return _Model(objective, rows, integrality, lo_all, hi_all, ncols)
+
+
+def _same_chain(graph: ActionGraph, a: int, b: int) -> bool:
+    x, y = graph.actions[a], graph.actions[b]
+    return x.op == y.op and x.stage == y.stage and y.mb == x.mb + 1
+
+
+def _by_source(edges: tuple[tuple[int, int, bool], ...], order: list[int]):
+    rank = {v: k for k, v in enumerate(order)}
+    return sorted(edges, key=lambda e: rank[e[0]])
+
+
+def _extract(graph: ActionGraph, dur: list[float], x: np.ndarray, like: Schedule) -> Schedule:
+    """Each device's actions sorted by their start times in the MILP solution."""
+    acts = []
+    for held in graph.by_device:
+        ordered = sorted(held, key=lambda i: (x[i] - dur[i], x[i], i))
+        acts.append([graph.actions[i] for i in ordered])
+    return like.with_actions(acts)
