@@ -173,9 +173,25 @@ def test_a_w_after_the_optimizer_step_is_refused(zbh1):
     v = first(ev)
     assert (v.check, v.rank, v.index, v.event) == ("optimizer", 0, opt_k + 1, f"W(s0,mb{w.mb})")
     assert v.why == (
-        f"runs after rank 0's optimizer step (event #{opt_k}) that already applied "
-        "iteration 0's gradients"
+        f"runs after rank 0's optimizer action opt_step (event #{opt_k}) on iteration 0's gradients"
     )
+
+
+def test_work_discarded_by_a_replay_is_not_checked(zbh1):
+    ev = zbh1
+    start = next(p for p, e in enumerate(ev) if (e.rank, e.iteration) == (1, 1))
+    prev = max(p for p in range(start) if ev[p].rank == 1)
+    t = ev[prev].end_ns
+    f = ev[where(ev, 1, "F", 1, 0, it=1)[0]]
+    discarded = dataclasses.replace(f, start_ns=t, end_ns=t)
+    ev.insert(start, discarded)
+    v = first(ev)
+    assert (v.check, v.event) == ("backward", "F(s1,mb0)")
+    assert v.why.startswith("runs a second time")
+    ev.insert(start + 1, dataclasses.replace(discarded, op="replay", stage=None, mb=None))
+    report = check_trace(ev)
+    assert report.ok, report.first
+    assert report.notes[0] == "1 event(s) of replayed (discarded) work not checked"
 
 
 def test_a_second_parameter_version_in_a_microbatch_is_refused(zbh1):

@@ -21,10 +21,16 @@ its earliest event):
    its producer on the other rank, and not before the producer ended there.
 6. ``version``: all compute of one microbatch in one iteration saw one
    parameter version.
-7. ``optimizer``: no compute of an iteration runs on a rank after that rank's
-   optimizer event that closed the iteration (skipped, with a note, when the
-   trace has no optimizer events).
+7. ``optimizer``: no compute of iteration k runs on a rank after that rank's
+   first optimizer action on iteration k's gradients (skipped, with a note,
+   when the trace has no optimizer events).
 8. ``memory``: held activation bytes never exceed ``mem_budget``.
+
+Optimizer events follow :mod:`zerobubble.optim`'s protocol: ops ``opt_*``,
+each carrying the iteration whose gradients it acts on; ``opt_step``,
+``opt_provisional``, ``opt_skip`` and ``opt_defer`` act on them. A ``replay``
+event discards its rank's earlier work of that iteration (speculation undone),
+so checks 2-6 ignore those events.
 """
 
 from __future__ import annotations
@@ -38,9 +44,9 @@ from pathlib import Path
 from zerobubble.runtime.trace import COMPUTE_OPS, TraceEvent
 
 MESSAGE_OPS = ("post_recv", "wait_recv", "send")
-OTHER_OPS = ("wait_sends",)
-DEFAULT_OPT_OPS = ("opt_step",)
-"""Event ops that mark an optimizer step (recorded by the optimizer layer)."""
+OTHER_OPS = ("wait_sends", "replay")
+DEFAULT_OPT_OPS = ("opt_step", "opt_provisional", "opt_skip", "opt_defer")
+"""Optimizer events that act on an iteration's gradients (no compute of it may follow)."""
 DEFAULT_TOLERANCE_NS = 5_000_000
 """Cross-rank clock tolerance: ranks take their epoch after a barrier, which on a
 loaded machine can release them milliseconds apart."""
@@ -175,13 +181,17 @@ def check_trace(
         evs.append(_Ev(e, counters[e.rank], lines[i] if lines is not None else None))
         counters[e.rank] += 1
     notes: list[str] = []
+    kept = _without_replayed(evs)
+    dropped = sum(ev.e.op != "replay" for ev in evs) - len(kept)
+    if dropped:
+        notes.append(f"{dropped} event(s) of replayed (discarded) work not checked")
     families = (
         lambda: _check_events(evs, opt_ops),
-        lambda: _check_backward(evs),
-        lambda: _check_messages(evs),
-        lambda: _check_message_order(evs),
-        lambda: _check_edges(evs, tolerance_ns),
-        lambda: _check_versions(evs),
+        lambda: _check_backward(kept),
+        lambda: _check_messages(kept),
+        lambda: _check_message_order(kept),
+        lambda: _check_edges(kept, tolerance_ns),
+        lambda: _check_versions(kept),
         lambda: _check_optimizer(evs, opt_ops, notes),
         lambda: _check_memory(evs, mem_budget, notes),
     )
@@ -208,6 +218,19 @@ def _v(check: str, ev: _Ev, why: str) -> tuple[tuple, Violation]:
     return ev.key, Violation(check, e.iteration, e.rank, ev.index, ev.line, describe(e), why)
 
 
+def _without_replayed(evs: Sequence[_Ev]) -> list[_Ev]:
+    """Drop each rank's events of an iteration that precede its ``replay`` of that iteration."""
+    last_replay: dict[tuple[int, int], int] = {}
+    for ev in evs:
+        if ev.e.op == "replay":
+            last_replay[ev.e.rank, ev.e.iteration] = ev.index
+    return [
+        ev
+        for ev in evs
+        if ev.e.op != "replay" and ev.index > last_replay.get((ev.e.rank, ev.e.iteration), -1)
+    ]
+
+
 def _by_rank(evs: Sequence[_Ev]) -> dict[int, list[_Ev]]:
     out: dict[int, list[_Ev]] = defaultdict(list)
     for ev in evs:
@@ -232,8 +255,9 @@ def _check_events(evs: Sequence[_Ev], opt_ops: tuple[str, ...]) -> _Found:
         prev: _Ev | None = None
         for ev in rank_evs:
             e = ev.e
-            if e.op not in known:
-                out.append(_v("event", ev, f"unknown op {e.op!r}; expected one of {known}"))
+            if e.op not in known and not e.op.startswith("opt_"):
+                why = f"unknown op {e.op!r}; expected one of {', '.join(known)} or opt_*"
+                out.append(_v("event", ev, why))
             elif e.op in COMPUTE_OPS and not (_nat(e.stage) and _nat(e.mb)):
                 out.append(_v("event", ev, "a compute event needs integer stage and mb >= 0"))
             elif e.op in MESSAGE_OPS and (
@@ -522,28 +546,24 @@ def _check_versions(evs: Sequence[_Ev]) -> _Found:
 def _check_optimizer(evs: Sequence[_Ev], opt_ops: tuple[str, ...], notes: list[str]) -> _Found:
     if not any(ev.e.op in opt_ops for ev in evs):
         notes.append(
-            f"no optimizer events (op {' or '.join(opt_ops)}) in the trace: the check that no W "
+            f"no optimizer events ({', '.join(opt_ops)}) in the trace: the check that no W "
             "runs after its optimizer step was skipped"
         )
         return []
     out: _Found = []
     for rank_evs in _by_rank(evs).values():
-        pending: set[int] = set()  # iterations with compute since the last optimizer event
-        closed: dict[int, _Ev] = {}  # iteration -> the optimizer event that applied it
+        stepped: dict[int, _Ev] = {}  # iteration -> first optimizer action on its gradients
         for ev in rank_evs:
             e = ev.e
             if e.op in opt_ops:
-                closed.update(dict.fromkeys(pending, ev))
-                pending.clear()
-            elif e.op in COMPUTE_OPS:
-                step = closed.get(e.iteration)
-                if step is not None:
-                    why = (
-                        f"runs after rank {e.rank}'s optimizer step (event #{step.index}) that "
-                        f"already applied iteration {e.iteration}'s gradients"
-                    )
-                    out.append(_v("optimizer", ev, why))
-                pending.add(e.iteration)
+                stepped.setdefault(e.iteration, ev)
+            elif e.op in COMPUTE_OPS and e.iteration in stepped:
+                step = stepped[e.iteration]
+                why = (
+                    f"runs after rank {e.rank}'s optimizer action {step.e.op} (event "
+                    f"#{step.index}) on iteration {e.iteration}'s gradients"
+                )
+                out.append(_v("optimizer", ev, why))
     return out
 
 
