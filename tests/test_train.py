@@ -25,8 +25,8 @@ def test_train_profiles_plans_trains_and_writes_its_outputs(tmp_path, capfd):
     assert main(["train", *TINY, "--out", str(out)]) == 0
     text = capfd.readouterr().out
     steps = [line for line in text.splitlines() if line.startswith("step ")]
-    assert len(steps) == 3 * (1 + 2)  # three phases of warm-up + 2 steps
-    assert sum("(warm-up, not measured)" in s for s in steps) == 3
+    assert len(steps) == 2 * (1 + 2) + 3 * (1 + 2)  # profile, then train: warm-up + 2 each
+    assert sum("(warm-up, not measured)" in s for s in steps) == 2 + 3
     for title in ("stage profile", "stage balancing", "schedules (P=2, M=4", "idle time by cause"):
         assert title in text
     assert "trace check: OK" in text and "wall time" in text

@@ -46,10 +46,10 @@ class ConsoleReporter:
         self._progress.start()
         self._task = self._progress.add_task("train", total=total_steps, loss="-")
 
-    def step(self, phase: str, step: int, loss: float, seconds: float, warmup: bool) -> None:
-        note = "  (warm-up, not measured)" if warmup else ""
+    def step(self, phase: str, step: int, loss: float, seconds: float, note: str) -> None:
         self.console.print(
-            f"step {step:3d}  {phase:<8} loss {loss:.4f}  {seconds * 1e3:6.0f} ms{note}",
+            f"step {step:3d}  {phase:<8} loss {loss:.4f}  {seconds * 1e3:6.0f} ms"
+            + (f"  ({note})" if note else ""),
             highlight=False,
         )
         if self._progress is not None:
@@ -66,7 +66,7 @@ def print_summary(result: JobResult, console: Console | None = None) -> None:
     con = console or Console(width=110)
     _profile_table(result, con)
     _balance_table(result, con)
-    if len(result.phases) > 2:
+    if result.phases:
         _schedule_table(result, con)
         _idle_table(result, con)
     rep = result.trace_report

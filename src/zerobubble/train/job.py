@@ -6,16 +6,18 @@ Phases, in lock step on all ranks (rank 0 analyses and reports):
    and sends the costs to all ranks; the balanced cut minimises the slowest
    stage. A few ZB-H1 steps on a copy cut into equal layer counts measure
    the stage times *before* balancing.
-2. **Baselines.** 1F1B, then ZB-H1, train the model (balanced cut). Their
-   traces are the stage profile (ZB-H1: F, B, W and memory; 1F1B: BW); a
-   ping-pong per stage boundary gives the latency.
+2. **Profile.** 1F1B and ZB-H1 take turns training the model (balanced cut).
+   Their traces are the stage profile (ZB-H1: F, B, W and memory; 1F1B: F and
+   BW without split); a ping-pong per stage boundary gives the latency.
 3. **Plan.** Rank 0 plans with :data:`PLANNER` under the memory limit from
    the profile and sends the schedule to all ranks.
-4. **Train.** The planned schedule trains on; its trace is saved and checked.
+4. **Train.** 1F1B, ZB-H1 and the plan take turns, step by step, so that a
+   drifting machine load hits all three alike; these steps are the figures
+   compared. The plan's trace is saved and checked.
 
-Every step of every phase trains the same model with the same optimizer;
-gradients are bitwise the same whatever the schedule, so the phases only
-change the speed. Warm-up steps are excluded from every figure.
+Every step trains the same model with the same optimizer; gradients are
+bitwise the same whatever the schedule, so schedules only change the speed.
+Warm-up steps are excluded from every figure.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from zerobubble.profile.bubbles import IterationBubbles, analyze_iteration
 from zerobubble.profile.costs_file import Profile
 from zerobubble.profile.layers import LayerProfile, profile_layers
 from zerobubble.profile.stages import boundary_pairs, p2p_latency, stage_profile
+from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.partition import build_stage_modules, stage_bounds
@@ -60,7 +63,7 @@ class Reporter(Protocol):
 
     def info(self, text: str) -> None: ...
     def start(self, total_steps: int) -> None: ...
-    def step(self, phase: str, step: int, loss: float, seconds: float, warmup: bool) -> None: ...
+    def step(self, phase: str, step: int, loss: float, seconds: float, note: str) -> None: ...
     def close(self) -> None: ...
 
 
@@ -259,19 +262,18 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     if equal != balanced:
         measured_equal = _measure_cut(ctx, layers, equal)
 
-    # 2. Baselines on the balanced cut: they train and profile.
+    # 2. Profile: 1F1B and ZB-H1 take turns step by step on the balanced cut (and train).
     base = one_f_one_b(P, cfg.microbatches)
     mods = build_stage_modules(layers, base, ctx.rank, boundaries=balanced, device=ctx.device)
-    params = [p for m in mods.values() for p in m.parameters()]
-    opt = torch.optim.AdamW(params, lr=cfg.lr)
+    chunks = _chunks(mods, P)
+    opt = torch.optim.AdamW([p for m in mods.values() for p in m.parameters()], lr=cfg.lr)
+    phases = [_phase(ctx, s, chunks) for s in (base, generate("zb-h1", P, cfg.microbatches))]
     total = 2 * (cfg.warmup + cfg.baseline_steps)
-    total += 0 if cfg.profile_only else cfg.warmup + cfg.steps
+    total += 0 if cfg.profile_only else 3 * (cfg.warmup + cfg.steps)
     if ctx.lead and ctx.reporter is not None:
         ctx.reporter.start(total)
-    runs = [
-        _train_phase(ctx, sched.name, sched, mods, opt, cfg.baseline_steps, planned=False)
-        for sched in (base, generate("zb-h1", P, cfg.microbatches))
-    ]
+    _rotate(ctx, phases, opt, cfg.warmup + cfg.baseline_steps, measure=False)
+    profiled = [gather_traces(ph.pipe.trace) or [] for ph in phases]
     boundary = cfg.microbatch_size * cfg.seq_len * cfg.d_model * 4  # float32 activations
     pairs = [(a, b) for _, a, b in boundary_pairs(base.placement)]
     latency = p2p_latency(pairs, boundary, device=ctx.device)
@@ -279,16 +281,21 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     # 3. Plan on rank 0.
     plan: tuple[Profile, int, Schedule, str] | None = None
     if ctx.lead:
-        plan = _plan(ctx, runs, lp, balanced, latency, base)
+        plan = _plan(ctx, profiled, lp, balanced, latency, base)
     profile, mem_limit, planned, kind = _broadcast(plan)
     ctx.say(f"planned with {kind} under a memory limit of {mem_limit / 2**20:.2f} MiB per device")
 
-    # 4. Train with the plan.
+    # 4. Train: the three schedules take turns, so that load drifts hit them alike.
     if not cfg.profile_only:
-        runs.append(_train_phase(ctx, kind, planned, mods, opt, cfg.steps, planned=True))
+        phases.append(_phase(ctx, planned, chunks, name=kind, planned=True))
+        _rotate(ctx, phases, opt, cfg.warmup + cfg.steps, measure=True)
+        for ph in phases:
+            ph.events = gather_traces(ph.pipe.trace) or []
     if not ctx.lead:
         return None
-    return _report(ctx, runs, lp, measured_equal, equal, balanced, profile, mem_limit, kind, began)
+    return _report(
+        ctx, phases, lp, measured_equal, equal, balanced, profile, mem_limit, kind, began
+    )
 
 
 def _broadcast(obj):
@@ -320,93 +327,126 @@ def _measure_cut(ctx: _Ctx, layers: list[nn.Module], cut: tuple[int, ...]) -> tu
     return tuple(prof.stage_time(s) for s in range(sched.num_stages))
 
 
+def _chunks(mods: dict[int, nn.Module], num_stages: int) -> dict[bool, dict[int, StageChunk]]:
+    """Per stage one B/W-split chunk and one unsplit chunk over the same modules.
+
+    Schedules of each kind share their chunks (and so their weight-gradient
+    store), which lets executors of different schedules take turns on one model.
+    The unsplit chunks run the split layers' plain path (both gradients in the
+    backward), so schedules without split run an ordinary backward.
+    """
+    out: dict[bool, dict[int, StageChunk]] = {}
+    for split in (False, True):
+        out[split] = {
+            s: StageChunk(
+                m, s, num_stages, loss_fn=gpt_loss if s == num_stages - 1 else None, split=split
+            )
+            for s, m in mods.items()
+        }
+    return out
+
+
 @dataclass
-class _Run:
-    """A phase on rank 0 before analysis."""
+class _Phase:
+    """One schedule's executor and, on rank 0, its measurements."""
 
     name: str
     schedule: Schedule
     planned: bool
-    events: list[TraceEvent]
-    step_s: list[float]
-    pipe_s: list[float]
-    losses: list[float]
+    pipe: PipelineExecutor
+    measure_from: int = 0
+    """First executor iteration whose figures count."""
+    step_s: list[float] = field(default_factory=list)
+    pipe_s: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    events: list[TraceEvent] = field(default_factory=list)
 
 
-def _train_phase(
+def _phase(
     ctx: _Ctx,
-    name: str,
     sched: Schedule,
-    mods: dict[int, nn.Module],
-    opt: torch.optim.Optimizer,
-    steps: int,
+    chunks: dict[bool, dict[int, StageChunk]],
     *,
-    planned: bool,
-) -> _Run:
-    cfg = ctx.cfg
-    pipe = PipelineExecutor(sched, mods, loss_fn=gpt_loss, device=ctx.device, options=_options(cfg))
-    run = _Run(name, sched, planned, [], [], [], [])
-    for i in range(cfg.warmup + steps):
-        x, y = ctx.batch()
-        opt.zero_grad(set_to_none=True)
-        pipe.param_version = ctx.version
-        dist.barrier()
-        t0 = time.perf_counter()
-        losses = pipe.step(x, target=y)
-        t1 = time.perf_counter()
-        o0, held = pipe.trace.now(), pipe.held_bytes()
-        optimizer_step(opt)
-        pipe.trace.record(
-            TraceEvent(
-                pipe.iteration - 1,
-                ctx.rank,
-                "opt_step",
-                None,
-                None,
-                ctx.version,
-                o0,
-                pipe.trace.now(),
-                held,
-                held,
-            )
+    name: str | None = None,
+    planned: bool = False,
+) -> _Phase:
+    mine = chunks[sched.uses_split_backward]
+    pipe = PipelineExecutor(sched, mine, device=ctx.device, options=_options(ctx.cfg))
+    return _Phase(name or sched.name, sched, planned, pipe)
+
+
+def _rotate(
+    ctx: _Ctx, phases: list[_Phase], opt: torch.optim.Optimizer, rounds: int, *, measure: bool
+) -> None:
+    """``rounds`` steps of every phase, taking turns; the first ``warmup`` rounds are not
+    measured (nor, without ``measure``, any: they only feed the profile)."""
+    for ph in phases:
+        ph.measure_from = ph.pipe.iteration + ctx.cfg.warmup
+    for r in range(rounds):
+        for ph in phases:
+            warm = r < ctx.cfg.warmup
+            note = "warm-up, not measured" if warm else ("" if measure else "profiling")
+            _step(ctx, ph, opt, record=measure and not warm, note=note)
+
+
+def _step(ctx: _Ctx, ph: _Phase, opt: torch.optim.Optimizer, *, record: bool, note: str) -> None:
+    """One training step of ``ph``'s schedule; the slowest rank's times go to rank 0."""
+    pipe = ph.pipe
+    x, y = ctx.batch()
+    opt.zero_grad(set_to_none=True)
+    pipe.param_version = ctx.version
+    dist.barrier()
+    t0 = time.perf_counter()
+    losses = pipe.step(x, target=y)
+    t1 = time.perf_counter()
+    o0, held = pipe.trace.now(), pipe.held_bytes()
+    optimizer_step(opt)
+    # The optimizer event carries the iteration whose gradients it applied.
+    pipe.trace.record(
+        TraceEvent(
+            pipe.iteration - 1,
+            ctx.rank,
+            "opt_step",
+            None,
+            None,
+            ctx.version,
+            o0,
+            pipe.trace.now(),
+            held,
+            held,
         )
-        t2 = time.perf_counter()
-        ctx.version += 1
-        loss = torch.stack(losses).mean().item() if losses else 0.0
-        mine = torch.tensor(
-            [t1 - t0, t2 - t0, loss, float(losses is not None)], dtype=torch.float64
-        )
-        every = [torch.zeros_like(mine) for _ in range(ctx.world)]
-        dist.all_gather(every, mine)
-        if ctx.lead:
-            pipe_s = max(float(t[0]) for t in every)
-            step_s = max(float(t[1]) for t in every)
-            loss = next(float(t[2]) for t in every if t[3] > 0)
-            warm = i < cfg.warmup
-            if not warm:
-                run.pipe_s.append(pipe_s)
-                run.step_s.append(step_s)
-            run.losses.append(loss)
-            if ctx.reporter is not None:
-                ctx.reporter.step(name, ctx.step_index, loss, step_s, warm)
-        ctx.step_index += 1
-    run.events = gather_traces(pipe.trace) or []
-    return run
+    )
+    t2 = time.perf_counter()
+    ctx.version += 1
+    loss = torch.stack(losses).mean().item() if losses else 0.0
+    mine = torch.tensor([t1 - t0, t2 - t0, loss, float(losses is not None)], dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(ctx.world)]
+    dist.all_gather(every, mine)
+    if ctx.lead:
+        step_s = max(float(t[1]) for t in every)
+        loss = next(float(t[2]) for t in every if t[3] > 0)
+        if record:
+            ph.pipe_s.append(max(float(t[0]) for t in every))
+            ph.step_s.append(step_s)
+        ph.losses.append(loss)
+        if ctx.reporter is not None:
+            ctx.reporter.step(ph.name, ctx.step_index, loss, step_s, note)
+    ctx.step_index += 1
 
 
 def _plan(
     ctx: _Ctx,
-    runs: list[_Run],
+    profiled: list[list[TraceEvent]],
     lp: LayerProfile,
     balanced: tuple[int, ...],
     latency: dict,
     base: Schedule,
 ) -> tuple[Profile, int, Schedule, str]:
     cfg = ctx.cfg
-    f1b, zbh1 = runs
+    f1b, zbh1 = profiled
     S = base.num_stages
-    split = stage_profile(zbh1.events, S, skip_iterations=cfg.warmup)
-    full = stage_profile(f1b.events, S, skip_iterations=cfg.warmup)
+    split = stage_profile(zbh1, S, skip_iterations=cfg.warmup)
+    full = stage_profile(f1b, S, skip_iterations=cfg.warmup)
     lat = tuple((s, latency[a, b]) for s, a, b in boundary_pairs(base.placement))
     prof = Profile(split, base.placement, lat, lp, balanced, None, cfg.warmup, fused=full)
     costs = prof.cost_model()
@@ -421,7 +461,7 @@ def _plan(
 
 def _report(
     ctx: _Ctx,
-    runs: list[_Run],
+    phases: list[_Phase],
     lp: LayerProfile,
     measured_equal: tuple[float, ...] | None,
     equal: tuple[int, ...],
@@ -434,36 +474,36 @@ def _report(
     cfg = ctx.cfg
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    phases = tuple(_analyze(run, profile, mem_limit, cfg.warmup) for run in runs)
     files = {"profile": str(profile.save(out / "profile.json"))}
+    results: tuple[PhaseResult, ...] = ()
     report = None
     if not cfg.profile_only:
         from zerobubble.viz.measured import measured_row, plot_measured
 
-        last = runs[-1]
-        write_jsonl(last.events, out / "trace.jsonl")
-        write_chrome_trace(last.events, out / "trace.chrome.json")
+        results = tuple(_analyze(ph, profile, mem_limit) for ph in phases)
+        plan = phases[-1]
+        write_jsonl(plan.events, out / "trace.jsonl")
+        write_chrome_trace(plan.events, out / "trace.chrome.json")
         files["trace"] = str(out / "trace.jsonl")
         files["chrome"] = str(out / "trace.chrome.json")
-        report = check_trace(last.events, mem_budget=mem_limit)
+        report = check_trace(plan.events, mem_budget=mem_limit)
         panels = []
-        for run, ph in zip(runs, phases, strict=True):
-            it = ph.bubbles[-1]
+        for ph, res in zip(phases, results, strict=True):
+            it = res.bubbles[-1]
             title = (
-                f"{run.name} (measured, iteration {it.iteration}): {it.window_ns / 1e6:.0f} ms, "
+                f"{ph.name} (measured, iteration {it.iteration}): {it.window_ns / 1e6:.0f} ms, "
                 f"bubble {it.bubble_rate:.1%}"
             )
-            panels.append((measured_row(run.events, it.iteration, title), it))
+            panels.append((measured_row(ph.events, it.iteration, title), it))
         files["timeline"] = str(plot_measured(panels, out / "timeline.png"))
-    before = measured_equal
-    after = phases[1] if len(phases) > 1 else phases[0]
+    stages = range(profile.stages.num_stages)
     balance = Balance(
         equal,
         balanced,
         tuple(stage_costs(lp.costs(), equal)),
         tuple(stage_costs(lp.costs(), balanced)),
-        before,
-        tuple(profile.stages.stage_time(s) for s in range(after.schedule.num_stages)),
+        measured_equal,
+        tuple(profile.stages.stage_time(s) for s in stages),
     )
     return JobResult(
         cfg,
@@ -472,23 +512,26 @@ def _report(
         profile,
         mem_limit,
         kind,
-        phases,
+        results,
         report,
         files,
         time.perf_counter() - began,
     )
 
 
-def _analyze(run: _Run, profile: Profile, mem_limit: int, warmup: int) -> PhaseResult:
-    iters = sorted({e.iteration for e in run.events if e.iteration >= warmup})
-    bubbles = tuple(analyze_iteration(run.events, k, mem_budget=mem_limit) for k in iters)
+def _analyze(ph: _Phase, profile: Profile, mem_limit: int) -> PhaseResult:
+    """Figures of the measured iterations; the prediction simulates the schedule with the
+    profile (the unsplit run's costs for schedules without B/W split)."""
+    iters = sorted({e.iteration for e in ph.events if e.iteration >= ph.measure_from})
+    bubbles = tuple(analyze_iteration(ph.events, k, mem_budget=mem_limit) for k in iters)
+    fused = not ph.schedule.uses_split_backward
     return PhaseResult(
-        run.name,
-        run.schedule,
-        run.planned,
-        tuple(run.step_s),
-        tuple(run.pipe_s),
-        tuple(run.losses),
+        ph.name,
+        ph.schedule,
+        ph.planned,
+        tuple(ph.step_s),
+        tuple(ph.pipe_s),
+        tuple(ph.losses),
         bubbles,
-        simulate(run.schedule, profile.cost_model(fused=not run.schedule.uses_split_backward)),
+        simulate(ph.schedule, profile.cost_model(fused=fused)),
     )
