@@ -1,8 +1,8 @@
 """Measured against predicted: the end-to-end job's step times over their simulation (JSON).
 
 Runs ``zerobubble train``'s job (one rank per core, one thread each; P=2 on a
-2-core machine): profile, plan, then 1F1B, ZB-H1 and the planned schedule
-(zb-auto once registered, ZB-H1 until then) train in turn. For each schedule:
+2-core machine): profile, plan with zb-auto, then 1F1B, ZB-H1 and the plan
+train taking turns step by step. For each schedule:
 
 * ``measured_ms``: median wall time of a pipeline step (slowest rank, warm-up
   excluded, optimizer excluded);

@@ -253,9 +253,12 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=d.n_heads)
     p.add_argument("--layers", type=int, help=f"transformer blocks (default: max({d.n_layers}, P))")
     p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--steps", type=int, default=d.steps, help="measured steps of the plan")
+    p.add_argument("--steps", type=int, default=d.steps, help="measured steps of each schedule")
     p.add_argument(
-        "--baseline-steps", type=int, default=d.baseline_steps, help="of 1F1B and ZB-H1 each"
+        "--baseline-steps",
+        type=int,
+        default=d.baseline_steps,
+        help="profiling steps of 1F1B and ZB-H1 each",
     )
     p.add_argument("--warmup", type=int, default=d.warmup, help="unmeasured steps per phase")
     p.add_argument("--mem-limit", type=int, help="activation bytes per device the plan may hold")

@@ -37,10 +37,11 @@ class TrainConfig:
     final LayerNorm, LM head)."""
     lr: float = 3e-3
     """AdamW learning rate."""
-    steps: int = 12
-    """Measured training steps with the planned schedule (after the warm-up)."""
-    baseline_steps: int = 5
-    """Measured training steps with each of 1F1B and ZB-H1 (they also profile the stages)."""
+    steps: int = 8
+    """Measured training steps of each of 1F1B, ZB-H1 and the plan (after the warm-up),
+    taking turns."""
+    baseline_steps: int = 4
+    """Profiling steps of each of 1F1B and ZB-H1 (after the warm-up), taking turns."""
     warmup: int = 1
     """Steps run before measuring, in every phase; excluded from every figure."""
     layer_iters: int = 4

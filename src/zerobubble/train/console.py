@@ -8,6 +8,8 @@ from rich.table import Table
 
 from zerobubble.profile.balance import imbalance
 from zerobubble.profile.bubbles import CATEGORIES
+from zerobubble.schedule.generators import generate
+from zerobubble.schedule.simulate import simulate
 from zerobubble.train.job import JobResult, PhaseResult
 
 MIB = 2**20
@@ -19,7 +21,7 @@ class ConsoleReporter:
     Picklable before :meth:`start`, so a launcher can hand it to the ranks.
     """
 
-    def __init__(self, width: int = 110) -> None:
+    def __init__(self, width: int = 120) -> None:
         self.width = width
         self._console: Console | None = None
         self._progress: Progress | None = None
@@ -63,12 +65,14 @@ class ConsoleReporter:
 
 def print_summary(result: JobResult, console: Console | None = None) -> None:
     """The profile, the balance, the schedule comparison and the idle breakdown."""
-    con = console or Console(width=110)
+    con = console or Console(width=120)
     _profile_table(result, con)
     _balance_table(result, con)
     if result.phases:
         _schedule_table(result, con)
         _idle_table(result, con)
+    else:
+        _predictions(result, con)
     rep = result.trace_report
     if rep is not None:
         if rep.ok:
@@ -157,8 +161,8 @@ def _balance_table(result: JobResult, con: Console) -> None:
 def _schedule_table(result: JobResult, con: Console) -> None:
     cfg = result.config
     table = Table(
-        title=f"schedules (P={cfg.devices}, M={cfg.microbatches}, measured steps after "
-        f"{cfg.warmup} warm-up; predicted = simulated from the profile)",
+        title=f"schedules (P={cfg.devices}, M={cfg.microbatches}; median of {cfg.steps} steps "
+        "each, taking turns; pred. = simulated from the profile)",
         title_justify="left",
     )
     cols = (
@@ -166,13 +170,13 @@ def _schedule_table(result: JobResult, con: Console) -> None:
         "step ms",
         "tokens/s",
         "bubble",
-        "predicted bubble",
+        "pred. bubble",
         "pipeline ms",
-        "predicted ms",
-        "peak act. MiB",
+        "pred. ms",
+        "act. peak MiB",
     )
     for col in cols:
-        table.add_column(col, justify="left" if col == "schedule" else "right")
+        table.add_column(col, justify="left" if col == "schedule" else "right", no_wrap=True)
     for ph in result.phases:
         table.add_row(
             _label(ph),
@@ -185,6 +189,20 @@ def _schedule_table(result: JobResult, con: Console) -> None:
             f"{ph.peak_memory / MIB:.2f}",
         )
     con.print(table)
+
+
+def _predictions(result: JobResult, con: Console) -> None:
+    """Without training: what the simulator predicts from the profile."""
+    prof, cfg = result.profile, result.config
+    parts = []
+    for name, sched in (
+        ("1f1b", generate("1f1b", cfg.devices, cfg.microbatches)),
+        ("zb-h1", generate("zb-h1", cfg.devices, cfg.microbatches)),
+        (f"{result.plan_kind} (plan)", result.plan),
+    ):
+        r = simulate(sched, prof.cost_model(fused=not sched.uses_split_backward))
+        parts.append(f"{name} {float(r.makespan):.0f} ms")
+    con.print("predicted pipeline step: " + ", ".join(parts), highlight=False)
 
 
 def _label(ph: PhaseResult) -> str:

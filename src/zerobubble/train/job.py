@@ -46,16 +46,14 @@ from zerobubble.runtime.partition import build_stage_modules, stage_bounds
 from zerobubble.runtime.trace import TraceEvent, gather_traces, write_chrome_trace, write_jsonl
 from zerobubble.runtime.trace_check import TraceReport, check_trace
 from zerobubble.schedule.costs import CostModel, CostSpec
-from zerobubble.schedule.generators import GENERATORS, generate, one_f_one_b
+from zerobubble.schedule.generators import generate, one_f_one_b
 from zerobubble.schedule.ir import Schedule
 from zerobubble.schedule.simulate import SimResult, simulate
 from zerobubble.schedule.validate import validate
 from zerobubble.train.config import TrainConfig
 
 PLANNER = "zb-auto"
-"""The planning schedule kind. Until it is registered (the schedule search), the job
-falls back to ZB-H1 (see :func:`plan_schedule`)."""
-FALLBACK = "zb-h1"
+"""The schedule kind that plans from the measured costs under the memory limit."""
 
 
 class Reporter(Protocol):
@@ -141,6 +139,7 @@ class JobResult:
     profile: Profile
     mem_limit: int
     plan_kind: str
+    plan: Schedule
     phases: tuple[PhaseResult, ...]
     trace_report: TraceReport | None
     files: dict[str, str] = field(default_factory=dict)
@@ -150,16 +149,11 @@ class JobResult:
 def plan_schedule(
     num_devices: int, num_microbatches: int, costs: CostModel, mem_limit: int
 ) -> tuple[Schedule, str]:
-    """The planned schedule and the kind that made it: :data:`PLANNER` when registered,
-    else ZB-H1 (which fits any limit at or above 1F1B's peak)."""
-    if PLANNER in GENERATORS:
-        spec = CostSpec(stage_costs=costs)
-        sched = generate(PLANNER, num_devices, num_microbatches, costs=spec, mem_limit=mem_limit)
-        kind = PLANNER
-    else:
-        sched, kind = generate(FALLBACK, num_devices, num_microbatches), FALLBACK
+    """The :data:`PLANNER` schedule for ``costs`` within ``mem_limit``, validated, and its kind."""
+    spec = CostSpec(stage_costs=costs)
+    sched = generate(PLANNER, num_devices, num_microbatches, costs=spec, mem_limit=mem_limit)
     validate(sched, mem_limit=mem_limit, costs=costs)
-    return sched, kind
+    return sched, PLANNER
 
 
 def optimizer_step(opt: torch.optim.Optimizer) -> None:
@@ -294,7 +288,7 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     if not ctx.lead:
         return None
     return _report(
-        ctx, phases, lp, measured_equal, equal, balanced, profile, mem_limit, kind, began
+        ctx, phases, lp, measured_equal, equal, balanced, profile, mem_limit, planned, began
     )
 
 
@@ -468,7 +462,7 @@ def _report(
     balanced: tuple[int, ...],
     profile: Profile,
     mem_limit: int,
-    kind: str,
+    plan: Schedule,
     began: float,
 ) -> JobResult:
     cfg = ctx.cfg
@@ -481,12 +475,12 @@ def _report(
         from zerobubble.viz.measured import measured_row, plot_measured
 
         results = tuple(_analyze(ph, profile, mem_limit) for ph in phases)
-        plan = phases[-1]
-        write_jsonl(plan.events, out / "trace.jsonl")
-        write_chrome_trace(plan.events, out / "trace.chrome.json")
+        events = phases[-1].events
+        write_jsonl(events, out / "trace.jsonl")
+        write_chrome_trace(events, out / "trace.chrome.json")
         files["trace"] = str(out / "trace.jsonl")
         files["chrome"] = str(out / "trace.chrome.json")
-        report = check_trace(plan.events, mem_budget=mem_limit)
+        report = check_trace(events, mem_budget=mem_limit)
         panels = []
         for ph, res in zip(phases, results, strict=True):
             it = res.bubbles[-1]
@@ -511,7 +505,8 @@ def _report(
         balance,
         profile,
         mem_limit,
-        kind,
+        PLANNER,
+        plan,
         results,
         report,
         files,
