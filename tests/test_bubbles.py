@@ -1,10 +1,12 @@
-"""Idle-time decomposition on a hand-built 1F1B trace whose every part is known."""
+"""Idle-time decomposition on a hand-built 1F1B trace whose every part is known; clock
+alignment from messages."""
 
 from __future__ import annotations
 
 import pytest
 
 from zerobubble.profile.bubbles import CATEGORIES, analyze_iteration
+from zerobubble.runtime.clocks import clock_offsets, pair_bounds
 from zerobubble.runtime.trace import TraceEvent
 
 
@@ -94,3 +96,18 @@ def test_overlapping_computes_are_refused():
         analyze_iteration(bad, 0)
     with pytest.raises(ValueError, match="iteration 3: every rank needs compute events"):
         analyze_iteration(TRACE, 3)
+
+
+def test_clock_offsets_come_from_messages_both_ways():
+    # True times: rank 0 sends act at 10, rank 1's wait returns at 15; rank 1 sends grad at
+    # 20, rank 0's wait returns at 26. Rank 1's clock reads 1000 more.
+    events = [
+        ev(0, "send", 0, 0, 10, 11, msg=act(0), peer=1),
+        ev(1, "wait_recv", 1, 0, 1012, 1015, msg=act(0), peer=0),
+        ev(1, "send", 1, 0, 1020, 1021, msg=grad(0), peer=0),
+        ev(0, "wait_recv", 0, 0, 22, 26, msg=grad(0), peer=1),
+    ]
+    (lo, hi) = pair_bounds(events)[0, 1]
+    assert (lo.value, hi.value) == (10 - 1015, 26 - 1020)
+    assert clock_offsets(events) == {0: 0, 1: (-1005 - 994) // 2}
+    assert clock_offsets(events[:2]) == {0: 0, 1: 0}  # one direction: no correction needed

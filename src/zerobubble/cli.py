@@ -359,8 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tolerance-us",
         type=float,
-        default=5000.0,
-        help="cross-rank clock tolerance in microseconds (default %(default)s)",
+        default=1000.0,
+        help="slack of the cross-rank causality check in microseconds (default %(default)s)",
     )
     p.add_argument(
         "--opt-op",

@@ -1,8 +1,9 @@
 """Where a measured pipeline iteration's idle time goes, per device, summing exactly.
 
-Input: the :class:`~zerobubble.runtime.trace.TraceEvent` list of every rank
-for one iteration. All quantities are integer nanoseconds, so the parts add
-up exactly.
+Input: the :class:`~zerobubble.runtime.trace.TraceEvent` list of every rank.
+Ranks' times are first put on one clock using the messages between them
+(:func:`zerobubble.runtime.clocks.clock_offsets`). All quantities are integer
+nanoseconds, so the parts add up exactly.
 
 Definitions (one iteration, device = rank ``d``):
 
@@ -42,8 +43,9 @@ So ``dependency + memory + comm + imbalance + overhead == idle_d`` exactly.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from zerobubble.runtime.clocks import clock_offsets
 from zerobubble.runtime.trace import COMPUTE_OPS, TraceEvent
 
 CATEGORIES = ("dependency", "memory", "comm", "imbalance", "overhead")
@@ -108,11 +110,16 @@ def analyze_iteration(
 ) -> IterationBubbles:
     """Decompose iteration ``iteration``'s idle time (see the module docstring).
 
-    ``events`` are every rank's events (others iterations are ignored), each
-    rank's in execution order. ``mem_budget`` (bytes per device) enables
+    ``events`` are every rank's events, each rank's in execution order; other
+    iterations only help align the clocks. ``mem_budget`` (bytes per device) enables
     memory stalls.
     """
-    mine = [e for e in events if e.iteration == iteration]
+    offsets = clock_offsets(events)
+    mine = [
+        replace(e, start_ns=e.start_ns + offsets[e.rank], end_ns=e.end_ns + offsets[e.rank])
+        for e in events
+        if e.iteration == iteration
+    ]
     ranks = sorted({e.rank for e in mine})
     per_rank = {r: [e for e in mine if e.rank == r] for r in ranks}
     computes = {r: [e for e in evs if e.op in COMPUTE_OPS] for r, evs in per_rank.items()}

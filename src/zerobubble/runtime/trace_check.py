@@ -3,8 +3,9 @@
 A schedule is validated before it runs; this checks what actually ran. Each
 rank's events are taken in file order (the executor records them in
 execution order, and :func:`~zerobubble.runtime.trace.gather_traces` keeps
-it); times of different ranks share an epoch only up to the barrier skew,
-so cross-rank comparisons allow ``tolerance_ns``.
+it). Times of different ranks share an epoch only up to the barrier skew, so
+they are compared up to a clock offset per rank pair
+(:mod:`zerobubble.runtime.clocks`), with ``tolerance_ns`` to spare.
 
 Checks, in this order (the first family with a violation is reported, at
 its earliest event):
@@ -18,19 +19,22 @@ its earliest event):
    (the transport matches messages in order).
 5. ``edge``: every cross-stage dependency is respected: a consumer runs after
    its local producer, or after waiting for the message whose send follows
-   its producer on the other rank, and not before the producer ended there.
-6. ``version``: all compute of one microbatch in one iteration saw one
+   its producer on the other rank.
+6. ``clock``: some clock offset between each pair of ranks makes every
+   message between them arrive after it was sent (so, with 5, every consumer
+   starts after its producer ended).
+7. ``version``: all compute of one microbatch in one iteration saw one
    parameter version.
-7. ``optimizer``: no compute of iteration k runs on a rank after that rank's
+8. ``optimizer``: no compute of iteration k runs on a rank after that rank's
    first optimizer action on iteration k's gradients (skipped, with a note,
    when the trace has no optimizer events).
-8. ``memory``: held activation bytes never exceed ``mem_budget``.
+9. ``memory``: held activation bytes never exceed ``mem_budget``.
 
 Optimizer events follow :mod:`zerobubble.optim`'s protocol: ops ``opt_*``,
 each carrying the iteration whose gradients it acts on; ``opt_step``,
 ``opt_provisional``, ``opt_skip`` and ``opt_defer`` act on them. A ``replay``
 event discards its rank's earlier work of that iteration (speculation undone),
-so checks 2-6 ignore those events.
+so checks 2-7 ignore those events.
 """
 
 from __future__ import annotations
@@ -41,15 +45,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from zerobubble.runtime.clocks import pair_bounds
 from zerobubble.runtime.trace import COMPUTE_OPS, TraceEvent
 
 MESSAGE_OPS = ("post_recv", "wait_recv", "send")
 OTHER_OPS = ("wait_sends", "replay")
 DEFAULT_OPT_OPS = ("opt_step", "opt_provisional", "opt_skip", "opt_defer")
 """Optimizer events that act on an iteration's gradients (no compute of it may follow)."""
-DEFAULT_TOLERANCE_NS = 5_000_000
-"""Cross-rank clock tolerance: ranks take their epoch after a barrier, which on a
-loaded machine can release them milliseconds apart."""
+DEFAULT_TOLERANCE_NS = 1_000_000
+"""Slack of the cross-rank causality check (clocks of different hosts may drift)."""
 
 CHECKS = (
     "event",
@@ -57,6 +61,7 @@ CHECKS = (
     "messages",
     "message order",
     "edge",
+    "clock",
     "version",
     "optimizer",
     "memory",
@@ -190,7 +195,8 @@ def check_trace(
         lambda: _check_backward(kept),
         lambda: _check_messages(kept),
         lambda: _check_message_order(kept),
-        lambda: _check_edges(kept, tolerance_ns),
+        lambda: _check_edges(kept),
+        lambda: _check_clocks(kept, tolerance_ns),
         lambda: _check_versions(kept),
         lambda: _check_optimizer(evs, opt_ops, notes),
         lambda: _check_memory(evs, mem_budget, notes),
@@ -453,7 +459,7 @@ def _check_message_order(evs: Sequence[_Ev]) -> _Found:
 # ---- 5. dependency edges ------------------------------------------------------------------
 
 
-def _check_edges(evs: Sequence[_Ev], tolerance_ns: int) -> _Found:
+def _check_edges(evs: Sequence[_Ev]) -> _Found:
     out: _Found = []
     for _it, it_evs in _by_iteration(evs).items():
         computes = {(ev.e.op, ev.e.stage, ev.e.mb): ev for ev in it_evs if ev.e.op in COMPUTE_OPS}
@@ -473,15 +479,13 @@ def _check_edges(evs: Sequence[_Ev], tolerance_ns: int) -> _Found:
                 continue
             if prod is None:
                 continue  # reported by the backward check
-            problem = _edge_problem(ev, prod, msg, msgs, tolerance_ns)
+            problem = _edge_problem(ev, prod, msg, msgs)
             if problem:
                 out.append(_v("edge", ev, problem))
     return out
 
 
-def _edge_problem(
-    ev: _Ev, prod: _Ev, msg: tuple, msgs: dict[tuple, _Ev], tolerance_ns: int
-) -> str | None:
+def _edge_problem(ev: _Ev, prod: _Ev, msg: tuple, msgs: dict[tuple, _Ev]) -> str | None:
     e, p = ev.e, prod.e
     pname = f"{describe(p)} (rank {p.rank} event #{prod.index})"
     if p.rank == e.rank:
@@ -501,20 +505,28 @@ def _edge_problem(
         )
     if send.index < prod.index:
         return f"its input {_msg(msg)} was sent (event #{send.index}) before {pname} made it"
-    if e.start_ns < p.end_ns - tolerance_ns:
-        return (
-            f"starts {(p.end_ns - e.start_ns) / 1e3:.0f} µs before its producer {pname} ended "
-            f"(tolerance {tolerance_ns / 1e3:.0f} µs)"
-        )
-    if wait.e.end_ns < send.e.start_ns - tolerance_ns:
-        return (
-            f"its input {_msg(msg)} was received {(send.e.start_ns - wait.e.end_ns) / 1e3:.0f} "
-            f"µs before it was sent (tolerance {tolerance_ns / 1e3:.0f} µs)"
-        )
     return None
 
 
-# ---- 6. parameter versions ------------------------------------------------------------------
+def _check_clocks(evs: Sequence[_Ev], tolerance_ns: int) -> _Found:
+    located = {id(ev.e): ev for ev in evs}
+    out: _Found = []
+    for (a, b), (lo, hi) in pair_bounds([ev.e for ev in evs]).items():
+        if lo is None or hi is None or lo.value <= hi.value + tolerance_ns:
+            continue
+        wait = max((located[id(lo.wait)], located[id(hi.wait)]), key=lambda ev: ev.key)
+        why = (
+            f"no clock offset between ranks {a} and {b} makes both {_msg(lo.send.msg)} "
+            f"(rank {a} -> {b}, iteration {lo.send.iteration}) and {_msg(hi.send.msg)} "
+            f"(rank {b} -> {a}, iteration {hi.send.iteration}) arrive after they were sent: "
+            f"they disagree by {(lo.value - hi.value) / 1e3:.0f} µs "
+            f"(tolerance {tolerance_ns / 1e3:.0f} µs)"
+        )
+        out.append(_v("clock", wait, why))
+    return out
+
+
+# ---- 7. parameter versions ------------------------------------------------------------------
 
 
 def _check_versions(evs: Sequence[_Ev]) -> _Found:
@@ -540,7 +552,7 @@ def _check_versions(evs: Sequence[_Ev]) -> _Found:
     return out
 
 
-# ---- 7. optimizer step after the last W ----------------------------------------------------
+# ---- 8. optimizer step after the last W ----------------------------------------------------
 
 
 def _check_optimizer(evs: Sequence[_Ev], opt_ops: tuple[str, ...], notes: list[str]) -> _Found:
@@ -567,7 +579,7 @@ def _check_optimizer(evs: Sequence[_Ev], opt_ops: tuple[str, ...], notes: list[s
     return out
 
 
-# ---- 8. memory ---------------------------------------------------------------------------
+# ---- 9. memory ---------------------------------------------------------------------------
 
 
 def _check_memory(evs: Sequence[_Ev], budget: int | None, notes: list[str]) -> _Found:

@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
 from zerobubble.profile.bubbles import CATEGORIES, IterationBubbles
+from zerobubble.runtime.clocks import clock_offsets
 from zerobubble.runtime.trace import COMPUTE_OPS, TraceEvent
 from zerobubble.schedule.ir import Op
 from zerobubble.viz.timeline import Box, Row, draw_row, op_legend, row_heights, save
@@ -26,18 +27,20 @@ CAUSE_COLORS = {
 
 
 def measured_row(events: Sequence[TraceEvent], iteration: int, title: str) -> Row:
-    """The compute events of one iteration as boxes, in ms from its first compute start."""
+    """The compute events of one iteration as boxes, in ms from its first compute start
+    (ranks' clocks aligned by :func:`~zerobubble.runtime.clocks.clock_offsets`)."""
+    off = clock_offsets(events)
     comp = [e for e in events if e.iteration == iteration and e.op in COMPUTE_OPS]
     if not comp:
         raise ValueError(f"no compute events in iteration {iteration}")
-    t0 = min(e.start_ns for e in comp)
+    t0 = min(e.start_ns + off[e.rank] for e in comp)
     ranks = sorted({e.rank for e in comp})
     stages = {r: sorted({e.stage for e in comp if e.rank == r}) for r in ranks}
     boxes = tuple(
         Box(
             ranks.index(e.rank),
-            (e.start_ns - t0) / 1e6,
-            (e.end_ns - t0) / 1e6,
+            (e.start_ns + off[e.rank] - t0) / 1e6,
+            (e.end_ns + off[e.rank] - t0) / 1e6,
             Op(e.op),
             e.mb,
             stages[e.rank].index(e.stage),
