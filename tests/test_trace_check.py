@@ -239,8 +239,11 @@ def test_a_clock_offset_is_harmless_but_a_clock_jump_breaks_causality(zbh1):
         assert analyze_iteration(skewed, k) == analyze_iteration(zbh1, k)
     jumped = shifted(zbh1, 1, 10**9, from_iteration=1)  # its clock jumps between steps
     v = first(jumped)
-    assert (v.check, v.rank, v.iteration, v.event) == ("clock", 0, 1, "wait_recv grad(s1->s0,mb0)")
+    # The tightest bounds come from whichever messages were fastest: mb varies.
+    assert (v.check, v.rank, v.iteration) == ("clock", 0, 1)
+    assert v.event.startswith("wait_recv grad(s1->s0,mb")
     assert v.why.startswith("no clock offset between ranks 0 and 1 makes both act(s0->s1,mb")
+    assert "(rank 0 -> 1, iteration 0) and grad(s1->s0,mb" in v.why
     assert v.why.endswith("(tolerance 1000 µs)")
     assert check_trace(jumped, tolerance_ns=2 * 10**9).ok
 
