@@ -483,7 +483,8 @@ def _report(
         report = check_trace(events, mem_budget=mem_limit)
         panels = []
         for ph, res in zip(phases, results, strict=True):
-            it = res.bubbles[-1]
+            # The iteration of median length: representative, not an outlier.
+            it = sorted(res.bubbles, key=lambda b: b.window_ns)[len(res.bubbles) // 2]
             title = (
                 f"{ph.name} (measured, iteration {it.iteration}): {it.window_ns / 1e6:.0f} ms, "
                 f"bubble {it.bubble_rate:.1%}"
