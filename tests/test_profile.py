@@ -1,4 +1,4 @@
-"""Per-layer profile, stage balancing and summary statistics (single process)."""
+"""Per-layer and per-stage profiles, stage balancing and summary statistics (one process)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from zerobubble.profile.balance import (
     stage_costs,
 )
 from zerobubble.profile.layers import profile_layers
+from zerobubble.profile.stages import stage_profile
 from zerobubble.profile.stats import OpStats
 from zerobubble.runtime.partition import stage_bounds
+from zerobubble.runtime.trace import TraceEvent
 
 
 def test_opstats_median_and_nearest_rank_p95():
@@ -58,3 +60,26 @@ def test_one_equal_cut_rule_and_the_balanced_cut():
     cut = balanced_boundaries(costs, 2)
     assert cut == [0, 4, 9] and stage_costs(costs, cut) == [13.0, 14.0]
     assert imbalance([2.0, 2.0]) == 1.0
+
+
+def test_stage_profile_times_ops_and_their_host_tails():
+    def ev(op, mb, start, end, mem0=0, mem1=0, msg=None):
+        return TraceEvent(0, 0, op, 0 if mb is not None else None, mb, 0, start, end, mem0, mem1,
+                          1 if msg else None, msg)  # fmt: skip
+
+    m = ("act", 0, 1, 0)
+    events = [
+        ev("F", 0, 0, 10, 0, 100),
+        ev("send", 0, 12, 13, 100, 100, m),  # host: gap 2 + send 1
+        ev("post_recv", 1, 14, 15, 100, 100, m),  # gap 1 + post 1
+        ev("wait_recv", 1, 15, 30, 100, 100, m),  # gap 0, the wait itself excluded
+        ev("F", 1, 31, 40, 100, 250),  # gap 1: F(0,0)'s tail is 6 ns
+        ev("wait_sends", None, 41, 42, 250, 250),  # F(0,1)'s tail: gap 1
+    ]
+    prof = stage_profile(events, 1, skip_iterations=0)
+    assert prof.f[0] == OpStats(9.5e-6, 10e-6, 2)
+    assert prof.host["F"] == (pytest.approx(3.5e-6),)
+    assert prof.host["B"] == (None,) and prof.b == (None,)
+    assert prof.mem_b == (150,)  # the largest rise
+    with pytest.raises(ValueError, match="no measured F of stages"):
+        stage_profile(events, 1, skip_iterations=1)

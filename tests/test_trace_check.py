@@ -294,8 +294,15 @@ def test_profile_json_loads_as_costs_and_drives_the_planner(job, tmp_path):
     planned, kind = plan_schedule(2, 8, model, spec.mem_limit)
     assert kind == "zb-auto" and planned.num_stages == 2
     validate(planned, mem_limit=spec.mem_limit, costs=model)
+
+    def eff(st, op, col):  # compute plus host tail
+        return [s.median + st.host[op][k] for k, s in enumerate(col)]
+
+    assert model.f == tuple(eff(split, "F", split.f)) and model.w == tuple(eff(split, "W", split.w))
+    assert data["compute"]["B"] == [s.median for s in split.b]
     fused_model = prof.cost_model(fused=True)
     assert fused_model.b == tuple(
-        max(bw.median - w.median, 0.0) for bw, w in zip(fused.bw, split.w, strict=True)
+        max(bw - w, 0.0)
+        for bw, w in zip(eff(fused, "BW", fused.bw), eff(split, "W", split.w), strict=True)
     )
-    assert fused_model.f == tuple(s.median for s in fused.f)
+    assert fused_model.f == tuple(eff(fused, "F", fused.f))

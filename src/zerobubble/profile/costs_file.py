@@ -1,8 +1,9 @@
 """A measured profile, saved as the costs file the planners read.
 
 The JSON holds the keys of :func:`zerobubble.schedule.costs.load_costs_file`
-(``F``, ``B``, ``W`` per virtual stage in milliseconds, ``comm`` in
-milliseconds, ``mem_B``, ``mem_W`` and ``mem_limit`` in bytes), so
+(``F``, ``B``, ``W`` per virtual stage in milliseconds: compute plus host
+tail; ``comm`` in milliseconds; ``mem_B``, ``mem_W`` and ``mem_limit`` in
+bytes), so
 ``zerobubble schedule zb-auto --costs-file profile.json`` plans from it
 directly, plus what a user wants to see: p95s, BW, latency per stage
 boundary, per-layer costs and the layer cut that was profiled.
@@ -22,6 +23,11 @@ from zerobubble.profile.layers import LayerProfile
 from zerobubble.profile.stages import StageProfile
 from zerobubble.profile.stats import OpStats
 from zerobubble.schedule.costs import CostModel
+
+
+def _costs(st: StageProfile, op: str, stats: tuple[OpStats | None, ...]) -> list[float]:
+    """Median compute plus median host tail of ``op`` on every stage."""
+    return [s.median + (h or 0.0) for s, h in zip(stats, st.host[op], strict=True)]  # type: ignore[union-attr]
 
 
 @dataclass(frozen=True)
@@ -59,8 +65,10 @@ class Profile:
     def cost_model(self, *, fused: bool = False) -> CostModel:
         """The per-stage :class:`CostModel` (ms, bytes) the simulator and planners use.
 
-        ``fused=True`` predicts schedules without B/W split: F and M_B come from
-        the unsplit run and B is set to BW - W, so that a BW costs the measured BW.
+        Each op costs its median compute time plus its median host tail (the
+        host work after it, see :mod:`zerobubble.profile.stages`). ``fused=True``
+        predicts schedules without B/W split: F and M_B come from the unsplit
+        run and B is set to BW - W, so that a BW costs the measured BW.
         """
         st = self.stages
         gaps = [s for s in range(st.num_stages) if st.b[s] is None or st.w[s] is None]
@@ -69,11 +77,11 @@ class Profile:
                 f"stages {gaps} have no measured B and W: profile a schedule that splits the "
                 "backward (e.g. zb-h1) so both passes are timed"
             )
-        w = [s.median for s in st.w]  # type: ignore[union-attr]
+        w = _costs(st, "W", st.w)
         if not fused:
             return CostModel.per_stage(
-                f=[s.median for s in st.f],
-                b=[s.median for s in st.b],  # type: ignore[union-attr]
+                f=_costs(st, "F", st.f),
+                b=_costs(st, "B", st.b),
                 w=w,
                 comm=self.comm,
                 mem_f=list(st.mem_b),
@@ -83,8 +91,8 @@ class Profile:
         if fu is None or any(x is None for x in fu.bw):
             raise ValueError("no run without B/W split was profiled: there is no measured BW")
         return CostModel.per_stage(
-            f=[s.median for s in fu.f],
-            b=[max(bw.median - ws, 0.0) for bw, ws in zip(fu.bw, w, strict=True)],  # type: ignore[union-attr]
+            f=_costs(fu, "F", fu.f),
+            b=[max(bw - ws, 0.0) for bw, ws in zip(_costs(fu, "BW", fu.bw), w, strict=True)],
             w=w,
             comm=self.comm,
             mem_f=list(fu.mem_b),
@@ -94,17 +102,19 @@ class Profile:
     def to_dict(self) -> dict[str, object]:
         st = self.stages
         out: dict[str, object] = {**self.cost_model().to_dict(), "mem_limit": self.mem_limit}
-        out["p95"] = {
-            op: [s.p95 if s is not None else None for s in col]
-            for op, col in (("F", st.f), ("B", st.b), ("W", st.w))
-        }
+        cols = (("F", st.f), ("B", st.b), ("W", st.w))
+        out["compute"] = {op: [s.median for s in col] for op, col in cols}  # type: ignore[union-attr]
+        out["host"] = {op: list(st.host[op]) for op, _ in cols}
+        out["p95"] = {op: [s.p95 if s is not None else None for s in col] for op, col in cols}
         if self.fused is not None:
+            fu = self.fused
             out["fused"] = {
-                "F": [s.median for s in self.fused.f],
-                "BW": [s.median if s is not None else None for s in self.fused.bw],
-                "F_p95": [s.p95 for s in self.fused.f],
-                "BW_p95": [s.p95 if s is not None else None for s in self.fused.bw],
-                "mem_B": list(self.fused.mem_b),
+                "F": [s.median for s in fu.f],
+                "BW": [s.median if s is not None else None for s in fu.bw],
+                "host": {"F": list(fu.host["F"]), "BW": list(fu.host["BW"])},
+                "F_p95": [s.p95 for s in fu.f],
+                "BW_p95": [s.p95 if s is not None else None for s in fu.bw],
+                "mem_B": list(fu.mem_b),
             }
         out["comm_per_boundary"] = [
             {

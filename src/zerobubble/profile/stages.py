@@ -9,12 +9,19 @@ B (F's rise plus B's change) is M_W. Memory is the largest value observed
 (it can differ by a few KB between microbatches, and a plan must not exceed
 its limit); times are medians. Warm-up iterations are skipped.
 
+An op also costs host time that is not inside its event: after it, the rank
+records it, sends its output, posts receives, and dispatches the next op.
+That **host tail** (everything from the op's end to the next compute's start
+except waiting for a message) is measured per op too; a planner should count
+it, since the device cannot compute meanwhile.
+
 Latency is a ping-pong between the two ranks of each stage boundary with a
 message of the boundary's size: one-way latency = round trip / 2.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -24,7 +31,11 @@ import torch
 import torch.distributed as dist
 
 from zerobubble.profile.stats import OpStats
-from zerobubble.runtime.trace import TraceEvent
+from zerobubble.runtime.trace import COMPUTE_OPS, TraceEvent
+
+HOST_OPS = ("send", "post_recv")
+"""Events that are host work of the op before them (a wait_recv is waiting, not work:
+only the host time around it counts)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,8 @@ class StageProfile:
     """Largest rise of held bytes over an F (M_B)."""
     mem_w: tuple[int | None, ...]
     """Largest bytes held after B until W (M_W), capped at M_B; None without split B."""
+    host: dict[str, tuple[float | None, ...]]
+    """Median host tail (ms) of each op (keys F, B, W, BW) per stage; None if it never ran."""
 
     @property
     def num_stages(self) -> int:
@@ -67,6 +80,7 @@ def stage_profile(
     """Summarise a traced run; iterations below ``skip_iterations`` are warm-up and dropped."""
     kept = [e for e in events if e.iteration >= skip_iterations]
     samples: dict[tuple[str, int], list[float]] = defaultdict(list)
+    tails = _host_tails(kept)
     rise: dict[tuple[int, int, int], int] = {}  # (iteration, stage, mb) -> F's rise
     mem_b: dict[int, list[int]] = defaultdict(list)
     mem_w: dict[int, list[int]] = defaultdict(list)
@@ -101,7 +115,38 @@ def stage_profile(
         mem_w=tuple(
             min(max(max(mem_w[s]), 0), mb[s]) if mem_w[s] else None for s in range(num_stages)
         ),
+        host={
+            op: tuple(
+                statistics.median(tails[op, s]) if tails.get((op, s)) else None
+                for s in range(num_stages)
+            )
+            for op in COMPUTE_OPS
+        },
     )
+
+
+def _host_tails(events: Sequence[TraceEvent]) -> dict[tuple[str, int], list[float]]:
+    """Per (op, stage): ms from each compute's end to the next compute's start, waits excluded."""
+    by_rank: dict[int, list[TraceEvent]] = defaultdict(list)
+    for e in events:
+        by_rank[e.rank].append(e)
+    out: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for evs in by_rank.values():
+        for i, c in enumerate(evs):
+            if c.op not in COMPUTE_OPS:
+                continue
+            tail, prev = 0, c.end_ns
+            for nxt in evs[i + 1 :]:
+                if nxt.iteration != c.iteration:
+                    break
+                tail += nxt.start_ns - prev
+                if nxt.op in HOST_OPS:
+                    tail += nxt.end_ns - nxt.start_ns
+                elif nxt.op != "wait_recv":
+                    break  # the next compute, or the end of the step
+                prev = nxt.end_ns
+            out[c.op, c.stage].append(tail / 1e6)
+    return out
 
 
 def boundary_pairs(placement: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -97,20 +97,35 @@ def _profile_table(result: JobResult, con: Console) -> None:
     st = prof.stages
     bounds = prof.boundaries or ()
     table = Table(
-        title=f"stage profile (median / p95 ms; {result.config.warmup} warm-up step dropped)",
+        title=f"stage profile (ms: median/p95; host: median host work after each op; "
+        f"{result.config.warmup} warm-up step dropped)",
         title_justify="left",
     )
     fu = prof.fused
-    cols = ("stage", "layers", "F", "B", "W", "F unsplit", "BW unsplit", "M_B MiB", "M_W MiB")
+    cols = (
+        "stage",
+        "layers",
+        "F",
+        "B",
+        "W",
+        "host F/B/W",
+        "F unsplit",
+        "BW unsplit",
+        "M_B MiB",
+        "M_W MiB",
+    )
     for col in cols:
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", no_wrap=True)
     for s in range(st.num_stages):
         layers = f"{bounds[s]}-{bounds[s + 1] - 1}" if bounds else "-"
         unsplit = (fu.f[s], fu.bw[s]) if fu is not None else (None, None)
+        host = "/".join(f"{st.host[op][s] or 0:.1f}" for op in "FBW")
         table.add_row(
             str(s),
             layers,
-            *(_ms(x) for x in (st.f[s], st.b[s], st.w[s], *unsplit)),
+            *(_ms(x) for x in (st.f[s], st.b[s], st.w[s])),
+            host,
+            *(_ms(x) for x in unsplit),
             f"{st.mem_b[s] / MIB:.2f}",
             f"{(st.mem_w[s] or 0) / MIB:.2f}",
         )
@@ -124,7 +139,7 @@ def _profile_table(result: JobResult, con: Console) -> None:
 
 
 def _ms(stats) -> str:
-    return "-" if stats is None else f"{stats.median:.1f} / {stats.p95:.1f}"
+    return "-" if stats is None else f"{stats.median:.1f}/{stats.p95:.0f}"
 
 
 def _balance_table(result: JobResult, con: Console) -> None:
