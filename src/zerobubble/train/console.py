@@ -34,7 +34,7 @@ class ConsoleReporter:
         return self._console
 
     def info(self, text: str) -> None:
-        self.console.print(text, highlight=False)
+        self.console.print(text, highlight=False, soft_wrap=True)
 
     def start(self, total_steps: int) -> None:
         self._progress = Progress(
