@@ -165,6 +165,12 @@ class WeightGradStore:
         self._state[key] = "ready"
         self._flush(chunk)
 
+    def discard(self, chunk: int, mb: int) -> None:
+        """Forget (chunk, mb) without touching ``.grad``: its work is being replayed."""
+        key = (chunk, mb)
+        for table in (self._state, self._work, self._early, self._ready):
+            table.pop(key, None)
+
     # ---- inspection ---------------------------------------------------------------------
 
     def in_flight(self, chunk: int | None = None) -> dict[Key, str]:

@@ -220,6 +220,16 @@ class StageChunk:
         self.backward_weight(mb)
         return gx
 
+    def discard(self) -> None:
+        """Drop every microbatch in flight, leaving ``.grad`` untouched.
+
+        For speculative work that is replayed after a parameter rollback (see
+        :mod:`zerobubble.runtime.replay`); the graphs and stored inputs are freed.
+        """
+        for mb in self._records:
+            self.store.discard(self.stage, mb)
+        self._records.clear()
+
     # ---- inspection ---------------------------------------------------------------------
 
     def held_bytes(self) -> int:

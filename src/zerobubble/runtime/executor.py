@@ -39,8 +39,10 @@ from zerobubble.runtime.lowering import (
     validate_lowered,
 )
 from zerobubble.runtime.microbatch import loss_scales, split_batch
+from zerobubble.runtime.replay import GatePlan, StepHooks, plan_gates
 from zerobubble.runtime.shapes import ShapeMismatchError, negotiate
 from zerobubble.runtime.trace import Trace, TraceEvent, sync_epoch
+from zerobubble.runtime.wire import Header, pack, packed_meta, unpack
 from zerobubble.schedule.ir import Action, Op, Schedule
 from zerobubble.schedule.validate import validate
 
@@ -68,6 +70,13 @@ class ExecutorOptions:
     """Record a :class:`~zerobubble.runtime.trace.TraceEvent` per executed instruction
     in :attr:`PipelineExecutor.trace` (one ``held_bytes`` query per compute: only
     computes change what the stages hold)."""
+
+    replay_gate: bool = False
+    """Reserve a gate in every rank's program, right before its first backward, where
+    the caller (speculative post-validation, :mod:`zerobubble.optim`) may discard the
+    step's work so far and replay it (:mod:`~zerobubble.runtime.replay`). Messages
+    then carry a version header (:mod:`~zerobubble.runtime.wire`). A schedule whose
+    ranks cannot reach their gates on pre-gate work alone is refused."""
 
     def __post_init__(self) -> None:
         if not self.comm_timeout_s > 0:
@@ -129,7 +138,11 @@ class PipelineExecutor:
         self.chunks = {s: self._chunk(s, m, loss_fn) for s, m in sorted(stages.items())}
         self.lowered = lower(schedule, recv_lookahead=self.options.recv_lookahead)
         validate_lowered(self.lowered)
+        self.gate_plan: GatePlan | None = None
         self.program: tuple[Instruction, ...] = self.lowered.programs[self.rank]
+        if self.options.replay_gate:
+            self.gate_plan = plan_gates(self.lowered)
+            self.program = self.gate_plan.programs[self.rank]
         self.has_first, self.has_last = 0 in self.chunks, S - 1 in self.chunks
         directed = self.options.directed_groups
         if directed is None:
@@ -146,6 +159,7 @@ class PipelineExecutor:
         self.trace = Trace(self.rank, sync_epoch(group))
         self.param_version = 0
         self.iteration = 0
+        self.replays = 0
         self._metas: dict[Message, TensorMeta] | None = None
         self._input_metas: list[TensorMeta] | None = None
 
@@ -175,13 +189,17 @@ class PipelineExecutor:
         *,
         target: torch.Tensor | None = None,
         losses: list[torch.Tensor] | None = None,
+        hooks: StepHooks | None = None,
     ) -> list[torch.Tensor] | None:
         """Run the schedule on one batch; gradients accumulate into the stages' ``.grad``.
 
         ``x`` is needed on the rank holding stage 0 and ``target`` on the rank
         holding the last stage (others may pass them too; they are ignored). On
         the last stage's rank, returns the M unscaled per-microbatch losses and
-        appends them to ``losses`` if given; elsewhere returns None.
+        appends them to ``losses`` if given; elsewhere returns None. ``hooks``
+        are called after every compute and, with ``replay_gate``, at the gate;
+        if the gate asks for a replay, the step's work so far is discarded (RNG
+        state restored) and the step runs again from its start.
         """
         M = self.schedule.num_microbatches
         inputs = targets = scales = None
@@ -200,9 +218,25 @@ class PipelineExecutor:
         if self._metas is None:
             modules = {s: c.module for s, c in self.chunks.items()}
             self._metas = negotiate(self.schedule, self.rank, modules, inputs, self.p2p)
+        hooks = hooks or StepHooks()
+        gate = self.gate_plan.gates[self.rank] if self.gate_plan is not None else -1
+        rng = _rng_state(self.device) if gate >= 0 else None
         run = _Step(self, inputs, targets, scales)
-        for ins in self.program:
+        i = 0
+        while i < len(self.program):
+            if i == gate and not run.gated:
+                run.gated = True
+                if hooks.at_gate():
+                    run = run.replay()
+                    _set_rng_state(self.device, rng)
+                    i = 0
+                    continue
+                run.check_speculation()
+            ins = self.program[i]
             run.execute(ins)
+            if isinstance(ins, Compute):
+                hooks.after_compute(ins.action)
+            i += 1
         self.iteration += 1
         if not self.has_last:
             return None
@@ -249,6 +283,11 @@ class _Step:
         self.posted: dict[Message, tuple[torch.Tensor, dist.Work]] = {}
         self.in_flight: list[tuple[dist.Work, torch.Tensor, Send]] = []
         self.held = pipe.held_bytes() if pipe.options.trace else 0  # as of the last compute
+        self.headers = pipe.gate_plan is not None
+        self.attempt = 0
+        self.gated = False  # past the replay gate (or replaying)
+        self.mixed: str | None = None  # a pre-gate message on another parameter version
+        self.f_version: dict[tuple[int, int], int] = {}  # (stage, mb) -> version its F ran on
 
     def execute(self, ins: Instruction) -> None:
         pipe = self.pipe
@@ -259,16 +298,16 @@ class _Step:
             case Compute(action):
                 self.compute(action)
             case PostRecv(msg, peer):
-                meta = pipe._metas[msg]
-                buf = torch.empty(meta.shape, dtype=meta.dtype, device=pipe.device)
-                self.posted[msg] = (buf, pipe.p2p.irecv(buf, peer, self.describe(ins)))
+                self.post(msg, peer, self.describe(ins))
             case WaitRecv(msg, peer):
                 buf, work = self.posted.pop(msg)
                 pipe.p2p.wait(work, peer, self.describe(ins))
-                self.ready[msg] = buf
+                self.ready[msg] = self.open(msg, buf)
             case Send(msg, peer):
                 t = self.ready.pop(msg)
                 self.check_meta(msg, t)
+                if self.headers:
+                    t = pack(t, Header(pipe.iteration, pipe.param_version, self.attempt))
                 t = t.contiguous()
                 self.in_flight = [f for f in self.in_flight if not f[0].is_completed()]
                 self.in_flight.append((pipe.p2p.isend(t, peer, self.describe(ins)), t, ins))
@@ -282,9 +321,89 @@ class _Step:
                 self.held = pipe.held_bytes()
             pipe.trace.record(self.event(ins, t0, t1, mem0, self.held))
 
+    def post(self, msg: Message, peer: int, what: str) -> None:
+        meta = self.pipe._metas[msg]
+        if self.headers:
+            meta = packed_meta(meta)
+        buf = torch.empty(meta.shape, dtype=meta.dtype, device=self.pipe.device)
+        self.posted[msg] = (buf, self.pipe.p2p.irecv(buf, peer, what))
+
+    def open(self, msg: Message, buf: torch.Tensor, *, stale: bool = False) -> torch.Tensor:
+        """The payload of a received buffer; checks its version header if there is one.
+
+        A ``stale`` message (drained before a replay) must come from this
+        attempt; its parameter version is not checked.
+        """
+        if not self.headers:
+            return buf
+        pipe = self.pipe
+        t, head = unpack(buf, pipe._metas[msg])
+        if head.iteration != pipe.iteration or head.attempt != self.attempt:
+            raise RuntimeError(
+                f"rank {pipe.rank}: {msg} carries iteration {head.iteration} attempt "
+                f"{head.attempt} but this rank runs iteration {pipe.iteration} attempt "
+                f"{self.attempt}: a stale message was not drained (protocol bug)"
+            )
+        if head.version != pipe.param_version and not stale:
+            what = (
+                f"{msg} was computed on parameter version {head.version} but rank "
+                f"{pipe.rank} is on version {pipe.param_version}"
+            )
+            if self.gated:
+                raise RuntimeError(f"one parameter version per microbatch violated: {what}")
+            self.mixed = self.mixed or what
+        return t
+
+    def replay(self) -> _Step:
+        """Discard this attempt (stage state, stale messages) and return a fresh one."""
+        pipe = self.pipe
+        plan = pipe.gate_plan
+        assert plan is not None
+        tracing = pipe.options.trace
+        t0, mem0 = (pipe.trace.now(), pipe.held_bytes()) if tracing else (0, 0)
+        for peer, msgs in plan.stale[pipe.rank].items():
+            for msg in msgs[plan.posted[pipe.rank].get(peer, 0) :]:
+                self.post(msg, peer, f"drain of stale {msg} from device {peer}")
+        for msg, (buf, work) in self.posted.items():
+            peer = pipe.schedule.placement[msg.src_stage]
+            pipe.p2p.wait(work, peer, f"drain of stale {msg} from device {peer}")
+            self.open(msg, buf, stale=True)
+        for chunk in pipe.chunks.values():
+            chunk.discard()
+        fresh = _Step(pipe, self.inputs, self.targets, self.scales)
+        fresh.attempt, fresh.gated, fresh.in_flight = self.attempt + 1, True, self.in_flight
+        pipe.replays += 1
+        if tracing:
+            common = self.common(t0, pipe.trace.now(), mem0, pipe.held_bytes())
+            pipe.trace.record(TraceEvent(op="replay", stage=None, mb=None, **common))
+        return fresh
+
+    def check_speculation(self) -> None:
+        """At the gate without a replay: the pre-gate work must be on today's version."""
+        pipe = self.pipe
+        stale = sorted((k, v) for k, v in self.f_version.items() if v != pipe.param_version)
+        if self.mixed or stale:
+            (s, mb), v = stale[0] if stale else ((0, 0), 0)
+            why = self.mixed or f"F(s{s},mb{mb}) ran on parameter version {v}"
+            raise RuntimeError(
+                f"rank {pipe.rank}: speculative work was kept at the gate but {why} and the "
+                f"validated version is {pipe.param_version} (a replay was needed)"
+            )
+
     def compute(self, a: Action) -> None:
         chunk = self.pipe.chunks[a.stage]
         last = a.stage == self.S - 1
+        key = (a.stage, a.mb)
+        if a.op is Op.F:
+            self.f_version[key] = self.pipe.param_version
+        elif self.f_version.get(key) != self.pipe.param_version:
+            raise RuntimeError(
+                f"rank {self.pipe.rank}: {a} runs on parameter version "
+                f"{self.pipe.param_version} but its F ran on {self.f_version.get(key)}; "
+                "parameters must not change between a microbatch's F and its backward"
+            )
+        if a.op in (Op.W, Op.BW):
+            del self.f_version[key]
         if a.op is Op.W:
             chunk.backward_weight(a.mb)
             return
@@ -337,9 +456,9 @@ class _Step:
         consumer = "F" if m.kind is MsgKind.ACT else "backward"
         return f"{ins} (input of {consumer}(s{m.dst_stage},mb{m.mb}))"
 
-    def event(self, ins: Instruction, t0: int, t1: int, mem0: int, mem1: int) -> TraceEvent:
+    def common(self, t0: int, t1: int, mem0: int, mem1: int) -> dict:
         pipe = self.pipe
-        common = {
+        return {
             "iteration": pipe.iteration,
             "rank": pipe.rank,
             "param_version": pipe.param_version,
@@ -348,6 +467,9 @@ class _Step:
             "mem_before": mem0,
             "mem_after": mem1,
         }
+
+    def event(self, ins: Instruction, t0: int, t1: int, mem0: int, mem1: int) -> TraceEvent:
+        common = self.common(t0, t1, mem0, mem1)
         if isinstance(ins, Compute):
             a = ins.action
             return TraceEvent(op=a.op.value, stage=a.stage, mb=a.mb, **common)
@@ -358,6 +480,20 @@ class _Step:
         here = m.src_stage if isinstance(ins, Send) else m.dst_stage
         msg_id = (m.kind.value, m.src_stage, m.dst_stage, m.mb)
         return TraceEvent(op=op, stage=here, mb=m.mb, peer=ins.peer, msg=msg_id, **common)
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """CPU and accelerator RNG state, so a replay draws the same random numbers."""
+    acc = None
+    if device.type != "cpu":
+        acc = torch.get_device_module(device.type).get_rng_state(device)
+    return torch.get_rng_state(), acc
+
+
+def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.get_device_module(device.type).set_rng_state(state[1], device)
 
 
 def _producer_name(m: Message) -> str:

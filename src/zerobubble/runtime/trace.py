@@ -20,8 +20,9 @@ from typing import IO
 import torch.distributed as dist
 
 COMPUTE_OPS = ("F", "B", "W", "BW")
-TRACKS = ("compute", "recv", "send")
-"""Chrome-trace threads: compute actions, receives (post and wait), sends."""
+TRACKS = ("compute", "recv", "send", "optim")
+"""Chrome-trace threads: compute actions, receives (post and wait), sends, and the
+optimizer protocol (``opt_*`` events and ``replay``, see :mod:`zerobubble.optim`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +33,8 @@ class TraceEvent:
         iteration: Step index of the executor (0 for the first ``step``).
         rank: Pipeline rank that ran it.
         op: ``F``, ``B``, ``W``, ``BW`` or ``post_recv``, ``wait_recv``, ``send``,
-            ``wait_sends``.
+            ``wait_sends``; ``replay`` (speculative work discarded); the optimizer
+            protocol's ``opt_*`` events (:mod:`zerobubble.optim.events`).
         stage: Virtual stage (for a message: the stage on this rank's side).
         mb: Microbatch (None for ``wait_sends``).
         param_version: The caller's parameter version during this step.
@@ -59,6 +61,8 @@ class TraceEvent:
     def track(self) -> str:
         if self.op in COMPUTE_OPS:
             return "compute"
+        if self.op.startswith("opt_") or self.op == "replay":
+            return "optim"
         return "recv" if "recv" in self.op else "send"
 
     @classmethod

@@ -1,0 +1,173 @@
+"""The global gradient norm across pipeline ranks, bitwise equal to ``clip_grad_norm_``.
+
+``torch.nn.utils.clip_grad_norm_(params)`` computes one norm per gradient
+(``torch._foreach_norm`` per (device, dtype) group where foreach is supported,
+``vector_norm`` otherwise), stacks them group by group and takes the norm of
+that vector. The stacking order changes the rounding, so a pipeline cannot
+simply add partial sums of squares. Instead every rank computes the norms of
+its own gradients with the same kernel and writes them, exactly (as float64),
+into their slots of a vector laid out in model order; once the vector is
+complete, any rank rebuilds the list of norms with their dtypes and reduces it
+exactly as ``clip_grad_norm_`` does. The same vector, partially filled, is the
+prefix state of post-validation.
+
+Vector layout (float64): ``[norms (n) | status (n) | flags]`` with n the number
+of parameters of the whole model; status is :data:`UNSEEN`, :data:`PRESENT`
+or :data:`ABSENT` (no gradient, ignored like ``clip_grad_norm_`` ignores it).
+Ranks fill disjoint slots, so summing vectors (an all-reduce) is exact.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
+
+from zerobubble.optim.config import OptimConfig
+
+UNSEEN, PRESENT, ABSENT = 0.0, 1.0, 2.0
+
+FLAG_DEFERRED = 0
+"""Flag slot: 1 if some rank deferred its step (post-validation prefix)."""
+FLAG_REPLAY = 1
+"""Flag slot: 1 if the next iteration's speculative work must be replayed (set by the last rank)."""
+NUM_FLAGS = 2
+
+
+class Action(enum.StrEnum):
+    """What the optimizer does with one iteration's gradients."""
+
+    STEP = "step"
+    """Step with the gradients as they are (no clipping needed)."""
+    CLIP = "clip"
+    """Scale the gradients by the clip coefficient, then step."""
+    SKIP = "skip"
+    """Leave parameters and optimizer state untouched (non-finite norm)."""
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Slots of every parameter of the model, in model order (stage by stage).
+
+    Attributes:
+        dtypes: dtype of each slot's parameter.
+        first: ``first[s]``: slot of the first parameter of stage ``s``.
+    """
+
+    dtypes: tuple[torch.dtype, ...]
+    first: Mapping[int, int]
+
+    @property
+    def size(self) -> int:
+        return len(self.dtypes)
+
+    @property
+    def vector_len(self) -> int:
+        return 2 * self.size + NUM_FLAGS
+
+    @classmethod
+    def exchange(
+        cls, stage_params: Mapping[int, Sequence[Tensor]], group: dist.ProcessGroup | None = None
+    ) -> ParamLayout:
+        """Agree on the layout with every rank (a collective: all ranks call it)."""
+        mine = {
+            s: [str(p.dtype).removeprefix("torch.") for p in ps] for s, ps in stage_params.items()
+        }
+        parts: list[dict[int, list[str]] | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, mine, group=group)
+        stages: dict[int, list[str]] = {}
+        for part in parts:
+            assert part is not None
+            stages.update(part)
+        dtypes: list[torch.dtype] = []
+        first: dict[int, int] = {}
+        for s in sorted(stages):
+            first[s] = len(dtypes)
+            dtypes.extend(getattr(torch, name) for name in stages[s])
+        return cls(tuple(dtypes), first)
+
+    def new_vector(self) -> Tensor:
+        return torch.zeros(self.vector_len, dtype=torch.float64)
+
+    def fill(
+        self, vec: Tensor, stage_params: Mapping[int, Sequence[Tensor]], norm_type: float
+    ) -> None:
+        """Write the norms of these parameters' gradients into their slots of ``vec``."""
+        grads, slots = [], []
+        for s, params in stage_params.items():
+            for i, p in enumerate(params):
+                slot = self.first[s] + i
+                if p.grad is None:
+                    vec[self.size + slot] = ABSENT
+                else:
+                    grads.append(p.grad)
+                    slots.append(slot)
+        if not grads:
+            return
+        norms = per_tensor_norms(grads, norm_type)
+        index = torch.tensor(slots)
+        vec[index] = torch.stack([n.detach().to("cpu", torch.float64) for n in norms])
+        vec[index + self.size] = PRESENT
+
+    def total(
+        self, vec: Tensor, norm_type: float, device: torch.device, *, prefix: bool = False
+    ) -> Tensor:
+        """The global norm, as ``clip_grad_norm_`` would compute it over all gradients.
+
+        With ``prefix``, slots no rank has filled yet count as zero norms (the
+        prefix state of post-validation: never above the final norm).
+        """
+        values = vec[: self.size].tolist()
+        status = vec[self.size : 2 * self.size].tolist()
+        norms = []
+        for slot, (v, st) in enumerate(zip(values, status, strict=True)):
+            if st == ABSENT:
+                continue
+            if st == UNSEEN and not prefix:
+                raise RuntimeError(f"gradient norm slot {slot} was never filled (protocol bug)")
+            norms.append(torch.tensor(v if st == PRESENT else 0.0, dtype=self.dtypes[slot]))
+        if not norms:
+            return torch.tensor(0.0, device=device)
+        # Stack in the order clip_grad_norm_ does: grouped by dtype, model order inside.
+        grouped = _group_tensors_by_device_and_dtype([norms])
+        ordered = [n for [ts], _ in grouped.values() for n in ts]
+        return torch.linalg.vector_norm(torch.stack(ordered).to(device), norm_type)
+
+
+def per_tensor_norms(grads: Sequence[Tensor], norm_type: float) -> list[Tensor]:
+    """The norm of each gradient, computed by the kernel ``clip_grad_norm_`` picks for it."""
+    out: list[Tensor | None] = [None] * len(grads)
+    grouped = _group_tensors_by_device_and_dtype([list(grads)], with_indices=True)
+    for (device, _), ([ts], index) in grouped.items():
+        if _has_foreach_support(ts, device):
+            norms = torch._foreach_norm(ts, norm_type)
+        else:
+            norms = [torch.linalg.vector_norm(g, norm_type) for g in ts]
+        for i, n in zip(index, norms, strict=True):
+            out[i] = n
+    return out  # type: ignore[return-value]
+
+
+def clip_coefficient(total: Tensor, max_norm: float) -> Tensor:
+    """``clip_grads_with_norm_``'s coefficient: ``max_norm / (total + 1e-6)`` clamped to 1."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
+def decide(total: Tensor, config: OptimConfig) -> Action:
+    """The action the synchronous step takes for a global norm ``total``."""
+    if config.skip_nonfinite and not bool(torch.isfinite(total)):
+        return Action.SKIP
+    if config.max_norm is None:
+        return Action.STEP
+    return Action.STEP if bool(clip_coefficient(total, config.max_norm) == 1.0) else Action.CLIP
+
+
+def may_step_early(prefix_total: Tensor, config: OptimConfig) -> bool:
+    """Post-validation: step provisionally on a prefix state that neither is non-finite nor
+    triggers clipping (if the final norm does not either, the step is already right)."""
+    return bool(torch.isfinite(prefix_total)) and decide(prefix_total, config) is Action.STEP

@@ -1,0 +1,407 @@
+"""A pipeline training step with synchronous optimizer semantics, with or without a barrier.
+
+``PipelineTrainer(executor, optimizer, OptimConfig(...))`` owns zero_grad, the
+global gradient norm, clipping, NaN/Inf skipping and the optimizer step::
+
+    params = [p for c in pipe.chunks.values() for p in c.module.parameters()]
+    trainer = PipelineTrainer(pipe, torch.optim.AdamW(params, ...), config)
+    for x, y in batches:
+        trainer.step(x, target=y)      # iteration k (+ validation of k-1 in post-validation)
+    trainer.drain()                    # validated drain point: checkpoint, evaluate, stop
+
+Modes (:class:`~zerobubble.optim.config.OptimConfig`):
+
+* ``sync``: at the tail of iteration k every rank fills its per-parameter
+  gradient norms into a model-ordered vector, one all-reduce completes it,
+  and every rank derives the same global norm (bitwise ``clip_grad_norm_``),
+  then skips, clips and steps, or steps.
+* ``post_validation``: the vector travels along the pipeline instead. Rank d
+  receives the prefix from d-1, adds its norms, steps *provisionally* if the
+  prefix is finite and below the clip threshold (else defers), and passes it
+  on. The last rank sees the full state and applies the final action at once;
+  the full vector then travels back P-1 -> 0, and each rank validates: keep,
+  roll back and apply the right action (skip, or the clipped step), or apply
+  what it deferred. Conservative: a rank validates before its first forward
+  of k+1. Speculative: before its first backward of k+1 (the executor's replay
+  gate); if any rank's parameters change there, every rank replays k+1.
+
+Every rank must call ``step`` and ``drain`` the same number of times.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from zerobubble.optim.config import OptimConfig, StepMode
+from zerobubble.optim.faults import CrashPoint, FaultPlan
+from zerobubble.optim.norms import (
+    FLAG_DEFERRED,
+    FLAG_REPLAY,
+    Action,
+    ParamLayout,
+    decide,
+    may_step_early,
+)
+from zerobubble.optim.rollback import make_undo
+from zerobubble.optim.versions import OptState, RankVersions
+from zerobubble.runtime.executor import PipelineExecutor
+from zerobubble.runtime.replay import StepHooks
+from zerobubble.runtime.trace import TraceEvent
+from zerobubble.schedule.ir import Action as ComputeAction
+
+__all__ = ["Commit", "PipelineTrainer", "group_settings"]
+
+
+@dataclass(frozen=True)
+class Commit:
+    """The final optimizer decision of one iteration on one rank.
+
+    Attributes:
+        iteration: The iteration (0-based).
+        version: Committed parameter version afterwards (``iteration + 1``).
+        action: ``step``, ``clip`` or ``skip``.
+        total_norm: The global gradient norm (as ``clip_grad_norm_`` returns it).
+        provisional: Post-validation, ranks but the last: ``"stepped"`` or ``"deferred"``.
+        rolled_back: The provisional step was undone.
+        replay: Speculative mode: the next iteration's pre-gate work is replayed.
+    """
+
+    iteration: int
+    version: int
+    action: Action
+    total_norm: float
+    provisional: str | None = None
+    rolled_back: bool = False
+    replay: bool = False
+
+
+@dataclass
+class _Pending:
+    """An iteration whose validation is still ahead on this rank."""
+
+    iteration: int
+    stepped: bool | None  # None: the last rank, already final
+    hyper: list[dict[str, Any]] | None = None  # param-group settings the step ran with
+    back: tuple[Tensor, dist.Work] | None = None  # receive of the full state from rank d+1
+    replay: bool = False  # the last rank's verdict
+
+
+class _Hooks(StepHooks):
+    def __init__(self, trainer: PipelineTrainer, iteration: int) -> None:
+        self.trainer, self.iteration = trainer, iteration
+
+    def after_compute(self, action: ComputeAction) -> None:
+        self.trainer.faults.after_compute(self.iteration, action, self.trainer.stage_params)
+
+    def at_gate(self) -> bool:
+        return self.trainer._gate()
+
+
+class PipelineTrainer:
+    """Runs iterations of a :class:`PipelineExecutor` with one optimizer per rank.
+
+    Args:
+        executor: This rank's executor. Speculative post-validation needs it built
+            with ``ExecutorOptions(replay_gate=True)``.
+        optimizer: Any ``torch.optim.Optimizer`` over (a subset of) this rank's
+            stage parameters, e.g. built from :attr:`params`.
+        config: See :class:`OptimConfig`.
+        faults: Faults to inject (tests); see :mod:`zerobubble.optim.faults`.
+        on_commit: Called with each :class:`Commit`, right after the final action
+            of an iteration is applied on this rank.
+
+    The constructor is collective (ranks agree on the parameter layout).
+
+    Attributes:
+        stage_params: ``stage -> parameters`` of this rank, in model order.
+        params: All of them, in model order (clipping covers every one with a gradient).
+        versions: The rank's :class:`~zerobubble.optim.versions.RankVersions`.
+        last_commit: The newest :class:`Commit`.
+    """
+
+    def __init__(
+        self,
+        executor: PipelineExecutor,
+        optimizer: torch.optim.Optimizer,
+        config: OptimConfig | None = None,
+        *,
+        faults: FaultPlan | None = None,
+        on_commit: Callable[[Commit], None] | None = None,
+    ) -> None:
+        self.pipe = executor
+        self.optimizer = optimizer
+        self.config = config or OptimConfig()
+        self.faults = faults or FaultPlan()
+        self.on_commit = on_commit
+        self.stage_params = {s: list(c.module.parameters()) for s, c in executor.chunks.items()}
+        self.params = [p for s in sorted(self.stage_params) for p in self.stage_params[s]]
+        mine = {id(p) for p in self.params}
+        foreign = sum(id(p) not in mine for g in optimizer.param_groups for p in g["params"])
+        if foreign:
+            raise ValueError(
+                f"the optimizer holds {foreign} parameters that are not in rank "
+                f"{executor.rank}'s stages; build it from trainer.params (the executor's "
+                "stage parameters), not from the original model"
+            )
+        pv = self.config.mode is StepMode.POST_VALIDATION
+        if self.config.speculative and executor.gate_plan is None:
+            raise ValueError(
+                "speculative post-validation replays work at the executor's gate: build the "
+                "executor with ExecutorOptions(replay_gate=True)"
+            )
+        self.undo = make_undo(optimizer, self.config.rollback) if pv else None
+        self.layout = ParamLayout.exchange(self.stage_params, executor.group)
+        self.versions = RankVersions(speculative=self.config.speculative)
+        self.rank, self.world = executor.rank, executor.schedule.num_devices
+        self.last_commit: Commit | None = None
+        self._pending: _Pending | None = None
+        self._sends: list[tuple[dist.Work, Tensor, int, str]] = []
+
+    # ---- public API ---------------------------------------------------------------------
+
+    def step(self, x: Tensor | None = None, *, target: Tensor | None = None) -> list[Tensor] | None:
+        """Run one iteration; returns the per-microbatch losses on the last stage's rank.
+
+        In post-validation mode the optimizer step of this iteration is
+        provisional when ``step`` returns; it is validated inside the next
+        ``step`` (or :meth:`drain`).
+        """
+        k = self.versions.iteration
+        cfg = self.config
+        if cfg.mode is StepMode.POST_VALIDATION and not cfg.speculative and self._pending:
+            self._validate()  # conservative: before the first forward of k
+        self.versions.begin_compute(k)
+        if not cfg.speculative:
+            self._zero_grad()
+        losses = self.pipe.step(x, target=target, hooks=_Hooks(self, k))
+        in_flight = sum(len(c.pending()) for c in self.pipe.chunks.values())
+        self.versions.end_compute(k, in_flight)
+        self.faults.at_tail(k, self.stage_params)
+        if cfg.mode is StepMode.SYNC:
+            self._sync_tail(k)
+        else:
+            self._post_validation_tail(k)
+        return losses
+
+    def drain(self) -> None:
+        """Reach a validated drain point: every rank's newest step is final.
+
+        Every rank must call it (it completes the validation messages). Call it
+        before a checkpoint, an evaluation, or the end of training.
+        """
+        if self._pending is not None:
+            self._validate()
+        self._flush_sends()
+        self.versions.require_drained()
+
+    def restore(self, iteration: int) -> None:
+        """Set the counters after loading the state of a drain point at ``iteration``."""
+        if self._pending is not None:
+            raise RuntimeError("restore() with an iteration in flight; drain() first")
+        self.versions = RankVersions(
+            speculative=self.config.speculative,
+            iteration=iteration,
+            param_version=iteration,
+            committed=iteration,
+            opt=OptState.VALIDATED if iteration else OptState.NOT_STARTED,
+        )
+        self.pipe.iteration = self.pipe.param_version = iteration
+
+    # ---- the synchronous step -----------------------------------------------------------
+
+    def _sync_tail(self, k: int) -> None:
+        t0 = self._now()
+        vec = self.layout.new_vector()
+        self.layout.fill(vec, self.stage_params, self.config.norm_type)
+        dist.all_reduce(vec, group=self.pipe.group)
+        total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
+        action = decide(total, self.config)
+        self._event("opt_reduce", k, t0)
+        self._apply(action, total, k)
+        self._commit(k, action, total)
+
+    # ---- post-validation ----------------------------------------------------------------
+
+    def _post_validation_tail(self, k: int) -> None:
+        d, last = self.rank, self.rank == self.world - 1
+        t0 = self._now()
+        vec = self.layout.new_vector()
+        if d > 0:
+            what = f"receive of iteration {k}'s gradient-norm prefix state"
+            work = self.pipe.p2p.irecv(vec, d - 1, what)
+            self.pipe.p2p.wait(work, d - 1, what)
+        self.layout.fill(vec, self.stage_params, self.config.norm_type)
+        flags = 2 * self.layout.size
+        if last:
+            total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
+            action = decide(total, self.config)
+            replay = not (action is Action.STEP and vec[flags + FLAG_DEFERRED] == 0)
+            vec[flags + FLAG_REPLAY] = float(replay)
+            if d > 0:  # send the full state back first: the others' validation waits on it
+                self._send(vec, d - 1, f"send of iteration {k}'s validated optimizer state")
+            self._event("opt_prefix", k, t0)
+            self._apply(action, total, k)
+            self._pending = _Pending(k, None, replay=replay)
+            self._commit(k, action, total, replay=replay)
+            return
+        prefix = self.layout.total(vec, self.config.norm_type, self.pipe.device, prefix=True)
+        stepped = may_step_early(prefix, self.config)
+        if not stepped:
+            vec[flags + FLAG_DEFERRED] = 1.0
+        # Pass the prefix on before stepping, so the ranks' steps overlap.
+        self._send(vec, d + 1, f"send of iteration {k}'s gradient-norm prefix state")
+        back = self.layout.new_vector()
+        what = f"receive of iteration {k}'s validated optimizer state"
+        work = self.pipe.p2p.irecv(back, d + 1, what)
+        self._event("opt_prefix", k, t0)
+        t0 = self._now()
+        hyper = group_settings(self.optimizer)
+        if stepped:
+            assert self.undo is not None
+            self.undo.prepare()
+            self.optimizer.step()
+        self.versions.provisional(k, stepped)
+        self.pipe.param_version = self.versions.param_version
+        self._event("opt_provisional" if stepped else "opt_defer", k, t0)
+        self._pending = _Pending(k, stepped, hyper, (back, work))
+        self.faults.crash(d, k, CrashPoint.AFTER_PROVISIONAL)
+
+    def _gate(self) -> bool:
+        """Speculative mode, at the executor's gate: validate, then clear gradients."""
+        replay = self._validate() if self._pending is not None else False
+        self._zero_grad()
+        return replay
+
+    def _validate(self) -> bool:
+        """Validate the pending iteration on this rank; returns the global replay verdict."""
+        pend, self._pending = self._pending, None
+        assert pend is not None
+        k, d = pend.iteration, self.rank
+        if pend.back is None:  # the last rank applied its final action at the tail
+            self._flush_sends()
+            return pend.replay
+        t0 = self._now()
+        vec, work = pend.back
+        self.pipe.p2p.wait(work, d + 1, f"receive of iteration {k}'s validated optimizer state")
+        if d > 0:
+            self._send(vec, d - 1, f"send of iteration {k}'s validated optimizer state")
+        self._flush_sends(keep_last=d > 0)
+        total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
+        action = decide(total, self.config)
+        replay = bool(vec[2 * self.layout.size + FLAG_REPLAY])
+        self._event("opt_validate", k, t0)
+        rolled_back = False
+        assert pend.hyper is not None
+        with _settings_applied(self.optimizer, pend.hyper):
+            if pend.stepped and action is not Action.STEP:
+                t0 = self._now()
+                assert self.undo is not None
+                self.undo.undo()
+                self.versions.rollback(k)
+                self.pipe.param_version = self.versions.param_version
+                self._event("opt_rollback", k, t0)
+                rolled_back = True
+            if not pend.stepped or rolled_back:
+                self._apply(action, total, k)
+        provisional = "stepped" if pend.stepped else "deferred"
+        self._commit(k, action, total, provisional, rolled_back, replay)
+        return replay
+
+    # ---- shared pieces ------------------------------------------------------------------
+
+    def _apply(self, action: Action, total: Tensor, k: int) -> None:
+        """The final action: skip, or (clip and) step."""
+        t0 = self._now()
+        if action is not Action.SKIP:
+            if action is Action.CLIP:
+                assert self.config.max_norm is not None
+                torch.nn.utils.clip_grads_with_norm_(self.params, self.config.max_norm, total)
+            self.optimizer.step()
+        self._event("opt_skip" if action is Action.SKIP else "opt_step", k, t0)
+
+    def _commit(
+        self,
+        k: int,
+        action: Action,
+        total: Tensor,
+        provisional: str | None = None,
+        rolled_back: bool = False,
+        replay: bool = False,
+    ) -> None:
+        t0 = self._now()
+        self.versions.commit(k)
+        self.pipe.param_version = self.versions.param_version
+        self._event("opt_commit", k, t0)
+        info = Commit(
+            k, self.versions.committed, action, float(total), provisional, rolled_back, replay
+        )
+        self.last_commit = info
+        if self.on_commit is not None:
+            self.on_commit(info)
+
+    def _zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def _send(self, vec: Tensor, peer: int, what: str) -> None:
+        t = vec.clone()
+        self._sends.append((self.pipe.p2p.isend(t, peer, what), t, peer, what))
+
+    def _flush_sends(self, keep_last: bool = False) -> None:
+        """Wait for state messages sent earlier (bounded); keep the newest if asked."""
+        done = self._sends[:-1] if keep_last else self._sends
+        for work, _, peer, what in done:
+            self.pipe.p2p.wait(work, peer, what)
+        self._sends = self._sends[-1:] if keep_last else []
+
+    def _now(self) -> int:
+        return self.pipe.trace.now()
+
+    def _event(self, op: str, k: int, t0: int) -> None:
+        if not self.pipe.options.trace:
+            return
+        held = self.pipe.held_bytes()
+        self.pipe.trace.record(
+            TraceEvent(
+                iteration=k,
+                rank=self.rank,
+                op=op,
+                stage=None,
+                mb=None,
+                param_version=self.versions.param_version,
+                start_ns=t0,
+                end_ns=self._now(),
+                mem_before=held,
+                mem_after=held,
+            )
+        )
+
+
+def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Every param group's settings (lr, betas, ...), copied: a scheduler may change them."""
+    return [
+        {k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups
+    ]
+
+
+@contextlib.contextmanager
+def _settings_applied(
+    optimizer: torch.optim.Optimizer, hyper: list[dict[str, Any]]
+) -> Iterator[None]:
+    """Run with the settings a provisional step used (redo and undo must match it)."""
+    current = group_settings(optimizer)
+    for g, h in zip(optimizer.param_groups, hyper, strict=True):
+        g.update(h)
+    try:
+        yield
+    finally:
+        for g, h in zip(optimizer.param_groups, current, strict=True):
+            g.update(h)
