@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from zerobubble.cli import main
 from zerobubble.models import build_mlp, mlp_loss
+from zerobubble.optim.config import OptimConfig
+from zerobubble.optim.trainer import PipelineTrainer
 from zerobubble.profile.bubbles import analyze_iteration
 from zerobubble.profile.costs_file import Profile
 from zerobubble.profile.stages import boundary_pairs, p2p_latency, stage_profile
@@ -45,19 +47,11 @@ def kinds_job() -> dict:
             sched, build_stage_modules(layers, sched, info.rank), loss_fn=mlp_loss
         )
         opt = torch.optim.SGD([p for c in pipe.chunks.values() for p in c.module.parameters()], 0.1)
+        trainer = PipelineTrainer(pipe, opt, OptimConfig(max_norm=1.0))  # records opt_* events
         gen_ = torch.Generator().manual_seed(0)
         x, y = torch.randn(8, 6, generator=gen_), torch.randn(8, 6, generator=gen_)
-        for it in range(2):
-            opt.zero_grad()
-            pipe.step(x, target=y)
-            t0, held = pipe.trace.now(), pipe.held_bytes()
-            opt.step()
-            pipe.trace.record(
-                TraceEvent(
-                    it, info.rank, "opt_step", None, None, it, t0, pipe.trace.now(), held, held
-                )
-            )
-            pipe.param_version += 1
+        for _ in range(2):
+            trainer.step(x, target=y)
         out["traces"][kind] = (sched, gather_traces(pipe.trace))
     out["latency"] = p2p_latency([(0, 1)], 4096, iters=3, warmup=1)
     dist.destroy_process_group()
@@ -172,12 +166,12 @@ def test_a_w_after_the_optimizer_step_is_refused(zbh1):
     ev = zbh1
     last_w = max(p for p, e in enumerate(ev) if (e.rank, e.op, e.iteration) == (0, "W", 0))
     w = ev.pop(last_w)
-    opt, opt_k = where(ev, 0, "opt_step")
+    opt, opt_k = where(ev, 0, "opt_reduce")  # the norm's all-reduce reads the gradients
     ev.insert(opt + 1, dataclasses.replace(w, start_ns=ev[opt].end_ns, end_ns=ev[opt].end_ns))
     v = first(ev)
     assert (v.check, v.rank, v.index, v.event) == ("optimizer", 0, opt_k + 1, f"W(s0,mb{w.mb})")
     assert v.why == (
-        f"runs after rank 0's optimizer action opt_step (event #{opt_k}) on iteration 0's gradients"
+        f"runs after rank 0's optimizer action opt_reduce (event #{opt_k}) on iteration 0's gradients"
     )
 
 

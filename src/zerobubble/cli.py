@@ -195,16 +195,23 @@ def cmd_check_trace(args: argparse.Namespace) -> int:
     )
     for note in report.notes:
         print(f"note: {note}")
-    if report.ok:
-        print(
-            f"OK: {report.num_events} events, ranks {list(report.ranks)}, "
-            f"{len(report.iterations)} iterations"
-        )
-        return 0
-    print(f"FAIL: {report.first}")
-    if len(report.violations) > 1:
-        print(f"({len(report.violations) - 1} more violations of the same check)")
-    return 1
+    if not report.ok:
+        print(f"FAIL: {report.first}")
+        if len(report.violations) > 1:
+            print(f"({len(report.violations) - 1} more violations of the same check)")
+        return 1
+    if any(e.op == "opt_commit" for e in events):  # the optimizer protocol's own invariants
+        from zerobubble.optim.trace_check import check_versions
+
+        problems = check_versions(events)
+        if problems:
+            print(f"FAIL: [optimizer protocol] {problems[0]}")
+            return 1
+    print(
+        f"OK: {report.num_events} events, ranks {list(report.ranks)}, "
+        f"{len(report.iterations)} iterations"
+    )
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -228,6 +235,7 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
         n_heads=args.heads,
         n_layers=args.layers if args.layers is not None else max(d.n_layers, devices),
         lr=args.lr,
+        grad_clip=args.grad_clip,
         steps=args.steps,
         baseline_steps=args.baseline_steps,
         warmup=args.warmup,
@@ -253,6 +261,12 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=d.n_heads)
     p.add_argument("--layers", type=int, help=f"transformer blocks (default: max({d.n_layers}, P))")
     p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument(
+        "--grad-clip",
+        type=float,
+        default=d.grad_clip,
+        help="clip the global gradient norm to this (default %(default)s)",
+    )
     p.add_argument("--steps", type=int, default=d.steps, help="measured steps of each schedule")
     p.add_argument(
         "--baseline-steps",

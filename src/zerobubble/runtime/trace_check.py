@@ -31,8 +31,9 @@ its earliest event):
 9. ``memory``: held activation bytes never exceed ``mem_budget``.
 
 Optimizer events follow :mod:`zerobubble.optim`'s protocol: ops ``opt_*``,
-each carrying the iteration whose gradients it acts on; ``opt_step``,
-``opt_provisional``, ``opt_skip`` and ``opt_defer`` act on them. A ``replay``
+each carrying the iteration whose gradients it acts on; ``opt_reduce`` and
+``opt_prefix`` read them (the norm), ``opt_step``, ``opt_provisional``,
+``opt_skip`` and ``opt_defer`` apply them. A ``replay``
 event discards its rank's earlier work of that iteration (speculation undone),
 so checks 2-7 ignore those events.
 """
@@ -50,8 +51,16 @@ from zerobubble.runtime.trace import COMPUTE_OPS, TraceEvent
 
 MESSAGE_OPS = ("post_recv", "wait_recv", "send")
 OTHER_OPS = ("wait_sends", "replay")
-DEFAULT_OPT_OPS = ("opt_step", "opt_provisional", "opt_skip", "opt_defer")
-"""Optimizer events that act on an iteration's gradients (no compute of it may follow)."""
+DEFAULT_OPT_OPS = (
+    "opt_reduce",
+    "opt_prefix",
+    "opt_provisional",
+    "opt_step",
+    "opt_skip",
+    "opt_defer",
+)
+"""Optimizer events that read or apply an iteration's gradients (no compute of it may
+follow): the norm's all-reduce or prefix state, and every kind of step."""
 DEFAULT_TOLERANCE_NS = 1_000_000
 """Slack of the cross-rank causality check (clocks of different hosts may drift)."""
 

@@ -37,6 +37,8 @@ class TrainConfig:
     final LayerNorm, LM head)."""
     lr: float = 3e-3
     """AdamW learning rate."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm (over every stage) to this; None: no clipping."""
     steps: int = 8
     """Measured training steps of each of 1F1B, ZB-H1 and the plan (after the warm-up),
     taking turns."""

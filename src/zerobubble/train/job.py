@@ -15,8 +15,10 @@ Phases, in lock step on all ranks (rank 0 analyses and reports):
    drifting machine load hits all three alike; these steps are the figures
    compared. The plan's trace is saved and checked.
 
-Every step trains the same model with the same optimizer; gradients are
-bitwise the same whatever the schedule, so schedules only change the speed.
+Every step trains the same model with one AdamW optimizer behind
+:mod:`zerobubble.optim`'s synchronous step (global grad-norm clipping,
+non-finite steps skipped); gradients are bitwise the same whatever the
+schedule, so schedules only change the speed.
 Warm-up steps are excluded from every figure.
 """
 
@@ -34,6 +36,8 @@ from torch import nn
 
 from zerobubble.models import GPTConfig, build_gpt, gpt_loss
 from zerobubble.models.corpus import CharCorpus, stdlib_corpus
+from zerobubble.optim.config import OptimConfig
+from zerobubble.optim.trainer import PipelineTrainer
 from zerobubble.profile.balance import balanced_boundaries, boundaries_of, stage_costs
 from zerobubble.profile.bubbles import IterationBubbles, analyze_iteration
 from zerobubble.profile.costs_file import Profile
@@ -156,15 +160,6 @@ def plan_schedule(
     return sched, PLANNER
 
 
-def optimizer_step(opt: torch.optim.Optimizer) -> None:
-    """THE optimizer call site of the job.
-
-    A plain AdamW step for now. When ``zerobubble.optim`` lands (a synchronous step:
-    global grad-norm clipping and NaN/Inf skipping across stages), call it here.
-    """
-    opt.step()
-
-
 # ---- the job --------------------------------------------------------------------------------
 
 
@@ -179,7 +174,6 @@ class _Ctx:
     corpus: CharCorpus
     data: torch.Generator
     reporter: Reporter | None
-    version: int = 0
     step_index: int = 0
 
     @property
@@ -261,12 +255,12 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     mods = build_stage_modules(layers, base, ctx.rank, boundaries=balanced, device=ctx.device)
     chunks = _chunks(mods, P)
     opt = torch.optim.AdamW([p for m in mods.values() for p in m.parameters()], lr=cfg.lr)
-    phases = [_phase(ctx, s, chunks) for s in (base, generate("zb-h1", P, cfg.microbatches))]
+    phases = [_phase(ctx, s, chunks, opt) for s in (base, generate("zb-h1", P, cfg.microbatches))]
     total = 2 * (cfg.warmup + cfg.baseline_steps)
     total += 0 if cfg.profile_only else 3 * (cfg.warmup + cfg.steps)
     if ctx.lead and ctx.reporter is not None:
         ctx.reporter.start(total)
-    _rotate(ctx, phases, opt, cfg.warmup + cfg.baseline_steps, measure=False)
+    _rotate(ctx, phases, cfg.warmup + cfg.baseline_steps, measure=False)
     profiled = [gather_traces(ph.pipe.trace) or [] for ph in phases]
     boundary = cfg.microbatch_size * cfg.seq_len * cfg.d_model * 4  # float32 activations
     pairs = [(a, b) for _, a, b in boundary_pairs(base.placement)]
@@ -281,8 +275,8 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
 
     # 4. Train: the three schedules take turns, so that load drifts hit them alike.
     if not cfg.profile_only:
-        phases.append(_phase(ctx, planned, chunks, name=kind, planned=True))
-        _rotate(ctx, phases, opt, cfg.warmup + cfg.steps, measure=True)
+        phases.append(_phase(ctx, planned, chunks, opt, name=kind, planned=True))
+        _rotate(ctx, phases, cfg.warmup + cfg.steps, measure=True)
         for ph in phases:
             ph.events = gather_traces(ph.pipe.trace) or []
     if not ctx.lead:
@@ -348,6 +342,7 @@ class _Phase:
     schedule: Schedule
     planned: bool
     pipe: PipelineExecutor
+    trainer: PipelineTrainer
     measure_from: int = 0
     """First executor iteration whose figures count."""
     step_s: list[float] = field(default_factory=list)
@@ -360,18 +355,20 @@ def _phase(
     ctx: _Ctx,
     sched: Schedule,
     chunks: dict[bool, dict[int, StageChunk]],
+    opt: torch.optim.Optimizer,
     *,
     name: str | None = None,
     planned: bool = False,
 ) -> _Phase:
+    """An executor of ``sched`` on the shared chunks, and its trainer (the synchronous
+    optimizer step: global grad-norm clipping, non-finite steps skipped)."""
     mine = chunks[sched.uses_split_backward]
     pipe = PipelineExecutor(sched, mine, device=ctx.device, options=_options(ctx.cfg))
-    return _Phase(name or sched.name, sched, planned, pipe)
+    trainer = PipelineTrainer(pipe, opt, OptimConfig(max_norm=ctx.cfg.grad_clip))
+    return _Phase(name or sched.name, sched, planned, pipe, trainer)
 
 
-def _rotate(
-    ctx: _Ctx, phases: list[_Phase], opt: torch.optim.Optimizer, rounds: int, *, measure: bool
-) -> None:
+def _rotate(ctx: _Ctx, phases: list[_Phase], rounds: int, *, measure: bool) -> None:
     """``rounds`` steps of every phase, taking turns; the first ``warmup`` rounds are not
     measured (nor, without ``measure``, any: they only feed the profile)."""
     for ph in phases:
@@ -380,40 +377,23 @@ def _rotate(
         for ph in phases:
             warm = r < ctx.cfg.warmup
             note = "warm-up, not measured" if warm else ("" if measure else "profiling")
-            _step(ctx, ph, opt, record=measure and not warm, note=note)
+            _step(ctx, ph, record=measure and not warm, note=note)
 
 
-def _step(ctx: _Ctx, ph: _Phase, opt: torch.optim.Optimizer, *, record: bool, note: str) -> None:
+def _step(ctx: _Ctx, ph: _Phase, *, record: bool, note: str) -> None:
     """One training step of ``ph``'s schedule; the slowest rank's times go to rank 0."""
     pipe = ph.pipe
     x, y = ctx.batch()
-    opt.zero_grad(set_to_none=True)
-    pipe.param_version = ctx.version
     dist.barrier()
-    t0 = time.perf_counter()
-    losses = pipe.step(x, target=y)
+    t0, t0_ns = time.perf_counter(), pipe.trace.now()
+    losses = ph.trainer.step(x, target=y)  # the pipeline, then the optimizer step
     t1 = time.perf_counter()
-    o0, held = pipe.trace.now(), pipe.held_bytes()
-    optimizer_step(opt)
-    # The optimizer event carries the iteration whose gradients it applied.
-    pipe.trace.record(
-        TraceEvent(
-            pipe.iteration - 1,
-            ctx.rank,
-            "opt_step",
-            None,
-            None,
-            ctx.version,
-            o0,
-            pipe.trace.now(),
-            held,
-            held,
-        )
-    )
-    t2 = time.perf_counter()
-    ctx.version += 1
+    # The pipeline's part ends with its wait for the last sends.
+    end_ns = next(e.end_ns for e in reversed(pipe.trace.events) if e.op == "wait_sends")
     loss = torch.stack(losses).mean().item() if losses else 0.0
-    mine = torch.tensor([t1 - t0, t2 - t0, loss, float(losses is not None)], dtype=torch.float64)
+    mine = torch.tensor(
+        [(end_ns - t0_ns) / 1e9, t1 - t0, loss, float(losses is not None)], dtype=torch.float64
+    )
     every = [torch.zeros_like(mine) for _ in range(ctx.world)]
     dist.all_gather(every, mine)
     if ctx.lead:
