@@ -171,7 +171,8 @@ def test_a_w_after_the_optimizer_step_is_refused(zbh1):
     v = first(ev)
     assert (v.check, v.rank, v.index, v.event) == ("optimizer", 0, opt_k + 1, f"W(s0,mb{w.mb})")
     assert v.why == (
-        f"runs after rank 0's optimizer action opt_reduce (event #{opt_k}) on iteration 0's gradients"
+        f"runs after rank 0's optimizer action opt_reduce (event #{opt_k}) on iteration 0's "
+        "gradients"
     )
 
 
