@@ -301,3 +301,43 @@ def test_profile_json_loads_as_costs_and_drives_the_planner(job, tmp_path):
         for bw, w in zip(eff(fused, "BW", fused.bw), eff(split, "W", split.w), strict=True)
     )
     assert fused_model.f == tuple(eff(fused, "F", fused.f))
+
+
+# ---- optimizer commits -----------------------------------------------------------------------
+
+
+def test_commit_rules(zbh1):
+    assert check_trace(zbh1, conservative=True).ok  # sync steps commit before the next forward
+    pos, idx = where(zbh1, 1, "opt_commit")
+    wrong = list(zbh1)
+    wrong[pos] = dataclasses.replace(wrong[pos], param_version=5)
+    v = first(wrong)
+    assert (v.check, v.rank, v.index) == ("commit", 1, idx)
+    assert (
+        "commits iteration 0 as parameter version 5; every rank must commit it as version 1"
+        in v.why
+    )
+    dropped = [e for i, e in enumerate(zbh1) if i != pos]
+    v = first(dropped)
+    assert v.check == "commit" and "committed on rank 0 but never on rank 1" in v.why
+    twice = list(zbh1)
+    twice.insert(
+        pos + 1, dataclasses.replace(zbh1[pos], start_ns=zbh1[pos].end_ns, end_ns=zbh1[pos].end_ns)
+    )
+    v = first(twice)
+    assert (v.check, v.rank, v.why) == ("commit", 1, "iteration 0 is committed twice on this rank")
+
+
+def test_conservative_forward_before_commit(zbh1):
+    ev = list(zbh1)
+    c, _ = where(ev, 0, "opt_commit")
+    later = next(e for e in ev[c + 1 :] if e.rank == 0 and e.op == "F" and e.iteration == 1)
+    f = ev.index(later)
+    # Move the commit just after the first forward of iteration 1, keeping times sequential.
+    moved = ev.pop(c)
+    f -= 1
+    ev.insert(f + 1, dataclasses.replace(moved, start_ns=ev[f].end_ns, end_ns=ev[f].end_ns))
+    assert check_trace(ev).ok  # fine for speculative runs
+    v = first(ev, conservative=True)
+    assert (v.check, v.rank, v.event) == ("commit", 0, "F(s0,mb0)")
+    assert "starts before iteration 0 is committed on this rank" in v.why

@@ -28,7 +28,11 @@ its earliest event):
 8. ``optimizer``: no compute of iteration k runs on a rank after that rank's
    first optimizer action on iteration k's gradients (skipped, with a note,
    when the trace has no optimizer events).
-9. ``memory``: held activation bytes never exceed ``mem_budget``.
+9. ``commit``: when the trace has ``opt_commit`` events, every rank commits
+   each iteration exactly once, at parameter version ``iteration + 1``; with
+   ``conservative=True`` no forward of iteration k+1 starts on a rank before
+   that rank committed iteration k (post-validation's conservative mode).
+10. ``memory``: held activation bytes never exceed ``mem_budget``.
 
 Optimizer events follow :mod:`zerobubble.optim`'s protocol: ops ``opt_*``,
 each carrying the iteration whose gradients it acts on; ``opt_reduce`` and
@@ -73,6 +77,7 @@ CHECKS = (
     "clock",
     "version",
     "optimizer",
+    "commit",
     "memory",
 )
 
@@ -186,6 +191,7 @@ def check_trace(
     mem_budget: int | None = None,
     tolerance_ns: int = DEFAULT_TOLERANCE_NS,
     opt_ops: Iterable[str] = DEFAULT_OPT_OPS,
+    conservative: bool = False,
 ) -> TraceReport:
     """Check a trace of every rank; see the module docstring for the rules."""
     opt_ops = tuple(opt_ops)
@@ -208,6 +214,7 @@ def check_trace(
         lambda: _check_clocks(kept, tolerance_ns),
         lambda: _check_versions(kept),
         lambda: _check_optimizer(evs, opt_ops, notes),
+        lambda: _check_commits(evs, conservative),
         lambda: _check_memory(evs, mem_budget, notes),
     )
     found: list[Violation] = []
@@ -268,6 +275,7 @@ def _check_events(evs: Sequence[_Ev], opt_ops: tuple[str, ...]) -> _Found:
     out: _Found = []
     for rank_evs in _by_rank(evs).values():
         prev: _Ev | None = None
+        last_iteration = 0
         for ev in rank_evs:
             e = ev.e
             if e.op not in known and not e.op.startswith("opt_"):
@@ -300,10 +308,15 @@ def _check_events(evs: Sequence[_Ev], opt_ops: tuple[str, ...]) -> _Found:
                             "rank runs its events one after another",
                         )
                     )
-                if e.iteration < p.iteration:
+            # Optimizer events name the iteration whose gradients they act on, which may
+            # lie behind the compute around them (post-validation), so only pipeline
+            # events must not go back in iteration.
+            if not e.op.startswith("opt_"):
+                if e.iteration < last_iteration:
                     out.append(
-                        _v("event", ev, f"iteration {e.iteration} after iteration {p.iteration}")
+                        _v("event", ev, f"iteration {e.iteration} after iteration {last_iteration}")
                     )
+                last_iteration = max(last_iteration, e.iteration)
             prev = ev
     return out
 
@@ -588,7 +601,51 @@ def _check_optimizer(evs: Sequence[_Ev], opt_ops: tuple[str, ...], notes: list[s
     return out
 
 
-# ---- 9. memory ---------------------------------------------------------------------------
+# ---- 9. commits ---------------------------------------------------------------------------
+
+
+def _check_commits(evs: Sequence[_Ev], conservative: bool) -> _Found:
+    commits = [ev for ev in evs if ev.e.op == "opt_commit"]
+    if not commits:
+        return []
+    out: _Found = []
+    ranks = sorted({ev.e.rank for ev in evs})
+    per: dict[tuple[int, int], list[_Ev]] = defaultdict(list)
+    for ev in commits:
+        per[ev.e.iteration, ev.e.rank].append(ev)
+    for it in sorted({ev.e.iteration for ev in commits}):
+        for rank in ranks:
+            got = per.get((it, rank), [])
+            for extra in got[1:]:
+                out.append(_v("commit", extra, f"iteration {it} is committed twice on this rank"))
+            for ev in got[:1]:
+                if ev.e.param_version != it + 1:
+                    why = (
+                        f"commits iteration {it} as parameter version {ev.e.param_version}; "
+                        f"every rank must commit it as version {it + 1}"
+                    )
+                    out.append(_v("commit", ev, why))
+            if not got:
+                last = max((ev for ev in commits if ev.e.iteration == it), key=lambda v: v.key)
+                why = f"iteration {it} is committed on rank {last.e.rank} but never on rank {rank}"
+                out.append(_v("commit", last, why))
+    if conservative:
+        for rank_evs in _by_rank(evs).values():
+            committed = {ev.e.iteration for ev in rank_evs if ev.e.op == "opt_commit"}
+            seen: set[int] = set()
+            for ev in rank_evs:
+                if ev.e.op == "opt_commit":
+                    seen.add(ev.e.iteration)
+                elif ev.e.op == "F" and ev.e.iteration - 1 in committed - seen:
+                    why = (
+                        f"starts before iteration {ev.e.iteration - 1} is committed on this rank "
+                        "(conservative post-validation validates before the next forward)"
+                    )
+                    out.append(_v("commit", ev, why))
+    return out
+
+
+# ---- 10. memory ---------------------------------------------------------------------------
 
 
 def _check_memory(evs: Sequence[_Ev], budget: int | None, notes: list[str]) -> _Found:
