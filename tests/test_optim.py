@@ -21,13 +21,13 @@ from zerobubble.optim.checkpoint import latest_checkpoint, load_checkpoint, save
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.faults import Crash, FaultPlan, GradFault
 from zerobubble.optim.rollback import UnsupportedRollbackError
-from zerobubble.optim.trace_check import check_versions
 from zerobubble.optim.trainer import PipelineTrainer
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.launcher import LaunchError, init_distributed, launch
 from zerobubble.runtime.partition import build_stage_modules, stage_bounds
 from zerobubble.runtime.reference import reference_step
 from zerobubble.runtime.trace import gather_traces
+from zerobubble.runtime.trace_check import check_trace
 from zerobubble.schedule.generators import generate
 
 pytestmark = pytest.mark.slow
@@ -212,7 +212,8 @@ def pv_job(p: int) -> dict:
         if traced:
             events = gather_traces(trainer.pipe.trace)
             if rank == 0:
-                out["traces"][name] = check_versions(events, conservative=not speculative)
+                report = check_trace(events, conservative=not speculative)
+                out["traces"][name] = [str(v) for v in report.violations]
                 out["traces"][name + "/ops"] = sorted({e.op for e in events})
     cfg = OptimConfig(mode="post_validation", max_norm=MAX_NORM, speculative=True)
     trainer, snaps, _ = pipeline_run(rank, "zb-h2", p, "adamw", cfg, plan, dtype=torch.bfloat16)

@@ -12,9 +12,7 @@ from zerobubble.optim.config import OptimConfig, Rollback, StepMode
 from zerobubble.optim.faults import Crash, FaultPlan, GradFault
 from zerobubble.optim.norms import ABSENT, PRESENT, UNSEEN, Action, ParamLayout, decide
 from zerobubble.optim.norms import may_step_early as early
-from zerobubble.optim.trace_check import check_versions
 from zerobubble.optim.versions import OptState, ProtocolError, RankVersions
-from zerobubble.runtime.trace import TraceEvent
 from zerobubble.schedule.ir import Action as Act
 from zerobubble.schedule.ir import Op
 
@@ -231,37 +229,3 @@ def test_grad_faults_hit_the_chosen_stage_microbatch_and_iteration():
         Crash(0, 1, "after_provisional")
         in FaultPlan(crashes=(Crash(0, 1, "after_provisional"),)).crashes
     )
-
-
-# ---- the offline checker ----------------------------------------------------------------------
-
-
-def ev(rank, it, op, t, version, mb=None, stage=None) -> TraceEvent:
-    return TraceEvent(it, rank, op, stage, mb, version, t, t + 1, 0, 0)
-
-
-def good_trace() -> list[TraceEvent]:
-    """Two ranks, two iterations; rank 0 deferred iteration 0, so it replays iteration 1."""
-    out = []
-    for r in (0, 1):
-        out += [ev(r, 0, "F", 0, 0, 0, r), ev(r, 0, "B", 2, 0, 0, r), ev(r, 0, "W", 4, 0, 0, r)]
-    out += [ev(0, 0, "opt_defer", 10, 0), ev(1, 0, "opt_step", 11, 1)]
-    out += [ev(1, 0, "opt_commit", 12, 1), ev(0, 1, "F", 13, 0, 0, 0)]  # speculative F
-    out += [ev(0, 0, "opt_step", 20, 1), ev(0, 0, "opt_commit", 21, 1), ev(0, 1, "replay", 22, 1)]
-    for r in (0, 1):
-        base = 30 + r
-        out += [ev(r, 1, op, base + 2 * i, 1, 0, r) for i, op in enumerate(("F", "B", "W"))]
-    return out
-
-
-def test_checker_accepts_a_replayed_trace_and_flags_each_violation():
-    assert check_versions(good_trace()) == []
-    late_w = [*good_trace(), ev(1, 0, "W", 50, 0, 1, 1)]
-    assert "W(s1,mb1) of iteration 0 ends after the optimizer" in check_versions(late_w)[0]
-    no_replay = [e for e in good_trace() if e.op != "replay"]
-    assert check_versions(no_replay) == [
-        "microbatch 0 of iteration 1 ran on parameter versions [0, 1]"
-    ]
-    wrong_commit = [*good_trace(), ev(1, 0, "opt_commit", 60, 1)]
-    assert "iteration 0 committed as" in check_versions(wrong_commit)[0]
-    assert "before iteration 0 is committed" in check_versions(good_trace(), conservative=True)[0]

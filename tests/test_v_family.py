@@ -15,6 +15,10 @@ from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from conftest import exact_costs
 from zerobubble.schedule.generators import GENERATORS, generate
 from zerobubble.schedule.generators.v_family import (
+    _block_orders,
+    _first_end,
+    _reorder,
+    _splice,
     one_f_one_b_v_block,
     v_half_block,
     v_min_block,
@@ -40,7 +44,7 @@ def v_min_peak(p):
 
 
 def v_min_bubble(p):
-    return {1: 0, 3: 3}.get(p, 2 * p - 5 * half)
+    return 0 if p == 1 else 2 * p - (3 if p % 3 == 0 else 5 * half)
 
 
 def v_half_peak(p):
@@ -48,7 +52,7 @@ def v_half_peak(p):
 
 
 def v_half_bubble(p):
-    return Fraction(7 * p - 7, 4) if p % 2 else Fraction(7 * p - 10, 4)
+    return {1: 0, 2: half}.get(p, 3 * ((p - 1) // 2) - half)
 
 
 def v1_peak(p):
@@ -68,8 +72,8 @@ def dualpipev_bubble(p):
 
 
 CLOSED = {  # kind -> (smallest M the form holds for, peak(P), bubble(P))
-    "v-min": (lambda p: p, v_min_peak, v_min_bubble),
-    "v-half": (lambda p: p, v_half_peak, v_half_bubble),
+    "v-min": (lambda p: 4 if p == 3 else p, v_min_peak, v_min_bubble),
+    "v-half": (lambda p: 2 * p if p in (4, 6) else p, v_half_peak, v_half_bubble),
     "1f1b-v": (lambda p: 2 * p, v1_peak, v1_bubble),
     "dualpipev": (lambda p: 2 * p, dualpipev_peak, dualpipev_bubble),
 }
@@ -104,7 +108,7 @@ def test_memory_against_1f1b(p):
     assert max(run("v-min", p, m).peak_memory) <= Fraction(base, 3) + 1
     assert max(run("v-half", p, m).peak_memory) <= Fraction(base, 2) + 1
     assert max(run("1f1b-v", p, m).peak_memory) <= Fraction(2 * base, 3) + 1
-    # ... and all of them with less bubble than 1F1B's 3(P-1) (V-Half ~ 7/12, V-Min ~ 2/3).
+    # ... and all of them with less bubble than 1F1B's 3(P-1) (V-Half ~ 1/2, V-Min ~ 2/3).
     for kind in ("v-min", "v-half", "1f1b-v"):
         assert run(kind, p, m).bubble_time < 3 * (p - 1)
 
@@ -113,7 +117,7 @@ def test_memory_against_1f1b(p):
 def test_one_microbatch_runs_the_v_chain(p):
     """M = 1: the cost is the chain of 4P chunk passes plus what trails it on device 0."""
     assert run("v-min", p, 1).cost == 2 * p + half  # 4P passes of 1/2, then W(down)
-    assert run("v-half", p, 1).cost == 2 * p + 1  # both W trail
+    assert run("v-half", p, 1).cost == 2 * p + half  # W(up) runs while the B come back
     assert run("1f1b-v", p, 1).cost == 3 * p  # 2P F of 1/2 and 2P BW of 1
     assert run("dualpipev", p, 1).cost == 5 * p * half + half
 
@@ -157,6 +161,35 @@ def test_colliding_block_is_caught():
 
     with pytest.raises(AssertionError, match="collides with itself on device 0"):
         _check_block([((Op.F, 0, 0), (Op.F, 1, 6))])
+
+
+# ---- reorder and splice -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "block", [v_min_block, v_half_block, one_f_one_b_v_block], ids=["min", "half", "1f1b-v"]
+)
+@pytest.mark.parametrize("p", [1, 2, 3, 5, 8])
+def test_spliced_orders_equal_the_full_reorder(block, p):
+    """Beyond a few steady periods the order is spliced; it must be what reordering all gives."""
+    blocks = block(p)
+    base = -(-(_first_end(blocks) + 12) // 6) + 6
+    for m in (base + 1, base + 5):
+        assert _block_orders(blocks, m) == [[a for _, a in o] for o in _reorder(blocks, m)]
+
+
+def test_splice_refuses_an_order_without_a_steady_state():
+    order = [(t, Action(Op.F, 0, t)) for t in range(0, 24, 2)]  # one F every 2 slots: not 1/period
+    with pytest.raises(AssertionError, match="no steady state at slot 6"):
+        _splice(order, 6, 3)
+
+
+@pytest.mark.parametrize("kind", ["v-min", "v-half", "1f1b-v"])
+def test_closed_forms_at_scale(kind):
+    """P = 24, M = 100 is built from a shorter reorder plus spliced periods: forms still exact."""
+    _, peak, bubble = CLOSED[kind]
+    r = run(kind, 24, 100)
+    assert (max(r.peak_memory), r.cost) == (peak(24), 300 + bubble(24))
 
 
 # ---- 1F1B-V's split backward ------------------------------------------------------------

@@ -7,19 +7,29 @@ Subcommand names and flags are fixed (scripts depend on them)::
                          [--format text|json|csv] [-o FILE]
     zerobubble simulate FILE [--costs ...] [--costs-file F] [--mem-w R] [--mem-limit X] [--json]
     zerobubble compare -p P -m M [--costs ...] [--costs-file F] [--mem-limit X] [--plot FILE.png]
-    zerobubble demo
+    zerobubble train [-p P] [-m M] [--steps N] [--layers L] [--mem-limit BYTES] [--out DIR] ...
+    zerobubble profile [same flags as train]
+    zerobubble check-trace TRACE [--mem-budget BYTES] [--tolerance-us US] [--opt-op NAME]
+                           [--conservative]
+    zerobubble demo [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from collections.abc import Sequence
 from fractions import Fraction
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from zerobubble.schedule.costs import CostSpec, Number, load_costs_file, parse_costs
+
+if TYPE_CHECKING:
+    from zerobubble.train.config import TrainConfig
 
 EXIT_BAD_INPUT = 2
 
@@ -148,23 +158,128 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    """The main job: compare every schedule kind on a default configuration."""
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    ns = argparse.Namespace(
-        p=4,
-        m=8,
-        costs="F=1,B=1,W=1,comm=0",
-        costs_file=None,
-        mem_w=0.5,
-        mem_limit=None,
-        kinds=None,
-        chunks=2,
-        json=False,
-        plot=out / "compare.png",
+def cmd_train(args: argparse.Namespace) -> int:
+    """Profile -> plan -> train on local CPU ranks (or this rank, under torchrun)."""
+    from zerobubble.runtime.launcher import LaunchError, launch
+    from zerobubble.train.console import ConsoleReporter, print_summary
+    from zerobubble.train.job import run_job
+
+    cfg = _train_config(args)
+    reporter = ConsoleReporter()
+    began = time.perf_counter()
+    if "RANK" in os.environ:  # started by torchrun or zerobubble.launch: this process is a rank
+        result = run_job(cfg, reporter)
+    else:
+        try:
+            result = launch(run_job, cfg.devices, cfg, reporter, timeout=args.timeout)[0]
+        except LaunchError as exc:
+            print(f"zerobubble {args.command}: the job failed: {exc}", file=sys.stderr)
+            return 1
+    if result is None:  # not rank 0
+        return 0
+    print_summary(result, reporter.console)
+    reporter.info(f"wall time {time.perf_counter() - began:.1f} s")
+    report = result.trace_report
+    return 0 if report is None or report.ok else 1
+
+
+def cmd_check_trace(args: argparse.Namespace) -> int:
+    from zerobubble.runtime.trace_check import DEFAULT_OPT_OPS, check_trace, load_trace
+
+    events, lines = load_trace(args.trace)
+    report = check_trace(
+        events,
+        lines=lines,
+        mem_budget=args.mem_budget,
+        tolerance_ns=int(args.tolerance_us * 1000),
+        opt_ops=args.opt_op or DEFAULT_OPT_OPS,
+        conservative=args.conservative,
     )
-    return cmd_compare(ns)
+    for note in report.notes:
+        print(f"note: {note}")
+    if not report.ok:
+        print(f"FAIL: {report.first}")
+        if len(report.violations) > 1:
+            print(f"({len(report.violations) - 1} more violations of the same check)")
+        return 1
+    print(
+        f"OK: {report.num_events} events, ranks {list(report.ranks)}, "
+        f"{len(report.iterations)} iterations"
+    )
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The main job: ``zerobubble train`` with its defaults."""
+    return cmd_train(build_parser().parse_args(["train", "--out", str(args.out)]))
+
+
+def _train_config(args: argparse.Namespace) -> TrainConfig:
+    from zerobubble.train.config import TrainConfig, default_devices
+
+    devices = args.p
+    if devices is None:
+        devices = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else default_devices()
+    d = TrainConfig()
+    return TrainConfig(
+        devices=devices,
+        microbatches=args.m if args.m is not None else max(d.microbatches, 2 * devices),
+        microbatch_size=args.microbatch_size,
+        seq_len=args.seq_len,
+        d_model=args.d_model,
+        n_heads=args.heads,
+        n_layers=args.layers if args.layers is not None else max(d.n_layers, devices),
+        lr=args.lr,
+        grad_clip=args.grad_clip,
+        steps=args.steps,
+        baseline_steps=args.baseline_steps,
+        warmup=args.warmup,
+        mem_limit=args.mem_limit,
+        mem_ratio=args.mem_ratio,
+        seed=args.seed,
+        out=str(args.out),
+        profile_only=args.command == "profile",
+    )
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    from zerobubble.train.config import TrainConfig
+
+    d = TrainConfig()
+    p.add_argument("-p", type=int, help="pipeline ranks (default: one per CPU core)")
+    p.add_argument(
+        "-m", type=int, help=f"microbatches per step (default: max({d.microbatches}, 2P))"
+    )
+    p.add_argument("--microbatch-size", type=int, default=d.microbatch_size)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--d-model", type=int, default=d.d_model)
+    p.add_argument("--heads", type=int, default=d.n_heads)
+    p.add_argument("--layers", type=int, help=f"transformer blocks (default: max({d.n_layers}, P))")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument(
+        "--grad-clip",
+        type=float,
+        default=d.grad_clip,
+        help="clip the global gradient norm to this (default %(default)s)",
+    )
+    p.add_argument("--steps", type=int, default=d.steps, help="measured steps of each schedule")
+    p.add_argument(
+        "--baseline-steps",
+        type=int,
+        default=d.baseline_steps,
+        help="profiling steps of 1F1B and ZB-H1 each",
+    )
+    p.add_argument("--warmup", type=int, default=d.warmup, help="unmeasured steps per phase")
+    p.add_argument("--mem-limit", type=int, help="activation bytes per device the plan may hold")
+    p.add_argument(
+        "--mem-ratio",
+        type=float,
+        default=d.mem_ratio,
+        help="without --mem-limit: this multiple of 1F1B's predicted peak (default %(default)s)",
+    )
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out", type=Path, default=Path(d.out), help="folder for outputs")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole job")
 
 
 def _describe(args: argparse.Namespace, spec: CostSpec) -> str:
@@ -239,7 +354,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("demo", help="the main job (what `make demo` runs)")
+    p = sub.add_parser("train", help="profile, plan and train a small GPT on local CPU ranks")
+    _add_train_args(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("profile", help="measure stage costs and write the costs file")
+    _add_train_args(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("check-trace", help="check an executed pipeline's JSONL trace")
+    p.add_argument("trace", type=Path)
+    p.add_argument("--mem-budget", type=int, help="activation bytes per rank never to exceed")
+    p.add_argument(
+        "--tolerance-us",
+        type=float,
+        default=1000.0,
+        help="slack of the cross-rank causality check in microseconds (default %(default)s)",
+    )
+    p.add_argument(
+        "--opt-op",
+        action="append",
+        help="event op that reads or applies an iteration's gradients (default: every opt_* "
+        "op of zerobubble.optim that does); repeatable",
+    )
+    p.add_argument(
+        "--conservative",
+        action="store_true",
+        help="the run used conservative post-validation: no forward of k+1 before k is committed",
+    )
+    p.set_defaults(func=cmd_check_trace)
+
+    p = sub.add_parser("demo", help="the main job (what `make demo` runs): zerobubble train")
     p.add_argument("--out", default="out", help="folder for pictures and traces")
     p.set_defaults(func=cmd_demo)
     return parser

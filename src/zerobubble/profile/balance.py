@@ -1,7 +1,8 @@
 """Stage balancing: cut an ordered list of layers so that per-stage time is even.
 
-Equal layer counts are a poor proxy when the first stage carries the
-embedding and the last the LM head and loss. Given measured per-layer costs,
+Equal layer counts (:func:`zerobubble.runtime.partition.stage_bounds`) are a
+poor proxy when the first stage carries the embedding and the last the LM head
+and loss. Given measured per-layer costs,
 :func:`balanced_boundaries` finds the contiguous cut that minimises the most
 expensive stage (exact dynamic programme; O(S·L²), instant for hundreds of
 layers), breaking ties towards the smallest second-largest stage so that
@@ -20,11 +21,16 @@ def stage_costs(layer_costs: Sequence[float], boundaries: Sequence[int]) -> list
     return [prefix[b] - prefix[a] for a, b in pairwise(boundaries)]
 
 
-def equal_boundaries(num_layers: int, num_stages: int) -> list[int]:
-    """Equal layer counts; the remainder goes to the earliest stages, one layer each."""
-    _check(num_layers, num_stages)
-    base, extra = divmod(num_layers, num_stages)
-    return [0, *accumulate(base + (1 if s < extra else 0) for s in range(num_stages))]
+def boundaries_of(bounds: Sequence[range]) -> list[int]:
+    """Cut points ``[0, b1, ..., L]`` of stage layer ranges (e.g. from
+    :func:`zerobubble.runtime.partition.stage_bounds`, the one equal-count rule)."""
+    return [bounds[0].start, *(r.stop for r in bounds)]
+
+
+def imbalance(stage_times: Sequence[float]) -> float:
+    """max / mean of per-stage times: 1.0 is perfectly balanced."""
+    mean = sum(stage_times) / len(stage_times)
+    return max(stage_times) / mean if mean > 0 else 1.0
 
 
 def balanced_boundaries(layer_costs: Sequence[float], num_stages: int) -> list[int]:

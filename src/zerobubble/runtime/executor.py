@@ -68,9 +68,10 @@ class ExecutorOptions:
 
     trace: bool = True
     """Record a :class:`~zerobubble.runtime.trace.TraceEvent` per executed instruction
-    in :attr:`PipelineExecutor.trace` (one ``held_bytes`` query per event). The stages
-    then track their saved tensors (``StageChunk(track_memory=True)``), a Python call per
-    saved tensor in F and in B; turn it off for the fastest steps."""
+    in :attr:`PipelineExecutor.trace` (one ``held_bytes`` query per compute: only
+    computes change what the stages hold). The stages then track their saved tensors
+    (``StageChunk(track_memory=True)``), a Python call per saved tensor in F and in B;
+    turn it off for the fastest steps."""
 
     replay_gate: bool = False
     """Reserve a gate in every rank's program, right before its first backward, where
@@ -296,6 +297,7 @@ class _Step:
         self.ready: dict[Message, torch.Tensor] = {}  # received or produced, not yet consumed
         self.posted: dict[Message, tuple[torch.Tensor, dist.Work]] = {}
         self.in_flight: list[tuple[dist.Work, torch.Tensor, Send]] = []
+        self.held = pipe.held_bytes() if pipe.options.trace else 0  # as of the last compute
         self.headers = pipe.gate_plan is not None
         self.attempt = 0
         self.gated = False  # past the replay gate (or replaying)
@@ -306,7 +308,7 @@ class _Step:
         pipe = self.pipe
         tracing = pipe.options.trace
         if tracing:
-            mem0, t0 = pipe.held_bytes(), pipe.trace.now()
+            mem0, t0 = self.held, pipe.trace.now()
         match ins:
             case Compute(action):
                 self.compute(action)
@@ -329,7 +331,10 @@ class _Step:
                     pipe.p2p.wait(work, send.peer, self.describe(send))
                 self.in_flight.clear()
         if tracing:
-            pipe.trace.record(self.event(ins, t0, pipe.trace.now(), mem0, pipe.held_bytes()))
+            t1 = pipe.trace.now()
+            if isinstance(ins, Compute):
+                self.held = pipe.held_bytes()
+            pipe.trace.record(self.event(ins, t0, t1, mem0, self.held))
 
     def post(self, msg: Message, peer: int, what: object) -> None:
         meta = self.pipe._metas[msg]

@@ -21,11 +21,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
+from operator import itemgetter, sub
 
 from zerobubble.schedule.costs import CostModel, Number
 from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.graph import Graph, build_graph
 from zerobubble.schedule.ir import Op, Schedule
+
+_op_stage = itemgetter(0, 1)  # (op, stage) of an Action
 
 
 @dataclass(frozen=True)
@@ -45,10 +48,7 @@ class SimResult:
     @cached_property
     def busy(self) -> tuple[Number, ...]:
         """Compute time of each device."""
-        return tuple(
-            sum((e - s for s, e in zip(st, en, strict=True)), 0)
-            for st, en in zip(self.start, self.end, strict=True)
-        )
+        return tuple(sum(map(sub, en, st), 0) for st, en in zip(self.start, self.end, strict=True))
 
     @cached_property
     def span(self) -> tuple[Number, ...]:
@@ -139,67 +139,76 @@ def simulate(
 def _times(
     schedule: Schedule, costs: CostModel, graph: Graph
 ) -> tuple[tuple[tuple[Number, ...], ...], tuple[tuple[Number, ...], ...]]:
-    flat, device, preds, offsets = graph.flat, graph.device, graph.preds, graph.offsets
+    """Run every device as far as its dependencies allow; a blocked device waits on one action.
+
+    Each action is timed once and each block parks its device on the awaited
+    action, so this is O(actions) without building a successor list.
+    """
+    flat, device, dep1, dep2, offsets = (
+        graph.flat,
+        graph.device,
+        graph.dep1,
+        graph.dep2,
+        graph.offsets,
+    )
     n = len(flat)
     comm = costs.comm
     table = {(op, st): costs.duration(op, st) for op in Op for st in range(costs.num_stages)}
-    dur = [table[a.op, a.stage] for a in flat]
-
-    first = set(offsets[:-1])
-    waiting = [len(p) + (g not in first) for g, p in enumerate(preds)]
-    succs: list[list[int]] = [[] for _ in range(n)]
-    for g, p in enumerate(preds):
-        for x in p:
-            succs[x].append(g)
-    last_of = {offsets[d + 1] - 1 for d in range(len(offsets) - 1)}
+    dur = list(map(table.__getitem__, map(_op_stage, flat)))
 
     start: list[Number] = [0] * n
     end: list[Number] = [0] * n
-    ready = [g for g in range(n) if waiting[g] == 0]
-    done = 0
-    pop, push = ready.pop, ready.append
-    while ready:
-        g = pop()
-        d = device[g]
-        t = end[g - 1] if g not in first else 0
-        for x in preds[g]:
-            r = end[x] + comm if device[x] != d else end[x]
-            if r > t:
-                t = r
-        start[g] = t
-        end[g] = t + dur[g]
-        done += 1
-        for x in succs[g]:
-            waiting[x] -= 1
-            if waiting[x] == 0:
-                push(x)
-        if g not in last_of:
-            waiting[g + 1] -= 1
-            if waiting[g + 1] == 0:
-                push(g + 1)
-    if done != n:
-        raise _deadlock_error(schedule, graph, waiting)
-    per_dev_start = tuple(
-        tuple(start[offsets[d] : offsets[d + 1]]) for d in range(len(offsets) - 1)
-    )
-    per_dev_end = tuple(tuple(end[offsets[d] : offsets[d + 1]]) for d in range(len(offsets) - 1))
+    done = bytearray(n)
+    num_devices = len(offsets) - 1
+    head = list(offsets[:-1])  # first action not yet timed
+    clock: list[Number] = [0] * num_devices  # end of the last timed action
+    parked: dict[int, list[int]] = {}  # action -> devices waiting for it
+    runnable = list(range(num_devices - 1, -1, -1))
+    while runnable:
+        d = runnable.pop()
+        g, stop, t_dev = head[d], offsets[d + 1], clock[d]
+        while g < stop:
+            t = t_dev
+            x = dep1[g]
+            if x >= 0:
+                if not done[x]:
+                    parked.setdefault(x, []).append(d)
+                    break
+                r = end[x] + comm if device[x] != d else end[x]
+                if r > t:
+                    t = r
+            x = dep2[g]
+            if x >= 0:
+                if not done[x]:
+                    parked.setdefault(x, []).append(d)
+                    break
+                r = end[x] + comm if device[x] != d else end[x]
+                if r > t:
+                    t = r
+            start[g] = t
+            t_dev = end[g] = t + dur[g]
+            done[g] = 1
+            if g in parked:
+                runnable.extend(parked.pop(g))
+            g += 1
+        head[d], clock[d] = g, t_dev
+    stuck = {d: head[d] - offsets[d] for d in range(num_devices) if head[d] < offsets[d + 1]}
+    if stuck:
+        raise _deadlock_error(schedule, graph, stuck)
+    per_dev_start = tuple(tuple(start[offsets[d] : offsets[d + 1]]) for d in range(num_devices))
+    per_dev_end = tuple(tuple(end[offsets[d] : offsets[d + 1]]) for d in range(num_devices))
     return per_dev_start, per_dev_end
 
 
-def _deadlock_error(schedule: Schedule, graph: Graph, waiting: list[int]) -> ScheduleError:
-    """Describe the wait-for cycle among the stuck device heads."""
+def _deadlock_error(schedule: Schedule, graph: Graph, head: dict[int, int]) -> ScheduleError:
+    """Describe the wait-for cycle among the stuck device heads.
+
+    ``head[d]`` is the first position device d could not run (everything before it ran).
+    """
     acts = schedule.actions
-    offsets = graph.offsets
-    # The first unfinished position of each device: everything before it ran.
-    head: dict[int, int] = {}
-    for d in range(len(offsets) - 1):
-        for g in range(offsets[d], offsets[d + 1]):
-            if waiting[g] > 0:
-                head[d] = g - offsets[d]
-                break
 
     def blocker(d: int) -> tuple[int, int]:
-        for x in graph.preds[offsets[d] + head[d]]:
+        for x in graph.preds[graph.offsets[d] + head[d]]:
             dd, ii = graph.location(x)
             if ii >= head.get(dd, len(acts[dd])):
                 return dd, ii
@@ -231,9 +240,9 @@ def _deadlock_error(schedule: Schedule, graph: Graph, waiting: list[int]) -> Sch
 
 def _memory(schedule: Schedule, costs: CostModel) -> tuple[tuple[Number, ...], ...]:
     table = {(op, s): costs.memory_delta(op, s) for op in Op for s in range(costs.num_stages)}
+    get = table.__getitem__
     return tuple(
-        tuple(accumulate((table[a.op, a.stage] for a in lst), initial=0))[1:]
-        for lst in schedule.actions
+        tuple(accumulate(map(get, map(_op_stage, lst)), initial=0))[1:] for lst in schedule.actions
     )
 
 

@@ -7,9 +7,11 @@ conflicts, completeness, same-device order, cross-device deadlock, memory.
 
 from __future__ import annotations
 
+import numpy as np
+
 from zerobubble.schedule.costs import CostModel, Number
 from zerobubble.schedule.errors import Reason, ScheduleError
-from zerobubble.schedule.graph import Graph, build_graph
+from zerobubble.schedule.graph import CODE, Columns, Graph, build_graph
 from zerobubble.schedule.ir import Action, Op, Schedule
 from zerobubble.schedule.simulate import SimResult, simulate
 
@@ -42,6 +44,54 @@ def check_structure(schedule: Schedule) -> Graph:
     S, M = schedule.num_stages, schedule.num_microbatches
     placement = schedule.placement
     graph = build_graph(schedule)
+    cols = graph.columns
+    # Each check first runs on the arrays (when the graph has them); only a
+    # schedule that fails it is walked action by action to name the first problem.
+    if cols is None or not _placed_once(graph, cols, placement):
+        _check_actions(graph, S, M, placement)
+    if cols is None or not _backwards_consistent(cols):
+        _check_backwards(graph)
+    num_w = (
+        int(np.count_nonzero(cols.op == CODE[Op.W]))
+        if cols is not None
+        else sum(1 for a in graph.flat if a.op is Op.W)
+    )
+    if len(graph.flat) != S * M * 2 + num_w:
+        _check_complete(graph, S, M, placement)
+    if cols is None or _has_local_order_problem(graph):
+        _check_local_order(graph)
+    return graph
+
+
+def _placed_once(graph: Graph, cols: Columns, placement: tuple[int, ...]) -> bool:
+    """Every action on its stage's device, none twice (ranges hold: the columns exist)."""
+    on_device = np.asarray(placement)[cols.stage] == np.asarray(graph.device)
+    return bool(on_device.all()) and not cols.has_duplicates
+
+
+def _backwards_consistent(cols: Columns) -> bool:
+    """No BW next to a B, every W with its B, every B with its W."""
+    op, s, j = cols.op, cols.stage, cols.mb
+    has_b = cols.find(CODE[Op.B], s, j) >= 0
+    has_w = cols.find(CODE[Op.W], s, j) >= 0
+    bad = ((op == CODE[Op.BW]) & has_b) | ((op == CODE[Op.W]) & ~has_b)
+    bad |= (op == CODE[Op.B]) & ~has_w
+    return not bad.any()
+
+
+def _has_local_order_problem(graph: Graph) -> bool:
+    g = np.arange(len(graph.flat))
+    device = np.asarray(graph.device)
+    for dep in (graph.dep1, graph.dep2):
+        x = np.asarray(dep)
+        later = x > g
+        if np.any(device[x[later]] == device[later]):
+            return True
+    return False
+
+
+def _check_actions(graph: Graph, S: int, M: int, placement: tuple[int, ...]) -> None:
+    """Ranges, placement and duplicates, action by action."""
     index = graph.index
     for g, a in enumerate(graph.flat):
         if (
@@ -93,7 +143,10 @@ def check_structure(schedule: Schedule) -> Graph:
                 action=a,
             )
 
-    # B/BW conflicts and the W that needs a B.
+
+def _check_backwards(graph: Graph) -> None:
+    """B/BW conflicts and the W that needs a B, action by action."""
+    index = graph.index
     for g, a in enumerate(graph.flat):
         op, s, j = a
         if op is Op.F:
@@ -133,22 +186,27 @@ def check_structure(schedule: Schedule) -> Graph:
                 action=a,
             )
 
-    expected = S * M * 2 + sum(1 for a in graph.flat if a.op is Op.W)
-    if len(graph.flat) != expected:
-        for s in range(S):
-            for j in range(M):
-                if (Op.F, s, j) not in index:
-                    raise ScheduleError(
-                        Reason.MISSING,
-                        f"stage {s} microbatch {j} has no F (expected on device {placement[s]})",
-                    )
-                if (Op.B, s, j) not in index and (Op.BW, s, j) not in index:
-                    raise ScheduleError(
-                        Reason.MISSING,
-                        f"stage {s} microbatch {j} has no backward (B+W or BW) (expected on "
-                        f"device {placement[s]})",
-                    )
 
+def _check_complete(graph: Graph, S: int, M: int, placement: tuple[int, ...]) -> None:
+    """Name the first (stage, microbatch) without its F or backward."""
+    index = graph.index
+    for s in range(S):
+        for j in range(M):
+            if (Op.F, s, j) not in index:
+                raise ScheduleError(
+                    Reason.MISSING,
+                    f"stage {s} microbatch {j} has no F (expected on device {placement[s]})",
+                )
+            if (Op.B, s, j) not in index and (Op.BW, s, j) not in index:
+                raise ScheduleError(
+                    Reason.MISSING,
+                    f"stage {s} microbatch {j} has no backward (B+W or BW) (expected on "
+                    f"device {placement[s]})",
+                )
+
+
+def _check_local_order(graph: Graph) -> None:
+    """Name the first action that depends on a later one of its own device."""
     for g, p in enumerate(graph.preds):
         for x in p:
             if x > g and graph.device[x] == graph.device[g]:
@@ -162,7 +220,6 @@ def check_structure(schedule: Schedule) -> Graph:
                     position=i,
                     action=graph.flat[g],
                 )
-    return graph
 
 
 def check_memory(result: SimResult, mem_limit: Number) -> None:

@@ -71,51 +71,41 @@ def _lighten(hex_color: str, amount: float) -> tuple[float, float, float]:
     return tuple(c + (1 - c) * amount for c in rgb)  # type: ignore[return-value]
 
 
-def plot_rows(rows: Sequence[Row], path: str | Path, *, time_label: str = "time") -> Path:
-    """Draw stacked timelines sharing one time axis and save to ``path`` (PNG, SVG, ...)."""
-    if not rows:
-        raise ValueError("nothing to plot: no timelines given")
-    end = max((b.end for r in rows for b in r.boxes), default=1.0) or 1.0
-    heights = [max(r.num_devices, 1) * 0.32 + 0.45 for r in rows]
-    fig, axes = plt.subplots(
-        len(rows),
-        1,
-        figsize=(15, sum(heights) + 0.6),
-        squeeze=False,
-        gridspec_kw={"height_ratios": heights},
-        sharex=True,
-    )
-    for ax, row in zip(axes[:, 0], rows, strict=True):
-        ax.set_facecolor(IDLE_COLOR)
-        for b in row.boxes:
-            color = _lighten(OP_COLORS[b.op], min(0.45 * b.chunk, 0.7))
-            width = b.end - b.start
-            ax.barh(
+def draw_row(ax: plt.Axes, row: Row, end: float) -> None:
+    """Draw one timeline into ``ax`` with time running from 0 to ``end``."""
+    ax.set_facecolor(IDLE_COLOR)
+    for b in row.boxes:
+        color = _lighten(OP_COLORS[b.op], min(0.45 * b.chunk, 0.7))
+        width = b.end - b.start
+        ax.barh(
+            row.num_devices - 1 - b.device,
+            width,
+            left=b.start,
+            height=0.86,
+            color=color,
+            edgecolor="white",
+            linewidth=0.4,
+        )
+        # Label a box only when the number fits inside it.
+        if width / end * 15 * 72 > 7 * (len(str(b.mb)) + 0.6):
+            ax.text(
+                b.start + width / 2,
                 row.num_devices - 1 - b.device,
-                width,
-                left=b.start,
-                height=0.86,
-                color=color,
-                edgecolor="white",
-                linewidth=0.4,
+                str(b.mb),
+                ha="center",
+                va="center",
+                fontsize=6.5,
+                color="white",
             )
-            # Label a box only when the number fits inside it.
-            if width / end * 15 * 72 > 7 * (len(str(b.mb)) + 0.6):
-                ax.text(
-                    b.start + width / 2,
-                    row.num_devices - 1 - b.device,
-                    str(b.mb),
-                    ha="center",
-                    va="center",
-                    fontsize=6.5,
-                    color="white",
-                )
-        ax.set_yticks(range(row.num_devices))
-        ax.set_yticklabels([f"d{d}" for d in reversed(range(row.num_devices))], fontsize=7)
-        ax.set_xlim(0, end)
-        ax.set_title(row.title, fontsize=8.5, loc="left")
-        ax.tick_params(axis="x", labelsize=7)
-    axes[-1, 0].set_xlabel(time_label, fontsize=8)
+    ax.set_yticks(range(row.num_devices))
+    ax.set_yticklabels([f"d{d}" for d in reversed(range(row.num_devices))], fontsize=7)
+    ax.set_xlim(0, end)
+    ax.set_title(row.title, fontsize=8.5, loc="left")
+    ax.tick_params(axis="x", labelsize=7)
+
+
+def op_legend() -> list[Patch]:
+    """Legend entries of the op colours and idle."""
     legend = [
         Patch(color=OP_COLORS[op], label=name)
         for op, name in (
@@ -126,7 +116,37 @@ def plot_rows(rows: Sequence[Row], path: str | Path, *, time_label: str = "time"
         )
     ]
     legend.append(Patch(color=IDLE_COLOR, label="idle"))
-    fig.legend(handles=legend, loc="upper right", ncol=5, fontsize=7, frameon=False)
+    return legend
+
+
+def row_heights(rows: Sequence[Row]) -> list[float]:
+    """Figure inches each timeline needs."""
+    return [max(r.num_devices, 1) * 0.32 + 0.45 for r in rows]
+
+
+def plot_rows(rows: Sequence[Row], path: str | Path, *, time_label: str = "time") -> Path:
+    """Draw stacked timelines sharing one time axis and save to ``path`` (PNG, SVG, ...)."""
+    if not rows:
+        raise ValueError("nothing to plot: no timelines given")
+    end = max((b.end for r in rows for b in r.boxes), default=1.0) or 1.0
+    heights = row_heights(rows)
+    fig, axes = plt.subplots(
+        len(rows),
+        1,
+        figsize=(15, sum(heights) + 0.6),
+        squeeze=False,
+        gridspec_kw={"height_ratios": heights},
+        sharex=True,
+    )
+    for ax, row in zip(axes[:, 0], rows, strict=True):
+        draw_row(ax, row, end)
+    axes[-1, 0].set_xlabel(time_label, fontsize=8)
+    fig.legend(handles=op_legend(), loc="upper right", ncol=5, fontsize=7, frameon=False)
+    return save(fig, path)
+
+
+def save(fig: plt.Figure, path: str | Path) -> Path:
+    """Lay out, write and close ``fig``."""
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,216 @@
+"""Where a measured pipeline iteration's idle time goes, per device, summing exactly.
+
+Input: the :class:`~zerobubble.runtime.trace.TraceEvent` list of every rank.
+Ranks' times are first put on one clock using the messages between them
+(:func:`zerobubble.runtime.clocks.clock_offsets`). All quantities are integer
+nanoseconds, so the parts add up exactly.
+
+Definitions (one iteration, device = rank ``d``):
+
+* compute events ``c_1 .. c_n`` of ``d`` in execution order, ``[s_i, e_i]``;
+  ``busy_d = Σ (e_i - s_i)``.
+* window ``[T0, T1]``: the first compute start and the last compute end over
+  all devices. **Idle time** ``idle_d = (T1 - T0) - busy_d``: the gaps
+  ``[T0, s_1]``, ``[e_i, s_{i+1}]`` and ``[e_n, T1]``. The measured **bubble
+  rate** is ``Σ_d idle_d / (P · (T1 - T0))``.
+* A gap ``[lo, hi]`` before compute ``c`` is cut at two instants: ``p``, when
+  the producer of ``c``'s input on *another* device finished (F(s-1, j) for
+  F(s, j); the backward of (s+1, j) for B/BW(s, j); found through the message
+  ids), and ``a``, when ``d``'s wait for that message returned. Inputs made on
+  ``d`` itself (and W, whose only input is its own B) have ``p = a = -inf``.
+  With ``p' = clamp(p, lo, hi)`` and ``a' = clamp(max(a, p'), lo, hi)``:
+
+  - ``[lo, p']`` is a **dependency** wait (the schedule's next action has no
+    input yet), except for the part that is a **memory stall**: if the next
+    F in ``d``'s order after ``c`` already had its input (its producer ended
+    at ``r``, or ``T0`` on stage 0) and starting it would have raised ``d``'s
+    held activation bytes (``c``'s ``mem_before``) plus that F's measured
+    ``M_B`` over ``mem_budget``, then ``[max(lo, r), p']`` is a memory stall
+    (ready but over the limit). Without a budget there are no memory stalls.
+  - ``[p', a']`` is a **communication** stall: the input existed but had not
+    arrived (the sender's issue delay, transfer, and the wait itself).
+  - ``[a', hi]`` is **host/launch overhead**: the device had its input and
+    was free but did not compute (Python, posting receives, sends, tracing).
+* The trailing gap ``[e_n, T1]`` (nothing left to run) is a dependency wait.
+* **Load imbalance** is carved out of the dependency waits: a device with
+  less compute than the busiest one must idle ``busy_max - busy_d`` in a
+  window the busiest device fills, so ``imbalance_d = min(busy_max - busy_d,
+  dependency_d)`` moves from dependency to imbalance.
+
+So ``dependency + memory + comm + imbalance + overhead == idle_d`` exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from zerobubble.runtime.clocks import clock_offsets
+from zerobubble.runtime.trace import COMPUTE_OPS, TraceEvent
+
+CATEGORIES = ("dependency", "memory", "comm", "imbalance", "overhead")
+"""The parts of a device's idle time, in the order pictures stack them."""
+
+
+@dataclass(frozen=True)
+class DeviceBubbles:
+    """Busy and idle time of one device in one iteration, idle split by cause (ns)."""
+
+    rank: int
+    busy_ns: int
+    idle_ns: int
+    dependency_ns: int
+    memory_ns: int
+    comm_ns: int
+    imbalance_ns: int
+    overhead_ns: int
+    peak_memory: int
+    """Largest activation bytes held around any event of the iteration."""
+
+    def parts(self) -> dict[str, int]:
+        """The idle time by category (sums to ``idle_ns``)."""
+        return {c: getattr(self, f"{c}_ns") for c in CATEGORIES}
+
+
+@dataclass(frozen=True)
+class IterationBubbles:
+    """One measured iteration: its window and every device's breakdown."""
+
+    iteration: int
+    start_ns: int
+    end_ns: int
+    devices: tuple[DeviceBubbles, ...]
+
+    @property
+    def window_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+    @property
+    def bubble_rate(self) -> float:
+        """Idle share of the devices' time in the window: Σ idle / (P · window)."""
+        total = len(self.devices) * self.window_ns
+        return sum(d.idle_ns for d in self.devices) / total if total else 0.0
+
+    @property
+    def peak_memory(self) -> int:
+        return max(d.peak_memory for d in self.devices)
+
+    def totals(self) -> dict[str, int]:
+        """Each category summed over devices."""
+        return {c: sum(d.parts()[c] for d in self.devices) for c in CATEGORIES}
+
+
+def iterations(events: Sequence[TraceEvent]) -> list[int]:
+    """The iteration numbers present, in order."""
+    return sorted({e.iteration for e in events})
+
+
+def analyze_iteration(
+    events: Sequence[TraceEvent], iteration: int, *, mem_budget: int | None = None
+) -> IterationBubbles:
+    """Decompose iteration ``iteration``'s idle time (see the module docstring).
+
+    ``events`` are every rank's events, each rank's in execution order; other
+    iterations only help align the clocks. ``mem_budget`` (bytes per device) enables
+    memory stalls.
+    """
+    offsets = clock_offsets(events)
+    mine = [
+        replace(e, start_ns=e.start_ns + offsets[e.rank], end_ns=e.end_ns + offsets[e.rank])
+        for e in events
+        if e.iteration == iteration
+    ]
+    ranks = sorted({e.rank for e in mine})
+    per_rank = {r: [e for e in mine if e.rank == r] for r in ranks}
+    computes = {r: [e for e in evs if e.op in COMPUTE_OPS] for r, evs in per_rank.items()}
+    if not mine or any(not c for c in computes.values()):
+        raise ValueError(f"iteration {iteration}: every rank needs compute events in the trace")
+    by_key = {(e.op, e.stage, e.mb): e for e in mine if e.op in COMPUTE_OPS}
+    arrivals = {(e.rank, e.msg): e.end_ns for e in mine if e.op == "wait_recv"}
+    num_stages = 1 + max(e.stage for e in by_key.values())
+    t0 = min(c[0].start_ns for c in computes.values())
+    t1 = max(c[-1].end_ns for c in computes.values())
+
+    def producer(c: TraceEvent) -> tuple[TraceEvent | None, tuple | None]:
+        """The compute whose output ``c`` consumes, and the message id carrying it."""
+        if c.op == "F" and c.stage > 0:
+            return by_key.get(("F", c.stage - 1, c.mb)), ("act", c.stage - 1, c.stage, c.mb)
+        if c.op in ("B", "BW") and c.stage < num_stages - 1:
+            up = by_key.get(("B", c.stage + 1, c.mb)) or by_key.get(("BW", c.stage + 1, c.mb))
+            return up, ("grad", c.stage + 1, c.stage, c.mb)
+        return None, None
+
+    raw: dict[int, dict[str, int]] = {}
+    busy: dict[int, int] = {}
+    peaks: dict[int, int] = {}
+    for r in ranks:
+        cs = computes[r]
+        parts = dict.fromkeys(CATEGORIES, 0)
+        busy[r] = sum(c.end_ns - c.start_ns for c in cs)
+        peaks[r] = max(max(e.mem_before, e.mem_after) for e in per_rank[r])
+        lo = t0
+        for i, c in enumerate(cs):
+            hi = c.start_ns
+            if hi < lo:
+                raise ValueError(
+                    f"rank {r}: compute events overlap at {c.op}(s{c.stage},mb{c.mb}) of "
+                    f"iteration {iteration}; check the trace with `zerobubble check-trace`"
+                )
+            p = a = lo
+            prod, msg = producer(c)
+            if prod is not None and prod.rank != r:
+                p = min(max(prod.end_ns, lo), hi)
+                a = min(max(arrivals.get((r, msg), prod.end_ns), p), hi)
+            stall = _memory_stall(c, cs[i + 1 :], lo, p, by_key, t0, mem_budget)
+            parts["memory"] += stall
+            parts["dependency"] += p - lo - stall
+            parts["comm"] += a - p
+            parts["overhead"] += hi - a
+            lo = c.end_ns
+        parts["dependency"] += t1 - lo
+        raw[r] = parts
+    busiest = max(busy.values())
+    devices = []
+    for r in ranks:
+        parts = raw[r]
+        imbalance = min(busiest - busy[r], parts["dependency"])
+        parts["dependency"] -= imbalance
+        parts["imbalance"] = imbalance
+        devices.append(
+            DeviceBubbles(
+                rank=r,
+                busy_ns=busy[r],
+                idle_ns=(t1 - t0) - busy[r],
+                **{f"{k}_ns": v for k, v in parts.items()},
+                peak_memory=peaks[r],
+            )
+        )
+    return IterationBubbles(iteration, t0, t1, tuple(devices))
+
+
+def _memory_stall(
+    c: TraceEvent,
+    later: Sequence[TraceEvent],
+    lo: int,
+    p: int,
+    by_key: dict[tuple, TraceEvent],
+    t0: int,
+    mem_budget: int | None,
+) -> int:
+    """Length of ``[lo, p]`` during which the next F was ready but would exceed the budget."""
+    if mem_budget is None or p <= lo:
+        return 0
+    nxt = next((e for e in later if e.op == "F"), None)
+    if nxt is None:
+        return 0
+    if nxt.stage == 0:
+        ready = t0
+    else:
+        up = by_key.get(("F", nxt.stage - 1, nxt.mb))
+        if up is None:
+            return 0
+        ready = up.end_ns
+    m_b = nxt.mem_after - nxt.mem_before
+    if c.mem_before + m_b <= mem_budget:
+        return 0
+    return max(0, p - max(lo, ready))

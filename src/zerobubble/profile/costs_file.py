@@ -1,0 +1,141 @@
+"""A measured profile, saved as the costs file the planners read.
+
+The JSON holds the keys of :func:`zerobubble.schedule.costs.load_costs_file`
+(``F``, ``B``, ``W`` per virtual stage in milliseconds: compute plus host
+tail; ``comm`` in milliseconds; ``mem_B``, ``mem_W`` and ``mem_limit`` in
+bytes), so
+``zerobubble schedule zb-auto --costs-file profile.json`` plans from it
+directly, plus what a user wants to see: p95s, BW, latency per stage
+boundary, per-layer costs and the layer cut that was profiled.
+
+Splitting the backward is not free on every machine (two passes, more
+bookkeeping), so a schedule without B/W split is predicted from a run without
+it: :meth:`Profile.cost_model` with ``fused=True`` takes F and BW from that run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from zerobubble.profile.layers import LayerProfile
+from zerobubble.profile.stages import StageProfile
+from zerobubble.profile.stats import OpStats
+from zerobubble.schedule.costs import CostModel
+
+
+def _costs(st: StageProfile, op: str, stats: tuple[OpStats | None, ...]) -> list[float]:
+    """Median compute plus median host tail of ``op`` on every stage."""
+    return [s.median + (h or 0.0) for s, h in zip(stats, st.host[op], strict=True)]  # type: ignore[union-attr]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything measured about one model cut on one placement.
+
+    Attributes:
+        stages: Per-virtual-stage costs, from a run with B/W split (and BW from
+            a run without, if one was traced).
+        placement: ``placement[s]`` is the device of virtual stage ``s``.
+        latency: ``(s, stats)`` for every boundary ``s -> s+1`` that crosses devices.
+        layers: Per-layer costs, if measured (for balancing).
+        boundaries: The layer cut ``[0, b_1, ..., L]`` the stages were built with.
+        mem_limit: Activation-memory limit per device for the planner (bytes), if any.
+        warmup: Iterations dropped before measuring.
+        fused: Per-stage costs of a run without B/W split (F and BW), if one was traced.
+    """
+
+    stages: StageProfile
+    placement: tuple[int, ...]
+    latency: tuple[tuple[int, OpStats], ...] = ()
+    layers: LayerProfile | None = None
+    boundaries: tuple[int, ...] | None = None
+    mem_limit: int | None = None
+    warmup: int = 1
+    fused: StageProfile | None = None
+
+    @property
+    def comm(self) -> float:
+        """One latency for the cost model: the mean of the boundaries' median latencies."""
+        if not self.latency:
+            return 0.0
+        return sum(s.median for _, s in self.latency) / len(self.latency)
+
+    def cost_model(self, *, fused: bool = False) -> CostModel:
+        """The per-stage :class:`CostModel` (ms, bytes) the simulator and planners use.
+
+        Each op costs its median compute time plus its median host tail (the
+        host work after it, see :mod:`zerobubble.profile.stages`). ``fused=True``
+        predicts schedules without B/W split: F and M_B come from the unsplit
+        run and B is set to BW - W, so that a BW costs the measured BW.
+        """
+        st = self.stages
+        gaps = [s for s in range(st.num_stages) if st.b[s] is None or st.w[s] is None]
+        if gaps:
+            raise ValueError(
+                f"stages {gaps} have no measured B and W: profile a schedule that splits the "
+                "backward (e.g. zb-h1) so both passes are timed"
+            )
+        w = _costs(st, "W", st.w)
+        if not fused:
+            return CostModel.per_stage(
+                f=_costs(st, "F", st.f),
+                b=_costs(st, "B", st.b),
+                w=w,
+                comm=self.comm,
+                mem_f=list(st.mem_b),
+                mem_w=[m if m is not None else 0 for m in st.mem_w],
+            )
+        fu = self.fused
+        if fu is None or any(x is None for x in fu.bw):
+            raise ValueError("no run without B/W split was profiled: there is no measured BW")
+        return CostModel.per_stage(
+            f=_costs(fu, "F", fu.f),
+            b=[max(bw - ws, 0.0) for bw, ws in zip(_costs(fu, "BW", fu.bw), w, strict=True)],
+            w=w,
+            comm=self.comm,
+            mem_f=list(fu.mem_b),
+            mem_w=[min(m or 0, mb) for m, mb in zip(st.mem_w, fu.mem_b, strict=True)],
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        st = self.stages
+        out: dict[str, object] = {**self.cost_model().to_dict(), "mem_limit": self.mem_limit}
+        cols = (("F", st.f), ("B", st.b), ("W", st.w))
+        out["compute"] = {op: [s.median for s in col] for op, col in cols}  # type: ignore[union-attr]
+        out["host"] = {op: list(st.host[op]) for op, _ in cols}
+        out["p95"] = {op: [s.p95 if s is not None else None for s in col] for op, col in cols}
+        if self.fused is not None:
+            fu = self.fused
+            out["fused"] = {
+                "F": [s.median for s in fu.f],
+                "BW": [s.median if s is not None else None for s in fu.bw],
+                "host": {"F": list(fu.host["F"]), "BW": list(fu.host["BW"])},
+                "F_p95": [s.p95 for s in fu.f],
+                "BW_p95": [s.p95 if s is not None else None for s in fu.bw],
+                "mem_B": list(fu.mem_b),
+            }
+        out["comm_per_boundary"] = [
+            {
+                "stage": s,
+                "src_device": self.placement[s],
+                "dst_device": self.placement[s + 1],
+                **stats.to_dict(),
+            }
+            for s, stats in self.latency
+        ]
+        out["placement"] = list(self.placement)
+        out["boundaries"] = list(self.boundaries) if self.boundaries is not None else None
+        out["layers"] = self.layers.to_dict() if self.layers is not None else None
+        out["units"] = {"time": "ms", "memory": "bytes"}
+        out["warmup_iterations"] = self.warmup
+        out["measured_samples"] = {"F": [s.n for s in st.f]}
+        return out
+
+    def save(self, path: str | Path) -> Path:
+        """Write the JSON costs file; returns its path."""
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return out

@@ -1,0 +1,201 @@
+"""Per-virtual-stage costs measured in a real pipeline run, and point-to-point latency.
+
+Stage costs come from the executor's trace: every F, B, W and BW event is
+one :class:`~zerobubble.runtime.chunk.StageChunk` op on real data, timed
+where it ran, so B and W are the real split passes and each stage runs next
+to the others' traffic. Activation memory comes from the same events: an F
+raises the rank's held bytes by the stage's M_B, and what is still held after
+B (F's rise plus B's change) is M_W. Memory is the largest value observed
+(it can differ by a few KB between microbatches, and a plan must not exceed
+its limit); times are medians. Warm-up iterations are skipped.
+
+An op also costs host time that is not inside its event: after it, the rank
+records it, sends its output, posts receives, and dispatches the next op.
+That **host tail** (everything from the op's end to the next compute's start
+except waiting for a message) is measured per op too; a planner should count
+it, since the device cannot compute meanwhile.
+
+Latency is a ping-pong between the two ranks of each stage boundary with a
+message of the boundary's size: one-way latency = round trip / 2.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from zerobubble.profile.stats import OpStats
+from zerobubble.runtime.trace import COMPUTE_OPS, TraceEvent
+
+HOST_OPS = ("send", "post_recv")
+"""Events that are host work of the op before them (a wait_recv is waiting, not work:
+only the host time around it counts)."""
+
+
+@dataclass(frozen=True)
+class StageProfile:
+    """Measured costs of each virtual stage (times in milliseconds, memory in bytes).
+
+    ``None`` marks an op the profiled run never executed (W and B in a run
+    without B/W split, BW in a split run).
+    """
+
+    f: tuple[OpStats, ...]
+    b: tuple[OpStats | None, ...]
+    w: tuple[OpStats | None, ...]
+    bw: tuple[OpStats | None, ...]
+    mem_b: tuple[int, ...]
+    """Largest rise of held bytes over an F (M_B)."""
+    mem_w: tuple[int | None, ...]
+    """Largest bytes held after B until W (M_W), capped at M_B; None without split B."""
+    host: dict[str, tuple[float | None, ...]]
+    """Median host tail (ms) of each op (keys F, B, W, BW) per stage; None if it never ran."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.f)
+
+    def stage_time(self, s: int) -> float:
+        """Median F + B + W (or F + BW) of stage ``s``: the per-microbatch work to balance."""
+        b, w, bw = self.b[s], self.w[s], self.bw[s]
+        back = b.median + w.median if b is not None and w is not None else _median(bw)
+        return self.f[s].median + back
+
+
+def _median(s: OpStats | None) -> float:
+    if s is None:
+        raise ValueError("the profile has neither B and W nor BW for a stage")
+    return s.median
+
+
+def stage_profile(
+    events: Sequence[TraceEvent], num_stages: int, *, skip_iterations: int = 1
+) -> StageProfile:
+    """Summarise a traced run; iterations below ``skip_iterations`` are warm-up and dropped."""
+    kept = [e for e in events if e.iteration >= skip_iterations]
+    samples: dict[tuple[str, int], list[float]] = defaultdict(list)
+    tails = _host_tails(kept)
+    rise: dict[tuple[int, int, int], int] = {}  # (iteration, stage, mb) -> F's rise
+    mem_b: dict[int, list[int]] = defaultdict(list)
+    mem_w: dict[int, list[int]] = defaultdict(list)
+    for e in kept:
+        if e.op not in ("F", "B", "W", "BW"):
+            continue
+        samples[e.op, e.stage].append((e.end_ns - e.start_ns) / 1e6)
+        delta = e.mem_after - e.mem_before
+        if e.op == "F":
+            rise[e.iteration, e.stage, e.mb] = delta
+            mem_b[e.stage].append(delta)
+        elif e.op == "B" and (e.iteration, e.stage, e.mb) in rise:
+            mem_w[e.stage].append(rise[e.iteration, e.stage, e.mb] + delta)
+    missing = [s for s in range(num_stages) if not samples.get(("F", s))]
+    if missing:
+        raise ValueError(
+            f"no measured F of stages {missing} (after skipping {skip_iterations} warm-up "
+            "iterations); run more iterations or trace every rank"
+        )
+
+    def stats(op: str, s: int) -> OpStats | None:
+        got = samples.get((op, s))
+        return OpStats.of(got) if got else None
+
+    mb = tuple(max(max(mem_b[s]), 0) for s in range(num_stages))
+    return StageProfile(
+        f=tuple(OpStats.of(samples["F", s]) for s in range(num_stages)),
+        b=tuple(stats("B", s) for s in range(num_stages)),
+        w=tuple(stats("W", s) for s in range(num_stages)),
+        bw=tuple(stats("BW", s) for s in range(num_stages)),
+        mem_b=mb,
+        mem_w=tuple(
+            min(max(max(mem_w[s]), 0), mb[s]) if mem_w[s] else None for s in range(num_stages)
+        ),
+        host={
+            op: tuple(
+                statistics.median(tails[op, s]) if tails.get((op, s)) else None
+                for s in range(num_stages)
+            )
+            for op in COMPUTE_OPS
+        },
+    )
+
+
+def _host_tails(events: Sequence[TraceEvent]) -> dict[tuple[str, int], list[float]]:
+    """Per (op, stage): ms from each compute's end to the next compute's start, waits excluded."""
+    by_rank: dict[int, list[TraceEvent]] = defaultdict(list)
+    for e in events:
+        by_rank[e.rank].append(e)
+    out: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for evs in by_rank.values():
+        for i, c in enumerate(evs):
+            if c.op not in COMPUTE_OPS:
+                continue
+            tail, prev = 0, c.end_ns
+            for nxt in evs[i + 1 :]:
+                if nxt.iteration != c.iteration:
+                    break
+                tail += nxt.start_ns - prev
+                if nxt.op in HOST_OPS:
+                    tail += nxt.end_ns - nxt.start_ns
+                elif nxt.op != "wait_recv":
+                    break  # the next compute, or the end of the step
+                prev = nxt.end_ns
+            out[c.op, c.stage].append(tail / 1e6)
+    return out
+
+
+def boundary_pairs(placement: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(stage s, device of s, device of s+1)`` for every boundary that crosses devices."""
+    return [
+        (s, placement[s], placement[s + 1])
+        for s in range(len(placement) - 1)
+        if placement[s] != placement[s + 1]
+    ]
+
+
+def p2p_latency(
+    pairs: Sequence[tuple[int, int]],
+    nbytes: int,
+    *,
+    iters: int = 10,
+    warmup: int = 2,
+    device: torch.device | str = "cpu",
+    group: dist.ProcessGroup | None = None,
+) -> dict[tuple[int, int], OpStats]:
+    """One-way latency (ms) of a ``nbytes`` message for each rank pair, by ping-pong.
+
+    A collective: every rank of ``group`` calls it with the same arguments and
+    gets the same result. For each distinct pair ``(a, b)``, ``a`` sends to
+    ``b`` and ``b`` sends it back, ``warmup + iters`` times; ``a`` times each
+    round trip and halves it.
+    """
+    me = dist.get_rank(group)
+    buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=device)
+    mine: dict[tuple[int, int], OpStats] = {}
+    for a, b in dict.fromkeys((min(p), max(p)) for p in pairs):
+        if me not in (a, b):
+            continue
+        times = []
+        for i in range(warmup + iters):
+            if me == a:
+                t0 = time.perf_counter()
+                dist.send(buf, b, group=group)
+                dist.recv(buf, b, group=group)
+                if i >= warmup:
+                    times.append((time.perf_counter() - t0) / 2 * 1e3)
+            else:
+                dist.recv(buf, a, group=group)
+                dist.send(buf, a, group=group)
+        if me == a:
+            mine[a, b] = OpStats.of(times)
+    gathered: list[dict | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    out: dict[tuple[int, int], OpStats] = {}
+    for part in gathered:
+        out.update(part or {})
+    return {(a, b): out[min(a, b), max(a, b)] for a, b in pairs}

@@ -1,0 +1,661 @@
+"""Offline checker of an executed pipeline's JSON-lines trace.
+
+A schedule is validated before it runs; this checks what actually ran. Each
+rank's events are taken in file order (the executor records them in
+execution order, and :func:`~zerobubble.runtime.trace.gather_traces` keeps
+it). Times of different ranks share an epoch only up to the barrier skew, so
+they are compared up to a clock offset per rank pair
+(:mod:`zerobubble.runtime.clocks`), with ``tolerance_ns`` to spare.
+
+Checks, in this order (the first family with a violation is reported, at
+its earliest event):
+
+1. ``event``: known ops, complete fields, each rank's events sequential in time.
+2. ``backward``: per iteration every F(s, j) is followed on its rank by B then
+   W, or by BW, exactly once; every (stage, microbatch) of the iteration has an F.
+3. ``messages``: every message id is sent once and received (posted, then
+   waited) once, between the ranks that run its two stages.
+4. ``message order``: for each rank pair, receives are posted in send order
+   (the transport matches messages in order).
+5. ``edge``: every cross-stage dependency is respected: a consumer runs after
+   its local producer, or after waiting for the message whose send follows
+   its producer on the other rank.
+6. ``clock``: some clock offset between each pair of ranks makes every
+   message between them arrive after it was sent (so, with 5, every consumer
+   starts after its producer ended).
+7. ``version``: all compute of one microbatch in one iteration saw one
+   parameter version.
+8. ``optimizer``: no compute of iteration k runs on a rank after that rank's
+   first optimizer action on iteration k's gradients (skipped, with a note,
+   when the trace has no optimizer events).
+9. ``commit``: when the trace has ``opt_commit`` events, every rank commits
+   each iteration exactly once, at parameter version ``iteration + 1``; with
+   ``conservative=True`` no forward of iteration k+1 starts on a rank before
+   that rank committed iteration k (post-validation's conservative mode).
+10. ``memory``: held activation bytes never exceed ``mem_budget``.
+
+Optimizer events follow :mod:`zerobubble.optim`'s protocol: ops ``opt_*``,
+each carrying the iteration whose gradients it acts on; ``opt_reduce`` and
+``opt_prefix`` read them (the norm), ``opt_step``, ``opt_provisional``,
+``opt_skip`` and ``opt_defer`` apply them. A ``replay``
+event discards its rank's earlier work of that iteration (speculation undone),
+so checks 2-7 ignore those events.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from zerobubble.runtime.clocks import pair_bounds
+from zerobubble.runtime.trace import COMPUTE_OPS, TraceEvent
+
+MESSAGE_OPS = ("post_recv", "wait_recv", "send")
+OTHER_OPS = ("wait_sends", "replay")
+DEFAULT_OPT_OPS = (
+    "opt_reduce",
+    "opt_prefix",
+    "opt_provisional",
+    "opt_step",
+    "opt_skip",
+    "opt_defer",
+)
+"""Optimizer events that read or apply an iteration's gradients (no compute of it may
+follow): the norm's all-reduce or prefix state, and every kind of step."""
+DEFAULT_TOLERANCE_NS = 1_000_000
+"""Slack of the cross-rank causality check (clocks of different hosts may drift)."""
+
+CHECKS = (
+    "event",
+    "backward",
+    "messages",
+    "message order",
+    "edge",
+    "clock",
+    "version",
+    "optimizer",
+    "commit",
+    "memory",
+)
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken rule, located as precisely as the trace allows.
+
+    Attributes:
+        check: Which family of :data:`CHECKS` it breaks.
+        iteration, rank: Where (None when the violation has no single event).
+        index: Position of the event among its rank's events (0-based, file order).
+        line: Line of the event in the JSONL file (1-based), when read from a file.
+        event: Short name of the event, e.g. ``F(s1,mb0)`` or ``send act(s0->s1,mb2)``.
+        why: What is wrong and what it should have been.
+    """
+
+    check: str
+    iteration: int | None
+    rank: int | None
+    index: int | None
+    line: int | None
+    event: str
+    why: str
+
+    def __str__(self) -> str:
+        where = []
+        if self.rank is not None:
+            where.append(f"rank {self.rank}")
+        if self.index is not None:
+            where.append(f"event #{self.index}")
+        if self.line is not None:
+            where.append(f"line {self.line}")
+        if self.iteration is not None:
+            where.append(f"iteration {self.iteration}")
+        return f"[{self.check}] {', '.join(where)}: {self.event}: {self.why}"
+
+
+@dataclass(frozen=True)
+class TraceReport:
+    """All violations found (earliest first within the first failing family), plus notes."""
+
+    violations: tuple[Violation, ...]
+    notes: tuple[str, ...]
+    num_events: int
+    ranks: tuple[int, ...]
+    iterations: tuple[int, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    @property
+    def first(self) -> Violation | None:
+        return self.violations[0] if self.violations else None
+
+
+@dataclass(frozen=True)
+class _Ev:
+    """An event with its position: index among its rank's events, file line."""
+
+    e: TraceEvent
+    index: int
+    line: int | None
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        return (self.e.iteration, self.e.start_ns, self.e.rank, self.index)
+
+
+def describe(e: TraceEvent) -> str:
+    """``F(s1,mb0)``, ``send act(s0->s1,mb2)``, ``wait_sends``..."""
+    if e.op in COMPUTE_OPS:
+        return f"{e.op}(s{e.stage},mb{e.mb})"
+    if e.msg is not None:
+        return f"{e.op} {_msg(e.msg)}"
+    return e.op
+
+
+def _msg(m: tuple) -> str:
+    return f"{m[0]}(s{m[1]}->s{m[2]},mb{m[3]})"
+
+
+def load_trace(path: str | Path) -> tuple[list[TraceEvent], list[int]]:
+    """Read a JSONL trace; returns the events and their line numbers.
+
+    Raises ``ValueError`` naming the line of anything that is not an event.
+    """
+    events, lines = [], []
+    with open(path) as f:
+        for n, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            try:
+                events.append(TraceEvent.from_dict(json.loads(text)))
+            except (ValueError, TypeError) as exc:
+                raise ValueError(
+                    f"{path}:{n}: not a trace event ({exc}); expected one JSON object per line "
+                    "as written by zerobubble.runtime.trace.write_jsonl"
+                ) from None
+            lines.append(n)
+    if not events:
+        raise ValueError(f"{path}: no events; is this a zerobubble JSONL trace?")
+    return events, lines
+
+
+def check_trace(
+    events: Sequence[TraceEvent],
+    *,
+    lines: Sequence[int] | None = None,
+    mem_budget: int | None = None,
+    tolerance_ns: int = DEFAULT_TOLERANCE_NS,
+    opt_ops: Iterable[str] = DEFAULT_OPT_OPS,
+    conservative: bool = False,
+) -> TraceReport:
+    """Check a trace of every rank; see the module docstring for the rules."""
+    opt_ops = tuple(opt_ops)
+    counters: Counter[int] = Counter()
+    evs: list[_Ev] = []
+    for i, e in enumerate(events):
+        evs.append(_Ev(e, counters[e.rank], lines[i] if lines is not None else None))
+        counters[e.rank] += 1
+    notes: list[str] = []
+    kept = _without_replayed(evs)
+    dropped = sum(ev.e.op != "replay" for ev in evs) - len(kept)
+    if dropped:
+        notes.append(f"{dropped} event(s) of replayed (discarded) work not checked")
+    families = (
+        lambda: _check_events(evs, opt_ops),
+        lambda: _check_backward(kept),
+        lambda: _check_messages(kept),
+        lambda: _check_message_order(kept),
+        lambda: _check_edges(kept),
+        lambda: _check_clocks(kept, tolerance_ns),
+        lambda: _check_versions(kept),
+        lambda: _check_optimizer(evs, opt_ops, notes),
+        lambda: _check_commits(evs, conservative),
+        lambda: _check_memory(evs, mem_budget, notes),
+    )
+    found: list[Violation] = []
+    for family in families:
+        got = family()
+        if got:
+            found = [v for _, v in sorted(got, key=lambda kv: kv[0])]
+            break
+    return TraceReport(
+        tuple(found),
+        tuple(notes),
+        len(events),
+        tuple(sorted(counters)),
+        tuple(sorted({e.iteration for e in events})),
+    )
+
+
+_Found = list[tuple[tuple, Violation]]
+
+
+def _v(check: str, ev: _Ev, why: str) -> tuple[tuple, Violation]:
+    e = ev.e
+    return ev.key, Violation(check, e.iteration, e.rank, ev.index, ev.line, describe(e), why)
+
+
+def _without_replayed(evs: Sequence[_Ev]) -> list[_Ev]:
+    """Drop each rank's events of an iteration that precede its ``replay`` of that iteration."""
+    last_replay: dict[tuple[int, int], int] = {}
+    for ev in evs:
+        if ev.e.op == "replay":
+            last_replay[ev.e.rank, ev.e.iteration] = ev.index
+    return [
+        ev
+        for ev in evs
+        if ev.e.op != "replay" and ev.index > last_replay.get((ev.e.rank, ev.e.iteration), -1)
+    ]
+
+
+def _by_rank(evs: Sequence[_Ev]) -> dict[int, list[_Ev]]:
+    out: dict[int, list[_Ev]] = defaultdict(list)
+    for ev in evs:
+        out[ev.e.rank].append(ev)
+    return out
+
+
+def _by_iteration(evs: Sequence[_Ev]) -> dict[int, list[_Ev]]:
+    out: dict[int, list[_Ev]] = defaultdict(list)
+    for ev in evs:
+        out[ev.e.iteration].append(ev)
+    return out
+
+
+# ---- 1. events --------------------------------------------------------------------------------
+
+
+def _check_events(evs: Sequence[_Ev], opt_ops: tuple[str, ...]) -> _Found:
+    known = (*COMPUTE_OPS, *MESSAGE_OPS, *OTHER_OPS, *opt_ops)
+    out: _Found = []
+    for rank_evs in _by_rank(evs).values():
+        prev: _Ev | None = None
+        last_iteration = 0
+        for ev in rank_evs:
+            e = ev.e
+            if e.op not in known and not e.op.startswith("opt_"):
+                why = f"unknown op {e.op!r}; expected one of {', '.join(known)} or opt_*"
+                out.append(_v("event", ev, why))
+            elif e.op in COMPUTE_OPS and not (_nat(e.stage) and _nat(e.mb)):
+                out.append(_v("event", ev, "a compute event needs integer stage and mb >= 0"))
+            elif e.op in MESSAGE_OPS and (
+                e.msg is None
+                or len(e.msg) != 4
+                or e.msg[0] not in ("act", "grad")
+                or e.peer is None
+            ):
+                out.append(
+                    _v("event", ev, "a message event needs msg (kind, src, dst, mb) and peer")
+                )
+            if e.end_ns < e.start_ns:
+                out.append(
+                    _v("event", ev, f"ends ({e.end_ns} ns) before it starts ({e.start_ns} ns)")
+                )
+            if prev is not None:
+                p = prev.e
+                if e.start_ns < p.end_ns:
+                    out.append(
+                        _v(
+                            "event",
+                            ev,
+                            f"starts at {e.start_ns} ns, before the previous event of its rank "
+                            f"({describe(p)}, event #{prev.index}) ended at {p.end_ns} ns; a "
+                            "rank runs its events one after another",
+                        )
+                    )
+            # Optimizer events name the iteration whose gradients they act on, which may
+            # lie behind the compute around them (post-validation), so only pipeline
+            # events must not go back in iteration.
+            if not e.op.startswith("opt_"):
+                if e.iteration < last_iteration:
+                    out.append(
+                        _v("event", ev, f"iteration {e.iteration} after iteration {last_iteration}")
+                    )
+                last_iteration = max(last_iteration, e.iteration)
+            prev = ev
+    return out
+
+
+def _nat(x: object) -> bool:
+    return isinstance(x, int) and x >= 0
+
+
+# ---- 2. every F has its backward ------------------------------------------------------------
+
+
+def _check_backward(evs: Sequence[_Ev]) -> _Found:
+    out: _Found = []
+    for it, it_evs in _by_iteration(evs).items():
+        state: dict[tuple[int, int], tuple[str, _Ev]] = {}
+        owner: dict[int, int] = {}
+        for rank_evs in _by_rank(it_evs).values():
+            for ev in rank_evs:
+                e = ev.e
+                if e.op not in COMPUTE_OPS:
+                    continue
+                if owner.setdefault(e.stage, e.rank) != e.rank:
+                    out.append(
+                        _v(
+                            "backward",
+                            ev,
+                            f"stage {e.stage} runs on rank {owner[e.stage]} too; a stage lives "
+                            "on one rank",
+                        )
+                    )
+                    continue
+                key = (e.stage, e.mb)
+                cur = state.get(key)
+                want = {"F": None, "B": "F", "BW": "F", "W": "B"}[e.op]
+                have = cur[0] if cur else None
+                if have != want:
+                    out.append(_v("backward", ev, _order_problem(e.op, have, cur)))
+                state[key] = (e.op, ev)
+        for (_s, _mb), (have, ev) in state.items():
+            if have == "F":
+                why = "never gets its backward (no B and W, nor BW, follows it)"
+                out.append(_v("backward", ev, why))
+            elif have == "B":
+                out.append(_v("backward", ev, "never gets its W (its weight gradient is lost)"))
+        stages = sorted({e.e.stage for e in it_evs if e.e.op in COMPUTE_OPS})
+        mbs = sorted({e.e.mb for e in it_evs if e.e.op in COMPUTE_OPS})
+        if stages and mbs:
+            for s in range(stages[-1] + 1):
+                for j in range(mbs[-1] + 1):
+                    if (s, j) not in state:
+                        out.append(
+                            (
+                                (it, 1 << 62, -1, 0),
+                                Violation(
+                                    "backward",
+                                    it,
+                                    owner.get(s),
+                                    None,
+                                    None,
+                                    f"F(s{s},mb{j})",
+                                    f"missing: iteration {it} has stages 0..{stages[-1]} and "
+                                    f"microbatches 0..{mbs[-1]} but never runs this F",
+                                ),
+                            )
+                        )
+    return out
+
+
+def _order_problem(op: str, have: str | None, cur: tuple[str, _Ev] | None) -> str:
+    """Why ``op`` cannot follow ``have`` (the last op of this stage and microbatch)."""
+    at = f" (event #{cur[1].index})" if cur else ""
+    if op == "F":
+        return f"runs a second time; the first {have} of this microbatch is earlier{at}"
+    if op == "W":
+        if have == "F":
+            return f"runs but its B has not run before it on this rank (F is{at}); W needs B's work"
+        if have is None:
+            return "runs without its F and B on this rank"
+        return f"runs after {have}{at}, which already produced the weight gradient"
+    if have is None:
+        return f"runs without its F on this rank: {op} needs the forward's saved state"
+    return f"is a second backward of this microbatch (the first, {have}, is earlier{at})"
+
+
+# ---- 3. messages one to one -----------------------------------------------------------------
+
+
+def _check_messages(evs: Sequence[_Ev]) -> _Found:
+    out: _Found = []
+    for _it, it_evs in _by_iteration(evs).items():
+        owner = {e.e.stage: e.e.rank for e in it_evs if e.e.op in COMPUTE_OPS}
+        by_msg: dict[tuple, dict[str, list[_Ev]]] = defaultdict(lambda: defaultdict(list))
+        for ev in it_evs:
+            if ev.e.op in MESSAGE_OPS:
+                by_msg[ev.e.msg][ev.e.op].append(ev)
+        for msg, ops in by_msg.items():
+            sends, posts, waits = ops["send"], ops["post_recv"], ops["wait_recv"]
+            name = _msg(msg)
+            for dup in (sends[1:], posts[1:], waits[1:]):
+                for ev in dup:
+                    first = ops[ev.e.op][0]
+                    why = (
+                        f"{name} appears twice (first at rank {first.e.rank} event "
+                        f"#{first.index}); each message is sent and received exactly once"
+                    )
+                    out.append(_v("messages", ev, why))
+            if not sends:
+                for ev in posts[:1] or waits[:1]:
+                    out.append(_v("messages", ev, f"{name} is received but never sent"))
+                continue
+            send = sends[0]
+            src_rank, dst_rank = owner.get(msg[1]), owner.get(msg[2])
+            if src_rank is not None and send.e.rank != src_rank:
+                why = f"sent by rank {send.e.rank} but stage {msg[1]} runs on rank {src_rank}"
+                out.append(_v("messages", send, why))
+            if dst_rank is not None and send.e.peer != dst_rank:
+                why = f"sent to rank {send.e.peer} but stage {msg[2]} runs on rank {dst_rank}"
+                out.append(_v("messages", send, why))
+            if not posts or not waits:
+                missing = "posted" if not posts else "waited for"
+                out.append(_v("messages", send, f"{name} is sent but never {missing}"))
+                continue
+            post, wait = posts[0], waits[0]
+            for ev in (post, wait):
+                if ev.e.rank != send.e.peer or ev.e.peer != send.e.rank:
+                    why = (
+                        f"received by rank {ev.e.rank} from rank {ev.e.peer}, but rank "
+                        f"{send.e.rank} sent it to rank {send.e.peer}"
+                    )
+                    out.append(_v("messages", ev, why))
+            if post.e.rank == wait.e.rank and wait.index < post.index:
+                why = f"waited for before its receive was posted (event #{post.index})"
+                out.append(_v("messages", wait, why))
+    return out
+
+
+def _check_message_order(evs: Sequence[_Ev]) -> _Found:
+    out: _Found = []
+    for _it, it_evs in _by_iteration(evs).items():
+        sent: dict[tuple[int, int], list[_Ev]] = defaultdict(list)
+        posted: dict[tuple[int, int], list[_Ev]] = defaultdict(list)
+        for rank_evs in _by_rank(it_evs).values():
+            for ev in rank_evs:
+                if ev.e.op == "send":
+                    sent[ev.e.rank, ev.e.peer].append(ev)
+                elif ev.e.op == "post_recv":
+                    posted[ev.e.peer, ev.e.rank].append(ev)
+        for pair, posts in posted.items():
+            sends = sent.get(pair, [])
+            for k, (s, p) in enumerate(zip(sends, posts, strict=False)):
+                if s.e.msg != p.e.msg:
+                    why = (
+                        f"receive #{k} from rank {pair[0]}, but rank {pair[0]}'s send #{k} to "
+                        f"rank {pair[1]} is {_msg(s.e.msg)} (event #{s.index}); messages "
+                        "between two ranks are matched in order"
+                    )
+                    out.append(_v("message order", p, why))
+                    break
+    return out
+
+
+# ---- 5. dependency edges ------------------------------------------------------------------
+
+
+def _check_edges(evs: Sequence[_Ev]) -> _Found:
+    out: _Found = []
+    for _it, it_evs in _by_iteration(evs).items():
+        computes = {(ev.e.op, ev.e.stage, ev.e.mb): ev for ev in it_evs if ev.e.op in COMPUTE_OPS}
+        msgs = {(ev.e.op, ev.e.rank, ev.e.msg): ev for ev in it_evs if ev.e.op in MESSAGE_OPS}
+        last = max(s for _, s, _ in computes)
+        for ev in computes.values():
+            e = ev.e
+            if e.op == "F" and e.stage > 0:
+                prod = computes.get(("F", e.stage - 1, e.mb))
+                msg = ("act", e.stage - 1, e.stage, e.mb)
+            elif e.op in ("B", "BW") and e.stage < last:
+                prod = computes.get(("B", e.stage + 1, e.mb)) or computes.get(
+                    ("BW", e.stage + 1, e.mb)
+                )
+                msg = ("grad", e.stage + 1, e.stage, e.mb)
+            else:
+                continue
+            if prod is None:
+                continue  # reported by the backward check
+            problem = _edge_problem(ev, prod, msg, msgs)
+            if problem:
+                out.append(_v("edge", ev, problem))
+    return out
+
+
+def _edge_problem(ev: _Ev, prod: _Ev, msg: tuple, msgs: dict[tuple, _Ev]) -> str | None:
+    e, p = ev.e, prod.e
+    pname = f"{describe(p)} (rank {p.rank} event #{prod.index})"
+    if p.rank == e.rank:
+        if prod.index > ev.index:
+            return f"consumes the output of {pname}, which runs after it"
+        return None
+    wait = msgs.get(("wait_recv", e.rank, msg))
+    send = msgs.get(("send", p.rank, msg))
+    if wait is None or send is None:
+        return f"its input {_msg(msg)} from {pname} crosses ranks but was never " + (
+            "received here" if wait is None else "sent"
+        )
+    if wait.index > ev.index:
+        return (
+            f"runs before its input {_msg(msg)} arrived: the wait_recv is event #{wait.index}, "
+            "after it"
+        )
+    if send.index < prod.index:
+        return f"its input {_msg(msg)} was sent (event #{send.index}) before {pname} made it"
+    return None
+
+
+def _check_clocks(evs: Sequence[_Ev], tolerance_ns: int) -> _Found:
+    located = {id(ev.e): ev for ev in evs}
+    out: _Found = []
+    for (a, b), (lo, hi) in pair_bounds([ev.e for ev in evs]).items():
+        if lo is None or hi is None or lo.value <= hi.value + tolerance_ns:
+            continue
+        wait = max((located[id(lo.wait)], located[id(hi.wait)]), key=lambda ev: ev.key)
+        why = (
+            f"no clock offset between ranks {a} and {b} makes both {_msg(lo.send.msg)} "
+            f"(rank {a} -> {b}, iteration {lo.send.iteration}) and {_msg(hi.send.msg)} "
+            f"(rank {b} -> {a}, iteration {hi.send.iteration}) arrive after they were sent: "
+            f"they disagree by {(lo.value - hi.value) / 1e3:.0f} µs "
+            f"(tolerance {tolerance_ns / 1e3:.0f} µs)"
+        )
+        out.append(_v("clock", wait, why))
+    return out
+
+
+# ---- 7. parameter versions ------------------------------------------------------------------
+
+
+def _check_versions(evs: Sequence[_Ev]) -> _Found:
+    out: _Found = []
+    groups: dict[tuple[int, int], list[_Ev]] = defaultdict(list)
+    for ev in evs:
+        if ev.e.op in COMPUTE_OPS:
+            groups[ev.e.iteration, ev.e.mb].append(ev)
+    for (it, mb), group in groups.items():
+        counts = Counter(ev.e.param_version for ev in group)
+        if len(counts) == 1:
+            continue
+        first = min(group, key=lambda ev: ev.key).e.param_version
+        ref = max(counts, key=lambda v: (counts[v], v == first))
+        for ev in group:
+            if ev.e.param_version != ref:
+                why = (
+                    f"ran on parameter version {ev.e.param_version} but the other "
+                    f"{counts[ref]} compute events of microbatch {mb} in iteration {it} ran on "
+                    f"version {ref}; a microbatch must see one version along the pipeline"
+                )
+                out.append(_v("version", ev, why))
+    return out
+
+
+# ---- 8. optimizer step after the last W ----------------------------------------------------
+
+
+def _check_optimizer(evs: Sequence[_Ev], opt_ops: tuple[str, ...], notes: list[str]) -> _Found:
+    if not any(ev.e.op in opt_ops for ev in evs):
+        notes.append(
+            f"no optimizer events ({', '.join(opt_ops)}) in the trace: the check that no W "
+            "runs after its optimizer step was skipped"
+        )
+        return []
+    out: _Found = []
+    for rank_evs in _by_rank(evs).values():
+        stepped: dict[int, _Ev] = {}  # iteration -> first optimizer action on its gradients
+        for ev in rank_evs:
+            e = ev.e
+            if e.op in opt_ops:
+                stepped.setdefault(e.iteration, ev)
+            elif e.op in COMPUTE_OPS and e.iteration in stepped:
+                step = stepped[e.iteration]
+                why = (
+                    f"runs after rank {e.rank}'s optimizer action {step.e.op} (event "
+                    f"#{step.index}) on iteration {e.iteration}'s gradients"
+                )
+                out.append(_v("optimizer", ev, why))
+    return out
+
+
+# ---- 9. commits ---------------------------------------------------------------------------
+
+
+def _check_commits(evs: Sequence[_Ev], conservative: bool) -> _Found:
+    commits = [ev for ev in evs if ev.e.op == "opt_commit"]
+    if not commits:
+        return []
+    out: _Found = []
+    ranks = sorted({ev.e.rank for ev in evs})
+    per: dict[tuple[int, int], list[_Ev]] = defaultdict(list)
+    for ev in commits:
+        per[ev.e.iteration, ev.e.rank].append(ev)
+    for it in sorted({ev.e.iteration for ev in commits}):
+        for rank in ranks:
+            got = per.get((it, rank), [])
+            for extra in got[1:]:
+                out.append(_v("commit", extra, f"iteration {it} is committed twice on this rank"))
+            for ev in got[:1]:
+                if ev.e.param_version != it + 1:
+                    why = (
+                        f"commits iteration {it} as parameter version {ev.e.param_version}; "
+                        f"every rank must commit it as version {it + 1}"
+                    )
+                    out.append(_v("commit", ev, why))
+            if not got:
+                last = max((ev for ev in commits if ev.e.iteration == it), key=lambda v: v.key)
+                why = f"iteration {it} is committed on rank {last.e.rank} but never on rank {rank}"
+                out.append(_v("commit", last, why))
+    if conservative:
+        for rank_evs in _by_rank(evs).values():
+            committed = {ev.e.iteration for ev in rank_evs if ev.e.op == "opt_commit"}
+            seen: set[int] = set()
+            for ev in rank_evs:
+                if ev.e.op == "opt_commit":
+                    seen.add(ev.e.iteration)
+                elif ev.e.op == "F" and ev.e.iteration - 1 in committed - seen:
+                    why = (
+                        f"starts before iteration {ev.e.iteration - 1} is committed on this rank "
+                        "(conservative post-validation validates before the next forward)"
+                    )
+                    out.append(_v("commit", ev, why))
+    return out
+
+
+# ---- 10. memory ---------------------------------------------------------------------------
+
+
+def _check_memory(evs: Sequence[_Ev], budget: int | None, notes: list[str]) -> _Found:
+    if budget is None:
+        notes.append("no memory budget given (--mem-budget BYTES): memory not checked")
+        return []
+    out: _Found = []
+    for ev in evs:
+        held = max(ev.e.mem_before, ev.e.mem_after)
+        if held > budget:
+            why = f"holds {held} bytes of activations, over the budget of {budget} bytes"
+            out.append(_v("memory", ev, why))
+    return out

@@ -1,0 +1,239 @@
+"""Terminal output of the job: live progress on rank 0 and the final tables."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from zerobubble.profile.balance import imbalance
+from zerobubble.profile.bubbles import CATEGORIES
+from zerobubble.schedule.generators import generate
+from zerobubble.schedule.simulate import simulate
+from zerobubble.train.job import JobResult, PhaseResult
+
+MIB = 2**20
+
+
+class ConsoleReporter:
+    """Rich progress bar plus one line per step (the loss), printed by rank 0.
+
+    Picklable before :meth:`start`, so a launcher can hand it to the ranks.
+    """
+
+    def __init__(self, width: int = 120) -> None:
+        self.width = width
+        self._console: Console | None = None
+        self._progress: Progress | None = None
+        self._task = None
+
+    @property
+    def console(self) -> Console:
+        if self._console is None:
+            self._console = Console(width=self.width)
+        return self._console
+
+    def info(self, text: str) -> None:
+        self.console.print(text, highlight=False, soft_wrap=True)
+
+    def start(self, total_steps: int) -> None:
+        self._progress = Progress(
+            TextColumn("{task.description:<8}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TimeElapsedColumn(),
+            console=self.console,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task("train", total=total_steps, loss="-")
+
+    def step(self, phase: str, step: int, loss: float, seconds: float, note: str) -> None:
+        self.console.print(
+            f"step {step:3d}  {phase:<8} loss {loss:.4f}  {seconds * 1e3:6.0f} ms"
+            + (f"  ({note})" if note else ""),
+            highlight=False,
+        )
+        if self._progress is not None:
+            self._progress.update(self._task, advance=1, description=phase, loss=f"{loss:.3f}")
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+def print_summary(result: JobResult, console: Console | None = None) -> None:
+    """The profile, the balance, the schedule comparison and the idle breakdown."""
+    con = console or Console(width=120)
+    _profile_table(result, con)
+    _balance_table(result, con)
+    if result.phases:
+        _schedule_table(result, con)
+        _idle_table(result, con)
+    else:
+        _predictions(result, con)
+    rep = result.trace_report
+    if rep is not None:
+        if rep.ok:
+            con.print(
+                f"trace check: OK ({rep.num_events} events, ranks {list(rep.ranks)}, "
+                f"{len(rep.iterations)} iterations, memory within "
+                f"{result.mem_limit / MIB:.2f} MiB)",
+                highlight=False,
+            )
+        else:
+            con.print(
+                f"trace check: {rep.first} ({len(rep.violations)} in all)",
+                highlight=False,
+                markup=False,
+            )
+    for what, path in result.files.items():
+        con.print(f"{what}: {path}", highlight=False)
+
+
+def _profile_table(result: JobResult, con: Console) -> None:
+    prof = result.profile
+    st = prof.stages
+    bounds = prof.boundaries or ()
+    table = Table(
+        title=f"stage profile (ms: median/p95; host: median host work after each op; "
+        f"{result.config.warmup} warm-up step dropped)",
+        title_justify="left",
+    )
+    fu = prof.fused
+    cols = (
+        "stage",
+        "layers",
+        "F",
+        "B",
+        "W",
+        "host F/B/W",
+        "F unsplit",
+        "BW unsplit",
+        "M_B MiB",
+        "M_W MiB",
+    )
+    for col in cols:
+        table.add_column(col, justify="right", no_wrap=True)
+    for s in range(st.num_stages):
+        layers = f"{bounds[s]}-{bounds[s + 1] - 1}" if bounds else "-"
+        unsplit = (fu.f[s], fu.bw[s]) if fu is not None else (None, None)
+        host = "/".join(f"{st.host[op][s] or 0:.1f}" for op in "FBW")
+        table.add_row(
+            str(s),
+            layers,
+            *(_ms(x) for x in (st.f[s], st.b[s], st.w[s])),
+            host,
+            *(_ms(x) for x in unsplit),
+            f"{st.mem_b[s] / MIB:.2f}",
+            f"{(st.mem_w[s] or 0) / MIB:.2f}",
+        )
+    con.print(table)
+    for s, lat in prof.latency:
+        con.print(
+            f"p2p latency stage {s} -> {s + 1} (device {prof.placement[s]} -> "
+            f"{prof.placement[s + 1]}): {lat.median:.3f} ms median, {lat.p95:.3f} ms p95",
+            highlight=False,
+        )
+
+
+def _ms(stats) -> str:
+    return "-" if stats is None else f"{stats.median:.1f}/{stats.p95:.0f}"
+
+
+def _balance_table(result: JobResult, con: Console) -> None:
+    b = result.balance
+    table = Table(
+        title="stage balancing (per-stage F+B+W per microbatch, ms)", title_justify="left"
+    )
+    for col in ("cut", "boundaries", "predicted", "max/mean", "measured", "max/mean "):
+        table.add_column(col, justify="left" if col in ("cut", "boundaries") else "right")
+
+    def fmt(xs) -> str:
+        return " / ".join(f"{x:.1f}" for x in xs)
+
+    measured_eq = b.measured_equal if b.measured_equal is not None else b.measured_balanced
+    table.add_row(
+        "equal layer counts",
+        str(list(b.equal)),
+        fmt(b.predicted_equal),
+        f"{imbalance(b.predicted_equal):.2f}",
+        fmt(measured_eq),
+        f"{imbalance(measured_eq):.2f}",
+    )
+    table.add_row(
+        "balanced (profiled)",
+        str(list(b.balanced)),
+        fmt(b.predicted_balanced),
+        f"{imbalance(b.predicted_balanced):.2f}",
+        fmt(b.measured_balanced),
+        f"{imbalance(b.measured_balanced):.2f}",
+    )
+    con.print(table)
+
+
+def _schedule_table(result: JobResult, con: Console) -> None:
+    cfg = result.config
+    table = Table(
+        title=f"schedules (P={cfg.devices}, M={cfg.microbatches}; median of {cfg.steps} steps "
+        "each, taking turns; pred. = simulated from the profile)",
+        title_justify="left",
+    )
+    cols = (
+        "schedule",
+        "step ms",
+        "tokens/s",
+        "bubble",
+        "pred. bubble",
+        "pipeline ms",
+        "pred. ms",
+        "act. peak MiB",
+    )
+    for col in cols:
+        table.add_column(col, justify="left" if col == "schedule" else "right", no_wrap=True)
+    for ph in result.phases:
+        table.add_row(
+            _label(ph),
+            f"{ph.step_time * 1e3:.0f}",
+            f"{cfg.tokens_per_step / ph.step_time:,.0f}",
+            f"{ph.bubble_rate:.1%}",
+            f"{ph.predicted_bubble_rate:.1%}",
+            f"{ph.pipe_time * 1e3:.0f}",
+            f"{float(ph.predicted.makespan):.0f}",
+            f"{ph.peak_memory / MIB:.2f}",
+        )
+    con.print(table)
+
+
+def _predictions(result: JobResult, con: Console) -> None:
+    """Without training: what the simulator predicts from the profile."""
+    prof, cfg = result.profile, result.config
+    parts = []
+    for name, sched in (
+        ("1f1b", generate("1f1b", cfg.devices, cfg.microbatches)),
+        ("zb-h1", generate("zb-h1", cfg.devices, cfg.microbatches)),
+        (f"{result.plan_kind} (plan)", result.plan),
+    ):
+        r = simulate(sched, prof.cost_model(fused=not sched.uses_split_backward))
+        parts.append(f"{name} {float(r.makespan):.0f} ms")
+    con.print("predicted pipeline step: " + ", ".join(parts), highlight=False)
+
+
+def _label(ph: PhaseResult) -> str:
+    return f"{ph.name} (planned)" if ph.planned else ph.name
+
+
+def _idle_table(result: JobResult, con: Console) -> None:
+    table = Table(
+        title="idle time by cause (ms per iteration, summed over devices)", title_justify="left"
+    )
+    table.add_column("schedule")
+    for c in (*CATEGORIES, "total idle"):
+        table.add_column(c, justify="right")
+    for ph in result.phases:
+        parts = ph.idle_ms()
+        table.add_row(
+            _label(ph), *(f"{parts[c]:.1f}" for c in CATEGORIES), f"{sum(parts.values()):.1f}"
+        )
+    con.print(table)

@@ -1,0 +1,513 @@
+"""The end-to-end job every rank runs: profile -> plan -> train -> measure.
+
+Phases, in lock step on all ranks (rank 0 analyses and reports):
+
+1. **Layers.** Rank 0 times every layer alone (:mod:`zerobubble.profile.layers`)
+   and sends the costs to all ranks; the balanced cut minimises the slowest
+   stage. A few ZB-H1 steps on a copy cut into equal layer counts measure
+   the stage times *before* balancing.
+2. **Profile.** 1F1B and ZB-H1 take turns training the model (balanced cut).
+   Their traces are the stage profile (ZB-H1: F, B, W and memory; 1F1B: F and
+   BW without split); a ping-pong per stage boundary gives the latency.
+3. **Plan.** Rank 0 plans with :data:`PLANNER` under the memory limit from
+   the profile and sends the schedule to all ranks.
+4. **Train.** 1F1B, ZB-H1 and the plan take turns, step by step, so that a
+   drifting machine load hits all three alike; these steps are the figures
+   compared. The plan's trace is saved and checked.
+
+Every step trains the same model with one AdamW optimizer behind
+:mod:`zerobubble.optim`'s synchronous step (global grad-norm clipping,
+non-finite steps skipped); gradients are bitwise the same whatever the
+schedule, so schedules only change the speed.
+Warm-up steps are excluded from every figure.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerobubble.models import GPTConfig, build_gpt, gpt_loss
+from zerobubble.models.corpus import CharCorpus, stdlib_corpus
+from zerobubble.optim.config import OptimConfig
+from zerobubble.optim.trainer import PipelineTrainer
+from zerobubble.profile.balance import balanced_boundaries, boundaries_of, stage_costs
+from zerobubble.profile.bubbles import IterationBubbles, analyze_iteration
+from zerobubble.profile.costs_file import Profile
+from zerobubble.profile.layers import LayerProfile, profile_layers
+from zerobubble.profile.stages import boundary_pairs, p2p_latency, stage_profile
+from zerobubble.runtime.chunk import StageChunk
+from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.runtime.launcher import init_distributed
+from zerobubble.runtime.partition import build_stage_modules, stage_bounds
+from zerobubble.runtime.trace import TraceEvent, gather_traces, write_chrome_trace, write_jsonl
+from zerobubble.runtime.trace_check import TraceReport, check_trace
+from zerobubble.schedule.costs import CostModel, CostSpec
+from zerobubble.schedule.generators import generate, one_f_one_b
+from zerobubble.schedule.ir import Schedule
+from zerobubble.schedule.simulate import SimResult, simulate
+from zerobubble.schedule.validate import validate
+from zerobubble.train.config import TrainConfig
+
+PLANNER = "zb-auto"
+"""The schedule kind that plans from the measured costs under the memory limit."""
+
+
+class Reporter(Protocol):
+    """Live progress of rank 0 (the CLI prints it; tests pass None)."""
+
+    def info(self, text: str) -> None: ...
+    def start(self, total_steps: int) -> None: ...
+    def step(self, phase: str, step: int, loss: float, seconds: float, note: str) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Balance:
+    """Stage balancing: the equal-count cut against the balanced one.
+
+    Times are per-stage medians of F + B + W in ms: ``predicted_*`` summed from the
+    layer profile, ``measured_*`` from pipeline runs (None when both cuts agree).
+    """
+
+    equal: tuple[int, ...]
+    balanced: tuple[int, ...]
+    predicted_equal: tuple[float, ...]
+    predicted_balanced: tuple[float, ...]
+    measured_equal: tuple[float, ...] | None
+    measured_balanced: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class PhaseResult:
+    """One schedule's training steps, measured (warm-up excluded) and predicted."""
+
+    name: str
+    schedule: Schedule
+    planned: bool
+    """True for the schedule the job planned from the profile."""
+    step_s: tuple[float, ...]
+    """Wall time of each measured step (pipeline + optimizer), slowest rank."""
+    pipe_s: tuple[float, ...]
+    """Wall time of each measured pipeline step alone, slowest rank."""
+    losses: tuple[float, ...]
+    """Mean loss of every step, warm-up included."""
+    bubbles: tuple[IterationBubbles, ...]
+    """Idle-time breakdown of each measured iteration."""
+    predicted: SimResult
+    """The schedule simulated with the measured profile (times in ms)."""
+
+    @property
+    def step_time(self) -> float:
+        return statistics.median(self.step_s)
+
+    @property
+    def pipe_time(self) -> float:
+        return statistics.median(self.pipe_s)
+
+    @property
+    def bubble_rate(self) -> float:
+        return statistics.median(b.bubble_rate for b in self.bubbles)
+
+    @property
+    def peak_memory(self) -> int:
+        return max(b.peak_memory for b in self.bubbles)
+
+    @property
+    def predicted_bubble_rate(self) -> float:
+        """Σ idle / (P · makespan) of the simulation: the measured rate's definition."""
+        r = self.predicted
+        busy = sum(float(x) for x in r.busy)
+        return 1 - busy / (len(r.busy) * float(r.makespan)) if r.makespan else 0.0
+
+    def idle_ms(self) -> dict[str, float]:
+        """Idle time by cause, summed over devices, median over measured iterations."""
+        keys = self.bubbles[0].totals().keys()
+        return {k: statistics.median(b.totals()[k] for b in self.bubbles) / 1e6 for k in keys}
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What rank 0 hands back: every figure the CLI prints and the bench reports."""
+
+    config: TrainConfig
+    layers: LayerProfile
+    balance: Balance
+    profile: Profile
+    mem_limit: int
+    plan_kind: str
+    plan: Schedule
+    phases: tuple[PhaseResult, ...]
+    trace_report: TraceReport | None
+    files: dict[str, str] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+def plan_schedule(
+    num_devices: int, num_microbatches: int, costs: CostModel, mem_limit: int
+) -> tuple[Schedule, str]:
+    """The :data:`PLANNER` schedule for ``costs`` within ``mem_limit``, validated, and its kind."""
+    spec = CostSpec(stage_costs=costs)
+    sched = generate(PLANNER, num_devices, num_microbatches, costs=spec, mem_limit=mem_limit)
+    validate(sched, mem_limit=mem_limit, costs=costs)
+    return sched, PLANNER
+
+
+# ---- the job --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Ctx:
+    """State shared by the phases on one rank."""
+
+    cfg: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    corpus: CharCorpus
+    data: torch.Generator
+    reporter: Reporter | None
+    step_index: int = 0
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+    def say(self, text: str) -> None:
+        if self.lead and self.reporter is not None:
+            self.reporter.info(text)
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.corpus.batch(self.cfg.batch_size, self.cfg.seq_len, self.data)
+
+
+def run_job(cfg: TrainConfig, reporter: Reporter | None = None) -> JobResult | None:
+    """Run the whole job on this rank (start it with one process per device).
+
+    Returns the :class:`JobResult` on rank 0 and None elsewhere.
+    """
+    began = time.perf_counter()
+    info = init_distributed(timeout_s=cfg.comm_timeout_s)
+    if info.world_size != cfg.devices:
+        raise ValueError(
+            f"the job was configured for {cfg.devices} devices but runs on {info.world_size} "
+            "ranks; pass -p with the number of processes"
+        )
+    ctx = _Ctx(
+        cfg,
+        info.rank,
+        info.world_size,
+        info.device,
+        stdlib_corpus(max_chars=cfg.corpus_chars),
+        torch.Generator().manual_seed(cfg.seed),
+        reporter,
+    )
+    try:
+        return _run(ctx, began)
+    finally:
+        if ctx.lead and reporter is not None:
+            reporter.close()
+        dist.destroy_process_group()
+
+
+def _run(ctx: _Ctx, began: float) -> JobResult | None:
+    cfg, P = ctx.cfg, ctx.world
+    gpt = GPTConfig(
+        vocab_size=ctx.corpus.vocab_size,
+        max_seq_len=cfg.seq_len,
+        d_model=cfg.d_model,
+        n_heads=cfg.n_heads,
+        n_layers=cfg.n_layers,
+        seed=cfg.seed,
+    )
+    layers = list(build_gpt(gpt))
+    n_params = sum(p.numel() for p in nn.Sequential(*layers).parameters())
+    ctx.say(
+        f"GPT: {len(layers)} layers ({cfg.n_layers} blocks, d={cfg.d_model}), "
+        f"{n_params / 1e6:.2f}M parameters; {ctx.corpus.sources} stdlib files, "
+        f"{len(ctx.corpus.tokens):,} characters; P={P} ranks, M={cfg.microbatches} "
+        f"microbatches of {cfg.microbatch_size}x{cfg.seq_len} tokens"
+    )
+
+    # 1. Per-layer costs on rank 0, the same cut everywhere.
+    lp: LayerProfile | None = None
+    if ctx.lead:
+        gen = torch.Generator().manual_seed(cfg.seed + 1)
+        x, y = ctx.corpus.batch(cfg.microbatch_size, cfg.seq_len, gen)
+        lp = profile_layers(layers, gpt_loss, x, y, warmup=1, iters=cfg.layer_iters)
+    lp = _broadcast(lp)
+    equal = tuple(boundaries_of(stage_bounds(len(layers), P)))
+    balanced = tuple(balanced_boundaries(lp.costs(), P))
+    ctx.say(f"layer cut: equal counts {list(equal)} -> balanced {list(balanced)}")
+    measured_equal = None
+    if equal != balanced:
+        measured_equal = _measure_cut(ctx, layers, equal)
+
+    # 2. Profile: 1F1B and ZB-H1 take turns step by step on the balanced cut (and train).
+    base = one_f_one_b(P, cfg.microbatches)
+    mods = build_stage_modules(layers, base, ctx.rank, boundaries=balanced, device=ctx.device)
+    chunks = _chunks(mods, P)
+    opt = torch.optim.AdamW([p for m in mods.values() for p in m.parameters()], lr=cfg.lr)
+    phases = [_phase(ctx, s, chunks, opt) for s in (base, generate("zb-h1", P, cfg.microbatches))]
+    total = 2 * (cfg.warmup + cfg.baseline_steps)
+    total += 0 if cfg.profile_only else 3 * (cfg.warmup + cfg.steps)
+    if ctx.lead and ctx.reporter is not None:
+        ctx.reporter.start(total)
+    _rotate(ctx, phases, cfg.warmup + cfg.baseline_steps, measure=False)
+    profiled = [gather_traces(ph.pipe.trace) or [] for ph in phases]
+    boundary = cfg.microbatch_size * cfg.seq_len * cfg.d_model * 4  # float32 activations
+    pairs = [(a, b) for _, a, b in boundary_pairs(base.placement)]
+    latency = p2p_latency(pairs, boundary, device=ctx.device)
+
+    # 3. Plan on rank 0.
+    plan: tuple[Profile, int, Schedule, str] | None = None
+    if ctx.lead:
+        plan = _plan(ctx, profiled, lp, balanced, latency, base)
+    profile, mem_limit, planned, kind = _broadcast(plan)
+    ctx.say(f"planned with {kind} under a memory limit of {mem_limit / 2**20:.2f} MiB per device")
+
+    # 4. Train: the three schedules take turns, so that load drifts hit them alike.
+    if not cfg.profile_only:
+        phases.append(_phase(ctx, planned, chunks, opt, name=kind, planned=True))
+        _rotate(ctx, phases, cfg.warmup + cfg.steps, measure=True)
+        for ph in phases:
+            ph.events = gather_traces(ph.pipe.trace) or []
+    if not ctx.lead:
+        return None
+    return _report(
+        ctx, phases, lp, measured_equal, equal, balanced, profile, mem_limit, planned, began
+    )
+
+
+def _broadcast(obj):
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _options(cfg: TrainConfig) -> ExecutorOptions:
+    return ExecutorOptions(comm_timeout_s=cfg.comm_timeout_s)
+
+
+def _measure_cut(ctx: _Ctx, layers: list[nn.Module], cut: tuple[int, ...]) -> tuple[float, ...]:
+    """Per-stage F + B + W (ms) of a few ZB-H1 steps on a copy of the model cut at ``cut``."""
+    cfg = ctx.cfg
+    sched = generate("zb-h1", ctx.world, cfg.microbatches)
+    stages = build_stage_modules(layers, sched, ctx.rank, boundaries=cut, device=ctx.device)
+    pipe = PipelineExecutor(
+        sched, stages, loss_fn=gpt_loss, device=ctx.device, options=_options(cfg)
+    )
+    gen = torch.Generator().manual_seed(cfg.seed + 2)
+    for _ in range(cfg.warmup + 2):
+        x, y = ctx.corpus.batch(cfg.batch_size, cfg.seq_len, gen)
+        pipe.step(x, target=y)
+    events = gather_traces(pipe.trace)
+    if events is None:
+        return ()
+    prof = stage_profile(events, sched.num_stages, skip_iterations=cfg.warmup)
+    return tuple(prof.stage_time(s) for s in range(sched.num_stages))
+
+
+def _chunks(mods: dict[int, nn.Module], num_stages: int) -> dict[bool, dict[int, StageChunk]]:
+    """Per stage one B/W-split chunk and one unsplit chunk over the same modules.
+
+    Schedules of each kind share their chunks (and so their weight-gradient
+    store), which lets executors of different schedules take turns on one model.
+    The unsplit chunks run the split layers' plain path (both gradients in the
+    backward), so schedules without split run an ordinary backward.
+    """
+    out: dict[bool, dict[int, StageChunk]] = {}
+    for split in (False, True):
+        out[split] = {
+            s: StageChunk(
+                m, s, num_stages, loss_fn=gpt_loss if s == num_stages - 1 else None, split=split
+            )
+            for s, m in mods.items()
+        }
+    return out
+
+
+@dataclass
+class _Phase:
+    """One schedule's executor and, on rank 0, its measurements."""
+
+    name: str
+    schedule: Schedule
+    planned: bool
+    pipe: PipelineExecutor
+    trainer: PipelineTrainer
+    measure_from: int = 0
+    """First executor iteration whose figures count."""
+    step_s: list[float] = field(default_factory=list)
+    pipe_s: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    events: list[TraceEvent] = field(default_factory=list)
+
+
+def _phase(
+    ctx: _Ctx,
+    sched: Schedule,
+    chunks: dict[bool, dict[int, StageChunk]],
+    opt: torch.optim.Optimizer,
+    *,
+    name: str | None = None,
+    planned: bool = False,
+) -> _Phase:
+    """An executor of ``sched`` on the shared chunks, and its trainer (the synchronous
+    optimizer step: global grad-norm clipping, non-finite steps skipped)."""
+    mine = chunks[sched.uses_split_backward]
+    pipe = PipelineExecutor(sched, mine, device=ctx.device, options=_options(ctx.cfg))
+    trainer = PipelineTrainer(pipe, opt, OptimConfig(max_norm=ctx.cfg.grad_clip))
+    return _Phase(name or sched.name, sched, planned, pipe, trainer)
+
+
+def _rotate(ctx: _Ctx, phases: list[_Phase], rounds: int, *, measure: bool) -> None:
+    """``rounds`` steps of every phase, taking turns; the first ``warmup`` rounds are not
+    measured (nor, without ``measure``, any: they only feed the profile)."""
+    for ph in phases:
+        ph.measure_from = ph.pipe.iteration + ctx.cfg.warmup
+    for r in range(rounds):
+        for ph in phases:
+            warm = r < ctx.cfg.warmup
+            note = "warm-up, not measured" if warm else ("" if measure else "profiling")
+            _step(ctx, ph, record=measure and not warm, note=note)
+
+
+def _step(ctx: _Ctx, ph: _Phase, *, record: bool, note: str) -> None:
+    """One training step of ``ph``'s schedule; the slowest rank's times go to rank 0."""
+    pipe = ph.pipe
+    x, y = ctx.batch()
+    dist.barrier()
+    t0, t0_ns = time.perf_counter(), pipe.trace.now()
+    losses = ph.trainer.step(x, target=y)  # the pipeline, then the optimizer step
+    t1 = time.perf_counter()
+    # The pipeline's part ends with its wait for the last sends.
+    end_ns = next(e.end_ns for e in reversed(pipe.trace.events) if e.op == "wait_sends")
+    loss = torch.stack(losses).mean().item() if losses else 0.0
+    mine = torch.tensor(
+        [(end_ns - t0_ns) / 1e9, t1 - t0, loss, float(losses is not None)], dtype=torch.float64
+    )
+    every = [torch.zeros_like(mine) for _ in range(ctx.world)]
+    dist.all_gather(every, mine)
+    if ctx.lead:
+        step_s = max(float(t[1]) for t in every)
+        loss = next(float(t[2]) for t in every if t[3] > 0)
+        if record:
+            ph.pipe_s.append(max(float(t[0]) for t in every))
+            ph.step_s.append(step_s)
+        ph.losses.append(loss)
+        if ctx.reporter is not None:
+            ctx.reporter.step(ph.name, ctx.step_index, loss, step_s, note)
+    ctx.step_index += 1
+
+
+def _plan(
+    ctx: _Ctx,
+    profiled: list[list[TraceEvent]],
+    lp: LayerProfile,
+    balanced: tuple[int, ...],
+    latency: dict,
+    base: Schedule,
+) -> tuple[Profile, int, Schedule, str]:
+    cfg = ctx.cfg
+    f1b, zbh1 = profiled
+    S = base.num_stages
+    split = stage_profile(zbh1, S, skip_iterations=cfg.warmup)
+    full = stage_profile(f1b, S, skip_iterations=cfg.warmup)
+    lat = tuple((s, latency[a, b]) for s, a, b in boundary_pairs(base.placement))
+    prof = Profile(split, base.placement, lat, lp, balanced, None, cfg.warmup, fused=full)
+    costs = prof.cost_model()
+    limit = cfg.mem_limit
+    if limit is None:
+        peak_1f1b = max(float(m) for m in simulate(base, prof.cost_model(fused=True)).peak_memory)
+        limit = int(cfg.mem_ratio * peak_1f1b)
+    prof = replace(prof, mem_limit=limit)
+    planned, kind = plan_schedule(ctx.world, cfg.microbatches, costs, limit)
+    return prof, limit, planned, kind
+
+
+def _report(
+    ctx: _Ctx,
+    phases: list[_Phase],
+    lp: LayerProfile,
+    measured_equal: tuple[float, ...] | None,
+    equal: tuple[int, ...],
+    balanced: tuple[int, ...],
+    profile: Profile,
+    mem_limit: int,
+    plan: Schedule,
+    began: float,
+) -> JobResult:
+    cfg = ctx.cfg
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"profile": str(profile.save(out / "profile.json"))}
+    results: tuple[PhaseResult, ...] = ()
+    report = None
+    if not cfg.profile_only:
+        from zerobubble.viz.measured import measured_row, plot_measured
+
+        results = tuple(_analyze(ph, profile, mem_limit) for ph in phases)
+        events = phases[-1].events
+        write_jsonl(events, out / "trace.jsonl")
+        write_chrome_trace(events, out / "trace.chrome.json")
+        files["trace"] = str(out / "trace.jsonl")
+        files["chrome"] = str(out / "trace.chrome.json")
+        report = check_trace(events, mem_budget=mem_limit)
+        panels = []
+        for ph, res in zip(phases, results, strict=True):
+            # The iteration of median length: representative, not an outlier.
+            it = sorted(res.bubbles, key=lambda b: b.window_ns)[len(res.bubbles) // 2]
+            title = (
+                f"{ph.name} (measured, iteration {it.iteration}): {it.window_ns / 1e6:.0f} ms, "
+                f"bubble {it.bubble_rate:.1%}"
+            )
+            panels.append((measured_row(ph.events, it.iteration, title), it))
+        files["timeline"] = str(plot_measured(panels, out / "timeline.png"))
+    stages = range(profile.stages.num_stages)
+    balance = Balance(
+        equal,
+        balanced,
+        tuple(stage_costs(lp.costs(), equal)),
+        tuple(stage_costs(lp.costs(), balanced)),
+        measured_equal,
+        tuple(profile.stages.stage_time(s) for s in stages),
+    )
+    return JobResult(
+        cfg,
+        lp,
+        balance,
+        profile,
+        mem_limit,
+        PLANNER,
+        plan,
+        results,
+        report,
+        files,
+        time.perf_counter() - began,
+    )
+
+
+def _analyze(ph: _Phase, profile: Profile, mem_limit: int) -> PhaseResult:
+    """Figures of the measured iterations; the prediction simulates the schedule with the
+    profile (the unsplit run's costs for schedules without B/W split)."""
+    iters = sorted({e.iteration for e in ph.events if e.iteration >= ph.measure_from})
+    bubbles = tuple(analyze_iteration(ph.events, k, mem_budget=mem_limit) for k in iters)
+    fused = not ph.schedule.uses_split_backward
+    return PhaseResult(
+        ph.name,
+        ph.schedule,
+        ph.planned,
+        tuple(ph.step_s),
+        tuple(ph.pipe_s),
+        tuple(ph.losses),
+        bubbles,
+        simulate(ph.schedule, profile.cost_model(fused=fused)),
+    )

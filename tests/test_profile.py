@@ -1,0 +1,85 @@
+"""Per-layer and per-stage profiles, stage balancing and summary statistics (one process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from zerobubble.models import build_mlp, mlp_loss
+from zerobubble.profile.balance import (
+    balanced_boundaries,
+    boundaries_of,
+    imbalance,
+    stage_costs,
+)
+from zerobubble.profile.layers import profile_layers
+from zerobubble.profile.stages import stage_profile
+from zerobubble.profile.stats import OpStats
+from zerobubble.runtime.partition import stage_bounds
+from zerobubble.runtime.trace import TraceEvent
+
+
+def test_opstats_median_and_nearest_rank_p95():
+    s = OpStats.of([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (s.median, s.p95, s.n) == (3.0, 5.0, 5)
+    assert OpStats.of(list(map(float, range(1, 21)))).p95 == 19.0  # ceil(0.95 * 20) = 19th
+    assert OpStats.of([7.0]) == OpStats(7.0, 7.0, 1)
+    with pytest.raises(ValueError, match="no samples"):
+        OpStats.of([])
+
+
+def test_layer_profile_measures_every_layer_and_leaves_the_model_alone():
+    layers = list(build_mlp([8, 16, 16, 4], seed=0))
+    before = [p.clone() for layer in layers for p in layer.parameters()]
+    x, y = torch.randn(5, 8), torch.randn(5, 4)
+    prof = profile_layers(layers, mlp_loss, x, y, warmup=1, iters=3)
+    assert prof.num_layers == 3
+    assert all(s.n == 3 for col in (prof.f, prof.b, prof.w) for s in col)
+    assert all(s.p95 >= s.median for col in (prof.f, prof.b, prof.w) for s in col)
+    assert prof.costs() == [
+        f.median + b.median + w.median for f, b, w in zip(prof.f, prof.b, prof.w, strict=True)
+    ]
+    # Every layer holds at least its input between F and B, and W needs part of it.
+    assert prof.mem_b[0] >= 5 * 8 * 4 and prof.mem_b[1] >= 5 * 16 * 4
+    assert all(0 < w <= b for w, b in zip(prof.mem_w, prof.mem_b, strict=True))
+    assert type(layers[0][0]) is nn.Linear and type(layers[2]) is nn.Linear  # not split
+    after = [p for layer in layers for p in layer.parameters()]
+    assert all(torch.equal(a, b) and a.grad is None for a, b in zip(after, before, strict=True))
+    with pytest.raises(ValueError, match="warmup >= 0 and iters >= 1"):
+        profile_layers(layers, mlp_loss, x, y, iters=0)
+
+
+def test_one_equal_cut_rule_and_the_balanced_cut():
+    assert boundaries_of(stage_bounds(9, 2)) == [0, 5, 9]
+    assert boundaries_of(stage_bounds(10, 4)) == [0, 2, 5, 8, 10]  # interior stages first
+    costs = [1.0, 4.0, 4.0, 4.0, 4.0, 4.0, 4.0, 1.0, 1.0]  # embedding, 6 blocks, norm, head
+    equal = boundaries_of(stage_bounds(len(costs), 2))
+    assert stage_costs(costs, equal) == [17.0, 10.0]
+    assert imbalance(stage_costs(costs, equal)) == pytest.approx(17 / 13.5)
+    cut = balanced_boundaries(costs, 2)
+    assert cut == [0, 4, 9] and stage_costs(costs, cut) == [13.0, 14.0]
+    assert imbalance([2.0, 2.0]) == 1.0
+
+
+def test_stage_profile_times_ops_and_their_host_tails():
+    def ev(op, mb, start, end, mem0=0, mem1=0, msg=None):
+        return TraceEvent(0, 0, op, 0 if mb is not None else None, mb, 0, start, end, mem0, mem1,
+                          1 if msg else None, msg)  # fmt: skip
+
+    m = ("act", 0, 1, 0)
+    events = [
+        ev("F", 0, 0, 10, 0, 100),
+        ev("send", 0, 12, 13, 100, 100, m),  # host: gap 2 + send 1
+        ev("post_recv", 1, 14, 15, 100, 100, m),  # gap 1 + post 1
+        ev("wait_recv", 1, 15, 30, 100, 100, m),  # gap 0, the wait itself excluded
+        ev("F", 1, 31, 40, 100, 250),  # gap 1: F(0,0)'s tail is 6 ns
+        ev("wait_sends", None, 41, 42, 250, 250),  # F(0,1)'s tail: gap 1
+    ]
+    prof = stage_profile(events, 1, skip_iterations=0)
+    assert prof.f[0] == OpStats(9.5e-6, 10e-6, 2)
+    assert prof.host["F"] == (pytest.approx(3.5e-6),)
+    assert prof.host["B"] == (None,) and prof.b == (None,)
+    assert prof.mem_b == (150,)  # the largest rise
+    with pytest.raises(ValueError, match="no measured F of stages"):
+        stage_profile(events, 1, skip_iterations=1)

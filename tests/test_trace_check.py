@@ -1,0 +1,343 @@
+"""The trace checker, the idle decomposition and the stage profile on real traces.
+
+One launch (P=2, tiny MLP) runs every registered schedule kind for two steps with an
+optimizer step recorded after each; the tests check those traces, then inject one
+violation of each kind into them and expect the checker to name it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from zerobubble.cli import main
+from zerobubble.models import build_mlp, mlp_loss
+from zerobubble.optim.config import OptimConfig
+from zerobubble.optim.trainer import PipelineTrainer
+from zerobubble.profile.bubbles import analyze_iteration
+from zerobubble.profile.costs_file import Profile
+from zerobubble.profile.stages import boundary_pairs, p2p_latency, stage_profile
+from zerobubble.runtime.clocks import clock_offsets
+from zerobubble.runtime.executor import PipelineExecutor
+from zerobubble.runtime.launcher import init_distributed, launch
+from zerobubble.runtime.partition import build_stage_modules
+from zerobubble.runtime.trace import COMPUTE_OPS, TraceEvent, gather_traces, write_jsonl
+from zerobubble.runtime.trace_check import check_trace, load_trace
+from zerobubble.schedule.costs import load_costs_file
+from zerobubble.schedule.generators import GENERATORS, generate
+from zerobubble.schedule.validate import validate
+from zerobubble.train.job import plan_schedule
+
+pytestmark = pytest.mark.slow
+
+M = 4
+
+
+def kinds_job() -> dict:
+    info = init_distributed(timeout_s=60)
+    out: dict = {"traces": {}}
+    for kind, gen in GENERATORS.items():
+        sched = generate(kind, 2, M, **({"chunks": 2} if "chunks" in gen.options else {}))
+        layers = list(build_mlp([6] * (sched.num_stages + 2), seed=0))
+        pipe = PipelineExecutor(
+            sched, build_stage_modules(layers, sched, info.rank), loss_fn=mlp_loss
+        )
+        opt = torch.optim.SGD([p for c in pipe.chunks.values() for p in c.module.parameters()], 0.1)
+        trainer = PipelineTrainer(pipe, opt, OptimConfig(max_norm=1.0))  # records opt_* events
+        gen_ = torch.Generator().manual_seed(0)
+        x, y = torch.randn(8, 6, generator=gen_), torch.randn(8, 6, generator=gen_)
+        for _ in range(2):
+            trainer.step(x, target=y)
+        out["traces"][kind] = (sched, gather_traces(pipe.trace))
+    out["latency"] = p2p_latency([(0, 1)], 4096, iters=3, warmup=1)
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.fixture(scope="module")
+def job():
+    return launch(kinds_job, 2, timeout=240)[0]
+
+
+@pytest.fixture
+def zbh1(job) -> list[TraceEvent]:
+    return list(job["traces"]["zb-h1"][1])
+
+
+def test_every_kind_passes_and_its_idle_time_decomposes_exactly(job):
+    assert set(job["traces"]) == set(GENERATORS)
+    for kind, (_sched, events) in job["traces"].items():
+        report = check_trace(events)
+        assert report.ok, f"{kind}: {report.first}"
+        assert report.ranks == (0, 1) and report.iterations == (0, 1)
+        assert report.notes == ("no memory budget given (--mem-budget BYTES): memory not checked",)
+        for k in (0, 1):
+            it = analyze_iteration(events, k, mem_budget=1)
+            comp = [e for e in events if e.iteration == k and e.op in COMPUTE_OPS]
+            off = clock_offsets(events)  # the decomposition puts the ranks on one clock
+            window = max(e.end_ns + off[e.rank] for e in comp) - min(
+                e.start_ns + off[e.rank] for e in comp
+            )
+            for d in it.devices:
+                busy = sum(e.end_ns - e.start_ns for e in comp if e.rank == d.rank)
+                assert d.idle_ns == window - busy
+                assert sum(d.parts().values()) == d.idle_ns, kind
+
+
+# ---- injected violations -------------------------------------------------------------------
+
+
+def where(events, rank, op, stage=None, mb=None, it=0, msg=None) -> tuple[int, int]:
+    """(position in the list, index among the rank's events) of the matching event."""
+    k = 0
+    for pos, e in enumerate(events):
+        if e.rank != rank:
+            continue
+        same = (e.op, e.iteration) == (op, it) and (stage is None or e.stage == stage)
+        if same and (mb is None or e.mb == mb) and (msg is None or e.msg == msg):
+            return pos, k
+        k += 1
+    raise AssertionError(f"no {op} s{stage} mb{mb} on rank {rank}")
+
+
+def rank_index(events, pos) -> int:
+    return sum(1 for e in events[:pos] if e.rank == events[pos].rank)
+
+
+def first(events, **kw):
+    report = check_trace(events, **kw)
+    assert not report.ok
+    return report.first
+
+
+def test_reordering_a_consumer_before_its_input_is_an_edge_violation(zbh1):
+    ev = zbh1
+    f, _ = where(ev, 1, "F", 1, 0)
+    w, _ = where(ev, 1, "wait_recv", 1, 0, msg=("act", 0, 1, 0))
+    a, b = ev[w], ev[f]  # swap the two, each taking the other's time slot
+    ev[w] = dataclasses.replace(b, start_ns=a.start_ns, end_ns=a.end_ns)
+    ev[f] = dataclasses.replace(a, start_ns=b.start_ns, end_ns=b.end_ns)
+    v = first(ev)
+    assert (v.check, v.rank, v.index, v.iteration, v.event) == (
+        "edge",
+        1,
+        rank_index(ev, w),
+        0,
+        "F(s1,mb0)",
+    )
+    assert v.why == (
+        f"runs before its input act(s0->s1,mb0) arrived: the wait_recv is event "
+        f"#{rank_index(ev, f)}, after it"
+    )
+
+
+def test_a_dropped_b_is_named_at_its_w(zbh1, tmp_path, capsys):
+    ev = zbh1
+    pos, _ = where(ev, 1, "B", 1, 1)
+    del ev[pos]
+    w, k = where(ev, 1, "W", 1, 1)
+    v = first(ev)
+    assert (v.check, v.rank, v.index, v.event) == ("backward", 1, k, "W(s1,mb1)")
+    assert v.why.startswith("runs but its B has not run before it on this rank (F is (event #")
+    path = tmp_path / "t.jsonl"
+    write_jsonl(ev, path)
+    assert main(["check-trace", str(path)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith(f"FAIL: [backward] rank 1, event #{k}, line {w + 1}, iteration 0: ")
+
+
+def test_a_duplicated_send_is_a_message_violation(zbh1):
+    ev = zbh1
+    pos, k = where(ev, 0, "send", 0, 2)
+    ev.insert(pos + 1, dataclasses.replace(ev[pos], start_ns=ev[pos].end_ns))
+    v = first(ev)
+    assert (v.check, v.rank, v.index, v.event) == ("messages", 0, k + 1, "send act(s0->s1,mb2)")
+    assert v.why == (
+        f"act(s0->s1,mb2) appears twice (first at rank 0 event #{k}); each message is sent "
+        "and received exactly once"
+    )
+
+
+def test_a_w_after_the_optimizer_step_is_refused(zbh1):
+    ev = zbh1
+    last_w = max(p for p, e in enumerate(ev) if (e.rank, e.op, e.iteration) == (0, "W", 0))
+    w = ev.pop(last_w)
+    opt, opt_k = where(ev, 0, "opt_reduce")  # the norm's all-reduce reads the gradients
+    ev.insert(opt + 1, dataclasses.replace(w, start_ns=ev[opt].end_ns, end_ns=ev[opt].end_ns))
+    v = first(ev)
+    assert (v.check, v.rank, v.index, v.event) == ("optimizer", 0, opt_k + 1, f"W(s0,mb{w.mb})")
+    assert v.why == (
+        f"runs after rank 0's optimizer action opt_reduce (event #{opt_k}) on iteration 0's "
+        "gradients"
+    )
+
+
+def test_work_discarded_by_a_replay_is_not_checked(zbh1):
+    ev = zbh1
+    start = next(p for p, e in enumerate(ev) if (e.rank, e.iteration) == (1, 1))
+    prev = max(p for p in range(start) if ev[p].rank == 1)
+    t = ev[prev].end_ns
+    f = ev[where(ev, 1, "F", 1, 0, it=1)[0]]
+    discarded = dataclasses.replace(f, start_ns=t, end_ns=t)
+    ev.insert(start, discarded)
+    v = first(ev)
+    assert (v.check, v.event) == ("backward", "F(s1,mb0)")
+    assert v.why.startswith("runs a second time")
+    ev.insert(start + 1, dataclasses.replace(discarded, op="replay", stage=None, mb=None))
+    report = check_trace(ev)
+    assert report.ok, report.first
+    assert report.notes[0] == "1 event(s) of replayed (discarded) work not checked"
+
+
+def test_a_second_parameter_version_in_a_microbatch_is_refused(zbh1):
+    ev = zbh1
+    pos, k = where(ev, 0, "B", 0, 1)
+    ev[pos] = dataclasses.replace(ev[pos], param_version=5)
+    v = first(ev)
+    assert (v.check, v.rank, v.index, v.event) == ("version", 0, k, "B(s0,mb1)")
+    assert v.why == (
+        "ran on parameter version 5 but the other 5 compute events of microbatch 1 in "
+        "iteration 0 ran on version 0; a microbatch must see one version along the pipeline"
+    )
+
+
+def test_memory_over_the_budget_is_refused_at_the_first_event(zbh1):
+    ev = zbh1
+    peak = max(max(e.mem_before, e.mem_after) for e in ev)
+    assert check_trace(ev, mem_budget=peak).ok
+    pos, k = where(ev, 1, "F", 1, 2, it=1)
+    ev[pos] = dataclasses.replace(ev[pos], mem_after=10**9)
+    v = first(ev, mem_budget=peak)
+    assert (v.check, v.rank, v.index, v.iteration) == ("memory", 1, k, 1)
+    assert v.why == f"holds {10**9} bytes of activations, over the budget of {peak} bytes"
+    reached = first(zbh1, mem_budget=peak - 1)
+    assert reached.check == "memory" and f"holds {peak} bytes" in reached.why
+
+
+def shifted(events, rank, ns, from_iteration=0):
+    return [
+        dataclasses.replace(e, start_ns=e.start_ns + ns, end_ns=e.end_ns + ns)
+        if e.rank == rank and e.iteration >= from_iteration
+        else e
+        for e in events
+    ]
+
+
+def test_a_clock_offset_is_harmless_but_a_clock_jump_breaks_causality(zbh1):
+    skewed = shifted(zbh1, 1, -(10**9))  # rank 1's epoch a second off: fine
+    assert check_trace(skewed).ok
+    for k in (0, 1):
+        assert analyze_iteration(skewed, k) == analyze_iteration(zbh1, k)
+    jumped = shifted(zbh1, 1, 10**9, from_iteration=1)  # its clock jumps between steps
+    v = first(jumped)
+    # The tightest bounds come from whichever messages were fastest: mb varies.
+    assert (v.check, v.rank, v.iteration) == ("clock", 0, 1)
+    assert v.event.startswith("wait_recv grad(s1->s0,mb")
+    assert v.why.startswith("no clock offset between ranks 0 and 1 makes both act(s0->s1,mb")
+    assert "(rank 0 -> 1, iteration 0) and grad(s1->s0,mb" in v.why
+    assert v.why.endswith("(tolerance 1000 µs)")
+    assert check_trace(jumped, tolerance_ns=2 * 10**9).ok
+
+
+def test_cli_accepts_a_real_trace_and_rejects_garbage(job, tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    write_jsonl(job["traces"]["zbv"][1], path)
+    assert main(["check-trace", str(path), "--mem-budget", str(10**9)]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith(
+        "OK: " + f"{len(job['traces']['zbv'][1])} events, ranks [0, 1], 2 iterations\n"
+    )
+    assert load_trace(path)[1] == list(range(1, len(job["traces"]["zbv"][1]) + 1))
+    path.write_text('{"op": "F"}\n')
+    assert main(["check-trace", str(path)]) == 2
+    assert "t.jsonl:1: not a trace event" in capsys.readouterr().err
+
+
+# ---- the profile as a costs file -------------------------------------------------------------
+
+
+def test_profile_json_loads_as_costs_and_drives_the_planner(job, tmp_path):
+    sched, split_events = job["traces"]["zb-h1"]
+    _, fused_events = job["traces"]["1f1b"]
+    split = stage_profile(split_events, 2, skip_iterations=1)
+    fused = stage_profile(fused_events, 2, skip_iterations=1)
+    assert [s.n for s in split.f] == [M, M] and all(s is None for s in split.bw)
+    assert all(s is None for s in fused.b) and [s.n for s in fused.bw] == [M, M]
+    rises = {
+        s: max(
+            e.mem_after - e.mem_before
+            for e in split_events
+            if e.op == "F" and e.stage == s and e.iteration == 1
+        )
+        for s in (0, 1)
+    }
+    assert split.mem_b == (rises[0], rises[1])
+    lat = tuple((s, job["latency"][a, b]) for s, a, b in boundary_pairs(sched.placement))
+    prof = Profile(split, sched.placement, lat, mem_limit=10 * max(rises.values()), fused=fused)
+    spec = load_costs_file(prof.save(tmp_path / "profile.json"))
+    model = spec.resolve(sched.placement)
+    assert model == prof.cost_model()
+    assert model.comm == job["latency"][0, 1].median
+    assert spec.mem_limit == 10 * max(rises.values())
+    data = json.loads((tmp_path / "profile.json").read_text())
+    assert data["fused"]["BW"] == [s.median for s in fused.bw]
+    assert data["units"] == {"time": "ms", "memory": "bytes"}
+    planned, kind = plan_schedule(2, 8, model, spec.mem_limit)
+    assert kind == "zb-auto" and planned.num_stages == 2
+    validate(planned, mem_limit=spec.mem_limit, costs=model)
+
+    def eff(st, op, col):  # compute plus host tail
+        return [s.median + st.host[op][k] for k, s in enumerate(col)]
+
+    assert model.f == tuple(eff(split, "F", split.f)) and model.w == tuple(eff(split, "W", split.w))
+    assert data["compute"]["B"] == [s.median for s in split.b]
+    fused_model = prof.cost_model(fused=True)
+    assert fused_model.b == tuple(
+        max(bw - w, 0.0)
+        for bw, w in zip(eff(fused, "BW", fused.bw), eff(split, "W", split.w), strict=True)
+    )
+    assert fused_model.f == tuple(eff(fused, "F", fused.f))
+
+
+# ---- optimizer commits -----------------------------------------------------------------------
+
+
+def test_commit_rules(zbh1):
+    assert check_trace(zbh1, conservative=True).ok  # sync steps commit before the next forward
+    pos, idx = where(zbh1, 1, "opt_commit")
+    wrong = list(zbh1)
+    wrong[pos] = dataclasses.replace(wrong[pos], param_version=5)
+    v = first(wrong)
+    assert (v.check, v.rank, v.index) == ("commit", 1, idx)
+    assert (
+        "commits iteration 0 as parameter version 5; every rank must commit it as version 1"
+        in v.why
+    )
+    dropped = [e for i, e in enumerate(zbh1) if i != pos]
+    v = first(dropped)
+    assert v.check == "commit" and "committed on rank 0 but never on rank 1" in v.why
+    twice = list(zbh1)
+    twice.insert(
+        pos + 1, dataclasses.replace(zbh1[pos], start_ns=zbh1[pos].end_ns, end_ns=zbh1[pos].end_ns)
+    )
+    v = first(twice)
+    assert (v.check, v.rank, v.why) == ("commit", 1, "iteration 0 is committed twice on this rank")
+
+
+def test_conservative_forward_before_commit(zbh1):
+    ev = list(zbh1)
+    c, _ = where(ev, 0, "opt_commit")
+    later = next(e for e in ev[c + 1 :] if e.rank == 0 and e.op == "F" and e.iteration == 1)
+    f = ev.index(later)
+    # Move the commit just after the first forward of iteration 1, keeping times sequential.
+    moved = ev.pop(c)
+    f -= 1
+    ev.insert(f + 1, dataclasses.replace(moved, start_ns=ev[f].end_ns, end_ns=ev[f].end_ns))
+    assert check_trace(ev).ok  # fine for speculative runs
+    v = first(ev, conservative=True)
+    assert (v.check, v.rank, v.event) == ("commit", 0, "F(s0,mb0)")
+    assert "starts before iteration 0 is committed on this rank" in v.why
