@@ -11,14 +11,16 @@ each rank's median process CPU time per step (compute plus communication
 threads): on a machine whose cores are shared, wall time also counts waiting
 for a core, and only a quiet machine shows the schedules' bubbles.
 
-Model size: at P = 2 and M = 8 the 1F1B bubble is 1/9 of the step, and a
-zero-bubble schedule recovers part of it only if the split backward (B + W)
-costs about what a fused one does. Each op must therefore be large against the
-runtime's fixed cost per op (Python, autograd bookkeeping, re-reading W's
-operands from memory). The default ``--seq-len 128`` (512 tokens per
-microbatch, ops of 5-25 ms on one core) is the smallest size where that holds
-here; at 32 (128 tokens, ops of 2-4 ms) the fixed costs take 10-15% of a
-backward and the bubble gain is gone (see bench_stage_ops for both sizes).
+Model size: at P = 2 and M = 8 the 1F1B bubble is 1/9 of the step, and the
+simulator (bench_stage_ops, ``plain``) gives zero-bubble schedules only 5-8%
+(zb-h1, zb-h2) to 12-17% (zbv) over 1F1B even with a free B/W split. The split
+must therefore cost about what a fused backward does, i.e. each op must be
+large against the runtime's fixed cost per op (Python between kernels,
+autograd bookkeeping, W re-reading its operands from memory). The default
+``--seq-len 128`` (512 tokens per microbatch, ops of 5-20 ms on one core) is
+where that roughly holds here (split F and B + W within 5-15% of plain
+autograd); at 32 (128 tokens, ops of 1.5-6 ms) they are 5-15% and 15-20% over,
+which cancels the bubble gain (see bench_stage_ops at both sizes).
 
     PYTHONPATH=src python bench/bench_runtime.py [--steps 8] [--warmup 2] [--seq-len 128]
 
