@@ -13,14 +13,15 @@ for a core, and only a quiet machine shows the schedules' bubbles.
 
 Model size: at P = 2 and M = 8 the 1F1B bubble is 1/9 of the step, and the
 simulator (bench_stage_ops, ``plain``) gives zero-bubble schedules only 5-8%
-(zb-h1, zb-h2) to 12-17% (zbv) over 1F1B even with a free B/W split. The split
+(zb-h1, zb-h2) to 8-12% (zbv) over 1F1B even with a free B/W split. The split
 must therefore cost about what a fused backward does, i.e. each op must be
 large against the runtime's fixed cost per op (Python between kernels,
 autograd bookkeeping, W re-reading its operands from memory). The default
-``--seq-len 128`` (512 tokens per microbatch, ops of 5-20 ms on one core) is
-where that roughly holds here (split F and B + W within 5-15% of plain
-autograd); at 32 (128 tokens, ops of 1.5-6 ms) they are 5-15% and 15-20% over,
-which cancels the bubble gain (see bench_stage_ops at both sizes).
+``--seq-len 128`` (512 tokens per microbatch, ops of 5-25 ms on one core) is
+where that roughly holds here: split F and B + W cost 2-5% and 6-11% more
+than plain autograd, and the simulator puts zb-h1/zb-h2/zbv 1-3% below 1F1B.
+At 32 (128 tokens, ops of 2-8 ms) they cost 4-15% and 15-18% more, and zb-h1
+comes out ~2% slower than 1F1B (see bench_stage_ops at both sizes).
 
     PYTHONPATH=src python bench/bench_runtime.py [--steps 8] [--warmup 2] [--seq-len 128]
 
