@@ -43,8 +43,8 @@ def row(
         "bubble_rate": round(res.bubble_rate, 4),
         "paper_bubble_rate": paper,
         "cost": round(float(res.cost), 3),
-        "peak_memory_MB": round(float(max(res.peak_memory)), 3),
-        "mem_limit_MB": limit,
+        "peak_memory_in_M_B": round(float(max(res.peak_memory)), 3),
+        "mem_limit_in_M_B": limit,
         "generate_s": round(secs, 3),
     }
 

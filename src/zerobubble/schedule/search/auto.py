@@ -22,6 +22,7 @@ schedule; the error names the smallest feasible limit.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 
 from zerobubble.schedule.costs import CostModel, CostSpec, Number
@@ -32,7 +33,7 @@ from zerobubble.schedule.generators.zero_bubble import zb_h1, zb_h2, zbv
 from zerobubble.schedule.ir import Schedule, looped_placement, v_placement
 from zerobubble.schedule.search.graph import ActionGraph, min_feasible_limit
 from zerobubble.schedule.search.greedy import Policy, run_pass
-from zerobubble.schedule.search.refine import Evaluator, refine
+from zerobubble.schedule.search.refine import Evaluator, perturb, refine
 
 #: Grid for one stage per device. Chosen from every combination of the choices
 #: (f_first x f_overrun x w_overrun x inflight in {0, 1, 2}) as the smallest set
@@ -64,6 +65,10 @@ GRID_V: tuple[Policy, ...] = (
 REFINE_STEPS = 3_000_000
 #: The local search runs only if its budget covers this many full simulations.
 REFINE_MIN_RUNS = 200
+#: Restarts of the local search from perturbed best orders, and the simulated actions
+#: they may spend (so they matter on small instances and cost little on large ones).
+KICKS = 60
+KICK_STEPS = 400_000
 
 
 def resolve_costs(
@@ -141,6 +146,20 @@ def auto_schedule(
         )
         budget -= spent
         if c < cost:
+            winner, cost = polished, c
+    # Iterated local search: kick the best orders out of their local optimum with a
+    # few random moves (seeded: the result stays a pure function) and polish again.
+    rng = random.Random(0)
+    kicks = 0
+    budget = min(budget, KICK_STEPS)
+    while polish and budget > 0 and kicks < KICKS:
+        kicks += 1
+        start = perturb(graph, costs, mem_limit, winner, rng, moves=1 + kicks % 4)
+        if start is None:
+            break
+        polished, c, spent = refine(graph, costs, mem_limit, start, max_steps=budget)
+        budget -= spent
+        if c < cost - 1e-12:
             winner, cost = polished, c
     P = max(placement) + 1
     return Schedule(

@@ -13,6 +13,7 @@ move that deadlocks is rejected by the simulation.
 
 from __future__ import annotations
 
+import random
 from bisect import bisect_left
 
 from zerobubble.schedule.costs import CostModel
@@ -210,3 +211,46 @@ def refine(
                 else:
                     i -= 1
     return orders, best[0], spent
+
+
+def perturb(
+    graph: ActionGraph,
+    costs: CostModel,
+    mem_limit: float,
+    orders: list[list[int]],
+    rng: random.Random,
+    moves: int,
+) -> list[list[int]] | None:
+    """``moves`` random legal single-action moves (a kick out of a local optimum).
+
+    Returns None when no runnable perturbation was found; the caller's ``rng``
+    makes the sequence deterministic.
+    """
+    ev = Evaluator(graph, costs)
+    limit = mem_limit + 1e-10 * max(1.0, abs(mem_limit))
+    out = [list(o) for o in orders]
+    done = 0
+    for _ in range(moves * 20):
+        if done == moves:
+            break
+        d = rng.randrange(ev.num_devices)
+        lst = out[d]
+        if len(lst) < 2:
+            continue
+        i = rng.randrange(len(lst))
+        k = min(max(i + rng.choice((-3, -2, -1, 1, 2, 3)), 0), len(lst) - 1)
+        a = lst[i]
+        if k < i and ev.local_pred[a].isdisjoint(lst[k:i]):
+            new = [*lst[:k], a, *lst[k:i], *lst[i + 1 :]]
+        elif k > i and ev.local_succ[a].isdisjoint(lst[i + 1 : k + 1]):
+            new = [*lst[:i], *lst[i + 1 : k + 1], a, *lst[k + 1 :]]
+        else:
+            continue
+        if not ev.fits(new, limit):
+            continue
+        out[d] = new
+        if ev.spans(out) is None:
+            out[d] = lst
+            continue
+        done += 1
+    return out if done else None
