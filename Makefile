@@ -29,8 +29,10 @@ format: $(STAMP)
 	$(BIN)/ruff format src tests bench examples
 	$(BIN)/ruff check --fix src tests bench examples
 
-bench: $(STAMP)
+bench: $(STAMP)  ## schedule-level benchmarks (quick); see bench/ for the runtime ones
 	OMP_NUM_THREADS=1 $(BIN)/python bench/bench_schedules.py
+	OMP_NUM_THREADS=1 $(BIN)/python bench/bench_paper.py
+	OMP_NUM_THREADS=1 $(BIN)/python bench/bench_search_speed.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info src/*.egg-info .pytest_cache
