@@ -27,7 +27,8 @@ from zerobubble.runtime.trace import TRACKS, chrome_trace, gather_traces, read_j
 from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.formats import torch_csv
 from zerobubble.schedule.generators import GENERATORS, generate
-from zerobubble.schedule.ir import Schedule
+from zerobubble.schedule.ir import Op, Schedule
+from zerobubble.schedule.passes import fuse_local_backward
 from zerobubble.schedule.validate import validate
 
 pytestmark = pytest.mark.slow
@@ -132,7 +133,7 @@ def trace_run(rank: int) -> dict:
         pipe.param_version = version
         pipe.step(x, target=y)
     events = gather_traces(pipe.trace)
-    return {"events": events, "schedule": sched}
+    return {"events": events, "schedule": pipe.schedule, "generated": sched}
 
 
 def untracked_chunk_refusal(rank: int) -> str:
@@ -163,6 +164,12 @@ def main_job(p: int) -> dict:
         out["directed"] = check_step(generate("zbv", 2, 3), "gpt", info.rank, directed_groups=True)
         # Untraced: the stages skip tracking saved tensors; same bits.
         out["untraced"] = check_step(generate("zb-h2", 2, 4), "gpt", info.rank, trace=False)
+        # Unfused: every B and W runs split, as the schedule says.
+        out["unfused"] = [
+            check_step(generate(kind, 2, 5), model, info.rank, fuse_local_backward=False)
+            for kind in ("zb-h1", "zbv")
+            for model in ("mlp", "gpt")
+        ]
         out["refused"] = untracked_chunk_refusal(info.rank)
         out["optim"] = [
             bad
@@ -225,6 +232,11 @@ def test_untraced_steps_match_and_untracked_chunks_need_trace_off(p2):
         assert "track_memory=False" in r["refused"] and "trace=False" in r["refused"]
 
 
+def test_unfused_split_backward_matches_too(p2):
+    assert_bitwise([r["unfused"] for r in p2])
+    assert len(p2[0]["unfused"]) == 4
+
+
 def test_sgd_and_adamw_steps_match_the_reference(p2):
     assert [r["optim"] for r in p2] == [[], []]
 
@@ -233,6 +245,9 @@ def test_trace_records_every_action_and_message(p2, tmp_path):
     events = p2[0]["trace"]["events"]
     assert p2[1]["trace"]["events"] is None  # gathered on rank 0 only
     sched: Schedule = p2[0]["trace"]["schedule"]
+    # What ran is zb-h1 with stage 0's adjacent B/W pairs fused (the default).
+    assert sched == fuse_local_backward(p2[0]["trace"]["generated"])
+    assert {a.op for a in sched.actions[0]} == {Op.F, Op.BW}
     for it, version in ((0, 7), (1, 8)):
         step = [e for e in events if e.iteration == it]
         assert {e.param_version for e in step} == {version}

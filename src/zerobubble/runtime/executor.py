@@ -24,6 +24,7 @@ from torch import nn
 
 from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.comm import P2P, TensorMeta
+from zerobubble.runtime.host_memory import retain_freed_memory
 from zerobubble.runtime.lowering import (
     Compute,
     Instruction,
@@ -44,6 +45,7 @@ from zerobubble.runtime.shapes import ShapeMismatchError, negotiate
 from zerobubble.runtime.trace import Trace, TraceEvent, sync_epoch
 from zerobubble.runtime.wire import Header, pack, packed_meta, unpack
 from zerobubble.schedule.ir import Action, Op, Schedule
+from zerobubble.schedule.passes import fuse_local_backward
 from zerobubble.schedule.validate import validate
 
 
@@ -80,6 +82,20 @@ class ExecutorOptions:
     then carry a version header (:mod:`~zerobubble.runtime.wire`). A schedule whose
     ranks cannot reach their gates on pre-gate work alone is refused."""
 
+    fuse_local_backward: bool = True
+    """Run a B immediately followed by its own W as one BW where no other device waits
+    for that B (stage 0, or a stage whose upstream neighbour shares the device; see
+    :func:`~zerobubble.schedule.passes.fuse_local_backward`). Every order and
+    cross-device dependency stays the same; one ordinary backward is cheaper than B
+    plus W. :attr:`PipelineExecutor.schedule` and the trace then show BW: turn it off
+    to measure B and W of every stage (profiling)."""
+
+    retain_host_memory: bool | None = None
+    """Keep freed host memory in the process for reuse instead of returning it to the
+    OS (glibc ``mallopt``, see :mod:`~zerobubble.runtime.host_memory`): a step then
+    does not page-fault its activations back in. Process-wide and permanent; resident
+    memory stays near its peak. None turns it on when the stages run on the CPU."""
+
     def __post_init__(self) -> None:
         if not self.comm_timeout_s > 0:
             raise ValueError(f"comm_timeout_s must be > 0 seconds, got {self.comm_timeout_s}")
@@ -92,7 +108,8 @@ class PipelineExecutor:
 
     Args:
         schedule: The compute schedule; validated here, so an invalid one is refused
-            with the validator's message before any compute.
+            with the validator's message before any compute. What runs is
+            :attr:`schedule`, after the passes the options ask for.
         stages: This rank's virtual stages, ``stage -> nn.Module`` (wrapped in a
             :class:`StageChunk`, B/W-split where the schedule splits that stage's
             backward) or ready :class:`StageChunk` objects. Must be exactly the stages the schedule
@@ -103,6 +120,8 @@ class PipelineExecutor:
         options: See :class:`ExecutorOptions`.
 
     Attributes:
+        schedule: The schedule this executor runs (``schedule`` after
+            :attr:`ExecutorOptions.fuse_local_backward`).
         param_version: Parameter version recorded in the trace; the optimizer layer bumps it.
         iteration: Number of completed steps.
         trace: The :class:`Trace` of this rank (events of all steps until cleared).
@@ -120,9 +139,14 @@ class PipelineExecutor:
     ) -> None:
         validate(schedule)
         self.options = options or ExecutorOptions()
+        if self.options.fuse_local_backward:
+            schedule = fuse_local_backward(schedule)
         self.schedule = schedule
         self.group = group
         self.device = torch.device(device or "cpu")
+        retain = self.options.retain_host_memory
+        if retain or (retain is None and self.device.type == "cpu"):
+            retain_freed_memory()
         self.rank = dist.get_rank(group)
         world = dist.get_world_size(group)
         if world != schedule.num_devices:

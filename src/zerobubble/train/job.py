@@ -293,7 +293,9 @@ def _broadcast(obj):
 
 
 def _options(cfg: TrainConfig) -> ExecutorOptions:
-    return ExecutorOptions(comm_timeout_s=cfg.comm_timeout_s)
+    # Unfused: the profile needs B and W of every stage, and each schedule runs
+    # (and is simulated) exactly as planned.
+    return ExecutorOptions(comm_timeout_s=cfg.comm_timeout_s, fuse_local_backward=False)
 
 
 def _measure_cut(ctx: _Ctx, layers: list[nn.Module], cut: tuple[int, ...]) -> tuple[float, ...]:
