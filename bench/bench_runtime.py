@@ -11,6 +11,13 @@ each rank's median process CPU time per step (compute plus communication
 threads): on a machine whose cores are shared, wall time also counts waiting
 for a core, and only a quiet machine shows the schedules' bubbles.
 
+Ours run with the executor's defaults: a B immediately followed by its own W
+where no other device waits for it runs as one BW (stage 0 of zb-h1/zb-h2, the
+local hand-over of zbv), and CPU executors keep freed host memory, which
+process-wide also serves PyTorch's runs here. Before those two, zb-h1, zb-h2
+and zbv were 1.5-7% slower than our 1f1b: each step page-faulted thousands of
+activation pages back in, and stage 0 paid for a split it did not need.
+
 Model size: at P = 2 and M = 8 the 1F1B bubble is 1/9 of the step, and the
 simulator (bench_stage_ops, ``plain``) gives zero-bubble schedules only 5-8%
 (zb-h1, zb-h2) to 8-12% (zbv) over 1F1B even with a free B/W split. The split

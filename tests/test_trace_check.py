@@ -22,19 +22,39 @@ from zerobubble.profile.bubbles import analyze_iteration
 from zerobubble.profile.costs_file import Profile
 from zerobubble.profile.stages import boundary_pairs, p2p_latency, stage_profile
 from zerobubble.runtime.clocks import clock_offsets
-from zerobubble.runtime.executor import PipelineExecutor
+from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.launcher import init_distributed, launch
 from zerobubble.runtime.partition import build_stage_modules
 from zerobubble.runtime.trace import COMPUTE_OPS, TraceEvent, gather_traces, write_jsonl
 from zerobubble.runtime.trace_check import check_trace, load_trace
 from zerobubble.schedule.costs import load_costs_file
 from zerobubble.schedule.generators import GENERATORS, generate
+from zerobubble.schedule.ir import Schedule
+from zerobubble.schedule.passes import fuse_local_backward
 from zerobubble.schedule.validate import validate
-from zerobubble.train.job import plan_schedule
+from zerobubble.train.job import executed_costs, plan_schedule
 
 pytestmark = pytest.mark.slow
 
 M = 4
+
+
+def traced_run(sched: Schedule, rank: int, **opts) -> list[TraceEvent] | None:
+    """Two steps of ``sched`` with an optimizer step recorded after each; rank 0's gather."""
+    layers = list(build_mlp([6] * (sched.num_stages + 2), seed=0))
+    pipe = PipelineExecutor(
+        sched,
+        build_stage_modules(layers, sched, rank),
+        loss_fn=mlp_loss,
+        options=ExecutorOptions(**opts),
+    )
+    opt = torch.optim.SGD([p for c in pipe.chunks.values() for p in c.module.parameters()], 0.1)
+    trainer = PipelineTrainer(pipe, opt, OptimConfig(max_norm=1.0))  # records opt_* events
+    gen_ = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 6, generator=gen_), torch.randn(8, 6, generator=gen_)
+    for _ in range(2):
+        trainer.step(x, target=y)
+    return gather_traces(pipe.trace)
 
 
 def kinds_job() -> dict:
@@ -42,17 +62,11 @@ def kinds_job() -> dict:
     out: dict = {"traces": {}}
     for kind, gen in GENERATORS.items():
         sched = generate(kind, 2, M, **({"chunks": 2} if "chunks" in gen.options else {}))
-        layers = list(build_mlp([6] * (sched.num_stages + 2), seed=0))
-        pipe = PipelineExecutor(
-            sched, build_stage_modules(layers, sched, info.rank), loss_fn=mlp_loss
-        )
-        opt = torch.optim.SGD([p for c in pipe.chunks.values() for p in c.module.parameters()], 0.1)
-        trainer = PipelineTrainer(pipe, opt, OptimConfig(max_norm=1.0))  # records opt_* events
-        gen_ = torch.Generator().manual_seed(0)
-        x, y = torch.randn(8, 6, generator=gen_), torch.randn(8, 6, generator=gen_)
-        for _ in range(2):
-            trainer.step(x, target=y)
-        out["traces"][kind] = (sched, gather_traces(pipe.trace))
+        out["traces"][kind] = (sched, traced_run(sched, info.rank))
+    # ZB-H1 with every B and W split (no fusion): what a profile is taken from, and
+    # the trace the violation tests edit (both ranks run B and W).
+    sched = generate("zb-h1", 2, M)
+    out["split"] = (sched, traced_run(sched, info.rank, fuse_local_backward=False))
     out["latency"] = p2p_latency([(0, 1)], 4096, iters=3, warmup=1)
     dist.destroy_process_group()
     return out
@@ -65,7 +79,7 @@ def job():
 
 @pytest.fixture
 def zbh1(job) -> list[TraceEvent]:
-    return list(job["traces"]["zb-h1"][1])
+    return list(job["split"][1])
 
 
 def test_every_kind_passes_and_its_idle_time_decomposes_exactly(job):
@@ -261,7 +275,7 @@ def test_cli_accepts_a_real_trace_and_rejects_garbage(job, tmp_path, capsys):
 
 
 def test_profile_json_loads_as_costs_and_drives_the_planner(job, tmp_path):
-    sched, split_events = job["traces"]["zb-h1"]
+    sched, split_events = job["split"]
     _, fused_events = job["traces"]["1f1b"]
     split = stage_profile(split_events, 2, skip_iterations=1)
     fused = stage_profile(fused_events, 2, skip_iterations=1)
@@ -301,6 +315,19 @@ def test_profile_json_loads_as_costs_and_drives_the_planner(job, tmp_path):
         for bw, w in zip(eff(fused, "BW", fused.bw), eff(split, "W", split.w), strict=True)
     )
     assert fused_model.f == tuple(eff(fused, "F", fused.f))
+    # A schedule as the executor runs it: stage 0 of ZB-H1 fused takes the unsplit
+    # run's costs, stage 1 the split run's; 1F1B all unsplit, ZB-H1 unfused all split.
+    ran = executed_costs(prof, fuse_local_backward(generate("zb-h1", 2, 8)))
+    parts = prof.cost_model()
+    assert (ran.f, ran.b, ran.w, ran.mem_f, ran.mem_w) == (
+        (fused_model.f[0], parts.f[1]),
+        (fused_model.b[0], parts.b[1]),
+        (fused_model.w[0], parts.w[1]),
+        (fused_model.mem_f[0], parts.mem_f[1]),
+        (fused_model.mem_w[0], parts.mem_w[1]),
+    )
+    assert executed_costs(prof, generate("1f1b", 2, 8)) == fused_model
+    assert executed_costs(prof, generate("zb-h1", 2, 8)) == parts
 
 
 # ---- optimizer commits -----------------------------------------------------------------------

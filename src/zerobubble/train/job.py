@@ -13,7 +13,9 @@ Phases, in lock step on all ranks (rank 0 analyses and reports):
    the profile and sends the schedule to all ranks.
 4. **Train.** 1F1B, ZB-H1 and the plan take turns, step by step, so that a
    drifting machine load hits all three alike; these steps are the figures
-   compared. The plan's trace is saved and checked.
+   compared. They run as the executor does by default, with B/W pairs that
+   delay no one fused into BW (profiling runs every B and W split). The
+   plan's trace is saved and checked.
 
 Every step trains the same model with one AdamW optimizer behind
 :mod:`zerobubble.optim`'s synchronous step (global grad-norm clipping,
@@ -51,7 +53,8 @@ from zerobubble.runtime.trace import TraceEvent, gather_traces, write_chrome_tra
 from zerobubble.runtime.trace_check import TraceReport, check_trace
 from zerobubble.schedule.costs import CostModel, CostSpec
 from zerobubble.schedule.generators import generate, one_f_one_b
-from zerobubble.schedule.ir import Schedule
+from zerobubble.schedule.ir import Op, Schedule
+from zerobubble.schedule.passes import fuse_local_backward
 from zerobubble.schedule.simulate import SimResult, simulate
 from zerobubble.schedule.validate import validate
 from zerobubble.train.config import TrainConfig
@@ -273,9 +276,12 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     profile, mem_limit, planned, kind = _broadcast(plan)
     ctx.say(f"planned with {kind} under a memory limit of {mem_limit / 2**20:.2f} MiB per device")
 
-    # 4. Train: the three schedules take turns, so that load drifts hit them alike.
+    # 4. Train: the three schedules take turns, so that load drifts hit them alike,
+    # now with the executor's B/W fusion.
     if not cfg.profile_only:
-        phases.append(_phase(ctx, planned, chunks, opt, name=kind, planned=True))
+        zbh1 = _phase(ctx, phases[1].schedule, chunks, opt, fuse=True)
+        plan_ph = _phase(ctx, planned, chunks, opt, name=kind, planned=True, fuse=True)
+        phases = [phases[0], zbh1, plan_ph]
         _rotate(ctx, phases, cfg.warmup + cfg.steps, measure=True)
         for ph in phases:
             ph.events = gather_traces(ph.pipe.trace) or []
@@ -292,10 +298,9 @@ def _broadcast(obj):
     return box[0]
 
 
-def _options(cfg: TrainConfig) -> ExecutorOptions:
-    # Unfused: the profile needs B and W of every stage, and each schedule runs
-    # (and is simulated) exactly as planned.
-    return ExecutorOptions(comm_timeout_s=cfg.comm_timeout_s, fuse_local_backward=False)
+def _options(cfg: TrainConfig, *, fuse: bool = False) -> ExecutorOptions:
+    # Unfused unless asked: a profile needs B and W of every stage.
+    return ExecutorOptions(comm_timeout_s=cfg.comm_timeout_s, fuse_local_backward=fuse)
 
 
 def _measure_cut(ctx: _Ctx, layers: list[nn.Module], cut: tuple[int, ...]) -> tuple[float, ...]:
@@ -361,11 +366,15 @@ def _phase(
     *,
     name: str | None = None,
     planned: bool = False,
+    fuse: bool = False,
 ) -> _Phase:
     """An executor of ``sched`` on the shared chunks, and its trainer (the synchronous
-    optimizer step: global grad-norm clipping, non-finite steps skipped)."""
-    mine = chunks[sched.uses_split_backward]
-    pipe = PipelineExecutor(sched, mine, device=ctx.device, options=_options(ctx.cfg))
+    optimizer step: global grad-norm clipping, non-finite steps skipped). With
+    ``fuse``, stages whose every B/W pair the executor fuses get unsplit chunks."""
+    ran = fuse_local_backward(sched) if fuse else sched
+    split = _split_stages(ran)
+    mine = {s: chunks[s in split][s] for s in chunks[True]}
+    pipe = PipelineExecutor(sched, mine, device=ctx.device, options=_options(ctx.cfg, fuse=fuse))
     trainer = PipelineTrainer(pipe, opt, OptimConfig(max_norm=ctx.cfg.grad_clip))
     return _Phase(name or sched.name, sched, planned, pipe, trainer)
 
@@ -498,18 +507,45 @@ def _report(
 
 
 def _analyze(ph: _Phase, profile: Profile, mem_limit: int) -> PhaseResult:
-    """Figures of the measured iterations; the prediction simulates the schedule with the
-    profile (the unsplit run's costs for schedules without B/W split)."""
+    """Figures of the measured iterations; the prediction simulates the schedule as it
+    ran with the profile (see :func:`executed_costs`)."""
     iters = sorted({e.iteration for e in ph.events if e.iteration >= ph.measure_from})
     bubbles = tuple(analyze_iteration(ph.events, k, mem_budget=mem_limit) for k in iters)
-    fused = not ph.schedule.uses_split_backward
+    ran = ph.pipe.schedule
     return PhaseResult(
         ph.name,
-        ph.schedule,
+        ran,
         ph.planned,
         tuple(ph.step_s),
         tuple(ph.pipe_s),
         tuple(ph.losses),
         bubbles,
-        simulate(ph.schedule, profile.cost_model(fused=fused)),
+        simulate(ran, executed_costs(profile, ran)),
+    )
+
+
+def _split_stages(sched: Schedule) -> set[int]:
+    """Stages with a split B (their chunk must split the backward to gain from it)."""
+    return {a.stage for acts in sched.actions for a in acts if a.op is Op.B}
+
+
+def executed_costs(profile: Profile, sched: Schedule) -> CostModel:
+    """Per-stage costs of ``sched`` as executed: a stage that runs a split B takes the
+    split run's F, B, W; the others (1F1B, stages whose B/W pairs were all fused) the
+    unsplit run's F and BW."""
+    split = _split_stages(sched)
+    if len(split) == sched.num_stages:
+        return profile.cost_model()
+    whole = profile.cost_model(fused=True)
+    if not split:
+        return whole
+    parts = profile.cost_model()
+    pick = [parts if s in split else whole for s in range(sched.num_stages)]
+    return CostModel.per_stage(
+        f=[m.f[s] for s, m in enumerate(pick)],
+        b=[m.b[s] for s, m in enumerate(pick)],
+        w=[m.w[s] for s, m in enumerate(pick)],
+        comm=parts.comm,
+        mem_f=[m.mem_f[s] for s, m in enumerate(pick)],
+        mem_w=[m.mem_w[s] for s, m in enumerate(pick)],
     )
