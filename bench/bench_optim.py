@@ -81,7 +81,9 @@ def build(kind: str, mode: str, rank: int, trace: bool = False) -> PipelineTrain
     cfg = MODES[mode]
     sched = generate(kind, P, M)
     layers = build_mlp([WIDTH] * (LAYERS + 1), seed=0)
-    options = ExecutorOptions(trace=trace, replay_gate=cfg.speculative)
+    # Unfused: the profile needs B and W of every stage, and the prediction
+    # simulates the schedule as generated.
+    options = ExecutorOptions(trace=trace, replay_gate=cfg.speculative, fuse_local_backward=False)
     pipe = PipelineExecutor(
         sched, build_stage_modules(layers, sched, rank), loss_fn=mlp_loss, options=options
     )

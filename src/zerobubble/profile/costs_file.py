@@ -75,7 +75,8 @@ class Profile:
         if gaps:
             raise ValueError(
                 f"stages {gaps} have no measured B and W: profile a schedule that splits the "
-                "backward (e.g. zb-h1) so both passes are timed"
+                "backward (e.g. zb-h1) with ExecutorOptions(fuse_local_backward=False), so "
+                "both passes of every stage are timed"
             )
         w = _costs(st, "W", st.w)
         if not fused:
