@@ -30,9 +30,13 @@ than plain autograd, and the simulator puts zb-h1/zb-h2/zbv 1-3% below 1F1B.
 At 32 (128 tokens, ops of 2-8 ms) they cost 4-15% and 15-18% more, and zb-h1
 comes out ~2% slower than 1F1B (see bench_stage_ops at both sizes).
 
-    PYTHONPATH=src python bench/bench_runtime.py [--steps 8] [--warmup 2] [--seq-len 128]
+    PYTHONPATH=src python bench/bench_runtime.py [--steps 32] [--warmup 2] [--seq-len 128]
 
-Figures on a shared or loaded machine are noisy; compare on a quiet one.
+Figures on a shared or loaded machine are noisy; compare on a quiet one. Even
+on a quiet one single steps here spread by 6-13% (``quartiles_ms``), so the
+median of 16 steps moves by about 3% from run to run: as much as the gain
+the simulator predicts for zero-bubble schedules at this size (2-5%). Hence 32
+steps by default, and several runs before concluding.
 """
 
 from __future__ import annotations
@@ -142,14 +146,19 @@ def _median(times: list[float]) -> float:
 
 
 def _summary(times: list[float]) -> dict:
-    return {"median_ms": _median(times), "steps_ms": [round(t, 2) for t in times]}
+    q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
+    return {
+        "median_ms": _median(times),
+        "quartiles_ms": [round(q1, 2), round(q3, 2)],
+        "steps_ms": [round(t, 2) for t in times],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description="runtime step time: ours vs torch.distributed.pipelining"
     )
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per schedule")
+    parser.add_argument("--steps", type=int, default=32, help="timed steps per schedule")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument(
         "--seq-len", type=int, default=SEQ_LEN, help="tokens per sequence (see the docstring)"
