@@ -180,15 +180,8 @@ def _costs(
     """Per-stage costs of ``impl``; with ``split``, the stages in ``unsplit`` (those the
     executor's fusion leaves without any B) take the unsplit chunk's F and BW."""
     if impl == "split" and unsplit:
-        split = _costs(per_stage, "split", comm)
         whole = _costs(per_stage, "unsplit", comm)
-        pick = [whole if s in unsplit else split for s in range(len(per_stage))]
-        return CostModel(
-            f=[c.f[s] for s, c in enumerate(pick)],
-            b=[c.b[s] for s, c in enumerate(pick)],
-            w=[c.w[s] for s, c in enumerate(pick)],
-            comm=comm,
-        )
+        return _costs(per_stage, "split", comm).with_stages_from(whole, unsplit)
     if impl == "unsplit":
         f = [s["unsplit"]["F"] for s in per_stage]
         return CostModel(

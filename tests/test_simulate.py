@@ -101,3 +101,14 @@ def test_makespan_vs_cost_for_zb_h2():
     r = simulate(sched, exact_costs(sched))
     assert r.cost == 24 and r.makespan == 27
     assert r.bubble_rate == 0 and r.bubble_rate_makespan == pytest.approx(3 / 27)
+
+
+def test_cost_models_mix_per_stage():
+    a = CostModel.per_stage([1, 2, 3], [4, 5, 6], [7, 8, 9], comm=1, mem_f=[10, 10, 10])
+    b = CostModel.per_stage([11, 12, 13], [14, 15, 16], [0, 0, 0], comm=5, mem_f=[20, 20, 20])
+    m = a.with_stages_from(b, [0, 2])
+    assert (m.f, m.b, m.w, m.comm) == ((11, 2, 13), (14, 5, 16), (0, 8, 0), 1)
+    assert (m.mem_f, m.mem_w) == ((20, 10, 20), (10, 5, 10))
+    assert a.with_stages_from(b, []) == a
+    with pytest.raises(ValueError, match="cannot mix cost models of 3 and 1 stages"):
+        a.with_stages_from(CostModel.per_stage([1], [1], [1]), [0])

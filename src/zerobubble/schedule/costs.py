@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from numbers import Real
 from pathlib import Path
@@ -88,6 +88,24 @@ class CostModel:
     @property
     def num_stages(self) -> int:
         return len(self.f)
+
+    def with_stages_from(self, other: CostModel, stages: Iterable[int]) -> CostModel:
+        """A copy whose ``stages`` take ``other``'s durations and memory (``comm`` stays).
+
+        For a schedule whose stages run differently, e.g. some with the backward
+        split and some fused: each stage is costed by what it runs.
+        """
+        if other.num_stages != self.num_stages:
+            raise ValueError(
+                f"cannot mix cost models of {self.num_stages} and {other.num_stages} stages"
+            )
+        take = set(stages)
+
+        def pick(name: str) -> tuple[Number, ...]:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            return tuple(theirs[s] if s in take else x for s, x in enumerate(mine))
+
+        return replace(self, **{n: pick(n) for n in ("f", "b", "w", "mem_f", "mem_w")})
 
     def duration(self, op: Op, stage: int) -> Number:
         """How long ``op`` takes on virtual stage ``stage``."""

@@ -535,17 +535,8 @@ def executed_costs(profile: Profile, sched: Schedule) -> CostModel:
     unsplit run's F and BW."""
     split = _split_stages(sched)
     if len(split) == sched.num_stages:
-        return profile.cost_model()
+        return profile.cost_model()  # needs no unsplit run
     whole = profile.cost_model(fused=True)
     if not split:
         return whole
-    parts = profile.cost_model()
-    pick = [parts if s in split else whole for s in range(sched.num_stages)]
-    return CostModel.per_stage(
-        f=[m.f[s] for s, m in enumerate(pick)],
-        b=[m.b[s] for s, m in enumerate(pick)],
-        w=[m.w[s] for s, m in enumerate(pick)],
-        comm=parts.comm,
-        mem_f=[m.mem_f[s] for s, m in enumerate(pick)],
-        mem_w=[m.mem_w[s] for s, m in enumerate(pick)],
-    )
+    return profile.cost_model().with_stages_from(whole, set(range(sched.num_stages)) - split)
