@@ -168,23 +168,19 @@ def _times(
         d = runnable.pop()
         g, stop, t_dev = head[d], offsets[d + 1], clock[d]
         while g < stop:
-            t = t_dev
-            x = dep1[g]
-            if x >= 0:
+            t, waiting = t_dev, -1
+            for x in (dep1[g], dep2[g]):
+                if x < 0:
+                    continue
                 if not done[x]:
-                    parked.setdefault(x, []).append(d)
+                    waiting = x
                     break
                 r = end[x] + comm if device[x] != d else end[x]
                 if r > t:
                     t = r
-            x = dep2[g]
-            if x >= 0:
-                if not done[x]:
-                    parked.setdefault(x, []).append(d)
-                    break
-                r = end[x] + comm if device[x] != d else end[x]
-                if r > t:
-                    t = r
+            if waiting >= 0:
+                parked.setdefault(waiting, []).append(d)
+                break
             start[g] = t
             t_dev = end[g] = t + dur[g]
             done[g] = 1
