@@ -1,0 +1,121 @@
+"""Pipeline-parallel training for PyTorch with zero-bubble schedules.
+
+The public API, all importable from ``zerobubble``:
+
+* schedules (no torch): :class:`Schedule`, :class:`Action`, :class:`Op`,
+  :func:`generate` (every kind in :data:`GENERATORS`), :func:`validate` (raises
+  :class:`ScheduleError`), :func:`simulate` (a :class:`SimResult`) under a
+  :class:`CostModel`, :func:`load_schedule` / :func:`save_schedule`;
+* running them, one process per device: :class:`Pipeline` (layers + loss ->
+  this rank's stages, trained step by step), or its parts
+  :func:`build_stage_modules` / :func:`stage_bounds`, :class:`PipelineExecutor`
+  with :class:`ExecutorOptions`, and :func:`reference_step`, the single-process
+  result a pipeline reproduces bitwise;
+* optimizer semantics: :class:`PipelineTrainer` under an :class:`OptimConfig`
+  (:class:`StepMode`, :class:`Rollback`), :func:`save_checkpoint` /
+  :func:`load_checkpoint`;
+* processes: :func:`init_distributed` (inside each rank) and :func:`launch_local`
+  (``launch_local(fn, P, *args)`` runs ``fn`` as P local ranks; for scripts use
+  ``python -m zerobubble.launch -n P script.py`` or ``torchrun``).
+
+Names are imported on first use, so ``import zerobubble`` and the schedule names
+do not import torch (the torch-free command-line paths stay fast).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from zerobubble.optim.checkpoint import load_checkpoint, save_checkpoint
+    from zerobubble.optim.config import OptimConfig, Rollback, StepMode
+    from zerobubble.optim.trainer import PipelineTrainer
+    from zerobubble.pipeline import Pipeline
+    from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+    from zerobubble.runtime.launcher import DistInfo, init_distributed
+    from zerobubble.runtime.launcher import launch as launch_local
+    from zerobubble.runtime.partition import build_stage_modules, stage_bounds
+    from zerobubble.runtime.reference import reference_step
+    from zerobubble.schedule.costs import CostModel
+    from zerobubble.schedule.errors import ScheduleError
+    from zerobubble.schedule.formats import load_schedule, save_schedule
+    from zerobubble.schedule.generators import GENERATORS, generate
+    from zerobubble.schedule.ir import Action, Op, Schedule
+    from zerobubble.schedule.simulate import SimResult, simulate
+    from zerobubble.schedule.validate import validate
+
+_WHERE: dict[str, tuple[str, str]] = {
+    # schedule layer (torch-free)
+    "Action": ("zerobubble.schedule.ir", "Action"),
+    "CostModel": ("zerobubble.schedule.costs", "CostModel"),
+    "GENERATORS": ("zerobubble.schedule.generators", "GENERATORS"),
+    "Op": ("zerobubble.schedule.ir", "Op"),
+    "Schedule": ("zerobubble.schedule.ir", "Schedule"),
+    "ScheduleError": ("zerobubble.schedule.errors", "ScheduleError"),
+    "SimResult": ("zerobubble.schedule.simulate", "SimResult"),
+    "generate": ("zerobubble.schedule.generators", "generate"),
+    "load_schedule": ("zerobubble.schedule.formats", "load_schedule"),
+    "save_schedule": ("zerobubble.schedule.formats", "save_schedule"),
+    "simulate": ("zerobubble.schedule.simulate", "simulate"),
+    "validate": ("zerobubble.schedule.validate", "validate"),
+    # processes (the launcher imports torch only inside init_distributed)
+    "DistInfo": ("zerobubble.runtime.launcher", "DistInfo"),
+    "init_distributed": ("zerobubble.runtime.launcher", "init_distributed"),
+    "launch_local": ("zerobubble.runtime.launcher", "launch"),
+    # torch-backed
+    "ExecutorOptions": ("zerobubble.runtime.executor", "ExecutorOptions"),
+    "OptimConfig": ("zerobubble.optim.config", "OptimConfig"),
+    "Pipeline": ("zerobubble.pipeline", "Pipeline"),
+    "PipelineExecutor": ("zerobubble.runtime.executor", "PipelineExecutor"),
+    "PipelineTrainer": ("zerobubble.optim.trainer", "PipelineTrainer"),
+    "Rollback": ("zerobubble.optim.config", "Rollback"),
+    "StepMode": ("zerobubble.optim.config", "StepMode"),
+    "build_stage_modules": ("zerobubble.runtime.partition", "build_stage_modules"),
+    "load_checkpoint": ("zerobubble.optim.checkpoint", "load_checkpoint"),
+    "reference_step": ("zerobubble.runtime.reference", "reference_step"),
+    "save_checkpoint": ("zerobubble.optim.checkpoint", "save_checkpoint"),
+    "stage_bounds": ("zerobubble.runtime.partition", "stage_bounds"),
+}
+
+__all__ = [
+    "GENERATORS",
+    "Action",
+    "CostModel",
+    "DistInfo",
+    "ExecutorOptions",
+    "Op",
+    "OptimConfig",
+    "Pipeline",
+    "PipelineExecutor",
+    "PipelineTrainer",
+    "Rollback",
+    "Schedule",
+    "ScheduleError",
+    "SimResult",
+    "StepMode",
+    "build_stage_modules",
+    "generate",
+    "init_distributed",
+    "launch_local",
+    "load_checkpoint",
+    "load_schedule",
+    "reference_step",
+    "save_checkpoint",
+    "save_schedule",
+    "simulate",
+    "stage_bounds",
+    "validate",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name on first use (PEP 562); Python caches the module itself."""
+    if name not in _WHERE:
+        raise AttributeError(f"module 'zerobubble' has no attribute {name!r}")
+    module, attr = _WHERE[name]
+    return getattr(importlib.import_module(module), attr)
+
+
+def __dir__() -> list[str]:
+    return list(__all__)

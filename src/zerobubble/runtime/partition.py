@@ -3,6 +3,11 @@
 Stage ``s`` gets a contiguous slice of layers in model order. Each rank builds
 only the stages the schedule places on it, so a rank never holds (or, with a
 layer factory, never even constructs) the layers of other ranks.
+
+A stage module names its parameters ``"<index in the stage>.<name>"``;
+:func:`layer_keys` and :func:`model_name` give them back the names they had in
+the user's model (``"3.attn.qkv.weight"``), so parameters, gradients and state
+dicts can be matched against the unpipelined model.
 """
 
 from __future__ import annotations
@@ -70,6 +75,42 @@ def stage_bounds(
                     f"layers (b_{s} = {edges[s]}, b_{s + 1} = {edges[s + 1]})"
                 )
     return tuple(range(edges[s], edges[s + 1]) for s in range(num_stages))
+
+
+def layer_keys(source: LayerSource, num_layers: int | None = None) -> tuple[str, ...]:
+    """The name of every layer in the user's model, in order.
+
+    The keys of an ``nn.Sequential`` or ``nn.ModuleList`` (``"0"``, ``"1"``, ... or the
+    names of an ``OrderedDict``-built Sequential), else the index as a string (a list,
+    or a factory, which needs ``num_layers``). A layer that appears twice keeps both
+    of its keys.
+    """
+    if isinstance(source, nn.Sequential | nn.ModuleList):
+        # Not named_children(): it skips a module at its second place.
+        keys = tuple(source._modules)
+    elif isinstance(source, Sequence):
+        keys = tuple(str(i) for i in range(len(source)))
+    elif num_layers is None:
+        raise ValueError("a layer factory needs num_layers (how many layers the model has)")
+    else:
+        keys = tuple(str(i) for i in range(num_layers))
+    if num_layers is not None and num_layers != len(keys):
+        raise ValueError(f"num_layers={num_layers} but the model has {len(keys)} layers")
+    return keys
+
+
+def model_name(stage_name: str, keys: Sequence[str]) -> str:
+    """A stage module's parameter or buffer name as the user's model spells it.
+
+    ``stage_name`` is ``"<i>.<rest>"`` as ``nn.Sequential`` names the ``i``-th layer
+    of the stage; ``keys`` are the stage's layer keys (its slice of :func:`layer_keys`).
+    """
+    local, dot, rest = stage_name.partition(".")
+    if not (dot and local.isdigit() and int(local) < len(keys)):
+        raise ValueError(
+            f"{stage_name!r} is not '<layer index>.<name>' of a stage with {len(keys)} layers"
+        )
+    return f"{keys[int(local)]}.{rest}"
 
 
 def build_stage_modules(

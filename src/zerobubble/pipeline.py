@@ -1,0 +1,262 @@
+"""One object for one rank's part of a pipelined model: the front door of the runtime.
+
+``Pipeline(layers, loss_fn, schedule)`` cuts the layers into the schedule's
+stages, keeps this rank's, and runs them with a
+:class:`~zerobubble.runtime.executor.PipelineExecutor`; after
+:meth:`Pipeline.set_optimizer` every :meth:`Pipeline.step` is a whole training
+iteration through a :class:`~zerobubble.optim.trainer.PipelineTrainer`, which
+owns zero_grad, clipping, NaN/Inf skipping, the optimizer step and the
+parameter version. Parameters and state dicts carry the names they have in the
+user's model, so they can be compared with, loaded from and saved for the
+unpipelined model.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from zerobubble.optim.config import OptimConfig
+from zerobubble.optim.trainer import PipelineTrainer
+from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.runtime.partition import (
+    LayerSource,
+    build_stage_modules,
+    layer_keys,
+    model_name,
+    stage_bounds,
+)
+from zerobubble.schedule.generators import generate
+from zerobubble.schedule.ir import Schedule
+
+__all__ = ["Pipeline"]
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+class Pipeline:
+    """This rank's stages of a model, ready to train with a pipeline schedule.
+
+    Args:
+        layers: The model's layers in order: a list, ``nn.Sequential`` or
+            ``nn.ModuleList`` (deep-copied per stage: the caller's model is left
+            untouched), or a factory ``i -> layer i`` (with ``num_layers``) that
+            builds layer ``i`` identically on every rank.
+        loss_fn: ``loss_fn(output, target) -> scalar`` of one microbatch; the
+            batch loss is the microbatches' losses weighted by their sizes.
+        schedule: A :class:`~zerobubble.schedule.ir.Schedule`, or a generator kind
+            (``"zb-h1"``, ...) generated for the group's size and ``microbatches``.
+        microbatches: Microbatches per step; only with a kind.
+        num_layers: Layer count; only with a factory.
+        boundaries: Cut points ``[0, b_1, ..., num_layers]`` (default: equal counts;
+            see :func:`~zerobubble.runtime.partition.stage_bounds`).
+        group: Process group whose rank ``d`` runs device ``d`` (default: the world).
+        device: Where the stages and microbatches live (default: CPU), e.g.
+            :attr:`~zerobubble.runtime.launcher.DistInfo.device`.
+        options: :class:`~zerobubble.runtime.executor.ExecutorOptions`.
+
+    The constructor is collective: every rank of the group builds its Pipeline.
+
+    Attributes:
+        executor: The :class:`PipelineExecutor` (its ``schedule``, ``trace``, ``chunks``).
+        trainer: The :class:`PipelineTrainer` once :meth:`set_optimizer` was called.
+        rank: This process's pipeline rank.
+        schedule: The schedule that runs (after the executor's passes).
+    """
+
+    def __init__(
+        self,
+        layers: LayerSource,
+        loss_fn: LossFn,
+        schedule: Schedule | str,
+        *,
+        microbatches: int | None = None,
+        num_layers: int | None = None,
+        boundaries: Sequence[int] | None = None,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        options: ExecutorOptions | None = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call zerobubble.init_distributed() first "
+                "and start one process per device (python -m zerobubble.launch -n P script.py, "
+                "or torchrun)"
+            )
+        if isinstance(schedule, str):
+            if microbatches is None:
+                raise ValueError(
+                    f"schedule {schedule!r} is a kind: pass microbatches= (per step), or pass a "
+                    "Schedule from zerobubble.generate"
+                )
+            schedule = generate(schedule, dist.get_world_size(group), microbatches)
+        elif microbatches is not None and microbatches != schedule.num_microbatches:
+            raise ValueError(
+                f"microbatches={microbatches} but schedule {schedule.name!r} has "
+                f"{schedule.num_microbatches}; drop microbatches= or generate the schedule for it"
+            )
+        keys = layer_keys(layers, num_layers)
+        rank = dist.get_rank(group)
+        if not 0 <= rank < schedule.num_devices:
+            raise ValueError(
+                f"rank {rank} is not a device of schedule {schedule.name!r} "
+                f"({schedule.num_devices} devices); launch with -n {schedule.num_devices}"
+            )
+        stages = build_stage_modules(
+            layers,
+            schedule,
+            rank,
+            num_layers=len(keys),
+            boundaries=boundaries,
+            device=device,
+        )
+        bounds = stage_bounds(len(keys), schedule.num_stages, boundaries)
+        self._layer_keys = {s: keys[bounds[s].start : bounds[s].stop] for s in stages}
+        self.executor = PipelineExecutor(
+            schedule, stages, loss_fn=loss_fn, group=group, device=device, options=options
+        )
+        self.rank = self.executor.rank
+        self.schedule = self.executor.schedule
+        self.trainer: PipelineTrainer | None = None
+        mine = {
+            s: [model_name(k, self._layer_keys[s]) for k in self._module(s).state_dict()]
+            for s in stages
+        }
+        gathered: list[dict[int, list[str]] | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+        self._holder: dict[str, tuple[int, int]] = {}
+        """state-dict key -> (stage, rank) for the whole model."""
+        for d, part in enumerate(gathered):
+            assert part is not None
+            for s, names in part.items():
+                for name in names:
+                    self._holder.setdefault(name, (s, d))
+
+    def _module(self, stage: int) -> nn.Module:
+        return self.executor.chunks[stage].module
+
+    # ---- training -----------------------------------------------------------------------
+
+    def set_optimizer(
+        self, optimizer: torch.optim.Optimizer, config: OptimConfig | None = None
+    ) -> PipelineTrainer:
+        """Let every :meth:`step` end with ``optimizer``'s step under ``config``'s semantics.
+
+        ``optimizer`` is built over (a subset of) :meth:`parameters`. Collective (the
+        ranks agree on the parameter layout); returns the trainer, for checkpoints.
+        """
+        self.trainer = PipelineTrainer(self.executor, optimizer, config)
+        return self.trainer
+
+    def step(
+        self,
+        x: Tensor | None = None,
+        *,
+        target: Tensor | None = None,
+        losses: list[Tensor] | None = None,
+    ) -> list[Tensor] | None:
+        """Run one iteration on a batch split into the schedule's microbatches.
+
+        ``x`` is used on the rank holding stage 0, ``target`` on the rank holding the
+        last stage (every rank may pass both). With an optimizer (:meth:`set_optimizer`)
+        this is a whole training step: gradients are zeroed first and the optimizer
+        steps at the end; without one, gradients accumulate into ``.grad``, as
+        ``loss.backward()`` does. On the last stage's rank returns the per-microbatch
+        losses (and appends them to ``losses``); elsewhere returns None.
+        """
+        if self.trainer is None:
+            return self.executor.step(x, target=target, losses=losses)
+        out = self.trainer.step(x, target=target)
+        if out is not None and losses is not None:
+            losses.extend(out)
+        return out
+
+    def drain(self) -> None:
+        """Make every rank's newest optimizer step final (post-validation); collective.
+
+        Call it before reading parameters for evaluation or a checkpoint, and at the end.
+        """
+        if self.trainer is not None:
+            self.trainer.drain()
+
+    # ---- parameters and state -----------------------------------------------------------
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters, in model order, named as in the user's model."""
+        seen: set[int] = set()
+        for s in sorted(self.executor.chunks):
+            for name, p in self._module(s).named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield model_name(name, self._layer_keys[s]), p
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters, in model order (for an optimizer)."""
+        for _, p in self.named_parameters():
+            yield p
+
+    def state_dict(self) -> OrderedDict[str, Tensor]:
+        """This rank's part of the model's state dict, keyed as ``model.state_dict()`` is."""
+        out: OrderedDict[str, Tensor] = OrderedDict()
+        for s in sorted(self.executor.chunks):
+            for name, t in self._module(s).state_dict().items():
+                out[model_name(name, self._layer_keys[s])] = t
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True) -> None:
+        """Copy this rank's entries of ``state_dict`` into its stages.
+
+        ``state_dict`` is keyed as the user's model's: the whole model's (each rank
+        takes its own keys) or this rank's part. ``strict``: every key of this rank's
+        stages must be there and every key must belong to some stage of the model;
+        a mismatch raises ValueError naming the keys and the stages holding them.
+        Shapes must match in any case.
+        """
+        unexpected = [k for k in state_dict if k not in self._holder]
+        missing: list[str] = []
+        local: dict[int, dict[str, Tensor]] = {}
+        for s in sorted(self.executor.chunks):
+            own = self._module(s).state_dict()
+            local[s] = {}
+            for name, current in own.items():
+                key = model_name(name, self._layer_keys[s])
+                if key not in state_dict:
+                    missing.append(key)
+                    continue
+                value = state_dict[key]
+                if value.shape != current.shape:
+                    raise ValueError(
+                        f"state dict entry {key!r} has shape {tuple(value.shape)} but stage {s} "
+                        f"(rank {self.rank}) holds it with shape {tuple(current.shape)}"
+                    )
+                local[s][name] = value
+        if strict and (missing or unexpected):
+            raise ValueError(self._mismatch(missing, unexpected))
+        for s, entries in local.items():
+            self._module(s).load_state_dict(entries, strict=strict)
+
+    def _mismatch(self, missing: list[str], unexpected: list[str]) -> str:
+        parts = []
+        if missing:
+            by_stage: dict[int, list[str]] = {}
+            for key in missing:
+                by_stage.setdefault(self._holder[key][0], []).append(key)
+            listed = "; ".join(
+                f"stage {s} (rank {self.rank}): {', '.join(map(repr, keys))}"
+                for s, keys in sorted(by_stage.items())
+            )
+            parts.append(f"missing keys of {listed}")
+        if unexpected:
+            parts.append(
+                f"unexpected keys held by no stage of the model: {', '.join(map(repr, unexpected))}"
+            )
+        return (
+            "load_state_dict: "
+            + "; ".join(parts)
+            + " (keys are the user's model's state_dict keys, e.g. '0.weight'; pass strict=False "
+            "to load a partial state dict)"
+        )

@@ -1,0 +1,236 @@
+"""``import zerobubble``: the public names, torch-free schedule names, and :class:`Pipeline`
+on 3 gloo ranks, bitwise equal to single-process training under the model's own names."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+import zerobubble
+from zerobubble.models import GPTConfig, build_gpt, gpt_loss, mlp_loss
+
+TIMEOUT = 240.0
+SCHEDULE_NAMES = [
+    "Action",
+    "CostModel",
+    "GENERATORS",
+    "Op",
+    "Schedule",
+    "ScheduleError",
+    "SimResult",
+    "generate",
+    "load_schedule",
+    "save_schedule",
+    "simulate",
+    "validate",
+]
+
+
+def test_import_and_schedule_names_leave_torch_out():
+    names = ", ".join(f"zerobubble.{n}" for n in [*SCHEDULE_NAMES, "init_distributed"])
+    code = (
+        f"import sys, zerobubble; {names}; "
+        "s = zerobubble.generate('zb-h1', 3, 4); zerobubble.validate(s); "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_every_public_name_resolves_and_unknown_names_fail():
+    assert set(zerobubble.__all__) == set(zerobubble._WHERE) and "Pipeline" in zerobubble.__all__
+    assert set(SCHEDULE_NAMES) < set(zerobubble.__all__)
+    for name in zerobubble.__all__:
+        assert getattr(zerobubble, name) is not None, name
+    from zerobubble.optim.trainer import PipelineTrainer
+    from zerobubble.runtime.launcher import launch
+
+    assert zerobubble.PipelineTrainer is PipelineTrainer and zerobubble.launch_local is launch
+    assert dir(zerobubble) == sorted(zerobubble.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'Pipelin'"):
+        _ = zerobubble.Pipelin
+
+
+# ---- run inside the ranks ------------------------------------------------------------------
+
+
+def gpt_case(seed: int = 0):
+    cfg = GPTConfig(vocab_size=17, max_seq_len=6, d_model=8, n_heads=2, n_layers=4, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    batches = [
+        (torch.randint(0, 17, (9, 6), generator=gen), torch.randint(0, 17, (9, 6), generator=gen))
+        for _ in range(2)
+    ]
+    return build_gpt(cfg), gpt_loss, batches
+
+
+def named_mlp(seed: int = 0) -> nn.Sequential:
+    """Seven layers with user-chosen names and nested parameters (6 stages of zbv at P=3)."""
+    torch.manual_seed(seed)
+    layers = [("embed", nn.Linear(4, 6))]
+    layers += [(f"block{i}", nn.Sequential(nn.Linear(6, 6), nn.Tanh())) for i in range(5)]
+    layers.append(("head", nn.Linear(6, 3)))
+    return nn.Sequential(OrderedDict(layers))
+
+
+def mlp_case(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed + 1)
+    batches = [
+        (torch.randn(11, 4, generator=gen), torch.randn(11, 3, generator=gen)) for _ in range(2)
+    ]
+    return named_mlp(seed), mlp_loss, batches
+
+
+def train_against_reference(kind: str, case, make_opt, max_norm: float | None) -> dict:
+    """Two optimizer steps through Pipeline and through plain autograd; what differed."""
+    model, loss_fn, batches = case()
+    ref = copy.deepcopy(model)
+    m = 4
+    pipe = zerobubble.Pipeline(model, loss_fn, zerobubble.generate(kind, 3, m))
+    pipe.set_optimizer(make_opt(pipe.parameters()), zerobubble.OptimConfig(max_norm=max_norm))
+    ref_opt = make_opt(ref.parameters())
+    ref_params = dict(ref.named_parameters())
+    bad = []
+    for step, (x, y) in enumerate(batches):
+        losses: list[torch.Tensor] = []
+        returned = pipe.step(x, target=y, losses=losses)
+        ref_losses, _ = zerobubble.reference_step(ref, loss_fn, x, y, m)
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        ref_opt.step()
+        if pipe.executor.has_last:
+            if returned != losses or not all(map(torch.equal, losses, ref_losses)):
+                bad.append(f"{kind} step {step}: losses {losses} != {ref_losses}")
+        elif returned is not None or losses:
+            bad.append(f"{kind} step {step}: rank {pipe.rank} returned losses")
+        for name, p in pipe.named_parameters():
+            ref_grad = ref_params[name].grad  # after clipping, as the trainer leaves it
+            if p.grad is None or not torch.equal(p.grad, ref_grad):
+                bad.append(f"{kind} step {step}: gradient of {name} differs")
+            if not torch.equal(p, ref_params[name]):
+                bad.append(f"{kind} step {step}: parameter {name} differs")
+    pipe.drain()
+    return {
+        "names": [n for n, _ in pipe.named_parameters()],
+        "keys": list(pipe.state_dict()),
+        "bad": bad,
+        "version": pipe.executor.param_version,
+    }
+
+
+def state_dict_checks(rank: int) -> dict:
+    """Save/load keyed by the model's names; strict errors name keys and stages."""
+    model = named_mlp(0)
+    pipe = zerobubble.Pipeline(model, mlp_loss, "zbv", microbatches=3)
+    other = named_mlp(1).state_dict()
+    pipe.load_state_dict(other)  # the whole model's dict: each rank takes its keys
+    bad = [k for k, v in pipe.state_dict().items() if not torch.equal(v, other[k])]
+    own = {k: v.clone() for k, v in pipe.state_dict().items()}
+    pipe.load_state_dict(model.state_dict())
+    pipe.load_state_dict(own)  # this rank's part alone is complete for this rank
+    bad += [k for k, v in pipe.state_dict().items() if not torch.equal(v, own[k])]
+    errors = {}
+    first = next(iter(own))
+    partial = {k: v for k, v in own.items() if k != first}
+    for what, sd in {
+        "missing": partial,
+        "unexpected": {**own, "block9.0.weight": torch.zeros(1)},
+        "shape": {**own, first: torch.zeros(2, 2, 2)},
+    }.items():
+        try:
+            pipe.load_state_dict(sd)
+        except ValueError as e:
+            errors[what] = str(e)
+    pipe.load_state_dict(partial, strict=False)
+    stage_of_first = min(pipe.executor.chunks)
+    try:
+        zerobubble.Pipeline(model, mlp_loss, "zbv")
+    except ValueError as e:
+        errors["kind"] = str(e)
+    return {
+        "bad": bad,
+        "errors": errors,
+        "first": first,
+        "stage": stage_of_first,
+        "stages": sorted(pipe.executor.chunks),
+    }
+
+
+def job() -> dict:
+    info = zerobubble.init_distributed(timeout_s=60)
+
+    def adamw(ps):
+        return torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1)
+
+    def sgd(ps):
+        return torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+
+    out = {
+        "gpt": train_against_reference("zb-h1", gpt_case, adamw, max_norm=0.5),
+        "mlp_v": train_against_reference("zbv", mlp_case, sgd, max_norm=None),
+        "state": state_dict_checks(info.rank),
+    }
+    torch.distributed.destroy_process_group()
+    return out
+
+
+@pytest.fixture(scope="module")
+def p3():
+    return zerobubble.launch_local(job, 3, timeout=TIMEOUT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["gpt", "mlp_v"])
+def test_pipeline_matches_single_process_training_under_model_names(p3, case):
+    full = gpt_case()[0] if case == "gpt" else named_mlp()
+    results = [r[case] for r in p3]
+    assert [b for r in results for b in r["bad"]] == []
+    names = [n for r in results for n in r["names"]]
+    assert sorted(names) == sorted(n for n, _ in full.named_parameters())  # each on one rank
+    keys = [k for r in results for k in r["keys"]]
+    assert sorted(keys) == sorted(full.state_dict())
+    assert all(r["version"] == 2 for r in results)  # the trainer bumped it, twice
+
+
+@pytest.mark.slow
+def test_layers_keep_their_names(p3):
+    # zb-h1 at P=3 over the GPT's 7 layers: [0, 1], [2, 3, 4], [5, 6] (interior stages grow
+    # first); the names are the nn.Sequential's, not "<index in the stage>.<name>".
+    gpt = [r["gpt"]["names"] for r in p3]
+    assert gpt[0][:2] == ["0.tok.weight", "0.pos.weight"]
+    assert gpt[1][0] == "2.ln1.weight" and "3.attn.q.weight" in gpt[1]
+    assert gpt[2][-3:] == ["5.weight", "5.bias", "6.weight"]
+    # zbv at P=3: rank 0 holds stages 0 and 5, i.e. layer "embed" and layer "head".
+    assert p3[0]["mlp_v"]["names"] == ["embed.weight", "embed.bias", "head.weight", "head.bias"]
+    assert p3[1]["mlp_v"]["names"][:2] == ["block0.0.weight", "block0.0.bias"]
+
+
+@pytest.mark.slow
+def test_state_dict_round_trip_and_strict_errors(p3):
+    for rank, r in enumerate(p3):
+        s = r["state"]
+        assert s["bad"] == []
+        first, errors = s["first"], s["errors"]
+        assert errors["missing"] == (
+            f"load_state_dict: missing keys of stage {s['stage']} (rank {rank}): {first!r} "
+            "(keys are the user's model's state_dict keys, e.g. '0.weight'; pass "
+            "strict=False to load a partial state dict)"
+        )
+        assert (
+            "unexpected keys held by no stage of the model: 'block9.0.weight'"
+            in (errors["unexpected"])
+        )
+        assert (
+            f"entry {first!r} has shape (2, 2, 2) but stage {s['stage']} (rank {rank})"
+            in (errors["shape"])
+        )
+        assert "schedule 'zbv' is a kind: pass microbatches=" in errors["kind"]
+    assert p3[0]["state"]["first"] == "embed.weight" and p3[0]["state"]["stages"] == [0, 5]
