@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+from collections import OrderedDict
+
 import pytest
 import torch
 from torch import nn
 
-from zerobubble.runtime.partition import build_stage_modules, stage_bounds
+from zerobubble.runtime.partition import build_stage_modules, layer_keys, model_name, stage_bounds
 from zerobubble.schedule.generators import generate
 
 
@@ -83,3 +86,42 @@ def test_build_errors():
         build_stage_modules(_layers(4), sched, 0, num_layers=3)
     with pytest.raises(ValueError, match="rank 2 is not a device"):
         build_stage_modules(_layers(4), sched, 2)
+
+
+def test_layer_keys_are_the_models_own():
+    shared = nn.Linear(2, 2)
+    named = nn.Sequential(OrderedDict([("embed", nn.Linear(2, 2)), ("a", shared), ("b", shared)]))
+    assert layer_keys(named) == ("embed", "a", "b")  # a layer at two places keeps both keys
+    assert layer_keys(nn.ModuleList(_layers(3))) == ("0", "1", "2")
+    assert layer_keys(_layers(2)) == ("0", "1")
+    assert layer_keys(lambda i: nn.Identity(), 3) == ("0", "1", "2")
+    with pytest.raises(ValueError, match="needs num_layers"):
+        layer_keys(lambda i: nn.Identity())
+    with pytest.raises(ValueError, match="num_layers=3 but the model has 2 layers"):
+        layer_keys(_layers(2), 3)
+
+
+def test_stage_names_map_back_to_the_models_names_on_a_v_placement():
+    """Every parameter of every stage, renamed, is the model's parameter of that name."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)) for _ in range(7)])
+    sched = generate("zbv", 3, 3)  # 6 stages; device 0 holds stages 0 and 5
+    keys = layer_keys(model)
+    bounds = stage_bounds(len(keys), sched.num_stages)
+    ref = dict(model.named_parameters())
+    seen = []
+    for rank in range(3):
+        for s, mod in build_stage_modules(model, sched, rank).items():
+            for name, p in mod.named_parameters():
+                full = model_name(name, keys[bounds[s].start : bounds[s].stop])
+                assert torch.equal(p, ref[full]) and p is not ref[full]
+                seen.append(full)
+    assert sorted(seen) == sorted(ref)
+    assert model_name("0.1.bias", keys[bounds[5].start : bounds[5].stop]) == "6.1.bias"
+
+
+@pytest.mark.parametrize("name", ["weight", "2.weight", "x.weight"])
+def test_model_name_refuses_what_is_not_a_stage_name(name):
+    message = "is not '<layer index>.<name>' of a stage with 2 layers"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        model_name(name, ("4", "5"))
