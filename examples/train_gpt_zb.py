@@ -18,35 +18,27 @@ import time
 
 import torch
 
-from zerobubble.models import GPTConfig, build_gpt, gpt_loss
-from zerobubble.models.corpus import stdlib_corpus
-from zerobubble.runtime.executor import PipelineExecutor
-from zerobubble.runtime.launcher import init_distributed, launch
-from zerobubble.runtime.partition import build_stage_modules
-from zerobubble.schedule.generators import generate
+import zerobubble
+from zerobubble import models
 
 
 def train(steps: int, microbatches: int, batch_size: int) -> None:
-    info = init_distributed()
-    schedule = generate("zb-h1", info.world_size, microbatches)
-    corpus = stdlib_corpus(max_chars=200_000)
-    cfg = GPTConfig(vocab_size=corpus.vocab_size, max_seq_len=32, d_model=32, n_layers=4)
-    stages = build_stage_modules(build_gpt(cfg), schedule, info.rank, device=info.device)
-    pipe = PipelineExecutor(schedule, stages, loss_fn=gpt_loss, device=info.device)
-    params = [p for chunk in pipe.chunks.values() for p in chunk.module.parameters()]
-    opt = torch.optim.AdamW(params, lr=3e-3)
+    info = zerobubble.init_distributed()
+    corpus = models.stdlib_corpus(max_chars=200_000)
+    cfg = models.GPTConfig(vocab_size=corpus.vocab_size, max_seq_len=32, d_model=32, n_layers=4)
+    schedule = zerobubble.generate("zb-h1", info.world_size, microbatches)
+    pipe = zerobubble.Pipeline(models.build_gpt(cfg), models.gpt_loss, schedule, device=info.device)
+    pipe.set_optimizer(torch.optim.AdamW(pipe.parameters(), lr=3e-3))
     data = torch.Generator().manual_seed(0)  # same batches on every rank
     for step in range(steps):
         x, y = corpus.batch(batch_size, cfg.max_seq_len, data)
         start = time.perf_counter()
-        opt.zero_grad()
-        losses = pipe.step(x, target=y)
-        opt.step()
-        pipe.param_version += 1
-        if losses is not None:
+        losses = pipe.step(x, target=y)  # forward, backward and the optimizer step
+        if losses is not None:  # this rank holds the last stage
             loss = torch.stack(losses).mean().item()
             took = time.perf_counter() - start
             print(f"step {step}: loss {loss:.4f} ({took * 1000:.0f} ms)", flush=True)
+    pipe.drain()
     torch.distributed.destroy_process_group()
 
 
@@ -61,7 +53,7 @@ def main() -> None:
     if "RANK" in os.environ:  # started by a launcher: this process is one rank
         train(*job)
     else:
-        launch(train, args.procs, *job, timeout=600)
+        zerobubble.launch_local(train, args.procs, *job, timeout=600)
 
 
 if __name__ == "__main__":

@@ -152,6 +152,10 @@ def state_dict_checks(rank: int) -> dict:
     pipe.load_state_dict(partial, strict=False)
     stage_of_first = min(pipe.executor.chunks)
     try:
+        pipe.set_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    except ValueError as e:
+        errors["optimizer"] = str(e)
+    try:
         zerobubble.Pipeline(model, mlp_loss, "zbv")
     except ValueError as e:
         errors["kind"] = str(e)
@@ -233,4 +237,8 @@ def test_state_dict_round_trip_and_strict_errors(p3):
             in (errors["shape"])
         )
         assert "schedule 'zbv' is a kind: pass microbatches=" in errors["kind"]
+        assert errors["optimizer"] == (
+            f"the optimizer holds 14 parameters that rank {rank}'s stages do not: build it "
+            "from pipe.parameters() (the stages' own copies), not from the model"
+        )
     assert p3[0]["state"]["first"] == "embed.weight" and p3[0]["state"]["stages"] == [0, 5]

@@ -14,6 +14,7 @@ The public API, all importable from ``zerobubble``:
 * optimizer semantics: :class:`PipelineTrainer` under an :class:`OptimConfig`
   (:class:`StepMode`, :class:`Rollback`), :func:`save_checkpoint` /
   :func:`load_checkpoint`;
+* small models to try it on: :mod:`zerobubble.models` (a GPT, an MLP, the stdlib corpus);
 * processes: :func:`init_distributed` (inside each rank) and :func:`launch_local`
   (``launch_local(fn, P, *args)`` runs ``fn`` as P local ranks; for scripts use
   ``python -m zerobubble.launch -n P script.py`` or ``torchrun``).
@@ -28,6 +29,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from zerobubble import models
     from zerobubble.optim.checkpoint import load_checkpoint, save_checkpoint
     from zerobubble.optim.config import OptimConfig, Rollback, StepMode
     from zerobubble.optim.trainer import PipelineTrainer
@@ -45,7 +47,7 @@ if TYPE_CHECKING:
     from zerobubble.schedule.simulate import SimResult, simulate
     from zerobubble.schedule.validate import validate
 
-_WHERE: dict[str, tuple[str, str]] = {
+_WHERE: dict[str, tuple[str, str | None]] = {
     # schedule layer (torch-free)
     "Action": ("zerobubble.schedule.ir", "Action"),
     "CostModel": ("zerobubble.schedule.costs", "CostModel"),
@@ -73,6 +75,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "StepMode": ("zerobubble.optim.config", "StepMode"),
     "build_stage_modules": ("zerobubble.runtime.partition", "build_stage_modules"),
     "load_checkpoint": ("zerobubble.optim.checkpoint", "load_checkpoint"),
+    "models": ("zerobubble.models", None),
     "reference_step": ("zerobubble.runtime.reference", "reference_step"),
     "save_checkpoint": ("zerobubble.optim.checkpoint", "save_checkpoint"),
     "stage_bounds": ("zerobubble.runtime.partition", "stage_bounds"),
@@ -100,6 +103,7 @@ __all__ = [
     "launch_local",
     "load_checkpoint",
     "load_schedule",
+    "models",
     "reference_step",
     "save_checkpoint",
     "save_schedule",
@@ -114,7 +118,8 @@ def __getattr__(name: str) -> Any:
     if name not in _WHERE:
         raise AttributeError(f"module 'zerobubble' has no attribute {name!r}")
     module, attr = _WHERE[name]
-    return getattr(importlib.import_module(module), attr)
+    found = importlib.import_module(module)
+    return found if attr is None else getattr(found, attr)
 
 
 def __dir__() -> list[str]:

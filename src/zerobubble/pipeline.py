@@ -128,8 +128,7 @@ class Pipeline:
         }
         gathered: list[dict[int, list[str]] | None] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, mine, group=group)
-        self._holder: dict[str, tuple[int, int]] = {}
-        """state-dict key -> (stage, rank) for the whole model."""
+        self._holder: dict[str, tuple[int, int]] = {}  # state-dict key -> (stage, rank), all ranks
         for d, part in enumerate(gathered):
             assert part is not None
             for s, names in part.items():
@@ -149,6 +148,13 @@ class Pipeline:
         ``optimizer`` is built over (a subset of) :meth:`parameters`. Collective (the
         ranks agree on the parameter layout); returns the trainer, for checkpoints.
         """
+        mine = {id(p) for p in self.parameters()}
+        foreign = sum(id(p) not in mine for g in optimizer.param_groups for p in g["params"])
+        if foreign:
+            raise ValueError(
+                f"the optimizer holds {foreign} parameters that rank {self.rank}'s stages do not: "
+                "build it from pipe.parameters() (the stages' own copies), not from the model"
+            )
         self.trainer = PipelineTrainer(self.executor, optimizer, config)
         return self.trainer
 
