@@ -89,13 +89,20 @@ def mlp_case(seed: int = 0):
     return named_mlp(seed), mlp_loss, batches
 
 
-def train_against_reference(kind: str, case, make_opt, max_norm: float | None) -> dict:
-    """Two optimizer steps through Pipeline and through plain autograd; what differed."""
+def train_against_reference(
+    kind: str, case, make_opt, max_norm: float | None, mode: str = "sync"
+) -> dict:
+    """Optimizer steps through Pipeline and through plain autograd; what differed.
+
+    Sync steps are final when ``step`` returns: gradients and parameters are compared
+    after each. Post-validation steps are final at the drain: parameters are compared there.
+    """
     model, loss_fn, batches = case()
     ref = copy.deepcopy(model)
     m = 4
     pipe = zerobubble.Pipeline(model, loss_fn, zerobubble.generate(kind, 3, m))
-    pipe.set_optimizer(make_opt(pipe.parameters()), zerobubble.OptimConfig(max_norm=max_norm))
+    config = zerobubble.OptimConfig(mode=mode, max_norm=max_norm)
+    pipe.set_optimizer(make_opt(pipe.parameters()), config)
     ref_opt = make_opt(ref.parameters())
     ref_params = dict(ref.named_parameters())
     bad = []
@@ -111,6 +118,8 @@ def train_against_reference(kind: str, case, make_opt, max_norm: float | None) -
                 bad.append(f"{kind} step {step}: losses {losses} != {ref_losses}")
         elif returned is not None or losses:
             bad.append(f"{kind} step {step}: rank {pipe.rank} returned losses")
+        if mode != "sync":
+            continue
         for name, p in pipe.named_parameters():
             ref_grad = ref_params[name].grad  # after clipping, as the trainer leaves it
             if p.grad is None or not torch.equal(p.grad, ref_grad):
@@ -118,6 +127,11 @@ def train_against_reference(kind: str, case, make_opt, max_norm: float | None) -
             if not torch.equal(p, ref_params[name]):
                 bad.append(f"{kind} step {step}: parameter {name} differs")
     pipe.drain()
+    bad += [
+        f"{kind} after the drain: parameter {name} differs"
+        for name, p in pipe.named_parameters()
+        if not torch.equal(p, ref_params[name])
+    ]
     return {
         "names": [n for n, _ in pipe.named_parameters()],
         "keys": list(pipe.state_dict()),
@@ -168,6 +182,15 @@ def state_dict_checks(rank: int) -> dict:
     }
 
 
+def factory_names() -> list[str]:
+    """A factory's layers are named by their index."""
+    layers = list(named_mlp(0))
+    pipe = zerobubble.Pipeline(
+        lambda i: layers[i], mlp_loss, "1f1b", microbatches=3, num_layers=len(layers)
+    )
+    return [n for n, _ in pipe.named_parameters()]
+
+
 def job() -> dict:
     info = zerobubble.init_distributed(timeout_s=60)
 
@@ -180,6 +203,10 @@ def job() -> dict:
     out = {
         "gpt": train_against_reference("zb-h1", gpt_case, adamw, max_norm=0.5),
         "mlp_v": train_against_reference("zbv", mlp_case, sgd, max_norm=None),
+        "post": train_against_reference(
+            "zb-h2", gpt_case, adamw, max_norm=0.05, mode="post_validation"
+        ),
+        "factory": factory_names(),
         "state": state_dict_checks(info.rank),
     }
     torch.distributed.destroy_process_group()
@@ -192,9 +219,9 @@ def p3():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["gpt", "mlp_v"])
+@pytest.mark.parametrize("case", ["gpt", "mlp_v", "post"])
 def test_pipeline_matches_single_process_training_under_model_names(p3, case):
-    full = gpt_case()[0] if case == "gpt" else named_mlp()
+    full = named_mlp() if case == "mlp_v" else gpt_case()[0]
     results = [r[case] for r in p3]
     assert [b for r in results for b in r["bad"]] == []
     names = [n for r in results for n in r["names"]]
@@ -215,6 +242,8 @@ def test_layers_keep_their_names(p3):
     # zbv at P=3: rank 0 holds stages 0 and 5, i.e. layer "embed" and layer "head".
     assert p3[0]["mlp_v"]["names"] == ["embed.weight", "embed.bias", "head.weight", "head.bias"]
     assert p3[1]["mlp_v"]["names"][:2] == ["block0.0.weight", "block0.0.bias"]
+    # 1f1b at P=3 over 7 layers from a factory: [0, 1], [2, 3, 4], [5, 6].
+    assert p3[1]["factory"] == [f"{i}.0.{w}" for i in (2, 3, 4) for w in ("weight", "bias")]
 
 
 @pytest.mark.slow
