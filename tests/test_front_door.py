@@ -59,6 +59,12 @@ def test_every_public_name_resolves_and_unknown_names_fail():
         _ = zerobubble.Pipelin
 
 
+def test_pipeline_needs_torch_distributed():
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match=r"not initialised: call zerobubble.init_distributed"):
+        zerobubble.Pipeline(named_mlp(), mlp_loss, "zb-h1", microbatches=2)
+
+
 # ---- run inside the ranks ------------------------------------------------------------------
 
 
@@ -169,10 +175,11 @@ def state_dict_checks(rank: int) -> dict:
         pipe.set_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     except ValueError as e:
         errors["optimizer"] = str(e)
-    try:
-        zerobubble.Pipeline(model, mlp_loss, "zbv")
-    except ValueError as e:
-        errors["kind"] = str(e)
+    for what, schedule in (("kind", "zbv"), ("world", zerobubble.generate("zb-h1", 2, 4))):
+        try:
+            zerobubble.Pipeline(model, mlp_loss, schedule)
+        except ValueError as e:
+            errors[what] = str(e)
     return {
         "bad": bad,
         "errors": errors,
@@ -266,6 +273,9 @@ def test_state_dict_round_trip_and_strict_errors(p3):
             in (errors["shape"])
         )
         assert "schedule 'zbv' is a kind: pass microbatches=" in errors["kind"]
+        assert errors["world"] == (
+            "schedule 'zb-h1' needs 2 ranks but the process group has 3; launch with -n 2"
+        )
         assert errors["optimizer"] == (
             f"the optimizer holds 14 parameters that rank {rank}'s stages do not: build it "
             "from pipe.parameters() (the stages' own copies), not from the model"

@@ -99,17 +99,17 @@ class Pipeline:
                 f"microbatches={microbatches} but schedule {schedule.name!r} has "
                 f"{schedule.num_microbatches}; drop microbatches= or generate the schedule for it"
             )
-        keys = layer_keys(layers, num_layers)
-        rank = dist.get_rank(group)
-        if not 0 <= rank < schedule.num_devices:
+        world = dist.get_world_size(group)
+        if world != schedule.num_devices:
             raise ValueError(
-                f"rank {rank} is not a device of schedule {schedule.name!r} "
-                f"({schedule.num_devices} devices); launch with -n {schedule.num_devices}"
+                f"schedule {schedule.name!r} needs {schedule.num_devices} ranks but the process "
+                f"group has {world}; launch with -n {schedule.num_devices}"
             )
+        keys = layer_keys(layers, num_layers)
         stages = build_stage_modules(
             layers,
             schedule,
-            rank,
+            dist.get_rank(group),
             num_layers=len(keys),
             boundaries=boundaries,
             device=device,
@@ -126,7 +126,7 @@ class Pipeline:
             s: [model_name(k, self._layer_keys[s]) for k in self._module(s).state_dict()]
             for s in stages
         }
-        gathered: list[dict[int, list[str]] | None] = [None] * dist.get_world_size(group)
+        gathered: list[dict[int, list[str]] | None] = [None] * world
         dist.all_gather_object(gathered, mine, group=group)
         self._holder: dict[str, tuple[int, int]] = {}  # state-dict key -> (stage, rank), all ranks
         for d, part in enumerate(gathered):
