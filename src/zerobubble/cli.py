@@ -21,7 +21,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -165,22 +165,50 @@ def cmd_train(args: argparse.Namespace) -> int:
     from zerobubble.train.job import run_job
 
     cfg = _train_config(args)
+    _make_out(Path(cfg.job.out))  # before any rank starts: a bad path is one message
     reporter = ConsoleReporter()
     began = time.perf_counter()
     if "RANK" in os.environ:  # started by torchrun or zerobubble.launch: this process is a rank
         result = run_job(cfg, reporter)
     else:
         try:
-            result = launch(run_job, cfg.devices, cfg, reporter, timeout=args.timeout)[0]
+            result = launch(_rank, cfg.schedule.devices, cfg, reporter, timeout=cfg.job.timeout_s)[
+                0
+            ]
         except LaunchError as exc:
             print(f"zerobubble {args.command}: the job failed: {exc}", file=sys.stderr)
             return 1
+        if isinstance(result, ValueError):  # refused on every rank alike
+            raise result
     if result is None:  # not rank 0
         return 0
     print_summary(result, reporter.console)
     reporter.info(f"wall time {time.perf_counter() - began:.1f} s")
     report = result.trace_report
     return 0 if report is None or report.ok else 1
+
+
+def _rank(cfg: TrainConfig, reporter: object) -> object:
+    """One launched rank of the job: a refusal (:class:`~zerobubble.train.job.PlanError`)
+    comes back as a value, so the parent prints one message instead of every rank's
+    traceback."""
+    from zerobubble.train.job import PlanError, run_job
+
+    try:
+        return run_job(cfg, reporter)  # type: ignore[arg-type]
+    except PlanError as exc:
+        return exc
+
+
+def _make_out(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a folder" if blocker else exc.strerror
+        raise ValueError(
+            f"--out {out}: cannot create the output folder ({why}); pass a folder path"
+        ) from None
 
 
 def cmd_check_trace(args: argparse.Namespace) -> int:
@@ -215,71 +243,47 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _train_config(args: argparse.Namespace) -> TrainConfig:
-    from zerobubble.train.config import TrainConfig, default_devices
+    """Defaults, then the ``--config`` file, then the flags given on the command line."""
+    from zerobubble.train.config import default_devices
+    from zerobubble.train.options import build_config, load_toml
 
-    devices = args.p
-    if devices is None:
-        devices = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else default_devices()
-    d = TrainConfig()
-    return TrainConfig(
-        devices=devices,
-        microbatches=args.m if args.m is not None else max(d.microbatches, 2 * devices),
-        microbatch_size=args.microbatch_size,
-        seq_len=args.seq_len,
-        d_model=args.d_model,
-        n_heads=args.heads,
-        n_layers=args.layers if args.layers is not None else max(d.n_layers, devices),
-        lr=args.lr,
-        grad_clip=args.grad_clip,
-        steps=args.steps,
-        baseline_steps=args.baseline_steps,
-        warmup=args.warmup,
-        mem_limit=args.mem_limit,
-        mem_ratio=args.mem_ratio,
-        seed=args.seed,
-        out=str(args.out),
-        profile_only=args.command == "profile",
-    )
+    values = load_toml(args.config) if args.config is not None else {}
+    values.update((k, v) for k, v in vars(args).items() if "." in k)  # only flags given
+    devices = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else default_devices()
+    return build_config(values, devices=devices, profile_only=args.command == "profile")
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
-    from zerobubble.train.config import TrainConfig
+    """One flag per field of the job's config (``--model.d-model``, alias ``--d-model``)."""
+    from zerobubble.train.options import options
 
-    d = TrainConfig()
-    p.add_argument("-p", type=int, help="pipeline ranks (default: one per CPU core)")
     p.add_argument(
-        "-m", type=int, help=f"microbatches per step (default: max({d.microbatches}, 2P))"
+        "--config",
+        type=Path,
+        help="TOML file of [model], [schedule], [executor], [optimizer], [job] tables "
+        "(e.g. examples/job.toml); flags given here override it",
     )
-    p.add_argument("--microbatch-size", type=int, default=d.microbatch_size)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--d-model", type=int, default=d.d_model)
-    p.add_argument("--heads", type=int, default=d.n_heads)
-    p.add_argument("--layers", type=int, help=f"transformer blocks (default: max({d.n_layers}, P))")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument(
-        "--grad-clip",
-        type=float,
-        default=d.grad_clip,
-        help="clip the global gradient norm to this (default %(default)s)",
-    )
-    p.add_argument("--steps", type=int, default=d.steps, help="measured steps of each schedule")
-    p.add_argument(
-        "--baseline-steps",
-        type=int,
-        default=d.baseline_steps,
-        help="profiling steps of 1F1B and ZB-H1 each",
-    )
-    p.add_argument("--warmup", type=int, default=d.warmup, help="unmeasured steps per phase")
-    p.add_argument("--mem-limit", type=int, help="activation bytes per device the plan may hold")
-    p.add_argument(
-        "--mem-ratio",
-        type=float,
-        default=d.mem_ratio,
-        help="without --mem-limit: this multiple of 1F1B's predicted peak (default %(default)s)",
-    )
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--out", type=Path, default=Path(d.out), help="folder for outputs")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole job")
+    for opt in options():
+        shown = "" if "default" in opt.doc else f" (default: {opt.default})"
+        p.add_argument(
+            *opt.aliases,
+            opt.flag,
+            dest=opt.key,
+            type=_typed(opt.parse),
+            default=argparse.SUPPRESS,
+            metavar=opt.kind.__name__.upper(),
+            help=(opt.doc + shown).replace("%", "%%"),
+        )
+
+
+def _typed(parse: Callable[[str], object]) -> Callable[[str], object]:
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
 
 
 def _describe(args: argparse.Namespace, spec: CostSpec) -> str:
