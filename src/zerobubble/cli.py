@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -36,9 +37,12 @@ EXIT_BAD_INPUT = 2
 
 def _number(text: str) -> Number:
     try:
-        return Fraction(text) if "/" in text else (int(text) if text.isdigit() else float(text))
+        x = Fraction(text) if "/" in text else (int(text) if text.isdigit() else float(text))
     except (ValueError, ZeroDivisionError):
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        x = math.nan
+    if x != x:  # NaN
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}")
+    return x
 
 
 def _add_cost_args(p: argparse.ArgumentParser) -> None:
@@ -130,7 +134,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from zerobubble.schedule.compare import compare
+    from zerobubble.schedule.generators.common import check_counts
 
+    check_counts(args.p, args.m)  # every kind would refuse them: one message, not a table of n/a
     spec = _cost_spec(args)
     entries = compare(
         args.p, args.m, spec, args.kinds, mem_limit=_mem_limit(args, spec), chunks=args.chunks

@@ -473,12 +473,12 @@ def _plan(
     try:
         planned, kind = plan_schedule(ctx.world, cfg.schedule.microbatches, costs, limit)
     except ValueError as exc:  # ScheduleError too
-        peak = max(float(m) for m in simulate(base, costs).peak_memory)
-        raise PlanError(
-            f"cannot plan {PLANNER} within a memory limit of {limit} activation bytes per "
-            f"device ({exc}); 1F1B is predicted to need {peak:.0f}: raise --mem-limit to at "
-            "least that, or leave it out to use --mem-ratio"
-        ) from None
+        given = (
+            f"--mem-limit {limit}"
+            if cfg.schedule.mem_limit is not None
+            else f"the limit {limit} (--mem-ratio {cfg.schedule.mem_ratio} x 1F1B's peak)"
+        )
+        raise PlanError(f"cannot plan {PLANNER} within {given} bytes per device: {exc}") from None
     return _Plan(prof, limit, planned, kind)
 
 
