@@ -8,6 +8,8 @@ Subcommand names and flags are fixed (scripts depend on them)::
     zerobubble simulate FILE [--costs ...] [--costs-file F] [--mem-w R] [--mem-limit X] [--json]
     zerobubble compare -p P -m M [--costs ...] [--costs-file F] [--mem-limit X] [--plot FILE.png]
     zerobubble train [-p P] [-m M] [--steps N] [--layers L] [--mem-limit BYTES] [--out DIR] ...
+    zerobubble train --config job.toml [--section.field VALUE ...]  (flags override the file;
+                     one flag per field of zerobubble.train.config)
     zerobubble profile [same flags as train]
     zerobubble check-trace TRACE [--mem-budget BYTES] [--tolerance-us US] [--opt-op NAME]
                            [--conservative]
