@@ -100,6 +100,20 @@ CASES = [
         2,
         ["infile: ", "not valid JSON", "line 3 column 11"],
     ),
+    (
+        "simulate-csv-huge-m",
+        f"simulate {{f}} -m {10**30}",
+        "0F0,0I0,0W0\n",
+        2,
+        [f"{10**30} microbatches but the CSV holds 3 compute actions", "own -m"],
+    ),
+    (
+        "schedule-huge-m",
+        f"schedule zb-h1 -p 2 -m {10**30}",
+        None,
+        2,
+        ["-p 2 -m 1000", "more than the command line builds", "pick a smaller P or M"],
+    ),
     ("compare-p0", "compare -p 0 -m 4", None, 2, ["number of devices P must be an integer >= 1"]),
     (
         "compare-m0",

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from zerobubble.train.config import TrainConfig
 
 EXIT_BAD_INPUT = 2
+MAX_ACTIONS = 10**8
+"""Largest schedule the CLI builds (3 P M V actions): bigger ones would not finish."""
 
 
 def _number(text: str) -> Number:
@@ -73,6 +75,16 @@ def _add_cost_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _check_size(p: int, m: int, chunks: int | None) -> None:
+    """Refuse what no generator finishes: they build every action in memory."""
+    actions = 3 * p * m * max(chunks or 1, 2)  # F, B, W per stage; V kinds hold 2 chunks
+    if actions > MAX_ACTIONS:
+        raise ValueError(
+            f"-p {p} -m {m} means about {actions:.3g} actions, more than the command line "
+            f"builds ({MAX_ACTIONS:.0e}); pick a smaller P or M"
+        )
+
+
 def _cost_spec(args: argparse.Namespace) -> CostSpec:
     if args.costs_file is not None:
         return load_costs_file(args.costs_file)
@@ -91,6 +103,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     from zerobubble.schedule.generators import GENERATORS, generate
     from zerobubble.schedule.validate import validate
 
+    _check_size(args.p, args.m, args.chunks)
     spec = _cost_spec(args)
     limit = _mem_limit(args, spec)
     gen = GENERATORS.get(args.kind)
@@ -139,6 +152,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from zerobubble.schedule.generators.common import check_counts
 
     check_counts(args.p, args.m)  # every kind would refuse them: one message, not a table of n/a
+    _check_size(args.p, args.m, args.chunks)
     spec = _cost_spec(args)
     entries = compare(
         args.p, args.m, spec, args.kinds, mem_limit=_mem_limit(args, spec), chunks=args.chunks

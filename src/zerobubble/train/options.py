@@ -16,7 +16,7 @@ import tomllib
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from zerobubble.train.config import TrainConfig, scaled_defaults
@@ -100,24 +100,26 @@ def _kind(annotation: object) -> tuple[type, bool]:
     return annotation, False  # type: ignore[return-value]
 
 
+def _sections() -> dict[str, type]:
+    return typing.get_type_hints(TrainConfig)
+
+
 def options() -> tuple[Option, ...]:
     """Every option of :class:`TrainConfig`, section by section, in field order."""
     out = []
     defaults = TrainConfig()
-    for section in fields(TrainConfig):
-        cls = section.default_factory  # type: ignore[misc]
-        assert cls is not MISSING
-        hints, docs = typing.get_type_hints(cls), field_docs(cls)  # type: ignore[arg-type]
-        for f in fields(cls):  # type: ignore[arg-type]
+    for section, cls in _sections().items():
+        hints, docs = typing.get_type_hints(cls), field_docs(cls)
+        for f in fields(cls):
             if not f.metadata.get("option", True):
                 continue
             kind, optional = _kind(hints[f.name])
             out.append(
                 Option(
-                    f"{section.name}.{f.name}",
+                    f"{section}.{f.name}",
                     kind,
                     optional,
-                    getattr(getattr(defaults, section.name), f.name),
+                    getattr(getattr(defaults, section), f.name),
                     docs.get(f.name, ""),
                     tuple(f.metadata.get("aliases", ())),
                 )
@@ -133,7 +135,7 @@ def load_toml(path: str | Path) -> dict[str, object]:
     except tomllib.TOMLDecodeError as exc:  # its message carries the line and column
         raise ValueError(f"{p}: not valid TOML: {exc}") from None
     known = {o.key: o for o in options()}
-    sections = sorted({k.split(".")[0] for k in known})
+    sections = list(_sections())
     out: dict[str, object] = {}
     for name, table in data.items():
         if name not in sections or not isinstance(table, dict):
@@ -167,8 +169,4 @@ def build_config(
     for key, value in merged.items():
         section, name = key.split(".")
         by_section.setdefault(section, {})[name] = value
-    kwargs = {
-        f.name: f.default_factory(**by_section.get(f.name, {}))  # type: ignore[misc]
-        for f in fields(TrainConfig)
-    }
-    return TrainConfig(**kwargs)
+    return TrainConfig(**{n: cls(**by_section.get(n, {})) for n, cls in _sections().items()})
