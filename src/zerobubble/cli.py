@@ -44,7 +44,7 @@ def _number(text: str) -> Number:
         x = Fraction(text) if "/" in text else (int(text) if text.isdigit() else float(text))
     except (ValueError, ZeroDivisionError):
         x = math.nan
-    if x != x:  # NaN
+    if math.isnan(x):
         raise argparse.ArgumentTypeError(f"not a number: {text!r}")
     return x
 
@@ -194,12 +194,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         result = run_job(cfg, reporter)
     else:
         try:
-            result = launch(_rank, cfg.schedule.devices, cfg, reporter, timeout=cfg.job.timeout_s)[
-                0
-            ]
+            results = launch(_rank, cfg.schedule.devices, cfg, reporter, timeout=cfg.job.timeout_s)
         except LaunchError as exc:
             print(f"zerobubble {args.command}: the job failed: {exc}", file=sys.stderr)
             return 1
+        result = results[0]
         if isinstance(result, ValueError):  # refused on every rank alike
             raise result
     if result is None:  # not rank 0
