@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
-NOT_AN_OPTION = {"option": False}
+NOT_AN_OPTION = MappingProxyType({"option": False})
 """Field metadata of what the job sets itself: neither a flag nor a TOML key."""
 
 
