@@ -26,7 +26,13 @@ import time
 from dataclasses import asdict
 
 from zerobubble.runtime.launcher import launch
-from zerobubble.train.config import TrainConfig, default_devices
+from zerobubble.train.config import (
+    JobSection,
+    ModelSection,
+    ScheduleSection,
+    TrainConfig,
+    default_devices,
+)
 from zerobubble.train.job import run_job
 
 GOAL = 1.10
@@ -42,15 +48,12 @@ def main() -> None:
     parser.add_argument("--out", default="out/bench_e2e")
     args = parser.parse_args()
     cfg = TrainConfig(
-        devices=args.devices,
-        microbatches=args.microbatches,
-        n_layers=max(args.layers, args.devices),
-        steps=args.steps,
-        baseline_steps=args.baseline_steps,
-        out=args.out,
+        model=ModelSection(n_layers=max(args.layers, args.devices)),
+        schedule=ScheduleSection(devices=args.devices, microbatches=args.microbatches),
+        job=JobSection(steps=args.steps, baseline_steps=args.baseline_steps, out=args.out),
     )
     began = time.perf_counter()
-    result = launch(run_job, cfg.devices, cfg, None, timeout=1800)[0]
+    result = launch(run_job, cfg.schedule.devices, cfg, None, timeout=1800)[0]
     rows = {}
     for ph in result.phases:
         measured = ph.pipe_time * 1e3

@@ -9,7 +9,7 @@ import pytest
 from zerobubble.cli import main
 from zerobubble.runtime.trace_check import check_trace, load_trace
 from zerobubble.schedule.costs import load_costs_file
-from zerobubble.train.config import TrainConfig
+from zerobubble.train.config import JobSection, ModelSection, ScheduleSection, TrainConfig
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def test_train_profiles_plans_trains_and_writes_its_outputs(tmp_path, capfd):
 
 def test_bad_configurations_are_refused_before_launching():
     with pytest.raises(ValueError, match="baseline_steps must be >= 1"):
-        TrainConfig(baseline_steps=0)
+        JobSection(baseline_steps=0)
     with pytest.raises(ValueError, match="5 devices need at least 5 layers but the model has 4"):
-        TrainConfig(devices=5, n_layers=1)
+        TrainConfig(schedule=ScheduleSection(devices=5), model=ModelSection(n_layers=1))
     assert main(["train", "-p", "8", "--layers", "2"]) == 2

@@ -8,6 +8,8 @@ Subcommand names and flags are fixed (scripts depend on them)::
     zerobubble simulate FILE [--costs ...] [--costs-file F] [--mem-w R] [--mem-limit X] [--json]
     zerobubble compare -p P -m M [--costs ...] [--costs-file F] [--mem-limit X] [--plot FILE.png]
     zerobubble train [-p P] [-m M] [--steps N] [--layers L] [--mem-limit BYTES] [--out DIR] ...
+    zerobubble train --config job.toml [--section.field VALUE ...]  (flags override the file;
+                     one flag per field of zerobubble.train.config)
     zerobubble profile [same flags as train]
     zerobubble check-trace TRACE [--mem-budget BYTES] [--tolerance-us US] [--opt-op NAME]
                            [--conservative]
@@ -18,10 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,13 +35,18 @@ if TYPE_CHECKING:
     from zerobubble.train.config import TrainConfig
 
 EXIT_BAD_INPUT = 2
+MAX_ACTIONS = 10**8
+"""Largest schedule the CLI builds (3 P M V actions): bigger ones would not finish."""
 
 
 def _number(text: str) -> Number:
     try:
-        return Fraction(text) if "/" in text else (int(text) if text.isdigit() else float(text))
+        x = Fraction(text) if "/" in text else (int(text) if text.isdigit() else float(text))
     except (ValueError, ZeroDivisionError):
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        x = math.nan
+    if math.isnan(x):
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}")
+    return x
 
 
 def _add_cost_args(p: argparse.ArgumentParser) -> None:
@@ -67,6 +75,16 @@ def _add_cost_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _check_size(p: int, m: int, chunks: int | None) -> None:
+    """Refuse what no generator finishes: they build every action in memory."""
+    actions = 3 * p * m * max(chunks or 1, 2)  # F, B, W per stage; V kinds hold 2 chunks
+    if actions > MAX_ACTIONS:
+        raise ValueError(
+            f"-p {p} -m {m} means about {actions:.3g} actions, more than the command line "
+            f"builds ({MAX_ACTIONS:.0e}); pick a smaller P or M"
+        )
+
+
 def _cost_spec(args: argparse.Namespace) -> CostSpec:
     if args.costs_file is not None:
         return load_costs_file(args.costs_file)
@@ -85,6 +103,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     from zerobubble.schedule.generators import GENERATORS, generate
     from zerobubble.schedule.validate import validate
 
+    _check_size(args.p, args.m, args.chunks)
     spec = _cost_spec(args)
     limit = _mem_limit(args, spec)
     gen = GENERATORS.get(args.kind)
@@ -130,7 +149,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from zerobubble.schedule.compare import compare
+    from zerobubble.schedule.generators.common import check_counts
 
+    check_counts(args.p, args.m)  # every kind would refuse them: one message, not a table of n/a
+    _check_size(args.p, args.m, args.chunks)
     spec = _cost_spec(args)
     entries = compare(
         args.p, args.m, spec, args.kinds, mem_limit=_mem_limit(args, spec), chunks=args.chunks
@@ -165,22 +187,49 @@ def cmd_train(args: argparse.Namespace) -> int:
     from zerobubble.train.job import run_job
 
     cfg = _train_config(args)
+    _make_out(Path(cfg.job.out))  # before any rank starts: a bad path is one message
     reporter = ConsoleReporter()
     began = time.perf_counter()
     if "RANK" in os.environ:  # started by torchrun or zerobubble.launch: this process is a rank
         result = run_job(cfg, reporter)
     else:
         try:
-            result = launch(run_job, cfg.devices, cfg, reporter, timeout=args.timeout)[0]
+            results = launch(_rank, cfg.schedule.devices, cfg, reporter, timeout=cfg.job.timeout_s)
         except LaunchError as exc:
             print(f"zerobubble {args.command}: the job failed: {exc}", file=sys.stderr)
             return 1
+        result = results[0]
+        if isinstance(result, ValueError):  # refused on every rank alike
+            raise result
     if result is None:  # not rank 0
         return 0
     print_summary(result, reporter.console)
     reporter.info(f"wall time {time.perf_counter() - began:.1f} s")
     report = result.trace_report
     return 0 if report is None or report.ok else 1
+
+
+def _rank(cfg: TrainConfig, reporter: object) -> object:
+    """One launched rank of the job: a refusal (:class:`~zerobubble.train.job.PlanError`)
+    comes back as a value, so the parent prints one message instead of every rank's
+    traceback."""
+    from zerobubble.train.job import PlanError, run_job
+
+    try:
+        return run_job(cfg, reporter)  # type: ignore[arg-type]
+    except PlanError as exc:
+        return exc
+
+
+def _make_out(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a folder" if blocker else exc.strerror
+        raise ValueError(
+            f"--out {out}: cannot create the output folder ({why}); pass a folder path"
+        ) from None
 
 
 def cmd_check_trace(args: argparse.Namespace) -> int:
@@ -215,71 +264,47 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _train_config(args: argparse.Namespace) -> TrainConfig:
-    from zerobubble.train.config import TrainConfig, default_devices
+    """Defaults, then the ``--config`` file, then the flags given on the command line."""
+    from zerobubble.train.config import default_devices
+    from zerobubble.train.options import build_config, load_toml
 
-    devices = args.p
-    if devices is None:
-        devices = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else default_devices()
-    d = TrainConfig()
-    return TrainConfig(
-        devices=devices,
-        microbatches=args.m if args.m is not None else max(d.microbatches, 2 * devices),
-        microbatch_size=args.microbatch_size,
-        seq_len=args.seq_len,
-        d_model=args.d_model,
-        n_heads=args.heads,
-        n_layers=args.layers if args.layers is not None else max(d.n_layers, devices),
-        lr=args.lr,
-        grad_clip=args.grad_clip,
-        steps=args.steps,
-        baseline_steps=args.baseline_steps,
-        warmup=args.warmup,
-        mem_limit=args.mem_limit,
-        mem_ratio=args.mem_ratio,
-        seed=args.seed,
-        out=str(args.out),
-        profile_only=args.command == "profile",
-    )
+    values = load_toml(args.config) if args.config is not None else {}
+    values.update((k, v) for k, v in vars(args).items() if "." in k)  # only flags given
+    devices = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else default_devices()
+    return build_config(values, devices=devices, profile_only=args.command == "profile")
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
-    from zerobubble.train.config import TrainConfig
+    """One flag per field of the job's config (``--model.d-model``, alias ``--d-model``)."""
+    from zerobubble.train.options import options
 
-    d = TrainConfig()
-    p.add_argument("-p", type=int, help="pipeline ranks (default: one per CPU core)")
     p.add_argument(
-        "-m", type=int, help=f"microbatches per step (default: max({d.microbatches}, 2P))"
+        "--config",
+        type=Path,
+        help="TOML file of [model], [schedule], [executor], [optimizer], [job] tables "
+        "(e.g. examples/job.toml); flags given here override it",
     )
-    p.add_argument("--microbatch-size", type=int, default=d.microbatch_size)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--d-model", type=int, default=d.d_model)
-    p.add_argument("--heads", type=int, default=d.n_heads)
-    p.add_argument("--layers", type=int, help=f"transformer blocks (default: max({d.n_layers}, P))")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument(
-        "--grad-clip",
-        type=float,
-        default=d.grad_clip,
-        help="clip the global gradient norm to this (default %(default)s)",
-    )
-    p.add_argument("--steps", type=int, default=d.steps, help="measured steps of each schedule")
-    p.add_argument(
-        "--baseline-steps",
-        type=int,
-        default=d.baseline_steps,
-        help="profiling steps of 1F1B and ZB-H1 each",
-    )
-    p.add_argument("--warmup", type=int, default=d.warmup, help="unmeasured steps per phase")
-    p.add_argument("--mem-limit", type=int, help="activation bytes per device the plan may hold")
-    p.add_argument(
-        "--mem-ratio",
-        type=float,
-        default=d.mem_ratio,
-        help="without --mem-limit: this multiple of 1F1B's predicted peak (default %(default)s)",
-    )
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--out", type=Path, default=Path(d.out), help="folder for outputs")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole job")
+    for opt in options():
+        shown = "" if "default" in opt.doc else f" (default: {opt.default})"
+        p.add_argument(
+            *opt.aliases,
+            opt.flag,
+            dest=opt.key,
+            type=_typed(opt.parse),
+            default=argparse.SUPPRESS,
+            metavar=opt.kind.__name__.upper(),
+            help=(opt.doc + shown).replace("%", "%%"),
+        )
+
+
+def _typed(parse: Callable[[str], object]) -> Callable[[str], object]:
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
 
 
 def _describe(args: argparse.Namespace, spec: CostSpec) -> str:

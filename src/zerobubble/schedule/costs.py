@@ -13,7 +13,6 @@ layers", so a device holding v chunks allocates 1/v per chunk F.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -21,6 +20,7 @@ from fractions import Fraction
 from numbers import Real
 from pathlib import Path
 
+from zerobubble.schedule.formats.json_format import read_json
 from zerobubble.schedule.ir import Op
 
 Number = Real
@@ -232,10 +232,16 @@ def parse_costs(text: str, mem_w: Number | None = None) -> CostSpec:
                 f"cannot parse cost {part!r}: expected KEY=NUMBER with KEY one of F, B, W, comm "
                 "(e.g. --costs F=1,B=1,W=0.5,comm=0.1)"
             )
-        values[key] = _parse_number(raw.strip(), part)
-    if mem_w is not None:
-        values["mem_w"] = mem_w
-    return CostSpec(**values)
+        values[key] = x = _parse_number(raw.strip(), part)
+        if not (math.isfinite(x) and x >= 0):
+            raise ValueError(f"cost {part!r}: must be a finite number >= 0")
+    spec = CostSpec(**values)
+    if spec.F + spec.B + spec.W == 0:
+        raise ValueError(
+            f"costs {text!r}: F + B + W is 0, so every schedule takes no time and its bubble "
+            "rate means nothing; give F, B or W a positive duration (e.g. F=1,B=1,W=1)"
+        )
+    return spec if mem_w is None else replace(spec, mem_w=mem_w)
 
 
 def _parse_number(raw: str, context: str) -> Number:
@@ -255,20 +261,44 @@ def load_costs_file(path: str | Path) -> CostSpec:
     Keys: ``F``, ``B``, ``W`` (arrays, one per virtual stage), optional
     ``comm`` (number), ``mem_B`` / ``mem_W`` (arrays) and ``mem_limit``.
     """
-    data = json.loads(Path(path).read_text())
-    return costs_from_mapping(data, source=str(path))
+    return costs_from_mapping(read_json(path), source=str(path))
 
 
-def costs_from_mapping(data: Mapping[str, object], source: str = "costs") -> CostSpec:
+def costs_from_mapping(data: object, source: str = "costs") -> CostSpec:
+    """The :class:`CostSpec` of a costs JSON object; errors name ``source`` and the key."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{source}: expected a JSON object with keys F, B, W")
     missing = [k for k in ("F", "B", "W") if k not in data]
     if missing:
         raise ValueError(f"{source}: missing per-stage arrays {missing}; expected keys F, B, W")
-    model = CostModel.per_stage(
-        f=data["F"],  # type: ignore[arg-type]
-        b=data["B"],  # type: ignore[arg-type]
-        w=data["W"],  # type: ignore[arg-type]
-        comm=data.get("comm", 0),  # type: ignore[arg-type]
-        mem_f=data.get("mem_B"),  # type: ignore[arg-type]
-        mem_w=data.get("mem_W"),  # type: ignore[arg-type]
-    )
-    return CostSpec(stage_costs=model, mem_limit=data.get("mem_limit"))  # type: ignore[arg-type]
+
+    def array(key: str) -> list[Number] | None:
+        x = data.get(key)
+        if x is None and key not in ("F", "B", "W"):
+            return None
+        if not isinstance(x, list) or not x or not all(_is_number(v) for v in x):
+            raise ValueError(
+                f"{source}: {key!r} must be a non-empty array of numbers, one per virtual "
+                f'stage (e.g. "{key}": [1.0, 1.0]), got {x!r:.60}'
+            )
+        return x
+
+    def number(key: str, default: Number | None) -> Number | None:
+        x = data.get(key, default)
+        if x is not None and not _is_number(x):
+            raise ValueError(f"{source}: {key!r} must be a number, got {x!r:.60}")
+        return x  # type: ignore[return-value]
+
+    f, b, w, comm = array("F"), array("B"), array("W"), number("comm", 0)
+    mem_f, mem_w = array("mem_B"), array("mem_W")
+    try:
+        model = CostModel.per_stage(f, b, w, comm, mem_f, mem_w)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
+    if not any(model.f) and not any(model.b) and not any(model.w):
+        raise ValueError(f"{source}: every F, B and W is 0; give the stages positive durations")
+    return CostSpec(stage_costs=model, mem_limit=number("mem_limit", None))
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)

@@ -29,6 +29,8 @@ def validate(
             ``costs`` (M_B of a whole device with the default costs).
         costs: Cost model for timing and memory (uniform F=B=W=1 by default).
     """
+    if mem_limit is not None and mem_limit != mem_limit:  # NaN: every comparison is False
+        raise ValueError("mem_limit is NaN; pass a number (or None for no memory check)")
     graph = check_structure(schedule)
     result = simulate(schedule, costs, graph=graph)  # raises DEADLOCK
     if mem_limit is not None:

@@ -1,9 +1,34 @@
-"""Configuration of the end-to-end job (``zerobubble train`` / ``zerobubble profile``)."""
+"""Configuration of the end-to-end job (``zerobubble train`` / ``zerobubble profile``).
+
+Five frozen sections (model, schedule, executor, optimizer, job), each field documented
+once, by its docstring. :mod:`zerobubble.train.options` derives the command-line flags
+and the TOML keys from these fields, so a new option is one new field (and its use).
+Torch-free, so that building the command line imports no torch.
+"""
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+NOT_AN_OPTION = MappingProxyType({"option": False})
+"""Field metadata of what the job sets itself: neither a flag nor a TOML key."""
+
+
+def aliases(*flags: str) -> dict[str, tuple[str, ...]]:
+    """Field metadata: flags that predate the sections and set the field too."""
+    return {"aliases": flags}
+
+
+def scaled_defaults(devices: int) -> dict[str, int]:
+    """Defaults that grow with P: enough microbatches to fill the pipeline, enough
+    layers for every rank."""
+    return {
+        "schedule.microbatches": max(ScheduleSection.microbatches, 2 * devices),
+        "model.n_layers": max(ModelSection.n_layers, devices),
+    }
 
 
 def default_devices() -> int:
@@ -16,86 +41,171 @@ def default_devices() -> int:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """What the job builds, measures, plans and trains. Sizes default to a run of
-    well under a minute on two CPU cores."""
+class ModelSection:
+    """The GPT's shape; the job passes these fields to
+    :class:`~zerobubble.models.GPTConfig` under the same names (vocabulary size,
+    sequence length and seed come from the corpus and the job section)."""
 
-    devices: int = 2
-    """Pipeline ranks P (one process each). The CLI defaults it to the core count."""
-    microbatches: int = 8
-    """Microbatches per step M."""
-    microbatch_size: int = 4
-    """Sequences per microbatch."""
-    seq_len: int = 64
-    """Characters per sequence."""
-    d_model: int = 128
-    """Width of the GPT's residual stream."""
-    n_heads: int = 4
-    """Attention heads per block."""
-    n_layers: int = 6
-    """Transformer blocks (the model has n_layers + 3 layers: embedding, blocks,
-    final LayerNorm, LM head)."""
-    lr: float = 3e-3
+    d_model: int = field(default=128, metadata=aliases("--d-model"))
+    """Width of the residual stream."""
+    n_heads: int = field(default=4, metadata=aliases("--heads"))
+    """Attention heads per block; must divide d_model."""
+    n_layers: int = field(default=6, metadata=aliases("--layers"))
+    """Transformer blocks; the model has n_layers + 3 layers (embedding, blocks, final
+    LayerNorm, LM head) (default on the command line: max(6, P))."""
+    mlp_ratio: int = 4
+    """Hidden width of each block's MLP, in multiples of d_model."""
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "n_heads", "n_layers", "mlp_ratio"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}: "
+                "each head takes d_model / n_heads channels; pick --heads among the divisors "
+                "of --d-model"
+            )
+
+
+@dataclass(frozen=True)
+class ScheduleSection:
+    """The pipeline and the memory budget of the plan."""
+
+    devices: int = field(default=2, metadata=aliases("-p"))
+    """Pipeline ranks P, one process each; at least 2 (default on the command line: one
+    per CPU core, or WORLD_SIZE under torchrun)."""
+    microbatches: int = field(default=8, metadata=aliases("-m"))
+    """Microbatches per step M (default on the command line: max(8, 2P))."""
+    mem_limit: int | None = field(default=None, metadata=aliases("--mem-limit"))
+    """Activation bytes per device the plan may hold; none: mem_ratio x 1F1B's peak
+    predicted from the profile."""
+    mem_ratio: float = field(default=1.5, metadata=aliases("--mem-ratio"))
+    """Without mem_limit: the limit as this multiple of 1F1B's predicted activation peak."""
+
+    def __post_init__(self) -> None:
+        if self.devices < 2:
+            raise ValueError(
+                f"schedule.devices must be >= 2, got {self.devices}: the job profiles and "
+                "compares pipeline schedules, which need two ranks or more; pass -p 2 or more"
+            )
+        if self.microbatches < 1:
+            raise ValueError(f"schedule.microbatches must be >= 1, got {self.microbatches}")
+        if self.mem_limit is not None and self.mem_limit <= 0:
+            raise ValueError(f"schedule.mem_limit must be > 0 bytes, got {self.mem_limit}")
+        if not (math.isfinite(self.mem_ratio) and self.mem_ratio > 0):
+            raise ValueError(
+                f"schedule.mem_ratio must be a finite number > 0, got {self.mem_ratio}"
+            )
+
+
+@dataclass(frozen=True)
+class ExecutorSection:
+    """How every phase's executor runs (see
+    :class:`~zerobubble.runtime.executor.ExecutorOptions`; the job sets fusion per phase)."""
+
+    comm_timeout_s: float = 120.0
+    """Longest wait on a peer, in seconds, before failing with an error naming it."""
+    recv_lookahead: int = 2
+    """How many compute actions before its consumer a receive is posted."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.comm_timeout_s) and self.comm_timeout_s > 0):
+            raise ValueError(
+                f"executor.comm_timeout_s must be a finite number > 0, got {self.comm_timeout_s}"
+            )
+        if self.recv_lookahead < 0:
+            raise ValueError(f"executor.recv_lookahead must be >= 0, got {self.recv_lookahead}")
+
+
+@dataclass(frozen=True)
+class OptimizerSection:
+    """AdamW behind :mod:`zerobubble.optim`'s synchronous step."""
+
+    lr: float = field(default=3e-3, metadata=aliases("--lr"))
     """AdamW learning rate."""
-    grad_clip: float | None = 1.0
-    """Clip the global gradient norm (over every stage) to this; None: no clipping."""
-    steps: int = 8
+    grad_clip: float | None = field(default=1.0, metadata=aliases("--grad-clip"))
+    """Clip the global gradient norm (over every stage) to this; none: no clipping."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"optimizer.lr must be a finite number > 0, got {self.lr}")
+        if self.grad_clip is not None and not (
+            math.isfinite(self.grad_clip) and self.grad_clip > 0
+        ):
+            raise ValueError(
+                f"optimizer.grad_clip must be a finite number > 0 (or none), got {self.grad_clip}"
+            )
+
+
+@dataclass(frozen=True)
+class JobSection:
+    """What the job measures and where it writes. Sizes default to a run of well under a
+    minute on two CPU cores."""
+
+    microbatch_size: int = field(default=4, metadata=aliases("--microbatch-size"))
+    """Sequences per microbatch."""
+    seq_len: int = field(default=64, metadata=aliases("--seq-len"))
+    """Characters per sequence."""
+    steps: int = field(default=8, metadata=aliases("--steps"))
     """Measured training steps of each of 1F1B, ZB-H1 and the plan (after the warm-up),
     taking turns."""
-    baseline_steps: int = 4
+    baseline_steps: int = field(default=4, metadata=aliases("--baseline-steps"))
     """Profiling steps of each of 1F1B and ZB-H1 (after the warm-up), taking turns."""
-    warmup: int = 1
+    warmup: int = field(default=1, metadata=aliases("--warmup"))
     """Steps run before measuring, in every phase; excluded from every figure."""
     layer_iters: int = 4
     """Measured iterations of the per-layer profile (after one warm-up)."""
-    mem_limit: int | None = None
-    """Activation-memory limit per device for the planner, in bytes; None: mem_ratio x
-    1F1B's peak predicted from the profile."""
-    mem_ratio: float = 1.5
-    """The default limit as a multiple of 1F1B's activation peak."""
     corpus_chars: int = 300_000
     """Characters of the stdlib corpus to read."""
-    seed: int = 0
+    seed: int = field(default=0, metadata=aliases("--seed"))
     """Seed of the model and of the batch order (the same on every rank)."""
-    out: str = "out"
+    out: str = field(default="out", metadata=aliases("--out"))
     """Folder for the profile, traces and picture."""
-    comm_timeout_s: float = 120.0
-    """Longest wait on a peer before failing with a clear error."""
-    profile_only: bool = False
+    timeout_s: float = field(default=900.0, metadata=aliases("--timeout"))
+    """Seconds the whole job may take when this process launches the ranks."""
+    profile_only: bool = field(default=False, metadata=NOT_AN_OPTION)
     """Stop after profiling and planning (``zerobubble profile``)."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "devices",
-            "microbatches",
-            "microbatch_size",
-            "seq_len",
-            "d_model",
-            "n_heads",
-            "n_layers",
-            "layer_iters",
-        ):
+        for name in ("microbatch_size", "seq_len", "layer_iters", "corpus_chars"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("steps", "baseline_steps", "warmup"):
+                raise ValueError(f"job.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("steps", "warmup"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+                raise ValueError(f"job.{name} must be >= 0, got {getattr(self, name)}")
         if self.baseline_steps < 1:
-            raise ValueError("baseline_steps must be >= 1: the stages are profiled from them")
-        if self.n_layers + 3 < self.devices:
             raise ValueError(
-                f"{self.devices} devices need at least {self.devices} layers but the model has "
-                f"{self.n_layers + 3}; use --layers {self.devices - 3} or more, or fewer devices"
+                f"job.baseline_steps must be >= 1, got {self.baseline_steps}: "
+                "the stages are profiled from them"
             )
-        if self.mem_limit is not None and self.mem_limit <= 0:
-            raise ValueError(f"mem_limit must be > 0 bytes, got {self.mem_limit}")
-        if self.mem_ratio <= 0:
-            raise ValueError(f"mem_ratio must be > 0, got {self.mem_ratio}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"job.timeout_s must be a finite number > 0, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What the job builds, measures, plans and trains; checks that span sections."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    executor: ExecutorSection = field(default_factory=ExecutorSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    job: JobSection = field(default_factory=JobSection)
+
+    def __post_init__(self) -> None:
+        P, n_layers = self.schedule.devices, self.model.n_layers + 3
+        if n_layers < P:
+            raise ValueError(
+                f"{P} devices need at least {P} layers but the model has {n_layers} "
+                f"(embedding, {self.model.n_layers} blocks, norm, head); use --layers {P - 3} "
+                "or more, or fewer devices"
+            )
 
     @property
     def batch_size(self) -> int:
-        return self.microbatches * self.microbatch_size
+        return self.schedule.microbatches * self.job.microbatch_size
 
     @property
     def tokens_per_step(self) -> int:
-        return self.batch_size * self.seq_len
+        return self.batch_size * self.job.seq_len

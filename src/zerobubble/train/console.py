@@ -98,7 +98,7 @@ def _profile_table(result: JobResult, con: Console) -> None:
     bounds = prof.boundaries or ()
     table = Table(
         title=f"stage profile (ms: median/p95; host: median host work after each op; "
-        f"{result.config.warmup} warm-up step dropped)",
+        f"{result.config.job.warmup} warm-up step dropped)",
         title_justify="left",
     )
     fu = prof.fused
@@ -176,7 +176,8 @@ def _balance_table(result: JobResult, con: Console) -> None:
 def _schedule_table(result: JobResult, con: Console) -> None:
     cfg = result.config
     table = Table(
-        title=f"schedules (P={cfg.devices}, M={cfg.microbatches}; median of {cfg.steps} steps "
+        title=f"schedules (P={cfg.schedule.devices}, M={cfg.schedule.microbatches}; "
+        f"median of {cfg.job.steps} steps "
         "each, taking turns; pred. = simulated from the profile)",
         title_justify="left",
     )
@@ -211,8 +212,8 @@ def _predictions(result: JobResult, con: Console) -> None:
     prof, cfg = result.profile, result.config
     parts = []
     for name, sched in (
-        ("1f1b", generate("1f1b", cfg.devices, cfg.microbatches)),
-        ("zb-h1", generate("zb-h1", cfg.devices, cfg.microbatches)),
+        ("1f1b", generate("1f1b", cfg.schedule.devices, cfg.schedule.microbatches)),
+        ("zb-h1", generate("zb-h1", cfg.schedule.devices, cfg.schedule.microbatches)),
         (f"{result.plan_kind} (plan)", result.plan),
     ):
         r = simulate(sched, prof.cost_model(fused=not sched.uses_split_backward))

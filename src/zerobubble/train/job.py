@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,11 @@ from zerobubble.train.config import TrainConfig
 
 PLANNER = "zb-auto"
 """The schedule kind that plans from the measured costs under the memory limit."""
+
+
+class PlanError(ValueError):
+    """The job cannot plan under its settings (e.g. a memory limit no schedule fits); raised
+    on every rank alike, with a message naming the setting and the fix."""
 
 
 class Reporter(Protocol):
@@ -188,7 +193,7 @@ class _Ctx:
             self.reporter.info(text)
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.corpus.batch(self.cfg.batch_size, self.cfg.seq_len, self.data)
+        return self.corpus.batch(self.cfg.batch_size, self.cfg.job.seq_len, self.data)
 
 
 def run_job(cfg: TrainConfig, reporter: Reporter | None = None) -> JobResult | None:
@@ -197,19 +202,19 @@ def run_job(cfg: TrainConfig, reporter: Reporter | None = None) -> JobResult | N
     Returns the :class:`JobResult` on rank 0 and None elsewhere.
     """
     began = time.perf_counter()
-    info = init_distributed(timeout_s=cfg.comm_timeout_s)
-    if info.world_size != cfg.devices:
+    info = init_distributed(timeout_s=cfg.executor.comm_timeout_s)
+    if info.world_size != cfg.schedule.devices:
         raise ValueError(
-            f"the job was configured for {cfg.devices} devices but runs on {info.world_size} "
-            "ranks; pass -p with the number of processes"
+            f"the job was configured for {cfg.schedule.devices} devices but runs on "
+            f"{info.world_size} ranks; pass -p with the number of processes"
         )
     ctx = _Ctx(
         cfg,
         info.rank,
         info.world_size,
         info.device,
-        stdlib_corpus(max_chars=cfg.corpus_chars),
-        torch.Generator().manual_seed(cfg.seed),
+        stdlib_corpus(max_chars=cfg.job.corpus_chars),
+        torch.Generator().manual_seed(cfg.job.seed),
         reporter,
     )
     try:
@@ -224,27 +229,25 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     cfg, P = ctx.cfg, ctx.world
     gpt = GPTConfig(
         vocab_size=ctx.corpus.vocab_size,
-        max_seq_len=cfg.seq_len,
-        d_model=cfg.d_model,
-        n_heads=cfg.n_heads,
-        n_layers=cfg.n_layers,
-        seed=cfg.seed,
+        max_seq_len=cfg.job.seq_len,
+        seed=cfg.job.seed,
+        **asdict(cfg.model),
     )
     layers = list(build_gpt(gpt))
     n_params = sum(p.numel() for p in nn.Sequential(*layers).parameters())
     ctx.say(
-        f"GPT: {len(layers)} layers ({cfg.n_layers} blocks, d={cfg.d_model}), "
+        f"GPT: {len(layers)} layers ({cfg.model.n_layers} blocks, d={cfg.model.d_model}), "
         f"{n_params / 1e6:.2f}M parameters; {ctx.corpus.sources} stdlib files, "
-        f"{len(ctx.corpus.tokens):,} characters; P={P} ranks, M={cfg.microbatches} "
-        f"microbatches of {cfg.microbatch_size}x{cfg.seq_len} tokens"
+        f"{len(ctx.corpus.tokens):,} characters; P={P} ranks, M={cfg.schedule.microbatches} "
+        f"microbatches of {cfg.job.microbatch_size}x{cfg.job.seq_len} tokens"
     )
 
     # 1. Per-layer costs on rank 0, the same cut everywhere.
     lp: LayerProfile | None = None
     if ctx.lead:
-        gen = torch.Generator().manual_seed(cfg.seed + 1)
-        x, y = ctx.corpus.batch(cfg.microbatch_size, cfg.seq_len, gen)
-        lp = profile_layers(layers, gpt_loss, x, y, warmup=1, iters=cfg.layer_iters)
+        gen = torch.Generator().manual_seed(cfg.job.seed + 1)
+        x, y = ctx.corpus.batch(cfg.job.microbatch_size, cfg.job.seq_len, gen)
+        lp = profile_layers(layers, gpt_loss, x, y, warmup=1, iters=cfg.job.layer_iters)
     lp = _broadcast(lp)
     equal = tuple(boundaries_of(stage_bounds(len(layers), P)))
     balanced = tuple(balanced_boundaries(lp.costs(), P))
@@ -254,42 +257,49 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
         measured_equal = _measure_cut(ctx, layers, equal)
 
     # 2. Profile: 1F1B and ZB-H1 take turns step by step on the balanced cut (and train).
-    base = one_f_one_b(P, cfg.microbatches)
+    base = one_f_one_b(P, cfg.schedule.microbatches)
     mods = build_stage_modules(layers, base, ctx.rank, boundaries=balanced, device=ctx.device)
     chunks = _chunks(mods, P)
-    opt = torch.optim.AdamW([p for m in mods.values() for p in m.parameters()], lr=cfg.lr)
-    phases = [_phase(ctx, s, chunks, opt) for s in (base, generate("zb-h1", P, cfg.microbatches))]
-    total = 2 * (cfg.warmup + cfg.baseline_steps)
-    total += 0 if cfg.profile_only else 3 * (cfg.warmup + cfg.steps)
+    opt = torch.optim.AdamW([p for m in mods.values() for p in m.parameters()], lr=cfg.optimizer.lr)
+    phases = [
+        _phase(ctx, s, chunks, opt) for s in (base, generate("zb-h1", P, cfg.schedule.microbatches))
+    ]
+    total = 2 * (cfg.job.warmup + cfg.job.baseline_steps)
+    total += 0 if cfg.job.profile_only else 3 * (cfg.job.warmup + cfg.job.steps)
     if ctx.lead and ctx.reporter is not None:
         ctx.reporter.start(total)
-    _rotate(ctx, phases, cfg.warmup + cfg.baseline_steps, measure=False)
+    _rotate(ctx, phases, cfg.job.warmup + cfg.job.baseline_steps, measure=False)
     profiled = [gather_traces(ph.pipe.trace) or [] for ph in phases]
-    boundary = cfg.microbatch_size * cfg.seq_len * cfg.d_model * 4  # float32 activations
+    boundary = cfg.job.microbatch_size * cfg.job.seq_len * cfg.model.d_model * 4  # float32
     pairs = [(a, b) for _, a, b in boundary_pairs(base.placement)]
     latency = p2p_latency(pairs, boundary, device=ctx.device)
 
-    # 3. Plan on rank 0.
-    plan: tuple[Profile, int, Schedule, str] | None = None
+    # 3. Plan on rank 0; a refusal reaches every rank, so that all of them stop alike.
+    plan: _Plan | PlanError | None = None
     if ctx.lead:
-        plan = _plan(ctx, profiled, lp, balanced, latency, base)
-    profile, mem_limit, planned, kind = _broadcast(plan)
+        try:
+            plan = _plan(ctx, profiled, lp, balanced, latency, base)
+        except PlanError as exc:
+            plan = exc
+    plan = _broadcast(plan)
+    if isinstance(plan, PlanError):
+        raise plan
+    _, mem_limit, planned, kind = plan
     ctx.say(f"planned with {kind} under a memory limit of {mem_limit / 2**20:.2f} MiB per device")
 
     # 4. Train: the three schedules take turns, so that load drifts hit them alike,
     # now with the executor's B/W fusion.
-    if not cfg.profile_only:
+    if not cfg.job.profile_only:
         zbh1 = _phase(ctx, phases[1].schedule, chunks, opt, fuse=True)
         plan_ph = _phase(ctx, planned, chunks, opt, name=kind, planned=True, fuse=True)
         phases = [phases[0], zbh1, plan_ph]
-        _rotate(ctx, phases, cfg.warmup + cfg.steps, measure=True)
+        _rotate(ctx, phases, cfg.job.warmup + cfg.job.steps, measure=True)
         for ph in phases:
             ph.events = gather_traces(ph.pipe.trace) or []
     if not ctx.lead:
         return None
-    return _report(
-        ctx, phases, lp, measured_equal, equal, balanced, profile, mem_limit, planned, began
-    )
+    cut = _Cut(lp, equal, balanced, measured_equal)
+    return _report(ctx, phases, cut, plan, began=began)
 
 
 def _broadcast(obj):
@@ -300,25 +310,28 @@ def _broadcast(obj):
 
 def _options(cfg: TrainConfig, *, fuse: bool = False) -> ExecutorOptions:
     # Unfused unless asked: a profile needs B and W of every stage.
-    return ExecutorOptions(comm_timeout_s=cfg.comm_timeout_s, fuse_local_backward=fuse)
+    ex = cfg.executor
+    return ExecutorOptions(
+        comm_timeout_s=ex.comm_timeout_s, recv_lookahead=ex.recv_lookahead, fuse_local_backward=fuse
+    )
 
 
 def _measure_cut(ctx: _Ctx, layers: list[nn.Module], cut: tuple[int, ...]) -> tuple[float, ...]:
     """Per-stage F + B + W (ms) of a few ZB-H1 steps on a copy of the model cut at ``cut``."""
     cfg = ctx.cfg
-    sched = generate("zb-h1", ctx.world, cfg.microbatches)
+    sched = generate("zb-h1", ctx.world, cfg.schedule.microbatches)
     stages = build_stage_modules(layers, sched, ctx.rank, boundaries=cut, device=ctx.device)
     pipe = PipelineExecutor(
         sched, stages, loss_fn=gpt_loss, device=ctx.device, options=_options(cfg)
     )
-    gen = torch.Generator().manual_seed(cfg.seed + 2)
-    for _ in range(cfg.warmup + 2):
-        x, y = ctx.corpus.batch(cfg.batch_size, cfg.seq_len, gen)
+    gen = torch.Generator().manual_seed(cfg.job.seed + 2)
+    for _ in range(cfg.job.warmup + 2):
+        x, y = ctx.corpus.batch(cfg.batch_size, cfg.job.seq_len, gen)
         pipe.step(x, target=y)
     events = gather_traces(pipe.trace)
     if events is None:
         return ()
-    prof = stage_profile(events, sched.num_stages, skip_iterations=cfg.warmup)
+    prof = stage_profile(events, sched.num_stages, skip_iterations=cfg.job.warmup)
     return tuple(prof.stage_time(s) for s in range(sched.num_stages))
 
 
@@ -375,7 +388,7 @@ def _phase(
     split = _split_stages(ran)
     mine = {s: chunks[s in split][s] for s in chunks[True]}
     pipe = PipelineExecutor(sched, mine, device=ctx.device, options=_options(ctx.cfg, fuse=fuse))
-    trainer = PipelineTrainer(pipe, opt, OptimConfig(max_norm=ctx.cfg.grad_clip))
+    trainer = PipelineTrainer(pipe, opt, OptimConfig(max_norm=ctx.cfg.optimizer.grad_clip))
     return _Phase(name or sched.name, sched, planned, pipe, trainer)
 
 
@@ -383,10 +396,10 @@ def _rotate(ctx: _Ctx, phases: list[_Phase], rounds: int, *, measure: bool) -> N
     """``rounds`` steps of every phase, taking turns; the first ``warmup`` rounds are not
     measured (nor, without ``measure``, any: they only feed the profile)."""
     for ph in phases:
-        ph.measure_from = ph.pipe.iteration + ctx.cfg.warmup
+        ph.measure_from = ph.pipe.iteration + ctx.cfg.job.warmup
     for r in range(rounds):
         for ph in phases:
-            warm = r < ctx.cfg.warmup
+            warm = r < ctx.cfg.job.warmup
             note = "warm-up, not measured" if warm else ("" if measure else "profiling")
             _step(ctx, ph, record=measure and not warm, note=note)
 
@@ -419,6 +432,23 @@ def _step(ctx: _Ctx, ph: _Phase, *, record: bool, note: str) -> None:
     ctx.step_index += 1
 
 
+class _Plan(NamedTuple):
+    profile: Profile
+    mem_limit: int
+    schedule: Schedule
+    kind: str
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """The layer profile and the two cuts compared (see :class:`Balance`)."""
+
+    layers: LayerProfile
+    equal: tuple[int, ...]
+    balanced: tuple[int, ...]
+    measured_equal: tuple[float, ...] | None
+
+
 def _plan(
     ctx: _Ctx,
     profiled: list[list[TraceEvent]],
@@ -426,43 +456,40 @@ def _plan(
     balanced: tuple[int, ...],
     latency: dict,
     base: Schedule,
-) -> tuple[Profile, int, Schedule, str]:
+) -> _Plan:
     cfg = ctx.cfg
     f1b, zbh1 = profiled
     S = base.num_stages
-    split = stage_profile(zbh1, S, skip_iterations=cfg.warmup)
-    full = stage_profile(f1b, S, skip_iterations=cfg.warmup)
+    split = stage_profile(zbh1, S, skip_iterations=cfg.job.warmup)
+    full = stage_profile(f1b, S, skip_iterations=cfg.job.warmup)
     lat = tuple((s, latency[a, b]) for s, a, b in boundary_pairs(base.placement))
-    prof = Profile(split, base.placement, lat, lp, balanced, None, cfg.warmup, fused=full)
+    prof = Profile(split, base.placement, lat, lp, balanced, None, cfg.job.warmup, fused=full)
     costs = prof.cost_model()
-    limit = cfg.mem_limit
+    limit = cfg.schedule.mem_limit
     if limit is None:
         peak_1f1b = max(float(m) for m in simulate(base, prof.cost_model(fused=True)).peak_memory)
-        limit = int(cfg.mem_ratio * peak_1f1b)
+        limit = int(cfg.schedule.mem_ratio * peak_1f1b)
     prof = replace(prof, mem_limit=limit)
-    planned, kind = plan_schedule(ctx.world, cfg.microbatches, costs, limit)
-    return prof, limit, planned, kind
+    try:
+        planned, kind = plan_schedule(ctx.world, cfg.schedule.microbatches, costs, limit)
+    except ValueError as exc:  # ScheduleError too
+        given = (
+            f"--mem-limit {limit}"
+            if cfg.schedule.mem_limit is not None
+            else f"the limit {limit} (--mem-ratio {cfg.schedule.mem_ratio} x 1F1B's peak)"
+        )
+        raise PlanError(f"cannot plan {PLANNER} within {given} bytes per device: {exc}") from None
+    return _Plan(prof, limit, planned, kind)
 
 
-def _report(
-    ctx: _Ctx,
-    phases: list[_Phase],
-    lp: LayerProfile,
-    measured_equal: tuple[float, ...] | None,
-    equal: tuple[int, ...],
-    balanced: tuple[int, ...],
-    profile: Profile,
-    mem_limit: int,
-    plan: Schedule,
-    began: float,
-) -> JobResult:
-    cfg = ctx.cfg
-    out = Path(cfg.out)
+def _report(ctx: _Ctx, phases: list[_Phase], cut: _Cut, plan: _Plan, *, began: float) -> JobResult:
+    cfg, profile, mem_limit, lp = ctx.cfg, plan.profile, plan.mem_limit, cut.layers
+    out = Path(cfg.job.out)
     out.mkdir(parents=True, exist_ok=True)
     files = {"profile": str(profile.save(out / "profile.json"))}
     results: tuple[PhaseResult, ...] = ()
     report = None
-    if not cfg.profile_only:
+    if not cfg.job.profile_only:
         from zerobubble.viz.measured import measured_row, plot_measured
 
         results = tuple(_analyze(ph, profile, mem_limit) for ph in phases)
@@ -484,25 +511,25 @@ def _report(
         files["timeline"] = str(plot_measured(panels, out / "timeline.png"))
     stages = range(profile.stages.num_stages)
     balance = Balance(
-        equal,
-        balanced,
-        tuple(stage_costs(lp.costs(), equal)),
-        tuple(stage_costs(lp.costs(), balanced)),
-        measured_equal,
+        cut.equal,
+        cut.balanced,
+        tuple(stage_costs(lp.costs(), cut.equal)),
+        tuple(stage_costs(lp.costs(), cut.balanced)),
+        cut.measured_equal,
         tuple(profile.stages.stage_time(s) for s in stages),
     )
     return JobResult(
-        cfg,
-        lp,
-        balance,
-        profile,
-        mem_limit,
-        PLANNER,
-        plan,
-        results,
-        report,
-        files,
-        time.perf_counter() - began,
+        config=cfg,
+        layers=lp,
+        balance=balance,
+        profile=profile,
+        mem_limit=mem_limit,
+        plan_kind=plan.kind,
+        plan=plan.schedule,
+        phases=results,
+        trace_report=report,
+        files=files,
+        wall_s=time.perf_counter() - began,
     )
 
 

@@ -14,7 +14,7 @@ def load_schedule(path: str | Path, *, num_microbatches: int | None = None) -> S
     """Read our JSON or PyTorch's CSV, chosen by content (JSON starts with '{')."""
     text = Path(path).read_text()
     if text.lstrip().startswith("{"):
-        return json_format.loads(text)
+        return json_format.loads(text, str(path))
     return torch_csv.loads(text, name=Path(path).stem, num_microbatches=num_microbatches)
 
 

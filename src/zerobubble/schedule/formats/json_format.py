@@ -45,44 +45,93 @@ def dumps(schedule: Schedule) -> str:
     return "\n".join(lines) + "\n"
 
 
-def from_dict(data: Mapping[str, Any]) -> Schedule:
-    """Parse our JSON object; errors name the field and what was expected."""
+def from_dict(data: object, source: str = "schedule JSON") -> Schedule:
+    """Parse our JSON object; errors name ``source``, the field and what was expected."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{source}: expected a JSON object, got {type(data).__name__}")
     if data.get("format") != FORMAT:
         raise ValueError(
-            f"not a zerobubble schedule: format is {data.get('format')!r}, expected {FORMAT!r}"
+            f"{source}: not a zerobubble schedule: format is {data.get('format')!r}, "
+            f"expected {FORMAT!r}"
         )
     for key in ("num_devices", "num_stages", "num_microbatches", "placement", "actions"):
         if key not in data:
-            raise ValueError(f"schedule JSON is missing the field {key!r}")
+            raise ValueError(f"{source}: missing the field {key!r}")
+    rows = data["actions"]
+    if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows):
+        raise ValueError(
+            f"{source}: 'actions' must be a list with one list of actions per device, "
+            f"got {rows!r:.60}"
+        )
     ops = {op.value: op for op in Op}
     actions = []
-    for d, acts in enumerate(data["actions"]):
+    for d, acts in enumerate(rows):
         row = []
         for i, a in enumerate(acts):
-            try:
-                row.append(Action(ops[a["op"]], int(a["stage"]), int(a["mb"])))
-            except (KeyError, TypeError, ValueError):
+            op = ops.get(a.get("op")) if isinstance(a, dict) else None  # type: ignore[arg-type]
+            if op is None or not (_is_int(a.get("stage")) and _is_int(a.get("mb"))):
                 raise ValueError(
-                    f"device {d} position {i}: bad action {a!r}; expected "
+                    f"{source}: device {d} position {i}: bad action {a!r}; expected "
                     '{"op": "F"|"B"|"W"|"BW", "stage": int, "mb": int}'
-                ) from None
+                )
+            row.append(Action(op, a["stage"], a["mb"]))
         actions.append(row)
+    placement = data["placement"]
+    if not isinstance(placement, list) or not all(_is_int(x) for x in placement):
+        raise ValueError(
+            f"{source}: 'placement' must be a list of device numbers, one per stage, "
+            f"got {placement!r:.60}"
+        )
+    counts = {k: _count(data, k, source) for k in ("num_devices", "num_stages", "num_microbatches")}
+    total = sum(len(r) for r in actions)
+    if counts["num_microbatches"] > total:
+        raise ValueError(
+            f"{source}: num_microbatches={counts['num_microbatches']} but the file holds "
+            f"{total} actions, and every microbatch needs a forward on every stage; "
+            "fix num_microbatches"
+        )
     return Schedule(
         name=str(data.get("name", "schedule")),
-        num_devices=int(data["num_devices"]),
-        num_stages=int(data["num_stages"]),
-        num_microbatches=int(data["num_microbatches"]),
-        placement=tuple(int(x) for x in data["placement"]),
+        num_devices=counts["num_devices"],
+        num_stages=counts["num_stages"],
+        num_microbatches=counts["num_microbatches"],
+        placement=tuple(placement),
         actions=actions,
     )
 
 
-def loads(text: str) -> Schedule:
-    return from_dict(json.loads(text))
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _count(data: Mapping[str, Any], key: str, source: str) -> int:
+    x = data[key]
+    if not _is_int(x) or x < 1:
+        raise ValueError(f"{source}: {key!r} must be an integer >= 1, got {x!r}")
+    return x
+
+
+def read_json(path: str | Path) -> object:
+    """A JSON file's value; a syntax error names the file, the line and the column."""
+    p = Path(path)
+    return parse_json(p.read_text(), str(p))
+
+
+def parse_json(text: str, source: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{source}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+
+
+def loads(text: str, source: str = "schedule JSON") -> Schedule:
+    return from_dict(parse_json(text, source), source)
 
 
 def load(path: str | Path) -> Schedule:
-    return loads(Path(path).read_text())
+    return loads(Path(path).read_text(), str(path))
 
 
 def save(schedule: Schedule, path: str | Path) -> None:

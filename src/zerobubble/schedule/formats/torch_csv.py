@@ -110,6 +110,12 @@ def from_rows(
     M = num_microbatches
     if M is None:
         M = max(a.mb for acts in actions for a in acts) + 1
+    total = sum(len(acts) for acts in actions)
+    if total < M:  # and beyond any simulation's reach
+        raise ValueError(
+            f"{M} microbatches but the CSV holds {total} compute actions, and every "
+            "microbatch needs a forward on every stage; pass the schedule's own -m"
+        )
     placement = tuple(where[s][0] for s in range(S))
     return Schedule(name, len(actions), S, M, placement, actions)
 

@@ -1,0 +1,172 @@
+"""The job's options as dotted keys (``model.d_model``): help, types, TOML, overrides.
+
+A key is ``section.field`` of :class:`~zerobubble.train.config.TrainConfig`. Its help
+is the field's docstring, read from the source with :mod:`ast`, so every option is
+documented once, where it is defined; its type is the field's annotation. The command
+line (:mod:`zerobubble.cli`) and TOML files (``zerobubble train --config job.toml``)
+both go through here, so they accept exactly the same keys and values.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import itertools
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from zerobubble.train.config import TrainConfig, scaled_defaults
+
+_TRUE, _FALSE, _NONE = ("true", "yes", "1"), ("false", "no", "0"), ("none", "null")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting of the job: ``section.field``, its type, default and help."""
+
+    key: str
+    kind: type
+    """int, float, bool or str."""
+    optional: bool
+    """None (written ``none``) is allowed."""
+    default: object
+    doc: str
+    aliases: tuple[str, ...] = ()
+    """Older flags that set it too (``-p``, ``--layers``...): scripts depend on them."""
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace("_", "-")
+
+    def parse(self, text: str) -> object:
+        """The value of command-line ``text``; ValueError says what was expected."""
+        low = text.strip().lower()
+        if self.optional and low in _NONE:
+            return None
+        try:
+            if self.kind is bool:
+                if low in _TRUE + _FALSE:
+                    return low in _TRUE
+                raise ValueError
+            return self.kind(text)
+        except ValueError:
+            raise ValueError(f"expected {self._expected()}, got {text!r}") from None
+
+    def check(self, value: object, source: str) -> object:
+        """A TOML value, type-checked (an int field refuses 0.7 rather than rounding it)."""
+        if self.optional and isinstance(value, str) and value.lower() in _NONE:
+            return None
+        ok = (
+            isinstance(value, self.kind) and not (self.kind is not bool and isinstance(value, bool))
+        ) or (self.kind is float and isinstance(value, int) and not isinstance(value, bool))
+        if not ok:
+            raise ValueError(f"{source}: {self.key} must be {self._expected()}, got {value!r}")
+        return float(value) if self.kind is float else value  # type: ignore[arg-type]
+
+    def _expected(self) -> str:
+        name = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+        return name[self.kind] + (" or none" if self.optional else "")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """``field -> docstring`` of a dataclass, from the string literal after each field."""
+    try:
+        tree = ast.parse(inspect.cleandoc("\n" + inspect.getsource(cls)))
+    except (OSError, TypeError):  # no source (frozen build): options keep working without help
+        return {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for stmt, nxt in itertools.pairwise(body):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _kind(annotation: object) -> tuple[type, bool]:
+    args = typing.get_args(annotation)
+    if isinstance(annotation, types.UnionType) and type(None) in args:
+        (inner,) = (a for a in args if a is not type(None))
+        return inner, True
+    return annotation, False  # type: ignore[return-value]
+
+
+def _sections() -> dict[str, type]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def options() -> tuple[Option, ...]:
+    """Every option of :class:`TrainConfig`, section by section, in field order."""
+    out = []
+    defaults = TrainConfig()
+    for section, cls in _sections().items():
+        hints, docs = typing.get_type_hints(cls), field_docs(cls)
+        for f in fields(cls):
+            if not f.metadata.get("option", True):
+                continue
+            kind, optional = _kind(hints[f.name])
+            out.append(
+                Option(
+                    f"{section}.{f.name}",
+                    kind,
+                    optional,
+                    getattr(getattr(defaults, section), f.name),
+                    docs.get(f.name, ""),
+                    tuple(f.metadata.get("aliases", ())),
+                )
+            )
+    return tuple(out)
+
+
+def load_toml(path: str | Path) -> dict[str, object]:
+    """The options a TOML file sets, as ``{key: value}``; errors name the file and the key."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:  # its message carries the line and column
+        raise ValueError(f"{p}: not valid TOML: {exc}") from None
+    known = {o.key: o for o in options()}
+    sections = list(_sections())
+    out: dict[str, object] = {}
+    for name, table in data.items():
+        if name not in sections or not isinstance(table, dict):
+            raise ValueError(
+                f"{p}: {name!r} is not a section; expected tables [{'], ['.join(sections)}]"
+            )
+        for field_name, value in table.items():
+            key = f"{name}.{field_name}"
+            if key not in known:
+                valid = ", ".join(k.split(".")[1] for k in known if k.startswith(name + "."))
+                raise ValueError(f"{p}: unknown key {key!r}; [{name}] takes {valid}")
+            out[key] = known[key].check(value, str(p))
+    return out
+
+
+def build_config(
+    values: Mapping[str, object], *, devices: int, profile_only: bool = False
+) -> TrainConfig:
+    """A :class:`TrainConfig` from ``values`` (``{key: value}``, later sources already
+    merged over earlier ones); ``devices`` is P when ``values`` does not set it, and the
+    defaults that scale with P follow (:func:`~zerobubble.train.config.scaled_defaults`)."""
+    known = {o.key for o in options()}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown}; see zerobubble train --help")
+    P = int(values.get("schedule.devices", devices))  # type: ignore[call-overload]
+    merged = {**scaled_defaults(P), "schedule.devices": P, **values}
+    if profile_only:
+        merged["job.profile_only"] = True
+    by_section: dict[str, dict[str, object]] = {}
+    for key, value in merged.items():
+        section, name = key.split(".")
+        by_section.setdefault(section, {})[name] = value
+    return TrainConfig(**{n: cls(**by_section.get(n, {})) for n, cls in _sections().items()})

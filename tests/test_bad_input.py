@@ -1,0 +1,254 @@
+"""Bad input, as a table: each row is a command line (and the files it reads), the exit
+status it must give and fragments its message must hold. Exit 2 is a refusal with one
+message naming the input, the problem and the fix; never a traceback, never exit 0.
+
+docs/e2e.md ("Bad input and how it is reported") lists the same cases.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from zerobubble.cli import main
+from zerobubble.schedule.formats import json_format
+from zerobubble.schedule.generators import generate
+from zerobubble.schedule.validate import validate
+
+SCHEDULE = json.loads(json_format.dumps(generate("zb-h1", 2, 4)))
+
+
+def schedule_with(**fields: object) -> str:
+    return json.dumps({**SCHEDULE, **fields})
+
+
+def schedule_with_mb(mb: object) -> str:
+    data = json.loads(json.dumps(SCHEDULE))
+    data["actions"][0][0]["mb"] = mb
+    return json.dumps(data)
+
+
+TINY = [
+    "-p", "2", "-m", "4", "--layers", "1", "--d-model", "16", "--heads", "2",
+    "--seq-len", "8", "--microbatch-size", "2",
+]  # fmt: skip
+
+# (id, argv with {f} for the file, file content or None, exit status, message fragments)
+CASES = [
+    (
+        "costs-file-scalars",
+        "schedule zb-h1 -p 2 -m 4 --costs-file {f}",
+        '{"F": 1, "B": 1, "W": 1}',
+        2,
+        ["infile: ", "'F' must be a non-empty array of numbers", '"F": [1.0, 1.0]'],
+    ),
+    (
+        "costs-file-syntax",
+        "schedule zb-h1 -p 2 -m 4 --costs-file {f}",
+        '{"F": [1, 1],\n "B": [1, 1] "W": [1, 1]}',
+        2,
+        ["infile: ", "not valid JSON", "line 2 column"],
+    ),
+    (
+        "costs-file-zero",
+        "schedule zb-h1 -p 2 -m 4 --costs-file {f}",
+        '{"F": [0, 0], "B": [0, 0], "W": [0, 0]}',
+        2,
+        ["infile: ", "every F, B and W is 0"],
+    ),
+    (
+        "simulate-actions-int",
+        "simulate {f}",
+        schedule_with(actions=5),
+        2,
+        ["infile: ", "'actions' must be a list with one list of actions per device, got 5"],
+    ),
+    (
+        "simulate-num-devices-null",
+        "simulate {f}",
+        schedule_with(num_devices=None),
+        2,
+        ["'num_devices' must be an integer >= 1, got None"],
+    ),
+    (
+        "simulate-placement-null",
+        "simulate {f}",
+        schedule_with(placement=None),
+        2,
+        ["'placement' must be a list of device numbers, one per stage, got None"],
+    ),
+    (
+        "simulate-huge-m",
+        "simulate {f}",
+        schedule_with(num_microbatches=10**30),
+        2,
+        [f"num_microbatches={10**30}", "holds 24 actions", "fix num_microbatches"],
+    ),
+    (
+        "simulate-fractional-mb",
+        "simulate {f}",
+        schedule_with_mb(0.7),
+        2,
+        ["device 0 position 0: bad action", "'mb': 0.7", '"mb": int'],
+    ),
+    (
+        "simulate-syntax",
+        "simulate {f}",
+        '{"format": "zerobubble.schedule/1",\n\n  "name": }',
+        2,
+        ["infile: ", "not valid JSON", "line 3 column 11"],
+    ),
+    (
+        "simulate-csv-huge-m",
+        f"simulate {{f}} -m {10**30}",
+        "0F0,0I0,0W0\n",
+        2,
+        [f"{10**30} microbatches but the CSV holds 3 compute actions", "own -m"],
+    ),
+    (
+        "schedule-huge-m",
+        f"schedule zb-h1 -p 2 -m {10**30}",
+        None,
+        2,
+        ["-p 2 -m 1000", "more than the command line builds", "pick a smaller P or M"],
+    ),
+    ("compare-p0", "compare -p 0 -m 4", None, 2, ["number of devices P must be an integer >= 1"]),
+    (
+        "compare-m0",
+        "compare -p 2 -m 0",
+        None,
+        2,
+        ["number of microbatches M must be an integer >= 1, got 0"],
+    ),
+    (
+        "costs-all-zero",
+        "schedule zb-h1 -p 2 -m 4 --costs F=0,B=0,W=0",
+        None,
+        2,
+        ["'F=0,B=0,W=0'", "F + B + W is 0", "e.g. F=1,B=1,W=1"],
+    ),
+    ("costs-negative", "compare -p 2 -m 4 --costs F=-1", None, 2, ["'F=-1'", ">= 0"]),
+    ("mem-limit-nan", "schedule zb-h1 -p 2 -m 4 --mem-limit nan", None, 2, ["not a number"]),
+    (
+        "train-one-device",
+        "train -p 1",
+        None,
+        2,
+        ["schedule.devices must be >= 2, got 1", "pass -p 2 or more"],
+    ),
+    ("train-negative-steps", "train -p 2 --steps -1", None, 2, ["job.steps must be >= 0, got -1"]),
+    (
+        "train-heads",
+        "train -p 2 --heads 3",
+        None,
+        2,
+        ["model.d_model=128 is not divisible by model.n_heads=3", "divisors of --d-model"],
+    ),
+    (
+        "train-out-below-file",
+        "train -p 2 --out {f}/sub",
+        "a regular file",
+        2,
+        ["cannot create the output folder", "infile is a file, not a folder"],
+    ),
+    (
+        "train-fractional-layers",
+        "train -p 2 --layers 0.5",
+        None,
+        2,
+        ["--model.n-layers", "expected an integer, got '0.5'"],
+    ),
+    ("train-nan-lr", "train -p 2 --lr nan", None, 2, ["optimizer.lr must be a finite number"]),
+    (
+        "train-too-few-layers",
+        "train -p 8 --layers 2",
+        None,
+        2,
+        ["8 devices need at least 8 layers but the model has 5", "--layers 5"],
+    ),
+    (
+        "train-config-unknown-key",
+        "train --config {f}",
+        "[model]\nwidth = 3\n",
+        2,
+        ["infile: ", "unknown key 'model.width'", "[model] takes d_model, n_heads"],
+    ),
+    (
+        "train-config-float-for-int",
+        "train --config {f}",
+        "[job]\nmicrobatch_size = 0.7\n",
+        2,
+        ["job.microbatch_size must be an integer, got 0.7"],
+    ),
+    (
+        "train-config-syntax",
+        "train --config {f}",
+        "[job]\nsteps = = 3\n",
+        2,
+        ["infile: ", "not valid TOML", "line 2"],
+    ),
+    (
+        "train-config-not-a-section",
+        "train --config {f}",
+        "steps = 3\n",
+        2,
+        ["'steps' is not a section", "[job]"],
+    ),
+]
+
+
+def exit_status(argv: list[str]) -> int:
+    """``main``'s status; argparse's own refusals (a flag's type) exit 2 by SystemExit."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return int(exc.code)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("argv", "content", "code", "fragments"),
+    [c[1:] for c in CASES],
+    ids=[c[0] for c in CASES],
+)
+def test_bad_input_table(argv, content, code, fragments, tmp_path, capsys):
+    path = tmp_path / "infile"  # one name for every file: the fragments can name it
+    if content is not None:
+        path.write_text(content)
+    assert exit_status([a.format(f=path) for a in argv.split()]) == code
+    captured = capsys.readouterr()
+    err = captured.err
+    assert "Traceback" not in err + captured.out
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+def test_argparse_refusals_exit_2_naming_the_flag(capsys):
+    assert exit_status(["train", "--steps", "three"]) == 2
+    assert "argument --steps/--job.steps: expected an integer, got 'three'" in (
+        capsys.readouterr().err
+    )
+
+
+def test_validate_refuses_a_nan_memory_limit():
+    sched = generate("zb-h1", 3, 6)
+    with pytest.raises(ValueError, match="mem_limit is NaN"):
+        validate(sched, mem_limit=float("nan"))
+    assert validate(sched, mem_limit=math.inf).cost == validate(sched).cost
+
+
+def test_schedule_json_errors_name_the_source():
+    with pytest.raises(ValueError, match=r"^my\.json: not valid JSON: .* line 1 column 2$"):
+        json_format.loads("{,}", "my.json")
+
+
+@pytest.mark.slow
+def test_unplannable_memory_limit_is_one_message_from_the_parent(tmp_path, capfd):
+    """Found only after profiling: every rank stops alike, the parent prints one message."""
+    argv = ["train", *TINY, "--steps", "1", "--baseline-steps", "1", "--mem-limit", "1"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    captured = capfd.readouterr()
+    assert "Traceback" not in captured.err and "rank " not in captured.err
+    assert "cannot plan zb-auto within --mem-limit 1 bytes per device" in captured.err
+    assert "raise the limit to at least" in captured.err
