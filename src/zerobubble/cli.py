@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -39,6 +40,19 @@ def _number(text: str) -> Number:
         return Fraction(text) if "/" in text else (int(text) if text.isdigit() else float(text))
     except (ValueError, ZeroDivisionError):
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def _microseconds(text: str) -> float:
+    """A finite duration >= 0 (NaN would silently disable the check it bounds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a finite number of microseconds >= 0; give e.g. 1000"
+        )
+    return value
 
 
 def _add_cost_args(p: argparse.ArgumentParser) -> None:
@@ -148,7 +162,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     else:
         _print_table(
             [(e.kind, e.result or e.error) for e in entries],
-            f"P={args.p} M={args.m} costs: {_describe(args, spec)}",
+            f"P={args.p} M={args.m} costs: {_describe(args)}",
         )
     if args.plot:
         from zerobubble.viz.timeline import plot_results
@@ -184,7 +198,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_check_trace(args: argparse.Namespace) -> int:
-    from zerobubble.runtime.trace_check import DEFAULT_OPT_OPS, check_trace, load_trace
+    from zerobubble.schedule.trace_check import DEFAULT_OPT_OPS, check_trace, load_trace
 
     events, lines = load_trace(args.trace)
     report = check_trace(
@@ -282,7 +296,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole job")
 
 
-def _describe(args: argparse.Namespace, spec: CostSpec) -> str:
+def _describe(args: argparse.Namespace) -> str:
     return str(args.costs_file) if args.costs_file else f"{args.costs} r={float(args.mem_w):g}"
 
 
@@ -367,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-budget", type=int, help="activation bytes per rank never to exceed")
     p.add_argument(
         "--tolerance-us",
-        type=float,
+        type=_microseconds,
         default=1000.0,
         help="slack of the cross-rank causality check in microseconds (default %(default)s)",
     )
