@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from zerobubble.schedule.deps import MAX_NEEDS, PRODUCERS, RULES
+from zerobubble.schedule.deps import MAX_NEEDS, PRODUCERS, RULES, Kind
 from zerobubble.schedule.ir import Action, Op, Schedule
 
 CODE = {op: i for i, op in enumerate(Op)}
@@ -139,19 +139,33 @@ def _columns(flat: tuple[Action, ...], num_stages: int, num_microbatches: int) -
     return Columns(op, stage, mb, num_stages, num_microbatches, order, keys[order])
 
 
+_NEED_GROUPS: tuple[tuple[tuple[Kind, ...], tuple[int, ...]], ...] = tuple(
+    (needs, tuple(CODE[op] for op, r in RULES.items() if r.needs == needs))
+    for needs in dict.fromkeys(r.needs for r in RULES.values())
+)
+"""The ops' codes grouped by what they need (B and BW need the same), for one pass each."""
+
+
 def _deps_by_columns(c: Columns) -> tuple[list[int], list[int]]:
     n = len(c.op)
     deps = [np.full(n, -1, dtype=np.int64) for _ in range(MAX_NEEDS)]
-    for op, rule in RULES.items():
-        of_op = c.op == CODE[op]
-        for slot, kind in enumerate(rule.needs):
-            src = c.stage - kind.flow
-            sel = of_op & (src >= 0) & (src < c.num_stages)
-            s, j = src[sel], c.mb[sel]
-            found = np.full(len(s), -1, dtype=np.int64)
-            for prod in PRODUCERS[kind]:  # the first producer op the schedule has
-                found = np.where(found >= 0, found, c.find(CODE[prod], s, j))
-            deps[slot][sel] = found
+    for kinds, codes in _NEED_GROUPS:
+        sel = c.op == codes[0]
+        for code in codes[1:]:
+            sel |= c.op == code
+        ids = np.flatnonzero(sel)
+        stage, mb = c.stage[ids], c.mb[ids]
+        for slot, kind in enumerate(kinds):
+            at, src, j = ids, stage - kind.flow, mb
+            if kind.flow:
+                keep = (src >= 0) & (src < c.num_stages)
+                at, src, j = at[keep], src[keep], j[keep]
+            first, *others = PRODUCERS[kind]
+            found = c.find(CODE[first], src, j)
+            for prod in others:  # the first producer op the schedule has
+                miss = np.flatnonzero(found < 0)
+                found[miss] = c.find(CODE[prod], src[miss], j[miss])
+            deps[slot][at] = found
     return deps[0].tolist(), deps[1].tolist()
 
 

@@ -63,7 +63,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import pairwise, repeat
 
-from zerobubble.schedule.deps import Key, needs, produces
+from zerobubble.schedule.deps import RULES, Kind
 from zerobubble.schedule.generators.common import check_counts, emit_backward
 from zerobubble.schedule.ir import Action, Op, Schedule, v_placement
 
@@ -296,7 +296,10 @@ def _reorder(blocks: Sequence[Block], m: int) -> list[list[tuple[int, Action]]]:
     for d, dev in enumerate(devices):
         dev.settle(horizon)
         devices[d] = _Device(horizon, max(dev.level))
-    ready_at: dict[Key, int] = {}  # when each produced key is ready
+    # The dependency rule (deps.RULES), its keys as list indices (no tuples to build).
+    need = {op: [(k, k.flow) for k in r.needs] for op, r in RULES.items()}
+    made = {op: r.produces for op, r in RULES.items()}
+    ready_at = {kind: [0] * (num_stages * m) for kind in Kind}  # [stage * m + mb]: ready time
     kind_end: dict[tuple[Op, int], int] = {}  # keeps each (op, stage) in microbatch order
     for t0, d, op, stage, mb in tiled:
         dev = devices[d]
@@ -304,13 +307,14 @@ def _reorder(blocks: Sequence[Block], m: int) -> list[list[tuple[int, Action]]]:
         t = t0
         if not first_end <= t0 <= last_start:  # the steady state keeps the tiling
             ready = kind_end.get((op, stage), 0)
-            for key in needs(op, stage, mb, num_stages):
-                ready = max(ready, ready_at[key])
+            for kind, flow in need[op]:
+                if 0 <= stage - flow < num_stages:
+                    ready = max(ready, ready_at[kind][(stage - flow) * m + mb])
             t = dev.slot_for(op, ready, t0)
         dev.place(op, t, t0)
         kind_end[op, stage] = t + _WIDTH[op]
-        for key in produces(op, stage, mb, num_stages):
-            ready_at[key] = t + _WIDTH[op]
+        for kind in made[op]:
+            ready_at[kind][stage * m + mb] = t + _WIDTH[op]
         dev.placed.append((t, Action(op, stage, mb)))
     return [_with_w(sorted(dev.placed)) for dev in devices]
 
