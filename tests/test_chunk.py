@@ -14,8 +14,9 @@ from zerobubble.runtime.bw_split import WeightGradStore
 from zerobubble.runtime.chunk import StageChunk, StageChunkError, storage_bytes
 from zerobubble.runtime.microbatch import loss_scales, split_batch
 from zerobubble.runtime.reference import reference_step
+from zerobubble.schedule.deps import backward_ops, dependencies
 from zerobubble.schedule.generators import gpipe, one_f_one_b, zb_h1, zbv
-from zerobubble.schedule.ir import Action, Op, Schedule, backward_ops, dependencies
+from zerobubble.schedule.ir import Action, Op, Schedule
 
 GPT = GPTConfig(vocab_size=32, max_seq_len=8, d_model=16, n_heads=2, n_layers=3, seed=1)
 

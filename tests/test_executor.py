@@ -23,12 +23,13 @@ from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.launcher import LaunchError, init_distributed, launch
 from zerobubble.runtime.partition import build_stage_modules, stage_bounds
 from zerobubble.runtime.reference import reference_step
-from zerobubble.runtime.trace import TRACKS, chrome_trace, gather_traces, read_jsonl, write_jsonl
+from zerobubble.runtime.trace import gather_traces
 from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.formats import torch_csv
 from zerobubble.schedule.generators import GENERATORS, generate
 from zerobubble.schedule.ir import Op, Schedule
 from zerobubble.schedule.passes import fuse_local_backward
+from zerobubble.schedule.trace_format import TRACKS, chrome_trace, read_jsonl, write_jsonl
 from zerobubble.schedule.validate import validate
 
 pytestmark = pytest.mark.slow

@@ -150,3 +150,12 @@ def test_generators_are_pure():
     assert a == b and a is not b
     with pytest.raises(AttributeError):
         a.num_devices = 3  # frozen
+
+
+def test_the_kind_table_is_fixed_and_read_only():
+    from zerobubble.schedule import generators
+
+    assert [g.name for g in generators._KINDS] == list(GENERATORS)  # no name given twice
+    assert not hasattr(generators, "register")
+    with pytest.raises(TypeError):
+        GENERATORS["mine"] = GENERATORS["1f1b"]  # type: ignore[index]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from zerobubble.schedule.deps import backward_ops, dependencies
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.graph import _deps_by_dict, build_graph
-from zerobubble.schedule.ir import Action, Op, Schedule, backward_ops, dependencies
+from zerobubble.schedule.ir import Action, Op, Schedule
 
 
 def mixed_backwards() -> Schedule:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from zerobubble.interop.torch_pipelining import torch_schedule
-from zerobubble.runtime.lowering import (
+from zerobubble.schedule.errors import Reason, ScheduleError
+from zerobubble.schedule.generators import GENERATORS, generate
+from zerobubble.schedule.ir import BW, F, Schedule
+from zerobubble.schedule.lowering import (
     Compute,
     LoweredSchedule,
     Message,
@@ -18,9 +21,6 @@ from zerobubble.runtime.lowering import (
     lower,
     validate_lowered,
 )
-from zerobubble.schedule.errors import Reason, ScheduleError
-from zerobubble.schedule.generators import GENERATORS, generate
-from zerobubble.schedule.ir import BW, F, Schedule
 
 
 def options(kind: str) -> dict:

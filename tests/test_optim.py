@@ -27,8 +27,8 @@ from zerobubble.runtime.launcher import LaunchError, init_distributed, launch
 from zerobubble.runtime.partition import build_stage_modules, stage_bounds
 from zerobubble.runtime.reference import reference_step
 from zerobubble.runtime.trace import gather_traces
-from zerobubble.runtime.trace_check import check_trace
 from zerobubble.schedule.generators import generate
+from zerobubble.schedule.trace_check import check_trace
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from zerobubble.profile.layers import profile_layers
 from zerobubble.profile.stages import stage_profile
 from zerobubble.profile.stats import OpStats
 from zerobubble.runtime.partition import stage_bounds
-from zerobubble.runtime.trace import TraceEvent
+from zerobubble.schedule.trace_format import TraceEvent
 
 
 def test_opstats_median_and_nearest_rank_p95():

@@ -10,12 +10,12 @@ import torch
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.comm import TensorMeta
-from zerobubble.runtime.lowering import Compute, MsgKind, PostRecv, Send, WaitRecv, lower
 from zerobubble.runtime.replay import gate_position, plan_gates
 from zerobubble.runtime.wire import HEADER_BYTES, Header, pack, packed_meta, unpack
 from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.generators import GENERATORS, generate
 from zerobubble.schedule.ir import Op
+from zerobubble.schedule.lowering import Compute, MsgKind, PostRecv, Send, WaitRecv, lower
 
 
 def every_schedule():

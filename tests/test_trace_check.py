@@ -21,16 +21,17 @@ from zerobubble.optim.trainer import PipelineTrainer
 from zerobubble.profile.bubbles import analyze_iteration
 from zerobubble.profile.costs_file import Profile
 from zerobubble.profile.stages import boundary_pairs, p2p_latency, stage_profile
-from zerobubble.runtime.clocks import clock_offsets
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.launcher import init_distributed, launch
 from zerobubble.runtime.partition import build_stage_modules
-from zerobubble.runtime.trace import COMPUTE_OPS, TraceEvent, gather_traces, write_jsonl
-from zerobubble.runtime.trace_check import check_trace, load_trace
+from zerobubble.runtime.trace import gather_traces
+from zerobubble.schedule.clocks import clock_offsets
 from zerobubble.schedule.costs import load_costs_file
 from zerobubble.schedule.generators import GENERATORS, generate
 from zerobubble.schedule.ir import Schedule
 from zerobubble.schedule.passes import fuse_local_backward
+from zerobubble.schedule.trace_check import check_trace, load_trace
+from zerobubble.schedule.trace_format import COMPUTE_OPS, TraceEvent, write_jsonl
 from zerobubble.schedule.validate import validate
 from zerobubble.train.job import executed_costs, plan_schedule
 

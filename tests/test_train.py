@@ -7,8 +7,8 @@ import json
 import pytest
 
 from zerobubble.cli import main
-from zerobubble.runtime.trace_check import check_trace, load_trace
 from zerobubble.schedule.costs import load_costs_file
+from zerobubble.schedule.trace_check import check_trace, load_trace
 from zerobubble.train.config import JobSection, ModelSection, ScheduleSection, TrainConfig
 
 pytestmark = pytest.mark.slow

@@ -8,9 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from zerobubble.schedule.deps import backward_ops, dependencies
 from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.generators import generate
-from zerobubble.schedule.ir import Action, Op, Schedule, backward_ops, dependencies
+from zerobubble.schedule.ir import Action, Op, Schedule
 from zerobubble.schedule.validate import validate
 
 # ---- random valid schedules ----------------------------------------------------------------

@@ -49,6 +49,19 @@ def _number(text: str) -> Number:
     return x
 
 
+def _microseconds(text: str) -> float:
+    """A finite duration >= 0 (NaN would silently disable the check it bounds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a finite number of microseconds >= 0; give e.g. 1000"
+        )
+    return value
+
+
 def _add_cost_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--costs",
@@ -170,7 +183,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     else:
         _print_table(
             [(e.kind, e.result or e.error) for e in entries],
-            f"P={args.p} M={args.m} costs: {_describe(args, spec)}",
+            f"P={args.p} M={args.m} costs: {_describe(args)}",
         )
     if args.plot:
         from zerobubble.viz.timeline import plot_results
@@ -233,7 +246,7 @@ def _make_out(out: Path) -> None:
 
 
 def cmd_check_trace(args: argparse.Namespace) -> int:
-    from zerobubble.runtime.trace_check import DEFAULT_OPT_OPS, check_trace, load_trace
+    from zerobubble.schedule.trace_check import DEFAULT_OPT_OPS, check_trace, load_trace
 
     events, lines = load_trace(args.trace)
     report = check_trace(
@@ -307,7 +320,7 @@ def _typed(parse: Callable[[str], object]) -> Callable[[str], object]:
     return convert
 
 
-def _describe(args: argparse.Namespace, spec: CostSpec) -> str:
+def _describe(args: argparse.Namespace) -> str:
     return str(args.costs_file) if args.costs_file else f"{args.costs} r={float(args.mem_w):g}"
 
 
@@ -392,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-budget", type=int, help="activation bytes per rank never to exceed")
     p.add_argument(
         "--tolerance-us",
-        type=float,
+        type=_microseconds,
         default=1000.0,
         help="slack of the cross-rank causality check in microseconds (default %(default)s)",
     )

@@ -54,8 +54,8 @@ from zerobubble.optim.rollback import make_undo
 from zerobubble.optim.versions import OptState, RankVersions
 from zerobubble.runtime.executor import PipelineExecutor
 from zerobubble.runtime.replay import StepHooks
-from zerobubble.runtime.trace import TraceEvent
 from zerobubble.schedule.ir import Action as ComputeAction
+from zerobubble.schedule.trace_format import TraceEvent
 
 __all__ = ["Commit", "PipelineTrainer", "group_settings"]
 

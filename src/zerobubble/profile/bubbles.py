@@ -1,8 +1,8 @@
 """Where a measured pipeline iteration's idle time goes, per device, summing exactly.
 
-Input: the :class:`~zerobubble.runtime.trace.TraceEvent` list of every rank.
+Input: the :class:`~zerobubble.schedule.trace_format.TraceEvent` list of every rank.
 Ranks' times are first put on one clock using the messages between them
-(:func:`zerobubble.runtime.clocks.clock_offsets`). All quantities are integer
+(:func:`zerobubble.schedule.clocks.clock_offsets`). All quantities are integer
 nanoseconds, so the parts add up exactly.
 
 Definitions (one iteration, device = rank ``d``):
@@ -15,9 +15,10 @@ Definitions (one iteration, device = rank ``d``):
   rate** is ``Σ_d idle_d / (P · (T1 - T0))``.
 * A gap ``[lo, hi]`` before compute ``c`` is cut at two instants: ``p``, when
   the producer of ``c``'s input on *another* device finished (F(s-1, j) for
-  F(s, j); the backward of (s+1, j) for B/BW(s, j); found through the message
-  ids), and ``a``, when ``d``'s wait for that message returned. Inputs made on
-  ``d`` itself (and W, whose only input is its own B) have ``p = a = -inf``.
+  F(s, j); the backward of (s+1, j) for B/BW(s, j): the rule of
+  :mod:`zerobubble.schedule.deps`; found through the message ids), and
+  ``a``, when ``d``'s wait for that message returned. Inputs made on ``d``
+  itself (and W, whose only input is its own B) have ``p = a = -inf``.
   With ``p' = clamp(p, lo, hi)`` and ``a' = clamp(max(a, p'), lo, hi)``:
 
   - ``[lo, p']`` is a **dependency** wait (the schedule's next action has no
@@ -45,8 +46,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from zerobubble.runtime.clocks import clock_offsets
-from zerobubble.runtime.trace import COMPUTE_OPS, TraceEvent
+from zerobubble.schedule.clocks import clock_offsets
+from zerobubble.schedule.deps import Key, needs, produces
+from zerobubble.schedule.ir import Op
+from zerobubble.schedule.lowering import MsgKind
+from zerobubble.schedule.trace_format import EventOp, TraceEvent
 
 CATEGORIES = ("dependency", "memory", "comm", "imbalance", "overhead")
 """The parts of a device's idle time, in the order pictures stack them."""
@@ -122,22 +126,23 @@ def analyze_iteration(
     ]
     ranks = sorted({e.rank for e in mine})
     per_rank = {r: [e for e in mine if e.rank == r] for r in ranks}
-    computes = {r: [e for e in evs if e.op in COMPUTE_OPS] for r, evs in per_rank.items()}
+    computes = {r: [e for e in evs if isinstance(e.op, Op)] for r, evs in per_rank.items()}
     if not mine or any(not c for c in computes.values()):
         raise ValueError(f"iteration {iteration}: every rank needs compute events in the trace")
-    by_key = {(e.op, e.stage, e.mb): e for e in mine if e.op in COMPUTE_OPS}
-    arrivals = {(e.rank, e.msg): e.end_ns for e in mine if e.op == "wait_recv"}
-    num_stages = 1 + max(e.stage for e in by_key.values())
+    num_stages = 1 + max(c.stage for cs in computes.values() for c in cs)
+    made: dict[Key, TraceEvent] = {}  # the compute that produced each key
+    for e in mine:
+        if isinstance(e.op, Op):
+            made.update(dict.fromkeys(produces(e.op, e.stage, e.mb, num_stages), e))
+    arrivals = {(e.rank, e.msg): e.end_ns for e in mine if e.op is EventOp.WAIT_RECV}
     t0 = min(c[0].start_ns for c in computes.values())
     t1 = max(c[-1].end_ns for c in computes.values())
 
     def producer(c: TraceEvent) -> tuple[TraceEvent | None, tuple | None]:
-        """The compute whose output ``c`` consumes, and the message id carrying it."""
-        if c.op == "F" and c.stage > 0:
-            return by_key.get(("F", c.stage - 1, c.mb)), ("act", c.stage - 1, c.stage, c.mb)
-        if c.op in ("B", "BW") and c.stage < num_stages - 1:
-            up = by_key.get(("B", c.stage + 1, c.mb)) or by_key.get(("BW", c.stage + 1, c.mb))
-            return up, ("grad", c.stage + 1, c.stage, c.mb)
+        """The compute whose output ``c`` consumes from another stage, and the message id."""
+        for k in needs(c.op, c.stage, c.mb, num_stages):
+            if k.kind.travels:
+                return made.get(k), (MsgKind(k.kind.value), k.stage, k.consumer_stage, k.mb)
         return None, None
 
     raw: dict[int, dict[str, int]] = {}
@@ -161,7 +166,7 @@ def analyze_iteration(
             if prod is not None and prod.rank != r:
                 p = min(max(prod.end_ns, lo), hi)
                 a = min(max(arrivals.get((r, msg), prod.end_ns), p), hi)
-            stall = _memory_stall(c, cs[i + 1 :], lo, p, by_key, t0, mem_budget)
+            stall = _memory_stall(c, cs[i + 1 :], lo, p, made, num_stages, t0, mem_budget)
             parts["memory"] += stall
             parts["dependency"] += p - lo - stall
             parts["comm"] += a - p
@@ -193,23 +198,23 @@ def _memory_stall(
     later: Sequence[TraceEvent],
     lo: int,
     p: int,
-    by_key: dict[tuple, TraceEvent],
+    made: dict[Key, TraceEvent],
+    num_stages: int,
     t0: int,
     mem_budget: int | None,
 ) -> int:
     """Length of ``[lo, p]`` during which the next F was ready but would exceed the budget."""
     if mem_budget is None or p <= lo:
         return 0
-    nxt = next((e for e in later if e.op == "F"), None)
+    nxt = next((e for e in later if e.op is Op.F), None)
     if nxt is None:
         return 0
-    if nxt.stage == 0:
-        ready = t0
-    else:
-        up = by_key.get(("F", nxt.stage - 1, nxt.mb))
+    ready = t0
+    for k in needs(nxt.op, nxt.stage, nxt.mb, num_stages):
+        up = made.get(k)
         if up is None:
             return 0
-        ready = up.end_ns
+        ready = max(ready, up.end_ns)
     m_b = nxt.mem_after - nxt.mem_before
     if c.mem_before + m_b <= mem_budget:
         return 0

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from zerobubble.profile.stats import OpStats
-from zerobubble.runtime.trace import COMPUTE_OPS, TraceEvent
+from zerobubble.schedule.trace_format import COMPUTE_OPS, TraceEvent
 
 HOST_OPS = ("send", "post_recv")
 """Events that are host work of the op before them (a wait_recv is waiting, not work:

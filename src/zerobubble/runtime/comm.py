@@ -5,7 +5,7 @@ Every wait is bounded: a peer that died, or one that never sends, turns into a
 of a hang. Pipeline device ``d`` is rank ``d`` of the process group.
 
 Transports: gloo buffers each direction independently, which is the model the
-lowered programs are checked against (:func:`~zerobubble.runtime.lowering.validate_lowered`).
+lowered programs are checked against (:func:`~zerobubble.schedule.lowering.validate_lowered`).
 NCCL runs both directions of a rank pair on one communicator whose operations
 execute in issue order, and a large send does not finish before its receive
 runs; a send queued behind a receive can then deadlock (1F1B's steady state

@@ -6,7 +6,7 @@ Usage mirrors ``torch.distributed.pipelining``::
     losses = []
     pipe.step(x, target=y, losses=losses)   # x used on stage 0's rank, y on the last stage's
 
-The schedule is validated and lowered once (:mod:`zerobubble.runtime.lowering`);
+The schedule is validated and lowered once (:mod:`zerobubble.schedule.lowering`);
 ``step`` interprets this rank's program: receives are posted early, sends are
 asynchronous, and every wait is bounded by the comm timeout. Tensor shapes
 between stages are agreed on at the first step (:mod:`zerobubble.runtime.shapes`)
@@ -25,7 +25,13 @@ from torch import nn
 from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.comm import P2P, TensorMeta
 from zerobubble.runtime.host_memory import retain_freed_memory
-from zerobubble.runtime.lowering import (
+from zerobubble.runtime.microbatch import loss_scales, split_batch
+from zerobubble.runtime.replay import GatePlan, StepHooks, plan_gates
+from zerobubble.runtime.shapes import ShapeMismatchError, negotiate
+from zerobubble.runtime.trace import Trace, sync_epoch
+from zerobubble.runtime.wire import Header, pack, packed_meta, unpack
+from zerobubble.schedule.ir import Action, Op, Schedule
+from zerobubble.schedule.lowering import (
     Compute,
     Instruction,
     Message,
@@ -39,13 +45,8 @@ from zerobubble.runtime.lowering import (
     output_message,
     validate_lowered,
 )
-from zerobubble.runtime.microbatch import loss_scales, split_batch
-from zerobubble.runtime.replay import GatePlan, StepHooks, plan_gates
-from zerobubble.runtime.shapes import ShapeMismatchError, negotiate
-from zerobubble.runtime.trace import Trace, TraceEvent, sync_epoch
-from zerobubble.runtime.wire import Header, pack, packed_meta, unpack
-from zerobubble.schedule.ir import Action, Op, Schedule
 from zerobubble.schedule.passes import fuse_local_backward
+from zerobubble.schedule.trace_format import TraceEvent
 from zerobubble.schedule.validate import validate
 
 
@@ -60,7 +61,7 @@ class ExecutorOptions:
 
     recv_lookahead: int = 2
     """How many compute actions before its consumer a receive is posted (more overlap,
-    more receive buffers held); see :func:`~zerobubble.runtime.lowering.lower`."""
+    more receive buffers held); see :func:`~zerobubble.schedule.lowering.lower`."""
 
     directed_groups: bool | None = None
     """Give each direction of each communicating rank pair its own subgroup. None picks
@@ -69,7 +70,7 @@ class ExecutorOptions:
     group to be exactly the pipeline's ranks, all running the same schedule."""
 
     trace: bool = True
-    """Record a :class:`~zerobubble.runtime.trace.TraceEvent` per executed instruction
+    """Record a :class:`~zerobubble.schedule.trace_format.TraceEvent` per executed instruction
     in :attr:`PipelineExecutor.trace` (one ``held_bytes`` query per compute: only
     computes change what the stages hold). The stages then track their saved tensors
     (``StageChunk(track_memory=True)``), a Python call per saved tensor in F and in B;

@@ -29,7 +29,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from zerobubble.runtime.lowering import (
+from zerobubble.schedule.errors import Reason, ScheduleError
+from zerobubble.schedule.ir import Action
+from zerobubble.schedule.lowering import (
     Compute,
     Instruction,
     LoweredSchedule,
@@ -40,8 +42,6 @@ from zerobubble.runtime.lowering import (
     WaitRecv,
     validate_lowered,
 )
-from zerobubble.schedule.errors import Reason, ScheduleError
-from zerobubble.schedule.ir import Action
 
 
 class StepHooks:
@@ -90,7 +90,7 @@ def plan_gates(lowered: LoweredSchedule) -> GatePlan:
     """Place a gate in every device's program; raise ``ScheduleError`` if a replay could stall.
 
     The gated programs are checked with
-    :func:`~zerobubble.runtime.lowering.validate_lowered`, and every device must
+    :func:`~zerobubble.schedule.lowering.validate_lowered`, and every device must
     reach its gate with only the other devices' pre-gate instructions
     (``Reason.DEADLOCK`` naming the stuck devices otherwise).
     """

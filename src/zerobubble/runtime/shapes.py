@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from zerobubble.runtime.comm import P2P, TensorMeta, decode_metas, encode_metas
-from zerobubble.runtime.lowering import Message, MsgKind
 from zerobubble.schedule.ir import Schedule
+from zerobubble.schedule.lowering import Message, MsgKind
 
 
 class ShapeMismatchError(ValueError):

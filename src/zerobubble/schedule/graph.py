@@ -2,14 +2,18 @@
 
 Actions get flat ids (device 0's first, then device 1's, ...). ``dep1[g]`` and
 ``dep2[g]`` are the ids of the actions ``g`` depends on that the schedule
-contains (-1 where there is none); the previous action on the same device is
-implicit. The validator and the simulator share this so a 200k-action
+contains (-1 where there is none), in the order of the op's needs in
+:data:`~zerobubble.schedule.deps.RULES`; the previous action on the same device
+is implicit. The validator and the simulator share this so a 200k-action
 schedule is indexed once.
 
 When every action is a well-formed, in-range :class:`Action` (the common
 case), the graph also carries :class:`Columns`: the actions as integer arrays,
 so whole-schedule checks run in numpy. Anything else is indexed through a
 dict, slower but without assumptions, so the validator can name the problem.
+
+:func:`action_code` is the one integer encoding of an action, shared with the
+searches' graph (:mod:`zerobubble.schedule.search.graph`).
 """
 
 from __future__ import annotations
@@ -17,14 +21,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate, chain
+from typing import TypeVar
 
 import numpy as np
 
+from zerobubble.schedule.deps import MAX_NEEDS, PRODUCERS, RULES, Kind
 from zerobubble.schedule.ir import Action, Op, Schedule
 
-_F, _B, _W, _BW = Op.F, Op.B, Op.W, Op.BW
-CODE = {_F: 0, _B: 1, _W: 2, _BW: 3}
-"""Integer code of each op in :attr:`Columns.op`."""
+CODE = {op: i for i, op in enumerate(Op)}
+"""Integer code of each op (F 0, B 1, W 2, BW 3), in :attr:`Columns.op`."""
+
+_I = TypeVar("_I", int, np.ndarray)
+
+
+def action_code(op: int | np.ndarray, stage: _I, mb: _I, num_stages: int, num_mbs: int) -> _I:
+    """The integer of action (op code, stage, mb): ``(op * S + stage) * M + mb``.
+
+    Dense and ordered by (op, stage, mb), so ids of F, B and W alone are ``0 .. 3SM-1``.
+    """
+    return (op * num_stages + stage) * num_mbs + mb  # type: ignore[return-value]
+
+
+if MAX_NEEDS != 2:  # pragma: no cover - a rule change that Graph must follow
+    raise ImportError(f"Graph stores 2 dependencies per action; the rule has {MAX_NEEDS}")
 
 
 @dataclass(frozen=True)
@@ -41,7 +60,7 @@ class Columns:
     sorted_keys: np.ndarray
 
     def key(self, op: int | np.ndarray, stage: np.ndarray, mb: np.ndarray) -> np.ndarray:
-        return (op * self.num_stages + stage) * self.num_microbatches + mb
+        return action_code(op, stage, mb, self.num_stages, self.num_microbatches)
 
     def find(self, op: int | np.ndarray, stage: np.ndarray, mb: np.ndarray) -> np.ndarray:
         """Flat id of the first occurrence of each (op, stage, mb), -1 where absent."""
@@ -115,50 +134,65 @@ def _columns(flat: tuple[Action, ...], num_stages: int, num_microbatches: int) -
     if stage.min() < 0 or stage.max() >= num_stages or mb.min() < 0 or mb.max() >= num_microbatches:
         return None
     op = np.fromiter(map(CODE.__getitem__, ops), dtype=np.int64, count=len(ops))
-    keys = (op * num_stages + stage) * num_microbatches + mb
+    keys = action_code(op, stage, mb, num_stages, num_microbatches)
     order = np.argsort(keys, kind="stable")
     return Columns(op, stage, mb, num_stages, num_microbatches, order, keys[order])
 
 
+_NEED_GROUPS: tuple[tuple[tuple[Kind, ...], tuple[int, ...]], ...] = tuple(
+    (needs, tuple(CODE[op] for op, r in RULES.items() if r.needs == needs))
+    for needs in dict.fromkeys(r.needs for r in RULES.values())
+)
+"""The ops' codes grouped by what they need (B and BW need the same), for one pass each."""
+
+
 def _deps_by_columns(c: Columns) -> tuple[list[int], list[int]]:
     n = len(c.op)
-    dep1 = np.full(n, -1, dtype=np.int64)
-    dep2 = np.full(n, -1, dtype=np.int64)
-    sel = (c.op == CODE[_F]) & (c.stage > 0)
-    dep1[sel] = c.find(CODE[_F], c.stage[sel] - 1, c.mb[sel])
-    sel = c.op == CODE[_W]
-    dep1[sel] = c.find(CODE[_B], c.stage[sel], c.mb[sel])
-    sel = (c.op == CODE[_B]) | (c.op == CODE[_BW])
-    dep1[sel] = c.find(CODE[_F], c.stage[sel], c.mb[sel])
-    sel &= c.stage < c.num_stages - 1
-    s, j = c.stage[sel] + 1, c.mb[sel]
-    nxt = c.find(CODE[_B], s, j)
-    dep2[sel] = np.where(nxt >= 0, nxt, c.find(CODE[_BW], s, j))
-    return dep1.tolist(), dep2.tolist()
+    deps = [np.full(n, -1, dtype=np.int64) for _ in range(MAX_NEEDS)]
+    for kinds, codes in _NEED_GROUPS:
+        sel = c.op == codes[0]
+        for code in codes[1:]:
+            sel |= c.op == code
+        ids = np.flatnonzero(sel)
+        stage, mb = c.stage[ids], c.mb[ids]
+        for slot, kind in enumerate(kinds):
+            at, src, j = ids, stage - kind.flow, mb
+            if kind.flow:
+                keep = (src >= 0) & (src < c.num_stages)
+                at, src, j = at[keep], src[keep], j[keep]
+            first, *others = PRODUCERS[kind]
+            found = c.find(CODE[first], src, j)
+            for prod in others:  # the first producer op the schedule has
+                miss = np.flatnonzero(found < 0)
+                found[miss] = c.find(CODE[prod], src[miss], j[miss])
+            deps[slot][at] = found
+    return deps[0].tolist(), deps[1].tolist()
+
+
+_PLAN = {op: tuple((k.flow, PRODUCERS[k]) for k in r.needs) for op, r in RULES.items()}
+"""Per op: for each need, its flow and the ops that may produce it."""
 
 
 def _deps_by_dict(flat: tuple[Action, ...], num_stages: int) -> tuple[list[int], list[int]]:
     index: dict[Action, int] = {}
     for g, a in enumerate(flat):
         index.setdefault(a, g)
-    last = num_stages - 1
     get = index.get
-    dep1: list[int] = []
-    dep2: list[int] = []
+    deps: list[list[int]] = [[] for _ in range(MAX_NEEDS)]
     # Plain tuples hash and compare equal to Actions (named tuples), so lookups
     # need no Action construction.
     for op, s, j in flat:
-        f = nxt = None
-        if op is _F:
-            f = get((_F, s - 1, j)) if s > 0 else None
-        elif op is _W:
-            f = get((_B, s, j))
-        else:
-            f = get((_F, s, j))
-            if s < last:
-                nxt = get((_B, s + 1, j))
-                if nxt is None:
-                    nxt = get((_BW, s + 1, j))
-        dep1.append(-1 if f is None else f)
-        dep2.append(-1 if nxt is None else nxt)
-    return dep1, dep2
+        found = [-1] * MAX_NEEDS
+        if type(op) is Op and type(s) is int and type(j) is int:
+            for slot, (flow, prods) in enumerate(_PLAN[op]):
+                src = s - flow
+                if not 0 <= src < num_stages:
+                    continue
+                for prod in prods:
+                    g = get((prod, src, j))
+                    if g is not None:
+                        found[slot] = g
+                        break
+        for slot in range(MAX_NEEDS):
+            deps[slot].append(found[slot])
+    return deps[0], deps[1]

@@ -3,7 +3,7 @@
 A schedule is *only* an ordered list of compute actions per device plus the
 facts needed to interpret them (how many stages, where each stage lives, how
 many microbatches). Dependencies are never stored: they follow from the ops
-themselves (see :func:`dependencies`), so a schedule cannot disagree with its
+themselves (see :mod:`zerobubble.schedule.deps`), so a schedule cannot disagree with its
 own dependency graph.
 
 Everything here is immutable and torch-free.
@@ -176,42 +176,3 @@ def v_placement(num_devices: int) -> tuple[int, ...]:
     """V placement: device ``d`` holds stages ``d`` and ``2P-1-d``."""
     p = num_devices
     return tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
-
-
-# ---- dependencies ---------------------------------------------------------------------------
-
-
-def backward_ops(schedule: Schedule) -> dict[tuple[int, int], Op]:
-    """Map (stage, mb) -> the backward op (B or BW) the schedule uses for it.
-
-    The first occurrence wins; duplicates and conflicts are the validator's business.
-    """
-    found: dict[tuple[int, int], Op] = {}
-    for acts in schedule.actions:
-        for a in acts:
-            if a.op.is_backward:
-                found.setdefault((a.stage, a.mb), a.op)
-    return found
-
-
-def dependencies(
-    action: Action, num_stages: int, backward_op: dict[tuple[int, int], Op]
-) -> tuple[Action, ...]:
-    """The actions that must finish before ``action`` may start.
-
-    F(s,j) needs F(s-1,j); B(s,j) and BW(s,j) need F(s,j) and the backward of
-    (s+1,j), which is whichever of B or BW the schedule uses; W(s,j) needs B(s,j).
-    """
-    s, j = action.stage, action.mb
-    match action.op:
-        case Op.F:
-            return (Action(Op.F, s - 1, j),) if s > 0 else ()
-        case Op.B | Op.BW:
-            fwd = Action(Op.F, s, j)
-            if s + 1 < num_stages:
-                nxt = backward_op.get((s + 1, j), Op.B)
-                return (fwd, Action(nxt, s + 1, j))
-            return (fwd,)
-        case Op.W:
-            return (Action(Op.B, s, j),)
-    raise AssertionError(action)  # pragma: no cover

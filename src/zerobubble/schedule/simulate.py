@@ -17,7 +17,6 @@ Definitions (the Zero Bubble paper's):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
@@ -240,8 +239,3 @@ def _memory(schedule: Schedule, costs: CostModel) -> tuple[tuple[Number, ...], .
     return tuple(
         tuple(accumulate(map(get, map(_op_stage, lst)), initial=0))[1:] for lst in schedule.actions
     )
-
-
-def device_peak(schedule: Schedule, costs: CostModel) -> Sequence[Number]:
-    """Peak activation memory per device (no timing needed: it is order-only)."""
-    return tuple(max(c, default=0) for c in _memory(schedule, costs))

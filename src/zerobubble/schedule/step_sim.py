@@ -27,8 +27,9 @@ import itertools
 from dataclasses import dataclass
 
 from zerobubble.schedule.costs import CostModel, Number
+from zerobubble.schedule.deps import backward_ops, dependencies
 from zerobubble.schedule.errors import Reason, ScheduleError
-from zerobubble.schedule.ir import Schedule, backward_ops, dependencies
+from zerobubble.schedule.ir import Schedule
 
 
 class StepMode(enum.StrEnum):

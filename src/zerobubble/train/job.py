@@ -49,13 +49,14 @@ from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.partition import build_stage_modules, stage_bounds
-from zerobubble.runtime.trace import TraceEvent, gather_traces, write_chrome_trace, write_jsonl
-from zerobubble.runtime.trace_check import TraceReport, check_trace
+from zerobubble.runtime.trace import gather_traces
 from zerobubble.schedule.costs import CostModel, CostSpec
 from zerobubble.schedule.generators import generate, one_f_one_b
 from zerobubble.schedule.ir import Op, Schedule
 from zerobubble.schedule.passes import fuse_local_backward
 from zerobubble.schedule.simulate import SimResult, simulate
+from zerobubble.schedule.trace_check import TraceReport, check_trace
+from zerobubble.schedule.trace_format import TraceEvent, write_chrome_trace, write_jsonl
 from zerobubble.schedule.validate import validate
 from zerobubble.train.config import TrainConfig
 

@@ -27,7 +27,6 @@ __all__ = [
     "interleaved_1f1b",
     "one_f_one_b",
     "one_f_one_b_v",
-    "register",
     "v_half",
     "v_min",
     "zb_h1",
@@ -56,66 +55,6 @@ class Generator:
     baseline: bool = False
 
 
-_REGISTRY: dict[str, Generator] = {}
-
-
-def register(gen: Generator) -> Generator:
-    """Add a kind (import-time only; kinds are never replaced)."""
-    if gen.name in _REGISTRY:
-        raise ValueError(f"schedule kind {gen.name!r} is already registered")
-    _REGISTRY[gen.name] = gen
-    return gen
-
-
-GENERATORS: Mapping[str, Generator] = MappingProxyType(_REGISTRY)
-
-register(
-    Generator(
-        "gpipe", gpipe, "all forwards, then all backwards", frozenset({"split_backward"}), True
-    )
-)
-register(
-    Generator(
-        "1f1b",
-        one_f_one_b,
-        "one forward, one backward (PipeDream-Flush)",
-        frozenset({"split_backward"}),
-        True,
-    )
-)
-register(
-    Generator(
-        "interleaved-1f1b",
-        interleaved_1f1b,
-        "Megatron interleaved 1F1B, v chunks per device, looped placement",
-        frozenset({"chunks", "split_backward"}),
-        True,
-    )
-)
-register(Generator("zb-h1", zb_h1, "Zero Bubble H1: 1F1B memory, 1/3 of its bubble"))
-register(Generator("zb-h2", zb_h2, "Zero Bubble H2: zero bubble with 2P-1 microbatches in flight"))
-register(Generator("zbv", zbv, "Zero Bubble V: V placement, zero bubble at 1F1B memory"))
-# V-shaped building blocks (Qi et al., 2024) and DeepSeek's DualPipeV: any P, M >= 1.
-register(Generator("v-half", v_half, "V-Half: V placement, about 1/2 of 1F1B's memory"))
-register(Generator("v-min", v_min, "V-Min: V placement, about 1/3 of 1F1B's memory"))
-register(
-    Generator(
-        "1f1b-v",
-        one_f_one_b_v,
-        "1F1B-V: V placement without B/W split, about 2/3 of 1F1B's memory",
-        frozenset({"split_backward"}),
-        True,
-    )
-)
-register(
-    Generator(
-        "dualpipev",
-        dualpipev,
-        "DeepSeek's DualPipeV: DualPipe cut in half onto the V placement",
-    )
-)
-
-
 # The search kinds import their module on first use: schedule.search builds on the
 # generators above, so importing it here would be circular.
 def _zb_auto(num_devices: int, num_microbatches: int, **options: object) -> Schedule:
@@ -137,31 +76,67 @@ def _optimal(num_devices: int, num_microbatches: int, **options: object) -> Sche
 
 
 _SEARCH_OPTIONS = frozenset({"costs", "mem_limit"})
-register(
+
+_KINDS = (
+    Generator(
+        "gpipe", gpipe, "all forwards, then all backwards", frozenset({"split_backward"}), True
+    ),
+    Generator(
+        "1f1b",
+        one_f_one_b,
+        "one forward, one backward (PipeDream-Flush)",
+        frozenset({"split_backward"}),
+        True,
+    ),
+    Generator(
+        "interleaved-1f1b",
+        interleaved_1f1b,
+        "Megatron interleaved 1F1B, v chunks per device, looped placement",
+        frozenset({"chunks", "split_backward"}),
+        True,
+    ),
+    Generator("zb-h1", zb_h1, "Zero Bubble H1: 1F1B memory, 1/3 of its bubble"),
+    Generator("zb-h2", zb_h2, "Zero Bubble H2: zero bubble with 2P-1 microbatches in flight"),
+    Generator("zbv", zbv, "Zero Bubble V: V placement, zero bubble at 1F1B memory"),
+    # V-shaped building blocks (Qi et al., 2024) and DeepSeek's DualPipeV: any P, M >= 1.
+    Generator("v-half", v_half, "V-Half: V placement, about 1/2 of 1F1B's memory"),
+    Generator("v-min", v_min, "V-Min: V placement, about 1/3 of 1F1B's memory"),
+    Generator(
+        "1f1b-v",
+        one_f_one_b_v,
+        "1F1B-V: V placement without B/W split, about 2/3 of 1F1B's memory",
+        frozenset({"split_backward"}),
+        True,
+    ),
+    Generator(
+        "dualpipev",
+        dualpipev,
+        "DeepSeek's DualPipeV: DualPipe cut in half onto the V placement",
+    ),
     Generator(
         "zb-auto",
         _zb_auto,
         "automatic zero bubble for the given costs and memory limit (default P: ZB-1p); "
         "chunks > 1 interleaves",
         _SEARCH_OPTIONS | {"chunks"},
-    )
-)
-register(
+    ),
     Generator(
         "zbv-auto",
         _zbv_auto,
         "automatic ZB-V for the given costs and memory limit (default P)",
         _SEARCH_OPTIONS,
-    )
-)
-register(
+    ),
     Generator(
         "optimal",
         _optimal,
         "exact optimum by MILP for small P*M (default memory limit 2P)",
         _SEARCH_OPTIONS,
-    )
+    ),
 )
+
+GENERATORS: Mapping[str, Generator] = MappingProxyType({g.name: g for g in _KINDS})
+"""Every kind by name. A fixed table, built once at import and read-only (not a registry:
+a new kind is one entry in ``_KINDS``)."""
 
 
 def generate(

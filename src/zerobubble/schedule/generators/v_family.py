@@ -63,6 +63,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import pairwise, repeat
 
+from zerobubble.schedule.deps import RULES, Kind
 from zerobubble.schedule.generators.common import check_counts, emit_backward
 from zerobubble.schedule.ir import Action, Op, Schedule, v_placement
 
@@ -295,26 +296,25 @@ def _reorder(blocks: Sequence[Block], m: int) -> list[list[tuple[int, Action]]]:
     for d, dev in enumerate(devices):
         dev.settle(horizon)
         devices[d] = _Device(horizon, max(dev.level))
-    backward = {s: op for block in blocks for op, s, _ in block if op.is_backward}
-    end: dict[tuple[Op, int, int], int] = {}  # where each placed pass ends
+    # The dependency rule (deps.RULES), its keys as list indices (no tuples to build).
+    need = {op: [(k, k.flow) for k in r.needs] for op, r in RULES.items()}
+    made = {op: r.produces for op, r in RULES.items()}
+    ready_at = {kind: [0] * (num_stages * m) for kind in Kind}  # [stage * m + mb]: ready time
     kind_end: dict[tuple[Op, int], int] = {}  # keeps each (op, stage) in microbatch order
     for t0, d, op, stage, mb in tiled:
         dev = devices[d]
         dev.settle(t0)
         t = t0
         if not first_end <= t0 <= last_start:  # the steady state keeps the tiling
-            # ir.dependencies' rules, on plain tuples (they hash like Actions, build faster).
             ready = kind_end.get((op, stage), 0)
-            if op is Op.F:
-                if stage:
-                    ready = max(ready, end[Op.F, stage - 1, mb])
-            else:
-                ready = max(ready, end[Op.F, stage, mb])
-                if stage + 1 < num_stages:
-                    ready = max(ready, end[backward[stage + 1], stage + 1, mb])
+            for kind, flow in need[op]:
+                if 0 <= stage - flow < num_stages:
+                    ready = max(ready, ready_at[kind][(stage - flow) * m + mb])
             t = dev.slot_for(op, ready, t0)
         dev.place(op, t, t0)
-        end[op, stage, mb] = kind_end[op, stage] = t + _WIDTH[op]
+        kind_end[op, stage] = t + _WIDTH[op]
+        for kind in made[op]:
+            ready_at[kind][stage * m + mb] = t + _WIDTH[op]
         dev.placed.append((t, Action(op, stage, mb)))
     return [_with_w(sorted(dev.placed)) for dev in devices]
 

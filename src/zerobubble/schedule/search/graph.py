@@ -1,7 +1,7 @@
 """The F/B/W action graph of a split-backward schedule, shared by the searches.
 
 Each (stage, microbatch) has an F, a B and a W. Besides the true dependencies
-(``ir.dependencies``) the searches order same-op same-stage actions by
+(:data:`~zerobubble.schedule.deps.RULES`) the searches order same-op same-stage actions by
 microbatch (F(s,j) before F(s,j+1), likewise B and W). That loses nothing:
 microbatches are interchangeable, so any schedule can be relabelled into one
 whose every chain is in order without changing a single start time.
@@ -14,17 +14,19 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from zerobubble.schedule.costs import CostModel, Number
+from zerobubble.schedule.deps import PRODUCERS, RULES
+from zerobubble.schedule.graph import CODE, action_code
 from zerobubble.schedule.ir import Action, Op
 
 OPS = (Op.F, Op.B, Op.W)
+"""The ops of a split-backward schedule; their codes are 0, 1, 2, so ids are dense."""
 
 
 @dataclass(frozen=True)
 class ActionGraph:
     """All F/B/W actions of S stages and M microbatches, indexed 0..N-1.
 
-    Index of ``Action(op, s, j)`` is ``(k * S + s) * M + j`` with k the position
-    of op in (F, B, W).
+    The index of an action is its :func:`~zerobubble.schedule.graph.action_code`.
     """
 
     placement: tuple[int, ...]
@@ -42,7 +44,7 @@ class ActionGraph:
         return 3 * self.num_stages * self.num_microbatches
 
     def index(self, op: Op, stage: int, mb: int) -> int:
-        return (OPS.index(op) * self.num_stages + stage) * self.num_microbatches + mb
+        return action_code(CODE[op], stage, mb, self.num_stages, self.num_microbatches)
 
     @cached_property
     def actions(self) -> tuple[Action, ...]:
@@ -60,15 +62,19 @@ class ActionGraph:
     def edges(self) -> tuple[tuple[int, int, bool], ...]:
         """``(before, after, crosses_devices)``: dependencies plus the in-order chains."""
         S, M, idx = self.num_stages, self.num_microbatches, self.index
+        # Per op, each need's flow and its producer here (B, not BW: the graph has no BW).
+        plan = [
+            (op, [(k.flow, next(p for p in PRODUCERS[k] if p in OPS)) for k in RULES[op].needs])
+            for op in OPS
+        ]
         out: list[tuple[int, int, bool]] = []
         for s in range(S):
             for j in range(M):
-                if s > 0:
-                    out.append((idx(Op.F, s - 1, j), idx(Op.F, s, j), self._cross(s - 1, s)))
-                out.append((idx(Op.F, s, j), idx(Op.B, s, j), False))
-                if s + 1 < S:
-                    out.append((idx(Op.B, s + 1, j), idx(Op.B, s, j), self._cross(s + 1, s)))
-                out.append((idx(Op.B, s, j), idx(Op.W, s, j), False))
+                for op, need in plan:
+                    for flow, prod in need:
+                        src = s - flow
+                        if 0 <= src < S:
+                            out.append((idx(prod, src, j), idx(op, s, j), self._cross(src, s)))
                 if j + 1 < M:
                     for op in OPS:
                         out.append((idx(op, s, j), idx(op, s, j + 1), False))

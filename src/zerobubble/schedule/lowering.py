@@ -25,17 +25,20 @@ import enum
 from collections import defaultdict
 from dataclasses import dataclass
 
+from zerobubble.schedule.deps import Key, Kind, needs, producer, produces
 from zerobubble.schedule.errors import Reason, ScheduleError
-from zerobubble.schedule.ir import Action, Op, Schedule
+from zerobubble.schedule.ir import Action, Schedule
 
 
 class MsgKind(enum.StrEnum):
-    """What a message carries."""
+    """What a message carries: the :class:`~zerobubble.schedule.deps.Kind` values that travel."""
 
-    ACT = "act"
+    ACT = Kind.ACT.value
     """The output activation of F(s, j), consumed by F(s+1, j)."""
-    GRAD = "grad"
+    GRAD = Kind.GRAD.value
     """The input gradient of B/BW(s, j), consumed by B/BW(s-1, j)."""
+
+    __hash__ = str.__hash__
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -127,28 +130,28 @@ class LoweredSchedule:
 
 def input_message(action: Action, num_stages: int) -> Message | None:
     """The tensor ``action`` consumes from a neighbouring stage, if any (local or not)."""
-    s, j = action.stage, action.mb
-    if action.op is Op.F and s > 0:
-        return Message(MsgKind.ACT, s - 1, s, j)
-    if action.op.is_backward and s + 1 < num_stages:
-        return Message(MsgKind.GRAD, s + 1, s, j)
+    for k in needs(action.op, action.stage, action.mb, num_stages):
+        if k.kind.travels:
+            return Message(MsgKind(k.kind.value), k.stage, k.consumer_stage, k.mb)
     return None
 
 
 def output_message(action: Action, num_stages: int) -> Message | None:
     """The tensor ``action`` produces for a neighbouring stage, if any (local or not)."""
-    s, j = action.stage, action.mb
-    if action.op is Op.F and s + 1 < num_stages:
-        return Message(MsgKind.ACT, s, s + 1, j)
-    if action.op.is_backward and s > 0:
-        return Message(MsgKind.GRAD, s, s - 1, j)
+    for k in produces(action.op, action.stage, action.mb, num_stages):
+        if k.kind.travels:
+            return Message(MsgKind(k.kind.value), k.stage, k.consumer_stage, k.mb)
     return None
 
 
-def producer(msg: Message) -> Action:
+def message_key(msg: Message) -> Key:
+    """The dependency key a message carries."""
+    return Key(Kind(msg.kind.value), msg.src_stage, msg.mb)
+
+
+def producer_of(msg: Message) -> Action:
     """The compute action that produces ``msg`` (B for a gradient; BW has the same output)."""
-    op = Op.F if msg.kind is MsgKind.ACT else Op.B
-    return Action(op, msg.src_stage, msg.mb)
+    return producer(message_key(msg))
 
 
 # ---- the pass ----------------------------------------------------------------------------------
@@ -279,15 +282,12 @@ def validate_lowered(lowered: LoweredSchedule) -> None:
     sent: dict[tuple[int, int], list[Message]] = defaultdict(list)  # (src, dst) -> issued
     posted: dict[tuple[int, int], list[Message]] = defaultdict(list)  # (src, dst) -> posted
     arrived: list[set[Message]] = [set() for _ in range(P)]  # completed receives
-    done: list[set[Action]] = [set() for _ in range(P)]
+    made: list[set[Key]] = [set() for _ in range(P)]  # what each device's computes produced
 
     def fail(reason: Reason, d: int, msg: str) -> ScheduleError:
         ins = progs[d][pc[d]]
         act = ins.action if isinstance(ins, Compute) else None
         return ScheduleError(reason, f"{ins}: {msg}", device=d, position=pc[d], action=act)
-
-    def has_local(d: int, a: Action) -> bool:
-        return a in done[d] or (a.op is Op.B and Action(Op.BW, a.stage, a.mb) in done[d])
 
     def match(src: int, dst: int, k: int, d: int) -> Message | None:
         """The k-th message src sent to dst, if sent yet; it must be the k-th posted one."""
@@ -314,8 +314,8 @@ def validate_lowered(lowered: LoweredSchedule) -> None:
                 return False
             arrived[d].add(ins.msg)
         elif isinstance(ins, Send):
-            if not has_local(d, producer(ins.msg)):
-                raise fail(Reason.MISSING, d, f"sent before {producer(ins.msg)} produced it")
+            if message_key(ins.msg) not in made[d]:
+                raise fail(Reason.MISSING, d, f"sent before {producer_of(ins.msg)} produced it")
             sent[d, ins.peer].append(ins.msg)
         elif isinstance(ins, WaitSends):
             for dst in range(P):
@@ -323,17 +323,19 @@ def validate_lowered(lowered: LoweredSchedule) -> None:
                     return False
         else:
             a = ins.action
-            need = input_message(a, S)
-            if need is not None:
-                local = sched.placement[need.src_stage] == d
-                if not (has_local(d, producer(need)) if local else need in arrived[d]):
+            keys = needs(a.op, a.stage, a.mb, S)
+            # Messages first, then what this stage itself keeps (the F before a backward...).
+            for k in sorted(keys, key=lambda k: not k.kind.travels):
+                if not k.kind.travels:
+                    if k not in made[d]:
+                        raise fail(Reason.MISSING, d, f"{producer(k)} has not run here")
+                    continue
+                need = Message(MsgKind(k.kind.value), k.stage, k.consumer_stage, k.mb)
+                local = sched.placement[k.stage] == d
+                if not (k in made[d] if local else need in arrived[d]):
                     how = "its producer has not run here" if local else "no WaitRecv precedes it"
                     raise fail(Reason.MISSING, d, f"input {need} is not available ({how})")
-            if a.op in (Op.B, Op.BW) and Action(Op.F, a.stage, a.mb) not in done[d]:
-                raise fail(Reason.MISSING, d, f"F(s{a.stage},mb{a.mb}) has not run here")
-            if a.op is Op.W and Action(Op.B, a.stage, a.mb) not in done[d]:
-                raise fail(Reason.MISSING, d, f"B(s{a.stage},mb{a.mb}) has not run here")
-            done[d].add(a)
+            made[d].update(produces(a.op, a.stage, a.mb, S))
         pc[d] += 1
         return True
 

@@ -5,7 +5,8 @@ rank's events are taken in file order (the executor records them in
 execution order, and :func:`~zerobubble.runtime.trace.gather_traces` keeps
 it). Times of different ranks share an epoch only up to the barrier skew, so
 they are compared up to a clock offset per rank pair
-(:mod:`zerobubble.runtime.clocks`), with ``tolerance_ns`` to spare.
+(:mod:`zerobubble.schedule.clocks`), with ``tolerance_ns`` to spare. Which
+compute feeds which follows :mod:`zerobubble.schedule.deps`, like everywhere else.
 
 Checks, in this order (the first family with a violation is reported, at
 its earliest event):
@@ -44,24 +45,34 @@ so checks 2-7 ignore those events.
 
 from __future__ import annotations
 
-import json
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from zerobubble.runtime.clocks import pair_bounds
-from zerobubble.runtime.trace import COMPUTE_OPS, TraceEvent
+from zerobubble.schedule.clocks import pair_bounds
+from zerobubble.schedule.deps import LOCAL_PRODUCER, Key, needs, produces
+from zerobubble.schedule.ir import Op
+from zerobubble.schedule.lowering import MsgKind
+from zerobubble.schedule.trace_format import (
+    COMPUTE_OPS,
+    MESSAGE_OPS,
+    EventKind,
+    EventOp,
+    OptOp,
+    TraceEvent,
+    is_opt_op,
+    read_jsonl_lines,
+)
 
-MESSAGE_OPS = ("post_recv", "wait_recv", "send")
-OTHER_OPS = ("wait_sends", "replay")
-DEFAULT_OPT_OPS = (
-    "opt_reduce",
-    "opt_prefix",
-    "opt_provisional",
-    "opt_step",
-    "opt_skip",
-    "opt_defer",
+OTHER_OPS = (EventOp.WAIT_SENDS, EventOp.REPLAY)
+DEFAULT_OPT_OPS: tuple[EventKind, ...] = (
+    OptOp.REDUCE,
+    OptOp.PREFIX,
+    OptOp.PROVISIONAL,
+    OptOp.STEP,
+    OptOp.SKIP,
+    OptOp.DEFER,
 )
 """Optimizer events that read or apply an iteration's gradients (no compute of it may
 follow): the norm's all-reduce or prefix state, and every kind of step."""
@@ -150,7 +161,7 @@ class _Ev:
 
 def describe(e: TraceEvent) -> str:
     """``F(s1,mb0)``, ``send act(s0->s1,mb2)``, ``wait_sends``..."""
-    if e.op in COMPUTE_OPS:
+    if isinstance(e.op, Op):
         return f"{e.op}(s{e.stage},mb{e.mb})"
     if e.msg is not None:
         return f"{e.op} {_msg(e.msg)}"
@@ -164,21 +175,9 @@ def _msg(m: tuple) -> str:
 def load_trace(path: str | Path) -> tuple[list[TraceEvent], list[int]]:
     """Read a JSONL trace; returns the events and their line numbers.
 
-    Raises ``ValueError`` naming the line of anything that is not an event.
+    Raises ``ValueError`` naming the file, line and field of anything that is not an event.
     """
-    events, lines = [], []
-    with open(path) as f:
-        for n, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            try:
-                events.append(TraceEvent.from_dict(json.loads(text)))
-            except (ValueError, TypeError) as exc:
-                raise ValueError(
-                    f"{path}:{n}: not a trace event ({exc}); expected one JSON object per line "
-                    "as written by zerobubble.runtime.trace.write_jsonl"
-                ) from None
-            lines.append(n)
+    events, lines = read_jsonl_lines(path)
     if not events:
         raise ValueError(f"{path}: no events; is this a zerobubble JSONL trace?")
     return events, lines
@@ -190,7 +189,7 @@ def check_trace(
     lines: Sequence[int] | None = None,
     mem_budget: int | None = None,
     tolerance_ns: int = DEFAULT_TOLERANCE_NS,
-    opt_ops: Iterable[str] = DEFAULT_OPT_OPS,
+    opt_ops: Iterable[EventKind] = DEFAULT_OPT_OPS,
     conservative: bool = False,
 ) -> TraceReport:
     """Check a trace of every rank; see the module docstring for the rules."""
@@ -202,7 +201,7 @@ def check_trace(
         counters[e.rank] += 1
     notes: list[str] = []
     kept = _without_replayed(evs)
-    dropped = sum(ev.e.op != "replay" for ev in evs) - len(kept)
+    dropped = sum(ev.e.op is not EventOp.REPLAY for ev in evs) - len(kept)
     if dropped:
         notes.append(f"{dropped} event(s) of replayed (discarded) work not checked")
     families = (
@@ -244,12 +243,13 @@ def _without_replayed(evs: Sequence[_Ev]) -> list[_Ev]:
     """Drop each rank's events of an iteration that precede its ``replay`` of that iteration."""
     last_replay: dict[tuple[int, int], int] = {}
     for ev in evs:
-        if ev.e.op == "replay":
+        if ev.e.op is EventOp.REPLAY:
             last_replay[ev.e.rank, ev.e.iteration] = ev.index
     return [
         ev
         for ev in evs
-        if ev.e.op != "replay" and ev.index > last_replay.get((ev.e.rank, ev.e.iteration), -1)
+        if ev.e.op is not EventOp.REPLAY
+        and ev.index > last_replay.get((ev.e.rank, ev.e.iteration), -1)
     ]
 
 
@@ -270,7 +270,7 @@ def _by_iteration(evs: Sequence[_Ev]) -> dict[int, list[_Ev]]:
 # ---- 1. events --------------------------------------------------------------------------------
 
 
-def _check_events(evs: Sequence[_Ev], opt_ops: tuple[str, ...]) -> _Found:
+def _check_events(evs: Sequence[_Ev], opt_ops: tuple[EventKind, ...]) -> _Found:
     known = (*COMPUTE_OPS, *MESSAGE_OPS, *OTHER_OPS, *opt_ops)
     out: _Found = []
     for rank_evs in _by_rank(evs).values():
@@ -278,15 +278,15 @@ def _check_events(evs: Sequence[_Ev], opt_ops: tuple[str, ...]) -> _Found:
         last_iteration = 0
         for ev in rank_evs:
             e = ev.e
-            if e.op not in known and not e.op.startswith("opt_"):
+            if e.op not in known and not is_opt_op(e.op):
                 why = f"unknown op {e.op!r}; expected one of {', '.join(known)} or opt_*"
                 out.append(_v("event", ev, why))
-            elif e.op in COMPUTE_OPS and not (_nat(e.stage) and _nat(e.mb)):
+            elif isinstance(e.op, Op) and not (_nat(e.stage) and _nat(e.mb)):
                 out.append(_v("event", ev, "a compute event needs integer stage and mb >= 0"))
             elif e.op in MESSAGE_OPS and (
                 e.msg is None
                 or len(e.msg) != 4
-                or e.msg[0] not in ("act", "grad")
+                or not isinstance(e.msg[0], MsgKind)
                 or e.peer is None
             ):
                 out.append(
@@ -311,7 +311,7 @@ def _check_events(evs: Sequence[_Ev], opt_ops: tuple[str, ...]) -> _Found:
             # Optimizer events name the iteration whose gradients they act on, which may
             # lie behind the compute around them (post-validation), so only pipeline
             # events must not go back in iteration.
-            if not e.op.startswith("opt_"):
+            if not is_opt_op(e.op):
                 if e.iteration < last_iteration:
                     out.append(
                         _v("event", ev, f"iteration {e.iteration} after iteration {last_iteration}")
@@ -331,12 +331,12 @@ def _nat(x: object) -> bool:
 def _check_backward(evs: Sequence[_Ev]) -> _Found:
     out: _Found = []
     for it, it_evs in _by_iteration(evs).items():
-        state: dict[tuple[int, int], tuple[str, _Ev]] = {}
+        state: dict[tuple[int, int], tuple[Op, _Ev]] = {}
         owner: dict[int, int] = {}
         for rank_evs in _by_rank(it_evs).values():
             for ev in rank_evs:
                 e = ev.e
-                if e.op not in COMPUTE_OPS:
+                if not isinstance(e.op, Op):
                     continue
                 if owner.setdefault(e.stage, e.rank) != e.rank:
                     out.append(
@@ -350,19 +350,19 @@ def _check_backward(evs: Sequence[_Ev]) -> _Found:
                     continue
                 key = (e.stage, e.mb)
                 cur = state.get(key)
-                want = {"F": None, "B": "F", "BW": "F", "W": "B"}[e.op]
+                want = LOCAL_PRODUCER[e.op]
                 have = cur[0] if cur else None
                 if have != want:
                     out.append(_v("backward", ev, _order_problem(e.op, have, cur)))
                 state[key] = (e.op, ev)
         for (_s, _mb), (have, ev) in state.items():
-            if have == "F":
+            if have is Op.F:
                 why = "never gets its backward (no B and W, nor BW, follows it)"
                 out.append(_v("backward", ev, why))
-            elif have == "B":
+            elif have is Op.B:
                 out.append(_v("backward", ev, "never gets its W (its weight gradient is lost)"))
-        stages = sorted({e.e.stage for e in it_evs if e.e.op in COMPUTE_OPS})
-        mbs = sorted({e.e.mb for e in it_evs if e.e.op in COMPUTE_OPS})
+        stages = sorted({e.e.stage for e in it_evs if isinstance(e.e.op, Op)})
+        mbs = sorted({e.e.mb for e in it_evs if isinstance(e.e.op, Op)})
         if stages and mbs:
             for s in range(stages[-1] + 1):
                 for j in range(mbs[-1] + 1):
@@ -385,13 +385,13 @@ def _check_backward(evs: Sequence[_Ev]) -> _Found:
     return out
 
 
-def _order_problem(op: str, have: str | None, cur: tuple[str, _Ev] | None) -> str:
+def _order_problem(op: Op, have: Op | None, cur: tuple[Op, _Ev] | None) -> str:
     """Why ``op`` cannot follow ``have`` (the last op of this stage and microbatch)."""
     at = f" (event #{cur[1].index})" if cur else ""
-    if op == "F":
+    if op is Op.F:
         return f"runs a second time; the first {have} of this microbatch is earlier{at}"
-    if op == "W":
-        if have == "F":
+    if op is Op.W:
+        if have is Op.F:
             return f"runs but its B has not run before it on this rank (F is{at}); W needs B's work"
         if have is None:
             return "runs without its F and B on this rank"
@@ -407,13 +407,14 @@ def _order_problem(op: str, have: str | None, cur: tuple[str, _Ev] | None) -> st
 def _check_messages(evs: Sequence[_Ev]) -> _Found:
     out: _Found = []
     for _it, it_evs in _by_iteration(evs).items():
-        owner = {e.e.stage: e.e.rank for e in it_evs if e.e.op in COMPUTE_OPS}
-        by_msg: dict[tuple, dict[str, list[_Ev]]] = defaultdict(lambda: defaultdict(list))
+        owner = {e.e.stage: e.e.rank for e in it_evs if isinstance(e.e.op, Op)}
+        by_msg: dict[tuple, dict[EventKind, list[_Ev]]] = defaultdict(lambda: defaultdict(list))
         for ev in it_evs:
             if ev.e.op in MESSAGE_OPS:
                 by_msg[ev.e.msg][ev.e.op].append(ev)
         for msg, ops in by_msg.items():
-            sends, posts, waits = ops["send"], ops["post_recv"], ops["wait_recv"]
+            sends, posts = ops[EventOp.SEND], ops[EventOp.POST_RECV]
+            waits = ops[EventOp.WAIT_RECV]
             name = _msg(msg)
             for dup in (sends[1:], posts[1:], waits[1:]):
                 for ev in dup:
@@ -460,9 +461,9 @@ def _check_message_order(evs: Sequence[_Ev]) -> _Found:
         posted: dict[tuple[int, int], list[_Ev]] = defaultdict(list)
         for rank_evs in _by_rank(it_evs).values():
             for ev in rank_evs:
-                if ev.e.op == "send":
+                if ev.e.op is EventOp.SEND:
                     sent[ev.e.rank, ev.e.peer].append(ev)
-                elif ev.e.op == "post_recv":
+                elif ev.e.op is EventOp.POST_RECV:
                     posted[ev.e.peer, ev.e.rank].append(ev)
         for pair, posts in posted.items():
             sends = sent.get(pair, [])
@@ -484,26 +485,26 @@ def _check_message_order(evs: Sequence[_Ev]) -> _Found:
 def _check_edges(evs: Sequence[_Ev]) -> _Found:
     out: _Found = []
     for _it, it_evs in _by_iteration(evs).items():
-        computes = {(ev.e.op, ev.e.stage, ev.e.mb): ev for ev in it_evs if ev.e.op in COMPUTE_OPS}
+        computes = [ev for ev in it_evs if isinstance(ev.e.op, Op)]
+        if not computes:
+            continue
         msgs = {(ev.e.op, ev.e.rank, ev.e.msg): ev for ev in it_evs if ev.e.op in MESSAGE_OPS}
-        last = max(s for _, s, _ in computes)
-        for ev in computes.values():
+        num_stages = 1 + max(ev.e.stage for ev in computes)
+        made: dict[Key, _Ev] = {}
+        for ev in reversed(computes):  # the first producer of a key wins
+            made.update(dict.fromkeys(produces(ev.e.op, ev.e.stage, ev.e.mb, num_stages), ev))
+        for ev in computes:
             e = ev.e
-            if e.op == "F" and e.stage > 0:
-                prod = computes.get(("F", e.stage - 1, e.mb))
-                msg = ("act", e.stage - 1, e.stage, e.mb)
-            elif e.op in ("B", "BW") and e.stage < last:
-                prod = computes.get(("B", e.stage + 1, e.mb)) or computes.get(
-                    ("BW", e.stage + 1, e.mb)
-                )
-                msg = ("grad", e.stage + 1, e.stage, e.mb)
-            else:
-                continue
-            if prod is None:
-                continue  # reported by the backward check
-            problem = _edge_problem(ev, prod, msg, msgs)
-            if problem:
-                out.append(_v("edge", ev, problem))
+            for k in needs(e.op, e.stage, e.mb, num_stages):
+                if not k.kind.travels:
+                    continue  # same-stage order is the backward check's
+                prod = made.get(k)
+                if prod is None:
+                    continue  # reported by the backward check
+                msg = (MsgKind(k.kind.value), k.stage, k.consumer_stage, k.mb)
+                problem = _edge_problem(ev, prod, msg, msgs)
+                if problem:
+                    out.append(_v("edge", ev, problem))
     return out
 
 
@@ -514,8 +515,8 @@ def _edge_problem(ev: _Ev, prod: _Ev, msg: tuple, msgs: dict[tuple, _Ev]) -> str
         if prod.index > ev.index:
             return f"consumes the output of {pname}, which runs after it"
         return None
-    wait = msgs.get(("wait_recv", e.rank, msg))
-    send = msgs.get(("send", p.rank, msg))
+    wait = msgs.get((EventOp.WAIT_RECV, e.rank, msg))
+    send = msgs.get((EventOp.SEND, p.rank, msg))
     if wait is None or send is None:
         return f"its input {_msg(msg)} from {pname} crosses ranks but was never " + (
             "received here" if wait is None else "sent"
@@ -555,7 +556,7 @@ def _check_versions(evs: Sequence[_Ev]) -> _Found:
     out: _Found = []
     groups: dict[tuple[int, int], list[_Ev]] = defaultdict(list)
     for ev in evs:
-        if ev.e.op in COMPUTE_OPS:
+        if isinstance(ev.e.op, Op):
             groups[ev.e.iteration, ev.e.mb].append(ev)
     for (it, mb), group in groups.items():
         counts = Counter(ev.e.param_version for ev in group)
@@ -577,7 +578,9 @@ def _check_versions(evs: Sequence[_Ev]) -> _Found:
 # ---- 8. optimizer step after the last W ----------------------------------------------------
 
 
-def _check_optimizer(evs: Sequence[_Ev], opt_ops: tuple[str, ...], notes: list[str]) -> _Found:
+def _check_optimizer(
+    evs: Sequence[_Ev], opt_ops: tuple[EventKind, ...], notes: list[str]
+) -> _Found:
     if not any(ev.e.op in opt_ops for ev in evs):
         notes.append(
             f"no optimizer events ({', '.join(opt_ops)}) in the trace: the check that no W "
@@ -591,7 +594,7 @@ def _check_optimizer(evs: Sequence[_Ev], opt_ops: tuple[str, ...], notes: list[s
             e = ev.e
             if e.op in opt_ops:
                 stepped.setdefault(e.iteration, ev)
-            elif e.op in COMPUTE_OPS and e.iteration in stepped:
+            elif isinstance(e.op, Op) and e.iteration in stepped:
                 step = stepped[e.iteration]
                 why = (
                     f"runs after rank {e.rank}'s optimizer action {step.e.op} (event "
@@ -605,7 +608,7 @@ def _check_optimizer(evs: Sequence[_Ev], opt_ops: tuple[str, ...], notes: list[s
 
 
 def _check_commits(evs: Sequence[_Ev], conservative: bool) -> _Found:
-    commits = [ev for ev in evs if ev.e.op == "opt_commit"]
+    commits = [ev for ev in evs if ev.e.op is OptOp.COMMIT]
     if not commits:
         return []
     out: _Found = []
@@ -631,12 +634,12 @@ def _check_commits(evs: Sequence[_Ev], conservative: bool) -> _Found:
                 out.append(_v("commit", last, why))
     if conservative:
         for rank_evs in _by_rank(evs).values():
-            committed = {ev.e.iteration for ev in rank_evs if ev.e.op == "opt_commit"}
+            committed = {ev.e.iteration for ev in rank_evs if ev.e.op is OptOp.COMMIT}
             seen: set[int] = set()
             for ev in rank_evs:
-                if ev.e.op == "opt_commit":
+                if ev.e.op is OptOp.COMMIT:
                     seen.add(ev.e.iteration)
-                elif ev.e.op == "F" and ev.e.iteration - 1 in committed - seen:
+                elif ev.e.op is Op.F and ev.e.iteration - 1 in committed - seen:
                     why = (
                         f"starts before iteration {ev.e.iteration - 1} is committed on this rank "
                         "(conservative post-validation validates before the next forward)"

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zerobubble.runtime.trace import TraceEvent
+from zerobubble.schedule.trace_format import EventOp, TraceEvent
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,10 @@ def pair_bounds(
     events: Sequence[TraceEvent],
 ) -> dict[tuple[int, int], tuple[Bound | None, Bound | None]]:
     """For each rank pair ``a < b``: (lower, upper) bound on ``offset[b] - offset[a]``."""
-    sends = {(e.iteration, e.msg): e for e in events if e.op == "send"}
+    sends = {(e.iteration, e.msg): e for e in events if e.op is EventOp.SEND}
     out: dict[tuple[int, int], list[Bound | None]] = {}
     for w in events:
-        if w.op != "wait_recv":
+        if w.op is not EventOp.WAIT_RECV:
             continue
         s = sends.get((w.iteration, w.msg))
         if s is None or s.rank == w.rank:

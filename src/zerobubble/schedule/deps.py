@@ -1,0 +1,147 @@
+"""The dependency rule: what each action needs and what it produces.
+
+Every consumer of dependencies (the graph the validator and simulator share,
+the searches' graph, the V-family generator, lowering, the trace checker and
+the bubble breakdown) derives its edges from :data:`RULES` through
+:func:`needs` and :func:`produces`, so a new action kind is one entry here.
+
+Edges are stated on plain keys, not on actions: an action produces data
+(:class:`Key`: kind, producing stage, microbatch) and needs data; whichever
+action of the schedule produces a key is the producer. That is how B(s) finds
+the backward of stage s+1 whether the schedule runs it as B or as BW.
+
+A kind *flows* to a neighbouring stage (``flow`` +1 or -1: a message when the
+stages sit on different devices) or stays on its stage (``flow`` 0). A key
+exists only when both the producing and the consuming stage exist: F(0) needs
+no activation (it reads the batch), the last stage's F output feeds the loss,
+stage 0's input gradient is dropped.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import NamedTuple
+
+from zerobubble.schedule.ir import Action, Op, Schedule
+
+
+class Kind(enum.StrEnum):
+    """What a key carries; the values of the two that travel are the trace's message kinds."""
+
+    ACT = "act"
+    """F(s)'s output activation, the input of F(s+1)."""
+    GRAD = "grad"
+    """The backward of s's input gradient, the output gradient of stage s-1's backward."""
+    SAVED = "saved"
+    """What F(s) keeps for the backward of s."""
+    WSTATE = "wstate"
+    """What B(s) keeps for W(s) (its inputs and output gradients)."""
+
+    __hash__ = str.__hash__
+
+    @property
+    def flow(self) -> int:
+        """Consuming stage minus producing stage."""
+        return _FLOW[self]
+
+    @property
+    def travels(self) -> bool:
+        """True for the kinds that cross a stage boundary (messages between devices)."""
+        return _FLOW[self] != 0
+
+
+_FLOW = {Kind.ACT: 1, Kind.GRAD: -1, Kind.SAVED: 0, Kind.WSTATE: 0}
+
+
+class Rule(NamedTuple):
+    """The kinds an op needs (in the order the graphs store them) and produces."""
+
+    needs: tuple[Kind, ...]
+    produces: tuple[Kind, ...]
+
+
+RULES: Mapping[Op, Rule] = {
+    Op.F: Rule(needs=(Kind.ACT,), produces=(Kind.ACT, Kind.SAVED)),
+    Op.B: Rule(needs=(Kind.SAVED, Kind.GRAD), produces=(Kind.GRAD, Kind.WSTATE)),
+    Op.W: Rule(needs=(Kind.WSTATE,), produces=()),
+    Op.BW: Rule(needs=(Kind.SAVED, Kind.GRAD), produces=(Kind.GRAD,)),
+}
+"""The rule. F(s,j) needs F(s-1,j); B/BW(s,j) need F(s,j) and the backward of (s+1,j);
+W(s,j) needs B(s,j)."""
+
+MAX_NEEDS = max(len(r.needs) for r in RULES.values())
+"""Dependencies per action at most (the graphs store this many per action)."""
+
+PRODUCERS: Mapping[Kind, tuple[Op, ...]] = {
+    k: tuple(op for op, r in RULES.items() if k in r.produces) for k in Kind
+}
+"""The ops that produce each kind, in :class:`Op` order (B before BW for GRAD)."""
+
+LOCAL_PRODUCER: Mapping[Op, Op | None] = {
+    op: next((PRODUCERS[k][0] for k in r.needs if not k.travels), None) for op, r in RULES.items()
+}
+"""The op whose same-stage output each op needs (B for W, F for B and BW, None for F):
+what must have run on this stage and microbatch before it."""
+
+
+class Key(NamedTuple):
+    """One piece of data: its kind, the stage that produces it, the microbatch."""
+
+    kind: Kind
+    stage: int
+    mb: int
+
+    @property
+    def consumer_stage(self) -> int:
+        return self.stage + self.kind.flow
+
+
+def needs(op: Op, stage: int, mb: int, num_stages: int) -> tuple[Key, ...]:
+    """The keys ``op`` of ``stage`` on ``mb`` consumes, in :data:`RULES` order."""
+    out = []
+    for k in RULES[op].needs:
+        src = stage - _FLOW[k]
+        if 0 <= src < num_stages:
+            out.append(Key(k, src, mb))
+    return tuple(out)
+
+
+def produces(op: Op, stage: int, mb: int, num_stages: int) -> tuple[Key, ...]:
+    """The keys ``op`` of ``stage`` on ``mb`` makes that some other action consumes."""
+    out = []
+    for k in RULES[op].produces:
+        if 0 <= stage + _FLOW[k] < num_stages:
+            out.append(Key(k, stage, mb))
+    return tuple(out)
+
+
+def producer(key: Key, backward_op: Mapping[tuple[int, int], Op] | None = None) -> Action:
+    """The action that produces ``key``; ``backward_op`` picks among several (B or BW)."""
+    ops = PRODUCERS[key.kind]
+    op = ops[0]
+    if len(ops) > 1 and backward_op is not None:
+        op = backward_op.get((key.stage, key.mb), op)
+    return Action(op, key.stage, key.mb)
+
+
+def backward_ops(schedule: Schedule) -> dict[tuple[int, int], Op]:
+    """Map (stage, mb) -> the backward op (B or BW) the schedule uses for it.
+
+    The first occurrence wins; duplicates and conflicts are the validator's business.
+    """
+    found: dict[tuple[int, int], Op] = {}
+    for acts in schedule.actions:
+        for a in acts:
+            if a.op.is_backward:
+                found.setdefault((a.stage, a.mb), a.op)
+    return found
+
+
+def dependencies(
+    action: Action, num_stages: int, backward_op: Mapping[tuple[int, int], Op]
+) -> tuple[Action, ...]:
+    """The actions that must finish before ``action`` may start (the producers of its needs)."""
+    return tuple(
+        producer(k, backward_op) for k in needs(action.op, action.stage, action.mb, num_stages)
+    )
