@@ -10,7 +10,8 @@ import torch
 
 from zerobubble.optim.config import OptimConfig, Rollback, StepMode
 from zerobubble.optim.faults import Crash, FaultPlan, GradFault
-from zerobubble.optim.norms import ABSENT, PRESENT, UNSEEN, Action, ParamLayout, decide
+from zerobubble.optim.norms import ABSENT, PRESENT, UNSEEN, ParamLayout, decide
+from zerobubble.optim.norms import Decision as Action
 from zerobubble.optim.norms import may_step_early as early
 from zerobubble.optim.versions import OptState, ProtocolError, RankVersions
 from zerobubble.schedule.ir import Action as Act

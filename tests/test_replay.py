@@ -10,7 +10,7 @@ import torch
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.comm import TensorMeta
-from zerobubble.runtime.lowering import Compute, MsgKind, PostRecv, Send, WaitRecv, lower
+from zerobubble.runtime.lowering import Compute, Message, MsgKind, PostRecv, Send, WaitRecv, lower
 from zerobubble.runtime.replay import gate_position, plan_gates
 from zerobubble.runtime.wire import HEADER_BYTES, Header, pack, packed_meta, unpack
 from zerobubble.schedule.errors import Reason, ScheduleError
@@ -88,10 +88,14 @@ def test_1f1b_gate_moves_the_early_gradient_post_behind_the_gate():
 def test_header_round_trip_keeps_payload_bits_and_alignment(dtype):
     t = (torch.randn(3, 5) * 100).to(dtype)
     meta = TensorMeta.of(t)
-    buf = pack(t.t().contiguous().t(), Header(7, 3, 1))  # non-contiguous input
+    msg = Message(MsgKind.GRAD, 2, 1, 4)
+    head0 = Header.of(msg, 7, 3, 1, t)
+    assert head0 == Header(7, 3, 1, (1, 2, 1, 4, 15 * dtype.itemsize))
+    buf = pack(t.t().contiguous().t(), head0)  # non-contiguous input
     assert TensorMeta.of(buf) == packed_meta(meta)
     got, head = unpack(buf.clone(), meta)
-    assert head == Header(7, 3, 1)
+    assert head == head0 and head.message == Header.identity(msg, meta)
+    assert head.describe() == f"grad s2->s1 mb4 ({15 * dtype.itemsize} bytes) of iteration 7 attempt 1"
     assert torch.equal(got, t) and got.dtype == dtype
     # The payload keeps a fresh allocation's 64-byte alignment (matmul kernels may
     # round differently on unaligned data).

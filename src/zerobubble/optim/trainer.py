@@ -45,13 +45,15 @@ from zerobubble.optim.faults import CrashPoint, FaultPlan
 from zerobubble.optim.norms import (
     FLAG_DEFERRED,
     FLAG_REPLAY,
-    Action,
+    Decision,
     ParamLayout,
+    StateKind,
     decide,
     may_step_early,
 )
 from zerobubble.optim.rollback import make_undo
-from zerobubble.optim.versions import OptState, RankVersions
+from zerobubble.optim.versions import OptState, ProtocolError, RankVersions
+from zerobubble.runtime.comm import Channel
 from zerobubble.runtime.executor import PipelineExecutor
 from zerobubble.runtime.replay import StepHooks
 from zerobubble.runtime.trace import TraceEvent
@@ -76,7 +78,7 @@ class Commit:
 
     iteration: int
     version: int
-    action: Action
+    action: Decision
     total_norm: float
     provisional: str | None = None
     rolled_back: bool = False
@@ -158,7 +160,7 @@ class PipelineTrainer:
                 "executor with ExecutorOptions(replay_gate=True)"
             )
         self.undo = make_undo(optimizer, self.config.rollback) if pv else None
-        self.layout = ParamLayout.exchange(self.stage_params, executor.group)
+        self.layout = ParamLayout.exchange(self.stage_params, executor.p2p)
         self.versions = RankVersions(speculative=self.config.speculative)
         self.rank, self.world = executor.rank, executor.schedule.num_devices
         self.last_commit: Commit | None = None
@@ -185,6 +187,8 @@ class PipelineTrainer:
         in_flight = sum(len(c.pending()) for c in self.pipe.chunks.values())
         self.versions.end_compute(k, in_flight)
         self.faults.at_tail(k, self.stage_params)
+        self.faults.crash(self.rank, k, CrashPoint.AT_TAIL)
+        self.faults.stall(self.rank, k)
         if cfg.mode is StepMode.SYNC:
             self._sync_tail(k)
         else:
@@ -221,7 +225,7 @@ class PipelineTrainer:
         t0 = self._now()
         vec = self.layout.new_vector()
         self.layout.fill(vec, self.stage_params, self.config.norm_type)
-        dist.all_reduce(vec, group=self.pipe.group)
+        self.pipe.p2p.all_reduce(vec, f"all-reduce of iteration {k}'s gradient-norm state")
         total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
         action = decide(total, self.config)
         self._event("opt_reduce", k, t0)
@@ -236,15 +240,17 @@ class PipelineTrainer:
         vec = self.layout.new_vector()
         if d > 0:
             what = f"receive of iteration {k}'s gradient-norm prefix state"
-            work = self.pipe.p2p.irecv(vec, d - 1, what)
+            work = self.pipe.p2p.irecv(vec, d - 1, what, Channel.OPTIM)
             self.pipe.p2p.wait(work, d - 1, what)
+            self._check(vec, StateKind.PREFIX, k, d - 1)
         self.layout.fill(vec, self.stage_params, self.config.norm_type)
-        flags = 2 * self.layout.size
+        flags = self.layout.flags
         if last:
             total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
             action = decide(total, self.config)
-            replay = not (action is Action.STEP and vec[flags + FLAG_DEFERRED] == 0)
+            replay = not (action is Decision.STEP and vec[flags + FLAG_DEFERRED] == 0)
             vec[flags + FLAG_REPLAY] = float(replay)
+            self.layout.stamp(vec, StateKind.FULL, k)
             if d > 0:  # send the full state back first: the others' validation waits on it
                 self._send(vec, d - 1, f"send of iteration {k}'s validated optimizer state")
             self._event("opt_prefix", k, t0)
@@ -256,11 +262,12 @@ class PipelineTrainer:
         stepped = may_step_early(prefix, self.config)
         if not stepped:
             vec[flags + FLAG_DEFERRED] = 1.0
+        self.layout.stamp(vec, StateKind.PREFIX, k)
         # Pass the prefix on before stepping, so the ranks' steps overlap.
         self._send(vec, d + 1, f"send of iteration {k}'s gradient-norm prefix state")
         back = self.layout.new_vector()
         what = f"receive of iteration {k}'s validated optimizer state"
-        work = self.pipe.p2p.irecv(back, d + 1, what)
+        work = self.pipe.p2p.irecv(back, d + 1, what, Channel.OPTIM)
         self._event("opt_prefix", k, t0)
         t0 = self._now()
         hyper = group_settings(self.optimizer)
@@ -291,17 +298,18 @@ class PipelineTrainer:
         t0 = self._now()
         vec, work = pend.back
         self.pipe.p2p.wait(work, d + 1, f"receive of iteration {k}'s validated optimizer state")
+        self._check(vec, StateKind.FULL, k, d + 1)
         if d > 0:
             self._send(vec, d - 1, f"send of iteration {k}'s validated optimizer state")
         self._flush_sends(keep_last=d > 0)
         total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
         action = decide(total, self.config)
-        replay = bool(vec[2 * self.layout.size + FLAG_REPLAY])
+        replay = bool(vec[self.layout.flags + FLAG_REPLAY])
         self._event("opt_validate", k, t0)
         rolled_back = False
         assert pend.hyper is not None
         with _settings_applied(self.optimizer, pend.hyper):
-            if pend.stepped and action is not Action.STEP:
+            if pend.stepped and action is not Decision.STEP:
                 t0 = self._now()
                 assert self.undo is not None
                 self.undo.undo()
@@ -317,20 +325,20 @@ class PipelineTrainer:
 
     # ---- shared pieces ------------------------------------------------------------------
 
-    def _apply(self, action: Action, total: Tensor, k: int) -> None:
+    def _apply(self, action: Decision, total: Tensor, k: int) -> None:
         """The final action: skip, or (clip and) step."""
         t0 = self._now()
-        if action is not Action.SKIP:
-            if action is Action.CLIP:
+        if action is not Decision.SKIP:
+            if action is Decision.CLIP:
                 assert self.config.max_norm is not None
                 torch.nn.utils.clip_grads_with_norm_(self.params, self.config.max_norm, total)
             self.optimizer.step()
-        self._event("opt_skip" if action is Action.SKIP else "opt_step", k, t0)
+        self._event("opt_skip" if action is Decision.SKIP else "opt_step", k, t0)
 
     def _commit(
         self,
         k: int,
-        action: Action,
+        action: Decision,
         total: Tensor,
         provisional: str | None = None,
         rolled_back: bool = False,
@@ -353,7 +361,13 @@ class PipelineTrainer:
 
     def _send(self, vec: Tensor, peer: int, what: str) -> None:
         t = vec.clone()
-        self._sends.append((self.pipe.p2p.isend(t, peer, what), t, peer, what))
+        self._sends.append((self.pipe.p2p.isend(t, peer, what, Channel.OPTIM), t, peer, what))
+
+    def _check(self, vec: Tensor, kind: StateKind, k: int, peer: int) -> None:
+        """A state message must be the one this receive was posted for."""
+        why = self.layout.check(vec, kind, k)
+        if why is not None:
+            raise ProtocolError(f"rank {self.rank}: receive from rank {peer}: {why}")
 
     def _flush_sends(self, keep_last: bool = False) -> None:
         """Wait for state messages sent earlier (bounded); keep the newest if asked."""

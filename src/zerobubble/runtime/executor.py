@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerobubble.runtime.chunk import StageChunk
-from zerobubble.runtime.comm import P2P, TensorMeta
+from zerobubble.runtime.comm import P2P, Channel, TensorMeta
 from zerobubble.runtime.host_memory import retain_freed_memory
 from zerobubble.runtime.lowering import (
     Compute,
@@ -174,11 +174,13 @@ class PipelineExecutor:
         if directed is None:
             directed = dist.get_backend(group) != "gloo"
         pairs = [
-            (d, ins.peer)
+            (d, ins.peer, Channel.PIPELINE)
             for d, prog in enumerate(self.lowered.programs)
             for ins in prog
             if isinstance(ins, Send)
         ]
+        # The optimizer's state messages travel between neighbours, both ways.
+        pairs += [(a, b, Channel.OPTIM) for d in range(world - 1) for a, b in ((d, d + 1), (d + 1, d))]
         self.p2p = P2P(
             group, self.device, self.options.comm_timeout_s, directed=directed, pairs=pairs
         )
@@ -346,7 +348,7 @@ class _Step:
                 t = self.ready.pop(msg)
                 self.check_meta(msg, t)
                 if self.headers:
-                    t = pack(t, Header(pipe.iteration, pipe.param_version, self.attempt))
+                    t = pack(t, Header.of(msg, pipe.iteration, pipe.param_version, self.attempt, t))
                 t = t.contiguous()
                 self.in_flight = [f for f in self.in_flight if not f[0].is_completed()]
                 self.in_flight.append((pipe.p2p.isend(t, peer, self.describe(ins)), t, ins))
@@ -377,6 +379,11 @@ class _Step:
             return buf
         pipe = self.pipe
         t, head = unpack(buf, pipe._metas[msg])
+        if head.message != Header.identity(msg, pipe._metas[msg]):
+            raise RuntimeError(
+                f"rank {pipe.rank}: a receive of {msg} ({pipe._metas[msg]}) got a message "
+                f"whose header says {head.describe()}: messages crossed (protocol bug)"
+            )
         if head.iteration != pipe.iteration or head.attempt != self.attempt:
             raise RuntimeError(
                 f"rank {pipe.rank}: {msg} carries iteration {head.iteration} attempt "
