@@ -62,10 +62,7 @@ def layers() -> list[nn.Module]:
 def snapshot(stage_params, opt) -> dict:
     """Per stage: parameter values and optimizer state, copied."""
     return {
-        s: [
-            (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
-            for p in ps
-        ]
+        s: [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}) for p in ps]
         for s, ps in stage_params.items()
     }
 
@@ -154,7 +151,9 @@ def matrix_job(p: int, kinds: list[str]) -> dict:
 def check(results: list[dict], kinds: list[str], p: int) -> None:
     bad = [b for r in results for b in r["bad"]]
     assert not bad, "\n".join(bad)
-    expected = [(i, "skip" if i in SKIPS else "clip" if i in CLIPS else "step") for i in range(ITERS)]
+    expected = [
+        (i, "skip" if i in SKIPS else "clip" if i in CLIPS else "step") for i in range(ITERS)
+    ]
     for kind in kinds:
         for mode in MODES:
             for r in results:

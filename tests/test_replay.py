@@ -95,7 +95,9 @@ def test_header_round_trip_keeps_payload_bits_and_alignment(dtype):
     assert TensorMeta.of(buf) == packed_meta(meta)
     got, head = unpack(buf.clone(), meta)
     assert head == head0 and head.message == Header.identity(msg, meta)
-    assert head.describe() == f"grad s2->s1 mb4 ({15 * dtype.itemsize} bytes) of iteration 7 attempt 1"
+    assert (
+        head.describe() == f"grad s2->s1 mb4 ({15 * dtype.itemsize} bytes) of iteration 7 attempt 1"
+    )
     assert torch.equal(got, t) and got.dtype == dtype
     # The payload keeps a fresh allocation's 64-byte alignment (matmul kernels may
     # round differently on unaligned data).

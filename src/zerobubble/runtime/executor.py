@@ -180,7 +180,9 @@ class PipelineExecutor:
             if isinstance(ins, Send)
         ]
         # The optimizer's state messages travel between neighbours, both ways.
-        pairs += [(a, b, Channel.OPTIM) for d in range(world - 1) for a, b in ((d, d + 1), (d + 1, d))]
+        pairs += [
+            (a, b, Channel.OPTIM) for d in range(world - 1) for a, b in ((d, d + 1), (d + 1, d))
+        ]
         self.p2p = P2P(
             group, self.device, self.options.comm_timeout_s, directed=directed, pairs=pairs
         )
