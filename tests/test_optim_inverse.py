@@ -55,7 +55,7 @@ def run(rank: int, name: str, cfg: OptimConfig) -> list[dict[str, torch.Tensor]]
         sched,
         build_stage_modules(layers, sched, rank),
         loss_fn=loss,
-        options=ExecutorOptions(replay_gate=cfg.speculative, trace=False),
+        options=ExecutorOptions(trace=False),
     )
     named = [
         (f"s{s}.{n}", q)
@@ -87,7 +87,7 @@ def inverse_job(name: str) -> dict:
     out = {}
     for spec in (False, True):
         cfg = OptimConfig(
-            mode="post_validation", max_norm=1.0, speculative=spec, rollback="inverse"
+            mode="speculative" if spec else "conservative", max_norm=1.0, rollback="inverse"
         )
         worst: dict[str, float] = {}
         for a, b in zip(run(rank, name, cfg), base, strict=True):

@@ -32,8 +32,8 @@ MAX_NORM = 2.0  # above this model's gradient norms unless a fault scales them
 SKIPS, CLIPS = [1, 3], [2, 4]
 MODES = {
     "sync": OptimConfig(max_norm=MAX_NORM),
-    "cons": OptimConfig(mode="post_validation", max_norm=MAX_NORM),
-    "spec": OptimConfig(mode="post_validation", max_norm=MAX_NORM, speculative=True),
+    "cons": OptimConfig(mode="conservative", max_norm=MAX_NORM),
+    "spec": OptimConfig(mode="speculative", max_norm=MAX_NORM),
 }
 
 
@@ -106,7 +106,7 @@ def first_difference(name: str, mine: list[dict], ref: list[dict]) -> str | None
 def run(rank: int, kind: str, p: int, m: int, mode: str) -> tuple[list[dict], list, int]:
     sched = generate(kind, p, m)
     cfg = MODES[mode]
-    options = ExecutorOptions(replay_gate=cfg.speculative, comm_timeout_s=60, trace=False)
+    options = ExecutorOptions(comm_timeout_s=60, trace=False)
     stages = build_stage_modules(layers(), sched, rank)
     pipe = PipelineExecutor(sched, stages, loss_fn=mlp_loss, options=options)
     params = [q for s in sorted(pipe.chunks) for q in pipe.chunks[s].module.parameters()]

@@ -32,7 +32,7 @@ def peer_job(mode: str, plan: FaultPlan) -> None:
         loss_fn=mlp_loss,
         options=ExecutorOptions(comm_timeout_s=COMM_TIMEOUT, trace=False),
     )
-    cfg = OptimConfig(max_norm=1.0) if mode == "sync" else OptimConfig(mode="post_validation")
+    cfg = OptimConfig(max_norm=1.0) if mode == "sync" else OptimConfig(mode="conservative")
     trainer = PipelineTrainer(pipe, torch.optim.SGD(trainer_params(pipe), lr=0.1), cfg, faults=plan)
     for _ in range(3):
         trainer.step(torch.randn(6, 4), target=torch.randn(6, 4))

@@ -15,7 +15,8 @@ Modes (:class:`~zerobubble.optim.config.OptimConfig`):
   gradient norms into a model-ordered vector, one all-reduce completes it,
   and every rank derives the same global norm (bitwise ``clip_grad_norm_``),
   then skips, clips and steps, or steps.
-* ``post_validation``: the vector travels along the pipeline instead. Rank d
+* ``conservative`` / ``speculative`` post-validation: the vector travels along
+  the pipeline instead. Rank d
   receives the prefix from d-1, adds its norms, steps *provisionally* if the
   prefix is finite and below the clip threshold (else defers), and passes it
   on. The last rank sees the full state and applies the final action at once;
@@ -25,7 +26,13 @@ Modes (:class:`~zerobubble.optim.config.OptimConfig`):
   of k+1. Speculative: before its first backward of k+1 (the executor's replay
   gate); if any rank's parameters change there, every rank replays k+1.
 
-Every rank must call ``step`` and ``drain`` the same number of times.
+Every rank must call ``step`` and ``drain`` the same number of times. The trainer
+owns the parameter version (``executor.param_version`` follows its
+:class:`~zerobubble.optim.versions.RankVersions`) and loads the protocol's
+program into the executor (:mod:`zerobubble.optim.speculation`). Every wait is
+bounded by the executor's ``comm_timeout_s`` and fails with a
+:class:`~zerobubble.runtime.comm.PeerError`; the state messages travel on their
+own channel (:class:`~zerobubble.runtime.comm.Channel`) and are checked on receipt.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from zerobubble.optim.config import OptimConfig, StepMode
+from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.faults import CrashPoint, FaultPlan
 from zerobubble.optim.norms import (
     FLAG_DEFERRED,
@@ -52,12 +59,13 @@ from zerobubble.optim.norms import (
     may_step_early,
 )
 from zerobubble.optim.rollback import make_undo
+from zerobubble.optim.speculation import VersionGuard, protocol_program
 from zerobubble.optim.versions import OptState, ProtocolError, RankVersions
 from zerobubble.runtime.comm import Channel
 from zerobubble.runtime.executor import PipelineExecutor
-from zerobubble.runtime.replay import StepHooks
 from zerobubble.runtime.trace import TraceEvent
 from zerobubble.schedule.ir import Action as ComputeAction
+from zerobubble.schedule.step_sim import StepMode
 
 __all__ = ["Commit", "PipelineTrainer", "group_settings"]
 
@@ -96,23 +104,29 @@ class _Pending:
     replay: bool = False  # the last rank's verdict
 
 
-class _Hooks(StepHooks):
+class _Hooks(VersionGuard):
     def __init__(self, trainer: PipelineTrainer, iteration: int) -> None:
+        super().__init__(trainer.pipe, headers=trainer.config.speculative)
         self.trainer, self.iteration = trainer, iteration
 
     def after_compute(self, action: ComputeAction) -> None:
         self.trainer.faults.after_compute(self.iteration, action, self.trainer.stage_params)
 
     def at_gate(self) -> bool:
-        return self.trainer._gate()
+        self.gated = True
+        replay = self.trainer._gate()
+        if not replay:
+            self.check_kept()
+        return replay
 
 
 class PipelineTrainer:
     """Runs iterations of a :class:`PipelineExecutor` with one optimizer per rank.
 
     Args:
-        executor: This rank's executor. Speculative post-validation needs it built
-            with ``ExecutorOptions(replay_gate=True)``.
+        executor: This rank's executor. The trainer loads the protocol's program into
+            it (:func:`~zerobubble.optim.speculation.protocol_program`); a schedule that
+            cannot replay speculative work is refused here.
         optimizer: Any ``torch.optim.Optimizer`` over (a subset of) this rank's
             stage parameters, e.g. built from :attr:`params`.
         config: See :class:`OptimConfig`.
@@ -153,12 +167,10 @@ class PipelineTrainer:
                 f"{executor.rank}'s stages; build it from trainer.params (the executor's "
                 "stage parameters), not from the original model"
             )
-        pv = self.config.mode is StepMode.POST_VALIDATION
-        if self.config.speculative and executor.gate_plan is None:
-            raise ValueError(
-                "speculative post-validation replays work at the executor's gate: build the "
-                "executor with ExecutorOptions(replay_gate=True)"
-            )
+        pv = self.config.post_validation
+        executor.load_program(
+            protocol_program(executor.lowered, executor.rank, speculative=self.config.speculative)
+        )
         self.undo = make_undo(optimizer, self.config.rollback) if pv else None
         self.layout = ParamLayout.exchange(self.stage_params, executor.p2p)
         self.versions = RankVersions(speculative=self.config.speculative)
@@ -178,7 +190,7 @@ class PipelineTrainer:
         """
         k = self.versions.iteration
         cfg = self.config
-        if cfg.mode is StepMode.POST_VALIDATION and not cfg.speculative and self._pending:
+        if cfg.mode is StepMode.CONSERVATIVE and self._pending:
             self._validate()  # conservative: before the first forward of k
         self.versions.begin_compute(k)
         if not cfg.speculative:
@@ -189,7 +201,7 @@ class PipelineTrainer:
         self.faults.at_tail(k, self.stage_params)
         self.faults.crash(self.rank, k, CrashPoint.AT_TAIL)
         self.faults.stall(self.rank, k)
-        if cfg.mode is StepMode.SYNC:
+        if not cfg.post_validation:
             self._sync_tail(k)
         else:
             self._post_validation_tail(k)
