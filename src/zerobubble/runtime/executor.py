@@ -324,13 +324,13 @@ class PipelineExecutor:
         gated = any(isinstance(i, Gate) for i in self.program)
         rng = _rng_state(self.device) if gated else None
         run = _Step(self, inputs, targets, scales, hooks)
-        i, replayed = 0, False
+        i, past_gate = 0, False
         while i < len(self.program):
             ins = self.program[i]
             i += 1
             match ins:
-                case Gate() if not replayed:
-                    replayed = True  # one gate per step: a replayed run passes it
+                case Gate() if not past_gate:
+                    past_gate = True  # one stop per step: a replayed run passes the gate
                     if hooks.at_gate():
                         run = run.replay(ins)
                         assert rng is not None
