@@ -50,19 +50,9 @@ P, M = 2, 8
 WIDTH, LAYERS, BATCH = 384, 6, 32
 MODES = {
     "sync": OptimConfig(max_norm=1.0),
-    "conservative": OptimConfig(mode="post_validation", max_norm=1.0, rollback="inverse"),
-    "speculative": OptimConfig(
-        mode="post_validation", max_norm=1.0, rollback="inverse", speculative=True
-    ),
-    "speculative+snapshot": OptimConfig(
-        mode="post_validation", max_norm=1.0, rollback="snapshot", speculative=True
-    ),
-}
-SIM_MODE = {
-    "sync": "sync",
-    "conservative": "conservative",
-    "speculative": "speculative",
-    "speculative+snapshot": "speculative",
+    "conservative": OptimConfig(mode="conservative", max_norm=1.0, rollback="inverse"),
+    "speculative": OptimConfig(mode="speculative", max_norm=1.0, rollback="inverse"),
+    "speculative+snapshot": OptimConfig(mode="speculative", max_norm=1.0, rollback="snapshot"),
 }
 
 
@@ -83,7 +73,7 @@ def build(kind: str, mode: str, rank: int, trace: bool = False) -> PipelineTrain
     layers = build_mlp([WIDTH] * (LAYERS + 1), seed=0)
     # Unfused: the profile needs B and W of every stage, and the prediction
     # simulates the schedule as generated.
-    options = ExecutorOptions(trace=trace, replay_gate=cfg.speculative, fuse_local_backward=False)
+    options = ExecutorOptions(trace=trace, fuse_local_backward=False)
     pipe = PipelineExecutor(
         sched, build_stage_modules(layers, sched, rank), loss_fn=mlp_loss, options=options
     )
@@ -175,7 +165,7 @@ def job(steps: int, rounds: int) -> dict | None:
         for mode in MODES:
             opt = prof["opt_step"] + (prof["snapshot"] if "snapshot" in mode else 0.0)
             sc = StepCosts(opt_step=opt, allreduce=prof["allreduce"], hop=prof["hop"])
-            pred = simulate_steps(sched, costs, sc, mode=SIM_MODE[mode], iterations=6).step_time
+            pred = simulate_steps(sched, costs, sc, mode=MODES[mode].mode, iterations=6).step_time
             out["runs"].append(
                 {
                     "kind": kind,

@@ -88,7 +88,7 @@ def pipeline_run(
     """Train ITERS iterations (resuming from and saving to ``root`` every 4 if given);
     returns the trainer, per-iteration snapshots at commit time, and the commits."""
     sched = generate(kind, p, M)
-    options = ExecutorOptions(replay_gate=cfg.speculative, comm_timeout_s=30, trace=trace)
+    options = ExecutorOptions(comm_timeout_s=30, trace=trace)
     layers = layers_of(dtype)
     pipe = PipelineExecutor(
         sched, build_stage_modules(layers, sched, rank), loss_fn=mlp_loss, options=options
@@ -195,7 +195,9 @@ def pv_job(p: int) -> dict:
     cases += [("adamw", True, "inverse"), ("sgd", True, "inverse"), ("adam", False, "inverse")]
     for opt_name, speculative, rollback in cases:
         cfg = OptimConfig(
-            mode="post_validation", max_norm=MAX_NORM, speculative=speculative, rollback=rollback
+            mode="speculative" if speculative else "conservative",
+            max_norm=MAX_NORM,
+            rollback=rollback,
         )
         name = f"{'spec' if speculative else 'cons'}/{rollback}/{opt_name}"
         traced = opt_name == "adamw" and rollback == "snapshot"
@@ -215,7 +217,7 @@ def pv_job(p: int) -> dict:
                 report = check_trace(events, conservative=not speculative)
                 out["traces"][name] = [str(v) for v in report.violations]
                 out["traces"][name + "/ops"] = sorted({e.op for e in events})
-    cfg = OptimConfig(mode="post_validation", max_norm=MAX_NORM, speculative=True)
+    cfg = OptimConfig(mode="speculative", max_norm=MAX_NORM)
     trainer, snaps, _ = pipeline_run(rank, "zb-h2", p, "adamw", cfg, plan, dtype=torch.bfloat16)
     out["bad"] += differences("spec/bf16", snaps, bf_sync)[0]
     # 3. refusals before any collective.
@@ -228,11 +230,7 @@ def pv_job(p: int) -> dict:
     for make, cfg in (
         (
             lambda: torch.optim.RMSprop(mine),
-            OptimConfig(mode="post_validation", rollback="inverse"),
-        ),
-        (
-            lambda: torch.optim.SGD(mine, lr=0.1),
-            OptimConfig(mode="post_validation", speculative=True),
+            OptimConfig(mode="conservative", rollback="inverse"),
         ),
         (lambda: torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), OptimConfig()),
     ):
@@ -292,8 +290,7 @@ def test_traces_satisfy_the_version_invariants(p2):
 def test_bad_trainer_setups_are_refused_with_the_fix(p2):
     errors = p2[0]["errors"]
     assert "RMSprop has no in-place inverse" in errors[0] and "rollback='snapshot'" in errors[0]
-    assert "ExecutorOptions(replay_gate=True)" in errors[1]
-    assert "not in rank 0's stages" in errors[2] and "trainer.params" in errors[2]
+    assert "not in rank 0's stages" in errors[1] and "trainer.params" in errors[1]
 
 
 # ---- crash and resume (P=3) -------------------------------------------------------------------
@@ -304,7 +301,7 @@ def crash_job(root: str, crash: Crash | None) -> dict:
     info = init_distributed(timeout_s=60)
     plan = faults(3)
     plan = FaultPlan(plan.grads, (crash,) if crash else ())
-    cfg = OptimConfig(mode="post_validation", max_norm=MAX_NORM, speculative=True)
+    cfg = OptimConfig(mode="speculative", max_norm=MAX_NORM)
     trainer, snaps, commits = pipeline_run(info.rank, "zb-h2", 3, "adamw", cfg, plan, root=root)
     ref = reference_run("adamw", plan, 3)
     ref = {i: ref[i] for i in snaps}  # the iterations this (resumed) run committed

@@ -10,7 +10,7 @@ import torch
 
 from zerobubble.optim.config import OptimConfig, Rollback, StepMode
 from zerobubble.optim.faults import Crash, FaultPlan, GradFault
-from zerobubble.optim.norms import ABSENT, PRESENT, UNSEEN, Action, ParamLayout, decide
+from zerobubble.optim.norms import ABSENT, PRESENT, UNSEEN, Decision, ParamLayout, decide
 from zerobubble.optim.norms import may_step_early as early
 from zerobubble.optim.versions import OptState, ProtocolError, RankVersions
 from zerobubble.schedule.ir import Action as Act
@@ -94,18 +94,18 @@ def test_prefix_norm_counts_unseen_slots_as_zero_and_never_exceeds_the_total():
 
 def test_decisions_follow_clip_grad_norm_coefficient_exactly():
     cfg = OptimConfig(max_norm=1.0)
-    assert decide(torch.tensor(0.5), cfg) is Action.STEP
+    assert decide(torch.tensor(0.5), cfg) is Decision.STEP
     # max_norm / (total + 1e-6) rounds to exactly 1 just above max_norm - 1e-6 ...
-    assert decide(torch.tensor(1.0 - 1e-6), cfg) is Action.STEP
+    assert decide(torch.tensor(1.0 - 1e-6), cfg) is Decision.STEP
     # ... and is below 1 at total == max_norm: clip_grad_norm_ scales by 0.999999.
-    assert decide(torch.tensor(1.0), cfg) is Action.CLIP
+    assert decide(torch.tensor(1.0), cfg) is Decision.CLIP
     g = torch.ones(1)
     torch.nn.utils.clip_grads_with_norm_([torch.nn.Parameter(g.clone())], 1.0, torch.tensor(1.0))
-    assert decide(torch.tensor(math.nan), cfg) is Action.SKIP
-    assert decide(torch.tensor(math.inf), OptimConfig()) is Action.SKIP
-    assert decide(torch.tensor(1e30), OptimConfig()) is Action.STEP  # no clipping configured
+    assert decide(torch.tensor(math.nan), cfg) is Decision.SKIP
+    assert decide(torch.tensor(math.inf), OptimConfig()) is Decision.SKIP
+    assert decide(torch.tensor(1e30), OptimConfig()) is Decision.STEP  # no clipping configured
     keep_nan = OptimConfig(max_norm=1.0, skip_nonfinite=False)
-    assert decide(torch.tensor(math.nan), keep_nan) is Action.CLIP  # scales by NaN, like torch
+    assert decide(torch.tensor(math.nan), keep_nan) is Decision.CLIP  # scales by NaN, like torch
     assert early(torch.tensor(0.5), cfg)
     assert not early(torch.tensor(2.0), cfg)
     assert not early(torch.tensor(math.nan), keep_nan)  # never step early on a non-finite prefix
@@ -120,10 +120,10 @@ def test_clip_action_matches_clip_grad_norm_on_the_grads():
         b.grad = a.grad.clone()
         total = torch.nn.utils.clip_grad_norm_([a], max_norm)
         action = decide(total, OptimConfig(max_norm=max_norm))
-        if action is Action.CLIP:
+        if action is Decision.CLIP:
             torch.nn.utils.clip_grads_with_norm_([b], max_norm, total)
         assert torch.equal(a.grad, b.grad)
-        assert action is (Action.STEP if max_norm == 100.0 else Action.CLIP)
+        assert action is (Decision.STEP if max_norm == 100.0 else Decision.CLIP)
 
 
 # ---- the version state machine ----------------------------------------------------------------
@@ -195,7 +195,7 @@ def test_state_machine_invariants(break_it, match):
     [
         ({"max_norm": 0.0}, "max_norm must be > 0"),
         ({"norm_type": -1.0}, "norm_type must be > 0"),
-        ({"speculative": True}, "only applies to mode='post_validation'"),
+        ({"mode": "post_validation"}, "mode='conservative' or mode='speculative'"),
         ({"mode": "barrier"}, "'barrier' is not a valid StepMode"),
         ({"rollback": "undo"}, "'undo' is not a valid Rollback"),
     ],
@@ -206,8 +206,19 @@ def test_bad_config_is_refused(kwargs, match):
 
 
 def test_config_accepts_strings():
-    cfg = OptimConfig(mode="post_validation", rollback="inverse", speculative=True)
-    assert (cfg.mode, cfg.rollback) == (StepMode.POST_VALIDATION, Rollback.INVERSE)
+    cfg = OptimConfig(mode="speculative", rollback="inverse")
+    assert (cfg.mode, cfg.rollback) == (StepMode.SPECULATIVE, Rollback.INVERSE)
+    assert cfg.post_validation and cfg.speculative
+    cons = OptimConfig(mode="conservative")
+    assert cons.post_validation and not cons.speculative
+    assert not OptimConfig().post_validation
+
+
+def test_one_step_mode_for_the_trainer_and_the_simulator():
+    from zerobubble.schedule import step_sim
+
+    assert StepMode is step_sim.StepMode
+    assert [m.value for m in StepMode] == ["sync", "conservative", "speculative"]
 
 
 def test_grad_faults_hit_the_chosen_stage_microbatch_and_iteration():

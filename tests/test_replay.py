@@ -8,14 +8,15 @@ import pytest
 import torch
 
 from zerobubble.models import build_mlp, mlp_loss
+from zerobubble.optim.speculation import protocol_program
 from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.comm import TensorMeta
-from zerobubble.runtime.replay import gate_position, plan_gates
 from zerobubble.runtime.wire import HEADER_BYTES, Header, pack, packed_meta, unpack
 from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.generators import GENERATORS, generate
 from zerobubble.schedule.ir import Op
-from zerobubble.schedule.lowering import Compute, MsgKind, PostRecv, Send, WaitRecv, lower
+from zerobubble.schedule.lowering import Compute, Message, MsgKind, PostRecv, Send, WaitRecv, lower
+from zerobubble.schedule.replay import Gate, VersionCheck, gate_position, plan_gates
 
 
 def every_schedule():
@@ -71,6 +72,49 @@ def test_gate_that_would_need_post_gate_work_is_refused():
     assert "Use conservative post-validation" in str(err.value)
 
 
+@pytest.mark.parametrize(("kind", "p", "m"), [("zbv", 3, 6), ("1f1b", 2, 3), ("dualpipev", 4, 8)])
+def test_protocol_program_inserts_the_gate_and_a_version_check_before_every_compute(kind, p, m):
+    lowered = lower(generate(kind, p, m))
+    plan = plan_gates(lowered)
+    for d in range(p):
+        for speculative in (False, True):
+            prog = protocol_program(lowered, d, speculative=speculative)
+            plain = [i for i in prog if not isinstance(i, Gate | VersionCheck)]
+            assert plain == list(plan.programs[d] if speculative else lowered.programs[d])
+            checks = [i.action for i in prog if isinstance(i, VersionCheck)]
+            assert checks == [i.action for i in plain if isinstance(i, Compute)]
+            for j, ins in enumerate(prog):
+                if isinstance(ins, Compute):
+                    assert prog[j - 1] == VersionCheck(ins.action)
+            gates = [j for j, i in enumerate(prog) if isinstance(i, Gate)]
+            if not speculative:
+                assert gates == []
+                continue
+            (g,) = gates
+            # The gate sits where the plan puts it: exactly plan.gates[d] lowered
+            # instructions before it.
+            assert sum(not isinstance(i, VersionCheck) for i in prog[:g]) == plan.gates[d]
+            drain = prog[g].drain
+            expected = [
+                (peer, msg)
+                for peer, msgs in plan.stale[d].items()
+                for msg in msgs[plan.posted[d].get(peer, 0) :]
+            ]
+            assert list(drain) == expected
+            # What a replay must wait for: the pre-gate posts plus the drain are exactly
+            # the stale messages the peers send before their gates.
+            posted = [(i.peer, i.msg) for i in prog[:g] if isinstance(i, PostRecv)]
+            assert Counter(posted + list(drain)) == Counter(
+                (peer, msg) for peer, msgs in plan.stale[d].items() for msg in msgs
+            )
+
+
+def test_speculative_protocol_refuses_a_schedule_that_cannot_replay():
+    with pytest.raises(ValueError, match="Use conservative post-validation"):
+        protocol_program(lower(generate("1f1b-v", 4, 3)), 0, speculative=True)
+    assert protocol_program(lower(generate("1f1b-v", 4, 3)), 0, speculative=False)
+
+
 def test_1f1b_gate_moves_the_early_gradient_post_behind_the_gate():
     plan = plan_gates(lower(generate("1f1b", 2, 3)))
     d0 = plan.programs[0]
@@ -88,10 +132,16 @@ def test_1f1b_gate_moves_the_early_gradient_post_behind_the_gate():
 def test_header_round_trip_keeps_payload_bits_and_alignment(dtype):
     t = (torch.randn(3, 5) * 100).to(dtype)
     meta = TensorMeta.of(t)
-    buf = pack(t.t().contiguous().t(), Header(7, 3, 1))  # non-contiguous input
+    msg = Message(MsgKind.GRAD, 2, 1, 4)
+    head0 = Header.of(msg, 7, 3, 1, t)
+    assert head0 == Header(7, 3, 1, (1, 2, 1, 4, 15 * dtype.itemsize))
+    buf = pack(t.t().contiguous().t(), head0)  # non-contiguous input
     assert TensorMeta.of(buf) == packed_meta(meta)
     got, head = unpack(buf.clone(), meta)
-    assert head == Header(7, 3, 1)
+    assert head == head0 and head.message == Header.identity(msg, meta)
+    assert (
+        head.describe() == f"grad s2->s1 mb4 ({15 * dtype.itemsize} bytes) of iteration 7 attempt 1"
+    )
     assert torch.equal(got, t) and got.dtype == dtype
     # The payload keeps a fresh allocation's 64-byte alignment (matmul kernels may
     # round differently on unaligned data).

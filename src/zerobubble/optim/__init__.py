@@ -3,7 +3,7 @@ versioned parameters, drain-point checkpoints (see docs/optim.md)."""
 
 from zerobubble.optim.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from zerobubble.optim.config import OptimConfig, Rollback, StepMode
-from zerobubble.optim.faults import Crash, FaultPlan, GradFault
+from zerobubble.optim.faults import Crash, FaultPlan, GradFault, Stall
 from zerobubble.optim.trainer import PipelineTrainer
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "OptimConfig",
     "PipelineTrainer",
     "Rollback",
+    "Stall",
     "StepMode",
     "latest_checkpoint",
     "load_checkpoint",

@@ -6,16 +6,9 @@ import enum
 import math
 from dataclasses import dataclass
 
+from zerobubble.schedule.step_sim import StepMode
 
-class StepMode(enum.StrEnum):
-    """When the global gradient state is known relative to the optimizer step."""
-
-    SYNC = "sync"
-    """Reduce the global gradient norm across all ranks, then every rank clips, skips or
-    steps together. A barrier at the end of every iteration; simplest to audit."""
-    POST_VALIDATION = "post_validation"
-    """Step provisionally on the prefix of the global state that reaches a rank along the
-    pipeline, validate once the full state has travelled back, and roll back if needed."""
+__all__ = ["OptimConfig", "Rollback", "StepMode"]
 
 
 class Rollback(enum.StrEnum):
@@ -40,7 +33,9 @@ class OptimConfig:
     """
 
     mode: StepMode = StepMode.SYNC
-    """``sync`` (default) or ``post_validation``; see :class:`StepMode`."""
+    """``sync`` (default), ``conservative`` or ``speculative`` post-validation; see
+    :class:`~zerobubble.schedule.step_sim.StepMode`. Speculative refuses (at the trainer's
+    construction) a schedule whose ranks cannot reach their replay gates."""
 
     max_norm: float | None = None
     """Clip the global gradient norm to this value, exactly as
@@ -55,24 +50,27 @@ class OptimConfig:
     NaN/Inf gradient anywhere). A skipped step leaves parameters and optimizer state
     untouched, step counters included. False: step anyway, as plain PyTorch would."""
 
-    speculative: bool = False
-    """Post-validation only. False (conservative): a rank validates iteration k before
-    its first forward of k+1. True: forwards of k+1 may run on provisional parameters
-    until the rank's replay gate (before its first backward); on rollback every rank
-    discards that work and replays it. Needs an executor built with
-    ``ExecutorOptions(replay_gate=True)``."""
-
     rollback: Rollback = Rollback.SNAPSHOT
     """Post-validation only: how a rejected provisional step is undone; see :class:`Rollback`."""
 
     def __post_init__(self) -> None:
+        if self.mode == "post_validation":
+            raise ValueError(
+                "mode='post_validation' is now mode='conservative' or mode='speculative' "
+                "(the speculative flag is gone)"
+            )
         object.__setattr__(self, "mode", StepMode(self.mode))
         object.__setattr__(self, "rollback", Rollback(self.rollback))
         if self.max_norm is not None and not self.max_norm > 0:
             raise ValueError(f"max_norm must be > 0 (or None for no clipping), got {self.max_norm}")
         if not (self.norm_type > 0 or math.isinf(self.norm_type)):
             raise ValueError(f"norm_type must be > 0 or inf, got {self.norm_type}")
-        if self.speculative and self.mode is not StepMode.POST_VALIDATION:
-            raise ValueError(
-                "speculative=True only applies to mode='post_validation'; drop it for sync steps"
-            )
+
+    @property
+    def post_validation(self) -> bool:
+        """Conservative or speculative: the step is validated after the fact."""
+        return self.mode.post_validation
+
+    @property
+    def speculative(self) -> bool:
+        return self.mode is StepMode.SPECULATIVE

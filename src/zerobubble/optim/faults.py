@@ -2,8 +2,9 @@
 
 The faults the protocol must survive: a non-finite gradient on some stage and
 microbatch, a gradient norm that crosses the clip threshold only once the last
-stage adds its part, several bad iterations in a row, and a rank dying between
-its provisional step and the validation (or in the middle of a checkpoint).
+stage adds its part, several bad iterations in a row, a rank dying or stalling
+before the optimizer's messages, between its provisional step and the validation,
+or in the middle of a checkpoint.
 Tests pass the same plan to a synchronous run to get the expected result.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import enum
 import os
 import signal
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -70,6 +72,8 @@ class GradFault:
 
 
 class CrashPoint(enum.StrEnum):
+    AT_TAIL = "at_tail"
+    """After the iteration's compute, before the optimizer's first message or collective."""
     AFTER_PROVISIONAL = "after_provisional"
     """After the rank's provisional step (and its prefix message), before validation."""
     DURING_SAVE = "during_save"
@@ -95,11 +99,27 @@ class Crash:
 
 
 @dataclass(frozen=True)
+class Stall:
+    """Make one rank sleep at the tail of one iteration, before the optimizer's messages.
+
+    Attributes:
+        rank: The rank that stalls.
+        iteration: Trainer iteration.
+        seconds: How long it sleeps (longer than the comm timeout to test it).
+    """
+
+    rank: int
+    iteration: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class FaultPlan:
     """Everything to inject into one run (empty by default)."""
 
     grads: tuple[GradFault, ...] = ()
     crashes: tuple[Crash, ...] = ()
+    stalls: tuple[Stall, ...] = ()
 
     def after_compute(
         self, iteration: int, action: Action, stage_params: Mapping[int, Sequence[Tensor]]
@@ -121,3 +141,9 @@ class FaultPlan:
         """Die here if the plan says so."""
         if Crash(rank, iteration, point) in self.crashes:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def stall(self, rank: int, iteration: int) -> None:
+        """Sleep here if the plan says so (at the iteration tail)."""
+        for s in self.stalls:
+            if (s.rank, s.iteration) == (rank, iteration):
+                time.sleep(s.seconds)

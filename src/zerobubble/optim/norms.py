@@ -11,10 +11,12 @@ complete, any rank rebuilds the list of norms with their dtypes and reduces it
 exactly as ``clip_grad_norm_`` does. The same vector, partially filled, is the
 prefix state of post-validation.
 
-Vector layout (float64): ``[norms (n) | status (n) | flags]`` with n the number
-of parameters of the whole model; status is :data:`UNSEEN`, :data:`PRESENT`
-or :data:`ABSENT` (no gradient, ignored like ``clip_grad_norm_`` ignores it).
-Ranks fill disjoint slots, so summing vectors (an all-reduce) is exact.
+Vector layout (float64): ``[norms (n) | status (n) | flags | header]`` with n
+the number of parameters of the whole model; status is :data:`UNSEEN`,
+:data:`PRESENT` or :data:`ABSENT` (no gradient, ignored like ``clip_grad_norm_``
+ignores it). Ranks fill disjoint slots, so summing vectors (an all-reduce) is
+exact. The header (message kind, iteration, vector length) is stamped on every
+point-to-point state message and checked on receipt (:meth:`ParamLayout.check`).
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
 from zerobubble.optim.config import OptimConfig
+from zerobubble.runtime.comm import P2P, dtype_code, dtype_of
 
 UNSEEN, PRESENT, ABSENT = 0.0, 1.0, 2.0
 
@@ -37,9 +39,20 @@ FLAG_DEFERRED = 0
 FLAG_REPLAY = 1
 """Flag slot: 1 if the next iteration's speculative work must be replayed (set by the last rank)."""
 NUM_FLAGS = 2
+HEADER_LEN = 3
+"""Header slots after the flags: message kind, iteration, vector length."""
 
 
-class Action(enum.StrEnum):
+class StateKind(enum.IntEnum):
+    """Which post-validation message a state vector is."""
+
+    PREFIX = 1
+    """Rank d to d+1 at the tail of an iteration: the norms of stages 0..d."""
+    FULL = 2
+    """Rank d+1 to d at validation: the complete, final state."""
+
+
+class Decision(enum.StrEnum):
     """What the optimizer does with one iteration's gradients."""
 
     STEP = "step"
@@ -68,28 +81,53 @@ class ParamLayout:
 
     @property
     def vector_len(self) -> int:
-        return 2 * self.size + NUM_FLAGS
+        return 2 * self.size + NUM_FLAGS + HEADER_LEN
+
+    @property
+    def flags(self) -> int:
+        """Index of the first flag slot."""
+        return 2 * self.size
 
     @classmethod
-    def exchange(
-        cls, stage_params: Mapping[int, Sequence[Tensor]], group: dist.ProcessGroup | None = None
-    ) -> ParamLayout:
-        """Agree on the layout with every rank (a collective: all ranks call it)."""
-        mine = {
-            s: [str(p.dtype).removeprefix("torch.") for p in ps] for s, ps in stage_params.items()
-        }
-        parts: list[dict[int, list[str]] | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, mine, group=group)
-        stages: dict[int, list[str]] = {}
-        for part in parts:
-            assert part is not None
-            stages.update(part)
+    def exchange(cls, stage_params: Mapping[int, Sequence[Tensor]], p2p: P2P) -> ParamLayout:
+        """Agree on the layout with every rank (a bounded collective: all ranks call it)."""
+        mine: list[int] = []
+        for s, ps in stage_params.items():
+            mine += [s, len(ps), *(dtype_code(p.dtype) for p in ps)]
+        stages: dict[int, list[torch.dtype]] = {}
+        for part in p2p.all_gather_ints(mine, "exchange of the parameter layout"):
+            i = 0
+            while i < len(part):
+                s, n = part[i], part[i + 1]
+                stages[s] = [dtype_of(c) for c in part[i + 2 : i + 2 + n]]
+                i += 2 + n
         dtypes: list[torch.dtype] = []
         first: dict[int, int] = {}
         for s in sorted(stages):
             first[s] = len(dtypes)
-            dtypes.extend(getattr(torch, name) for name in stages[s])
+            dtypes.extend(stages[s])
         return cls(tuple(dtypes), first)
+
+    def stamp(self, vec: Tensor, kind: StateKind, iteration: int) -> None:
+        """Write the header of a state message."""
+        h = self.flags + NUM_FLAGS
+        vec[h : h + HEADER_LEN] = torch.tensor(
+            [float(kind), float(iteration), float(self.vector_len)], dtype=torch.float64
+        )
+
+    def check(self, vec: Tensor, kind: StateKind, iteration: int) -> str | None:
+        """Why a received state message is not the expected one (None if it is)."""
+        h = self.flags + NUM_FLAGS
+        got_kind, got_iter, got_len = vec[h : h + HEADER_LEN].tolist()
+        want = (float(kind), float(iteration), float(self.vector_len))
+        if (got_kind, got_iter, got_len) == want:
+            return None
+        name = {float(k): k.name.lower() for k in StateKind}.get(got_kind, f"kind {got_kind:g}")
+        return (
+            f"expected the {kind.name.lower()} state of iteration {iteration} "
+            f"({self.vector_len} slots) but got a message whose header says {name} state of "
+            f"iteration {got_iter:g} ({got_len:g} slots)"
+        )
 
     def new_vector(self) -> Tensor:
         return torch.zeros(self.vector_len, dtype=torch.float64)
@@ -158,16 +196,16 @@ def clip_coefficient(total: Tensor, max_norm: float) -> Tensor:
     return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
-def decide(total: Tensor, config: OptimConfig) -> Action:
+def decide(total: Tensor, config: OptimConfig) -> Decision:
     """The action the synchronous step takes for a global norm ``total``."""
     if config.skip_nonfinite and not bool(torch.isfinite(total)):
-        return Action.SKIP
+        return Decision.SKIP
     if config.max_norm is None:
-        return Action.STEP
-    return Action.STEP if bool(clip_coefficient(total, config.max_norm) == 1.0) else Action.CLIP
+        return Decision.STEP
+    return Decision.STEP if bool(clip_coefficient(total, config.max_norm) == 1.0) else Decision.CLIP
 
 
 def may_step_early(prefix_total: Tensor, config: OptimConfig) -> bool:
     """Post-validation: step provisionally on a prefix state that neither is non-finite nor
     triggers clipping (if the final norm does not either, the step is already right)."""
-    return bool(torch.isfinite(prefix_total)) and decide(prefix_total, config) is Action.STEP
+    return bool(torch.isfinite(prefix_total)) and decide(prefix_total, config) is Decision.STEP

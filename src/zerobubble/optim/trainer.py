@@ -15,7 +15,8 @@ Modes (:class:`~zerobubble.optim.config.OptimConfig`):
   gradient norms into a model-ordered vector, one all-reduce completes it,
   and every rank derives the same global norm (bitwise ``clip_grad_norm_``),
   then skips, clips and steps, or steps.
-* ``post_validation``: the vector travels along the pipeline instead. Rank d
+* ``conservative`` / ``speculative`` post-validation: the vector travels along
+  the pipeline instead. Rank d
   receives the prefix from d-1, adds its norms, steps *provisionally* if the
   prefix is finite and below the clip threshold (else defers), and passes it
   on. The last rank sees the full state and applies the final action at once;
@@ -25,7 +26,13 @@ Modes (:class:`~zerobubble.optim.config.OptimConfig`):
   of k+1. Speculative: before its first backward of k+1 (the executor's replay
   gate); if any rank's parameters change there, every rank replays k+1.
 
-Every rank must call ``step`` and ``drain`` the same number of times.
+Every rank must call ``step`` and ``drain`` the same number of times. The trainer
+owns the parameter version (``executor.param_version`` follows its
+:class:`~zerobubble.optim.versions.RankVersions`) and loads the protocol's
+program into the executor (:mod:`zerobubble.optim.speculation`). Every wait is
+bounded by the executor's ``comm_timeout_s`` and fails with a
+:class:`~zerobubble.runtime.comm.PeerError`; the state messages travel on their
+own channel (:class:`~zerobubble.runtime.comm.Channel`) and are checked on receipt.
 """
 
 from __future__ import annotations
@@ -40,21 +47,24 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from zerobubble.optim.config import OptimConfig, StepMode
+from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.faults import CrashPoint, FaultPlan
 from zerobubble.optim.norms import (
     FLAG_DEFERRED,
     FLAG_REPLAY,
-    Action,
+    Decision,
     ParamLayout,
+    StateKind,
     decide,
     may_step_early,
 )
 from zerobubble.optim.rollback import make_undo
-from zerobubble.optim.versions import OptState, RankVersions
+from zerobubble.optim.speculation import VersionGuard, protocol_program
+from zerobubble.optim.versions import OptState, ProtocolError, RankVersions
+from zerobubble.runtime.comm import Channel
 from zerobubble.runtime.executor import PipelineExecutor
-from zerobubble.runtime.replay import StepHooks
 from zerobubble.schedule.ir import Action as ComputeAction
+from zerobubble.schedule.step_sim import StepMode
 from zerobubble.schedule.trace_format import TraceEvent
 
 __all__ = ["Commit", "PipelineTrainer", "group_settings"]
@@ -76,7 +86,7 @@ class Commit:
 
     iteration: int
     version: int
-    action: Action
+    action: Decision
     total_norm: float
     provisional: str | None = None
     rolled_back: bool = False
@@ -94,23 +104,29 @@ class _Pending:
     replay: bool = False  # the last rank's verdict
 
 
-class _Hooks(StepHooks):
+class _Hooks(VersionGuard):
     def __init__(self, trainer: PipelineTrainer, iteration: int) -> None:
+        super().__init__(trainer.pipe, headers=trainer.config.speculative)
         self.trainer, self.iteration = trainer, iteration
 
     def after_compute(self, action: ComputeAction) -> None:
         self.trainer.faults.after_compute(self.iteration, action, self.trainer.stage_params)
 
     def at_gate(self) -> bool:
-        return self.trainer._gate()
+        self.gated = True
+        replay = self.trainer._gate()
+        if not replay:
+            self.check_kept()
+        return replay
 
 
 class PipelineTrainer:
     """Runs iterations of a :class:`PipelineExecutor` with one optimizer per rank.
 
     Args:
-        executor: This rank's executor. Speculative post-validation needs it built
-            with ``ExecutorOptions(replay_gate=True)``.
+        executor: This rank's executor. The trainer loads the protocol's program into
+            it (:func:`~zerobubble.optim.speculation.protocol_program`); a schedule that
+            cannot replay speculative work is refused here.
         optimizer: Any ``torch.optim.Optimizer`` over (a subset of) this rank's
             stage parameters, e.g. built from :attr:`params`.
         config: See :class:`OptimConfig`.
@@ -151,14 +167,12 @@ class PipelineTrainer:
                 f"{executor.rank}'s stages; build it from trainer.params (the executor's "
                 "stage parameters), not from the original model"
             )
-        pv = self.config.mode is StepMode.POST_VALIDATION
-        if self.config.speculative and executor.gate_plan is None:
-            raise ValueError(
-                "speculative post-validation replays work at the executor's gate: build the "
-                "executor with ExecutorOptions(replay_gate=True)"
-            )
+        pv = self.config.post_validation
+        executor.load_program(
+            protocol_program(executor.lowered, executor.rank, speculative=self.config.speculative)
+        )
         self.undo = make_undo(optimizer, self.config.rollback) if pv else None
-        self.layout = ParamLayout.exchange(self.stage_params, executor.group)
+        self.layout = ParamLayout.exchange(self.stage_params, executor.p2p)
         self.versions = RankVersions(speculative=self.config.speculative)
         self.rank, self.world = executor.rank, executor.schedule.num_devices
         self.last_commit: Commit | None = None
@@ -176,7 +190,7 @@ class PipelineTrainer:
         """
         k = self.versions.iteration
         cfg = self.config
-        if cfg.mode is StepMode.POST_VALIDATION and not cfg.speculative and self._pending:
+        if cfg.mode is StepMode.CONSERVATIVE and self._pending:
             self._validate()  # conservative: before the first forward of k
         self.versions.begin_compute(k)
         if not cfg.speculative:
@@ -185,7 +199,9 @@ class PipelineTrainer:
         in_flight = sum(len(c.pending()) for c in self.pipe.chunks.values())
         self.versions.end_compute(k, in_flight)
         self.faults.at_tail(k, self.stage_params)
-        if cfg.mode is StepMode.SYNC:
+        self.faults.crash(self.rank, k, CrashPoint.AT_TAIL)
+        self.faults.stall(self.rank, k)
+        if not cfg.post_validation:
             self._sync_tail(k)
         else:
             self._post_validation_tail(k)
@@ -221,7 +237,7 @@ class PipelineTrainer:
         t0 = self._now()
         vec = self.layout.new_vector()
         self.layout.fill(vec, self.stage_params, self.config.norm_type)
-        dist.all_reduce(vec, group=self.pipe.group)
+        self.pipe.p2p.all_reduce(vec, f"all-reduce of iteration {k}'s gradient-norm state")
         total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
         action = decide(total, self.config)
         self._event("opt_reduce", k, t0)
@@ -236,15 +252,17 @@ class PipelineTrainer:
         vec = self.layout.new_vector()
         if d > 0:
             what = f"receive of iteration {k}'s gradient-norm prefix state"
-            work = self.pipe.p2p.irecv(vec, d - 1, what)
+            work = self.pipe.p2p.irecv(vec, d - 1, what, Channel.OPTIM)
             self.pipe.p2p.wait(work, d - 1, what)
+            self._check(vec, StateKind.PREFIX, k, d - 1)
         self.layout.fill(vec, self.stage_params, self.config.norm_type)
-        flags = 2 * self.layout.size
+        flags = self.layout.flags
         if last:
             total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
             action = decide(total, self.config)
-            replay = not (action is Action.STEP and vec[flags + FLAG_DEFERRED] == 0)
+            replay = not (action is Decision.STEP and vec[flags + FLAG_DEFERRED] == 0)
             vec[flags + FLAG_REPLAY] = float(replay)
+            self.layout.stamp(vec, StateKind.FULL, k)
             if d > 0:  # send the full state back first: the others' validation waits on it
                 self._send(vec, d - 1, f"send of iteration {k}'s validated optimizer state")
             self._event("opt_prefix", k, t0)
@@ -256,11 +274,12 @@ class PipelineTrainer:
         stepped = may_step_early(prefix, self.config)
         if not stepped:
             vec[flags + FLAG_DEFERRED] = 1.0
+        self.layout.stamp(vec, StateKind.PREFIX, k)
         # Pass the prefix on before stepping, so the ranks' steps overlap.
         self._send(vec, d + 1, f"send of iteration {k}'s gradient-norm prefix state")
         back = self.layout.new_vector()
         what = f"receive of iteration {k}'s validated optimizer state"
-        work = self.pipe.p2p.irecv(back, d + 1, what)
+        work = self.pipe.p2p.irecv(back, d + 1, what, Channel.OPTIM)
         self._event("opt_prefix", k, t0)
         t0 = self._now()
         hyper = group_settings(self.optimizer)
@@ -291,17 +310,18 @@ class PipelineTrainer:
         t0 = self._now()
         vec, work = pend.back
         self.pipe.p2p.wait(work, d + 1, f"receive of iteration {k}'s validated optimizer state")
+        self._check(vec, StateKind.FULL, k, d + 1)
         if d > 0:
             self._send(vec, d - 1, f"send of iteration {k}'s validated optimizer state")
         self._flush_sends(keep_last=d > 0)
         total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
         action = decide(total, self.config)
-        replay = bool(vec[2 * self.layout.size + FLAG_REPLAY])
+        replay = bool(vec[self.layout.flags + FLAG_REPLAY])
         self._event("opt_validate", k, t0)
         rolled_back = False
         assert pend.hyper is not None
         with _settings_applied(self.optimizer, pend.hyper):
-            if pend.stepped and action is not Action.STEP:
+            if pend.stepped and action is not Decision.STEP:
                 t0 = self._now()
                 assert self.undo is not None
                 self.undo.undo()
@@ -317,20 +337,20 @@ class PipelineTrainer:
 
     # ---- shared pieces ------------------------------------------------------------------
 
-    def _apply(self, action: Action, total: Tensor, k: int) -> None:
+    def _apply(self, action: Decision, total: Tensor, k: int) -> None:
         """The final action: skip, or (clip and) step."""
         t0 = self._now()
-        if action is not Action.SKIP:
-            if action is Action.CLIP:
+        if action is not Decision.SKIP:
+            if action is Decision.CLIP:
                 assert self.config.max_norm is not None
                 torch.nn.utils.clip_grads_with_norm_(self.params, self.config.max_norm, total)
             self.optimizer.step()
-        self._event("opt_skip" if action is Action.SKIP else "opt_step", k, t0)
+        self._event("opt_skip" if action is Decision.SKIP else "opt_step", k, t0)
 
     def _commit(
         self,
         k: int,
-        action: Action,
+        action: Decision,
         total: Tensor,
         provisional: str | None = None,
         rolled_back: bool = False,
@@ -353,7 +373,13 @@ class PipelineTrainer:
 
     def _send(self, vec: Tensor, peer: int, what: str) -> None:
         t = vec.clone()
-        self._sends.append((self.pipe.p2p.isend(t, peer, what), t, peer, what))
+        self._sends.append((self.pipe.p2p.isend(t, peer, what, Channel.OPTIM), t, peer, what))
+
+    def _check(self, vec: Tensor, kind: StateKind, k: int, peer: int) -> None:
+        """A state message must be the one this receive was posted for."""
+        why = self.layout.check(vec, kind, k)
+        if why is not None:
+            raise ProtocolError(f"rank {self.rank}: receive from rank {peer}: {why}")
 
     def _flush_sends(self, keep_last: bool = False) -> None:
         """Wait for state messages sent earlier (bounded); keep the newest if asked."""

@@ -257,7 +257,7 @@ class StageChunk:
         """Drop every microbatch in flight, leaving ``.grad`` untouched.
 
         For speculative work that is replayed after a parameter rollback (see
-        :mod:`zerobubble.runtime.replay`); the graphs and stored inputs are freed.
+        :mod:`zerobubble.schedule.replay`); the graphs and stored inputs are freed.
         """
         self._held = None
         for mb in self._records:

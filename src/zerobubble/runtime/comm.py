@@ -12,10 +12,17 @@ runs; a send queued behind a receive can then deadlock (1F1B's steady state
 does exactly that). With ``directed=True`` every direction of every pair gets
 its own two-rank subgroup, which restores the buffered model; the executor
 turns it on for every backend but gloo.
+
+Channels: the pipeline's messages and the optimizer's state messages travel on
+separate :class:`Channel` streams (a gloo tag; with ``directed`` their own
+subgroups), so a receive posted on one can never match a message of the other.
+Collectives (:meth:`P2P.all_reduce`, :meth:`P2P.all_gather_ints`) are bounded by
+the same timeout and fail with a :class:`PeerError` naming the group.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -38,20 +45,45 @@ _DTYPES = (
 )
 
 
+class Channel(enum.IntEnum):
+    """Independent message streams between two ranks (the value is the gloo tag)."""
+
+    PIPELINE = 0
+    """Activations, input gradients and the shape handshake (the lowered programs)."""
+    OPTIM = 1
+    """The optimizer's gradient-norm state messages (post-validation)."""
+
+
 class PeerError(RuntimeError):
     """Communication with another pipeline rank failed or timed out.
 
     Attributes:
         rank: This rank.
-        peer: The rank it was talking to.
-        action: What this rank was doing (an instruction, with its compute).
+        peer: The rank it was talking to; None for a collective over ``group``.
+        action: What this rank was doing (an instruction with its compute, or the
+            optimizer operation and its iteration).
+        group: For a collective: the ranks taking part.
     """
 
-    def __init__(self, rank: int, peer: int, action: str, cause: str) -> None:
-        super().__init__(f"rank {rank}: {action} with peer rank {peer} failed: {cause}")
+    def __init__(
+        self,
+        rank: int,
+        peer: int | None,
+        action: str,
+        cause: str,
+        *,
+        group: tuple[int, ...] = (),
+    ) -> None:
+        if peer is None:
+            ranks = ", ".join(map(str, group))
+            where = f"in the collective over ranks [{ranks}]"
+        else:
+            where = f"with peer rank {peer}"
+        super().__init__(f"rank {rank}: {action} {where} failed: {cause}")
         self.rank = rank
         self.peer = peer
         self.action = action
+        self.group = group
 
 
 @dataclass(frozen=True)
@@ -79,61 +111,107 @@ class P2P:
         timeout_s: float,
         *,
         directed: bool = False,
-        pairs: Iterable[tuple[int, int]] = (),
+        pairs: Iterable[tuple[int, int, Channel]] = (),
     ) -> None:
-        """``pairs`` are the (src, dst) ranks that exchange messages; with ``directed``
-        every rank of the default group must pass the same ones (subgroup creation
-        is collective)."""
+        """``pairs`` are the (src, dst, channel) streams that carry messages; with
+        ``directed`` every rank of the default group must pass the same ones
+        (subgroup creation is collective)."""
         self.group = group
         self.device = device
         self.timeout_s = timeout_s
         self.rank = dist.get_rank(group)
-        self._lanes: dict[tuple[int, int], tuple[dist.ProcessGroup | None, int]] = {}
+        self.world = dist.get_world_size(group)
+        self._lanes: dict[tuple[int, int, Channel], tuple[dist.ProcessGroup | None, int]] = {}
         if directed:
-            for src, dst in sorted(set(pairs)):
+            for src, dst, channel in sorted(set(pairs)):
                 ranks = [dist.get_global_rank(group, r) if group else r for r in (src, dst)]
                 sub = dist.new_group(ranks)
                 if self.rank in (src, dst):
                     peer = ranks[1] if self.rank == src else ranks[0]
-                    self._lanes[src, dst] = (sub, dist.get_group_rank(sub, peer))
+                    self._lanes[src, dst, Channel(channel)] = (sub, dist.get_group_rank(sub, peer))
 
-    def _lane(self, src: int, dst: int) -> tuple[dist.ProcessGroup | None, int]:
+    def _lane(self, src: int, dst: int, channel: Channel) -> tuple[dist.ProcessGroup | None, int]:
         """Group and group rank of the peer for messages from ``src`` to ``dst``."""
         peer = dst if src == self.rank else src
-        return self._lanes.get((src, dst), (self.group, peer))
+        return self._lanes.get((src, dst, channel), (self.group, peer))
 
-    def isend(self, tensor: torch.Tensor, peer: int, action: object) -> dist.Work:
+    def isend(
+        self,
+        tensor: torch.Tensor,
+        peer: int,
+        action: object,
+        channel: Channel = Channel.PIPELINE,
+    ) -> dist.Work:
         """Start sending ``tensor`` to ``peer``; the caller keeps it alive until waited.
 
         ``action`` (here and below) says what this rank was doing; it is turned
         into text only for a :class:`PeerError`, so it may be a lazy description.
         """
-        g, p = self._lane(self.rank, peer)
+        g, p = self._lane(self.rank, peer, channel)
         try:
-            return dist.isend(tensor, group=g, group_dst=p)
+            return dist.isend(tensor, group=g, group_dst=p, tag=int(channel))
         except Exception as e:
             raise PeerError(self.rank, peer, str(action), str(e)) from e
 
-    def irecv(self, buffer: torch.Tensor, peer: int, action: object) -> dist.Work:
+    def irecv(
+        self,
+        buffer: torch.Tensor,
+        peer: int,
+        action: object,
+        channel: Channel = Channel.PIPELINE,
+    ) -> dist.Work:
         """Post a receive from ``peer`` into ``buffer``."""
-        g, p = self._lane(peer, self.rank)
+        g, p = self._lane(peer, self.rank, channel)
         try:
-            return dist.irecv(buffer, group=g, group_src=p)
+            return dist.irecv(buffer, group=g, group_src=p, tag=int(channel))
         except Exception as e:
             raise PeerError(self.rank, peer, str(action), str(e)) from e
 
-    def wait(self, work: dist.Work, peer: int, action: object) -> None:
-        """Wait for ``work`` at most ``timeout_s`` seconds."""
+    def wait(self, work: dist.Work, peer: int | None, action: object) -> None:
+        """Wait for ``work`` at most ``timeout_s`` seconds (``peer`` None: a collective)."""
         start = time.monotonic()
         try:
             work.wait(timeout=timedelta(seconds=self.timeout_s))
         except Exception as e:
             took = time.monotonic() - start
+            who = "peer" if peer is not None else "a rank of the group"
             if took >= 0.99 * self.timeout_s:
-                why = f"no completion within the comm timeout of {self.timeout_s:g}s (peer stuck?)"
+                why = f"no completion within the comm timeout of {self.timeout_s:g}s ({who} stuck?)"
             else:
-                why = f"the transport failed after {took:.1f}s (peer died?)"
-            raise PeerError(self.rank, peer, str(action), f"{why}: {e}") from e
+                why = f"the transport failed after {took:.1f}s ({who} died?)"
+            raise PeerError(self.rank, peer, str(action), f"{why}: {e}", group=self._ranks()) from e
+
+    def _ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.world))
+
+    def all_reduce(self, tensor: torch.Tensor, action: str) -> None:
+        """Sum ``tensor`` over the group in place, bounded by the comm timeout."""
+        try:
+            work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        except Exception as e:
+            raise PeerError(self.rank, None, action, str(e), group=self._ranks()) from e
+        assert work is not None
+        self.wait(work, None, action)
+
+    def all_gather_ints(self, values: list[int], action: str) -> list[list[int]]:
+        """Every rank's list of integers, bounded by the comm timeout (lengths may differ)."""
+        n = torch.tensor([len(values)], dtype=torch.int64, device=self.device)
+        sizes = [torch.empty_like(n) for _ in range(self.world)]
+        self._gather(sizes, n, f"{action} (lengths)")
+        longest = max(int(t.item()) for t in sizes)
+        body = torch.zeros(longest, dtype=torch.int64, device=self.device)
+        body[: len(values)] = torch.tensor(values, dtype=torch.int64)
+        parts = [torch.empty_like(body) for _ in range(self.world)]
+        self._gather(parts, body, action)
+        return [p[: int(k.item())].tolist() for p, k in zip(parts, sizes, strict=True)]
+
+    def _gather(self, out: list[torch.Tensor], t: torch.Tensor, action: str) -> None:
+        try:
+            work = dist.all_gather(out, t, group=self.group, async_op=True)
+        except Exception as e:
+            raise PeerError(self.rank, None, action, str(e), group=self._ranks()) from e
+        assert work is not None
+        self.wait(work, None, action)
 
     def send_ints(self, values: list[int], peer: int, action: str) -> None:
         """Blocking send of a short list of integers (metadata)."""
@@ -152,13 +230,23 @@ class P2P:
         return body.tolist()
 
 
+def dtype_code(dtype: torch.dtype) -> int:
+    """A dtype as a small integer, for metadata messages."""
+    if dtype not in _DTYPES:
+        raise TypeError(f"dtype {dtype} cannot cross a pipeline boundary")
+    return _DTYPES.index(dtype)
+
+
+def dtype_of(code: int) -> torch.dtype:
+    """Inverse of :func:`dtype_code`."""
+    return _DTYPES[code]
+
+
 def encode_metas(metas: list[TensorMeta]) -> list[int]:
     """Flatten metadata to integers: per tensor, dtype code, ndim, dims."""
     out: list[int] = []
     for m in metas:
-        if m.dtype not in _DTYPES:
-            raise TypeError(f"dtype {m.dtype} cannot cross a pipeline boundary")
-        out += [_DTYPES.index(m.dtype), len(m.shape), *m.shape]
+        out += [dtype_code(m.dtype), len(m.shape), *m.shape]
     return out
 
 

@@ -11,11 +11,21 @@ The schedule is validated and lowered once (:mod:`zerobubble.schedule.lowering`)
 asynchronous, and every wait is bounded by the comm timeout. Tensor shapes
 between stages are agreed on at the first step (:mod:`zerobubble.runtime.shapes`)
 and must stay the same afterwards.
+
+The executor is a plain interpreter. A caller that needs more (the optimizer's
+speculative protocol) loads a program with extra instructions
+(:class:`~zerobubble.schedule.replay.Gate`,
+:class:`~zerobubble.schedule.replay.VersionCheck`; :meth:`PipelineExecutor.load_program`)
+and passes :class:`StepHooks` that act on them and encode/decode messages; the
+executor only runs them: at a gate that asks for a replay it drains the stale
+messages the gate names, discards the step's work and restarts the program.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,13 +33,11 @@ import torch.distributed as dist
 from torch import nn
 
 from zerobubble.runtime.chunk import StageChunk
-from zerobubble.runtime.comm import P2P, TensorMeta
+from zerobubble.runtime.comm import P2P, Channel, TensorMeta
 from zerobubble.runtime.host_memory import retain_freed_memory
 from zerobubble.runtime.microbatch import loss_scales, split_batch
-from zerobubble.runtime.replay import GatePlan, StepHooks, plan_gates
 from zerobubble.runtime.shapes import ShapeMismatchError, negotiate
-from zerobubble.runtime.trace import Trace, sync_epoch
-from zerobubble.runtime.wire import Header, pack, packed_meta, unpack
+from zerobubble.runtime.trace import Trace
 from zerobubble.schedule.ir import Action, Op, Schedule
 from zerobubble.schedule.lowering import (
     Compute,
@@ -46,8 +54,48 @@ from zerobubble.schedule.lowering import (
     validate_lowered,
 )
 from zerobubble.schedule.passes import fuse_local_backward
+from zerobubble.schedule.replay import Gate, VersionCheck
 from zerobubble.schedule.trace_format import TraceEvent
 from zerobubble.schedule.validate import validate
+
+ProgramItem = Instruction | Gate | VersionCheck
+"""One instruction of a rank's program: the lowered ones plus the protocol's."""
+
+
+class StepHooks:
+    """What a caller plugs into :meth:`PipelineExecutor.step`; the defaults do nothing.
+
+    The executor calls them at the protocol instructions a caller's pass inserted
+    and on every message; it never interprets what they decide.
+    """
+
+    def after_compute(self, action: Action) -> None:
+        """Called after every compute action (fault injection uses it)."""
+
+    def check_version(self, action: Action) -> None:
+        """At a :class:`~zerobubble.schedule.replay.VersionCheck`, before ``action`` runs."""
+
+    def at_gate(self) -> bool:
+        """At a :class:`~zerobubble.schedule.replay.Gate` (once per step). True: discard
+        the step's work so far and replay it."""
+        return False
+
+    def on_replay(self) -> None:
+        """After the stale messages were drained, before the step runs again."""
+
+    def wire_meta(self, msg: Message, meta: TensorMeta) -> TensorMeta:
+        """The buffer a message of ``meta`` travels in (a header may enlarge it)."""
+        return meta
+
+    def encode(self, msg: Message, t: torch.Tensor) -> torch.Tensor:
+        """What is sent for ``msg``'s payload ``t``."""
+        return t
+
+    def decode(
+        self, msg: Message, buf: torch.Tensor, meta: TensorMeta, *, stale: bool
+    ) -> torch.Tensor:
+        """The payload of a received buffer (``stale``: drained before a replay)."""
+        return buf
 
 
 @dataclass(frozen=True)
@@ -70,18 +118,11 @@ class ExecutorOptions:
     group to be exactly the pipeline's ranks, all running the same schedule."""
 
     trace: bool = True
-    """Record a :class:`~zerobubble.schedule.trace_format.TraceEvent` per executed instruction
+    """Record a :class:`~zerobubble.runtime.trace.TraceEvent` per executed instruction
     in :attr:`PipelineExecutor.trace` (one ``held_bytes`` query per compute: only
     computes change what the stages hold). The stages then track their saved tensors
     (``StageChunk(track_memory=True)``), a Python call per saved tensor in F and in B;
     turn it off for the fastest steps."""
-
-    replay_gate: bool = False
-    """Reserve a gate in every rank's program, right before its first backward, where
-    the caller (speculative post-validation, :mod:`zerobubble.optim`) may discard the
-    step's work so far and replay it (:mod:`~zerobubble.runtime.replay`). Messages
-    then carry a version header (:mod:`~zerobubble.runtime.wire`). A schedule whose
-    ranks cannot reach their gates on pre-gate work alone is refused."""
 
     fuse_local_backward: bool = True
     """Run a B immediately followed by its own W as one BW where no other device waits
@@ -123,7 +164,9 @@ class PipelineExecutor:
     Attributes:
         schedule: The schedule this executor runs (``schedule`` after
             :attr:`ExecutorOptions.fuse_local_backward`).
-        param_version: Parameter version recorded in the trace; the optimizer layer bumps it.
+        param_version: Parameter version recorded in the trace. Setting it is the caller's
+            job (:class:`~zerobubble.optim.trainer.PipelineTrainer` does it); the executor
+            only labels events with it.
         iteration: Number of completed steps.
         trace: The :class:`Trace` of this rank (events of all steps until cleared).
     """
@@ -165,25 +208,27 @@ class PipelineExecutor:
         self.chunks = {s: self._chunk(s, m, loss_fn) for s, m in sorted(stages.items())}
         self.lowered = lower(schedule, recv_lookahead=self.options.recv_lookahead)
         validate_lowered(self.lowered)
-        self.gate_plan: GatePlan | None = None
-        self.program: tuple[Instruction, ...] = self.lowered.programs[self.rank]
-        if self.options.replay_gate:
-            self.gate_plan = plan_gates(self.lowered)
-            self.program = self.gate_plan.programs[self.rank]
+        self.program: tuple[ProgramItem, ...] = self.lowered.programs[self.rank]
         self.has_first, self.has_last = 0 in self.chunks, S - 1 in self.chunks
         directed = self.options.directed_groups
         if directed is None:
             directed = dist.get_backend(group) != "gloo"
         pairs = [
-            (d, ins.peer)
+            (d, ins.peer, Channel.PIPELINE)
             for d, prog in enumerate(self.lowered.programs)
             for ins in prog
             if isinstance(ins, Send)
         ]
+        # The optimizer's state messages travel between neighbours, both ways.
+        pairs += [
+            (a, b, Channel.OPTIM) for d in range(world - 1) for a, b in ((d, d + 1), (d + 1, d))
+        ]
         self.p2p = P2P(
             group, self.device, self.options.comm_timeout_s, directed=directed, pairs=pairs
         )
-        self.trace = Trace(self.rank, sync_epoch(group))
+        # The trace's epoch: every rank leaves this (bounded) barrier at nearly one instant.
+        self.p2p.all_reduce(torch.zeros(1, device=self.device), "start-up barrier (trace epoch)")
+        self.trace = Trace(self.rank, time.perf_counter_ns())
         self.param_version = 0
         self.iteration = 0
         self.replays = 0
@@ -217,6 +262,23 @@ class PipelineExecutor:
             track_memory=self.options.trace,
         )
 
+    def load_program(self, program: Sequence[ProgramItem]) -> None:
+        """Run ``program`` from the next step on: this rank's lowered program with receive
+        posts possibly moved and protocol instructions inserted (an optimizer pass).
+
+        Every rank must load programs derived from the same plan (the pass checks
+        them together); here only the lowered instructions are checked to be the same.
+        """
+        mine = Counter(i for i in program if not isinstance(i, Gate | VersionCheck))
+        if mine != Counter(self.lowered.programs[self.rank]):
+            raise ValueError(
+                f"rank {self.rank}: the loaded program does not hold exactly the lowered "
+                "program's instructions; derive it from PipelineExecutor.lowered"
+            )
+        if sum(isinstance(i, Gate) for i in program) > 1:
+            raise ValueError(f"rank {self.rank}: a program holds at most one replay gate")
+        self.program = tuple(program)
+
     def held_bytes(self) -> int:
         """Activation bytes held by this rank's stages."""
         return sum(c.held_bytes() for c in self.chunks.values())
@@ -237,9 +299,10 @@ class PipelineExecutor:
         holding the last stage (others may pass them too; they are ignored). On
         the last stage's rank, returns the M unscaled per-microbatch losses and
         appends them to ``losses`` if given; elsewhere returns None. ``hooks``
-        are called after every compute and, with ``replay_gate``, at the gate;
-        if the gate asks for a replay, the step's work so far is discarded (RNG
-        state restored) and the step runs again from its start.
+        are called after every compute, at the protocol instructions of a loaded
+        program and on every message; if a gate asks for a replay, the step's
+        work so far is discarded (RNG state restored) and the step runs again
+        from its start.
         """
         M = self.schedule.num_microbatches
         inputs = targets = scales = None
@@ -259,24 +322,29 @@ class PipelineExecutor:
             modules = {s: c.module for s, c in self.chunks.items()}
             self._metas = negotiate(self.schedule, self.rank, modules, inputs, self.p2p)
         hooks = hooks or StepHooks()
-        gate = self.gate_plan.gates[self.rank] if self.gate_plan is not None else -1
-        rng = _rng_state(self.device) if gate >= 0 else None
-        run = _Step(self, inputs, targets, scales)
-        i = 0
+        gated = any(isinstance(i, Gate) for i in self.program)
+        rng = _rng_state(self.device) if gated else None
+        run = _Step(self, inputs, targets, scales, hooks)
+        i, past_gate = 0, False
         while i < len(self.program):
-            if i == gate and not run.gated:
-                run.gated = True
-                if hooks.at_gate():
-                    run = run.replay()
-                    _set_rng_state(self.device, rng)
-                    i = 0
-                    continue
-                run.check_speculation()
             ins = self.program[i]
-            run.execute(ins)
-            if isinstance(ins, Compute):
-                hooks.after_compute(ins.action)
             i += 1
+            match ins:
+                case Gate() if not past_gate:
+                    past_gate = True  # one stop per step: a replayed run passes the gate
+                    if hooks.at_gate():
+                        run = run.replay(ins)
+                        assert rng is not None
+                        _set_rng_state(self.device, rng)
+                        i = 0
+                case Gate():
+                    pass
+                case VersionCheck(action):
+                    hooks.check_version(action)
+                case _:
+                    run.execute(ins)
+                    if isinstance(ins, Compute):
+                        hooks.after_compute(ins.action)
         self.iteration += 1
         if not self.has_last:
             return None
@@ -314,8 +382,10 @@ class _Step:
         inputs: list[torch.Tensor] | None,
         targets: list[torch.Tensor] | None,
         scales: list[float] | None,
+        hooks: StepHooks,
     ) -> None:
         self.pipe = pipe
+        self.hooks = hooks
         self.inputs, self.targets, self.scales = inputs, targets, scales
         self.S = pipe.schedule.num_stages
         self.losses: list[torch.Tensor | None] = [None] * pipe.schedule.num_microbatches
@@ -323,11 +393,6 @@ class _Step:
         self.posted: dict[Message, tuple[torch.Tensor, dist.Work]] = {}
         self.in_flight: list[tuple[dist.Work, torch.Tensor, Send]] = []
         self.held = pipe.held_bytes() if pipe.options.trace else 0  # as of the last compute
-        self.headers = pipe.gate_plan is not None
-        self.attempt = 0
-        self.gated = False  # past the replay gate (or replaying)
-        self.mixed: str | None = None  # a pre-gate message on another parameter version
-        self.f_version: dict[tuple[int, int], int] = {}  # (stage, mb) -> version its F ran on
 
     def execute(self, ins: Instruction) -> None:
         pipe = self.pipe
@@ -342,13 +407,11 @@ class _Step:
             case WaitRecv(msg, peer):
                 buf, work = self.posted.pop(msg)
                 pipe.p2p.wait(work, peer, self.describe(ins))
-                self.ready[msg] = self.open(msg, buf)
+                self.ready[msg] = self.hooks.decode(msg, buf, pipe._metas[msg], stale=False)
             case Send(msg, peer):
                 t = self.ready.pop(msg)
                 self.check_meta(msg, t)
-                if self.headers:
-                    t = pack(t, Header(pipe.iteration, pipe.param_version, self.attempt))
-                t = t.contiguous()
+                t = self.hooks.encode(msg, t).contiguous()
                 self.in_flight = [f for f in self.in_flight if not f[0].is_completed()]
                 self.in_flight.append((pipe.p2p.isend(t, peer, self.describe(ins)), t, ins))
             case WaitSends():
@@ -362,88 +425,35 @@ class _Step:
             pipe.trace.record(self.event(ins, t0, t1, mem0, self.held))
 
     def post(self, msg: Message, peer: int, what: object) -> None:
-        meta = self.pipe._metas[msg]
-        if self.headers:
-            meta = packed_meta(meta)
+        meta = self.hooks.wire_meta(msg, self.pipe._metas[msg])
         buf = torch.empty(meta.shape, dtype=meta.dtype, device=self.pipe.device)
         self.posted[msg] = (buf, self.pipe.p2p.irecv(buf, peer, what))
 
-    def open(self, msg: Message, buf: torch.Tensor, *, stale: bool = False) -> torch.Tensor:
-        """The payload of a received buffer; checks its version header if there is one.
-
-        A ``stale`` message (drained before a replay) must come from this
-        attempt; its parameter version is not checked.
-        """
-        if not self.headers:
-            return buf
-        pipe = self.pipe
-        t, head = unpack(buf, pipe._metas[msg])
-        if head.iteration != pipe.iteration or head.attempt != self.attempt:
-            raise RuntimeError(
-                f"rank {pipe.rank}: {msg} carries iteration {head.iteration} attempt "
-                f"{head.attempt} but this rank runs iteration {pipe.iteration} attempt "
-                f"{self.attempt}: a stale message was not drained (protocol bug)"
-            )
-        if head.version != pipe.param_version and not stale:
-            what = (
-                f"{msg} was computed on parameter version {head.version} but rank "
-                f"{pipe.rank} is on version {pipe.param_version}"
-            )
-            if self.gated:
-                raise RuntimeError(f"one parameter version per microbatch violated: {what}")
-            self.mixed = self.mixed or what
-        return t
-
-    def replay(self) -> _Step:
+    def replay(self, gate: Gate) -> _Step:
         """Discard this attempt (stage state, stale messages) and return a fresh one."""
         pipe = self.pipe
-        plan = pipe.gate_plan
-        assert plan is not None
         tracing = pipe.options.trace
         t0, mem0 = (pipe.trace.now(), pipe.held_bytes()) if tracing else (0, 0)
-        for peer, msgs in plan.stale[pipe.rank].items():
-            for msg in msgs[plan.posted[pipe.rank].get(peer, 0) :]:
-                self.post(msg, peer, f"drain of stale {msg} from device {peer}")
+        for peer, msg in gate.drain:
+            self.post(msg, peer, f"drain of stale {msg} from device {peer}")
         for msg, (buf, work) in self.posted.items():
             peer = pipe.schedule.placement[msg.src_stage]
             pipe.p2p.wait(work, peer, f"drain of stale {msg} from device {peer}")
-            self.open(msg, buf, stale=True)
+            self.hooks.decode(msg, buf, pipe._metas[msg], stale=True)
         for chunk in pipe.chunks.values():
             chunk.discard()
-        fresh = _Step(pipe, self.inputs, self.targets, self.scales)
-        fresh.attempt, fresh.gated, fresh.in_flight = self.attempt + 1, True, self.in_flight
+        self.hooks.on_replay()
+        fresh = _Step(pipe, self.inputs, self.targets, self.scales, self.hooks)
+        fresh.in_flight = self.in_flight
         pipe.replays += 1
         if tracing:
             common = self.common(t0, pipe.trace.now(), mem0, pipe.held_bytes())
             pipe.trace.record(TraceEvent(op="replay", stage=None, mb=None, **common))
         return fresh
 
-    def check_speculation(self) -> None:
-        """At the gate without a replay: the pre-gate work must be on today's version."""
-        pipe = self.pipe
-        stale = sorted((k, v) for k, v in self.f_version.items() if v != pipe.param_version)
-        if self.mixed or stale:
-            (s, mb), v = stale[0] if stale else ((0, 0), 0)
-            why = self.mixed or f"F(s{s},mb{mb}) ran on parameter version {v}"
-            raise RuntimeError(
-                f"rank {pipe.rank}: speculative work was kept at the gate but {why} and the "
-                f"validated version is {pipe.param_version} (a replay was needed)"
-            )
-
     def compute(self, a: Action) -> None:
         chunk = self.pipe.chunks[a.stage]
         last = a.stage == self.S - 1
-        key = (a.stage, a.mb)
-        if a.op is Op.F:
-            self.f_version[key] = self.pipe.param_version
-        elif self.f_version.get(key) != self.pipe.param_version:
-            raise RuntimeError(
-                f"rank {self.pipe.rank}: {a} runs on parameter version "
-                f"{self.pipe.param_version} but its F ran on {self.f_version.get(key)}; "
-                "parameters must not change between a microbatch's F and its backward"
-            )
-        if a.op in (Op.W, Op.BW):
-            del self.f_version[key]
         if a.op is Op.W:
             chunk.backward_weight(a.mb)
             return

@@ -4,11 +4,14 @@ When work of iteration k+1 may run on provisional parameters (speculative
 post-validation, see :mod:`zerobubble.optim`), every message must say which
 iteration, parameter version and attempt produced it: a receiver then tells
 stale messages (from work a rollback discarded) from fresh ones, and checks
-that a microbatch sees one parameter version along the whole pipeline.
+that a microbatch sees one parameter version along the whole pipeline. The
+header also names the message (kind, stages, microbatch, payload bytes), so a
+receive that got another message than the one it was posted for is caught
+instead of silently reinterpreting the bytes.
 
-The header is three int64 values (padded to 64 bytes) in front of the payload's bytes, in the same
-message: transports match point-to-point messages in order, and a separate
-header message would double their number.
+The header is eight int64 values (64 bytes) in front of the payload's bytes, in
+the same message: transports match point-to-point messages in order, and a
+separate header message would double their number.
 """
 
 from __future__ import annotations
@@ -20,25 +23,48 @@ import torch
 from torch import Tensor
 
 from zerobubble.runtime.comm import TensorMeta
+from zerobubble.schedule.lowering import Message, MsgKind
 
 HEADER_BYTES = 64
-"""Header size: three int64 values, padded so that the payload keeps the 64-byte alignment
-of a fresh allocation (CPU matmul kernels may round differently on unaligned data)."""
+"""Header size: eight int64 values; a multiple of 64 so that the payload keeps the
+alignment of a fresh allocation (CPU matmul kernels may round differently on unaligned
+data)."""
+
+_KINDS = (MsgKind.ACT, MsgKind.GRAD)
 
 
 @dataclass(frozen=True, slots=True)
 class Header:
-    """Who produced a message.
+    """Who produced a message, and which message it is.
 
     Attributes:
         iteration: The executor step the message belongs to.
         version: The sender's parameter version when it computed the payload.
         attempt: 0 for the first run of the step, 1 after a replay.
+        message: (kind code, src stage, dst stage, microbatch, payload bytes).
     """
 
     iteration: int
     version: int
     attempt: int
+    message: tuple[int, int, int, int, int]
+
+    @staticmethod
+    def identity(msg: Message, meta: TensorMeta) -> tuple[int, int, int, int, int]:
+        nbytes = math.prod(meta.shape) * meta.dtype.itemsize
+        return (_KINDS.index(msg.kind), msg.src_stage, msg.dst_stage, msg.mb, nbytes)
+
+    @classmethod
+    def of(cls, msg: Message, iteration: int, version: int, attempt: int, t: Tensor) -> Header:
+        return cls(iteration, version, attempt, cls.identity(msg, TensorMeta.of(t)))
+
+    def describe(self) -> str:
+        kind, src, dst, mb, nbytes = self.message
+        name = _KINDS[kind].value if 0 <= kind < len(_KINDS) else f"kind {kind}"
+        return (
+            f"{name} s{src}->s{dst} mb{mb} ({nbytes} bytes) of iteration {self.iteration} "
+            f"attempt {self.attempt}"
+        )
 
 
 def packed_meta(meta: TensorMeta) -> TensorMeta:
@@ -49,14 +75,14 @@ def packed_meta(meta: TensorMeta) -> TensorMeta:
 
 def pack(t: Tensor, header: Header) -> Tensor:
     """``header`` then the bytes of ``t`` (made contiguous), as one uint8 tensor."""
-    head = torch.zeros(HEADER_BYTES // 8, dtype=torch.int64, device=t.device)
-    head[:3] = torch.tensor([header.iteration, header.version, header.attempt])
+    values = [header.iteration, header.version, header.attempt, *header.message]
+    head = torch.tensor(values, dtype=torch.int64, device=t.device)
     body = t.detach().contiguous().reshape(-1).view(torch.uint8)
     return torch.cat([head.view(torch.uint8), body])
 
 
 def unpack(buf: Tensor, meta: TensorMeta) -> tuple[Tensor, Header]:
     """Inverse of :func:`pack`: the payload (a view of ``buf``) and its header."""
-    head = buf[:24].view(torch.int64).tolist()
+    it, version, attempt, *message = buf[:HEADER_BYTES].view(torch.int64).tolist()
     body = buf[HEADER_BYTES:].view(meta.dtype).view(meta.shape)
-    return body, Header(*head)
+    return body, Header(it, version, attempt, tuple(message))  # type: ignore[arg-type]

@@ -33,9 +33,24 @@ from zerobubble.schedule.ir import Schedule
 
 
 class StepMode(enum.StrEnum):
+    """How the optimizer step joins iteration k to k+1 (the one definition: the trainer's
+    :class:`~zerobubble.optim.config.OptimConfig` and this simulator both use it)."""
+
     SYNC = "sync"
+    """Reduce the global gradient state across all ranks, then every rank clips, skips or
+    steps together. A barrier at the end of every iteration; simplest to audit."""
     CONSERVATIVE = "conservative"
+    """Post-validation: step provisionally on the prefix of the global state that reaches a
+    rank along the pipeline, validate once the full state has travelled back (before the
+    rank's first forward of k+1), and roll back if needed."""
     SPECULATIVE = "speculative"
+    """Post-validation whose forwards of k+1 may run on provisional parameters until the
+    rank's replay gate (before its first backward); on a rollback every rank discards that
+    work and replays it."""
+
+    @property
+    def post_validation(self) -> bool:
+        return self is not StepMode.SYNC
 
 
 @dataclass(frozen=True)

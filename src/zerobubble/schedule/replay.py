@@ -21,7 +21,9 @@ Two properties make that safe, and :func:`plan_gates` establishes both:
   (checked on a transport model), so no rank waits, at or before its gate, for
   something a peer would do only after validating.
 
-This module is pure and torch-free.
+The optimizer layer turns a plan into instructions (:class:`Gate`,
+:class:`VersionCheck`) that the executor interprets without knowing why. This
+module is pure and torch-free.
 """
 
 from __future__ import annotations
@@ -43,22 +45,40 @@ from zerobubble.schedule.lowering import (
     validate_lowered,
 )
 
+__all__ = ["Gate", "GatePlan", "VersionCheck", "gate_position", "plan_gates"]
 
-class StepHooks:
-    """What a caller plugs into :meth:`PipelineExecutor.step`; the defaults do nothing."""
 
-    def after_compute(self, action: Action) -> None:
-        """Called after every compute action (fault injection uses it)."""
+@dataclass(frozen=True)
+class Gate:
+    """Instruction: the replay gate. The caller validates here and may ask for a replay.
 
-    def at_gate(self) -> bool:
-        """Called once per step when the program reaches its gate (executors built with
-        ``replay_gate``). Return True to discard the step's work so far and replay it."""
-        return False
+    On a replay the interpreter posts ``drain`` (the stale messages peers sent before
+    their gates that this rank had not posted yet), waits for every posted receive,
+    discards the step's work and runs the program again from its start (passing the
+    gate without stopping).
+    """
+
+    drain: tuple[tuple[int, Message], ...]
+    """``(peer, message)`` in the order to post them."""
+
+    def __str__(self) -> str:
+        return f"replay gate ({len(self.drain)} stale messages to drain on a replay)"
+
+
+@dataclass(frozen=True)
+class VersionCheck:
+    """Instruction before a compute: the caller records (F) or checks (B, W, BW) the
+    parameter version its microbatch runs on."""
+
+    action: Action
+
+    def __str__(self) -> str:
+        return f"version check of {self.action}"
 
 
 @dataclass(frozen=True)
 class GatePlan:
-    """Programs with a replay gate, and what a replay must drain.
+    """Programs with a replay position, and what a replay must drain.
 
     Attributes:
         programs: ``programs[d]``: device d's program, receives that would wait

@@ -1,0 +1,141 @@
+"""The optimizer's protocol as instructions and hooks for the plain executor.
+
+The executor (:mod:`zerobubble.runtime.executor`) only interprets a program. What
+post-validation needs on top of the lowered schedule is inserted here:
+
+* :func:`protocol_program`: a :class:`~zerobubble.schedule.replay.VersionCheck`
+  before every compute and, for speculative mode, the gate plan of
+  :func:`~zerobubble.schedule.replay.plan_gates` (receive posts moved, a
+  :class:`~zerobubble.schedule.replay.Gate` naming what a replay drains). A
+  schedule whose ranks cannot reach their gates is refused here, before any
+  message.
+* :class:`VersionGuard`: the hooks behind those instructions. Every B/W runs on
+  its F's parameter version; speculative messages carry a version header
+  (:mod:`~zerobubble.runtime.wire`) so stale ones are told from fresh ones, and
+  work kept at the gate must have seen one version.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerobubble.runtime.comm import TensorMeta
+from zerobubble.runtime.executor import PipelineExecutor, ProgramItem, StepHooks
+from zerobubble.runtime.wire import Header, pack, packed_meta, unpack
+from zerobubble.schedule.ir import Action, Op
+from zerobubble.schedule.lowering import Compute, LoweredSchedule, Message
+from zerobubble.schedule.replay import Gate, VersionCheck, plan_gates
+
+__all__ = ["VersionGuard", "protocol_program"]
+
+
+def protocol_program(
+    lowered: LoweredSchedule, rank: int, *, speculative: bool
+) -> tuple[ProgramItem, ...]:
+    """Rank ``rank``'s program with the protocol's instructions inserted."""
+    if not speculative:
+        program, gate, drain = lowered.programs[rank], -1, ()
+    else:
+        plan = plan_gates(lowered)
+        program, gate = plan.programs[rank], plan.gates[rank]
+        drain = tuple(
+            (peer, msg)
+            for peer, msgs in plan.stale[rank].items()
+            for msg in msgs[plan.posted[rank].get(peer, 0) :]
+        )
+    out: list[ProgramItem] = []
+    for i, ins in enumerate(program):
+        if i == gate:
+            out.append(Gate(drain))
+        if isinstance(ins, Compute):
+            out.append(VersionCheck(ins.action))
+        out.append(ins)
+    if gate == len(program):
+        out.append(Gate(drain))
+    return tuple(out)
+
+
+class VersionGuard(StepHooks):
+    """Hooks for one step: F versions, message headers (``headers``), the gate's check.
+
+    Subclasses decide at the gate (:meth:`at_gate`) and call :meth:`check_kept`
+    when the pre-gate work is kept.
+    """
+
+    def __init__(self, pipe: PipelineExecutor, *, headers: bool) -> None:
+        self.pipe = pipe
+        self.headers = headers
+        self.attempt = 0
+        self.gated = False  # past the gate (or replaying): every message must be current
+        self.mixed: str | None = None  # a pre-gate message on another parameter version
+        self.f_version: dict[tuple[int, int], int] = {}  # (stage, mb) -> version its F ran on
+
+    def check_version(self, action: Action) -> None:
+        key, version = (action.stage, action.mb), self.pipe.param_version
+        if action.op is Op.F:
+            self.f_version[key] = version
+            return
+        if self.f_version.get(key) != version:
+            raise RuntimeError(
+                f"rank {self.pipe.rank}: {action} runs on parameter version {version} but "
+                f"its F ran on {self.f_version.get(key)}; parameters must not change "
+                "between a microbatch's F and its backward"
+            )
+        if action.op in (Op.W, Op.BW):
+            del self.f_version[key]
+
+    def on_replay(self) -> None:
+        self.attempt += 1
+        self.f_version.clear()
+        self.mixed = None
+
+    def check_kept(self) -> None:
+        """At the gate without a replay: the pre-gate work must be on today's version."""
+        pipe = self.pipe
+        stale = sorted((k, v) for k, v in self.f_version.items() if v != pipe.param_version)
+        if self.mixed or stale:
+            (s, mb), v = stale[0] if stale else ((0, 0), 0)
+            why = self.mixed or f"F(s{s},mb{mb}) ran on parameter version {v}"
+            raise RuntimeError(
+                f"rank {pipe.rank}: speculative work was kept at the gate but {why} and the "
+                f"validated version is {pipe.param_version} (a replay was needed)"
+            )
+
+    def wire_meta(self, msg: Message, meta: TensorMeta) -> TensorMeta:
+        return packed_meta(meta) if self.headers else meta
+
+    def encode(self, msg: Message, t: torch.Tensor) -> torch.Tensor:
+        if not self.headers:
+            return t
+        pipe = self.pipe
+        return pack(t, Header.of(msg, pipe.iteration, pipe.param_version, self.attempt, t))
+
+    def decode(
+        self, msg: Message, buf: torch.Tensor, meta: TensorMeta, *, stale: bool
+    ) -> torch.Tensor:
+        """The payload; checks the header. A ``stale`` message (drained before a replay)
+        must come from this attempt; its parameter version is not checked."""
+        if not self.headers:
+            return buf
+        pipe = self.pipe
+        t, head = unpack(buf, meta)
+        if head.message != Header.identity(msg, meta):
+            raise RuntimeError(
+                f"rank {pipe.rank}: a receive of {msg} ({meta}) got a message whose header "
+                f"says {head.describe()}: messages crossed (protocol bug)"
+            )
+        if head.iteration != pipe.iteration or head.attempt != self.attempt:
+            raise RuntimeError(
+                f"rank {pipe.rank}: {msg} carries iteration {head.iteration} attempt "
+                f"{head.attempt} but this rank runs iteration {pipe.iteration} attempt "
+                f"{self.attempt}: a stale message was not drained (protocol bug)"
+            )
+        if head.version != pipe.param_version and not stale:
+            what = (
+                f"{msg} was computed on parameter version {head.version} but rank "
+                f"{pipe.rank} is on version {pipe.param_version}"
+            )
+            if self.gated:
+                raise RuntimeError(f"one parameter version per microbatch violated: {what}")
+            self.mixed = self.mixed or what
+        return t
