@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from zerobubble.runtime.bw_split import (
+from zerobubble.runtime.split import (
     SplitEmbedding,
     SplitLinear,
     WeightGradStore,

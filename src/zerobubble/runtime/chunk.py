@@ -3,7 +3,7 @@
 A :class:`StageChunk` wraps the layers of one virtual stage. It keeps, per
 microbatch, exactly what the next op needs: after F the autograd graph (its
 saved tensors) and the stage input; after B only the weight-gradient work in
-the :class:`~zerobubble.runtime.bw_split.WeightGradStore`; after W nothing.
+the :class:`~zerobubble.runtime.split.WeightGradStore`; after W nothing.
 It knows nothing of devices or communication: the executor moves the tensors
 that :meth:`StageChunk.forward` and :meth:`StageChunk.backward_input` return.
 
@@ -25,12 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge, saved_tensors_hooks
 
-from zerobubble.runtime.bw_split import (
-    SplitEmbedding,
-    SplitLinear,
-    WeightGradStore,
-    enable_bw_split,
-)
+from zerobubble.runtime.split import WeightGradStore, enable_bw_split, is_split
 
 __all__ = ["StageChunk", "StageChunkError", "storage_bytes"]
 
@@ -125,9 +120,7 @@ class StageChunk:
         self._params = list(self.module.parameters())
         # Without split layers a BW in microbatch order can let autograd add the
         # gradients itself (AccumulateGrad, as the reference does).
-        self._plain = not any(
-            isinstance(m, SplitLinear | SplitEmbedding) for m in self.module.modules()
-        )
+        self._plain = not is_split(self.module)
         self._submodules = list(self.module.modules())
         self._records: dict[int, _Record] = {}
         self._held: int | None = 0  # held_bytes() until the next op; None: recount
