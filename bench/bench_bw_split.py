@@ -68,6 +68,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.pipelining._backward import (
     stage_backward_input,
@@ -76,6 +77,76 @@ from torch.distributed.pipelining._backward import (
 
 from zerobubble.models import GPTConfig, build_gpt, gpt_loss
 from zerobubble.runtime.chunk import StageChunk, storage_bytes
+
+# ---- blocks with the layers of Hugging Face GPT-2 and Llama (without importing transformers) --
+
+
+class Conv1D(nn.Module):
+    """transformers' ``Conv1D`` contract: weight (in, out), ``addmm(bias, x.view(-1, in), w)``."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x: Tensor) -> Tensor:
+        size_out = (*x.size()[:-1], self.nf)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+class GPT2Block(nn.Module):
+    """GPT-2's block: ln_1, c_attn (Conv1D d -> 3d), causal attention, c_proj, ln_2, MLP."""
+
+    def __init__(self, d: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.c_attn, self.attn_proj = Conv1D(3 * d, d), Conv1D(d, d)
+        self.c_fc, self.mlp_proj = Conv1D(4 * d, d), Conv1D(d, 4 * d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+        heads = [z.view(b, t, self.n_heads, -1).transpose(1, 2) for z in (q, k, v)]
+        a = F.scaled_dot_product_attention(*heads, is_causal=True)
+        x = x + self.attn_proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm as a user module (no kernel: it gets the graph-level split)."""
+
+    def __init__(self, d: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class LlamaBlock(nn.Module):
+    """Llama's block: RMSNorm, bias-free q/k/v/o, causal attention, SwiGLU MLP."""
+
+    def __init__(self, d: int, n_heads: int, hidden: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.input_norm, self.post_norm = RMSNorm(d), RMSNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.gate, self.up = nn.Linear(d, hidden, bias=False), nn.Linear(d, hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        h = self.input_norm(x)
+        heads = [
+            p(h).view(b, t, self.n_heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v)
+        ]
+        a = F.scaled_dot_product_attention(*heads, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        h = self.post_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
 def _keep_freed_memory() -> bool:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge, saved_tensors_hooks
 
-from zerobubble.runtime.split import WeightGradStore, enable_bw_split, is_split
+from zerobubble.runtime.split import SplitRules, WeightGradStore, enable_bw_split, is_split
 
 __all__ = ["StageChunk", "StageChunkError", "storage_bytes"]
 
@@ -81,8 +81,10 @@ class StageChunk:
         loss_fn: ``loss_fn(output, target) -> scalar``; required on the last stage only.
         store: Weight-gradient store; chunks on one device may share one. A new
             store is made if None.
-        split: Swap Linear/Embedding for their B/W-split versions. With False,
-            B computes every gradient and W only adds them to ``.grad``.
+        split: Split the weight gradients out of B (see
+            :func:`~zerobubble.runtime.split.enable_bw_split`). With False, B
+            computes every gradient and W only adds them to ``.grad``.
+        split_rules: The rules deciding each layer's split; the defaults if None.
         track_memory: Keep track of the tensors each microbatch's graph saves, so
             that :meth:`held_bytes` can count them. Costs a Python call per saved
             tensor in F and in B; without it :meth:`held_bytes` is unavailable.
@@ -97,6 +99,7 @@ class StageChunk:
         loss_fn: LossFn | None = None,
         store: WeightGradStore | None = None,
         split: bool = True,
+        split_rules: SplitRules | None = None,
         track_memory: bool = True,
     ) -> None:
         if not 0 <= stage < num_stages:
@@ -115,7 +118,7 @@ class StageChunk:
         self.loss_fn = loss_fn
         self.store = WeightGradStore() if store is None else store
         self.split = split
-        self.module = enable_bw_split(module, self.store) if split else module
+        self.module = enable_bw_split(module, self.store, split_rules) if split else module
         self.track_memory = track_memory
         self._params = list(self.module.parameters())
         # Without split layers a BW in microbatch order can let autograd add the

@@ -9,20 +9,33 @@ step. Three parts:
   gradients to ``.grad`` in microbatch order;
 * :mod:`~zerobubble.runtime.split.kernels`: the split layers, whose B and W
   call the kernels plain autograd calls (bitwise equal gradients);
+* :mod:`~zerobubble.runtime.split.fallback`: the graph-level split of any other
+  parameterised module;
 * :mod:`~zerobubble.runtime.split.swap`: :func:`enable_bw_split`, which swaps a
-  module's layers for their split versions in place.
+  module's layers for their split versions in place, by :class:`SplitRules`.
 """
 
-from zerobubble.runtime.split.kernels import SplitEmbedding, SplitLinear
+from zerobubble.runtime.split.kernels import Kernel, SplitEmbedding, SplitLinear, SplitOp
 from zerobubble.runtime.split.store import GradList, State, WeightGradStore
-from zerobubble.runtime.split.swap import enable_bw_split, is_split
+from zerobubble.runtime.split.swap import (
+    SplitRule,
+    SplitRules,
+    enable_bw_split,
+    is_split,
+    unsplit_modules,
+)
 
 __all__ = [
     "GradList",
+    "Kernel",
     "SplitEmbedding",
     "SplitLinear",
+    "SplitOp",
+    "SplitRule",
+    "SplitRules",
     "State",
     "WeightGradStore",
     "enable_bw_split",
     "is_split",
+    "unsplit_modules",
 ]

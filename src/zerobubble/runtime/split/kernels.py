@@ -18,6 +18,8 @@ output gradient); the rest of the microbatch's graph is freed by B.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +28,17 @@ from torch.autograd.function import once_differentiable
 
 from zerobubble.runtime.split.store import GradList, WeightGradStore, output_node
 
-__all__ = ["SplitEmbedding", "SplitLinear"]
+__all__ = [
+    "CONV",
+    "HF_CONV1D",
+    "LAYER_NORM",
+    "Kernel",
+    "SplitEmbedding",
+    "SplitLinear",
+    "SplitOp",
+    "conv_splittable",
+    "is_hf_conv1d",
+]
 
 
 # ---- Linear -------------------------------------------------------------------------------
@@ -120,9 +132,10 @@ class _SplitLinearFn(torch.autograd.Function):
         weight: Tensor,
         bias: Tensor | None,
         store: WeightGradStore,
+        params: tuple[Tensor, Tensor | None],
     ) -> Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.params = (weight, bias)  # the Parameter objects, to attribute gradients
+        ctx.params = params  # the Parameter objects (not autocast's copies), for attribution
         ctx.store = store
         return F.linear(x, weight, bias)
 
@@ -141,7 +154,7 @@ class _SplitLinearFn(torch.autograd.Function):
         store: WeightGradStore = ctx.store
         if store.capturing is None:
             gw = _linear_weight_grad(g2d, x2d, w) if need_w else None
-            return gx, gw, _bias_grad(gsum) if need_b else None, None
+            return gx, gw, _bias_grad(gsum) if need_b else None, None, None
 
         # Keep only what W needs alive (a closure holds every name it mentions).
         w_operands = (x2d, g2d) if need_w else None
@@ -150,26 +163,44 @@ class _SplitLinearFn(torch.autograd.Function):
         def compute() -> GradList:
             grads: GradList = []
             if w_operands is not None:
-                grads.append((weight, _linear_weight_grad(w_operands[1], w_operands[0], w)))
+                gw = _linear_weight_grad(w_operands[1], w_operands[0], w)
+                grads.append((weight, gw.to(weight.dtype)))  # autocast: as ToCopyBackward
             if b_operand is not None:
-                grads.append((bias, _bias_grad(b_operand)))
+                grads.append((bias, _bias_grad(b_operand).to(bias.dtype)))
             return grads
 
         store.defer(compute, (*(w_operands or ()), *(() if b_operand is None else (b_operand,))))
-        return gx, None, None, None
+        return gx, None, None, None, None
 
 
-def _autocast_error(what: str) -> RuntimeError:
-    return RuntimeError(
-        f"{what} does not support autocast: its deferred weight gradient would use the "
-        "uncast operands. Cast the model (e.g. model.to(torch.bfloat16)) instead of "
-        "running it under torch.autocast, or leave this module unsplit."
-    )
+def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``t`` as autocast casts an operand: floating tensors other than float64, by ``.to``."""
+    if t is None or not t.is_floating_point() or t.dtype == torch.float64:
+        return t
+    return t.to(dtype)
 
 
-def _check_autocast(x: Tensor, what: str) -> None:
-    if torch.is_autocast_enabled(x.device.type):
-        raise _autocast_error(what)
+def _cast_linear_grads(
+    weight: Tensor,
+    bias: Tensor | None,
+    need_w: bool,
+    need_b: bool,
+    x: Tensor,
+    w_used: Tensor,
+    gy: Tensor,
+) -> GradList:
+    """W of a linear call recorded under autocast: the products on the cast operands, then
+    each gradient cast back to its parameter's dtype, as the cast's ToCopyBackward does."""
+    x2d = _linear_operand(x, w_used.size(1), bias is not None)
+    g2d = _grad_2d(gy)
+    grads: GradList = []
+    if need_w:
+        grads.append((weight, _linear_weight_grad(g2d, x2d, w_used).to(weight.dtype)))
+    if need_b:
+        assert bias is not None
+        gb = _bias_grad(g2d if _bias_via_addmm(x) else gy)
+        grads.append((bias, gb.to(bias.dtype)))
+    return grads
 
 
 class SplitLinear(nn.Module):
@@ -206,18 +237,32 @@ class SplitLinear(nn.Module):
         calls = self.store.recording
         # Recorded unless matmul would fold a non-contiguous N-D input into a copy:
         # W would then need that copy, which only the captured path keeps.
+        dev = x.device.type
         if calls is None or not (x.dim() <= 2 or x.is_contiguous()):
-            _check_autocast(x, "SplitLinear")
-            return _SplitLinearFn.apply(x, w, b, self.store)
+            if not torch.is_autocast_enabled(dev):
+                return _SplitLinearFn.apply(x, w, b, self.store, (w, b))
+            dt = torch.get_autocast_dtype(dev)
+            xc, wc, bc = _cast(x, dt), _cast(w, dt), _cast(b, dt)
+            with torch.autocast(dev, enabled=False):
+                return _SplitLinearFn.apply(xc, wc, bc, self.store, (w, b))
         lw, lb = aliases = self._aliases
         if not _current(lw, w):
             lw = aliases[0] = _alias(w)
         if b is not None and not _current(lb, b):
             lb = aliases[1] = _alias(b)
-        y = F.linear(x, lw, lb)
-        if not (x.dtype == y.dtype == w.dtype):  # only autocast gets F.linear there
-            raise _autocast_error("SplitLinear")
-        calls.append((x, output_node(y), _linear_grads, (w, b, need_w, need_b, x)))
+        if not torch.is_autocast_enabled(dev):
+            y = F.linear(x, lw, lb)
+            calls.append((x, output_node(y), _linear_grads, (w, b, need_w, need_b, x)))
+            return y
+        # Autocast: cast as autocast would (the graph gets the same casts) and keep
+        # the cast operands for W, so that W multiplies exactly what autograd would.
+        dt = torch.get_autocast_dtype(dev)
+        xc, wc, bc = _cast(x, dt), _cast(lw, dt), _cast(lb, dt)
+        assert xc is not None and wc is not None
+        with torch.autocast(dev, enabled=False):
+            y = F.linear(xc, wc, bc)
+        args = (w, b, need_w, need_b, xc, wc)
+        calls.append((xc, output_node(y), _cast_linear_grads, args))
         return y
 
     def extra_repr(self) -> str:
@@ -298,7 +343,6 @@ class SplitEmbedding(nn.Module):
             return F.embedding(
                 idx, w, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq
             )
-        _check_autocast(w, "SplitEmbedding")
         calls = self.store.recording
         if calls is not None:
             aliases = self._aliases
@@ -323,3 +367,237 @@ class SplitEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}"
+
+
+# ---- one-op layers: Conv1D (transformers), Conv1d/2d/3d, LayerNorm, user rules -------------
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """How to split one layer type whose forward is one differentiable op.
+
+    ``forward(module, x, params)`` runs the layer on ``params`` (leaf aliases of
+    the parameters, in ``param_names`` order; None for an absent one) and
+    returns ``(op_output, result, operands)``: the output of the op whose
+    graph node takes the parameters (its gradient is what W receives), the
+    layer's result (``op_output`` or a view of it), and what W needs besides
+    that gradient. ``weight_grads(module, operands, params, need, gy)`` returns
+    one gradient or None per parameter, computed as autograd's formula for
+    that op computes it (``need[i]``: the parameter needs one). Exactness is the
+    kernel's promise: test it bitwise against plain autograd.
+    """
+
+    forward: Callable[[nn.Module, Tensor, Sequence[Tensor | None]], tuple[Tensor, Tensor, tuple]]
+    weight_grads: Callable[
+        [nn.Module, tuple, Sequence[Tensor], Sequence[bool], Tensor], Sequence[Tensor | None]
+    ]
+    param_names: tuple[str, ...] = ("weight", "bias")
+    autocast: str | Mapping[str, str] = "refuse"
+    """What ``torch.autocast`` does to the op, per device type or for all: ``"lower"``
+    (on autocast's lower-precision list, e.g. matmuls and convolutions: operands cast
+    to the autocast dtype), ``"float32"`` (on its float32 list), ``"none"`` (on no
+    list: operands as they come), ``"refuse"`` (unknown: raise)."""
+
+    def autocast_mode(self, device_type: str) -> str:
+        mode = self.autocast
+        return mode if isinstance(mode, str) else mode.get(device_type, "refuse")
+
+
+def _op_grads(
+    module: nn.Module,
+    kernel: Kernel,
+    operands: tuple,
+    used: Sequence[Tensor | None],
+    params: Sequence[Tensor | None],
+    need: Sequence[bool],
+    gy: Tensor,
+) -> GradList:
+    """W of a recorded :class:`SplitOp` call; ``used``: the (possibly autocast) operands
+    that stood for ``params``; gradients go back to each parameter's dtype, as the cast's
+    ToCopyBackward does."""
+    grads = kernel.weight_grads(module, operands, used, need, gy)
+    return [
+        (p, g.to(p.dtype))
+        for p, g, n in zip(params, grads, need, strict=True)
+        if n and g is not None and p is not None
+    ]
+
+
+class SplitOp(nn.Module):
+    """A one-op layer whose weight gradients are deferred to a store, per a :class:`Kernel`.
+
+    Registers the original layer's parameters under their own names (state_dict
+    keys and Parameter objects unchanged) and keeps the layer itself, not as a
+    submodule, for its configuration. Inside ``store.record`` the op runs on
+    leaf aliases of the parameters and its call is recorded; anywhere else the
+    original layer runs, and its gradients are computed like plain autograd's.
+    """
+
+    def __init__(self, module: nn.Module, kernel: Kernel, store: WeightGradStore) -> None:
+        super().__init__()
+        for name in kernel.param_names:
+            self.register_parameter(name, getattr(module, name))
+        self.__dict__["layer"] = module  # not a submodule: its parameters are ours
+        self.kernel = kernel
+        self.store = store
+        self._aliases: list[Tensor | None] = [None] * len(kernel.param_names)
+
+    def forward(self, x: Tensor) -> Tensor:
+        params = [getattr(self, n) for n in self.kernel.param_names]
+        need = [p is not None and p.requires_grad for p in params]
+        calls = self.store.recording
+        if calls is None or not (any(need) and torch.is_grad_enabled()):
+            return self.layer(x)
+        aliases = self._aliases
+        for i, p in enumerate(params):
+            if p is not None and not _current(aliases[i], p):
+                aliases[i] = _alias(p)
+        used: Sequence[Tensor | None] = aliases
+        dev = x.device.type
+        if not torch.is_autocast_enabled(dev):
+            out, y, operands = self.kernel.forward(self.layer, x, used)
+        else:
+            mode = self.kernel.autocast_mode(dev)
+            if mode not in ("lower", "float32", "none"):
+                raise RuntimeError(
+                    f"split {type(self.layer).__name__} under torch.autocast on {dev}: its "
+                    "Kernel does not say what autocast does to its op; set "
+                    "Kernel(autocast='lower', 'float32' or 'none') as autocast's op lists "
+                    "have it, or run without autocast"
+                )
+            if mode != "none":
+                dt = torch.get_autocast_dtype(dev) if mode == "lower" else torch.float32
+                x = _cast(x, dt)
+                used = [_cast(a, dt) for a in aliases]
+            with torch.autocast(dev, enabled=False):
+                out, y, operands = self.kernel.forward(self.layer, x, used)
+        held = operands[0] if len(operands) == 1 else operands
+        args = (self.layer, self.kernel, operands, used, params, need)
+        calls.append((held, output_node(out), _op_grads, args))
+        return y
+
+    def extra_repr(self) -> str:
+        return f"split {self.layer!r}"
+
+
+def is_hf_conv1d(module: nn.Module) -> bool:
+    """``transformers``' ``Conv1D``, recognised by its contract without importing transformers:
+    class name, ``nf``, a 2-D ``weight`` of shape (in, nf), a ``bias`` of shape (nf,) or None."""
+    if type(module).__name__ != "Conv1D":
+        return False
+    w, b, nf = (
+        getattr(module, "weight", None),
+        getattr(module, "bias", None),
+        getattr(module, "nf", None),
+    )
+    return (
+        isinstance(w, nn.Parameter)
+        and w.dim() == 2
+        and w.size(1) == nf
+        and (b is None or (isinstance(b, nn.Parameter) and tuple(b.shape) == (nf,)))
+        and set(module._parameters) <= {"weight", "bias"}
+        and not module._modules
+    )
+
+
+def _mm_mat2_grad(g: Tensor, mat1: Tensor, mat2: Tensor) -> Tensor:
+    """Gradient of ``mat2`` in ``mm(mat1, mat2)``, as autograd's mm_mat2_backward computes it."""
+    if mat2.stride(0) == 1 and mat2.stride(1) == mat2.size(0):
+        return g.t().mm(mat1).t()  # column-major mat2: column-major gradient
+    return mat1.t().mm(g)
+
+
+def _hf_conv1d_forward(
+    m: nn.Module, x: Tensor, params: Sequence[Tensor | None]
+) -> tuple[Tensor, Tensor, tuple]:
+    w, b = params
+    assert w is not None
+    x2 = x.view(-1, x.size(-1))
+    out = torch.mm(x2, w) if b is None else torch.addmm(b, x2, w)
+    return out, out.view((*x.size()[:-1], w.size(1))), (x2,)
+
+
+def _hf_conv1d_grads(
+    m: nn.Module, operands: tuple, params: Sequence[Tensor], need: Sequence[bool], gy: Tensor
+) -> tuple[Tensor | None, Tensor | None]:
+    (x2,) = operands
+    w = params[0]
+    gw = _mm_mat2_grad(gy, x2, w) if need[0] else None
+    return gw, _bias_grad(gy) if need[1] else None
+
+
+HF_CONV1D = Kernel(_hf_conv1d_forward, _hf_conv1d_grads, autocast="lower")
+"""transformers' ``Conv1D``: ``addmm(bias, x.view(-1, in), weight)`` with weight (in, out)."""
+
+
+def conv_splittable(module: nn.Module) -> bool:
+    """An exact ``nn.Conv1d/2d/3d`` whose padding is explicit (``"same"`` is left unsplit)."""
+    return type(module) in (nn.Conv1d, nn.Conv2d, nn.Conv3d) and not (
+        isinstance(module.padding, str) and module.padding != "valid"
+    )
+
+
+def _conv_geometry(m: nn.Module) -> tuple[tuple[int, ...], int]:
+    """The padding the convolution op receives, and the number of spatial dimensions."""
+    n = len(m.kernel_size)
+    if m.padding_mode != "zeros" or m.padding == "valid":
+        return (0,) * n, n
+    return tuple(m.padding), n
+
+
+def _conv_forward(
+    m: nn.Module, x: Tensor, params: Sequence[Tensor | None]
+) -> tuple[Tensor, Tensor, tuple]:
+    """``nn.ConvNd.forward``'s ops, spelled out so that the convolution's input is at hand."""
+    w, b = params
+    pad, n = _conv_geometry(m)
+    batched = x.dim() == n + 2
+    xb = x if batched else x.unsqueeze(0)
+    if m.padding_mode != "zeros":
+        xb = F.pad(xb, m._reversed_padding_repeated_twice, mode=m.padding_mode)
+    out = torch.convolution(xb, w, b, m.stride, pad, m.dilation, False, (0,) * n, m.groups)
+    return out, out if batched else out.squeeze(0), (xb,)
+
+
+def _conv_grads(
+    m: nn.Module, operands: tuple, params: Sequence[Tensor], need: Sequence[bool], gy: Tensor
+) -> tuple[Tensor | None, Tensor | None]:
+    (xb,) = operands
+    w, b = params
+    pad, n = _conv_geometry(m)
+    bias_sizes = None if b is None else [b.size(0)]
+    _, gw, gb = torch.ops.aten.convolution_backward(
+        gy, xb, w, bias_sizes, m.stride, pad, m.dilation, False, [0] * n, m.groups,
+        [False, need[0], b is not None and need[1]],
+    )  # fmt: skip
+    return gw, gb
+
+
+CONV = Kernel(_conv_forward, _conv_grads, autocast="lower")
+"""``nn.Conv1d``/``nn.Conv2d``/``nn.Conv3d``: W is the weight half of convolution_backward."""
+
+
+def _layer_norm_forward(
+    m: nn.Module, x: Tensor, params: Sequence[Tensor | None]
+) -> tuple[Tensor, Tensor, tuple]:
+    w, b = params
+    out, mean, rstd = torch.native_layer_norm(x, m.normalized_shape, w, b, m.eps)
+    return out, out, (x, mean, rstd)
+
+
+def _layer_norm_grads(
+    m: nn.Module, operands: tuple, params: Sequence[Tensor], need: Sequence[bool], gy: Tensor
+) -> tuple[Tensor | None, Tensor | None]:
+    x, mean, rstd = operands
+    w, b = params
+    mask = [False, need[0], b is not None and need[1]]
+    _, gw, gb = torch.ops.aten.native_layer_norm_backward(
+        gy, x, m.normalized_shape, mean, rstd, w, b, mask
+    )
+    return gw, gb
+
+
+LAYER_NORM = Kernel(
+    _layer_norm_forward, _layer_norm_grads, autocast={"cpu": "none", "cuda": "float32"}
+)
+"""``nn.LayerNorm`` with an affine weight: W is the weight half of its backward."""

@@ -44,8 +44,8 @@ GradList = list[tuple[Tensor, Tensor]]
 _Grad = tuple[Tensor, Tensor, bool]
 """``(parameter, gradient, owned)`` for one microbatch; ``owned`` if no one else holds it."""
 
-Call = tuple[Tensor, "Node | GradientEdge", Callable[..., GradList], tuple]
-"""A split layer's call recorded at forward: ``(input kept for W, node of the output
+Call = tuple["Tensor | tuple[Tensor, ...]", "Node | GradientEdge", Callable[..., GradList], tuple]
+"""A split layer's call recorded at forward: ``(tensors kept for W, node of the output
 (:func:`output_node`), grads, args)``; W runs ``grads(*args, output gradient)``. A plain
 tuple: one is built per layer and microbatch on the critical path."""
 
@@ -67,12 +67,14 @@ class _Deferred(NamedTuple):
     compute: Callable[[], GradList]
     held: tuple[Tensor, ...]
     """The tensors ``compute`` keeps alive until it runs (for memory accounting)."""
+    owned: bool
+    """``compute`` returns fresh tensors that ``.grad`` may adopt."""
 
 
 class _Work(NamedTuple):
     """A recorded call after B (its place in the graph no longer needed)."""
 
-    held: Tensor
+    held: Tensor | tuple[Tensor, ...]
     grads: Callable[..., GradList]
     args: tuple
 
@@ -103,7 +105,7 @@ class _Raw(NamedTuple):
         out = [g for g in self.param_grads if g is not None]
         for c, gy in zip(self.calls, self.out_grads, strict=True):
             if gy is not None:
-                out += (c.held, gy)
+                out += (*_tensors(c.held), gy)
         return out
 
 
@@ -124,7 +126,7 @@ class _Micro:
     """W's result, waiting for earlier microbatches."""
 
     def held(self) -> list[Tensor]:
-        out = [call[0] for call in self.recorded]
+        out = [t for call in self.recorded for t in _tensors(call[0])]
         if self.raw is not None:
             out += self.raw.held()
         out += [t for item in self.work for t in item.held]
@@ -293,11 +295,17 @@ class WeightGradStore:
         del self._micro[chunk, mb]
         self._flush(chunk)
 
-    def defer(self, compute: Callable[[], GradList], held: Sequence[Tensor]) -> None:
-        """Queue weight-gradient work for the microbatch being captured (split layers only)."""
+    def defer(
+        self, compute: Callable[[], GradList], held: Sequence[Tensor], owned: bool = True
+    ) -> None:
+        """Queue weight-gradient work for the microbatch being captured (split layers only).
+
+        ``owned``: the gradients ``compute`` returns are fresh (not aliases of
+        tensors held elsewhere), so ``.grad`` may adopt them without a copy.
+        """
         if self._key is None:
             raise RuntimeError("defer() called outside a capture context")
-        self._micro[self._key].work.append(_Deferred(compute, tuple(held)))
+        self._micro[self._key].work.append(_Deferred(compute, tuple(held), owned))
 
     def add_grads(self, chunk: int, mb: int, grads: GradList) -> None:
         """Hand over gradients computed during B (parameters of unsplit modules)."""
@@ -325,10 +333,11 @@ class WeightGradStore:
         if raw is not None:
             early = raw.early() + early
         grads: list[_Grad] = [(p, g, False) for p, g in early]
-        if raw is not None:
-            grads += raw.grads()
-        for item in work:  # captured work arrives after the recorded calls
-            grads.extend([(p, g, True) for p, g in item.compute()])
+        with torch.no_grad():  # W's products build no graph (their operands may be aliases)
+            if raw is not None:
+                grads += raw.grads()
+            for item in work:  # captured work arrives after the recorded calls
+                grads.extend([(p, g, item.owned) for p, g in item.compute()])
         micro.ready = _sum_per_param(grads)
         micro.state = State.READY
         self._flush(chunk)
@@ -360,6 +369,10 @@ class WeightGradStore:
             if first is None or self._micro[first].state is not State.READY:
                 return
             _accumulate(self._micro.pop(first).ready)
+
+
+def _tensors(held: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    return held if isinstance(held, tuple) else (held,)
 
 
 def output_node(y: Tensor) -> Node | GradientEdge:

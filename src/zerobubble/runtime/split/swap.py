@@ -1,50 +1,184 @@
-"""Swapping a module's layers for their B/W-split versions, in place."""
+"""Swapping a module's layers for their B/W-split versions, in place, by rules.
+
+A :class:`SplitRules` is an ordered, immutable list of :class:`SplitRule`; the
+first rule whose ``matches`` accepts a module decides its split. The default
+rules cover ``nn.Linear``, ``nn.Embedding``, ``nn.Conv1d/2d/3d``,
+``nn.LayerNorm`` and ``transformers``' ``Conv1D``. A user gives their own
+one-op layer a split with :meth:`SplitRules.with_rule` and a
+:class:`~zerobubble.runtime.split.kernels.Kernel`, and passes the rules to
+:func:`enable_bw_split` (or ``StageChunk(split_rules=...)``); nothing is
+registered process-wide.
+
+Any other module that owns parameters, and whose subtree has no rule-split
+layer, gets the graph-level split of :mod:`~zerobubble.runtime.split.fallback`
+(unless ``fallback=False``).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from torch import nn
 
-from zerobubble.runtime.split.kernels import SplitEmbedding, SplitLinear
+from zerobubble.runtime.split.fallback import GraphSplit, install_graph_split
+from zerobubble.runtime.split.kernels import (
+    CONV,
+    HF_CONV1D,
+    LAYER_NORM,
+    Kernel,
+    SplitEmbedding,
+    SplitLinear,
+    SplitOp,
+    conv_splittable,
+    is_hf_conv1d,
+)
 from zerobubble.runtime.split.store import WeightGradStore
 
-__all__ = ["enable_bw_split", "is_split"]
+__all__ = ["SplitRule", "SplitRules", "enable_bw_split", "is_split", "unsplit_modules"]
+
+Splitter = Callable[[nn.Module, WeightGradStore], nn.Module]
 
 
-def _split_of(module: nn.Module, store: WeightGradStore) -> nn.Module | None:
+@dataclass(frozen=True)
+class SplitRule:
+    """``matches(module)`` decides; ``split(module, store)`` builds the replacement.
+
+    ``split=None`` keeps the module on plain autograd on purpose (its gradients
+    are produced in B, and the graph-level fallback leaves it alone).
+    """
+
+    name: str
+    matches: Callable[[nn.Module], bool]
+    split: Splitter | None
+
+
+def _kernel_rule(name: str, matches: Callable[[nn.Module], bool], kernel: Kernel) -> SplitRule:
+    return SplitRule(name, matches, lambda m, store: SplitOp(m, kernel, store))
+
+
+def _exact(cls: type[nn.Module]) -> Callable[[nn.Module], bool]:
     # Exact types only: subclasses may override forward, and modules such as
     # nn.MultiheadAttention read their Linear's weights without calling it.
-    if type(module) is nn.Linear:
-        return SplitLinear.from_linear(module, store)
-    if type(module) is nn.Embedding:
-        return SplitEmbedding(module, store)
-    if isinstance(module, SplitLinear | SplitEmbedding):
-        module.store = store  # re-split: bind to the new store
-    return None
+    return lambda m: type(m) is cls
 
 
-def enable_bw_split(module: nn.Module, store: WeightGradStore) -> nn.Module:
-    """Swap every ``nn.Linear`` / ``nn.Embedding`` in ``module`` for its split version, in place.
+_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def _norm(m: nn.Module) -> bool:
+    # Not worth splitting by default: a norm's weight gradient is one pass over
+    # the tokens, like its input gradient, while deferring it keeps the norm's
+    # input and output gradient alive until W. Opt in with LAYER_NORM.
+    return type(m) in _NORMS
+
+
+def _layer_norm(m: nn.Module) -> bool:
+    return type(m) is nn.LayerNorm and m.weight is not None
+
+
+@dataclass(frozen=True)
+class SplitRules:
+    """Ordered split rules; the first match wins."""
+
+    rules: tuple[SplitRule, ...]
+
+    @classmethod
+    def default(cls) -> SplitRules:
+        return cls(
+            (
+                SplitRule("Linear", _exact(nn.Linear), SplitLinear.from_linear),
+                SplitRule("Embedding", _exact(nn.Embedding), SplitEmbedding),
+                _kernel_rule("Conv", conv_splittable, CONV),
+                _kernel_rule("transformers Conv1D", is_hf_conv1d, HF_CONV1D),
+                SplitRule("norm (kept in B)", _norm, None),
+            )
+        )
+
+    def with_layer_norm(self) -> SplitRules:
+        """These rules with ``nn.LayerNorm``'s weight and bias deferred to W too."""
+        return self.with_rule(_layer_norm, LAYER_NORM, "LayerNorm")
+
+    def with_rule(
+        self,
+        matches: type[nn.Module] | Callable[[nn.Module], bool],
+        split: Kernel | Splitter | None,
+        name: str | None = None,
+    ) -> SplitRules:
+        """These rules with one more in front: ``matches`` an exact type or a predicate;
+        ``split`` a :class:`Kernel` (the layer becomes a ``SplitOp``), a function
+        ``(module, store) -> replacement`` that records its calls in
+        ``store.recording``, or None (keep the module on plain autograd)."""
+        pred = _exact(matches) if isinstance(matches, type) else matches
+        label = name or (matches.__name__ if isinstance(matches, type) else "user rule")
+        rule = (
+            _kernel_rule(label, pred, split)
+            if isinstance(split, Kernel)
+            else SplitRule(label, pred, split)
+        )
+        return SplitRules((rule, *self.rules))
+
+    def rule_for(self, module: nn.Module) -> SplitRule | None:
+        """The first rule that matches ``module``, or None."""
+        return next((r for r in self.rules if r.matches(module)), None)
+
+
+_SPLIT_TYPES = (SplitLinear, SplitEmbedding, SplitOp)
+
+
+def is_split(module: nn.Module) -> bool:
+    """True if ``module`` or a submodule defers weight gradients to a store."""
+    return any(
+        isinstance(m, _SPLIT_TYPES) or GraphSplit.of(m) is not None for m in module.modules()
+    )
+
+
+def unsplit_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules whose own parameters get their gradients in B (named as in ``module``)."""
+    covered: set[int] = set()
+    for m in module.modules():
+        if isinstance(m, _SPLIT_TYPES) or GraphSplit.of(m) is not None:
+            covered.update(id(mm) for mm in m.modules())
+    return [
+        (name or type(module).__name__, m)
+        for name, m in module.named_modules()
+        if id(m) not in covered and any(p.requires_grad for p in m.parameters(recurse=False))
+    ]
+
+
+def enable_bw_split(
+    module: nn.Module,
+    store: WeightGradStore,
+    rules: SplitRules | None = None,
+    *,
+    fallback: bool = True,
+) -> nn.Module:
+    """Swap the layers of ``module`` that a rule matches for their split versions, in place.
 
     The swapped layers keep the original Parameter objects and state_dict keys;
-    a module shared at several places is replaced by one shared split module.
-    Only modules of exactly these types are swapped (subclasses, and layers used
-    through their weights rather than their forward, e.g. inside
-    ``nn.MultiheadAttention``, are left alone); forward hooks registered on a
-    swapped module are dropped.
-
-    Parameters of all other modules (LayerNorm, attention internals, custom
-    ops) keep plain autograd: their gradients are produced during B, not W.
+    a module shared at several places is replaced by one shared split module;
+    forward hooks registered on a swapped module are dropped. With ``fallback``,
+    each remaining module that owns parameters and has no rule-split layer
+    below it gets the graph-level split (its hooks are added, nothing is
+    swapped); a module with both (e.g. a model holding a positional-embedding
+    Parameter next to Linear layers) keeps plain autograd for its own
+    parameters: their gradients are produced during B, and
     :class:`~zerobubble.runtime.chunk.StageChunk` still adds them to ``.grad``
     in microbatch order.
 
-    Returns ``module``, or its split replacement if ``module`` itself is a
-    Linear or Embedding.
+    Returns ``module``, or its split replacement if a rule matches ``module`` itself.
     """
+    rules = SplitRules.default() if rules is None else rules
     replaced: dict[int, nn.Module] = {}
 
     def swap(m: nn.Module) -> nn.Module | None:
         if id(m) not in replaced:
-            new = _split_of(m, store)
+            if isinstance(m, _SPLIT_TYPES):
+                m.store = store  # re-split: bind to the new store
+                new = None
+            else:
+                rule = rules.rule_for(m)
+                new = None if rule is None or rule.split is None else rule.split(m, store)
             replaced[id(m)] = new if new is not None else m
         new = replaced[id(m)]
         return None if new is m else new
@@ -59,9 +193,30 @@ def enable_bw_split(module: nn.Module, store: WeightGradStore) -> nn.Module:
             new = swap(child)
             if new is not None:
                 parent._modules[name] = new
+    if fallback:
+        _install_fallbacks(module, store, rules)
     return module
 
 
-def is_split(module: nn.Module) -> bool:
-    """True if ``module`` or a submodule defers weight gradients to a store."""
-    return any(isinstance(m, SplitLinear | SplitEmbedding) for m in module.modules())
+def _install_fallbacks(module: nn.Module, store: WeightGradStore, rules: SplitRules) -> None:
+    """Graph-split the outermost modules that own parameters and contain no split layer."""
+    has_split: dict[int, bool] = {}
+
+    def contains_split(m: nn.Module) -> bool:
+        if id(m) not in has_split:
+            has_split[id(m)] = isinstance(m, _SPLIT_TYPES) or any(
+                contains_split(c) for c in m.children()
+            )
+        return has_split[id(m)]
+
+    def visit(m: nn.Module) -> None:
+        rule = rules.rule_for(m)
+        if isinstance(m, _SPLIT_TYPES) or (rule is not None and rule.split is None):
+            return
+        if not contains_split(m) and any(p.requires_grad for p in m.parameters()):
+            install_graph_split(m, store)
+            return
+        for c in m.children():
+            visit(c)
+
+    visit(module)
