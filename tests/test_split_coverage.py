@@ -40,7 +40,8 @@ class Conv1D(nn.Module):
 
 
 class ScaleShift(nn.Module):
-    """A parameterised module no rule knows: gets the graph-level fallback."""
+    """A parameterised module no rule knows (an RMSNorm-like mix of its input, its own
+    statistics and two parameter vectors): gets the graph-level fallback."""
 
     def __init__(self, d: int) -> None:
         super().__init__()
@@ -255,6 +256,24 @@ def test_split_linear_under_autocast_both_paths(amp: bool) -> None:
         assert torch.equal(split.bias.grad, ref.bias.grad)
 
 
+def test_w_inside_an_autocast_region_is_not_recast() -> None:
+    """W multiplies the operands its forward kept, whatever autocast state it runs in."""
+    lin = _seeded(lambda: nn.Linear(8, 6))
+    ref = copy.deepcopy(lin)
+    store = WeightGradStore()
+    split = SplitLinear.from_linear(lin, store)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(13))
+    with store.record(0, 0):
+        y = split(x)
+    gy = torch.ones_like(y)
+    store.backward(0, 0, y, gy, [], [split.weight, split.bias])
+    with _autocast(True):
+        store.run(0, 0)
+    ref(x).backward(gy)
+    assert split.weight.grad.dtype == torch.float32
+    assert torch.equal(split.weight.grad, ref.weight.grad)
+
+
 def test_conv_same_padding_and_subclasses_get_the_fallback() -> None:
     class MyConv(nn.Conv1d):
         pass
@@ -274,12 +293,12 @@ def test_functional_linear_reference_sanity() -> None:
     assert torch.allclose(c(x), F.linear(x, c.weight.t(), c.bias))
 
 
-# ---- whole pipelines: GPT-2 (Conv1D) and Llama (RMSNorm fallback) layers, P >= 3 and V ------
+# ---- whole pipelines: GPT-2 (Conv1D) and Llama layers, P >= 3 and V-shaped ------------------
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from bench_bw_split import GPT2Block, LlamaBlock  # noqa: E402
-from test_chunk import assert_matches_reference, make_chunks, sequential_order  # noqa: E402
 
+from test_chunk import assert_matches_reference, make_chunks, sequential_order  # noqa: E402
 from zerobubble.models import gpt_loss  # noqa: E402
 from zerobubble.schedule.generators import zb_h1, zbv  # noqa: E402
 
@@ -304,22 +323,31 @@ def _pipeline_model(kind: str) -> nn.Sequential:
     return _seeded(make, seed=21)
 
 
+def _without_norm_rule() -> SplitRules:
+    """The default rules minus "norms stay in B": norms then get the graph-level split."""
+    return SplitRules(tuple(r for r in SplitRules.default().rules if r.split is not None))
+
+
 @AMP
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "llama-fallback"])
 @pytest.mark.parametrize("sched", ["zb-h1", "zbv"])
 def test_pipelines_of_hf_like_blocks_match_reference_bitwise(
     sched: str, kind: str, amp: bool
 ) -> None:
     schedule = zb_h1(3, 4) if sched == "zb-h1" else zbv(2, 4)
     cuts = [0, 2, 4] if sched == "zb-h1" else [0, 1, 2, 4]
-    model = _pipeline_model(kind)
+    model = _pipeline_model("gpt2" if kind == "gpt2" else "llama")
     ref = copy.deepcopy(model)
     g = torch.Generator().manual_seed(22)
     ids = torch.randint(0, VOCAB, (6, T + 1), generator=g)
     chunks = make_chunks(model, cuts, gpt_loss, placement=schedule.placement)
-    # Middle stages: blocks only; every parameter but the (kept) LayerNorms is deferred.
-    kept = {type(m) for c in chunks[1:-1] for _, m in unsplit_modules(c.module)}
-    assert kept <= {nn.LayerNorm}
+    if kind == "llama-fallback":  # re-split the same stages with the norms deferred too
+        rules = _without_norm_rule()
+        for c in chunks:
+            enable_bw_split(c.module, c.store, rules)
+    kept = {type(m).__name__ for c in chunks[1:-1] for _, m in unsplit_modules(c.module)}
+    # Middle stages hold blocks only: every parameter but the norms' (kept in B) is deferred.
+    assert kept == {"gpt2": {"LayerNorm"}, "llama": {"RMSNorm"}, "llama-fallback": set()}[kind]
     with _autocast(amp):
         assert_matches_reference(
             model, ref, chunks, sequential_order(schedule), gpt_loss, ids[:, :-1], ids[:, 1:], 4

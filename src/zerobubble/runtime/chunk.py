@@ -16,6 +16,7 @@ bitwise.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
@@ -25,7 +26,14 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge, saved_tensors_hooks
 
-from zerobubble.runtime.split import SplitRules, WeightGradStore, enable_bw_split, is_split
+from zerobubble.runtime.split import (
+    SplitRules,
+    SplitShare,
+    WeightGradStore,
+    enable_bw_split,
+    is_split,
+    split_share,
+)
 
 __all__ = ["StageChunk", "StageChunkError", "storage_bytes"]
 
@@ -119,6 +127,11 @@ class StageChunk:
         self.store = WeightGradStore() if store is None else store
         self.split = split
         self.module = enable_bw_split(module, self.store, split_rules) if split else module
+        self.split_share: SplitShare | None = split_share(self.module) if split else None
+        """How much weight-gradient work W holds (None without split)."""
+        message = None if self.split_share is None else self.split_share.warning(stage)
+        if message is not None:
+            warnings.warn(message, stacklevel=2)
         self.track_memory = track_memory
         self._params = list(self.module.parameters())
         # Without split layers a BW in microbatch order can let autograd add the

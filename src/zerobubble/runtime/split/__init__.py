@@ -20,8 +20,10 @@ from zerobubble.runtime.split.store import GradList, State, WeightGradStore
 from zerobubble.runtime.split.swap import (
     SplitRule,
     SplitRules,
+    SplitShare,
     enable_bw_split,
     is_split,
+    split_share,
     unsplit_modules,
 )
 
@@ -33,9 +35,11 @@ __all__ = [
     "SplitOp",
     "SplitRule",
     "SplitRules",
+    "SplitShare",
     "State",
     "WeightGradStore",
     "enable_bw_split",
     "is_split",
+    "split_share",
     "unsplit_modules",
 ]

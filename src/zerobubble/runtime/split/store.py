@@ -333,7 +333,9 @@ class WeightGradStore:
         if raw is not None:
             early = raw.early() + early
         grads: list[_Grad] = [(p, g, False) for p, g in early]
-        with torch.no_grad():  # W's products build no graph (their operands may be aliases)
+        # W's products build no graph (their operands may be aliases) and are not
+        # recast: the operands already are what the forward's autocast made them.
+        with torch.no_grad(), _autocast_off():
             if raw is not None:
                 grads += raw.grads()
             for item in work:  # captured work arrives after the recorded calls
@@ -369,6 +371,18 @@ class WeightGradStore:
             if first is None or self._micro[first].state is not State.READY:
                 return
             _accumulate(self._micro.pop(first).ready)
+
+
+@contextmanager
+def _autocast_off() -> Iterator[None]:
+    """Autocast disabled on the CPU and on the current accelerator, if any."""
+    acc = torch.accelerator.current_accelerator()
+    with torch.autocast("cpu", enabled=False):
+        if acc is None:
+            yield
+            return
+        with torch.autocast(acc.type, enabled=False):
+            yield
 
 
 def _tensors(held: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:

@@ -35,7 +35,15 @@ from zerobubble.runtime.split.kernels import (
 )
 from zerobubble.runtime.split.store import WeightGradStore
 
-__all__ = ["SplitRule", "SplitRules", "enable_bw_split", "is_split", "unsplit_modules"]
+__all__ = [
+    "SplitRule",
+    "SplitRules",
+    "SplitShare",
+    "enable_bw_split",
+    "is_split",
+    "split_share",
+    "unsplit_modules",
+]
 
 Splitter = Callable[[nn.Module, WeightGradStore], nn.Module]
 
@@ -69,8 +77,10 @@ _NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d
 def _norm(m: nn.Module) -> bool:
     # Not worth splitting by default: a norm's weight gradient is one pass over
     # the tokens, like its input gradient, while deferring it keeps the norm's
-    # input and output gradient alive until W. Opt in with LAYER_NORM.
-    return type(m) in _NORMS
+    # input and output gradient alive until W (and the graph-level split would
+    # recompute it in W). Opt in with LAYER_NORM. User norms are known by name
+    # (LlamaRMSNorm, T5LayerNorm, ...).
+    return type(m) in _NORMS or type(m).__name__.endswith("Norm")
 
 
 def _layer_norm(m: nn.Module) -> bool:
@@ -220,3 +230,50 @@ def _install_fallbacks(module: nn.Module, store: WeightGradStore, rules: SplitRu
             visit(c)
 
     visit(module)
+
+
+@dataclass(frozen=True)
+class SplitShare:
+    """How much of a module's weight-gradient work its split defers to W.
+
+    Work is counted by parameter size: a weight element costs one multiply-add
+    per token in its gradient for every matmul-like layer, so the share of
+    deferred parameters is the share of deferred weight-gradient work.
+    """
+
+    deferred: int
+    """Elements of the parameters whose gradients W computes."""
+    total: int
+    """Elements of all parameters that need a gradient."""
+    unsplit: tuple[tuple[str, str, int], ...]
+    """``(name, type, elements)`` of each module whose own parameters get gradients in B."""
+
+    @property
+    def fraction(self) -> float:
+        return self.deferred / self.total if self.total else 1.0
+
+    def warning(self, stage: int) -> str | None:
+        """The message to warn with if less than half the work is deferred, else None."""
+        if self.fraction >= 0.5:
+            return None
+        names = ", ".join(f"{n} ({t})" for n, t, _ in self.unsplit[:8])
+        more = f" and {len(self.unsplit) - 8} more" if len(self.unsplit) > 8 else ""
+        return (
+            f"stage {stage}: only {100 * self.fraction:.0f}% of the weight-gradient work "
+            f"(by parameter size) is deferred to W, so a zero-bubble schedule has little to "
+            f"fill its bubbles with. Not split: {names}{more}. Fix: give these layers a split "
+            "rule (SplitRules.default().with_rule(...), passed as StageChunk(split_rules=...)), "
+            "keep enable_bw_split's graph-level fallback on, or use a schedule without B/W "
+            "split (1f1b)"
+        )
+
+
+def split_share(module: nn.Module) -> SplitShare:
+    """Deferred and total parameter elements of a split ``module`` (see :class:`SplitShare`)."""
+    unsplit = tuple(
+        (name, type(m).__name__, sum(p.numel() for p in m.parameters(recurse=False)))
+        for name, m in unsplit_modules(module)
+    )
+    total = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    kept = sum(n for _, _, n in unsplit)
+    return SplitShare(total - kept, total, unsplit)
