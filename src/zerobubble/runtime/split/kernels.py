@@ -381,10 +381,13 @@ class Kernel:
     returns ``(op_output, result, operands)``: the output of the op whose
     graph node takes the parameters (its gradient is what W receives), the
     layer's result (``op_output`` or a view of it), and what W needs besides
-    that gradient. ``weight_grads(module, operands, params, need, gy)`` returns
-    one gradient or None per parameter, computed as autograd's formula for
-    that op computes it (``need[i]``: the parameter needs one). Exactness is the
-    kernel's promise: test it bitwise against plain autograd.
+    that gradient. ``weight_grads(module, operands, params, need, gy)`` gets the
+    same ``params`` the forward used (aliases, cast under autocast) and returns
+    one gradient or None per parameter, in their dtype, computed as autograd's
+    formula for that op computes it (``need[i]``: the parameter needs one); W
+    casts it back to the parameter's dtype. W runs under ``torch.no_grad`` with
+    autocast off. Exactness is the kernel's promise: test it bitwise against
+    plain autograd.
     """
 
     forward: Callable[[nn.Module, Tensor, Sequence[Tensor | None]], tuple[Tensor, Tensor, tuple]]
