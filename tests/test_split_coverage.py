@@ -352,3 +352,21 @@ def test_pipelines_of_hf_like_blocks_match_reference_bitwise(
         assert_matches_reference(
             model, ref, chunks, sequential_order(schedule), gpt_loss, ids[:, :-1], ids[:, 1:], 4
         )
+
+
+def test_fallback_restores_parameters_when_the_forward_raises() -> None:
+    class Fails(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("boom")
+
+    net = nn.Sequential(nn.Linear(3, 3), Fails())
+    store = WeightGradStore()
+    enable_bw_split(net, store)
+    weight = net[1].weight
+    with pytest.raises(ValueError, match="boom"), store.record(0, 0):
+        net(torch.randn(2, 3))
+    assert net[1]._parameters["weight"] is weight and store.in_flight() == {}

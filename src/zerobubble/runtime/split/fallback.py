@@ -110,6 +110,8 @@ class GraphSplit:
         swapped, replay = opened
         for owner, name, p in swapped:
             owner._parameters[name] = p
+        if output is None:  # the forward raised (always_call): parameters restored, done
+            return None
         outs = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
         calls = self.store.recording
         if len(outs) != 1 or calls is None:
