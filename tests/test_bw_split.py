@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from zerobubble.runtime.bw_split import (
+from zerobubble.runtime.split import (
     SplitEmbedding,
     SplitLinear,
     WeightGradStore,
@@ -413,10 +413,16 @@ def test_store_rejects_misuse_with_clear_errors() -> None:
         store.run(0, 0)
 
 
-def test_autocast_is_rejected() -> None:
-    split = SplitLinear.from_linear(nn.Linear(4, 4), WeightGradStore())
-    with (
-        torch.autocast("cpu", dtype=torch.bfloat16),
-        pytest.raises(RuntimeError, match="autocast"),
-    ):
-        split(torch.randn(2, 4))
+def test_autocast_outside_record_matches_nn_linear() -> None:
+    """Autocast used to be rejected; a split layer now runs it as nn.Linear does
+    (recorded and captured paths under autocast: tests/test_split_coverage.py)."""
+    lin = _linear(4, 4, True, seed=12)
+    split = SplitLinear.from_linear(copy.deepcopy(lin), WeightGradStore())
+    x = torch.randn(2, 4, generator=_gen(12))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, want = split(x), lin(x)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want)
+    y.float().sum().backward()
+    want.float().sum().backward()
+    assert torch.equal(split.weight.grad, lin.weight.grad)
+    assert torch.equal(split.bias.grad, lin.bias.grad)

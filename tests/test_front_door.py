@@ -211,7 +211,7 @@ def job() -> dict:
         "gpt": train_against_reference("zb-h1", gpt_case, adamw, max_norm=0.5),
         "mlp_v": train_against_reference("zbv", mlp_case, sgd, max_norm=None),
         "post": train_against_reference(
-            "zb-h2", gpt_case, adamw, max_norm=0.05, mode="post_validation"
+            "zb-h2", gpt_case, adamw, max_norm=0.05, mode="conservative"
         ),
         "factory": factory_names(),
         "state": state_dict_checks(info.rank),

@@ -4,9 +4,12 @@ Each layer runs as its own one-layer :class:`~zerobubble.runtime.chunk.StageChun
 (B/W split, exactly what a pipeline stage runs), on copies of the layers so
 the caller's modules are neither split nor trained. The microbatch flows
 forward through all layers, then the input gradients flow back (B), then
-every W runs; each op is timed on its own. Per-op bookkeeping of a one-layer
-chunk is counted once per layer, so sums over many small layers slightly
-overstate a stage; balancing only needs the ratios.
+every W runs; each op is timed on its own. A plain copy of each layer also
+runs a full and an input-only backward, whose difference is the layer's
+weight-gradient time: W's part of it is the time share the split defers.
+Per-op bookkeeping of a one-layer chunk is counted once per layer, so sums
+over many small layers slightly overstate a stage; balancing only needs the
+ratios.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from zerobubble.profile.stats import OpStats
 from zerobubble.runtime.chunk import StageChunk
+from zerobubble.runtime.split import SplitShare
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,11 @@ class LayerProfile:
         f, b, w: Timing statistics of F, B and W per layer.
         mem_b: Bytes a layer holds after F until B (its M_B), median over iterations.
         mem_w: Bytes it holds after B until W (its M_W).
+        w_share: Share of each layer's weight-gradient work (by parameter size) that its
+            split defers to W; the rest is computed in B (see
+            :class:`~zerobubble.runtime.split.SplitShare`).
+        w_time_share: Share of each layer's weight-gradient time spent in W: median W over
+            (median W + the B time its unsplit parameters add), measured.
     """
 
     f: tuple[OpStats, ...]
@@ -38,6 +48,8 @@ class LayerProfile:
     w: tuple[OpStats, ...]
     mem_b: tuple[int, ...]
     mem_w: tuple[int, ...]
+    w_share: tuple[float, ...] = ()
+    w_time_share: tuple[float, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -59,6 +71,8 @@ class LayerProfile:
             "W_p95": [s.p95 for s in self.w],
             "mem_B": list(self.mem_b),
             "mem_W": list(self.mem_w),
+            "W_param_share": list(self.w_share),
+            "W_time_share": list(self.w_time_share),
         }
 
 
@@ -81,6 +95,7 @@ def profile_layers(
     if warmup < 0 or iters < 1:
         raise ValueError(f"need warmup >= 0 and iters >= 1, got warmup={warmup}, iters={iters}")
     n = len(layers)
+    plain = [copy.deepcopy(layer) for layer in layers]
     chunks = [
         StageChunk(copy.deepcopy(layer), i, n, loss_fn=loss_fn if i == n - 1 else None, split=True)
         for i, layer in enumerate(layers)
@@ -88,10 +103,14 @@ def profile_layers(
     times: dict[str, list[list[float]]] = {op: [[] for _ in range(n)] for op in "FBW"}
     mem_b: list[list[int]] = [[] for _ in range(n)]
     mem_w: list[list[int]] = [[] for _ in range(n)]
+    wgrad: list[list[float]] = [[] for _ in range(n)]
     for it in range(warmup + iters):
         keep = it >= warmup
         h = x
         for i, c in enumerate(chunks):
+            if keep:
+                last = (loss_fn, target) if i == n - 1 else None
+                wgrad[i].append(_plain_weight_grad_ms(plain[i], h, last))
             t0 = time.perf_counter()
             h = c.forward(it, h, target=target if i == n - 1 else None)
             _record(times["F"][i], t0, keep)
@@ -108,13 +127,49 @@ def profile_layers(
             t0 = time.perf_counter()
             c.backward_weight(it)
             _record(times["W"][i], t0, keep)
+    w_med = [statistics.median(t) for t in times["W"]]
+    share = [c.split_share for c in chunks]
     return LayerProfile(
         f=tuple(OpStats.of(s) for s in times["F"]),
         b=tuple(OpStats.of(s) for s in times["B"]),
         w=tuple(OpStats.of(s) for s in times["W"]),
         mem_b=tuple(int(statistics.median(m)) for m in mem_b),
         mem_w=tuple(int(statistics.median(m)) for m in mem_w),
+        w_share=tuple(1.0 if sh is None else sh.fraction for sh in share),
+        w_time_share=tuple(
+            _time_share(w, statistics.median(g), sh)
+            for w, g, sh in zip(w_med, wgrad, share, strict=True)
+        ),
     )
+
+
+def _plain_weight_grad_ms(
+    layer: nn.Module, x: Tensor, last: tuple[Callable[[Tensor, Tensor], Tensor], Tensor] | None
+) -> float:
+    """Time (ms) plain autograd spends on ``layer``'s weight gradients for input ``x``: a
+    full backward minus one that asks for the input gradient only."""
+    spent = []
+    for inputs_only in (False, True):
+        inp = x.detach().requires_grad_(x.is_floating_point())
+        with torch.enable_grad():
+            out = layer(inp)
+            root = last[0](out, last[1]) if last is not None else out.sum()
+        targets = [inp] if inputs_only else [inp, *layer.parameters()]
+        targets = [t for t in targets if t.requires_grad]
+        t0 = time.perf_counter()
+        if targets:
+            torch.autograd.grad([root], targets, allow_unused=True)
+        spent.append(time.perf_counter() - t0)
+    return max(spent[0] - spent[1], 0.0) * 1e3
+
+
+def _time_share(w_ms: float, wgrad_ms: float, share: SplitShare | None) -> float:
+    """W's part of the weight-gradient time, capped at 1 (W carries its own overhead)."""
+    if share is None or share.total == 0:
+        return 1.0
+    if share.deferred == 0:
+        return 0.0
+    return min(w_ms / wgrad_ms, 1.0) if wgrad_ms > 0 else 1.0
 
 
 def _record(samples: list[float], t0: float, keep: bool) -> None:

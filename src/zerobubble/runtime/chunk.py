@@ -3,7 +3,7 @@
 A :class:`StageChunk` wraps the layers of one virtual stage. It keeps, per
 microbatch, exactly what the next op needs: after F the autograd graph (its
 saved tensors) and the stage input; after B only the weight-gradient work in
-the :class:`~zerobubble.runtime.bw_split.WeightGradStore`; after W nothing.
+the :class:`~zerobubble.runtime.split.WeightGradStore`; after W nothing.
 It knows nothing of devices or communication: the executor moves the tensors
 that :meth:`StageChunk.forward` and :meth:`StageChunk.backward_input` return.
 
@@ -16,6 +16,7 @@ bitwise.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
@@ -25,11 +26,13 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge, saved_tensors_hooks
 
-from zerobubble.runtime.bw_split import (
-    SplitEmbedding,
-    SplitLinear,
+from zerobubble.runtime.split import (
+    SplitRules,
+    SplitShare,
     WeightGradStore,
     enable_bw_split,
+    is_split,
+    split_share,
 )
 
 __all__ = ["StageChunk", "StageChunkError", "storage_bytes"]
@@ -86,8 +89,10 @@ class StageChunk:
         loss_fn: ``loss_fn(output, target) -> scalar``; required on the last stage only.
         store: Weight-gradient store; chunks on one device may share one. A new
             store is made if None.
-        split: Swap Linear/Embedding for their B/W-split versions. With False,
-            B computes every gradient and W only adds them to ``.grad``.
+        split: Split the weight gradients out of B (see
+            :func:`~zerobubble.runtime.split.enable_bw_split`). With False, B
+            computes every gradient and W only adds them to ``.grad``.
+        split_rules: The rules deciding each layer's split; the defaults if None.
         track_memory: Keep track of the tensors each microbatch's graph saves, so
             that :meth:`held_bytes` can count them. Costs a Python call per saved
             tensor in F and in B; without it :meth:`held_bytes` is unavailable.
@@ -102,6 +107,7 @@ class StageChunk:
         loss_fn: LossFn | None = None,
         store: WeightGradStore | None = None,
         split: bool = True,
+        split_rules: SplitRules | None = None,
         track_memory: bool = True,
     ) -> None:
         if not 0 <= stage < num_stages:
@@ -120,14 +126,17 @@ class StageChunk:
         self.loss_fn = loss_fn
         self.store = WeightGradStore() if store is None else store
         self.split = split
-        self.module = enable_bw_split(module, self.store) if split else module
+        self.module = enable_bw_split(module, self.store, split_rules) if split else module
+        self.split_share: SplitShare | None = split_share(self.module) if split else None
+        """How much weight-gradient work W holds (None without split)."""
+        message = None if self.split_share is None else self.split_share.warning(stage)
+        if message is not None:
+            warnings.warn(message, stacklevel=2)
         self.track_memory = track_memory
         self._params = list(self.module.parameters())
         # Without split layers a BW in microbatch order can let autograd add the
         # gradients itself (AccumulateGrad, as the reference does).
-        self._plain = not any(
-            isinstance(m, SplitLinear | SplitEmbedding) for m in self.module.modules()
-        )
+        self._plain = not is_split(self.module)
         self._submodules = list(self.module.modules())
         self._records: dict[int, _Record] = {}
         self._held: int | None = 0  # held_bytes() until the next op; None: recount

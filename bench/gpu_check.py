@@ -1,0 +1,210 @@
+"""One-device check of the B/W split on an accelerator: exactness, cost, memory, schedules.
+
+Run: ``PYTHONPATH=src python bench/gpu_check.py [--device cuda] [--quick]``
+(at most about 5 minutes on one GPU; ``--device cpu --quick`` is a smoke test).
+Prints one JSON object.
+
+1. **Exactness.** GPT-2 (Conv1D) and Llama blocks from ``bench_bw_split`` run
+   as a middle stage through :class:`~zerobubble.runtime.chunk.StageChunk`
+   (F, B, W) and through plain autograd, in fp32 and under ``torch.autocast``
+   (bf16, and fp16 on CUDA); reports whether the input gradient and every
+   parameter gradient are bitwise equal.
+2. **Cost and memory.** This library's GPT block at each ``--d-models`` width
+   (head size 64, ``--seq-len`` tokens): fused backward time, B and W time
+   (device-synchronised wall time, medians), ``(B + W) / fused``, and bytes
+   held after B over bytes held after F.
+3. **Schedules.** Every schedule kind simulated for ``--devices`` devices and
+   ``2 * devices`` microbatches with one block per stage and the measured F, B,
+   W and memory of each width: makespan, cost (longest device span) and
+   bubble rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_bw_split import GPT2Block, LlamaBlock
+
+from zerobubble.models import GPTConfig, build_gpt
+from zerobubble.runtime.chunk import StageChunk
+from zerobubble.schedule.costs import CostSpec
+from zerobubble.schedule.generators import GENERATORS, generate
+from zerobubble.schedule.simulate import simulate
+
+SKIPPED_KINDS = {"optimal"}  # a MILP: minutes, not a check
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.get_device_module(device.type).synchronize(device)
+
+
+def _timed(device: torch.device, fn: Callable[[], object]) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _amp(device: torch.device, dtype: torch.dtype | None):
+    return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
+def exactness(
+    name: str, module: nn.Module, x: Tensor, gy: Tensor, dtype: torch.dtype | None
+) -> dict[str, object]:
+    """Bitwise comparison of the split stage with plain autograd (``dtype``: autocast's)."""
+    ref = copy.deepcopy(module)
+    xr = x.detach().requires_grad_(True)
+    with _amp(x.device, dtype):
+        yr = ref(xr)
+    yr.backward(gy.to(yr.dtype))
+    chunk = StageChunk(copy.deepcopy(module), 1, 3, track_memory=False)
+    with _amp(x.device, dtype):
+        y = chunk.forward(0, x)
+    gx = chunk.backward_input(0, gy.to(y.dtype))
+    chunk.backward_weight(0)
+    want = dict(ref.named_parameters())
+    bad = [n for n, p in chunk.module.named_parameters() if not torch.equal(p.grad, want[n].grad)]
+    return {
+        "block": name,
+        "autocast": str(dtype).removeprefix("torch.") if dtype else "off",
+        "output_equal": bool(torch.equal(y, yr.detach())),
+        "input_grad_equal": bool(gx is not None and torch.equal(gx, xr.grad)),
+        "param_grads_equal": not bad,
+        "unequal_params": bad[:8],
+    }
+
+
+def cost(d: int, seq: int, repeats: int, device: torch.device) -> dict[str, object]:
+    """Times (ms) and held bytes of this library's GPT block at width ``d``."""
+    cfg = GPTConfig(vocab_size=512, max_seq_len=seq, d_model=d, n_heads=d // 64, n_layers=1)
+    block = build_gpt(cfg)[1].to(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(1, seq, d, device=device, generator=gen)
+    gy = torch.randn(1, seq, d, device=device, generator=gen)
+    plain = copy.deepcopy(block)
+    chunk = StageChunk(copy.deepcopy(block), 1, 3, track_memory=False)
+    tracked = StageChunk(copy.deepcopy(block), 1, 3, track_memory=True)
+    tracked.forward(0, x)
+    held_f = tracked.held_bytes()
+    tracked.backward_input(0, gy)
+    held_b = tracked.held_bytes()
+    tracked.backward_weight(0)
+    runs: dict[str, list[float]] = {"F": [], "fused": [], "B": [], "W": []}
+    for i in range(repeats + 1):
+        xi = x.detach().requires_grad_(True)
+        out = plain(xi)
+        t_fused = _timed(device, lambda: out.backward(gy))  # noqa: B023
+        t_f = _timed(device, lambda: chunk.forward(i, x))  # noqa: B023
+        t_b = _timed(device, lambda: chunk.backward_input(i, gy))  # noqa: B023
+        t_w = _timed(device, lambda: chunk.backward_weight(i))  # noqa: B023
+        for p in (*plain.parameters(), *chunk.module.parameters()):
+            p.grad = None
+        if i:  # the first run warms up
+            for key, t in zip(("F", "fused", "B", "W"), (t_f, t_fused, t_b, t_w), strict=True):
+                runs[key].append(1e3 * t)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return {
+        "d_model": d,
+        "seq_len": seq,
+        "t_F_ms": round(med["F"], 3),
+        "t_fused_backward_ms": round(med["fused"], 3),
+        "t_B_ms": round(med["B"], 3),
+        "t_W_ms": round(med["W"], 3),
+        "time_ratio": round((med["B"] + med["W"]) / med["fused"], 3),
+        "held_after_F_bytes": held_f,
+        "held_after_B_bytes": held_b,
+        "memory_ratio": round(held_b / held_f, 3),
+    }
+
+
+def schedules(measured: dict[str, object], devices: int) -> dict[str, object]:
+    """Every schedule kind simulated with one measured block per stage."""
+    f, b, w = (float(measured[k]) for k in ("t_F_ms", "t_B_ms", "t_W_ms"))  # type: ignore[arg-type]
+    spec = CostSpec(F=f, B=b, W=w, mem_w=float(measured["memory_ratio"]))  # type: ignore[arg-type]
+    out: dict[str, object] = {}
+    for kind, gen in GENERATORS.items():
+        if kind in SKIPPED_KINDS:
+            continue
+        try:
+            split = "split_backward" in gen.options
+            sched = generate(kind, devices, 2 * devices, split_backward=split, costs=spec)
+            sim = simulate(sched, spec.resolve(sched.placement))
+        except ValueError as e:
+            out[kind] = {"error": str(e)[:200]}
+            continue
+        out[kind] = {
+            "makespan_ms": round(float(sim.makespan), 3),
+            "cost_ms": round(float(sim.cost), 3),
+            "bubble_rate": round(sim.bubble_rate, 4),
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
+    parser.add_argument("--d-models", default="1024,2048,4096")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--devices", type=int, default=4, help="pipeline devices to simulate")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type != "cpu" and not torch.get_device_module(device.type).is_available():
+        parser.exit(
+            2, f"gpu_check: no {device.type} device here; pass --device cpu to smoke-test\n"
+        )
+    widths = [128] if args.quick else [int(v) for v in args.d_models.split(",")]
+    seq = 64 if args.quick else args.seq_len
+    torch.manual_seed(0)
+    d, t = (64, 32) if args.quick else (256, 128)
+    x = torch.randn(2, t, d, device=device)
+    gy = torch.randn(2, t, d, device=device)
+    dtypes: list[torch.dtype | None] = [None, torch.bfloat16]
+    if device.type == "cuda":
+        dtypes.append(torch.float16)
+    checks = [
+        exactness(name, make().to(device), x, gy, dtype)
+        for name, make in (
+            ("hf_gpt2", lambda: GPT2Block(d, 4)),
+            ("llama", lambda: LlamaBlock(d, 4, 8 * d // 3)),
+        )
+        for dtype in dtypes
+    ]
+    costs = [cost(w, seq, args.repeats, device) for w in widths]
+    sims = {str(c["d_model"]): schedules(c, args.devices) for c in costs}
+    print(
+        json.dumps(
+            {
+                "bench": "gpu_check",
+                "device": str(device),
+                "device_name": torch.cuda.get_device_name(device)
+                if device.type == "cuda"
+                else "cpu",
+                "torch": torch.__version__,
+                "exactness": checks,
+                "cost": costs,
+                "schedules": sims,
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Graph-level B/W split for any parameterised module that has no kernel.
+
+The module keeps its own forward. Inside ``store.record`` it runs with leaf
+aliases of its parameters swapped in (as a kernel split does), so that B, which
+asks autograd for the stage input, the parameters and the recorded outputs,
+never runs the module's weight-gradient edges; the module's output is recorded
+like a split layer's. W recomputes the module's forward from its kept inputs
+(same RNG state, same autocast state) and asks autograd for the parameters'
+gradients from the output gradient B delivered. Both halves run autograd's own
+nodes on the same values, so B and W are bitwise those of plain autograd. The
+price is W's recomputation; in return, after B only the module's inputs and its
+output gradient stay alive.
+
+A module called with more than one differentiable output is re-run with its
+real parameters instead (its gradients then arrive in B): W has a single output
+gradient per recorded call. Inputs modified in place between F and W are
+detected (version counters) and refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from zerobubble.runtime.split.kernels import _alias, _current
+from zerobubble.runtime.split.store import GradList, WeightGradStore, output_node
+
+__all__ = ["GraphSplit", "install_graph_split"]
+
+
+class _Replay(NamedTuple):
+    """What W needs to recompute one call: its inputs and the state it ran in."""
+
+    args: tuple
+    kwargs: dict
+    versions: tuple[tuple[Tensor, int], ...]
+    rng: tuple[Tensor, Tensor | None]
+    autocast: tuple[bool, torch.dtype]
+
+
+class GraphSplit:
+    """Forward hooks giving one module the graph-level split (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, store: WeightGradStore) -> None:
+        self.store = store
+        self.slots = [
+            (owner, name)
+            for owner in module.modules()
+            for name, p in owner._parameters.items()
+            if p is not None
+        ]
+        """Where each parameter of the module sits: (owning submodule, attribute name)."""
+        self._aliases: dict[tuple[int, str], Tensor] = {}
+        self._open: list[tuple[list[tuple[nn.Module, str, Tensor]], _Replay] | None] = []
+        self._rerun = False
+
+    def install(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(self._before, with_kwargs=True)
+        module.register_forward_hook(self._after, with_kwargs=True, always_call=True)
+        module.__dict__["_zb_graph_split"] = self
+
+    @staticmethod
+    def of(module: nn.Module) -> GraphSplit | None:
+        hook = module.__dict__.get("_zb_graph_split")
+        return hook if isinstance(hook, GraphSplit) else None
+
+    def params(self) -> list[Tensor]:
+        """The module's parameters, in a fixed order."""
+        return [owner._parameters[name] for owner, name in self.slots]  # type: ignore[misc]
+
+    def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        params = self.params()
+        if (
+            self._rerun
+            or self.store.recording is None
+            or not torch.is_grad_enabled()
+            or not any(p.requires_grad for p in params)
+        ):
+            self._open.append(None)
+            return
+        swapped = []
+        for (owner, name), p in zip(self.slots, params, strict=True):
+            if p.requires_grad:
+                key = (id(owner), name)
+                alias = self._aliases.get(key)
+                if not _current(alias, p):
+                    alias = self._aliases[key] = _alias(p)
+                owner._parameters[name] = alias  # type: ignore[assignment]
+                swapped.append((owner, name, p))
+        flat = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        dev = flat[0].device if flat else params[0].device
+        acc = None
+        if dev.type != "cpu":
+            acc = torch.get_device_module(dev.type).get_rng_state(dev)
+        replay = _Replay(
+            *pytree.tree_map_only(Tensor, Tensor.detach, (args, kwargs)),
+            tuple((t, t._version) for t in flat),
+            (torch.get_rng_state(), acc),
+            (torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type)),
+        )
+        self._open.append((swapped, replay))
+
+    def _after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        opened = self._open.pop()
+        if opened is None:
+            return None
+        swapped, replay = opened
+        for owner, name, p in swapped:
+            owner._parameters[name] = p
+        if output is None:  # the forward raised (always_call): parameters restored, done
+            return None
+        outs = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
+        calls = self.store.recording
+        if len(outs) != 1 or calls is None:
+            self._rerun = True  # several outputs: plain autograd for this call
+            try:
+                return module(*args, **kwargs)
+            finally:
+                self._rerun = False
+        held = tuple(t for t, _ in replay.versions)
+        calls.append((held, output_node(outs[0]), _recompute, (self, module, replay)))
+        return None
+
+
+def _recompute(split: GraphSplit, module: nn.Module, replay: _Replay, gy: Tensor) -> GradList:
+    """W of a graph-split call: the forward again, then autograd to the parameters."""
+    for t, version in replay.versions:
+        if t._version != version:
+            raise RuntimeError(
+                f"{type(module).__name__}: an input of this module was modified in place "
+                "between its forward and its W, so W cannot recompute it; avoid in-place "
+                "ops on its inputs or give the module a split rule"
+            )
+    params = split.params()
+    need = [p for p in params if p.requires_grad]
+    dev = gy.device
+    cpu_rng, acc_rng = replay.rng
+    enabled, dtype = replay.autocast
+    devices = [] if acc_rng is None else [dev]
+    with torch.random.fork_rng(devices=devices, device_type=dev.type), torch.enable_grad():
+        torch.set_rng_state(cpu_rng)
+        if acc_rng is not None:
+            torch.get_device_module(dev.type).set_rng_state(acc_rng, dev)
+        with torch.autocast(dev.type, dtype=dtype, enabled=enabled):
+            out = module(*replay.args, **replay.kwargs)
+        (y,) = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
+        grads = torch.autograd.grad([y], need, [gy], allow_unused=True)
+    ptr = gy.untyped_storage().data_ptr()
+    return [
+        (p, g.clone() if g.untyped_storage().data_ptr() == ptr else g)  # .grad may adopt it
+        for p, g in zip(need, grads, strict=True)
+        if g is not None
+    ]
+
+
+def install_graph_split(module: nn.Module, store: WeightGradStore) -> None:
+    """Give ``module`` the graph-level split bound to ``store`` (rebinding an existing one)."""
+    existing = GraphSplit.of(module)
+    if existing is not None:
+        existing.store = store
+        return
+    GraphSplit(module, store).install(module)

@@ -1,0 +1,606 @@
+"""Exact-autograd B/W kernels: split versions of ``nn.Linear`` and ``nn.Embedding``.
+
+For a linear layer ``Y = X Wᵀ + b`` the input and weight gradients are separate
+matrix products (``dX = dY W`` and ``dW = dYᵀ X``), so B computes ``dX`` and the
+:class:`~zerobubble.runtime.split.store.WeightGradStore` keeps ``X`` and ``dY``
+for a later W that computes ``dW``/``db``. :class:`SplitEmbedding` does the same
+(its B is empty: token ids have no gradient).
+
+Exactness: B and W call the very kernels PyTorch's autograd calls for
+``F.linear`` / ``F.embedding`` (same folding of N-D inputs, same operand order
+and layout-dependent formula, same bias reduction), so the gradients are
+bitwise those of plain autograd.
+
+Memory: after B only what W needs stays alive (each split layer's input and
+output gradient); the rest of the microbatch's graph is freed by B.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from zerobubble.runtime.split.store import GradList, WeightGradStore, output_node
+
+__all__ = [
+    "CONV",
+    "HF_CONV1D",
+    "LAYER_NORM",
+    "Kernel",
+    "SplitEmbedding",
+    "SplitLinear",
+    "SplitOp",
+    "conv_splittable",
+    "is_hf_conv1d",
+]
+
+
+# ---- Linear -------------------------------------------------------------------------------
+
+
+def _linear_operand(x: Tensor, in_features: int, has_bias: bool) -> Tensor:
+    """The 2-D matrix ``F.linear`` actually multiplies, with autograd's layout.
+
+    2-D inputs are used as they are (addmm/mm). A contiguous input with a bias
+    is viewed as (N, in) and goes through addmm. Otherwise F.linear calls
+    matmul, which unsqueezes 1-D inputs and reshapes (copying if needed) N-D ones.
+    """
+    if x.dim() == 2:
+        return x
+    if x.dim() == 1 and not (has_bias and x.is_contiguous()):
+        return x.unsqueeze(0)
+    return x.reshape(math.prod(x.shape[:-1]), in_features)
+
+
+def _bias_via_addmm(x: Tensor) -> bool:
+    """True where F.linear adds the bias inside addmm (else matmul, then an add)."""
+    return x.dim() == 2 or x.is_contiguous()
+
+
+def _grad_2d(gy: Tensor) -> Tensor:
+    """The output gradient as the 2-D matrix the mm/addmm backward receives."""
+    if gy.dim() == 2:
+        return gy
+    return gy.reshape(math.prod(gy.shape[:-1]), gy.shape[-1])
+
+
+def _linear_input_grad(g2d: Tensor, weight: Tensor, x2d: Tensor, x: Tensor) -> Tensor:
+    """dX, as autograd's mm_mat1_backward computes it (mat2 = weight.t())."""
+    if x2d.stride(0) == 1 and x2d.stride(1) == x2d.size(0):
+        gx2d = weight.t().mm(g2d.t()).t()  # column-major input: column-major gradient
+    else:
+        gx2d = g2d.mm(weight)
+    return gx2d if x.dim() == 2 else gx2d.reshape(x.shape)
+
+
+def _linear_weight_grad(g2d: Tensor, x2d: Tensor, weight: Tensor) -> Tensor:
+    """dW, as mm_mat2_backward on mat2 = weight.t() followed by the transpose's backward."""
+    if weight.stride(1) == 1 and weight.stride(0) == weight.size(1):
+        return g2d.t().mm(x2d)  # weight.t() is column-major: (dYᵀX)ᵀᵀ
+    return x2d.t().mm(g2d).t()
+
+
+def _bias_grad(gsum: Tensor) -> Tensor:
+    """db: the engine reduces the bias's incoming gradient with sum_to."""
+    gb = gsum.sum_to_size((gsum.shape[-1],))
+    return gb.clone() if gb.data_ptr() == gsum.data_ptr() else gb  # nothing reduced: a copy
+
+
+def _alias(p: Tensor) -> Tensor:
+    """A leaf sharing ``p``'s data and version counter, with ``p.requires_grad``.
+
+    A recorded layer computes with such aliases of its parameters: the graph is
+    exactly the one the parameters would build (PyTorch picks kernels and saved
+    tensors by ``requires_grad``), but B, which asks only for the stage input,
+    the parameters and the recorded outputs, never reaches the aliases. A layer
+    keeps its aliases across microbatches (as autograd reuses a parameter's
+    gradient accumulator) while :func:`_current` holds.
+    """
+    return p.detach().requires_grad_(p.requires_grad)
+
+
+def _current(alias: Tensor | None, p: Tensor) -> bool:
+    """``alias`` still is :func:`_alias` of ``p`` (same memory, size, strides, requires_grad)."""
+    return alias is not None and alias.is_set_to(p) and alias.requires_grad == p.requires_grad
+
+
+def _linear_grads(
+    weight: Tensor, bias: Tensor | None, need_w: bool, need_b: bool, x: Tensor, gy: Tensor
+) -> GradList:
+    """W of a recorded linear call: dW and db from its input and output gradient."""
+    x2d = _linear_operand(x, weight.size(1), bias is not None)
+    g2d = _grad_2d(gy)
+    grads: GradList = []
+    if need_w:
+        grads.append((weight, _linear_weight_grad(g2d, x2d, weight)))
+    if need_b:
+        grads.append((bias, _bias_grad(g2d if _bias_via_addmm(x) else gy)))
+    return grads
+
+
+class _SplitLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        store: WeightGradStore,
+        params: tuple[Tensor, Tensor | None],
+    ) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.params = params  # the Parameter objects (not autocast's copies), for attribution
+        ctx.store = store
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: torch.autograd.function.FunctionCtx, gy: Tensor):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        weight, bias = ctx.params
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        # The operands of the 2-D product, built once for B and W. The bias gets
+        # addmm's 2-D gradient, or on the matmul-then-add path the N-D one.
+        x2d = _linear_operand(x, w.size(1), bias is not None)
+        g2d = _grad_2d(gy)
+        gsum = g2d if _bias_via_addmm(x) else gy
+        gx = _linear_input_grad(g2d, w, x2d, x) if need_x else None
+        store: WeightGradStore = ctx.store
+        if store.capturing is None:
+            gw = _linear_weight_grad(g2d, x2d, w) if need_w else None
+            return gx, gw, _bias_grad(gsum) if need_b else None, None, None
+
+        # Keep only what W needs alive (a closure holds every name it mentions).
+        w_operands = (x2d, g2d) if need_w else None
+        b_operand = gsum if need_b else None
+
+        def compute() -> GradList:
+            grads: GradList = []
+            if w_operands is not None:
+                gw = _linear_weight_grad(w_operands[1], w_operands[0], w)
+                grads.append((weight, gw.to(weight.dtype)))  # autocast: as ToCopyBackward
+            if b_operand is not None:
+                grads.append((bias, _bias_grad(b_operand).to(bias.dtype)))
+            return grads
+
+        store.defer(compute, (*(w_operands or ()), *(() if b_operand is None else (b_operand,))))
+        return gx, None, None, None, None
+
+
+def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``t`` as autocast casts an operand: floating tensors other than float64, by ``.to``."""
+    if t is None or not t.is_floating_point() or t.dtype == torch.float64:
+        return t
+    return t.to(dtype)
+
+
+def _cast_linear_grads(
+    weight: Tensor,
+    bias: Tensor | None,
+    need_w: bool,
+    need_b: bool,
+    x: Tensor,
+    w_used: Tensor,
+    gy: Tensor,
+) -> GradList:
+    """W of a linear call recorded under autocast: the products on the cast operands, then
+    each gradient cast back to its parameter's dtype, as the cast's ToCopyBackward does."""
+    x2d = _linear_operand(x, w_used.size(1), bias is not None)
+    g2d = _grad_2d(gy)
+    grads: GradList = []
+    if need_w:
+        grads.append((weight, _linear_weight_grad(g2d, x2d, w_used).to(weight.dtype)))
+    if need_b:
+        assert bias is not None
+        gb = _bias_grad(g2d if _bias_via_addmm(x) else gy)
+        grads.append((bias, gb.to(bias.dtype)))
+    return grads
+
+
+class SplitLinear(nn.Module):
+    """``nn.Linear`` whose backward defers the weight gradient to a store (B/W split).
+
+    Reuses the original Parameter objects (optimizers and state_dict keys are
+    unaffected). Called inside ``store.record(chunk, mb)`` it records itself for
+    ``store.backward(chunk, mb, ...)``; otherwise, inside ``store.capture(chunk,
+    mb)`` its backward returns only the input gradient and queues ``dW``/``db``.
+    Either way ``store.run(chunk, mb)`` adds them. Outside both it behaves
+    exactly like ``nn.Linear``.
+    """
+
+    def __init__(
+        self, weight: nn.Parameter, bias: nn.Parameter | None, store: WeightGradStore
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight
+        self.register_parameter("bias", bias)
+        self.store = store
+        self._aliases: list[Tensor | None] = [None, None]  # of weight and bias (_alias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, store: WeightGradStore) -> SplitLinear:
+        return cls(linear.weight, linear.bias, store)
+
+    def forward(self, x: Tensor) -> Tensor:
+        w, b = self.weight, self.bias
+        need_w = w.requires_grad
+        need_b = b is not None and b.requires_grad
+        if not ((need_w or need_b) and torch.is_grad_enabled()):
+            return F.linear(x, w, b)  # no weight gradient to defer
+        calls = self.store.recording
+        # Recorded unless matmul would fold a non-contiguous N-D input into a copy:
+        # W would then need that copy, which only the captured path keeps.
+        dev = x.device.type
+        if calls is None or not (x.dim() <= 2 or x.is_contiguous()):
+            if not torch.is_autocast_enabled(dev):
+                return _SplitLinearFn.apply(x, w, b, self.store, (w, b))
+            dt = torch.get_autocast_dtype(dev)
+            xc, wc, bc = _cast(x, dt), _cast(w, dt), _cast(b, dt)
+            with torch.autocast(dev, enabled=False):
+                return _SplitLinearFn.apply(xc, wc, bc, self.store, (w, b))
+        lw, lb = aliases = self._aliases
+        if not _current(lw, w):
+            lw = aliases[0] = _alias(w)
+        if b is not None and not _current(lb, b):
+            lb = aliases[1] = _alias(b)
+        if not torch.is_autocast_enabled(dev):
+            y = F.linear(x, lw, lb)
+            calls.append((x, output_node(y), _linear_grads, (w, b, need_w, need_b, x)))
+            return y
+        # Autocast: cast as autocast would (the graph gets the same casts) and keep
+        # the cast operands for W, so that W multiplies exactly what autograd would.
+        dt = torch.get_autocast_dtype(dev)
+        xc, wc, bc = _cast(x, dt), _cast(lw, dt), _cast(lb, dt)
+        assert xc is not None and wc is not None
+        with torch.autocast(dev, enabled=False):
+            y = F.linear(xc, wc, bc)
+        args = (w, b, need_w, need_b, xc, wc)
+        calls.append((xc, output_node(y), _cast_linear_grads, args))
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}"
+        )
+
+
+# ---- Embedding ----------------------------------------------------------------------------
+
+
+class _SplitEmbeddingFn(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        idx: Tensor,
+        weight: Tensor,
+        module: SplitEmbedding,
+    ) -> Tensor:
+        m = module
+        out = F.embedding(idx, weight, m.padding_idx, m.max_norm, m.norm_type, m.scale_grad_by_freq)
+        ctx.save_for_backward(idx)
+        ctx.weight = weight
+        ctx.args = m.backward_args()
+        ctx.store = m.store
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: torch.autograd.function.FunctionCtx, gy: Tensor):  # type: ignore[override]
+        (idx,) = ctx.saved_tensors
+        weight, args = ctx.weight, ctx.args
+        store: WeightGradStore = ctx.store
+        if store.capturing is None:
+            return None, _embedding_grads(weight, idx, args, gy)[0][1], None
+        store.defer(lambda: _embedding_grads(weight, idx, args, gy), (idx, gy))
+        return None, None, None
+
+
+def _embedding_grads(
+    weight: Tensor, idx: Tensor, args: tuple[int, int, bool], gy: Tensor
+) -> GradList:
+    """W of an embedding call: the dense weight gradient, as ``F.embedding``'s backward."""
+    return [(weight, torch.ops.aten.embedding_dense_backward(gy, idx, *args))]
+
+
+class SplitEmbedding(nn.Module):
+    """``nn.Embedding`` whose weight gradient is deferred to a store (B/W split).
+
+    B has nothing to compute (indices have no gradient); W runs the dense
+    embedding backward (padding_idx, scale_grad_by_freq and max_norm as in
+    ``nn.Embedding``). ``sparse=True`` is rejected: a sparse gradient cannot be
+    accumulated with dense autograd's arithmetic.
+    """
+
+    def __init__(self, embedding: nn.Embedding, store: WeightGradStore) -> None:
+        super().__init__()
+        if embedding.sparse:
+            raise ValueError(
+                "SplitEmbedding does not support nn.Embedding(sparse=True): the B/W split "
+                "accumulates dense gradients. Use sparse=False, or keep this embedding "
+                "out of enable_bw_split (e.g. wrap it in a subclass of nn.Embedding)."
+            )
+        self.num_embeddings = embedding.num_embeddings
+        self.embedding_dim = embedding.embedding_dim
+        self.padding_idx = embedding.padding_idx
+        self.max_norm = embedding.max_norm
+        self.norm_type = embedding.norm_type
+        self.scale_grad_by_freq = embedding.scale_grad_by_freq
+        self.weight = embedding.weight
+        self.store = store
+        self._aliases: list[Tensor | None] = [None]  # of the weight, see _alias
+
+    def forward(self, idx: Tensor) -> Tensor:
+        w = self.weight
+        if not (torch.is_grad_enabled() and w.requires_grad):
+            return F.embedding(
+                idx, w, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq
+            )
+        calls = self.store.recording
+        if calls is not None:
+            aliases = self._aliases
+            if not _current(aliases[0], w):
+                aliases[0] = _alias(w)
+            y = F.embedding(
+                idx,
+                aliases[0],
+                self.padding_idx,
+                self.max_norm,
+                self.norm_type,
+                self.scale_grad_by_freq,
+            )
+            calls.append((idx, output_node(y), _embedding_grads, (w, idx, self.backward_args())))
+            return y
+        return _SplitEmbeddingFn.apply(idx, w, self)
+
+    def backward_args(self) -> tuple[int, int, bool]:
+        """``embedding_dense_backward``'s trailing arguments (-1: no padding index)."""
+        pad = -1 if self.padding_idx is None else self.padding_idx
+        return self.num_embeddings, pad, self.scale_grad_by_freq
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}"
+
+
+# ---- one-op layers: Conv1D (transformers), Conv1d/2d/3d, LayerNorm, user rules -------------
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """How to split one layer type whose forward is one differentiable op.
+
+    ``forward(module, x, params)`` runs the layer on ``params`` (leaf aliases of
+    the parameters, in ``param_names`` order; None for an absent one) and
+    returns ``(op_output, result, operands)``: the output of the op whose
+    graph node takes the parameters (its gradient is what W receives), the
+    layer's result (``op_output`` or a view of it), and what W needs besides
+    that gradient. ``weight_grads(module, operands, params, need, gy)`` gets the
+    same ``params`` the forward used (aliases, cast under autocast) and returns
+    one gradient or None per parameter, in their dtype, computed as autograd's
+    formula for that op computes it (``need[i]``: the parameter needs one); W
+    casts it back to the parameter's dtype. W runs under ``torch.no_grad`` with
+    autocast off. Exactness is the kernel's promise: test it bitwise against
+    plain autograd.
+    """
+
+    forward: Callable[[nn.Module, Tensor, Sequence[Tensor | None]], tuple[Tensor, Tensor, tuple]]
+    weight_grads: Callable[
+        [nn.Module, tuple, Sequence[Tensor], Sequence[bool], Tensor], Sequence[Tensor | None]
+    ]
+    param_names: tuple[str, ...] = ("weight", "bias")
+    autocast: str | Mapping[str, str] = "refuse"
+    """What ``torch.autocast`` does to the op, per device type or for all: ``"lower"``
+    (on autocast's lower-precision list, e.g. matmuls and convolutions: operands cast
+    to the autocast dtype), ``"float32"`` (on its float32 list), ``"none"`` (on no
+    list: operands as they come), ``"refuse"`` (unknown: raise)."""
+
+    def autocast_mode(self, device_type: str) -> str:
+        mode = self.autocast
+        return mode if isinstance(mode, str) else mode.get(device_type, "refuse")
+
+
+def _op_grads(
+    module: nn.Module,
+    kernel: Kernel,
+    operands: tuple,
+    used: Sequence[Tensor | None],
+    params: Sequence[Tensor | None],
+    need: Sequence[bool],
+    gy: Tensor,
+) -> GradList:
+    """W of a recorded :class:`SplitOp` call; ``used``: the (possibly autocast) operands
+    that stood for ``params``; gradients go back to each parameter's dtype, as the cast's
+    ToCopyBackward does."""
+    grads = kernel.weight_grads(module, operands, used, need, gy)
+    return [
+        (p, g.to(p.dtype))
+        for p, g, n in zip(params, grads, need, strict=True)
+        if n and g is not None and p is not None
+    ]
+
+
+class SplitOp(nn.Module):
+    """A one-op layer whose weight gradients are deferred to a store, per a :class:`Kernel`.
+
+    Registers the original layer's parameters under their own names (state_dict
+    keys and Parameter objects unchanged) and keeps the layer itself, not as a
+    submodule, for its configuration. Inside ``store.record`` the op runs on
+    leaf aliases of the parameters and its call is recorded; anywhere else the
+    original layer runs, and its gradients are computed like plain autograd's.
+    """
+
+    def __init__(self, module: nn.Module, kernel: Kernel, store: WeightGradStore) -> None:
+        super().__init__()
+        for name in kernel.param_names:
+            self.register_parameter(name, getattr(module, name))
+        self.__dict__["layer"] = module  # not a submodule: its parameters are ours
+        self.kernel = kernel
+        self.store = store
+        self._aliases: list[Tensor | None] = [None] * len(kernel.param_names)
+
+    def forward(self, x: Tensor) -> Tensor:
+        params = [getattr(self, n) for n in self.kernel.param_names]
+        need = [p is not None and p.requires_grad for p in params]
+        calls = self.store.recording
+        if calls is None or not (any(need) and torch.is_grad_enabled()):
+            return self.layer(x)
+        aliases = self._aliases
+        for i, p in enumerate(params):
+            if p is not None and not _current(aliases[i], p):
+                aliases[i] = _alias(p)
+        used: Sequence[Tensor | None] = aliases
+        dev = x.device.type
+        if not torch.is_autocast_enabled(dev):
+            out, y, operands = self.kernel.forward(self.layer, x, used)
+        else:
+            mode = self.kernel.autocast_mode(dev)
+            if mode not in ("lower", "float32", "none"):
+                raise RuntimeError(
+                    f"split {type(self.layer).__name__} under torch.autocast on {dev}: its "
+                    "Kernel does not say what autocast does to its op; set "
+                    "Kernel(autocast='lower', 'float32' or 'none') as autocast's op lists "
+                    "have it, or run without autocast"
+                )
+            if mode != "none":
+                dt = torch.get_autocast_dtype(dev) if mode == "lower" else torch.float32
+                x = _cast(x, dt)
+                used = [_cast(a, dt) for a in aliases]
+            with torch.autocast(dev, enabled=False):
+                out, y, operands = self.kernel.forward(self.layer, x, used)
+        held = operands[0] if len(operands) == 1 else operands
+        args = (self.layer, self.kernel, operands, used, params, need)
+        calls.append((held, output_node(out), _op_grads, args))
+        return y
+
+    def extra_repr(self) -> str:
+        return f"split {self.layer!r}"
+
+
+def is_hf_conv1d(module: nn.Module) -> bool:
+    """``transformers``' ``Conv1D``, recognised by its contract without importing transformers:
+    class name, ``nf``, a 2-D ``weight`` of shape (in, nf), a ``bias`` of shape (nf,) or None."""
+    if type(module).__name__ != "Conv1D":
+        return False
+    w, b, nf = (
+        getattr(module, "weight", None),
+        getattr(module, "bias", None),
+        getattr(module, "nf", None),
+    )
+    return (
+        isinstance(w, nn.Parameter)
+        and w.dim() == 2
+        and w.size(1) == nf
+        and (b is None or (isinstance(b, nn.Parameter) and tuple(b.shape) == (nf,)))
+        and set(module._parameters) <= {"weight", "bias"}
+        and not module._modules
+    )
+
+
+def _mm_mat2_grad(g: Tensor, mat1: Tensor, mat2: Tensor) -> Tensor:
+    """Gradient of ``mat2`` in ``mm(mat1, mat2)``, as autograd's mm_mat2_backward computes it."""
+    if mat2.stride(0) == 1 and mat2.stride(1) == mat2.size(0):
+        return g.t().mm(mat1).t()  # column-major mat2: column-major gradient
+    return mat1.t().mm(g)
+
+
+def _hf_conv1d_forward(
+    m: nn.Module, x: Tensor, params: Sequence[Tensor | None]
+) -> tuple[Tensor, Tensor, tuple]:
+    w, b = params
+    assert w is not None
+    x2 = x.view(-1, x.size(-1))
+    out = torch.mm(x2, w) if b is None else torch.addmm(b, x2, w)
+    return out, out.view((*x.size()[:-1], w.size(1))), (x2,)
+
+
+def _hf_conv1d_grads(
+    m: nn.Module, operands: tuple, params: Sequence[Tensor], need: Sequence[bool], gy: Tensor
+) -> tuple[Tensor | None, Tensor | None]:
+    (x2,) = operands
+    w = params[0]
+    gw = _mm_mat2_grad(gy, x2, w) if need[0] else None
+    return gw, _bias_grad(gy) if need[1] else None
+
+
+HF_CONV1D = Kernel(_hf_conv1d_forward, _hf_conv1d_grads, autocast="lower")
+"""transformers' ``Conv1D``: ``addmm(bias, x.view(-1, in), weight)`` with weight (in, out)."""
+
+
+def conv_splittable(module: nn.Module) -> bool:
+    """An exact ``nn.Conv1d/2d/3d`` whose padding is explicit (``"same"`` is left unsplit)."""
+    return type(module) in (nn.Conv1d, nn.Conv2d, nn.Conv3d) and not (
+        isinstance(module.padding, str) and module.padding != "valid"
+    )
+
+
+def _conv_geometry(m: nn.Module) -> tuple[tuple[int, ...], int]:
+    """The padding the convolution op receives, and the number of spatial dimensions."""
+    n = len(m.kernel_size)
+    if m.padding_mode != "zeros" or m.padding == "valid":
+        return (0,) * n, n
+    return tuple(m.padding), n
+
+
+def _conv_forward(
+    m: nn.Module, x: Tensor, params: Sequence[Tensor | None]
+) -> tuple[Tensor, Tensor, tuple]:
+    """``nn.ConvNd.forward``'s ops, spelled out so that the convolution's input is at hand."""
+    w, b = params
+    pad, n = _conv_geometry(m)
+    batched = x.dim() == n + 2
+    xb = x if batched else x.unsqueeze(0)
+    if m.padding_mode != "zeros":
+        xb = F.pad(xb, m._reversed_padding_repeated_twice, mode=m.padding_mode)
+    out = torch.convolution(xb, w, b, m.stride, pad, m.dilation, False, (0,) * n, m.groups)
+    return out, out if batched else out.squeeze(0), (xb,)
+
+
+def _conv_grads(
+    m: nn.Module, operands: tuple, params: Sequence[Tensor], need: Sequence[bool], gy: Tensor
+) -> tuple[Tensor | None, Tensor | None]:
+    (xb,) = operands
+    w, b = params
+    pad, n = _conv_geometry(m)
+    bias_sizes = None if b is None else [b.size(0)]
+    _, gw, gb = torch.ops.aten.convolution_backward(
+        gy, xb, w, bias_sizes, m.stride, pad, m.dilation, False, [0] * n, m.groups,
+        [False, need[0], b is not None and need[1]],
+    )  # fmt: skip
+    return gw, gb
+
+
+CONV = Kernel(_conv_forward, _conv_grads, autocast="lower")
+"""``nn.Conv1d``/``nn.Conv2d``/``nn.Conv3d``: W is the weight half of convolution_backward."""
+
+
+def _layer_norm_forward(
+    m: nn.Module, x: Tensor, params: Sequence[Tensor | None]
+) -> tuple[Tensor, Tensor, tuple]:
+    w, b = params
+    out, mean, rstd = torch.native_layer_norm(x, m.normalized_shape, w, b, m.eps)
+    return out, out, (x, mean, rstd)
+
+
+def _layer_norm_grads(
+    m: nn.Module, operands: tuple, params: Sequence[Tensor], need: Sequence[bool], gy: Tensor
+) -> tuple[Tensor | None, Tensor | None]:
+    x, mean, rstd = operands
+    w, b = params
+    mask = [False, need[0], b is not None and need[1]]
+    _, gw, gb = torch.ops.aten.native_layer_norm_backward(
+        gy, x, m.normalized_shape, mean, rstd, w, b, mask
+    )
+    return gw, gb
+
+
+LAYER_NORM = Kernel(
+    _layer_norm_forward, _layer_norm_grads, autocast={"cpu": "none", "cuda": "float32"}
+)
+"""``nn.LayerNorm`` with an affine weight: W is the weight half of its backward."""

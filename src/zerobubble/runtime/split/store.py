@@ -1,0 +1,436 @@
+"""The weight-gradient store: one record per (chunk, microbatch), from F to the gradient sum.
+
+Two ways in, one store:
+
+* Recorded (the fast path, used by :class:`~zerobubble.runtime.chunk.StageChunk`):
+  inside :meth:`WeightGradStore.record` a split layer runs the native kernel on
+  a leaf alias of its weight and appends a :data:`Call` (its input, where its
+  output sits in the graph, and W's function) to :attr:`WeightGradStore.recording`.
+  :meth:`WeightGradStore.backward` asks autograd for the gradients of the
+  recorded outputs along with the stage input and the parameters, and W turns
+  them into weight gradients. No custom autograd node, no Python per layer in B.
+* Captured (the rest): a custom autograd Function whose backward, inside
+  :meth:`WeightGradStore.capture`, returns only the input gradient and queues its
+  weight-gradient work with :meth:`WeightGradStore.defer`.
+
+Gradients are added to ``.grad`` in microbatch order, with plain autograd's
+arithmetic (first microbatch assigned, later ones added), even when W ops run
+out of order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+__all__ = ["Call", "GradList", "State", "WeightGradStore", "output_node"]
+
+_PyNode = torch._C._FunctionBase
+"""Type of a custom Function's graph node, which a bare GradientEdge does not keep alive."""
+
+Key = tuple[int, int]
+"""(chunk, microbatch)."""
+
+GradList = list[tuple[Tensor, Tensor]]
+"""``(parameter, gradient)`` pairs, in the order they were produced."""
+
+_Grad = tuple[Tensor, Tensor, bool]
+"""``(parameter, gradient, owned)`` for one microbatch; ``owned`` if no one else holds it."""
+
+Call = tuple["Tensor | tuple[Tensor, ...]", "Node | GradientEdge", Callable[..., GradList], tuple]
+"""A split layer's call recorded at forward: ``(tensors kept for W, node of the output
+(:func:`output_node`), grads, args)``; W runs ``grads(*args, output gradient)``. A plain
+tuple: one is built per layer and microbatch on the critical path."""
+
+
+class State(StrEnum):
+    """Where a microbatch is between its forward and the addition of its gradients."""
+
+    OPEN = "open"
+    """Forwarded (or first captured); its B has not finished."""
+    BACKWARD = "backward"
+    """B done; W pending."""
+    READY = "ready"
+    """W done; waiting for an earlier microbatch of its chunk before adding to ``.grad``."""
+
+
+class _Deferred(NamedTuple):
+    """One captured layer's weight-gradient work for one microbatch."""
+
+    compute: Callable[[], GradList]
+    held: tuple[Tensor, ...]
+    """The tensors ``compute`` keeps alive until it runs (for memory accounting)."""
+    owned: bool
+    """``compute`` returns fresh tensors that ``.grad`` may adopt."""
+
+
+class _Work(NamedTuple):
+    """A recorded call after B (its place in the graph no longer needed)."""
+
+    held: Tensor | tuple[Tensor, ...]
+    grads: Callable[..., GradList]
+    args: tuple
+
+
+class _Raw(NamedTuple):
+    """What B's autograd call returned for parameters and recorded outputs, as it came."""
+
+    params: Sequence[Tensor]
+    param_grads: Sequence[Tensor | None]
+    calls: list[_Work]
+    out_grads: Sequence[Tensor | None]
+
+    def early(self) -> GradList:
+        """Parameter gradients produced by B (None: the parameter was not reached)."""
+        return [(p, g) for p, g in zip(self.params, self.param_grads, strict=True) if g is not None]
+
+    def grads(self) -> list[_Grad]:
+        """W for the recorded calls, in the order autograd's backward met them (reverse
+        forward order), so that a layer's uses are summed as autograd sums them."""
+        out: list[_Grad] = []
+        for c, gy in zip(reversed(self.calls), reversed(self.out_grads), strict=True):
+            if gy is not None:
+                out.extend([(p, g, True) for p, g in c.grads(*c.args, gy)])
+        return out
+
+    def held(self) -> list[Tensor]:
+        """The tensors kept for W (for memory accounting)."""
+        out = [g for g in self.param_grads if g is not None]
+        for c, gy in zip(self.calls, self.out_grads, strict=True):
+            if gy is not None:
+                out += (*_tensors(c.held), gy)
+        return out
+
+
+@dataclass(slots=True)
+class _Micro:
+    """Everything the store holds for one (chunk, microbatch), from its forward to its sum."""
+
+    state: State = State.OPEN
+    recorded: list[Call] = field(default_factory=list)
+    """Calls recorded at forward, until B turns them into ``raw``."""
+    raw: _Raw | None = None
+    """B's gradients, sorted out by W."""
+    work: list[_Deferred] = field(default_factory=list)
+    """Captured weight-gradient work."""
+    early: GradList = field(default_factory=list)
+    """Gradients produced during B and handed over with :meth:`WeightGradStore.add_grads`."""
+    ready: list[_Grad] = field(default_factory=list)
+    """W's result, waiting for earlier microbatches."""
+
+    def held(self) -> list[Tensor]:
+        out = [t for call in self.recorded for t in _tensors(call[0])]
+        if self.raw is not None:
+            out += self.raw.held()
+        out += [t for item in self.work for t in item.held]
+        out += [g for _, g in self.early]
+        out += [g for _, g, _ in self.ready]
+        return out
+
+
+class WeightGradStore:
+    """Deferred weight-gradient work of one pipeline stage, keyed by (chunk, microbatch).
+
+    Owned by one stage object and handed to its split layers at swap time; it
+    holds no global state. The split layers learn which (chunk, microbatch) a
+    pass belongs to only inside :meth:`record` (forward) and :meth:`capture`
+    (backward); outside both they compute full gradients immediately, like the
+    layers they replace.
+
+    Gradient order: every gradient a microbatch contributes (deferred weight
+    gradients, and gradients produced during B that :meth:`add_grads` hands
+    over) is added to ``.grad`` only once all earlier microbatches of the same
+    chunk are added. A microbatch counts from :meth:`begin` (called at forward
+    time by :meth:`record`, or implicitly by the first :meth:`capture`) until
+    its gradients are added; "earlier" means a smaller microbatch index among
+    those in flight. This gives microbatch order as long as a chunk forwards its
+    microbatches in increasing order, which every schedule in this library does.
+    """
+
+    def __init__(self) -> None:
+        self.recording: list[Call] | None = None
+        """The call list of the forward being recorded, or None. Split layers append a
+        :data:`Call` to it; a plain attribute because it is read once per layer call."""
+        self._key: Key | None = None
+        self._micro: dict[Key, _Micro] = {}
+
+    # ---- protocol -----------------------------------------------------------------------
+
+    def begin(self, chunk: int, mb: int) -> None:
+        """Register microbatch ``mb`` of ``chunk`` as in flight (at its forward)."""
+        key = (chunk, mb)
+        if key in self._micro:
+            raise RuntimeError(
+                f"chunk {chunk}, microbatch {mb} is already in flight in this store; "
+                "run its W before forwarding it again"
+            )
+        self._micro[key] = _Micro()
+
+    @contextmanager
+    def record(self, chunk: int, mb: int) -> Iterator[None]:
+        """Forward of (chunk, mb): begins it and lets split layers record their calls.
+
+        Its backward must then go through :meth:`backward`, which asks autograd
+        for the gradients of the recorded outputs (a plain ``.backward()`` would
+        skip the recorded layers' weights).
+        """
+        if self.recording is not None:
+            raise RuntimeError(
+                f"record({chunk}, {mb}) entered while another forward is being recorded; "
+                "run one microbatch's forward at a time"
+            )
+        self.begin(chunk, mb)
+        calls: list[Call] = []
+        self.recording = calls
+        try:
+            yield
+        except BaseException:
+            del self._micro[chunk, mb]  # a failed forward leaves nothing in flight
+            raise
+        else:
+            self._micro[chunk, mb].recorded = calls
+        finally:
+            self.recording = None
+
+    @contextmanager
+    def capture(self, chunk: int, mb: int) -> Iterator[None]:
+        """Attribute the weight-gradient work of backward calls inside to (chunk, mb)."""
+        key = (chunk, mb)
+        if self._key is not None:
+            raise RuntimeError(
+                f"capture({chunk}, {mb}) entered inside capture{self._key}; "
+                "run one microbatch's backward at a time"
+            )
+        micro = self._micro.get(key)
+        if micro is None:
+            self.begin(chunk, mb)
+            micro = self._micro[key]
+        elif micro.state is State.READY:
+            raise RuntimeError(
+                f"chunk {chunk}, microbatch {mb}: W already ran; its backward cannot run again"
+            )
+        self._key = key
+        try:
+            yield
+        finally:
+            self._key = None
+            micro.state = State.BACKWARD
+
+    @property
+    def capturing(self) -> Key | None:
+        """The (chunk, microbatch) of the current capture context, or None."""
+        return self._key
+
+    def backward(
+        self,
+        chunk: int,
+        mb: int,
+        root: Tensor | GradientEdge | None,
+        grad_output: Tensor | None,
+        inputs: Sequence[Tensor],
+        params: Sequence[Tensor] = (),
+    ) -> tuple[Tensor | None, ...]:
+        """B of (chunk, mb): the gradients of ``inputs``; weight gradients wait for :meth:`run`.
+
+        One ``torch.autograd.grad`` call from ``root`` for ``inputs``, ``params``
+        and the outputs recorded at forward time. The gradients of ``params``
+        (parameters of unsplit modules, and split ones used outside their layer)
+        are kept as if handed to :meth:`add_grads`; those of the recorded
+        outputs, with the recorded inputs, are W's work. Like
+        ``torch.autograd.grad`` with ``allow_unused``: None for an input the root
+        does not depend on (all None if ``root`` is None: an output that needs
+        no gradient). Everything but the autograd call waits for :meth:`run`:
+        B is on the pipeline's critical path, W is not.
+        """
+        micro = self._micro.get((chunk, mb))
+        calls: list[Call] = []
+        if micro is not None:
+            calls, micro.recorded = micro.recorded, []
+        targets = [*inputs, *params, *(_edge(out) for _, out, _, _ in calls)]
+        with self.capture(chunk, mb):
+            if root is None or not targets:
+                return (None,) * len(inputs)
+            grads = torch.autograd.grad(
+                [root],
+                targets,
+                grad_outputs=None if grad_output is None else [grad_output],
+                allow_unused=True,
+            )
+        n = len(inputs)
+        if params or calls:
+            # Drop the graph edges: a node that B did not run keeps its saved tensors.
+            work = [_Work(held, fn, args) for held, _, fn, args in calls]
+            self._micro[chunk, mb].raw = _Raw(
+                params, grads[n : n + len(params)], work, grads[n + len(params) :]
+            )
+        return grads[:n]
+
+    def direct(self, chunk: int, mb: int) -> bool:
+        """True if B of (chunk, mb) may add its gradients to ``.grad`` itself, right away.
+
+        That is the case when it is the oldest microbatch of its chunk in flight
+        and its forward recorded nothing: adding now is what :meth:`run` would
+        do. The caller then closes it with :meth:`finish`.
+        """
+        key = (chunk, mb)
+        micro = self._micro.get(key)
+        if micro is None or micro.state is not State.OPEN or micro.recorded:
+            return False
+        return min(k for k in self._micro if k[0] == chunk) == key
+
+    def finish(self, chunk: int, mb: int) -> None:
+        """Close (chunk, mb) after its gradients went to ``.grad`` directly (see :meth:`direct`)."""
+        if not self.direct(chunk, mb):
+            raise RuntimeError(
+                f"finish({chunk}, {mb}): not the oldest microbatch of its chunk in flight, or "
+                "its forward was recorded; run its backward through backward() and run()"
+            )
+        del self._micro[chunk, mb]
+        self._flush(chunk)
+
+    def defer(
+        self, compute: Callable[[], GradList], held: Sequence[Tensor], owned: bool = True
+    ) -> None:
+        """Queue weight-gradient work for the microbatch being captured (split layers only).
+
+        ``owned``: the gradients ``compute`` returns are fresh (not aliases of
+        tensors held elsewhere), so ``.grad`` may adopt them without a copy.
+        """
+        if self._key is None:
+            raise RuntimeError("defer() called outside a capture context")
+        self._micro[self._key].work.append(_Deferred(compute, tuple(held), owned))
+
+    def add_grads(self, chunk: int, mb: int, grads: GradList) -> None:
+        """Hand over gradients computed during B (parameters of unsplit modules)."""
+        micro = self._micro.get((chunk, mb))
+        if micro is None or micro.state is State.READY:
+            raise RuntimeError(
+                f"add_grads for chunk {chunk}, microbatch {mb}, which is not in flight"
+            )
+        micro.early.extend(grads)
+
+    def run(self, chunk: int, mb: int) -> None:
+        """W: compute the deferred work of (chunk, mb) and accumulate in microbatch order."""
+        micro = self._micro.get((chunk, mb))
+        if micro is None or micro.state is not State.BACKWARD:
+            why = {
+                None: "was never forwarded or its W already ran",
+                State.OPEN: "has not run its backward (B) yet",
+                State.READY: "already ran W",
+            }[None if micro is None else micro.state]
+            raise RuntimeError(f"W of chunk {chunk}, microbatch {mb}: it {why}")
+        # Gradients from B may alias tensors autograd handed elsewhere; the
+        # split layers' own results are fresh tensors that .grad may adopt.
+        raw, early, work = micro.raw, micro.early, micro.work
+        micro.raw, micro.early, micro.work = None, [], []
+        if raw is not None:
+            early = raw.early() + early
+        grads: list[_Grad] = [(p, g, False) for p, g in early]
+        # W's products build no graph (their operands may be aliases) and are not
+        # recast: the operands already are what the forward's autocast made them.
+        with torch.no_grad(), _autocast_off():
+            if raw is not None:
+                grads += raw.grads()
+            for item in work:  # captured work arrives after the recorded calls
+                grads.extend([(p, g, item.owned) for p, g in item.compute()])
+        micro.ready = _sum_per_param(grads)
+        micro.state = State.READY
+        self._flush(chunk)
+
+    def discard(self, chunk: int, mb: int) -> None:
+        """Forget (chunk, mb) without touching ``.grad``: its work is being replayed."""
+        self._micro.pop((chunk, mb), None)
+
+    # ---- inspection ---------------------------------------------------------------------
+
+    def in_flight(self, chunk: int | None = None) -> dict[Key, State]:
+        """Keys not yet accumulated and their state: open, backward (W pending) or ready."""
+        return {k: m.state for k, m in self._micro.items() if chunk is None or k[0] == chunk}
+
+    def held_tensors(self, chunk: int | None = None) -> list[Tensor]:
+        """Every tensor the store keeps alive for ``chunk`` (all chunks if None)."""
+        out: list[Tensor] = []
+        for key, micro in self._micro.items():
+            if chunk is None or key[0] == chunk:
+                out += micro.held()
+        return out
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _flush(self, chunk: int) -> None:
+        """Add every ready microbatch of ``chunk`` that no earlier one is waiting for."""
+        while True:
+            first = min((k for k in self._micro if k[0] == chunk), default=None)
+            if first is None or self._micro[first].state is not State.READY:
+                return
+            _accumulate(self._micro.pop(first).ready)
+
+
+@contextmanager
+def _autocast_off() -> Iterator[None]:
+    """Autocast disabled on the CPU and on the current accelerator, if any."""
+    acc = torch.accelerator.current_accelerator()
+    with torch.autocast("cpu", enabled=False):
+        if acc is None:
+            yield
+            return
+        with torch.autocast(acc.type, enabled=False):
+            yield
+
+
+def _tensors(held: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    return held if isinstance(held, tuple) else (held,)
+
+
+def output_node(y: Tensor) -> Node | GradientEdge:
+    """Where autograd delivers ``y``'s gradient, cheaply, at forward (for a :data:`Call`)."""
+    fn = y.grad_fn
+    if isinstance(fn, _PyNode) or y.output_nr:  # rare: keep the graph-owning edge
+        return get_gradient_edge(y)
+    return fn
+
+
+def _edge(out: Node | GradientEdge) -> GradientEdge:
+    """The gradient edge of a recorded output, for ``torch.autograd.grad``'s inputs."""
+    return out if isinstance(out, GradientEdge) else GradientEdge(out, 0)
+
+
+def _sum_per_param(grads: list[_Grad]) -> list[_Grad]:
+    """Sum contributions to the same parameter in arrival order, as autograd's input buffer does."""
+    if len({id(p) for p, _, _ in grads}) == len(grads):
+        return grads  # one contribution each: the common case
+    total: dict[int, _Grad] = {}
+    for p, g, owned in grads:
+        prev = total.get(id(p))
+        total[id(p)] = (p, g, owned) if prev is None else (p, prev[1] + g, True)
+    return list(total.values())
+
+
+def _accumulate(grads: list[_Grad]) -> None:
+    """``.grad = g`` for the first microbatch, ``.grad += g`` after: AccumulateGrad's arithmetic.
+
+    Like AccumulateGrad, the first gradient is adopted only if nobody else holds
+    it and it has the parameter's strides; otherwise ``.grad`` gets a copy. The
+    additions run as one ``_foreach_add_`` (elementwise, so the same bits as
+    one ``add_`` per parameter).
+    """
+    dst: list[Tensor] = []
+    src: list[Tensor] = []
+    with torch.no_grad():
+        for param, grad, owned in grads:
+            if param.grad is None:
+                if not owned or grad.stride() != param.stride():
+                    grad = torch.empty_like(param).copy_(grad)
+                param.grad = grad
+            else:
+                dst.append(param.grad)
+                src.append(grad)
+        if dst:
+            torch._foreach_add_(dst, src)

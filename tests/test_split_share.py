@@ -1,0 +1,69 @@
+"""The share of weight-gradient work a split defers to W is measured, shown, and warned about."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zerobubble.models import build_mlp, mlp_loss
+from zerobubble.profile.layers import profile_layers
+from zerobubble.runtime.chunk import StageChunk
+from zerobubble.runtime.split import WeightGradStore, enable_bw_split, split_share
+
+
+class _BigOwnWeight(nn.Module):
+    """A model holding a large matrix itself next to a small Linear: the matrix stays in B."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Parameter(torch.randn(32, 32))  # 1024 elements
+        self.small = nn.Linear(32, 4)  # 132 elements
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.small(F.linear(x, self.big))
+
+
+def test_split_share_counts_parameter_elements_exactly() -> None:
+    mlp = enable_bw_split(build_mlp([8, 16, 4], seed=0), WeightGradStore())
+    assert split_share(mlp).fraction == 1.0
+    net = enable_bw_split(_BigOwnWeight(), WeightGradStore())
+    share = split_share(net)
+    assert (share.deferred, share.total) == (132, 1156)
+    assert share.unsplit == (("_BigOwnWeight", "_BigOwnWeight", 1024),)
+    ln = enable_bw_split(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), WeightGradStore())
+    assert split_share(ln).unsplit == (("1", "LayerNorm", 8),)
+    assert split_share(ln).fraction == 20 / 28
+
+
+def test_a_stage_deferring_less_than_half_warns_once_naming_the_modules_and_the_fix() -> None:
+    with pytest.warns(UserWarning) as record:
+        chunk = StageChunk(_BigOwnWeight(), 1, 3)
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "stage 1: only 11% of the weight-gradient work" in message
+    assert "Not split: _BigOwnWeight (_BigOwnWeight)" in message
+    assert "with_rule" in message and "1f1b" in message
+    assert chunk.split_share is not None and chunk.split_share.deferred == 132
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        StageChunk(build_mlp([8, 16, 4], seed=0), 1, 3)  # fully split: silent
+        StageChunk(_BigOwnWeight(), 1, 3, split=False)  # unsplit on purpose: silent
+
+
+def test_layer_profile_reports_the_deferred_shares() -> None:
+    layers = [
+        nn.Linear(8, 16),
+        nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)),
+        nn.Linear(16, 4),
+    ]
+    x, y = torch.randn(5, 8), torch.randn(5, 4)
+    prof = profile_layers(layers, mlp_loss, x, y, warmup=1, iters=2)
+    assert prof.w_share == (1.0, 272 / 304, 1.0)
+    assert all(0.0 <= s <= 1.0 for s in prof.w_time_share)
+    row = prof.to_dict()
+    assert row["W_param_share"] == [1.0, 272 / 304, 1.0]
+    assert len(row["W_time_share"]) == 3
