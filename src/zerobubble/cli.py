@@ -33,6 +33,7 @@ from zerobubble.schedule.costs import CostSpec, Number, load_costs_file, parse_c
 
 if TYPE_CHECKING:
     from zerobubble.train.config import TrainConfig
+    from zerobubble.train.job import JobResult, PlanError, Reporter
 
 EXIT_BAD_INPUT = 2
 MAX_ACTIONS = 10**8
@@ -222,14 +223,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0 if report is None or report.ok else 1
 
 
-def _rank(cfg: TrainConfig, reporter: object) -> object:
+def _rank(cfg: TrainConfig, reporter: Reporter | None) -> JobResult | PlanError | None:
     """One launched rank of the job: a refusal (:class:`~zerobubble.train.job.PlanError`)
     comes back as a value, so the parent prints one message instead of every rank's
     traceback."""
     from zerobubble.train.job import PlanError, run_job
 
     try:
-        return run_job(cfg, reporter)  # type: ignore[arg-type]
+        return run_job(cfg, reporter)
     except PlanError as exc:
         return exc
 

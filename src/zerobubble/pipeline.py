@@ -14,7 +14,7 @@ unpipelined model.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.trainer import PipelineTrainer
+from zerobubble.runtime.chunk import LossFn
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.partition import (
     LayerSource,
@@ -34,8 +35,6 @@ from zerobubble.schedule.generators import generate
 from zerobubble.schedule.ir import Schedule
 
 __all__ = ["Pipeline"]
-
-LossFn = Callable[[Tensor, Tensor], Tensor]
 
 
 class Pipeline:

@@ -81,6 +81,8 @@ class GPTEmbedding(nn.Module):
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with separate q/k/v/out nn.Linear projections."""
 
+    future: Tensor  # a buffer: nn.Module's attribute lookup alone types it as Tensor | Module
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         d = cfg.d_model
@@ -141,14 +143,14 @@ def _init(model: nn.Sequential, cfg: GPTConfig) -> None:
 def build_gpt(cfg: GPTConfig) -> nn.Sequential:
     """``[GPTEmbedding, Block x n_layers, LayerNorm, Linear head]``, seeded by ``cfg.seed``."""
     with torch.random.fork_rng(devices=[]):  # module constructors draw from the global RNG
-        layers: list[nn.Module] = [GPTEmbedding(cfg)]
-        layers += [Block(cfg) for _ in range(cfg.n_layers)]
-        layers.append(nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps))
-        layers.append(nn.Linear(cfg.d_model, cfg.vocab_size, bias=False))
-        model = nn.Sequential(*layers)
+        embedding = GPTEmbedding(cfg)
+        blocks = [Block(cfg) for _ in range(cfg.n_layers)]
+        norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        model = nn.Sequential(embedding, *blocks, norm, head)
         _init(model, cfg)
     if cfg.tie_embeddings:
-        model[-1].weight = model[0].tok.weight
+        head.weight = embedding.tok.weight
     return model
 
 

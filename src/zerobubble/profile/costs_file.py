@@ -25,9 +25,15 @@ from zerobubble.profile.stats import OpStats
 from zerobubble.schedule.costs import CostModel
 
 
-def _costs(st: StageProfile, op: str, stats: tuple[OpStats | None, ...]) -> list[float]:
+def _costs(st: StageProfile, op: str, stats: tuple[OpStats, ...]) -> list[float]:
     """Median compute plus median host tail of ``op`` on every stage."""
-    return [s.median + (h or 0.0) for s, h in zip(stats, st.host[op], strict=True)]  # type: ignore[union-attr]
+    return [s.median + (h or 0.0) for s, h in zip(stats, st.host[op], strict=True)]
+
+
+def _every_stage(stats: tuple[OpStats | None, ...]) -> tuple[OpStats, ...] | None:
+    """``stats`` if every stage ran the op, else None."""
+    ran = tuple(s for s in stats if s is not None)
+    return ran if len(ran) == len(stats) else None
 
 
 @dataclass(frozen=True)
@@ -71,42 +77,51 @@ class Profile:
         run and B is set to BW - W, so that a BW costs the measured BW.
         """
         st = self.stages
-        gaps = [s for s in range(st.num_stages) if st.b[s] is None or st.w[s] is None]
-        if gaps:
-            raise ValueError(
-                f"stages {gaps} have no measured B and W: profile a schedule that splits the "
-                "backward (e.g. zb-h1) with ExecutorOptions(fuse_local_backward=False), so "
-                "both passes of every stage are timed"
-            )
-        w = _costs(st, "W", st.w)
+        split_b, split_w = self._split()
+        w = _costs(st, "W", split_w)
         if not fused:
             return CostModel.per_stage(
                 f=_costs(st, "F", st.f),
-                b=_costs(st, "B", st.b),
+                b=_costs(st, "B", split_b),
                 w=w,
                 comm=self.comm,
                 mem_f=list(st.mem_b),
                 mem_w=[m if m is not None else 0 for m in st.mem_w],
             )
         fu = self.fused
-        if fu is None or any(x is None for x in fu.bw):
+        fused_bw = None if fu is None else _every_stage(fu.bw)
+        if fu is None or fused_bw is None:
             raise ValueError("no run without B/W split was profiled: there is no measured BW")
         return CostModel.per_stage(
             f=_costs(fu, "F", fu.f),
-            b=[max(bw - ws, 0.0) for bw, ws in zip(_costs(fu, "BW", fu.bw), w, strict=True)],
+            b=[max(bw - ws, 0.0) for bw, ws in zip(_costs(fu, "BW", fused_bw), w, strict=True)],
             w=w,
             comm=self.comm,
             mem_f=list(fu.mem_b),
             mem_w=[min(m or 0, mb) for m, mb in zip(st.mem_w, fu.mem_b, strict=True)],
         )
 
+    def _split(self) -> tuple[tuple[OpStats, ...], tuple[OpStats, ...]]:
+        """B and W of every stage; the planners need both passes measured."""
+        st = self.stages
+        b, w = _every_stage(st.b), _every_stage(st.w)
+        if b is None or w is None:
+            gaps = [s for s in range(st.num_stages) if st.b[s] is None or st.w[s] is None]
+            raise ValueError(
+                f"stages {gaps} have no measured B and W: profile a schedule that splits the "
+                "backward (e.g. zb-h1) with ExecutorOptions(fuse_local_backward=False), so "
+                "both passes of every stage are timed"
+            )
+        return b, w
+
     def to_dict(self) -> dict[str, object]:
         st = self.stages
+        b, w = self._split()
         out: dict[str, object] = {**self.cost_model().to_dict(), "mem_limit": self.mem_limit}
-        cols = (("F", st.f), ("B", st.b), ("W", st.w))
-        out["compute"] = {op: [s.median for s in col] for op, col in cols}  # type: ignore[union-attr]
+        cols = (("F", st.f), ("B", b), ("W", w))
+        out["compute"] = {op: [s.median for s in col] for op, col in cols}
         out["host"] = {op: list(st.host[op]) for op, _ in cols}
-        out["p95"] = {op: [s.p95 if s is not None else None for s in col] for op, col in cols}
+        out["p95"] = {op: [s.p95 for s in col] for op, col in cols}
         if self.fused is not None:
             fu = self.fused
             out["fused"] = {

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerobubble.runtime.chunk import StageChunk
+from zerobubble.runtime.chunk import LossFn, StageChunk
 from zerobubble.runtime.comm import P2P, Channel, TensorMeta
 from zerobubble.runtime.host_memory import retain_freed_memory
 from zerobubble.runtime.microbatch import loss_scales, split_batch
@@ -176,7 +176,7 @@ class PipelineExecutor:
         schedule: Schedule,
         stages: Mapping[int, nn.Module | StageChunk],
         *,
-        loss_fn: nn.Module | None = None,
+        loss_fn: LossFn | None = None,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         options: ExecutorOptions | None = None,
@@ -235,7 +235,7 @@ class PipelineExecutor:
         self._metas: dict[Message, TensorMeta] | None = None
         self._input_metas: list[TensorMeta] | None = None
 
-    def _chunk(self, s: int, m: nn.Module | StageChunk, loss_fn: nn.Module | None) -> StageChunk:
+    def _chunk(self, s: int, m: nn.Module | StageChunk, loss_fn: LossFn | None) -> StageChunk:
         if isinstance(m, StageChunk):
             if m.stage != s or m.num_stages != self.schedule.num_stages:
                 raise ValueError(

@@ -13,6 +13,7 @@ dicts can be matched against the unpipelined model.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -137,18 +138,25 @@ def build_stage_modules(
     """
     if not 0 <= rank < schedule.num_devices:
         raise ValueError(f"rank {rank} is not a device of a {schedule.num_devices}-device schedule")
-    is_list = isinstance(source, nn.Sequential | nn.ModuleList | Sequence)
-    if is_list:
+    make: Callable[[int], nn.Module]
+    if isinstance(source, nn.Sequential | nn.ModuleList | Sequence):
         layers = list(source)
         if num_layers is not None and num_layers != len(layers):
             raise ValueError(f"num_layers={num_layers} but the model has {len(layers)} layers")
         num_layers = len(layers)
+        make = functools.partial(_copy_layer, layers)
     elif num_layers is None:
         raise ValueError("a layer factory needs num_layers (how many layers the model has)")
+    else:
+        make = source
     bounds = stage_bounds(num_layers, schedule.num_stages, boundaries)
     out: dict[int, nn.Sequential] = {}
     for s in schedule.stages_of_device[rank]:
-        built = [copy.deepcopy(layers[i]) if is_list else source(i) for i in bounds[s]]
-        stage = nn.Sequential(*built)
+        stage = nn.Sequential(*(make(i) for i in bounds[s]))
         out[s] = stage.to(device) if device is not None else stage
     return out
+
+
+def _copy_layer(layers: Sequence[nn.Module], i: int) -> nn.Module:
+    """A deep copy of layer ``i``, so the stage never shares the caller's modules."""
+    return copy.deepcopy(layers[i])

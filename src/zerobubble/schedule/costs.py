@@ -17,13 +17,14 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from numbers import Real
 from pathlib import Path
+from typing import TypeAlias, TypeGuard
 
 from zerobubble.schedule.formats.json_format import read_json
 from zerobubble.schedule.ir import Op
 
-Number = Real
+#: A time or memory amount: ints and floats, or Fractions for exact arithmetic.
+Number: TypeAlias = int | float | Fraction
 
 
 def _div(x: Number, v: int) -> Number:
@@ -105,7 +106,14 @@ class CostModel:
             mine, theirs = getattr(self, name), getattr(other, name)
             return tuple(theirs[s] if s in take else x for s, x in enumerate(mine))
 
-        return replace(self, **{n: pick(n) for n in ("f", "b", "w", "mem_f", "mem_w")})
+        return replace(
+            self,
+            f=pick("f"),
+            b=pick("b"),
+            w=pick("w"),
+            mem_f=pick("mem_f"),
+            mem_w=pick("mem_w"),
+        )
 
     def duration(self, op: Op, stage: int) -> Number:
         """How long ``op`` takes on virtual stage ``stage``."""
@@ -235,7 +243,13 @@ def parse_costs(text: str, mem_w: Number | None = None) -> CostSpec:
         values[key] = x = _parse_number(raw.strip(), part)
         if not (math.isfinite(x) and x >= 0):
             raise ValueError(f"cost {part!r}: must be a finite number >= 0")
-    spec = CostSpec(**values)
+    default = CostSpec()
+    spec = CostSpec(
+        F=values.get("F", default.F),
+        B=values.get("B", default.B),
+        W=values.get("W", default.W),
+        comm=values.get("comm", default.comm),
+    )
     if spec.F + spec.B + spec.W == 0:
         raise ValueError(
             f"costs {text!r}: F + B + W is 0, so every schedule takes no time and its bubble "
@@ -272,10 +286,8 @@ def costs_from_mapping(data: object, source: str = "costs") -> CostSpec:
     if missing:
         raise ValueError(f"{source}: missing per-stage arrays {missing}; expected keys F, B, W")
 
-    def array(key: str) -> list[Number] | None:
+    def array(key: str) -> list[Number]:
         x = data.get(key)
-        if x is None and key not in ("F", "B", "W"):
-            return None
         if not isinstance(x, list) or not x or not all(_is_number(v) for v in x):
             raise ValueError(
                 f"{source}: {key!r} must be a non-empty array of numbers, one per virtual "
@@ -283,22 +295,26 @@ def costs_from_mapping(data: object, source: str = "costs") -> CostSpec:
             )
         return x
 
-    def number(key: str, default: Number | None) -> Number | None:
-        x = data.get(key, default)
-        if x is not None and not _is_number(x):
-            raise ValueError(f"{source}: {key!r} must be a number, got {x!r:.60}")
-        return x  # type: ignore[return-value]
+    def optional_array(key: str) -> list[Number] | None:
+        return None if data.get(key) is None else array(key)
 
-    f, b, w, comm = array("F"), array("B"), array("W"), number("comm", 0)
-    mem_f, mem_w = array("mem_B"), array("mem_W")
+    def number(key: str) -> Number | None:
+        x = data.get(key)
+        if x is None or _is_number(x):
+            return x
+        raise ValueError(f"{source}: {key!r} must be a number, got {x!r:.60}")
+
+    f, b, w, comm = array("F"), array("B"), array("W"), number("comm")
+    mem_f, mem_w = optional_array("mem_B"), optional_array("mem_W")
     try:
-        model = CostModel.per_stage(f, b, w, comm, mem_f, mem_w)  # type: ignore[arg-type]
+        model = CostModel.per_stage(f, b, w, 0 if comm is None else comm, mem_f, mem_w)
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from None
     if not any(model.f) and not any(model.b) and not any(model.w):
         raise ValueError(f"{source}: every F, B and W is 0; give the stages positive durations")
-    return CostSpec(stage_costs=model, mem_limit=number("mem_limit", None))
+    return CostSpec(stage_costs=model, mem_limit=number("mem_limit"))
 
 
-def _is_number(x: object) -> bool:
+def _is_number(x: object) -> TypeGuard[int | float]:
+    """A JSON number (``bool`` is an ``int`` subclass but not a number here)."""
     return isinstance(x, int | float) and not isinstance(x, bool)

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from zerobubble.profile.balance import imbalance
 from zerobubble.profile.bubbles import CATEGORIES
+from zerobubble.profile.stats import OpStats
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.simulate import simulate
 from zerobubble.train.job import JobResult, PhaseResult
@@ -24,8 +34,8 @@ class ConsoleReporter:
     def __init__(self, width: int = 120) -> None:
         self.width = width
         self._console: Console | None = None
-        self._progress: Progress | None = None
-        self._task = None
+        # The live bar and its task, together: both exist between start and close.
+        self._live: tuple[Progress, TaskID] | None = None
 
     @property
     def console(self) -> Console:
@@ -37,7 +47,7 @@ class ConsoleReporter:
         self.console.print(text, highlight=False, soft_wrap=True)
 
     def start(self, total_steps: int) -> None:
-        self._progress = Progress(
+        progress = Progress(
             TextColumn("{task.description:<8}"),
             BarColumn(),
             MofNCompleteColumn(),
@@ -45,8 +55,8 @@ class ConsoleReporter:
             TimeElapsedColumn(),
             console=self.console,
         )
-        self._progress.start()
-        self._task = self._progress.add_task("train", total=total_steps, loss="-")
+        progress.start()
+        self._live = progress, progress.add_task("train", total=total_steps, loss="-")
 
     def step(self, phase: str, step: int, loss: float, seconds: float, note: str) -> None:
         self.console.print(
@@ -54,13 +64,14 @@ class ConsoleReporter:
             + (f"  ({note})" if note else ""),
             highlight=False,
         )
-        if self._progress is not None:
-            self._progress.update(self._task, advance=1, description=phase, loss=f"{loss:.3f}")
+        if self._live is not None:
+            progress, task = self._live
+            progress.update(task, advance=1, description=phase, loss=f"{loss:.3f}")
 
     def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
+        if self._live is not None:
+            self._live[0].stop()
+            self._live = None
 
 
 def print_summary(result: JobResult, console: Console | None = None) -> None:
@@ -138,7 +149,7 @@ def _profile_table(result: JobResult, con: Console) -> None:
         )
 
 
-def _ms(stats) -> str:
+def _ms(stats: OpStats | None) -> str:
     return "-" if stats is None else f"{stats.median:.1f}/{stats.p95:.0f}"
 
 
@@ -150,7 +161,7 @@ def _balance_table(result: JobResult, con: Console) -> None:
     for col in ("cut", "boundaries", "predicted", "max/mean", "measured", "max/mean "):
         table.add_column(col, justify="left" if col in ("cut", "boundaries") else "right")
 
-    def fmt(xs) -> str:
+    def fmt(xs: Iterable[float]) -> str:
         return " / ".join(f"{x:.1f}" for x in xs)
 
     measured_eq = b.measured_equal if b.measured_equal is not None else b.measured_balanced

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ from zerobubble.profile.bubbles import IterationBubbles, analyze_iteration
 from zerobubble.profile.costs_file import Profile
 from zerobubble.profile.layers import LayerProfile, profile_layers
 from zerobubble.profile.stages import boundary_pairs, p2p_latency, stage_profile
+from zerobubble.profile.stats import OpStats
 from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.launcher import init_distributed
@@ -59,6 +61,8 @@ from zerobubble.schedule.trace_check import TraceReport, check_trace
 from zerobubble.schedule.trace_format import TraceEvent, write_chrome_trace, write_jsonl
 from zerobubble.schedule.validate import validate
 from zerobubble.train.config import TrainConfig
+
+T = TypeVar("T")
 
 PLANNER = "zb-auto"
 """The schedule kind that plans from the measured costs under the memory limit."""
@@ -244,12 +248,12 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     )
 
     # 1. Per-layer costs on rank 0, the same cut everywhere.
-    lp: LayerProfile | None = None
-    if ctx.lead:
+    def layer_profile() -> LayerProfile:
         gen = torch.Generator().manual_seed(cfg.job.seed + 1)
         x, y = ctx.corpus.batch(cfg.job.microbatch_size, cfg.job.seq_len, gen)
-        lp = profile_layers(layers, gpt_loss, x, y, warmup=1, iters=cfg.job.layer_iters)
-    lp = _broadcast(lp)
+        return profile_layers(layers, gpt_loss, x, y, warmup=1, iters=cfg.job.layer_iters)
+
+    lp = _from_lead(ctx, layer_profile)
     equal = tuple(boundaries_of(stage_bounds(len(layers), P)))
     balanced = tuple(balanced_boundaries(lp.costs(), P))
     ctx.say(f"layer cut: equal counts {list(equal)} -> balanced {list(balanced)}")
@@ -276,13 +280,13 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     latency = p2p_latency(pairs, boundary, device=ctx.device)
 
     # 3. Plan on rank 0; a refusal reaches every rank, so that all of them stop alike.
-    plan: _Plan | PlanError | None = None
-    if ctx.lead:
+    def plan_or_refusal() -> _Plan | PlanError:
         try:
-            plan = _plan(ctx, profiled, lp, balanced, latency, base)
+            return _plan(ctx, profiled, lp, balanced, latency, base)
         except PlanError as exc:
-            plan = exc
-    plan = _broadcast(plan)
+            return exc
+
+    plan = _from_lead(ctx, plan_or_refusal)
     if isinstance(plan, PlanError):
         raise plan
     _, mem_limit, planned, kind = plan
@@ -303,8 +307,9 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     return _report(ctx, phases, cut, plan, began=began)
 
 
-def _broadcast(obj):
-    box = [obj]
+def _from_lead(ctx: _Ctx, make: Callable[[], T]) -> T:
+    """``make()`` run on rank 0 alone and sent to every rank, so all ranks agree on it."""
+    box: list[Any] = [make() if ctx.lead else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
@@ -336,7 +341,7 @@ def _measure_cut(ctx: _Ctx, layers: list[nn.Module], cut: tuple[int, ...]) -> tu
     return tuple(prof.stage_time(s) for s in range(sched.num_stages))
 
 
-def _chunks(mods: dict[int, nn.Module], num_stages: int) -> dict[bool, dict[int, StageChunk]]:
+def _chunks(mods: Mapping[int, nn.Module], num_stages: int) -> dict[bool, dict[int, StageChunk]]:
     """Per stage one B/W-split chunk and one unsplit chunk over the same modules.
 
     Schedules of each kind share their chunks (and so their weight-gradient
@@ -455,7 +460,7 @@ def _plan(
     profiled: list[list[TraceEvent]],
     lp: LayerProfile,
     balanced: tuple[int, ...],
-    latency: dict,
+    latency: Mapping[tuple[int, int], OpStats],
     base: Schedule,
 ) -> _Plan:
     cfg = ctx.cfg

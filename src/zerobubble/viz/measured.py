@@ -30,24 +30,35 @@ def measured_row(events: Sequence[TraceEvent], iteration: int, title: str) -> Ro
     """The compute events of one iteration as boxes, in ms from its first compute start
     (ranks' clocks aligned by :func:`~zerobubble.schedule.clocks.clock_offsets`)."""
     off = clock_offsets(events)
-    comp = [e for e in events if e.iteration == iteration and e.op in COMPUTE_OPS]
+    comp = [(e, _stage_mb(e)) for e in events if e.iteration == iteration and e.op in COMPUTE_OPS]
     if not comp:
         raise ValueError(f"no compute events in iteration {iteration}")
-    t0 = min(e.start_ns + off[e.rank] for e in comp)
-    ranks = sorted({e.rank for e in comp})
-    stages = {r: sorted({e.stage for e in comp if e.rank == r}) for r in ranks}
+    t0 = min(e.start_ns + off[e.rank] for e, _ in comp)
+    ranks = sorted({e.rank for e, _ in comp})
+    stages = {r: sorted({s for e, (s, _) in comp if e.rank == r}) for r in ranks}
     boxes = tuple(
         Box(
             ranks.index(e.rank),
             (e.start_ns + off[e.rank] - t0) / 1e6,
             (e.end_ns + off[e.rank] - t0) / 1e6,
             Op(e.op),
-            e.mb,
-            stages[e.rank].index(e.stage),
+            mb,
+            stages[e.rank].index(s),
         )
-        for e in comp
+        for e, (s, mb) in comp
     )
     return Row(title, len(ranks), boxes)
+
+
+def _stage_mb(e: TraceEvent) -> tuple[int, int]:
+    """The stage and microbatch of a compute event; a trace whose compute event lacks them
+    is malformed."""
+    if e.stage is None or e.mb is None:
+        raise ValueError(
+            f"rank {e.rank}: the {e.op} event of iteration {e.iteration} has no stage or "
+            "microbatch; the trace is malformed (check it with `zerobubble check-trace`)"
+        )
+    return e.stage, e.mb
 
 
 def plot_measured(

@@ -14,6 +14,8 @@ import matplotlib
 
 matplotlib.use("Agg")  # headless: pictures go to files
 import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from zerobubble.schedule.ir import Op
@@ -67,11 +69,11 @@ def boxes_of(result: SimResult) -> Row:
 
 
 def _lighten(hex_color: str, amount: float) -> tuple[float, float, float]:
-    rgb = matplotlib.colors.to_rgb(hex_color)
-    return tuple(c + (1 - c) * amount for c in rgb)  # type: ignore[return-value]
+    r, g, b = matplotlib.colors.to_rgb(hex_color)
+    return r + (1 - r) * amount, g + (1 - g) * amount, b + (1 - b) * amount
 
 
-def draw_row(ax: plt.Axes, row: Row, end: float) -> None:
+def draw_row(ax: Axes, row: Row, end: float) -> None:
     """Draw one timeline into ``ax`` with time running from 0 to ``end``."""
     ax.set_facecolor(IDLE_COLOR)
     for b in row.boxes:
@@ -145,7 +147,7 @@ def plot_rows(rows: Sequence[Row], path: str | Path, *, time_label: str = "time"
     return save(fig, path)
 
 
-def save(fig: plt.Figure, path: str | Path) -> Path:
+def save(fig: Figure, path: str | Path) -> Path:
     """Lay out, write and close ``fig``."""
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     out = Path(path)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from zerobubble.schedule.ir import Action, Op, Schedule
 
@@ -64,18 +64,19 @@ def from_dict(data: object, source: str = "schedule JSON") -> Schedule:
             f"got {rows!r:.60}"
         )
     ops = {op.value: op for op in Op}
-    actions = []
+    actions: list[tuple[Action, ...]] = []
     for d, acts in enumerate(rows):
         row = []
         for i, a in enumerate(acts):
-            op = ops.get(a.get("op")) if isinstance(a, dict) else None  # type: ignore[arg-type]
+            op_name = a.get("op") if isinstance(a, dict) else None
+            op = ops.get(op_name) if isinstance(op_name, str) else None
             if op is None or not (_is_int(a.get("stage")) and _is_int(a.get("mb"))):
                 raise ValueError(
                     f"{source}: device {d} position {i}: bad action {a!r}; expected "
                     '{"op": "F"|"B"|"W"|"BW", "stage": int, "mb": int}'
                 )
             row.append(Action(op, a["stage"], a["mb"]))
-        actions.append(row)
+        actions.append(tuple(row))
     placement = data["placement"]
     if not isinstance(placement, list) or not all(_is_int(x) for x in placement):
         raise ValueError(
@@ -96,11 +97,12 @@ def from_dict(data: object, source: str = "schedule JSON") -> Schedule:
         num_stages=counts["num_stages"],
         num_microbatches=counts["num_microbatches"],
         placement=tuple(placement),
-        actions=actions,
+        actions=tuple(actions),
     )
 
 
-def _is_int(x: object) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
+    """A JSON integer (``bool`` is an ``int`` subclass but not a count here)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-from zerobubble.schedule.costs import CostModel
+from zerobubble.schedule.costs import CostModel, Number
 from zerobubble.schedule.ir import Action, Schedule
 from zerobubble.schedule.simulate import SimResult, simulate
 
@@ -46,8 +46,8 @@ def render(
     shortest = min(durations, default=Fraction(1))
     scale = Fraction(widest) / shortest  # columns per time unit
 
-    def col(t: object) -> int:
-        return math.floor(Fraction(t) * scale + Fraction(1, 2))  # type: ignore[arg-type]
+    def col(t: Number) -> int:
+        return math.floor(Fraction(t) * scale + Fraction(1, 2))
 
     lines = [
         f"{schedule.name}: P={schedule.num_devices} S={schedule.num_stages} "

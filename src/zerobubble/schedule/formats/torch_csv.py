@@ -117,13 +117,31 @@ def from_rows(
             "microbatch needs a forward on every stage; pass the schedule's own -m"
         )
     placement = tuple(where[s][0] for s in range(S))
-    return Schedule(name, len(actions), S, M, placement, actions)
+    return Schedule(name, len(actions), S, M, placement, tuple(map(tuple, actions)))
 
 
-def loads(text: str, **kwargs: object) -> Schedule:
-    return from_rows(list(csv.reader(io.StringIO(text))), **kwargs)  # type: ignore[arg-type]
+def loads(
+    text: str,
+    *,
+    name: str = "torch-csv",
+    num_stages: int | None = None,
+    num_microbatches: int | None = None,
+) -> Schedule:
+    rows = list(csv.reader(io.StringIO(text)))
+    return from_rows(rows, name=name, num_stages=num_stages, num_microbatches=num_microbatches)
 
 
-def load(path: str | Path, **kwargs: object) -> Schedule:
-    kwargs.setdefault("name", Path(path).stem)
-    return loads(Path(path).read_text(), **kwargs)
+def load(
+    path: str | Path,
+    *,
+    name: str | None = None,
+    num_stages: int | None = None,
+    num_microbatches: int | None = None,
+) -> Schedule:
+    """Read a CSV file; the schedule is named after the file unless ``name`` is given."""
+    return loads(
+        Path(path).read_text(),
+        name=Path(path).stem if name is None else name,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+    )
