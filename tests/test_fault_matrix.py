@@ -59,7 +59,10 @@ def fault_job(p: int, rank_to_fail: int, phase: str, kind: str, piddir: str) -> 
     info = init_distributed(timeout_s=PG_TIMEOUT_S)
     Path(piddir, str(info.rank)).write_text(str(os.getpid()))
     sched = generate(KINDS[p], p, M)
-    stage = sched.placement.index(rank_to_fail)
+    # The rank's first forward and first backward (its lowest and its highest stage), so that
+    # in every phase other ranks still wait for what it should send in this iteration.
+    held = [s for s, d in enumerate(sched.placement) if d == rank_to_fail]
+    stage = max(held) if phase == "backward" else min(held)
     plan = FaultPlan(ranks=(RankFault(ITERATION, stage, phase, mb=1, kind=kind),))
     layers = list(build_mlp([4] * (sched.num_stages + 1), seed=0))
     pipe = PipelineExecutor(
