@@ -176,6 +176,11 @@ def damage_job(root: str) -> dict:
         load_checkpoint(fresh, base, step=3)
     except CheckpointError as e:
         out["never"] = (str(e), e.fallback)
+    try:
+        load_checkpoint(fresh, base, step=-1)
+    except ValueError as e:
+        out["negative"] = str(e)
+    out["record_files"] = sorted(latest_checkpoint(base)["files"])
     dist.destroy_process_group()
     return out
 
@@ -217,6 +222,12 @@ def test_missing_path_is_an_error_unless_resume_if_present(results):
         assert r["missing_ok"] is None
         msg, fallback = r["never"]
         assert "step 3 was never committed" in msg and "[2, 4]" in msg and fallback == 2
+        assert r["negative"] == "step must be a committed step number (an int >= 0), got -1"
+
+
+def test_the_record_covers_every_file_of_every_rank(results):
+    want = [".metadata", *(f"__{r}_0.distcp" for r in range(P))]
+    assert all(r["record_files"] == want for r in results)
 
 
 def test_latest_checkpoint_on_an_empty_root_is_none(tmp_path):

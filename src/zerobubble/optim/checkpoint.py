@@ -39,7 +39,9 @@ import io
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -103,32 +105,35 @@ def save_checkpoint(
     dcp.save(state, checkpoint_id=root / name, process_group=group)
     trainer.faults.crash(trainer.rank, step, CrashPoint.DURING_SAVE)
     v = trainer.versions
+    # Each rank hashes the shards it wrote (DCP names them __<rank>_<n>.distcp), in parallel,
+    # before the confirmation; rank 0 hashes whatever is left (.metadata) afterwards.
     mine = (step, v.iteration, v.param_version, str(v.opt))
+    files = _file_sums(root / name, f"__{trainer.rank}_")
     confirmations: list[Any] = [None] * dist.get_world_size(group)
     try:
-        dist.all_gather_object(confirmations, mine, group=group)
+        dist.all_gather_object(confirmations, (mine, files), group=group)
     except Exception as e:
         raise RuntimeError(
             f"rank {trainer.rank}: checkpoint of step {step} is not committed: confirming the "
             f"save with the other ranks failed ({e}); the previous checkpoint stays the newest"
         ) from e
-    if any(c != confirmations[0] for c in confirmations):
+    states = [c[0] for c in confirmations]
+    if any(c != states[0] for c in states):
         raise RuntimeError(
-            f"ranks saved different states {confirmations} (step, iteration, version, optimizer "
+            f"ranks saved different states {states} (step, iteration, version, optimizer "
             f"state); the checkpoint {root / name} is not committed"
         )
     if trainer.rank == 0:
+        for _, theirs in confirmations:
+            files.update(theirs)
+        files.update(_file_sums(root / name, "", skip=files))
         record = {
             "step": step,
             "path": name,
             "world_size": trainer.world,
             "schedule": trainer.pipe.schedule.name,
             "num_stages": trainer.pipe.schedule.num_stages,
-            "files": {
-                f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)}
-                for f in sorted((root / name).iterdir())
-                if f.is_file()
-            },
+            "files": dict(sorted(files.items())),
         }
         _write_json(root / f"{name}.json", record)
         _write_json(root / MANIFEST, record)
@@ -214,6 +219,8 @@ def load_checkpoint(
     ranks; it continues exactly where the saved run stood after its drain.
     """
     root = Path(root)
+    if step is not None and (type(step) is not int or step < 0):
+        raise ValueError(f"step must be a committed step number (an int >= 0), got {step!r}")
     if missing_ok and step is None and latest_checkpoint(root) is None:
         return None
     manifest = verify_checkpoint(root, step)
@@ -330,6 +337,17 @@ def _parse_record(path: Path) -> dict[str, Any] | str:
     if not ok:
         return "is not a commit record (fields step, path, world_size, num_stages, files)"
     return record
+
+
+def _file_sums(
+    folder: Path, prefix: str, skip: Mapping[str, Any] = MappingProxyType({})
+) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of the files in ``folder`` whose names start with ``prefix``."""
+    return {
+        f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+        for f in sorted(folder.iterdir())
+        if f.is_file() and f.name.startswith(prefix) and f.name not in skip
+    }
 
 
 def _sha256(path: Path) -> str:
