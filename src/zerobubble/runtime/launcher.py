@@ -341,7 +341,7 @@ def run_script(
             until = time.monotonic() + wait_s
             while len(deaths.at) < nprocs and deaths.next(until) is not None:
                 pass
-    failed = [r for r in deaths.at if r not in stopped and procs[r].returncode != 0]
+    failed = [r for r in list(deaths.at) if r not in stopped and procs[r].returncode != 0]
     failed = _blame_order(failed, {r: procs[r].returncode for r in failed}, deaths.at)
     if not failed:
         if stopped:
