@@ -125,3 +125,94 @@ def test_example_trains_with_the_same_losses_on_any_number_of_ranks():
         outputs.append([line.split(" (")[0] for line in proc.stdout.splitlines()])
     assert outputs[0] == outputs[1]  # the pipeline computes exactly the single-rank math
     assert [line.split(":")[0] for line in outputs[0]] == ["step 0", "step 1"]
+
+
+# A neighbour that fails on the dead rank's closed connection ends within a few
+# milliseconds of it: within one polling window, where a poll loop sees ranks in index order.
+def neighbours(port: int) -> None:
+    """Rank P-2 connects to every other rank and SIGKILLs itself; the others fail as soon
+    as they see its connection close."""
+    import signal
+    import socket
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if rank == world - 2:
+        conns = []
+        for r in (r for r in range(world) if r != rank):
+            for _ in range(500):
+                try:
+                    conns.append(socket.create_connection(("127.0.0.1", port + r)))
+                    break
+                except ConnectionRefusedError:
+                    time.sleep(0.01)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    with socket.create_server(("127.0.0.1", port + rank)) as srv:
+        conn, _ = srv.accept()
+        conn.recv(1)  # b"": the victim is gone
+    raise ConnectionError(f"rank {rank}: peer rank {world - 2} closed the connection")
+
+
+NEIGHBOURS = """
+import os, sys
+from test_launcher import neighbours
+try:
+    neighbours(int(sys.argv[1]))
+except ConnectionError:
+    os._exit(1)
+"""
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_script_launcher_blames_the_rank_that_died_first(tmp_path, world):
+    script = tmp_path / "job.py"
+    script.write_text(NEIGHBOURS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")])}
+    victim = world - 2
+    for _ in range(4):
+        cmd = [sys.executable, "-m", "zerobubble.launch", "-n", str(world), "--grace", "2"]
+        proc = subprocess.run(
+            [*cmd, str(script), str(free_ports(world))],
+            env=env,
+            timeout=60,
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 137, proc.stderr
+        want = f"rank {victim} failed first: it was killed by signal SIGKILL (status 137)"
+        assert want in proc.stderr, proc.stderr
+        assert proc.stderr.rstrip().endswith("job exit status 137"), proc.stderr
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_launch_orders_failures_by_time_of_death(world):
+    victim = world - 2
+    for _ in range(3):
+        with pytest.raises(LaunchError) as err:
+            launch(neighbours, world, free_ports(world), timeout=60, grace=2.0)
+        failures = err.value.failures
+        assert failures[0].rank == victim and failures[0].exitcode == -9, str(err.value)
+        assert failures[0].error == "killed by signal SIGKILL"
+        assert sorted(f.rank for f in failures) == list(range(world))
+        assert all(f.exitcode == 1 for f in failures[1:]), str(err.value)
+        assert str(err.value).startswith(f"rank {victim} failed first (exit -9)")
+
+
+def free_ports(n: int) -> int:
+    """A base port with ``n`` consecutive ports free a moment ago."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65536:
+            continue
+        try:
+            socks = [socket.create_server(("127.0.0.1", base + i)) for i in range(n)]
+        except OSError:
+            continue
+        for s in socks:
+            s.close()
+        return base
+    raise RuntimeError("no run of free ports found")

@@ -7,14 +7,24 @@ newest step validated) and becomes visible only once every rank has confirmed
 that it saved the same validated step::
 
     root/
-      step_00000012/     torch.distributed.checkpoint files of all ranks
-      manifest.json      {"step": 12, "path": "step_00000012", ...}: newest complete one
+      step_00000012/       torch.distributed.checkpoint files of all ranks
+      step_00000012.json   the commit record of step 12: its directory and every file's
+                           size and SHA-256
+      manifest.json        a copy of the newest commit record
 
-Rank 0 writes ``manifest.json.tmp``, fsyncs it and renames it over
-``manifest.json`` (atomic on POSIX), after gathering every rank's
+Rank 0 writes the record, then ``manifest.json`` (each as a fsynced temporary
+renamed over the target, atomic on POSIX), after gathering every rank's
 confirmation. A crash at any point before the rename leaves the previous
 manifest, which names a complete checkpoint; :func:`load_checkpoint` reads only
-what the manifest names.
+what the manifest (or, with ``step=``, an older record) names.
+
+Integrity: the files on disk are what a later run trusts, so every rank checks
+the record's step against its directory and every file's size and checksum
+before it reads anything (all ranks check the same files, so all fail together
+instead of leaving some waiting in a collective). Damage raises
+:class:`CheckpointError` naming the file, the step and the newest older
+checkpoint that still verifies; ``load_checkpoint(trainer, root, step=N)``
+falls back to it.
 
 Saved per rank: parameters and buffers of its stages, optimizer state (every
 tensor, keyed by stage and parameter name), param-group settings, the
@@ -24,10 +34,14 @@ data position).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -40,9 +54,34 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from zerobubble.optim.faults import CrashPoint
 from zerobubble.optim.trainer import PipelineTrainer, group_settings
 
-__all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "committed_steps",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+    "verify_checkpoint",
+]
 
 MANIFEST = "manifest.json"
+_RECORD = re.compile(r"step_(\d{8})\.json")
+_CHUNK = 1 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing or damaged.
+
+    Attributes:
+        file: The file that is missing or does not match its record.
+        step: The step of the checkpoint that failed (None if none was found).
+        fallback: The newest older committed step that verifies, or None.
+    """
+
+    def __init__(self, message: str, *, file: Path, step: int | None, fallback: int | None):
+        super().__init__(message)
+        self.file = file
+        self.step = step
+        self.fallback = fallback
 
 
 def save_checkpoint(
@@ -66,57 +105,125 @@ def save_checkpoint(
     dcp.save(state, checkpoint_id=root / name, process_group=group)
     trainer.faults.crash(trainer.rank, step, CrashPoint.DURING_SAVE)
     v = trainer.versions
+    # Each rank hashes the shards it wrote (DCP names them __<rank>_<n>.distcp), in parallel,
+    # before the confirmation; rank 0 hashes whatever is left (.metadata) afterwards.
     mine = (step, v.iteration, v.param_version, str(v.opt))
+    files = _file_sums(root / name, f"__{trainer.rank}_")
     confirmations: list[Any] = [None] * dist.get_world_size(group)
     try:
-        dist.all_gather_object(confirmations, mine, group=group)
+        dist.all_gather_object(confirmations, (mine, files), group=group)
     except Exception as e:
         raise RuntimeError(
             f"rank {trainer.rank}: checkpoint of step {step} is not committed: confirming the "
             f"save with the other ranks failed ({e}); the previous checkpoint stays the newest"
         ) from e
-    if any(c != confirmations[0] for c in confirmations):
+    states = [c[0] for c in confirmations]
+    if any(c != states[0] for c in states):
         raise RuntimeError(
-            f"ranks saved different states {confirmations} (step, iteration, version, optimizer "
+            f"ranks saved different states {states} (step, iteration, version, optimizer "
             f"state); the checkpoint {root / name} is not committed"
         )
     if trainer.rank == 0:
-        manifest = {
+        for _, theirs in confirmations:
+            files.update(theirs)
+        files.update(_file_sums(root / name, "", skip=files))
+        record = {
             "step": step,
             "path": name,
             "world_size": trainer.world,
             "schedule": trainer.pipe.schedule.name,
             "num_stages": trainer.pipe.schedule.num_stages,
+            "files": dict(sorted(files.items())),
         }
-        tmp = root / (MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(manifest, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, root / MANIFEST)
+        _write_json(root / f"{name}.json", record)
+        _write_json(root / MANIFEST, record)
     dist.barrier(group=group)
     return root / name
 
 
 def latest_checkpoint(root: str | Path) -> dict[str, Any] | None:
-    """The committed manifest under ``root``, or None if nothing was committed yet."""
-    path = Path(root) / MANIFEST
+    """The committed manifest under ``root`` (not verified), or None if nothing was
+    committed yet; a manifest that is not a readable record raises :class:`CheckpointError`."""
+    root = Path(root)
+    path = root / MANIFEST
     if not path.exists():
+        if committed_steps(root):
+            raise _error(root, path, None, "is missing")
         return None
-    with open(path) as f:
-        return json.load(f)
+    return _read_record(root, path, None)
 
 
-def load_checkpoint(trainer: PipelineTrainer, root: str | Path) -> dict[str, Any] | None:
-    """Restore the newest committed checkpoint into a fresh trainer; returns this rank's
-    ``extra`` (None, and nothing changed, if no checkpoint was committed).
+def committed_steps(root: str | Path) -> list[int]:
+    """Steps that have a commit record under ``root``, oldest first (not verified)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = (_RECORD.fullmatch(f.name) for f in root.iterdir())
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def verify_checkpoint(root: str | Path, step: int | None = None) -> dict[str, Any]:
+    """The commit record of ``step`` (default: the manifest's) after checking that its
+    directory is the step's and that every file it lists is there with its size and
+    SHA-256; raises :class:`CheckpointError` naming the file, the step and the newest
+    older checkpoint that verifies."""
+    root = Path(root)
+    if step is None:
+        record = latest_checkpoint(root)
+        if record is None:
+            raise CheckpointError(
+                f"no checkpoint under {root}: {root / MANIFEST} does not exist; check the path, "
+                "or pass missing_ok=True to load_checkpoint to start from scratch when none "
+                "was saved yet",
+                file=root / MANIFEST,
+                step=None,
+                fallback=None,
+            )
+        source = root / MANIFEST
+    else:
+        source = root / f"step_{step:08d}.json"
+        if not source.exists():
+            steps = committed_steps(root)
+            raise CheckpointError(
+                f"step {step} was never committed under {root} (no {source.name}); committed "
+                f"steps: {steps or 'none'}",
+                file=source,
+                step=step,
+                fallback=max((s for s in steps if s < step), default=None),
+            )
+        record = _read_record(root, source, step)
+    problem = _problem(root, record, source, step)
+    if problem is not None:
+        file, what = problem
+        raise _error(root, file, record["step"], what)
+    return record
+
+
+def load_checkpoint(
+    trainer: PipelineTrainer,
+    root: str | Path,
+    *,
+    step: int | None = None,
+    missing_ok: bool = False,
+) -> dict[str, Any] | None:
+    """Restore a committed checkpoint into a fresh trainer; returns this rank's ``extra``.
+
+    The newest one by default, or the committed ``step`` (the way back to an older
+    checkpoint when the newest is damaged: the error names the step to pass). A
+    ``root`` without any checkpoint is a :class:`CheckpointError` unless
+    ``missing_ok`` ("resume if present"), which returns None and changes nothing.
+    Damage is a :class:`CheckpointError` (see :func:`verify_checkpoint`), raised on
+    every rank before any collective.
 
     A collective. The trainer must run the same schedule on the same number of
     ranks; it continues exactly where the saved run stood after its drain.
     """
-    manifest = latest_checkpoint(root)
-    if manifest is None:
+    root = Path(root)
+    if step is not None and (type(step) is not int or step < 0):
+        raise ValueError(f"step must be a committed step number (an int >= 0), got {step!r}")
+    if missing_ok and step is None and latest_checkpoint(root) is None:
         return None
+    manifest = verify_checkpoint(root, step)
     sched = trainer.pipe.schedule
     if (manifest["world_size"], manifest["num_stages"]) != (trainer.world, sched.num_stages):
         raise ValueError(
@@ -152,6 +259,113 @@ def load_checkpoint(trainer: PipelineTrainer, root: str | Path) -> dict[str, Any
     torch.set_rng_state(state[f"rank{trainer.rank}.rng"])
     trainer.restore(manifest["step"])
     return meta["extra"]
+
+
+def _problem(
+    root: Path, record: dict[str, Any], source: Path, step: int | None
+) -> tuple[Path, str] | None:
+    """The first file that contradicts ``record`` (read from ``source``), and how."""
+    name = f"step_{record['step']:08d}"
+    if record["path"] != name:
+        return source, f"names directory {record['path']!r}, but step {record['step']} is {name!r}"
+    if step is not None and record["step"] != step:
+        return source, f"records step {record['step']}"
+    if not (root / name).is_dir():
+        return root / name, "(the step's directory) is missing"
+    for fname, want in record["files"].items():
+        f = root / name / fname
+        if not f.is_file():
+            return f, "is missing"
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            return f, f"has {size} bytes, {want['bytes']} were saved (truncated or overwritten)"
+        if _sha256(f) != want["sha256"]:
+            return f, "does not match its SHA-256 checksum (the bytes changed since the save)"
+    return None
+
+
+def _error(root: Path, file: Path, step: int | None, what: str) -> CheckpointError:
+    """The damage message, with the newest older checkpoint that verifies (any committed one
+    when ``step`` is None: the manifest itself is what is damaged)."""
+    fallback = None
+    for s in reversed(committed_steps(root)):
+        if step is not None and s >= step:
+            continue
+        source = root / f"step_{s:08d}.json"
+        record = _parse_record(source)
+        if not isinstance(record, str) and _problem(root, record, source, s) is None:
+            fallback = s
+            break
+    how = (
+        f"the newest older checkpoint that verifies is step {fallback} "
+        f"({root / f'step_{fallback:08d}'}): resume from it with "
+        f"load_checkpoint(trainer, {str(root)!r}, step={fallback})"
+        if fallback is not None
+        else "no older checkpoint verifies: restore the files or start from scratch"
+    )
+    what_failed = f"checkpoint of step {step}" if step is not None else "the checkpoint manifest"
+    return CheckpointError(
+        f"{what_failed} under {root} is damaged: {file} {what}; {how}",
+        file=file,
+        step=step,
+        fallback=fallback,
+    )
+
+
+def _read_record(root: Path, path: Path, step: int | None) -> dict[str, Any]:
+    """A commit record (of ``step``, None for the manifest), or the damage error."""
+    record = _parse_record(path)
+    if isinstance(record, str):
+        raise _error(root, path, step, record)
+    return record
+
+
+def _parse_record(path: Path) -> dict[str, Any] | str:
+    """The record in ``path`` if it has the fields and types the loader relies on, else
+    what is wrong with it."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"is not a readable commit record ({e})"
+    fields = (("step", int), ("path", str), ("world_size", int), ("num_stages", int))
+    ok = isinstance(record, dict) and isinstance(record.get("files"), dict)
+    ok = ok and all(isinstance(record.get(k), t) for k, t in fields)
+    ok = ok and all(
+        isinstance(v, dict) and isinstance(v.get("bytes"), int) and "sha256" in v
+        for v in record["files"].values()
+    )
+    if not ok:
+        return "is not a commit record (fields step, path, world_size, num_stages, files)"
+    return record
+
+
+def _file_sums(
+    folder: Path, prefix: str, skip: Mapping[str, Any] = MappingProxyType({})
+) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of the files in ``folder`` whose names start with ``prefix``."""
+    return {
+        f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+        for f in sorted(folder.iterdir())
+        if f.is_file() and f.name.startswith(prefix) and f.name not in skip
+    }
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` to ``path`` atomically: a fsynced temporary renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _param_names(trainer: PipelineTrainer) -> dict[int, str]:

@@ -4,7 +4,8 @@ The faults the protocol must survive: a non-finite gradient on some stage and
 microbatch, a gradient norm that crosses the clip threshold only once the last
 stage adds its part, several bad iterations in a row, a rank dying or stalling
 before the optimizer's messages, between its provisional step and the validation,
-or in the middle of a checkpoint.
+or in the middle of a checkpoint; and, for the kill/stall matrix, a rank killed
+or stalled in the forward, the backward or the optimizer step.
 Tests pass the same plan to a synchronous run to get the expected result.
 """
 
@@ -98,6 +99,55 @@ class Crash:
         object.__setattr__(self, "point", CrashPoint(self.point))
 
 
+class Phase(enum.StrEnum):
+    FORWARD = "forward"
+    """Right after the rank's F of the given stage and microbatch (its output not yet sent)."""
+    BACKWARD = "backward"
+    """Right after the rank's B or BW of the given stage and microbatch."""
+    OPTIMIZER_STEP = "optimizer_step"
+    """At the start of the optimizer step: every W done, before the norm is reduced."""
+
+
+class RankFaultKind(enum.StrEnum):
+    KILL = "kill"
+    """SIGKILL, no cleanup: the peers see a closed connection."""
+    STALL = "stall"
+    """Sleep ``stall_s`` seconds: the peers see no message (only their timeouts end it)."""
+
+
+@dataclass(frozen=True)
+class RankFault:
+    """Kill or stall the rank that holds ``stage`` in one phase of one iteration.
+
+    Attributes:
+        iteration: Trainer iteration (0-based).
+        stage: A virtual stage of the rank that fails (any of them for the optimizer step).
+        phase: See :class:`Phase`.
+        mb: The microbatch of the F or backward (ignored for the optimizer step).
+        kind: See :class:`RankFaultKind`.
+        stall_s: How long a stall lasts; longer than any timeout, so the launcher ends it.
+    """
+
+    iteration: int
+    stage: int
+    phase: Phase
+    mb: int = 0
+    kind: RankFaultKind = RankFaultKind.KILL
+    stall_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "phase", Phase(self.phase))
+        object.__setattr__(self, "kind", RankFaultKind(self.kind))
+
+    def happen(self) -> None:
+        if self.kind is RankFaultKind.KILL:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(self.stall_s)
+
+
+_PHASE_OPS = {Op.F: Phase.FORWARD, Op.B: Phase.BACKWARD, Op.BW: Phase.BACKWARD}
+
+
 @dataclass(frozen=True)
 class Stall:
     """Make one rank sleep at the tail of one iteration, before the optimizer's messages.
@@ -120,11 +170,17 @@ class FaultPlan:
     grads: tuple[GradFault, ...] = ()
     crashes: tuple[Crash, ...] = ()
     stalls: tuple[Stall, ...] = ()
+    ranks: tuple[RankFault, ...] = ()
 
     def after_compute(
         self, iteration: int, action: Action, stage_params: Mapping[int, Sequence[Tensor]]
     ) -> None:
-        """Microbatch-level gradient faults, right after a W (or BW)."""
+        """Microbatch-level gradient faults, right after a W (or BW); rank faults in the
+        forward or backward, right after that F, B or BW."""
+        phase = _PHASE_OPS.get(action.op)
+        for r in self.ranks:
+            if (r.iteration, r.stage, r.mb, r.phase) == (iteration, action.stage, action.mb, phase):
+                r.happen()
         if action.op not in (Op.W, Op.BW):
             return
         for f in self.grads:
@@ -132,10 +188,15 @@ class FaultPlan:
                 f.apply(stage_params[f.stage])
 
     def at_tail(self, iteration: int, stage_params: Mapping[int, Sequence[Tensor]]) -> None:
-        """Tail-level gradient faults of this rank's stages, after every W."""
+        """Tail-level gradient faults of this rank's stages, after every W; then rank faults
+        at the start of the optimizer step."""
         for f in self.grads:
             if f.iteration == iteration and f.mb is None and f.stage in stage_params:
                 f.apply(stage_params[f.stage])
+        for r in self.ranks:
+            step = (r.iteration, r.phase) == (iteration, Phase.OPTIMIZER_STEP)
+            if step and r.stage in stage_params:
+                r.happen()
 
     def crash(self, rank: int, iteration: int, point: CrashPoint) -> None:
         """Die here if the plan says so."""

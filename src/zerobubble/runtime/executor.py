@@ -500,7 +500,7 @@ class _Step:
 
     def describe(self, ins: PostRecv | WaitRecv | Send) -> _Description:
         """The instruction and the compute it serves, for error messages (formatted lazily)."""
-        return _Description(ins)
+        return _Description(ins, self.pipe.iteration)
 
     def common(self, t0: int, t1: int, mem0: int, mem1: int) -> dict:
         pipe = self.pipe
@@ -531,17 +531,17 @@ class _Step:
 class _Description:
     """Text for a PeerError, built only if one is raised (not on every instruction)."""
 
-    __slots__ = ("ins",)
+    __slots__ = ("ins", "iteration")
 
-    def __init__(self, ins: PostRecv | WaitRecv | Send) -> None:
-        self.ins = ins
+    def __init__(self, ins: PostRecv | WaitRecv | Send, iteration: int) -> None:
+        self.ins, self.iteration = ins, iteration
 
     def __str__(self) -> str:
-        ins, m = self.ins, self.ins.msg
+        ins, m, k = self.ins, self.ins.msg, self.iteration
         if isinstance(ins, Send):
-            return f"{ins} (output of {_producer_name(m)})"
+            return f"{ins} (output of {_producer_name(m)}, iteration {k})"
         consumer = "F" if m.kind is MsgKind.ACT else "backward"
-        return f"{ins} (input of {consumer}(s{m.dst_stage},mb{m.mb}))"
+        return f"{ins} (input of {consumer}(s{m.dst_stage},mb{m.mb}), iteration {k})"
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -6,8 +6,11 @@ code inside calls :func:`init_distributed`, which reads that environment and so
 works the same under ``torchrun``.
 
 Failure policy: the first rank that fails (exception or non-zero exit) is the
-one reported; the others get ``grace`` seconds to finish or fail on their own
-(their comm timeouts name what they were waiting for), then are killed. The
+one reported, by time of death: a thread per process stamps the moment it
+ends, because a neighbour that fails on a dead peer's closed connection often
+ends within the same polling window and a poll loop would see the two in rank
+order. The others get ``grace`` seconds to finish or fail on their own (their
+comm timeouts name what they were waiting for), then are killed. The
 whole run is bounded by ``timeout``. Children die with the launcher (a
 watchdog thread in :func:`launch` workers; ``PR_SET_PDEATHSIG`` for scripts),
 so no process outlives it.
@@ -17,7 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
+import math
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -25,7 +31,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import connection, get_context
@@ -45,7 +51,8 @@ class RankFailure:
 
 
 class LaunchError(RuntimeError):
-    """A launched job failed; ``failures[0]`` is the first failure observed."""
+    """A launched job failed; ``failures`` are in order of death, ranks the launcher had to
+    kill last, so ``failures[0]`` is the rank that died first."""
 
     def __init__(self, failures: list[RankFailure]) -> None:
         first = failures[0]
@@ -194,9 +201,10 @@ def launch(
         procs.append(p)
         conns.append(recv_end)
 
+    deaths = _DeathWatch([functools.partial(connection.wait, [p.sentinel]) for p in procs])
     results: list[Any] = [None] * nprocs
     errors: dict[int, str] = {}
-    failures: list[RankFailure] = []
+    failed: list[int] = []
     open_conns = dict(enumerate(conns))
     deadline = time.monotonic() + timeout
     kill_at = deadline
@@ -220,14 +228,18 @@ def launch(
             elif procs[rank].exitcode is not None:
                 del open_conns[rank]
         for rank, p in enumerate(procs):
-            failed = rank in errors or (p.exitcode not in (None, 0) and rank not in open_conns)
-            if failed and all(f.rank != rank for f in failures):
+            bad = rank in errors or (p.exitcode not in (None, 0) and rank not in open_conns)
+            if bad and rank not in failed:
                 p.join(1.0)
-                failures.append(
-                    RankFailure(rank, p.exitcode, errors.get(rank, _exit_text(p.exitcode)))
-                )
+                failed.append(rank)
                 kill_at = min(kill_at, time.monotonic() + grace)
     timed_out = time.monotonic() >= deadline
+    deaths.settle(failed, 1.0)  # the ranks that ended by themselves get their time stamped
+    failed = _blame_order(failed, {r: procs[r].exitcode for r in failed}, deaths.at)
+    failures = [
+        RankFailure(r, procs[r].exitcode, errors.get(r, _exit_text(procs[r].exitcode)))
+        for r in failed
+    ]
     for rank, p in enumerate(procs):
         if p.exitcode is None:
             p.terminate()
@@ -258,6 +270,13 @@ def _exit_text(code: int | None) -> str:
     return f"exited with code {code} without reporting an error"
 
 
+def _status_text(code: int) -> str:
+    """How a script rank ended, as its exit status says."""
+    if code < 0:
+        return f"was killed by signal {signal.Signals(-code).name} (status {128 - code})"
+    return f"exited with code {code}"
+
+
 # ---- script API: python -m zerobubble.launch -n P script.py args ---------------------------------
 
 
@@ -277,8 +296,10 @@ def run_script(
 ) -> int:
     """Run ``python script *script_args`` as ``nprocs`` ranks; return the job's exit code.
 
-    The code is 0 if every rank succeeded, else the first failing rank's code
-    (124 on overall timeout, as ``timeout(1)`` does).
+    The code is 0 if every rank succeeded, else that of the rank that died first
+    with a non-zero status, by time of death (``128 + signal`` for a signal, as a
+    shell reports it); 124 on overall timeout, as ``timeout(1)`` does. Ranks the
+    launcher stops after the grace period are never blamed.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
@@ -293,35 +314,110 @@ def run_script(
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
         )
-    deadline = time.monotonic() + timeout
-    kill_at = deadline
-    first: tuple[int, int] | None = None
+    start = time.monotonic()
+    deaths = _DeathWatch([p.wait for p in procs])
+    stopped: set[int] = set()
+    kill_at = start + timeout
+    announced = False
     try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < kill_at:
-            for rank, p in enumerate(procs):
-                if first is None and p.poll() not in (None, 0):
-                    first = (rank, p.returncode)
-                    print(
-                        f"zerobubble.launch: rank {rank} exited with code {p.returncode}; "
-                        f"stopping the other ranks in {grace:g}s",
-                        file=sys.stderr,
-                    )
-                    kill_at = min(kill_at, time.monotonic() + grace)
-            time.sleep(0.05)
+        ended = 0
+        while ended < nprocs and (rank := deaths.next(kill_at)) is not None:
+            ended += 1
+            code = procs[rank].returncode
+            if code != 0 and not announced:
+                announced = True
+                print(
+                    f"zerobubble.launch: rank {rank} {_status_text(code)} at "
+                    f"{deaths.at[rank] - start:.3f}s; stopping the other ranks in {grace:g}s",
+                    file=sys.stderr,
+                )
+                kill_at = min(kill_at, time.monotonic() + grace)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(2.0)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    if first is None and time.monotonic() >= deadline:
-        print(f"zerobubble.launch: timed out after {timeout:g}s", file=sys.stderr)
-        return 124
-    if first is None:
-        bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-        first = bad[0] if bad else None
-    return 0 if first is None else (first[1] if first[1] > 0 else 128 - first[1])
+        for sig, wait_s in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 10.0)):
+            alive = [r for r in range(nprocs) if r not in deaths.at]
+            stopped.update(alive)
+            for r in alive:
+                procs[r].send_signal(sig)
+            until = time.monotonic() + wait_s
+            while len(deaths.at) < nprocs and deaths.next(until) is not None:
+                pass
+    failed = [r for r in list(deaths.at) if r not in stopped and procs[r].returncode != 0]
+    failed = _blame_order(failed, {r: procs[r].returncode for r in failed}, deaths.at)
+    if not failed:
+        if stopped:
+            print(f"zerobubble.launch: timed out after {timeout:g}s", file=sys.stderr)
+            return 124
+        return 0
+    first = failed[0]
+    code = procs[first].returncode
+    later = "".join(
+        f", rank {r} {_status_text(procs[r].returncode)} "
+        f"{deaths.at[r] - deaths.at[first]:.3f}s later"
+        for r in failed[1:]
+    )
+    status = code if code > 0 else 128 - code
+    print(
+        f"zerobubble.launch: rank {first} failed first: it {_status_text(code)}{later}; "
+        f"job exit status {status}",
+        file=sys.stderr,
+    )
+    return status
+
+
+_SAME_MOMENT_S = 0.25
+"""Deaths this close together count as one moment for blame (see :func:`_blame_order`)."""
+
+
+def _blame_order(
+    ranks: Iterable[int], codes: dict[int, int | None], at: dict[int, float]
+) -> list[int]:
+    """``ranks`` (that failed) earliest death first, except that a rank killed by a signal
+    goes before ranks that exited with an error at the same moment.
+
+    The stamps are taken when the kernel reports each exit to a waiting thread; a
+    neighbour that only has to notice a closed connection and exit can be stamped a
+    millisecond before the rank it reacted to. A rank killed by a signal did not fail
+    because of a peer, so within ``_SAME_MOMENT_S`` of the earliest death it is the cause.
+    """
+    order = sorted(ranks, key=lambda r: (at.get(r, math.inf), r))
+    if not order or (codes[order[0]] or 0) < 0:
+        return order
+    t0 = at.get(order[0], math.inf)
+    killed = [
+        r for r in order if (codes[r] or 0) < 0 and at.get(r, math.inf) - t0 <= _SAME_MOMENT_S
+    ]
+    return killed[:1] + [r for r in order if r not in killed[:1]]
+
+
+class _DeathWatch:
+    """Stamps the time each process ends, from one thread per process blocked in
+    ``waits[rank]``, so the order of deaths is the order they happened in, not the
+    order a poll loop saw them (a neighbour that fails on a dead peer's closed
+    connection often ends within the same polling window)."""
+
+    def __init__(self, waits: Sequence[Callable[[], object]]) -> None:
+        self.at: dict[int, float] = {}
+        self._queue: queue.Queue[int] = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._watch, args=(rank, wait), daemon=True)
+            for rank, wait in enumerate(waits)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _watch(self, rank: int, wait: Callable[[], object]) -> None:
+        wait()
+        self.at[rank] = time.monotonic()
+        self._queue.put(rank)
+
+    def next(self, until: float) -> int | None:
+        """The rank that died next, or None if none does before monotonic time ``until``."""
+        try:
+            return self._queue.get(timeout=max(0.0, until - time.monotonic()))
+        except queue.Empty:
+            return None
+
+    def settle(self, ranks: Iterable[int], timeout: float) -> None:
+        """Wait (at most ``timeout`` each) for the stamps of ``ranks``, known to be ending."""
+        for r in ranks:
+            self._threads[r].join(timeout)
