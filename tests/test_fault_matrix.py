@@ -7,10 +7,9 @@ the launcher after the grace period, once the survivors gave up on it), no proce
 outlives the launcher, and every survivor fails with a ``PeerError`` naming its rank, the
 peer, the iteration and the operation.
 
-P=2 runs zb-h1; P=4 runs zbv (V placement, two stages per rank). The optimizer-step cases
-wait on the synchronous step's all-reduce, which on this branch is bounded only by the
-process group's timeout and fails with gloo's own message; they are xfail until the
-step's collectives raise ``PeerError`` within ``comm_timeout_s``.
+P=2 runs zb-h1; P=4 runs zbv (V placement, two stages per rank). In the optimizer-step
+cases the survivors wait in the synchronous step's all-reduce, bounded by ``comm_timeout_s``:
+their ``PeerError`` names the collective's group instead of one peer.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ pytestmark = pytest.mark.slow
 KINDS = {2: "zb-h1", 4: "zbv"}
 M = 4
 COMM_TIMEOUT_S = 2.0
-PG_TIMEOUT_S = 8.0  # bounds the optimizer step's collectives until they honour COMM_TIMEOUT_S
+PG_TIMEOUT_S = 8.0  # the process group's own timeout: longer than COMM_TIMEOUT_S, never reached
 GRACE_S = 4.0  # after the first survivor gives up on a stalled rank, the rest follow within it
 ITERATION = 1
 
@@ -47,12 +46,6 @@ CASES = [
     for phase in ("forward", "backward", "optimizer_step")
     for kind in ("kill", "stall")
 ]
-
-COLLECTIVES_PENDING = pytest.mark.xfail(
-    strict=False,
-    reason="the synchronous step's all-reduce is not yet bounded by comm_timeout_s with a "
-    "PeerError (issue 12 item 2, another branch); survivors fail with gloo's message",
-)
 
 
 def fault_job(p: int, rank_to_fail: int, phase: str, kind: str, piddir: str) -> None:
@@ -87,7 +80,7 @@ def case_id(case) -> str:
 
 @pytest.mark.parametrize(
     "case",
-    [pytest.param(c, marks=COLLECTIVES_PENDING) if c[2] == "optimizer_step" else c for c in CASES],
+    CASES,
     ids=case_id,
 )
 def test_a_killed_or_stalled_rank_is_reported_and_every_survivor_names_it(tmp_path, case):
@@ -110,9 +103,11 @@ def test_a_killed_or_stalled_rank_is_reported_and_every_survivor_names_it(tmp_pa
         assert by_rank[r].exitcode == 1, text  # failed on its own, not killed
         last = text.strip().splitlines()[-1]
         assert last.startswith(f"zerobubble.runtime.comm.PeerError: rank {r}: "), text
-        assert re.search(r"with peer rank \d+ failed", last), text
         assert f"iteration {ITERATION}" in last, text
-        if phase != "optimizer_step":
+        if phase == "optimizer_step":  # the step's all-reduce: the group stands for the peer
+            assert re.search(r"all-reduce .* in the collective over ranks \[[\d, ]+\] failed", last)
+        else:
+            assert re.search(r"with peer rank \d+ failed", last), text
             assert re.search(r": (wait_recv|post_recv|send) ", last), text
     pids = [int(f.read_text()) for f in tmp_path.iterdir()]
     assert len(pids) == p
