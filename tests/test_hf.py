@@ -317,6 +317,16 @@ def test_a_forward_the_layout_does_not_reproduce_is_refused():
         hf.causal_lm_layers(transformers.AutoModelForCausalLM.from_config(config))
 
 
+def test_the_check_sees_which_layers_slide_beyond_its_batch_length():
+    model = hf.tiny_model("hf-mistral", sliding_window=50)
+    layers = hf.causal_lm_layers(model)
+    assert model.config.sliding_window == 50
+    layers[3].attention_type = "full_attention"
+    with pytest.raises(ValueError, match="MistralForCausalLM: the layers cut from it do not"):
+        hf.check_layers(model, layers)
+    assert model.config.sliding_window == 50
+
+
 def test_the_check_leaves_rng_and_modes_alone():
     model = hf.tiny_model("hf-gpt2").train()
     model.transformer.h[2].eval()

@@ -28,6 +28,7 @@ __all__ = [
     "TINY_CONFIGS",
     "CausalLMLoss",
     "causal_lm_layers",
+    "check_layers",
     "count_tokens",
     "tiny_config",
     "tiny_model",
@@ -36,7 +37,7 @@ __all__ = [
 #: The tiny configs shipped in ``zerobubble/models/configs`` (``<name>-tiny.json``).
 TINY_CONFIGS = ("hf-gpt2", "hf-llama", "hf-mistral", "hf-qwen2")
 
-_PROBE_BATCH, _PROBE_LENGTH, _PROBE_PADS = 2, 7, 2
+_PROBE_BATCH, _PROBE_LENGTH, _PROBE_PADS, _PROBE_WINDOW = 2, 7, 2, 3
 
 
 def _transformers() -> Any:
@@ -116,6 +117,24 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
             m.training = training
 
 
+@contextmanager
+def _short_window(config: Any) -> Iterator[None]:
+    """A sliding window shorter than the probe, so the check sees which layers slide.
+
+    Model and layers read ``config.sliding_window`` when they build masks; it is
+    restored afterwards.
+    """
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or window <= _PROBE_WINDOW:
+        yield
+        return
+    config.sliding_window = _PROBE_WINDOW
+    try:
+        yield
+    finally:
+        config.sliding_window = window
+
+
 def _probe(model: nn.Module) -> dict[str, Tensor]:
     """A small right-padded batch (every query sees a real token, so no row is all masked)."""
     vocab = model.config.vocab_size
@@ -128,10 +147,18 @@ def _probe(model: nn.Module) -> dict[str, Tensor]:
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
 
 
-def _check(model: nn.Module, layers: list[nn.Module]) -> None:
-    """Refuse the layers unless chaining them gives the model's own logits, bitwise."""
+def check_layers(model: nn.Module, layers: list[nn.Module]) -> None:
+    """Raise ValueError unless chaining ``layers`` gives ``model``'s own logits, bitwise.
+
+    Runs both once on a small padded batch in eval mode, without gradients, drawing
+    nothing from the caller's RNG and restoring every submodule's mode; a sliding
+    window is shortened below the batch's length meanwhile, so the check also sees
+    which layers slide. Also for layers cut by hand (the first takes the tokenizer-style
+    mapping ``{"input_ids", "attention_mask"}``, the last returns the logits).
+    """
     batch = _probe(model)
-    with _eval_mode(model), torch.no_grad(), torch.random.fork_rng(devices=[]):
+    no_rng = torch.random.fork_rng(devices=[])
+    with _eval_mode(model), _short_window(model.config), torch.no_grad(), no_rng:
         expected = model(**batch, use_cache=False).logits
         try:
             x: Any = batch
@@ -169,9 +196,8 @@ def causal_lm_layers(model: nn.Module, *, check: bool = True) -> list[nn.Module]
     head returns the logits, for :class:`CausalLMLoss`. Parameters and buffers are
     named as in the model (``layer.source_name``).
 
-    ``check`` runs the model and the chained layers once on a small padded batch, in
-    eval mode without touching the RNG, and raises ValueError unless the logits are
-    bitwise equal. Dropout stays as the model configures it.
+    ``check``: :func:`check_layers` (one forward of the model and of the layers on a
+    small batch). Dropout stays as the model configures it.
     """
     _transformers()
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
@@ -180,7 +206,7 @@ def causal_lm_layers(model: nn.Module, *, check: bool = True) -> list[nn.Module]
         )
     layers = _build(model)
     if check:
-        _check(model, layers)
+        check_layers(model, layers)
     return layers
 
 

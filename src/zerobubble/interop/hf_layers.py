@@ -17,6 +17,7 @@ a pipeline's parameters and state dicts carry Hugging Face names.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -235,6 +236,8 @@ class DecoderBlock(HFLayer):
             )
         self.config = config
         self.attention_type = attention_type
+        # Models with per-type rotary tables (local/global) take the layer type too.
+        self._rotary_by_type = "layer_type" in inspect.signature(rotary_emb.forward).parameters
 
     def forward(self, x: Boundary) -> Boundary:
         hidden, mask, position_ids = _unpack(type(self).__name__, x)
@@ -246,7 +249,10 @@ class DecoderBlock(HFLayer):
             cache=None,
             position_ids=positions,
         )
-        rotary = self.rotary_emb(hidden, positions)
+        if self._rotary_by_type:
+            rotary = self.rotary_emb(hidden, positions, self.attention_type)
+        else:
+            rotary = self.rotary_emb(hidden, positions)
         out = self.layer(
             hidden, attention_mask=causal, position_embeddings=rotary, position_ids=positions
         )
