@@ -126,6 +126,19 @@ def test_packed_sequences_without_a_mask_are_masked_per_sequence(impl):
     assert not torch.equal(logits, chain(layers, ids))
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_a_prepared_4d_mask_travels_unchanged(impl):
+    model, twin, layers = pair("hf-llama", impl)
+    model.eval(), twin.eval()
+    ids, _, _ = padded_batch(3, 8)
+    allowed = torch.ones(8, 8).tril().bool() & ~torch.eye(8, dtype=torch.bool).roll(1, 1)
+    allowed = allowed.expand(3, 1, 8, 8)
+    mask = allowed if impl == "sdpa" else torch.zeros(3, 1, 8, 8).masked_fill(~allowed, -1e9)
+    expected = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert torch.equal(chain(layers, ids, attention_mask=mask), expected)
+    assert layers[0](ids, attention_mask=mask)["attention_mask"] is mask
+
+
 def test_a_tokenizer_style_mapping_is_the_same_input():
     _, _, layers = pair("hf-gpt2", "sdpa")
     for layer in layers:
@@ -348,6 +361,10 @@ def test_bad_layer_inputs_are_explained():
         layers[0]({"attention_mask": ids})
     with pytest.raises(ValueError, match="input_ids must be an integer tensor or a mapping"):
         layers[0]([1, 2])
+    with pytest.raises(
+        ValueError, match=r"attention_mask must be \(batch, sequence\).*\(2, 1, 4\)"
+    ):
+        layers[0](ids, attention_mask=ids[:, None])
     with pytest.raises(ValueError, match="DecoderBlock: expected the previous layer's dict"):
         layers[1](torch.zeros(2, 4, 64))
 

@@ -90,11 +90,16 @@ def _batch_inputs(layer: str, inputs: Tensor | Mapping[str, Any], extra: dict[st
     return {"input_ids": inputs, **extra}
 
 
-def _padding_mask(mask: Tensor | None, batch: int) -> Tensor | None:
-    """The padding mask as it travels: 2-D masks as bool (the mask utilities use bool)."""
+def _padding_mask(layer: str, mask: Tensor | None) -> Tensor | None:
+    """The padding mask as it travels: a 2-D mask as bool (the mask utilities use bool)."""
     if mask is None or mask.ndim == 4:
         return mask
-    return mask.view(batch, -1).to(torch.bool)
+    if mask.ndim != 2:
+        raise ValueError(
+            f"{layer}: attention_mask must be (batch, sequence) with 1 for real tokens and 0 for "
+            f"padding, or a prepared 4-D mask; got shape {tuple(mask.shape)}"
+        )
+    return mask.to(torch.bool)
 
 
 def _positions(hidden: Tensor, position_ids: Tensor | None) -> Tensor:
@@ -153,7 +158,10 @@ class GPT2Embedding(HFLayer):
         if args["token_type_ids"] is not None:
             hidden = hidden + self.wte(args["token_type_ids"].view(-1, ids.shape[-1]))
         hidden = self.drop(hidden)
-        mask = _padding_mask(args["attention_mask"], ids.shape[0])
+        mask = args["attention_mask"]
+        if mask is not None and mask.ndim < 4:  # as GPT2Model flattens it
+            mask = mask.view(ids.shape[0], -1)
+        mask = _padding_mask(type(self).__name__, mask)
         return _boundary(hidden, mask, args["position_ids"])
 
 
@@ -209,7 +217,7 @@ class DecoderEmbedding(HFLayer):
         extra = {"attention_mask": attention_mask, "position_ids": position_ids}
         args = _batch_inputs(type(self).__name__, input_ids, extra)
         hidden = self.embed_tokens(args["input_ids"])
-        mask = _padding_mask(args["attention_mask"], hidden.shape[0])
+        mask = _padding_mask(type(self).__name__, args["attention_mask"])
         return _boundary(hidden, mask, args["position_ids"])
 
 
