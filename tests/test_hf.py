@@ -139,6 +139,24 @@ def test_a_prepared_4d_mask_travels_unchanged(impl):
     assert layers[0](ids, attention_mask=mask)["attention_mask"] is mask
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_gpt2_position_and_token_type_ids_as_the_model_uses_them(impl):
+    model, twin, layers = pair("hf-gpt2", impl)
+    ids, mask, labels = padded_batch(3, 7)
+    positions = torch.arange(7).repeat(3, 1) + torch.tensor([[0], [5], [9]])
+    types = torch.randint(0, 256, (3, 7), generator=torch.Generator().manual_seed(1))
+    kwargs = {"attention_mask": mask, "position_ids": positions, "token_type_ids": types}
+    torch.manual_seed(3)
+    out = model(input_ids=ids, labels=labels, **kwargs)
+    out.loss.backward()
+    torch.manual_seed(3)
+    loss = hf.CausalLMLoss(twin)(chain(layers, ids, **kwargs), labels)
+    loss.backward()
+    assert torch.equal(loss, out.loss)
+    for key, grad in named_grads(layers).items():
+        assert torch.equal(grad, model.get_parameter(key).grad), key
+
+
 def test_a_tokenizer_style_mapping_is_the_same_input():
     _, _, layers = pair("hf-gpt2", "sdpa")
     for layer in layers:
