@@ -364,7 +364,7 @@ def test_a_forward_the_layout_does_not_reproduce_is_refused():
     with pytest.raises(
         ValueError,
         match=r"GraniteForCausalLM: the layers cut from it do not "
-        r"reproduce its own logits \(max \|difference\| ",
+        r"reproduce its own logits in eval mode \(max \|difference\| ",
     ):
         hf.causal_lm_layers(transformers.AutoModelForCausalLM.from_config(config))
 
@@ -377,6 +377,14 @@ def test_the_check_sees_which_layers_slide_beyond_its_batch_length():
     with pytest.raises(ValueError, match="MistralForCausalLM: the layers cut from it do not"):
         hf.check_layers(model, layers)
     assert model.config.sliding_window == 50
+
+
+def test_the_check_sees_a_missing_dropout():
+    model = hf.tiny_model("hf-gpt2")
+    layers = hf.causal_lm_layers(model)
+    layers[0].drop = nn.Identity()
+    with pytest.raises(ValueError, match=r"own logits in train mode \(dropout on\)"):
+        hf.check_layers(model, layers)
 
 
 def test_the_check_leaves_rng_and_modes_alone():

@@ -106,15 +106,21 @@ def _build(model: nn.Module) -> list[nn.Module]:
 
 
 @contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """Every submodule in eval mode, each one's own mode restored afterwards."""
+def _kept_modes(model: nn.Module) -> Iterator[None]:
+    """Every submodule's train/eval mode restored afterwards."""
     modes = [(m, m.training) for m in model.modules()]
-    model.eval()
     try:
         yield
     finally:
         for m, training in modes:
             m.training = training
+
+
+def _forked_rng(device: torch.device) -> Any:
+    """The generators of ``device`` (and the CPU's) saved and restored around a block."""
+    if device.type == "cpu":
+        return torch.random.fork_rng(devices=[])
+    return torch.random.fork_rng(devices=[device], device_type=device.type)
 
 
 @contextmanager
@@ -150,39 +156,47 @@ def _probe(model: nn.Module) -> dict[str, Tensor]:
 def check_layers(model: nn.Module, layers: list[nn.Module]) -> None:
     """Raise ValueError unless chaining ``layers`` gives ``model``'s own logits, bitwise.
 
-    Runs both once on a small padded batch in eval mode, without gradients, drawing
+    Runs both on a small padded batch without gradients, in eval mode and in train
+    mode from the same seed (so a dropout the layers miss or add shows), drawing
     nothing from the caller's RNG and restoring every submodule's mode; a sliding
     window is shortened below the batch's length meanwhile, so the check also sees
     which layers slide. Also for layers cut by hand (the first takes the tokenizer-style
     mapping ``{"input_ids", "attention_mask"}``, the last returns the logits).
     """
     batch = _probe(model)
-    no_rng = torch.random.fork_rng(devices=[])
-    with _eval_mode(model), _short_window(model.config), torch.no_grad(), no_rng:
-        expected = model(**batch, use_cache=False).logits
-        try:
-            x: Any = batch
-            for layer in layers:
-                x = layer(x)
-        except Exception as e:
-            raise ValueError(
-                f"{type(model).__name__}: its modules have the expected layout but are not called "
-                f"the way the adapter calls them ({type(e).__name__}: {e}); cut this model into "
-                "layers by hand"
-            ) from e
-    if not (isinstance(x, Tensor) and x.shape == expected.shape and torch.equal(x, expected)):
-        detail = (
-            f"max |difference| {(x - expected).abs().max().item():.3g}"
-            if isinstance(x, Tensor) and x.shape == expected.shape
-            else f"got {type(x).__name__} {tuple(getattr(x, 'shape', ()))}, expected "
-            f"{tuple(expected.shape)}"
-        )
-        raise ValueError(
-            f"{type(model).__name__}: the layers cut from it do not reproduce its own logits "
-            f"({detail}): its forward does something the {type(layers[1]).__name__} layout does "
-            "not (e.g. scaled embeddings or logits, extra inputs); cut this model into layers by "
-            "hand"
-        )
+    name = type(model).__name__
+    rng = _forked_rng(batch["input_ids"].device)
+    with _kept_modes(model), _short_window(model.config), torch.no_grad(), rng:
+        for training in (False, True):
+            model.train(training)
+            torch.manual_seed(0)
+            expected = model(**batch, use_cache=False).logits
+            torch.manual_seed(0)
+            try:
+                x: Any = batch
+                for layer in layers:
+                    x = layer(x)
+            except Exception as e:
+                raise ValueError(
+                    f"{name}: its modules have the expected layout but are not called the way "
+                    f"the adapter calls them ({type(e).__name__}: {e}); cut this model into "
+                    "layers by hand"
+                ) from e
+            if not (isinstance(x, Tensor) and x.shape == expected.shape):
+                raise ValueError(
+                    f"{name}: the last layer returns {type(x).__name__} "
+                    f"{tuple(getattr(x, 'shape', ()))}, not the model's logits "
+                    f"{tuple(expected.shape)}"
+                )
+            if not torch.equal(x, expected):
+                mode = "train mode (dropout on)" if training else "eval mode"
+                raise ValueError(
+                    f"{name}: the layers cut from it do not reproduce its own logits in {mode} "
+                    f"(max |difference| {(x - expected).abs().max().item():.3g}): its forward "
+                    f"does something the {type(layers[1]).__name__} layout does not (e.g. "
+                    "scaled embeddings or logits, another dropout, extra inputs); cut this model "
+                    "into layers by hand"
+                )
 
 
 def causal_lm_layers(model: nn.Module, *, check: bool = True) -> list[nn.Module]:
