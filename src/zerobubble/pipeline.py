@@ -44,7 +44,9 @@ class Pipeline:
         layers: The model's layers in order: a list, ``nn.Sequential`` or
             ``nn.ModuleList`` (deep-copied per stage: the caller's model is left
             untouched), or a factory ``i -> layer i`` (with ``num_layers``) that
-            builds layer ``i`` identically on every rank.
+            builds layer ``i`` identically on every rank. A layer with a
+            ``source_name(name)`` method names its own state (see
+            :mod:`~zerobubble.runtime.partition`; :mod:`zerobubble.interop.hf`).
         loss_fn: ``loss_fn(output, target) -> scalar`` of one microbatch; the
             batch loss is the microbatches' losses weighted by their sizes.
         schedule: A :class:`~zerobubble.schedule.ir.Schedule`, or a generator kind
@@ -122,7 +124,10 @@ class Pipeline:
         self.schedule = self.executor.schedule
         self.trainer: PipelineTrainer | None = None
         mine = {
-            s: [model_name(k, self._layer_keys[s]) for k in self._module(s).state_dict()]
+            s: [
+                model_name(k, self._layer_keys[s], self._module(s))
+                for k in self._module(s).state_dict()
+            ]
             for s in stages
         }
         gathered: list[dict[int, list[str]] | None] = [None] * world
@@ -197,7 +202,7 @@ class Pipeline:
             for name, p in self._module(s).named_parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
-                    yield model_name(name, self._layer_keys[s]), p
+                    yield model_name(name, self._layer_keys[s], self._module(s)), p
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters, in model order (for an optimizer)."""
@@ -209,7 +214,7 @@ class Pipeline:
         out: OrderedDict[str, Tensor] = OrderedDict()
         for s in sorted(self.executor.chunks):
             for name, t in self._module(s).state_dict().items():
-                out[model_name(name, self._layer_keys[s])] = t
+                out[model_name(name, self._layer_keys[s], self._module(s))] = t
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True) -> None:
@@ -228,7 +233,7 @@ class Pipeline:
             own = self._module(s).state_dict()
             local[s] = {}
             for name, current in own.items():
-                key = model_name(name, self._layer_keys[s])
+                key = model_name(name, self._layer_keys[s], self._module(s))
                 if key not in state_dict:
                     missing.append(key)
                     continue

@@ -7,7 +7,10 @@ layer factory, never even constructs) the layers of other ranks.
 A stage module names its parameters ``"<index in the stage>.<name>"``;
 :func:`layer_keys` and :func:`model_name` give them back the names they had in
 the user's model (``"3.attn.qkv.weight"``), so parameters, gradients and state
-dicts can be matched against the unpipelined model.
+dicts can be matched against the unpipelined model. A layer cut out of a bigger
+model can name its state itself with a method ``source_name(name) -> str`` (the
+Hugging Face adapter's layers give ``"model.layers.3.self_attn.q_proj.weight"``);
+:func:`model_name` then uses it instead of ``"<layer key>.<name>"``.
 """
 
 from __future__ import annotations
@@ -100,18 +103,23 @@ def layer_keys(source: LayerSource, num_layers: int | None = None) -> tuple[str,
     return keys
 
 
-def model_name(stage_name: str, keys: Sequence[str]) -> str:
+def model_name(stage_name: str, keys: Sequence[str], layers: Sequence[nn.Module] = ()) -> str:
     """A stage module's parameter or buffer name as the user's model spells it.
 
     ``stage_name`` is ``"<i>.<rest>"`` as ``nn.Sequential`` names the ``i``-th layer
     of the stage; ``keys`` are the stage's layer keys (its slice of :func:`layer_keys`).
+    ``layers`` (the stage's layers, e.g. the stage module) lets a layer with a
+    ``source_name`` method name ``<rest>`` itself.
     """
     local, dot, rest = stage_name.partition(".")
     if not (dot and local.isdigit() and int(local) < len(keys)):
         raise ValueError(
             f"{stage_name!r} is not '<layer index>.<name>' of a stage with {len(keys)} layers"
         )
-    return f"{keys[int(local)]}.{rest}"
+    i = int(local)
+    if i < len(layers) and hasattr(layers[i], "source_name"):
+        return layers[i].source_name(rest)
+    return f"{keys[i]}.{rest}"
 
 
 def build_stage_modules(

@@ -1,0 +1,303 @@
+"""Hugging Face causal LMs as pipeline layers (``transformers`` is optional, imported lazily).
+
+:func:`causal_lm_layers` turns a ``transformers`` causal LM of the GPT-2 layout
+(``transformer.{wte, wpe, h, ln_f}``, ``lm_head``) or of the Llama layout
+(``model.{embed_tokens, layers, norm, rotary_emb}``, ``lm_head``: Llama,
+Mistral, Qwen2, ...) into the ordered layers a
+:class:`~zerobubble.pipeline.Pipeline` takes: the embedding, one layer per
+decoder block, the final norm with the head. The layout is recognised by
+structure, not by class name, and every result is checked once against the
+model's own forward, so a model whose forward does something the layout does
+not (scaled embeddings, soft-capped logits, ...) is refused instead of being
+trained wrongly. :class:`CausalLMLoss` is the model's own shifted cross-entropy,
+normalised by the token count of the whole batch when given it. See docs/hf.md.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import resources
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "TINY_CONFIGS",
+    "CausalLMLoss",
+    "causal_lm_layers",
+    "check_layers",
+    "count_tokens",
+    "tiny_config",
+    "tiny_model",
+]
+
+#: The tiny configs shipped in ``zerobubble/models/configs`` (``<name>-tiny.json``).
+TINY_CONFIGS = ("hf-gpt2", "hf-llama", "hf-mistral", "hf-qwen2")
+
+_PROBE_BATCH, _PROBE_LENGTH, _PROBE_PADS, _PROBE_WINDOW = 2, 7, 2, 3
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(
+            "zerobubble.interop.hf needs Hugging Face transformers: pip install transformers"
+        ) from e
+    return transformers
+
+
+# ---- layers -----------------------------------------------------------------------------------
+
+
+def _has(obj: Any, names: tuple[str, ...]) -> bool:
+    return obj is not None and all(hasattr(obj, n) for n in names)
+
+
+def _attention_type(config: Any, index: int) -> str:
+    """Which of the model's masks layer ``index`` gets, as the model's forward chooses it."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return layer_types[index]
+    if getattr(config, "sliding_window", None) is not None:
+        return "sliding_attention"
+    return "full_attention"
+
+
+def _build(model: nn.Module) -> list[nn.Module]:
+    from zerobubble.interop import hf_layers
+
+    name = type(model).__name__
+    head = getattr(model, "lm_head", None)
+    transformer = getattr(model, "transformer", None)
+    decoder = getattr(model, "model", None)
+    if head is not None and _has(transformer, ("wte", "wpe", "drop", "h", "ln_f")):
+        if getattr(model.config, "add_cross_attention", False):
+            raise ValueError(
+                f"{name} has cross-attention (config.add_cross_attention): the adapter takes "
+                "decoder-only causal LMs; build the model without it"
+            )
+        blocks = list(transformer.h)
+        return [
+            hf_layers.GPT2Embedding(transformer),
+            *(hf_layers.GPT2Block(model.config, b, i) for i, b in enumerate(blocks)),
+            hf_layers.GPT2Head(transformer, head),
+        ]
+    if head is not None and _has(decoder, ("embed_tokens", "layers", "norm", "rotary_emb")):
+        config = model.config
+        blocks = list(decoder.layers)[: config.num_hidden_layers]
+        return [
+            hf_layers.DecoderEmbedding(decoder.embed_tokens),
+            *(
+                hf_layers.DecoderBlock(config, b, decoder.rotary_emb, i, _attention_type(config, i))
+                for i, b in enumerate(blocks)
+            ),
+            hf_layers.DecoderHead(decoder.norm, head),
+        ]
+    raise ValueError(
+        f"{name} has neither the GPT-2 layout (transformer.wte/wpe/drop/h/ln_f and lm_head) nor "
+        "the Llama layout (model.embed_tokens/layers/norm/rotary_emb and lm_head); pass a causal "
+        "LM of one of them (e.g. AutoModelForCausalLM.from_config), or cut the model into layers "
+        "by hand"
+    )
+
+
+@contextmanager
+def _kept_modes(model: nn.Module) -> Iterator[None]:
+    """Every submodule's train/eval mode restored afterwards."""
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _forked_rng(device: torch.device) -> Any:
+    """The generators of ``device`` (and the CPU's) saved and restored around a block."""
+    if device.type == "cpu":
+        return torch.random.fork_rng(devices=[])
+    return torch.random.fork_rng(devices=[device], device_type=device.type)
+
+
+@contextmanager
+def _short_window(config: Any) -> Iterator[None]:
+    """A sliding window shorter than the probe, so the check sees which layers slide.
+
+    Model and layers read ``config.sliding_window`` when they build masks; it is
+    restored afterwards.
+    """
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or window <= _PROBE_WINDOW:
+        yield
+        return
+    config.sliding_window = _PROBE_WINDOW
+    try:
+        yield
+    finally:
+        config.sliding_window = window
+
+
+def _probe(model: nn.Module) -> dict[str, Tensor]:
+    """A small right-padded batch (every query sees a real token, so no row is all masked)."""
+    vocab = model.config.vocab_size
+    length = min(_PROBE_LENGTH, getattr(model.config, "max_position_embeddings", _PROBE_LENGTH))
+    n = _PROBE_BATCH * length
+    ids = (torch.arange(n).view(_PROBE_BATCH, length) * 7919 + 11) % vocab
+    mask = torch.ones(_PROBE_BATCH, length, dtype=torch.long)
+    mask[-1, length - min(_PROBE_PADS, length - 1) :] = 0
+    device = next(model.parameters()).device
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+
+
+def check_layers(model: nn.Module, layers: list[nn.Module]) -> None:
+    """Raise ValueError unless chaining ``layers`` gives ``model``'s own logits, bitwise.
+
+    Runs both on a small padded batch without gradients, in eval mode and in train
+    mode from the same seed (so a dropout the layers miss or add shows), drawing
+    nothing from the caller's RNG and restoring every submodule's mode; a sliding
+    window is shortened below the batch's length meanwhile, so the check also sees
+    which layers slide. Also for layers cut by hand (the first takes the tokenizer-style
+    mapping ``{"input_ids", "attention_mask"}``, the last returns the logits).
+    """
+    batch = _probe(model)
+    name = type(model).__name__
+    rng = _forked_rng(batch["input_ids"].device)
+    with _kept_modes(model), _short_window(model.config), torch.no_grad(), rng:
+        for training in (False, True):
+            model.train(training)
+            torch.manual_seed(0)
+            expected = model(**batch, use_cache=False).logits
+            torch.manual_seed(0)
+            try:
+                x: Any = batch
+                for layer in layers:
+                    x = layer(x)
+            except Exception as e:
+                raise ValueError(
+                    f"{name}: its modules have the expected layout but are not called the way "
+                    f"the adapter calls them ({type(e).__name__}: {e}); cut this model into "
+                    "layers by hand"
+                ) from e
+            if not (isinstance(x, Tensor) and x.shape == expected.shape):
+                raise ValueError(
+                    f"{name}: the last layer returns {type(x).__name__} "
+                    f"{tuple(getattr(x, 'shape', ()))}, not the model's logits "
+                    f"{tuple(expected.shape)}"
+                )
+            if not torch.equal(x, expected):
+                mode = "train mode (dropout on)" if training else "eval mode"
+                raise ValueError(
+                    f"{name}: the layers cut from it do not reproduce its own logits in {mode} "
+                    f"(max |difference| {(x - expected).abs().max().item():.3g}): its forward "
+                    f"does something the {type(layers[1]).__name__} layout does not (e.g. "
+                    "scaled embeddings or logits, another dropout, extra inputs); cut this model "
+                    "into layers by hand"
+                )
+
+
+def causal_lm_layers(model: nn.Module, *, check: bool = True) -> list[nn.Module]:
+    """The ordered pipeline layers of a Hugging Face causal LM.
+
+    ``[embedding, block_0, ..., block_{L-1}, head]``. The layers hold the model's own
+    submodules (a tied head shares the embedding's Parameter object), so pass them to
+    :class:`~zerobubble.pipeline.Pipeline`, which copies them. The first layer takes
+    ``input_ids`` with optional ``attention_mask`` and ``position_ids`` keywords (and
+    ``token_type_ids`` for GPT-2), or one mapping of them as a tokenizer returns it; the
+    head returns the logits, for :class:`CausalLMLoss`. Parameters and buffers are
+    named as in the model (``layer.source_name``).
+
+    ``check``: :func:`check_layers` (one forward of the model and of the layers on a
+    small batch). Dropout stays as the model configures it.
+    """
+    _transformers()
+    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+        raise ValueError(
+            f"expected a transformers PreTrainedModel (a causal LM), got {type(model).__name__}"
+        )
+    layers = _build(model)
+    if check:
+        check_layers(model, layers)
+    return layers
+
+
+# ---- loss -------------------------------------------------------------------------------------
+
+
+def count_tokens(labels: Tensor, ignore_index: int = -100) -> int:
+    """The tokens a causal-LM loss averages over: shifted labels that are not ignored.
+
+    Position ``t`` predicts label ``t + 1``, so the first label of every row is never a
+    target. Pass the count of the whole batch as ``num_items_in_batch``.
+    """
+    return int((labels[..., 1:] != ignore_index).sum())
+
+
+class CausalLMLoss:
+    """The model's own causal-LM loss, ``loss_fn(logits, labels, num_items_in_batch=None)``.
+
+    Labels are shifted inside (as in ``model(..., labels=labels)``); ``ignore_index``
+    positions (padding: label -100) are left out. Without ``num_items_in_batch`` the
+    loss is the mean over this call's tokens, as the model computes it. With it (the
+    :func:`count_tokens` of the whole batch) the loss is the sum over this call's
+    tokens divided by that count, so the microbatches' losses add up to the batch
+    mean and their gradients to the batch's, as with Hugging Face's
+    ``num_items_in_batch``.
+    """
+
+    def __init__(self, model: nn.Module, ignore_index: int = -100) -> None:
+        self._loss = model.loss_function
+        self.vocab_size: int = model.config.vocab_size
+        self.ignore_index = ignore_index
+
+    def __call__(
+        self, logits: Tensor, labels: Tensor, num_items_in_batch: int | Tensor | None = None
+    ) -> Tensor:
+        if not isinstance(labels, Tensor) or labels.shape != logits.shape[:-1]:
+            raise ValueError(
+                f"labels must be a tensor of shape {tuple(logits.shape[:-1])} (the logits' batch "
+                f"and sequence), got {getattr(labels, 'shape', type(labels).__name__)}"
+            )
+        if num_items_in_batch is not None and int(num_items_in_batch) <= 0:
+            raise ValueError(
+                f"num_items_in_batch must be positive (count_tokens of the whole batch), got "
+                f"{int(num_items_in_batch)}"
+            )
+        return self._loss(
+            logits,
+            labels,
+            vocab_size=self.vocab_size,
+            num_items_in_batch=num_items_in_batch,
+            ignore_index=self.ignore_index,
+        )
+
+
+# ---- tiny configs -----------------------------------------------------------------------------
+
+
+def tiny_config(name: str, **overrides: Any) -> Any:
+    """The ``transformers`` config of a shipped tiny model (one of :data:`TINY_CONFIGS`).
+
+    ``overrides`` replace config fields (e.g. ``attn_implementation="eager"``,
+    ``num_hidden_layers=6``).
+    """
+    if name not in TINY_CONFIGS:
+        raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(TINY_CONFIGS)}")
+    text = resources.files("zerobubble.models").joinpath(f"configs/{name}-tiny.json").read_text()
+    fields: dict[str, Any] = {**json.loads(text), **overrides}
+    model_type = fields.pop("model_type")
+    return _transformers().AutoConfig.for_model(model_type, **fields)
+
+
+def tiny_model(name: str, *, seed: int = 0, **overrides: Any) -> nn.Module:
+    """A freshly initialised tiny causal LM from a shipped config (never downloads).
+
+    The initialisation depends only on ``seed`` (the global RNG is left as it was).
+    """
+    config = tiny_config(name, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _transformers().AutoModelForCausalLM.from_config(config)

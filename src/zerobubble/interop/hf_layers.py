@@ -1,0 +1,278 @@
+"""The pipeline layers cut out of a Hugging Face causal LM (imports ``transformers``).
+
+Each layer holds the model's own submodules (no copies, no re-implementation):
+the embedding layer, one layer per decoder block, and the final norm with the
+head. Between layers travels a dict pytree ``{"hidden", "attention_mask",
+"position_ids"}``: the hidden states (the only tensor with a gradient), the 2-D
+padding mask as bool (or a user's 4-D mask, unchanged) and the user's position
+ids, each possibly ``None``. Every block rebuilds what it needs from them the
+way the model's forward does (the causal mask with ``transformers``' own mask
+utilities, the rotary embedding from the position ids): a few ``B x S`` integers
+travel instead of ``S x S`` masks or ``S x head_dim`` tables, and the recomputed
+values are bitwise those of the model.
+
+Every layer names its state as the model does (:meth:`HFLayer.source_name`), so
+a pipeline's parameters and state dicts carry Hugging Face names.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+Boundary = dict[str, Any]
+"""What travels between layers: ``hidden``, ``attention_mask``, ``position_ids``."""
+
+_MASKS: dict[str, Callable[..., Any]] = {
+    "full_attention": create_causal_mask,
+    "sliding_attention": create_sliding_window_causal_mask,
+}
+
+
+class HFLayer(nn.Module):
+    """A slice of a Hugging Face model whose state keeps the model's names.
+
+    ``parts`` maps an attribute name to ``(path in the model, submodule)``; the
+    submodule is registered under the attribute, so its state is named
+    ``"<attribute>.<rest>"`` here and ``"<path>.<rest>"`` in the model.
+    """
+
+    def __init__(self, parts: Mapping[str, tuple[str, nn.Module]]) -> None:
+        super().__init__()
+        self._paths: dict[str, str] = {}
+        for attr, (path, module) in parts.items():
+            self.add_module(attr, module)
+            self._paths[attr] = path
+
+    def source_name(self, name: str) -> str:
+        """The model's name for this layer's parameter or buffer ``name``."""
+        attr, dot, rest = name.partition(".")
+        if not dot or attr not in self._paths:
+            raise ValueError(
+                f"{name!r} is not a parameter or buffer of {type(self).__name__} (its parts are "
+                f"{', '.join(sorted(self._paths))})"
+            )
+        return f"{self._paths[attr]}.{rest}"
+
+
+def _batch_inputs(layer: str, inputs: Tensor | Mapping[str, Any], extra: dict[str, Any]) -> dict:
+    """The embedding's inputs from a tensor of ids plus keywords, or from one mapping.
+
+    A mapping is what a tokenizer returns (``input_ids``, ``attention_mask``, ...).
+    Unknown keys are refused rather than dropped, so nothing is silently ignored.
+    """
+    if isinstance(inputs, Mapping):
+        given = {k: v for k, v in extra.items() if v is not None}
+        if given:
+            raise ValueError(
+                f"{layer}: pass the inputs either as one mapping or as input_ids plus "
+                f"keywords, not both (got the mapping and {', '.join(sorted(given))})"
+            )
+        unknown = sorted(set(inputs) - {"input_ids", *extra})
+        if unknown:
+            raise ValueError(
+                f"{layer}: unknown inputs {', '.join(map(repr, unknown))}; it takes input_ids, "
+                f"{', '.join(extra)} (labels go to the loss as the target)"
+            )
+        if "input_ids" not in inputs:
+            raise ValueError(f"{layer}: the input mapping has no 'input_ids'")
+        return {"input_ids": inputs["input_ids"], **{k: inputs.get(k) for k in extra}}
+    if not isinstance(inputs, Tensor):
+        raise ValueError(
+            f"{layer}: input_ids must be an integer tensor or a mapping with 'input_ids', got "
+            f"{type(inputs).__name__}"
+        )
+    return {"input_ids": inputs, **extra}
+
+
+def _padding_mask(layer: str, mask: Tensor | None) -> Tensor | None:
+    """The padding mask as it travels: a 2-D mask as bool (the mask utilities use bool)."""
+    if mask is None or mask.ndim == 4:
+        return mask
+    if mask.ndim != 2:
+        raise ValueError(
+            f"{layer}: attention_mask must be (batch, sequence) with 1 for real tokens and 0 for "
+            f"padding, or a prepared 4-D mask; got shape {tuple(mask.shape)}"
+        )
+    return mask.to(torch.bool)
+
+
+def _positions(hidden: Tensor, position_ids: Tensor | None) -> Tensor:
+    """The user's position ids, or the models' default ``arange(S)[None]``."""
+    if position_ids is not None:
+        return position_ids
+    return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+
+
+def _boundary(hidden: Tensor, mask: Tensor | None, position_ids: Tensor | None) -> Boundary:
+    return {"hidden": hidden, "attention_mask": mask, "position_ids": position_ids}
+
+
+def _unpack(layer: str, x: Any) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    if not (isinstance(x, Mapping) and isinstance(x.get("hidden"), Tensor)):
+        raise ValueError(
+            f"{layer}: expected the previous layer's dict with 'hidden' (a tensor), "
+            f"'attention_mask' and 'position_ids'; got {type(x).__name__}"
+        )
+    return x["hidden"], x.get("attention_mask"), x.get("position_ids")
+
+
+# ---- GPT-2 family: transformer.{wte, wpe, drop, h, ln_f}, lm_head -------------------------------
+
+
+class GPT2Embedding(HFLayer):
+    """Token plus position embeddings (and token types), then dropout, as ``GPT2Model``."""
+
+    def __init__(self, transformer: nn.Module) -> None:
+        super().__init__(
+            {
+                "wte": ("transformer.wte", transformer.wte),
+                "wpe": ("transformer.wpe", transformer.wpe),
+                "drop": ("transformer.drop", transformer.drop),
+            }
+        )
+
+    def forward(
+        self,
+        input_ids: Tensor | Mapping[str, Any],
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+    ) -> Boundary:
+        extra = {
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "token_type_ids": token_type_ids,
+        }
+        args = _batch_inputs(type(self).__name__, input_ids, extra)
+        ids = args["input_ids"]
+        ids = ids.view(-1, ids.shape[-1])
+        embeds = self.wte(ids)
+        positions = _positions(embeds, args["position_ids"])
+        hidden = embeds + self.wpe(positions).to(embeds.device)
+        if args["token_type_ids"] is not None:
+            hidden = hidden + self.wte(args["token_type_ids"].view(-1, ids.shape[-1]))
+        hidden = self.drop(hidden)
+        mask = args["attention_mask"]
+        if mask is not None and mask.ndim < 4:  # as GPT2Model flattens it
+            mask = mask.view(ids.shape[0], -1)
+        mask = _padding_mask(type(self).__name__, mask)
+        return _boundary(hidden, mask, args["position_ids"])
+
+
+class GPT2Block(HFLayer):
+    """One ``GPT2Block`` with the causal (and padding) mask it is given in ``GPT2Model``."""
+
+    def __init__(self, config: Any, block: nn.Module, index: int) -> None:
+        super().__init__({"block": (f"transformer.h.{index}", block)})
+        self.config = config
+
+    def forward(self, x: Boundary) -> Boundary:
+        hidden, mask, position_ids = _unpack(type(self).__name__, x)
+        positions = _positions(hidden, position_ids)
+        causal = create_causal_mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=mask,
+            cache=None,
+            position_ids=positions,
+        )
+        out = self.block(hidden, attention_mask=causal, position_ids=positions)
+        return _boundary(out[0] if isinstance(out, tuple) else out, mask, position_ids)
+
+
+class GPT2Head(HFLayer):
+    """Final LayerNorm and the LM head (tied to ``wte`` if the model ties them)."""
+
+    def __init__(self, transformer: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__(
+            {"ln_f": ("transformer.ln_f", transformer.ln_f), "lm_head": ("lm_head", lm_head)}
+        )
+
+    def forward(self, x: Boundary) -> Tensor:
+        hidden, _, _ = _unpack(type(self).__name__, x)
+        return self.lm_head(self.ln_f(hidden))
+
+
+# ---- Llama family: model.{embed_tokens, layers, norm, rotary_emb}, lm_head ----------------------
+
+
+class DecoderEmbedding(HFLayer):
+    """The token embedding of a Llama-layout model (``model.embed_tokens``)."""
+
+    def __init__(self, embed_tokens: nn.Module) -> None:
+        super().__init__({"embed_tokens": ("model.embed_tokens", embed_tokens)})
+
+    def forward(
+        self,
+        input_ids: Tensor | Mapping[str, Any],
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+    ) -> Boundary:
+        extra = {"attention_mask": attention_mask, "position_ids": position_ids}
+        args = _batch_inputs(type(self).__name__, input_ids, extra)
+        hidden = self.embed_tokens(args["input_ids"])
+        mask = _padding_mask(type(self).__name__, args["attention_mask"])
+        return _boundary(hidden, mask, args["position_ids"])
+
+
+class DecoderBlock(HFLayer):
+    """One decoder layer with its mask (full or sliding window) and rotary embedding.
+
+    ``attention_type`` is the key of the model's mask mapping for this layer
+    (``config.layer_types[i]``, else sliding iff ``config.sliding_window`` is set).
+    """
+
+    def __init__(
+        self, config: Any, layer: nn.Module, rotary_emb: nn.Module, index: int, attention_type: str
+    ) -> None:
+        super().__init__(
+            {
+                "layer": (f"model.layers.{index}", layer),
+                "rotary_emb": ("model.rotary_emb", rotary_emb),
+            }
+        )
+        if attention_type not in _MASKS:
+            raise ValueError(
+                f"decoder layer {index} uses {attention_type!r} attention; the adapter builds "
+                f"masks for {', '.join(_MASKS)} only"
+            )
+        self.config = config
+        self.attention_type = attention_type
+        # Models with per-type rotary tables (local/global) take the layer type too.
+        self._rotary_by_type = "layer_type" in inspect.signature(rotary_emb.forward).parameters
+
+    def forward(self, x: Boundary) -> Boundary:
+        hidden, mask, position_ids = _unpack(type(self).__name__, x)
+        positions = _positions(hidden, position_ids)
+        causal = _MASKS[self.attention_type](
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=mask,
+            cache=None,
+            position_ids=positions,
+        )
+        if self._rotary_by_type:
+            rotary = self.rotary_emb(hidden, positions, self.attention_type)
+        else:
+            rotary = self.rotary_emb(hidden, positions)
+        out = self.layer(
+            hidden, attention_mask=causal, position_embeddings=rotary, position_ids=positions
+        )
+        return _boundary(out[0] if isinstance(out, tuple) else out, mask, position_ids)
+
+
+class DecoderHead(HFLayer):
+    """Final norm and the LM head (tied to ``embed_tokens`` if the model ties them)."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__({"norm": ("model.norm", norm), "lm_head": ("lm_head", lm_head)})
+
+    def forward(self, x: Boundary) -> Tensor:
+        hidden, _, _ = _unpack(type(self).__name__, x)
+        return self.lm_head(self.norm(hidden))
