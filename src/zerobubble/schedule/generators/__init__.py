@@ -130,6 +130,14 @@ def _zbv_auto(num_devices: int, num_microbatches: int, **options: object) -> Sch
     return fn(num_devices, num_microbatches, **options)  # type: ignore[arg-type]
 
 
+def _auto(num_devices: int, num_microbatches: int, **options: object) -> Schedule:
+    from zerobubble.schedule.search.placement import auto as fn
+
+    if "chunks" in options:
+        options["max_chunks"] = options.pop("chunks")
+    return fn(num_devices, num_microbatches, **options)  # type: ignore[arg-type]
+
+
 def _optimal(num_devices: int, num_microbatches: int, **options: object) -> Schedule:
     from zerobubble.schedule.search.milp import optimal as fn
 
@@ -137,6 +145,15 @@ def _optimal(num_devices: int, num_microbatches: int, **options: object) -> Sche
 
 
 _SEARCH_OPTIONS = frozenset({"costs", "mem_limit"})
+register(
+    Generator(
+        "auto",
+        _auto,
+        "best placement (1..4 chunks per device, looped or V) and schedule for the given "
+        "costs and memory limit (default P); chunks caps the chunks per device",
+        _SEARCH_OPTIONS | {"chunks"},
+    )
+)
 register(
     Generator(
         "zb-auto",

@@ -71,6 +71,11 @@ KICKS = 60
 KICK_STEPS = 400_000
 
 
+def polishes(num_actions: int) -> bool:
+    """Whether the local search runs on an instance of this many F/B/W actions."""
+    return REFINE_STEPS // num_actions >= REFINE_MIN_RUNS
+
+
 def resolve_costs(
     placement: tuple[int, ...], costs: CostSpec | None, mem_limit: Number | None, default: float
 ) -> tuple[CostModel, float]:
@@ -110,30 +115,76 @@ def auto_schedule(
     mem_limit: float,
     grid: Sequence[Policy],
     seeds: Sequence[Schedule] = (),
+    *,
+    seed_orders: Sequence[tuple[tuple[int, ...], ...]] = (),
+    polish: bool = True,
 ) -> Schedule:
-    """Search for the cheapest schedule of ``placement`` x M within ``mem_limit``."""
+    """Search for the cheapest schedule of ``placement`` x M within ``mem_limit``.
+
+    ``seed_orders`` are more seeds, already as per-device ActionGraph indices.
+    ``polish=False`` skips the local search (steps 3 and 4). Seeds that break the
+    limit or deadlock are skipped.
+    """
+    sched = search_beating(
+        name,
+        placement,
+        num_microbatches,
+        costs,
+        mem_limit,
+        grid,
+        seeds,
+        seed_orders=seed_orders,
+        polish=polish,
+    )
+    if sched is None:  # pragma: no cover - every grid has a policy that always finishes
+        raise RuntimeError(f"no pass of the grid scheduled placement {placement}")
+    return sched
+
+
+def search_beating(
+    name: str,
+    placement: tuple[int, ...],
+    num_microbatches: int,
+    costs: CostModel,
+    mem_limit: float,
+    grid: Sequence[Policy],
+    seeds: Sequence[Schedule] = (),
+    *,
+    seed_orders: Sequence[tuple[tuple[int, ...], ...]] = (),
+    polish: bool = True,
+    beat: float = math.inf,
+) -> Schedule | None:
+    """:func:`auto_schedule`, except that without polishing passes that cannot beat
+    ``beat`` stop early; None when no pass or seed was kept (nothing beat ``beat``).
+
+    The placement search passes its best cost so far, so a placement that cannot
+    come near it costs only the start of its passes.
+    """
     graph = ActionGraph(placement, num_microbatches)
     ev = Evaluator(graph, costs)
     limit = mem_limit + 1e-10 * max(1.0, abs(mem_limit))
     budget = REFINE_STEPS
-    polish = budget // len(graph) >= REFINE_MIN_RUNS
+    polish = polish and polishes(len(graph))
     # Candidates by cost; without polishing only the best matters, so passes prune.
     found: dict[tuple[tuple[int, ...], ...], float] = {}
-    best = math.inf
+    best = beat
     for policy in grid:
         cutoff = math.inf if polish else best
         cand = run_pass(placement, num_microbatches, costs, mem_limit, policy, cutoff)
         if cand is not None:
             found.setdefault(cand.orders, cand.cost)
             best = min(best, cand.cost)
-    for seed in seeds:
-        orders = tuple(
-            tuple(graph.index(a.op, a.stage, a.mb) for a in acts) for acts in seed.actions
-        )
+    converted = [
+        tuple(tuple(graph.index(a.op, a.stage, a.mb) for a in acts) for acts in seed.actions)
+        for seed in seeds
+    ]
+    for orders in (*converted, *seed_orders):
         if orders not in found and all(ev.fits(list(o), limit) for o in orders):
             spans = ev.spans([list(o) for o in orders])
             if spans is not None:
                 found[orders] = max(spans)
+    if not found:
+        return None
     ranked = sorted(found.items(), key=lambda item: item[1])
     if not polish:
         ranked = ranked[:1]
