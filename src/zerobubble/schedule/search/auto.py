@@ -69,6 +69,8 @@ REFINE_MIN_RUNS = 200
 #: they may spend (so they matter on small instances and cost little on large ones).
 KICKS = 60
 KICK_STEPS = 400_000
+#: Simulated actions for the plateau walk on the winner (and for its polish after).
+PLATEAU_STEPS = 3_000_000
 
 
 def polishes(num_actions: int) -> bool:
@@ -118,12 +120,13 @@ def auto_schedule(
     *,
     seed_orders: Sequence[tuple[tuple[int, ...], ...]] = (),
     polish: bool = True,
+    walk: bool = True,
 ) -> Schedule:
     """Search for the cheapest schedule of ``placement`` x M within ``mem_limit``.
 
     ``seed_orders`` are more seeds, already as per-device ActionGraph indices.
-    ``polish=False`` skips the local search (steps 3 and 4). Seeds that break the
-    limit or deadlock are skipped.
+    ``polish=False`` skips the local search (steps 3 to 5), ``walk=False`` step 5.
+    Seeds that break the limit or deadlock are skipped.
     """
     sched = search_beating(
         name,
@@ -135,6 +138,7 @@ def auto_schedule(
         seeds,
         seed_orders=seed_orders,
         polish=polish,
+        walk=walk,
     )
     if sched is None:  # pragma: no cover - every grid has a policy that always finishes
         raise RuntimeError(f"no pass of the grid scheduled placement {placement}")
@@ -152,6 +156,7 @@ def search_beating(
     *,
     seed_orders: Sequence[tuple[tuple[int, ...], ...]] = (),
     polish: bool = True,
+    walk: bool = True,
     beat: float = math.inf,
 ) -> Schedule | None:
     """:func:`auto_schedule`, except that without polishing passes that cannot beat
@@ -212,15 +217,44 @@ def search_beating(
         budget -= spent
         if c < cost - 1e-12:
             winner, cost = polished, c
-    P = max(placement) + 1
+    if polish and walk:
+        winner, cost = _walk(graph, costs, mem_limit, winner, cost)
+    return _schedule(name, graph, winner)
+
+
+def _schedule(name: str, graph: ActionGraph, orders: Sequence[Sequence[int]]) -> Schedule:
     return Schedule(
         name,
-        P,
-        len(placement),
-        num_microbatches,
-        placement,
-        tuple(tuple(graph.actions[i] for i in o) for o in winner),
+        graph.num_devices,
+        graph.num_stages,
+        graph.num_microbatches,
+        graph.placement,
+        tuple(tuple(graph.actions[i] for i in o) for o in orders),
     )
+
+
+def _walk(
+    graph: ActionGraph, costs: CostModel, mem_limit: float, orders: list[list[int]], cost: float
+) -> tuple[list[list[int]], float]:
+    """Plateau walk: moves that keep the cost but end the Bs sooner in sum, which
+    shortens a critical backward chain one device at a time; then polish again."""
+    walked, _, _ = refine(graph, costs, mem_limit, orders, max_steps=PLATEAU_STEPS, plateau=True)
+    walked, c, _ = refine(graph, costs, mem_limit, walked, max_steps=PLATEAU_STEPS)
+    return (walked, c) if c < cost - 1e-12 else (orders, cost)
+
+
+def plateau_walk(schedule: Schedule, costs: CostModel, mem_limit: float) -> Schedule:
+    """Step 5 of the search on a finished schedule (the placement search runs it on
+    its winner only); instances too large for the local search come back unchanged."""
+    graph = ActionGraph(schedule.placement, schedule.num_microbatches)
+    if not polishes(len(graph)):
+        return schedule
+    orders = [[graph.index(a.op, a.stage, a.mb) for a in acts] for acts in schedule.actions]
+    spans = Evaluator(graph, costs).spans(orders)
+    if spans is None:
+        raise ValueError("plateau_walk() needs a schedule that runs; this one deadlocks")
+    walked, _ = _walk(graph, costs, mem_limit, orders, max(spans))
+    return _schedule(schedule.name, graph, walked)
 
 
 def zb_auto(

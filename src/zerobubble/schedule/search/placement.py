@@ -34,6 +34,7 @@ from zerobubble.schedule.ir import Action, Op, Schedule, looped_placement
 from zerobubble.schedule.search.auto import (
     GRID_1,
     GRID_V,
+    plateau_walk,
     polishes,
     resolve_costs,
     search_beating,
@@ -47,7 +48,7 @@ MAX_CHUNKS = 4
 
 #: Placements whose unpolished cost is within this fraction of the best unpolished one
 #: get the local search (polishing gains a few percent at most; it is the slow step).
-POLISH_WITHIN = 0.03
+POLISH_WITHIN = 0.02
 
 #: Extra passes for looped placements with several chunks: the interleaved round order.
 GRID_ROUNDS: tuple[Policy, ...] = (
@@ -115,7 +116,8 @@ def _plan_one(
     polish: bool,
     beat: float = math.inf,
 ) -> Schedule | None:
-    """The search of :mod:`.auto` on one placement, with that placement's seeds."""
+    """The search of :mod:`.auto` on one placement, with that placement's seeds
+    (without the plateau walk: ``auto`` walks its winner only)."""
     v = cand.chunks
     family = interleaved_family(p, m, v) if cand.looped else []
     if v == 1:
@@ -138,6 +140,7 @@ def _plan_one(
         seeds,
         seed_orders=family,
         polish=polish,
+        walk=False,
         beat=beat,
     )
 
@@ -219,16 +222,16 @@ def search_placements(
         )
     # Polish only the placements whose unpolished cost is near the best one's.
     floor = min(r[0][0] for r in rough)
-    best: tuple[tuple[float, float, int], Schedule] | None = None
+    best: tuple[tuple[float, float, int], Schedule, CostModel, float] | None = None
     for key, cand, model, limit, sched in rough:
         if key[0] <= floor * (1 + POLISH_WITHIN) and polishes(len(sched)):
             polished = _plan_one(cand, p, m, model, limit, polish=True)
             assert polished is not None  # no cutoff: every grid finishes
             sched, key = polished, _key(polished, model, cand)
         if best is None or _less(key, best[0]):
-            best = (key, sched)
+            best = (key, sched, model, limit)
     assert best is not None
-    return best[1]
+    return plateau_walk(best[1], best[2], best[3])
 
 
 def _key(sched: Schedule, model: CostModel, cand: Candidate) -> tuple[float, float, int]:
