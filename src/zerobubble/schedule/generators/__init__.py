@@ -171,11 +171,27 @@ register(
         _SEARCH_OPTIONS,
     )
 )
+
+
+def _optimal_v(num_devices: int, num_microbatches: int, **options: object) -> Schedule:
+    from zerobubble.schedule.search.milp import optimal as fn
+
+    return fn(num_devices, num_microbatches, v_shape=True, **options)  # type: ignore[arg-type]
+
+
 register(
     Generator(
         "optimal",
         _optimal,
-        "exact optimum by MILP for small P*M (default memory limit 2P)",
+        "exact optimum by MILP for small P*M (default memory limit 2P); chunks > 1 interleaves",
+        _SEARCH_OPTIONS | {"chunks"},
+    )
+)
+register(
+    Generator(
+        "optimal-v",
+        _optimal_v,
+        "exact optimum by MILP on the V placement for small P*M (default memory limit 2P)",
         _SEARCH_OPTIONS,
     )
 )

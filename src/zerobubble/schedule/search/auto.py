@@ -24,16 +24,19 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 
 from zerobubble.schedule.costs import CostModel, CostSpec, Number
 from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.generators.classic import interleaved_1f1b
 from zerobubble.schedule.generators.common import check_counts
+from zerobubble.schedule.generators.dualpipe import dualpipev
 from zerobubble.schedule.generators.zero_bubble import zb_h1, zb_h2, zbv
-from zerobubble.schedule.ir import Schedule, looped_placement, v_placement
+from zerobubble.schedule.ir import Action, Op, Schedule, looped_placement, v_placement
 from zerobubble.schedule.search.graph import ActionGraph, min_feasible_limit
 from zerobubble.schedule.search.greedy import Policy, run_pass
 from zerobubble.schedule.search.refine import Evaluator, perturb, refine
+from zerobubble.schedule.search.templates import interleaved_family
 
 #: Grid for one stage per device. Chosen from every combination of the choices
 #: (f_first x f_overrun x w_overrun x inflight in {0, 1, 2}) as the smallest set
@@ -61,6 +64,21 @@ GRID_V: tuple[Policy, ...] = (
     Policy(f_first=True, f_overrun=False, w_overrun=False, later_first=True, inflight=1),
 )
 
+#: Extra passes for looped placements with several chunks: the interleaved round order,
+#: each with rounds of P, ceil(P/2) and 1 microbatches (smaller rounds fit tighter limits).
+GRID_ROUNDS: tuple[Policy, ...] = (
+    Policy(f_first=True, f_overrun=False, w_overrun=True, inflight=1),
+    Policy(f_first=False, f_overrun=True, w_overrun=False, inflight=0),
+    Policy(f_first=False, f_overrun=True, w_overrun=True, inflight=0),
+)
+
+
+def round_grid(num_devices: int) -> tuple[Policy, ...]:
+    """GRID_ROUNDS with every round size for P devices."""
+    sizes = sorted({num_devices, (num_devices + 1) // 2, 1}, reverse=True)
+    return tuple(replace(pol, rounds=g) for g in sizes for pol in GRID_ROUNDS)
+
+
 #: Actions the local search may simulate, over all its trials and starting points.
 REFINE_STEPS = 3_000_000
 #: The local search runs only if its budget covers this many full simulations.
@@ -71,6 +89,44 @@ KICKS = 60
 KICK_STEPS = 400_000
 #: Simulated actions for the plateau walk on the winner (and for its polish after).
 PLATEAU_STEPS = 3_000_000
+
+
+def search_inputs(
+    num_devices: int, num_microbatches: int, chunks: int, *, looped: bool
+) -> tuple[tuple[Policy, ...], list[Schedule], list[tuple[tuple[int, ...], ...]]]:
+    """The grid, the handcrafted seeds and the seed orders for one placement kind.
+
+    ``looped``: stage s on device s % P (ZB-H1/ZB-H2 and the interleaved family
+    for one chunk; interleaved 1F1B, the interleaved family and the round-order
+    passes for several); otherwise the zig-zag (ZB-V and DualPipeV for the V).
+    """
+    p, m, v = num_devices, num_microbatches, chunks
+    if looped:
+        family = interleaved_family(p, m, v)
+        if v == 1:
+            return GRID_1, [zb_h1(p, m), zb_h2(p, m)], family
+        seeds = [interleaved_1f1b(p, m, chunks=v, split_backward=True)]
+        return GRID_V + round_grid(p), seeds, family
+    if v == 2:
+        return GRID_V, [zbv(p, m), _split(dualpipev(p, m))], []
+    return GRID_V, [], []
+
+
+def _split(sched: Schedule) -> Schedule:
+    """``sched`` with each BW written as B then W (same timing, searchable)."""
+    acts = [
+        [
+            x
+            for a in row
+            for x in (
+                (Action(Op.B, a.stage, a.mb), Action(Op.W, a.stage, a.mb))
+                if a.op is Op.BW
+                else (a,)
+            )
+        ]
+        for row in sched.actions
+    ]
+    return sched.with_actions(acts)
 
 
 def polishes(num_actions: int) -> bool:
@@ -278,11 +334,8 @@ def zb_auto(
         raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
     placement = looped_placement(p, chunks)
     model, limit = resolve_costs(placement, costs, mem_limit, default=p)
-    if chunks == 1:
-        grid, seeds = GRID_1, (zb_h1(p, m), zb_h2(p, m))
-    else:
-        grid, seeds = GRID_V, (interleaved_1f1b(p, m, chunks=chunks, split_backward=True),)
-    return auto_schedule("zb-auto", placement, m, model, limit, grid, seeds)
+    grid, seeds, family = search_inputs(p, m, chunks, looped=True)
+    return auto_schedule("zb-auto", placement, m, model, limit, grid, seeds, seed_orders=family)
 
 
 def zbv_auto(
@@ -299,4 +352,5 @@ def zbv_auto(
     p, m = check_counts(num_devices, num_microbatches)
     placement = v_placement(p)
     model, limit = resolve_costs(placement, costs, mem_limit, default=p)
-    return auto_schedule("zbv-auto", placement, m, model, limit, GRID_V, seeds=(zbv(p, m),))
+    grid, seeds, _ = search_inputs(p, m, 2, looped=False)
+    return auto_schedule("zbv-auto", placement, m, model, limit, grid, seeds)

@@ -62,13 +62,14 @@ class Policy:
     inflight: int = 0
     """If > 0, stage s keeps at most ``inflight * (S - s)`` microbatches between its F
     and its B (1 is 1F1B's shape); 0 leaves the count to the memory limit."""
-    rounds: bool = False
-    """On devices with several stages, run F (and B) in rounds of P microbatches per stage,
-    stage by stage (the interleaved 1F1B order: F of the first stage held for
-    microbatches 0..P-1, then of the next stage, ...; B the same with the stages
-    reversed), waiting for the next one in that order rather than taking whichever
-    arrived first. Keeps every stage of a device fed evenly, which first-come order
-    does not when comm delays the later stages' inputs."""
+    rounds: int = 0
+    """If > 0, on devices with several stages, run F (and B) in rounds of this many
+    microbatches per stage, stage by stage (the interleaved 1F1B order with rounds of
+    P: F of the first stage held for microbatches 0..P-1, then of the next stage, ...;
+    B the same with the stages reversed), waiting for the next one in that order
+    rather than taking whichever arrived first. Keeps every stage of a device fed
+    evenly, which first-come order does not when comm delays the later stages'
+    inputs; smaller rounds need less memory to fill the pipeline."""
 
 
 @dataclass(frozen=True)
@@ -163,8 +164,9 @@ class _Builder:
         self.out: list[list[int]] = [[] for _ in range(P)]
         self.left = [3 * m * len(h) for h in self.stages]
         # With rounds: the fixed F and B stage sequence of each device, and where it stands.
-        self.seq_f = [self._rounds(held, m, P) for held in self.stages]
-        self.seq_b = [self._rounds(held[::-1], m, P) for held in self.stages]
+        group = policy.rounds or P
+        self.seq_f = [self._rounds(held, m, group) for held in self.stages]
+        self.seq_b = [self._rounds(held[::-1], m, group) for held in self.stages]
         self.pos_f = [0] * P
         self.pos_b = [0] * P
         self.heap: list[tuple[float, int]] = [(0.0, d) for d in range(P)]

@@ -26,21 +26,15 @@ from dataclasses import dataclass
 
 from zerobubble.schedule.costs import CostModel, CostSpec, Number
 from zerobubble.schedule.errors import Reason, ScheduleError
-from zerobubble.schedule.generators.classic import interleaved_1f1b
 from zerobubble.schedule.generators.common import check_counts
-from zerobubble.schedule.generators.dualpipe import dualpipev
-from zerobubble.schedule.generators.zero_bubble import zb_h1, zb_h2, zbv
-from zerobubble.schedule.ir import Action, Op, Schedule, looped_placement
+from zerobubble.schedule.ir import Schedule, looped_placement
 from zerobubble.schedule.search.auto import (
-    GRID_1,
-    GRID_V,
     plateau_walk,
     polishes,
     resolve_costs,
     search_beating,
+    search_inputs,
 )
-from zerobubble.schedule.search.greedy import Policy
-from zerobubble.schedule.search.templates import interleaved_family
 from zerobubble.schedule.simulate import simulate
 
 #: Chunks per device the planner tries by default.
@@ -49,13 +43,6 @@ MAX_CHUNKS = 4
 #: Placements whose unpolished cost is within this fraction of the best unpolished one
 #: get the local search (polishing gains a few percent at most; it is the slow step).
 POLISH_WITHIN = 0.02
-
-#: Extra passes for looped placements with several chunks: the interleaved round order.
-GRID_ROUNDS: tuple[Policy, ...] = (
-    Policy(f_first=True, f_overrun=False, w_overrun=True, inflight=1, rounds=True),
-    Policy(f_first=True, f_overrun=False, w_overrun=False, inflight=1, rounds=True),
-    Policy(f_first=False, f_overrun=True, w_overrun=True, inflight=0, rounds=True),
-)
 
 
 @dataclass(frozen=True)
@@ -88,25 +75,6 @@ def candidates(num_devices: int, max_chunks: int = MAX_CHUNKS) -> list[Candidate
     return out
 
 
-def _split(sched: Schedule) -> Schedule:
-    """``sched`` with each BW written as B then W (same timing, searchable)."""
-    if not any(a.op is Op.BW for acts in sched.actions for a in acts):
-        return sched
-    acts = [
-        [
-            x
-            for a in row
-            for x in (
-                (Action(Op.B, a.stage, a.mb), Action(Op.W, a.stage, a.mb))
-                if a.op is Op.BW
-                else (a,)
-            )
-        ]
-        for row in sched.actions
-    ]
-    return sched.with_actions(acts)
-
-
 def _plan_one(
     cand: Candidate,
     p: int,
@@ -118,18 +86,7 @@ def _plan_one(
 ) -> Schedule | None:
     """The search of :mod:`.auto` on one placement, with that placement's seeds
     (without the plateau walk: ``auto`` walks its winner only)."""
-    v = cand.chunks
-    family = interleaved_family(p, m, v) if cand.looped else []
-    if v == 1:
-        grid: tuple[Policy, ...] = GRID_1
-        seeds = [zb_h1(p, m), zb_h2(p, m)]
-    elif cand.looped:
-        grid = GRID_V + GRID_ROUNDS
-        seeds = [interleaved_1f1b(p, m, chunks=v, split_backward=True)]
-    elif v == 2:
-        grid, seeds = GRID_V, [zbv(p, m), _split(dualpipev(p, m))]
-    else:
-        grid, seeds = GRID_V, []
+    grid, seeds, family = search_inputs(p, m, cand.chunks, looped=cand.looped)
     return search_beating(
         "auto",
         cand.placement,

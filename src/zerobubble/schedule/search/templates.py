@@ -25,11 +25,11 @@ from collections import deque
 from zerobubble.schedule.ir import Schedule, looped_placement
 from zerobubble.schedule.search.graph import ActionGraph
 
-#: (slope, extra, lagged) for each family member.
+#: (slope, extra, lagged) for each family member (times each round size).
 VARIANTS: tuple[tuple[int, int, bool], ...] = tuple(
     (slope, extra, lagged)
     for slope in (1, 2)
-    for extra in (-1, 0, 1, 2)
+    for extra in (-2, -1, 0, 1, 2)
     for lagged in (True, False)
 )
 
@@ -52,19 +52,21 @@ def interleaved_orders(
     slope: int,
     extra: int,
     lagged: bool,
+    group: int | None = None,
 ) -> tuple[tuple[int, ...], ...]:
     """One member of the family on the looped placement (stage s on device s % P), as
     per-device orders of ActionGraph indices (``(k * S + s) * M + j``, k = 0, 1, 2 for F, B, W).
     """
     P, M, v = num_devices, num_microbatches, chunks
+    g = P if group is None else group
     S = v * P
     w_shift = S * M  # index of W(s, j) = index of B(s, j) + S*M
     orders = []
     for d in range(P):
         held = [c * P + d for c in range(v)]
-        fwd = _rounds(held, M, P, 0, S)
-        bwd = _rounds(held[::-1], M, P, 1, S)
-        warm = min(len(fwd), max(1, (v - 1) * P + P - 1 - slope * d + extra))
+        fwd = _rounds(held, M, g, 0, S)
+        bwd = _rounds(held[::-1], M, g, 1, S)
+        warm = min(len(fwd), max(1, (v - 1) * g + P - 1 - slope * d + extra))
         lag = d if lagged else 0
         out = fwd[:warm]
         nxt = warm
@@ -113,11 +115,21 @@ def interleaved_family(
     """Every distinct member of the family for P, M and ``chunks`` >= 1 (as index orders)."""
     seen: set[tuple[tuple[int, ...], ...]] = set()
     out = []
-    for slope, extra, lagged in VARIANTS:
-        orders = interleaved_orders(
-            num_devices, num_microbatches, chunks, slope=slope, extra=extra, lagged=lagged
-        )
-        if orders not in seen:
-            seen.add(orders)
-            out.append(orders)
+    # One chunk: the round size does not matter. Smaller rounds need less warm-up
+    # memory: under a tight limit only they fit.
+    groups = sorted({num_devices, (num_devices + 1) // 2, 1} if chunks > 1 else {1}, reverse=True)
+    for group in groups:
+        for slope, extra, lagged in VARIANTS:
+            orders = interleaved_orders(
+                num_devices,
+                num_microbatches,
+                chunks,
+                slope=slope,
+                extra=extra,
+                lagged=lagged,
+                group=group,
+            )
+            if orders not in seen:
+                seen.add(orders)
+                out.append(orders)
     return out
