@@ -59,8 +59,10 @@ from zerobubble.schedule.simulate import SimResult, simulate
 from zerobubble.schedule.validate import validate
 from zerobubble.train.config import TrainConfig
 
-PLANNER = "zb-auto"
-"""The schedule kind that plans from the measured costs under the memory limit."""
+PLANNER = "auto"
+"""The schedule kind that plans from the measured costs under the memory limit: the
+placement search, which with the profile's per-stage costs tries only placements of
+the profiled stage count (here one stage per device, the profiled placement)."""
 
 
 class Reporter(Protocol):
