@@ -85,8 +85,8 @@ REFINE_STEPS = 3_000_000
 REFINE_MIN_RUNS = 200
 #: Restarts of the local search from perturbed best orders, and the simulated actions
 #: they may spend (so they matter on small instances and cost little on large ones).
-KICKS = 60
-KICK_STEPS = 400_000
+KICKS = 400
+KICK_STEPS = 3_000_000
 #: Simulated actions for the plateau walk on the winner (and for its polish after).
 PLATEAU_STEPS = 3_000_000
 
