@@ -4,14 +4,21 @@ interleaved with ``chunks``) and ``zbv-auto`` (V placement, two stages per devic
 Both run the same search, a deterministic pure function of its inputs:
 
 1. one pass of the list-scheduling heuristic (:mod:`.greedy`) per point of a
-   grid over its binary choices;
-2. the matching handcrafted schedules (ZB-H1 and ZB-H2, interleaved 1F1B, or
-   ZB-V) join as candidates when they fit the memory limit, so the search
+   grid over its choices (looped multi-chunk placements add round-order passes);
+2. the matching handcrafted schedules (ZB-H1 and ZB-H2, interleaved 1F1B and
+   the interleaved zero-bubble family of :mod:`.templates`, or ZB-V and
+   DualPipeV) join as candidates when they fit the memory limit, so the search
    never returns anything worse than them;
 3. every distinct candidate, cheapest first, is polished by local search
    (:mod:`.refine`) within a shared budget of simulated actions; instances too
-   large for the budget to cover REFINE_MIN_RUNS full simulations skip this,
-   and there a pass stops as soon as it cannot beat the best one so far.
+   large for the budget to cover REFINE_MIN_RUNS full simulations skip steps
+   3 to 5, and there a pass stops as soon as it cannot beat the best one so far;
+4. restarts: seeded random kicks of the best orders, polished again;
+5. a plateau walk (moves that keep the cost but end the Bs sooner in sum) and a
+   last polish, which shortens a critical backward chain held up by Ws on
+   several devices at once (no single move helps there).
+
+The placement search ``auto`` (:mod:`.placement`) runs this per placement.
 
 The memory limit is per device, in the units of the cost model's ``mem_f``
 (with the default costs: one microbatch's activations on a whole device,
