@@ -216,7 +216,8 @@ def optimal(
     model, limit = resolve_costs(placement, costs, mem_limit, default=2 * p)
     grid, seeds, family = search_inputs(p, m, v, looped=not v_shape)
     incumbent = auto_schedule("auto", placement, m, model, limit, grid, seeds, seed_orders=family)
-    return solve_optimal(incumbent, model, limit).schedule
+    name = "optimal-v" if v_shape else "optimal"
+    return solve_optimal(incumbent, model, limit, name=name).schedule
 
 
 def _check_size(actions: int) -> None:
