@@ -1,24 +1,25 @@
-"""zb-auto / zbv-auto against PyTorch's schedules at the same (or lower) peak memory.
+"""The placement search ``auto`` against every PyTorch schedule at equal or lower peak memory.
 
-Ours: zb-auto (one stage per device), zb-auto with chunks=2 (interleaved
-placement, InterleavedZeroBubble's) and zbv-auto (V placement).
+Peers, imported from PyTorch pipelining (``zerobubble.interop.torch_pipelining``):
+1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble and DualPipeV.
+For P in {4, 8}, M in {2P, 4P}, three cost mixes and comm in {0, 0.1 F}, each
+peer is simulated and ``auto`` is run with ``mem_limit`` = the peer's simulated
+peak, so every comparison is at equal or lower memory. Also shown: zb-auto and
+zbv-auto (the fixed placements) under the same limit.
 
-For P in {4, 8, 16} and M in {P, 2P, 4P}, under equal and uneven costs, each
-peer schedule is simulated, and ours are generated with ``mem_limit`` = the
-peer's simulated peak, so every comparison is at equal or lower memory. Peers:
-PyTorch pipelining's InterleavedZeroBubble, ZBVZeroBubble and DualPipeV
-(imported from ``get_schedule_ops``), and 1F1B (ours: PyTorch's listing names
-microbatch M on the last rank, so it cannot be imported; ours is the same
-schedule).
+Costs come from a model of 12P layers, so that every placement ``auto`` tries
+(1 to 4 chunks per device) and every peer's is costed from the same layers: a
+stage of a v-chunk placement holds 12/v consecutive layers. Memory: a layer's
+F allocates 1/12 (one microbatch's activations on all of a device's 12 layers is
+1, M_B, the unit of ``--mem-limit``), its W holds half of that. So the peers'
+peaks (PyTorch's two-stage-per-rank schedules included) are in the same units.
 
-Costs come from a model of 2P layers, so every placement is costed
-consistently: with one stage per device stage d holds layers 2d and 2d+1, with
-two chunks stage s holds layer s. Equal: every layer F=B=W=1/2. Uneven (seeded):
-per-layer F in [0.4, 0.6], B in [0.45, 0.7], W in [0.2, 0.45], the first layer
-heavier (embedding) and the last heavier still (head and loss), comm 0.02.
-Memory: one microbatch's activations on all of a device's layers is 1 (M_B).
+Mixes (device totals per microbatch): ``equal`` F=B=W=1; ``fbw`` F=1, B=2,
+W=0.6 (the issue's); ``layers``: seeded per-layer F, B, W around 1, 1.4, 0.6
+with the first layer heavier (embedding) and the last heavier still (head and
+loss). comm is per cross-device hop: 0 or 0.1 of a device's F.
 
-Prints JSON; ``--quick`` runs only P=4 (and is what CI-sized machines should use).
+Prints JSON; ``--quick`` runs only P=4.
 """
 
 from __future__ import annotations
@@ -31,41 +32,41 @@ import time
 from zerobubble.interop.torch_pipelining import torch_schedule
 from zerobubble.schedule.costs import CostModel, CostSpec
 from zerobubble.schedule.generators import generate
-from zerobubble.schedule.ir import Schedule, looped_placement, v_placement
+from zerobubble.schedule.search.placement import search_placements
 from zerobubble.schedule.simulate import simulate
 
-PEERS = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "1F1B")
-#: Our kinds: (label, kind, chunks, placement).
-OURS = (
-    ("zb-auto", "zb-auto", None, lambda p: looped_placement(p, 1)),
-    ("zb-auto-chunks2", "zb-auto", 2, lambda p: looped_placement(p, 2)),
-    ("zbv-auto", "zbv-auto", None, v_placement),
-)
+PEERS = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+MIXES = ("equal", "fbw", "layers")
+LAYERS_PER_DEVICE = 12
+
+Layers = tuple[list[float], list[float], list[float]]
 
 
-def layer_costs(
-    p: int, uneven: bool, seed: int = 0
-) -> tuple[list[float], list[float], list[float]]:
-    n = 2 * p
-    if not uneven:
-        return [0.5] * n, [0.5] * n, [0.5] * n
+def layer_costs(p: int, mix: str, seed: int = 0) -> Layers:
+    """Per-layer F, B, W of a 12P-layer model (a device's totals are about F=1)."""
+    n = LAYERS_PER_DEVICE * p
+    k = 1 / LAYERS_PER_DEVICE
+    if mix == "equal":
+        return [k] * n, [k] * n, [k] * n
+    if mix == "fbw":
+        return [k] * n, [2 * k] * n, [0.6 * k] * n
     rng = random.Random(seed * 1000 + p)
-    f = [rng.uniform(0.4, 0.6) for _ in range(n)]
-    b = [rng.uniform(0.45, 0.7) for _ in range(n)]
-    w = [rng.uniform(0.2, 0.45) for _ in range(n)]
-    f[0] += 0.15
-    b[0] += 0.1
-    f[-1] += 0.3
-    b[-1] += 0.3
+    f = [k * rng.uniform(0.8, 1.2) for _ in range(n)]
+    b = [k * rng.uniform(1.1, 1.7) for _ in range(n)]
+    w = [k * rng.uniform(0.4, 0.8) for _ in range(n)]
+    f[0] += 2 * k
+    b[0] += 2 * k
+    f[-1] += 4 * k
+    b[-1] += 5 * k
     return f, b, w
 
 
-def stage_costs(placement: tuple[int, ...], layers, comm: float) -> CostModel:
-    """Per-stage costs of ``placement`` from per-layer costs (2P layers in model order)."""
+def stage_costs(placement: tuple[int, ...], layers: Layers, comm: float) -> CostModel:
+    """Per-stage costs of ``placement``: stage s holds layers [s*n, (s+1)*n)."""
     f, b, w = layers
     per = len(f) // len(placement)
     group = [range(s * per, (s + 1) * per) for s in range(len(placement))]
-    mem = [per / 2 for _ in placement]  # 2 layers = one device's M_B
+    mem = [per / LAYERS_PER_DEVICE for _ in placement]
     return CostModel.per_stage(
         [sum(f[i] for i in g) for g in group],
         [sum(b[i] for i in g) for g in group],
@@ -76,10 +77,29 @@ def stage_costs(placement: tuple[int, ...], layers, comm: float) -> CostModel:
     )
 
 
-def peer(name: str, p: int, m: int) -> Schedule:
-    if name == "1F1B":
-        return generate("1f1b", p, m)
-    return torch_schedule(name, p, m)
+def ours(p: int, m: int, layers: Layers, comm: float, limit: float) -> dict[str, dict]:
+    out = {}
+    t0 = time.perf_counter()
+    sched = search_placements(p, m, lambda pl: stage_costs(pl, layers, comm), limit)
+    secs = time.perf_counter() - t0
+    res = simulate(sched, stage_costs(sched.placement, layers, comm))
+    out["auto"] = {
+        "cost": round(float(res.cost), 4),
+        "peak": round(float(max(res.peak_memory)), 6),
+        "chunks": sched.num_stages // p,
+        "v_shape": sched.placement[p] == p - 1 if sched.num_stages > p else False,
+        "seconds": round(secs, 2),
+    }
+    for kind in ("zb-auto", "zbv-auto"):
+        placement = generate(kind, p, 1).placement
+        model = stage_costs(placement, layers, comm)
+        sched = generate(kind, p, m, costs=CostSpec(stage_costs=model), mem_limit=limit)
+        res = simulate(sched, model)
+        out[kind] = {
+            "cost": round(float(res.cost), 4),
+            "peak": round(float(max(res.peak_memory)), 6),
+        }
+    return out
 
 
 def main() -> None:
@@ -87,57 +107,47 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="P=4 only")
     args = ap.parse_args()
     rows = []
-    for p in (4,) if args.quick else (4, 8, 16):
-        for m in (p, 2 * p, 4 * p):
-            for uneven in (False, True):
-                layers = layer_costs(p, uneven)
-                comm = 0.02 if uneven else 0.0
-                ours_cache: dict[tuple[str, float], tuple[float, float, float]] = {}
-                for name in PEERS:
-                    try:
-                        theirs = peer(name, p, m)
-                    except Exception as exc:  # a peer that cannot build this (P, M)
+    for p in (4,) if args.quick else (4, 8):
+        for m in (2 * p, 4 * p):
+            for mix in MIXES:
+                layers = layer_costs(p, mix)
+                for comm_ratio in (0.0, 0.1):
+                    comm = comm_ratio * sum(layers[0]) / p  # 0.1 of a device's mean F
+                    cache: dict[float, dict[str, dict]] = {}
+                    for name in PEERS:
+                        theirs = torch_schedule(name, p, m)
+                        ref = simulate(theirs, stage_costs(theirs.placement, layers, comm))
+                        limit = round(float(max(ref.peak_memory)), 9)
+                        if limit not in cache:
+                            cache[limit] = ours(p, m, layers, comm, limit)
+                        mine = cache[limit]
                         rows.append(
-                            {"P": p, "M": m, "uneven": uneven, "peer": name, "error": str(exc)}
+                            {
+                                "P": p,
+                                "M": m,
+                                "mix": mix,
+                                "comm": round(comm, 6),
+                                "peer": name,
+                                "peer_cost": round(float(ref.cost), 4),
+                                "peer_peak": limit,
+                                **mine,
+                                "auto_vs_peer": round(mine["auto"]["cost"] / float(ref.cost), 4),
+                            }
                         )
-                        continue
-                    costs = stage_costs(theirs.placement, layers, comm)
-                    ref = simulate(theirs, costs)
-                    limit = float(max(ref.peak_memory))
-                    row = {
-                        "P": p,
-                        "M": m,
-                        "uneven": uneven,
-                        "peer": name,
-                        "peer_cost": round(float(ref.cost), 4),
-                        "peer_peak": limit,
-                    }
-                    for label, kind, chunks, placement in OURS:
-                        key = (label, limit)
-                        if key not in ours_cache:
-                            mine = stage_costs(placement(p), layers, comm)
-                            t0 = time.perf_counter()
-                            spec = CostSpec(stage_costs=mine)
-                            ours = generate(kind, p, m, chunks=chunks, costs=spec, mem_limit=limit)
-                            secs = time.perf_counter() - t0
-                            res = simulate(ours, mine)
-                            ours_cache[key] = (float(res.cost), float(max(res.peak_memory)), secs)
-                        cost, peak, secs = ours_cache[key]
-                        row[label] = {
-                            "cost": round(cost, 4),
-                            "peak": peak,
-                            "seconds": round(secs, 3),
-                        }
-                    best = min(row[label]["cost"] for label, *_ in OURS)
-                    row["best_ours_vs_peer"] = round(best / row["peer_cost"], 4)
-                    rows.append(row)
-    ok = [r for r in rows if "error" not in r]
+    worse = [
+        r for r in rows if r["auto_vs_peer"] > 1 + 1e-9 or r["auto"]["peak"] > r["peer_peak"] + 1e-9
+    ]
     summary = {
-        "comparisons": len(ok),
-        "never_worse": all(r["best_ours_vs_peer"] <= 1 + 1e-9 for r in ok),
-        "strictly_better_uneven": sum(1 for r in ok if r["uneven"] and r["best_ours_vs_peer"] < 1),
-        "uneven_comparisons": sum(1 for r in ok if r["uneven"]),
-        "worst_ratio": max((r["best_ours_vs_peer"] for r in ok), default=None),
+        "comparisons": len(rows),
+        "never_worse_at_equal_or_lower_peak": not worse,
+        "worse": [(r["P"], r["M"], r["mix"], r["comm"], r["peer"]) for r in worse],
+        "strictly_better": sum(1 for r in rows if r["auto_vs_peer"] < 1 - 1e-9),
+        "worst_ratio": max(r["auto_vs_peer"] for r in rows),
+        "best_ratio": min(r["auto_vs_peer"] for r in rows),
+        "cases": "P in {4, 8} x M in {2P, 4P} x mix in {equal, fbw, layers} x comm in {0, 0.1F}"
+        " x 5 peers"
+        if not args.quick
+        else "P=4 only",
     }
     print(json.dumps({"benchmark": "search_vs_torch", "summary": summary, "rows": rows}, indent=1))
 

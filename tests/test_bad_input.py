@@ -250,5 +250,5 @@ def test_unplannable_memory_limit_is_one_message_from_the_parent(tmp_path, capfd
     assert main([*argv, "--out", str(tmp_path / "out")]) == 2
     captured = capfd.readouterr()
     assert "Traceback" not in captured.err and "rank " not in captured.err
-    assert "cannot plan zb-auto within --mem-limit 1 bytes per device" in captured.err
+    assert "cannot plan auto within --mem-limit 1 bytes per device" in captured.err
     assert "raise the limit to at least" in captured.err

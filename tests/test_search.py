@@ -283,8 +283,9 @@ def test_smallest_feasible_limit_is_schedulable(v_shape):
 
 
 def test_registered_kinds_take_costs_and_mem_limit():
-    assert GENERATORS["zb-auto"].options == frozenset({"costs", "mem_limit", "chunks"})
-    for kind in ("zbv-auto", "optimal"):
+    for kind in ("zb-auto", "optimal", "auto"):  # chunks: interleaved / at most v
+        assert GENERATORS[kind].options == frozenset({"costs", "mem_limit", "chunks"})
+    for kind in ("zbv-auto", "optimal-v"):
         assert GENERATORS[kind].options == frozenset({"costs", "mem_limit"})
     with pytest.raises(ValueError, match="does not take option 'chunks'"):
         generate("zbv-auto", 4, 8, chunks=2)

@@ -302,7 +302,7 @@ def test_profile_json_loads_as_costs_and_drives_the_planner(job, tmp_path):
     assert data["fused"]["BW"] == [s.median for s in fused.bw]
     assert data["units"] == {"time": "ms", "memory": "bytes"}
     planned, kind = plan_schedule(2, 8, model, spec.mem_limit)
-    assert kind == "zb-auto" and planned.num_stages == 2
+    assert kind == "auto" and planned.num_stages == 2
     validate(planned, mem_limit=spec.mem_limit, costs=model)
 
     def eff(st, op, col):  # compute plus host tail

@@ -39,8 +39,8 @@ def test_train_profiles_plans_trains_and_writes_its_outputs(tmp_path, capfd):
     assert {e.iteration for e in events} == {0, 1, 2}
     assert (out / "timeline.png").stat().st_size > 0
     assert json.loads((out / "trace.chrome.json").read_text())["traceEvents"]
-    assert "planned with zb-auto under a memory limit of" in text
-    assert "zb-auto (planned)" in text
+    assert "planned with auto under a memory limit of" in text
+    assert "auto (planned)" in text
 
 
 def test_bad_configurations_are_refused_before_launching():

@@ -64,8 +64,10 @@ from zerobubble.train.config import TrainConfig
 
 T = TypeVar("T")
 
-PLANNER = "zb-auto"
-"""The schedule kind that plans from the measured costs under the memory limit."""
+PLANNER = "auto"
+"""The schedule kind that plans from the measured costs under the memory limit: the
+placement search, which with the profile's per-stage costs tries only placements of
+the profiled stage count (here one stage per device, the profiled placement)."""
 
 
 class PlanError(ValueError):

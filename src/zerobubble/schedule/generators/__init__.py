@@ -69,10 +69,24 @@ def _zbv_auto(num_devices: int, num_microbatches: int, **options: object) -> Sch
     return fn(num_devices, num_microbatches, **options)  # type: ignore[arg-type]
 
 
+def _auto(num_devices: int, num_microbatches: int, **options: object) -> Schedule:
+    from zerobubble.schedule.search.placement import auto as fn
+
+    if "chunks" in options:
+        options["max_chunks"] = options.pop("chunks")
+    return fn(num_devices, num_microbatches, **options)  # type: ignore[arg-type]
+
+
 def _optimal(num_devices: int, num_microbatches: int, **options: object) -> Schedule:
     from zerobubble.schedule.search.milp import optimal as fn
 
     return fn(num_devices, num_microbatches, **options)  # type: ignore[arg-type]
+
+
+def _optimal_v(num_devices: int, num_microbatches: int, **options: object) -> Schedule:
+    from zerobubble.schedule.search.milp import optimal as fn
+
+    return fn(num_devices, num_microbatches, v_shape=True, **options)  # type: ignore[arg-type]
 
 
 _SEARCH_OPTIONS = frozenset({"costs", "mem_limit"})
@@ -114,6 +128,13 @@ _KINDS = (
         "DeepSeek's DualPipeV: DualPipe cut in half onto the V placement",
     ),
     Generator(
+        "auto",
+        _auto,
+        "best placement (1..4 chunks per device, looped or V) and schedule for the given "
+        "costs and memory limit (default P); chunks caps the chunks per device",
+        _SEARCH_OPTIONS | {"chunks"},
+    ),
+    Generator(
         "zb-auto",
         _zb_auto,
         "automatic zero bubble for the given costs and memory limit (default P: ZB-1p); "
@@ -129,7 +150,13 @@ _KINDS = (
     Generator(
         "optimal",
         _optimal,
-        "exact optimum by MILP for small P*M (default memory limit 2P)",
+        "exact optimum by MILP for small P*M (default memory limit 2P); chunks > 1 interleaves",
+        _SEARCH_OPTIONS | {"chunks"},
+    ),
+    Generator(
+        "optimal-v",
+        _optimal_v,
+        "exact optimum by MILP on the V placement for small P*M (default memory limit 2P)",
         _SEARCH_OPTIONS,
     ),
 )

@@ -4,14 +4,21 @@ interleaved with ``chunks``) and ``zbv-auto`` (V placement, two stages per devic
 Both run the same search, a deterministic pure function of its inputs:
 
 1. one pass of the list-scheduling heuristic (:mod:`.greedy`) per point of a
-   grid over its binary choices;
-2. the matching handcrafted schedules (ZB-H1 and ZB-H2, interleaved 1F1B, or
-   ZB-V) join as candidates when they fit the memory limit, so the search
+   grid over its choices (looped multi-chunk placements add round-order passes);
+2. the matching handcrafted schedules (ZB-H1 and ZB-H2, interleaved 1F1B and
+   the interleaved zero-bubble family of :mod:`.templates`, or ZB-V and
+   DualPipeV) join as candidates when they fit the memory limit, so the search
    never returns anything worse than them;
 3. every distinct candidate, cheapest first, is polished by local search
    (:mod:`.refine`) within a shared budget of simulated actions; instances too
-   large for the budget to cover REFINE_MIN_RUNS full simulations skip this,
-   and there a pass stops as soon as it cannot beat the best one so far.
+   large for the budget to cover REFINE_MIN_RUNS full simulations skip steps
+   3 to 5, and there a pass stops as soon as it cannot beat the best one so far;
+4. restarts: seeded random kicks of the best orders, polished again;
+5. a plateau walk (moves that keep the cost but end the Bs sooner in sum) and a
+   last polish, which shortens a critical backward chain held up by Ws on
+   several devices at once (no single move helps there).
+
+The placement search ``auto`` (:mod:`.placement`) runs this per placement.
 
 The memory limit is per device, in the units of the cost model's ``mem_f``
 (with the default costs: one microbatch's activations on a whole device,
@@ -24,16 +31,19 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 
 from zerobubble.schedule.costs import CostModel, CostSpec, Number
 from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.generators.classic import interleaved_1f1b
 from zerobubble.schedule.generators.common import check_counts
+from zerobubble.schedule.generators.dualpipe import dualpipev
 from zerobubble.schedule.generators.zero_bubble import zb_h1, zb_h2, zbv
-from zerobubble.schedule.ir import Schedule, looped_placement, v_placement
+from zerobubble.schedule.ir import Action, Op, Schedule, looped_placement, v_placement
 from zerobubble.schedule.search.graph import ActionGraph, min_feasible_limit
 from zerobubble.schedule.search.greedy import Policy, run_pass
 from zerobubble.schedule.search.refine import Evaluator, perturb, refine
+from zerobubble.schedule.search.templates import interleaved_family
 
 #: Grid for one stage per device. Chosen from every combination of the choices
 #: (f_first x f_overrun x w_overrun x inflight in {0, 1, 2}) as the smallest set
@@ -61,14 +71,74 @@ GRID_V: tuple[Policy, ...] = (
     Policy(f_first=True, f_overrun=False, w_overrun=False, later_first=True, inflight=1),
 )
 
+#: Extra passes for looped placements with several chunks: the interleaved round order,
+#: each with rounds of P, ceil(P/2) and 1 microbatches (smaller rounds fit tighter limits).
+GRID_ROUNDS: tuple[Policy, ...] = (
+    Policy(f_first=True, f_overrun=False, w_overrun=True, inflight=1),
+    Policy(f_first=False, f_overrun=True, w_overrun=False, inflight=0),
+    Policy(f_first=False, f_overrun=True, w_overrun=True, inflight=0),
+)
+
+
+def round_grid(num_devices: int) -> tuple[Policy, ...]:
+    """GRID_ROUNDS with every round size for P devices."""
+    sizes = sorted({num_devices, (num_devices + 1) // 2, 1}, reverse=True)
+    return tuple(replace(pol, rounds=g) for g in sizes for pol in GRID_ROUNDS)
+
+
 #: Actions the local search may simulate, over all its trials and starting points.
 REFINE_STEPS = 3_000_000
 #: The local search runs only if its budget covers this many full simulations.
 REFINE_MIN_RUNS = 200
 #: Restarts of the local search from perturbed best orders, and the simulated actions
 #: they may spend (so they matter on small instances and cost little on large ones).
-KICKS = 60
-KICK_STEPS = 400_000
+KICKS = 400
+KICK_STEPS = 3_000_000
+#: Simulated actions for the plateau walk on the winner (and for its polish after).
+PLATEAU_STEPS = 3_000_000
+
+
+def search_inputs(
+    num_devices: int, num_microbatches: int, chunks: int, *, looped: bool
+) -> tuple[tuple[Policy, ...], list[Schedule], list[tuple[tuple[int, ...], ...]]]:
+    """The grid, the handcrafted seeds and the seed orders for one placement kind.
+
+    ``looped``: stage s on device s % P (ZB-H1/ZB-H2 and the interleaved family
+    for one chunk; interleaved 1F1B, the interleaved family and the round-order
+    passes for several); otherwise the zig-zag (ZB-V and DualPipeV for the V).
+    """
+    p, m, v = num_devices, num_microbatches, chunks
+    if looped:
+        family = interleaved_family(p, m, v)
+        if v == 1:
+            return GRID_1, [zb_h1(p, m), zb_h2(p, m)], family
+        seeds = [interleaved_1f1b(p, m, chunks=v, split_backward=True)]
+        return GRID_V + round_grid(p), seeds, family
+    if v == 2:
+        return GRID_V, [zbv(p, m), _split(dualpipev(p, m))], []
+    return GRID_V, [], []
+
+
+def _split(sched: Schedule) -> Schedule:
+    """``sched`` with each BW written as B then W (same timing, searchable)."""
+    acts = [
+        [
+            x
+            for a in row
+            for x in (
+                (Action(Op.B, a.stage, a.mb), Action(Op.W, a.stage, a.mb))
+                if a.op is Op.BW
+                else (a,)
+            )
+        ]
+        for row in sched.actions
+    ]
+    return sched.with_actions(acts)
+
+
+def polishes(num_actions: int) -> bool:
+    """Whether the local search runs on an instance of this many F/B/W actions."""
+    return REFINE_STEPS // num_actions >= REFINE_MIN_RUNS
 
 
 def resolve_costs(
@@ -110,30 +180,79 @@ def auto_schedule(
     mem_limit: float,
     grid: Sequence[Policy],
     seeds: Sequence[Schedule] = (),
+    *,
+    seed_orders: Sequence[tuple[tuple[int, ...], ...]] = (),
+    polish: bool = True,
+    walk: bool = True,
 ) -> Schedule:
-    """Search for the cheapest schedule of ``placement`` x M within ``mem_limit``."""
+    """Search for the cheapest schedule of ``placement`` x M within ``mem_limit``.
+
+    ``seed_orders`` are more seeds, already as per-device ActionGraph indices.
+    ``polish=False`` skips the local search (steps 3 to 5), ``walk=False`` step 5.
+    Seeds that break the limit or deadlock are skipped.
+    """
+    sched = search_beating(
+        name,
+        placement,
+        num_microbatches,
+        costs,
+        mem_limit,
+        grid,
+        seeds,
+        seed_orders=seed_orders,
+        polish=polish,
+        walk=walk,
+    )
+    if sched is None:  # pragma: no cover - every grid has a policy that always finishes
+        raise RuntimeError(f"no pass of the grid scheduled placement {placement}")
+    return sched
+
+
+def search_beating(
+    name: str,
+    placement: tuple[int, ...],
+    num_microbatches: int,
+    costs: CostModel,
+    mem_limit: float,
+    grid: Sequence[Policy],
+    seeds: Sequence[Schedule] = (),
+    *,
+    seed_orders: Sequence[tuple[tuple[int, ...], ...]] = (),
+    polish: bool = True,
+    walk: bool = True,
+    beat: float = math.inf,
+) -> Schedule | None:
+    """:func:`auto_schedule`, except that without polishing passes that cannot beat
+    ``beat`` stop early; None when no pass or seed was kept (nothing beat ``beat``).
+
+    The placement search passes its best cost so far, so a placement that cannot
+    come near it costs only the start of its passes.
+    """
     graph = ActionGraph(placement, num_microbatches)
     ev = Evaluator(graph, costs)
     limit = mem_limit + 1e-10 * max(1.0, abs(mem_limit))
     budget = REFINE_STEPS
-    polish = budget // len(graph) >= REFINE_MIN_RUNS
+    polish = polish and polishes(len(graph))
     # Candidates by cost; without polishing only the best matters, so passes prune.
     found: dict[tuple[tuple[int, ...], ...], float] = {}
-    best = math.inf
+    best = beat
     for policy in grid:
         cutoff = math.inf if polish else best
         cand = run_pass(placement, num_microbatches, costs, mem_limit, policy, cutoff)
         if cand is not None:
             found.setdefault(cand.orders, cand.cost)
             best = min(best, cand.cost)
-    for seed in seeds:
-        orders = tuple(
-            tuple(graph.index(a.op, a.stage, a.mb) for a in acts) for acts in seed.actions
-        )
+    converted = [
+        tuple(tuple(graph.index(a.op, a.stage, a.mb) for a in acts) for acts in seed.actions)
+        for seed in seeds
+    ]
+    for orders in (*converted, *seed_orders):
         if orders not in found and all(ev.fits(list(o), limit) for o in orders):
             spans = ev.spans([list(o) for o in orders])
             if spans is not None:
                 found[orders] = max(spans)
+    if not found:
+        return None
     ranked = sorted(found.items(), key=lambda item: item[1])
     if not polish:
         ranked = ranked[:1]
@@ -161,15 +280,44 @@ def auto_schedule(
         budget -= spent
         if c < cost - 1e-12:
             winner, cost = polished, c
-    P = max(placement) + 1
+    if polish and walk:
+        winner, cost = _walk(graph, costs, mem_limit, winner, cost)
+    return _schedule(name, graph, winner)
+
+
+def _schedule(name: str, graph: ActionGraph, orders: Sequence[Sequence[int]]) -> Schedule:
     return Schedule(
         name,
-        P,
-        len(placement),
-        num_microbatches,
-        placement,
-        tuple(tuple(graph.actions[i] for i in o) for o in winner),
+        graph.num_devices,
+        graph.num_stages,
+        graph.num_microbatches,
+        graph.placement,
+        tuple(tuple(graph.actions[i] for i in o) for o in orders),
     )
+
+
+def _walk(
+    graph: ActionGraph, costs: CostModel, mem_limit: float, orders: list[list[int]], cost: float
+) -> tuple[list[list[int]], float]:
+    """Plateau walk: moves that keep the cost but end the Bs sooner in sum, which
+    shortens a critical backward chain one device at a time; then polish again."""
+    walked, _, _ = refine(graph, costs, mem_limit, orders, max_steps=PLATEAU_STEPS, plateau=True)
+    walked, c, _ = refine(graph, costs, mem_limit, walked, max_steps=PLATEAU_STEPS)
+    return (walked, c) if c < cost - 1e-12 else (orders, cost)
+
+
+def plateau_walk(schedule: Schedule, costs: CostModel, mem_limit: float) -> Schedule:
+    """Step 5 of the search on a finished schedule (the placement search runs it on
+    its winner only); instances too large for the local search come back unchanged."""
+    graph = ActionGraph(schedule.placement, schedule.num_microbatches)
+    if not polishes(len(graph)):
+        return schedule
+    orders = [[graph.index(a.op, a.stage, a.mb) for a in acts] for acts in schedule.actions]
+    spans = Evaluator(graph, costs).spans(orders)
+    if spans is None:
+        raise ValueError("plateau_walk() needs a schedule that runs; this one deadlocks")
+    walked, _ = _walk(graph, costs, mem_limit, orders, max(spans))
+    return _schedule(schedule.name, graph, walked)
 
 
 def zb_auto(
@@ -193,11 +341,8 @@ def zb_auto(
         raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
     placement = looped_placement(p, chunks)
     model, limit = resolve_costs(placement, costs, mem_limit, default=p)
-    if chunks == 1:
-        grid, seeds = GRID_1, (zb_h1(p, m), zb_h2(p, m))
-    else:
-        grid, seeds = GRID_V, (interleaved_1f1b(p, m, chunks=chunks, split_backward=True),)
-    return auto_schedule("zb-auto", placement, m, model, limit, grid, seeds)
+    grid, seeds, family = search_inputs(p, m, chunks, looped=True)
+    return auto_schedule("zb-auto", placement, m, model, limit, grid, seeds, seed_orders=family)
 
 
 def zbv_auto(
@@ -214,4 +359,5 @@ def zbv_auto(
     p, m = check_counts(num_devices, num_microbatches)
     placement = v_placement(p)
     model, limit = resolve_costs(placement, costs, mem_limit, default=p)
-    return auto_schedule("zbv-auto", placement, m, model, limit, GRID_V, seeds=(zbv(p, m),))
+    grid, seeds, _ = search_inputs(p, m, 2, looped=False)
+    return auto_schedule("zbv-auto", placement, m, model, limit, grid, seeds)

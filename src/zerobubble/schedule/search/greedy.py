@@ -62,6 +62,14 @@ class Policy:
     inflight: int = 0
     """If > 0, stage s keeps at most ``inflight * (S - s)`` microbatches between its F
     and its B (1 is 1F1B's shape); 0 leaves the count to the memory limit."""
+    rounds: int = 0
+    """If > 0, on devices with several stages, run F (and B) in rounds of this many
+    microbatches per stage, stage by stage (the interleaved 1F1B order with rounds of
+    P: F of the first stage held for microbatches 0..P-1, then of the next stage, ...;
+    B the same with the stages reversed), waiting for the next one in that order
+    rather than taking whichever arrived first. Keeps every stage of a device fed
+    evenly, which first-come order does not when comm delays the later stages'
+    inputs; smaller rounds need less memory to fill the pipeline."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +86,7 @@ class Pass:
 
 
 class _Cutoff(Exception):
-    """The pass cannot beat the cost it was told to beat."""
+    """The pass cannot beat the cost it was told to beat (or, in rounds, cannot finish)."""
 
 
 def run_pass(
@@ -93,7 +101,8 @@ def run_pass(
 
     Returns None as soon as some device's span is bound to reach ``cutoff``
     (its span so far plus its remaining work), which prunes the grid search.
-    The limit must be at least ``min_feasible_limit``.
+    The limit must be at least ``min_feasible_limit``; with ``policy.rounds`` a
+    pass whose fixed order the limit cannot honour also returns None.
     """
     builder = _Builder(placement, num_microbatches, costs, float(mem_limit), policy, cutoff)
     try:
@@ -154,8 +163,23 @@ class _Builder:
         self.pending_w: list[deque[int]] = [deque() for _ in range(P)]
         self.out: list[list[int]] = [[] for _ in range(P)]
         self.left = [3 * m * len(h) for h in self.stages]
+        # With rounds: the fixed F and B stage sequence of each device, and where it stands.
+        group = policy.rounds or P
+        self.seq_f = [self._rounds(held, m, group) for held in self.stages]
+        self.seq_b = [self._rounds(held[::-1], m, group) for held in self.stages]
+        self.pos_f = [0] * P
+        self.pos_b = [0] * P
         self.heap: list[tuple[float, int]] = [(0.0, d) for d in range(P)]
         self.queued: list[set[float]] = [{0.0} for _ in range(P)]
+
+    @staticmethod
+    def _rounds(held: list[int], m: int, group: int) -> list[int]:
+        """Stages in interleaved order: ``group`` microbatches of each stage in turn."""
+        out: list[int] = []
+        for g in range(0, m, group):
+            for s in held:
+                out.extend([s] * (min(m, g + group) - g))
+        return out
 
     # ---- arrivals ------------------------------------------------------------------------
 
@@ -232,8 +256,13 @@ class _Builder:
             queued[d].discard(t)
             if left[d]:
                 self._decide(d, t if t > free[d] else free[d])
-        if any(left):  # pragma: no cover - the reservation rule makes this unreachable
-            raise RuntimeError(f"automatic scheduler stalled with work left on {left}")
+        if any(left):
+            if self.policy.rounds:  # the fixed order needed memory the limit does not give
+                raise _Cutoff
+            # The reservation rule makes this unreachable.
+            raise RuntimeError(
+                f"automatic scheduler stalled with work left on {left}"
+            )  # pragma: no cover
         span = tuple(self.free[d] - self.first[d] if self.out[d] else 0.0 for d in range(self.P))
         return Pass(tuple(map(tuple, self.out)), span, tuple(self.peak))
 
@@ -249,9 +278,15 @@ class _Builder:
         free = self.free[d]
         nf, nb, m = self.nf, self.nb, self.m
         held = self.rev_stages[d]
+        held_b = held_f = held
+        if pol.rounds and len(held) > 1:
+            if self.pos_b[d] < len(self.seq_b[d]):
+                held_b = (self.seq_b[d][self.pos_b[d]],)
+            if self.pos_f[d] < len(self.seq_f[d]):
+                held_f = (self.seq_f[d][self.pos_f[d]],)
         # The next B and F of each stage held here: ready now, or when they will arrive.
         best_b, b_at, next_b = -1, _INF, _INF
-        for s in held:
+        for s in held_b:
             if nb[s] < nf[s]:
                 r = self._b_ready(s)
                 if r <= now:
@@ -264,7 +299,7 @@ class _Builder:
         best_f, f_at, next_f = -1, _INF, _INF
         blocked = False
         room = self.limit - self.mem[d]
-        for s in held:
+        for s in held_f:
             if nf[s] < m:
                 fits = self.mem_f[s] + self.reserve[s] <= room and nf[s] - nb[s] < self.cap[s]
                 r = self._f_ready(s)
@@ -315,6 +350,7 @@ class _Builder:
             end = start + self.f[s]
             self.end_f[s][j] = end
             self.nf[s] = j + 1
+            self.pos_f[d] += 1
             self.mem[d] += self.mem_f[s]
             if self.mem[d] > self.peak[d]:
                 self.peak[d] = self.mem[d]
@@ -326,6 +362,7 @@ class _Builder:
             end = start + self.b[s]
             self.end_b[s][j] = end
             self.nb[s] = j + 1
+            self.pos_b[d] += 1
             self.mem[d] += self.mem_b[s]
             self.pending_w[d].append(s)
             if s > 0 and self.placement[s - 1] != d:

@@ -40,8 +40,8 @@ from scipy.sparse import coo_array
 from zerobubble.schedule.costs import CostModel, CostSpec, Number
 from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.generators.common import check_counts
-from zerobubble.schedule.ir import Op, Schedule, looped_placement
-from zerobubble.schedule.search.auto import GRID_1, auto_schedule, resolve_costs
+from zerobubble.schedule.ir import Op, Schedule, looped_placement, v_placement
+from zerobubble.schedule.search.auto import auto_schedule, resolve_costs, search_inputs
 from zerobubble.schedule.search.graph import (
     ActionGraph,
     durations,
@@ -192,21 +192,32 @@ def optimal(
     num_devices: int,
     num_microbatches: int,
     *,
+    chunks: int = 1,
+    v_shape: bool = False,
     costs: CostSpec | None = None,
     mem_limit: Number | None = None,
 ) -> Schedule:
-    """The exact optimum (one stage per device) under a memory limit, by MILP.
+    """The exact optimum of one placement under a memory limit, by MILP.
 
-    Without ``mem_limit`` the limit is 2P microbatches' M_B (ZB-2p's budget).
-    Small instances only (3·P·M <= MAX_ACTIONS); HiGHS gets DEFAULT_TIME_LIMIT
-    seconds and the best schedule found is returned (zb-auto's if nothing better).
+    The placement is looped with ``chunks`` per device (one stage per device by
+    default), or the V with ``v_shape`` (two chunks). Without ``mem_limit`` the
+    limit is 2P microbatches' M_B (ZB-2p's budget). Small instances only
+    (3·S·M <= MAX_ACTIONS); HiGHS gets DEFAULT_TIME_LIMIT seconds and the best
+    schedule found is returned (the heuristic's if nothing better).
     """
     p, m = check_counts(num_devices, num_microbatches)
-    _check_size(3 * p * m)
-    placement = looped_placement(p, 1)
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
+    if v_shape and chunks not in (1, 2):
+        raise ValueError(f"the V placement has 2 chunks per device, got chunks={chunks}")
+    v = 2 if v_shape else chunks
+    _check_size(3 * v * p * m)
+    placement = v_placement(p) if v_shape else looped_placement(p, v)
     model, limit = resolve_costs(placement, costs, mem_limit, default=2 * p)
-    incumbent = auto_schedule("zb-auto", placement, m, model, limit, GRID_1)
-    return solve_optimal(incumbent, model, limit).schedule
+    grid, seeds, family = search_inputs(p, m, v, looped=not v_shape)
+    incumbent = auto_schedule("auto", placement, m, model, limit, grid, seeds, seed_orders=family)
+    name = "optimal-v" if v_shape else "optimal"
+    return solve_optimal(incumbent, model, limit, name=name).schedule
 
 
 def _check_size(actions: int) -> None:

@@ -145,14 +145,30 @@ class Evaluator:
         return True
 
 
-def _key(spans: list[float]) -> tuple[float, float]:
-    return max(spans), sum(spans)
+def _key(timing: Timing, backward: range | None) -> tuple[float, ...]:
+    """Cost, then the sum of spans; with ``backward``, the sum of every B's end before
+    the sum of spans.
+
+    That order lets the search walk across plateaus: a B moved ahead of the W that
+    delayed it changes no cost by itself (the next device's W still blocks the
+    chain, and the W moved behind lengthens its device), but such moves on each
+    device of the chain in turn shorten the critical backward chain.
+    """
+    if backward is None:
+        return max(timing.spans), sum(timing.spans)
+    end = timing.end
+    return max(timing.spans), sum(end[i] for i in backward), sum(timing.spans)
 
 
-def _better(x: tuple[float, float], y: tuple[float, float]) -> bool:
-    if x[0] < y[0] - _EPS * max(1.0, y[0]):
-        return True
-    return x[0] <= y[0] + _EPS * max(1.0, y[0]) and x[1] < y[1] - _EPS * max(1.0, y[1])
+def _better(x: tuple[float, ...], y: tuple[float, ...]) -> bool:
+    """Lexicographically smaller, each key with a relative tolerance."""
+    for a, b in zip(x, y, strict=True):
+        tol = _EPS * max(1.0, abs(b))
+        if a < b - tol:
+            return True
+        if a > b + tol:
+            return False
+    return False
 
 
 def refine(
@@ -163,17 +179,21 @@ def refine(
     *,
     max_steps: int,
     window: int = 6,
+    plateau: bool = False,
 ) -> tuple[list[list[int]], float, int]:
     """Improve ``orders`` (a valid schedule within ``mem_limit``).
 
-    Returns the orders, their cost and the simulation steps spent.
+    ``plateau`` also accepts moves that keep cost and spans but end the Bs sooner
+    in sum (see ``_key``). Returns the orders, their cost and the simulation steps spent.
     """
     ev = Evaluator(graph, costs)
     orders = [list(o) for o in orders]
     timing = ev.timing(orders)
     if timing is None:
         raise ValueError("refine() needs a schedule that runs; this one deadlocks")
-    best = _key(timing.spans)
+    sm = graph.num_stages * graph.num_microbatches
+    backward = range(sm, 2 * sm) if plateau else None
+    best = _key(timing, backward)
     limit = mem_limit + 1e-10 * max(1.0, abs(mem_limit))
     offsets = [s for k in range(1, window + 1) for s in (-k, k)]
     spent = 0
@@ -202,8 +222,8 @@ def refine(
                     orders[d] = new
                     trial = ev.timing(orders, timing, d, min(i, k))
                     spent += len(graph) if trial is None else trial.work
-                    if trial is not None and _better(_key(trial.spans), best):
-                        timing, best = trial, _key(trial.spans)
+                    if trial is not None and _better(key := _key(trial, backward), best):
+                        timing, best = trial, key
                         lst = new
                         improved = True
                         break
