@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 __all__ = ["CountFn", "batch_count", "loss_scales", "split_batch", "token_count"]
 
-CountFn = Callable[[Tensor], Tensor | int]
+CountFn = Callable[[Any], Tensor | int]
 """``count_fn(target) -> count`` over a whole batch's target (e.g. its non-ignored tokens)."""
 
 
@@ -59,8 +60,11 @@ def token_count(ignore_index: int = -100) -> CountFn:
     return count
 
 
-def batch_count(count_fn: CountFn, target: Tensor, device: torch.device) -> Tensor | int:
-    """``count_fn(target)`` over the whole batch, checked: a positive scalar, on ``device``.
+def batch_count(
+    count_fn: CountFn, target: object, device: torch.device | None = None
+) -> Tensor | int:
+    """``count_fn(target)`` over the whole batch, checked: a positive scalar (a tensor one
+    moved to ``device`` if given). ``target`` is whatever ``step`` was given as target.
 
     Every microbatch's loss is divided by it, so it must be known before the first
     backward; a zero count (every target ignored) would make every gradient NaN.
@@ -72,7 +76,8 @@ def batch_count(count_fn: CountFn, target: Tensor, device: torch.device) -> Tens
                 f"count_fn must return an int or a real 0-dim tensor, got a {n.dtype} tensor "
                 f"of shape {tuple(n.shape)}; reduce it with .sum()"
             )
-        n = n.to(device)
+        if device is not None:
+            n = n.to(device)
         value = n.item()
     elif isinstance(n, int) and not isinstance(n, bool):
         value = n

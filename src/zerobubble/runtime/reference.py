@@ -70,11 +70,13 @@ def reference_step(
     model = as_sequential(layers)
     xs, targets = split_batch(x, m), split_batch(target, m)
     bounds = stage_bounds(len(model), num_stages, boundaries)
-    rng = None if seed is None else StageRng(seed, x.device)
+    # Random ops draw on the device the layers live on, as on a pipeline's stages.
+    device = next((p.device for p in model.parameters()), x.device)
+    rng = None if seed is None else StageRng(seed, device)
     if count_fn is None:
         scales, extra = loss_scales([len(t) for t in xs]), ()
     else:
-        scales, extra = [1.0] * m, (batch_count(count_fn, target, target.device),)
+        scales, extra = [1.0] * m, (batch_count(count_fn, target),)
     for p in model.parameters():
         p.grad = None
     losses = []
