@@ -24,6 +24,7 @@ from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.trainer import PipelineTrainer
 from zerobubble.runtime.chunk import LossFn
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.runtime.microbatch import CountFn
 from zerobubble.runtime.partition import (
     LayerSource,
     build_stage_modules,
@@ -48,7 +49,9 @@ class Pipeline:
             ``source_name(name)`` method names its own state (see
             :mod:`~zerobubble.runtime.partition`; :mod:`zerobubble.interop.hf`).
         loss_fn: ``loss_fn(output, target) -> scalar`` of one microbatch; the
-            batch loss is the microbatches' losses weighted by their sizes.
+            batch loss is the microbatches' losses weighted by their sizes. With
+            ``count_fn``: ``loss_fn(output, target, num_items)``, a sum over the
+            microbatch divided by ``num_items``; the batch loss is their plain sum.
         schedule: A :class:`~zerobubble.schedule.ir.Schedule`, or a generator kind
             (``"zb-h1"``, ...) generated for the group's size and ``microbatches``.
         microbatches: Microbatches per step; only with a kind.
@@ -58,7 +61,11 @@ class Pipeline:
         group: Process group whose rank ``d`` runs device ``d`` (default: the world).
         device: Where the stages and microbatches live (default: CPU), e.g.
             :attr:`~zerobubble.runtime.launcher.DistInfo.device`.
-        options: :class:`~zerobubble.runtime.executor.ExecutorOptions`.
+        options: :class:`~zerobubble.runtime.executor.ExecutorOptions` (its ``seed``
+            seeds the stages' random ops per step, stage and microbatch).
+        count_fn: ``count_fn(target)``: the count (e.g. non-ignored tokens) of the
+            whole batch that normalises the loss; see
+            :class:`~zerobubble.runtime.executor.PipelineExecutor`.
 
     The constructor is collective: every rank of the group builds its Pipeline.
 
@@ -81,6 +88,7 @@ class Pipeline:
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         options: ExecutorOptions | None = None,
+        count_fn: CountFn | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -118,7 +126,13 @@ class Pipeline:
         bounds = stage_bounds(len(keys), schedule.num_stages, boundaries)
         self._layer_keys = {s: keys[bounds[s].start : bounds[s].stop] for s in stages}
         self.executor = PipelineExecutor(
-            schedule, stages, loss_fn=loss_fn, group=group, device=device, options=options
+            schedule,
+            stages,
+            loss_fn=loss_fn,
+            count_fn=count_fn,
+            group=group,
+            device=device,
+            options=options,
         )
         self.rank = self.executor.rank
         self.schedule = self.executor.schedule

@@ -37,7 +37,9 @@ from zerobubble.runtime.split import (
 
 __all__ = ["StageChunk", "StageChunkError", "storage_bytes"]
 
-LossFn = Callable[[Tensor, Tensor], Tensor]
+LossFn = Callable[..., Tensor]
+"""``loss_fn(output, target)``, or ``loss_fn(output, target, num_items)`` (see
+:meth:`StageChunk.forward`)."""
 
 
 class StageChunkError(RuntimeError):
@@ -86,7 +88,8 @@ class StageChunk:
         stage: Index of this virtual stage in model order.
         num_stages: Number of virtual stages; stage 0 takes raw inputs and
             stage ``num_stages - 1`` computes the loss.
-        loss_fn: ``loss_fn(output, target) -> scalar``; required on the last stage only.
+        loss_fn: ``loss_fn(output, target) -> scalar`` (or with ``num_items``, see
+            :meth:`forward`); required on the last stage only.
         store: Weight-gradient store; chunks on one device may share one. A new
             store is made if None.
         split: Split the weight gradients out of B (see
@@ -144,13 +147,21 @@ class StageChunk:
     # ---- ops ----------------------------------------------------------------------------
 
     def forward(
-        self, mb: int, x: Tensor, *, target: Tensor | None = None, loss_scale: float = 1.0
+        self,
+        mb: int,
+        x: Tensor,
+        *,
+        target: Tensor | None = None,
+        loss_scale: float = 1.0,
+        num_items: Tensor | int | None = None,
     ) -> Tensor:
         """F. Returns the (detached) stage output, or on the last stage the unscaled loss.
 
         ``x`` is the raw microbatch on stage 0, else the received activation
         (a float one becomes a leaf that requires grad). The last stage keeps
-        ``loss * loss_scale`` as the root of its backward.
+        ``loss * loss_scale`` as the root of its backward; its loss is
+        ``loss_fn(output, target)``, or ``loss_fn(output, target, num_items)`` when
+        ``num_items`` (a count over the whole batch) is given.
         """
         if mb in self._records:
             raise StageChunkError(
@@ -186,7 +197,10 @@ class StageChunk:
             result = out
             if self.is_last:
                 assert self.loss_fn is not None and target is not None
-                loss = self.loss_fn(out, target)
+                if num_items is None:
+                    loss = self.loss_fn(out, target)
+                else:
+                    loss = self.loss_fn(out, target, num_items)
                 if not isinstance(loss, Tensor) or loss.dim() != 0:
                     shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss)
                     raise StageChunkError(

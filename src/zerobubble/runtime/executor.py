@@ -35,7 +35,8 @@ from torch import nn
 from zerobubble.runtime.chunk import LossFn, StageChunk
 from zerobubble.runtime.comm import P2P, Channel, TensorMeta
 from zerobubble.runtime.host_memory import retain_freed_memory
-from zerobubble.runtime.microbatch import loss_scales, split_batch
+from zerobubble.runtime.microbatch import CountFn, batch_count, loss_scales, split_batch
+from zerobubble.runtime.rng import StageRng
 from zerobubble.runtime.shapes import ShapeMismatchError, negotiate
 from zerobubble.runtime.trace import Trace
 from zerobubble.schedule.ir import Action, Op, Schedule
@@ -138,11 +139,21 @@ class ExecutorOptions:
     does not page-fault its activations back in. Process-wide and permanent; resident
     memory stays near its peak. None turns it on when the stages run on the CPU."""
 
+    seed: int = 0
+    """Seed of the stages' randomness: every forward of stage ``s`` on microbatch ``j`` in
+    step ``k`` (:attr:`PipelineExecutor.iteration`) runs with the CPU's and the device's
+    default generators set to a state derived from ``(seed, k, s, j)``
+    (:class:`~zerobubble.runtime.rng.StageRng`), and the caller's states are restored after
+    it. Dropout then draws the same under every schedule and on a replay, bitwise as
+    :func:`~zerobubble.runtime.reference.reference_step` given the same seed. Every rank
+    must use the same seed."""
+
     def __post_init__(self) -> None:
         if not self.comm_timeout_s > 0:
             raise ValueError(f"comm_timeout_s must be > 0 seconds, got {self.comm_timeout_s}")
         if self.recv_lookahead < 0:
             raise ValueError(f"recv_lookahead must be >= 0, got {self.recv_lookahead}")
+        StageRng(self.seed, "cpu")  # a seed out of range is refused here
 
 
 class PipelineExecutor:
@@ -156,7 +167,15 @@ class PipelineExecutor:
             :class:`StageChunk`, B/W-split where the schedule splits that stage's
             backward) or ready :class:`StageChunk` objects. Must be exactly the stages the schedule
             places on this rank.
-        loss_fn: ``loss_fn(output, target)`` of the last stage (used when wrapping modules).
+        loss_fn: ``loss_fn(output, target)`` of the last stage (used when wrapping modules),
+            or ``loss_fn(output, target, num_items)`` with ``count_fn``.
+        count_fn: Opts in to a loss normalised by a count over the whole batch (e.g. the
+            non-ignored tokens, HF's ``num_items_in_batch``): ``count_fn(target)`` of the
+            step's whole target, computed before any compute, is passed as ``num_items``
+            to every microbatch's ``loss_fn``, which returns its sum divided by it; the
+            microbatches' losses are then added unscaled, so the gradients are those of
+            ``sum over the batch / num_items``. Without it the loss is a per-sample mean,
+            weighted by ``n_j / N`` (:func:`~zerobubble.runtime.microbatch.loss_scales`).
         group: Process group whose rank ``d`` runs device ``d`` (default: the world).
         device: Where microbatches, buffers and the stages live (default: CPU).
         options: See :class:`ExecutorOptions`.
@@ -177,17 +196,20 @@ class PipelineExecutor:
         stages: Mapping[int, nn.Module | StageChunk],
         *,
         loss_fn: LossFn | None = None,
+        count_fn: CountFn | None = None,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         options: ExecutorOptions | None = None,
     ) -> None:
         validate(schedule)
         self.options = options or ExecutorOptions()
+        self.count_fn = count_fn
         if self.options.fuse_local_backward:
             schedule = fuse_local_backward(schedule)
         self.schedule = schedule
         self.group = group
         self.device = torch.device(device or "cpu")
+        self.rng = StageRng(self.options.seed, self.device)
         retain = self.options.retain_host_memory
         if retain or (retain is None and self.device.type == "cpu"):
             retain_freed_memory()
@@ -301,11 +323,13 @@ class PipelineExecutor:
         appends them to ``losses`` if given; elsewhere returns None. ``hooks``
         are called after every compute, at the protocol instructions of a loaded
         program and on every message; if a gate asks for a replay, the step's
-        work so far is discarded (RNG state restored) and the step runs again
-        from its start.
+        work so far is discarded and the step runs again from its start (its
+        forwards draw the same random numbers: see :attr:`ExecutorOptions.seed`).
+        With ``count_fn`` the losses are the microbatches' shares of the batch loss
+        (they sum to it).
         """
         M = self.schedule.num_microbatches
-        inputs = targets = scales = None
+        inputs = targets = scales = num_items = None
         if self.has_first:
             if x is None:
                 raise ValueError(f"rank {self.rank} holds stage 0: step() needs the batch x")
@@ -316,15 +340,17 @@ class PipelineExecutor:
                     f"rank {self.rank} holds the last stage: step() needs target for the loss"
                 )
             targets = [t.to(self.device) for t in split_batch(target, M)]
-            scales = loss_scales([t.shape[0] for t in targets])
+            if self.count_fn is None:
+                scales = loss_scales([t.shape[0] for t in targets])
+            else:
+                num_items = batch_count(self.count_fn, target, self.device)
+                scales = [1.0] * M
         self._check_inputs(inputs)
         if self._metas is None:
             modules = {s: c.module for s, c in self.chunks.items()}
             self._metas = negotiate(self.schedule, self.rank, modules, inputs, self.p2p)
         hooks = hooks or StepHooks()
-        gated = any(isinstance(i, Gate) for i in self.program)
-        rng = _rng_state(self.device) if gated else None
-        run = _Step(self, inputs, targets, scales, hooks)
+        run = _Step(self, inputs, targets, scales, hooks, num_items)
         i, past_gate = 0, False
         while i < len(self.program):
             ins = self.program[i]
@@ -334,8 +360,6 @@ class PipelineExecutor:
                     past_gate = True  # one stop per step: a replayed run passes the gate
                     if hooks.at_gate():
                         run = run.replay(ins)
-                        assert rng is not None
-                        _set_rng_state(self.device, rng)
                         i = 0
                 case Gate():
                     pass
@@ -383,10 +407,12 @@ class _Step:
         targets: list[torch.Tensor] | None,
         scales: list[float] | None,
         hooks: StepHooks,
+        num_items: torch.Tensor | int | None = None,
     ) -> None:
         self.pipe = pipe
         self.hooks = hooks
         self.inputs, self.targets, self.scales = inputs, targets, scales
+        self.num_items = num_items
         self.S = pipe.schedule.num_stages
         self.losses: list[torch.Tensor | None] = [None] * pipe.schedule.num_microbatches
         self.ready: dict[Message, torch.Tensor] = {}  # received or produced, not yet consumed
@@ -443,7 +469,7 @@ class _Step:
         for chunk in pipe.chunks.values():
             chunk.discard()
         self.hooks.on_replay()
-        fresh = _Step(pipe, self.inputs, self.targets, self.scales, self.hooks)
+        fresh = _Step(pipe, self.inputs, self.targets, self.scales, self.hooks, self.num_items)
         fresh.in_flight = self.in_flight
         pipe.replays += 1
         if tracing:
@@ -462,12 +488,14 @@ class _Step:
         if a.op is Op.F:
             if a.stage == 0:
                 arg = self.inputs[a.mb]
-            y = chunk.forward(
-                a.mb,
-                arg,
-                target=self.targets[a.mb] if last else None,
-                loss_scale=self.scales[a.mb] if last else 1.0,
-            )
+            with self.pipe.rng.scope(self.pipe.iteration, a.stage, a.mb):
+                y = chunk.forward(
+                    a.mb,
+                    arg,
+                    target=self.targets[a.mb] if last else None,
+                    loss_scale=self.scales[a.mb] if last else 1.0,
+                    num_items=self.num_items if last else None,
+                )
             if last:
                 self.losses[a.mb] = y
                 return
@@ -542,20 +570,6 @@ class _Description:
             return f"{ins} (output of {_producer_name(m)}, iteration {k})"
         consumer = "F" if m.kind is MsgKind.ACT else "backward"
         return f"{ins} (input of {consumer}(s{m.dst_stage},mb{m.mb}), iteration {k})"
-
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """CPU and accelerator RNG state, so a replay draws the same random numbers."""
-    acc = None
-    if device.type != "cpu":
-        acc = torch.get_device_module(device.type).get_rng_state(device)
-    return torch.get_rng_state(), acc
-
-
-def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.get_device_module(device.type).set_rng_state(state[1], device)
 
 
 def _producer_name(m: Message) -> str:

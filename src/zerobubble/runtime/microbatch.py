@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["loss_scales", "split_batch"]
+__all__ = ["CountFn", "batch_count", "loss_scales", "split_batch", "token_count"]
+
+CountFn = Callable[[Any], Tensor | int]
+"""``count_fn(target) -> count`` over a whole batch's target (e.g. its non-ignored tokens)."""
 
 
 def split_batch(x: Tensor, m: int) -> list[Tensor]:
@@ -41,3 +45,47 @@ def loss_scales(sizes: Sequence[int]) -> list[float]:
         raise ValueError(f"microbatch sizes must be >= 1, got {list(sizes)}")
     total = sum(sizes)
     return [n / total for n in sizes]
+
+
+def token_count(ignore_index: int = -100) -> CountFn:
+    """A ``count_fn``: the number of target entries that are not ``ignore_index``.
+
+    For a causal LM whose loss shifts the labels inside the loss, count the shifted
+    labels instead (``lambda t: (t[..., 1:] != -100).sum()``).
+    """
+
+    def count(target: Tensor) -> Tensor:
+        return (target != ignore_index).sum()
+
+    return count
+
+
+def batch_count(
+    count_fn: CountFn, target: object, device: torch.device | None = None
+) -> Tensor | int:
+    """``count_fn(target)`` over the whole batch, checked: a positive scalar (a tensor one
+    moved to ``device`` if given). ``target`` is whatever ``step`` was given as target.
+
+    Every microbatch's loss is divided by it, so it must be known before the first
+    backward; a zero count (every target ignored) would make every gradient NaN.
+    """
+    n = count_fn(target)
+    if isinstance(n, Tensor):
+        if n.dim() != 0 or n.is_complex() or n.dtype is torch.bool:
+            raise ValueError(
+                f"count_fn must return an int or a real 0-dim tensor, got a {n.dtype} tensor "
+                f"of shape {tuple(n.shape)}; reduce it with .sum()"
+            )
+        if device is not None:
+            n = n.to(device)
+        value = n.item()
+    elif isinstance(n, int) and not isinstance(n, bool):
+        value = n
+    else:
+        raise ValueError(f"count_fn must return an int or a 0-dim tensor, got {type(n).__name__}")
+    if not value > 0:
+        raise ValueError(
+            f"count_fn returned {value} for the whole batch: no target counts (every one is "
+            "ignored?), so the normalised loss is undefined; skip this batch or fix the count"
+        )
+    return n

@@ -1,12 +1,22 @@
-"""The single-process ground truth a pipeline run must reproduce bitwise."""
+"""The single-process ground truth a pipeline run must reproduce bitwise.
+
+With random ops (dropout) the ground truth is the model run stage by stage on each
+microbatch, every stage's forward seeded as the executor seeds it
+(:class:`~zerobubble.runtime.rng.StageRng`): pass the executor's seed, its step
+number and the pipeline's cut (``num_stages``, ``boundaries``) to
+:func:`reference_step`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 
 from torch import Tensor, nn
 
-from zerobubble.runtime.microbatch import loss_scales, split_batch
+from zerobubble.runtime.microbatch import CountFn, batch_count, loss_scales, split_batch
+from zerobubble.runtime.partition import stage_bounds
+from zerobubble.runtime.rng import StageRng
 
 __all__ = ["as_sequential", "reference_step"]
 
@@ -21,10 +31,16 @@ def as_sequential(layers: Sequence[nn.Module] | nn.Sequential) -> nn.Sequential:
 
 def reference_step(
     layers: Sequence[nn.Module] | nn.Sequential,
-    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    loss_fn: Callable[..., Tensor],
     x: Tensor,
     target: Tensor,
     m: int,
+    *,
+    seed: int | None = None,
+    step: int = 0,
+    num_stages: int = 1,
+    boundaries: Sequence[int] | None = None,
+    count_fn: CountFn | None = None,
 ) -> tuple[list[Tensor], dict[str, Tensor]]:
     """One step of plain autograd over ``m`` microbatches, in microbatch order.
 
@@ -32,6 +48,15 @@ def reference_step(
     microbatch j and back-propagates ``loss_j * scale_j`` (scales from
     :func:`loss_scales`), exactly what a pipeline computes. The gradients are
     left in ``.grad`` so an optimizer can step.
+
+    With a ``seed``, the layers of each stage (``num_stages`` cut as
+    :func:`~zerobubble.runtime.partition.stage_bounds` cuts them, with
+    ``boundaries``) run under the generator state of ``(seed, step, stage, j)``,
+    as :attr:`~zerobubble.runtime.executor.ExecutorOptions.seed` makes the
+    pipeline do in its step number ``step``; without one they draw from the
+    process's generators as they are. With ``count_fn``, every microbatch's loss is
+    ``loss_fn(output, target_j, count_fn(target))`` and is back-propagated
+    unscaled, as the executor does with the same ``count_fn``.
 
     Returns:
         The unscaled per-microbatch losses (detached 0-dim tensors) and a copy
@@ -44,12 +69,26 @@ def reference_step(
         )
     model = as_sequential(layers)
     xs, targets = split_batch(x, m), split_batch(target, m)
-    scales = loss_scales([len(t) for t in xs])
+    bounds = stage_bounds(len(model), num_stages, boundaries)
+    # Random ops draw on the device the layers live on, as on a pipeline's stages.
+    device = next((p.device for p in model.parameters()), x.device)
+    rng = None if seed is None else StageRng(seed, device)
+    if count_fn is None:
+        scales, extra = loss_scales([len(t) for t in xs]), ()
+    else:
+        scales, extra = [1.0] * m, (batch_count(count_fn, target),)
     for p in model.parameters():
         p.grad = None
     losses = []
-    for xj, tj, scale in zip(xs, targets, scales, strict=True):
-        loss = loss_fn(model(xj), tj)
+    for j, (xj, tj, scale) in enumerate(zip(xs, targets, scales, strict=True)):
+        h = xj
+        for s, layer_range in enumerate(bounds):
+            with nullcontext() if rng is None else rng.scope(step, s, j):
+                for i in layer_range:
+                    h = model[i](h)
+                if s == num_stages - 1:
+                    h = loss_fn(h, tj, *extra)  # the last stage's forward holds the loss
+        loss = h
         (loss * scale).backward()
         losses.append(loss.detach())
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
