@@ -172,23 +172,39 @@ class ParamLayout:
         if not norms:
             return torch.tensor(0.0, device=device)
         # Stack in the order clip_grad_norm_ does: grouped by dtype, model order inside.
-        grouped = _group_tensors_by_device_and_dtype([norms])
-        ordered = [n for [ts], _ in grouped.values() for n in ts]
+        ordered = [n for _, ts, _ in _group_by_device_and_dtype(norms) for n in ts]
         return torch.linalg.vector_norm(torch.stack(ordered).to(device), norm_type)
 
 
 def per_tensor_norms(grads: Sequence[Tensor], norm_type: float) -> list[Tensor]:
     """The norm of each gradient, computed by the kernel ``clip_grad_norm_`` picks for it."""
-    out: list[Tensor | None] = [None] * len(grads)
-    grouped = _group_tensors_by_device_and_dtype([list(grads)], with_indices=True)
-    for (device, _), ([ts], index) in grouped.items():
+    out: dict[int, Tensor] = {}
+    for device, ts, index in _group_by_device_and_dtype(grads):
+        norms: Sequence[Tensor]
         if _has_foreach_support(ts, device):
             norms = torch._foreach_norm(ts, norm_type)
         else:
             norms = [torch.linalg.vector_norm(g, norm_type) for g in ts]
         for i, n in zip(index, norms, strict=True):
             out[i] = n
-    return out  # type: ignore[return-value]
+    return [out[i] for i in range(len(grads))]
+
+
+def _group_by_device_and_dtype(
+    tensors: Sequence[Tensor],
+) -> list[tuple[torch.device, list[Tensor], list[int]]]:
+    """``clip_grad_norm_``'s grouping: per (device, dtype) its tensors in order and their indices.
+
+    torch types the groups as lists of optional tensors; it only returns the tensors given.
+    """
+    rows: list[list[Tensor | None]] = [list(tensors)]
+    out = []
+    for (device, _), ([ts], index) in _group_tensors_by_device_and_dtype(rows, True).items():
+        present = [t for t in ts if t is not None]
+        if len(present) != len(ts):
+            raise RuntimeError("torch grouped a missing tensor that it was not given")
+        out.append((device, present, index))
+    return out
 
 
 def clip_coefficient(total: Tensor, max_norm: float) -> Tensor:

@@ -91,13 +91,14 @@ class Inverse:
         with torch.no_grad():
             for group in self.optimizer.param_groups:
                 for p in group["params"]:
-                    if p.grad is None:
+                    grad = p.grad
+                    if grad is None:
                         continue
                     first = id(p) not in self._had_state
                     if adam:
-                        _undo_adam(p, self.optimizer.state[p], group, first)
+                        _undo_adam(p, grad, self.optimizer.state[p], group, first)
                     else:
-                        _undo_sgd(p, self.optimizer.state[p], group, first)
+                        _undo_sgd(p, grad, self.optimizer.state[p], group, first)
                     if first:
                         self.optimizer.state.pop(p, None)
         self._had_state = None
@@ -135,8 +136,10 @@ def _scalar(x: float | Tensor) -> float:
     return float(x.item()) if isinstance(x, Tensor) else float(x)
 
 
-def _undo_adam(p: Tensor, state: dict[str, Any], group: dict[str, Any], first: bool) -> None:
-    """Inverse of torch.optim.adam._single_tensor_adam for one parameter."""
+def _undo_adam(
+    p: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any], first: bool
+) -> None:
+    """Inverse of torch.optim.adam._single_tensor_adam for one parameter and its gradient."""
     lr, eps, wd = _scalar(group["lr"]), group["eps"], group["weight_decay"]
     beta1, beta2 = (_scalar(b) for b in group["betas"])
     decoupled = group.get("decoupled_weight_decay", False)
@@ -150,7 +153,7 @@ def _undo_adam(p: Tensor, state: dict[str, Any], group: dict[str, Any], first: b
         p.div_(1 - lr * wd)
     if first:
         return  # the moments and step count did not exist before; the caller drops them
-    g = -p.grad if group.get("maximize", False) else p.grad
+    g = -grad if group.get("maximize", False) else grad
     if wd != 0 and not decoupled:
         g = g.add(p, alpha=wd)
     # v_new = beta2 v + (1 - beta2) g^2;  m_new = m + (1 - beta1)(g - m) = beta1 m + (1 - beta1) g
@@ -159,11 +162,13 @@ def _undo_adam(p: Tensor, state: dict[str, Any], group: dict[str, Any], first: b
     step_t -= 1
 
 
-def _undo_sgd(p: Tensor, state: dict[str, Any], group: dict[str, Any], first: bool) -> None:
-    """Inverse of torch.optim.sgd._single_tensor_sgd for one parameter."""
+def _undo_sgd(
+    p: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any], first: bool
+) -> None:
+    """Inverse of torch.optim.sgd._single_tensor_sgd for one parameter and its gradient."""
     lr, wd = _scalar(group["lr"]), group["weight_decay"]
     momentum, dampening, nesterov = group["momentum"], group["dampening"], group["nesterov"]
-    g = -p.grad if group.get("maximize", False) else p.grad
+    g = -grad if group.get("maximize", False) else grad
     if momentum == 0:
         # p_new = p - lr (g + wd p)
         p.add_(g, alpha=lr).div_(1 - lr * wd)

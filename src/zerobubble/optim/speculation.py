@@ -33,6 +33,7 @@ def protocol_program(
     lowered: LoweredSchedule, rank: int, *, speculative: bool
 ) -> tuple[ProgramItem, ...]:
     """Rank ``rank``'s program with the protocol's instructions inserted."""
+    drain: tuple[tuple[int, Message], ...]
     if not speculative:
         program, gate, drain = lowered.programs[rank], -1, ()
     else:

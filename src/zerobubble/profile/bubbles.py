@@ -48,9 +48,9 @@ from dataclasses import dataclass, replace
 
 from zerobubble.schedule.clocks import clock_offsets
 from zerobubble.schedule.deps import Key, needs, produces
-from zerobubble.schedule.ir import Op
+from zerobubble.schedule.ir import Action, Op
 from zerobubble.schedule.lowering import MsgKind
-from zerobubble.schedule.trace_format import EventOp, TraceEvent
+from zerobubble.schedule.trace_format import EventOp, MessageId, TraceEvent
 
 CATEGORIES = ("dependency", "memory", "comm", "imbalance", "overhead")
 """The parts of a device's idle time, in the order pictures stack them."""
@@ -129,18 +129,18 @@ def analyze_iteration(
     computes = {r: [e for e in evs if isinstance(e.op, Op)] for r, evs in per_rank.items()}
     if not mine or any(not c for c in computes.values()):
         raise ValueError(f"iteration {iteration}: every rank needs compute events in the trace")
-    num_stages = 1 + max(c.stage for cs in computes.values() for c in cs)
+    num_stages = 1 + max(_action(c).stage for cs in computes.values() for c in cs)
     made: dict[Key, TraceEvent] = {}  # the compute that produced each key
     for e in mine:
-        if isinstance(e.op, Op):
-            made.update(dict.fromkeys(produces(e.op, e.stage, e.mb, num_stages), e))
+        if (act := e.action) is not None:
+            made.update(dict.fromkeys(produces(*act, num_stages), e))
     arrivals = {(e.rank, e.msg): e.end_ns for e in mine if e.op is EventOp.WAIT_RECV}
     t0 = min(c[0].start_ns for c in computes.values())
     t1 = max(c[-1].end_ns for c in computes.values())
 
-    def producer(c: TraceEvent) -> tuple[TraceEvent | None, tuple | None]:
+    def producer(c: TraceEvent) -> tuple[TraceEvent | None, MessageId | None]:
         """The compute whose output ``c`` consumes from another stage, and the message id."""
-        for k in needs(c.op, c.stage, c.mb, num_stages):
+        for k in needs(*_action(c), num_stages):
             if k.kind.travels:
                 return made.get(k), (MsgKind(k.kind.value), k.stage, k.consumer_stage, k.mb)
         return None, None
@@ -210,7 +210,7 @@ def _memory_stall(
     if nxt is None:
         return 0
     ready = t0
-    for k in needs(nxt.op, nxt.stage, nxt.mb, num_stages):
+    for k in needs(*_action(nxt), num_stages):
         up = made.get(k)
         if up is None:
             return 0
@@ -219,3 +219,11 @@ def _memory_stall(
     if c.mem_before + m_b <= mem_budget:
         return 0
     return max(0, p - max(lo, ready))
+
+
+def _action(c: TraceEvent) -> Action:
+    """The action of ``c``, one of the compute events the analysis picked out."""
+    a = c.action
+    if a is None:
+        raise ValueError(f"{c.op} event of rank {c.rank} is not a compute event")
+    return a

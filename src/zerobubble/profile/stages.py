@@ -85,15 +85,16 @@ def stage_profile(
     mem_b: dict[int, list[int]] = defaultdict(list)
     mem_w: dict[int, list[int]] = defaultdict(list)
     for e in kept:
-        if e.op not in ("F", "B", "W", "BW"):
+        a = e.action
+        if a is None:
             continue
-        samples[e.op, e.stage].append((e.end_ns - e.start_ns) / 1e6)
+        samples[a.op, a.stage].append((e.end_ns - e.start_ns) / 1e6)
         delta = e.mem_after - e.mem_before
-        if e.op == "F":
-            rise[e.iteration, e.stage, e.mb] = delta
-            mem_b[e.stage].append(delta)
-        elif e.op == "B" and (e.iteration, e.stage, e.mb) in rise:
-            mem_w[e.stage].append(rise[e.iteration, e.stage, e.mb] + delta)
+        if a.op == "F":
+            rise[e.iteration, a.stage, a.mb] = delta
+            mem_b[a.stage].append(delta)
+        elif a.op == "B" and (e.iteration, a.stage, a.mb) in rise:
+            mem_w[a.stage].append(rise[e.iteration, a.stage, a.mb] + delta)
     missing = [s for s in range(num_stages) if not samples.get(("F", s))]
     if missing:
         raise ValueError(
@@ -133,7 +134,8 @@ def _host_tails(events: Sequence[TraceEvent]) -> dict[tuple[str, int], list[floa
     out: dict[tuple[str, int], list[float]] = defaultdict(list)
     for evs in by_rank.values():
         for i, c in enumerate(evs):
-            if c.op not in COMPUTE_OPS:
+            a = c.action
+            if a is None:
                 continue
             tail, prev = 0, c.end_ns
             for nxt in evs[i + 1 :]:
@@ -145,7 +147,7 @@ def _host_tails(events: Sequence[TraceEvent]) -> dict[tuple[str, int], list[floa
                 elif nxt.op != "wait_recv":
                     break  # the next compute, or the end of the step
                 prev = nxt.end_ns
-            out[c.op, c.stage].append(tail / 1e6)
+            out[a.op, a.stage].append(tail / 1e6)
     return out
 
 

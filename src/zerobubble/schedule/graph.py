@@ -34,12 +34,14 @@ CODE = {op: i for i, op in enumerate(Op)}
 _I = TypeVar("_I", int, np.ndarray)
 
 
-def action_code(op: int | np.ndarray, stage: _I, mb: _I, num_stages: int, num_mbs: int) -> _I:
+def action_code(op: int | _I, stage: _I, mb: _I, num_stages: int, num_mbs: int) -> _I:
     """The integer of action (op code, stage, mb): ``(op * S + stage) * M + mb``.
 
     Dense and ordered by (op, stage, mb), so ids of F, B and W alone are ``0 .. 3SM-1``.
     """
-    return (op * num_stages + stage) * num_mbs + mb  # type: ignore[return-value]
+    # numpy's stubs type array arithmetic as Any; the annotation restores the array type.
+    code: _I = (op * num_stages + stage) * num_mbs + mb
+    return code
 
 
 if MAX_NEEDS != 2:  # pragma: no cover - a rule change that Graph must follow
@@ -90,8 +92,8 @@ class Graph:
     """The array view, when every action is a well-formed in-range Action."""
 
     @cached_property
-    def index(self) -> dict[Action, int]:
-        """First occurrence of each action."""
+    def index(self) -> dict[tuple[Op, int, int], int]:
+        """First occurrence of each action; plain ``(op, stage, mb)`` tuples look it up too."""
         n = len(self.flat)
         return dict(zip(reversed(self.flat), range(n - 1, -1, -1), strict=True))
 
@@ -174,7 +176,7 @@ _PLAN = {op: tuple((k.flow, PRODUCERS[k]) for k in r.needs) for op, r in RULES.i
 
 
 def _deps_by_dict(flat: tuple[Action, ...], num_stages: int) -> tuple[list[int], list[int]]:
-    index: dict[Action, int] = {}
+    index: dict[tuple[Op, int, int], int] = {}
     for g, a in enumerate(flat):
         index.setdefault(a, g)
     get = index.get
@@ -189,9 +191,9 @@ def _deps_by_dict(flat: tuple[Action, ...], num_stages: int) -> tuple[list[int],
                 if not 0 <= src < num_stages:
                     continue
                 for prod in prods:
-                    g = get((prod, src, j))
-                    if g is not None:
-                        found[slot] = g
+                    hit = get((prod, src, j))
+                    if hit is not None:
+                        found[slot] = hit
                         break
         for slot in range(MAX_NEEDS):
             deps[slot].append(found[slot])

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from zerobubble.schedule.costs import CostModel, Number
 from zerobubble.schedule.deps import backward_ops, dependencies
 from zerobubble.schedule.errors import Reason, ScheduleError
-from zerobubble.schedule.ir import Schedule
+from zerobubble.schedule.ir import Action, Schedule
 
 
 class StepMode(enum.StrEnum):
@@ -92,7 +93,7 @@ class StepSim:
         return float(self.first_start[-1][0] - self.first_start[0][0]) / (n - 1)
 
 
-Key = tuple
+Key = tuple[str, int] | tuple[str, int, int] | tuple[str, int, Action]
 """A task: ("A", it, action); sync: ("reduce", it), ("opt", it, d); post-validation:
 ("prefix", it, d) (receive and forward the prefix), ("tail", it, d) (the step), ("val", it, d)."""
 
@@ -115,9 +116,9 @@ def simulate_steps(
     # Per device (and one pseudo-device for the all-reduce): task order, durations, deps.
     order: list[list[Key]] = [[] for _ in range(P + 1)]
     duration: dict[Key, Number] = {}
-    deps: dict[Key, list[tuple[Key, Number]]] = {}
+    deps: dict[Key, Sequence[tuple[Key, Number]]] = {}
 
-    def add(device: int, key: Key, dur: Number, after: list[tuple[Key, Number]]) -> None:
+    def add(device: int, key: Key, dur: Number, after: Sequence[tuple[Key, Number]]) -> None:
         order[device].append(key)
         duration[key], deps[key] = dur, after
 
@@ -164,7 +165,9 @@ def simulate_steps(
 
 
 def _run(
-    order: list[list[Key]], duration: dict[Key, Number], deps: dict[Key, list[tuple[Key, Number]]]
+    order: list[list[Key]],
+    duration: dict[Key, Number],
+    deps: dict[Key, Sequence[tuple[Key, Number]]],
 ) -> dict[Key, Number]:
     """Start times: each task after its device's previous one and its dependencies."""
     prev: dict[Key, Key] = {}

@@ -46,7 +46,7 @@ so checks 2-7 ignore those events.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +59,7 @@ from zerobubble.schedule.trace_format import (
     MESSAGE_OPS,
     EventKind,
     EventOp,
+    MessageId,
     OptOp,
     TraceEvent,
     is_opt_op,
@@ -168,7 +169,7 @@ def describe(e: TraceEvent) -> str:
     return e.op
 
 
-def _msg(m: tuple) -> str:
+def _msg(m: MessageId) -> str:
     return f"{m[0]}(s{m[1]}->s{m[2]},mb{m[3]})"
 
 
@@ -204,7 +205,7 @@ def check_trace(
     dropped = sum(ev.e.op is not EventOp.REPLAY for ev in evs) - len(kept)
     if dropped:
         notes.append(f"{dropped} event(s) of replayed (discarded) work not checked")
-    families = (
+    families: tuple[Callable[[], _Found], ...] = (
         lambda: _check_events(evs, opt_ops),
         lambda: _check_backward(kept),
         lambda: _check_messages(kept),
@@ -231,10 +232,11 @@ def check_trace(
     )
 
 
-_Found = list[tuple[tuple, Violation]]
+_Found = list[tuple[tuple[int, int, int, int], Violation]]
+"""Violations with their sort key (:attr:`_Ev.key`)."""
 
 
-def _v(check: str, ev: _Ev, why: str) -> tuple[tuple, Violation]:
+def _v(check: str, ev: _Ev, why: str) -> tuple[tuple[int, int, int, int], Violation]:
     e = ev.e
     return ev.key, Violation(check, e.iteration, e.rank, ev.index, ev.line, describe(e), why)
 
@@ -335,34 +337,35 @@ def _check_backward(evs: Sequence[_Ev]) -> _Found:
         owner: dict[int, int] = {}
         for rank_evs in _by_rank(it_evs).values():
             for ev in rank_evs:
-                e = ev.e
-                if not isinstance(e.op, Op):
+                a = ev.e.action
+                if a is None:
                     continue
-                if owner.setdefault(e.stage, e.rank) != e.rank:
+                if owner.setdefault(a.stage, ev.e.rank) != ev.e.rank:
                     out.append(
                         _v(
                             "backward",
                             ev,
-                            f"stage {e.stage} runs on rank {owner[e.stage]} too; a stage lives "
+                            f"stage {a.stage} runs on rank {owner[a.stage]} too; a stage lives "
                             "on one rank",
                         )
                     )
                     continue
-                key = (e.stage, e.mb)
+                key = (a.stage, a.mb)
                 cur = state.get(key)
-                want = LOCAL_PRODUCER[e.op]
+                want = LOCAL_PRODUCER[a.op]
                 have = cur[0] if cur else None
                 if have != want:
-                    out.append(_v("backward", ev, _order_problem(e.op, have, cur)))
-                state[key] = (e.op, ev)
+                    out.append(_v("backward", ev, _order_problem(a.op, have, cur)))
+                state[key] = (a.op, ev)
         for (_s, _mb), (have, ev) in state.items():
             if have is Op.F:
                 why = "never gets its backward (no B and W, nor BW, follows it)"
                 out.append(_v("backward", ev, why))
             elif have is Op.B:
                 out.append(_v("backward", ev, "never gets its W (its weight gradient is lost)"))
-        stages = sorted({e.e.stage for e in it_evs if isinstance(e.e.op, Op)})
-        mbs = sorted({e.e.mb for e in it_evs if isinstance(e.e.op, Op)})
+        actions = [a for a in (ev.e.action for ev in it_evs) if a is not None]
+        stages = sorted({a.stage for a in actions})
+        mbs = sorted({a.mb for a in actions})
         if stages and mbs:
             for s in range(stages[-1] + 1):
                 for j in range(mbs[-1] + 1):
@@ -408,10 +411,10 @@ def _check_messages(evs: Sequence[_Ev]) -> _Found:
     out: _Found = []
     for _it, it_evs in _by_iteration(evs).items():
         owner = {e.e.stage: e.e.rank for e in it_evs if isinstance(e.e.op, Op)}
-        by_msg: dict[tuple, dict[EventKind, list[_Ev]]] = defaultdict(lambda: defaultdict(list))
+        by_msg: dict[MessageId, dict[EventKind, list[_Ev]]] = defaultdict(lambda: defaultdict(list))
         for ev in it_evs:
             if ev.e.op in MESSAGE_OPS:
-                by_msg[ev.e.msg][ev.e.op].append(ev)
+                by_msg[ev.e.message][ev.e.op].append(ev)
         for msg, ops in by_msg.items():
             sends, posts = ops[EventOp.SEND], ops[EventOp.POST_RECV]
             waits = ops[EventOp.WAIT_RECV]
@@ -457,8 +460,8 @@ def _check_messages(evs: Sequence[_Ev]) -> _Found:
 def _check_message_order(evs: Sequence[_Ev]) -> _Found:
     out: _Found = []
     for _it, it_evs in _by_iteration(evs).items():
-        sent: dict[tuple[int, int], list[_Ev]] = defaultdict(list)
-        posted: dict[tuple[int, int], list[_Ev]] = defaultdict(list)
+        sent: dict[tuple[int | None, int | None], list[_Ev]] = defaultdict(list)
+        posted: dict[tuple[int | None, int | None], list[_Ev]] = defaultdict(list)
         for rank_evs in _by_rank(it_evs).values():
             for ev in rank_evs:
                 if ev.e.op is EventOp.SEND:
@@ -471,7 +474,7 @@ def _check_message_order(evs: Sequence[_Ev]) -> _Found:
                 if s.e.msg != p.e.msg:
                     why = (
                         f"receive #{k} from rank {pair[0]}, but rank {pair[0]}'s send #{k} to "
-                        f"rank {pair[1]} is {_msg(s.e.msg)} (event #{s.index}); messages "
+                        f"rank {pair[1]} is {_msg(s.e.message)} (event #{s.index}); messages "
                         "between two ranks are matched in order"
                     )
                     out.append(_v("message order", p, why))
@@ -485,17 +488,16 @@ def _check_message_order(evs: Sequence[_Ev]) -> _Found:
 def _check_edges(evs: Sequence[_Ev]) -> _Found:
     out: _Found = []
     for _it, it_evs in _by_iteration(evs).items():
-        computes = [ev for ev in it_evs if isinstance(ev.e.op, Op)]
+        computes = [(ev, a) for ev in it_evs if (a := ev.e.action) is not None]
         if not computes:
             continue
-        msgs = {(ev.e.op, ev.e.rank, ev.e.msg): ev for ev in it_evs if ev.e.op in MESSAGE_OPS}
-        num_stages = 1 + max(ev.e.stage for ev in computes)
+        msgs = {(ev.e.op, ev.e.rank, ev.e.message): ev for ev in it_evs if ev.e.op in MESSAGE_OPS}
+        num_stages = 1 + max(a.stage for _, a in computes)
         made: dict[Key, _Ev] = {}
-        for ev in reversed(computes):  # the first producer of a key wins
-            made.update(dict.fromkeys(produces(ev.e.op, ev.e.stage, ev.e.mb, num_stages), ev))
-        for ev in computes:
-            e = ev.e
-            for k in needs(e.op, e.stage, e.mb, num_stages):
+        for ev, a in reversed(computes):  # the first producer of a key wins
+            made.update(dict.fromkeys(produces(*a, num_stages), ev))
+        for ev, a in computes:
+            for k in needs(*a, num_stages):
                 if not k.kind.travels:
                     continue  # same-stage order is the backward check's
                 prod = made.get(k)
@@ -508,7 +510,9 @@ def _check_edges(evs: Sequence[_Ev]) -> _Found:
     return out
 
 
-def _edge_problem(ev: _Ev, prod: _Ev, msg: tuple, msgs: dict[tuple, _Ev]) -> str | None:
+def _edge_problem(
+    ev: _Ev, prod: _Ev, msg: MessageId, msgs: dict[tuple[EventKind, int, MessageId], _Ev]
+) -> str | None:
     e, p = ev.e, prod.e
     pname = f"{describe(p)} (rank {p.rank} event #{prod.index})"
     if p.rank == e.rank:
@@ -539,8 +543,8 @@ def _check_clocks(evs: Sequence[_Ev], tolerance_ns: int) -> _Found:
             continue
         wait = max((located[id(lo.wait)], located[id(hi.wait)]), key=lambda ev: ev.key)
         why = (
-            f"no clock offset between ranks {a} and {b} makes both {_msg(lo.send.msg)} "
-            f"(rank {a} -> {b}, iteration {lo.send.iteration}) and {_msg(hi.send.msg)} "
+            f"no clock offset between ranks {a} and {b} makes both {_msg(lo.send.message)} "
+            f"(rank {a} -> {b}, iteration {lo.send.iteration}) and {_msg(hi.send.message)} "
             f"(rank {b} -> {a}, iteration {hi.send.iteration}) arrive after they were sent: "
             f"they disagree by {(lo.value - hi.value) / 1e3:.0f} µs "
             f"(tolerance {tolerance_ns / 1e3:.0f} µs)"
@@ -556,8 +560,8 @@ def _check_versions(evs: Sequence[_Ev]) -> _Found:
     out: _Found = []
     groups: dict[tuple[int, int], list[_Ev]] = defaultdict(list)
     for ev in evs:
-        if isinstance(ev.e.op, Op):
-            groups[ev.e.iteration, ev.e.mb].append(ev)
+        if (a := ev.e.action) is not None:
+            groups[ev.e.iteration, a.mb].append(ev)
     for (it, mb), group in groups.items():
         counts = Counter(ev.e.param_version for ev in group)
         if len(counts) == 1:

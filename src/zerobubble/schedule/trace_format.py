@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import IO, Any
 
-from zerobubble.schedule.ir import Op
+from zerobubble.schedule.ir import Action, Op
 from zerobubble.schedule.lowering import MsgKind
 
 COMPUTE_OPS = tuple(Op)
@@ -62,13 +62,16 @@ class OptOp(enum.StrEnum):
 EventKind = Op | EventOp | OptOp | str
 """An event's op once parsed: a str only for an op this module does not know."""
 
+MessageId = tuple[MsgKind | str, int, int, int]
+"""A message's ``(kind, src stage, dst stage, mb)``; the kind a str only when unknown."""
+
 _PARSE: dict[str, EventKind] = {str(k): k for k in (*Op, *EventOp, *OptOp)}
 _MSG_KINDS: dict[str, MsgKind] = {str(k): k for k in MsgKind}
 
 TRACKS = ("compute", "recv", "send", "optim")
 """Chrome-trace threads: compute actions, receives (post and wait), sends, and the
 optimizer protocol (:class:`OptOp` events and ``replay``)."""
-_TRACK = {
+_TRACK: dict[EventKind, str] = {
     **{op: "compute" for op in Op},
     EventOp.POST_RECV: "recv",
     EventOp.WAIT_RECV: "recv",
@@ -115,7 +118,7 @@ class TraceEvent:
     mem_before: int
     mem_after: int
     peer: int | None = None
-    msg: tuple[MsgKind | str, int, int, int] | None = None
+    msg: MessageId | None = None
 
     def __post_init__(self) -> None:
         # The executor passes strings; parse them once here so readers compare enums.
@@ -123,6 +126,38 @@ class TraceEvent:
         m = self.msg
         if m is not None and type(m[0]) is not MsgKind:
             object.__setattr__(self, "msg", (_MSG_KINDS.get(m[0], m[0]), *m[1:]))
+
+    @property
+    def action(self) -> Action | None:
+        """The action a compute event ran; None for any other event.
+
+        Raises ValueError for a compute event without integer stage and mb, which
+        ``check-trace`` reports as malformed.
+        """
+        if not isinstance(self.op, Op):
+            return None
+        if not (isinstance(self.stage, int) and isinstance(self.mb, int)):
+            raise ValueError(
+                f"rank {self.rank}, iteration {self.iteration}: {self.op} event has "
+                f"stage={self.stage!r}, mb={self.mb!r}; a compute event needs integer stage and "
+                "mb (find it with `zerobubble check-trace`)"
+            )
+        return Action(self.op, self.stage, self.mb)
+
+    @property
+    def message(self) -> MessageId:
+        """The id of a message event's message.
+
+        Raises ValueError for an event without one, which ``check-trace`` reports when it
+        is a message event.
+        """
+        if self.msg is None:
+            raise ValueError(
+                f"rank {self.rank}, iteration {self.iteration}: {self.op} event has no msg; "
+                "a message event needs msg (kind, src, dst, mb) (find it with "
+                "`zerobubble check-trace`)"
+            )
+        return self.msg
 
     @property
     def track(self) -> str:
@@ -266,14 +301,14 @@ def read_jsonl(path: str | Path) -> list[TraceEvent]:
     return read_jsonl_lines(path)[0]
 
 
-def chrome_trace(events: Iterable[TraceEvent]) -> dict:
+def chrome_trace(events: Iterable[TraceEvent]) -> dict[str, Any]:
     """Chrome trace-event JSON: process = rank, thread = track, times in microseconds."""
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
     ranks: set[int] = set()
     for e in events:
         ranks.add(e.rank)
         name = e.op if e.mb is None else f"{e.op}{e.mb}"
-        args = {
+        args: dict[str, object] = {
             "iteration": e.iteration,
             "stage": e.stage,
             "mb": e.mb,
@@ -295,7 +330,7 @@ def chrome_trace(events: Iterable[TraceEvent]) -> dict:
                 "args": args,
             }
         )
-    meta: list[dict] = []
+    meta: list[dict[str, Any]] = []
     for r in sorted(ranks):
         meta.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}})
         meta.append({"name": "process_sort_index", "ph": "M", "pid": r, "args": {"sort_index": r}})

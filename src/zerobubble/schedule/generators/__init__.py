@@ -57,36 +57,69 @@ class Generator:
 
 # The search kinds import their module on first use: schedule.search builds on the
 # generators above, so importing it here would be circular.
-def _zb_auto(num_devices: int, num_microbatches: int, **options: object) -> Schedule:
+def _zb_auto(
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    chunks: int = 1,
+    costs: CostSpec | None = None,
+    mem_limit: Number | None = None,
+) -> Schedule:
     from zerobubble.schedule.search.auto import zb_auto as fn
 
-    return fn(num_devices, num_microbatches, **options)  # type: ignore[arg-type]
+    return fn(num_devices, num_microbatches, chunks=chunks, costs=costs, mem_limit=mem_limit)
 
 
-def _zbv_auto(num_devices: int, num_microbatches: int, **options: object) -> Schedule:
+def _zbv_auto(
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    costs: CostSpec | None = None,
+    mem_limit: Number | None = None,
+) -> Schedule:
     from zerobubble.schedule.search.auto import zbv_auto as fn
 
-    return fn(num_devices, num_microbatches, **options)  # type: ignore[arg-type]
+    return fn(num_devices, num_microbatches, costs=costs, mem_limit=mem_limit)
 
 
-def _auto(num_devices: int, num_microbatches: int, **options: object) -> Schedule:
+def _auto(
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    chunks: int | None = None,
+    costs: CostSpec | None = None,
+    mem_limit: Number | None = None,
+) -> Schedule:
+    from zerobubble.schedule.search.placement import MAX_CHUNKS
     from zerobubble.schedule.search.placement import auto as fn
 
-    if "chunks" in options:
-        options["max_chunks"] = options.pop("chunks")
-    return fn(num_devices, num_microbatches, **options)  # type: ignore[arg-type]
+    most = MAX_CHUNKS if chunks is None else chunks
+    return fn(num_devices, num_microbatches, costs=costs, mem_limit=mem_limit, max_chunks=most)
 
 
-def _optimal(num_devices: int, num_microbatches: int, **options: object) -> Schedule:
+def _optimal(
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    chunks: int = 1,
+    costs: CostSpec | None = None,
+    mem_limit: Number | None = None,
+) -> Schedule:
     from zerobubble.schedule.search.milp import optimal as fn
 
-    return fn(num_devices, num_microbatches, **options)  # type: ignore[arg-type]
+    return fn(num_devices, num_microbatches, chunks=chunks, costs=costs, mem_limit=mem_limit)
 
 
-def _optimal_v(num_devices: int, num_microbatches: int, **options: object) -> Schedule:
+def _optimal_v(
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    costs: CostSpec | None = None,
+    mem_limit: Number | None = None,
+) -> Schedule:
     from zerobubble.schedule.search.milp import optimal as fn
 
-    return fn(num_devices, num_microbatches, v_shape=True, **options)  # type: ignore[arg-type]
+    return fn(num_devices, num_microbatches, v_shape=True, costs=costs, mem_limit=mem_limit)
 
 
 _SEARCH_OPTIONS = frozenset({"costs", "mem_limit"})

@@ -23,7 +23,7 @@ def gpipe(num_devices: int, num_microbatches: int, *, split_backward: bool = Fal
         for j in range(m):
             acts += emit_backward(d, j, split_backward)
         actions.append(acts)
-    return Schedule("gpipe", p, p, m, tuple(range(p)), actions)
+    return Schedule("gpipe", p, p, m, tuple(range(p)), tuple(tuple(acts) for acts in actions))
 
 
 def one_f_one_b(
@@ -45,7 +45,7 @@ def one_f_one_b(
         for j in range(m - warmup, m):  # cool-down
             acts += emit_backward(d, j, split_backward)
         actions.append(acts)
-    return Schedule("1f1b", p, p, m, tuple(range(p)), actions)
+    return Schedule("1f1b", p, p, m, tuple(range(p)), tuple(tuple(acts) for acts in actions))
 
 
 def interleaved_1f1b(
@@ -77,7 +77,14 @@ def interleaved_1f1b(
         fwd = [Action(Op.F, c * p + d, j) for c, j in order]
         bwd = [((v - 1 - c) * p + d, j) for c, j in order]
         actions.append(_merge_1f1b(fwd, bwd, warmup, split_backward))
-    return Schedule("interleaved-1f1b", p, p * v, m, looped_placement(p, v), actions)
+    return Schedule(
+        "interleaved-1f1b",
+        p,
+        p * v,
+        m,
+        looped_placement(p, v),
+        tuple(tuple(acts) for acts in actions),
+    )
 
 
 def _groups(p: int, m: int) -> list[range]:

@@ -72,7 +72,9 @@ def dualpipev(num_devices: int, num_microbatches: int) -> Schedule:
         while o.pending:
             o.w()
         actions.append([a for a in o.actions if a.mb < m])
-    return Schedule("dualpipev", p, 2 * p, m, v_placement(p), actions)
+    return Schedule(
+        "dualpipev", p, 2 * p, m, v_placement(p), tuple(tuple(acts) for acts in actions)
+    )
 
 
 class _DualOrder:

@@ -142,7 +142,7 @@ def one_f_one_b_v_block(num_devices: int) -> list[Block]:
         used[d].update((t + k) % _PERIOD for k in cells)
         blocks[d].append((op, stage, t))
         ready = t + _WIDTH[op]
-    return blocks
+    return [tuple(block) for block in blocks]
 
 
 def _check_block(blocks: Sequence[Block]) -> None:
@@ -384,7 +384,8 @@ def _first_end(blocks: Sequence[Block]) -> int:
 
 def _block_schedule(name: str, p: int, m: int, blocks: Sequence[Block]) -> Schedule:
     _check_block(blocks)
-    return Schedule(name, p, 2 * p, m, v_placement(p), _block_orders(blocks, m))
+    orders = _block_orders(blocks, m)
+    return Schedule(name, p, 2 * p, m, v_placement(p), tuple(tuple(acts) for acts in orders))
 
 
 def v_min(num_devices: int, num_microbatches: int) -> Schedule:

@@ -26,7 +26,7 @@ def _lagged(p: int, m: int, k: int, name: str) -> Schedule:
                 if 0 <= x - lag < m:
                     acts.append(Action(op, i, x - lag))
         actions.append(acts)
-    return Schedule(name, p, p, m, tuple(range(p)), actions)
+    return Schedule(name, p, p, m, tuple(range(p)), tuple(tuple(acts) for acts in actions))
 
 
 def zb_h1(num_devices: int, num_microbatches: int) -> Schedule:
@@ -94,4 +94,4 @@ def zbv(num_devices: int, num_microbatches: int) -> Schedule:
             while o.count(Op.W, stage) < o.count(Op.B, stage):
                 o.add(Op.W, stage)
         actions.append([a for a in o.actions if a.mb < m])
-    return Schedule("zbv", p, 2 * p, m, v_placement(p), actions)
+    return Schedule("zbv", p, 2 * p, m, v_placement(p), tuple(tuple(acts) for acts in actions))
