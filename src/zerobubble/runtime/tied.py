@@ -295,7 +295,9 @@ class TiedGroups:
             what = f"comparison of tied parameter {g.tp.name!r}'s replicas at iteration {iteration}"
             sums = self._gather(g, torch.tensor([mine], dtype=torch.int64), what)
             if len({int(t.item()) for t in sums}) > 1:
-                got = ", ".join(f"rank {r}: {int(t.item())}" for r, t in zip(g.ranks, sums))
+                got = ", ".join(
+                    f"rank {r}: {int(t.item())}" for r, t in zip(g.ranks, sums, strict=True)
+                )
                 raise RuntimeError(
                     f"rank {self.rank}: the replicas of tied parameter {g.tp.name!r} (stages "
                     f"{list(g.tp.stages)}) differ at iteration {iteration} (checksums {got}): "
@@ -337,7 +339,9 @@ class TiedGroups:
         what = f"exchange of tied parameter {g.tp.name!r}'s shape and dtype"
         metas = [t.tolist() for t in self._gather(g, torch.tensor(meta), what)]
         if any(m != metas[0] for m in metas):
-            got = "; ".join(f"rank {r}: {m[: 2 + m[1]]}" for r, m in zip(g.ranks, metas))
+            got = "; ".join(
+                f"rank {r}: {m[: 2 + m[1]]}" for r, m in zip(g.ranks, metas, strict=True)
+            )
             raise ValueError(
                 f"tied parameter {g.tp.name!r} has different shapes or dtypes on its holder "
                 f"ranks ([dtype code, ndim, dims] {got}); build the same model on every rank"
