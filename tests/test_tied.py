@@ -43,6 +43,13 @@ def tied_mlp(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def tied_mlp3(seed: int = 0) -> nn.Sequential:
+    """:func:`tied_mlp` whose middle layer uses the weight too: a tie of three stages."""
+    model = tied_mlp(seed)
+    model[3][0].weight = model[0][0].weight
+    return model
+
+
 def batches(model: str, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(7)
     if model == "gpt":
@@ -58,7 +65,11 @@ def batches(model: str, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-CASES = {"gpt": (tied_gpt, gpt_loss, "0.tok.weight"), "mlp": (tied_mlp, mlp_loss, "0.0.weight")}
+CASES = {
+    "gpt": (tied_gpt, gpt_loss, "0.tok.weight"),
+    "mlp": (tied_mlp, mlp_loss, "0.0.weight"),
+    "mlp3": (tied_mlp3, mlp_loss, "0.0.weight"),
+}
 
 
 # ---- single process ----------------------------------------------------------------------
@@ -225,8 +236,8 @@ def check(results: list[dict], kinds: list[str], post: list[str]) -> None:
     for run in runs:
         assert [b for r in results for b in r[run]["bad"]] == [], run
         replicas = [t for r in results for t in r[run]["replicas"]]
-        assert len(replicas) == 2, run  # the first and the last stage
-        assert replicas[0] == replicas[1], run
+        assert len(replicas) == (3 if run.endswith("mlp3") else 2), run  # one per stage
+        assert all(t == replicas[0] for t in replicas), run
         assert "clip" in results[0][run]["actions"], run  # clipping did happen
         model = CASES.get(run.split("/")[1], CASES["gpt"])[0]()
         names = [n for r in results for n in r[run]["names"]]
