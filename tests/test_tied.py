@@ -16,6 +16,7 @@ from torch import nn
 
 import zerobubble
 from zerobubble.models import GPTConfig, build_gpt, gpt_loss, mlp_loss
+from zerobubble.runtime.comm import PeerError
 from zerobubble.runtime.partition import build_stage_modules, stage_bounds
 from zerobubble.runtime.reference import reference_step
 from zerobubble.runtime.tied import find_shared, tie_local_replicas, tied_reference_step
@@ -216,7 +217,21 @@ def state_and_check() -> dict:
         pipe.tied.check(1)
     except RuntimeError as e:
         error = str(e)
-    return {"bad": bad, "replicas": replicas, "error": error, "keys": list(pipe.state_dict())}
+    peer = None
+    if pipe.rank == 0:  # rank 2, the other holder, never joins this reduction
+        pipe.tied.timeout_s = 1.0
+        try:
+            pipe.tied.reduce(7)
+        except PeerError as e:
+            peer = (str(e), e.group)
+    torch.distributed.barrier()  # rank 2 stays alive (silent) until rank 0 timed out
+    return {
+        "bad": bad,
+        "replicas": replicas,
+        "error": error,
+        "peer": peer,
+        "keys": list(pipe.state_dict()),
+    }
 
 
 def job(kinds: list[str], post: list[str]) -> dict:
@@ -246,6 +261,11 @@ def check(results: list[dict], kinds: list[str], post: list[str]) -> None:
     assert all(s["bad"] == [] and all(s["replicas"]) for s in state)
     assert "6.weight" not in [k for s in state for k in s["keys"]]
     assert state[1]["error"] is None  # rank 1 holds no replica
+    message, group = state[0]["peer"]
+    assert group == (0, 2) and message.startswith(
+        "rank 0: reduction of tied parameter '0.0.weight''s gradient at iteration 7 in the "
+        "collective over ranks [0, 2] failed: no completion within the comm timeout of 1s"
+    )
     for rank in (0, 2):
         assert state[rank]["error"].startswith(
             f"rank {rank}: the replicas of tied parameter '0.0.weight' (stages [0, 5]) differ "
