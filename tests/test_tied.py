@@ -155,7 +155,7 @@ def train(kind: str, model_name: str, mode: str = "sync", steps: int = 5) -> dic
     bad: list[str] = []
     actions: list[str] = []
     trainer = pipe.set_optimizer(adamw(pipe.parameters()), config)
-    trainer.on_commit = lambda commit: actions.append(commit.action.value)
+    trainer.on_commit = lambda c: actions.append(c.action.value + " rolled back" * c.rolled_back)
     ref_opt = adamw(ref.parameters())
     ref_params = dict(ref.named_parameters())
     bounds = stage_bounds(len(model), schedule.num_stages)
@@ -253,7 +253,9 @@ def check(results: list[dict], kinds: list[str], post: list[str]) -> None:
         replicas = [t for r in results for t in r[run]["replicas"]]
         assert len(replicas) == (3 if run.endswith("mlp3") else 2), run  # one per stage
         assert all(t == replicas[0] for t in replicas), run
-        assert "clip" in results[0][run]["actions"], run  # clipping did happen
+        assert "clip" in results[-1][run]["actions"], run  # clipping did happen
+        if run.endswith(("conservative", "speculative")):  # and undid provisional steps
+            assert "clip rolled back" in [a for r in results for a in r[run]["actions"]], run
         model = CASES.get(run.split("/")[1], CASES["gpt"])[0]()
         names = [n for r in results for n in r[run]["names"]]
         assert sorted(set(names)) == sorted(n for n, _ in model.named_parameters()), run

@@ -196,7 +196,9 @@ class Pipeline:
         last stage (every rank may pass both). With an optimizer (:meth:`set_optimizer`)
         this is a whole training step: gradients are zeroed first and the optimizer
         steps at the end; without one, gradients accumulate into ``.grad``, as
-        ``loss.backward()`` does. On the last stage's rank returns the per-microbatch
+        ``loss.backward()`` does (the replicas of a tied parameter then hold their own
+        stage's part; ``pipe.tied.reduce(i)``, collective, sums them once the
+        accumulation is over). On the last stage's rank returns the per-microbatch
         losses (and appends them to ``losses``); elsewhere returns None.
         """
         if self.trainer is None:
