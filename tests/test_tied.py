@@ -147,7 +147,10 @@ def train(kind: str, model_name: str, mode: str = "sync", steps: int = 5) -> dic
     ref = copy.deepcopy(model)
     schedule = zerobubble.generate(kind, P, M)
     pipe = zerobubble.Pipeline(model, loss_fn, schedule, tied_check_every=2)
-    config = zerobubble.OptimConfig(mode=mode, max_norm=0.3)
+    # Post-validation: rank 0's prefix norm (about 1.03 at step 0) stays below the
+    # threshold, the full norm (1.64) does not: rank 0 steps early and rolls back.
+    max_norm = 0.3 if mode == "sync" else 1.2
+    config = zerobubble.OptimConfig(mode=mode, max_norm=max_norm)
 
     def adamw(ps):
         return torch.optim.AdamW(ps, lr=0.02, weight_decay=0.1)
@@ -162,7 +165,7 @@ def train(kind: str, model_name: str, mode: str = "sync", steps: int = 5) -> dic
     for step, (x, y) in enumerate(batches(model_name, steps)):
         losses = pipe.step(x, target=y)
         ref_losses = tied_reference_step(ref, loss_fn, x, y, M, bounds)
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
         ref_opt.step()
         if pipe.executor.has_last and not all(map(torch.equal, losses or [], ref_losses)):
             bad.append(f"{kind} {model_name} step {step}: losses differ")
