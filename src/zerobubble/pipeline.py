@@ -32,6 +32,7 @@ from zerobubble.runtime.partition import (
     model_name,
     stage_bounds,
 )
+from zerobubble.runtime.tied import TiedGroups, find_shared
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.ir import Schedule
 
@@ -66,6 +67,15 @@ class Pipeline:
         count_fn: ``count_fn(target)``: the count (e.g. non-ignored tokens) of the
             whole batch that normalises the loss; see
             :class:`~zerobubble.runtime.executor.PipelineExecutor`.
+        copy_layers: False: build the stages from the layer objects themselves
+            (see :func:`~zerobubble.runtime.partition.build_stage_modules`).
+        tied_check_every: Compare the replicas of parameters tied across ranks
+            (a checksum each) every this many iterations; 0: never.
+
+    A parameter the model uses in several layers stays one parameter: layers of
+    a stage share it; stages share it as a tie whose replicas take one summed
+    gradient (:mod:`~zerobubble.runtime.tied`). :meth:`named_parameters` and
+    :meth:`state_dict` list it once, under its first name in the model.
 
     The constructor is collective: every rank of the group builds its Pipeline.
 
@@ -89,6 +99,8 @@ class Pipeline:
         device: torch.device | str | None = None,
         options: ExecutorOptions | None = None,
         count_fn: CountFn | None = None,
+        copy_layers: bool = True,
+        tied_check_every: int = 0,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -122,8 +134,12 @@ class Pipeline:
             num_layers=len(keys),
             boundaries=boundaries,
             device=device,
+            copy_layers=copy_layers,
         )
         bounds = stage_bounds(len(keys), schedule.num_stages, boundaries)
+        is_list = isinstance(layers, nn.Sequential | nn.ModuleList | Sequence)
+        shared = find_shared(list(layers), keys, bounds) if is_list else ()
+        self._first_name = {n: tp.name for tp in shared for n in tp.names}
         self._layer_keys = {s: keys[bounds[s].start : bounds[s].stop] for s in stages}
         self.executor = PipelineExecutor(
             schedule,
@@ -136,6 +152,15 @@ class Pipeline:
         )
         self.rank = self.executor.rank
         self.schedule = self.executor.schedule
+        self.tied = TiedGroups(
+            shared,
+            {s: c.module for s, c in self.executor.chunks.items()},
+            self.schedule.placement,
+            self.rank,
+            group,
+            timeout_s=self.executor.options.comm_timeout_s,
+            check_every=tied_check_every,
+        )
         self.trainer: PipelineTrainer | None = None
         mine = {
             s: [
@@ -173,7 +198,7 @@ class Pipeline:
                 f"the optimizer holds {foreign} parameters that rank {self.rank}'s stages do not: "
                 "build it from pipe.parameters() (the stages' own copies), not from the model"
             )
-        self.trainer = PipelineTrainer(self.executor, optimizer, config)
+        self.trainer = PipelineTrainer(self.executor, optimizer, config, tied=self.tied)
         return self.trainer
 
     def step(
@@ -189,7 +214,9 @@ class Pipeline:
         last stage (every rank may pass both). With an optimizer (:meth:`set_optimizer`)
         this is a whole training step: gradients are zeroed first and the optimizer
         steps at the end; without one, gradients accumulate into ``.grad``, as
-        ``loss.backward()`` does. On the last stage's rank returns the per-microbatch
+        ``loss.backward()`` does (the replicas of a tied parameter then hold their own
+        stage's part; ``pipe.tied.reduce(i)``, collective, sums them once the
+        accumulation is over). On the last stage's rank returns the per-microbatch
         losses (and appends them to ``losses``); elsewhere returns None.
         """
         if self.trainer is None:
@@ -209,14 +236,23 @@ class Pipeline:
 
     # ---- parameters and state -----------------------------------------------------------
 
+    def _name(self, stage: int, stage_name: str) -> str:
+        """The user's model's name of a stage entry; a shared parameter's first name."""
+        name = model_name(stage_name, self._layer_keys[stage], self._module(stage))
+        return self._first_name.get(name, name)
+
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters, in model order, named as in the user's model."""
-        seen: set[int] = set()
+        """This rank's parameters, in model order, named as in the user's model.
+
+        A tied parameter comes once (on a rank holding several replicas: the first),
+        under its first name in the model, on every rank that holds it.
+        """
+        seen = self.tied.secondary()
         for s in sorted(self.executor.chunks):
             for name, p in self._module(s).named_parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
-                    yield model_name(name, self._layer_keys[s], self._module(s)), p
+                    yield self._name(s, name), p
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters, in model order (for an optimizer)."""
@@ -228,7 +264,7 @@ class Pipeline:
         out: OrderedDict[str, Tensor] = OrderedDict()
         for s in sorted(self.executor.chunks):
             for name, t in self._module(s).state_dict().items():
-                out[model_name(name, self._layer_keys[s], self._module(s))] = t
+                out.setdefault(self._name(s, name), t)
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True) -> None:
@@ -238,20 +274,26 @@ class Pipeline:
         takes its own keys) or this rank's part. ``strict``: every key of this rank's
         stages must be there and every key must belong to some stage of the model;
         a mismatch raises ValueError naming the keys and the stages holding them.
-        Shapes must match in any case.
+        Shapes must match in any case. A shared parameter is read from its first name
+        (or, failing that, any other name the model gives it) into every replica.
         """
         unexpected = [k for k in state_dict if k not in self._holder]
-        missing: list[str] = []
+        missing: list[tuple[int, str]] = []
         local: dict[int, dict[str, Tensor]] = {}
+        aliases: dict[str, list[str]] = {}
+        for name, first in self._first_name.items():
+            aliases.setdefault(first, []).append(name)
         for s in sorted(self.executor.chunks):
             own = self._module(s).state_dict()
             local[s] = {}
             for name, current in own.items():
-                key = model_name(name, self._layer_keys[s], self._module(s))
-                if key not in state_dict:
-                    missing.append(key)
+                key = self._name(s, name)
+                found = [k for k in aliases.get(key, [key]) if k in state_dict]
+                if not found:
+                    if (s, key) not in missing:
+                        missing.append((s, key))
                     continue
-                value = state_dict[key]
+                value = state_dict[found[0]]
                 if value.shape != current.shape:
                     raise ValueError(
                         f"state dict entry {key!r} has shape {tuple(value.shape)} but stage {s} "
@@ -263,12 +305,12 @@ class Pipeline:
         for s, entries in local.items():
             self._module(s).load_state_dict(entries, strict=strict)
 
-    def _mismatch(self, missing: list[str], unexpected: list[str]) -> str:
+    def _mismatch(self, missing: list[tuple[int, str]], unexpected: list[str]) -> str:
         parts = []
         if missing:
             by_stage: dict[int, list[str]] = {}
-            for key in missing:
-                by_stage.setdefault(self._holder[key][0], []).append(key)
+            for stage, key in missing:
+                by_stage.setdefault(stage, []).append(key)
             listed = "; ".join(
                 f"stage {s} (rank {self.rank}): {', '.join(map(repr, keys))}"
                 for s, keys in sorted(by_stage.items())

@@ -42,9 +42,9 @@ class GPTConfig:
     The two residual projections of each block use ``init_std / sqrt(2 * n_layers)``,
     as in GPT-2, so the residual stream's variance does not grow with depth."""
     tie_embeddings: bool = False
-    """Share the token embedding matrix with the LM head. Only valid in a pipeline
-    when the first and last layers live on the same stage (nothing synchronises
-    the two halves of a tied gradient across stages)."""
+    """Share the token embedding matrix with the LM head (one Parameter). In a
+    pipeline the first and last stages each hold a replica whose gradients are
+    summed in stage order (see docs/runtime.md, "Shared and tied parameters")."""
     seed: int = 0
     """Seed of the initialisation; the global RNG is left untouched."""
 

@@ -63,6 +63,7 @@ from zerobubble.optim.speculation import VersionGuard, protocol_program
 from zerobubble.optim.versions import OptState, ProtocolError, RankVersions
 from zerobubble.runtime.comm import Channel
 from zerobubble.runtime.executor import PipelineExecutor
+from zerobubble.runtime.tied import TiedGroups
 from zerobubble.schedule.ir import Action as ComputeAction
 from zerobubble.schedule.step_sim import StepMode
 from zerobubble.schedule.trace_format import TraceEvent
@@ -133,6 +134,10 @@ class PipelineTrainer:
         faults: Faults to inject (tests); see :mod:`zerobubble.optim.faults`.
         on_commit: Called with each :class:`Commit`, right after the final action
             of an iteration is applied on this rank.
+        tied: The parameters tied across stages
+            (:class:`~zerobubble.runtime.tied.TiedGroups`): their gradients are summed
+            over the holder stages at the tail, before the norm, clipping, the
+            NaN/Inf check and the step; the norm counts each once.
 
     The constructor is collective (ranks agree on the parameter layout).
 
@@ -151,8 +156,10 @@ class PipelineTrainer:
         *,
         faults: FaultPlan | None = None,
         on_commit: Callable[[Commit], None] | None = None,
+        tied: TiedGroups | None = None,
     ) -> None:
         self.pipe = executor
+        self.tied = tied
         self.optimizer = optimizer
         self.config = config or OptimConfig()
         self.faults = faults or FaultPlan()
@@ -172,7 +179,10 @@ class PipelineTrainer:
             protocol_program(executor.lowered, executor.rank, speculative=self.config.speculative)
         )
         self.undo = make_undo(optimizer, self.config.rollback) if pv else None
-        self.layout = ParamLayout.exchange(self.stage_params, executor.p2p)
+        self.norm_params = (
+            self.stage_params if tied is None else tied.norm_params(self.stage_params)
+        )
+        self.layout = ParamLayout.exchange(self.norm_params, executor.p2p)
         self.versions = RankVersions(speculative=self.config.speculative)
         self.rank, self.world = executor.rank, executor.schedule.num_devices
         self.last_commit: Commit | None = None
@@ -201,6 +211,8 @@ class PipelineTrainer:
         self.faults.at_tail(k, self.stage_params)
         self.faults.crash(self.rank, k, CrashPoint.AT_TAIL)
         self.faults.stall(self.rank, k)
+        if self.tied is not None:  # first: rank d's prefix receive may wait on a holder
+            self.tied.reduce(k)
         if not cfg.post_validation:
             self._sync_tail(k)
         else:
@@ -236,7 +248,7 @@ class PipelineTrainer:
     def _sync_tail(self, k: int) -> None:
         t0 = self._now()
         vec = self.layout.new_vector()
-        self.layout.fill(vec, self.stage_params, self.config.norm_type)
+        self.layout.fill(vec, self.norm_params, self.config.norm_type)
         self.pipe.p2p.all_reduce(vec, f"all-reduce of iteration {k}'s gradient-norm state")
         total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
         action = decide(total, self.config)
@@ -255,7 +267,7 @@ class PipelineTrainer:
             work = self.pipe.p2p.irecv(vec, d - 1, what, Channel.OPTIM)
             self.pipe.p2p.wait(work, d - 1, what)
             self._check(vec, StateKind.PREFIX, k, d - 1)
-        self.layout.fill(vec, self.stage_params, self.config.norm_type)
+        self.layout.fill(vec, self.norm_params, self.config.norm_type)
         flags = self.layout.flags
         if last:
             total = self.layout.total(vec, self.config.norm_type, self.pipe.device)

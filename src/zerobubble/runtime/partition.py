@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from zerobubble.runtime.tied import find_shared, tie_local_replicas
 from zerobubble.schedule.ir import Schedule
 
 LayerSource = Sequence[nn.Module] | nn.Sequential | nn.ModuleList | Callable[[int], nn.Module]
@@ -130,19 +131,29 @@ def build_stage_modules(
     num_layers: int | None = None,
     boundaries: Sequence[int] | None = None,
     device: torch.device | str | None = None,
+    copy_layers: bool = True,
 ) -> dict[int, nn.Sequential]:
     """The ``nn.Sequential`` of every virtual stage that ``schedule`` places on ``rank``.
 
     Args:
-        source: The model's layers in order (they are deep-copied, so the caller's
-            model is left untouched and can be dropped), or a factory called only
-            for the layer indices this rank needs (it must build layer ``i``
-            identically on every rank, e.g. by seeding with ``i``).
+        source: The model's layers in order (deep-copied unless ``copy_layers`` is
+            False, so the caller's model is left untouched and can be dropped), or a
+            factory called only for the layer indices this rank needs (it must build
+            layer ``i`` identically on every rank, e.g. by seeding with ``i``).
         schedule: Gives the number of stages and their placement.
         rank: This process's pipeline rank (a device of the schedule).
         num_layers: Required with a factory; must match the list's length otherwise.
         boundaries: Explicit cut points (see :func:`stage_bounds`).
         device: Where to move the stage modules.
+        copy_layers: False: the stages are made of the caller's layer objects
+            themselves (no memory for a copy). A parameter tied across two stages
+            of this rank is then replaced in the later stage's module by a
+            Parameter on the same data.
+
+    Shared parameters (:mod:`~zerobubble.runtime.tied`): layers of one stage that
+    share a Parameter keep sharing it (one copy memo per stage); stages of this
+    rank that share one get a replica each on one memory. A factory's layers
+    cannot be tied across stages (no rank sees them all): that raises ValueError.
     """
     if not 0 <= rank < schedule.num_devices:
         raise ValueError(f"rank {rank} is not a device of a {schedule.num_devices}-device schedule")
@@ -160,11 +171,28 @@ def build_stage_modules(
     bounds = stage_bounds(num_layers, schedule.num_stages, boundaries)
     out: dict[int, nn.Sequential] = {}
     for s in schedule.stages_of_device[rank]:
-        stage = nn.Sequential(*(make(i) for i in bounds[s]))
+        if is_list:
+            picked = [layers[i] for i in bounds[s]]
+            built = copy.deepcopy(picked) if copy_layers else picked
+        else:
+            built = [source(i) for i in bounds[s]]
+        stage = nn.Sequential(*built)
         out[s] = stage.to(device) if device is not None else stage
+    if is_list:
+        tie_local_replicas(out, find_shared(layers, layer_keys(source), bounds))
+    else:
+        _refuse_factory_ties(out)
     return out
 
 
-def _copy_layer(layers: Sequence[nn.Module], i: int) -> nn.Module:
-    """A deep copy of layer ``i``, so the stage never shares the caller's modules."""
-    return copy.deepcopy(layers[i])
+def _refuse_factory_ties(stages: dict[int, nn.Sequential]) -> None:
+    first: dict[int, tuple[int, str]] = {}
+    for s, stage in sorted(stages.items()):
+        for name, p in stage.named_parameters():
+            t, n = first.setdefault(id(p), (s, name))
+            if t != s:
+                raise ValueError(
+                    f"the layer factory's layers share a parameter between stage {t} ({n!r}) "
+                    f"and stage {s} ({name!r}); a tie across stages needs every rank to see "
+                    "it: pass the layers as a list (or nn.Sequential) instead of a factory"
+                )
