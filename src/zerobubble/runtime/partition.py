@@ -16,7 +16,6 @@ Hugging Face adapter's layers give ``"model.layers.3.self_attn.q_proj.weight"``)
 from __future__ import annotations
 
 import copy
-import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -157,17 +156,14 @@ def build_stage_modules(
     """
     if not 0 <= rank < schedule.num_devices:
         raise ValueError(f"rank {rank} is not a device of a {schedule.num_devices}-device schedule")
-    make: Callable[[int], nn.Module]
-    if isinstance(source, nn.Sequential | nn.ModuleList | Sequence):
+    is_list = isinstance(source, nn.Sequential | nn.ModuleList | Sequence)
+    if is_list:
         layers = list(source)
         if num_layers is not None and num_layers != len(layers):
             raise ValueError(f"num_layers={num_layers} but the model has {len(layers)} layers")
         num_layers = len(layers)
-        make = functools.partial(_copy_layer, layers)
     elif num_layers is None:
         raise ValueError("a layer factory needs num_layers (how many layers the model has)")
-    else:
-        make = source
     bounds = stage_bounds(num_layers, schedule.num_stages, boundaries)
     out: dict[int, nn.Sequential] = {}
     for s in schedule.stages_of_device[rank]:
