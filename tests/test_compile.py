@@ -40,7 +40,7 @@ def _compile_each(modules, backend: str) -> list[str]:
     return [n for m in modules for n in compile_between_splits(m, backend=backend)]
 
 
-def _run(sched: str, kind: str, backend: str) -> None:
+def _run(sched: str, kind: str, backend: str, amp: bool = False) -> None:
     torch._dynamo.reset()
     schedule = zb_h1(3, 4) if sched == "zb-h1" else zbv(2, 4)
     cuts = [0, 2, 4] if sched == "zb-h1" else [0, 1, 2, 4]
@@ -55,9 +55,10 @@ def _run(sched: str, kind: str, backend: str) -> None:
     assert _compile_each(stage_children, backend) == [""] * (len(model) - 1)  # all but the head
     _compile_each(ref, backend)
     torch._dynamo.utils.counters.clear()
-    assert_matches_reference(
-        model, ref, chunks, sequential_order(schedule), gpt_loss, ids[:, :-1], ids[:, 1:], 4
-    )
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        assert_matches_reference(
+            model, ref, chunks, sequential_order(schedule), gpt_loss, ids[:, :-1], ids[:, 1:], 4
+        )
     # Compiled regions ran, and every split layer broke its graph instead of being traced.
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
     assert not any(isinstance(m, SplitLinear) and m._compiled_call_impl for m in model.modules())
@@ -71,6 +72,10 @@ def test_compiled_blocks_under_split_schedules_match_compiled_reference_bitwise(
     sched: str, kind: str
 ) -> None:
     _run(sched, kind, "aot_eager")
+
+
+def test_compiled_blocks_under_autocast_bf16_match_compiled_reference_bitwise() -> None:
+    _run("zbv", "llama", "aot_eager", amp=True)
 
 
 @pytest.mark.slow
