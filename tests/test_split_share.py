@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerobubble.models import build_mlp, mlp_loss
-from zerobubble.profile.layers import profile_layers
+from zerobubble.profile.layers import LayerProfile, profile_layers
+from zerobubble.profile.stats import OpStats
 from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.split import WeightGradStore, enable_bw_split, split_share
 
@@ -67,3 +68,22 @@ def test_layer_profile_reports_the_deferred_shares() -> None:
     row = prof.to_dict()
     assert row["W_param_share"] == [1.0, 272 / 304, 1.0]
     assert len(row["W_time_share"]) == 3
+
+
+def test_stage_w_share_sums_layers_by_elements_and_time() -> None:
+    ops = tuple(OpStats.of([t]) for t in (2.0, 1.0, 4.0))
+    lp = LayerProfile(
+        f=ops,
+        b=ops,
+        w=tuple(OpStats.of([t]) for t in (3.0, 0.5, 1.0)),
+        mem_b=(0, 0, 0),
+        mem_w=(0, 0, 0),
+        w_share=(1.0, 0.0, 0.5),
+        w_time_share=(1.0, 0.0, 0.25),
+        params=(100, 300, 600),
+        w_grad_ms=(4.0, 2.0, 4.0),
+    )
+    # Layers 1-2: (0 + 300) / 900 elements; W 1.0 (layer 1 defers nothing) over 6.0 ms.
+    assert lp.stage_w_share(1, 3) == (300 / 900, 1.0 / 6.0)
+    assert lp.stage_w_share(0, 1) == (1.0, 0.75)
+    assert lp.stage_w_share(0, 3) == ((100 + 300) / 1000, 4.0 / 10.0)

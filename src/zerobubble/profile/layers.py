@@ -41,6 +41,8 @@ class LayerProfile:
             :class:`~zerobubble.runtime.split.SplitShare`).
         w_time_share: Share of each layer's weight-gradient time spent in W: median W over
             (median W + the B time its unsplit parameters add), measured.
+        params: Parameter elements of each layer that need a gradient.
+        w_grad_ms: Median weight-gradient time of each layer under plain autograd.
     """
 
     f: tuple[OpStats, ...]
@@ -50,6 +52,23 @@ class LayerProfile:
     mem_w: tuple[int, ...]
     w_share: tuple[float, ...] = ()
     w_time_share: tuple[float, ...] = ()
+    params: tuple[int, ...] = ()
+    w_grad_ms: tuple[float, ...] = ()
+
+    def stage_w_share(self, lo: int, hi: int) -> tuple[float, float]:
+        """(parameter share, time share) deferred to W by layers ``lo..hi-1`` as one stage:
+        deferred over total elements, and summed W over summed plain weight-gradient
+        time (capped at 1, as per layer)."""
+        params = self.params[lo:hi]
+        total = sum(params)
+        deferred = sum(n * sh for n, sh in zip(params, self.w_share[lo:hi], strict=True))
+        wgrad = sum(self.w_grad_ms[lo:hi])
+        w = sum(
+            s.median
+            for s, sh in zip(self.w[lo:hi], self.w_share[lo:hi], strict=True)
+            if sh > 0  # W of a layer that defers nothing is only its own overhead
+        )
+        return (deferred / total if total else 1.0), (min(w / wgrad, 1.0) if wgrad > 0 else 1.0)
 
     @property
     def num_layers(self) -> int:
@@ -140,6 +159,8 @@ def profile_layers(
             _time_share(w, statistics.median(g), sh)
             for w, g, sh in zip(w_med, wgrad, share, strict=True)
         ),
+        params=tuple(sum(p.numel() for p in m.parameters() if p.requires_grad) for m in layers),
+        w_grad_ms=tuple(statistics.median(g) for g in wgrad),
     )
 
 

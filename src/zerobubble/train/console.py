@@ -124,13 +124,17 @@ def _profile_table(result: JobResult, con: Console) -> None:
         "BW unsplit",
         "M_B MiB",
         "M_W MiB",
+        "Wp %",
+        "Wt %",
     )
+    lp = result.layers
     for col in cols:
         table.add_column(col, justify="right", no_wrap=True)
     for s in range(st.num_stages):
         layers = f"{bounds[s]}-{bounds[s + 1] - 1}" if bounds else "-"
         unsplit = (fu.f[s], fu.bw[s]) if fu is not None else (None, None)
         host = "/".join(f"{st.host[op][s] or 0:.1f}" for op in "FBW")
+        shares = lp.stage_w_share(bounds[s], bounds[s + 1]) if bounds and lp.params else None
         table.add_row(
             str(s),
             layers,
@@ -139,8 +143,14 @@ def _profile_table(result: JobResult, con: Console) -> None:
             *(_ms(x) for x in unsplit),
             f"{st.mem_b[s] / MIB:.2f}",
             f"{(st.mem_w[s] or 0) / MIB:.2f}",
+            *(("-", "-") if shares is None else (f"{100 * x:.0f}" for x in shares)),
         )
     con.print(table)
+    con.print(
+        "Wp % / Wt %: share of the stage's parameters (elements) and of its plain "
+        "weight-gradient time that W takes over (from the layer profile)",
+        highlight=False,
+    )
     for s, lat in prof.latency:
         con.print(
             f"p2p latency stage {s} -> {s + 1} (device {prof.placement[s]} -> "

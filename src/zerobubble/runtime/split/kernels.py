@@ -13,6 +13,11 @@ bitwise those of plain autograd.
 
 Memory: after B only what W needs stays alive (each split layer's input and
 output gradient); the rest of the microbatch's graph is freed by B.
+
+torch.compile: the split layers' forwards are ``torch.compiler.disable``-d, so
+a compiled module breaks its graph at each split layer and the layer records
+itself eagerly (a traced recording would run once, at compile time); the
+regions in between are compiled (see :mod:`zerobubble.runtime.compile`).
 """
 
 from __future__ import annotations
@@ -228,6 +233,7 @@ class SplitLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, store: WeightGradStore) -> SplitLinear:
         return cls(linear.weight, linear.bias, store)
 
+    @torch.compiler.disable
     def forward(self, x: Tensor) -> Tensor:
         w, b = self.weight, self.bias
         need_w = w.requires_grad
@@ -337,6 +343,7 @@ class SplitEmbedding(nn.Module):
         self.store = store
         self._aliases: list[Tensor | None] = [None]  # of the weight, see _alias
 
+    @torch.compiler.disable
     def forward(self, idx: Tensor) -> Tensor:
         w = self.weight
         if not (torch.is_grad_enabled() and w.requires_grad):
@@ -445,6 +452,7 @@ class SplitOp(nn.Module):
         self.store = store
         self._aliases: list[Tensor | None] = [None] * len(kernel.param_names)
 
+    @torch.compiler.disable
     def forward(self, x: Tensor) -> Tensor:
         params = [getattr(self, n) for n in self.kernel.param_names]
         need = [p is not None and p.requires_grad for p in params]
