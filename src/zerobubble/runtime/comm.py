@@ -13,9 +13,10 @@ does exactly that). With ``directed=True`` every direction of every pair gets
 its own two-rank subgroup, which restores the buffered model; the executor
 turns it on for every backend but gloo.
 
-Channels: the pipeline's messages and the optimizer's state messages travel on
-separate :class:`Channel` streams (a gloo tag; with ``directed`` their own
-subgroups), so a receive posted on one can never match a message of the other.
+Channels: the pipeline's messages, the announcements of changed layouts and the
+optimizer's state messages travel on separate :class:`Channel` streams (a gloo
+tag; with ``directed`` their own subgroups), so a receive posted on one can never
+match a message of another.
 Collectives (:meth:`P2P.all_reduce`, :meth:`P2P.all_gather_ints`) are bounded by
 the same timeout and fail with a :class:`PeerError` naming the group.
 """
@@ -49,9 +50,12 @@ class Channel(enum.IntEnum):
     """Independent message streams between two ranks (the value is the gloo tag)."""
 
     PIPELINE = 0
-    """Activations, input gradients and the shape handshake (the lowered programs)."""
+    """Activations and input gradients (the lowered programs' messages)."""
     OPTIM = 1
     """The optimizer's gradient-norm state messages (post-validation)."""
+    LAYOUT = 2
+    """A boundary value whose layout changed: the new layout, then its frame. Apart from
+    the pipeline stream, so that they cannot match a receive posted ahead there."""
 
 
 class PeerError(RuntimeError):

@@ -1,4 +1,4 @@
-"""Version headers on pipeline messages.
+"""Version headers on pipeline messages, and the frames that carry boundary values.
 
 When work of iteration k+1 may run on provisional parameters (speculative
 post-validation, see :mod:`zerobubble.optim`), every message must say which
@@ -17,12 +17,14 @@ separate header message would double their number.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from zerobubble.runtime.comm import TensorMeta
+from zerobubble.runtime.shapes import Layout
 from zerobubble.schedule.lowering import Message, MsgKind
 
 HEADER_BYTES = 64
@@ -86,3 +88,49 @@ def unpack(buf: Tensor, meta: TensorMeta) -> tuple[Tensor, Header]:
     it, version, attempt, *message = buf[:HEADER_BYTES].view(torch.int64).tolist()
     body = buf[HEADER_BYTES:].view(meta.dtype).view(meta.shape)
     return body, Header(it, version, attempt, tuple(message))  # type: ignore[arg-type]
+
+
+# ---- frames: the tensors of one boundary value in one message --------------------------
+
+FRAME_HEADER = 64
+"""A frame starts with eight int64 values: the flag, the length of a layout that
+follows (flag :data:`NEW_LAYOUT`), six zeros."""
+
+SAME_LAYOUT, NEW_LAYOUT = 0, 1
+"""Frame flags: the tensors follow in the layout the receiver expects; or this is a
+stub of the expected size, and the new layout (int64 values) and then the frame
+in that layout come as the next two messages on the same stream."""
+
+
+def pack_frame(layout: Layout, tensors: Sequence[Tensor], device: torch.device) -> Tensor:
+    """The frame of ``tensors`` (laid out as ``layout`` says) as one uint8 tensor."""
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+    buf[:FRAME_HEADER].view(torch.int64).zero_()
+    for t, meta, off in zip(tensors, layout.metas, layout.offsets, strict=True):
+        n = math.prod(meta.shape) * meta.dtype.itemsize
+        buf[off : off + n].view(meta.dtype).view(meta.shape).copy_(t.detach())
+    return buf
+
+
+def stub_frame(nbytes: int, layout_len: int, device: torch.device) -> Tensor:
+    """A frame of ``nbytes`` bytes saying that a layout of ``layout_len`` ints follows."""
+    buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    buf[:16].view(torch.int64).copy_(torch.tensor([NEW_LAYOUT, layout_len]))
+    return buf
+
+
+def frame_flag(frame: Tensor) -> tuple[int, int]:
+    """(flag, length of the layout that follows) of a received frame."""
+    flag, n = frame[:16].view(torch.int64).tolist()
+    return flag, n
+
+
+def unpack_frame(frame: Tensor, layout: Layout) -> list[Tensor]:
+    """The tensors of a received frame: views of it, those with a gradient flagged
+    ``requires_grad``."""
+    out = []
+    for meta, grad, off in zip(layout.metas, layout.grads, layout.offsets, strict=True):
+        n = math.prod(meta.shape) * meta.dtype.itemsize
+        t = frame[off : off + n].view(meta.dtype).view(meta.shape)
+        out.append(t.requires_grad_(True) if grad else t)
+    return out
