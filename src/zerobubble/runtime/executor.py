@@ -488,13 +488,15 @@ class _Step:
                 break
             if src == peer:
                 self.early[other] = self.complete(other, stale=stale)
-        return self.complete(msg, stale=stale)
+        return self.complete(msg, what, stale=stale)
 
-    def complete(self, msg: Message, *, stale: bool) -> object:
+    def complete(self, msg: Message, what: object = None, *, stale: bool) -> object:
         """Wait for ``msg``'s posted frame (and the new layout and frame it may announce)
-        and return the value it carries."""
+        and return the value it carries; ``what`` names the wait in errors (default:
+        the post)."""
         pipe = self.pipe
-        buf, work, peer, what = self.posted.pop(msg)
+        buf, work, peer, posted = self.posted.pop(msg)
+        what = posted if what is None else what
         pipe.p2p.wait(work, peer, what)
         layout = pipe._expected.get(msg)
         frame = self.hooks.decode(msg, buf, _frame_meta(layout), stale=stale)

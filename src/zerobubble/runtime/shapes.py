@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from zerobubble.runtime.comm import _DTYPES, TensorMeta, dtype_code, dtype_of
+from zerobubble.runtime.comm import DTYPES, TensorMeta, dtype_code, dtype_of
 
 _TENSOR, _NONE, _INT, _BOOL, _TUPLE, _LIST, _DICT = range(7)
 _INT64 = (-(2**63), 2**63 - 1)
@@ -75,8 +75,8 @@ def flatten(tree: Any, where: str) -> tuple[tuple[int, ...], list[Tensor]]:
 
     def walk(node: Any, path: str) -> None:
         if isinstance(node, Tensor):
-            if node.dtype not in _DTYPES:
-                names = ", ".join(str(d).removeprefix("torch.") for d in _DTYPES)
+            if node.dtype not in DTYPES:
+                names = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
                 raise BoundaryError(
                     where,
                     path,
