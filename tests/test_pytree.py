@@ -136,8 +136,9 @@ def reference(model: nn.Sequential, args, kwargs, target, m: int) -> list[torch.
 # ---- inside the ranks ----------------------------------------------------------------------
 
 
-def check_kind(schedule: zerobubble.Schedule, steps=((9, 6), (9, 4))) -> list[str]:
-    """Two steps (sequence length 6 then 4, batch 9: ragged) against the reference."""
+def check_kind(schedule: zerobubble.Schedule, steps=((9, 6, 0), (9, 4, 1), (9, 6, 0))) -> list[str]:
+    """Three steps (batch 9: ragged; sequence length 6, 4, then 6 again: layouts that
+    grow back to ones seen before) against the reference."""
     m = schedule.num_microbatches
     model = build_model(schedule.num_stages - 2)
     ref = copy.deepcopy(model)
@@ -145,8 +146,8 @@ def check_kind(schedule: zerobubble.Schedule, steps=((9, 6), (9, 4))) -> list[st
     ref_params = dict(ref.named_parameters())
     name = f"{schedule.name} P={schedule.num_devices} S={schedule.num_stages}"
     bad = []
-    for step, (n, t) in enumerate(steps):
-        args, kwargs, target = batch(n, t, seed=step)
+    for step, (n, t, seed) in enumerate(steps):
+        args, kwargs, target = batch(n, t, seed=seed)
         losses = pipe.step(*args, target=target, **kwargs)
         ref_losses = reference(ref, args, kwargs, target, m)
         if pipe.executor.has_last and not (
@@ -255,17 +256,30 @@ def test_layouts_round_trip_and_describe_every_leaf_kind():
 
 
 def test_frames_carry_values_and_gradient_flags():
-    from zerobubble.runtime.wire import FRAME_HEADER, frame_flag, pack_frame, unpack_frame
+    from zerobubble.runtime.wire import (
+        FRAME_HEADER,
+        NEW_LAYOUT,
+        FrameHeader,
+        frame_header,
+        pack_frame,
+        unpack_frame,
+    )
 
     tree = ([torch.randn(3, requires_grad=True) + 1, torch.tensor([[1, 2]])], {"k": 3})
     codes, tensors = flatten(tree, "x")
     layout = Layout.of(codes, FRAME_HEADER)
     frame = pack_frame(layout, tensors, torch.device("cpu"))
-    assert frame_flag(frame) == (0, 0)
+    assert frame_header(frame) == FrameHeader(0, 0, 0, False) and len(frame) == layout.nbytes
     got = unflatten(codes, unpack_frame(frame, layout))
     assert torch.equal(got[0][0], tensors[0]) and got[0][0].requires_grad
     assert torch.equal(got[0][1], tensors[1]) and not got[0][1].requires_grad
     assert got[1] == {"k": 3}
+    # Inline in a larger frame (a receiver expecting a bigger layout): a prefix of it.
+    head = FrameHeader(NEW_LAYOUT, len(codes), 4, True)
+    big = pack_frame(layout, tensors, torch.device("cpu"), size=layout.nbytes + 100, header=head)
+    assert frame_header(big) == head and len(big) == layout.nbytes + 100
+    again = unflatten(codes, unpack_frame(big, layout))
+    assert torch.equal(again[0][0], tensors[0]) and torch.equal(again[0][1], tensors[1])
 
 
 @pytest.mark.parametrize(

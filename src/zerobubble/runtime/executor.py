@@ -52,7 +52,9 @@ from zerobubble.runtime.trace import Trace
 from zerobubble.runtime.wire import (
     FRAME_HEADER,
     NEW_LAYOUT,
-    frame_flag,
+    SAME_LAYOUT,
+    FrameHeader,
+    frame_header,
     pack_frame,
     stub_frame,
     unpack_frame,
@@ -257,6 +259,10 @@ class PipelineExecutor:
         self._sent: dict[Message, Layout] = {}
         self._expected: dict[Message, Layout] = {}
         self._layouts: dict[tuple[int, ...], Layout] = {}
+        # Per peer, the layouts announced to it / by it, by id (both ends number them
+        # in the order of the layout stream), so a layout that comes back is not resent.
+        self._ids_out: dict[int, dict[Layout, int]] = {}
+        self._ids_in: dict[int, list[Layout]] = {}
 
     def layout(self, codes: tuple[int, ...]) -> Layout:
         """The decoded layout of ``codes`` (cached: a fixed-shape run decodes each once)."""
@@ -445,18 +451,29 @@ class _Step:
         layout = pipe.layout(codes)
         self.in_flight = [f for f in self.in_flight if not f[0].is_completed()]
         expected = pipe._sent.get(msg)
-        if layout is not expected:
-            size = FRAME_HEADER if expected is None else expected.nbytes
-            stub = stub_frame(size, len(codes), pipe.device)
-            self.isend(self.hooks.encode(msg, stub), peer, ins)
+        if layout is expected:
+            frame = pack_frame(layout, tensors, pipe.device)
+            self.isend(self.hooks.encode(msg, frame), peer, ins)
+            return
+        ids = pipe._ids_out.setdefault(peer, {})
+        new = layout not in ids
+        if new:
+            ids[layout] = len(ids)
+        size = FRAME_HEADER if expected is None else expected.nbytes
+        inline = layout.nbytes <= size
+        head = FrameHeader(NEW_LAYOUT, len(codes) if new else 0, ids[layout], inline)
+        if inline:
+            first = pack_frame(layout, tensors, pipe.device, size=size, header=head)
+        else:
+            first = stub_frame(size, head, pipe.device)
+        self.isend(self.hooks.encode(msg, first), peer, ins)
+        if new:
             codes_t = torch.tensor(codes, dtype=torch.int64, device=pipe.device)
             self.isend(codes_t, peer, ins, Channel.LAYOUT)
-            pipe._sent[msg] = layout
-            channel = Channel.LAYOUT
-        else:
-            channel = Channel.PIPELINE
-        frame = pack_frame(layout, tensors, pipe.device)
-        self.isend(self.hooks.encode(msg, frame), peer, ins, channel)
+        if not inline:
+            frame = pack_frame(layout, tensors, pipe.device)
+            self.isend(self.hooks.encode(msg, frame), peer, ins, Channel.LAYOUT)
+        pipe._sent[msg] = layout
 
     def isend(
         self, t: torch.Tensor, peer: int, ins: Send, channel: Channel = Channel.PIPELINE
@@ -500,18 +517,27 @@ class _Step:
         pipe.p2p.wait(work, peer, what)
         layout = pipe._expected.get(msg)
         frame = self.hooks.decode(msg, buf, _frame_meta(layout), stale=stale)
-        flag, n = frame_flag(frame)
-        if flag == NEW_LAYOUT:
-            codes = torch.empty(n, dtype=torch.int64, device=pipe.device)
-            pipe.p2p.wait(pipe.p2p.irecv(codes, peer, what, Channel.LAYOUT), peer, what)
-            layout = pipe._expected[msg] = pipe.layout(tuple(codes.tolist()))
-            buf = self.buffer(msg, layout)
-            pipe.p2p.wait(pipe.p2p.irecv(buf, peer, what, Channel.LAYOUT), peer, what)
-            frame = self.hooks.decode(msg, buf, _frame_meta(layout), stale=stale)
-        elif layout is None or flag != 0:
+        head = frame_header(frame)
+        if head.flag == NEW_LAYOUT:
+            known = pipe._ids_in.setdefault(peer, [])
+            if head.layout_len:
+                codes = torch.empty(head.layout_len, dtype=torch.int64, device=pipe.device)
+                pipe.p2p.wait(pipe.p2p.irecv(codes, peer, what, Channel.LAYOUT), peer, what)
+                known.append(pipe.layout(tuple(codes.tolist())))
+            if not 0 <= head.layout_id < len(known):
+                raise RuntimeError(
+                    f"rank {pipe.rank}: {what} names layout {head.layout_id} but peer rank "
+                    f"{peer} announced {len(known)}: messages crossed (protocol bug)"
+                )
+            layout = pipe._expected[msg] = known[head.layout_id]
+            if not head.inline:
+                buf = self.buffer(msg, layout)
+                pipe.p2p.wait(pipe.p2p.irecv(buf, peer, what, Channel.LAYOUT), peer, what)
+                frame = self.hooks.decode(msg, buf, _frame_meta(layout), stale=stale)
+        elif layout is None or head.flag != SAME_LAYOUT:
             raise RuntimeError(
-                f"rank {pipe.rank}: {what} got a frame with flag {flag} before any layout "
-                "was announced: messages crossed (protocol bug)"
+                f"rank {pipe.rank}: {what} got a frame with flag {head.flag} before any "
+                "layout was announced: messages crossed (protocol bug)"
             )
         return unflatten(layout.codes, unpack_frame(frame, layout))
 

@@ -93,36 +93,64 @@ def unpack(buf: Tensor, meta: TensorMeta) -> tuple[Tensor, Header]:
 # ---- frames: the tensors of one boundary value in one message --------------------------
 
 FRAME_HEADER = 64
-"""A frame starts with eight int64 values: the flag, the length of a layout that
-follows (flag :data:`NEW_LAYOUT`), six zeros."""
+"""A frame starts with eight int64 values: the flag and, for :data:`NEW_LAYOUT`, the
+length of a layout that follows, the layout's id and whether the tensors are inline;
+then zeros."""
 
 SAME_LAYOUT, NEW_LAYOUT = 0, 1
-"""Frame flags: the tensors follow in the layout the receiver expects; or this is a
-stub of the expected size, and the new layout (int64 values) and then the frame
-in that layout come as the next two messages on the same stream."""
+"""Frame flags. SAME: the tensors follow in the layout the receiver expects. NEW:
+this frame has the expected size but another layout, the one with the given id in
+the sender's table for this receiver; a new one (length > 0) comes next on the
+layout stream and gets the next id. The tensors are in this frame (inline, when
+they fit) or come next on the layout stream in a frame of their own."""
 
 
-def pack_frame(layout: Layout, tensors: Sequence[Tensor], device: torch.device) -> Tensor:
-    """The frame of ``tensors`` (laid out as ``layout`` says) as one uint8 tensor."""
-    buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
-    buf[:FRAME_HEADER].view(torch.int64).zero_()
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    flag: int
+    layout_len: int = 0
+    layout_id: int = 0
+    inline: bool = True
+
+
+def pack_frame(
+    layout: Layout,
+    tensors: Sequence[Tensor],
+    device: torch.device,
+    *,
+    size: int | None = None,
+    header: FrameHeader | None = None,
+) -> Tensor:
+    """``tensors`` laid out as ``layout`` says, in a frame of ``size`` bytes (at least
+    the layout's; default: exactly), as one uint8 tensor. Without ``header``: SAME."""
+    buf = torch.empty(layout.nbytes if size is None else size, dtype=torch.uint8, device=device)
+    _write_header(buf, header)
     for t, meta, off in zip(tensors, layout.metas, layout.offsets, strict=True):
         n = math.prod(meta.shape) * meta.dtype.itemsize
         buf[off : off + n].view(meta.dtype).view(meta.shape).copy_(t.detach())
     return buf
 
 
-def stub_frame(nbytes: int, layout_len: int, device: torch.device) -> Tensor:
-    """A frame of ``nbytes`` bytes saying that a layout of ``layout_len`` ints follows."""
-    buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    buf[:16].view(torch.int64).copy_(torch.tensor([NEW_LAYOUT, layout_len]))
+def stub_frame(size: int, header: FrameHeader, device: torch.device) -> Tensor:
+    """A frame of ``size`` bytes with ``header`` and no tensors."""
+    buf = torch.empty(size, dtype=torch.uint8, device=device)
+    _write_header(buf, header)
     return buf
 
 
-def frame_flag(frame: Tensor) -> tuple[int, int]:
-    """(flag, length of the layout that follows) of a received frame."""
-    flag, n = frame[:16].view(torch.int64).tolist()
-    return flag, n
+def _write_header(buf: Tensor, header: FrameHeader | None) -> None:
+    head = buf[:FRAME_HEADER].view(torch.int64)
+    if header is None:
+        head.zero_()
+        return
+    values = [header.flag, header.layout_len, header.layout_id, int(header.inline)]
+    head.copy_(torch.tensor(values + [0] * 4))
+
+
+def frame_header(frame: Tensor) -> FrameHeader:
+    """The header of a received frame."""
+    flag, n, lid, inline = frame[:32].view(torch.int64).tolist()
+    return FrameHeader(flag, n, lid, bool(inline))
 
 
 def unpack_frame(frame: Tensor, layout: Layout) -> list[Tensor]:
