@@ -124,7 +124,7 @@ class ExecutorOptions:
     """How a :class:`PipelineExecutor` runs."""
 
     comm_timeout_s: float = 60.0
-    """Longest a single wait on a peer (a receive, the final send flush, a handshake
+    """Longest a single wait on a peer (a receive, the final send flush, a layout
     message) may block; past it the step raises :class:`~zerobubble.runtime.comm.PeerError`
     naming the peer and the instruction. A dead peer is usually reported sooner."""
 
