@@ -203,25 +203,28 @@ class Pipeline:
 
     def step(
         self,
-        x: Tensor | None = None,
-        *,
-        target: Tensor | None = None,
+        *args: object,
+        target: object = None,
         losses: list[Tensor] | None = None,
+        **kwargs: object,
     ) -> list[Tensor] | None:
         """Run one iteration on a batch split into the schedule's microbatches.
 
-        ``x`` is used on the rank holding stage 0, ``target`` on the rank holding the
-        last stage (every rank may pass both). With an optimizer (:meth:`set_optimizer`)
-        this is a whole training step: gradients are zeroed first and the optimizer
-        steps at the end; without one, gradients accumulate into ``.grad``, as
-        ``loss.backward()`` does (the replicas of a tied parameter then hold their own
-        stage's part; ``pipe.tied.reduce(i)``, collective, sums them once the
-        accumulation is over). On the last stage's rank returns the per-microbatch
-        losses (and appends them to ``losses``); elsewhere returns None.
+        ``args`` and ``kwargs`` (tensors or pytrees) are used on the rank holding
+        stage 0, ``target`` on the rank holding the last stage (every rank may pass
+        them all); tensors whose dim 0 is the batch are split, everything else goes
+        unchanged to every microbatch (see :meth:`PipelineExecutor.step`). With an
+        optimizer (:meth:`set_optimizer`) this is a whole training step: gradients are
+        zeroed first and the optimizer steps at the end; without one, gradients
+        accumulate into ``.grad``, as ``loss.backward()`` does (the replicas of a tied
+        parameter then hold their own stage's part; ``pipe.tied.reduce(i)``,
+        collective, sums them once the accumulation is over). On the last stage's
+        rank returns the per-microbatch losses (and appends them to ``losses``);
+        elsewhere returns None.
         """
         if self.trainer is None:
-            return self.executor.step(x, target=target, losses=losses)
-        out = self.trainer.step(x, target=target)
+            return self.executor.step(*args, target=target, losses=losses, **kwargs)
+        out = self.trainer.step(*args, target=target, **kwargs)
         if out is not None and losses is not None:
             losses.extend(out)
         return out

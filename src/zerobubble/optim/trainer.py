@@ -191,8 +191,11 @@ class PipelineTrainer:
 
     # ---- public API ---------------------------------------------------------------------
 
-    def step(self, x: Tensor | None = None, *, target: Tensor | None = None) -> list[Tensor] | None:
+    def step(self, *args: object, target: object = None, **kwargs: object) -> list[Tensor] | None:
         """Run one iteration; returns the per-microbatch losses on the last stage's rank.
+
+        ``args``, ``target`` and ``kwargs`` are split into microbatches as
+        :meth:`PipelineExecutor.step` says.
 
         In post-validation mode the optimizer step of this iteration is
         provisional when ``step`` returns; it is validated inside the next
@@ -205,7 +208,7 @@ class PipelineTrainer:
         self.versions.begin_compute(k)
         if not cfg.speculative:
             self._zero_grad()
-        losses = self.pipe.step(x, target=target, hooks=_Hooks(self, k))
+        losses = self.pipe.step(*args, target=target, hooks=_Hooks(self, k), **kwargs)
         in_flight = sum(len(c.pending()) for c in self.pipe.chunks.values())
         self.versions.end_compute(k, in_flight)
         self.faults.at_tail(k, self.stage_params)

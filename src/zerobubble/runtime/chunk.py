@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge, saved_tensors_hooks
 
+from zerobubble.runtime.shapes import map_tensors, tensor_leaves
 from zerobubble.runtime.split import (
     SplitRules,
     SplitShare,
@@ -39,7 +41,7 @@ __all__ = ["StageChunk", "StageChunkError", "storage_bytes"]
 
 LossFn = Callable[..., Tensor]
 """``loss_fn(output, target)``, or ``loss_fn(output, target, num_items)`` (see
-:meth:`StageChunk.forward`)."""
+:meth:`StageChunk.forward`); output and target may be pytrees."""
 
 
 class StageChunkError(RuntimeError):
@@ -56,11 +58,13 @@ class _Record:
     """What one microbatch holds between F and B (state "F") or B and W (state "B")."""
 
     state: str
-    x: Tensor | None
-    root: Tensor | GradientEdge | None
-    out_shape: torch.Size
-    out_dtype: torch.dtype
-    out_device: torch.device
+    x: list[Tensor] | None
+    """The input's tensors (None after B); those that require grad get a gradient."""
+    bare: bool
+    """The input was one tensor (B returns one gradient, not a list)."""
+    roots: list[Tensor | GradientEdge]
+    """One per output tensor that carries a gradient (the scaled loss on the last stage)."""
+    outs: list[tuple[torch.Size, torch.dtype, torch.device]]
     saved: list[weakref.ref[Tensor]] = field(default_factory=list)
 
 
@@ -149,16 +153,21 @@ class StageChunk:
     def forward(
         self,
         mb: int,
-        x: Tensor,
-        *,
-        target: Tensor | None = None,
+        *inputs: Any,
+        target: Any = None,
         loss_scale: float = 1.0,
         num_items: Tensor | int | None = None,
-    ) -> Tensor:
-        """F. Returns the (detached) stage output, or on the last stage the unscaled loss.
+        **kwargs: Any,
+    ) -> Any:
+        """F. Returns the stage output, detached, or on the last stage the unscaled loss.
 
-        ``x`` is the raw microbatch on stage 0, else the received activation
-        (a float one becomes a leaf that requires grad). The last stage keeps
+        Stage 0 is called as ``module(*inputs, **kwargs)`` on the raw microbatch;
+        a later stage takes exactly one input, the received boundary value (a
+        tensor or a pytree, see :mod:`~zerobubble.runtime.shapes`): a bare float
+        tensor, and every float leaf of a pytree that requires grad, becomes a
+        leaf that requires grad. In the returned output the float tensors that
+        carry a gradient are fresh leaves flagged ``requires_grad`` (no graph),
+        so a receiver knows which gradients to send back. The last stage keeps
         ``loss * loss_scale`` as the root of its backward; its loss is
         ``loss_fn(output, target)``, or ``loss_fn(output, target, num_items)`` when
         ``num_items`` (a count over the whole batch) is given.
@@ -176,9 +185,15 @@ class StageChunk:
             raise StageChunkError(
                 self.stage, mb, "target= is only used on the last stage; do not pass it here"
             )
-        inp = x.detach()
-        if not self.is_first and (inp.is_floating_point() or inp.is_complex()):
-            inp.requires_grad_(True)
+        if not self.is_first and (len(inputs) != 1 or kwargs):
+            raise StageChunkError(
+                self.stage, mb, "a stage after the first takes one input, the received value"
+            )
+        bare = len(inputs) == 1 and not kwargs and isinstance(inputs[0], Tensor)
+        if self.is_first:
+            args, kw = map_tensors((inputs, kwargs), Tensor.detach)
+        else:
+            args, kw = (map_tensors(inputs[0], _receive_leaf(bare)),), {}
         saved: list[Tensor] = []  # held by the graph anyway until F returns
 
         def pack(t: Tensor) -> Tensor:
@@ -189,11 +204,7 @@ class StageChunk:
         self._held = None
         hooks = saved_tensors_hooks(pack, _identity) if self.track_memory else nullcontext()
         with torch.enable_grad(), hooks, self.store.record(self.stage, mb):
-            out = self.module(inp)
-            if not isinstance(out, Tensor):
-                raise StageChunkError(
-                    self.stage, mb, f"the stage returned {type(out).__name__}, expected a Tensor"
-                )
+            out = _call(self.module, args, kw)
             result = out
             if self.is_last:
                 assert self.loss_fn is not None and target is not None
@@ -208,41 +219,42 @@ class StageChunk:
                     )
                 out = loss * loss_scale
                 result = loss
-        root: Tensor | GradientEdge | None = None
-        if out.requires_grad:
-            # Keep the output's node, not its data, unless the loss (a scalar) or a
-            # leaf that the stage passed through.
-            root = out if self.is_last or out.grad_fn is None else get_gradient_edge(out)
+        grad_outs = [t for t in tensor_leaves(out) if t.requires_grad]
+        # Keep each output's node, not its data, unless the loss (a scalar) or a
+        # leaf that the stage passed through.
+        roots = [
+            t if self.is_last or t.grad_fn is None else get_gradient_edge(t) for t in grad_outs
+        ]
+        outs = [(t.shape, t.dtype, t.device) for t in grad_outs]
         refs = [weakref.ref(t) for t in saved]
         saved.clear()  # every saved tensor's hooks keep `pack`, and with it this list, alive
-        self._records[mb] = _Record("F", inp, root, out.shape, out.dtype, out.device, refs)
-        return result.detach()
+        x = tensor_leaves(args if self.is_first else args[0])
+        self._records[mb] = _Record("F", x, bare, roots, outs, refs)
+        if self.is_last:
+            return result.detach()
+        return map_tensors(result, _send_leaf)
 
-    def backward_input(self, mb: int, grad_output: Tensor | None) -> Tensor | None:
-        """B. Returns the gradient of the stage input (None on stage 0 or for integer inputs).
+    def backward_input(self, mb: int, grad_output: Any) -> Any:
+        """B. Returns the gradient of the stage input: for a bare tensor input that
+        gradient (None on stage 0 or for an integer input), for a pytree input the
+        list of gradients of its tensors that require grad, in depth-first order.
 
-        ``grad_output`` is None on the last stage (backward starts from the
-        scaled loss). The tensors W needs stay in the store; the rest of the
-        microbatch's graph is freed. ``grad_output`` may be kept until W: do not
-        overwrite it in place.
+        ``grad_output`` is what the next stage's B returned (None on the last
+        stage: backward starts from the scaled loss). The tensors W needs stay
+        in the store; the rest of the microbatch's graph is freed. ``grad_output``
+        may be kept until W: do not overwrite it in place.
         """
         rec = self._require(mb, "F", "backward_input (B)")
-        self._check_grad_output(mb, rec, grad_output)
+        grads = self._check_grad_output(mb, rec, grad_output)
         self._held = None
-        x = rec.x
-        assert x is not None
+        assert rec.x is not None
+        xs = [t for t in rec.x if t.requires_grad]
         params = [p for p in self._params if p.requires_grad]
-        if x.requires_grad:
-            (gx,) = self.store.backward(self.stage, mb, rec.root, grad_output, [x], params)
-            if gx is None:  # the output does not depend on the input
-                gx = torch.zeros_like(x)
-        else:
-            gx = None
-            self.store.backward(self.stage, mb, rec.root, grad_output, [], params)
+        got = self.store.backward(self.stage, mb, rec.roots, grads, xs, params)
         # The weak references to saved tensors stay: held_bytes would expose a
         # graph that B failed to free.
-        rec.state, rec.x, rec.root = "B", None, None
-        return gx
+        rec.state, rec.x, rec.roots = "B", None, []
+        return _input_grads(rec, xs, got)
 
     def backward_weight(self, mb: int) -> None:
         """W. Runs the deferred weight-gradient work and adds gradients in microbatch order."""
@@ -262,19 +274,16 @@ class StageChunk:
             self.backward_weight(mb)
             return gx
         rec = self._require(mb, "F", "backward_full (BW)")
-        self._check_grad_output(mb, rec, grad_output)
+        grads = self._check_grad_output(mb, rec, grad_output)
         self._held = None
-        x = rec.x
-        assert x is not None
-        inputs = ([x] if x.requires_grad else []) + [p for p in self._params if p.requires_grad]
-        if rec.root is not None and inputs:
-            grads = None if grad_output is None else [grad_output]
-            torch.autograd.backward([rec.root], grads, inputs=inputs)
+        assert rec.x is not None
+        xs = [t for t in rec.x if t.requires_grad]
+        inputs = xs + [p for p in self._params if p.requires_grad]
+        if rec.roots and inputs:
+            torch.autograd.backward(rec.roots, grads, inputs=inputs)
         self.store.finish(self.stage, mb)
         del self._records[mb]
-        if not x.requires_grad:
-            return None
-        return torch.zeros_like(x) if x.grad is None else x.grad
+        return _input_grads(rec, xs, [x.grad for x in xs])
 
     def discard(self) -> None:
         """Drop every microbatch in flight, leaving ``.grad`` untouched.
@@ -307,9 +316,8 @@ class StageChunk:
             tensors: list[Tensor] = []
             for rec in self._records.values():
                 if rec.x is not None:
-                    tensors.append(rec.x)
-                if isinstance(rec.root, Tensor):
-                    tensors.append(rec.root)
+                    tensors.extend(rec.x)
+                tensors.extend(r for r in rec.roots if isinstance(r, Tensor))
                 tensors.extend(t for ref in rec.saved if (t := ref()) is not None)
             tensors.extend(self.store.held_tensors(self.stage))
             weights = [
@@ -338,7 +346,9 @@ class StageChunk:
             raise StageChunkError(self.stage, mb, f"{op}: {why}")
         return rec
 
-    def _check_grad_output(self, mb: int, rec: _Record, grad: Tensor | None) -> None:
+    def _check_grad_output(self, mb: int, rec: _Record, grad: Any) -> list[Tensor] | None:
+        """``grad`` as one gradient per root (None on the last stage), checked against
+        the output tensors that carry a gradient."""
         if self.is_last:
             if grad is not None:
                 raise StageChunkError(
@@ -346,25 +356,71 @@ class StageChunk:
                     mb,
                     "the last stage's backward starts from its loss: pass grad_output=None",
                 )
-            return
-        if grad is None and rec.root is None:
-            return  # the output carries no gradient (e.g. integer ids passed along)
+            return None
+        if grad is None and not rec.roots:
+            return []  # the output carries no gradient (e.g. integer ids passed along)
         if grad is None:
             raise StageChunkError(
                 self.stage, mb, "grad_output is None; pass the gradient of this stage's output"
             )
-        got = (grad.shape, grad.dtype, grad.device)
-        want = (rec.out_shape, rec.out_dtype, rec.out_device)
-        if got != want:
+        grads = [grad] if isinstance(grad, Tensor) else list(grad)
+        if len(grads) != len(rec.outs) or not all(isinstance(g, Tensor) for g in grads):
             raise StageChunkError(
                 self.stage,
                 mb,
-                f"grad_output has shape {tuple(grad.shape)}, dtype {grad.dtype}, device "
-                f"{grad.device} but the forward output had shape {tuple(rec.out_shape)}, "
-                f"dtype {rec.out_dtype}, device {rec.out_device}; send the gradient of this "
-                "stage's output for this microbatch",
+                f"grad_output holds {len(grads)} values but the forward output has "
+                f"{len(rec.outs)} tensors that carry a gradient; pass one gradient per such "
+                "tensor, in depth-first order",
             )
+        for i, (g, (shape, dtype, device)) in enumerate(zip(grads, rec.outs, strict=True)):
+            if (g.shape, g.dtype, g.device) != (shape, dtype, device):
+                which = "" if len(grads) == 1 else f" {i}"
+                raise StageChunkError(
+                    self.stage,
+                    mb,
+                    f"grad_output{which} has shape {tuple(g.shape)}, dtype {g.dtype}, device "
+                    f"{g.device} but the forward output had shape {tuple(shape)}, "
+                    f"dtype {dtype}, device {device}; send the gradient of this "
+                    "stage's output for this microbatch",
+                )
+        return grads
 
 
 def _identity(t: Tensor) -> Tensor:
     return t
+
+
+def _call(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """``module(*args, **kwargs)``; an ``nn.Sequential`` (which takes one input) hands
+    several arguments to its first layer and chains the rest."""
+    if type(module) is not nn.Sequential or (len(args) == 1 and not kwargs):
+        return module(*args, **kwargs)
+    layers = list(module)
+    out = layers[0](*args, **kwargs)
+    for layer in layers[1:]:
+        out = layer(out)
+    return out
+
+
+def _receive_leaf(bare: bool) -> Callable[[Tensor], Tensor]:
+    """A received tensor as a stage input: a fresh leaf; with a gradient if it is a bare
+    float tensor or flagged ``requires_grad`` by its sender."""
+
+    def leaf(t: Tensor) -> Tensor:
+        grad = t.is_floating_point() and (bare or t.requires_grad)
+        return t.detach().requires_grad_(grad)
+
+    return leaf
+
+
+def _send_leaf(t: Tensor) -> Tensor:
+    """A stage output as sent on: no graph, but still flagged if it carries a gradient."""
+    return t.detach().requires_grad_(t.requires_grad and t.is_floating_point())
+
+
+def _input_grads(rec: _Record, xs: list[Tensor], grads: Sequence[Tensor | None]) -> Any:
+    """Zeros for an input the output does not depend on; one tensor for a bare input."""
+    out = [torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads, strict=True)]
+    if rec.bare:
+        return out[0] if out else None
+    return out

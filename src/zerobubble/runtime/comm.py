@@ -13,9 +13,10 @@ does exactly that). With ``directed=True`` every direction of every pair gets
 its own two-rank subgroup, which restores the buffered model; the executor
 turns it on for every backend but gloo.
 
-Channels: the pipeline's messages and the optimizer's state messages travel on
-separate :class:`Channel` streams (a gloo tag; with ``directed`` their own
-subgroups), so a receive posted on one can never match a message of the other.
+Channels: the pipeline's messages, the announcements of changed layouts and the
+optimizer's state messages travel on separate :class:`Channel` streams (a gloo
+tag; with ``directed`` their own subgroups), so a receive posted on one can never
+match a message of another.
 Collectives (:meth:`P2P.all_reduce`, :meth:`P2P.all_gather_ints`) are bounded by
 the same timeout and fail with a :class:`PeerError` naming the group.
 """
@@ -31,7 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-_DTYPES = (
+DTYPES = (
     torch.float32,
     torch.float64,
     torch.float16,
@@ -43,15 +44,19 @@ _DTYPES = (
     torch.uint8,
     torch.bool,
 )
+"""The dtypes a tensor crossing a stage boundary may have (their index is the wire code)."""
 
 
 class Channel(enum.IntEnum):
     """Independent message streams between two ranks (the value is the gloo tag)."""
 
     PIPELINE = 0
-    """Activations, input gradients and the shape handshake (the lowered programs)."""
+    """Activations and input gradients (the lowered programs' messages)."""
     OPTIM = 1
     """The optimizer's gradient-norm state messages (post-validation)."""
+    LAYOUT = 2
+    """A boundary value whose layout changed: the new layout, then its frame. Apart from
+    the pipeline stream, so that they cannot match a receive posted ahead there."""
 
 
 class PeerError(RuntimeError):
@@ -213,48 +218,14 @@ class P2P:
         assert work is not None
         self.wait(work, None, action)
 
-    def send_ints(self, values: list[int], peer: int, action: str) -> None:
-        """Blocking send of a short list of integers (metadata)."""
-        head = torch.tensor([len(values)], dtype=torch.int64, device=self.device)
-        body = torch.tensor(values, dtype=torch.int64, device=self.device)
-        works = [self.isend(head, peer, action), self.isend(body, peer, action)]
-        for w in works:
-            self.wait(w, peer, action)
-
-    def recv_ints(self, peer: int, action: str) -> list[int]:
-        """Blocking receive of a list sent with :meth:`send_ints`."""
-        head = torch.empty(1, dtype=torch.int64, device=self.device)
-        self.wait(self.irecv(head, peer, action), peer, action)
-        body = torch.empty(int(head.item()), dtype=torch.int64, device=self.device)
-        self.wait(self.irecv(body, peer, action), peer, action)
-        return body.tolist()
-
 
 def dtype_code(dtype: torch.dtype) -> int:
     """A dtype as a small integer, for metadata messages."""
-    if dtype not in _DTYPES:
+    if dtype not in DTYPES:
         raise TypeError(f"dtype {dtype} cannot cross a pipeline boundary")
-    return _DTYPES.index(dtype)
+    return DTYPES.index(dtype)
 
 
 def dtype_of(code: int) -> torch.dtype:
     """Inverse of :func:`dtype_code`."""
-    return _DTYPES[code]
-
-
-def encode_metas(metas: list[TensorMeta]) -> list[int]:
-    """Flatten metadata to integers: per tensor, dtype code, ndim, dims."""
-    out: list[int] = []
-    for m in metas:
-        out += [dtype_code(m.dtype), len(m.shape), *m.shape]
-    return out
-
-
-def decode_metas(values: list[int]) -> list[TensorMeta]:
-    """Inverse of :func:`encode_metas`."""
-    metas, i = [], 0
-    while i < len(values):
-        code, ndim = values[i], values[i + 1]
-        metas.append(TensorMeta(tuple(values[i + 2 : i + 2 + ndim]), _DTYPES[code]))
-        i += 2 + ndim
-    return metas
+    return DTYPES[code]

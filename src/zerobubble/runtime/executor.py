@@ -8,9 +8,12 @@ Usage mirrors ``torch.distributed.pipelining``::
 
 The schedule is validated and lowered once (:mod:`zerobubble.schedule.lowering`);
 ``step`` interprets this rank's program: receives are posted early, sends are
-asynchronous, and every wait is bounded by the comm timeout. Tensor shapes
-between stages are agreed on at the first step (:mod:`zerobubble.runtime.shapes`)
-and must stay the same afterwards.
+asynchronous, and every wait is bounded by the comm timeout. What crosses a
+boundary is a tensor or a pytree of them (:mod:`zerobubble.runtime.shapes`), sent
+as one frame per message (:mod:`zerobubble.runtime.wire`); its layout (structure,
+shapes, dtypes) may change between steps and microbatches: a receiver expects the
+layout the same message had last time, and the sender announces a new one in
+two extra messages only when it differs.
 
 The executor is a plain interpreter. A caller that needs more (the optimizer's
 speculative protocol) loads a program with extra instructions
@@ -32,13 +35,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerobubble.runtime.chunk import LossFn, StageChunk
+from zerobubble.runtime.chunk import LossFn, StageChunk, StageChunkError
 from zerobubble.runtime.comm import P2P, Channel, TensorMeta
 from zerobubble.runtime.host_memory import retain_freed_memory
-from zerobubble.runtime.microbatch import CountFn, batch_count, loss_scales, split_batch
+from zerobubble.runtime.microbatch import CountFn, batch_count, batch_size, loss_scales, split_tree
 from zerobubble.runtime.rng import StageRng
-from zerobubble.runtime.shapes import ShapeMismatchError, negotiate
+from zerobubble.runtime.shapes import (
+    Layout,
+    ShapeMismatchError,
+    describe,
+    flatten,
+    map_tensors,
+    to_device,
+    unflatten,
+)
 from zerobubble.runtime.trace import Trace
+from zerobubble.runtime.wire import (
+    FRAME_HEADER,
+    NEW_LAYOUT,
+    SAME_LAYOUT,
+    FrameHeader,
+    frame_header,
+    pack_frame,
+    stub_frame,
+    unpack_frame,
+)
 from zerobubble.schedule.ir import Action, Op, Schedule
 from zerobubble.schedule.lowering import (
     Compute,
@@ -104,7 +125,7 @@ class ExecutorOptions:
     """How a :class:`PipelineExecutor` runs."""
 
     comm_timeout_s: float = 60.0
-    """Longest a single wait on a peer (a receive, the final send flush, a handshake
+    """Longest a single wait on a peer (a receive, the final send flush, a layout
     message) may block; past it the step raises :class:`~zerobubble.runtime.comm.PeerError`
     naming the peer and the instruction. A dead peer is usually reported sooner."""
 
@@ -236,10 +257,11 @@ class PipelineExecutor:
         if directed is None:
             directed = dist.get_backend(group) != "gloo"
         pairs = [
-            (d, ins.peer, Channel.PIPELINE)
+            (d, ins.peer, channel)
             for d, prog in enumerate(self.lowered.programs)
             for ins in prog
             if isinstance(ins, Send)
+            for channel in (Channel.PIPELINE, Channel.LAYOUT)
         ]
         # The optimizer's state messages travel between neighbours, both ways.
         pairs += [
@@ -254,8 +276,22 @@ class PipelineExecutor:
         self.param_version = 0
         self.iteration = 0
         self.replays = 0
-        self._metas: dict[Message, TensorMeta] | None = None
-        self._input_metas: list[TensorMeta] | None = None
+        # The layout each message had last time, as sent and as received (both ends
+        # update theirs on every change, so they agree without a handshake).
+        self._sent: dict[Message, Layout] = {}
+        self._expected: dict[Message, Layout] = {}
+        self._layouts: dict[tuple[int, ...], Layout] = {}
+        # Per peer, the layouts announced to it / by it, by id (both ends number them
+        # in the order of the layout stream), so a layout that comes back is not resent.
+        self._ids_out: dict[int, dict[Layout, int]] = {}
+        self._ids_in: dict[int, list[Layout]] = {}
+
+    def layout(self, codes: tuple[int, ...]) -> Layout:
+        """The decoded layout of ``codes`` (cached: a fixed-shape run decodes each once)."""
+        got = self._layouts.get(codes)
+        if got is None:
+            got = self._layouts[codes] = Layout.of(codes, FRAME_HEADER)
+        return got
 
     def _chunk(self, s: int, m: nn.Module | StageChunk, loss_fn: LossFn | None) -> StageChunk:
         if isinstance(m, StageChunk):
@@ -309,16 +345,25 @@ class PipelineExecutor:
 
     def step(
         self,
-        x: torch.Tensor | None = None,
-        *,
-        target: torch.Tensor | None = None,
+        *args: object,
+        target: object = None,
         losses: list[torch.Tensor] | None = None,
         hooks: StepHooks | None = None,
+        **kwargs: object,
     ) -> list[torch.Tensor] | None:
         """Run the schedule on one batch; gradients accumulate into the stages' ``.grad``.
 
-        ``x`` is needed on the rank holding stage 0 and ``target`` on the rank
-        holding the last stage (others may pass them too; they are ignored). On
+        ``args`` and ``kwargs`` are needed on the rank holding stage 0, which is
+        called as ``stage0(*args_j, **kwargs_j)`` per microbatch j; ``target`` (a
+        tensor or pytree) is needed on the rank holding the last stage, whose
+        output and ``target_j`` go to ``loss_fn``. Others may pass them too; they
+        are ignored. Splitting rule: the batch size N is dim 0 of the first tensor
+        with a dim (depth-first through ``args`` then ``kwargs``; for ``target``,
+        through it); every tensor whose dim 0 is N is split into the schedule's M
+        microbatches as ``torch.tensor_split`` does, every other value (0-dim
+        tensors, tensors of another length, None, numbers...) goes unchanged to
+        every microbatch. ``kwargs`` cannot be named ``target``, ``losses``,
+        ``hooks``, ``mb``, ``loss_scale`` or ``num_items``. On
         the last stage's rank, returns the M unscaled per-microbatch losses and
         appends them to ``losses`` if given; elsewhere returns None. ``hooks``
         are called after every compute, at the protocol instructions of a loaded
@@ -329,26 +374,30 @@ class PipelineExecutor:
         (they sum to it).
         """
         M = self.schedule.num_microbatches
+        taken = sorted(set(kwargs) & _RESERVED)
+        if taken:
+            raise ValueError(
+                f"step() keyword argument(s) {', '.join(taken)} are reserved for the runtime "
+                "(StageChunk.forward's own); rename the stage-0 argument or pass it positionally"
+            )
         inputs = targets = scales = num_items = None
         if self.has_first:
-            if x is None:
+            if not args and not kwargs:
                 raise ValueError(f"rank {self.rank} holds stage 0: step() needs the batch x")
-            inputs = [t.to(self.device) for t in split_batch(x, M)]
+            n = batch_size((args, kwargs), "the input batch (step's arguments)")
+            inputs = [to_device(mb, self.device) for mb in split_tree((args, kwargs), M, n)]
         if self.has_last:
             if target is None:
                 raise ValueError(
                     f"rank {self.rank} holds the last stage: step() needs target for the loss"
                 )
-            targets = [t.to(self.device) for t in split_batch(target, M)]
+            n = batch_size(target, "target")
+            targets = [to_device(t, self.device) for t in split_tree(target, M, n)]
             if self.count_fn is None:
-                scales = loss_scales([t.shape[0] for t in targets])
+                scales = loss_scales([len(t) for t in torch.tensor_split(torch.empty(n), M)])
             else:
                 num_items = batch_count(self.count_fn, target, self.device)
                 scales = [1.0] * M
-        self._check_inputs(inputs)
-        if self._metas is None:
-            modules = {s: c.module for s, c in self.chunks.items()}
-            self._metas = negotiate(self.schedule, self.rank, modules, inputs, self.p2p)
         hooks = hooks or StepHooks()
         run = _Step(self, inputs, targets, scales, hooks, num_items)
         i, past_gate = 0, False
@@ -377,24 +426,9 @@ class PipelineExecutor:
             losses.extend(out)
         return out
 
-    def _check_inputs(self, inputs: list[torch.Tensor] | None) -> None:
-        """Stage 0's microbatch shapes must stay those of the first step (the handshake)."""
-        if inputs is None:
-            return
-        metas = [TensorMeta.of(t) for t in inputs]
-        if self._input_metas is None:
-            self._input_metas = metas
-        elif metas != self._input_metas:
-            j = next(
-                j for j, (a, b) in enumerate(zip(metas, self._input_metas, strict=True)) if a != b
-            )
-            raise ShapeMismatchError(
-                None,
-                0,
-                f"microbatch {j} of this batch is {metas[j]} but the first step's was "
-                f"{self._input_metas[j]}; shapes between stages are fixed at the first step, "
-                "so keep the batch shape (or build a new executor)",
-            )
+
+_RESERVED = frozenset({"mb", "loss_scale", "num_items"})
+"""Keyword names of :meth:`StageChunk.forward` that stage-0 keyword arguments cannot take."""
 
 
 class _Step:
@@ -416,7 +450,8 @@ class _Step:
         self.S = pipe.schedule.num_stages
         self.losses: list[torch.Tensor | None] = [None] * pipe.schedule.num_microbatches
         self.ready: dict[Message, torch.Tensor] = {}  # received or produced, not yet consumed
-        self.posted: dict[Message, tuple[torch.Tensor, dist.Work]] = {}
+        self.posted: dict[Message, tuple[torch.Tensor, dist.Work, int, object]] = {}
+        self.early: dict[Message, object] = {}  # received ahead of their WaitRecv
         self.in_flight: list[tuple[dist.Work, torch.Tensor, Send]] = []
         self.held = pipe.held_bytes() if pipe.options.trace else 0  # as of the last compute
 
@@ -431,15 +466,9 @@ class _Step:
             case PostRecv(msg, peer):
                 self.post(msg, peer, self.describe(ins))
             case WaitRecv(msg, peer):
-                buf, work = self.posted.pop(msg)
-                pipe.p2p.wait(work, peer, self.describe(ins))
-                self.ready[msg] = self.hooks.decode(msg, buf, pipe._metas[msg], stale=False)
+                self.ready[msg] = self.receive(msg, self.describe(ins), stale=False)
             case Send(msg, peer):
-                t = self.ready.pop(msg)
-                self.check_meta(msg, t)
-                t = self.hooks.encode(msg, t).contiguous()
-                self.in_flight = [f for f in self.in_flight if not f[0].is_completed()]
-                self.in_flight.append((pipe.p2p.isend(t, peer, self.describe(ins)), t, ins))
+                self.send(msg, peer, ins)
             case WaitSends():
                 for work, _, send in self.in_flight:
                     pipe.p2p.wait(work, send.peer, self.describe(send))
@@ -450,10 +479,103 @@ class _Step:
                 self.held = pipe.held_bytes()
             pipe.trace.record(self.event(ins, t0, t1, mem0, self.held))
 
+    def send(self, msg: Message, peer: int, ins: Send) -> None:
+        """Send ``msg``'s value as a frame; first a stub and the new layout if the
+        receiver expects another one."""
+        pipe = self.pipe
+        codes, tensors = flatten(self.ready.pop(msg), _boundary_name(msg))
+        layout = pipe.layout(codes)
+        self.in_flight = [f for f in self.in_flight if not f[0].is_completed()]
+        expected = pipe._sent.get(msg)
+        if layout is expected:
+            frame = pack_frame(layout, tensors, pipe.device)
+            self.isend(self.hooks.encode(msg, frame), peer, ins)
+            return
+        ids = pipe._ids_out.setdefault(peer, {})
+        new = layout not in ids
+        if new:
+            ids[layout] = len(ids)
+        size = FRAME_HEADER if expected is None else expected.nbytes
+        inline = layout.nbytes <= size
+        head = FrameHeader(NEW_LAYOUT, len(codes) if new else 0, ids[layout], inline)
+        if inline:
+            first = pack_frame(layout, tensors, pipe.device, size=size, header=head)
+        else:
+            first = stub_frame(size, head, pipe.device)
+        self.isend(self.hooks.encode(msg, first), peer, ins)
+        if new:
+            codes_t = torch.tensor(codes, dtype=torch.int64, device=pipe.device)
+            self.isend(codes_t, peer, ins, Channel.LAYOUT)
+        if not inline:
+            frame = pack_frame(layout, tensors, pipe.device)
+            self.isend(self.hooks.encode(msg, frame), peer, ins, Channel.LAYOUT)
+        pipe._sent[msg] = layout
+
+    def isend(
+        self, t: torch.Tensor, peer: int, ins: Send, channel: Channel = Channel.PIPELINE
+    ) -> None:
+        t = t.contiguous()
+        work = self.pipe.p2p.isend(t, peer, self.describe(ins), channel)
+        self.in_flight.append((work, t, ins))
+
     def post(self, msg: Message, peer: int, what: object) -> None:
-        meta = self.hooks.wire_meta(msg, self.pipe._metas[msg])
-        buf = torch.empty(meta.shape, dtype=meta.dtype, device=self.pipe.device)
-        self.posted[msg] = (buf, self.pipe.p2p.irecv(buf, peer, what))
+        buf = self.buffer(msg, self.pipe._expected.get(msg))
+        self.posted[msg] = (buf, self.pipe.p2p.irecv(buf, peer, what), peer, what)
+
+    def buffer(self, msg: Message, layout: Layout | None) -> torch.Tensor:
+        meta = self.hooks.wire_meta(msg, _frame_meta(layout))
+        return torch.empty(meta.shape, dtype=meta.dtype, device=self.pipe.device)
+
+    def receive(self, msg: Message, what: object, *, stale: bool) -> object:
+        """The value of ``msg``, whose frame was posted.
+
+        A new layout and its frame come on the layout stream in the order the peer
+        sent them, which is the order of the posts; so the frames posted before
+        ``msg`` from the same peer are completed first (they arrived before it).
+        """
+        if msg in self.early:
+            return self.early.pop(msg)
+        peer = self.posted[msg][2]
+        for other, (_, _, src, _) in list(self.posted.items()):
+            if other == msg:
+                break
+            if src == peer:
+                self.early[other] = self.complete(other, stale=stale)
+        return self.complete(msg, what, stale=stale)
+
+    def complete(self, msg: Message, what: object = None, *, stale: bool) -> object:
+        """Wait for ``msg``'s posted frame (and the new layout and frame it may announce)
+        and return the value it carries; ``what`` names the wait in errors (default:
+        the post)."""
+        pipe = self.pipe
+        buf, work, peer, posted = self.posted.pop(msg)
+        what = posted if what is None else what
+        pipe.p2p.wait(work, peer, what)
+        layout = pipe._expected.get(msg)
+        frame = self.hooks.decode(msg, buf, _frame_meta(layout), stale=stale)
+        head = frame_header(frame)
+        if head.flag == NEW_LAYOUT:
+            known = pipe._ids_in.setdefault(peer, [])
+            if head.layout_len:
+                codes = torch.empty(head.layout_len, dtype=torch.int64, device=pipe.device)
+                pipe.p2p.wait(pipe.p2p.irecv(codes, peer, what, Channel.LAYOUT), peer, what)
+                known.append(pipe.layout(tuple(codes.tolist())))
+            if not 0 <= head.layout_id < len(known):
+                raise RuntimeError(
+                    f"rank {pipe.rank}: {what} names layout {head.layout_id} but peer rank "
+                    f"{peer} announced {len(known)}: messages crossed (protocol bug)"
+                )
+            layout = pipe._expected[msg] = known[head.layout_id]
+            if not head.inline:
+                buf = self.buffer(msg, layout)
+                pipe.p2p.wait(pipe.p2p.irecv(buf, peer, what, Channel.LAYOUT), peer, what)
+                frame = self.hooks.decode(msg, buf, _frame_meta(layout), stale=stale)
+        elif layout is None or head.flag != SAME_LAYOUT:
+            raise RuntimeError(
+                f"rank {pipe.rank}: {what} got a frame with flag {head.flag} before any "
+                "layout was announced: messages crossed (protocol bug)"
+            )
+        return unflatten(layout.codes, unpack_frame(frame, layout))
 
     def replay(self, gate: Gate) -> _Step:
         """Discard this attempt (stage state, stale messages) and return a fresh one."""
@@ -462,10 +584,9 @@ class _Step:
         t0, mem0 = (pipe.trace.now(), pipe.held_bytes()) if tracing else (0, 0)
         for peer, msg in gate.drain:
             self.post(msg, peer, f"drain of stale {msg} from device {peer}")
-        for msg, (buf, work) in self.posted.items():
-            peer = pipe.schedule.placement[msg.src_stage]
-            pipe.p2p.wait(work, peer, f"drain of stale {msg} from device {peer}")
-            self.hooks.decode(msg, buf, pipe._metas[msg], stale=True)
+        for msg in list(self.posted):
+            self.complete(msg, stale=True)
+        self.early.clear()
         for chunk in pipe.chunks.values():
             chunk.discard()
         self.hooks.on_replay()
@@ -486,16 +607,30 @@ class _Step:
         need = input_message(a, self.S)
         arg = self.ready.pop(need) if need is not None else None
         if a.op is Op.F:
-            if a.stage == 0:
-                arg = self.inputs[a.mb]
-            with self.pipe.rng.scope(self.pipe.iteration, a.stage, a.mb):
-                y = chunk.forward(
-                    a.mb,
-                    arg,
-                    target=self.targets[a.mb] if last else None,
-                    loss_scale=self.scales[a.mb] if last else 1.0,
-                    num_items=self.num_items if last else None,
-                )
+            args, kwargs = self.inputs[a.mb] if a.stage == 0 else ((arg,), {})
+            try:
+                with self.pipe.rng.scope(self.pipe.iteration, a.stage, a.mb):
+                    y = chunk.forward(
+                        a.mb,
+                        *args,
+                        target=self.targets[a.mb] if last else None,
+                        loss_scale=self.scales[a.mb] if last else 1.0,
+                        num_items=self.num_items if last else None,
+                        **kwargs,
+                    )
+            except StageChunkError:
+                raise
+            except Exception as e:
+                if a.stage == 0:
+                    raise
+                codes, _ = flatten(arg, f"stage {a.stage} input")
+                raise ShapeMismatchError(
+                    a.stage - 1,
+                    a.stage,
+                    f"stage {a.stage} (rank {self.pipe.rank}) cannot consume stage "
+                    f"{a.stage - 1}'s output of {describe(codes)} (microbatch {a.mb}): "
+                    f"{type(e).__name__}: {e}",
+                ) from e
             if last:
                 self.losses[a.mb] = y
                 return
@@ -506,25 +641,10 @@ class _Step:
         out = output_message(a, self.S)
         if out is None:
             return
-        if y is None:
-            raise RuntimeError(
-                f"{a} produced no gradient for stage {a.stage}'s input; the tensor from stage "
-                f"{a.stage - 1} must require grad"
-            )
         local = self.pipe.schedule.placement[out.dst_stage] == self.pipe.rank
-        self.ready[out] = y.detach() if local else y
-
-    def check_meta(self, msg: Message, t: torch.Tensor) -> None:
-        want, got = self.pipe._metas[msg], TensorMeta.of(t)
-        if want != got:
-            what = "output" if msg.kind is MsgKind.ACT else "input gradient"
-            raise ShapeMismatchError(
-                msg.src_stage if msg.kind is MsgKind.ACT else msg.dst_stage,
-                msg.dst_stage if msg.kind is MsgKind.ACT else msg.src_stage,
-                f"stage {msg.src_stage} produced an {what} of {got} for microbatch {msg.mb}, "
-                f"but stage {msg.dst_stage} expects {want} (agreed at the first step); keep "
-                "the batch shape fixed across steps",
-            )
+        if local and a.op is not Op.F:
+            y = map_tensors(y, torch.Tensor.detach)
+        self.ready[out] = y
 
     def describe(self, ins: PostRecv | WaitRecv | Send) -> _Description:
         """The instruction and the compute it serves, for error messages (formatted lazily)."""
@@ -570,6 +690,18 @@ class _Description:
             return f"{ins} (output of {_producer_name(m)}, iteration {k})"
         consumer = "F" if m.kind is MsgKind.ACT else "backward"
         return f"{ins} (input of {consumer}(s{m.dst_stage},mb{m.mb}), iteration {k})"
+
+
+def _frame_meta(layout: Layout | None) -> TensorMeta:
+    """The uint8 buffer of a frame in ``layout`` (None: not seen yet, a bare header)."""
+    return TensorMeta((FRAME_HEADER if layout is None else layout.nbytes,), torch.uint8)
+
+
+def _boundary_name(m: Message) -> str:
+    """How errors name a message's value: ``stage 1 output``, ``stage 2 input gradient``."""
+    if m.kind is MsgKind.ACT:
+        return f"stage {m.src_stage} output"
+    return f"stage {m.src_stage} input gradient"
 
 
 def _producer_name(m: Message) -> str:

@@ -8,7 +8,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["CountFn", "batch_count", "loss_scales", "split_batch", "token_count"]
+from zerobubble.runtime.shapes import map_tensors, tensor_leaves
+
+__all__ = [
+    "CountFn",
+    "batch_count",
+    "batch_size",
+    "loss_scales",
+    "split_batch",
+    "split_tree",
+    "token_count",
+]
 
 CountFn = Callable[[Any], Tensor | int]
 """``count_fn(target) -> count`` over a whole batch's target (e.g. its non-ignored tokens)."""
@@ -31,6 +41,37 @@ def split_batch(x: Tensor, m: int) -> list[Tensor]:
             f"needs a sample; use at most {n} microbatches or a batch of at least {m}"
         )
     return list(torch.tensor_split(x, m, dim=0))
+
+
+def batch_size(tree: Any, what: str) -> int:
+    """The batch size of a pytree: dim 0 of its first tensor with a dim (depth-first)."""
+    for t in tensor_leaves(tree):
+        if t.dim() > 0:
+            return t.shape[0]
+    raise ValueError(
+        f"{what} holds no tensor with a batch dimension to split into microbatches; "
+        "pass at least one tensor whose dim 0 is the batch"
+    )
+
+
+def split_tree(tree: Any, m: int, n: int) -> list[Any]:
+    """``tree`` as ``m`` microbatches of a batch of ``n``: every tensor whose dim 0 is
+    ``n`` is split as :func:`split_batch` does; every other leaf (0-dim tensors, tensors
+    of another length, None, numbers, strings...) is passed unchanged to each microbatch.
+    """
+    parts: dict[int, list[Tensor]] = {}
+
+    def piece(j: int):
+        def pick(t: Tensor) -> Tensor:
+            if t.dim() == 0 or t.shape[0] != n:
+                return t
+            if id(t) not in parts:
+                parts[id(t)] = split_batch(t, m)
+            return parts[id(t)][j]
+
+        return pick
+
+    return [map_tensors(tree, piece(j)) for j in range(m)]
 
 
 def loss_scales(sizes: Sequence[int]) -> list[float]:

@@ -1,30 +1,40 @@
-"""Shapes and dtypes of the tensors that cross stage boundaries, agreed on once.
+"""What crosses a stage boundary: pytrees of tensors, and their layouts.
 
-A receiver must allocate its buffer before the data arrives, so before the
-first step the ranks run a metadata handshake along the stages in model
-order: each rank takes its stages in increasing order, receives the input
-metadata of every microbatch from the previous stage, infers its outputs by
-running the stage once without autograd (once per distinct input shape, so
-at most twice with an uneven last microbatch) and sends them on. The chain
-is deadlock-free: the lowest unfinished stage can always progress. A stage
-that cannot consume what its predecessor produces fails here, before the
-step's real compute starts, naming both stages.
+A stage takes and returns a tensor or a (nested) tuple, list or dict (str keys)
+whose leaves are tensors, None, ints or bools. :func:`flatten` turns such a
+value into its *layout* (a tuple of ints: the structure, the non-tensor leaves,
+and per tensor its dtype, whether it carries a gradient and its shape) and its
+tensor leaves; :func:`unflatten` is the inverse. A received value is rebuilt
+from the layout alone, so shapes, dtypes, structure and the non-tensor leaves
+may change from one message to the next: the executor sends a layout only when
+it differs from the one the receiver expects (see :mod:`zerobubble.runtime.wire`).
+
+Only floating tensors that require grad (flag set in the layout) get a gradient
+sent back; integer and bool tensors, and float tensors that do not require
+grad, travel forward only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor
 
-from zerobubble.runtime.comm import P2P, TensorMeta, decode_metas, encode_metas
-from zerobubble.schedule.ir import Schedule
-from zerobubble.schedule.lowering import Message, MsgKind
+from zerobubble.runtime.comm import DTYPES, TensorMeta, dtype_code, dtype_of
+
+_TENSOR, _NONE, _INT, _BOOL, _TUPLE, _LIST, _DICT = range(7)
+_INT64 = (-(2**63), 2**63 - 1)
+
+ALIGN = 64
+"""Every tensor of a frame starts at a multiple of this many bytes (see :mod:`wire`)."""
 
 
 class ShapeMismatchError(ValueError):
-    """Two neighbouring stages disagree on the tensor between them.
+    """Two neighbouring stages disagree on the value between them.
 
     Attributes:
         src_stage, dst_stage: The producing and the consuming stage (``src_stage``
@@ -38,97 +48,195 @@ class ShapeMismatchError(ValueError):
         self.dst_stage = dst_stage
 
 
-def infer_output(
-    module: nn.Module, meta_in: TensorMeta, device: torch.device, example: torch.Tensor | None
-) -> TensorMeta:
-    """Shape and dtype of ``module``'s output for an input described by ``meta_in``.
+class BoundaryError(ValueError):
+    """A value at a stage boundary cannot travel: names the stage, the side and the leaf.
 
-    Runs the module once without autograd on ``example`` (the real first-stage
-    input) or on zeros, leaving no trace: the RNG state is forked and buffers
-    (e.g. running statistics) are restored afterwards.
+    Attributes:
+        where: E.g. ``"stage 1 output"``; ``path`` is the leaf inside it (``"['hidden'][0]"``).
     """
-    x = example if example is not None else torch.zeros(meta_in.shape, dtype=meta_in.dtype)
-    saved = [(b, b.detach().clone()) for b in module.buffers()]
-    devices = [device] if device.type != "cpu" else []
-    try:
-        with torch.random.fork_rng(devices=devices, device_type=device.type), torch.no_grad():
-            return TensorMeta.of(module(x.to(device)))
-    finally:
-        with torch.no_grad():
-            for b, value in saved:
-                b.copy_(value)
+
+    def __init__(self, where: str, path: str, message: str) -> None:
+        super().__init__(f"{where}{path}: {message}")
+        self.where = where
+        self.path = path
 
 
-def negotiate(
-    schedule: Schedule,
-    rank: int,
-    modules: Mapping[int, nn.Module],
-    inputs: Sequence[torch.Tensor] | None,
-    p2p: P2P,
-) -> dict[Message, TensorMeta]:
-    """Run the handshake; return the metadata of every message this rank sends or receives.
+_LEAVES = "a tensor, None, an int or a bool, nested in tuples, lists or dicts with str keys"
 
-    ``inputs`` are the first stage's microbatches (needed on the rank holding it).
-    A gradient message has the metadata of the activation it is the gradient of.
+
+def flatten(tree: Any, where: str) -> tuple[tuple[int, ...], list[Tensor]]:
+    """``tree``'s layout and its tensor leaves in depth-first order.
+
+    ``where`` (e.g. ``"stage 1 output"``) prefixes the :class:`BoundaryError` for a
+    leaf that cannot travel (a str, a float, a tensor of an unsupported dtype...).
     """
-    S, M, place = schedule.num_stages, schedule.num_microbatches, schedule.placement
-    incoming: dict[int, list[TensorMeta]] = {}  # stage -> per-microbatch input metadata
-    outgoing: dict[int, list[TensorMeta]] = {}
-    for s in schedule.stages_of_device[rank]:
-        if s == 0:
-            if inputs is None:
-                raise ValueError(f"rank {rank} holds stage 0, so step() needs the input batch x")
-            incoming[s] = [TensorMeta.of(x) for x in inputs]
-        elif place[s - 1] == rank:
-            incoming[s] = outgoing[s - 1]
+    codes: list[int] = []
+    tensors: list[Tensor] = []
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, Tensor):
+            if node.dtype not in DTYPES:
+                names = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
+                raise BoundaryError(
+                    where,
+                    path,
+                    f"a {str(node.dtype).removeprefix('torch.')} tensor cannot cross a stage "
+                    f"boundary; expected one of {names} (cast it before the cut)",
+                )
+            grad = node.requires_grad and node.is_floating_point()
+            codes.extend((_TENSOR, dtype_code(node.dtype), int(grad), node.dim(), *node.shape))
+            tensors.append(node)
+        elif node is None:
+            codes.append(_NONE)
+        elif isinstance(node, bool):
+            codes.extend((_BOOL, int(node)))
+        elif type(node) is int:
+            if not _INT64[0] <= node <= _INT64[1]:
+                raise BoundaryError(where, path, f"the int {node} does not fit in 64 bits")
+            codes.extend((_INT, node))
+        elif type(node) in (tuple, list):
+            codes.extend((_TUPLE if type(node) is tuple else _LIST, len(node)))
+            for i, child in enumerate(node):
+                walk(child, f"{path}[{i}]")
+        elif type(node) is dict:
+            codes.extend((_DICT, len(node)))
+            for key, child in node.items():
+                if not isinstance(key, str):
+                    raise BoundaryError(
+                        where, path, f"dict key {key!r} is not a str; expected {_LEAVES}"
+                    )
+                raw = key.encode()
+                codes.extend((len(raw), *raw))
+                walk(child, f"{path}[{key!r}]")
         else:
-            what = f"shape handshake: receive stage {s - 1}'s output metadata for stage {s}"
-            incoming[s] = decode_metas(p2p.recv_ints(place[s - 1], what))
-            if len(incoming[s]) != M:
-                raise ShapeMismatchError(
-                    s - 1,
-                    s,
-                    f"received metadata for {len(incoming[s])} microbatches, expected {M}; "
-                    "every rank must run the same schedule",
-                )
-        cache: dict[TensorMeta, TensorMeta] = {}
-        outs = []
-        for j, meta in enumerate(incoming[s]):
-            if meta not in cache:
-                example = inputs[j] if s == 0 and inputs is not None else None
-                try:
-                    cache[meta] = infer_output(modules[s], meta, p2p.device, example)
-                except Exception as e:
-                    src = "the input batch" if s == 0 else f"stage {s - 1}'s output"
-                    raise ShapeMismatchError(
-                        s - 1 if s else None,
-                        s,
-                        f"stage {s} (rank {rank}) cannot consume {src} of {meta} "
-                        f"(microbatch {j}): {type(e).__name__}: {e}",
-                    ) from e
-            out = cache[meta]
-            if s < S - 1 and not out.dtype.is_floating_point:
-                raise ShapeMismatchError(
-                    s,
-                    s + 1,
-                    f"stage {s} outputs {out}; a tensor between stages must be floating point "
-                    "so that its gradient can flow back (move the cut to after this layer)",
-                )
-            outs.append(out)
-        outgoing[s] = outs
-        if s < S - 1 and place[s + 1] != rank:
-            what = f"shape handshake: send stage {s}'s output metadata to stage {s + 1}"
-            p2p.send_ints(encode_metas(outs), place[s + 1], what)
+            raise BoundaryError(
+                where,
+                path,
+                f"a {type(node).__name__} cannot cross a stage boundary; expected {_LEAVES}",
+            )
 
-    metas: dict[Message, TensorMeta] = {}
-    for s, per_mb in outgoing.items():
-        if s < S - 1 and place[s + 1] != rank:
-            for j in range(M):
-                metas[Message(MsgKind.ACT, s, s + 1, j)] = per_mb[j]
-                metas[Message(MsgKind.GRAD, s + 1, s, j)] = per_mb[j]
-    for s, per_mb in incoming.items():
-        if s > 0 and place[s - 1] != rank:
-            for j in range(M):
-                metas[Message(MsgKind.ACT, s - 1, s, j)] = per_mb[j]
-                metas[Message(MsgKind.GRAD, s, s - 1, j)] = per_mb[j]
-    return metas
+    walk(tree, "")
+    return tuple(codes), tensors
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A decoded layout: the tensors' metadata, which need a gradient, where they sit in
+    a frame (byte offsets after the frame header) and the frame's size."""
+
+    codes: tuple[int, ...]
+    metas: tuple[TensorMeta, ...]
+    grads: tuple[bool, ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, codes: Sequence[int], header: int) -> Layout:
+        """The layout of ``codes`` for frames with a ``header``-byte header."""
+        metas, grads, offsets = [], [], []
+        end = header
+        for meta, grad in _tensor_specs(codes):
+            end = -(-end // ALIGN) * ALIGN
+            metas.append(meta)
+            grads.append(grad)
+            offsets.append(end)
+            end += math.prod(meta.shape) * meta.dtype.itemsize
+        return cls(tuple(codes), tuple(metas), tuple(grads), tuple(offsets), end)
+
+
+def _tensor_specs(codes: Sequence[int]) -> list[tuple[TensorMeta, bool]]:
+    specs: list[tuple[TensorMeta, bool]] = []
+    _parse(codes, lambda meta, grad: specs.append((meta, grad)))
+    return specs
+
+
+def _parse(codes: Sequence[int], leaf: Callable[[TensorMeta, bool], Any]) -> Any:
+    """The value a layout describes, with ``leaf(meta, grad)`` for each tensor."""
+    pos = 0
+
+    def build() -> Any:
+        nonlocal pos
+        tag = codes[pos]
+        if tag == _TENSOR:
+            code, grad, ndim = codes[pos + 1 : pos + 4]
+            shape = tuple(codes[pos + 4 : pos + 4 + ndim])
+            pos += 4 + ndim
+            return leaf(TensorMeta(shape, dtype_of(code)), bool(grad))
+        if tag == _NONE:
+            pos += 1
+            return None
+        value = codes[pos + 1]
+        pos += 2
+        if tag == _INT:
+            return value
+        if tag == _BOOL:
+            return bool(value)
+        if tag == _DICT:
+            out = {}
+            for _ in range(value):
+                n = codes[pos]
+                key = bytes(codes[pos + 1 : pos + 1 + n]).decode()
+                pos += 1 + n
+                out[key] = build()
+            return out
+        items = [build() for _ in range(value)]
+        return tuple(items) if tag == _TUPLE else items
+
+    return build()
+
+
+def unflatten(codes: Sequence[int], leaves: Sequence[Any]) -> Any:
+    """Inverse of :func:`flatten`: the value with ``leaves`` in the tensors' places."""
+    it = iter(leaves)
+    return _parse(codes, lambda meta, grad: next(it))
+
+
+def describe(codes: Sequence[int]) -> str:
+    """A layout as text, e.g. ``{'hidden': [2, 5, 8] float32 (grad), 'mask': [2, 5] bool}``."""
+    return _render(_parse(codes, _Leaf))
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    meta: TensorMeta
+    grad: bool
+
+
+def _render(node: Any) -> str:
+    if isinstance(node, _Leaf):
+        return f"{node.meta}{' (grad)' if node.grad else ''}"
+    if isinstance(node, dict):
+        return "{" + ", ".join(f"{k!r}: {_render(v)}" for k, v in node.items()) + "}"
+    if isinstance(node, tuple):
+        inner = ", ".join(map(_render, node))
+        return f"({inner},)" if len(node) == 1 else f"({inner})"
+    if isinstance(node, list):
+        return "[" + ", ".join(map(_render, node)) + "]"
+    return repr(node)
+
+
+def tensor_leaves(tree: Any) -> list[Tensor]:
+    """The tensors of a boundary value, depth-first (no checks: see :func:`flatten`)."""
+    if isinstance(tree, Tensor):
+        return [tree]
+    if isinstance(tree, tuple | list):
+        return [t for child in tree for t in tensor_leaves(child)]
+    if isinstance(tree, dict):
+        return [t for child in tree.values() for t in tensor_leaves(child)]
+    return []
+
+
+def map_tensors(tree: Any, fn: Any) -> Any:
+    """``tree`` with ``fn`` applied to every tensor leaf (containers rebuilt, same types)."""
+    if isinstance(tree, Tensor):
+        return fn(tree)
+    if type(tree) in (tuple, list):
+        return type(tree)(map_tensors(child, fn) for child in tree)
+    if type(tree) is dict:
+        return {k: map_tensors(v, fn) for k, v in tree.items()}
+    return tree
+
+
+def to_device(tree: Any, device: torch.device) -> Any:
+    """``tree`` with every tensor moved to ``device``."""
+    return map_tensors(tree, lambda t: t.to(device))

@@ -232,8 +232,8 @@ class WeightGradStore:
         self,
         chunk: int,
         mb: int,
-        root: Tensor | GradientEdge | None,
-        grad_output: Tensor | None,
+        root: Tensor | GradientEdge | list[Tensor | GradientEdge] | None,
+        grad_output: Tensor | list[Tensor] | None,
         inputs: Sequence[Tensor],
         params: Sequence[Tensor] = (),
     ) -> tuple[Tensor | None, ...]:
@@ -254,15 +254,14 @@ class WeightGradStore:
         if micro is not None:
             calls, micro.recorded = micro.recorded, []
         targets = [*inputs, *params, *(_edge(out) for _, out, _, _ in calls)]
+        # Several roots (a stage output with several tensors) come as lists.
+        roots = root if isinstance(root, list) else [] if root is None else [root]
+        if grad_output is not None and not isinstance(grad_output, list):
+            grad_output = [grad_output]
         with self.capture(chunk, mb):
-            if root is None or not targets:
+            if not roots or not targets:
                 return (None,) * len(inputs)
-            grads = torch.autograd.grad(
-                [root],
-                targets,
-                grad_outputs=None if grad_output is None else [grad_output],
-                allow_unused=True,
-            )
+            grads = torch.autograd.grad(roots, targets, grad_outputs=grad_output, allow_unused=True)
         n = len(inputs)
         if params or calls:
             # Drop the graph edges: a node that B did not run keeps its saved tensors.
