@@ -16,7 +16,7 @@ normalised by the token count of the whole batch when given it. See docs/hf.md.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib import resources
 from typing import Any
@@ -53,8 +53,32 @@ def _transformers() -> Any:
 # ---- layers -----------------------------------------------------------------------------------
 
 
-def _has(obj: Any, names: tuple[str, ...]) -> bool:
-    return obj is not None and all(hasattr(obj, n) for n in names)
+def _part(model: nn.Module, name: str, names: tuple[str, ...]) -> nn.Module | None:
+    """``model.<name>`` if it is a submodule with all of ``names``, else None."""
+    part = getattr(model, name, None)
+    if isinstance(part, nn.Module) and all(hasattr(part, n) for n in names):
+        return part
+    return None
+
+
+def _hf_attr(model: nn.Module, name: str) -> Any:
+    """An attribute of a transformers model that is no submodule (its config, its loss).
+
+    ``nn.Module.__getattr__`` types every attribute as ``Tensor | Module``; these are
+    neither, and their classes depend on the model.
+    """
+    return getattr(model, name)
+
+
+def _blocks(owner: nn.Module, name: str) -> list[nn.Module]:
+    """The decoder blocks ``owner.<name>``, which the layouts hold in a ModuleList."""
+    blocks = owner.get_submodule(name)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ValueError(
+            f"{type(owner).__name__}.{name} is a {type(blocks).__name__}, not the ModuleList of "
+            "decoder blocks the layout has; cut the model into layers by hand"
+        )
+    return list(blocks)
 
 
 def _attention_type(config: Any, index: int) -> str:
@@ -72,30 +96,30 @@ def _build(model: nn.Module) -> list[nn.Module]:
 
     name = type(model).__name__
     head = getattr(model, "lm_head", None)
-    transformer = getattr(model, "transformer", None)
-    decoder = getattr(model, "model", None)
-    if head is not None and _has(transformer, ("wte", "wpe", "drop", "h", "ln_f")):
-        if getattr(model.config, "add_cross_attention", False):
+    transformer = _part(model, "transformer", ("wte", "wpe", "drop", "h", "ln_f"))
+    decoder = _part(model, "model", ("embed_tokens", "layers", "norm", "rotary_emb"))
+    config = _hf_attr(model, "config")
+    if isinstance(head, nn.Module) and transformer is not None:
+        if getattr(config, "add_cross_attention", False):
             raise ValueError(
                 f"{name} has cross-attention (config.add_cross_attention): the adapter takes "
                 "decoder-only causal LMs; build the model without it"
             )
-        blocks = list(transformer.h)
         return [
             hf_layers.GPT2Embedding(transformer),
-            *(hf_layers.GPT2Block(model.config, b, i) for i, b in enumerate(blocks)),
+            *(hf_layers.GPT2Block(config, b, i) for i, b in enumerate(_blocks(transformer, "h"))),
             hf_layers.GPT2Head(transformer, head),
         ]
-    if head is not None and _has(decoder, ("embed_tokens", "layers", "norm", "rotary_emb")):
-        config = model.config
-        blocks = list(decoder.layers)[: config.num_hidden_layers]
+    if isinstance(head, nn.Module) and decoder is not None:
+        blocks = _blocks(decoder, "layers")[: config.num_hidden_layers]
+        rotary_emb = decoder.get_submodule("rotary_emb")
         return [
-            hf_layers.DecoderEmbedding(decoder.embed_tokens),
+            hf_layers.DecoderEmbedding(decoder.get_submodule("embed_tokens")),
             *(
-                hf_layers.DecoderBlock(config, b, decoder.rotary_emb, i, _attention_type(config, i))
+                hf_layers.DecoderBlock(config, b, rotary_emb, i, _attention_type(config, i))
                 for i, b in enumerate(blocks)
             ),
-            hf_layers.DecoderHead(decoder.norm, head),
+            hf_layers.DecoderHead(decoder.get_submodule("norm"), head),
         ]
     raise ValueError(
         f"{name} has neither the GPT-2 layout (transformer.wte/wpe/drop/h/ln_f and lm_head) nor "
@@ -143,8 +167,9 @@ def _short_window(config: Any) -> Iterator[None]:
 
 def _probe(model: nn.Module) -> dict[str, Tensor]:
     """A small right-padded batch (every query sees a real token, so no row is all masked)."""
-    vocab = model.config.vocab_size
-    length = min(_PROBE_LENGTH, getattr(model.config, "max_position_embeddings", _PROBE_LENGTH))
+    config = _hf_attr(model, "config")
+    vocab = config.vocab_size
+    length = min(_PROBE_LENGTH, getattr(config, "max_position_embeddings", _PROBE_LENGTH))
     n = _PROBE_BATCH * length
     ids = (torch.arange(n).view(_PROBE_BATCH, length) * 7919 + 11) % vocab
     mask = torch.ones(_PROBE_BATCH, length, dtype=torch.long)
@@ -166,7 +191,7 @@ def check_layers(model: nn.Module, layers: list[nn.Module]) -> None:
     batch = _probe(model)
     name = type(model).__name__
     rng = _forked_rng(batch["input_ids"].device)
-    with _kept_modes(model), _short_window(model.config), torch.no_grad(), rng:
+    with _kept_modes(model), _short_window(_hf_attr(model, "config")), torch.no_grad(), rng:
         for training in (False, True):
             model.train(training)
             torch.manual_seed(0)
@@ -249,8 +274,8 @@ class CausalLMLoss:
     """
 
     def __init__(self, model: nn.Module, ignore_index: int = -100) -> None:
-        self._loss = model.loss_function
-        self.vocab_size: int = model.config.vocab_size
+        self._loss: Callable[..., Tensor] = _hf_attr(model, "loss_function")
+        self.vocab_size: int = _hf_attr(model, "config").vocab_size
         self.ignore_index = ignore_index
 
     def __call__(

@@ -40,6 +40,8 @@ class HFLayer(nn.Module):
     ``parts`` maps an attribute name to ``(path in the model, submodule)``; the
     submodule is registered under the attribute, so its state is named
     ``"<attribute>.<rest>"`` here and ``"<path>.<rest>"`` in the model.
+    Subclasses declare their parts as ``nn.Module`` attributes, which is what they
+    are (``nn.Module.__getattr__`` alone would type them as ``Tensor | Module``).
     """
 
     def __init__(self, parts: Mapping[str, tuple[str, nn.Module]]) -> None:
@@ -128,12 +130,16 @@ def _unpack(layer: str, x: Any) -> tuple[Tensor, Tensor | None, Tensor | None]:
 class GPT2Embedding(HFLayer):
     """Token plus position embeddings (and token types), then dropout, as ``GPT2Model``."""
 
+    wte: nn.Module
+    wpe: nn.Module
+    drop: nn.Module
+
     def __init__(self, transformer: nn.Module) -> None:
         super().__init__(
             {
-                "wte": ("transformer.wte", transformer.wte),
-                "wpe": ("transformer.wpe", transformer.wpe),
-                "drop": ("transformer.drop", transformer.drop),
+                "wte": ("transformer.wte", transformer.get_submodule("wte")),
+                "wpe": ("transformer.wpe", transformer.get_submodule("wpe")),
+                "drop": ("transformer.drop", transformer.get_submodule("drop")),
             }
         )
 
@@ -168,6 +174,8 @@ class GPT2Embedding(HFLayer):
 class GPT2Block(HFLayer):
     """One ``GPT2Block`` with the causal (and padding) mask it is given in ``GPT2Model``."""
 
+    block: nn.Module
+
     def __init__(self, config: Any, block: nn.Module, index: int) -> None:
         super().__init__({"block": (f"transformer.h.{index}", block)})
         self.config = config
@@ -189,9 +197,15 @@ class GPT2Block(HFLayer):
 class GPT2Head(HFLayer):
     """Final LayerNorm and the LM head (tied to ``wte`` if the model ties them)."""
 
+    ln_f: nn.Module
+    lm_head: nn.Module
+
     def __init__(self, transformer: nn.Module, lm_head: nn.Module) -> None:
         super().__init__(
-            {"ln_f": ("transformer.ln_f", transformer.ln_f), "lm_head": ("lm_head", lm_head)}
+            {
+                "ln_f": ("transformer.ln_f", transformer.get_submodule("ln_f")),
+                "lm_head": ("lm_head", lm_head),
+            }
         )
 
     def forward(self, x: Boundary) -> Tensor:
@@ -204,6 +218,8 @@ class GPT2Head(HFLayer):
 
 class DecoderEmbedding(HFLayer):
     """The token embedding of a Llama-layout model (``model.embed_tokens``)."""
+
+    embed_tokens: nn.Module
 
     def __init__(self, embed_tokens: nn.Module) -> None:
         super().__init__({"embed_tokens": ("model.embed_tokens", embed_tokens)})
@@ -227,6 +243,9 @@ class DecoderBlock(HFLayer):
     ``attention_type`` is the key of the model's mask mapping for this layer
     (``config.layer_types[i]``, else sliding iff ``config.sliding_window`` is set).
     """
+
+    layer: nn.Module
+    rotary_emb: nn.Module
 
     def __init__(
         self, config: Any, layer: nn.Module, rotary_emb: nn.Module, index: int, attention_type: str
@@ -269,6 +288,9 @@ class DecoderBlock(HFLayer):
 
 class DecoderHead(HFLayer):
     """Final norm and the LM head (tied to ``embed_tokens`` if the model ties them)."""
+
+    norm: nn.Module
+    lm_head: nn.Module
 
     def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
         super().__init__({"norm": ("model.norm", norm), "lm_head": ("lm_head", lm_head)})

@@ -391,12 +391,12 @@ def _state_dict(
             out[f"buffer.s{s}.{n}"] = b
     if with_optimizer:
         names = _param_names(trainer)
-        for p, st in trainer.optimizer.state.items():
+        for param, st in trainer.optimizer.state.items():
             for field, value in st.items():
                 if isinstance(value, Tensor):
-                    out[f"optim.{names[id(p)]}.{field}"] = value
+                    out[f"optim.{names[id(param)]}.{field}"] = value
                 else:
-                    loose.setdefault(names[id(p)], {})[field] = value
+                    loose.setdefault(names[id(param)], {})[field] = value
     return out, loose
 
 

@@ -305,8 +305,8 @@ def run_script(
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     port = free_port()
     procs = []
-    for rank in range(nprocs):
-        env = {**os.environ, **rank_env(rank, nprocs, port)}
+    for r in range(nprocs):
+        env = {**os.environ, **rank_env(r, nprocs, port)}
         procs.append(
             subprocess.Popen(
                 [sys.executable, script, *script_args],

@@ -73,6 +73,7 @@ def reference_step(
     # Random ops draw on the device the layers live on, as on a pipeline's stages.
     device = next((p.device for p in model.parameters()), x.device)
     rng = None if seed is None else StageRng(seed, device)
+    extra: tuple[Tensor | int, ...]
     if count_fn is None:
         scales, extra = loss_scales([len(t) for t in xs]), ()
     else:
