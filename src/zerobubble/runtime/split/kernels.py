@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
+from torch.autograd.graph import GradientEdge, Node
 
 from zerobubble.runtime.split.store import GradList, WeightGradStore, output_node
 
@@ -108,6 +109,26 @@ def _alias(p: Tensor) -> Tensor:
     gradient accumulator) while :func:`_current` holds.
     """
     return p.detach().requires_grad_(p.requires_grad)
+
+
+_FOLD_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0"})
+_PRODUCTS = frozenset({"MmBackward0", "AddmmBackward0"})
+
+
+def _product_node(y: Tensor) -> Node | GradientEdge:
+    """Where the 2-D product inside ``F.linear`` receives its gradient, else ``y``'s node.
+
+    ``F.linear`` on an N-D input multiplies a 2-D view and views the product
+    back; that view's backward reshapes ``y``'s gradient to 2-D (copying it when
+    it is not contiguous, e.g. behind a head transpose). Recording the product's
+    node lets W take that very 2-D tensor instead of reshaping, and copying, again.
+    """
+    fn = y.grad_fn
+    if type(fn).__name__ in _FOLD_VIEWS:
+        node = fn.next_functions[0][0]
+        if type(node).__name__ in _PRODUCTS:
+            return node
+    return output_node(y)
 
 
 def _current(alias: Tensor | None, p: Tensor) -> bool:
@@ -258,7 +279,7 @@ class SplitLinear(nn.Module):
             lb = aliases[1] = _alias(b)
         if not torch.is_autocast_enabled(dev):
             y = F.linear(x, lw, lb)
-            calls.append((x, output_node(y), _linear_grads, (w, b, need_w, need_b, x)))
+            calls.append((x, _product_node(y), _linear_grads, (w, b, need_w, need_b, x)))
             return y
         # Autocast: cast as autocast would (the graph gets the same casts) and keep
         # the cast operands for W, so that W multiplies exactly what autograd would.
@@ -268,7 +289,7 @@ class SplitLinear(nn.Module):
         with torch.autocast(dev, enabled=False):
             y = F.linear(xc, wc, bc)
         args = (w, b, need_w, need_b, xc, wc)
-        calls.append((xc, output_node(y), _cast_linear_grads, args))
+        calls.append((xc, _product_node(y), _cast_linear_grads, args))
         return y
 
     def extra_repr(self) -> str:
