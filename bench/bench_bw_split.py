@@ -24,7 +24,9 @@ processes share the cores), medians over ``--repeats`` runs after two warm-up
 runs, the three methods interleaved; forward is not timed.
 ``time_ratio_of_minima`` divides the fastest B + W by the fastest fused
 backward: on a shared machine the minimum is the least disturbed run.
-``time_ratio = (t_B + t_W) / t_fused`` (goal <= 1.05). ``w_time_share`` is
+``time_ratio = (t_B + t_W) / t_fused`` (goal <= 1.05); ``time_ratio_wall`` is
+the same ratio of wall-clock medians, next to it to show how far the machine's
+load (``load_average`` in the output) moves the wall clock. ``w_time_share`` is
 W's part of the weight-gradient time: ``t_W / (t_fused - t_input_only)``, where
 ``t_input_only`` is plain autograd asked for the input gradient only (goal >=
 0.9, capped at 1; a difference of two medians, so noisy on a shared machine);
