@@ -24,7 +24,9 @@ processes share the cores), medians over ``--repeats`` runs after two warm-up
 runs, the three methods interleaved; forward is not timed.
 ``time_ratio_of_minima`` divides the fastest B + W by the fastest fused
 backward: on a shared machine the minimum is the least disturbed run.
-``time_ratio = (t_B + t_W) / t_fused`` (goal <= 1.05). ``w_time_share`` is
+``time_ratio = (t_B + t_W) / t_fused`` (goal <= 1.05); ``time_ratio_wall`` is
+the same ratio of wall-clock medians, next to it to show how far the machine's
+load (``load_average`` in the output) moves the wall clock. ``w_time_share`` is
 W's part of the weight-gradient time: ``t_W / (t_fused - t_input_only)``, where
 ``t_input_only`` is plain autograd asked for the input gradient only (goal >=
 0.9, capped at 1; a difference of two medians, so noisy on a shared machine);
@@ -196,10 +198,11 @@ class SavedTracker:
         return [t for r in self.refs if (t := r()) is not None]
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.thread_time()
+def _timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """(thread CPU time, wall-clock time) of ``fn()``, in seconds."""
+    c0, w0 = time.thread_time(), time.perf_counter()
     fn()
-    return time.thread_time() - t0
+    return time.thread_time() - c0, time.perf_counter() - w0
 
 
 def _clear(module: nn.Module) -> None:
@@ -233,20 +236,20 @@ class Workload:
             out = module(x)
             return gpt_loss(out, self.target) if self.is_loss else out
 
-    def input_only(self, module: nn.Module) -> float:
+    def input_only(self, module: nn.Module) -> tuple[float, float]:
         """Plain autograd asked for the input gradient only: fused minus this is the
         weight-gradient time (for the share W defers)."""
         x = self._input()
         out = self._plain_forward(module, x)
         if not x.requires_grad:
-            return 0.0
+            return 0.0, 0.0
         return _timed(lambda: torch.autograd.grad([out], [x], [self.grad]))
 
     def _input(self) -> Tensor:
         x = self.x.detach()
         return x if not x.is_floating_point() else x.requires_grad_(True)
 
-    def fused(self, module: nn.Module) -> float:
+    def fused(self, module: nn.Module) -> tuple[float, float]:
         _clear(module)
         out = self._plain_forward(module, self._input())
         return _timed(lambda: torch.autograd.backward([out], None if self.is_loss else [self.grad]))
@@ -270,7 +273,8 @@ class Workload:
         with self.autocast():
             chunk.forward(1, self.x, **kw)
         t_bw = _timed(lambda: chunk.backward_full(1, self.grad))
-        return {"B": t_b, "W": t_w, "BW": t_bw, "held_F": held_f, "held_B": held_b}
+        return {**_pair("B", t_b), **_pair("W", t_w), **_pair("BW", t_bw),
+                "held_F": held_f, "held_B": held_b}  # fmt: skip
 
     def torch_pipelining(self, module: nn.Module) -> dict[str, float]:
         _clear(module)
@@ -293,7 +297,12 @@ class Workload:
                                   if g is not None]  # fmt: skip
         held_b = storage_bytes(held, exclude=params)
         t_w = _timed(lambda: stage_backward_weight(module.parameters(), groups))
-        return {"B": t_b, "W": t_w, "held_F": held_f, "held_B": held_b}
+        return {**_pair("B", t_b), **_pair("W", t_w), "held_F": held_f, "held_B": held_b}
+
+
+def _pair(key: str, t: tuple[float, float]) -> dict[str, float]:
+    """``{key: CPU time, key_wall: wall-clock time}``."""
+    return {key: t[0], f"{key}_wall": t[1]}
 
 
 def _median(runs: list[dict[str, float]], key: str) -> float:
@@ -310,8 +319,8 @@ def bench(w: Workload, repeats: int) -> dict[str, object]:
         StageChunk(copy.deepcopy(w.module), stage, num_stages, loss_fn=loss_fn, track_memory=t)
         for t in (False, True)
     )
-    fused: list[float] = []
-    inputs_only: list[float] = []
+    fused: list[tuple[float, float]] = []
+    inputs_only: list[tuple[float, float]] = []
     ours: list[dict[str, float]] = []
     tp: list[dict[str, float]] = []
     for i in range(repeats + 2):
@@ -324,18 +333,21 @@ def bench(w: Workload, repeats: int) -> dict[str, object]:
             ours.append(o)
             if t is not None:
                 tp.append(t)
-    t_fused = statistics.median(fused)
-    t_wgrad = t_fused - statistics.median(inputs_only)
+    t_fused = statistics.median(c for c, _ in fused)
+    t_fused_wall = statistics.median(w for _, w in fused)
+    t_wgrad = t_fused - statistics.median(c for c, _ in inputs_only)
 
     def summary(runs: list[dict[str, float]], with_bw: bool) -> dict[str, object]:
         t_b, t_w = _median(runs, "B"), _median(runs, "W")
         held_f, held_b = runs[0]["held_F"], runs[0]["held_B"]
-        best = min(r["B"] + r["W"] for r in runs) / min(fused)
+        best = min(r["B"] + r["W"] for r in runs) / min(c for c, _ in fused)
+        wall = (_median(runs, "B_wall") + _median(runs, "W_wall")) / t_fused_wall
         s: dict[str, object] = {
             "t_B_ms": round(1e3 * t_b, 3),
             "t_W_ms": round(1e3 * t_w, 3),
             "time_ratio": round((t_b + t_w) / t_fused, 3),
             "time_ratio_of_minima": round(best, 3),
+            "time_ratio_wall": round(wall, 3),
             "held_after_F_bytes": int(held_f),
             "held_after_B_bytes": int(held_b),
             "memory_ratio": round(held_b / held_f, 3),
@@ -352,6 +364,7 @@ def bench(w: Workload, repeats: int) -> dict[str, object]:
         "workload": w.name,
         "autocast": "bf16" if w.amp else "off",
         "t_fused_backward_ms": round(1e3 * t_fused, 3),
+        "t_fused_backward_wall_ms": round(1e3 * t_fused_wall, 3),
         "t_weight_grad_in_fused_ms": round(1e3 * t_wgrad, 3),
         "w_param_share": None if share is None else round(share.fraction, 4),
         "ours": summary(ours, True),
@@ -410,7 +423,8 @@ def main() -> None:
         "bench": "bw_split",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "timer": "thread CPU time",
+        "timer": "thread CPU time (ratios); wall clock in *_wall",
+        "load_average": [round(v, 2) for v in os.getloadavg()],
         "allocator_keeps_freed_memory": kept,
         "repeats": args.repeats,
         "goals": {"time_ratio": 1.05, "memory_ratio": 0.6, "w_time_share": 0.9},

@@ -2,7 +2,7 @@
 
 A compiled graph has one backward node that computes input and weight gradients
 together, so a layer inside it cannot defer its weight gradient to W. The split
-layers therefore stay eager (their forwards are ``torch.compiler.disable``-d,
+layers therefore stay eager (their forwards run ``torch.compiler.disable``-d when traced,
 see :mod:`zerobubble.runtime.split.kernels`) and everything between them is
 compiled: dynamo breaks the graph at each split layer, so a compiled block
 becomes compiled regions (norms, rotary, attention, activations, residuals)

@@ -14,7 +14,7 @@ bitwise those of plain autograd.
 Memory: after B only what W needs stays alive (each split layer's input and
 output gradient); the rest of the microbatch's graph is freed by B.
 
-torch.compile: the split layers' forwards are ``torch.compiler.disable``-d, so
+torch.compile: the split layers' forwards run compiler-disabled when traced, so
 a compiled module breaks its graph at each split layer and the layer records
 itself eagerly (a traced recording would run once, at compile time); the
 regions in between are compiled (see :mod:`zerobubble.runtime.compile`).
@@ -22,6 +22,7 @@ regions in between are compiled (see :mod:`zerobubble.runtime.compile`).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
+from torch.autograd.graph import GradientEdge, Node
 
 from zerobubble.runtime.split.store import GradList, WeightGradStore, output_node
 
@@ -44,6 +46,21 @@ __all__ = [
     "conv_splittable",
     "is_hf_conv1d",
 ]
+
+
+def _eager_under_compile(forward: Callable[[nn.Module, Tensor], Tensor]) -> Callable[..., Tensor]:
+    """``forward``, run eagerly when a compiler traces it (a graph break, see the module
+    docstring). The check costs a fraction of what ``torch.compiler.disable`` costs on every
+    eager call (a few µs per layer and forward)."""
+    eager = torch.compiler.disable(forward)
+
+    @functools.wraps(forward)
+    def run(self: nn.Module, x: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():
+            return eager(self, x)
+        return forward(self, x)
+
+    return run
 
 
 # ---- Linear -------------------------------------------------------------------------------
@@ -108,6 +125,26 @@ def _alias(p: Tensor) -> Tensor:
     gradient accumulator) while :func:`_current` holds.
     """
     return p.detach().requires_grad_(p.requires_grad)
+
+
+_FOLD_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0"})
+_PRODUCTS = frozenset({"MmBackward0", "AddmmBackward0"})
+
+
+def _product_node(y: Tensor) -> Node | GradientEdge:
+    """Where the 2-D product inside ``F.linear`` receives its gradient, else ``y``'s node.
+
+    ``F.linear`` on an N-D input multiplies a 2-D view and views the product
+    back; that view's backward reshapes ``y``'s gradient to 2-D (copying it when
+    it is not contiguous, e.g. behind a head transpose). Recording the product's
+    node lets W take that very 2-D tensor instead of reshaping, and copying, again.
+    """
+    fn = y.grad_fn
+    if type(fn).__name__ in _FOLD_VIEWS:
+        node = fn.next_functions[0][0]
+        if type(node).__name__ in _PRODUCTS:
+            return node
+    return output_node(y)
 
 
 def _current(alias: Tensor | None, p: Tensor) -> bool:
@@ -233,7 +270,7 @@ class SplitLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, store: WeightGradStore) -> SplitLinear:
         return cls(linear.weight, linear.bias, store)
 
-    @torch.compiler.disable
+    @_eager_under_compile
     def forward(self, x: Tensor) -> Tensor:
         w, b = self.weight, self.bias
         need_w = w.requires_grad
@@ -258,7 +295,7 @@ class SplitLinear(nn.Module):
             lb = aliases[1] = _alias(b)
         if not torch.is_autocast_enabled(dev):
             y = F.linear(x, lw, lb)
-            calls.append((x, output_node(y), _linear_grads, (w, b, need_w, need_b, x)))
+            calls.append((x, _product_node(y), _linear_grads, (w, b, need_w, need_b, x)))
             return y
         # Autocast: cast as autocast would (the graph gets the same casts) and keep
         # the cast operands for W, so that W multiplies exactly what autograd would.
@@ -268,7 +305,7 @@ class SplitLinear(nn.Module):
         with torch.autocast(dev, enabled=False):
             y = F.linear(xc, wc, bc)
         args = (w, b, need_w, need_b, xc, wc)
-        calls.append((xc, output_node(y), _cast_linear_grads, args))
+        calls.append((xc, _product_node(y), _cast_linear_grads, args))
         return y
 
     def extra_repr(self) -> str:
@@ -343,7 +380,7 @@ class SplitEmbedding(nn.Module):
         self.store = store
         self._aliases: list[Tensor | None] = [None]  # of the weight, see _alias
 
-    @torch.compiler.disable
+    @_eager_under_compile
     def forward(self, idx: Tensor) -> Tensor:
         w = self.weight
         if not (torch.is_grad_enabled() and w.requires_grad):
@@ -452,7 +489,7 @@ class SplitOp(nn.Module):
         self.store = store
         self._aliases: list[Tensor | None] = [None] * len(kernel.param_names)
 
-    @torch.compiler.disable
+    @_eager_under_compile
     def forward(self, x: Tensor) -> Tensor:
         params = [getattr(self, n) for n in self.kernel.param_names]
         need = [p is not None and p.requires_grad for p in params]
