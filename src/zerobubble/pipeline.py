@@ -137,8 +137,11 @@ class Pipeline:
             copy_layers=copy_layers,
         )
         bounds = stage_bounds(len(keys), schedule.num_stages, boundaries)
-        is_list = isinstance(layers, nn.Sequential | nn.ModuleList | Sequence)
-        shared = find_shared(list(layers), keys, bounds) if is_list else ()
+        shared = (
+            find_shared(list(layers), keys, bounds)
+            if isinstance(layers, nn.Sequential | nn.ModuleList | Sequence)
+            else ()
+        )
         self._first_name = {n: tp.name for tp in shared for n in tp.names}
         self._layer_keys = {s: keys[bounds[s].start : bounds[s].stop] for s in stages}
         self.executor = PipelineExecutor(
