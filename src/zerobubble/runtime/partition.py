@@ -103,7 +103,9 @@ def layer_keys(source: LayerSource, num_layers: int | None = None) -> tuple[str,
     return keys
 
 
-def model_name(stage_name: str, keys: Sequence[str], layers: Sequence[nn.Module] = ()) -> str:
+def model_name(
+    stage_name: str, keys: Sequence[str], layers: Sequence[nn.Module] | nn.Sequential = ()
+) -> str:
     """A stage module's parameter or buffer name as the user's model spells it.
 
     ``stage_name`` is ``"<i>.<rest>"`` as ``nn.Sequential`` names the ``i``-th layer
