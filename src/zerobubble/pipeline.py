@@ -137,8 +137,11 @@ class Pipeline:
             copy_layers=copy_layers,
         )
         bounds = stage_bounds(len(keys), schedule.num_stages, boundaries)
-        is_list = isinstance(layers, nn.Sequential | nn.ModuleList | Sequence)
-        shared = find_shared(list(layers), keys, bounds) if is_list else ()
+        shared = (
+            find_shared(list(layers), keys, bounds)
+            if isinstance(layers, nn.Sequential | nn.ModuleList | Sequence)
+            else ()
+        )
         self._first_name = {n: tp.name for tp in shared for n in tp.names}
         self._layer_keys = {s: keys[bounds[s].start : bounds[s].stop] for s in stages}
         self.executor = PipelineExecutor(
@@ -164,7 +167,7 @@ class Pipeline:
         self.trainer: PipelineTrainer | None = None
         mine = {
             s: [
-                model_name(k, self._layer_keys[s], self._module(s))
+                model_name(k, self._layer_keys[s], self._layers(s))
                 for k in self._module(s).state_dict()
             ]
             for s in stages
@@ -180,6 +183,12 @@ class Pipeline:
 
     def _module(self, stage: int) -> nn.Module:
         return self.executor.chunks[stage].module
+
+    def _layers(self, stage: int) -> nn.Sequential | tuple[()]:
+        """The stage's layers for :func:`model_name` (none when B/W splitting replaced the
+        stage module itself: names then come from the layer keys)."""
+        m = self._module(stage)
+        return m if isinstance(m, nn.Sequential) else ()
 
     # ---- training -----------------------------------------------------------------------
 
@@ -241,7 +250,7 @@ class Pipeline:
 
     def _name(self, stage: int, stage_name: str) -> str:
         """The user's model's name of a stage entry; a shared parameter's first name."""
-        name = model_name(stage_name, self._layer_keys[stage], self._module(stage))
+        name = model_name(stage_name, self._layer_keys[stage], self._layers(stage))
         return self._first_name.get(name, name)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:

@@ -280,7 +280,8 @@ class StageChunk:
         xs = [t for t in rec.x if t.requires_grad]
         inputs = xs + [p for p in self._params if p.requires_grad]
         if rec.roots and inputs:
-            torch.autograd.backward(rec.roots, grads, inputs=inputs)
+            # The stub takes all-Tensor or all-GradientEdge roots; autograd accepts a mix.
+            torch.autograd.backward(rec.roots, grads, inputs=inputs)  # type: ignore[arg-type]
         self.store.finish(self.stage, mb)
         del self._records[mb]
         return _input_grads(rec, xs, [x.grad for x in xs])

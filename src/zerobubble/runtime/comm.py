@@ -154,9 +154,12 @@ class P2P:
         """
         g, p = self._lane(self.rank, peer, channel)
         try:
-            return dist.isend(tensor, group=g, group_dst=p, tag=int(channel))
+            work = dist.isend(tensor, group=g, group_dst=p, tag=int(channel))
         except Exception as e:
             raise PeerError(self.rank, peer, str(action), str(e)) from e
+        if work is None:  # torch returns None when this rank is outside the lane's group
+            raise PeerError(self.rank, peer, str(action), "not in the send lane's group")
+        return work
 
     def irecv(
         self,
@@ -168,9 +171,12 @@ class P2P:
         """Post a receive from ``peer`` into ``buffer``."""
         g, p = self._lane(peer, self.rank, channel)
         try:
-            return dist.irecv(buffer, group=g, group_src=p, tag=int(channel))
+            work = dist.irecv(buffer, group=g, group_src=p, tag=int(channel))
         except Exception as e:
             raise PeerError(self.rank, peer, str(action), str(e)) from e
+        if work is None:  # torch returns None when this rank is outside the lane's group
+            raise PeerError(self.rank, peer, str(action), "not in the recv lane's group")
+        return work
 
     def wait(self, work: dist.Work, peer: int | None, action: object) -> None:
         """Wait for ``work`` at most ``timeout_s`` seconds (``peer`` None: a collective)."""

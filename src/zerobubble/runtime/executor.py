@@ -30,6 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -437,8 +438,8 @@ class _Step:
     def __init__(
         self,
         pipe: PipelineExecutor,
-        inputs: list[torch.Tensor] | None,
-        targets: list[torch.Tensor] | None,
+        inputs: list[tuple[tuple[Any, ...], dict[str, Any]]] | None,
+        targets: list[Any] | None,
         scales: list[float] | None,
         hooks: StepHooks,
         num_items: torch.Tensor | int | None = None,
@@ -449,7 +450,8 @@ class _Step:
         self.num_items = num_items
         self.S = pipe.schedule.num_stages
         self.losses: list[torch.Tensor | None] = [None] * pipe.schedule.num_microbatches
-        self.ready: dict[Message, torch.Tensor] = {}  # received or produced, not yet consumed
+        # Pytrees received or produced, not yet consumed.
+        self.ready: dict[Message, Any] = {}
         self.posted: dict[Message, tuple[torch.Tensor, dist.Work, int, object]] = {}
         self.early: dict[Message, object] = {}  # received ahead of their WaitRecv
         self.in_flight: list[tuple[dist.Work, torch.Tensor, Send]] = []
@@ -607,14 +609,22 @@ class _Step:
         need = input_message(a, self.S)
         arg = self.ready.pop(need) if need is not None else None
         if a.op is Op.F:
-            args, kwargs = self.inputs[a.mb] if a.stage == 0 else ((arg,), {})
+            if a.stage == 0:
+                assert self.inputs is not None  # step() splits the batch on stage 0's rank
+                args, kwargs = self.inputs[a.mb]
+            else:
+                args, kwargs = (arg,), {}
+            target, scale = None, 1.0
+            if last:
+                assert self.targets is not None and self.scales is not None
+                target, scale = self.targets[a.mb], self.scales[a.mb]
             try:
                 with self.pipe.rng.scope(self.pipe.iteration, a.stage, a.mb):
                     y = chunk.forward(
                         a.mb,
                         *args,
-                        target=self.targets[a.mb] if last else None,
-                        loss_scale=self.scales[a.mb] if last else 1.0,
+                        target=target,
+                        loss_scale=scale,
                         num_items=self.num_items if last else None,
                         **kwargs,
                     )

@@ -103,7 +103,9 @@ def layer_keys(source: LayerSource, num_layers: int | None = None) -> tuple[str,
     return keys
 
 
-def model_name(stage_name: str, keys: Sequence[str], layers: Sequence[nn.Module] = ()) -> str:
+def model_name(
+    stage_name: str, keys: Sequence[str], layers: Sequence[nn.Module] | nn.Sequential = ()
+) -> str:
     """A stage module's parameter or buffer name as the user's model spells it.
 
     ``stage_name`` is ``"<i>.<rest>"`` as ``nn.Sequential`` names the ``i``-th layer
@@ -117,8 +119,9 @@ def model_name(stage_name: str, keys: Sequence[str], layers: Sequence[nn.Module]
             f"{stage_name!r} is not '<layer index>.<name>' of a stage with {len(keys)} layers"
         )
     i = int(local)
-    if i < len(layers) and hasattr(layers[i], "source_name"):
-        return layers[i].source_name(rest)
+    namer = getattr(layers[i], "source_name", None) if i < len(layers) else None
+    if namer is not None:
+        return str(namer(rest))
     return f"{keys[i]}.{rest}"
 
 
@@ -156,25 +159,28 @@ def build_stage_modules(
     """
     if not 0 <= rank < schedule.num_devices:
         raise ValueError(f"rank {rank} is not a device of a {schedule.num_devices}-device schedule")
-    is_list = isinstance(source, nn.Sequential | nn.ModuleList | Sequence)
-    if is_list:
+    layers: list[nn.Module] = []
+    factory: Callable[[int], nn.Module] | None = None
+    if isinstance(source, nn.Sequential | nn.ModuleList | Sequence):
         layers = list(source)
         if num_layers is not None and num_layers != len(layers):
             raise ValueError(f"num_layers={num_layers} but the model has {len(layers)} layers")
         num_layers = len(layers)
     elif num_layers is None:
         raise ValueError("a layer factory needs num_layers (how many layers the model has)")
+    else:
+        factory = source
     bounds = stage_bounds(num_layers, schedule.num_stages, boundaries)
     out: dict[int, nn.Sequential] = {}
     for s in schedule.stages_of_device[rank]:
-        if is_list:
+        if factory is None:
             picked = [layers[i] for i in bounds[s]]
             built = copy.deepcopy(picked) if copy_layers else picked
         else:
-            built = [source(i) for i in bounds[s]]
+            built = [factory(i) for i in bounds[s]]
         stage = nn.Sequential(*built)
         out[s] = stage.to(device) if device is not None else stage
-    if is_list:
+    if factory is None:
         tie_local_replicas(out, find_shared(layers, layer_keys(source), bounds))
     else:
         _refuse_factory_ties(out)

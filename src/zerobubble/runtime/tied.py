@@ -89,11 +89,11 @@ def find_shared(
             params.setdefault(id(p), []).append((s, f"{local_index}.{name}", f"{keys[i]}.{name}"))
         for name, b in layer.named_buffers(remove_duplicate=False):
             buffers.setdefault(id(b), []).append((s, f"{keys[i]}.{name}"))
-    for uses in buffers.values():
-        if len({s for s, _ in uses}) > 1:
-            where = ", ".join(f"{n!r} (stage {s})" for s, n in uses)
+    for buf_uses in buffers.values():
+        if len({s for s, _ in buf_uses}) > 1:
+            where = ", ".join(f"{n!r} (stage {s})" for s, n in buf_uses)
             raise ValueError(
-                f"buffer {uses[0][1]!r} is shared by layers of different stages: {where}; "
+                f"buffer {buf_uses[0][1]!r} is shared by layers of different stages: {where}; "
                 "the pipeline does not keep buffers in sync across stages: give each layer its "
                 "own buffer, or choose boundaries that keep these layers on one stage"
             )
@@ -276,8 +276,8 @@ class TiedGroups:
             self.check(iteration)
         for g in self.groups:
             grads = self._stage_grads(g, iteration)
-            present = [grads[s] for s in g.tp.stages if grads[s] is not None]
-            total = None
+            present = [t for s in g.tp.stages if (t := grads[s]) is not None]
+            total: Tensor | None = None
             if present:
                 total = present[0]
                 for more in present[1:]:

@@ -87,7 +87,7 @@ def unpack(buf: Tensor, meta: TensorMeta) -> tuple[Tensor, Header]:
     """Inverse of :func:`pack`: the payload (a view of ``buf``) and its header."""
     it, version, attempt, *message = buf[:HEADER_BYTES].view(torch.int64).tolist()
     body = buf[HEADER_BYTES:].view(meta.dtype).view(meta.shape)
-    return body, Header(it, version, attempt, tuple(message))  # type: ignore[arg-type]
+    return body, Header(it, version, attempt, tuple(message))
 
 
 # ---- frames: the tensors of one boundary value in one message --------------------------

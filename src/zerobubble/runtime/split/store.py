@@ -261,7 +261,8 @@ class WeightGradStore:
         with self.capture(chunk, mb):
             if not roots or not targets:
                 return (None,) * len(inputs)
-            grads = torch.autograd.grad(roots, targets, grad_outputs=grad_output, allow_unused=True)
+            # The stub wants all-Tensor or all-GradientEdge lists; autograd takes a mix.
+            grads = torch.autograd.grad(roots, targets, grad_outputs=grad_output, allow_unused=True)  # type: ignore[arg-type]
         n = len(inputs)
         if params or calls:
             # Drop the graph edges: a node that B did not run keeps its saved tensors.

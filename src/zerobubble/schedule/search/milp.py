@@ -254,8 +254,8 @@ def _build(
     order = graph.topological()
     lo = [0.0] * n
     for i in order:  # all the device's work that must come first fits after T0
-        head = sum(dur[j] for j in graph.by_device[dev[i]] if graph.precedes(j, i))
-        lo[i] = t0[dev[i]] + head + dur[i]
+        ahead = sum(dur[j] for j in graph.by_device[dev[i]] if graph.precedes(j, i))
+        lo[i] = t0[dev[i]] + ahead + dur[i]
     for a, b, cross in _by_source(graph.edges, order):
         lo[b] = max(lo[b], lo[a] + dur[b] + (comm if cross else 0.0))
     hi = [0.0] * n
@@ -301,20 +301,20 @@ def _build(
         for x in held:
             head_c, head = 0.0, {x: 1.0}
             tail_c, tail_t = 0.0, {cost_col: 1.0, x: -1.0}
-            mem_c, mem = deltas[x], {}
+            mem_c, mem = deltas[x], dict[int, float]()
             for c in held:
                 if c == x:
                     continue
                 k, terms = before(c, x)
                 head_c += dur[c] * k
                 mem_c += deltas[c] * k
-                for col, v in terms.items():
-                    head[col] = head.get(col, 0.0) - dur[c] * v
-                    mem[col] = mem.get(col, 0.0) + deltas[c] * v
+                for col, val in terms.items():
+                    head[col] = head.get(col, 0.0) - dur[c] * val
+                    mem[col] = mem.get(col, 0.0) + deltas[c] * val
                 k, terms = before(x, c)
                 tail_c += dur[c] * k
-                for col, v in terms.items():
-                    tail_t[col] = tail_t.get(col, 0.0) - dur[c] * v
+                for col, val in terms.items():
+                    tail_t[col] = tail_t.get(col, 0.0) - dur[c] * val
             # e_x - dur_x - T0 >= work before x;  T0 + C - e_x >= work after x
             rows.add(head, t0[d] + dur[x] + head_c, math.inf)
             rows.add(tail_t, tail_c - t0[d], math.inf)
@@ -348,7 +348,9 @@ def _same_chain(graph: ActionGraph, a: int, b: int) -> bool:
     return x.op == y.op and x.stage == y.stage and y.mb == x.mb + 1
 
 
-def _by_source(edges: tuple[tuple[int, int, bool], ...], order: list[int]):
+def _by_source(
+    edges: tuple[tuple[int, int, bool], ...], order: list[int]
+) -> list[tuple[int, int, bool]]:
     rank = {v: k for k, v in enumerate(order)}
     return sorted(edges, key=lambda e: rank[e[0]])
 
