@@ -14,6 +14,7 @@ from torch import nn
 
 import zerobubble
 from zerobubble.models import GPTConfig, build_gpt, gpt_loss, mlp_loss
+from zerobubble.optim.trainer import stage_kwargs
 
 TIMEOUT = 240.0
 SCHEDULE_NAMES = [
@@ -138,6 +139,15 @@ def train_against_reference(
         for name, p in pipe.named_parameters()
         if not torch.equal(p, ref_params[name])
     ]
+    x, y = batches[0]
+    for name in ("hooks", "losses"):
+        try:
+            pipe.trainer.step(x, target=y, **{name: None})
+        except ValueError as e:
+            if name not in str(e) or "PipelineTrainer.step()" not in str(e):
+                bad.append(f"{kind}: trainer refusal of {name!r} says {e}")
+        else:
+            bad.append(f"{kind}: PipelineTrainer.step took a stage-0 keyword {name!r}")
     return {
         "names": [n for n, _ in pipe.named_parameters()],
         "keys": list(pipe.state_dict()),
@@ -175,6 +185,10 @@ def state_dict_checks(rank: int) -> dict:
         pipe.set_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     except ValueError as e:
         errors["optimizer"] = str(e)
+    try:
+        pipe.step(torch.zeros(3, 4), target=torch.zeros(3, 3), hooks=None)
+    except ValueError as e:
+        errors["hooks"] = str(e)
     for what, schedule in (("kind", "zbv"), ("world", zerobubble.generate("zb-h1", 2, 4))):
         try:
             zerobubble.Pipeline(model, mlp_loss, schedule)
@@ -280,4 +294,20 @@ def test_state_dict_round_trip_and_strict_errors(p3):
             f"the optimizer holds 14 parameters that rank {rank}'s stages do not: build it "
             "from pipe.parameters() (the stages' own copies), not from the model"
         )
+        assert errors["hooks"] == (
+            "Pipeline.step() keyword argument(s) hooks are reserved for the runtime "
+            "(PipelineExecutor.step's own); rename the stage-0 argument or pass it positionally"
+        )
     assert p3[0]["state"]["first"] == "embed.weight" and p3[0]["state"]["stages"] == [0, 5]
+
+
+@pytest.mark.parametrize("names", [["hooks"], ["losses", "hooks"]])
+def test_stage_kwargs_refuse_the_executors_own_names(names):
+    kwargs = {"mask": 1, **dict.fromkeys(names)}
+    with pytest.raises(ValueError) as e:
+        stage_kwargs(kwargs, "Pipeline.step")
+    assert str(e.value) == (
+        f"Pipeline.step() keyword argument(s) {', '.join(sorted(names))} are reserved for the "
+        "runtime (PipelineExecutor.step's own); rename the stage-0 argument or pass it positionally"
+    )
+    assert stage_kwargs({"mask": 1, "mb_size": 2}, "x") == {"mask": 1, "mb_size": 2}

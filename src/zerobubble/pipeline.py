@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from zerobubble.optim.config import OptimConfig
-from zerobubble.optim.trainer import PipelineTrainer
+from zerobubble.optim.trainer import PipelineTrainer, stage_kwargs
 from zerobubble.runtime.chunk import LossFn
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.microbatch import CountFn
@@ -231,9 +231,10 @@ class Pipeline:
         rank returns the per-microbatch losses (and appends them to ``losses``);
         elsewhere returns None.
         """
+        stage_kw = stage_kwargs(kwargs, "Pipeline.step")
         if self.trainer is None:
-            return self.executor.step(*args, target=target, losses=losses, **kwargs)
-        out = self.trainer.step(*args, target=target, **kwargs)
+            return self.executor.step(*args, target=target, losses=losses, **stage_kw)
+        out = self.trainer.step(*args, target=target, **stage_kw)
         if out is not None and losses is not None:
             losses.extend(out)
         return out

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,6 +201,7 @@ class PipelineTrainer:
         provisional when ``step`` returns; it is validated inside the next
         ``step`` (or :meth:`drain`).
         """
+        stage_kw = stage_kwargs(kwargs, "PipelineTrainer.step")  # refused before any state moves
         k = self.versions.iteration
         cfg = self.config
         if cfg.mode is StepMode.CONSERVATIVE and self._pending:
@@ -208,7 +209,7 @@ class PipelineTrainer:
         self.versions.begin_compute(k)
         if not cfg.speculative:
             self._zero_grad()
-        losses = self.pipe.step(*args, target=target, hooks=_Hooks(self, k), **kwargs)
+        losses = self.pipe.step(*args, target=target, hooks=_Hooks(self, k), **stage_kw)
         in_flight = sum(len(c.pending()) for c in self.pipe.chunks.values())
         self.versions.end_compute(k, in_flight)
         self.faults.at_tail(k, self.stage_params)
@@ -446,3 +447,23 @@ def _settings_applied(
     finally:
         for g, h in zip(optimizer.param_groups, current, strict=True):
             g.update(h)
+
+
+_EXECUTOR_OWN = frozenset({"hooks", "losses"})
+"""Keyword names of :meth:`PipelineExecutor.step` that stage-0 keyword arguments cannot take."""
+
+
+def stage_kwargs(kwargs: Mapping[str, object], caller: str) -> dict[str, Any]:
+    """The stage-0 keyword arguments, refused where a name would bind to the executor's own.
+
+    The values are the caller's opaque pytrees, hence ``Any``; the names are what is
+    checked, so none of them can silently become ``PipelineExecutor.step``'s ``hooks``
+    or ``losses``.
+    """
+    taken = sorted(set(kwargs) & _EXECUTOR_OWN)
+    if taken:
+        raise ValueError(
+            f"{caller}() keyword argument(s) {', '.join(taken)} are reserved for the runtime "
+            "(PipelineExecutor.step's own); rename the stage-0 argument or pass it positionally"
+        )
+    return dict(kwargs)

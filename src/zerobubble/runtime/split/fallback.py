@@ -54,7 +54,7 @@ class GraphSplit:
         ]
         """Where each parameter of the module sits: (owning submodule, attribute name)."""
         self._aliases: dict[tuple[int, str], Tensor] = {}
-        self._open: list[tuple[list[tuple[nn.Module, str, Tensor]], _Replay] | None] = []
+        self._open: list[tuple[list[tuple[nn.Module, str, nn.Parameter]], _Replay] | None] = []
         self._rerun = False
 
     def install(self, module: nn.Module) -> None:
@@ -81,22 +81,25 @@ class GraphSplit:
         ):
             self._open.append(None)
             return
-        swapped = []
+        swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
         for (owner, name), p in zip(self.slots, params, strict=True):
-            if p.requires_grad:
+            original = owner._parameters[name]  # p itself, typed as the Parameter it is
+            if original is not None and p.requires_grad:
                 key = (id(owner), name)
                 alias = self._aliases.get(key)
                 if not _current(alias, p):
                     alias = self._aliases[key] = _alias(p)
                 owner._parameters[name] = alias  # type: ignore[assignment]
-                swapped.append((owner, name, p))
+                swapped.append((owner, name, original))
         flat = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
         dev = flat[0].device if flat else params[0].device
         acc = None
         if dev.type != "cpu":
             acc = torch.get_device_module(dev.type).get_rng_state(dev)
+        held_args, held_kwargs = pytree.tree_map_only(Tensor, Tensor.detach, (args, kwargs))
         replay = _Replay(
-            *pytree.tree_map_only(Tensor, Tensor.detach, (args, kwargs)),
+            held_args,
+            held_kwargs,
             tuple((t, t._version) for t in flat),
             (torch.get_rng_state(), acc),
             (torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type)),

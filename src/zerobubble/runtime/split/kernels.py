@@ -26,12 +26,14 @@ import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeGuard, TypeVar, overload
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.autograd.graph import GradientEdge, Node
+from torch.nn.modules.conv import _ConvNd
 
 from zerobubble.runtime.split.store import GradList, WeightGradStore, output_node
 
@@ -48,14 +50,17 @@ __all__ = [
 ]
 
 
-def _eager_under_compile(forward: Callable[[nn.Module, Tensor], Tensor]) -> Callable[..., Tensor]:
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def _eager_under_compile(forward: Callable[[_M, Tensor], Tensor]) -> Callable[[_M, Tensor], Tensor]:
     """``forward``, run eagerly when a compiler traces it (a graph break, see the module
     docstring). The check costs a fraction of what ``torch.compiler.disable`` costs on every
     eager call (a few µs per layer and forward)."""
     eager = torch.compiler.disable(forward)
 
     @functools.wraps(forward)
-    def run(self: nn.Module, x: Tensor) -> Tensor:
+    def run(self: _M, x: Tensor) -> Tensor:
         if torch.compiler.is_compiling():
             return eager(self, x)
         return forward(self, x)
@@ -140,14 +145,14 @@ def _product_node(y: Tensor) -> Node | GradientEdge:
     node lets W take that very 2-D tensor instead of reshaping, and copying, again.
     """
     fn = y.grad_fn
-    if type(fn).__name__ in _FOLD_VIEWS:
+    if fn is not None and type(fn).__name__ in _FOLD_VIEWS:
         node = fn.next_functions[0][0]
-        if type(node).__name__ in _PRODUCTS:
+        if node is not None and type(node).__name__ in _PRODUCTS:
             return node
     return output_node(y)
 
 
-def _current(alias: Tensor | None, p: Tensor) -> bool:
+def _current(alias: Tensor | None, p: Tensor) -> TypeGuard[Tensor]:
     """``alias`` still is :func:`_alias` of ``p`` (same memory, size, strides, requires_grad)."""
     return alias is not None and alias.is_set_to(p) and alias.requires_grad == p.requires_grad
 
@@ -162,14 +167,26 @@ def _linear_grads(
     if need_w:
         grads.append((weight, _linear_weight_grad(g2d, x2d, weight)))
     if need_b:
+        assert bias is not None
         grads.append((bias, _bias_grad(g2d if _bias_via_addmm(x) else gy)))
     return grads
+
+
+class _SplitLinearCtx(Protocol):
+    """What autograd's ctx of :class:`_SplitLinearFn` carries from forward to backward."""
+
+    params: tuple[Tensor, Tensor | None]
+    store: WeightGradStore
+    saved_tensors: tuple[Tensor, ...]
+    needs_input_grad: tuple[bool, ...]
+
+    def save_for_backward(self, *tensors: Tensor | None) -> None: ...
 
 
 class _SplitLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: torch.autograd.function.FunctionCtx,
+        ctx: _SplitLinearCtx,
         x: Tensor,
         weight: Tensor,
         bias: Tensor | None,
@@ -183,7 +200,9 @@ class _SplitLinearFn(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: torch.autograd.function.FunctionCtx, gy: Tensor):  # type: ignore[override]
+    def backward(
+        ctx: _SplitLinearCtx, gy: Tensor
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None]:
         x, w = ctx.saved_tensors
         weight, bias = ctx.params
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -193,7 +212,7 @@ class _SplitLinearFn(torch.autograd.Function):
         g2d = _grad_2d(gy)
         gsum = g2d if _bias_via_addmm(x) else gy
         gx = _linear_input_grad(g2d, w, x2d, x) if need_x else None
-        store: WeightGradStore = ctx.store
+        store = ctx.store
         if store.capturing is None:
             gw = _linear_weight_grad(g2d, x2d, w) if need_w else None
             return gx, gw, _bias_grad(gsum) if need_b else None, None, None
@@ -208,6 +227,7 @@ class _SplitLinearFn(torch.autograd.Function):
                 gw = _linear_weight_grad(w_operands[1], w_operands[0], w)
                 grads.append((weight, gw.to(weight.dtype)))  # autocast: as ToCopyBackward
             if b_operand is not None:
+                assert bias is not None
                 grads.append((bias, _bias_grad(b_operand).to(bias.dtype)))
             return grads
 
@@ -215,6 +235,10 @@ class _SplitLinearFn(torch.autograd.Function):
         return gx, None, None, None, None
 
 
+@overload
+def _cast(t: Tensor, dtype: torch.dtype) -> Tensor: ...
+@overload
+def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None: ...
 def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     """``t`` as autocast casts an operand: floating tensors other than float64, by ``.to``."""
     if t is None or not t.is_floating_point() or t.dtype == torch.float64:
@@ -256,6 +280,8 @@ class SplitLinear(nn.Module):
     exactly like ``nn.Linear``.
     """
 
+    bias: nn.Parameter | None  # registered by register_parameter, which takes None
+
     def __init__(
         self, weight: nn.Parameter, bias: nn.Parameter | None, store: WeightGradStore
     ) -> None:
@@ -268,7 +294,8 @@ class SplitLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, store: WeightGradStore) -> SplitLinear:
-        return cls(linear.weight, linear.bias, store)
+        # nn.Linear's stub declares its weight a Tensor; it is the layer's Parameter
+        return cls(linear.weight, linear.bias, store)  # type: ignore[arg-type]
 
     @_eager_under_compile
     def forward(self, x: Tensor) -> Tensor:
@@ -301,7 +328,6 @@ class SplitLinear(nn.Module):
         # the cast operands for W, so that W multiplies exactly what autograd would.
         dt = torch.get_autocast_dtype(dev)
         xc, wc, bc = _cast(x, dt), _cast(lw, dt), _cast(lb, dt)
-        assert xc is not None and wc is not None
         with torch.autocast(dev, enabled=False):
             y = F.linear(xc, wc, bc)
         args = (w, b, need_w, need_b, xc, wc)
@@ -318,10 +344,21 @@ class SplitLinear(nn.Module):
 # ---- Embedding ----------------------------------------------------------------------------
 
 
+class _SplitEmbeddingCtx(Protocol):
+    """What autograd's ctx of :class:`_SplitEmbeddingFn` carries from forward to backward."""
+
+    weight: Tensor
+    args: tuple[int, int, bool]
+    store: WeightGradStore
+    saved_tensors: tuple[Tensor, ...]
+
+    def save_for_backward(self, *tensors: Tensor | None) -> None: ...
+
+
 class _SplitEmbeddingFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: torch.autograd.function.FunctionCtx,
+        ctx: _SplitEmbeddingCtx,
         idx: Tensor,
         weight: Tensor,
         module: SplitEmbedding,
@@ -336,10 +373,10 @@ class _SplitEmbeddingFn(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: torch.autograd.function.FunctionCtx, gy: Tensor):  # type: ignore[override]
+    def backward(ctx: _SplitEmbeddingCtx, gy: Tensor) -> tuple[None, Tensor | None, None]:
         (idx,) = ctx.saved_tensors
         weight, args = ctx.weight, ctx.args
-        store: WeightGradStore = ctx.store
+        store = ctx.store
         if store.capturing is None:
             return None, _embedding_grads(weight, idx, args, gy)[0][1], None
         store.defer(lambda: _embedding_grads(weight, idx, args, gy), (idx, gy))
@@ -390,11 +427,12 @@ class SplitEmbedding(nn.Module):
         calls = self.store.recording
         if calls is not None:
             aliases = self._aliases
-            if not _current(aliases[0], w):
-                aliases[0] = _alias(w)
+            lw = aliases[0]
+            if not _current(lw, w):
+                lw = aliases[0] = _alias(w)
             y = F.embedding(
                 idx,
-                aliases[0],
+                lw,
                 self.padding_idx,
                 self.max_norm,
                 self.norm_type,
@@ -436,7 +474,8 @@ class Kernel:
 
     forward: Callable[[nn.Module, Tensor, Sequence[Tensor | None]], tuple[Tensor, Tensor, tuple]]
     weight_grads: Callable[
-        [nn.Module, tuple, Sequence[Tensor], Sequence[bool], Tensor], Sequence[Tensor | None]
+        [nn.Module, tuple, Sequence[Tensor | None], Sequence[bool], Tensor],
+        Sequence[Tensor | None],
     ]
     param_names: tuple[str, ...] = ("weight", "bias")
     autocast: str | Mapping[str, str] = "refuse"
@@ -479,6 +518,8 @@ class SplitOp(nn.Module):
     leaf aliases of the parameters and its call is recorded; anywhere else the
     original layer runs, and its gradients are computed like plain autograd's.
     """
+
+    layer: nn.Module  # set in __dict__, not as a submodule (see __init__)
 
     def __init__(self, module: nn.Module, kernel: Kernel, store: WeightGradStore) -> None:
         super().__init__()
@@ -566,10 +607,15 @@ def _hf_conv1d_forward(
 
 
 def _hf_conv1d_grads(
-    m: nn.Module, operands: tuple, params: Sequence[Tensor], need: Sequence[bool], gy: Tensor
+    m: nn.Module,
+    operands: tuple,
+    params: Sequence[Tensor | None],
+    need: Sequence[bool],
+    gy: Tensor,
 ) -> tuple[Tensor | None, Tensor | None]:
     (x2,) = operands
     w = params[0]
+    assert w is not None
     gw = _mm_mat2_grad(gy, x2, w) if need[0] else None
     return gw, _bias_grad(gy) if need[1] else None
 
@@ -585,10 +631,10 @@ def conv_splittable(module: nn.Module) -> bool:
     )
 
 
-def _conv_geometry(m: nn.Module) -> tuple[tuple[int, ...], int]:
+def _conv_geometry(m: _ConvNd) -> tuple[tuple[int, ...], int]:
     """The padding the convolution op receives, and the number of spatial dimensions."""
     n = len(m.kernel_size)
-    if m.padding_mode != "zeros" or m.padding == "valid":
+    if m.padding_mode != "zeros" or isinstance(m.padding, str):  # "valid": conv_splittable
         return (0,) * n, n
     return tuple(m.padding), n
 
@@ -597,7 +643,9 @@ def _conv_forward(
     m: nn.Module, x: Tensor, params: Sequence[Tensor | None]
 ) -> tuple[Tensor, Tensor, tuple]:
     """``nn.ConvNd.forward``'s ops, spelled out so that the convolution's input is at hand."""
+    assert isinstance(m, _ConvNd)  # CONV splits only what conv_splittable accepts
     w, b = params
+    assert w is not None
     pad, n = _conv_geometry(m)
     batched = x.dim() == n + 2
     xb = x if batched else x.unsqueeze(0)
@@ -608,8 +656,13 @@ def _conv_forward(
 
 
 def _conv_grads(
-    m: nn.Module, operands: tuple, params: Sequence[Tensor], need: Sequence[bool], gy: Tensor
+    m: nn.Module,
+    operands: tuple,
+    params: Sequence[Tensor | None],
+    need: Sequence[bool],
+    gy: Tensor,
 ) -> tuple[Tensor | None, Tensor | None]:
+    assert isinstance(m, _ConvNd)
     (xb,) = operands
     w, b = params
     pad, n = _conv_geometry(m)
@@ -628,14 +681,20 @@ CONV = Kernel(_conv_forward, _conv_grads, autocast="lower")
 def _layer_norm_forward(
     m: nn.Module, x: Tensor, params: Sequence[Tensor | None]
 ) -> tuple[Tensor, Tensor, tuple]:
+    assert isinstance(m, nn.LayerNorm)  # LAYER_NORM's rule splits only nn.LayerNorm
     w, b = params
     out, mean, rstd = torch.native_layer_norm(x, m.normalized_shape, w, b, m.eps)
     return out, out, (x, mean, rstd)
 
 
 def _layer_norm_grads(
-    m: nn.Module, operands: tuple, params: Sequence[Tensor], need: Sequence[bool], gy: Tensor
+    m: nn.Module,
+    operands: tuple,
+    params: Sequence[Tensor | None],
+    need: Sequence[bool],
+    gy: Tensor,
 ) -> tuple[Tensor | None, Tensor | None]:
+    assert isinstance(m, nn.LayerNorm)
     x, mean, rstd = operands
     w, b = params
     mask = [False, need[0], b is not None and need[1]]

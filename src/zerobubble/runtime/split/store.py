@@ -392,7 +392,7 @@ def _tensors(held: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
 def output_node(y: Tensor) -> Node | GradientEdge:
     """Where autograd delivers ``y``'s gradient, cheaply, at forward (for a :data:`Call`)."""
     fn = y.grad_fn
-    if isinstance(fn, _PyNode) or y.output_nr:  # rare: keep the graph-owning edge
+    if fn is None or isinstance(fn, _PyNode) or y.output_nr:  # rare: the graph-owning edge
         return get_gradient_edge(y)
     return fn
 

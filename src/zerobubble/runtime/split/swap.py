@@ -65,6 +65,16 @@ def _kernel_rule(name: str, matches: Callable[[nn.Module], bool], kernel: Kernel
     return SplitRule(name, matches, lambda m, store: SplitOp(m, kernel, store))
 
 
+def _split_linear(m: nn.Module, store: WeightGradStore) -> nn.Module:
+    assert isinstance(m, nn.Linear)  # the rule matches exact nn.Linear only
+    return SplitLinear.from_linear(m, store)
+
+
+def _split_embedding(m: nn.Module, store: WeightGradStore) -> nn.Module:
+    assert isinstance(m, nn.Embedding)  # the rule matches exact nn.Embedding only
+    return SplitEmbedding(m, store)
+
+
 def _exact(cls: type[nn.Module]) -> Callable[[nn.Module], bool]:
     # Exact types only: subclasses may override forward, and modules such as
     # nn.MultiheadAttention read their Linear's weights without calling it.
@@ -97,8 +107,8 @@ class SplitRules:
     def default(cls) -> SplitRules:
         return cls(
             (
-                SplitRule("Linear", _exact(nn.Linear), SplitLinear.from_linear),
-                SplitRule("Embedding", _exact(nn.Embedding), SplitEmbedding),
+                SplitRule("Linear", _exact(nn.Linear), _split_linear),
+                SplitRule("Embedding", _exact(nn.Embedding), _split_embedding),
                 _kernel_rule("Conv", conv_splittable, CONV),
                 _kernel_rule("transformers Conv1D", is_hf_conv1d, HF_CONV1D),
                 SplitRule("norm (kept in B)", _norm, None),
