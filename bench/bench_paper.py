@@ -71,8 +71,8 @@ def main() -> None:
             t0 = time.perf_counter()
             sched = generate(gen_kind, p, m, **opts)
             secs = time.perf_counter() - t0
-            model = totals.resolve(sched.placement) if gen_kind == "auto" else costs
-            r = row(kind, sched, model, limit, paper.get(kind), secs)
+            used = totals.resolve(sched.placement) if gen_kind == "auto" else costs
+            r = row(kind, sched, used, limit, paper.get(kind), secs)
             r["chunks"] = sched.num_stages // p
             rows.append(r)
         out.append(

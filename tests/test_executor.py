@@ -40,12 +40,19 @@ TIMEOUT = 240.0  # a whole launch, generous for a loaded 2-core machine
 # ---- helpers run inside the ranks ---------------------------------------------------------
 
 
+#: Kinds that solve a MILP: every rank builds each schedule itself and at M=2P+1 they take
+#: about 10 s each on a loaded machine, so they run at M <= P only (still every kind runs).
+EXACT_KINDS = ("optimal", "optimal-v")
+
+
 def schedules(p: int) -> list[Schedule]:
-    """Every registered kind at M in {1, P-1, P, 2P+1}, where the kind allows that M."""
+    """Every registered kind at M in {1, P-1, P, 2P+1} (M <= P for EXACT_KINDS), where the
+    kind allows that M. Searching kinds get ``chunks=2`` (auto: at most 2 chunks per device)."""
     out = []
     for kind, gen in GENERATORS.items():
         opts = {"chunks": 2} if "chunks" in gen.options else {}
-        for m in sorted({1, max(p - 1, 1), p, 2 * p + 1}):
+        ms = {1, max(p - 1, 1), p} | (set() if kind in EXACT_KINDS else {2 * p + 1})
+        for m in sorted(ms):
             try:
                 out.append(generate(kind, p, m, **opts))
             except ValueError:  # the kind does not support this M
