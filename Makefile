@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test check lint typecheck format bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -18,8 +18,14 @@ $(STAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/zerobubble demo
 
-test: $(STAMP)
+test: $(STAMP)  ## the whole suite (slow tests included), then the checks
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
+	$(MAKE) --no-print-directory check
+
+check: lint typecheck  ## what CI enforces besides the tests
+
+typecheck: $(STAMP)  ## mypy: strict on the torch-free schedule layer (see pyproject.toml)
+	$(BIN)/mypy
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from zerobubble.schedule.costs import CostModel, Number
@@ -278,7 +279,8 @@ class _Builder:
         free = self.free[d]
         nf, nb, m = self.nf, self.nb, self.m
         held = self.rev_stages[d]
-        held_b = held_f = held
+        held_b: Sequence[int] = held
+        held_f: Sequence[int] = held
         if pol.rounds and len(held) > 1:
             if self.pos_b[d] < len(self.seq_b[d]):
                 held_b = (self.seq_b[d][self.pos_b[d]],)

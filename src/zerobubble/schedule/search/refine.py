@@ -111,12 +111,12 @@ class Evaluator:
                     a = lst[i]
                     t = t_free
                     for dep, lat in deps[a]:
-                        e = end[dep]
-                        if e < 0:
+                        ready = end[dep]
+                        if ready < 0:
                             break
-                        e += lat
-                        if e > t:
-                            t = e
+                        ready += lat
+                        if ready > t:
+                            t = ready
                     else:
                         if i == 0:
                             first[d] = t
