@@ -19,6 +19,7 @@ Subcommand names and flags are fixed (scripts depend on them)::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -285,7 +286,13 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
     values = load_toml(args.config) if args.config is not None else {}
     values.update((k, v) for k, v in vars(args).items() if "." in k)  # only flags given
     devices = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else default_devices()
-    return build_config(values, devices=devices, profile_only=args.command == "profile")
+    cfg = build_config(values, devices=devices, profile_only=args.command == "profile")
+    if cfg.model.name != "gpt" and importlib.util.find_spec("transformers") is None:
+        raise ValueError(
+            f"--model {cfg.model.name} needs Hugging Face transformers, which is not installed: "
+            "install the dev extra (pip install -e '.[dev]') or pip install transformers"
+        )
+    return cfg
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
@@ -393,7 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("train", help="profile, plan and train a small GPT on local CPU ranks")
+    p = sub.add_parser(
+        "train", help="profile, plan and train a small GPT or tiny HF model on local CPU ranks"
+    )
     _add_train_args(p)
     p.set_defaults(func=cmd_train)
 

@@ -19,12 +19,14 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from zerobubble.profile.stats import OpStats
 from zerobubble.runtime.chunk import StageChunk
+from zerobubble.runtime.shapes import map_tensors, tensor_leaves
 from zerobubble.runtime.split import SplitShare
 
 
@@ -98,13 +100,15 @@ class LayerProfile:
 def profile_layers(
     layers: Sequence[nn.Module],
     loss_fn: Callable[[Tensor, Tensor], Tensor],
-    x: Tensor,
+    x: Any,
     target: Tensor,
     *,
     warmup: int = 1,
     iters: int = 5,
 ) -> LayerProfile:
     """Time F, B and W of every layer on one microbatch ``x`` (the first ``warmup`` runs dropped).
+
+    ``x`` is the first layer's input: a tensor or a pytree (a dict of ids and mask).
 
     ``loss_fn(output, target)`` is the loss after the last layer; it is timed
     with the last layer, as in a pipeline's last stage.
@@ -165,23 +169,30 @@ def profile_layers(
 
 
 def _plain_weight_grad_ms(
-    layer: nn.Module, x: Tensor, last: tuple[Callable[[Tensor, Tensor], Tensor], Tensor] | None
+    layer: nn.Module, x: Any, last: tuple[Callable[[Tensor, Tensor], Tensor], Tensor] | None
 ) -> float:
     """Time (ms) plain autograd spends on ``layer``'s weight gradients for input ``x``: a
     full backward minus one that asks for the input gradient only."""
     spent = []
     for inputs_only in (False, True):
-        inp = x.detach().requires_grad_(x.is_floating_point())
+        # A pytree input (a first layer's dict of ids and mask) has float leaves or none.
+        inp = map_tensors(x, lambda t: t.detach().requires_grad_(t.is_floating_point()))
+        leaves = tensor_leaves(inp)
         with torch.enable_grad():
             out = layer(inp)
-            root = last[0](out, last[1]) if last is not None else out.sum()
-        targets = [inp] if inputs_only else [inp, *layer.parameters()]
+            root = last[0](out, last[1]) if last is not None else _sum(out)
+        targets = [*leaves] if inputs_only else [*leaves, *layer.parameters()]
         targets = [t for t in targets if t.requires_grad]
         t0 = time.perf_counter()
         if targets:
             torch.autograd.grad([root], targets, allow_unused=True)
         spent.append(time.perf_counter() - t0)
     return max(spent[0] - spent[1], 0.0) * 1e3
+
+
+def _sum(out: Any) -> Tensor:
+    """A scalar over a layer's output (its float leaves, where it is a pytree)."""
+    return sum((t.sum() for t in tensor_leaves(out) if t.is_floating_point()), torch.zeros(()))
 
 
 def _time_share(w_ms: float, wgrad_ms: float, share: SplitShare | None) -> float:

@@ -4,10 +4,14 @@ Stage costs come from the executor's trace: every F, B, W and BW event is
 one :class:`~zerobubble.runtime.chunk.StageChunk` op on real data, timed
 where it ran, so B and W are the real split passes and each stage runs next
 to the others' traffic. Activation memory comes from the same events: an F
-raises the rank's held bytes by the stage's M_B, and what is still held after
-B (F's rise plus B's change) is M_W. Memory is the largest value observed
-(it can differ by a few KB between microbatches, and a plan must not exceed
-its limit); times are medians. Warm-up iterations are skipped.
+raises the rank's held bytes by its rise, and what is still held after B (F's
+rise plus B's change) is M_W. A split B can hold more than F did (it stores the
+output gradients W needs, received frames included, and frees less than that), so
+M_B, the memory an F is charged for until B, is the larger of the two: the model
+charges a microbatch the most it holds at any point before W, and a plan within
+its limit stays within it when run. Memory is the largest value observed (it can
+differ by a few KB between microbatches, and a plan must not exceed its limit);
+times are medians. Warm-up iterations are skipped.
 
 An op also costs host time that is not inside its event: after it, the rank
 records it, sends its output, posts receives, and dispatches the next op.
@@ -51,9 +55,10 @@ class StageProfile:
     w: tuple[OpStats | None, ...]
     bw: tuple[OpStats | None, ...]
     mem_b: tuple[int, ...]
-    """Largest rise of held bytes over an F (M_B)."""
+    """Largest bytes a microbatch holds from its F until B (M_B): the rise over F, or
+    the bytes held after B where B raises them."""
     mem_w: tuple[int | None, ...]
-    """Largest bytes held after B until W (M_W), capped at M_B; None without split B."""
+    """Largest bytes held after B until W (M_W, <= M_B); None without split B."""
     host: dict[str, tuple[float | None, ...]]
     """Median host tail (ms) of each op (keys F, B, W, BW) per stage; None if it never ran."""
 
@@ -94,7 +99,9 @@ def stage_profile(
             rise[e.iteration, a.stage, a.mb] = delta
             mem_b[a.stage].append(delta)
         elif a.op == "B" and (e.iteration, a.stage, a.mb) in rise:
-            mem_w[a.stage].append(rise[e.iteration, a.stage, a.mb] + delta)
+            after_b = rise[e.iteration, a.stage, a.mb] + delta
+            mem_w[a.stage].append(after_b)
+            mem_b[a.stage].append(after_b)  # B may raise what F left: M_B covers both
     missing = [s for s in range(num_stages) if not samples.get(("F", s))]
     if missing:
         raise ValueError(
@@ -113,9 +120,7 @@ def stage_profile(
         w=tuple(stats("W", s) for s in range(num_stages)),
         bw=tuple(stats("BW", s) for s in range(num_stages)),
         mem_b=mb,
-        mem_w=tuple(
-            min(max(max(mem_w[s]), 0), mb[s]) if mem_w[s] else None for s in range(num_stages)
-        ),
+        mem_w=tuple(max(max(mem_w[s]), 0) if mem_w[s] else None for s in range(num_stages)),
         host={
             op: tuple(
                 statistics.median(tails[op, s]) if tails.get((op, s)) else None

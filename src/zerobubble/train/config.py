@@ -8,9 +8,11 @@ Torch-free, so that building the command line imports no torch.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 
 NOT_AN_OPTION = MappingProxyType({"option": False})
@@ -40,27 +42,79 @@ def default_devices() -> int:
     return max(cores, 2)
 
 
+HF_MODELS = ("hf-gpt2", "hf-llama", "hf-mistral", "hf-qwen2")
+"""The tiny Hugging Face configs shipped in ``zerobubble/models/configs``
+(:data:`zerobubble.interop.hf.TINY_CONFIGS`)."""
+
+GPT_FIELDS = ("d_model", "n_heads", "n_layers", "mlp_ratio", "tie_embeddings")
+"""The model fields the job passes to :class:`~zerobubble.models.GPTConfig`."""
+
+_ATTENTION = ("sdpa", "eager")
+
+
+def hf_shipped(name: str) -> dict[str, object]:
+    """The shipped config of tiny model ``name`` (JSON read without transformers)."""
+    path = Path(__file__).resolve().parent.parent / "models" / "configs" / f"{name}-tiny.json"
+    data: dict[str, object] = json.loads(path.read_text())
+    return data
+
+
+def _shipped_int(data: dict[str, object], *keys: str) -> int:
+    value = next(data[k] for k in keys if k in data)
+    assert isinstance(value, int)  # the shipped JSON files hold integers here
+    return value
+
+
 @dataclass(frozen=True)
 class ModelSection:
-    """The GPT's shape; the job passes these fields to
+    """Which model the job trains, and its shape. For ``gpt`` the job passes d_model,
+    n_heads, n_layers, mlp_ratio and tie_embeddings to
     :class:`~zerobubble.models.GPTConfig` under the same names (vocabulary size,
-    sequence length and seed come from the corpus and the job section)."""
+    sequence length and seed come from the corpus and the job section); an ``hf-*``
+    model takes its shape from the shipped config, with num_hidden_layers and
+    attn_implementation (Hugging Face's names) overriding it."""
 
+    name: str = field(default="gpt", metadata=aliases("--model"))
+    """gpt (zerobubble's own GPT), or a tiny Hugging Face causal LM from the config shipped
+    in zerobubble/models/configs: hf-gpt2 (tied embedding and head, dropout 0.1), hf-llama
+    (grouped-query attention, rotary), hf-mistral (sliding window), hf-qwen2 (tied, sliding
+    window on some layers); hf-* needs transformers (the dev extra) and trains on padded
+    rows of varying length with the token-normalised loss."""
     d_model: int = field(default=128, metadata=aliases("--d-model"))
-    """Width of the residual stream."""
+    """gpt: width of the residual stream."""
     n_heads: int = field(default=4, metadata=aliases("--heads"))
-    """Attention heads per block; must divide d_model."""
+    """gpt: attention heads per block; must divide d_model."""
     n_layers: int = field(default=6, metadata=aliases("--layers"))
-    """Transformer blocks; the model has n_layers + 3 layers (embedding, blocks, final
-    LayerNorm, LM head) (default on the command line: max(6, P))."""
+    """gpt: transformer blocks; the model has n_layers + 3 layers (embedding, blocks,
+    final LayerNorm, LM head) (default on the command line: max(6, P))."""
     mlp_ratio: int = 4
-    """Hidden width of each block's MLP, in multiples of d_model."""
+    """gpt: hidden width of each block's MLP, in multiples of d_model."""
+    tie_embeddings: bool = False
+    """gpt: the LM head reuses the token embedding (a tied group across the first and
+    last stages; hf-gpt2 and hf-qwen2 tie as their configs say)."""
+    num_hidden_layers: int | None = None
+    """hf-*: decoder blocks (Hugging Face's config name); the model has
+    num_hidden_layers + 2 layers (embedding, blocks, norm with head); none: the shipped
+    config's 6."""
+    attn_implementation: str = "sdpa"
+    """hf-*: the attention kernel, sdpa or eager (Hugging Face's config name)."""
 
     def __post_init__(self) -> None:
+        if self.name != "gpt" and self.name not in HF_MODELS:
+            raise ValueError(
+                f"model.name {self.name!r} is not a model of the job; pass --model gpt or one "
+                f"of {', '.join(HF_MODELS)}"
+            )
+        if self.attn_implementation not in _ATTENTION:
+            raise ValueError(
+                f"model.attn_implementation must be sdpa or eager, got {self.attn_implementation!r}"
+            )
+        if self.num_hidden_layers is not None and self.num_hidden_layers < 1:
+            raise ValueError(f"model.num_hidden_layers must be >= 1, got {self.num_hidden_layers}")
         for name in ("d_model", "n_heads", "n_layers", "mlp_ratio"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
-        if self.d_model % self.n_heads:
+        if self.name == "gpt" and self.d_model % self.n_heads:
             raise ValueError(
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}: "
                 "each head takes d_model / n_heads channels; pick --heads among the divisors "
@@ -146,7 +200,8 @@ class JobSection:
     microbatch_size: int = field(default=4, metadata=aliases("--microbatch-size"))
     """Sequences per microbatch."""
     seq_len: int = field(default=64, metadata=aliases("--seq-len"))
-    """Characters per sequence."""
+    """Characters per sequence (hf-*: per row at most; each row's length is drawn from
+    [ceil(L/2), L] and every batch padded on the right to its longest row)."""
     steps: int = field(default=8, metadata=aliases("--steps"))
     """Measured training steps of each of 1F1B, ZB-H1 and the plan (after the warm-up),
     taking turns."""
@@ -194,12 +249,31 @@ class TrainConfig:
     job: JobSection = field(default_factory=JobSection)
 
     def __post_init__(self) -> None:
-        P, n_layers = self.schedule.devices, self.model.n_layers + 3
-        if n_layers < P:
+        P = self.schedule.devices
+        if self.model.name == "gpt":
+            n_layers = self.model.n_layers + 3
+            if n_layers < P:
+                raise ValueError(
+                    f"{P} devices need at least {P} layers but the model has {n_layers} "
+                    f"(embedding, {self.model.n_layers} blocks, norm, head); use --layers "
+                    f"{P - 3} or more, or fewer devices"
+                )
+            return
+        shipped = hf_shipped(self.model.name)
+        blocks = self.model.num_hidden_layers
+        if blocks is None:
+            blocks = _shipped_int(shipped, "num_hidden_layers", "n_layer")
+        if blocks + 2 < P:
             raise ValueError(
-                f"{P} devices need at least {P} layers but the model has {n_layers} "
-                f"(embedding, {self.model.n_layers} blocks, norm, head); use --layers {P - 3} "
-                "or more, or fewer devices"
+                f"{P} devices need at least {P} layers but {self.model.name} has {blocks + 2} "
+                f"(embedding, {blocks} blocks, norm with head); use --model.num-hidden-layers "
+                f"{P - 2} or more, or fewer devices"
+            )
+        positions = _shipped_int(shipped, "max_position_embeddings", "n_positions")
+        if not 2 <= self.job.seq_len <= positions:
+            raise ValueError(
+                f"job.seq_len {self.job.seq_len}: {self.model.name} takes rows of 2 to "
+                f"{positions} tokens (its max_position_embeddings); pass --seq-len in that range"
             )
 
     @property

@@ -17,15 +17,24 @@ Phases, in lock step on all ranks (rank 0 analyses and reports):
    delay no one fused into BW (profiling runs every B and W split). The
    plan's trace is saved and checked.
 
-Every step trains the same model with one AdamW optimizer behind
-:mod:`zerobubble.optim`'s synchronous step (global grad-norm clipping,
-non-finite steps skipped); gradients are bitwise the same whatever the
-schedule, so schedules only change the speed.
+Every step trains the same model (:mod:`zerobubble.train.models`: our GPT, or a
+tiny Hugging Face causal LM on padded rows of varying length) with one AdamW
+optimizer behind :mod:`zerobubble.optim`'s synchronous step (global grad-norm
+clipping, non-finite steps skipped); gradients are bitwise the same whatever the
+schedule, so schedules only change the speed. A parameter the layers share across
+stages (a tied embedding and LM head) is a tied group
+(:class:`~zerobubble.runtime.tied.TiedGroups`): its replicas' gradients are summed
+in stage order before clipping, and the replicas are compared (a checksum each)
+after every step. Each phase's executor seeds its stages' random ops (dropout) per
+(step, stage, microbatch) from its own seed; ``losses.json`` records, per step,
+the phase, the executor's step number, that seed and the exact loss, which is what
+a single-process reference needs to reproduce the run.
 Warm-up steps are excluded from every figure.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -37,7 +46,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerobubble.models import GPTConfig, build_gpt, gpt_loss
 from zerobubble.models.corpus import CharCorpus, stdlib_corpus
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.trainer import PipelineTrainer
@@ -50,7 +58,14 @@ from zerobubble.profile.stats import OpStats
 from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.partition import build_stage_modules, stage_bounds
+from zerobubble.runtime.partition import (
+    build_stage_modules,
+    layer_keys,
+    model_name,
+    stage_bounds,
+)
+from zerobubble.runtime.rng import derive_seed
+from zerobubble.runtime.tied import TiedGroups, find_shared
 from zerobubble.runtime.trace import gather_traces
 from zerobubble.schedule.costs import CostModel, CostSpec
 from zerobubble.schedule.generators import generate, one_f_one_b
@@ -61,6 +76,7 @@ from zerobubble.schedule.trace_check import TraceReport, check_trace
 from zerobubble.schedule.trace_format import TraceEvent, write_chrome_trace, write_jsonl
 from zerobubble.schedule.validate import validate
 from zerobubble.train.config import TrainConfig
+from zerobubble.train.models import JobModel, build_job_model
 
 T = TypeVar("T")
 
@@ -149,6 +165,22 @@ class PhaseResult:
 
 
 @dataclass(frozen=True)
+class StepRecord:
+    """One training step as it ran (``losses.json``): enough to reproduce it alone."""
+
+    step: int
+    """Position in the job (every phase's steps, in the order they ran)."""
+    phase: str
+    iteration: int
+    """The phase executor's step number (the ``k`` of its random ops' seed)."""
+    seed: int
+    """The phase executor's :attr:`~zerobubble.runtime.executor.ExecutorOptions.seed`."""
+    loss: float
+    """The batch loss: the microbatches' losses summed (token-normalised loss) or
+    averaged (per-sample mean), as float32 computes it."""
+
+
+@dataclass(frozen=True)
 class JobResult:
     """What rank 0 hands back: every figure the CLI prints and the bench reports."""
 
@@ -163,6 +195,9 @@ class JobResult:
     trace_report: TraceReport | None
     files: dict[str, str] = field(default_factory=dict)
     wall_s: float = 0.0
+    steps: tuple[StepRecord, ...] = ()
+    tied: tuple[str, ...] = ()
+    """Parameters tied across stages (their first names), checked equal after every step."""
 
 
 def plan_schedule(
@@ -189,7 +224,11 @@ class _Ctx:
     corpus: CharCorpus
     data: torch.Generator
     reporter: Reporter | None
+    model: JobModel | None = None
+    tied: TiedGroups | None = None
     step_index: int = 0
+    phases_made: int = 0
+    steps: list[StepRecord] = field(default_factory=list)
 
     @property
     def lead(self) -> bool:
@@ -199,8 +238,19 @@ class _Ctx:
         if self.lead and self.reporter is not None:
             self.reporter.info(text)
 
-    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.corpus.batch(self.cfg.batch_size, self.cfg.job.seq_len, self.data)
+    @property
+    def job_model(self) -> JobModel:
+        assert self.model is not None  # set first thing in _run
+        return self.model
+
+    def batch(self) -> tuple[tuple[Any, ...], torch.Tensor]:
+        """The next step's batch (step arguments, target) from the job's data stream."""
+        return self.job_model.batch(self.cfg.batch_size, self.data)
+
+    def next_seed(self) -> int:
+        """The seed of the next phase executor: the n-th made gets (seed, 0, 0, n)'s."""
+        self.phases_made += 1
+        return derive_seed(self.cfg.job.seed, 0, 0, self.phases_made - 1)
 
 
 def run_job(cfg: TrainConfig, reporter: Reporter | None = None) -> JobResult | None:
@@ -234,26 +284,22 @@ def run_job(cfg: TrainConfig, reporter: Reporter | None = None) -> JobResult | N
 
 def _run(ctx: _Ctx, began: float) -> JobResult | None:
     cfg, P = ctx.cfg, ctx.world
-    gpt = GPTConfig(
-        vocab_size=ctx.corpus.vocab_size,
-        max_seq_len=cfg.job.seq_len,
-        seed=cfg.job.seed,
-        **asdict(cfg.model),
-    )
-    layers = list(build_gpt(gpt))
+    model = ctx.model = build_job_model(cfg, ctx.corpus)
+    layers = model.layers
     n_params = sum(p.numel() for p in nn.Sequential(*layers).parameters())
+    mb, L = cfg.job.microbatch_size, cfg.job.seq_len
+    shape = f"{mb} padded rows of up to {L}" if model.count_fn is not None else f"{mb}x{L}"
     ctx.say(
-        f"GPT: {len(layers)} layers ({cfg.model.n_layers} blocks, d={cfg.model.d_model}), "
-        f"{n_params / 1e6:.2f}M parameters; {ctx.corpus.sources} stdlib files, "
-        f"{len(ctx.corpus.tokens):,} characters; P={P} ranks, M={cfg.schedule.microbatches} "
-        f"microbatches of {cfg.job.microbatch_size}x{cfg.job.seq_len} tokens"
+        f"{model.summary}, {n_params / 1e6:.2f}M parameters; {ctx.corpus.sources} stdlib "
+        f"files, {len(ctx.corpus.tokens):,} characters; P={P} ranks, "
+        f"M={cfg.schedule.microbatches} microbatches of {shape} tokens"
     )
 
     # 1. Per-layer costs on rank 0, the same cut everywhere.
     def layer_profile() -> LayerProfile:
         gen = torch.Generator().manual_seed(cfg.job.seed + 1)
-        x, y = ctx.corpus.batch(cfg.job.microbatch_size, cfg.job.seq_len, gen)
-        return profile_layers(layers, gpt_loss, x, y, warmup=1, iters=cfg.job.layer_iters)
+        (x,), y = model.batch(cfg.job.microbatch_size, gen)
+        return profile_layers(layers, model.profile_loss, x, y, warmup=1, iters=cfg.job.layer_iters)
 
     lp = _from_lead(ctx, layer_profile)
     equal = tuple(boundaries_of(stage_bounds(len(layers), P)))
@@ -266,8 +312,13 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     # 2. Profile: 1F1B and ZB-H1 take turns step by step on the balanced cut (and train).
     base = one_f_one_b(P, cfg.schedule.microbatches)
     mods = build_stage_modules(layers, base, ctx.rank, boundaries=balanced, device=ctx.device)
-    chunks = _chunks(mods, P)
-    opt = torch.optim.AdamW([p for m in mods.values() for p in m.parameters()], lr=cfg.optimizer.lr)
+    chunks = _chunks(mods, P, model)
+    tied = ctx.tied = _tied_groups(ctx, mods, balanced, base)
+    skip = tied.secondary()  # a rank holding two replicas of a tie steps its memory once
+    opt = torch.optim.AdamW(
+        [p for m in mods.values() for p in m.parameters() if id(p) not in skip],
+        lr=cfg.optimizer.lr,
+    )
     phases = [
         _phase(ctx, s, chunks, opt) for s in (base, generate("zb-h1", P, cfg.schedule.microbatches))
     ]
@@ -277,7 +328,7 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
         ctx.reporter.start(total)
     _rotate(ctx, phases, cfg.job.warmup + cfg.job.baseline_steps, measure=False)
     profiled = [gather_traces(ph.pipe.trace) or [] for ph in phases]
-    boundary = cfg.job.microbatch_size * cfg.job.seq_len * cfg.model.d_model * 4  # float32
+    boundary = cfg.job.microbatch_size * cfg.job.seq_len * model.hidden * 4  # float32
     pairs = [(a, b) for _, a, b in boundary_pairs(base.placement)]
     latency = p2p_latency(pairs, boundary, device=ctx.device)
 
@@ -303,6 +354,7 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
         _rotate(ctx, phases, cfg.job.warmup + cfg.job.steps, measure=True)
         for ph in phases:
             ph.events = gather_traces(ph.pipe.trace) or []
+    tied.check(phases[0].pipe.iteration)  # the replicas after the last step too
     if not ctx.lead:
         return None
     cut = _Cut(lp, equal, balanced, measured_equal)
@@ -316,26 +368,64 @@ def _from_lead(ctx: _Ctx, make: Callable[[], T]) -> T:
     return box[0]
 
 
-def _options(cfg: TrainConfig, *, fuse: bool = False) -> ExecutorOptions:
+def _options(cfg: TrainConfig, *, fuse: bool = False, seed: int = 0) -> ExecutorOptions:
     # Unfused unless asked: a profile needs B and W of every stage.
     ex = cfg.executor
     return ExecutorOptions(
-        comm_timeout_s=ex.comm_timeout_s, recv_lookahead=ex.recv_lookahead, fuse_local_backward=fuse
+        comm_timeout_s=ex.comm_timeout_s,
+        recv_lookahead=ex.recv_lookahead,
+        fuse_local_backward=fuse,
+        seed=seed,
     )
+
+
+def _tied_groups(
+    ctx: _Ctx, mods: Mapping[int, nn.Module], cut: tuple[int, ...], sched: Schedule
+) -> TiedGroups:
+    """The ties of the model cut at ``cut`` (collective): replicas summed and compared."""
+    layers = ctx.job_model.layers
+    bounds = stage_bounds(len(layers), sched.num_stages, cut)
+    shared = find_shared(layers, layer_keys(layers), bounds)
+    tied = TiedGroups(
+        shared,
+        mods,
+        sched.placement,
+        ctx.rank,
+        timeout_s=ctx.cfg.executor.comm_timeout_s,
+        check_every=1,
+    )
+    keys = layer_keys(layers)
+    for tp in shared:
+        if tp.tied:
+            names = []
+            for n in tp.names:  # "<layer key>.<rest>" as the model names it
+                key, _, rest = n.partition(".")
+                i = keys.index(key)
+                names.append(model_name(f"0.{rest}", (key,), [layers[i]]))
+            ctx.say(
+                f"tied across stages {list(tp.stages)}: {', '.join(names)} (one replica per "
+                "stage, gradients summed in stage order, replicas compared after every step)"
+            )
+    return tied
 
 
 def _measure_cut(ctx: _Ctx, layers: list[nn.Module], cut: tuple[int, ...]) -> tuple[float, ...]:
     """Per-stage F + B + W (ms) of a few ZB-H1 steps on a copy of the model cut at ``cut``."""
-    cfg = ctx.cfg
+    cfg, model = ctx.cfg, ctx.job_model
     sched = generate("zb-h1", ctx.world, cfg.schedule.microbatches)
     stages = build_stage_modules(layers, sched, ctx.rank, boundaries=cut, device=ctx.device)
     pipe = PipelineExecutor(
-        sched, stages, loss_fn=gpt_loss, device=ctx.device, options=_options(cfg)
+        sched,
+        stages,
+        loss_fn=model.loss_fn,
+        count_fn=model.count_fn,
+        device=ctx.device,
+        options=_options(cfg),
     )
     gen = torch.Generator().manual_seed(cfg.job.seed + 2)
     for _ in range(cfg.job.warmup + 2):
-        x, y = ctx.corpus.batch(cfg.batch_size, cfg.job.seq_len, gen)
-        pipe.step(x, target=y)
+        args, y = model.batch(cfg.batch_size, gen)
+        pipe.step(*args, target=y)
     events = gather_traces(pipe.trace)
     if events is None:
         return ()
@@ -343,7 +433,9 @@ def _measure_cut(ctx: _Ctx, layers: list[nn.Module], cut: tuple[int, ...]) -> tu
     return tuple(prof.stage_time(s) for s in range(sched.num_stages))
 
 
-def _chunks(mods: Mapping[int, nn.Module], num_stages: int) -> dict[bool, dict[int, StageChunk]]:
+def _chunks(
+    mods: Mapping[int, nn.Module], num_stages: int, model: JobModel
+) -> dict[bool, dict[int, StageChunk]]:
     """Per stage one B/W-split chunk and one unsplit chunk over the same modules.
 
     Schedules of each kind share their chunks (and so their weight-gradient
@@ -355,7 +447,11 @@ def _chunks(mods: Mapping[int, nn.Module], num_stages: int) -> dict[bool, dict[i
     for split in (False, True):
         out[split] = {
             s: StageChunk(
-                m, s, num_stages, loss_fn=gpt_loss if s == num_stages - 1 else None, split=split
+                m,
+                s,
+                num_stages,
+                loss_fn=model.loss_fn if s == num_stages - 1 else None,
+                split=split,
             )
             for s, m in mods.items()
         }
@@ -395,8 +491,16 @@ def _phase(
     ran = fuse_local_backward(sched) if fuse else sched
     split = _split_stages(ran)
     mine = {s: chunks[s in split][s] for s in chunks[True]}
-    pipe = PipelineExecutor(sched, mine, device=ctx.device, options=_options(ctx.cfg, fuse=fuse))
-    trainer = PipelineTrainer(pipe, opt, OptimConfig(max_norm=ctx.cfg.optimizer.grad_clip))
+    pipe = PipelineExecutor(
+        sched,
+        mine,
+        count_fn=ctx.job_model.count_fn,
+        device=ctx.device,
+        options=_options(ctx.cfg, fuse=fuse, seed=ctx.next_seed()),
+    )
+    trainer = PipelineTrainer(
+        pipe, opt, OptimConfig(max_norm=ctx.cfg.optimizer.grad_clip), tied=ctx.tied
+    )
     return _Phase(name or sched.name, sched, planned, pipe, trainer)
 
 
@@ -415,14 +519,18 @@ def _rotate(ctx: _Ctx, phases: list[_Phase], rounds: int, *, measure: bool) -> N
 def _step(ctx: _Ctx, ph: _Phase, *, record: bool, note: str) -> None:
     """One training step of ``ph``'s schedule; the slowest rank's times go to rank 0."""
     pipe = ph.pipe
-    x, y = ctx.batch()
+    args, y = ctx.batch()
+    iteration = pipe.iteration
     dist.barrier()
     t0, t0_ns = time.perf_counter(), pipe.trace.now()
-    losses = ph.trainer.step(x, target=y)  # the pipeline, then the optimizer step
+    losses = ph.trainer.step(*args, target=y)  # the pipeline, then the optimizer step
     t1 = time.perf_counter()
     # The pipeline's part ends with its wait for the last sends.
     end_ns = next(e.end_ns for e in reversed(pipe.trace.events) if e.op == "wait_sends")
-    loss = torch.stack(losses).mean().item() if losses else 0.0
+    loss = 0.0
+    if losses:  # shares of the batch loss add up to it; per-sample means are averaged
+        both = torch.stack(losses)
+        loss = (both.sum() if pipe.count_fn is not None else both.mean()).item()
     mine = torch.tensor(
         [(end_ns - t0_ns) / 1e9, t1 - t0, loss, float(losses is not None)], dtype=torch.float64
     )
@@ -435,6 +543,8 @@ def _step(ctx: _Ctx, ph: _Phase, *, record: bool, note: str) -> None:
             ph.pipe_s.append(max(float(t[0]) for t in every))
             ph.step_s.append(step_s)
         ph.losses.append(loss)
+        seed = pipe.options.seed
+        ctx.steps.append(StepRecord(ctx.step_index, ph.name, iteration, seed, loss))
         if ctx.reporter is not None:
             ctx.reporter.step(ph.name, ctx.step_index, loss, step_s, note)
     ctx.step_index += 1
@@ -495,6 +605,9 @@ def _report(ctx: _Ctx, phases: list[_Phase], cut: _Cut, plan: _Plan, *, began: f
     out = Path(cfg.job.out)
     out.mkdir(parents=True, exist_ok=True)
     files = {"profile": str(profile.save(out / "profile.json"))}
+    steps = tuple(ctx.steps)
+    (out / "losses.json").write_text(json.dumps([asdict(r) for r in steps], indent=1) + "\n")
+    files["losses"] = str(out / "losses.json")
     results: tuple[PhaseResult, ...] = ()
     report = None
     if not cfg.job.profile_only:
@@ -538,6 +651,8 @@ def _report(ctx: _Ctx, phases: list[_Phase], cut: _Cut, plan: _Plan, *, began: f
         trace_report=report,
         files=files,
         wall_s=time.perf_counter() - began,
+        steps=steps,
+        tied=tuple(g.tp.name for g in ctx.tied.groups) if ctx.tied is not None else (),
     )
 
 

@@ -1,0 +1,140 @@
+"""The models the job trains, with their loss and their batches.
+
+``--model gpt`` is :mod:`zerobubble.models.gpt` on fixed-length character windows
+with the per-sample mean loss. ``--model hf-*`` is a tiny Hugging Face causal LM
+built from a config shipped in ``zerobubble/models/configs``
+(:func:`zerobubble.interop.hf.tiny_model`), fed as a tokenizer would feed it:
+right-padded rows of varying length with an attention mask, trained with the
+model's own shifted cross-entropy normalised by the whole batch's token count
+(:func:`padded_batch` states the rule). Both read the same stdlib corpus.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from zerobubble.models import GPTConfig, build_gpt, gpt_loss
+from zerobubble.models.corpus import CharCorpus
+from zerobubble.runtime.chunk import LossFn
+from zerobubble.runtime.microbatch import CountFn
+from zerobubble.train.config import GPT_FIELDS, TrainConfig
+
+__all__ = ["IGNORE_INDEX", "JobModel", "build_job_model", "padded_batch"]
+
+IGNORE_INDEX = -100
+"""Label of a padding position: left out of the loss and of its token count."""
+
+
+@dataclass(frozen=True)
+class JobModel:
+    """What the job needs of a model: its layers, losses and batches."""
+
+    layers: list[nn.Module]
+    loss_fn: LossFn
+    """The last stage's loss (``loss_fn(out, target, num_items)`` with :attr:`count_fn`)."""
+    count_fn: CountFn | None
+    """The whole batch's normaliser (non-ignored tokens), or None: per-sample mean."""
+    profile_loss: Callable[[Tensor, Tensor], Tensor]
+    """``loss(out, target)`` of one microbatch alone, for the per-layer profile."""
+    batch: Callable[[int, torch.Generator], tuple[tuple[Any, ...], Tensor]]
+    """``batch(rows, generator) -> (step arguments, target)``."""
+    hidden: int
+    """Width of the hidden state between blocks (sizes the latency probe)."""
+    summary: str
+
+
+def build_job_model(cfg: TrainConfig, corpus: CharCorpus) -> JobModel:
+    """The model ``cfg.model.name`` names, seeded by ``cfg.job.seed``."""
+    if cfg.model.name == "gpt":
+        return _gpt(cfg, corpus)
+    return _hf(cfg, corpus)
+
+
+def _gpt(cfg: TrainConfig, corpus: CharCorpus) -> JobModel:
+    shape = {k: v for k, v in asdict(cfg.model).items() if k in GPT_FIELDS}
+    gpt = GPTConfig(
+        vocab_size=corpus.vocab_size, max_seq_len=cfg.job.seq_len, seed=cfg.job.seed, **shape
+    )
+    layers = list(build_gpt(gpt))
+
+    def batch(rows: int, gen: torch.Generator) -> tuple[tuple[Any, ...], Tensor]:
+        x, y = corpus.batch(rows, cfg.job.seq_len, gen)
+        return (x,), y
+
+    tied = ", tied embedding and head" if cfg.model.tie_embeddings else ""
+    return JobModel(
+        layers,
+        gpt_loss,
+        None,
+        gpt_loss,
+        batch,
+        cfg.model.d_model,
+        f"GPT: {len(layers)} layers ({cfg.model.n_layers} blocks, d={cfg.model.d_model}{tied})",
+    )
+
+
+def _hf(cfg: TrainConfig, corpus: CharCorpus) -> JobModel:
+    from zerobubble.interop import hf
+
+    m = cfg.model
+    overrides: dict[str, Any] = {"attn_implementation": m.attn_implementation}
+    if m.num_hidden_layers is not None:
+        overrides["num_hidden_layers"] = m.num_hidden_layers
+    model = hf.tiny_model(m.name, seed=cfg.job.seed, **overrides)
+    config = model.config
+    if corpus.vocab_size > config.vocab_size:
+        raise ValueError(
+            f"{m.name}'s vocabulary has {config.vocab_size} ids but the corpus {corpus.vocab_size}"
+        )
+    layers = hf.causal_lm_layers(model)
+    loss = hf.CausalLMLoss(model, ignore_index=IGNORE_INDEX)
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+
+    def count(labels: Tensor) -> int:
+        return hf.count_tokens(labels, IGNORE_INDEX)
+
+    def batch(rows: int, gen: torch.Generator) -> tuple[tuple[Any, ...], Tensor]:
+        ids, mask, labels = padded_batch(corpus, rows, cfg.job.seq_len, gen, pad)
+        return ({"input_ids": ids, "attention_mask": mask},), labels
+
+    tied = ", tied embedding and head" if config.tie_word_embeddings else ""
+    return JobModel(
+        layers,
+        loss,
+        count,
+        lambda logits, labels: loss(logits, labels),
+        batch,
+        config.hidden_size,
+        f"{m.name} ({type(model).__name__}, {m.attn_implementation} attention): {len(layers)} "
+        f"layers ({config.num_hidden_layers} blocks, d={config.hidden_size}{tied})",
+    )
+
+
+def padded_batch(
+    corpus: CharCorpus, rows: int, seq_len: int, gen: torch.Generator, pad_id: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``rows`` right-padded token rows of varying length: ``(input_ids, attention_mask, labels)``.
+
+    The rule: each row's length is drawn uniformly from ``[ceil(L/2), L]`` (L =
+    ``seq_len``, at least 2 tokens, so every row has a target after the shift), then
+    each row's start in the corpus; the batch is padded on the right to its longest
+    row (dynamic padding: its length changes from step to step) with ``pad_id``,
+    ``attention_mask`` is 1 on tokens and 0 on padding, and ``labels`` are the ids
+    with :data:`IGNORE_INDEX` on padding (the loss shifts them).
+    """
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2 for padded batches, got {seq_len}")
+    lengths = torch.randint(max(2, -(-seq_len // 2)), seq_len + 1, (rows,), generator=gen)
+    starts = torch.randint(0, len(corpus.tokens) - seq_len, (rows,), generator=gen)
+    width = int(lengths.max())
+    pos = torch.arange(width)
+    mask = (pos[None, :] < lengths[:, None]).long()
+    ids = corpus.tokens[starts[:, None] + pos]
+    ids = torch.where(mask.bool(), ids, torch.full_like(ids, pad_id))
+    labels = torch.where(mask.bool(), ids, torch.full_like(ids, IGNORE_INDEX))
+    return ids, mask, labels
