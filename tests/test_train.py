@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,9 +19,15 @@ from zerobubble.runtime.rng import StageRng
 from zerobubble.runtime.tied import find_shared
 from zerobubble.schedule.costs import load_costs_file
 from zerobubble.schedule.trace_check import check_trace, load_trace
-from zerobubble.train.config import JobSection, ModelSection, ScheduleSection, TrainConfig
+from zerobubble.train.config import (
+    HF_MODELS,
+    JobSection,
+    ModelSection,
+    ScheduleSection,
+    TrainConfig,
+)
 from zerobubble.train.models import build_job_model
-from zerobubble.train.options import build_config
+from zerobubble.train.options import build_config, load_toml
 
 pytestmark = pytest.mark.slow
 
@@ -162,3 +169,16 @@ def test_the_job_on_real_architectures_equals_a_single_process_run(tmp_path, cap
     )
     boundaries = json.loads((out / "profile.json").read_text())["boundaries"]
     assert reference_losses(cfg, records, boundaries) == losses  # bitwise, every step
+
+
+def test_the_hf_llama_example_is_a_job_of_the_shipped_model():
+    example = Path(__file__).resolve().parents[1] / "examples" / "hf_llama.toml"
+    cfg = build_config(load_toml(example), devices=2)
+    assert (cfg.model.name, cfg.model.num_hidden_layers, cfg.schedule.devices) == ("hf-llama", 4, 3)
+    assert hf_tiny_names() == HF_MODELS
+
+
+def hf_tiny_names() -> tuple[str, ...]:
+    """The adapter's tiny configs, read from the files the job reads (no transformers)."""
+    folder = Path(__file__).resolve().parents[1] / "src" / "zerobubble" / "models" / "configs"
+    return tuple(sorted(p.name.removesuffix("-tiny.json") for p in folder.glob("hf-*-tiny.json")))

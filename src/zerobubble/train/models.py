@@ -86,7 +86,7 @@ def _hf(cfg: TrainConfig, corpus: CharCorpus) -> JobModel:
     if m.num_hidden_layers is not None:
         overrides["num_hidden_layers"] = m.num_hidden_layers
     model = hf.tiny_model(m.name, seed=cfg.job.seed, **overrides)
-    config = model.config
+    config: Any = model.config  # a transformers config (nn.Module types it Tensor | Module)
     if corpus.vocab_size > config.vocab_size:
         raise ValueError(
             f"{m.name}'s vocabulary has {config.vocab_size} ids but the corpus {corpus.vocab_size}"
