@@ -13,9 +13,12 @@ ranks with one thread each, zb-h1, M = 8, tracing off), taking turns step by ste
 
 Each row gives the median wall time of rank 0 between two barriers, its quartiles,
 and each rank's median process CPU time per step (``cpu_ms``: on a shared machine
-wall time also counts waiting for a core); ``vs_tensor`` is the ratio of medians.
+wall time also counts waiting for a core, so CPU time is the steadier figure);
+``vs_tensor`` and ``cpu_vs_tensor`` are ratios of medians (CPU: summed over the
+ranks, step by step). The whole run is launched ``--repeats`` times; the top-level
+``median_vs_tensor`` / ``median_cpu_vs_tensor`` are the medians over the repeats.
 
-    PYTHONPATH=src python bench/bench_pytree.py [--steps 24] [--warmup 2]
+    PYTHONPATH=src python bench/bench_pytree.py [--steps 24] [--warmup 2] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ def bench(steps: int, warmup: int) -> list[dict]:
                 walls[name].append((time.perf_counter() - start) * 1000)
                 cpus[name].append(cpu * 1000)
     dist.destroy_process_group()
-    return [{"run": k, "wall": walls[k], "cpu_ms": _median(cpus[k])} for k in runners]
+    return [{"run": k, "wall": walls[k], "cpu": cpus[k]} for k in runners]
 
 
 def _median(times: list[float]) -> float:
@@ -113,9 +116,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    per_rank = launch(bench, P, args.steps, args.warmup, timeout=1800)
+    repeats = [_rows(launch(bench, P, args.steps, args.warmup, timeout=1800))]
+    for _ in range(args.repeats - 1):
+        repeats.append(_rows(launch(bench, P, args.steps, args.warmup, timeout=1800)))
+    summary = {
+        key: {
+            row["run"]: round(statistics.median(r[i][key] for r in repeats), 4)
+            for i, row in enumerate(repeats[0])
+        }
+        for key in ("vs_tensor", "cpu_vs_tensor")
+    }
+    out = {"P": P, "M": M, "schedule": "zb-h1", "steps": args.steps, "repeats": args.repeats}
+    out |= {f"median_{k}": v for k, v in summary.items()}
+    print(json.dumps({**out, "runs": repeats}))
+
+
+def _rows(per_rank: list[list[dict]]) -> list[dict]:
+    """One launch's rows: rank 0's wall times, every rank's CPU time, ratios to tensor."""
     base = statistics.median(per_rank[0][0]["wall"])
+    cpu_sum = [[sum(c) for c in zip(*(r[i]["cpu"] for r in per_rank), strict=True)]
+               for i in range(len(per_rank[0]))]  # fmt: skip
+    cpu_base = statistics.median(cpu_sum[0])
     rows = []
     for i, row in enumerate(per_rank[0]):
         wall = row["wall"]
@@ -126,10 +149,11 @@ def main() -> None:
                 "median_ms": _median(wall),
                 "quartiles_ms": [round(q1, 2), round(q3, 2)],
                 "vs_tensor": round(statistics.median(wall) / base, 4),
-                "cpu_ms_per_rank": [r[i]["cpu_ms"] for r in per_rank],
+                "cpu_ms_per_rank": [_median(r[i]["cpu"]) for r in per_rank],
+                "cpu_vs_tensor": round(statistics.median(cpu_sum[i]) / cpu_base, 4),
             }
         )
-    print(json.dumps({"P": P, "M": M, "schedule": "zb-h1", "steps": args.steps, "rows": rows}))
+    return rows
 
 
 if __name__ == "__main__":

@@ -197,7 +197,8 @@ class JobResult:
     wall_s: float = 0.0
     steps: tuple[StepRecord, ...] = ()
     tied: tuple[str, ...] = ()
-    """Parameters tied across stages (their first names), checked equal after every step."""
+    """Parameters tied across stages (the model's first name of each), checked equal after
+    every step."""
 
 
 def plan_schedule(
@@ -226,6 +227,8 @@ class _Ctx:
     reporter: Reporter | None
     model: JobModel | None = None
     tied: TiedGroups | None = None
+    tied_names: tuple[str, ...] = ()
+    """The model's first name of every parameter tied across stages."""
     step_index: int = 0
     phases_made: int = 0
     steps: list[StepRecord] = field(default_factory=list)
@@ -402,6 +405,7 @@ def _tied_groups(
                 key, _, rest = n.partition(".")
                 i = keys.index(key)
                 names.append(model_name(f"0.{rest}", (key,), [layers[i]]))
+            ctx.tied_names += (names[0],)
             ctx.say(
                 f"tied across stages {list(tp.stages)}: {', '.join(names)} (one replica per "
                 "stage, gradients summed in stage order, replicas compared after every step)"
@@ -652,7 +656,7 @@ def _report(ctx: _Ctx, phases: list[_Phase], cut: _Cut, plan: _Plan, *, began: f
         files=files,
         wall_s=time.perf_counter() - began,
         steps=steps,
-        tied=tuple(g.tp.name for g in ctx.tied.groups) if ctx.tied is not None else (),
+        tied=ctx.tied_names,
     )
 
 
