@@ -17,6 +17,10 @@ wall time also counts waiting for a core, so CPU time is the steadier figure);
 ``vs_tensor`` and ``cpu_vs_tensor`` are ratios of medians (CPU: summed over the
 ranks, step by step). The whole run is launched ``--repeats`` times; the top-level
 ``median_vs_tensor`` / ``median_cpu_vs_tensor`` are the medians over the repeats.
+``message_us`` is the host CPU time of one boundary message's round trip in one
+process (flatten, layout lookup, pack into a frame, read its header, unpack, unflatten;
+no transport), one microbatch of the ``tensor`` and of the ``pytree`` run, the two
+taking turns: the part of the step the pytree path adds, free of the machine's load.
 
     PYTHONPATH=src python bench/bench_pytree.py [--steps 24] [--warmup 2] [--repeats 3]
 """
@@ -35,6 +39,8 @@ from torch import nn
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.launcher import init_distributed, launch
 from zerobubble.runtime.partition import build_stage_modules
+from zerobubble.runtime.shapes import Layout, flatten, unflatten
+from zerobubble.runtime.wire import FRAME_HEADER, frame_header, pack_frame, unpack_frame
 from zerobubble.schedule.generators import generate
 
 P, M, D, LAYERS = 2, 8, 256, 6
@@ -108,6 +114,32 @@ def bench(steps: int, warmup: int) -> list[dict]:
     return [{"run": k, "wall": walls[k], "cpu": cpus[k]} for k in runners]
 
 
+def message_us(reps: int = 11, iters: int = 500) -> dict[str, float]:
+    """CPU microseconds of one message's round trip, tensor vs pytree (see the module)."""
+    torch.set_num_threads(1)
+    b, t = SHAPES["fixed"][0][0] // M, SHAPES["fixed"][0][1]
+    h = torch.randn(b, t, D, requires_grad=True)
+    values = {"tensor": h, "pytree": Embed(True)(h)}
+    layouts: dict[tuple[int, ...], Layout] = {}
+    cpu = torch.device("cpu")
+
+    def round_trip(x: object) -> object:
+        codes, tensors = flatten(x, "stage 0 output")
+        layout = layouts.get(codes) or layouts.setdefault(codes, Layout.of(codes, FRAME_HEADER))
+        frame = pack_frame(layout, tensors, cpu)
+        frame_header(frame)
+        return unflatten(layout.codes, unpack_frame(frame, layout))
+
+    spent: dict[str, list[float]] = {k: [] for k in values}
+    for _ in range(reps):
+        for name, x in values.items():
+            start = time.process_time()
+            for _ in range(iters):
+                round_trip(x)
+            spent[name].append((time.process_time() - start) / iters * 1e6)
+    return {k: _median(v) for k, v in spent.items()}
+
+
 def _median(times: list[float]) -> float:
     return round(statistics.median(times), 2)
 
@@ -130,6 +162,7 @@ def main() -> None:
     }
     out = {"P": P, "M": M, "schedule": "zb-h1", "steps": args.steps, "repeats": args.repeats}
     out |= {f"median_{k}": v for k, v in summary.items()}
+    out["message_us"] = message_us()
     print(json.dumps({**out, "runs": repeats}))
 
 
