@@ -10,6 +10,7 @@ import pytest
 from zerobubble.cli import _train_config, build_parser
 from zerobubble.models import GPTConfig
 from zerobubble.train.config import (
+    GPT_FIELDS,
     ExecutorSection,
     JobSection,
     ModelSection,
@@ -76,7 +77,8 @@ def test_every_field_is_one_documented_flag(capsys):
 
 def test_model_section_passes_to_gpt_config_by_name():
     model = ModelSection(d_model=32, n_heads=8, n_layers=3, mlp_ratio=2)
-    gpt = GPTConfig(vocab_size=10, max_seq_len=16, **asdict(model))
+    shape = {k: v for k, v in asdict(model).items() if k in GPT_FIELDS}  # hf-* fields aside
+    gpt = GPTConfig(vocab_size=10, max_seq_len=16, **shape)
     assert (gpt.d_model, gpt.n_heads, gpt.n_layers, gpt.mlp_ratio) == (32, 8, 3, 2)
 
 

@@ -67,31 +67,31 @@ def _shipped_int(data: dict[str, object], *keys: str) -> int:
 
 @dataclass(frozen=True)
 class ModelSection:
-    """Which model the job trains, and its shape. For ``gpt`` the job passes d_model,
-    n_heads, n_layers, mlp_ratio and tie_embeddings to
+    """Which model the job trains, and its shape. d_model, n_heads, n_layers, mlp_ratio
+    and tie_embeddings shape the ``gpt`` model only: the job passes them to
     :class:`~zerobubble.models.GPTConfig` under the same names (vocabulary size,
     sequence length and seed come from the corpus and the job section); an ``hf-*``
     model takes its shape from the shipped config, with num_hidden_layers and
     attn_implementation (Hugging Face's names) overriding it."""
 
+    d_model: int = field(default=128, metadata=aliases("--d-model"))
+    """Width of the residual stream."""
+    n_heads: int = field(default=4, metadata=aliases("--heads"))
+    """Attention heads per block; must divide d_model."""
+    n_layers: int = field(default=6, metadata=aliases("--layers"))
+    """Transformer blocks; the model has n_layers + 3 layers (embedding, blocks, final
+    LayerNorm, LM head) (default on the command line: max(6, P))."""
+    mlp_ratio: int = 4
+    """Hidden width of each block's MLP, in multiples of d_model."""
+    tie_embeddings: bool = False
+    """gpt: the LM head reuses the token embedding (a tied group across the first and
+    last stages; hf-gpt2 and hf-qwen2 tie as their configs say)."""
     name: str = field(default="gpt", metadata=aliases("--model"))
     """gpt (zerobubble's own GPT), or a tiny Hugging Face causal LM from the config shipped
     in zerobubble/models/configs: hf-gpt2 (tied embedding and head, dropout 0.1), hf-llama
     (grouped-query attention, rotary), hf-mistral (sliding window), hf-qwen2 (tied, sliding
     window on some layers); hf-* needs transformers (the dev extra) and trains on padded
     rows of varying length with the token-normalised loss."""
-    d_model: int = field(default=128, metadata=aliases("--d-model"))
-    """gpt: width of the residual stream."""
-    n_heads: int = field(default=4, metadata=aliases("--heads"))
-    """gpt: attention heads per block; must divide d_model."""
-    n_layers: int = field(default=6, metadata=aliases("--layers"))
-    """gpt: transformer blocks; the model has n_layers + 3 layers (embedding, blocks,
-    final LayerNorm, LM head) (default on the command line: max(6, P))."""
-    mlp_ratio: int = 4
-    """gpt: hidden width of each block's MLP, in multiples of d_model."""
-    tie_embeddings: bool = False
-    """gpt: the LM head reuses the token embedding (a tied group across the first and
-    last stages; hf-gpt2 and hf-qwen2 tie as their configs say)."""
     num_hidden_layers: int | None = None
     """hf-*: decoder blocks (Hugging Face's config name); the model has
     num_hidden_layers + 2 layers (embedding, blocks, norm with head); none: the shipped
