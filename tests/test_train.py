@@ -26,7 +26,7 @@ from zerobubble.train.config import (
     ScheduleSection,
     TrainConfig,
 )
-from zerobubble.train.models import build_job_model
+from zerobubble.train.models import build_job_model, padded_batch
 from zerobubble.train.options import build_config, load_toml
 
 pytestmark = pytest.mark.slow
@@ -182,3 +182,20 @@ def hf_tiny_names() -> tuple[str, ...]:
     """The adapter's tiny configs, read from the files the job reads (no transformers)."""
     folder = Path(__file__).resolve().parents[1] / "src" / "zerobubble" / "models" / "configs"
     return tuple(sorted(p.name.removesuffix("-tiny.json") for p in folder.glob("hf-*-tiny.json")))
+
+
+def test_padded_batches_follow_the_documented_rule():
+    corpus = stdlib_corpus(max_chars=5000)
+    gen, widths = torch.Generator().manual_seed(0), set()
+    for _ in range(6):
+        ids, mask, labels = padded_batch(corpus, 8, 12, gen, pad_id=0)
+        T = ids.shape[1]
+        widths.add(T)
+        assert 6 <= T <= 12 and ids.shape == mask.shape == labels.shape == (8, T)
+        n = mask.sum(1)
+        assert bool(((n >= max(2, (T + 1) // 2)) & (n <= T)).all())
+        assert torch.equal(mask, (torch.arange(T) < n[:, None]).long())  # right padding
+        assert torch.equal(labels[mask == 0], torch.full_like(labels[mask == 0], -100))
+        assert torch.equal(labels[mask == 1], ids[mask == 1])
+        assert bool((ids[mask == 0] == 0).all())
+    assert len(widths) > 1  # the sequence length changes from step to step

@@ -200,8 +200,8 @@ class JobSection:
     microbatch_size: int = field(default=4, metadata=aliases("--microbatch-size"))
     """Sequences per microbatch."""
     seq_len: int = field(default=64, metadata=aliases("--seq-len"))
-    """Characters per sequence (hf-*: per row at most; each row's length is drawn from
-    [ceil(L/2), L] and every batch padded on the right to its longest row)."""
+    """Characters per sequence (hf-*: at most; each step's length T is drawn from
+    [ceil(L/2), L], each row's from [ceil(T/2), T], rows right-padded to T)."""
     steps: int = field(default=8, metadata=aliases("--steps"))
     """Measured training steps of each of 1F1B, ZB-H1 and the plan (after the warm-up),
     taking turns."""

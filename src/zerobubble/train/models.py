@@ -89,7 +89,8 @@ def _hf(cfg: TrainConfig, corpus: CharCorpus) -> JobModel:
     config: Any = model.config  # a transformers config (nn.Module types it Tensor | Module)
     if corpus.vocab_size > config.vocab_size:
         raise ValueError(
-            f"{m.name}'s vocabulary has {config.vocab_size} ids but the corpus {corpus.vocab_size}"
+            f"{m.name}'s vocabulary has {config.vocab_size} ids but the corpus needs "
+            f"{corpus.vocab_size}; the shipped config must have vocab_size >= {corpus.vocab_size}"
         )
     layers = hf.causal_lm_layers(model)
     loss = hf.CausalLMLoss(model, ignore_index=IGNORE_INDEX)
@@ -118,23 +119,28 @@ def _hf(cfg: TrainConfig, corpus: CharCorpus) -> JobModel:
 def padded_batch(
     corpus: CharCorpus, rows: int, seq_len: int, gen: torch.Generator, pad_id: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``rows`` right-padded token rows of varying length: ``(input_ids, attention_mask, labels)``.
+    """``rows`` right-padded token rows: ``(input_ids, attention_mask, labels)``, ``(rows, T)``.
 
-    The rule: each row's length is drawn uniformly from ``[ceil(L/2), L]`` (L =
-    ``seq_len``, at least 2 tokens, so every row has a target after the shift), then
-    each row's start in the corpus; the batch is padded on the right to its longest
-    row (dynamic padding: its length changes from step to step) with ``pad_id``,
-    ``attention_mask`` is 1 on tokens and 0 on padding, and ``labels`` are the ids
-    with :data:`IGNORE_INDEX` on padding (the loss shifts them).
+    The rule, drawn from ``gen`` in this order: the step's length ``T`` uniformly from
+    ``[ceil(L/2), L]`` (L = ``seq_len``), so the sequence length changes from step to
+    step; each row's length uniformly from ``[ceil(T/2), T]`` (at least 2 tokens, so
+    every row has a target after the shift); each row's start in the corpus. Rows are
+    padded on the right to ``T`` with ``pad_id``; ``attention_mask`` is 1 on tokens and
+    0 on padding, ``labels`` are the ids with :data:`IGNORE_INDEX` on padding (the loss
+    shifts them).
     """
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2 for padded batches, got {seq_len}")
-    lengths = torch.randint(max(2, -(-seq_len // 2)), seq_len + 1, (rows,), generator=gen)
-    starts = torch.randint(0, len(corpus.tokens) - seq_len, (rows,), generator=gen)
-    width = int(lengths.max())
-    pos = torch.arange(width)
-    mask = (pos[None, :] < lengths[:, None]).long()
-    ids = corpus.tokens[starts[:, None] + pos]
+    width = int(torch.randint(_half(seq_len), seq_len + 1, (), generator=gen))
+    lengths = torch.randint(_half(width), width + 1, (rows,), generator=gen)
+    starts = torch.randint(0, len(corpus.tokens) - width, (rows,), generator=gen)
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    ids = corpus.tokens[starts[:, None] + torch.arange(width)]
     ids = torch.where(mask.bool(), ids, torch.full_like(ids, pad_id))
     labels = torch.where(mask.bool(), ids, torch.full_like(ids, IGNORE_INDEX))
     return ids, mask, labels
+
+
+def _half(n: int) -> int:
+    """ceil(n / 2), at least 2."""
+    return max(2, -(-n // 2))
