@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ranks import launch
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.optim.checkpoint import (
     CheckpointError,
@@ -27,7 +28,7 @@ from zerobubble.optim.checkpoint import (
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.trainer import PipelineTrainer
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
-from zerobubble.runtime.launcher import init_distributed, launch
+from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.partition import build_stage_modules
 from zerobubble.schedule.generators import generate
 

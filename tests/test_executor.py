@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ranks import launch
 from zerobubble.interop.torch_pipelining import torch_rows
 from zerobubble.models import GPTConfig, build_gpt, build_mlp, gpt_loss, mlp_loss
 from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
-from zerobubble.runtime.launcher import LaunchError, init_distributed, launch
+from zerobubble.runtime.launcher import LaunchError, init_distributed
 from zerobubble.runtime.partition import build_stage_modules, stage_bounds
 from zerobubble.runtime.reference import reference_step
 from zerobubble.runtime.trace import gather_traces
@@ -40,8 +41,8 @@ TIMEOUT = 240.0  # a whole launch, generous for a loaded 2-core machine
 # ---- helpers run inside the ranks ---------------------------------------------------------
 
 
-#: Kinds that solve a MILP: every rank builds each schedule itself and at M=2P+1 they take
-#: about 10 s each on a loaded machine, so they run at M <= P only (still every kind runs).
+#: Kinds that solve a MILP: at M=2P+1 they take about 10 s each on a loaded machine, so they
+#: run at M <= P only (still every kind runs).
 EXACT_KINDS = ("optimal", "optimal-v")
 
 
@@ -158,10 +159,11 @@ def untracked_chunk_refusal(rank: int) -> str:
     return ""
 
 
-def main_job(p: int) -> dict:
+def main_job(p: int, scheds: list[Schedule]) -> dict:
+    """``scheds``: :func:`schedules` of ``p``, built once in the test, not on every rank."""
     info = init_distributed(timeout_s=60)
     out: dict = {"cases": []}
-    for sched in schedules(p):
+    for sched in scheds:
         for model in ("mlp", "gpt"):
             out["cases"].append(check_step(sched, model, info.rank))
     if p == 2:
@@ -194,17 +196,17 @@ def main_job(p: int) -> dict:
 
 @pytest.fixture(scope="module")
 def p1():
-    return launch(main_job, 1, 1, timeout=TIMEOUT)
+    return launch(main_job, 1, 1, schedules(1), timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def p2():
-    return launch(main_job, 2, 2, timeout=TIMEOUT)
+    return launch(main_job, 2, 2, schedules(2), timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def p4():
-    return launch(main_job, 4, 4, timeout=TIMEOUT)
+    return launch(main_job, 4, 4, schedules(4), timeout=TIMEOUT)
 
 
 def assert_bitwise(per_rank: list[dict]) -> None:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import zerobubble
+from ranks import launch
 from zerobubble.models import GPTConfig, build_gpt, gpt_loss, mlp_loss
 from zerobubble.optim.trainer import stage_kwargs
 
@@ -236,7 +237,7 @@ def job() -> dict:
 
 @pytest.fixture(scope="module")
 def p3():
-    return zerobubble.launch_local(job, 3, timeout=TIMEOUT)
+    return launch(job, 3, timeout=TIMEOUT)
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -55,8 +56,10 @@ def assert_all_dead(piddir: Path, n: int) -> None:
             os.kill(pid, 0)
 
 
-def test_launch_sets_the_torchrun_environment():
-    results = launch(report_env, 2, timeout=60)
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_launch_sets_the_torchrun_environment(method):
+    multiprocessing.set_forkserver_preload(["torch"])  # the forkserver ranks have it at start
+    results = launch(report_env, 2, timeout=60, start_method=method)
     for rank, env in enumerate(results):
         assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
         assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
@@ -84,6 +87,51 @@ def test_overall_timeout_kills_everything(tmp_path):
     assert [f.rank for f in err.value.failures] == [0, 1]
     assert all("overall timeout of 4s" in f.error for f in err.value.failures)
     assert_all_dead(tmp_path, 2)
+
+
+def test_a_start_method_other_than_spawn_or_forkserver_is_refused():
+    with pytest.raises(
+        ValueError, match="start_method must be 'spawn' or 'forkserver', got 'fork'"
+    ):
+        launch(report_env, 2, start_method="fork")
+
+
+LAUNCHER = """
+import sys
+from test_launcher import sleep_forever
+from zerobubble.runtime.launcher import launch
+if __name__ == "__main__":
+    launch(sleep_forever, 2, sys.argv[1], timeout=60, start_method=sys.argv[2])
+"""
+
+
+def gone(pid: int) -> bool:
+    """Exited (a zombie nobody reaps counts: it runs no more)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_ranks_exit_when_the_launcher_is_killed(tmp_path, method):
+    script, piddir = tmp_path / "launcher.py", tmp_path / "pids"
+    script.write_text(LAUNCHER)
+    piddir.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")])}
+    proc = subprocess.Popen([sys.executable, str(script), str(piddir), method], env=env)
+    deadline = time.monotonic() + 60
+    while sum(p.stat().st_size > 0 for p in piddir.iterdir()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.05)  # the pid files are written in one call; let the last one finish
+    pids = [int(p.read_text()) for p in piddir.iterdir()]
+    proc.kill()
+    proc.wait()
+    assert len(pids) == 2, "the ranks did not start"
+    deadline = time.monotonic() + 10
+    while not all(map(gone, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(map(gone, pids)), f"ranks {pids} outlived their launcher"
 
 
 def test_init_distributed_explains_a_missing_launcher(monkeypatch):
@@ -189,7 +237,14 @@ def test_launch_orders_failures_by_time_of_death(world):
     victim = world - 2
     for _ in range(3):
         with pytest.raises(LaunchError) as err:
-            launch(neighbours, world, free_ports(world), timeout=60, grace=2.0)
+            launch(
+                neighbours,
+                world,
+                free_ports(world),
+                timeout=60,
+                grace=2.0,
+                start_method="forkserver",
+            )
         failures = err.value.failures
         assert failures[0].rank == victim and failures[0].exitcode == -9, str(err.value)
         assert failures[0].error == "killed by signal SIGKILL"

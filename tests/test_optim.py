@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ranks import launch
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.optim.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from zerobubble.optim.config import OptimConfig
@@ -23,7 +24,7 @@ from zerobubble.optim.faults import Crash, FaultPlan, GradFault
 from zerobubble.optim.rollback import UnsupportedRollbackError
 from zerobubble.optim.trainer import PipelineTrainer
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
-from zerobubble.runtime.launcher import LaunchError, init_distributed, launch
+from zerobubble.runtime.launcher import LaunchError, init_distributed
 from zerobubble.runtime.partition import build_stage_modules, stage_bounds
 from zerobubble.runtime.reference import reference_step
 from zerobubble.runtime.trace import gather_traces

@@ -8,12 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ranks import launch
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.faults import Crash, FaultPlan, Stall
 from zerobubble.optim.trainer import PipelineTrainer
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
-from zerobubble.runtime.launcher import LaunchError, init_distributed, launch
+from zerobubble.runtime.launcher import LaunchError, init_distributed
 from zerobubble.runtime.partition import build_stage_modules
 from zerobubble.schedule.generators import generate
 

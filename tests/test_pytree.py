@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerobubble
-from zerobubble.runtime.launcher import LaunchError, launch
+from ranks import launch
+from zerobubble.runtime.launcher import LaunchError
 from zerobubble.runtime.microbatch import batch_size, split_tree
 from zerobubble.runtime.shapes import BoundaryError, Layout, describe, flatten, unflatten
 from zerobubble.schedule.generators import GENERATORS
@@ -171,9 +172,9 @@ def all_kinds(p: int) -> list[zerobubble.Schedule]:
     return out
 
 
-def matrix_job(p: int, kinds: tuple[str, ...]) -> list[str]:
+def matrix_job(scheds: list[zerobubble.Schedule]) -> list[str]:
+    """The schedules come built (once, in the test: the search kinds take seconds)."""
     zerobubble.init_distributed(timeout_s=60)
-    scheds = all_kinds(p) if not kinds else [zerobubble.generate(k, p, 5) for k in kinds]
     bad = [b for s in scheds for b in check_kind(s)]
     dist.destroy_process_group()
     return bad
@@ -194,13 +195,14 @@ def error_job(bad: str) -> None:
 
 @pytest.mark.slow
 def test_every_kind_at_p3_matches_autograd_bitwise():
-    bad = launch(matrix_job, 3, 3, (), timeout=TIMEOUT)
+    bad = launch(matrix_job, 3, all_kinds(3), timeout=TIMEOUT)
     assert [b for rank in bad for b in rank] == []
 
 
 @pytest.mark.slow
 def test_v_kinds_at_p4_match_autograd_bitwise():
-    bad = launch(matrix_job, 4, 4, ("zbv", "dualpipev"), timeout=TIMEOUT)
+    scheds = [zerobubble.generate(k, 4, 5) for k in ("zbv", "dualpipev")]
+    bad = launch(matrix_job, 4, scheds, timeout=TIMEOUT)
     assert [b for rank in bad for b in rank] == []
 
 

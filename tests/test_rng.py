@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerobubble
+from ranks import launch
 from zerobubble.optim.faults import FaultPlan, GradFault
 from zerobubble.runtime.microbatch import batch_count, token_count
 from zerobubble.runtime.rng import StageRng, derive_seed
@@ -181,9 +182,9 @@ def same_grads(pipe: zerobubble.Pipeline, ref: dict[str, torch.Tensor], what: st
     return bad
 
 
-def dropout_run(kind: str, p: int, m: int, seed: int) -> list[str]:
+def dropout_run(schedule: zerobubble.Schedule, seed: int) -> list[str]:
     """Two steps without an optimizer; losses and gradients against the seeded reference."""
-    schedule = zerobubble.generate(kind, p, m)
+    kind, m = schedule.name, schedule.num_microbatches
     layers = dropout_layers()
     options = zerobubble.ExecutorOptions(trace=False, seed=seed)
     pipe = zerobubble.Pipeline(copy.deepcopy(layers), dropout_loss, schedule, options=options)
@@ -205,8 +206,8 @@ def dropout_run(kind: str, p: int, m: int, seed: int) -> list[str]:
     return bad
 
 
-def token_run(kind: str, p: int, m: int) -> list[str]:
-    schedule = zerobubble.generate(kind, p, m)
+def token_run(schedule: zerobubble.Schedule) -> list[str]:
+    kind, m = schedule.name, schedule.num_microbatches
     layers = token_layers()
     count = token_count(IGNORE)
     options = zerobubble.ExecutorOptions(trace=False)
@@ -226,9 +227,9 @@ SPEC_ITERS = 4
 NAN_AT = 1  # a NaN in iteration 1 is seen at validation: iteration 2's work is replayed
 
 
-def spec_run(kind: str, p: int, m: int) -> list[str]:
+def spec_run(schedule: zerobubble.Schedule) -> list[str]:
     """Speculative post-validation with dropout and a forced replay, against the reference."""
-    schedule = zerobubble.generate(kind, p, m)
+    kind, m = schedule.name, schedule.num_microbatches
     S = schedule.num_stages
     layers = dropout_layers(1)
     ref_layers = copy.deepcopy(layers)
@@ -264,17 +265,30 @@ def spec_run(kind: str, p: int, m: int) -> list[str]:
     return bad
 
 
-def job(p: int, dropout_kinds: list[str], token_kinds: list[str], spec_kinds: list[str]):
+def job(
+    dropout: list[zerobubble.Schedule],
+    token: list[zerobubble.Schedule],
+    spec: list[zerobubble.Schedule],
+) -> list[str]:
     zerobubble.init_distributed(timeout_s=120)
     bad = []
-    for kind in dropout_kinds:
-        bad += dropout_run(kind, p, 2 * p, seed=11)
-    for kind in token_kinds:
-        bad += token_run(kind, p, 2 * p + 1)
-    for kind in spec_kinds:
-        bad += spec_run(kind, p, 2 * p)
+    for schedule in dropout:
+        bad += dropout_run(schedule, seed=11)
+    for schedule in token:
+        bad += token_run(schedule)
+    for schedule in spec:
+        bad += spec_run(schedule)
     torch.distributed.destroy_process_group()
     return bad
+
+
+def run_job(p: int, dropout_kinds: list[str], token_kinds: list[str], spec_kinds: list[str]):
+    """The schedules are built here once, not on every rank (the search kinds take seconds);
+    dropout and speculative runs take M = 2P microbatches, the token runs 2P + 1."""
+    dropout = [zerobubble.generate(k, p, 2 * p) for k in dropout_kinds]
+    token = [zerobubble.generate(k, p, 2 * p + 1) for k in token_kinds]
+    spec = [zerobubble.generate(k, p, 2 * p) for k in spec_kinds]
+    return launch(job, p, dropout, token, spec, timeout=TIMEOUT)
 
 
 def check(results: list[list[str]]) -> None:
@@ -282,15 +296,17 @@ def check(results: list[list[str]]) -> None:
     assert not bad, "\n".join(bad)
 
 
+FAST_P3 = ["zb-h1", "zbv"]
+
+
 def test_dropout_token_loss_and_replay_are_bitwise_at_p3():
-    kinds = ["zb-h1", "zbv"]
-    check(zerobubble.launch_local(job, 3, 3, kinds, kinds, ["zbv"], timeout=TIMEOUT))
+    check(run_job(3, FAST_P3, FAST_P3, ["zbv"]))
 
 
 @pytest.mark.slow
 def test_every_kind_at_p3_is_bitwise_with_dropout_token_loss_and_replay():
-    spec = ["1f1b", "zb-h2", "dualpipev"]
-    check(zerobubble.launch_local(job, 3, 3, KINDS, KINDS, spec, timeout=TIMEOUT))
+    kinds = [k for k in KINDS if k not in FAST_P3]  # those run above
+    check(run_job(3, kinds, kinds, ["1f1b", "zb-h2", "dualpipev"]))
 
 
 @pytest.mark.slow
@@ -299,4 +315,4 @@ def test_v_kinds_at_p4_are_bitwise_with_dropout():
         k for k in KINDS if k != "optimal" and zerobubble.generate(k, 4, 8).placement[-1] == 0
     ]
     assert len(v_kinds) >= 5, v_kinds
-    check(zerobubble.launch_local(job, 4, 4, v_kinds, ["zbv"], ["zbv"], timeout=TIMEOUT))
+    check(run_job(4, v_kinds, ["zbv"], ["zbv"]))

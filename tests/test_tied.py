@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import zerobubble
+from ranks import launch
 from zerobubble.models import GPTConfig, build_gpt, gpt_loss, mlp_loss
 from zerobubble.runtime.comm import PeerError
 from zerobubble.runtime.partition import build_stage_modules, stage_bounds
@@ -281,11 +282,11 @@ def check(results: list[dict], kinds: list[str], post: list[str]) -> None:
 
 def test_tied_pipelines_match_the_stage_order_reference_bitwise():
     kinds, post = FAST, ["interleaved-1f1b"]
-    check(zerobubble.launch_local(job, P, kinds, post, timeout=TIMEOUT), kinds, post)
+    check(launch(job, P, kinds, post, timeout=TIMEOUT), kinds, post)
 
 
 @pytest.mark.slow
 def test_every_kind_with_a_tie_and_post_validation():
     kinds = [k for k in KINDS if k not in FAST]
     post = ["zbv", "zb-h1"]
-    check(zerobubble.launch_local(job, P, kinds, post, timeout=TIMEOUT), kinds, post)
+    check(launch(job, P, kinds, post, timeout=TIMEOUT), kinds, post)

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ranks import launch
 from zerobubble.cli import main
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.optim.config import OptimConfig
@@ -22,7 +23,7 @@ from zerobubble.profile.bubbles import analyze_iteration
 from zerobubble.profile.costs_file import Profile
 from zerobubble.profile.stages import boundary_pairs, p2p_latency, stage_profile
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
-from zerobubble.runtime.launcher import init_distributed, launch
+from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.partition import build_stage_modules
 from zerobubble.runtime.trace import gather_traces
 from zerobubble.schedule.clocks import clock_offsets

@@ -34,10 +34,12 @@ import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing import connection, get_context
+from multiprocessing import connection, get_context, parent_process
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from multiprocessing.context import ForkServerContext, SpawnContext
+
     import torch
 
 
@@ -135,10 +137,13 @@ def init_distributed(timeout_s: float = 60.0) -> DistInfo:
 # ---- Python API: launch(fn, nprocs, *args) ---------------------------------------------------
 
 
-def _watch_parent(parent: int) -> None:
-    """Exit as soon as the launching process is gone (no orphans)."""
-    while os.getppid() == parent:
-        time.sleep(0.2)
+def _watch_parent() -> None:
+    """Exit as soon as the launching process is gone (no orphans). Its pipe to this process
+    closes when it dies; ``os.getppid`` would not do, as a forkserver rank's parent is the
+    server."""
+    parent = parent_process()
+    if parent is not None:
+        connection.wait([parent.sentinel])
     os._exit(1)
 
 
@@ -149,12 +154,11 @@ def _worker(
     port: int,
     args: tuple,
     conn: connection.Connection,
-    parent: int,
 ) -> None:
     os.environ.update(rank_env(rank, nprocs, port))
     if "torch" in sys.modules:  # imported while unpickling fn, before OMP_NUM_THREADS was set
         sys.modules["torch"].set_num_threads(1)
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    threading.Thread(target=_watch_parent, daemon=True).start()
     code = 0
     try:
         conn.send(("ok", fn(*args)))
@@ -176,24 +180,31 @@ def launch(
     *args: Any,
     timeout: float = 300.0,
     grace: float = 10.0,
+    start_method: str = "spawn",
 ) -> list[Any]:
     """Run ``fn(*args)`` in ``nprocs`` spawned processes; return each rank's result.
 
     ``fn`` must be picklable (a module-level function) and call
     :func:`init_distributed` itself. Raises :class:`LaunchError` when a rank
     fails or ``timeout`` seconds pass; remaining ranks are killed ``grace``
-    seconds after the first failure.
+    seconds after the first failure. ``start_method`` is multiprocessing's: ``"forkserver"``
+    after ``multiprocessing.set_forkserver_preload(["torch"])`` forks each rank from a
+    server that imported torch once, instead of importing it per rank (seconds each).
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    ctx = get_context("spawn")
+    if start_method not in ("spawn", "forkserver"):  # a forked rank would share torch's state
+        raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
+    ctx: ForkServerContext | SpawnContext = (
+        get_context("forkserver") if start_method == "forkserver" else get_context("spawn")
+    )
     port = free_port()
     procs, conns = [], []
     for rank in range(nprocs):
         recv_end, send_end = ctx.Pipe(duplex=False)
         p = ctx.Process(
             target=_worker,
-            args=(fn, rank, nprocs, port, args, send_end, os.getpid()),
+            args=(fn, rank, nprocs, port, args, send_end),
             daemon=True,
         )
         p.start()

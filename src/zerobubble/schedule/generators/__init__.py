@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from importlib import import_module
 from types import MappingProxyType
 
 from zerobubble.schedule.costs import CostSpec, Number
@@ -55,72 +56,34 @@ class Generator:
     baseline: bool = False
 
 
-# The search kinds import their module on first use: schedule.search builds on the
-# generators above, so importing it here would be circular.
-def _zb_auto(
-    num_devices: int,
-    num_microbatches: int,
-    *,
-    chunks: int = 1,
-    costs: CostSpec | None = None,
-    mem_limit: Number | None = None,
-) -> Schedule:
-    from zerobubble.schedule.search.auto import zb_auto as fn
+@dataclass(frozen=True)
+class _Lazy:
+    """A search kind's generator, imported on first call: ``schedule.search`` builds on the
+    generators above, so importing it here would be circular.
 
-    return fn(num_devices, num_microbatches, chunks=chunks, costs=costs, mem_limit=mem_limit)
+    ``fixed`` are keyword arguments every call passes (``v_shape`` for optimal-v);
+    ``renamed`` maps a ``generate`` option to the search function's own name for it
+    (auto's ``chunks`` caps its ``max_chunks``).
+    """
 
+    module: str
+    attr: str
+    fixed: tuple[tuple[str, object], ...] = ()
+    renamed: tuple[tuple[str, str], ...] = ()
 
-def _zbv_auto(
-    num_devices: int,
-    num_microbatches: int,
-    *,
-    costs: CostSpec | None = None,
-    mem_limit: Number | None = None,
-) -> Schedule:
-    from zerobubble.schedule.search.auto import zbv_auto as fn
-
-    return fn(num_devices, num_microbatches, costs=costs, mem_limit=mem_limit)
+    def __call__(self, num_devices: int, num_microbatches: int, **options: object) -> Schedule:
+        fn: Callable[..., Schedule] = getattr(import_module(self.module), self.attr)
+        names = dict(self.renamed)
+        kwargs = {names.get(k, k): v for k, v in options.items()}
+        return fn(num_devices, num_microbatches, **dict(self.fixed), **kwargs)
 
 
-def _auto(
-    num_devices: int,
-    num_microbatches: int,
-    *,
-    chunks: int | None = None,
-    costs: CostSpec | None = None,
-    mem_limit: Number | None = None,
-) -> Schedule:
-    from zerobubble.schedule.search.placement import MAX_CHUNKS
-    from zerobubble.schedule.search.placement import auto as fn
-
-    most = MAX_CHUNKS if chunks is None else chunks
-    return fn(num_devices, num_microbatches, costs=costs, mem_limit=mem_limit, max_chunks=most)
-
-
-def _optimal(
-    num_devices: int,
-    num_microbatches: int,
-    *,
-    chunks: int = 1,
-    costs: CostSpec | None = None,
-    mem_limit: Number | None = None,
-) -> Schedule:
-    from zerobubble.schedule.search.milp import optimal as fn
-
-    return fn(num_devices, num_microbatches, chunks=chunks, costs=costs, mem_limit=mem_limit)
-
-
-def _optimal_v(
-    num_devices: int,
-    num_microbatches: int,
-    *,
-    costs: CostSpec | None = None,
-    mem_limit: Number | None = None,
-) -> Schedule:
-    from zerobubble.schedule.search.milp import optimal as fn
-
-    return fn(num_devices, num_microbatches, v_shape=True, costs=costs, mem_limit=mem_limit)
-
+_SEARCH = "zerobubble.schedule.search."
+_auto = _Lazy(_SEARCH + "placement", "auto", renamed=(("chunks", "max_chunks"),))
+_zb_auto = _Lazy(_SEARCH + "auto", "zb_auto")
+_zbv_auto = _Lazy(_SEARCH + "auto", "zbv_auto")
+_optimal = _Lazy(_SEARCH + "milp", "optimal")
+_optimal_v = _Lazy(_SEARCH + "milp", "optimal", fixed=(("v_shape", True),))
 
 _SEARCH_OPTIONS = frozenset({"costs", "mem_limit"})
 

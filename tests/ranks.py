@@ -1,0 +1,21 @@
+"""``launch`` for the tests: ranks forked from a server that imported torch once.
+
+A spawned rank imports torch itself, seconds of CPU each on a loaded machine, and the
+suite starts a few hundred ranks. The launcher's own tests (test_launcher.py) cover
+both start methods.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any
+
+from zerobubble.runtime.launcher import launch as _launch
+
+PRELOAD = ["torch", "torch.distributed", "zerobubble.runtime.executor", "zerobubble.optim.trainer"]
+
+
+def launch(fn: Any, nprocs: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """:func:`zerobubble.runtime.launcher.launch` with ``start_method="forkserver"``."""
+    multiprocessing.set_forkserver_preload(PRELOAD)  # no effect once the server runs
+    return _launch(fn, nprocs, *args, start_method="forkserver", **kwargs)
