@@ -261,7 +261,7 @@ def cases(p: int) -> list[tuple[zerobubble.Schedule, str, int]]:
     The variant rotates with the kind and the (P, M) point, so over the four points
     of the two tests every kind runs every variant once. Two chunks where a kind
     takes a chunk count (8 stages at P = 4: the models' 8 layers). GPT-2 runs 5
-    steps at M = 2P + 1 (the tied replicas after 5 AdamW steps), the rest 3.
+    steps at P = 4, M = 9 (the tied replicas after 5 AdamW steps), the rest 3.
     """
     names = list(VARIANTS)
     out = []
@@ -270,7 +270,7 @@ def cases(p: int) -> list[tuple[zerobubble.Schedule, str, int]]:
         for i, kind in enumerate(GENERATORS):
             opts = {"chunks": 2} if "chunks" in GENERATORS[kind].options else {}
             variant = names[(i + offset) % len(names)]
-            steps = 5 if variant.startswith("gpt2") and m > p else 3
+            steps = 5 if variant.startswith("gpt2") and m > p == 4 else 3
             out.append((zerobubble.generate(kind, p, m, **opts), variant, steps))
     return out
 
