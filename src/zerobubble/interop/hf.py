@@ -91,6 +91,12 @@ def _attention_type(config: Any, index: int) -> str:
     return "full_attention"
 
 
+def _number(value: Any) -> float | None:
+    """A plain number the model's forward applies to its logits, else None (a tensor or
+    module would be a parameter: then the check refuses the model)."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
 def _build(model: nn.Module) -> list[nn.Module]:
     from zerobubble.interop import hf_layers
 
@@ -119,7 +125,12 @@ def _build(model: nn.Module) -> list[nn.Module]:
                 hf_layers.DecoderBlock(config, b, rotary_emb, i, _attention_type(config, i))
                 for i, b in enumerate(blocks)
             ),
-            hf_layers.DecoderHead(decoder.get_submodule("norm"), head),
+            hf_layers.DecoderHead(
+                decoder.get_submodule("norm"),
+                head,
+                logit_scale=_number(getattr(model, "logit_scale", None)),
+                softcap=_number(getattr(config, "final_logit_softcapping", None)),
+            ),
         ]
     raise ValueError(
         f"{name} has neither the GPT-2 layout (transformer.wte/wpe/drop/h/ln_f and lm_head) nor "

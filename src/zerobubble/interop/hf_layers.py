@@ -17,6 +17,7 @@ a pipeline's parameters and state dicts carry Hugging Face names.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -237,6 +238,20 @@ class DecoderEmbedding(HFLayer):
         return _boundary(hidden, mask, args["position_ids"])
 
 
+def _own_rotary(rotary_emb: nn.Module) -> nn.Module:
+    """A block's own copy of the model's rotary embedding.
+
+    Every block uses the one ``model.rotary_emb``, whose tables (``inv_freq``) are
+    buffers; a buffer shared by layers of different stages cannot be honoured (the
+    runtime keeps no buffers in sync), so each block gets a copy: the buffers are
+    constants of the config (not in the state dict), the values bitwise the same.
+    A rotary embedding with parameters stays shared (a tie the runtime keeps).
+    """
+    if any(True for _ in rotary_emb.parameters()):
+        return rotary_emb
+    return copy.deepcopy(rotary_emb)
+
+
 class DecoderBlock(HFLayer):
     """One decoder layer with its mask (full or sliding window) and rotary embedding.
 
@@ -253,7 +268,7 @@ class DecoderBlock(HFLayer):
         super().__init__(
             {
                 "layer": (f"model.layers.{index}", layer),
-                "rotary_emb": ("model.rotary_emb", rotary_emb),
+                "rotary_emb": ("model.rotary_emb", _own_rotary(rotary_emb)),
             }
         )
         if attention_type not in _MASKS:
@@ -287,14 +302,34 @@ class DecoderBlock(HFLayer):
 
 
 class DecoderHead(HFLayer):
-    """Final norm and the LM head (tied to ``embed_tokens`` if the model ties them)."""
+    """Final norm and the LM head (tied to ``embed_tokens`` if the model ties them).
+
+    Then what some causal LMs do to the logits in their forward, in the same order:
+    multiply by ``logit_scale`` (Cohere), soft-cap to ``(-softcap, softcap)`` with
+    ``tanh`` (Gemma-2, ``config.final_logit_softcapping``). The adapter's check
+    tells whether a model does what its config says.
+    """
 
     norm: nn.Module
     lm_head: nn.Module
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+    def __init__(
+        self,
+        norm: nn.Module,
+        lm_head: nn.Module,
+        *,
+        logit_scale: float | None = None,
+        softcap: float | None = None,
+    ) -> None:
         super().__init__({"norm": ("model.norm", norm), "lm_head": ("lm_head", lm_head)})
+        self.logit_scale = logit_scale
+        self.softcap = softcap
 
     def forward(self, x: Boundary) -> Tensor:
         hidden, _, _ = _unpack(type(self).__name__, x)
-        return self.lm_head(self.norm(hidden))
+        logits = self.lm_head(self.norm(hidden))
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

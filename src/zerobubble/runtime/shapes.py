@@ -43,7 +43,11 @@ class ShapeMismatchError(ValueError):
 
     def __init__(self, src_stage: int | None, dst_stage: int, message: str) -> None:
         src = "input batch" if src_stage is None else f"stage {src_stage}"
-        super().__init__(f"{src} -> stage {dst_stage}: {message}")
+        fix = (
+            f"; stage {dst_stage}'s first layer must take what {src} gives: change that layer "
+            "or the one before it, or cut elsewhere (Pipeline(boundaries=...))"
+        )
+        super().__init__(f"{src} -> stage {dst_stage}: {message}{fix}")
         self.src_stage = src_stage
         self.dst_stage = dst_stage
 
@@ -92,7 +96,11 @@ def flatten(tree: Any, where: str) -> tuple[tuple[int, ...], list[Tensor]]:
             codes.extend((_BOOL, int(node)))
         elif type(node) is int:
             if not _INT64[0] <= node <= _INT64[1]:
-                raise BoundaryError(where, path, f"the int {node} does not fit in 64 bits")
+                raise BoundaryError(
+                    where,
+                    path,
+                    f"the int {node} does not fit in 64 bits; send it as a tensor or in parts",
+                )
             codes.extend((_INT, node))
         elif type(node) in (tuple, list):
             codes.extend((_TUPLE if type(node) is tuple else _LIST, len(node)))
@@ -103,7 +111,9 @@ def flatten(tree: Any, where: str) -> tuple[tuple[int, ...], list[Tensor]]:
             for key, child in node.items():
                 if not isinstance(key, str):
                     raise BoundaryError(
-                        where, path, f"dict key {key!r} is not a str; expected {_LEAVES}"
+                        where,
+                        path,
+                        f"dict key {key!r} is not a str; expected {_LEAVES} (use str keys)",
                     )
                 raw = key.encode()
                 codes.extend((len(raw), *raw))
@@ -112,7 +122,9 @@ def flatten(tree: Any, where: str) -> tuple[tuple[int, ...], list[Tensor]]:
             raise BoundaryError(
                 where,
                 path,
-                f"a {type(node).__name__} cannot cross a stage boundary; expected {_LEAVES}",
+                f"a {type(node).__name__} cannot cross a stage boundary; expected {_LEAVES}: "
+                "make it one (a number as a tensor: torch.tensor(value)), or compute it in the "
+                "stage that uses it",
             )
 
     walk(tree, "")

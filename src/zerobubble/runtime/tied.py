@@ -88,7 +88,7 @@ def find_shared(
         for name, p in layer.named_parameters(remove_duplicate=False):
             params.setdefault(id(p), []).append((s, f"{local_index}.{name}", f"{keys[i]}.{name}"))
         for name, b in layer.named_buffers(remove_duplicate=False):
-            buffers.setdefault(id(b), []).append((s, f"{keys[i]}.{name}"))
+            buffers.setdefault(id(b), []).append((s, _user_name(layer, keys[i], name)))
     for buf_uses in buffers.values():
         if len({s for s, _ in buf_uses}) > 1:
             where = ", ".join(f"{n!r} (stage {s})" for s, n in buf_uses)
@@ -108,6 +108,13 @@ def find_shared(
     return tuple(out)
 
 
+def _user_name(layer: nn.Module, key: str, name: str) -> str:
+    """``name`` of ``layer`` as the user's model spells it, for messages (as
+    :func:`~zerobubble.runtime.partition.model_name`: a layer's ``source_name`` if it has one)."""
+    namer = getattr(layer, "source_name", None)
+    return str(namer(name)) if namer is not None else f"{key}.{name}"
+
+
 def _refuse_memory_ties(
     layers: Sequence[nn.Module], stage_of: Mapping[int, int], keys: Sequence[str]
 ) -> None:
@@ -118,10 +125,11 @@ def _refuse_memory_ties(
                 continue
             storage = p.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
-            first = seen.setdefault(key, (id(p), f"{keys[i]}.{name}", stage_of[i]))
+            first = seen.setdefault(key, (id(p), _user_name(layer, keys[i], name), stage_of[i]))
             if first[0] != id(p) and first[2] != stage_of[i]:
                 raise ValueError(
-                    f"parameters {first[1]!r} (stage {first[2]}) and {keys[i] + '.' + name!r} "
+                    f"parameters {first[1]!r} (stage {first[2]}) and "
+                    f"{_user_name(layer, keys[i], name)!r} "
                     f"(stage {stage_of[i]}) share memory but are different Parameter objects; "
                     "tie them by assigning the same Parameter (e.g. head.weight = "
                     "embedding.weight), so the pipeline knows to keep them equal"

@@ -1,0 +1,465 @@
+"""Hugging Face models as pipelines, bitwise against the model's own forward and loss.
+
+The reference is ``transformers``' own model called as a user calls it,
+``model(input_ids=..., attention_mask=..., labels=..., num_items_in_batch=N)``,
+microbatch by microbatch, with dropout seeded as the pipeline seeds it: the stage
+``s`` part of microbatch ``j``'s forward in step ``k`` draws from
+``derive_seed(seed, k, s, j)`` (a forward pre-hook on the first module of every
+stage resets the generator). A tied parameter (GPT-2's ``wte``/``lm_head``) gets
+the documented tied order: the reference unties it during the step and adds the
+head's gradient to the embedding's afterwards (stage order, as
+:func:`~zerobubble.runtime.tied.tied_reference_step`). Then clipping and AdamW on
+both sides.
+
+Checked for GPT-2 (tied, dropout 0.1, padding; ``sdpa`` and ``eager``) and Llama
+(grouped-query attention, rotary, padding, attention dropout): per-microbatch
+losses, every gradient and every parameter after every step bitwise, the tied
+replicas bitwise equal on every holder, and the gathered state dict loading
+strictly into a fresh model equal to the reference's. The sequence length changes
+every step (right padding with a mask). The reference does not depend on the
+schedule, only on the microbatch count and the stage cut, so the parent computes
+each once and the ranks compare digests of their tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.distributed as dist
+
+transformers = pytest.importorskip("transformers")
+
+import zerobubble  # noqa: E402
+from zerobubble.interop import hf  # noqa: E402
+from zerobubble.runtime.launcher import launch  # noqa: E402
+from zerobubble.runtime.partition import build_stage_modules, stage_bounds  # noqa: E402
+from zerobubble.runtime.rng import derive_seed  # noqa: E402
+from zerobubble.runtime.shapes import BoundaryError, flatten  # noqa: E402
+from zerobubble.schedule.generators import GENERATORS  # noqa: E402
+
+TIMEOUT = 600.0
+SEED = 1234
+BATCH = 10
+LENGTHS = (7, 5, 9, 6, 8)
+MAX_NORM = 3.0  # both families clip at the first step and not at the next ones
+#: name -> (tiny config, overrides).
+VARIANTS = {
+    "gpt2-sdpa": ("hf-gpt2", {"attn_implementation": "sdpa"}),
+    "gpt2-eager": ("hf-gpt2", {"attn_implementation": "eager"}),
+    "llama-sdpa": ("hf-llama", {"attn_implementation": "sdpa", "attention_dropout": 0.1}),
+    "llama-eager": ("hf-llama", {"attn_implementation": "eager", "attention_dropout": 0.1}),
+}
+
+
+def build(variant: str, seed: int = 0) -> torch.nn.Module:
+    name, overrides = VARIANTS[variant]
+    return hf.tiny_model(name, seed=seed, **overrides).train()
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def batch(step: int, vocab: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step ``step``'s ids, right-padding mask (1 = token) and labels (-100 on padding)."""
+    length = LENGTHS[step % len(LENGTHS)]
+    gen = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(3, vocab, (BATCH, length), generator=gen)
+    real = torch.randint(2, length + 1, (BATCH,), generator=gen)
+    real[0] = length  # the longest row sets the length
+    mask = (torch.arange(length) < real[:, None]).long()
+    return ids, mask, ids.masked_fill(mask == 0, -100)
+
+
+def digest(t: torch.Tensor) -> str:
+    """Bitwise identity of a tensor's values (``+ 0.0`` maps -0.0 to 0.0, as ``torch.equal``)."""
+    data = (t.detach().float() + 0.0).contiguous().numpy().tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+# ---- the reference: the HF model's own forward and loss ----------------------------------------
+
+
+def _stage_heads(model: torch.nn.Module, bounds: list[range]) -> dict[int, torch.nn.Module]:
+    """The model's module where each stage after the first starts (a block, or the final norm)."""
+    if hasattr(model, "transformer"):
+        blocks, norm = list(model.transformer.h), model.transformer.ln_f
+    else:
+        blocks, norm = list(model.model.layers), model.model.norm
+    return {s: [*blocks, norm][r.start - 1] for s, r in enumerate(bounds) if s > 0}
+
+
+@contextmanager
+def seeded_stages(model, bounds: list[range], step: int, mb: int):
+    """Inside: stage ``s``'s part of the forward draws from ``derive_seed(SEED, step, s, mb)``."""
+    gen = torch.Generator()
+
+    def reseed(stage: int) -> None:
+        torch.set_rng_state(gen.manual_seed(derive_seed(SEED, step, stage, mb)).get_state())
+
+    saved = torch.get_rng_state()
+    hooks = [
+        m.register_forward_pre_hook(lambda *_, s=s: reseed(s))
+        for s, m in _stage_heads(model, bounds).items()
+    ]
+    reseed(0)
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        torch.set_rng_state(saved)
+
+
+@contextmanager
+def untied_head(model):
+    """The head's weight as a leaf of its own for the step; afterwards its gradient is added
+    to the embedding's (stage order: embedding first) and the tie restored."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head.weight is not emb.weight:
+        yield
+        return
+    own = torch.nn.Parameter(emb.weight.detach().clone())
+    head.weight = own
+    try:
+        yield
+    finally:
+        head.weight = emb.weight
+    emb.weight.grad = emb.weight.grad + own.grad
+
+
+def every_name(model):
+    """Every name of every parameter: a tied head is listed by the stages holding it as
+    ``lm_head.weight``, by the embedding's as ``transformer.wte.weight``."""
+    return model.named_parameters(remove_duplicate=False)
+
+
+def reference(variant: str, m: int, num_stages: int, steps: int) -> dict:
+    """Digests of the HF model's losses, gradients and parameters after each step."""
+    model = build(variant)
+    bounds = stage_bounds(len(hf.causal_lm_layers(model, check=False)), num_stages)
+    opt = adamw(model.parameters())
+    out: dict = {"losses": [], "norms": [], "grads": [], "params": []}
+    for k in range(steps):
+        ids, mask, labels = batch(k)
+        total = hf.count_tokens(labels)
+        opt.zero_grad(set_to_none=True)
+        losses = []
+        with untied_head(model):
+            for j, rows in enumerate(torch.tensor_split(torch.arange(BATCH), m)):
+                with seeded_stages(model, bounds, k, j):
+                    loss = model(
+                        input_ids=ids[rows],
+                        attention_mask=mask[rows],
+                        labels=labels[rows],
+                        num_items_in_batch=total,
+                        use_cache=False,
+                    ).loss
+                loss.backward()
+                losses.append(loss.detach())
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        out["losses"].append(losses)
+        out["norms"].append(float(norm))
+        out["grads"].append({n: digest(p.grad) for n, p in every_name(model)})
+        opt.step()
+        out["params"].append({n: digest(p) for n, p in every_name(model)})
+    out["state"] = {k: digest(v) for k, v in model.state_dict().items()}
+    return out
+
+
+# ---- inside the ranks --------------------------------------------------------------------------
+
+
+def replica_bytes(pipe: zerobubble.Pipeline) -> list[bytes]:
+    """This rank's replicas of GPT-2's tied embedding, one per stage holding it.
+
+    The embedding's stage names it ``transformer.wte.weight``, the head's ``lm_head.weight``.
+    """
+    names = ("transformer.wte.weight", "lm_head.weight")
+    return [
+        p.detach().numpy().tobytes()
+        for c in pipe.executor.chunks.values()
+        for n, p in c.module.named_parameters()
+        if pipe._name(c.stage, n) in names
+    ]
+
+
+def run(schedule: zerobubble.Schedule, variant: str, ref: dict, steps: int) -> dict:
+    """``steps`` training steps of ``variant`` under ``schedule``, compared with ``ref``."""
+    what = f"{variant} {schedule.name} P={schedule.num_devices} M={schedule.num_microbatches}"
+    model = build(variant)
+    pipe = zerobubble.Pipeline(
+        hf.causal_lm_layers(model),
+        hf.CausalLMLoss(model),
+        schedule,
+        options=zerobubble.ExecutorOptions(seed=SEED),
+        count_fn=hf.count_tokens,
+        tied_check_every=1,
+    )
+    trainer = pipe.set_optimizer(
+        adamw(pipe.parameters()), zerobubble.OptimConfig(max_norm=MAX_NORM)
+    )
+    actions: list[str] = []
+    bad = []
+
+    def commit(c) -> None:
+        actions.append(c.action.value)
+        if float(c.total_norm) != ref["norms"][c.iteration]:
+            bad.append(
+                f"{what} step {c.iteration}: norm {c.total_norm} != {ref['norms'][c.iteration]}"
+            )
+
+    trainer.on_commit = commit
+    for k in range(steps):
+        ids, mask, labels = batch(k)
+        losses = pipe.step({"input_ids": ids, "attention_mask": mask}, target=labels)
+        if pipe.executor.has_last and not (
+            losses is not None and all(map(torch.equal, losses, ref["losses"][k]))
+        ):
+            bad.append(f"{what} step {k}: losses {losses} != {ref['losses'][k]}")
+        for name, p in pipe.named_parameters():
+            if p.grad is None or digest(p.grad) != ref["grads"][k][name]:
+                bad.append(f"{what} step {k}: gradient of {name} differs")
+            if digest(p) != ref["params"][k][name]:
+                bad.append(f"{what} step {k}: {name} differs after the step")
+    pipe.drain()
+    # The HF state-dict round trip: every rank's part, gathered, loads strictly.
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, dict(pipe.state_dict()))
+    if pipe.rank == 0:
+        fresh = build(variant, seed=99)
+        fresh.load_state_dict({k: v for part in parts for k, v in part.items()}, strict=True)
+        got = {k: digest(v) for k, v in fresh.state_dict().items()}
+        bad += [f"{what}: state entry {k} differs" for k, d in ref["state"].items() if got[k] != d]
+    return {"bad": bad, "replicas": replica_bytes(pipe), "actions": actions}
+
+
+def matrix_job(cases: list[tuple[zerobubble.Schedule, str, int]], refs: dict) -> dict:
+    zerobubble.init_distributed(timeout_s=120)
+    out = {}
+    for schedule, variant, steps in cases:
+        key = (variant, schedule.num_microbatches, schedule.num_stages)
+        out[case_key(schedule, variant)] = run(schedule, variant, refs[key], steps)
+    dist.destroy_process_group()
+    return out
+
+
+# ---- the matrix --------------------------------------------------------------------------------
+
+
+def case_key(schedule: zerobubble.Schedule, variant: str) -> tuple[str, int, str]:
+    return (schedule.name, schedule.num_microbatches, variant)
+
+
+def cases(p: int) -> list[tuple[zerobubble.Schedule, str, int]]:
+    """Every kind at M = P and M = 2P + 1, each with one model variant.
+
+    The variant rotates with the kind and the (P, M) point, so over the four points
+    of the two tests every kind runs every variant once. Two chunks where a kind
+    takes a chunk count (8 stages at P = 4: the models' 8 layers). GPT-2 runs 5
+    steps at P = 4, M = 9 (the tied replicas after 5 AdamW steps), the rest 3.
+    """
+    names = list(VARIANTS)
+    out = []
+    for point, m in enumerate((p, 2 * p + 1)):
+        offset = 2 * (p == 4) + point
+        for i, kind in enumerate(GENERATORS):
+            opts = {"chunks": 2} if "chunks" in GENERATORS[kind].options else {}
+            variant = names[(i + offset) % len(names)]
+            steps = 5 if variant.startswith("gpt2") and m > p == 4 else 3
+            out.append((zerobubble.generate(kind, p, m, **opts), variant, steps))
+    return out
+
+
+def check_matrix(p: int) -> None:
+    todo = cases(p)
+    refs: dict = {}
+    for s, variant, steps in todo:
+        key = (variant, s.num_microbatches, s.num_stages)
+        if key not in refs or len(refs[key]["losses"]) < steps:
+            refs[key] = reference(variant, *key[1:], steps)
+    results = launch(matrix_job, p, todo, refs, timeout=TIMEOUT)
+    actions = set()
+    for s, variant, _ in todo:
+        key = case_key(s, variant)
+        assert [b for r in results for b in r[key]["bad"]] == [], key
+        actions.update(results[-1][key]["actions"])
+        if variant.startswith("gpt2"):
+            replicas = [t for r in results for t in r[key]["replicas"]]
+            assert len(replicas) == 2 and replicas[0] == replicas[1], key
+    assert actions == {"clip", "step"}  # clipping was exercised, and its absence
+
+
+@pytest.mark.slow
+def test_every_kind_at_p2_is_bitwise_the_hf_models_own_training():
+    check_matrix(2)
+
+
+@pytest.mark.slow
+def test_every_kind_at_p4_is_bitwise_the_hf_models_own_training():
+    check_matrix(4)
+
+
+# ---- what cannot be honoured is refused, naming the stage, the leaf and the fix --------------
+
+
+def test_each_block_has_its_own_rotary_tables_so_every_cut_is_honoured():
+    """The model's one ``rotary_emb`` holds buffers; shared by blocks of different stages it
+    could not be honoured, so every block gets its own copy (same values)."""
+    model = build("llama-sdpa")
+    layers = hf.causal_lm_layers(model)
+    tables = [b.rotary_emb.inv_freq for b in layers[1:-1]]
+    assert len({t.data_ptr() for t in tables}) == len(tables)
+    assert all(torch.equal(t, model.model.rotary_emb.inv_freq) for t in tables)
+    schedule = zerobubble.generate("zbv", 4, 4)  # 8 stages: one layer each
+    stages = {s for rank in range(4) for s in build_stage_modules(layers, schedule, rank)}
+    assert stages == set(range(8))
+    layers[2].rotary_emb = layers[1].rotary_emb
+    with pytest.raises(ValueError) as err:
+        build_stage_modules(layers, schedule, 0)
+    assert str(err.value).startswith(
+        "buffer 'model.rotary_emb.inv_freq' is shared by layers of different stages: "
+        "'model.rotary_emb.inv_freq' (stage 1), 'model.rotary_emb.inv_freq' (stage 2); "
+        "the pipeline does not keep buffers in sync across stages: give each layer its own "
+        "buffer, or choose boundaries that keep these layers on one stage"
+    )
+
+
+def test_a_head_sharing_memory_but_not_the_parameter_is_refused_by_hf_name():
+    model = build("gpt2-sdpa")
+    model.lm_head.weight = torch.nn.Parameter(model.transformer.wte.weight.data)
+    layers = hf.causal_lm_layers(model)  # the values agree: the check passes
+    with pytest.raises(ValueError) as err:
+        build_stage_modules(layers, zerobubble.generate("1f1b", 2, 2), 0)
+    assert str(err.value) == (
+        "parameters 'transformer.wte.weight' (stage 0) and 'lm_head.weight' (stage 1) share "
+        "memory but are different Parameter objects; tie them by assigning the same Parameter "
+        "(e.g. head.weight = embedding.weight), so the pipeline knows to keep them equal"
+    )
+
+
+def test_a_leaf_that_cannot_travel_names_the_stage_the_leaf_and_the_fix():
+    hidden = torch.zeros(2, 5, 64, requires_grad=True)
+    boundary = {"hidden": hidden, "attention_mask": None, "position_ids": None, "scale": 0.5}
+    with pytest.raises(BoundaryError) as err:
+        flatten(boundary, "stage 2 output")
+    assert str(err.value) == (
+        "stage 2 output['scale']: a float cannot cross a stage boundary; expected a tensor, "
+        "None, an int or a bool, nested in tuples, lists or dicts with str keys: make it one "
+        "(a number as a tensor: torch.tensor(value)), or compute it in the stage that uses it"
+    )
+
+
+class _HiddenOnly(torch.nn.Module):
+    """A hand-cut layer that drops the mask and positions the next block needs."""
+
+    def forward(self, x: dict) -> torch.Tensor:
+        return x["hidden"]
+
+
+def test_mismatched_layouts_between_stages_name_both_stages_the_value_and_the_fix(tmp_path):
+    model = build("llama-sdpa")
+    layers = hf.causal_lm_layers(model)
+    layers = [layers[0], _HiddenOnly(), *layers[1:]]
+    ids, mask, labels = batch(1)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        pipe = zerobubble.Pipeline(
+            layers, hf.CausalLMLoss(model), "zbv", microbatches=2, boundaries=[0, 2, len(layers)]
+        )
+        with pytest.raises(ValueError) as err:
+            pipe.step({"input_ids": ids, "attention_mask": mask}, target=labels)
+    finally:
+        dist.destroy_process_group()
+    assert str(err.value) == (
+        "stage 0 -> stage 1: stage 1 (rank 0) cannot consume stage 0's output of "
+        "[5, 5, 64] float32 (grad) (microbatch 0): ValueError: DecoderBlock: expected the "
+        "previous layer's dict with 'hidden' (a tensor), 'attention_mask' and 'position_ids'; "
+        "got Tensor; stage 1's first layer must take what stage 0 gives: change that layer or "
+        "the one before it, or cut elsewhere (Pipeline(boundaries=...))"
+    )
+
+
+# ---- other decoder families, from tiny configs ---------------------------------------------------
+
+TINY = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 64,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+#: model_type -> (attention, config overrides): families beyond the shipped tiny configs,
+#: each doing something of its own (soft-capped or scaled logits, local/global rotary tables
+#: with sliding windows and scaled embeddings, QK norms, fused projections, GPT-2 layout with
+#: local attention).
+FAMILIES = {
+    "gemma2": ("eager", {"final_logit_softcapping": 5.0, "sliding_window": 4}),
+    "cohere": ("sdpa", {"logit_scale": 0.5}),
+    "gemma3_text": ("sdpa", {"sliding_window": 4, "final_logit_softcapping": 5.0}),
+    "phi3": ("eager", {}),
+    "olmo2": ("sdpa", {}),
+    "gpt_neo": (
+        "eager",
+        {
+            "num_layers": 3,
+            "window_size": 4,
+            "attention_types": [[["global", "local"], 1], [["global"], 1]],
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_other_families_are_bitwise_their_own_model_and_cut_anywhere(family):
+    impl, overrides = FAMILIES[family]
+    config = transformers.AutoConfig.for_model(family, **TINY, **overrides)
+    config._attn_implementation = impl
+    for name in ("attention_dropout", "embed_dropout", "resid_dropout", "hidden_dropout"):
+        if hasattr(config, name):
+            setattr(config, name, 0.1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).train()
+    twin = copy.deepcopy(model)
+    layers = hf.causal_lm_layers(twin)
+    ids, mask, labels = batch(0, TINY["vocab_size"])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        own = model(input_ids=ids, attention_mask=mask, labels=labels)
+        own.loss.backward()
+        torch.manual_seed(7)
+        x = layers[0](ids, attention_mask=mask)
+        for layer in layers[1:]:
+            x = layer(x)
+        loss = hf.CausalLMLoss(twin)(x, labels)
+        loss.backward()
+    assert torch.equal(x, own.logits) and torch.equal(loss, own.loss)
+    for layer in layers:
+        for name, p in layer.named_parameters():
+            key = layer.source_name(name)
+            assert torch.equal(p.grad, model.get_parameter(key).grad), key
+    # One layer per stage: nothing shared that the runtime could not honour.
+    schedule = zerobubble.generate("1f1b", len(layers), len(layers))
+    assert len(build_stage_modules(layers, schedule, 1)) == 1
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "falcon", "phi"])
+def test_families_of_another_layout_are_refused(family):
+    fields = {k: v for k, v in TINY.items() if k != "head_dim"}  # derived in these configs
+    config = transformers.AutoConfig.for_model(family, **fields)
+    with torch.random.fork_rng(devices=[]):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=f"{type(model).__name__} has neither the GPT-2 layout"):
+        hf.causal_lm_layers(model)
