@@ -158,6 +158,10 @@ class WeightGradStore:
         self.recording: list[Call] | None = None
         """The call list of the forward being recorded, or None. Split layers append a
         :data:`Call` to it; a plain attribute because it is read once per layer call."""
+        self.casts: dict[int, tuple[Tensor, Tensor]] | None = None
+        """Autocast's casts of grad-requiring leaves, shared by the split layers of the
+        forward being recorded as autocast's cast cache shares them: ``id(source) ->
+        (source, cast)`` (an entry keeps its source alive); None outside :meth:`record`."""
         self._key: Key | None = None
         self._micro: dict[Key, _Micro] = {}
 
@@ -189,6 +193,7 @@ class WeightGradStore:
         self.begin(chunk, mb)
         calls: list[Call] = []
         self.recording = calls
+        self.casts = {}
         try:
             yield
         except BaseException:
@@ -198,6 +203,7 @@ class WeightGradStore:
             self._micro[chunk, mb].recorded = calls
         finally:
             self.recording = None
+            self.casts = None
 
     @contextmanager
     def capture(self, chunk: int, mb: int) -> Iterator[None]:
