@@ -5,7 +5,8 @@ Prints one JSON object.
 
 Workloads (CPU, one thread): blocks with the layers of Hugging Face GPT-2
 (transformers' ``Conv1D``, as a local class with its contract) and of Llama
-(bias-free Linears, SwiGLU, RMSNorm), each with autocast off and bf16, and this
+(bias-free Linears, SwiGLU, RMSNorm), at d_model 128 and 256 (head size 32),
+each with autocast off and bf16, and this
 library's GPT block, all as a middle stage (float input that needs a
 gradient, output gradient given); and a whole small GPT as a single stage
 ending in the loss. Each is run three ways on identical weights:
@@ -380,6 +381,11 @@ def _seeded(make: Callable[[], nn.Module]) -> nn.Module:
         return make()
 
 
+def llama_hidden(d: int) -> int:
+    """Llama's SwiGLU width: 8/3 of ``d``, rounded up to a multiple of 8 (344 for d=128)."""
+    return 8 * math.ceil(d / 3)
+
+
 def workloads(quick: bool) -> list[Workload]:
     gen = torch.Generator().manual_seed(0)
     b, t = (1, 128) if quick else (2, 512)
@@ -389,16 +395,22 @@ def workloads(quick: bool) -> list[Workload]:
     g = torch.randn(b, t, block_cfg.d_model, generator=gen)
     gpt_cfg = GPTConfig(vocab_size=512, max_seq_len=t, d_model=128, n_heads=4, n_layers=2)
     ids = torch.randint(0, gpt_cfg.vocab_size, (b, t + 1), generator=gen)
-    d, heads = 128, 4
-    hf = [
-        Workload(f"hf_gpt2_block (Conv1D) d={d} h={heads} T={t} B={b}", gpt2, x, grad=g, amp=amp)
-        for gpt2 in [_seeded(lambda: GPT2Block(d, heads))]
-        for amp in (False, True)
-    ] + [
-        Workload(f"llama_block d={d} h={heads} T={t} B={b}", llama, x, grad=g, amp=amp)
-        for llama in [_seeded(lambda: LlamaBlock(d, heads, 344))]
-        for amp in (False, True)
-    ]
+    hf: list[Workload] = []
+    for d in (128,) if quick else (128, 256):
+        heads = d // 32  # head_dim 32, as the memory model above assumes
+        xd = x if d == 128 else torch.randn(b, t, d, generator=gen)
+        gd = g if d == 128 else torch.randn(b, t, d, generator=gen)
+        gpt2 = _seeded(lambda: GPT2Block(d, heads))  # noqa: B023
+        llama = _seeded(lambda: LlamaBlock(d, heads, llama_hidden(d)))  # noqa: B023
+        hf += [
+            Workload(
+                f"hf_gpt2_block (Conv1D) d={d} h={heads} T={t} B={b}", gpt2, xd, grad=gd, amp=amp
+            )
+            for amp in (False, True)
+        ] + [
+            Workload(f"llama_block d={d} h={heads} T={t} B={b}", llama, xd, grad=gd, amp=amp)
+            for amp in (False, True)
+        ]
     return [
         *hf,
         Workload(f"gpt_block d=128 h=4 T={t} B={b}", block, x, grad=g),

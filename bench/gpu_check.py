@@ -1,8 +1,9 @@
 """One-device check of the B/W split on an accelerator: exactness, cost, memory, schedules.
 
 Run: ``PYTHONPATH=src python bench/gpu_check.py [--device cuda] [--quick]``
-(at most about 5 minutes on one GPU; ``--device cpu --quick`` is a smoke test).
-Prints one JSON object.
+(at most about 5 minutes on one GPU). ``--dry-run`` runs every part on the CPU at tiny
+sizes, simulating only the schedules that need no search (seconds; the suite runs it).
+Prints one JSON object; exits with status 1 if a split is not bitwise plain autograd.
 
 1. **Exactness.** GPT-2 (Conv1D) and Llama blocks from ``bench_bw_split`` run
    as a middle stage through :class:`~zerobubble.runtime.chunk.StageChunk`
@@ -132,13 +133,14 @@ def cost(d: int, seq: int, repeats: int, device: torch.device) -> dict[str, obje
     }
 
 
-def schedules(measured: dict[str, object], devices: int) -> dict[str, object]:
-    """Every schedule kind simulated with one measured block per stage."""
+def schedules(measured: dict[str, object], devices: int, search: bool) -> dict[str, object]:
+    """Every schedule kind simulated with one measured block per stage (``search``: also
+    the kinds that search, which take seconds each on the host)."""
     f, b, w = (float(measured[k]) for k in ("t_F_ms", "t_B_ms", "t_W_ms"))  # type: ignore[arg-type]
     spec = CostSpec(F=f, B=b, W=w, mem_w=float(measured["memory_ratio"]))  # type: ignore[arg-type]
     out: dict[str, object] = {}
     for kind, gen in GENERATORS.items():
-        if kind in SKIPPED_KINDS:
+        if kind in SKIPPED_KINDS or not (search or "costs" not in gen.options):
             continue
         try:
             split = "split_backward" in gen.options
@@ -155,19 +157,24 @@ def schedules(measured: dict[str, object], devices: int) -> dict[str, object]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="CPU, tiny shapes, no schedule search (seconds)"
+    )
     parser.add_argument("--d-models", default="1024,2048,4096")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--devices", type=int, default=4, help="pipeline devices to simulate")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.device, args.quick, args.repeats = "cpu", True, 2
     device = torch.device(args.device)
     if device.type != "cpu" and not torch.get_device_module(device.type).is_available():
         parser.exit(
-            2, f"gpu_check: no {device.type} device here; pass --device cpu to smoke-test\n"
+            2, f"gpu_check: no {device.type} device here; pass --dry-run to run it on the CPU\n"
         )
     widths = [128] if args.quick else [int(v) for v in args.d_models.split(",")]
     seq = 64 if args.quick else args.seq_len
@@ -187,24 +194,24 @@ def main() -> None:
         for dtype in dtypes
     ]
     costs = [cost(w, seq, args.repeats, device) for w in widths]
-    sims = {str(c["d_model"]): schedules(c, args.devices) for c in costs}
-    print(
-        json.dumps(
-            {
-                "bench": "gpu_check",
-                "device": str(device),
-                "device_name": torch.cuda.get_device_name(device)
-                if device.type == "cuda"
-                else "cpu",
-                "torch": torch.__version__,
-                "exactness": checks,
-                "cost": costs,
-                "schedules": sims,
-            },
-            indent=2,
-        )
-    )
+    sims = {str(c["d_model"]): schedules(c, args.devices, not args.dry_run) for c in costs}
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    exact = all(c["output_equal"] and c["input_grad_equal"] and c["param_grads_equal"]
+                for c in checks)  # fmt: skip
+    out = {
+        "bench": "gpu_check",
+        "device": str(device),
+        "device_name": name,
+        "dry_run": args.dry_run,
+        "torch": torch.__version__,
+        "all_bitwise": exact,
+        "exactness": checks,
+        "cost": costs,
+        "schedules": sims,
+    }
+    print(json.dumps(out, indent=2))
+    return 0 if exact else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

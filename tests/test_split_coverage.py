@@ -121,7 +121,50 @@ def test_conv1d_is_split_exactly(batched: bool, bias: bool, amp: bool) -> None:
     split = _check(
         _seeded(make), torch.randn(shape, generator=torch.Generator().manual_seed(2)), amp=amp
     )
-    assert all(isinstance(m, SplitOp) for m in (split[0], split[2]))
+    # Zero padding gets the kernel; reflect padding the graph-level split (its F.pad runs
+    # before autocast's cast), deferred all the same.
+    assert isinstance(split[0], SplitOp) and not isinstance(split[2], SplitOp)
+    assert unsplit_modules(split) == []
+
+
+class LinearFanOut(nn.Module):
+    """Its input goes straight into q, k and v projections (and a Conv1D, which casts a view
+    of it apart): under autocast the Linears share one cast of a leaf input, as autocast's
+    cast cache has it, and sum their input gradients in bf16 before it casts them back."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d, bias=False), nn.Linear(d, d)
+        self.c = Conv1D(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q(x) * self.k(x) + self.v(x) + self.c(x)
+
+
+class ConvFanOut(nn.Module):
+    """A conv and its shortcut conv on one input (a ResNet block), and a circular-padded conv
+    (graph-level split: its F.pad comes before autocast's cast)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(c, c, 3, padding=1)
+        self.shortcut = nn.Conv1d(c, c, 1, bias=False)
+        self.pad = nn.Conv1d(c, c, 3, padding=1, padding_mode="circular")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x) + self.shortcut(x) + self.pad(x)
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "unbatched"])
+def test_leaf_input_feeding_several_split_layers_under_autocast(batched: bool) -> None:
+    g = torch.Generator().manual_seed(14)
+    lead = (2,) if batched else ()
+    x = torch.randn(*lead, 5, 6, generator=g)
+    split = _check(_seeded(lambda: LinearFanOut(6)), x, amp=True)
+    assert all(isinstance(getattr(split, n), SplitLinear) for n in "qkv")
+    split = _check(_seeded(lambda: ConvFanOut(3)), torch.randn(*lead, 3, 7, generator=g), amp=True)
+    assert isinstance(split.conv, SplitOp) and isinstance(split.shortcut, SplitOp)
+    assert unsplit_modules(split) == []
 
 
 @AMP

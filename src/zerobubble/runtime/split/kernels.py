@@ -106,11 +106,21 @@ def _linear_input_grad(g2d: Tensor, weight: Tensor, x2d: Tensor, x: Tensor) -> T
     return gx2d if x.dim() == 2 else gx2d.reshape(x.shape)
 
 
+def _mm_mat2_grad(g: Tensor, mat1: Tensor, mat2: Tensor, of_transpose: bool = False) -> Tensor:
+    """Gradient of ``mat2`` in ``mm(mat1, mat2)``, as autograd's mm_mat2_backward computes it:
+    the weight gradient of transformers' Conv1D (mat2: its weight) and, with
+    ``of_transpose`` (the gradient of ``mat2.t()``: the transposes cancel), of Linear (mat2:
+    ``weight.t()``)."""
+    if mat2.stride(0) == 1 and mat2.stride(1) == mat2.size(0):
+        g_t = g.t().mm(mat1)  # column-major mat2: column-major gradient
+        return g_t if of_transpose else g_t.t()
+    g_m = mat1.t().mm(g)
+    return g_m.t() if of_transpose else g_m
+
+
 def _linear_weight_grad(g2d: Tensor, x2d: Tensor, weight: Tensor) -> Tensor:
     """dW, as mm_mat2_backward on mat2 = weight.t() followed by the transpose's backward."""
-    if weight.stride(1) == 1 and weight.stride(0) == weight.size(1):
-        return g2d.t().mm(x2d)  # weight.t() is column-major: (dYᵀX)ᵀᵀ
-    return x2d.t().mm(g2d).t()
+    return _mm_mat2_grad(g2d, x2d, weight.t(), of_transpose=True)
 
 
 def _bias_grad(gsum: Tensor) -> Tensor:
@@ -235,15 +245,38 @@ class _SplitLinearFn(torch.autograd.Function):
         return gx, None, None, None, None
 
 
+Casts = dict[int, tuple[Tensor, Tensor]]
+"""Autocast casts shared within one recorded forward: ``id(source) -> (source, cast)``."""
+
+
 @overload
-def _cast(t: Tensor, dtype: torch.dtype) -> Tensor: ...
+def _cast(t: Tensor, dtype: torch.dtype, casts: Casts | None = None) -> Tensor: ...
 @overload
-def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None: ...
-def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    """``t`` as autocast casts an operand: floating tensors other than float64, by ``.to``."""
+def _cast(t: Tensor | None, dtype: torch.dtype, casts: Casts | None = None) -> Tensor | None: ...
+def _cast(t: Tensor | None, dtype: torch.dtype, casts: Casts | None = None) -> Tensor | None:
+    """``t`` as autocast casts an operand: floating tensors other than float64, by ``.to``.
+
+    With ``casts`` (a lower-precision op, see :func:`_shared_casts`), a float32 leaf that
+    requires grad and is not a view is cast once and the cast is shared, as autocast's
+    cast cache does: several layers fed by one such leaf (a stage input going straight
+    into q, k and v) then sum their input gradients in the low precision at that one
+    cast, before it casts the sum back, exactly as plain autograd does.
+    """
     if t is None or not t.is_floating_point() or t.dtype == torch.float64:
         return t
-    return t.to(dtype)
+    if casts is None or not (
+        t.dtype == torch.float32 and t.requires_grad and t.is_leaf and not t._is_view()
+    ):
+        return t.to(dtype)
+    hit = casts.get(id(t))
+    if hit is None:
+        hit = casts[id(t)] = (t, t.to(dtype))
+    return hit[1]
+
+
+def _shared_casts(store: WeightGradStore) -> Casts | None:
+    """The store's casts of the forward being recorded, if autocast's cache is on."""
+    return store.casts if torch.is_autocast_cache_enabled() else None
 
 
 def _cast_linear_grads(
@@ -311,8 +344,8 @@ class SplitLinear(nn.Module):
         if calls is None or not (x.dim() <= 2 or x.is_contiguous()):
             if not torch.is_autocast_enabled(dev):
                 return _SplitLinearFn.apply(x, w, b, self.store, (w, b))
-            dt = torch.get_autocast_dtype(dev)
-            xc, wc, bc = _cast(x, dt), _cast(w, dt), _cast(b, dt)
+            dt, casts = torch.get_autocast_dtype(dev), _shared_casts(self.store)
+            xc, wc, bc = _cast(x, dt, casts), _cast(w, dt, casts), _cast(b, dt, casts)
             with torch.autocast(dev, enabled=False):
                 return _SplitLinearFn.apply(xc, wc, bc, self.store, (w, b))
         lw, lb = aliases = self._aliases
@@ -326,8 +359,8 @@ class SplitLinear(nn.Module):
             return y
         # Autocast: cast as autocast would (the graph gets the same casts) and keep
         # the cast operands for W, so that W multiplies exactly what autograd would.
-        dt = torch.get_autocast_dtype(dev)
-        xc, wc, bc = _cast(x, dt), _cast(lw, dt), _cast(lb, dt)
+        dt, casts = torch.get_autocast_dtype(dev), _shared_casts(self.store)
+        xc, wc, bc = _cast(x, dt, casts), _cast(lw, dt, casts), _cast(lb, dt, casts)
         with torch.autocast(dev, enabled=False):
             y = F.linear(xc, wc, bc)
         args = (w, b, need_w, need_b, xc, wc)
@@ -483,6 +516,11 @@ class Kernel:
     (on autocast's lower-precision list, e.g. matmuls and convolutions: operands cast
     to the autocast dtype), ``"float32"`` (on its float32 list), ``"none"`` (on no
     list: operands as they come), ``"refuse"`` (unknown: raise)."""
+    op_takes_input: bool = False
+    """The op receives the layer's input itself (not a view or another op's result of it),
+    so under autocast a grad-requiring float32 leaf input shares autocast's one cast with
+    the other layers it feeds (as for ``F.conv2d``; not for transformers' Conv1D, whose
+    ``addmm`` takes a view). Wrong here means input gradients that differ in the last bits."""
 
     def autocast_mode(self, device_type: str) -> str:
         mode = self.autocast
@@ -554,10 +592,13 @@ class SplitOp(nn.Module):
                     "Kernel(autocast='lower', 'float32' or 'none') as autocast's op lists "
                     "have it, or run without autocast"
                 )
-            if mode != "none":
-                dt = torch.get_autocast_dtype(dev) if mode == "lower" else torch.float32
-                x = _cast(x, dt)
-                used = [_cast(a, dt) for a in aliases]
+            if mode == "lower":  # autocast caches only lower-precision casts
+                dt, casts = torch.get_autocast_dtype(dev), _shared_casts(self.store)
+                x = _cast(x, dt, casts if self.kernel.op_takes_input else None)
+                used = [_cast(a, dt, casts) for a in aliases]
+            elif mode == "float32":
+                x = _cast(x, torch.float32)
+                used = [_cast(a, torch.float32) for a in aliases]
             with torch.autocast(dev, enabled=False):
                 out, y, operands = self.kernel.forward(self.layer, x, used)
         held = operands[0] if len(operands) == 1 else operands
@@ -589,13 +630,6 @@ def is_hf_conv1d(module: nn.Module) -> bool:
     )
 
 
-def _mm_mat2_grad(g: Tensor, mat1: Tensor, mat2: Tensor) -> Tensor:
-    """Gradient of ``mat2`` in ``mm(mat1, mat2)``, as autograd's mm_mat2_backward computes it."""
-    if mat2.stride(0) == 1 and mat2.stride(1) == mat2.size(0):
-        return g.t().mm(mat1).t()  # column-major mat2: column-major gradient
-    return mat1.t().mm(g)
-
-
 def _hf_conv1d_forward(
     m: nn.Module, x: Tensor, params: Sequence[Tensor | None]
 ) -> tuple[Tensor, Tensor, tuple]:
@@ -625,16 +659,23 @@ HF_CONV1D = Kernel(_hf_conv1d_forward, _hf_conv1d_grads, autocast="lower")
 
 
 def conv_splittable(module: nn.Module) -> bool:
-    """An exact ``nn.Conv1d/2d/3d`` whose padding is explicit (``"same"`` is left unsplit)."""
-    return type(module) in (nn.Conv1d, nn.Conv2d, nn.Conv3d) and not (
-        isinstance(module.padding, str) and module.padding != "valid"
+    """An exact ``nn.Conv1d/2d/3d`` with zero padding given explicitly.
+
+    Left to the graph-level split: ``padding="same"``, and the other padding modes, whose
+    ``F.pad`` runs before autocast's cast (a split op casts the layer's input, so the
+    padding's backward would sum in the low precision).
+    """
+    return (
+        type(module) in (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+        and module.padding_mode == "zeros"
+        and not (isinstance(module.padding, str) and module.padding != "valid")
     )
 
 
 def _conv_geometry(m: _ConvNd) -> tuple[tuple[int, ...], int]:
     """The padding the convolution op receives, and the number of spatial dimensions."""
     n = len(m.kernel_size)
-    if m.padding_mode != "zeros" or isinstance(m.padding, str):  # "valid": conv_splittable
+    if isinstance(m.padding, str):  # "valid", the one string conv_splittable accepts
         return (0,) * n, n
     return tuple(m.padding), n
 
@@ -642,15 +683,13 @@ def _conv_geometry(m: _ConvNd) -> tuple[tuple[int, ...], int]:
 def _conv_forward(
     m: nn.Module, x: Tensor, params: Sequence[Tensor | None]
 ) -> tuple[Tensor, Tensor, tuple]:
-    """``nn.ConvNd.forward``'s ops, spelled out so that the convolution's input is at hand."""
+    """``nn.ConvNd.forward``'s op, spelled out so that the convolution's input is at hand."""
     assert isinstance(m, _ConvNd)  # CONV splits only what conv_splittable accepts
     w, b = params
     assert w is not None
     pad, n = _conv_geometry(m)
     batched = x.dim() == n + 2
     xb = x if batched else x.unsqueeze(0)
-    if m.padding_mode != "zeros":
-        xb = F.pad(xb, m._reversed_padding_repeated_twice, mode=m.padding_mode)
     out = torch.convolution(xb, w, b, m.stride, pad, m.dilation, False, (0,) * n, m.groups)
     return out, out if batched else out.squeeze(0), (xb,)
 
@@ -674,7 +713,7 @@ def _conv_grads(
     return gw, gb
 
 
-CONV = Kernel(_conv_forward, _conv_grads, autocast="lower")
+CONV = Kernel(_conv_forward, _conv_grads, autocast="lower", op_takes_input=True)
 """``nn.Conv1d``/``nn.Conv2d``/``nn.Conv3d``: W is the weight half of convolution_backward."""
 
 

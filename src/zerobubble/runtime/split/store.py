@@ -158,6 +158,10 @@ class WeightGradStore:
         self.recording: list[Call] | None = None
         """The call list of the forward being recorded, or None. Split layers append a
         :data:`Call` to it; a plain attribute because it is read once per layer call."""
+        self.casts: dict[int, tuple[Tensor, Tensor]] | None = None
+        """Autocast's casts of grad-requiring leaves, shared by the split layers of the
+        forward being recorded as autocast's cast cache shares them: ``id(source) ->
+        (source, cast)`` (an entry keeps its source alive); None outside :meth:`record`."""
         self._key: Key | None = None
         self._micro: dict[Key, _Micro] = {}
 
@@ -189,6 +193,7 @@ class WeightGradStore:
         self.begin(chunk, mb)
         calls: list[Call] = []
         self.recording = calls
+        self.casts = {}
         try:
             yield
         except BaseException:
@@ -198,6 +203,7 @@ class WeightGradStore:
             self._micro[chunk, mb].recorded = calls
         finally:
             self.recording = None
+            self.casts = None
 
     @contextmanager
     def capture(self, chunk: int, mb: int) -> Iterator[None]:
@@ -375,13 +381,19 @@ class WeightGradStore:
 
 @contextmanager
 def _autocast_off() -> Iterator[None]:
-    """Autocast disabled on the CPU and on the current accelerator, if any."""
+    """Autocast disabled on the CPU and on the current accelerator, if any (entering an
+    autocast context costs tens of µs: skipped where autocast is already off)."""
     acc = torch.accelerator.current_accelerator()
-    with torch.autocast("cpu", enabled=False):
-        if acc is None:
+    types = ["cpu"] if acc is None else ["cpu", acc.type]
+    on = [t for t in types if torch.is_autocast_enabled(t)]
+    if not on:
+        yield
+        return
+    with torch.autocast(on[0], enabled=False):
+        if len(on) == 1:
             yield
             return
-        with torch.autocast(acc.type, enabled=False):
+        with torch.autocast(on[1], enabled=False):
             yield
 
 
