@@ -221,7 +221,8 @@ class _Checkpoint(torch.autograd.Function):
         if live and (wanted or edges):
             targets: list[Tensor | GradientEdge] = [*wanted, *edges]
             roots, gys = [o for o, _ in live], [g for _, g in live]
-            got = torch.autograd.grad(roots, targets, gys, allow_unused=True)
+            # The stub wants all-Tensor or all-GradientEdge inputs; autograd takes a mix.
+            got = torch.autograd.grad(roots, targets, gys, allow_unused=True)  # type: ignore[arg-type]
         del live
         if work:
             assert store is not None
@@ -309,14 +310,15 @@ class _LayerForward:
     def __init__(self, module: nn.Module, store: WeightGradStore) -> None:
         self.module = module
         self.store = store
-        self.params = list(module.parameters())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         m = self.module
         inner = type(m).forward
-        return run_checkpointed(
-            lambda *a, **k: inner(m, *a, **k), args, kwargs, self.params, self.store
-        )
+        # The parameters as they are now: inside an ancestor with the graph-level split
+        # they are its aliases, so that B leaves them to that split's W (as without
+        # checkpointing), which then recomputes this layer again.
+        params = list(m.parameters())
+        return run_checkpointed(lambda *a, **k: inner(m, *a, **k), args, kwargs, params, self.store)
 
 
 def install_layer_recompute(
@@ -344,6 +346,6 @@ def install_layer_recompute(
                 "split, which cannot be checkpointed itself; checkpoint the layer around it "
                 "or give it a split rule"
             )
-        m.forward = _LayerForward(m, store)  # type: ignore[method-assign]
+        m.forward = _LayerForward(m, store)
         names.append(name)
     return names
