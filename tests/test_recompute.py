@@ -208,8 +208,12 @@ def test_bad_recompute_setting_is_refused_with_the_choices():
         zerobubble.ExecutorOptions(recompute="all")  # type: ignore[arg-type]
     chunk = StageChunk(nn.Sequential(*dropout_gpt()[1:3]), 1, 3, recompute=is_block)
     assert chunk.recomputed_layers == ["0", "1"]
-    with pytest.raises(ValueError, match="checkpointed twice"):
-        StageChunk(chunk.module, 1, 3, recompute="layers")
+    again = StageChunk(chunk.module, 1, 3, split=False, recompute="layers")  # same layers
+    assert again.recomputed_layers == ["0", "1"]
+    odd = nn.Sequential(nn.Linear(2, 2))
+    odd[0].forward = lambda x: x  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match=r"stage 1: layer '0' .* instance forward of its own"):
+        StageChunk(odd, 1, 3, split=False, recompute="layers")
 
 
 # ---- cost model ------------------------------------------------------------------------------

@@ -53,9 +53,13 @@ class StageProfile:
     mem_b: tuple[int, ...]
     """Largest rise of held bytes over an F (M_B)."""
     mem_w: tuple[int | None, ...]
-    """Largest bytes held after B until W (M_W), capped at M_B; None without split B."""
+    """Largest bytes held after B until W (M_W), capped at M_B unless ``recompute``; None
+    without split B."""
     host: dict[str, tuple[float | None, ...]]
     """Median host tail (ms) of each op (keys F, B, W, BW) per stage; None if it never ran."""
+    recompute: bool = False
+    """The stages checkpointed activations: F kept only their inputs and B rebuilt the
+    state W needs, so M_W may exceed M_B."""
 
     @property
     def num_stages(self) -> int:
@@ -75,9 +79,16 @@ def _median(s: OpStats | None) -> float:
 
 
 def stage_profile(
-    events: Sequence[TraceEvent], num_stages: int, *, skip_iterations: int = 1
+    events: Sequence[TraceEvent],
+    num_stages: int,
+    *,
+    skip_iterations: int = 1,
+    recompute: bool = False,
 ) -> StageProfile:
-    """Summarise a traced run; iterations below ``skip_iterations`` are warm-up and dropped."""
+    """Summarise a traced run; iterations below ``skip_iterations`` are warm-up and dropped.
+
+    ``recompute``: the run checkpointed activations (M_W is then not capped at M_B).
+    """
     kept = [e for e in events if e.iteration >= skip_iterations]
     samples: dict[tuple[str, int], list[float]] = defaultdict(list)
     tails = _host_tails(kept)
@@ -107,6 +118,7 @@ def stage_profile(
         return OpStats.of(got) if got else None
 
     mb = tuple(max(max(mem_b[s]), 0) for s in range(num_stages))
+    cap = [float("inf") if recompute else m for m in mb]
     return StageProfile(
         f=tuple(OpStats.of(samples["F", s]) for s in range(num_stages)),
         b=tuple(stats("B", s) for s in range(num_stages)),
@@ -114,7 +126,7 @@ def stage_profile(
         bw=tuple(stats("BW", s) for s in range(num_stages)),
         mem_b=mb,
         mem_w=tuple(
-            min(max(max(mem_w[s]), 0), mb[s]) if mem_w[s] else None for s in range(num_stages)
+            int(min(max(max(mem_w[s]), 0), cap[s])) if mem_w[s] else None for s in range(num_stages)
         ),
         host={
             op: tuple(
@@ -123,6 +135,7 @@ def stage_profile(
             )
             for op in COMPUTE_OPS
         },
+        recompute=recompute,
     )
 
 

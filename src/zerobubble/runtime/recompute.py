@@ -305,20 +305,25 @@ def run_checkpointed(
 
 
 class _LayerForward:
-    """A checkpointed module's forward: its own forward, as a region over its parameters."""
+    """A checkpointed module's forward: its own forward, as a region over its parameters.
 
-    def __init__(self, module: nn.Module, store: WeightGradStore) -> None:
+    Several chunks may run one module (a split and an unsplit chunk over the same
+    layers): each call's weight-gradient work goes to the store recording the forward.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self.store = store
+        self.stores: list[WeightGradStore] = []
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         m = self.module
         inner = type(m).forward
+        store = next((s for s in self.stores if s.recording is not None), None)
         # The parameters as they are now: inside an ancestor with the graph-level split
         # they are its aliases, so that B leaves them to that split's W (as without
         # checkpointing), which then recomputes this layer again.
         params = list(m.parameters())
-        return run_checkpointed(lambda *a, **k: inner(m, *a, **k), args, kwargs, params, self.store)
+        return run_checkpointed(lambda *a, **k: inner(m, *a, **k), args, kwargs, params, store)
 
 
 def install_layer_recompute(
@@ -327,18 +332,21 @@ def install_layer_recompute(
     """Checkpoint the layers ``plan`` selects in ``module``; returns their names.
 
     A layer's ``forward`` is overridden on the instance (parameters and state_dict
-    keys stay). Refused with ValueError: a layer that already has an instance
-    forward (wrapped twice), or one that carries the graph-level split itself
-    (its hooks run around the checkpointed call; checkpoint its parent instead).
+    keys stay); a layer already checkpointed (by another chunk over the same module)
+    is bound to ``store`` too. Refused with ValueError: a layer with an instance
+    forward of its own, or one that carries the graph-level split itself (its hooks
+    run around the checkpointed call; checkpoint its parent instead).
     """
     from zerobubble.runtime.split.fallback import GraphSplit
 
     names = []
     for name, m in plan.select(module):
-        if "forward" in m.__dict__:
+        forward = m.__dict__.get("forward")
+        if forward is not None and not isinstance(forward, _LayerForward):
             raise ValueError(
-                f"stage {stage}: layer {name!r} ({type(m).__name__}) already has its own "
-                "instance forward (checkpointed twice?); select it once"
+                f"stage {stage}: layer {name!r} ({type(m).__name__}) has an instance forward "
+                "of its own, which checkpointing would replace; wrap the layer in a module "
+                "instead"
             )
         if GraphSplit.of(m) is not None:
             raise ValueError(
@@ -346,6 +354,9 @@ def install_layer_recompute(
                 "split, which cannot be checkpointed itself; checkpoint the layer around it "
                 "or give it a split rule"
             )
-        m.forward = _LayerForward(m, store)
+        if forward is None:
+            forward = m.forward = _LayerForward(m)
+        if store not in forward.stores:
+            forward.stores.append(store)
         names.append(name)
     return names
