@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,7 +45,7 @@ KINDS = ("1f1b", "zb-h1", "zbv")
 MODES = ("none", "stage", "layers")
 
 
-def _collect(into: list[Tensor]):
+def _collect(into: list[Tensor]) -> Callable[[nn.Module, tuple], None]:
     """A forward pre-hook appending the layer's tensor inputs to ``into``."""
 
     def hook(_module: nn.Module, args: tuple) -> None:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 import zerobubble
+from zerobubble.cli import main
 from zerobubble.models.gpt import Block, GPTConfig, build_gpt, gpt_loss
 from zerobubble.runtime.chunk import StageChunk, storage_bytes
 from zerobubble.runtime.recompute import recompute_plan
@@ -24,6 +25,7 @@ from zerobubble.runtime.rng import StageRng
 from zerobubble.schedule.costs import CostModel, CostSpec, costs_from_mapping, parse_costs
 from zerobubble.schedule.simulate import simulate
 from zerobubble.schedule.validate import validate
+from zerobubble.train.config import ExecutorSection
 
 TIMEOUT = 600.0
 P = 3
@@ -214,6 +216,13 @@ def test_bad_recompute_setting_is_refused_with_the_choices():
     odd[0].forward = lambda x: x  # type: ignore[method-assign]
     with pytest.raises(ValueError, match=r"stage 1: layer '0' .* instance forward of its own"):
         StageChunk(odd, 1, 3, split=False, recompute="layers")
+
+
+def test_train_switch_is_checked_before_launching():
+    with pytest.raises(ValueError, match=r"executor\.recompute must be one of none, stage, layers"):
+        ExecutorSection(recompute="all")
+    assert ExecutorSection(recompute="layers").recompute == "layers"
+    assert main(["train", "--recompute", "all"]) == 2
 
 
 # ---- cost model ------------------------------------------------------------------------------
