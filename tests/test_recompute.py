@@ -19,11 +19,14 @@ from torch import Tensor, nn
 import zerobubble
 from zerobubble.cli import main
 from zerobubble.models.gpt import Block, GPTConfig, build_gpt, gpt_loss
+from zerobubble.profile.costs_file import Profile
+from zerobubble.profile.stages import stage_profile
 from zerobubble.runtime.chunk import StageChunk, storage_bytes
 from zerobubble.runtime.recompute import recompute_plan
 from zerobubble.runtime.rng import StageRng
 from zerobubble.schedule.costs import CostModel, CostSpec, costs_from_mapping, parse_costs
 from zerobubble.schedule.simulate import simulate
+from zerobubble.schedule.trace_format import TraceEvent
 from zerobubble.schedule.validate import validate
 from zerobubble.train.config import ExecutorSection
 
@@ -223,6 +226,22 @@ def test_train_switch_is_checked_before_launching():
         ExecutorSection(recompute="all")
     assert ExecutorSection(recompute="layers").recompute == "layers"
     assert main(["train", "--recompute", "all"]) == 2
+
+
+def test_profile_of_a_checkpointed_run_keeps_the_rebuilt_w_state():
+    """F kept 10 bytes, B rebuilt 40 for W: M_W is not capped at M_B, and the costs allow it."""
+
+    def event(op: str, start: int, before: int, after: int) -> TraceEvent:
+        return TraceEvent(0, 0, op, 0, 0, 0, start, start + 1_000_000, before, after)
+
+    events = [event("F", 0, 0, 10), event("B", 2_000_000, 10, 40), event("W", 4_000_000, 40, 0)]
+    capped = stage_profile(events, 1, skip_iterations=0)
+    assert (capped.mem_b, capped.mem_w) == ((10,), (10,))
+    st = stage_profile(events, 1, skip_iterations=0, recompute=True)
+    assert (st.mem_b, st.mem_w) == ((10,), (40,))
+    model = Profile(st, (0,)).cost_model()
+    assert model.recompute and (model.mem_f, model.mem_w) == ((10,), (40,))
+    assert model.memory_delta(zerobubble.Op.B, 0) == 30
 
 
 # ---- cost model ------------------------------------------------------------------------------
