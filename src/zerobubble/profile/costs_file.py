@@ -87,6 +87,7 @@ class Profile:
                 comm=self.comm,
                 mem_f=list(st.mem_b),
                 mem_w=[m if m is not None else 0 for m in st.mem_w],
+                recompute=st.recompute,
             )
         fu = self.fused
         fused_bw = None if fu is None else _every_stage(fu.bw)
@@ -98,7 +99,11 @@ class Profile:
             w=w,
             comm=self.comm,
             mem_f=list(fu.mem_b),
-            mem_w=[min(m or 0, mb) for m, mb in zip(st.mem_w, fu.mem_b, strict=True)],
+            mem_w=[
+                (m or 0) if st.recompute else min(m or 0, mb)
+                for m, mb in zip(st.mem_w, fu.mem_b, strict=True)
+            ],
+            recompute=st.recompute,
         )
 
     def _split(self) -> tuple[tuple[OpStats, ...], tuple[OpStats, ...]]:

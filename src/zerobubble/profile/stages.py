@@ -55,12 +55,16 @@ class StageProfile:
     w: tuple[OpStats | None, ...]
     bw: tuple[OpStats | None, ...]
     mem_b: tuple[int, ...]
-    """Largest bytes a microbatch holds from its F until B (M_B): the rise over F, or
-    the bytes held after B where B raises them."""
+    """Largest bytes a microbatch holds from its F until B (M_B): the rise over F, or (without
+    ``recompute``) the bytes held after B where B raises them."""
     mem_w: tuple[int | None, ...]
-    """Largest bytes held after B until W (M_W, <= M_B); None without split B."""
+    """Largest bytes held after B until W (M_W); <= M_B unless ``recompute``; None without
+    split B."""
     host: dict[str, tuple[float | None, ...]]
     """Median host tail (ms) of each op (keys F, B, W, BW) per stage; None if it never ran."""
+    recompute: bool = False
+    """The stages checkpointed activations: F kept only their inputs and B rebuilt the
+    state W needs, so M_W may exceed M_B."""
 
     @property
     def num_stages(self) -> int:
@@ -80,9 +84,17 @@ def _median(s: OpStats | None) -> float:
 
 
 def stage_profile(
-    events: Sequence[TraceEvent], num_stages: int, *, skip_iterations: int = 1
+    events: Sequence[TraceEvent],
+    num_stages: int,
+    *,
+    skip_iterations: int = 1,
+    recompute: bool = False,
 ) -> StageProfile:
-    """Summarise a traced run; iterations below ``skip_iterations`` are warm-up and dropped."""
+    """Summarise a traced run; iterations below ``skip_iterations`` are warm-up and dropped.
+
+    ``recompute``: the run checkpointed activations: M_B is F's rise alone (the checkpointed
+    inputs) and M_W, what B rebuilds for W, may exceed it.
+    """
     kept = [e for e in events if e.iteration >= skip_iterations]
     samples: dict[tuple[str, int], list[float]] = defaultdict(list)
     tails = _host_tails(kept)
@@ -101,7 +113,8 @@ def stage_profile(
         elif a.op == "B" and (e.iteration, a.stage, a.mb) in rise:
             after_b = rise[e.iteration, a.stage, a.mb] + delta
             mem_w[a.stage].append(after_b)
-            mem_b[a.stage].append(after_b)  # B may raise what F left: M_B covers both
+            if not recompute:  # B may raise what F left: M_B covers both
+                mem_b[a.stage].append(after_b)
     missing = [s for s in range(num_stages) if not samples.get(("F", s))]
     if missing:
         raise ValueError(
@@ -128,6 +141,7 @@ def stage_profile(
             )
             for op in COMPUTE_OPS
         },
+        recompute=recompute,
     )
 
 

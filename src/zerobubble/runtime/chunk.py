@@ -27,6 +27,12 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge, saved_tensors_hooks
 
+from zerobubble.runtime.recompute import (
+    Recompute,
+    install_layer_recompute,
+    recompute_plan,
+    run_checkpointed,
+)
 from zerobubble.runtime.shapes import map_tensors, tensor_leaves
 from zerobubble.runtime.split import (
     SplitRules,
@@ -103,6 +109,11 @@ class StageChunk:
         track_memory: Keep track of the tensors each microbatch's graph saves, so
             that :meth:`held_bytes` can count them. Costs a Python call per saved
             tensor in F and in B; without it :meth:`held_bytes` is unavailable.
+        recompute: Activation checkpointing (:mod:`~zerobubble.runtime.recompute`):
+            "none"; "stage" (F keeps only the stage's input, and on the last stage the
+            target; B recomputes the stage and its loss); "layers" (every direct child
+            of ``module`` keeps only its inputs); or a predicate ``(name, module) ->
+            bool`` choosing the layers. W is unchanged.
     """
 
     def __init__(
@@ -116,6 +127,7 @@ class StageChunk:
         split: bool = True,
         split_rules: SplitRules | None = None,
         track_memory: bool = True,
+        recompute: Recompute = "none",
     ) -> None:
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage {stage} is not in [0, num_stages={num_stages})")
@@ -140,6 +152,11 @@ class StageChunk:
         if message is not None:
             warnings.warn(message, stacklevel=2)
         self.track_memory = track_memory
+        plan = recompute_plan(recompute)
+        self.recompute = plan.mode
+        """"none", "stage" or "layers" (a predicate counts as "layers")."""
+        self.recomputed_layers = install_layer_recompute(self.module, plan, self.store, stage)
+        """Names of the checkpointed layers (empty unless "layers")."""
         self._params = list(self.module.parameters())
         # Without split layers a BW in microbatch order can let autograd add the
         # gradients itself (AccumulateGrad, as the reference does).
@@ -204,21 +221,19 @@ class StageChunk:
         self._held = None
         hooks = saved_tensors_hooks(pack, _identity) if self.track_memory else nullcontext()
         with torch.enable_grad(), hooks, self.store.record(self.stage, mb):
-            out = _call(self.module, args, kw)
+            if self.recompute == "stage":
+                call = (args, kw, target, num_items)
+                out = run_checkpointed(self._value, call, {}, self._params, self.store)
+            else:
+                out = self._value(args, kw, target, num_items)
             result = out
             if self.is_last:
-                assert self.loss_fn is not None and target is not None
-                if num_items is None:
-                    loss = self.loss_fn(out, target)
-                else:
-                    loss = self.loss_fn(out, target, num_items)
-                if not isinstance(loss, Tensor) or loss.dim() != 0:
-                    shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss)
+                if not isinstance(out, Tensor) or out.dim() != 0:
+                    shape = tuple(out.shape) if isinstance(out, Tensor) else type(out)
                     raise StageChunkError(
                         self.stage, mb, f"loss_fn must return a scalar tensor, got {shape}"
                     )
-                out = loss * loss_scale
-                result = loss
+                out = out * loss_scale
         grad_outs = [t for t in tensor_leaves(out) if t.requires_grad]
         # Keep each output's node, not its data, unless the loss (a scalar) or a
         # leaf that the stage passed through.
@@ -233,6 +248,16 @@ class StageChunk:
         if self.is_last:
             return result.detach()
         return map_tensors(result, _send_leaf)
+
+    def _value(self, args: tuple, kw: dict, target: Any, num_items: Any) -> Any:
+        """The stage's output, or on the last stage its loss (what "stage" recompute replays)."""
+        out = _call(self.module, args, kw)
+        if not self.is_last:
+            return out
+        assert self.loss_fn is not None and target is not None
+        if num_items is None:
+            return self.loss_fn(out, target)
+        return self.loss_fn(out, target, num_items)
 
     def backward_input(self, mb: int, grad_output: Any) -> Any:
         """B. Returns the gradient of the stage input: for a bare tensor input that

@@ -40,6 +40,7 @@ from zerobubble.runtime.chunk import LossFn, StageChunk, StageChunkError
 from zerobubble.runtime.comm import P2P, Channel, TensorMeta
 from zerobubble.runtime.host_memory import retain_freed_memory
 from zerobubble.runtime.microbatch import CountFn, batch_count, batch_size, loss_scales, split_tree
+from zerobubble.runtime.recompute import Recompute, recompute_plan
 from zerobubble.runtime.rng import StageRng
 from zerobubble.runtime.shapes import (
     Layout,
@@ -170,12 +171,19 @@ class ExecutorOptions:
     :func:`~zerobubble.runtime.reference.reference_step` given the same seed. Every rank
     must use the same seed."""
 
+    recompute: Recompute = "none"
+    """Activation checkpointing of the stages the executor wraps (``StageChunk(recompute=)``,
+    see :mod:`~zerobubble.runtime.recompute`): "none", "stage", "layers" or a predicate
+    ``(layer name, module) -> bool``. F keeps only the checkpointed inputs; B recomputes
+    (with F's generator state: dropout draws the same) and keeps what W needs."""
+
     def __post_init__(self) -> None:
         if not self.comm_timeout_s > 0:
             raise ValueError(f"comm_timeout_s must be > 0 seconds, got {self.comm_timeout_s}")
         if self.recv_lookahead < 0:
             raise ValueError(f"recv_lookahead must be >= 0, got {self.recv_lookahead}")
         StageRng(self.seed, "cpu")  # a seed out of range is refused here
+        recompute_plan(self.recompute)  # and a recompute setting that is not one
 
 
 class PipelineExecutor:
@@ -319,6 +327,7 @@ class PipelineExecutor:
             loss_fn=loss_fn if s == S - 1 else None,
             split=split,
             track_memory=self.options.trace,
+            recompute=self.options.recompute,
         )
 
     def load_program(self, program: Sequence[ProgramItem]) -> None:

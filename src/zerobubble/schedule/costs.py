@@ -9,6 +9,12 @@ needs, M_B); B keeps ``mem_w[s]`` of it (the state W needs, M_W) and frees the
 rest; W frees ``mem_w[s]``; BW frees all of ``mem_f[s]``. With the defaults a
 device's units are "one microbatch's activations over all of that device's
 layers", so a device holding v chunks allocates 1/v per chunk F.
+
+Activation checkpointing (:meth:`CostModel.with_recompute`) changes three terms:
+F keeps only the checkpointed inputs (``mem_f`` becomes what they take), B runs
+the forward again before the input gradient (``b`` grows by the recomputed part
+of ``f``) and rebuilds what W needs (``mem_w`` is unchanged, and may now exceed
+``mem_f``: B allocates ``mem_w - mem_f``).
 """
 
 from __future__ import annotations
@@ -50,7 +56,10 @@ class CostModel:
         comm: Latency added to every dependency that crosses devices. It delays
             the consumer but does not occupy either device's compute.
         mem_f: Memory an F allocates (M_B of the stage).
-        mem_w: Memory still held after B until W (M_W of the stage, <= mem_f).
+        mem_w: Memory still held after B until W (M_W of the stage, <= mem_f unless
+            ``recompute``).
+        recompute: B recomputes the forward (see :meth:`with_recompute`), so it may
+            allocate: ``mem_w`` may exceed ``mem_f``.
     """
 
     f: tuple[Number, ...]
@@ -59,6 +68,7 @@ class CostModel:
     comm: Number = 0
     mem_f: tuple[Number, ...] = ()
     mem_w: tuple[Number, ...] = ()
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.f)
@@ -81,7 +91,7 @@ class CostModel:
         if not math.isfinite(float(self.comm)) or self.comm < 0:
             raise ValueError(f"comm={self.comm} must be a finite number >= 0")
         for s, (mf, mw) in enumerate(zip(self.mem_f, self.mem_w, strict=True)):
-            if mw > mf:
+            if mw > mf and not self.recompute:
                 raise ValueError(
                     f"mem_w[{s}]={mw} exceeds mem_f[{s}]={mf}: W cannot hold more than F allocated"
                 )
@@ -113,6 +123,37 @@ class CostModel:
             w=pick("w"),
             mem_f=pick("mem_f"),
             mem_w=pick("mem_w"),
+            recompute=self.recompute or other.recompute,
+        )
+
+    def with_recompute(
+        self, kept: Sequence[Number], share: Number | Sequence[Number] = 1
+    ) -> CostModel:
+        """The costs under activation checkpointing, derived from the plain ones.
+
+        ``kept[s]``: what stage s's F keeps per microbatch (the checkpointed inputs, in
+        ``mem_f``'s units); ``share``: the fraction of F's work that B recomputes (1 for
+        a whole stage; for checkpointed layers, their part of F), per stage or for all.
+        Then ``b' = b + share * f`` (so BW costs ``b + share * f + w``), ``mem_f' = kept``
+        and ``mem_w`` stays: B rebuilds exactly the state W needs, so B allocates
+        ``mem_w - kept`` where that is positive. F and W are unchanged.
+        """
+        n = self.num_stages
+        shares = [share] * n if not isinstance(share, Sequence) else list(share)
+        for name, xs in (("kept", kept), ("share", shares)):
+            if len(xs) != n:
+                raise ValueError(
+                    f"with_recompute: {name!r} has {len(xs)} entries, expected one per "
+                    f"virtual stage ({n})"
+                )
+        for s, x in enumerate(shares):
+            if not 0 <= x <= 1:
+                raise ValueError(f"with_recompute: share[{s}]={x} must be in [0, 1]")
+        return replace(
+            self,
+            b=tuple(b + x * f for b, x, f in zip(self.b, shares, self.f, strict=True)),
+            mem_f=tuple(kept),
+            recompute=True,
         )
 
     def duration(self, op: Op, stage: int) -> Number:
@@ -184,12 +225,15 @@ class CostModel:
         comm: Number = 0,
         mem_f: Sequence[Number] | None = None,
         mem_w: Sequence[Number] | None = None,
+        recompute: bool = False,
     ) -> CostModel:
         """Costs given as one value per virtual stage (e.g. from a profile)."""
-        return cls(tuple(f), tuple(b), tuple(w), comm, tuple(mem_f or ()), tuple(mem_w or ()))
+        return cls(
+            tuple(f), tuple(b), tuple(w), comm, tuple(mem_f or ()), tuple(mem_w or ()), recompute
+        )
 
     def to_dict(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "F": [float(x) for x in self.f],
             "B": [float(x) for x in self.b],
             "W": [float(x) for x in self.w],
@@ -197,6 +241,9 @@ class CostModel:
             "mem_B": [float(x) for x in self.mem_f],
             "mem_W": [float(x) for x in self.mem_w],
         }
+        if self.recompute:
+            out["recompute"] = True
+        return out
 
 
 @dataclass(frozen=True)
@@ -214,6 +261,9 @@ class CostSpec:
     mem_w: Number = 0.5
     stage_costs: CostModel | None = None
     mem_limit: Number | None = None
+    recompute: Number | None = None
+    """Whole-stage activation checkpointing: F keeps this fraction of its M_B and B
+    recomputes F (:meth:`CostModel.with_recompute`); None: no checkpointing."""
 
     def resolve(self, placement: Sequence[int]) -> CostModel:
         if self.stage_costs is not None:
@@ -223,10 +273,14 @@ class CostSpec:
                     f"but the schedule has {len(placement)}; regenerate the profile for this "
                     "partition or pick a schedule with that many stages"
                 )
-            return self.stage_costs
-        return CostModel.from_device_totals(
-            placement, self.F, self.B, self.W, self.comm, self.mem_w
-        )
+            model = self.stage_costs
+        else:
+            model = CostModel.from_device_totals(
+                placement, self.F, self.B, self.W, self.comm, self.mem_w
+            )
+        if self.recompute is None:
+            return model
+        return model.with_recompute([self.recompute * m for m in model.mem_f])
 
 
 def parse_costs(text: str, mem_w: Number | None = None) -> CostSpec:
@@ -235,10 +289,11 @@ def parse_costs(text: str, mem_w: Number | None = None) -> CostSpec:
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, raw = part.partition("=")
         key = key.strip()
-        if not sep or key not in {"F", "B", "W", "comm"}:
+        if not sep or key not in {"F", "B", "W", "comm", "recompute"}:
             raise ValueError(
-                f"cannot parse cost {part!r}: expected KEY=NUMBER with KEY one of F, B, W, comm "
-                "(e.g. --costs F=1,B=1,W=0.5,comm=0.1)"
+                f"cannot parse cost {part!r}: expected KEY=NUMBER with KEY one of F, B, W, comm, "
+                "recompute (e.g. --costs F=1,B=1,W=0.5,comm=0.1; recompute=0.05: F keeps 5% "
+                "of its activations and B recomputes it)"
             )
         values[key] = x = _parse_number(raw.strip(), part)
         if not (math.isfinite(x) and x >= 0):
@@ -249,6 +304,7 @@ def parse_costs(text: str, mem_w: Number | None = None) -> CostSpec:
         B=values.get("B", default.B),
         W=values.get("W", default.W),
         comm=values.get("comm", default.comm),
+        recompute=values.get("recompute"),
     )
     if spec.F + spec.B + spec.W == 0:
         raise ValueError(
@@ -273,7 +329,8 @@ def load_costs_file(path: str | Path) -> CostSpec:
     """Read a per-stage costs JSON (the profiler writes this format).
 
     Keys: ``F``, ``B``, ``W`` (arrays, one per virtual stage), optional
-    ``comm`` (number), ``mem_B`` / ``mem_W`` (arrays) and ``mem_limit``.
+    ``comm`` (number), ``mem_B`` / ``mem_W`` (arrays), ``mem_limit`` and ``recompute``
+    (true: the stages checkpoint activations, so ``mem_W`` may exceed ``mem_B``).
     """
     return costs_from_mapping(read_json(path), source=str(path))
 
@@ -306,8 +363,13 @@ def costs_from_mapping(data: object, source: str = "costs") -> CostSpec:
 
     f, b, w, comm = array("F"), array("B"), array("W"), number("comm")
     mem_f, mem_w = optional_array("mem_B"), optional_array("mem_W")
+    recompute = data.get("recompute", False)
+    if not isinstance(recompute, bool):
+        raise ValueError(f"{source}: 'recompute' must be true or false, got {recompute!r:.60}")
     try:
-        model = CostModel.per_stage(f, b, w, 0 if comm is None else comm, mem_f, mem_w)
+        model = CostModel.per_stage(
+            f, b, w, 0 if comm is None else comm, mem_f, mem_w, recompute=recompute
+        )
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from None
     if not any(model.f) and not any(model.b) and not any(model.w):

@@ -19,6 +19,11 @@ NOT_AN_OPTION = MappingProxyType({"option": False})
 """Field metadata of what the job sets itself: neither a flag nor a TOML key."""
 
 
+RECOMPUTE = ("none", "stage", "layers")
+"""The activation-checkpointing settings of :class:`ExecutorSection` (see
+:mod:`zerobubble.runtime.recompute`)."""
+
+
 def aliases(*flags: str) -> dict[str, tuple[str, ...]]:
     """Field metadata: flags that predate the sections and set the field too."""
     return {"aliases": flags}
@@ -135,7 +140,9 @@ class ScheduleSection:
     """Activation bytes per device the plan may hold; none: mem_ratio x 1F1B's peak
     predicted from the profile."""
     mem_ratio: float = field(default=1.5, metadata=aliases("--mem-ratio"))
-    """Without mem_limit: the limit as this multiple of 1F1B's predicted activation peak."""
+    """Without mem_limit: the limit as this multiple of 1F1B's predicted activation peak
+    (with recompute, of the larger of that peak and one microbatch's M_W, which every B
+    rebuilds)."""
 
     def __post_init__(self) -> None:
         if self.devices < 2:
@@ -162,6 +169,11 @@ class ExecutorSection:
     """Longest wait on a peer, in seconds, before failing with an error naming it."""
     recv_lookahead: int = 2
     """How many compute actions before its consumer a receive is posted."""
+    recompute: str = field(default="none", metadata=aliases("--recompute"))
+    """Activation checkpointing of every phase's stages: none; stage (F keeps each
+    stage's input, B recomputes the stage); layers (F keeps each layer's input, B
+    recomputes the layers). W is unchanged; the plan costs B one forward more and M_B
+    the kept inputs (measured)."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.comm_timeout_s) and self.comm_timeout_s > 0):
@@ -170,6 +182,11 @@ class ExecutorSection:
             )
         if self.recv_lookahead < 0:
             raise ValueError(f"executor.recv_lookahead must be >= 0, got {self.recv_lookahead}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(
+                f"executor.recompute must be one of {', '.join(RECOMPUTE)}, got "
+                f"{self.recompute!r}; pass --recompute none, stage or layers"
+            )
 
 
 @dataclass(frozen=True)

@@ -103,13 +103,21 @@ def print_summary(result: JobResult, console: Console | None = None) -> None:
         con.print(f"{what}: {path}", highlight=False)
 
 
+def _recompute_note(result: JobResult) -> str:
+    """The activation-checkpointing setting, for the titles of the measured tables."""
+    mode = result.config.executor.recompute
+    if mode == "none":
+        return ""
+    return f"; recompute={mode}: B includes the recomputed forward, M_B is what F keeps"
+
+
 def _profile_table(result: JobResult, con: Console) -> None:
     prof = result.profile
     st = prof.stages
     bounds = prof.boundaries or ()
     table = Table(
         title=f"stage profile (ms: median/p95; host: median host work after each op; "
-        f"{result.config.job.warmup} warm-up step dropped)",
+        f"{result.config.job.warmup} warm-up step dropped{_recompute_note(result)})",
         title_justify="left",
     )
     fu = prof.fused
@@ -199,7 +207,7 @@ def _schedule_table(result: JobResult, con: Console) -> None:
     table = Table(
         title=f"schedules (P={cfg.schedule.devices}, M={cfg.schedule.microbatches}; "
         f"median of {cfg.job.steps} steps "
-        "each, taking turns; pred. = simulated from the profile)",
+        f"each, taking turns; pred. = simulated from the profile{_recompute_note(result)})",
         title_justify="left",
     )
     cols = (

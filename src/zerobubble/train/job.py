@@ -71,6 +71,7 @@ from zerobubble.schedule.costs import CostModel, CostSpec
 from zerobubble.schedule.generators import generate, one_f_one_b
 from zerobubble.schedule.ir import Op, Schedule
 from zerobubble.schedule.passes import fuse_local_backward
+from zerobubble.schedule.search.graph import min_feasible_limit
 from zerobubble.schedule.simulate import SimResult, simulate
 from zerobubble.schedule.trace_check import TraceReport, check_trace
 from zerobubble.schedule.trace_format import TraceEvent, write_chrome_trace, write_jsonl
@@ -297,6 +298,11 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
         f"files, {len(ctx.corpus.tokens):,} characters; P={P} ranks, "
         f"M={cfg.schedule.microbatches} microbatches of {shape} tokens"
     )
+    if cfg.executor.recompute != "none":
+        ctx.say(
+            f"activation checkpointing: {cfg.executor.recompute} (F keeps the checkpointed "
+            "inputs, B recomputes the forward; profiled and planned with it)"
+        )
 
     # 1. Per-layer costs on rank 0, the same cut everywhere.
     def layer_profile() -> LayerProfile:
@@ -315,7 +321,7 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     # 2. Profile: 1F1B and ZB-H1 take turns step by step on the balanced cut (and train).
     base = one_f_one_b(P, cfg.schedule.microbatches)
     mods = build_stage_modules(layers, base, ctx.rank, boundaries=balanced, device=ctx.device)
-    chunks = _chunks(mods, P, model)
+    chunks = _chunks(mods, P, model, cfg.executor.recompute)
     tied = ctx.tied = _tied_groups(ctx, mods, balanced, base)
     skip = tied.secondary()  # a rank holding two replicas of a tie steps its memory once
     opt = torch.optim.AdamW(
@@ -379,6 +385,7 @@ def _options(cfg: TrainConfig, *, fuse: bool = False, seed: int = 0) -> Executor
         recv_lookahead=ex.recv_lookahead,
         fuse_local_backward=fuse,
         seed=seed,
+        recompute=ex.recompute,  # type: ignore[arg-type]  # checked by ExecutorSection
     )
 
 
@@ -438,7 +445,7 @@ def _measure_cut(ctx: _Ctx, layers: list[nn.Module], cut: tuple[int, ...]) -> tu
 
 
 def _chunks(
-    mods: Mapping[int, nn.Module], num_stages: int, model: JobModel
+    mods: Mapping[int, nn.Module], num_stages: int, model: JobModel, recompute: str = "none"
 ) -> dict[bool, dict[int, StageChunk]]:
     """Per stage one B/W-split chunk and one unsplit chunk over the same modules.
 
@@ -456,6 +463,7 @@ def _chunks(
                 num_stages,
                 loss_fn=model.loss_fn if s == num_stages - 1 else None,
                 split=split,
+                recompute=recompute,  # type: ignore[arg-type]  # checked by ExecutorSection
             )
             for s, m in mods.items()
         }
@@ -582,14 +590,17 @@ def _plan(
     cfg = ctx.cfg
     f1b, zbh1 = profiled
     S = base.num_stages
-    split = stage_profile(zbh1, S, skip_iterations=cfg.job.warmup)
-    full = stage_profile(f1b, S, skip_iterations=cfg.job.warmup)
+    rc = cfg.executor.recompute != "none"  # measured: B includes the recomputation
+    split = stage_profile(zbh1, S, skip_iterations=cfg.job.warmup, recompute=rc)
+    full = stage_profile(f1b, S, skip_iterations=cfg.job.warmup, recompute=rc)
     lat = tuple((s, latency[a, b]) for s, a, b in boundary_pairs(base.placement))
     prof = Profile(split, base.placement, lat, lp, balanced, None, cfg.job.warmup, fused=full)
     costs = prof.cost_model()
     limit = cfg.schedule.mem_limit
     if limit is None:
         peak_1f1b = max(float(m) for m in simulate(base, prof.cost_model(fused=True)).peak_memory)
+        if rc:  # the model's 1F1B frees in BW what F kept; its B rebuilt one M_W at least
+            peak_1f1b = max(peak_1f1b, float(min_feasible_limit(base.placement, costs)))
         limit = int(cfg.schedule.mem_ratio * peak_1f1b)
     prof = replace(prof, mem_limit=limit)
     try:

@@ -138,8 +138,10 @@ def min_feasible_limit(placement: Sequence[int], costs: CostModel) -> Number:
     A microbatch's forwards on one device all stay alive until its backward
     reaches that device again, so each device must hold one microbatch's M_B
     for all its stages at once; running one microbatch at a time needs no more.
+    Under recompute a B may rebuild more than its F kept (M_W > M_B): a stage then
+    counts the larger of the two (an upper bound, exact with one stage per device).
     """
     need: dict[int, Number] = {}
     for s, d in enumerate(placement):
-        need[d] = need.get(d, 0) + costs.mem_f[s]
+        need[d] = need.get(d, 0) + max(costs.mem_f[s], costs.mem_w[s])
     return max(need.values())

@@ -130,8 +130,13 @@ class _Builder:
         self.b = [float(x) for x in costs.b]
         self.w = [float(x) for x in costs.w]
         comm = float(costs.comm)
-        self.mem_f = [float(x) for x in costs.mem_f]
-        self.mem_b = [float(costs.memory_delta(Op.B, s)) for s in range(S)]
+        # Under recompute B may allocate (M_W > M_B): an F then reserves what its B will
+        # hold, so that admitting F at the limit never lets a later B exceed it.
+        self.mem_f = [float(max(f, w)) for f, w in zip(costs.mem_f, costs.mem_w, strict=True)]
+        self.mem_b = [
+            float(costs.memory_delta(Op.B, s)) if w <= f else float(w) - self.mem_f[s]
+            for s, (f, w) in enumerate(zip(costs.mem_f, costs.mem_w, strict=True))
+        ]
         self.mem_w = [float(costs.memory_delta(Op.W, s)) for s in range(S)]
         self.limit = limit + 1e-10 * max(1.0, abs(limit))
         self.stages: list[list[int]] = [[] for _ in range(P)]
