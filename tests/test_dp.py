@@ -1,0 +1,248 @@
+"""Pipeline x data parallel on a (pp, dp) mesh: gloo ranks against single-process references.
+
+One 4-rank launch (dp=2 x pp=2) trains every kind (1f1b, zb-h1, zbv, zb-auto) for 3
+AdamW steps with clipping: losses and parameters must be bitwise those of the
+documented reduction order (each replica's microbatch gradients accumulated as the
+pipeline does, then summed over the replicas, g_0 + g_1) and within 1e-6 of plain
+full-batch training. The same launch checks the mesh's bad input and the trace.
+A second launch kills a dp peer mid-step: the survivors name the rank and dim 'dp'.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+import zerobubble
+from zerobubble.models import build_mlp, mlp_loss
+from zerobubble.runtime.launcher import LaunchError, init_distributed, launch
+from zerobubble.runtime.mesh import build_mesh, pipeline_ranks
+from zerobubble.runtime.microbatch import split_batch
+from zerobubble.schedule.dp import insert_grad_reduce
+from zerobubble.schedule.errors import ScheduleError
+from zerobubble.schedule.generators import generate
+from zerobubble.schedule.ir import Op
+from zerobubble.schedule.lowering import (
+    Compute,
+    ReduceGrads,
+    WaitReduce,
+    lower,
+    validate_lowered,
+)
+from zerobubble.schedule.trace_check import check_trace
+
+KINDS = ("1f1b", "zb-h1", "zbv", "zb-auto")
+SIZES = (5, 7, 7, 7, 7, 7, 7, 7, 3)  # 8 layers: 4 stages of zbv at P=2
+M, LOCAL, STEPS, MAX_NORM = 4, 8, 3, 0.05
+TIMEOUT = 240.0
+
+
+def batches(dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    n = LOCAL * dp
+    return [(torch.randn(n, 5, generator=gen), torch.randn(n, 3, generator=gen)) for _ in range(3)]
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+# ---- inside the ranks ----------------------------------------------------------------------
+
+
+def train_all_kinds(pp: int, dp: int, kinds: tuple[str, ...]) -> dict:
+    init_distributed()
+    mesh = build_mesh(pp, dp)
+    out: dict = {"pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank, "errors": {}}
+    for name, bad in (("world", lambda: build_mesh(pp + 1, dp)),):
+        try:
+            bad()
+        except ValueError as e:
+            out["errors"][name] = str(e)
+    try:
+        zerobubble.Pipeline(build_mlp(SIZES), mlp_loss, generate("1f1b", pp + 1, M), mesh=mesh)
+    except ValueError as e:
+        out["errors"]["pp"] = str(e)
+    for kind in kinds:
+        pipe = zerobubble.Pipeline(build_mlp(SIZES), mlp_loss, kind, microbatches=M, mesh=mesh)
+        pipe.set_optimizer(adamw(pipe.parameters()), zerobubble.OptimConfig(max_norm=MAX_NORM))
+        losses = []
+        for x, y in batches(dp):
+            part = slice(mesh.dp_rank * LOCAL, (mesh.dp_rank + 1) * LOCAL)
+            got = pipe.step(x[part], target=y[part])
+            if got is not None:
+                losses.append(torch.stack(got))
+        pipe.drain()
+        out[kind] = {
+            # numpy: tensors would travel as shared memory that dies with the rank
+            "params": {n: p.detach().numpy().copy() for n, p in pipe.named_parameters()},
+            "losses": [t.numpy() for t in losses],
+            "norm": pipe.trainer.last_commit.total_norm,
+            "trace": list(pipe.executor.trace.events),
+        }
+    return out
+
+
+def die_mid_step() -> None:
+    init_distributed()
+    mesh = build_mesh(2, 2)
+    options = zerobubble.ExecutorOptions(comm_timeout_s=30.0)
+    pipe = zerobubble.Pipeline(
+        build_mlp(SIZES), mlp_loss, "zb-h1", microbatches=M, mesh=mesh, options=options
+    )
+    pipe.set_optimizer(adamw(pipe.parameters()))
+    if int(os.environ["RANK"]) == 1:
+        assert pipe.executor.reducer is not None
+        pipe.executor.reducer.launch = lambda stage, iteration: os._exit(3)
+    x, y = batches(2)[0]
+    pipe.step(x[:LOCAL], target=y[:LOCAL])
+
+
+# ---- references ----------------------------------------------------------------------------
+
+
+def dp_reference(dp: int) -> tuple[dict[str, torch.Tensor], list[list[torch.Tensor]]]:
+    """The documented order: per replica, microbatch grads accumulated in order with the
+    global batch's scales n_j / N; then summed over replicas in rank order; clip; AdamW."""
+    model = build_mlp(SIZES)
+    replicas = [copy.deepcopy(model) for _ in range(dp)]
+    opt = adamw(model.parameters())
+    losses: list[list[torch.Tensor]] = [[] for _ in range(dp)]
+    for x, y in batches(dp):
+        summed: dict[str, torch.Tensor] = {}
+        for r, rep in enumerate(replicas):
+            rep.load_state_dict(model.state_dict())
+            rep.zero_grad(set_to_none=True)
+            part = slice(r * LOCAL, (r + 1) * LOCAL)
+            mbs = zip(split_batch(x[part], M), split_batch(y[part], M), strict=True)
+            step_losses = []
+            for xj, yj in mbs:
+                loss = mlp_loss(rep(xj), yj)
+                (loss * (len(xj) / (LOCAL * dp))).backward()
+                step_losses.append(loss.detach())
+            losses[r].append(torch.stack(step_losses))
+            for n, p in rep.named_parameters():
+                summed[n] = p.grad.clone() if r == 0 else summed[n] + p.grad
+        for n, p in model.named_parameters():
+            p.grad = summed[n]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}, losses
+
+
+def full_batch_reference(dp: int) -> dict[str, torch.Tensor]:
+    model = build_mlp(SIZES)
+    opt = adamw(model.parameters())
+    for x, y in batches(dp):
+        model.zero_grad(set_to_none=True)
+        mlp_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def check_against_references(results: list[dict], pp: int, dp: int, kinds) -> list[str]:
+    exact, ref_losses = dp_reference(dp)
+    plain = full_batch_reference(dp)
+    bad = []
+    for kind in kinds:
+        for r in results:
+            got = r[kind]
+            where = f"{kind} pp{r['pp_rank']} dp{r['dp_rank']}"
+            for n, array in got["params"].items():
+                p = torch.from_numpy(array)
+                if not torch.equal(p, exact[n]):
+                    bad.append(f"{where}: {n} differs from the dp reference")
+                if not torch.allclose(p, plain[n], rtol=0, atol=1e-6):
+                    bad.append(f"{where}: {n} not within 1e-6 of full-batch training")
+            if got["losses"]:
+                want = ref_losses[r["dp_rank"]]
+                if not all(map(torch.equal, map(torch.from_numpy, got["losses"]), want)):
+                    bad.append(f"{where}: losses {got['losses']} != {want}")
+            if not got["norm"] > MAX_NORM:
+                bad.append(f"{where}: norm {got['norm']} does not clip")
+        names = {n for r in results for n in r[kind]["params"]}
+        if names != set(exact):
+            bad.append(f"{kind}: parameters {sorted(names)} are not the model's")
+        for pipeline in pipeline_ranks(pp, dp):
+            events = [e for g in pipeline for e in results[g][kind]["trace"]]
+            report = check_trace(events)
+            if not report.ok:
+                bad.append(f"{kind} pipeline {pipeline}: trace check: {report.first}")
+            stages = sorted(e.stage for e in events if e.op == "reduce_grads")
+            want = sorted(list(range(generate(kind, pp, M).num_stages)) * STEPS)
+            if stages != want:
+                bad.append(f"{kind}: reduce_grads of stages {stages}, want {want}")
+    return bad
+
+
+# ---- tests ---------------------------------------------------------------------------------
+
+
+def test_dp2_pp2_every_kind_matches_the_references_and_refuses_bad_meshes():
+    results = launch(train_all_kinds, 4, 2, 2, KINDS, timeout=TIMEOUT)
+    assert [(r["pp_rank"], r["dp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert check_against_references(results, 2, 2, KINDS) == []
+    for r in results:
+        assert r["errors"]["world"] == (
+            "the world has 4 ranks but the mesh pp=3 x dp=2 needs 6; launch pp*dp = 6 "
+            "processes or change --pp/--dp"
+        )
+        assert r["errors"]["pp"].startswith(
+            "schedule '1f1b' has 3 devices but the mesh's 'pp' dim has 2 ranks (mesh pp=2 x dp=2)"
+        )
+
+
+@pytest.mark.slow
+def test_dp2_pp3_zbv_matches_the_references():
+    results = launch(train_all_kinds, 6, 3, 2, ("zbv",), timeout=TIMEOUT)
+    assert check_against_references(results, 3, 2, ("zbv",)) == []
+
+
+def test_a_dp_peer_that_dies_is_named_with_the_dim():
+    with pytest.raises(LaunchError) as info:
+        launch(die_mid_step, 4, timeout=TIMEOUT, grace=40.0)
+    failures = {f.rank: f for f in info.value.failures}
+    assert info.value.failures[0].rank == 1 and failures[1].exitcode == 3
+    # Rank 0 (rank 1's dp peer, stage 0) was reducing when its peer vanished.
+    err = failures[0].error
+    assert "PeerError: rank 0: all-reduce of stage 0's gradients over dim 'dp'" in err, err
+    assert "in the collective over ranks [0, 1]" in err, err
+
+
+# ---- the pass (torch-free) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1", "zbv", "v-min"])
+def test_reduce_follows_each_stage_last_weight_gradient(kind):
+    sched = generate(kind, 3, 6)
+    lowered = insert_grad_reduce(lower(sched))
+    validate_lowered(lowered)
+    for d, prog in enumerate(lowered.programs):
+        assert isinstance(prog[-1], WaitReduce)
+        for s in sched.stages_of_device[d]:
+            at = prog.index(ReduceGrads(s))
+            weights = [
+                i
+                for i, ins in enumerate(prog)
+                if isinstance(ins, Compute)
+                and ins.action.stage == s
+                and ins.action.op in (Op.W, Op.BW)
+            ]
+            assert at > max(weights) and len(weights) == 6
+            assert all(not isinstance(ins, Compute) for ins in prog[max(weights) + 1 : at]), (
+                "only the compute's send may come between"
+            )
+
+
+def test_validate_lowered_refuses_an_early_reduce():
+    lowered = insert_grad_reduce(lower(generate("zb-h1", 3, 4)))
+    prog = list(lowered.programs[1])
+    at = prog.index(ReduceGrads(1))
+    prog.insert(at - 3, prog.pop(at))
+    bad = type(lowered)(lowered.schedule, (lowered.programs[0], tuple(prog), lowered.programs[2]))
+    with pytest.raises(ScheduleError, match=r"reduces stage 1's gradients after 2 of its 4"):
+        validate_lowered(bad)
