@@ -10,7 +10,6 @@ A second launch kills a dp peer mid-step: the survivors name the rank and dim 'd
 
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
@@ -20,7 +19,7 @@ import zerobubble
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.runtime.launcher import LaunchError, init_distributed, launch
 from zerobubble.runtime.mesh import build_mesh, pipeline_ranks
-from zerobubble.runtime.microbatch import split_batch
+from zerobubble.runtime.reference import dp_reference_step
 from zerobubble.schedule.dp import insert_grad_reduce
 from zerobubble.schedule.errors import ScheduleError
 from zerobubble.schedule.generators import generate
@@ -53,7 +52,7 @@ def adamw(params) -> torch.optim.Optimizer:
 # ---- inside the ranks ----------------------------------------------------------------------
 
 
-def train_all_kinds(pp: int, dp: int, kinds: tuple[str, ...]) -> dict:
+def train_all_kinds(pp: int, dp: int, kinds: tuple[str, ...], with_modes: bool) -> dict:
     init_distributed()
     mesh = build_mesh(pp, dp)
     out: dict = {"pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank, "errors": {}}
@@ -66,17 +65,30 @@ def train_all_kinds(pp: int, dp: int, kinds: tuple[str, ...]) -> dict:
         zerobubble.Pipeline(build_mlp(SIZES), mlp_loss, generate("1f1b", pp + 1, M), mesh=mesh)
     except ValueError as e:
         out["errors"]["pp"] = str(e)
-    for kind in kinds:
-        pipe = zerobubble.Pipeline(build_mlp(SIZES), mlp_loss, kind, microbatches=M, mesh=mesh)
-        pipe.set_optimizer(adamw(pipe.parameters()), zerobubble.OptimConfig(max_norm=MAX_NORM))
+    runs = [(kind, kind, "sync", False) for kind in kinds]
+    if with_modes:  # a NaN on replica 1 in step 1 must skip that step on every rank
+        runs += [(f"nan-{m}", "zb-h1", m, False) for m in ("conservative", "speculative")]
+        runs.append(("zbv-directed", "zbv", "sync", True))
+    for name, kind, mode, directed in runs:
+        options = zerobubble.ExecutorOptions(directed_groups=directed)
+        pipe = zerobubble.Pipeline(
+            build_mlp(SIZES), mlp_loss, kind, microbatches=M, mesh=mesh, options=options
+        )
+        config = zerobubble.OptimConfig(mode=mode, max_norm=MAX_NORM)
+        commits: list = []
+        pipe.set_optimizer(adamw(pipe.parameters()), config).on_commit = commits.append
         losses = []
-        for x, y in batches(dp):
+        for k, (x, y) in enumerate(batches(dp)):
             part = slice(mesh.dp_rank * LOCAL, (mesh.dp_rank + 1) * LOCAL)
-            got = pipe.step(x[part], target=y[part])
+            x = x[part].clone()
+            if name.startswith("nan") and k == 1 and mesh.dp_rank == 1:
+                x[0, 0] = float("nan")
+            got = pipe.step(x, target=y[part])
             if got is not None:
                 losses.append(torch.stack(got))
         pipe.drain()
-        out[kind] = {
+        out[name] = {
+            "commits": [(c.iteration, str(c.action)) for c in commits],
             # numpy: tensors would travel as shared memory that dies with the rank
             "params": {n: p.detach().numpy().copy() for n, p in pipe.named_parameters()},
             "losses": [t.numpy() for t in losses],
@@ -104,30 +116,23 @@ def die_mid_step() -> None:
 # ---- references ----------------------------------------------------------------------------
 
 
-def dp_reference(dp: int) -> tuple[dict[str, torch.Tensor], list[list[torch.Tensor]]]:
-    """The documented order: per replica, microbatch grads accumulated in order with the
-    global batch's scales n_j / N; then summed over replicas in rank order; clip; AdamW."""
+def dp_reference(
+    dp: int, skip: tuple[int, ...] = ()
+) -> tuple[dict[str, torch.Tensor], list[list[torch.Tensor]]]:
+    """The documented order (:func:`dp_reference_step`), clipping, AdamW (not in the
+    steps of ``skip``)."""
     model = build_mlp(SIZES)
-    replicas = [copy.deepcopy(model) for _ in range(dp)]
     opt = adamw(model.parameters())
     losses: list[list[torch.Tensor]] = [[] for _ in range(dp)]
-    for x, y in batches(dp):
-        summed: dict[str, torch.Tensor] = {}
-        for r, rep in enumerate(replicas):
-            rep.load_state_dict(model.state_dict())
-            rep.zero_grad(set_to_none=True)
-            part = slice(r * LOCAL, (r + 1) * LOCAL)
-            mbs = zip(split_batch(x[part], M), split_batch(y[part], M), strict=True)
-            step_losses = []
-            for xj, yj in mbs:
-                loss = mlp_loss(rep(xj), yj)
-                (loss * (len(xj) / (LOCAL * dp))).backward()
-                step_losses.append(loss.detach())
-            losses[r].append(torch.stack(step_losses))
-            for n, p in rep.named_parameters():
-                summed[n] = p.grad.clone() if r == 0 else summed[n] + p.grad
-        for n, p in model.named_parameters():
-            p.grad = summed[n]
+    for k, (x, y) in enumerate(batches(dp)):
+        if k in skip:
+            continue
+        parts = [
+            (x[r * LOCAL : (r + 1) * LOCAL], y[r * LOCAL : (r + 1) * LOCAL]) for r in range(dp)
+        ]
+        step_losses, _ = dp_reference_step(model, mlp_loss, parts, M)
+        for r in range(dp):
+            losses[r].append(torch.stack(step_losses[r]))
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
     return {n: p.detach() for n, p in model.named_parameters()}, losses
@@ -151,6 +156,8 @@ def check_against_references(results: list[dict], pp: int, dp: int, kinds) -> li
     for kind in kinds:
         for r in results:
             got = r[kind]
+            if got["commits"] != [(k, "clip") for k in range(STEPS)]:
+                bad.append(f"{kind}: commits {got['commits']}")
             where = f"{kind} pp{r['pp_rank']} dp{r['dp_rank']}"
             for n, array in got["params"].items():
                 p = torch.from_numpy(array)
@@ -173,7 +180,8 @@ def check_against_references(results: list[dict], pp: int, dp: int, kinds) -> li
             if not report.ok:
                 bad.append(f"{kind} pipeline {pipeline}: trace check: {report.first}")
             stages = sorted(e.stage for e in events if e.op == "reduce_grads")
-            want = sorted(list(range(generate(kind, pp, M).num_stages)) * STEPS)
+            num_stages = generate(kind.removesuffix("-directed"), pp, M).num_stages
+            want = sorted(list(range(num_stages)) * STEPS)
             if stages != want:
                 bad.append(f"{kind}: reduce_grads of stages {stages}, want {want}")
     return bad
@@ -183,9 +191,16 @@ def check_against_references(results: list[dict], pp: int, dp: int, kinds) -> li
 
 
 def test_dp2_pp2_every_kind_matches_the_references_and_refuses_bad_meshes():
-    results = launch(train_all_kinds, 4, 2, 2, KINDS, timeout=TIMEOUT)
+    results = launch(train_all_kinds, 4, 2, 2, KINDS, True, timeout=TIMEOUT)
     assert [(r["pp_rank"], r["dp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert check_against_references(results, 2, 2, KINDS) == []
+    assert check_against_references(results, 2, 2, (*KINDS, "zbv-directed")) == []
+    skipped, _ = dp_reference(2, skip=(1,))
+    for mode in ("conservative", "speculative"):
+        for r in results:
+            got = r[f"nan-{mode}"]
+            assert got["commits"] == [(0, "clip"), (1, "skip"), (2, "clip")], (mode, r["pp_rank"])
+            for n, array in got["params"].items():
+                assert torch.equal(torch.from_numpy(array), skipped[n]), (mode, n)
     for r in results:
         assert r["errors"]["world"] == (
             "the world has 4 ranks but the mesh pp=3 x dp=2 needs 6; launch pp*dp = 6 "
@@ -198,7 +213,7 @@ def test_dp2_pp2_every_kind_matches_the_references_and_refuses_bad_meshes():
 
 @pytest.mark.slow
 def test_dp2_pp3_zbv_matches_the_references():
-    results = launch(train_all_kinds, 6, 3, 2, ("zbv",), timeout=TIMEOUT)
+    results = launch(train_all_kinds, 6, 3, 2, ("zbv",), False, timeout=TIMEOUT)
     assert check_against_references(results, 3, 2, ("zbv",)) == []
 
 
