@@ -10,16 +10,20 @@ A second launch kills a dp peer mid-step: the survivors name the rank and dim 'd
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from fractions import Fraction
 
 import pytest
 import torch
 
 import zerobubble
 from zerobubble.models import build_mlp, mlp_loss
+from zerobubble.profile.bubbles import analyze_iteration
 from zerobubble.runtime.launcher import LaunchError, init_distributed, launch
 from zerobubble.runtime.mesh import build_mesh, pipeline_ranks
 from zerobubble.runtime.reference import dp_reference_step
+from zerobubble.schedule.costs import CostModel
 from zerobubble.schedule.dp import insert_grad_reduce
 from zerobubble.schedule.errors import ScheduleError
 from zerobubble.schedule.generators import generate
@@ -31,6 +35,8 @@ from zerobubble.schedule.lowering import (
     lower,
     validate_lowered,
 )
+from zerobubble.schedule.passes import fuse_local_backward
+from zerobubble.schedule.simulate import simulate
 from zerobubble.schedule.trace_check import check_trace
 
 KINDS = ("1f1b", "zb-h1", "zbv", "zb-auto")
@@ -179,11 +185,29 @@ def check_against_references(results: list[dict], pp: int, dp: int, kinds) -> li
             report = check_trace(events)
             if not report.ok:
                 bad.append(f"{kind} pipeline {pipeline}: trace check: {report.first}")
+            bad += trace_findings(kind, events)
             stages = sorted(e.stage for e in events if e.op == "reduce_grads")
             num_stages = generate(kind.removesuffix("-directed"), pp, M).num_stages
             want = sorted(list(range(num_stages)) * STEPS)
             if stages != want:
                 bad.append(f"{kind}: reduce_grads of stages {stages}, want {want}")
+    return bad
+
+
+def trace_findings(kind: str, events: list) -> list[str]:
+    """The bubble breakdown reports the waits for the reductions; the checker misses none."""
+    bad = []
+    for k in range(STEPS):
+        for dev in analyze_iteration(events, k).devices:
+            if not dev.reduce_wait_ns > 0 or sum(dev.parts().values()) != dev.idle_ns:
+                bad.append(f"{kind} iteration {k} rank {dev.rank}: breakdown {dev}")
+    unwaited = [e for e in events if not (e.op == "wait_reduce" and e.rank == 0)]
+    v = check_trace(unwaited).first
+    if v is None or (v.check, v.why) != (
+        "reduce",
+        "no wait_reduce follows the iteration's reductions",
+    ):
+        bad.append(f"{kind}: a trace without wait_reduce gives {v}")
     return bad
 
 
@@ -261,3 +285,25 @@ def test_validate_lowered_refuses_an_early_reduce():
     bad = type(lowered)(lowered.schedule, (lowered.programs[0], tuple(prog), lowered.programs[2]))
     with pytest.raises(ScheduleError, match=r"reduces stage 1's gradients after 2 of its 4"):
         validate_lowered(bad)
+
+
+def test_simulated_reductions_run_on_a_comm_lane_and_hide_behind_compute():
+    """zbv, P=2, M=4, F=B=W=1 per device: stage 3's reduction (device 0) runs under
+    the last BWs of stage 0, stage 2's under device 1's last W of stage 1; only the
+    last stage reduced on each device outlasts its compute (r, not 2r)."""
+    sched = fuse_local_backward(generate("zbv", 2, 4))
+    half = Fraction(1, 2)
+    costs = CostModel.from_device_totals(sched.placement, Fraction(1), Fraction(1), Fraction(1))
+    plain = simulate(sched, costs)
+    assert plain.reductions == ((), ()) and plain.step_time == plain.makespan == Fraction(25, 2)
+    assert "exposed_reduce" not in plain.summary()
+    got = simulate(sched, dataclasses.replace(costs, reduce=(half,) * 4))
+    assert got.reductions == (
+        ((3, 10, Fraction(21, 2)), (0, 12, Fraction(25, 2))),
+        ((2, 12, Fraction(25, 2)), (1, Fraction(25, 2), 13)),
+    )
+    assert got.exposed_reduce == (half, half) and got.step_time == 13
+    assert got.makespan == plain.makespan  # the compute lanes are untouched
+    assert got.summary()["exposed_reduce"] == [0.5, 0.5]
+    with pytest.raises(ValueError, match=r"reduce=\[1\] must hold one finite number >= 0 per"):
+        dataclasses.replace(costs, reduce=(1,))
