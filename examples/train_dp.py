@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 
 import zerobubble
-from zerobubble.models import build_mlp, mlp_loss
-from zerobubble.runtime.mesh import build_mesh
+from zerobubble import models
 
 SIZES = (16, 32, 32, 32, 32, 32, 32, 32, 8)
 
@@ -40,10 +39,10 @@ def main() -> None:
     args = parser.parse_args()
 
     info = zerobubble.init_distributed()
-    mesh = build_mesh(args.pp, args.dp)
+    mesh = zerobubble.build_mesh(args.pp, args.dp)
     pipe = zerobubble.Pipeline(
-        build_mlp(SIZES),
-        mlp_loss,
+        models.build_mlp(SIZES),
+        models.mlp_loss,
         args.kind,
         microbatches=args.microbatches,
         mesh=mesh,
