@@ -51,6 +51,13 @@ def batches(dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(n, 5, generator=gen), torch.randn(n, 3, generator=gen)) for _ in range(3)]
 
 
+def tied_mlp() -> torch.nn.Sequential:
+    """The MLP with layer 6's weight tied to layer 1's (stages 0 and 1 at pp=2)."""
+    model = build_mlp(SIZES)
+    model[6][0].weight = model[1][0].weight
+    return model
+
+
 def adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
 
@@ -75,10 +82,12 @@ def train_all_kinds(pp: int, dp: int, kinds: tuple[str, ...], with_modes: bool) 
     if with_modes:  # a NaN on replica 1 in step 1 must skip that step on every rank
         runs += [(f"nan-{m}", "zb-h1", m, False) for m in ("conservative", "speculative")]
         runs.append(("zbv-directed", "zbv", "sync", True))
+        runs.append(("tied", "zb-h1", "sync", False))
     for name, kind, mode, directed in runs:
         options = zerobubble.ExecutorOptions(directed_groups=directed)
+        model = tied_mlp() if name == "tied" else build_mlp(SIZES)
         pipe = zerobubble.Pipeline(
-            build_mlp(SIZES), mlp_loss, kind, microbatches=M, mesh=mesh, options=options
+            model, mlp_loss, kind, microbatches=M, mesh=mesh, options=options
         )
         config = zerobubble.OptimConfig(mode=mode, max_norm=MAX_NORM)
         commits: list = []
@@ -144,8 +153,8 @@ def dp_reference(
     return {n: p.detach() for n, p in model.named_parameters()}, losses
 
 
-def full_batch_reference(dp: int) -> dict[str, torch.Tensor]:
-    model = build_mlp(SIZES)
+def full_batch_reference(dp: int, tied: bool = False) -> dict[str, torch.Tensor]:
+    model = tied_mlp() if tied else build_mlp(SIZES)
     opt = adamw(model.parameters())
     for x, y in batches(dp):
         model.zero_grad(set_to_none=True)
@@ -225,6 +234,14 @@ def test_dp2_pp2_every_kind_matches_the_references_and_refuses_bad_meshes():
             assert got["commits"] == [(0, "clip"), (1, "skip"), (2, "clip")], (mode, r["pp_rank"])
             for n, array in got["params"].items():
                 assert torch.equal(torch.from_numpy(array), skipped[n]), (mode, n)
+    # A tie across stages: its replicas' gradients are summed over dp, then over pp.
+    plain = full_batch_reference(2, tied=True)
+    assert "6.0.weight" not in plain and "1.0.weight" in plain
+    for r in results:
+        twin = results[r["pp_rank"] * 2 + 1 - r["dp_rank"]]["tied"]["params"]
+        for n, array in r["tied"]["params"].items():
+            assert (array == twin[n]).all(), n  # dp replicas agree bitwise
+            assert torch.allclose(torch.from_numpy(array), plain[n], rtol=0, atol=1e-6), n
     for r in results:
         assert r["errors"]["world"] == (
             "the world has 4 ranks but the mesh pp=3 x dp=2 needs 6; launch pp*dp = 6 "

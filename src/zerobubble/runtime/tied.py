@@ -242,9 +242,13 @@ class TiedGroups:
             pg = None
             if len(ranks) > 1:
                 # new_group is collective over the default group: every pipeline's, in order.
-                mine = [dist.get_global_rank(group, r) if group else r for r in ranks]
-                for ranks_of in pipelines or [None]:
-                    these = mine if ranks_of is None else [ranks_of[r] for r in ranks]
+                mine_by_rank = {r: dist.get_global_rank(group, r) if group else r for r in ranks}
+                mine = list(mine_by_rank.values())
+                every: list[Sequence[int] | Mapping[int, int]] = [mine_by_rank]
+                if pipelines:
+                    every = list(pipelines)
+                for ranks_of in every:
+                    these = [ranks_of[r] for r in ranks]
                     made = dist.new_group(these)
                     if these == mine:
                         pg = made

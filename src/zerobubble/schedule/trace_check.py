@@ -346,7 +346,7 @@ def _check_reduce(
     for ev in kept:
         e, where = ev.e, (ev.e.rank, ev.e.iteration)
         if e.op is EventOp.REDUCE_GRADS:
-            if not _nat(e.stage):
+            if e.stage is None or not _nat(e.stage):
                 out.append(_v("reduce", ev, "a reduce_grads event needs an integer stage >= 0"))
             elif e.stage in reduced[where]:
                 out.append(_v("reduce", ev, f"stage {e.stage}'s gradients reduced twice"))
@@ -356,7 +356,7 @@ def _check_reduce(
                 reduced[where][e.stage] = ev
         elif e.op is EventOp.WAIT_REDUCE:
             waited[where] = ev
-        elif e.op in (Op.W, Op.BW) and e.stage in reduced.get(where, {}):
+        elif e.op in (Op.W, Op.BW) and e.stage is not None and e.stage in reduced.get(where, {}):
             first = reduced[where][e.stage]
             why = (
                 f"adds to stage {e.stage}'s gradients after their reduction started "
