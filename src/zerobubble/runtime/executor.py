@@ -223,6 +223,9 @@ class PipelineExecutor:
             only labels events with it.
         iteration: Number of completed steps.
         trace: The :class:`Trace` of this rank (events of all steps until cleared).
+        mesh: The :class:`~zerobubble.runtime.mesh.PipelineMesh` it runs on, or None.
+        reducer: The :class:`~zerobubble.runtime.dp.GradReducer` over the mesh's dp group
+            (None without data parallelism).
     """
 
     def __init__(
