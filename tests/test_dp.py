@@ -58,6 +58,15 @@ def tied_mlp() -> torch.nn.Sequential:
     return model
 
 
+def summed_loss(output: torch.Tensor, target: torch.Tensor, num_items) -> torch.Tensor:
+    """mlp_loss as a sum over the microbatch divided by the global count (count_fn)."""
+    return ((output - target) ** 2).sum() / num_items
+
+
+def count(target: torch.Tensor) -> int:
+    return target.numel()
+
+
 def adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
 
@@ -83,11 +92,14 @@ def train_all_kinds(pp: int, dp: int, kinds: tuple[str, ...], with_modes: bool) 
         runs += [(f"nan-{m}", "zb-h1", m, False) for m in ("conservative", "speculative")]
         runs.append(("zbv-directed", "zbv", "sync", True))
         runs.append(("tied", "zb-h1", "sync", False))
+        runs.append(("count", "1f1b", "sync", False))
     for name, kind, mode, directed in runs:
         options = zerobubble.ExecutorOptions(directed_groups=directed)
         model = tied_mlp() if name == "tied" else build_mlp(SIZES)
+        counted = {"count_fn": count} if name == "count" else {}
+        loss_fn = summed_loss if counted else mlp_loss
         pipe = zerobubble.Pipeline(
-            model, mlp_loss, kind, microbatches=M, mesh=mesh, options=options
+            model, loss_fn, kind, microbatches=M, mesh=mesh, options=options, **counted
         )
         config = zerobubble.OptimConfig(mode=mode, max_norm=MAX_NORM)
         commits: list = []
@@ -237,11 +249,14 @@ def test_dp2_pp2_every_kind_matches_the_references_and_refuses_bad_meshes():
     # A tie across stages: its replicas' gradients are summed over dp, then over pp.
     plain = full_batch_reference(2, tied=True)
     assert "6.0.weight" not in plain and "1.0.weight" in plain
-    for r in results:
-        twin = results[r["pp_rank"] * 2 + 1 - r["dp_rank"]]["tied"]["params"]
-        for n, array in r["tied"]["params"].items():
-            assert (array == twin[n]).all(), n  # dp replicas agree bitwise
-            assert torch.allclose(torch.from_numpy(array), plain[n], rtol=0, atol=1e-6), n
+    for name, want in (("tied", plain), ("count", full_batch_reference(2))):
+        # count: the loss is a sum over the global count (the replicas' counts summed)
+        for r in results:
+            twin = results[r["pp_rank"] * 2 + 1 - r["dp_rank"]][name]["params"]
+            for n, array in r[name]["params"].items():
+                assert (array == twin[n]).all(), (name, n)  # dp replicas agree bitwise
+                p = torch.from_numpy(array)
+                assert torch.allclose(p, want[n], rtol=0, atol=1e-6), (name, n)
     for r in results:
         assert r["errors"]["world"] == (
             "the world has 4 ranks but the mesh pp=3 x dp=2 needs 6; launch pp*dp = 6 "

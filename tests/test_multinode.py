@@ -1,8 +1,9 @@
 """Two "nodes" on one machine: ``torchrun --nnodes 2 --node-rank K --rdzv-backend c10d``.
 
 Two torchrun agents (2 ranks each) rendezvous on a local c10d endpoint and run
-examples/train_dp.py as one dp=2 x pp=2 job. Its parameters and losses must be
-bitwise those of the single-process reference in the mesh's reduction order
+examples/train_dp.py as one dp=2 x pp=2 job under zbv (V-shaped: two stages per
+rank). Its parameters and losses must be bitwise those of the single-process
+reference in the mesh's reduction order
 (:func:`~zerobubble.runtime.reference.dp_reference_step`), which the single-node
 launch of the same mesh reproduces bitwise (tests/test_dp.py); so the two-node run
 equals the single-node one.
@@ -70,6 +71,8 @@ def test_two_torchrun_nodes_train_bitwise_as_the_reference(tmp_path):
                 "--rdzv-endpoint",
                 f"127.0.0.1:{port}",
                 str(SCRIPT),
+                "--kind",
+                "zbv",
                 "--pp",
                 "2",
                 "--dp",
