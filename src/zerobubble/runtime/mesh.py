@@ -42,10 +42,6 @@ class PipelineMesh:
         """The global ranks of every pipeline (one list per dp replica, in pp order)."""
         return pipeline_ranks(self.pp_size, self.dp_size)
 
-    def dp_ranks(self) -> list[int]:
-        """The global ranks of this rank's dp replicas, in dp order."""
-        return [self.pp_rank * self.dp_size + j for j in range(self.dp_size)]
-
 
 def pipeline_ranks(pp: int, dp: int) -> list[list[int]]:
     """Global ranks of each of the ``dp`` pipelines of a ``(pp, dp)`` mesh.
