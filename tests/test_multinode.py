@@ -94,11 +94,15 @@ def test_two_torchrun_nodes_train_bitwise_as_the_reference(tmp_path):
         for agent in agents:
             out, _ = agent.communicate(timeout=TIMEOUT)
             outputs.append(out)
-    finally:
+    finally:  # SIGTERM first: torchrun passes it on to its workers, SIGKILL would orphan them
         for agent in agents:
             if agent.poll() is None:
-                agent.kill()
-                agent.wait()
+                agent.terminate()
+                try:
+                    agent.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    agent.kill()
+                    agent.wait()
     assert [a.returncode for a in agents] == [0, 0], "\n".join(outputs)
     params, losses = reference()
     got: dict[str, torch.Tensor] = {}
