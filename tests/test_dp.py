@@ -5,7 +5,8 @@ AdamW steps with clipping: losses and parameters must be bitwise those of the
 documented reduction order (each replica's microbatch gradients accumulated as the
 pipeline does, then summed over the replicas, g_0 + g_1) and within 1e-6 of plain
 full-batch training. The same launch checks the mesh's bad input and the trace.
-A second launch kills a dp peer mid-step: the survivors name the rank and dim 'dp'.
+A 6-rank launch (dp=2 x pp=3) checks zbv the same way, then kills a dp peer mid-step:
+the survivors name the rank and dim 'dp'.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,9 +127,16 @@ def train_all_kinds(pp: int, dp: int, kinds: tuple[str, ...], with_modes: bool) 
     return out
 
 
-def die_mid_step() -> None:
+def train_then_die(out_dir: str) -> None:
+    """dp=2 x pp=3: zbv against the references (saved for the test), then a dp peer dies."""
+    results = train_all_kinds(3, 2, ("zbv",), False)
+    torch.save(results, Path(out_dir) / f"rank{os.environ['RANK']}.pt")
+    die_mid_step(3)
+
+
+def die_mid_step(pp: int) -> None:
     init_distributed()
-    mesh = build_mesh(2, 2)
+    mesh = build_mesh(pp, 2)
     options = zerobubble.ExecutorOptions(comm_timeout_s=30.0)
     pipe = zerobubble.Pipeline(
         build_mlp(SIZES), mlp_loss, "zb-h1", microbatches=M, mesh=mesh, options=options
@@ -267,15 +276,13 @@ def test_dp2_pp2_every_kind_matches_the_references_and_refuses_bad_meshes():
         )
 
 
-@pytest.mark.slow
-def test_dp2_pp3_zbv_matches_the_references():
-    results = launch(train_all_kinds, 6, 3, 2, ("zbv",), False, timeout=TIMEOUT)
-    assert check_against_references(results, 3, 2, ("zbv",)) == []
-
-
-def test_a_dp_peer_that_dies_is_named_with_the_dim():
+def test_dp2_pp3_zbv_matches_the_references_and_a_dp_peer_that_dies_is_named(tmp_path):
+    """One 6-rank launch: zbv trains bitwise as the references, then global rank 1 (pp 0,
+    dp 1) dies where it would start reducing; its dp peer names the rank and dim 'dp'."""
     with pytest.raises(LaunchError) as info:
-        launch(die_mid_step, 4, timeout=TIMEOUT, grace=40.0)
+        launch(train_then_die, 6, str(tmp_path), timeout=TIMEOUT, grace=40.0)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(6)]
+    assert check_against_references(results, 3, 2, ("zbv",)) == []
     failures = {f.rank: f for f in info.value.failures}
     assert info.value.failures[0].rank == 1 and failures[1].exitcode == 3
     # Rank 0 (rank 1's dp peer, stage 0) was reducing when its peer vanished.
