@@ -17,7 +17,8 @@ The public API, all importable from ``zerobubble``:
 * small models to try it on: :mod:`zerobubble.models` (a GPT, an MLP, the stdlib corpus);
 * processes: :func:`init_distributed` (inside each rank) and :func:`launch_local`
   (``launch_local(fn, P, *args)`` runs ``fn`` as P local ranks; for scripts use
-  ``python -m zerobubble.launch -n P script.py`` or ``torchrun``).
+  ``python -m zerobubble.launch -n P script.py`` or ``torchrun``); :func:`build_mesh`
+  (a :class:`PipelineMesh` of ``pp`` x ``dp`` ranks for ``Pipeline(mesh=...)``).
 
 Names are imported on first use, so ``import zerobubble`` and the schedule names
 do not import torch (the torch-free command-line paths stay fast).
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
     from zerobubble.runtime.launcher import DistInfo, init_distributed
     from zerobubble.runtime.launcher import launch as launch_local
+    from zerobubble.runtime.mesh import PipelineMesh, build_mesh
     from zerobubble.runtime.partition import build_stage_modules, stage_bounds
     from zerobubble.runtime.reference import reference_step
     from zerobubble.schedule.costs import CostModel
@@ -70,9 +72,11 @@ _WHERE: dict[str, tuple[str, str | None]] = {
     "OptimConfig": ("zerobubble.optim.config", "OptimConfig"),
     "Pipeline": ("zerobubble.pipeline", "Pipeline"),
     "PipelineExecutor": ("zerobubble.runtime.executor", "PipelineExecutor"),
+    "PipelineMesh": ("zerobubble.runtime.mesh", "PipelineMesh"),
     "PipelineTrainer": ("zerobubble.optim.trainer", "PipelineTrainer"),
     "Rollback": ("zerobubble.optim.config", "Rollback"),
     "StepMode": ("zerobubble.optim.config", "StepMode"),
+    "build_mesh": ("zerobubble.runtime.mesh", "build_mesh"),
     "build_stage_modules": ("zerobubble.runtime.partition", "build_stage_modules"),
     "load_checkpoint": ("zerobubble.optim.checkpoint", "load_checkpoint"),
     "models": ("zerobubble.models", None),
@@ -91,12 +95,14 @@ __all__ = [
     "OptimConfig",
     "Pipeline",
     "PipelineExecutor",
+    "PipelineMesh",
     "PipelineTrainer",
     "Rollback",
     "Schedule",
     "ScheduleError",
     "SimResult",
     "StepMode",
+    "build_mesh",
     "build_stage_modules",
     "generate",
     "init_distributed",

@@ -24,6 +24,7 @@ from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.trainer import PipelineTrainer, stage_kwargs
 from zerobubble.runtime.chunk import LossFn
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.runtime.mesh import PipelineMesh
 from zerobubble.runtime.microbatch import CountFn
 from zerobubble.runtime.partition import (
     LayerSource,
@@ -71,6 +72,12 @@ class Pipeline:
             (see :func:`~zerobubble.runtime.partition.build_stage_modules`).
         tied_check_every: Compare the replicas of parameters tied across ranks
             (a checksum each) every this many iterations; 0: never.
+        mesh: A :class:`~zerobubble.runtime.mesh.PipelineMesh` from
+            :func:`~zerobubble.runtime.mesh.build_mesh` (instead of ``group``): the
+            pipeline runs on ``mesh.pp_group`` and, with ``dp > 1``, each stage's
+            gradients are summed over ``mesh.dp_group`` (see
+            :class:`~zerobubble.runtime.executor.PipelineExecutor`). Each replica's
+            :meth:`step` gets that replica's part of the global batch.
 
     A parameter the model uses in several layers stays one parameter: layers of
     a stage share it; stages share it as a tie whose replicas take one summed
@@ -101,6 +108,7 @@ class Pipeline:
         count_fn: CountFn | None = None,
         copy_layers: bool = True,
         tied_check_every: int = 0,
+        mesh: PipelineMesh | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -108,6 +116,10 @@ class Pipeline:
                 "and start one process per device (python -m zerobubble.launch -n P script.py, "
                 "or torchrun)"
             )
+        if mesh is not None:
+            if group is not None and group is not mesh.pp_group:
+                raise ValueError("pass either group= or mesh= (the pipeline runs on mesh.pp_group)")
+            group = mesh.pp_group
         if isinstance(schedule, str):
             if microbatches is None:
                 raise ValueError(
@@ -121,6 +133,12 @@ class Pipeline:
                 f"{schedule.num_microbatches}; drop microbatches= or generate the schedule for it"
             )
         world = dist.get_world_size(group)
+        if mesh is not None and world != schedule.num_devices:
+            raise ValueError(
+                f"schedule {schedule.name!r} has {schedule.num_devices} devices but the mesh's "
+                f"'pp' dim has {world} ranks (mesh pp={mesh.pp_size} x dp={mesh.dp_size}); build "
+                f"the mesh with pp={schedule.num_devices} or generate the schedule for {world}"
+            )
         if world != schedule.num_devices:
             raise ValueError(
                 f"schedule {schedule.name!r} needs {schedule.num_devices} ranks but the process "
@@ -149,9 +167,10 @@ class Pipeline:
             stages,
             loss_fn=loss_fn,
             count_fn=count_fn,
-            group=group,
+            group=None if mesh is not None else group,
             device=device,
             options=options,
+            mesh=mesh,
         )
         self.rank = self.executor.rank
         self.schedule = self.executor.schedule
@@ -163,6 +182,7 @@ class Pipeline:
             group,
             timeout_s=self.executor.options.comm_timeout_s,
             check_every=tied_check_every,
+            pipelines=None if mesh is None else mesh.pipelines(),
         )
         self.trainer: PipelineTrainer | None = None
         mine = {

@@ -60,6 +60,9 @@ class CostModel:
             ``recompute``).
         recompute: B recomputes the forward (see :meth:`with_recompute`), so it may
             allocate: ``mem_w`` may exceed ``mem_f``.
+        reduce: Duration of the data-parallel all-reduce of each stage's gradients
+            (default 0: no dp). It runs on the device's comm lane, not its compute:
+            see :attr:`~zerobubble.schedule.simulate.SimResult.reductions`.
     """
 
     f: tuple[Number, ...]
@@ -69,9 +72,18 @@ class CostModel:
     mem_f: tuple[Number, ...] = ()
     mem_w: tuple[Number, ...] = ()
     recompute: bool = False
+    reduce: tuple[Number, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.f)
+        object.__setattr__(self, "reduce", tuple(self.reduce) or (0,) * n)
+        if len(self.reduce) != n or not all(
+            math.isfinite(float(x)) and x >= 0 for x in self.reduce
+        ):
+            raise ValueError(
+                f"reduce={list(self.reduce)} must hold one finite number >= 0 per virtual "
+                f"stage ({n})"
+            )
         for name in ("f", "b", "w", "mem_f", "mem_w"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if not self.mem_f:
