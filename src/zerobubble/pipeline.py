@@ -24,6 +24,8 @@ from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.trainer import PipelineTrainer, stage_kwargs
 from zerobubble.runtime.chunk import LossFn
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.runtime.fsdp import ShardedStages
+from zerobubble.runtime.mesh import PipelineMesh
 from zerobubble.runtime.microbatch import CountFn
 from zerobubble.runtime.partition import (
     LayerSource,
@@ -71,6 +73,13 @@ class Pipeline:
             (see :func:`~zerobubble.runtime.partition.build_stage_modules`).
         tied_check_every: Compare the replicas of parameters tied across ranks
             (a checksum each) every this many iterations; 0: never.
+        mesh: The job's :class:`~zerobubble.runtime.mesh.PipelineMesh`; the pipeline runs
+            on its ``pp_group`` (instead of ``group``).
+        fsdp: Shard every stage's parameters, gradients and optimizer state over the
+            mesh's ``dp`` dimension with FSDP2 (:mod:`~zerobubble.runtime.fsdp`): gathered
+            from the stage's first F to its last W of each step, gradients
+            reduce-scattered (summed) after that W. Needs ``mesh`` with ``dp > 1``; the
+            loss must be normalised over the global batch (all replicas' samples).
 
     A parameter the model uses in several layers stays one parameter: layers of
     a stage share it; stages share it as a tie whose replicas take one summed
@@ -101,12 +110,23 @@ class Pipeline:
         count_fn: CountFn | None = None,
         copy_layers: bool = True,
         tied_check_every: int = 0,
+        mesh: PipelineMesh | None = None,
+        fsdp: bool = False,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: call zerobubble.init_distributed() first "
                 "and start one process per device (python -m zerobubble.launch -n P script.py, "
                 "or torchrun)"
+            )
+        if mesh is not None:
+            if group is not None and group is not mesh.pp_group:
+                raise ValueError("pass either group= or mesh= (the pipeline runs on mesh.pp_group)")
+            group = mesh.pp_group
+        if fsdp and (mesh is None or mesh.dp_size < 2):
+            raise ValueError(
+                "fsdp=True shards over the mesh's dp dimension: pass mesh=build_mesh(pp, dp) "
+                f"with dp >= 2 (got {'no mesh' if mesh is None else f'dp={mesh.dp_size}'})"
             )
         if isinstance(schedule, str):
             if microbatches is None:
@@ -155,6 +175,21 @@ class Pipeline:
         )
         self.rank = self.executor.rank
         self.schedule = self.executor.schedule
+        if fsdp:
+            assert mesh is not None
+            if shared:
+                raise ValueError(
+                    f"fsdp=True with parameters shared across stages ({shared[0].name!r}) is "
+                    "not supported: untie them or leave fsdp off"
+                )
+            self.executor.attach_sharding(
+                ShardedStages(
+                    self.executor.chunks,
+                    mesh.mesh["dp"],
+                    device=device,
+                    timeout_s=self.executor.options.comm_timeout_s,
+                )
+            )
         self.tied = TiedGroups(
             shared,
             {s: c.module for s, c in self.executor.chunks.items()},

@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -78,11 +78,15 @@ from zerobubble.schedule.lowering import (
 )
 from zerobubble.schedule.passes import fuse_local_backward
 from zerobubble.schedule.replay import Gate, VersionCheck
+from zerobubble.schedule.sharding import ShardAction
 from zerobubble.schedule.trace_format import TraceEvent
 from zerobubble.schedule.validate import validate
 
-ProgramItem = Instruction | Gate | VersionCheck
-"""One instruction of a rank's program: the lowered ones plus the protocol's."""
+if TYPE_CHECKING:
+    from zerobubble.runtime.fsdp import ShardedStages
+
+ProgramItem = Instruction | Gate | VersionCheck | ShardAction
+"""One instruction of a rank's program: the lowered ones plus the protocol's and FSDP's."""
 
 
 class StepHooks:
@@ -253,6 +257,7 @@ class PipelineExecutor:
         self.lowered = lower(schedule, recv_lookahead=self.options.recv_lookahead)
         validate_lowered(self.lowered)
         self.program: tuple[ProgramItem, ...] = self.lowered.programs[self.rank]
+        self.sharding: ShardedStages | None = None
         self.has_first, self.has_last = 0 in self.chunks, S - 1 in self.chunks
         directed = self.options.directed_groups
         if directed is None:
@@ -328,7 +333,7 @@ class PipelineExecutor:
         Every rank must load programs derived from the same plan (the pass checks
         them together); here only the lowered instructions are checked to be the same.
         """
-        mine = Counter(i for i in program if not isinstance(i, Gate | VersionCheck))
+        mine = Counter(i for i in program if not isinstance(i, Gate | VersionCheck | ShardAction))
         if mine != Counter(self.lowered.programs[self.rank]):
             raise ValueError(
                 f"rank {self.rank}: the loaded program does not hold exactly the lowered "
@@ -336,7 +341,15 @@ class PipelineExecutor:
             )
         if sum(isinstance(i, Gate) for i in program) > 1:
             raise ValueError(f"rank {self.rank}: a program holds at most one replay gate")
+        if self.sharding is not None:
+            program = self.sharding.insert([i for i in program if not isinstance(i, ShardAction)])
         self.program = tuple(program)
+
+    def attach_sharding(self, sharding: ShardedStages) -> None:
+        """Run this rank's stages sharded (:mod:`~zerobubble.runtime.fsdp`): the sharding's
+        instructions go into the current program and every program loaded later."""
+        self.sharding = sharding
+        self.load_program(self.program)
 
     def held_bytes(self) -> int:
         """Activation bytes held by this rank's stages."""
@@ -415,6 +428,9 @@ class PipelineExecutor:
                     pass
                 case VersionCheck(action):
                     hooks.check_version(action)
+                case ShardAction():
+                    assert self.sharding is not None  # only attach_sharding inserts them
+                    self.sharding.run(ins)
                 case _:
                     run.execute(ins)
                     if isinstance(ins, Compute):
