@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -63,6 +63,7 @@ class ShardedStages:
 
     Attributes:
         modules: ``stage -> FSDPModule`` (the chunks' modules).
+        units: ``stage -> FSDPModule`` of each layer holding parameters, then the stage.
         dp_size: Replicas sharing each parameter.
     """
 
@@ -82,21 +83,31 @@ class ShardedStages:
         self.chunks = dict(chunks)
         self.dp_size = dp_mesh.size()
         self.modules: dict[int, FSDPModule] = {}
+        self.units: dict[int, list[FSDPModule]] = {}
         for s, chunk in sorted(self.chunks.items()):
             if not any(p.requires_grad for p in chunk.module.parameters()):
                 raise ValueError(
                     f"stage {s} has no trainable parameters: there is nothing for FSDP to "
                     "shard; leave fsdp off or give the stage parameters"
                 )
-            m = fully_shard(chunk.module, mesh=dp_mesh, reshard_after_forward=False)
-            m.set_requires_gradient_sync(False)
-            m.set_reshard_after_backward(False)
-            m.set_gradient_divide_factor(1.0)  # a sum: the loss is normalised globally
-            m.set_force_sum_reduction_for_comms(True)  # gloo has no AVG / PREMUL_SUM
-            self.modules[s] = m
+            # One unit per layer, then the stage (whatever parameters remain): the
+            # gather and reduce-scatter buffers are a layer's, not the stage's.
+            layers = [c for c in chunk.module.children() if any(True for _ in c.parameters())]
+            units = [self._wrap(c, dp_mesh) for c in layers]
+            self.modules[s] = self._wrap(chunk.module, dp_mesh)
+            self.units[s] = [*units, self.modules[s]]
         group = dp_mesh.get_group()
         self.device = torch.device(device or "cpu")
         self._p2p = P2P(group, self.device, timeout_s)
+
+    @staticmethod
+    def _wrap(module: nn.Module, dp_mesh: DeviceMesh) -> FSDPModule:
+        m = fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
+        m.set_requires_gradient_sync(False, recurse=False)
+        m.set_reshard_after_backward(False, recurse=False)
+        m.set_gradient_divide_factor(1.0)  # a sum: the loss is normalised globally
+        m.set_force_sum_reduction_for_comms(True)  # gloo has no AVG / PREMUL_SUM
+        return m
 
     def insert(self, program: Sequence[T]) -> tuple[T | ShardAction, ...]:
         """``program`` with this rank's unshard and reduce-scatter instructions."""
@@ -104,17 +115,26 @@ class ShardedStages:
 
     def run(self, action: ShardAction) -> None:
         """Carry out one instruction of :func:`insert_sharding`."""
-        m, chunk = self.modules[action.stage], self.chunks[action.stage]
+        units, chunk = self.units[action.stage], self.chunks[action.stage]
         if action.op is ShardOp.UNSHARD:
-            m.unshard()
+            for m in units:
+                m.unshard()
         else:
-            for group in m._get_fsdp_state()._fsdp_param_groups:
-                group.reduce_grads = group.reshard_after_backward = True
-                try:
-                    group.post_backward()
-                    group.finalize_backward()
-                finally:
-                    group.reduce_grads = group.reshard_after_backward = False
+            for m in reversed(units):  # backward order, as FSDP's own post-backward runs
+                for group in m._get_fsdp_state()._fsdp_param_groups:
+                    group.reduce_grads = group.reshard_after_backward = True
+                    try:
+                        group.post_backward()
+                        group.finalize_backward()
+                    finally:
+                        group.reduce_grads = group.reshard_after_backward = False
+            # Release the reduce-scatter inputs FSDP keeps for overlap (its root's
+            # end-of-backward callback does the same); the reduction has completed.
+            ctx = self.modules[action.stage]._get_fsdp_state()._comm_ctx
+            for rs in ctx.reduce_scatter_states:
+                if rs.event is not None:
+                    torch.accelerator.current_stream().wait_event(rs.event)
+            ctx.reduce_scatter_states.clear()
         chunk.refresh_parameters()
 
     def combine_norms(self, local: Sequence[Tensor], norm_type: float) -> list[Tensor]:
