@@ -100,7 +100,9 @@ def main() -> None:
         for r in ranks:
             r["total"] = r["params"] + r["grads"] + r["optim"]
         runs[name] = ranks
-    ratios = [f["total"] / r["total"] for f, r in zip(runs["fsdp"], runs["replicated"], strict=True)]
+    ratios = [
+        f["total"] / r["total"] for f, r in zip(runs["fsdp"], runs["replicated"], strict=True)
+    ]
     out = {
         "pp": PP,
         "dp": DP,
