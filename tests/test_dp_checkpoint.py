@@ -4,9 +4,9 @@ processes): FSDP2-sharded state and replicated state.
 Run 1 trains 2 steps, saves (one checkpoint for the whole job, every dp replica and
 pipeline rank), trains 2 more; run 2, in fresh processes, loads it and trains the same 2
 steps: parameters and AdamW state after step 4 are bitwise those of run 1, and each
-rank gets its own ``extra`` back. The replicated run feeds both replicas the same data
-(so their state is identical, as DDP-style data parallelism keeps it) and DCP stores it
-once. The commit record lists every rank's files with their SHA-256 (damage is refused).
+rank gets its own ``extra`` back. The replicated run is the DDP-style path (the dp
+reduce keeps the replicas identical; DCP stores their state once). The commit record
+lists every rank's files with their SHA-256 (damage is refused).
 """
 
 from __future__ import annotations
@@ -37,10 +37,6 @@ SAVE_AT, STEPS = 2, 4
 FLAVOURS = ("fsdp", "replicated")
 
 
-def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return mlp_loss(out, target) / DP
-
-
 def batch(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 * step + replica)
     return torch.randn(8, SIZES[0], generator=gen), torch.randn(8, SIZES[-1], generator=gen)
@@ -59,7 +55,7 @@ def job(root: str, resume: bool) -> dict:
         fsdp = flavour == "fsdp"
         pipe = Pipeline(
             list(build_mlp(SIZES, seed=3)),
-            loss_fn,
+            mlp_loss,
             "zb-h1",
             microbatches=M,
             mesh=mesh,
@@ -73,7 +69,7 @@ def job(root: str, resume: bool) -> dict:
         if resume:
             extra = load_checkpoint(trainer, where, mesh=mesh)
         for k in range(SAVE_AT if resume else 0, STEPS):
-            x, y = batch(k, mesh.dp_rank if fsdp else 0)
+            x, y = batch(k, mesh.dp_rank)
             pipe.step(x, target=y)
             if not resume and k + 1 == SAVE_AT:
                 mine = {"pp": mesh.pp_rank, "dp": mesh.dp_rank}

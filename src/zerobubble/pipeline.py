@@ -24,7 +24,6 @@ from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.trainer import PipelineTrainer, stage_kwargs
 from zerobubble.runtime.chunk import LossFn
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
-from zerobubble.runtime.fsdp import ShardedStages
 from zerobubble.runtime.mesh import PipelineMesh
 from zerobubble.runtime.microbatch import CountFn
 from zerobubble.runtime.partition import (
@@ -73,13 +72,17 @@ class Pipeline:
             (see :func:`~zerobubble.runtime.partition.build_stage_modules`).
         tied_check_every: Compare the replicas of parameters tied across ranks
             (a checksum each) every this many iterations; 0: never.
-        mesh: The job's :class:`~zerobubble.runtime.mesh.PipelineMesh`; the pipeline runs
-            on its ``pp_group`` (instead of ``group``).
+        mesh: A :class:`~zerobubble.runtime.mesh.PipelineMesh` from
+            :func:`~zerobubble.runtime.mesh.build_mesh` (instead of ``group``): the
+            pipeline runs on ``mesh.pp_group`` and, with ``dp > 1``, each stage's
+            gradients are summed over ``mesh.dp_group`` (see
+            :class:`~zerobubble.runtime.executor.PipelineExecutor`). Each replica's
+            :meth:`step` gets that replica's part of the global batch.
         fsdp: Shard every stage's parameters, gradients and optimizer state over the
             mesh's ``dp`` dimension with FSDP2 (:mod:`~zerobubble.runtime.fsdp`): gathered
             from the stage's first F to its last W of each step, gradients
-            reduce-scattered (summed) after that W. Needs ``mesh`` with ``dp > 1``; the
-            loss must be normalised over the global batch (all replicas' samples).
+            reduce-scattered (summed) after that W, instead of the reduction of whole
+            gradients. Needs ``mesh`` with ``dp > 1``.
 
     A parameter the model uses in several layers stays one parameter: layers of
     a stage share it; stages share it as a tie whose replicas take one summed
@@ -123,11 +126,6 @@ class Pipeline:
             if group is not None and group is not mesh.pp_group:
                 raise ValueError("pass either group= or mesh= (the pipeline runs on mesh.pp_group)")
             group = mesh.pp_group
-        if fsdp and (mesh is None or mesh.dp_size < 2):
-            raise ValueError(
-                "fsdp=True shards over the mesh's dp dimension: pass mesh=build_mesh(pp, dp) "
-                f"with dp >= 2 (got {'no mesh' if mesh is None else f'dp={mesh.dp_size}'})"
-            )
         if isinstance(schedule, str):
             if microbatches is None:
                 raise ValueError(
@@ -141,6 +139,12 @@ class Pipeline:
                 f"{schedule.num_microbatches}; drop microbatches= or generate the schedule for it"
             )
         world = dist.get_world_size(group)
+        if mesh is not None and world != schedule.num_devices:
+            raise ValueError(
+                f"schedule {schedule.name!r} has {schedule.num_devices} devices but the mesh's "
+                f"'pp' dim has {world} ranks (mesh pp={mesh.pp_size} x dp={mesh.dp_size}); build "
+                f"the mesh with pp={schedule.num_devices} or generate the schedule for {world}"
+            )
         if world != schedule.num_devices:
             raise ValueError(
                 f"schedule {schedule.name!r} needs {schedule.num_devices} ranks but the process "
@@ -162,6 +166,12 @@ class Pipeline:
             if isinstance(layers, nn.Sequential | nn.ModuleList | Sequence)
             else ()
         )
+        tied = [tp.name for tp in shared if len(tp.local) > 1]
+        if fsdp and tied:
+            raise ValueError(
+                f"fsdp=True with parameters tied across stages ({', '.join(map(repr, tied))}) "
+                "is not supported: untie them or leave fsdp off"
+            )
         self._first_name = {n: tp.name for tp in shared for n in tp.names}
         self._layer_keys = {s: keys[bounds[s].start : bounds[s].stop] for s in stages}
         self.executor = PipelineExecutor(
@@ -169,27 +179,14 @@ class Pipeline:
             stages,
             loss_fn=loss_fn,
             count_fn=count_fn,
-            group=group,
+            group=None if mesh is not None else group,
             device=device,
             options=options,
+            mesh=mesh,
+            fsdp=fsdp,
         )
         self.rank = self.executor.rank
         self.schedule = self.executor.schedule
-        if fsdp:
-            assert mesh is not None
-            if shared:
-                raise ValueError(
-                    f"fsdp=True with parameters shared across stages ({shared[0].name!r}) is "
-                    "not supported: untie them or leave fsdp off"
-                )
-            self.executor.attach_sharding(
-                ShardedStages(
-                    self.executor.chunks,
-                    mesh.mesh["dp"],
-                    device=device,
-                    timeout_s=self.executor.options.comm_timeout_s,
-                )
-            )
         self.tied = TiedGroups(
             shared,
             {s: c.module for s, c in self.executor.chunks.items()},
@@ -198,6 +195,7 @@ class Pipeline:
             group,
             timeout_s=self.executor.options.comm_timeout_s,
             check_every=tied_check_every,
+            pipelines=None if mesh is None else mesh.pipelines(),
         )
         self.trainer: PipelineTrainer | None = None
         mine = {

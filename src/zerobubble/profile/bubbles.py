@@ -39,6 +39,13 @@ Definitions (one iteration, device = rank ``d``):
   dependency_d)`` moves from dependency to imbalance.
 
 So ``dependency + memory + comm + imbalance + overhead == idle_d`` exactly.
+
+Data parallelism: a rank's ``wait_reduce`` (the wait for its stages' gradient
+all-reduces over ``dp``, after its last compute) is reported apart, as
+``reduce_wait_ns``: the reduction time the compute did not hide. It is not one
+of the idle parts: it starts after the rank's last compute, so the part of it
+inside the window is already counted in the trailing dependency wait, and the
+rest lies after the window.
 """
 
 from __future__ import annotations
@@ -70,6 +77,8 @@ class DeviceBubbles:
     overhead_ns: int
     peak_memory: int
     """Largest activation bytes held around any event of the iteration."""
+    reduce_wait_ns: int = 0
+    """Time in ``wait_reduce``: the dp gradient reduction that outlasted the compute."""
 
     def parts(self) -> dict[str, int]:
         """The idle time by category (sums to ``idle_ns``)."""
@@ -188,6 +197,9 @@ def analyze_iteration(
                 idle_ns=(t1 - t0) - busy[r],
                 **{f"{k}_ns": v for k, v in parts.items()},
                 peak_memory=peaks[r],
+                reduce_wait_ns=sum(
+                    e.end_ns - e.start_ns for e in per_rank[r] if e.op is EventOp.WAIT_REDUCE
+                ),
             )
         )
     return IterationBubbles(iteration, t0, t1, tuple(devices))

@@ -2,7 +2,8 @@
 
 Every wait is bounded: a peer that died, or one that never sends, turns into a
 :class:`PeerError` naming this rank, the peer and what was being done, instead
-of a hang. Pipeline device ``d`` is rank ``d`` of the process group.
+of a hang. Pipeline device ``d`` is rank ``d`` of the process group (a mesh's
+``pp`` group, :mod:`zerobubble.runtime.mesh`).
 
 Transports: gloo buffers each direction independently, which is the model the
 lowered programs are checked against (:func:`~zerobubble.schedule.lowering.validate_lowered`).
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -117,10 +118,15 @@ class P2P:
         *,
         directed: bool = False,
         pairs: Iterable[tuple[int, int, Channel]] = (),
+        pipelines: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """``pairs`` are the (src, dst, channel) streams that carry messages; with
         ``directed`` every rank of the default group must pass the same ones
-        (subgroup creation is collective)."""
+        (subgroup creation is collective). ``pipelines``: the global ranks of every
+        pipeline running the same program (a mesh's dp replicas, see
+        :meth:`~zerobubble.runtime.mesh.PipelineMesh.pipelines`); every rank creates
+        the lanes of all of them, in that order, and keeps its own. None: ``group`` is
+        the only pipeline."""
         self.group = group
         self.device = device
         self.timeout_s = timeout_s
@@ -128,12 +134,16 @@ class P2P:
         self.world = dist.get_world_size(group)
         self._lanes: dict[tuple[int, int, Channel], tuple[dist.ProcessGroup | None, int]] = {}
         if directed:
-            for src, dst, channel in sorted(set(pairs)):
-                ranks = [dist.get_global_rank(group, r) if group else r for r in (src, dst)]
-                sub = dist.new_group(ranks)
-                if self.rank in (src, dst):
-                    peer = ranks[1] if self.rank == src else ranks[0]
-                    self._lanes[src, dst, Channel(channel)] = (sub, dist.get_group_rank(sub, peer))
+            mine = [dist.get_global_rank(group, r) if group else r for r in range(self.world)]
+            streams = sorted(set(pairs))
+            for ranks_of in pipelines or [mine]:
+                for src, dst, channel in streams:
+                    ranks = [ranks_of[src], ranks_of[dst]]
+                    sub = dist.new_group(ranks)
+                    if list(ranks_of) == mine and self.rank in (src, dst):
+                        peer = ranks[1] if self.rank == src else ranks[0]
+                        lane = (sub, dist.get_group_rank(sub, peer))
+                        self._lanes[src, dst, Channel(channel)] = lane
 
     def _lane(self, src: int, dst: int, channel: Channel) -> tuple[dist.ProcessGroup | None, int]:
         """Group and group rank of the peer for messages from ``src`` to ``dst``."""

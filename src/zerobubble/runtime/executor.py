@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,8 +38,11 @@ from torch import nn
 
 from zerobubble.runtime.chunk import LossFn, StageChunk, StageChunkError
 from zerobubble.runtime.comm import P2P, Channel, TensorMeta
+from zerobubble.runtime.dp import GradReducer
+from zerobubble.runtime.fsdp import ShardedStages
 from zerobubble.runtime.host_memory import retain_freed_memory
-from zerobubble.runtime.microbatch import CountFn, batch_count, batch_size, loss_scales, split_tree
+from zerobubble.runtime.mesh import PipelineMesh
+from zerobubble.runtime.microbatch import CountFn, batch_count, batch_size, split_tree
 from zerobubble.runtime.rng import StageRng
 from zerobubble.runtime.shapes import (
     Layout,
@@ -61,6 +64,7 @@ from zerobubble.runtime.wire import (
     stub_frame,
     unpack_frame,
 )
+from zerobubble.schedule.dp import insert_grad_reduce
 from zerobubble.schedule.ir import Action, Op, Schedule
 from zerobubble.schedule.lowering import (
     Compute,
@@ -68,8 +72,10 @@ from zerobubble.schedule.lowering import (
     Message,
     MsgKind,
     PostRecv,
+    ReduceGrads,
     Send,
     WaitRecv,
+    WaitReduce,
     WaitSends,
     input_message,
     lower,
@@ -81,9 +87,6 @@ from zerobubble.schedule.replay import Gate, VersionCheck
 from zerobubble.schedule.sharding import ShardAction
 from zerobubble.schedule.trace_format import TraceEvent
 from zerobubble.schedule.validate import validate
-
-if TYPE_CHECKING:
-    from zerobubble.runtime.fsdp import ShardedStages
 
 ProgramItem = Instruction | Gate | VersionCheck | ShardAction
 """One instruction of a rank's program: the lowered ones plus the protocol's and FSDP's."""
@@ -141,8 +144,10 @@ class ExecutorOptions:
     directed_groups: bool | None = None
     """Give each direction of each communicating rank pair its own subgroup. None picks
     it for every backend but gloo (NCCL would otherwise serialise both directions and
-    can deadlock, see :mod:`~zerobubble.runtime.comm`). Needs the default process
-    group to be exactly the pipeline's ranks, all running the same schedule."""
+    can deadlock, see :mod:`~zerobubble.runtime.comm`). With a mesh, every pipeline of
+    the job runs the same schedule and every rank creates every pipeline's subgroups
+    (``new_group`` is collective over the default group); without one the pipeline's
+    group must be the whole default group."""
 
     trace: bool = True
     """Record a :class:`~zerobubble.runtime.trace.TraceEvent` per executed instruction
@@ -205,6 +210,17 @@ class PipelineExecutor:
         group: Process group whose rank ``d`` runs device ``d`` (default: the world).
         device: Where microbatches, buffers and the stages live (default: CPU).
         options: See :class:`ExecutorOptions`.
+        mesh: A :class:`~zerobubble.runtime.mesh.PipelineMesh` (instead of ``group``): the
+            executor runs on its ``pp_group``; with ``dp > 1`` a lowering pass inserts a
+            gradient reduction per stage (:func:`~zerobubble.schedule.dp.insert_grad_reduce`),
+            the loss is normalised over the global batch (the replicas' batches together:
+            ``n_j / sum of N`` per microbatch, or the count summed over dp), so the
+            reduced gradients are those of the global batch.
+        fsdp: With ``mesh`` (``dp > 1``): shard the stages' parameters, gradients and
+            optimizer state over ``dp`` with FSDP2 instead of reducing whole gradients
+            (:class:`~zerobubble.runtime.fsdp.ShardedStages`: a pass inserts each stage's
+            unshard before its first F and its reduce-scatter after its last W; build
+            the optimizer over the chunks' parameters afterwards, the sharded DTensors).
 
     Attributes:
         schedule: The schedule this executor runs (``schedule`` after
@@ -226,8 +242,27 @@ class PipelineExecutor:
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         options: ExecutorOptions | None = None,
+        mesh: PipelineMesh | None = None,
+        fsdp: bool = False,
     ) -> None:
         validate(schedule)
+        if fsdp and (mesh is None or mesh.dp_group is None):
+            raise ValueError(
+                "fsdp=True shards over the mesh's dp dimension: pass mesh=build_mesh(pp, dp) "
+                f"with dp >= 2 (got {'no mesh' if mesh is None else f'dp={mesh.dp_size}'})"
+            )
+        if mesh is not None:
+            if group is not None and group is not mesh.pp_group:
+                raise ValueError("pass either group= or mesh= (the pipeline runs on mesh.pp_group)")
+            group = mesh.pp_group
+            if mesh.pp_size != schedule.num_devices:
+                raise ValueError(
+                    f"schedule {schedule.name!r} has {schedule.num_devices} devices but the mesh's "
+                    f"'pp' dim has {mesh.pp_size} ranks (mesh pp={mesh.pp_size} x "
+                    f"dp={mesh.dp_size}); build the mesh with pp={schedule.num_devices} or "
+                    f"generate the schedule for {mesh.pp_size} devices"
+                )
+        self.mesh = mesh
         self.options = options or ExecutorOptions()
         self.count_fn = count_fn
         if self.options.fuse_local_backward:
@@ -255,9 +290,30 @@ class PipelineExecutor:
         S = schedule.num_stages
         self.chunks = {s: self._chunk(s, m, loss_fn) for s, m in sorted(stages.items())}
         self.lowered = lower(schedule, recv_lookahead=self.options.recv_lookahead)
+        dp_group = mesh.dp_group if mesh is not None and not fsdp else None
+        if dp_group is not None:
+            self.lowered = insert_grad_reduce(self.lowered)
         validate_lowered(self.lowered)
+        self.reducer = (
+            None
+            if dp_group is None
+            else GradReducer(
+                dp_group,
+                {s: list(c.module.parameters()) for s, c in self.chunks.items()},
+                self.options.comm_timeout_s,
+            )
+        )
         self.program: tuple[ProgramItem, ...] = self.lowered.programs[self.rank]
         self.sharding: ShardedStages | None = None
+        if fsdp:
+            assert mesh is not None
+            self.sharding = ShardedStages(
+                self.chunks,
+                mesh.mesh["dp"],
+                device=self.device,
+                timeout_s=self.options.comm_timeout_s,
+            )
+            self.program = self.sharding.insert(self.program)
         self.has_first, self.has_last = 0 in self.chunks, S - 1 in self.chunks
         directed = self.options.directed_groups
         if directed is None:
@@ -274,7 +330,12 @@ class PipelineExecutor:
             (a, b, Channel.OPTIM) for d in range(world - 1) for a, b in ((d, d + 1), (d + 1, d))
         ]
         self.p2p = P2P(
-            group, self.device, self.options.comm_timeout_s, directed=directed, pairs=pairs
+            group,
+            self.device,
+            self.options.comm_timeout_s,
+            directed=directed,
+            pairs=pairs,
+            pipelines=None if mesh is None else mesh.pipelines(),
         )
         # The trace's epoch: every rank leaves this (bounded) barrier at nearly one instant.
         self.p2p.all_reduce(torch.zeros(1, device=self.device), "start-up barrier (trace epoch)")
@@ -345,11 +406,17 @@ class PipelineExecutor:
             program = self.sharding.insert([i for i in program if not isinstance(i, ShardAction)])
         self.program = tuple(program)
 
-    def attach_sharding(self, sharding: ShardedStages) -> None:
-        """Run this rank's stages sharded (:mod:`~zerobubble.runtime.fsdp`): the sharding's
-        instructions go into the current program and every program loaded later."""
-        self.sharding = sharding
-        self.load_program(self.program)
+    def _over_dp(self, n: torch.Tensor | int) -> Any:
+        """``n`` summed over the dp replicas (the global batch's size or count); the
+        last stage's ranks of all replicas call it together."""
+        if self.mesh is None or self.mesh.dp_group is None:
+            return n
+        t = torch.as_tensor(n, device=self.device).clone()
+        what = f"all-reduce over dim 'dp' of iteration {self.iteration}'s batch size or count"
+        work = dist.all_reduce(t, group=self.mesh.dp_group, async_op=True)
+        assert work is not None
+        self.p2p.wait(work, None, what)
+        return t if isinstance(n, torch.Tensor) else int(t.item())
 
     def held_bytes(self) -> int:
         """Activation bytes held by this rank's stages."""
@@ -408,9 +475,11 @@ class PipelineExecutor:
             n = batch_size(target, "target")
             targets = [to_device(t, self.device) for t in split_tree(target, M, n)]
             if self.count_fn is None:
-                scales = loss_scales([len(t) for t in torch.tensor_split(torch.empty(n), M)])
+                sizes = [len(t) for t in torch.tensor_split(torch.empty(n), M)]
+                total = self._over_dp(n)  # loss_scales' n_j / N, N the global batch
+                scales = [k / total for k in sizes]
             else:
-                num_items = batch_count(self.count_fn, target, self.device)
+                num_items = self._over_dp(batch_count(self.count_fn, target, self.device))
                 scales = [1.0] * M
         hooks = hooks or StepHooks()
         run = _Step(self, inputs, targets, scales, hooks, num_items)
@@ -429,7 +498,7 @@ class PipelineExecutor:
                 case VersionCheck(action):
                     hooks.check_version(action)
                 case ShardAction():
-                    assert self.sharding is not None  # only attach_sharding inserts them
+                    assert self.sharding is not None  # only the sharding's pass inserts them
                     self.sharding.run(ins)
                 case _:
                     run.execute(ins)
@@ -491,6 +560,12 @@ class _Step:
                 for work, _, send in self.in_flight:
                     pipe.p2p.wait(work, send.peer, self.describe(send))
                 self.in_flight.clear()
+            case ReduceGrads(stage):
+                assert pipe.reducer is not None  # the pass inserts it only with a dp group
+                pipe.reducer.launch(stage, pipe.iteration)
+            case WaitReduce():
+                assert pipe.reducer is not None
+                pipe.reducer.wait(pipe.iteration)
         if tracing:
             t1 = pipe.trace.now()
             if isinstance(ins, Compute):
@@ -695,6 +770,10 @@ class _Step:
             return TraceEvent(op=a.op.value, stage=a.stage, mb=a.mb, **common)
         if isinstance(ins, WaitSends):
             return TraceEvent(op="wait_sends", stage=None, mb=None, **common)
+        if isinstance(ins, ReduceGrads):
+            return TraceEvent(op="reduce_grads", stage=ins.stage, mb=None, **common)
+        if isinstance(ins, WaitReduce):
+            return TraceEvent(op="wait_reduce", stage=None, mb=None, **common)
         m = ins.msg
         op = {PostRecv: "post_recv", WaitRecv: "wait_recv", Send: "send"}[type(ins)]
         here = m.src_stage if isinstance(ins, Send) else m.dst_stage

@@ -18,7 +18,7 @@ from zerobubble.runtime.microbatch import CountFn, batch_count, loss_scales, spl
 from zerobubble.runtime.partition import stage_bounds
 from zerobubble.runtime.rng import StageRng
 
-__all__ = ["as_sequential", "reference_step"]
+__all__ = ["as_sequential", "dp_reference_step", "reference_step"]
 
 
 def as_sequential(layers: Sequence[nn.Module] | nn.Sequential) -> nn.Sequential:
@@ -94,3 +94,42 @@ def reference_step(
         losses.append(loss.detach())
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return losses, grads
+
+
+def dp_reference_step(
+    layers: Sequence[nn.Module] | nn.Sequential,
+    loss_fn: Callable[..., Tensor],
+    parts: Sequence[tuple[Tensor, Tensor]],
+    m: int,
+) -> tuple[list[list[Tensor]], dict[str, Tensor]]:
+    """One data-parallel step in the order a ``(pp, dp)`` mesh computes it (no random ops).
+
+    ``parts[r]`` is replica ``r``'s ``(x, target)``. Per replica, in microbatch order,
+    ``loss_j * n_j / N`` is back-propagated (``N`` the global batch: all parts
+    together) into fresh gradients; the replicas' gradients are then summed in rank
+    order, ``((g_0 + g_1) + g_2) + ...``, which is what the dp all-reduce gives
+    bitwise for two replicas (see :mod:`zerobubble.runtime.dp` for more). The sums
+    are left in ``.grad``.
+
+    Returns:
+        Each replica's unscaled per-microbatch losses, and a copy of every summed gradient.
+    """
+    model = as_sequential(layers)
+    total = sum(len(x) for x, _ in parts)
+    summed: dict[str, Tensor] = {}
+    losses: list[list[Tensor]] = []
+    for x, target in parts:
+        for p in model.parameters():
+            p.grad = None
+        mine = []
+        for xj, tj in zip(split_batch(x, m), split_batch(target, m), strict=True):
+            loss = loss_fn(model(xj), tj)
+            (loss * (len(xj) / total)).backward()
+            mine.append(loss.detach())
+        losses.append(mine)
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                summed[n] = p.grad.clone() if n not in summed else summed[n] + p.grad
+    for n, p in model.named_parameters():
+        p.grad = summed.get(n)
+    return losses, {n: g.clone() for n, g in summed.items()}

@@ -210,6 +210,9 @@ class TiedGroups:
         timeout_s: Bound of every collective (fails with :class:`PeerError`).
         check_every: Compare the replicas' checksums across holders at the tail of
             every ``check_every``-th iteration (0: never; :meth:`check` on demand).
+        pipelines: The global ranks of every pipeline of a mesh (its dp replicas, see
+            :meth:`~zerobubble.runtime.mesh.PipelineMesh.pipelines`); None: ``group`` is
+            the only one.
 
     The constructor is collective over the default group (``dist.new_group`` per tie
     held by several ranks) and checks that the replicas agree in shape and dtype.
@@ -225,6 +228,7 @@ class TiedGroups:
         *,
         timeout_s: float = 60.0,
         check_every: int = 0,
+        pipelines: Sequence[Sequence[int]] | None = None,
     ) -> None:
         if check_every < 0:
             raise ValueError(f"check_every must be >= 0 iterations, got {check_every}")
@@ -237,7 +241,13 @@ class TiedGroups:
             ranks = tuple(sorted({placement[s] for s in tp.stages}))
             pg = None
             if len(ranks) > 1:
-                pg = dist.new_group([dist.get_global_rank(group, r) if group else r for r in ranks])
+                # new_group is collective over the default group: every pipeline's, in order.
+                mine = [dist.get_global_rank(group, r) if group else r for r in ranks]
+                for ranks_of in pipelines or [None]:
+                    these = mine if ranks_of is None else [ranks_of[r] for r in ranks]
+                    made = dist.new_group(these)
+                    if these == mine:
+                        pg = made
             replicas = {
                 s: stages[s].get_parameter(tp.local[s][0]) for s in tp.stages if s in stages
             }

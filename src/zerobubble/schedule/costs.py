@@ -51,6 +51,9 @@ class CostModel:
             the consumer but does not occupy either device's compute.
         mem_f: Memory an F allocates (M_B of the stage).
         mem_w: Memory still held after B until W (M_W of the stage, <= mem_f).
+        reduce: Duration of the data-parallel all-reduce of each stage's gradients
+            (default 0: no dp). It runs on the device's comm lane, not its compute:
+            see :attr:`~zerobubble.schedule.simulate.SimResult.reductions`.
     """
 
     f: tuple[Number, ...]
@@ -59,9 +62,18 @@ class CostModel:
     comm: Number = 0
     mem_f: tuple[Number, ...] = ()
     mem_w: tuple[Number, ...] = ()
+    reduce: tuple[Number, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.f)
+        object.__setattr__(self, "reduce", tuple(self.reduce) or (0,) * n)
+        if len(self.reduce) != n or not all(
+            math.isfinite(float(x)) and x >= 0 for x in self.reduce
+        ):
+            raise ValueError(
+                f"reduce={list(self.reduce)} must hold one finite number >= 0 per virtual "
+                f"stage ({n})"
+            )
         for name in ("f", "b", "w", "mem_f", "mem_w"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if not self.mem_f:

@@ -22,12 +22,12 @@ This module is pure and torch-free.
 from __future__ import annotations
 
 import enum
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from zerobubble.schedule.deps import Key, Kind, needs, producer, produces
 from zerobubble.schedule.errors import Reason, ScheduleError
-from zerobubble.schedule.ir import Action, Schedule
+from zerobubble.schedule.ir import Action, Op, Schedule
 
 
 class MsgKind(enum.StrEnum):
@@ -105,7 +105,27 @@ class WaitSends:
         return "wait_sends"
 
 
-Instruction = Compute | PostRecv | WaitRecv | Send | WaitSends
+@dataclass(frozen=True, slots=True)
+class ReduceGrads:
+    """Start an asynchronous sum of ``stage``'s parameter gradients over the data-parallel
+    replicas (inserted by :func:`zerobubble.schedule.dp.insert_grad_reduce` right after
+    the stage's last W or BW of the step)."""
+
+    stage: int
+
+    def __str__(self) -> str:
+        return f"reduce_grads s{self.stage}"
+
+
+@dataclass(frozen=True, slots=True)
+class WaitReduce:
+    """Block until every gradient reduction this device started has completed."""
+
+    def __str__(self) -> str:
+        return "wait_reduce"
+
+
+Instruction = Compute | PostRecv | WaitRecv | Send | WaitSends | ReduceGrads | WaitReduce
 
 
 @dataclass(frozen=True)
@@ -283,6 +303,8 @@ def validate_lowered(lowered: LoweredSchedule) -> None:
     posted: dict[tuple[int, int], list[Message]] = defaultdict(list)  # (src, dst) -> posted
     arrived: list[set[Message]] = [set() for _ in range(P)]  # completed receives
     made: list[set[Key]] = [set() for _ in range(P)]  # what each device's computes produced
+    weights: list[Counter[int]] = [Counter() for _ in range(P)]  # stage -> W/BW run
+    reducing: list[set[int]] = [set() for _ in range(P)]  # stages whose reduction started
 
     def fail(reason: Reason, d: int, msg: str) -> ScheduleError:
         ins = progs[d][pc[d]]
@@ -321,8 +343,34 @@ def validate_lowered(lowered: LoweredSchedule) -> None:
             for dst in range(P):
                 if len(posted[d, dst]) < len(sent[d, dst]):
                     return False
+        elif isinstance(ins, ReduceGrads):
+            if weights[d][ins.stage] != sched.num_microbatches or ins.stage in reducing[d]:
+                raise fail(
+                    Reason.MISSING,
+                    d,
+                    f"reduces stage {ins.stage}'s gradients after "
+                    f"{weights[d][ins.stage]} of its {sched.num_microbatches} weight "
+                    "gradients, or twice (it must follow the stage's last W or BW, once)",
+                )
+            reducing[d].add(ins.stage)
+        elif isinstance(ins, WaitReduce):
+            if reducing[d] != set(sched.stages_of_device[d]):
+                raise fail(
+                    Reason.MISSING,
+                    d,
+                    f"waits for the reductions of stages {sorted(sched.stages_of_device[d])} "
+                    f"but only {sorted(reducing[d])} were started",
+                )
         else:
             a = ins.action
+            if a.op is Op.W or a.op is Op.BW:
+                if a.stage in reducing[d]:
+                    raise fail(
+                        Reason.MISSING,
+                        d,
+                        f"adds to stage {a.stage}'s gradients after their reduction started",
+                    )
+                weights[d][a.stage] += 1
             keys = needs(a.op, a.stage, a.mb, S)
             # Messages first, then what this stage itself keeps (the F before a backward...).
             for k in sorted(keys, key=lambda k: not k.kind.travels):

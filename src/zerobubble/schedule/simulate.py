@@ -13,6 +13,14 @@ Definitions (the Zero Bubble paper's):
 * cost: the longest span; makespan: the last end over all devices;
 * bubble rate: (cost - ideal) / cost, with ideal the largest per-device busy
   time (M(F+B+W) for uniform costs).
+
+Data-parallel gradient reduction (``CostModel.reduce``, 0 by default): the
+all-reduce of stage s's gradients starts when its device finished the stage's
+last W or BW of the step and the device's previous reduction (one comm lane per
+device, reductions in launch order), and takes ``reduce[s]``; it occupies no
+compute, so it overlaps with the device's remaining actions. Its *exposed* part
+is what outlasts the device's last action: the step's optimizer tail waits for
+it (:attr:`SimResult.exposed_reduce`, :attr:`SimResult.step_time`).
 """
 
 from __future__ import annotations
@@ -83,6 +91,47 @@ class SimResult:
         return float((self.makespan - self.ideal) / self.makespan) if self.makespan else 0.0
 
     @cached_property
+    def reductions(self) -> tuple[tuple[tuple[int, Number, Number], ...], ...]:
+        """Per device, its stages' gradient reductions as ``(stage, start, end)``, in launch
+        order (see the module docstring); empty where every ``reduce`` cost is 0."""
+        if not any(self.costs.reduce):
+            return tuple(() for _ in self.schedule.actions)
+        out = []
+        for acts, en in zip(self.schedule.actions, self.end, strict=True):
+            last: dict[int, Number] = {}
+            for a, t in zip(acts, en, strict=True):
+                if a.op is Op.W or a.op is Op.BW:
+                    last[a.stage] = t
+            lane: Number = 0
+            row = []
+            for stage, t in sorted(last.items(), key=lambda kv: (kv[1], kv[0])):
+                begin = max(t, lane)
+                lane = begin + self.costs.reduce[stage]
+                row.append((stage, begin, lane))
+            out.append(tuple(row))
+        return tuple(out)
+
+    @cached_property
+    def exposed_reduce(self) -> tuple[Number, ...]:
+        """Per device: how long its last reduction outlasts its last action (0 if not)."""
+        return tuple(
+            max(0, red[-1][2] - en[-1]) if red and en else 0
+            for red, en in zip(self.reductions, self.end, strict=True)
+        )
+
+    @property
+    def step_time(self) -> Number:
+        """The makespan including the reductions' exposed part (the optimizer waits for it)."""
+        return max(
+            (
+                max(en[-1], red[-1][2] if red else 0)
+                for en, red in zip(self.end, self.reductions, strict=True)
+                if en
+            ),
+            default=0,
+        )
+
+    @cached_property
     def peak_memory(self) -> tuple[Number, ...]:
         return tuple(max(m, default=0) if m else 0 for m in self.memory)
 
@@ -110,6 +159,14 @@ class SimResult:
             "span": [float(x) for x in self.span],
             "peak_memory": [float(x) for x in self.peak_memory],
             "max_peak_memory": float(max(self.peak_memory)),
+            **(
+                {
+                    "exposed_reduce": [float(x) for x in self.exposed_reduce],
+                    "step_time": float(self.step_time),
+                }
+                if any(self.costs.reduce)
+                else {}
+            ),
         }
 
 

@@ -14,6 +14,10 @@ its earliest event):
 1. ``event``: known ops, complete fields, each rank's events sequential in time.
 2. ``backward``: per iteration every F(s, j) is followed on its rank by B then
    W, or by BW, exactly once; every (stage, microbatch) of the iteration has an F.
+   ``reduce``: with data parallelism (``reduce_grads`` events), per iteration and
+   rank every stage's reduction starts once, after its every W and BW, and one
+   ``wait_reduce`` follows them all, before the rank's optimizer acts on the
+   iteration's gradients.
 3. ``messages``: every message id is sent once and received (posted, then
    waited) once, between the ranks that run its two stages.
 4. ``message order``: for each rank pair, receives are posted in send order
@@ -66,7 +70,7 @@ from zerobubble.schedule.trace_format import (
     read_jsonl_lines,
 )
 
-OTHER_OPS = (EventOp.WAIT_SENDS, EventOp.REPLAY)
+OTHER_OPS = (EventOp.WAIT_SENDS, EventOp.REPLAY, EventOp.REDUCE_GRADS, EventOp.WAIT_REDUCE)
 DEFAULT_OPT_OPS: tuple[EventKind, ...] = (
     OptOp.REDUCE,
     OptOp.PREFIX,
@@ -83,6 +87,7 @@ DEFAULT_TOLERANCE_NS = 1_000_000
 CHECKS = (
     "event",
     "backward",
+    "reduce",
     "messages",
     "message order",
     "edge",
@@ -208,6 +213,7 @@ def check_trace(
     families: tuple[Callable[[], _Found], ...] = (
         lambda: _check_events(evs, opt_ops),
         lambda: _check_backward(kept),
+        lambda: _check_reduce(evs, kept, opt_ops),
         lambda: _check_messages(kept),
         lambda: _check_message_order(kept),
         lambda: _check_edges(kept),
@@ -325,6 +331,50 @@ def _check_events(evs: Sequence[_Ev], opt_ops: tuple[EventKind, ...]) -> _Found:
 
 def _nat(x: object) -> bool:
     return isinstance(x, int) and x >= 0
+
+
+# ---- 2b. data-parallel reductions -----------------------------------------------------------
+
+
+def _check_reduce(
+    evs: Sequence[_Ev], kept: Sequence[_Ev], opt_ops: tuple[EventKind, ...]
+) -> _Found:
+    """Each stage's reduction after its last weight gradient, all waited before the optimizer."""
+    out: _Found = []
+    reduced: dict[tuple[int, int], dict[int, _Ev]] = defaultdict(dict)  # (rank, it) -> stage
+    waited: dict[tuple[int, int], _Ev] = {}
+    for ev in kept:
+        e, where = ev.e, (ev.e.rank, ev.e.iteration)
+        if e.op is EventOp.REDUCE_GRADS:
+            if not _nat(e.stage):
+                out.append(_v("reduce", ev, "a reduce_grads event needs an integer stage >= 0"))
+            elif e.stage in reduced[where]:
+                out.append(_v("reduce", ev, f"stage {e.stage}'s gradients reduced twice"))
+            elif where in waited:
+                out.append(_v("reduce", ev, "starts after the iteration's wait_reduce"))
+            else:
+                reduced[where][e.stage] = ev
+        elif e.op is EventOp.WAIT_REDUCE:
+            waited[where] = ev
+        elif e.op in (Op.W, Op.BW) and e.stage in reduced.get(where, {}):
+            first = reduced[where][e.stage]
+            why = (
+                f"adds to stage {e.stage}'s gradients after their reduction started "
+                f"(event #{first.index}); the reduction must follow the stage's last W or BW"
+            )
+            out.append(_v("reduce", ev, why))
+    for where, stages in reduced.items():
+        if where not in waited:
+            last = max(stages.values(), key=lambda ev: ev.index)
+            out.append(_v("reduce", last, "no wait_reduce follows the iteration's reductions"))
+    for ev in evs:
+        e = ev.e
+        if (e.op in opt_ops or is_opt_op(e.op)) and (e.rank, e.iteration) in reduced:
+            wait = waited.get((e.rank, e.iteration))
+            if wait is not None and ev.index < wait.index:
+                why = f"reads the gradients before their wait_reduce (event #{wait.index})"
+                out.append(_v("reduce", ev, why))
+    return out
 
 
 # ---- 2. every F has its backward ------------------------------------------------------------

@@ -32,6 +32,10 @@ class EventOp(enum.StrEnum):
     WAIT_SENDS = "wait_sends"
     REPLAY = "replay"
     """Speculative work of this iteration on this rank was discarded and is run again."""
+    REDUCE_GRADS = "reduce_grads"
+    """The launch of a stage's asynchronous gradient all-reduce over ``dp`` (its ``stage``)."""
+    WAIT_REDUCE = "wait_reduce"
+    """The wait for every gradient reduction of the step, before the optimizer's tail."""
 
     __hash__ = str.__hash__
 
@@ -68,9 +72,10 @@ MessageId = tuple[MsgKind | str, int, int, int]
 _PARSE: dict[str, EventKind] = {str(k): k for k in (*Op, *EventOp, *OptOp)}
 _MSG_KINDS: dict[str, MsgKind] = {str(k): k for k in MsgKind}
 
-TRACKS = ("compute", "recv", "send", "optim")
-"""Chrome-trace threads: compute actions, receives (post and wait), sends, and the
-optimizer protocol (:class:`OptOp` events and ``replay``)."""
+TRACKS = ("compute", "recv", "send", "optim", "reduce")
+"""Chrome-trace threads: compute actions, receives (post and wait), sends, the
+optimizer protocol (:class:`OptOp` events and ``replay``), and the data-parallel
+gradient reduction (``reduce_grads``, ``wait_reduce``)."""
 _TRACK: dict[EventKind, str] = {
     **{op: "compute" for op in Op},
     EventOp.POST_RECV: "recv",
@@ -78,6 +83,8 @@ _TRACK: dict[EventKind, str] = {
     EventOp.SEND: "send",
     EventOp.WAIT_SENDS: "send",
     EventOp.REPLAY: "optim",
+    EventOp.REDUCE_GRADS: "reduce",
+    EventOp.WAIT_REDUCE: "reduce",
     **{op: "optim" for op in OptOp},
 }
 

@@ -1,0 +1,111 @@
+"""DDP-style gradient reduction over the mesh's ``dp`` dim, one async all-reduce per stage.
+
+The executor calls :meth:`GradReducer.launch` at a
+:class:`~zerobubble.schedule.lowering.ReduceGrads` (right after the stage's last
+W or BW, see :mod:`zerobubble.schedule.dp`) and :meth:`GradReducer.wait` at the
+program's :class:`~zerobubble.schedule.lowering.WaitReduce`. A stage's gradients
+travel as one flat bucket per dtype (model order inside), summed by
+``all_reduce(SUM)`` on the dp group, and are copied back into ``.grad`` once the
+wait returns.
+
+Reduction order: with two replicas the sum is ``g_0 + g_1`` per element,
+commutative, so every replica gets bitwise the same value, equal to summing the
+replicas' gradients in rank order. With more, gloo's ring algorithm adds the
+``dp`` terms in an order that depends on the element's position; the result is
+still identical on every replica, and differs from the rank-order sum by at most
+``(dp - 1) * eps * sum_r |g_r|`` per element (``eps`` the dtype's unit roundoff).
+
+Every replica must have gradients for the same parameters of a stage (same
+model, same step), so the buckets agree in size; a replica that dies or stalls
+turns into a :class:`~zerobubble.runtime.comm.PeerError` naming this rank, the
+stage, the dim ``dp`` and the group's ranks, within the comm timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from zerobubble.runtime.comm import PeerError
+
+__all__ = ["GradReducer"]
+
+
+@dataclass
+class _Bucket:
+    stage: int
+    flat: Tensor
+    grads: list[Tensor]
+    work: dist.Work
+
+
+class GradReducer:
+    """Sums stage gradients over a dp group, asynchronously, with bounded waits.
+
+    Args:
+        group: The dp group (this rank's data-parallel replicas).
+        stage_params: ``stage -> parameters`` of this rank, in model order.
+        timeout_s: Longest the wait for one stage's reduction may block.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        stage_params: Mapping[int, Sequence[nn.Parameter]],
+        timeout_s: float,
+    ) -> None:
+        self.group = group
+        self.stage_params = {s: list(ps) for s, ps in stage_params.items()}
+        self.timeout_s = timeout_s
+        self.rank = dist.get_rank()
+        self.ranks = tuple(dist.get_process_group_ranks(group))
+        self._in_flight: list[_Bucket] = []
+
+    def launch(self, stage: int, iteration: int) -> None:
+        """Start summing ``stage``'s gradients over dp (one bucket per dtype)."""
+        grads = [p.grad for p in self.stage_params[stage] if p.grad is not None]
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault((g.dtype, g.device), []).append(g)
+        for gs in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in gs])
+            what = self._what(stage, iteration)
+            try:
+                work = dist.all_reduce(flat, group=self.group, async_op=True)
+            except Exception as e:
+                raise PeerError(self.rank, None, what, str(e), group=self.ranks) from e
+            assert work is not None
+            self._in_flight.append(_Bucket(stage, flat, gs, work))
+
+    def wait(self, iteration: int) -> None:
+        """Wait for every launched reduction and write the sums back into ``.grad``."""
+        buckets, self._in_flight = self._in_flight, []
+        for b in buckets:
+            what = self._what(b.stage, iteration)
+            start = time.monotonic()
+            try:
+                b.work.wait(timeout=timedelta(seconds=self.timeout_s))
+            except Exception as e:
+                took = time.monotonic() - start
+                if took >= 0.99 * self.timeout_s:
+                    why = f"no completion within the comm timeout of {self.timeout_s:g}s"
+                else:
+                    why = f"the transport failed after {took:.1f}s (a dp replica died?)"
+                raise PeerError(self.rank, None, what, f"{why}: {e}", group=self.ranks) from e
+            offset = 0
+            for g in b.grads:
+                n = g.numel()
+                g.copy_(b.flat[offset : offset + n].view_as(g))
+                offset += n
+
+    def _what(self, stage: int, iteration: int) -> str:
+        return (
+            f"all-reduce of stage {stage}'s gradients over dim 'dp' (mesh dp group, "
+            f"iteration {iteration})"
+        )
