@@ -17,6 +17,7 @@ two references computed inside each rank:
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -31,7 +32,10 @@ from zerobubble.runtime.launcher import init_distributed, launch
 from zerobubble.runtime.mesh import PipelineMesh, build_mesh
 from zerobubble.runtime.reference import reference_step
 from zerobubble.schedule.generators import generate
-from zerobubble.schedule.sharding import ShardAction, ShardOp
+from zerobubble.schedule.ir import Op
+from zerobubble.schedule.lowering import Compute, lower
+from zerobubble.schedule.passes import fuse_local_backward
+from zerobubble.schedule.sharding import ShardAction, ShardOp, insert_sharding
 
 PP, DP, M, STEPS = 2, 2, 4, 3
 SIZES = [5, 7, 6, 5, 3]  # odd dim-0 sizes: FSDP pads the last shard
@@ -110,6 +114,20 @@ def train(kind: str, mesh: PipelineMesh, fsdp: bool) -> tuple[Pipeline, torch.op
     return pipe, opt
 
 
+def refusals(mesh: PipelineMesh, pipe: Pipeline) -> list[str]:
+    """What bad input raises (before any collective, on every rank alike)."""
+    out = []
+    try:
+        Pipeline(layers(), mlp_loss, "zb-h1", microbatches=M, group=mesh.pp_group, fsdp=True)
+    except ValueError as e:
+        out.append(str(e))
+    try:
+        pipe.set_optimizer(torch.optim.SGD(pipe.parameters()), OptimConfig(mode="conservative"))
+    except ValueError as e:
+        out.append(str(e))
+    return out
+
+
 def job(kinds: tuple[str, ...]) -> dict:
     init_distributed()
     mesh = build_mesh(PP, DP)
@@ -155,12 +173,34 @@ def job(kinds: tuple[str, ...]) -> dict:
             "stages": sorted(pipe.executor.chunks),
         }
         dist.barrier()
+    report["refusals"] = refusals(mesh, pipe)
     return report
+
+
+def test_insert_sharding_brackets_each_stage() -> None:
+    """zbv at P=3: rank 0 holds stages 0 and 5; each stage's unshard comes right before its
+    first compute (an F), its reduce-scatter right after its last (a W or BW)."""
+    lowered = lower(fuse_local_backward(generate("zbv", 3, 6)))
+    program = lowered.programs[0]
+    got = insert_sharding(program, [0, 5])
+    assert [i for i in got if not isinstance(i, ShardAction)] == list(program)
+    for s in (0, 5):
+        at = [i for i, x in enumerate(got) if isinstance(x, Compute) and x.action.stage == s]
+        assert got[at[0] - 1] == ShardAction(ShardOp.UNSHARD, s)
+        assert got[at[0]].action.op is Op.F
+        assert got[at[-1] + 1] == ShardAction(ShardOp.REDUCE, s)
+        assert got[at[-1]].action.op in (Op.W, Op.BW)
+    assert sum(isinstance(x, ShardAction) for x in got) == 4
+    with pytest.raises(ValueError, match="stage 1 has no compute"):
+        insert_sharding(program, [1])
 
 
 def test_fsdp_matches_references_for_every_kind() -> None:
     results = launch(job, PP * DP, KINDS, timeout=400)
     for rank, report in enumerate(results):
+        assert len(report["refusals"]) == 2, (rank, report["refusals"])
+        assert "fsdp=True shards over the mesh's dp dimension" in report["refusals"][0]
+        assert "post-validation (conservative) with FSDP" in report["refusals"][1]
         for kind in KINDS:
             got = report[kind]
             assert got["sharded"], (rank, kind)
