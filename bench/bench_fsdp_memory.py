@@ -5,8 +5,8 @@ Prints one JSON object.
 
 Workload: an MLP of ``--layers`` Linear(width, width) layers (zb-h1, 4 microbatches,
 AdamW), cut into 2 stages, run by 2 data-parallel replicas; once with ``fsdp=True``
-and once replicated (``fsdp=False``: every replica holds whole parameters, gradients
-and optimizer state, as DDP-style data parallelism does). After ``--steps`` steps each
+and once replicated (``fsdp=False``: the DDP-style path, where every replica holds
+whole parameters, gradients and optimizer state). After ``--steps`` steps each
 rank reports the bytes it holds of
 
 * ``params``: its parameters (the local shard of a DTensor),
@@ -62,7 +62,7 @@ def job(fsdp: bool, width: int, layers: int, steps: int) -> dict:
     before = rss_bytes()
     pipe = Pipeline(
         model,
-        lambda y, t: nn.functional.mse_loss(y, t) / DP,
+        nn.functional.mse_loss,
         "zb-h1",
         microbatches=M,
         mesh=mesh,
