@@ -78,6 +78,11 @@ class Pipeline:
             gradients are summed over ``mesh.dp_group`` (see
             :class:`~zerobubble.runtime.executor.PipelineExecutor`). Each replica's
             :meth:`step` gets that replica's part of the global batch.
+        fsdp: Shard every stage's parameters, gradients and optimizer state over the
+            mesh's ``dp`` dimension with FSDP2 (:mod:`~zerobubble.runtime.fsdp`): gathered
+            from the stage's first F to its last W of each step, gradients
+            reduce-scattered (summed) after that W, instead of the reduction of whole
+            gradients. Needs ``mesh`` with ``dp > 1``.
 
     A parameter the model uses in several layers stays one parameter: layers of
     a stage share it; stages share it as a tie whose replicas take one summed
@@ -109,6 +114,7 @@ class Pipeline:
         copy_layers: bool = True,
         tied_check_every: int = 0,
         mesh: PipelineMesh | None = None,
+        fsdp: bool = False,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -160,6 +166,12 @@ class Pipeline:
             if isinstance(layers, nn.Sequential | nn.ModuleList | Sequence)
             else ()
         )
+        tied = [tp.name for tp in shared if len(tp.local) > 1]
+        if fsdp and tied:
+            raise ValueError(
+                f"fsdp=True with parameters tied across stages ({', '.join(map(repr, tied))}) "
+                "is not supported: untie them or leave fsdp off"
+            )
         self._first_name = {n: tp.name for tp in shared for n in tp.names}
         self._layer_keys = {s: keys[bounds[s].start : bounds[s].stop] for s in stages}
         self.executor = PipelineExecutor(
@@ -171,6 +183,7 @@ class Pipeline:
             device=device,
             options=options,
             mesh=mesh,
+            fsdp=fsdp,
         )
         self.rank = self.executor.rank
         self.schedule = self.executor.schedule

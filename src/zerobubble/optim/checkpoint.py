@@ -30,6 +30,16 @@ Saved per rank: parameters and buffers of its stages, optimizer state (every
 tensor, keyed by stage and parameter name), param-group settings, the
 trainer's counters, the CPU RNG state and the caller's ``extra`` (e.g. the
 data position).
+
+Over dp x pp (``mesh=``, a :class:`~zerobubble.runtime.mesh.PipelineMesh`) the
+save and the load are collectives over the whole job rather than one pipeline:
+the data-parallel replicas write one checkpoint. Model and optimizer entries keep
+their stage-keyed names, so ``torch.distributed.checkpoint`` stores a replicated
+tensor (DDP-style data parallelism: every replica holds the same) once, and
+assembles FSDP's DTensor shards into the global tensor; loading reads each
+rank's shard (or the whole tensor) back. The per-rank entries (metadata, RNG,
+``extra``) are keyed by pipeline and dp rank. The record notes the dp size,
+and a checkpoint loads only into a job of the same pp and dp sizes.
 """
 
 from __future__ import annotations
@@ -50,9 +60,12 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import empty as dtensor_empty
 
 from zerobubble.optim.faults import CrashPoint
 from zerobubble.optim.trainer import PipelineTrainer, group_settings
+from zerobubble.runtime.mesh import PipelineMesh
 
 __all__ = [
     "CheckpointError",
@@ -85,30 +98,38 @@ class CheckpointError(ValueError):
 
 
 def save_checkpoint(
-    trainer: PipelineTrainer, root: str | Path, *, extra: dict[str, Any] | None = None
+    trainer: PipelineTrainer,
+    root: str | Path,
+    *,
+    extra: dict[str, Any] | None = None,
+    mesh: PipelineMesh | None = None,
 ) -> Path:
     """Drain, save every rank's state, and commit the manifest; returns the step directory.
 
     A collective: every rank calls it with the same ``root`` (a shared file
     system). ``extra`` is this rank's own data (plain numbers, strings, lists,
-    dicts, tensors), handed back by :func:`load_checkpoint`.
+    dicts, tensors), handed back by :func:`load_checkpoint`. ``mesh``: the job's
+    mesh when the pipeline is one of several data-parallel replicas (every rank
+    of the job then saves into one checkpoint).
     """
     trainer.drain()
-    group = trainer.pipe.group
+    group = _group(trainer, mesh)
     step = trainer.versions.committed
     root = Path(root)
     name = f"step_{step:08d}"
     state, loose = _state_dict(trainer)
     meta = {"extra": extra or {}, "groups": group_settings(trainer.optimizer), "state": loose}
-    state[f"rank{trainer.rank}.meta"] = _to_bytes(meta)
-    state[f"rank{trainer.rank}.rng"] = torch.get_rng_state()
+    own = _own_key(trainer, mesh)
+    state[f"{own}.meta"] = _to_bytes(meta)
+    state[f"{own}.rng"] = torch.get_rng_state()
     dcp.save(state, checkpoint_id=root / name, process_group=group)
     trainer.faults.crash(trainer.rank, step, CrashPoint.DURING_SAVE)
     v = trainer.versions
-    # Each rank hashes the shards it wrote (DCP names them __<rank>_<n>.distcp), in parallel,
-    # before the confirmation; rank 0 hashes whatever is left (.metadata) afterwards.
+    # Each rank hashes the shards it wrote (DCP names them __<rank>_<n>.distcp, by rank in
+    # the group that saved), in parallel, before the confirmation; rank 0 hashes whatever
+    # is left (.metadata) afterwards.
     mine = (step, v.iteration, v.param_version, str(v.opt))
-    files = _file_sums(root / name, f"__{trainer.rank}_")
+    files = _file_sums(root / name, f"__{dist.get_rank(group)}_")
     confirmations: list[Any] = [None] * dist.get_world_size(group)
     try:
         dist.all_gather_object(confirmations, (mine, files), group=group)
@@ -123,7 +144,7 @@ def save_checkpoint(
             f"ranks saved different states {states} (step, iteration, version, optimizer "
             f"state); the checkpoint {root / name} is not committed"
         )
-    if trainer.rank == 0:
+    if dist.get_rank(group) == 0:
         for _, theirs in confirmations:
             files.update(theirs)
         files.update(_file_sums(root / name, "", skip=files))
@@ -133,6 +154,7 @@ def save_checkpoint(
             "world_size": trainer.world,
             "schedule": trainer.pipe.schedule.name,
             "num_stages": trainer.pipe.schedule.num_stages,
+            "dp_size": 1 if mesh is None else mesh.dp_size,
             "files": dict(sorted(files.items())),
         }
         _write_json(root / f"{name}.json", record)
@@ -205,6 +227,7 @@ def load_checkpoint(
     *,
     step: int | None = None,
     missing_ok: bool = False,
+    mesh: PipelineMesh | None = None,
 ) -> dict[str, Any] | None:
     """Restore a committed checkpoint into a fresh trainer; returns this rank's ``extra``.
 
@@ -215,8 +238,10 @@ def load_checkpoint(
     Damage is a :class:`CheckpointError` (see :func:`verify_checkpoint`), raised on
     every rank before any collective.
 
-    A collective. The trainer must run the same schedule on the same number of
-    ranks; it continues exactly where the saved run stood after its drain.
+    A collective (over the job with ``mesh``, as :func:`save_checkpoint`). The trainer
+    must run the same schedule on the same number of ranks (and dp replicas); it
+    continues exactly where the saved run stood after its drain. Sharded (FSDP) and
+    replicated parameters load into either kind of run: each rank reads its part.
     """
     root = Path(root)
     if step is not None and (type(step) is not int or step < 0):
@@ -231,34 +256,79 @@ def load_checkpoint(
             f"{manifest['num_stages']} stages; this run has {trainer.world} ranks and "
             f"{sched.num_stages} stages: resume with the same pipeline layout"
         )
+    dp = 1 if mesh is None else mesh.dp_size
+    if manifest.get("dp_size", 1) != dp:
+        raise ValueError(
+            f"checkpoint {manifest['path']} was saved by {manifest.get('dp_size', 1)} "
+            f"data-parallel replicas; this run has dp={dp}: resume with the same mesh "
+            "(and pass mesh= to load_checkpoint when the job has one)"
+        )
+    group = _group(trainer, mesh)
+    own = _own_key(trainer, mesh)
     path = Path(root) / manifest["path"]
     stored = FileSystemReader(path).read_metadata().state_dict_metadata
     state, _ = _state_dict(trainer, with_optimizer=False)
     names = _param_names(trainer)
-    mine = {f"optim.{n}." for n in names.values()}
+    by_name = {n: p for p, n in ((p, names[id(p)]) for p in trainer.params)}
     for key, md in stored.items():
-        owned = key in (f"rank{trainer.rank}.meta", f"rank{trainer.rank}.rng")
-        if owned or any(key.startswith(prefix) for prefix in mine):
+        if key in (f"{own}.meta", f"{own}.rng"):
             assert isinstance(md, TensorStorageMetadata)
             state[key] = torch.empty(md.size, dtype=md.properties.dtype)
-    dcp.load(state, checkpoint_id=path, process_group=trainer.pipe.group)
-    by_name = {n: p for p, n in ((p, names[id(p)]) for p in trainer.params)}
+        elif key.startswith("optim."):
+            p = by_name.get(key.removeprefix("optim.").rsplit(".", 1)[0])
+            if p is not None:
+                assert isinstance(md, TensorStorageMetadata)
+                state[key] = _target(md, p)
+    dcp.load(state, checkpoint_id=path, process_group=group)
     opt_state: dict[Tensor, dict[str, Any]] = {}
     for key, value in state.items():
         if key.startswith("optim."):
             pname, field = key.removeprefix("optim.").rsplit(".", 1)
             p = by_name[pname]
             opt_state.setdefault(p, {})[field] = value.to(p.device) if field != "step" else value
-    meta = _from_bytes(state[f"rank{trainer.rank}.meta"])
+    meta = _from_bytes(state[f"{own}.meta"])
     for pname, fields in meta["state"].items():
         opt_state.setdefault(by_name[pname], {}).update(fields)
     trainer.optimizer.state.clear()
     trainer.optimizer.state.update(opt_state)
     for g, h in zip(trainer.optimizer.param_groups, meta["groups"], strict=True):
         g.update(h)
-    torch.set_rng_state(state[f"rank{trainer.rank}.rng"])
+    torch.set_rng_state(state[f"{own}.rng"])
     trainer.restore(manifest["step"])
     return meta["extra"]
+
+
+def _group(trainer: PipelineTrainer, mesh: PipelineMesh | None) -> dist.ProcessGroup | None:
+    """The ranks that save one checkpoint together: the pipeline, or with a mesh the job."""
+    if mesh is None:
+        return trainer.pipe.group
+    if dist.get_world_size(trainer.pipe.group) != mesh.pp_size:
+        raise ValueError(
+            f"rank {trainer.rank}: the trainer's pipeline has "
+            f"{dist.get_world_size(trainer.pipe.group)} ranks but the mesh's pp dimension "
+            f"{mesh.pp_size}: pass the mesh the pipeline was built with"
+        )
+    return None
+
+
+def _own_key(trainer: PipelineTrainer, mesh: PipelineMesh | None) -> str:
+    """The prefix of this rank's own entries (every rank of the saving group has one)."""
+    if mesh is None or mesh.dp_size == 1:
+        return f"rank{trainer.rank}"
+    return f"rank{trainer.rank}.dp{mesh.dp_rank}"
+
+
+def _target(md: TensorStorageMetadata, param: Tensor) -> Tensor:
+    """Where an optimizer-state entry of ``param`` loads: sharded like the parameter when it
+    has the parameter's shape (FSDP's moments), else a whole tensor (a step count)."""
+    if isinstance(param, DTensor) and tuple(md.size) == tuple(param.shape):
+        return dtensor_empty(
+            md.size,
+            dtype=md.properties.dtype,
+            device_mesh=param.device_mesh,
+            placements=param.placements,
+        )
+    return torch.empty(md.size, dtype=md.properties.dtype)
 
 
 def _problem(

@@ -22,11 +22,12 @@ point-to-point state message and checked on receipt (:meth:`ParamLayout.check`).
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
 from zerobubble.optim.config import OptimConfig
@@ -133,9 +134,18 @@ class ParamLayout:
         return torch.zeros(self.vector_len, dtype=torch.float64)
 
     def fill(
-        self, vec: Tensor, stage_params: Mapping[int, Sequence[Tensor]], norm_type: float
+        self,
+        vec: Tensor,
+        stage_params: Mapping[int, Sequence[Tensor]],
+        norm_type: float,
+        combine: Callable[[Sequence[Tensor], float], list[Tensor]] | None = None,
     ) -> None:
-        """Write the norms of these parameters' gradients into their slots of ``vec``."""
+        """Write the norms of these parameters' gradients into their slots of ``vec``.
+
+        Sharded gradients (DTensors, FSDP) contribute the norms of their local shards,
+        which ``combine`` (collective over the shards' replicas) turns into the norms of
+        the whole gradients.
+        """
         grads, slots = [], []
         for s, params in stage_params.items():
             for i, p in enumerate(params):
@@ -147,7 +157,9 @@ class ParamLayout:
                     slots.append(slot)
         if not grads:
             return
-        norms = per_tensor_norms(grads, norm_type)
+        norms = per_tensor_norms([_local(g) for g in grads], norm_type)
+        if combine is not None:
+            norms = combine(norms, norm_type)
         index = torch.tensor(slots)
         vec[index] = torch.stack([n.detach().to("cpu", torch.float64) for n in norms])
         vec[index + self.size] = PRESENT
@@ -174,6 +186,11 @@ class ParamLayout:
         # Stack in the order clip_grad_norm_ does: grouped by dtype, model order inside.
         ordered = [n for _, ts, _ in _group_by_device_and_dtype(norms) for n in ts]
         return torch.linalg.vector_norm(torch.stack(ordered).to(device), norm_type)
+
+
+def _local(t: Tensor) -> Tensor:
+    """This rank's shard of a DTensor; a plain tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def per_tensor_norms(grads: Sequence[Tensor], norm_type: float) -> list[Tensor]:

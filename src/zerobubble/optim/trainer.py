@@ -175,6 +175,14 @@ class PipelineTrainer:
                 "stage parameters), not from the original model"
             )
         pv = self.config.post_validation
+        sharding = executor.sharding
+        if pv and sharding is not None:
+            raise ValueError(
+                f"rank {executor.rank}: post-validation ({self.config.mode.value}) with FSDP-"
+                "sharded stages is not supported (a rollback would leave the gathered "
+                "parameters stale); use the synchronous step (OptimConfig(mode='sync'))"
+            )
+        self._combine = None if sharding is None else sharding.combine_norms
         executor.load_program(
             protocol_program(executor.lowered, executor.rank, speculative=self.config.speculative)
         )
@@ -252,7 +260,7 @@ class PipelineTrainer:
     def _sync_tail(self, k: int) -> None:
         t0 = self._now()
         vec = self.layout.new_vector()
-        self.layout.fill(vec, self.norm_params, self.config.norm_type)
+        self.layout.fill(vec, self.norm_params, self.config.norm_type, self._combine)
         self.pipe.p2p.all_reduce(vec, f"all-reduce of iteration {k}'s gradient-norm state")
         total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
         action = decide(total, self.config)
@@ -271,7 +279,7 @@ class PipelineTrainer:
             work = self.pipe.p2p.irecv(vec, d - 1, what, Channel.OPTIM)
             self.pipe.p2p.wait(work, d - 1, what)
             self._check(vec, StateKind.PREFIX, k, d - 1)
-        self.layout.fill(vec, self.norm_params, self.config.norm_type)
+        self.layout.fill(vec, self.norm_params, self.config.norm_type, self._combine)
         flags = self.layout.flags
         if last:
             total = self.layout.total(vec, self.config.norm_type, self.pipe.device)

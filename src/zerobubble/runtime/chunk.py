@@ -311,6 +311,11 @@ class StageChunk:
         del self._records[mb]
         return _input_grads(rec, xs, [x.grad for x in xs])
 
+    def refresh_parameters(self) -> None:
+        """Take the module's current parameter objects (FSDP swaps gathered parameters in
+        and out of the module: B must differentiate the ones the forward used)."""
+        self._params = list(self.module.parameters())
+
     def discard(self) -> None:
         """Drop every microbatch in flight, leaving ``.grad`` untouched.
 

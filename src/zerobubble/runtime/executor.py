@@ -39,6 +39,7 @@ from torch import nn
 from zerobubble.runtime.chunk import LossFn, StageChunk, StageChunkError
 from zerobubble.runtime.comm import P2P, Channel, TensorMeta
 from zerobubble.runtime.dp import GradReducer
+from zerobubble.runtime.fsdp import ShardedStages
 from zerobubble.runtime.host_memory import retain_freed_memory
 from zerobubble.runtime.mesh import PipelineMesh
 from zerobubble.runtime.microbatch import CountFn, batch_count, batch_size, split_tree
@@ -84,11 +85,12 @@ from zerobubble.schedule.lowering import (
 )
 from zerobubble.schedule.passes import fuse_local_backward
 from zerobubble.schedule.replay import Gate, VersionCheck
+from zerobubble.schedule.sharding import ShardAction
 from zerobubble.schedule.trace_format import TraceEvent
 from zerobubble.schedule.validate import validate
 
-ProgramItem = Instruction | Gate | VersionCheck
-"""One instruction of a rank's program: the lowered ones plus the protocol's."""
+ProgramItem = Instruction | Gate | VersionCheck | ShardAction
+"""One instruction of a rank's program: the lowered ones plus the protocol's and FSDP's."""
 
 
 class StepHooks:
@@ -222,6 +224,11 @@ class PipelineExecutor:
             the loss is normalised over the global batch (the replicas' batches together:
             ``n_j / sum of N`` per microbatch, or the count summed over dp), so the
             reduced gradients are those of the global batch.
+        fsdp: With ``mesh`` (``dp > 1``): shard the stages' parameters, gradients and
+            optimizer state over ``dp`` with FSDP2 instead of reducing whole gradients
+            (:class:`~zerobubble.runtime.fsdp.ShardedStages`: a pass inserts each stage's
+            unshard before its first F and its reduce-scatter after its last W; build
+            the optimizer over the chunks' parameters afterwards, the sharded DTensors).
 
     Attributes:
         schedule: The schedule this executor runs (``schedule`` after
@@ -247,8 +254,14 @@ class PipelineExecutor:
         device: torch.device | str | None = None,
         options: ExecutorOptions | None = None,
         mesh: PipelineMesh | None = None,
+        fsdp: bool = False,
     ) -> None:
         validate(schedule)
+        if fsdp and (mesh is None or mesh.dp_group is None):
+            raise ValueError(
+                "fsdp=True shards over the mesh's dp dimension: pass mesh=build_mesh(pp, dp) "
+                f"with dp >= 2 (got {'no mesh' if mesh is None else f'dp={mesh.dp_size}'})"
+            )
         if mesh is not None:
             if group is not None and group is not mesh.pp_group:
                 raise ValueError("pass either group= or mesh= (the pipeline runs on mesh.pp_group)")
@@ -288,7 +301,7 @@ class PipelineExecutor:
         S = schedule.num_stages
         self.chunks = {s: self._chunk(s, m, loss_fn) for s, m in sorted(stages.items())}
         self.lowered = lower(schedule, recv_lookahead=self.options.recv_lookahead)
-        dp_group = mesh.dp_group if mesh is not None else None
+        dp_group = mesh.dp_group if mesh is not None and not fsdp else None
         if dp_group is not None:
             self.lowered = insert_grad_reduce(self.lowered)
         validate_lowered(self.lowered)
@@ -302,6 +315,16 @@ class PipelineExecutor:
             )
         )
         self.program: tuple[ProgramItem, ...] = self.lowered.programs[self.rank]
+        self.sharding: ShardedStages | None = None
+        if fsdp:
+            assert mesh is not None
+            self.sharding = ShardedStages(
+                self.chunks,
+                mesh.mesh["dp"],
+                device=self.device,
+                timeout_s=self.options.comm_timeout_s,
+            )
+            self.program = self.sharding.insert(self.program)
         self.has_first, self.has_last = 0 in self.chunks, S - 1 in self.chunks
         directed = self.options.directed_groups
         if directed is None:
@@ -383,7 +406,7 @@ class PipelineExecutor:
         Every rank must load programs derived from the same plan (the pass checks
         them together); here only the lowered instructions are checked to be the same.
         """
-        mine = Counter(i for i in program if not isinstance(i, Gate | VersionCheck))
+        mine = Counter(i for i in program if not isinstance(i, Gate | VersionCheck | ShardAction))
         if mine != Counter(self.lowered.programs[self.rank]):
             raise ValueError(
                 f"rank {self.rank}: the loaded program does not hold exactly the lowered "
@@ -391,6 +414,8 @@ class PipelineExecutor:
             )
         if sum(isinstance(i, Gate) for i in program) > 1:
             raise ValueError(f"rank {self.rank}: a program holds at most one replay gate")
+        if self.sharding is not None:
+            program = self.sharding.insert([i for i in program if not isinstance(i, ShardAction)])
         self.program = tuple(program)
 
     def _over_dp(self, n: torch.Tensor | int) -> Any:
@@ -484,6 +509,9 @@ class PipelineExecutor:
                     pass
                 case VersionCheck(action):
                     hooks.check_version(action)
+                case ShardAction():
+                    assert self.sharding is not None  # only the sharding's pass inserts them
+                    self.sharding.run(ins)
                 case _:
                     run.execute(ins)
                     if isinstance(ins, Compute):
