@@ -8,6 +8,7 @@ both start methods.
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 from typing import Any
 
 from zerobubble.runtime.launcher import launch as _launch
@@ -16,6 +17,17 @@ PRELOAD = ["torch", "torch.distributed", "zerobubble.runtime.executor", "zerobub
 
 
 def launch(fn: Any, nprocs: int, *args: Any, **kwargs: Any) -> list[Any]:
-    """:func:`zerobubble.runtime.launcher.launch` with ``start_method="forkserver"``."""
+    """:func:`zerobubble.runtime.launcher.launch` with ``start_method="forkserver"``.
+
+    ``fn`` and ``args`` travel as one plain pickle: multiprocessing's own pickler would
+    hand every tensor over as a file descriptor, and a forkserver start takes at most
+    about 250 of them.
+    """
     multiprocessing.set_forkserver_preload(PRELOAD)  # no effect once the server runs
-    return _launch(fn, nprocs, *args, start_method="forkserver", **kwargs)
+    blob = pickle.dumps((fn, args))
+    return _launch(_call, nprocs, blob, start_method="forkserver", **kwargs)
+
+
+def _call(blob: bytes) -> Any:
+    fn, args = pickle.loads(blob)
+    return fn(*args)

@@ -20,9 +20,10 @@ import pytest
 import torch
 
 import zerobubble
+from ranks import launch
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.profile.bubbles import analyze_iteration
-from zerobubble.runtime.launcher import LaunchError, init_distributed, launch
+from zerobubble.runtime.launcher import LaunchError, init_distributed
 from zerobubble.runtime.mesh import build_mesh, pipeline_ranks
 from zerobubble.runtime.reference import dp_reference_step
 from zerobubble.schedule.costs import CostModel

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from ranks import launch
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.optim.checkpoint import (
     CheckpointError,
@@ -28,7 +29,7 @@ from zerobubble.optim.checkpoint import (
 from zerobubble.optim.config import OptimConfig
 from zerobubble.pipeline import Pipeline
 from zerobubble.runtime.executor import ExecutorOptions
-from zerobubble.runtime.launcher import init_distributed, launch
+from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.mesh import build_mesh
 
 PP, DP, M = 2, 2, 4

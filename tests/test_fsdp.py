@@ -23,12 +23,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ranks import launch
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.norms import per_tensor_norms
 from zerobubble.pipeline import Pipeline
 from zerobubble.runtime.executor import ExecutorOptions
-from zerobubble.runtime.launcher import init_distributed, launch
+from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.mesh import PipelineMesh, build_mesh
 from zerobubble.runtime.reference import reference_step
 from zerobubble.schedule.generators import generate

@@ -34,8 +34,8 @@ import torch.distributed as dist
 transformers = pytest.importorskip("transformers")
 
 import zerobubble  # noqa: E402
+from ranks import launch  # noqa: E402
 from zerobubble.interop import hf  # noqa: E402
-from zerobubble.runtime.launcher import launch  # noqa: E402
 from zerobubble.runtime.partition import build_stage_modules, stage_bounds  # noqa: E402
 from zerobubble.runtime.rng import derive_seed  # noqa: E402
 from zerobubble.runtime.shapes import BoundaryError, flatten  # noqa: E402

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 import zerobubble
+from ranks import launch
 from zerobubble.cli import main
 from zerobubble.models.gpt import Block, GPTConfig, build_gpt, gpt_loss
 from zerobubble.profile.costs_file import Profile
@@ -122,7 +123,7 @@ def test_checkpointing_on_and_off_are_bitwise_under_four_kinds_at_p3():
         ("zbv", ["stage", is_block]),
         ("v-half", ["layers"]),
     ]
-    results = zerobubble.launch_local(job, P, kinds, timeout=TIMEOUT)
+    results = launch(job, P, kinds, timeout=TIMEOUT)
     bad = [b for r in results for b in r]
     assert not bad, "\n".join(bad)
 
