@@ -291,7 +291,21 @@ def test_profile_json_loads_as_costs_and_drives_the_planner(job, tmp_path):
         )
         for s in (0, 1)
     }
-    assert split.mem_b == (rises[0], rises[1])
+    # M_B: the most a microbatch holds from its F until B, i.e. after F or after B.
+    f_rise = {
+        (e.stage, e.mb): e.mem_after - e.mem_before
+        for e in split_events
+        if e.op == "F" and e.iteration == 1
+    }
+    after_b = {
+        s: max(
+            f_rise[s, e.mb] + e.mem_after - e.mem_before
+            for e in split_events
+            if e.op == "B" and e.stage == s and e.iteration == 1
+        )
+        for s in (0, 1)
+    }
+    assert split.mem_b == tuple(max(rises[s], after_b[s], 0) for s in (0, 1))
     lat = tuple((s, job["latency"][a, b]) for s, a, b in boundary_pairs(sched.placement))
     prof = Profile(split, sched.placement, lat, mem_limit=10 * max(rises.values()), fused=fused)
     spec = load_costs_file(prof.save(tmp_path / "profile.json"))
