@@ -16,6 +16,8 @@ interprets :class:`~zerobubble.schedule.lowering.ReduceGrads` and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from zerobubble.schedule.ir import Op
 from zerobubble.schedule.lowering import (
     Compute,
@@ -32,8 +34,9 @@ _WEIGHT = (Op.W, Op.BW)
 """The computes that add to a stage's parameter gradients."""
 
 
-def last_weight_compute(program: tuple[Instruction, ...], stage: int) -> int:
-    """Index in ``program`` of the last W or BW of ``stage`` (-1 when there is none)."""
+def last_weight_compute(program: Sequence[object], stage: int) -> int:
+    """Index in ``program`` of the last W or BW of ``stage`` (-1 when there is none): where
+    the stage's gradients of the step are complete (dp's reduce and FSDP's reduce-scatter)."""
     for i in range(len(program) - 1, -1, -1):
         ins = program[i]
         if isinstance(ins, Compute) and ins.action.stage == stage and ins.action.op in _WEIGHT:

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from zerobubble.schedule.ir import Op
+from zerobubble.schedule.dp import last_weight_compute
 from zerobubble.schedule.lowering import Compute
 
 __all__ = ["ShardAction", "ShardOp", "insert_sharding"]
@@ -77,9 +77,9 @@ def insert_sharding(program: Sequence[T], stages: Iterable[int]) -> tuple[T | Sh
     for s in sorted(set(stages)):
         if s not in first:
             raise ValueError(f"stage {s} has no compute in this program: it cannot be sharded")
-        tail = items[last[s]]
-        assert isinstance(tail, Compute)
-        if tail.action.op not in (Op.W, Op.BW):
+        if last_weight_compute(items, s) != last[s]:
+            tail = items[last[s]]
+            assert isinstance(tail, Compute)
             raise ValueError(
                 f"stage {s}'s last compute is {tail.action}, not a W or BW: its gradients "
                 "are not complete there"
