@@ -360,7 +360,11 @@ class _Embed(nn.Module):
 
 def _pipeline_model(kind: str) -> nn.Sequential:
     def make() -> nn.Sequential:
-        blocks = [GPT2Block(D, 2) if kind == "gpt2" else LlamaBlock(D, 2, 3 * D) for _ in range(3)]
+        # The Llama blocks have grouped-query attention: 2 query heads share 1 key/value head.
+        blocks = [
+            GPT2Block(D, 2) if kind == "gpt2" else LlamaBlock(D, 2, 3 * D, n_kv_heads=1)
+            for _ in range(3)
+        ]
         return nn.Sequential(_Embed(), *blocks, nn.LayerNorm(D), nn.Linear(D, VOCAB))
 
     return _seeded(make, seed=21)
@@ -413,3 +417,26 @@ def test_fallback_restores_parameters_when_the_forward_raises() -> None:
     with pytest.raises(ValueError, match="boom"), store.record(0, 0):
         net(torch.randn(2, 3))
     assert net[1]._parameters["weight"] is weight and store.in_flight() == {}
+
+
+def test_bench_model_width_rows_are_the_models_blocks() -> None:
+    """bench_bw_split's goal rows: GPT-2 small's block and SmolLM2-360M's grouped-query
+    Llama layers, at T=1024, with autocast off and on; the goal check is exact at its bounds."""
+    from bench_bw_split import _meets_goals, workloads
+
+    rows = workloads(quick=False, widths="model")
+    assert [(w.width, w.amp, tuple(w.x.shape)) for w in rows] == [
+        ("model", False, (1, 1024, 768)),
+        ("model", True, (1, 1024, 768)),
+        ("model", False, (1, 1024, 960)),
+        ("model", True, (1, 1024, 960)),
+    ]
+    gpt2, llama = rows[0].module, rows[2].module
+    assert tuple(gpt2.c_attn.weight.shape) == (768, 2304) and gpt2.n_heads == 12
+    assert (llama.n_heads, llama.n_kv_heads) == (15, 5)
+    assert tuple(llama.k.weight.shape) == (320, 960) and tuple(llama.up.weight.shape) == (2560, 960)
+    ok = {"time_ratio": 1.05, "memory_ratio": 0.6, "w_time_share": 0.9}
+    assert _meets_goals(ok) and _meets_goals({**ok, "w_time_share": None})
+    assert not _meets_goals({**ok, "time_ratio": 1.051})
+    assert not _meets_goals({**ok, "memory_ratio": 0.601})
+    assert not _meets_goals({**ok, "w_time_share": 0.899})
