@@ -120,7 +120,7 @@ def _eager_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Causal attention as transformers' "eager" implementation computes it."""
     t = q.size(-2)
     att = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
-    mask = torch.ones(t, t, dtype=torch.bool).tril()
+    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     return att.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype) @ v
 
 

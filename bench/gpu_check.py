@@ -3,7 +3,8 @@
 Run: ``PYTHONPATH=src python bench/gpu_check.py [--device cuda] [--quick]``
 (at most about 5 minutes on one GPU). ``--dry-run`` runs every part on the CPU at tiny
 sizes, simulating only the schedules that need no search (seconds; the suite runs it).
-Prints one JSON object; exits with status 1 if a split is not bitwise plain autograd.
+Prints one JSON object; exits with status 1 if a split is not bitwise plain autograd or
+a host-side collective fails.
 
 1. **Exactness.** GPT-2 (Conv1D) and Llama blocks from ``bench_bw_split`` run
    as a middle stage through :class:`~zerobubble.runtime.chunk.StageChunk`
@@ -18,6 +19,10 @@ Prints one JSON object; exits with status 1 if a split is not bitwise plain auto
    ``2 * devices`` microbatches with one block per stage and the measured F, B,
    W and memory of each width: makespan, cost (longest device span) and
    bubble rate.
+4. **Host-side collectives.** The optimizer's gradient-norm state is a CPU
+   vector; it is summed through :class:`~zerobubble.runtime.comm.P2P` on a
+   one-rank group of the device's default backend (NCCL on CUDA, which takes
+   device tensors only) and must come back unchanged, on the CPU.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,6 +46,7 @@ from bench_bw_split import GPT2Block, LlamaBlock
 
 from zerobubble.models import GPTConfig, build_gpt
 from zerobubble.runtime.chunk import StageChunk
+from zerobubble.runtime.comm import P2P
 from zerobubble.schedule.costs import CostSpec
 from zerobubble.schedule.generators import GENERATORS, generate
 from zerobubble.schedule.simulate import simulate
@@ -157,6 +164,23 @@ def schedules(measured: dict[str, object], devices: int, search: bool) -> dict[s
     return out
 
 
+def collectives(device: torch.device) -> dict[str, object]:
+    """A CPU tensor summed over a one-rank group of ``device``'s default backend, as the
+    optimizer sums its norm state (a fresh group unless one exists)."""
+    fresh = not dist.is_initialized()
+    if fresh:
+        backend = dist.get_default_backend_for_device(device)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        vec = torch.arange(4, dtype=torch.float64)
+        P2P(None, device, timeout_s=60.0).all_reduce(vec, "gpu_check: the CPU norm vector")
+        ok = vec.device.type == "cpu" and vec.tolist() == [0.0, 1.0, 2.0, 3.0]
+        return {"backend": str(dist.get_backend()), "cpu_tensor_all_reduce": ok}
+    finally:
+        if fresh:
+            dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -193,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for dtype in dtypes
     ]
+    comm = collectives(device)
     costs = [cost(w, seq, args.repeats, device) for w in widths]
     sims = {str(c["d_model"]): schedules(c, args.devices, not args.dry_run) for c in costs}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
@@ -206,11 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "all_bitwise": exact,
         "exactness": checks,
+        "collectives": comm,
         "cost": costs,
         "schedules": sims,
     }
     print(json.dumps(out, indent=2))
-    return 0 if exact else 1
+    return 0 if exact and comm["cpu_tensor_all_reduce"] else 1
 
 
 if __name__ == "__main__":

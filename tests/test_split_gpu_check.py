@@ -26,6 +26,7 @@ def test_gpu_check_dry_run_on_cpu(capsys: pytest.CaptureFixture[str], monkeypatc
     assert gpu_check.main(["--dry-run"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["device"] == "cpu" and out["dry_run"] and out["all_bitwise"]
+    assert out["collectives"] == {"backend": "gloo", "cpu_tensor_all_reduce": True}
     checks = {(c["block"], c["autocast"]) for c in out["exactness"]}
     assert checks == {(b, a) for b in ("hf_gpt2", "llama") for a in ("off", "bfloat16")}
     (c,) = out["cost"]
@@ -43,3 +44,22 @@ def test_gpu_check_dry_run_on_cpu(capsys: pytest.CaptureFixture[str], monkeypatc
     monkeypatch.setattr(gpu_check, "exactness", lambda *a: {**real(*a), "param_grads_equal": False})
     assert gpu_check.main(["--dry-run"]) == 1
     assert not json.loads(capsys.readouterr().out)["all_bitwise"]
+
+
+def test_checked_blocks_make_no_tensor_off_their_inputs_device() -> None:
+    """The blocks gpu_check runs on the GPU, run on the meta device: a tensor one of them made
+    on the CPU (such as a causal mask; this test found one) meets a meta tensor and raises."""
+    import torch
+
+    sys.path.insert(0, str(BENCH))
+    from bench_bw_split import GPT2Block, LlamaBlock
+
+    from zerobubble.models import GPTConfig, build_gpt
+
+    cfg = GPTConfig(vocab_size=64, max_seq_len=16, d_model=64, n_heads=2, n_layers=1)
+    for block in (GPT2Block(64, 2), LlamaBlock(64, 2, 96, n_kv_heads=1), build_gpt(cfg)[1]):
+        block = block.to("meta")
+        x = torch.randn(2, 16, 64, device="meta", requires_grad=True)
+        block(x).sum().backward()
+        assert x.grad is not None and x.grad.device.type == "meta"
+        assert all(p.grad is not None and p.grad.device.type == "meta" for p in block.parameters())

@@ -206,13 +206,18 @@ class P2P:
         return tuple(range(self.world))
 
     def all_reduce(self, tensor: torch.Tensor, action: str) -> None:
-        """Sum ``tensor`` over the group in place, bounded by the comm timeout."""
+        """Sum ``tensor`` over the group in place, bounded by the comm timeout. A tensor on
+        another device than the group's (the optimizer's CPU norm vector on an NCCL group,
+        which takes device tensors only) travels through a copy on the group's device."""
+        on_device = tensor if tensor.device == self.device else tensor.to(self.device)
         try:
-            work = dist.all_reduce(tensor, group=self.group, async_op=True)
+            work = dist.all_reduce(on_device, group=self.group, async_op=True)
         except Exception as e:
             raise PeerError(self.rank, None, action, str(e), group=self._ranks()) from e
         assert work is not None
         self.wait(work, None, action)
+        if on_device is not tensor:
+            tensor.copy_(on_device)
 
     def all_gather_ints(self, values: list[int], action: str) -> list[list[int]]:
         """Every rank's list of integers, bounded by the comm timeout (lengths may differ)."""

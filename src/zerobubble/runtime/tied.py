@@ -315,7 +315,8 @@ class TiedGroups:
             if g.pg is None:
                 continue
             what = f"comparison of tied parameter {g.tp.name!r}'s replicas at iteration {iteration}"
-            sums = self._gather(g, torch.tensor([mine], dtype=torch.int64), what)
+            dev = next(iter(g.replicas.values())).device  # the tie group's device (NCCL: not CPU)
+            sums = self._gather(g, torch.tensor([mine], dtype=torch.int64, device=dev), what)
             if len({int(t.item()) for t in sums}) > 1:
                 got = ", ".join(
                     f"rank {r}: {int(t.item())}" for r, t in zip(g.ranks, sums, strict=True)
@@ -359,7 +360,7 @@ class TiedGroups:
             raise ValueError(f"tied parameter {g.tp.name!r} has more than {_MAX_DIMS} dims")
         meta = [dtype_code(p0.dtype), p0.dim(), *p0.shape] + [0] * (_MAX_DIMS - p0.dim())
         what = f"exchange of tied parameter {g.tp.name!r}'s shape and dtype"
-        metas = [t.tolist() for t in self._gather(g, torch.tensor(meta), what)]
+        metas = [t.tolist() for t in self._gather(g, torch.tensor(meta, device=p0.device), what)]
         if any(m != metas[0] for m in metas):
             got = "; ".join(
                 f"rank {r}: {m[: 2 + m[1]]}" for r, m in zip(g.ranks, metas, strict=True)

@@ -544,7 +544,9 @@ def _step(ctx: _Ctx, ph: _Phase, *, record: bool, note: str) -> None:
         both = torch.stack(losses)
         loss = (both.sum() if pipe.count_fn is not None else both.mean()).item()
     mine = torch.tensor(
-        [(end_ns - t0_ns) / 1e9, t1 - t0, loss, float(losses is not None)], dtype=torch.float64
+        [(end_ns - t0_ns) / 1e9, t1 - t0, loss, float(losses is not None)],
+        dtype=torch.float64,
+        device=ctx.device,  # the default group's device (NCCL takes no CPU tensors)
     )
     every = [torch.zeros_like(mine) for _ in range(ctx.world)]
     dist.all_gather(every, mine)
