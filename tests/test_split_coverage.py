@@ -58,16 +58,23 @@ def _seeded(make, seed: int = 0):
         return make()
 
 
-def _autocast(on: bool):
-    return torch.autocast("cpu", dtype=torch.bfloat16) if on else nullcontext()
+def _autocast(on: bool, cache: bool = True):
+    return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache) if on else nullcontext()
 
 
-def _check(net: nn.Module, x: torch.Tensor, rules: SplitRules | None = None, amp: bool = False):
+def _check(
+    net: nn.Module,
+    x: torch.Tensor,
+    rules: SplitRules | None = None,
+    amp: bool = False,
+    cache: bool = True,
+):
     """Recorded F and B, then W, on a split copy of ``net``; compares input and parameter
-    gradients bitwise with plain autograd (under the same autocast). Returns the split net."""
+    gradients bitwise with plain autograd (under the same autocast, with its cast cache on
+    or off). Returns the split net."""
     ref = copy.deepcopy(net)
     xr = x.detach().requires_grad_(x.is_floating_point())
-    with _autocast(amp):
+    with _autocast(amp, cache):
         yr = ref(xr)
     gy = torch.randn(yr.shape, generator=torch.Generator().manual_seed(5)).to(yr.dtype)
     yr.backward(gy)
@@ -75,7 +82,7 @@ def _check(net: nn.Module, x: torch.Tensor, rules: SplitRules | None = None, amp
     split = enable_bw_split(net, store, rules)
     assert is_split(split)
     xs = x.detach().requires_grad_(x.is_floating_point())
-    with store.record(0, 0), _autocast(amp):
+    with store.record(0, 0), _autocast(amp, cache):
         y = split(xs)
     assert torch.equal(y, yr)
     params = list(split.parameters())
@@ -165,6 +172,31 @@ def test_leaf_input_feeding_several_split_layers_under_autocast(batched: bool) -
     split = _check(_seeded(lambda: ConvFanOut(3)), torch.randn(*lead, 3, 7, generator=g), amp=True)
     assert isinstance(split.conv, SplitOp) and isinstance(split.shortcut, SplitOp)
     assert unsplit_modules(split) == []
+
+
+class Reused(nn.Module):
+    """A Linear called twice and a Conv1D called three times in a forward; the Linear's
+    second call gets a non-contiguous input, which takes the captured path, not the
+    recorded one (see docs/runtime.md for three or more uses across both paths)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.conv1d = Conv1D(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(self.lin(x).tanh().transpose(0, 1)).transpose(0, 1).contiguous()
+        return self.conv1d(self.conv1d(self.conv1d(h).sin()).cos())
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cast_cache", "no_cast_cache"])
+def test_a_layer_used_several_times_under_autocast(cache: bool) -> None:
+    """Autocast casts a weight once per forward when its cache is on: the uses' gradients
+    are summed in bf16 at that one cast and the sum cast back (W does the same); with the
+    cache off each use has its own cast and the sums are in fp32."""
+    x = torch.randn(4, 3, 6, generator=torch.Generator().manual_seed(16))
+    split = _check(_seeded(lambda: Reused(6)), x, amp=True, cache=cache)
+    assert isinstance(split.lin, SplitLinear) and isinstance(split.conv1d, SplitOp)
 
 
 @AMP

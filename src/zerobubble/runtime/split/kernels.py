@@ -35,7 +35,7 @@ from torch.autograd.function import once_differentiable
 from torch.autograd.graph import GradientEdge, Node
 from torch.nn.modules.conv import _ConvNd
 
-from zerobubble.runtime.split.store import GradList, WeightGradStore, output_node
+from zerobubble.runtime.split.store import GradList, WeightGradStore, cast_back, output_node
 
 __all__ = [
     "CONV",
@@ -186,6 +186,7 @@ class _SplitLinearCtx(Protocol):
     """What autograd's ctx of :class:`_SplitLinearFn` carries from forward to backward."""
 
     params: tuple[Tensor, Tensor | None]
+    bias_used: Tensor | None
     store: WeightGradStore
     saved_tensors: tuple[Tensor, ...]
     needs_input_grad: tuple[bool, ...]
@@ -205,6 +206,7 @@ class _SplitLinearFn(torch.autograd.Function):
     ) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.params = params  # the Parameter objects (not autocast's copies), for attribution
+        ctx.bias_used = bias  # the operand that stood for the bias (autocast: its cast)
         ctx.store = store
         return F.linear(x, weight, bias)
 
@@ -231,14 +233,16 @@ class _SplitLinearFn(torch.autograd.Function):
         w_operands = (x2d, g2d) if need_w else None
         b_operand = gsum if need_b else None
 
+        b_used = ctx.bias_used
+
         def compute() -> GradList:
             grads: GradList = []
             if w_operands is not None:
                 gw = _linear_weight_grad(w_operands[1], w_operands[0], w)
-                grads.append((weight, gw.to(weight.dtype)))  # autocast: as ToCopyBackward
+                grads.append((weight, cast_back(gw, w, weight)))  # autocast: as ToCopyBackward
             if b_operand is not None:
-                assert bias is not None
-                grads.append((bias, _bias_grad(b_operand).to(bias.dtype)))
+                assert bias is not None and b_used is not None
+                grads.append((bias, cast_back(_bias_grad(b_operand), b_used, bias)))
             return grads
 
         store.defer(compute, (*(w_operands or ()), *(() if b_operand is None else (b_operand,))))
@@ -286,19 +290,21 @@ def _cast_linear_grads(
     need_b: bool,
     x: Tensor,
     w_used: Tensor,
+    b_used: Tensor | None,
     gy: Tensor,
 ) -> GradList:
-    """W of a linear call recorded under autocast: the products on the cast operands, then
-    each gradient cast back to its parameter's dtype, as the cast's ToCopyBackward does."""
+    """W of a linear call recorded under autocast: the products on the cast operands; the
+    store casts each gradient back to its parameter's dtype (after summing the uses of one
+    cast), as the cast's ToCopyBackward does."""
     x2d = _linear_operand(x, w_used.size(1), bias is not None)
     g2d = _grad_2d(gy)
     grads: GradList = []
     if need_w:
-        grads.append((weight, _linear_weight_grad(g2d, x2d, w_used).to(weight.dtype)))
+        grads.append((weight, cast_back(_linear_weight_grad(g2d, x2d, w_used), w_used, weight)))
     if need_b:
-        assert bias is not None
+        assert bias is not None and b_used is not None
         gb = _bias_grad(g2d if _bias_via_addmm(x) else gy)
-        grads.append((bias, gb.to(bias.dtype)))
+        grads.append((bias, cast_back(gb, b_used, bias)))
     return grads
 
 
@@ -338,21 +344,20 @@ class SplitLinear(nn.Module):
         if not ((need_w or need_b) and torch.is_grad_enabled()):
             return F.linear(x, w, b)  # no weight gradient to defer
         calls = self.store.recording
-        # Recorded unless matmul would fold a non-contiguous N-D input into a copy:
-        # W would then need that copy, which only the captured path keeps.
         dev = x.device.type
-        if calls is None or not (x.dim() <= 2 or x.is_contiguous()):
-            if not torch.is_autocast_enabled(dev):
-                return _SplitLinearFn.apply(x, w, b, self.store, (w, b))
-            dt, casts = torch.get_autocast_dtype(dev), _shared_casts(self.store)
-            xc, wc, bc = _cast(x, dt, casts), _cast(w, dt, casts), _cast(b, dt, casts)
-            with torch.autocast(dev, enabled=False):
-                return _SplitLinearFn.apply(xc, wc, bc, self.store, (w, b))
+        if calls is None:
+            return self._captured(x, w, b, dev)
         lw, lb = aliases = self._aliases
         if not _current(lw, w):
             lw = aliases[0] = _alias(w)
         if b is not None and not _current(lb, b):
             lb = aliases[1] = _alias(b)
+        if not (x.dim() <= 2 or x.is_contiguous()):
+            # Captured, not recorded: matmul would fold this input into a copy, which W
+            # needs and only the captured path keeps. On the aliases, so that under autocast
+            # this call shares the one cast per weight with the recorded calls, as
+            # autocast's cache shares it among all uses.
+            return self._captured(x, lw, lb, dev)
         if not torch.is_autocast_enabled(dev):
             y = F.linear(x, lw, lb)
             calls.append((x, _product_node(y), _linear_grads, (w, b, need_w, need_b, x)))
@@ -363,9 +368,19 @@ class SplitLinear(nn.Module):
         xc, wc, bc = _cast(x, dt, casts), _cast(lw, dt, casts), _cast(lb, dt, casts)
         with torch.autocast(dev, enabled=False):
             y = F.linear(xc, wc, bc)
-        args = (w, b, need_w, need_b, xc, wc)
+        args = (w, b, need_w, need_b, xc, wc, bc)
         calls.append((xc, _product_node(y), _cast_linear_grads, args))
         return y
+
+    def _captured(self, x: Tensor, w: Tensor, b: Tensor | None, dev: str) -> Tensor:
+        """The call through :class:`_SplitLinearFn` on ``w``/``b`` (the parameters, or
+        inside a recorded forward their aliases), whose backward defers dW/db when captured."""
+        if not torch.is_autocast_enabled(dev):
+            return _SplitLinearFn.apply(x, w, b, self.store, (self.weight, self.bias))
+        dt, casts = torch.get_autocast_dtype(dev), _shared_casts(self.store)
+        xc, wc, bc = _cast(x, dt, casts), _cast(w, dt, casts), _cast(b, dt, casts)
+        with torch.autocast(dev, enabled=False):
+            return _SplitLinearFn.apply(xc, wc, bc, self.store, (self.weight, self.bias))
 
     def extra_repr(self) -> str:
         return (
@@ -411,16 +426,21 @@ class _SplitEmbeddingFn(torch.autograd.Function):
         weight, args = ctx.weight, ctx.args
         store = ctx.store
         if store.capturing is None:
-            return None, _embedding_grads(weight, idx, args, gy)[0][1], None
-        store.defer(lambda: _embedding_grads(weight, idx, args, gy), (idx, gy))
+            return None, _embedding_grad(idx, args, gy), None
+        store.defer(lambda: [(weight, _embedding_grad(idx, args, gy))], (idx, gy))
         return None, None, None
+
+
+def _embedding_grad(idx: Tensor, args: tuple[int, int, bool], gy: Tensor) -> Tensor:
+    """W of an embedding call: the dense weight gradient, as ``F.embedding``'s backward."""
+    return torch.ops.aten.embedding_dense_backward(gy, idx, *args)
 
 
 def _embedding_grads(
     weight: Tensor, idx: Tensor, args: tuple[int, int, bool], gy: Tensor
 ) -> GradList:
-    """W of an embedding call: the dense weight gradient, as ``F.embedding``'s backward."""
-    return [(weight, torch.ops.aten.embedding_dense_backward(gy, idx, *args))]
+    """W of a recorded embedding call (a :data:`~zerobubble.runtime.split.store.Call`)."""
+    return [(weight, _embedding_grad(idx, args, gy))]
 
 
 class SplitEmbedding(nn.Module):
@@ -537,13 +557,13 @@ def _op_grads(
     gy: Tensor,
 ) -> GradList:
     """W of a recorded :class:`SplitOp` call; ``used``: the (possibly autocast) operands
-    that stood for ``params``; gradients go back to each parameter's dtype, as the cast's
-    ToCopyBackward does."""
+    that stood for ``params``; the store casts gradients back to each parameter's dtype, as
+    the cast's ToCopyBackward does (:func:`~zerobubble.runtime.split.store.cast_back`)."""
     grads = kernel.weight_grads(module, operands, used, need, gy)
     return [
-        (p, g.to(p.dtype))
-        for p, g, n in zip(params, grads, need, strict=True)
-        if n and g is not None and p is not None
+        (p, cast_back(g, u, p))
+        for p, u, g, n in zip(params, used, grads, need, strict=True)
+        if n and g is not None and p is not None and u is not None
     ]
 
 

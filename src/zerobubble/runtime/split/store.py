@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["Call", "GradList", "State", "WeightGradStore", "output_node"]
+__all__ = ["Call", "CastGrad", "GradList", "State", "WeightGradStore", "cast_back", "output_node"]
 
 _PyNode = torch._C._FunctionBase
 """Type of a custom Function's graph node, which a bare GradientEdge does not keep alive."""
@@ -38,11 +38,41 @@ _PyNode = torch._C._FunctionBase
 Key = tuple[int, int]
 """(chunk, microbatch)."""
 
-GradList = list[tuple[Tensor, Tensor]]
-"""``(parameter, gradient)`` pairs, in the order they were produced."""
 
-_Grad = tuple[Tensor, Tensor, bool]
+class CastGrad(NamedTuple):
+    """A weight gradient with respect to an autocast cast of its parameter, still in the
+    cast's dtype.
+
+    Autocast casts a parameter once per forward (its cast cache) and every use of that cast
+    sends its gradient to the cast's one backward node, which sums them in the low precision
+    and casts the sum back. :meth:`WeightGradStore.run` does the same with every CastGrad
+    through the same ``cast``: sum in arrival order, then one cast to the parameter's dtype.
+    """
+
+    grad: Tensor
+    cast: Tensor
+    """The cast operand the gradient is with respect to (it identifies the cast)."""
+
+
+GradList = list[tuple[Tensor, "Tensor | CastGrad"]]
+"""``(parameter, gradient)`` pairs, in the order they were produced; a gradient with
+respect to an autocast cast of the parameter comes as a :class:`CastGrad` (see
+:func:`cast_back`)."""
+
+_Grad = tuple[Tensor, "Tensor | CastGrad", bool]
 """``(parameter, gradient, owned)`` for one microbatch; ``owned`` if no one else holds it."""
+
+
+_Ready = tuple[Tensor, Tensor, bool]
+"""A :data:`_Grad` whose casts are summed and cast back (:func:`_combine`)."""
+
+
+def cast_back(grad: Tensor, used: Tensor, param: Tensor) -> Tensor | CastGrad:
+    """``param``'s share of ``grad``, the gradient with respect to ``used``, the operand that
+    stood for ``param`` in the op: ``grad`` itself when ``used`` has the parameter's dtype,
+    else a :class:`CastGrad` for the store to sum and cast back."""
+    return grad if used.dtype == param.dtype else CastGrad(grad, used)
+
 
 Call = tuple["Tensor | tuple[Tensor, ...]", "Node | GradientEdge", Callable[..., GradList], tuple]
 """A split layer's call recorded at forward: ``(tensors kept for W, node of the output
@@ -87,7 +117,7 @@ class _Raw(NamedTuple):
     calls: list[_Work]
     out_grads: Sequence[Tensor | None]
 
-    def early(self) -> GradList:
+    def early(self) -> list[tuple[Tensor, Tensor]]:
         """Parameter gradients produced by B (None: the parameter was not reached)."""
         return [(p, g) for p, g in zip(self.params, self.param_grads, strict=True) if g is not None]
 
@@ -120,9 +150,9 @@ class _Micro:
     """B's gradients, sorted out by W."""
     work: list[_Deferred] = field(default_factory=list)
     """Captured weight-gradient work."""
-    early: GradList = field(default_factory=list)
+    early: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     """Gradients produced during B and handed over with :meth:`WeightGradStore.add_grads`."""
-    ready: list[_Grad] = field(default_factory=list)
+    ready: list[_Ready] = field(default_factory=list)
     """W's result, waiting for earlier microbatches."""
 
     def held(self) -> list[Tensor]:
@@ -313,7 +343,7 @@ class WeightGradStore:
             raise RuntimeError("defer() called outside a capture context")
         self._micro[self._key].work.append(_Deferred(compute, tuple(held), owned))
 
-    def add_grads(self, chunk: int, mb: int, grads: GradList) -> None:
+    def add_grads(self, chunk: int, mb: int, grads: list[tuple[Tensor, Tensor]]) -> None:
         """Hand over gradients computed during B (parameters of unsplit modules)."""
         micro = self._micro.get((chunk, mb))
         if micro is None or micro.state is State.READY:
@@ -346,7 +376,7 @@ class WeightGradStore:
                 grads += raw.grads()
             for item in work:  # captured work arrives after the recorded calls
                 grads.extend([(p, g, item.owned) for p, g in item.compute()])
-        micro.ready = _sum_per_param(grads)
+        micro.ready = _combine(grads)
         micro.state = State.READY
         self._flush(chunk)
 
@@ -414,18 +444,42 @@ def _edge(out: Node | GradientEdge) -> GradientEdge:
     return out if isinstance(out, GradientEdge) else GradientEdge(out, 0)
 
 
-def _sum_per_param(grads: list[_Grad]) -> list[_Grad]:
-    """Sum contributions to the same parameter in arrival order, as autograd's input buffer does."""
-    if len({id(p) for p, _, _ in grads}) == len(grads):
-        return grads  # one contribution each: the common case
-    total: dict[int, _Grad] = {}
-    for p, g, owned in grads:
+def _combine(grads: list[_Grad]) -> list[_Ready]:
+    """One gradient per parameter, summed as plain autograd sums: first every
+    :class:`CastGrad` per (parameter, cast) in arrival order, cast back to the parameter's
+    dtype where the last of them arrived (when the cast's backward node runs); then the
+    contributions to each parameter in arrival order, as its input buffer does."""
+    if len({id(p) for p, _, _ in grads}) == len(grads):  # one contribution each: common
+        return [
+            (p, g.grad.to(p.dtype), True) if isinstance(g, CastGrad) else (p, g, owned)
+            for p, g, owned in grads
+        ]
+    last = {
+        (id(p), g.cast.data_ptr()): i
+        for i, (p, g, _) in enumerate(grads)
+        if isinstance(g, CastGrad)
+    }
+    cast: list[_Ready] = []
+    pending: dict[tuple[int, int], Tensor] = {}
+    for i, (p, g, owned) in enumerate(grads):
+        if not isinstance(g, CastGrad):
+            cast.append((p, g, owned))
+            continue
+        key = id(p), g.cast.data_ptr()
+        part = pending.pop(key, None)
+        part = g.grad if part is None else part + g.grad
+        if last[key] == i:
+            cast.append((p, part.to(p.dtype), True))
+        else:
+            pending[key] = part
+    total: dict[int, _Ready] = {}
+    for p, g, owned in cast:
         prev = total.get(id(p))
         total[id(p)] = (p, g, owned) if prev is None else (p, prev[1] + g, True)
     return list(total.values())
 
 
-def _accumulate(grads: list[_Grad]) -> None:
+def _accumulate(grads: list[_Ready]) -> None:
     """``.grad = g`` for the first microbatch, ``.grad += g`` after: AccumulateGrad's arithmetic.
 
     Like AccumulateGrad, the first gradient is adopted only if nobody else holds
