@@ -343,6 +343,12 @@ class SplitLinear(nn.Module):
         need_b = b is not None and b.requires_grad
         if not ((need_w or need_b) and torch.is_grad_enabled()):
             return F.linear(x, w, b)  # no weight gradient to defer
+        if not need_w and x.dim() > 2 and not x.is_contiguous():
+            # Only the bias to defer, on an input matmul cannot fold without a copy: for a
+            # weight that needs no gradient matmul then multiplies batched (bmm), not on the
+            # folded copy, so this split's input gradient would differ in the last bits. The
+            # bias gradient, one sum, stays in B.
+            return F.linear(x, w, b)
         calls = self.store.recording
         dev = x.device.type
         if calls is None:
