@@ -55,6 +55,42 @@ def test_a_stage_deferring_less_than_half_warns_once_naming_the_modules_and_the_
         StageChunk(_BigOwnWeight(), 1, 3, split=False)  # unsplit on purpose: silent
 
 
+class _Recurrent(nn.Module):
+    """An LSTM (graph-level split) whose call returns three differentiable outputs, before a
+    small Linear: the LSTM's split falls back to B at the first forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 8, batch_first=True)  # 576 elements
+        self.out = nn.Linear(8, 8)  # 72 elements
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, (h, c) = self.lstm(x)
+        return self.out(y) + (h + c).transpose(0, 1)
+
+
+def test_a_graph_split_that_falls_back_to_b_is_counted_and_warned_at_its_first_forward() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chunk = StageChunk(_Recurrent(), 1, 3)  # every module deferrable, as far as is known
+    assert chunk.split_share is not None and chunk.split_share.fraction == 1.0
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(3))
+    with pytest.warns(UserWarning) as record:
+        y = chunk.forward(0, x)
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "stage 1: only 11% of the weight-gradient work" in message
+    assert "Not split: lstm (LSTM) (the graph-level split of lstm fell back to B" in message
+    share = chunk.split_share
+    assert (share.deferred, share.total, share.several_outputs) == (72, 648, ("lstm",))
+    chunk.backward_input(0, torch.ones_like(y))
+    chunk.backward_weight(0)
+    assert all(p.grad is not None for p in chunk.module.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chunk.forward(1, x)  # once per chunk
+
+
 def test_layer_profile_reports_the_deferred_shares() -> None:
     layers = [
         nn.Linear(8, 16),

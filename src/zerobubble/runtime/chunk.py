@@ -42,6 +42,7 @@ from zerobubble.runtime.split import (
     is_split,
     split_share,
 )
+from zerobubble.runtime.split.fallback import GraphSplit
 
 __all__ = ["StageChunk", "StageChunkError", "storage_bytes"]
 
@@ -147,10 +148,16 @@ class StageChunk:
         self.split = split
         self.module = enable_bw_split(module, self.store, split_rules) if split else module
         self.split_share: SplitShare | None = split_share(self.module) if split else None
-        """How much weight-gradient work W holds (None without split)."""
+        """How much weight-gradient work W holds (None without split); updated after a
+        forward in which a graph-level split fell back to B (several outputs)."""
         message = None if self.split_share is None else self.split_share.warning(stage)
+        self._warned = message is not None
         if message is not None:
             warnings.warn(message, stacklevel=2)
+        self._graph_splits = [
+            g for m in self.module.modules() if (g := GraphSplit.of(m)) is not None
+        ]
+        self._fallen_back = 0  # how many of them fell back to B so far
         self.track_memory = track_memory
         plan = recompute_plan(recompute)
         self.recompute = plan.mode
@@ -245,9 +252,25 @@ class StageChunk:
         saved.clear()  # every saved tensor's hooks keep `pack`, and with it this list, alive
         x = tensor_leaves(args if self.is_first else args[0])
         self._records[mb] = _Record("F", x, bare, roots, outs, refs)
+        if self._graph_splits:
+            self._recount_share()
         if self.is_last:
             return result.detach()
         return map_tensors(result, _send_leaf)
+
+    def _recount_share(self) -> None:
+        """Recount :attr:`split_share` once a graph-level split has fallen back to B (a call
+        with several differentiable outputs), and warn as at construction if it now defers
+        less than half (once per chunk)."""
+        fallen = sum(g.outputs_seen > 1 for g in self._graph_splits)
+        if fallen == self._fallen_back:
+            return
+        self._fallen_back = fallen
+        self.split_share = split_share(self.module)
+        message = self.split_share.warning(self.stage)
+        if message is not None and not self._warned:
+            self._warned = True
+            warnings.warn(message, stacklevel=3)
 
     def _value(self, args: tuple, kw: dict, target: Any, num_items: Any) -> Any:
         """The stage's output, or on the last stage its loss (what "stage" recompute replays)."""

@@ -56,6 +56,10 @@ class GraphSplit:
         self._aliases: dict[tuple[int, str], Tensor] = {}
         self._open: list[tuple[list[tuple[nn.Module, str, nn.Parameter]], _Replay] | None] = []
         self._rerun = False
+        self.outputs_seen = 0
+        """The most differentiable outputs a recorded call of the module returned; above 1
+        its gradients were computed in B (see the module docstring), which
+        :func:`~zerobubble.runtime.split.swap.unsplit_modules` then reports."""
 
     def install(self, module: nn.Module) -> None:
         module.register_forward_pre_hook(self._before, with_kwargs=True)
@@ -117,6 +121,8 @@ class GraphSplit:
             return None
         outs = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
         calls = self.store.recording
+        if calls is not None:
+            self.outputs_seen = max(self.outputs_seen, len(outs))
         if len(outs) != 1 or calls is None:
             self._rerun = True  # several outputs: plain autograd for this call
             try:

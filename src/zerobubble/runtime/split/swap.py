@@ -153,11 +153,22 @@ def is_split(module: nn.Module) -> bool:
     )
 
 
+def _deferring(m: nn.Module) -> bool:
+    """``m`` defers its weight gradients: a split layer, or a graph-level split whose
+    recorded calls so far returned at most one differentiable output."""
+    if isinstance(m, _SPLIT_TYPES):
+        return True
+    graph = GraphSplit.of(m)
+    return graph is not None and graph.outputs_seen <= 1
+
+
 def unsplit_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Modules whose own parameters get their gradients in B (named as in ``module``)."""
+    """Modules whose own parameters get their gradients in B (named as in ``module``);
+    a graph-level split counts here once a call of it returned several differentiable
+    outputs."""
     covered: set[int] = set()
     for m in module.modules():
-        if isinstance(m, _SPLIT_TYPES) or GraphSplit.of(m) is not None:
+        if _deferring(m):
             covered.update(id(mm) for mm in m.modules())
     return [
         (name or type(module).__name__, m)
@@ -257,6 +268,9 @@ class SplitShare:
     """Elements of all parameters that need a gradient."""
     unsplit: tuple[tuple[str, str, int], ...]
     """``(name, type, elements)`` of each module whose own parameters get gradients in B."""
+    several_outputs: tuple[str, ...] = ()
+    """Names among ``unsplit`` of graph-level splits that fell back to B because a call
+    returned several differentiable outputs."""
 
     @property
     def fraction(self) -> float:
@@ -268,13 +282,19 @@ class SplitShare:
             return None
         names = ", ".join(f"{n} ({t})" for n, t, _ in self.unsplit[:8])
         more = f" and {len(self.unsplit) - 8} more" if len(self.unsplit) > 8 else ""
+        several = (
+            f" (the graph-level split of {', '.join(self.several_outputs)} fell back to B: a "
+            "call returned several differentiable outputs, and it defers single outputs only)"
+            if self.several_outputs
+            else ""
+        )
         return (
             f"stage {stage}: only {100 * self.fraction:.0f}% of the weight-gradient work "
             f"(by parameter size) is deferred to W, so a zero-bubble schedule has little to "
-            f"fill its bubbles with. Not split: {names}{more}. Fix: give these layers a split "
-            "rule (SplitRules.default().with_rule(...), passed as StageChunk(split_rules=...)), "
-            "keep enable_bw_split's graph-level fallback on, or use a schedule without B/W "
-            "split (1f1b)"
+            f"fill its bubbles with. Not split: {names}{more}{several}. Fix: give these layers "
+            "a split rule (SplitRules.default().with_rule(...), passed as "
+            "StageChunk(split_rules=...)), keep enable_bw_split's graph-level fallback on, or "
+            "use a schedule without B/W split (1f1b)"
         )
 
 
@@ -286,4 +306,9 @@ def split_share(module: nn.Module) -> SplitShare:
     )
     total = sum(p.numel() for p in module.parameters() if p.requires_grad)
     kept = sum(n for _, _, n in unsplit)
-    return SplitShare(total - kept, total, unsplit)
+    several = tuple(
+        name or type(module).__name__
+        for name, m in module.named_modules()
+        if (graph := GraphSplit.of(m)) is not None and graph.outputs_seen > 1
+    )
+    return SplitShare(total - kept, total, unsplit, several)
