@@ -414,13 +414,27 @@ class _Embed(nn.Module):
         return self.tok(idx) + self.pos(torch.arange(idx.size(1)))
 
 
+class _Twice(nn.Module):
+    """One block applied twice (ALBERT's cross-layer sharing): every weight of the block is
+    used by two split calls in the same forward."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(self.block(x))
+
+
 def _pipeline_model(kind: str) -> nn.Sequential:
     def make() -> nn.Sequential:
         # The Llama blocks have grouped-query attention: 2 query heads share 1 key/value head.
-        blocks = [
+        blocks: list[nn.Module] = [
             GPT2Block(D, 2) if kind == "gpt2" else LlamaBlock(D, 2, 3 * D, n_kv_heads=1)
             for _ in range(3)
         ]
+        if kind == "shared":
+            blocks = [_Twice(b) for b in blocks]
         return nn.Sequential(_Embed(), *blocks, nn.LayerNorm(D), nn.Linear(D, VOCAB))
 
     return _seeded(make, seed=21)
@@ -432,14 +446,14 @@ def _without_norm_rule() -> SplitRules:
 
 
 @AMP
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "llama-fallback"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "llama-fallback", "shared"])
 @pytest.mark.parametrize("sched", ["zb-h1", "zbv"])
 def test_pipelines_of_hf_like_blocks_match_reference_bitwise(
     sched: str, kind: str, amp: bool
 ) -> None:
     schedule = zb_h1(3, 4) if sched == "zb-h1" else zbv(2, 4)
     cuts = [0, 2, 4] if sched == "zb-h1" else [0, 1, 2, 4]
-    model = _pipeline_model("gpt2" if kind == "gpt2" else "llama")
+    model = _pipeline_model("llama" if kind == "llama-fallback" else kind)
     ref = copy.deepcopy(model)
     g = torch.Generator().manual_seed(22)
     ids = torch.randint(0, VOCAB, (6, T + 1), generator=g)
@@ -450,7 +464,8 @@ def test_pipelines_of_hf_like_blocks_match_reference_bitwise(
             enable_bw_split(c.module, c.store, rules)
     kept = {type(m).__name__ for c in chunks[1:-1] for _, m in unsplit_modules(c.module)}
     # Middle stages hold blocks only: every parameter but the norms' (kept in B) is deferred.
-    assert kept == {"gpt2": {"LayerNorm"}, "llama": {"RMSNorm"}, "llama-fallback": set()}[kind]
+    want = {"gpt2": {"LayerNorm"}, "llama": {"RMSNorm"}, "llama-fallback": set()}
+    assert kept == {**want, "shared": {"RMSNorm"}}[kind]
     with _autocast(amp):
         assert_matches_reference(
             model, ref, chunks, sequential_order(schedule), gpt_loss, ids[:, :-1], ids[:, 1:], 4
