@@ -8,6 +8,7 @@ cost model's recompute transformation has its closed form and zb-auto plans with
 
 from __future__ import annotations
 
+import copy
 import itertools
 from dataclasses import replace
 from fractions import Fraction
@@ -312,3 +313,46 @@ def test_plain_stage_chunk_bw_recomputes_then_runs_the_plain_backward():
         pa = dict(ca.module.named_parameters())
         for n, p in cb.module.named_parameters():
             assert p.grad is not None and torch.equal(pa[n].grad, p.grad), n
+
+
+class _SharedBlocks(nn.Module):
+    """One Linear applied twice and one GPT block applied twice: every weight is used by
+    two split calls of the same checkpointed region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        cfg = GPTConfig(vocab_size=8, max_seq_len=6, d_model=16, n_heads=2, n_layers=1)
+        self.lin = nn.Linear(16, 16)
+        self.block = Block(cfg)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.block(self.block(self.lin(self.lin(x).tanh())))
+
+
+@pytest.mark.parametrize("recompute", ["stage", "layers"])
+def test_recomputed_shared_weights_under_autocast_sum_at_their_one_cast(recompute):
+    """B's recomputation shares autocast's one cast per weight among its uses, as the
+    forward (and plain autograd) does: two microbatches, bitwise against plain autograd.
+    ("layers" checkpoints each child of the stage apart: the sharing is inside one child.)"""
+    torch.manual_seed(0)
+    net = nn.Sequential(_SharedBlocks(), nn.Linear(16, 16))
+    ref = copy.deepcopy(net)
+    g = torch.Generator().manual_seed(4)
+    x, gy = torch.randn(3, 6, 16, generator=g), torch.randn(3, 6, 16, generator=g)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16)
+    for _ in range(2):
+        xr = x.clone().requires_grad_(True)
+        with amp:
+            yr = ref(xr)
+        yr.backward(gy.to(yr.dtype))
+    chunk = StageChunk(net, 1, 3, recompute=recompute, track_memory=False)
+    for mb in range(2):
+        with amp:
+            y = chunk.forward(mb, x)
+        gx = chunk.backward_input(mb, gy.to(y.dtype))
+        assert torch.equal(gx, xr.grad)
+    for mb in range(2):
+        chunk.backward_weight(mb)
+    want = dict(ref.named_parameters())
+    for name, p in chunk.module.named_parameters():
+        assert p.grad is not None and torch.equal(p.grad, want[name].grad), name

@@ -251,10 +251,12 @@ def _recording(store: WeightGradStore | None, calls: list[Call], on: bool) -> It
             "run its backward outside the stage's forward"
         )
     store.recording = calls
+    store.casts = {}  # autocast's one cast per weight, shared by its uses, as in the forward
     try:
         yield
     finally:
         store.recording = None
+        store.casts = None
 
 
 def _defer(
