@@ -192,6 +192,63 @@ class Reused(nn.Module):
         return self.conv1d(self.conv1d(self.conv1d(h).sin()).cos())
 
 
+class _OwnWeights(nn.Module):
+    """Parameters used through functional calls, so no kernel applies: the graph-level
+    split (with dropout inside, replayed in W from each call's RNG state)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d) * 0.3)
+        self.b = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(F.linear(x, self.w, self.b).tanh(), 0.25)
+
+
+class _CalledThrice(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.own = _OwnWeights(d)
+        self.out = nn.Linear(d, d)  # a split layer: the graph split sits on `own` alone
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.own(self.own(self.own(x)) + x))
+
+
+@pytest.mark.parametrize(
+    "amp,cache", [(False, True), (True, True), (True, False)], ids=["fp32", "bf16", "bf16_nocache"]
+)
+def test_a_graph_split_module_called_three_times_recomputes_its_calls_together(amp, cache) -> None:
+    """W recomputes the calls of one graph-split module together, under one autocast
+    context: each weight is cast once for all of them, as in the forward, and autograd sums
+    the three calls' gradients there. Two microbatches, bitwise against plain autograd."""
+    net = _seeded(lambda: _CalledThrice(6))
+    ref = copy.deepcopy(net)
+    g = torch.Generator().manual_seed(18)
+    x, gy = torch.randn(4, 3, 6, generator=g), torch.randn(4, 3, 6, generator=g)
+    store = WeightGradStore()
+    split = enable_bw_split(net, store)
+    assert unsplit_modules(split) == [] and isinstance(split.out, SplitLinear)
+    params = [p for p in split.parameters() if p.requires_grad]
+    for mb in range(2):
+        torch.manual_seed(100 + mb)
+        xr = x.detach().requires_grad_(True)
+        with _autocast(amp, cache):
+            yr = ref(xr)
+        yr.backward(gy.to(yr.dtype))
+        torch.manual_seed(100 + mb)
+        xs = x.detach().requires_grad_(True)
+        with store.record(0, mb), _autocast(amp, cache):
+            y = split(xs)
+        assert torch.equal(y, yr)
+        (gx,) = store.backward(0, mb, y, gy.to(y.dtype), [xs], params)
+        assert torch.equal(gx, xr.grad)
+    for mb in range(2):
+        store.run(0, mb)
+    for (name, p), (_, q) in zip(split.named_parameters(), ref.named_parameters(), strict=True):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), name
+
+
 class FrozenWeight(nn.Module):
     """A Linear whose weight is frozen but whose bias trains, on a transposed 3-D input: for
     such a weight matmul does not fold the input into a copy but multiplies batched."""

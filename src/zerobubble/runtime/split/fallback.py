@@ -19,6 +19,7 @@ detected (version counters) and refused.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -38,7 +39,8 @@ class _Replay(NamedTuple):
     kwargs: dict
     versions: tuple[tuple[Tensor, int], ...]
     rng: tuple[Tensor, Tensor | None]
-    autocast: tuple[bool, torch.dtype]
+    autocast: tuple[bool, torch.dtype, bool]
+    """Enabled, dtype, cast cache enabled."""
 
 
 class GraphSplit:
@@ -106,7 +108,11 @@ class GraphSplit:
             held_kwargs,
             tuple((t, t._version) for t in flat),
             (torch.get_rng_state(), acc),
-            (torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type)),
+            (
+                torch.is_autocast_enabled(dev.type),
+                torch.get_autocast_dtype(dev.type),
+                torch.is_autocast_cache_enabled(),
+            ),
         )
         self._open.append((swapped, replay))
 
@@ -136,33 +142,57 @@ class GraphSplit:
 
 def _recompute(split: GraphSplit, module: nn.Module, replay: _Replay, gy: Tensor) -> GradList:
     """W of a graph-split call: the forward again, then autograd to the parameters."""
-    for t, version in replay.versions:
-        if t._version != version:
-            raise RuntimeError(
-                f"{type(module).__name__}: an input of this module was modified in place "
-                "between its forward and its W, so W cannot recompute it; avoid in-place "
-                "ops on its inputs or give the module a split rule"
-            )
+    return _recompute_many(split, module, [(replay, gy)])
+
+
+def _recompute_many(
+    split: GraphSplit, module: nn.Module, calls: Sequence[tuple[_Replay, Tensor]]
+) -> GradList:
+    """W of one or more graph-split calls of ``module`` in one microbatch (``calls`` in
+    forward order, all in one autocast state): each forward again from its kept inputs and
+    RNG state, all inside one autocast context, then one autograd call to the parameters.
+    So, as in the forward, autocast casts each weight once (its cache) and autograd sums
+    the calls' gradients at that cast before casting back, as plain autograd does."""
+    for replay, _ in calls:
+        for t, version in replay.versions:
+            if t._version != version:
+                raise RuntimeError(
+                    f"{type(module).__name__}: an input of this module was modified in place "
+                    "between its forward and its W, so W cannot recompute it; avoid in-place "
+                    "ops on its inputs or give the module a split rule"
+                )
     params = split.params()
     need = [p for p in params if p.requires_grad]
-    dev = gy.device
-    cpu_rng, acc_rng = replay.rng
-    enabled, dtype = replay.autocast
-    devices = [] if acc_rng is None else [dev]
-    with torch.random.fork_rng(devices=devices, device_type=dev.type), torch.enable_grad():
-        torch.set_rng_state(cpu_rng)
-        if acc_rng is not None:
-            torch.get_device_module(dev.type).set_rng_state(acc_rng, dev)
-        with torch.autocast(dev.type, dtype=dtype, enabled=enabled):
-            out = module(*replay.args, **replay.kwargs)
-        (y,) = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
-        grads = torch.autograd.grad([y], need, [gy], allow_unused=True)
-    ptr = gy.untyped_storage().data_ptr()
+    gys = [gy for _, gy in calls]
+    dev = gys[0].device
+    enabled, dtype, cache = calls[0][0].autocast
+    outs: list[Tensor] = []
+    with (
+        torch.enable_grad(),
+        torch.autocast(dev.type, dtype=dtype, enabled=enabled, cache_enabled=cache),
+    ):
+        for replay, _ in calls:
+            cpu_rng, acc_rng = replay.rng
+            devices = [] if acc_rng is None else [dev]
+            with torch.random.fork_rng(devices=devices, device_type=dev.type):
+                torch.set_rng_state(cpu_rng)
+                if acc_rng is not None:
+                    torch.get_device_module(dev.type).set_rng_state(acc_rng, dev)
+                out = module(*replay.args, **replay.kwargs)
+            (y,) = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
+            outs.append(y)
+    grads = torch.autograd.grad(outs, need, gys, allow_unused=True)
+    ptrs = {gy.untyped_storage().data_ptr() for gy in gys}
     return [
-        (p, g.clone() if g.untyped_storage().data_ptr() == ptr else g)  # .grad may adopt it
+        (p, g.clone() if g.untyped_storage().data_ptr() in ptrs else g)  # .grad may adopt it
         for p, g in zip(need, grads, strict=True)
         if g is not None
     ]
+
+
+_recompute.many = _recompute_many  # type: ignore[attr-defined]
+"""How the store runs several recorded calls of one graph split together (see
+:meth:`~zerobubble.runtime.split.store._Raw.grads`)."""
 
 
 def install_graph_split(module: nn.Module, store: WeightGradStore) -> None:

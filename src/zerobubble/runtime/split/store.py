@@ -123,11 +123,33 @@ class _Raw(NamedTuple):
 
     def grads(self) -> list[_Grad]:
         """W for the recorded calls, in the order autograd's backward met them (reverse
-        forward order), so that a layer's uses are summed as autograd sums them."""
+        forward order), so that a layer's uses are summed as autograd sums them.
+
+        Calls whose W function has a ``many`` (the graph-level split's recomputation) and
+        that share its first argument (the same module) and their autocast state run
+        together, recomputed in forward order and placed where the last of them comes in
+        backward order: one recomputation shares autocast's cast per weight among them, as
+        their forward did."""
+        pending = [
+            (c, gy)
+            for c, gy in zip(reversed(self.calls), reversed(self.out_grads), strict=True)
+            if gy is not None
+        ]
+        groups: dict[tuple, list[int]] = {}
+        for i, (c, _) in enumerate(pending):
+            if getattr(c.grads, "many", None) is not None:
+                groups.setdefault(_group_key(c), []).append(i)
         out: list[_Grad] = []
-        for c, gy in zip(reversed(self.calls), reversed(self.out_grads), strict=True):
-            if gy is not None:
+        for i, (c, gy) in enumerate(pending):
+            many = getattr(c.grads, "many", None)
+            group = None if many is None else groups[_group_key(c)]
+            if group is None or len(group) == 1:
                 out.extend([(p, g, True) for p, g in c.grads(*c.args, gy)])
+            elif i == group[-1]:  # where the cast's backward runs: after its last use
+                assert many is not None
+                first = c.args[:2]  # the split and its module
+                calls = [(pending[j][0].args[2], pending[j][1]) for j in reversed(group)]
+                out.extend([(p, g, True) for p, g in many(*first, calls)])
         return out
 
     def held(self) -> list[Tensor]:
@@ -425,6 +447,12 @@ def _autocast_off() -> Iterator[None]:
             return
         with torch.autocast(on[1], enabled=False):
             yield
+
+
+def _group_key(c: _Work) -> tuple:
+    """Calls of one graph split that W may recompute together: same split object, same
+    autocast state (the last of its recorded args, see ``fallback._Replay``)."""
+    return (id(c.args[0]), c.args[2].autocast)
 
 
 def _tensors(held: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
