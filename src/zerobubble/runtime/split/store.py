@@ -125,8 +125,8 @@ class _Raw(NamedTuple):
         """W for the recorded calls, in the order autograd's backward met them (reverse
         forward order), so that a layer's uses are summed as autograd sums them.
 
-        Calls whose W function has a ``many`` (the graph-level split's recomputation) and
-        that share its first argument (the same module) and their autocast state run
+        Calls whose W function has a ``many`` (the graph-level split's recomputation) of
+        the same module under autocast with its cast cache (:func:`_group_key`) run
         together, recomputed in forward order and placed where the last of them comes in
         backward order: one recomputation shares autocast's cast per weight among them, as
         their forward did."""
@@ -137,12 +137,13 @@ class _Raw(NamedTuple):
         ]
         groups: dict[tuple, list[int]] = {}
         for i, (c, _) in enumerate(pending):
-            if getattr(c.grads, "many", None) is not None:
-                groups.setdefault(_group_key(c), []).append(i)
+            if (key := _group_key(c)) is not None:
+                groups.setdefault(key, []).append(i)
         out: list[_Grad] = []
         for i, (c, gy) in enumerate(pending):
-            many = getattr(c.grads, "many", None)
-            group = None if many is None else groups[_group_key(c)]
+            key = _group_key(c)
+            many = None if key is None else c.grads.many
+            group = None if key is None else groups[key]
             if group is None or len(group) == 1:
                 out.extend([(p, g, True) for p, g in c.grads(*c.args, gy)])
             elif i == group[-1]:  # where the cast's backward runs: after its last use
@@ -449,10 +450,14 @@ def _autocast_off() -> Iterator[None]:
             yield
 
 
-def _group_key(c: _Work) -> tuple:
-    """Calls of one graph split that W may recompute together: same split object, same
-    autocast state (the last of its recorded args, see ``fallback._Replay``)."""
-    return (id(c.args[0]), c.args[2].autocast)
+def _group_key(c: _Work) -> tuple | None:
+    """Calls of one graph split that W recomputes together: same split object, under
+    autocast with its cast cache (``fallback._Replay.autocast``); None for a call that runs
+    alone (without a shared cast, one at a time is exact and keeps one recomputed graph)."""
+    if getattr(c.grads, "many", None) is None:
+        return None
+    enabled, dtype, cache = c.args[2].autocast
+    return (id(c.args[0]), dtype) if enabled and cache else None
 
 
 def _tensors(held: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
