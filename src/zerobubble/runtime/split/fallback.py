@@ -190,9 +190,17 @@ def _recompute_many(
     ]
 
 
+def _recompute_group(args: tuple) -> tuple | None:
+    """The calls W recomputes together (see ``store._Raw.grads``): those of one module
+    under autocast with its cast cache, where they share a cast; without, each runs alone
+    (exact, and W holds one recomputed graph at a time)."""
+    split, _, replay = args
+    enabled, dtype, cache = replay.autocast
+    return (id(split), dtype) if enabled and cache else None
+
+
 _recompute.many = _recompute_many  # type: ignore[attr-defined]
-"""How the store runs several recorded calls of one graph split together (see
-:meth:`~zerobubble.runtime.split.store._Raw.grads`)."""
+_recompute.group = _recompute_group  # type: ignore[attr-defined]
 
 
 def install_graph_split(module: nn.Module, store: WeightGradStore) -> None:

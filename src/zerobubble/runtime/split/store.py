@@ -125,11 +125,11 @@ class _Raw(NamedTuple):
         """W for the recorded calls, in the order autograd's backward met them (reverse
         forward order), so that a layer's uses are summed as autograd sums them.
 
-        Calls whose W function has a ``many`` (the graph-level split's recomputation) of
-        the same module under autocast with its cast cache (:func:`_group_key`) run
-        together, recomputed in forward order and placed where the last of them comes in
-        backward order: one recomputation shares autocast's cast per weight among them, as
-        their forward did."""
+        Calls with one :func:`_group_key` (the graph-level split's calls of one module under
+        autocast) run together through their W function's ``many(*args[:2], calls)``, with
+        ``calls`` the ``(args[2], output gradient)`` pairs in forward order, placed where
+        the last of them comes in backward order: one recomputation then shares autocast's
+        cast per weight among them, as their forward did."""
         pending = [
             (c, gy)
             for c, gy in zip(reversed(self.calls), reversed(self.out_grads), strict=True)
@@ -451,13 +451,11 @@ def _autocast_off() -> Iterator[None]:
 
 
 def _group_key(c: _Work) -> tuple | None:
-    """Calls of one graph split that W recomputes together: same split object, under
-    autocast with its cast cache (``fallback._Replay.autocast``); None for a call that runs
-    alone (without a shared cast, one at a time is exact and keeps one recomputed graph)."""
-    if getattr(c.grads, "many", None) is None:
-        return None
-    enabled, dtype, cache = c.args[2].autocast
-    return (id(c.args[0]), dtype) if enabled and cache else None
+    """Which recorded calls W runs together: those whose W function has a ``group(args)``
+    that returns the same key (the graph-level split's, see ``fallback._recompute``);
+    None for a call that runs alone."""
+    group = getattr(c.grads, "group", None)
+    return None if group is None else group(c.args)
 
 
 def _tensors(held: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
