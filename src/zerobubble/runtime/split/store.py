@@ -135,22 +135,20 @@ class _Raw(NamedTuple):
             for c, gy in zip(reversed(self.calls), reversed(self.out_grads), strict=True)
             if gy is not None
         ]
+        keys = [_group_key(c) for c, _ in pending]
         groups: dict[tuple, list[int]] = {}
-        for i, (c, _) in enumerate(pending):
-            if (key := _group_key(c)) is not None:
+        for i, key in enumerate(keys):
+            if key is not None:
                 groups.setdefault(key, []).append(i)
         out: list[_Grad] = []
-        for i, (c, gy) in enumerate(pending):
-            key = _group_key(c)
-            many = None if key is None else c.grads.many
-            group = None if key is None else groups[key]
-            if group is None or len(group) == 1:
+        for i, ((c, gy), key) in enumerate(zip(pending, keys, strict=True)):
+            group = groups[key] if key is not None else [i]
+            if len(group) == 1:
                 out.extend([(p, g, True) for p, g in c.grads(*c.args, gy)])
             elif i == group[-1]:  # where the cast's backward runs: after its last use
-                assert many is not None
-                first = c.args[:2]  # the split and its module
                 calls = [(pending[j][0].args[2], pending[j][1]) for j in reversed(group)]
-                out.extend([(p, g, True) for p, g in many(*first, calls)])
+                grads = c.grads.many(*c.args[:2], calls)  # args[:2]: the split, its module
+                out.extend([(p, g, True) for p, g in grads])
         return out
 
     def held(self) -> list[Tensor]:
