@@ -209,6 +209,8 @@ def test_fsdp_matches_references_for_every_kind() -> None:
             assert got["bitwise"], (rank, kind, "not bitwise the sharded-order reference")
             assert got["worst_vs_plain"] <= BOUND, (rank, kind, got["worst_vs_plain"])
             assert got["ddp_bitwise_plain"], (rank, kind, "DDP-style path vs plain reference")
-            assert 0 < got["worst_vs_ddp"] <= BOUND, (rank, kind, got["worst_vs_ddp"])
+            # FSDP's reduce-scatter may sum in another order than the DDP-style all-reduce,
+            # or (by a kernel's choice) in the same: only the bound is promised.
+            assert got["worst_vs_ddp"] <= BOUND, (rank, kind, got["worst_vs_ddp"])
             want = [(op.value, s) for s in got["stages"] for op in ShardOp]
             assert sorted(got["shard_ops"]) == sorted(want), (rank, kind, got["shard_ops"])

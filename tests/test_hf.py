@@ -119,12 +119,13 @@ def test_sliding_window_layers_follow_the_models_layer_types():
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_packed_sequences_without_a_mask_are_masked_per_sequence(impl):
-    """Position ids that restart mark packed sequences (as the model does with use_cache=False)."""
-    model, twin, layers = pair("hf-llama", impl)
+    """Position ids that restart mark packed sequences, as the model does without a cache
+    (``use_cache=False`` in its config; with a cache the model does not look for packing)."""
+    model, twin, layers = pair("hf-llama", impl, use_cache=False)
     model.eval(), twin.eval()
     ids, _, _ = padded_batch(3, 10)
     positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2], list(range(10)), [0, 1] * 5])
-    expected = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    expected = model(input_ids=ids, position_ids=positions).logits
     logits = chain(layers, ids, position_ids=positions)
     assert torch.equal(logits, expected)
     assert not torch.equal(logits, chain(layers, ids))
@@ -138,7 +139,7 @@ def test_a_prepared_4d_mask_travels_unchanged(impl):
     allowed = torch.ones(8, 8).tril().bool() & ~torch.eye(8, dtype=torch.bool).roll(1, 1)
     allowed = allowed.expand(3, 1, 8, 8)
     mask = allowed if impl == "sdpa" else torch.zeros(3, 1, 8, 8).masked_fill(~allowed, -1e9)
-    expected = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    expected = model(input_ids=ids, attention_mask=mask).logits
     assert torch.equal(chain(layers, ids, attention_mask=mask), expected)
     assert layers[0](ids, attention_mask=mask)["attention_mask"] is mask
 

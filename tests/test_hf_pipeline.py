@@ -157,7 +157,6 @@ def reference(variant: str, m: int, num_stages: int, steps: int) -> dict:
                         attention_mask=mask[rows],
                         labels=labels[rows],
                         num_items_in_batch=total,
-                        use_cache=False,
                     ).loss
                 loss.backward()
                 losses.append(loss.detach())

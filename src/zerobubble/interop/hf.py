@@ -206,7 +206,7 @@ def check_layers(model: nn.Module, layers: list[nn.Module]) -> None:
         for training in (False, True):
             model.train(training)
             torch.manual_seed(0)
-            expected = model(**batch, use_cache=False).logits
+            expected = model(**batch).logits  # as training calls it: the config's use_cache
             torch.manual_seed(0)
             try:
                 x: Any = batch

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 Boundary = dict[str, Any]
@@ -112,6 +113,19 @@ def _positions(hidden: Tensor, position_ids: Tensor | None) -> Tensor:
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
+def _forward_cache(config: Any) -> DynamicCache | None:
+    """The key/value cache the model's own forward would fill, fresh for one block's call.
+
+    Called without ``use_cache``, a causal LM takes it from its config and, when set,
+    passes every layer a ``DynamicCache``, also in training. The cache's ``update``
+    concatenates each layer's keys and values into new contiguous tensors, so attention
+    multiplies other memory layouts than without it, and the layouts choose the kernels:
+    a block must get the same (empty) cache to compute the model's very ops. Nothing
+    reads the cache afterwards; it lives for one call.
+    """
+    return DynamicCache(config=config) if getattr(config, "use_cache", False) else None
+
+
 def _boundary(hidden: Tensor, mask: Tensor | None, position_ids: Tensor | None) -> Boundary:
     return {"hidden": hidden, "attention_mask": mask, "position_ids": position_ids}
 
@@ -184,14 +198,15 @@ class GPT2Block(HFLayer):
     def forward(self, x: Boundary) -> Boundary:
         hidden, mask, position_ids = _unpack(type(self).__name__, x)
         positions = _positions(hidden, position_ids)
+        cache = _forward_cache(self.config)
         causal = create_causal_mask(
             config=self.config,
             inputs_embeds=hidden,
             attention_mask=mask,
-            cache=None,
+            cache=cache,
             position_ids=positions,
         )
-        out = self.block(hidden, attention_mask=causal, position_ids=positions)
+        out = self.block(hidden, cache=cache, attention_mask=causal, position_ids=positions)
         return _boundary(out[0] if isinstance(out, tuple) else out, mask, position_ids)
 
 
@@ -284,11 +299,12 @@ class DecoderBlock(HFLayer):
     def forward(self, x: Boundary) -> Boundary:
         hidden, mask, position_ids = _unpack(type(self).__name__, x)
         positions = _positions(hidden, position_ids)
+        cache = _forward_cache(self.config)
         causal = _MASKS[self.attention_type](
             config=self.config,
             inputs_embeds=hidden,
             attention_mask=mask,
-            cache=None,
+            cache=cache,
             position_ids=positions,
         )
         if self._rotary_by_type:
@@ -296,7 +312,11 @@ class DecoderBlock(HFLayer):
         else:
             rotary = self.rotary_emb(hidden, positions)
         out = self.layer(
-            hidden, attention_mask=causal, position_embeddings=rotary, position_ids=positions
+            hidden,
+            cache=cache,
+            attention_mask=causal,
+            position_embeddings=rotary,
+            position_ids=positions,
         )
         return _boundary(out[0] if isinstance(out, tuple) else out, mask, position_ids)
 

@@ -102,7 +102,7 @@ class GraphSplit:
         acc = None
         if dev.type != "cpu":
             acc = torch.get_device_module(dev.type).get_rng_state(dev)
-        held_args, held_kwargs = pytree.tree_map_only(Tensor, Tensor.detach, (args, kwargs))
+        held_args, held_kwargs = _held_inputs(args, kwargs)
         replay = _Replay(
             held_args,
             held_kwargs,
@@ -138,6 +138,27 @@ class GraphSplit:
         held = tuple(t for t, _ in replay.versions)
         calls.append((held, output_node(outs[0]), _recompute, (self, module, replay)))
         return None
+
+
+def _held_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call's inputs as W re-runs them: detached, yet the same ops on the same operands.
+
+    A tensor passed several times stays one object (``MultiheadAttention`` projects
+    ``q is k is v`` with one packed ``linear``, distinct tensors with three), and each
+    keeps its ``requires_grad`` (``matmul`` folds or batches by it). Either difference
+    would make W's recomputation issue other kernels than the forward did, whose sums
+    may round differently; W asks autograd for the parameters only, so the inputs'
+    flag computes nothing more.
+    """
+    held: dict[int, Tensor] = {}
+
+    def hold(t: Tensor) -> Tensor:
+        h = held.get(id(t))
+        if h is None:
+            h = held[id(t)] = t.detach().requires_grad_(t.requires_grad)
+        return h
+
+    return pytree.tree_map_only(Tensor, hold, (args, kwargs))
 
 
 def _recompute(split: GraphSplit, module: nn.Module, replay: _Replay, gy: Tensor) -> GradList:
