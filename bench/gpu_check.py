@@ -10,7 +10,13 @@ a host-side collective fails.
    as a middle stage through :class:`~zerobubble.runtime.chunk.StageChunk`
    (F, B, W) and through plain autograd, in fp32 and under ``torch.autocast``
    (bf16, and fp16 on CUDA); reports whether the input gradient and every
-   parameter gradient are bitwise equal.
+   parameter gradient are bitwise equal. The same for a first stage that takes
+   every split path (embedding, a Linear used twice, LayerNorm, the graph-level
+   split of ``nn.MultiheadAttention``), and the HF adapter's tiny GPT-2 and Llama
+   layers against the models themselves (logits, loss, every gradient), as the
+   suite's ``bitwise`` tests check them on the CPU. On CUDA these run with
+   deterministic algorithms (``CUBLAS_WORKSPACE_CONFIG=:4096:8``), which the
+   timed parts then leave off.
 2. **Cost and memory.** This library's GPT block at each ``--d-models`` width
    (head size 64, ``--seq-len`` tokens): fused backward time, B and W time
    (device-synchronised wall time, medians), ``(B + W) / fused``, and bytes
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
 import time
@@ -74,13 +81,17 @@ def _amp(device: torch.device, dtype: torch.dtype | None):
 def exactness(
     name: str, module: nn.Module, x: Tensor, gy: Tensor, dtype: torch.dtype | None
 ) -> dict[str, object]:
-    """Bitwise comparison of the split stage with plain autograd (``dtype``: autocast's)."""
+    """Bitwise comparison of the split stage with plain autograd (``dtype``: autocast's).
+
+    A floating ``x`` makes the module a middle stage (its input gradient is compared too);
+    token ids make it a first stage."""
     ref = copy.deepcopy(module)
-    xr = x.detach().requires_grad_(True)
+    middle = x.is_floating_point()
+    xr = x.detach().requires_grad_(True) if middle else x
     with _amp(x.device, dtype):
         yr = ref(xr)
     yr.backward(gy.to(yr.dtype))
-    chunk = StageChunk(copy.deepcopy(module), 1, 3, track_memory=False)
+    chunk = StageChunk(copy.deepcopy(module), int(middle), 3, track_memory=False)
     with _amp(x.device, dtype):
         y = chunk.forward(0, x)
     gx = chunk.backward_input(0, gy.to(y.dtype))
@@ -91,7 +102,65 @@ def exactness(
         "block": name,
         "autocast": str(dtype).removeprefix("torch.") if dtype else "off",
         "output_equal": bool(torch.equal(y, yr.detach())),
-        "input_grad_equal": bool(gx is not None and torch.equal(gx, xr.grad)),
+        "input_grad_equal": bool(not middle or (gx is not None and torch.equal(gx, xr.grad))),
+        "param_grads_equal": not bad,
+        "unequal_params": bad[:8],
+    }
+
+
+class MixedStage(nn.Module):
+    """A first stage of every split path: an embedding, a Linear used twice, a LayerNorm,
+    ``nn.MultiheadAttention`` (the graph-level split, with ``q is k is v``) and a head."""
+
+    def __init__(self, vocab: int, d: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.shared = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.mha = nn.MultiheadAttention(d, 2, batch_first=True)
+        self.head = nn.Sequential(nn.GELU(), nn.Linear(d, d, bias=False))
+
+    def forward(self, idx: Tensor) -> Tensor:
+        h = self.shared(self.emb(idx))
+        h = self.norm(self.shared(h) + h)
+        h = h + self.mha(h, h, h, need_weights=False)[0]
+        return self.head(h)
+
+
+def hf_exactness(name: str, device: torch.device) -> dict[str, object]:
+    """The HF adapter's layers against the model itself, on a padded batch with dropout on:
+    logits, loss and every gradient bitwise (``skipped`` without transformers)."""
+    try:
+        from zerobubble.interop import hf
+    except ImportError as e:
+        return {"model": name, "skipped": str(e)}
+    model = hf.tiny_model(name).to(device).train()
+    twin = copy.deepcopy(model)
+    layers = hf.causal_lm_layers(twin)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (4, 5), generator=gen).to(device)
+    mask = torch.ones_like(ids)
+    mask[2, 3:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    torch.manual_seed(7)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    torch.manual_seed(7)
+    x = layers[0](ids, attention_mask=mask)
+    for layer in layers[1:]:
+        x = layer(x)
+    loss = hf.CausalLMLoss(twin)(x, labels)
+    loss.backward()
+    bad = [
+        layer.source_name(n)
+        for layer in layers
+        for n, p in layer.named_parameters()
+        if not torch.equal(p.grad, model.get_parameter(layer.source_name(n)).grad)
+    ]
+    return {
+        "model": name,
+        "logits_equal": bool(torch.equal(x, out.logits)),
+        "loss_equal": bool(torch.equal(loss, out.loss)),
         "param_grads_equal": not bad,
         "unequal_params": bad[:8],
     }
@@ -196,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         args.device, args.quick, args.repeats = "cpu", True, 2
     device = torch.device(args.device)
+    if device.type == "cuda":
+        # Bitwise needs run-to-run determinism first: no atomics-ordered sums, and cuBLAS's
+        # fixed workspace (read when cuBLAS starts, so before any CUDA work).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(device.type == "cuda")
     if device.type != "cpu" and not torch.get_device_module(device.type).is_available():
         parser.exit(
             2, f"gpu_check: no {device.type} device here; pass --dry-run to run it on the CPU\n"
@@ -217,12 +291,22 @@ def main(argv: list[str] | None = None) -> int:
         )
         for dtype in dtypes
     ]
+    ids = torch.randint(0, 11, (2, 5), device=device)  # small shapes, where kernels differ most
+    mixed = MixedStage(11, 8).to(device)
+    checks.append(
+        exactness("mixed_first_stage", mixed, ids, torch.randn(2, 5, 8, device=device), None)
+    )
+    adapter = [hf_exactness(name, device) for name in ("hf-gpt2", "hf-llama")]
+    torch.use_deterministic_algorithms(False)
     comm = collectives(device)
     costs = [cost(w, seq, args.repeats, device) for w in widths]
     sims = {str(c["d_model"]): schedules(c, args.devices, not args.dry_run) for c in costs}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     exact = all(c["output_equal"] and c["input_grad_equal"] and c["param_grads_equal"]
-                for c in checks)  # fmt: skip
+                for c in checks) and all(
+        c.get("skipped") or (c["logits_equal"] and c["loss_equal"] and c["param_grads_equal"])
+        for c in adapter
+    )  # fmt: skip
     out = {
         "bench": "gpu_check",
         "device": str(device),
@@ -231,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "all_bitwise": exact,
         "exactness": checks,
+        "hf_adapter": adapter,
         "collectives": comm,
         "cost": costs,
         "schedules": sims,

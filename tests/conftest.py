@@ -20,3 +20,14 @@ def exact_costs(schedule: Schedule, F=1, B=1, W=1, comm=0, mem_w=Fraction(1, 2))
 @pytest.fixture
 def exact():
     return exact_costs
+
+
+def pytest_report_header(config) -> str:
+    """The kernel paths this run's bitwise tests exercise (``make test`` runs them twice)."""
+    import os
+
+    import torch
+
+    names = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+    env = " ".join(f"{n}={os.environ[n]}" for n in names if n in os.environ) or "none set"
+    return f"kernels: PyTorch CPU capability {torch.backends.cpu.get_cpu_capability()} ({env})"

@@ -15,6 +15,8 @@ from zerobubble.runtime.split import (
     enable_bw_split,
 )
 
+pytestmark = pytest.mark.bitwise  # also run under other kernel paths (Makefile)
+
 
 def _gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)

@@ -74,6 +74,7 @@ def test_compiled_blocks_under_split_schedules_match_compiled_reference_bitwise(
     _run(sched, kind, "aot_eager")
 
 
+@pytest.mark.bitwise
 def test_compiled_blocks_under_autocast_bf16_match_compiled_reference_bitwise() -> None:
     _run("zbv", "llama", "aot_eager", amp=True)
 

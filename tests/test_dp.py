@@ -245,6 +245,7 @@ def trace_findings(kind: str, events: list) -> list[str]:
 # ---- tests ---------------------------------------------------------------------------------
 
 
+@pytest.mark.bitwise
 def test_dp2_pp2_every_kind_matches_the_references_and_refuses_bad_meshes():
     results = launch(train_all_kinds, 4, 2, 2, KINDS, True, timeout=TIMEOUT)
     assert [(r["pp_rank"], r["dp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]

@@ -26,6 +26,8 @@ from zerobubble.runtime.partition import (  # noqa: E402
 )
 from zerobubble.schedule.generators import generate  # noqa: E402
 
+pytestmark = pytest.mark.bitwise  # also run under other kernel paths (Makefile)
+
 #: Dropout on everywhere it exists: GPT-2's tiny config has 0.1 on embeddings, attention and
 #: residuals; the Llama family gets attention dropout 0.1.
 DROPOUT = {"hf-gpt2": {}, "hf-llama": {"attention_dropout": 0.1}}

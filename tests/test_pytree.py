@@ -194,12 +194,14 @@ def error_job(bad: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.bitwise
 def test_every_kind_at_p3_matches_autograd_bitwise():
     bad = launch(matrix_job, 3, all_kinds(3), timeout=TIMEOUT)
     assert [b for rank in bad for b in rank] == []
 
 
 @pytest.mark.slow
+@pytest.mark.bitwise
 def test_v_kinds_at_p4_match_autograd_bitwise():
     scheds = [zerobubble.generate(k, 4, 5) for k in ("zbv", "dualpipev")]
     bad = launch(matrix_job, 4, scheds, timeout=TIMEOUT)

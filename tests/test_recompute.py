@@ -117,6 +117,7 @@ def job(kinds: list[tuple[str, list[object]]]) -> list[str]:
     return bad
 
 
+@pytest.mark.bitwise
 def test_checkpointing_on_and_off_are_bitwise_under_four_kinds_at_p3():
     kinds = [
         ("1f1b", ["stage", "layers"]),

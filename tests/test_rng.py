@@ -299,6 +299,7 @@ def check(results: list[list[str]]) -> None:
 FAST_P3 = ["zb-h1", "zbv"]
 
 
+@pytest.mark.bitwise
 def test_dropout_token_loss_and_replay_are_bitwise_at_p3():
     check(run_job(3, FAST_P3, FAST_P3, ["zbv"]))
 

@@ -24,6 +24,8 @@ from zerobubble.runtime.split import (
     unsplit_modules,
 )
 
+pytestmark = pytest.mark.bitwise  # also run under other kernel paths (Makefile)
+
 
 class Conv1D(nn.Module):
     """The contract of transformers' Conv1D: weight (in, out), addmm(bias, x.view(-1, in), w)."""

@@ -28,7 +28,11 @@ def test_gpu_check_dry_run_on_cpu(capsys: pytest.CaptureFixture[str], monkeypatc
     assert out["device"] == "cpu" and out["dry_run"] and out["all_bitwise"]
     assert out["collectives"] == {"backend": "gloo", "cpu_tensor_all_reduce": True}
     checks = {(c["block"], c["autocast"]) for c in out["exactness"]}
-    assert checks == {(b, a) for b in ("hf_gpt2", "llama") for a in ("off", "bfloat16")}
+    assert checks == {(b, a) for b in ("hf_gpt2", "llama") for a in ("off", "bfloat16")} | {
+        ("mixed_first_stage", "off")
+    }
+    assert [c["model"] for c in out["hf_adapter"]] == ["hf-gpt2", "hf-llama"]
+    assert all(c["logits_equal"] and c["param_grads_equal"] for c in out["hf_adapter"])
     (c,) = out["cost"]
     assert c["d_model"] == 128 and 0 < c["held_after_B_bytes"] < c["held_after_F_bytes"]
     work = 8 * (c["t_F_ms"] + c["t_B_ms"] + c["t_W_ms"])  # 2 * 4 microbatches per device

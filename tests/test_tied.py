@@ -280,6 +280,7 @@ def check(results: list[dict], kinds: list[str], post: list[str]) -> None:
         )
 
 
+@pytest.mark.bitwise
 def test_tied_pipelines_match_the_stage_order_reference_bitwise():
     kinds, post = FAST, ["interleaved-1f1b"]
     check(launch(job, P, kinds, post, timeout=TIMEOUT), kinds, post)
