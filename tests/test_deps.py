@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from generated import generated
 from synthetic_trace import synthetic_trace
 from zerobubble.profile.bubbles import analyze_iteration
 from zerobubble.schedule.clocks import clock_offsets
@@ -26,7 +27,7 @@ from zerobubble.schedule.deps import (
     produces,
 )
 from zerobubble.schedule.errors import Reason, ScheduleError
-from zerobubble.schedule.generators import GENERATORS, generate
+from zerobubble.schedule.generators import GENERATORS
 from zerobubble.schedule.graph import CODE, _deps_by_dict, action_code, build_graph
 from zerobubble.schedule.ir import Action, Op, Schedule
 from zerobubble.schedule.lowering import Compute, MsgKind, Send, WaitRecv, lower
@@ -72,7 +73,7 @@ def schedules(draw) -> Schedule:
     p = draw(st.integers(2, 4))
     m = draw(st.integers(p, 3 * p))
     try:
-        sched = generate(kind, p, m)
+        sched = generated(kind, p, m)
     except (ValueError, ScheduleError):
         assume(False)
     if draw(st.booleans()):

@@ -7,6 +7,7 @@ from fractions import Fraction
 
 import pytest
 
+from generated import generated
 from zerobubble.schedule.costs import CostModel
 from zerobubble.schedule.generators import GENERATORS, generate
 from zerobubble.schedule.ir import Action, Op, Schedule
@@ -71,7 +72,7 @@ def _kinds():
             for m in (1, p, 2 * p + 1):
                 opts = {"chunks": 2} if "chunks" in gen.options else {}
                 try:
-                    yield generate(kind, p, m, **opts)
+                    yield generated(kind, p, m, **opts)
                 except ValueError:
                     continue
 

@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
+from generated import generated
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.optim.speculation import protocol_program
 from zerobubble.runtime.chunk import StageChunk
@@ -25,7 +26,7 @@ def every_schedule():
         for p in (1, 2, 3, 4):
             for m in sorted({1, max(p - 1, 1), p, 2 * p + 1}):
                 try:
-                    yield generate(kind, p, m, **opts)
+                    yield generated(kind, p, m, **opts)
                 except ValueError:
                     continue
 
