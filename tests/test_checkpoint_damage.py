@@ -3,13 +3,16 @@ naming the file, the step and the newest older checkpoint that verifies, and loa
 one (``step=``) restores its state exactly.
 
 One launch (P=3, zb-h1, AdamW) saves steps 2 and 4, then damages copies of the checkpoint
-directory one kind at a time; ranks return plain summaries.
+directory one kind at a time; ranks return plain summaries. A copy whose manifest is step 2's
+record loads step 4 (the newest commit record), with a warning.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -166,6 +169,31 @@ def damage_job(root: str) -> dict:
                 for a, b in zip(state_of(fresh, fparams), saved[back], strict=True)
             )
         dist.barrier()
+    # An older manifest (step 2's record) next to step 4's committed record: the newest
+    # committed step loads, with a warning naming both; step=2 still loads step 2.
+    case = Path(root) / "old_manifest"
+    if rank == 0:
+        shutil.copytree(base, case)
+        shutil.copyfile(case / "step_00000002.json", case / "manifest.json")
+    dist.barrier()
+    fresh, fparams = make_trainer(rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        extra = load_checkpoint(fresh, case)
+    out["old_manifest"] = {
+        "next": extra["next"],
+        "exact": all(
+            torch.equal(a, b) for a, b in zip(state_of(fresh, fparams), saved[4], strict=True)
+        ),
+        "warnings": [(w.category.__name__, str(w.message)) for w in caught],
+    }
+    fresh, fparams = make_trainer(rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        extra = load_checkpoint(fresh, case, step=2)
+    out["old_manifest"]["named"] = (extra["next"], len(caught)) == (2, 0) and all(
+        torch.equal(a, b) for a, b in zip(state_of(fresh, fparams), saved[2], strict=True)
+    )
     missing = Path(root) / "mistyped"
     fresh, _ = make_trainer(rank)
     try:
@@ -214,6 +242,21 @@ def test_damage_fails_on_every_rank_naming_file_step_and_fallback(results, name)
         assert msg.endswith(f", step={back})"), msg
         assert case["fallback_exact"] is True  # the fallback restores its step bitwise
     assert len({r["cases"][name]["message"] for r in results}) == 1  # every rank, same words
+
+
+def test_an_older_manifest_loads_the_newest_committed_step_and_says_so(results):
+    for r in results:
+        got = r["old_manifest"]
+        assert (got["next"], got["exact"], got["named"]) == (4, True, True), got
+        assert len(got["warnings"]) == 1, got
+        category, message = got["warnings"][0]
+        assert category == "CheckpointWarning"
+        assert re.fullmatch(
+            r"\S+/old_manifest/manifest\.json names step 2, but step 4 is committed too "
+            r"\(\S+/old_manifest/step_00000004\.json\): loading the newest committed step, 4; "
+            r"pass step=2 to load step 2",
+            message,
+        ), message
 
 
 def test_missing_path_is_an_error_unless_resume_if_present(results):

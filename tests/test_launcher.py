@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from zerobubble.runtime.launcher import LaunchError, init_distributed, launch
+from zerobubble.runtime import progress
+from zerobubble.runtime.launcher import LaunchError, _stalled, init_distributed, launch
 
 pytestmark = pytest.mark.slow
 
@@ -271,3 +272,25 @@ def free_ports(n: int) -> int:
             s.close()
         return base
     raise RuntimeError("no run of free ports found")
+
+
+def test_progress_marks_name_the_running_rank_the_first_failure_waited_on(tmp_path):
+    """The stall rule on marks written here (no launch): the rank that failed first died
+    waiting on rank 1, which waited on rank 2, alive and running: rank 2 is named."""
+    marks = {r: progress.Progress(tmp_path / str(r)) for r in range(3)}
+    assert progress.read(tmp_path, 4).keys() == {0, 1, 2}  # rank 3 never marked
+    assert all(m.state == progress.RUNNING for m in progress.read(tmp_path, 3).values())
+    marks[0].waiting(1)
+    marks[1].waiting(2)
+    got = progress.read(tmp_path, 3)
+    assert (got[0].state, got[1].state) == (1, 2)
+    stall = _stalled(0, {0: 1}, [1, 2], got)
+    assert stall is not None and stall[0] == 2
+    assert stall[1].endswith("while rank 0 died waiting on it"), stall
+    assert _stalled(0, {0: -9}, [1, 2], got) is None  # a signal death is the cause itself
+    timeout = _stalled(None, {}, [0, 1, 2], got)  # the overall timeout, ranks 0, 1 waiting
+    assert timeout is not None and timeout[0] == 2 and timeout[1].endswith("while rank 0 waits")
+    marks[0].running()  # failed in its own code, not waiting: it is the cause
+    assert _stalled(0, {0: 1}, [1, 2], progress.read(tmp_path, 3)) is None
+    marks[0].waiting(None)  # a collective names no peer: the running rank is named
+    assert _stalled(0, {0: 1}, [1, 2], progress.read(tmp_path, 3))[0] == 2

@@ -16,7 +16,10 @@ Rank 0 writes the record, then ``manifest.json`` (each as a fsynced temporary
 renamed over the target, atomic on POSIX), after gathering every rank's
 confirmation. A crash at any point before the rename leaves the previous
 manifest, which names a complete checkpoint; :func:`load_checkpoint` reads only
-what the manifest (or, with ``step=``, an older record) names.
+what a commit record names: by default the newest committed step's. A manifest
+older than the newest record (a crash between the two renames, or a manifest
+copied back) does not pick the step: the load warns (:class:`CheckpointWarning`)
+and takes the newest record; ``step=`` names an older one.
 
 Integrity: the files on disk are what a later run trusts, so every rank checks
 the record's step against its directory and every file's size and checksum
@@ -44,11 +47,15 @@ and a checkpoint loads only into a job of the same pp and dp sizes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
 import os
+import pickle
 import re
+import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -65,10 +72,12 @@ from torch.distributed.tensor import empty as dtensor_empty
 
 from zerobubble.optim.faults import CrashPoint
 from zerobubble.optim.trainer import PipelineTrainer, group_settings
+from zerobubble.runtime.comm import exchange_bytes
 from zerobubble.runtime.mesh import PipelineMesh
 
 __all__ = [
     "CheckpointError",
+    "CheckpointWarning",
     "committed_steps",
     "latest_checkpoint",
     "load_checkpoint",
@@ -97,6 +106,11 @@ class CheckpointError(ValueError):
         self.fallback = fallback
 
 
+class CheckpointWarning(UserWarning):
+    """``manifest.json`` names an older step than the newest commit record: the newest is
+    loaded (pass ``step=`` for another)."""
+
+
 def save_checkpoint(
     trainer: PipelineTrainer,
     root: str | Path,
@@ -111,6 +125,12 @@ def save_checkpoint(
     dicts, tensors), handed back by :func:`load_checkpoint`. ``mesh``: the job's
     mesh when the pipeline is one of several data-parallel replicas (every rank
     of the job then saves into one checkpoint).
+
+    Waits are bounded by the executor's ``comm_timeout_s`` (the confirmation's by that
+    plus this rank's time hashing its shards) and a rank that does not arrive, stalled or
+    dead, is named in the :class:`~zerobubble.runtime.comm.PeerError`: at the start, at
+    the confirmation and at the commit. ``torch.distributed.checkpoint``'s own collectives,
+    which wait for the slowest writer, keep the process group's timeout.
     """
     trainer.drain()
     group = _group(trainer, mesh)
@@ -122,22 +142,43 @@ def save_checkpoint(
     own = _own_key(trainer, mesh)
     state[f"{own}.meta"] = _to_bytes(meta)
     state[f"{own}.rng"] = torch.get_rng_state()
+    timeout, device = trainer.pipe.p2p.timeout_s, trainer.pipe.device
+    exchange = functools.partial(
+        exchange_bytes, group=group, device=device, progress=trainer.pipe.p2p.progress
+    )
+    where = f"checkpoint of step {step} ({root / name})"
+    # Every rank must be here before the save's own collectives, which only the process
+    # group's timeout bounds: a rank that never comes is named within comm_timeout_s.
+    exchange(
+        b"",
+        timeout_s=timeout,
+        action=f"start of the {where}: nothing written yet",
+        key=f"save/{root}/{name}/start",
+    )
     dcp.save(state, checkpoint_id=root / name, process_group=group)
     trainer.faults.crash(trainer.rank, step, CrashPoint.DURING_SAVE)
+    trainer.faults.stall(trainer.rank, step, CrashPoint.DURING_SAVE)
     v = trainer.versions
     # Each rank hashes the shards it wrote (DCP names them __<rank>_<n>.distcp, by rank in
     # the group that saved), in parallel, before the confirmation; rank 0 hashes whatever
-    # is left (.metadata) afterwards.
+    # is left (.metadata) afterwards. The confirmation waits comm_timeout_s past this rank's
+    # own hashing (a peer's shard of a similar size takes as long).
     mine = (step, v.iteration, v.param_version, str(v.opt))
+    t0 = time.monotonic()
     files = _file_sums(root / name, f"__{dist.get_rank(group)}_")
-    confirmations: list[Any] = [None] * dist.get_world_size(group)
-    try:
-        dist.all_gather_object(confirmations, (mine, files), group=group)
-    except Exception as e:
-        raise RuntimeError(
-            f"rank {trainer.rank}: checkpoint of step {step} is not committed: confirming the "
-            f"save with the other ranks failed ({e}); the previous checkpoint stays the newest"
-        ) from e
+    timeout += time.monotonic() - t0
+    confirmations = [
+        pickle.loads(c)
+        for c in exchange(
+            pickle.dumps((mine, files)),
+            timeout_s=timeout,
+            action=(
+                f"confirmation of the {where}, which is not committed: the previous "
+                "checkpoint stays the newest"
+            ),
+            key=f"save/{root}/{name}/confirm",
+        )
+    ]
     states = [c[0] for c in confirmations]
     if any(c != states[0] for c in states):
         raise RuntimeError(
@@ -159,7 +200,12 @@ def save_checkpoint(
         }
         _write_json(root / f"{name}.json", record)
         _write_json(root / MANIFEST, record)
-    dist.barrier(group=group)
+    exchange(
+        b"",
+        timeout_s=timeout,
+        action=f"commit of the {where} by rank 0 (committed once its manifest.json is written)",
+        key=f"save/{root}/{name}/commit",
+    )
     return root / name
 
 
@@ -185,11 +231,19 @@ def committed_steps(root: str | Path) -> list[int]:
 
 
 def verify_checkpoint(root: str | Path, step: int | None = None) -> dict[str, Any]:
-    """The commit record of ``step`` (default: the manifest's) after checking that its
-    directory is the step's and that every file it lists is there with its size and
-    SHA-256; raises :class:`CheckpointError` naming the file, the step and the newest
-    older checkpoint that verifies."""
+    """The commit record of ``step`` after checking that its directory is the step's and
+    that every file it lists is there with its size and SHA-256; raises
+    :class:`CheckpointError` naming the file, the step and the newest older checkpoint
+    that verifies.
+
+    ``step`` None: the newest committed step, which the manifest names; a manifest naming
+    an older step than the newest commit record warns (:class:`CheckpointWarning`) and
+    the newest record is checked instead (a newer record is only written once every rank
+    confirmed its save, so it is complete unless damaged, which raises as above).
+    """
     root = Path(root)
+    if step is None:
+        step = _newer_than_manifest(root)
     if step is None:
         record = latest_checkpoint(root)
         if record is None:
@@ -221,6 +275,26 @@ def verify_checkpoint(root: str | Path, step: int | None = None) -> dict[str, An
     return record
 
 
+def _newer_than_manifest(root: Path) -> int | None:
+    """The newest committed step when the manifest names an older one (with a warning),
+    else None (the manifest's step is the newest, or there is no manifest)."""
+    path = root / MANIFEST
+    newest = max(committed_steps(root), default=None)
+    if newest is None or not path.exists():
+        return None
+    named = _parse_record(path)
+    if isinstance(named, str) or named["step"] >= newest:
+        return None  # a damaged manifest is reported by latest_checkpoint
+    warnings.warn(
+        f"{path} names step {named['step']}, but step {newest} is committed too "
+        f"({root / f'step_{newest:08d}.json'}): loading the newest committed step, "
+        f"{newest}; pass step={named['step']} to load step {named['step']}",
+        CheckpointWarning,
+        stacklevel=3,
+    )
+    return newest
+
+
 def load_checkpoint(
     trainer: PipelineTrainer,
     root: str | Path,
@@ -231,7 +305,8 @@ def load_checkpoint(
 ) -> dict[str, Any] | None:
     """Restore a committed checkpoint into a fresh trainer; returns this rank's ``extra``.
 
-    The newest one by default, or the committed ``step`` (the way back to an older
+    The newest committed step by default (a manifest naming an older one warns, see
+    :func:`verify_checkpoint`), or the committed ``step`` (the way back to an older
     checkpoint when the newest is damaged: the error names the step to pass). A
     ``root`` without any checkpoint is a :class:`CheckpointError` unless
     ``missing_ok`` ("resume if present"), which returns None and changes nothing.
@@ -304,7 +379,7 @@ def _group(trainer: PipelineTrainer, mesh: PipelineMesh | None) -> dist.ProcessG
         return trainer.pipe.group
     if dist.get_world_size(trainer.pipe.group) != mesh.pp_size:
         raise ValueError(
-            f"rank {trainer.rank}: the trainer's pipeline has "
+            f"rank {trainer.pipe.p2p.name(trainer.rank)}: the trainer's pipeline has "
             f"{dist.get_world_size(trainer.pipe.group)} ranks but the mesh's pp dimension "
             f"{mesh.pp_size}: pass the mesh the pipeline was built with"
         )

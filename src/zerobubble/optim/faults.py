@@ -150,17 +150,25 @@ _PHASE_OPS = {Op.F: Phase.FORWARD, Op.B: Phase.BACKWARD, Op.BW: Phase.BACKWARD}
 
 @dataclass(frozen=True)
 class Stall:
-    """Make one rank sleep at the tail of one iteration, before the optimizer's messages.
+    """Make one rank sleep at a protocol point of one iteration: by default the tail,
+    before the optimizer's messages; ``during_save``: after writing its checkpoint shard.
 
     Attributes:
         rank: The rank that stalls.
-        iteration: Trainer iteration.
+        iteration: Trainer iteration (for a save: the validated step being saved).
         seconds: How long it sleeps (longer than the comm timeout to test it).
+        point: See :class:`CrashPoint` (``after_provisional`` is not a stall point).
     """
 
     rank: int
     iteration: int
     seconds: float
+    point: CrashPoint = CrashPoint.AT_TAIL
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "point", CrashPoint(self.point))
+        if self.point is CrashPoint.AFTER_PROVISIONAL:
+            raise ValueError("a stall happens at_tail or during_save, not after_provisional")
 
 
 @dataclass(frozen=True)
@@ -203,8 +211,8 @@ class FaultPlan:
         if Crash(rank, iteration, point) in self.crashes:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def stall(self, rank: int, iteration: int) -> None:
-        """Sleep here if the plan says so (at the iteration tail)."""
+    def stall(self, rank: int, iteration: int, point: CrashPoint = CrashPoint.AT_TAIL) -> None:
+        """Sleep here if the plan says so (by default: at the iteration tail)."""
         for s in self.stalls:
-            if (s.rank, s.iteration) == (rank, iteration):
+            if (s.rank, s.iteration, s.point) == (rank, iteration, point):
                 time.sleep(s.seconds)

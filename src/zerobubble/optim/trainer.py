@@ -403,7 +403,8 @@ class PipelineTrainer:
         """A state message must be the one this receive was posted for."""
         why = self.layout.check(vec, kind, k)
         if why is not None:
-            raise ProtocolError(f"rank {self.rank}: receive from rank {peer}: {why}")
+            name = self.pipe.p2p.name
+            raise ProtocolError(f"rank {name(self.rank)}: receive from rank {name(peer)}: {why}")
 
     def _flush_sends(self, keep_last: bool = False) -> None:
         """Wait for state messages sent earlier (bounded); keep the newest if asked."""

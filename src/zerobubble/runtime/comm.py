@@ -19,19 +19,28 @@ optimizer's state messages travel on separate :class:`Channel` streams (a gloo
 tag; with ``directed`` their own subgroups), so a receive posted on one can never
 match a message of another.
 Collectives (:meth:`P2P.all_reduce`, :meth:`P2P.all_gather_ints`) are bounded by
-the same timeout and fail with a :class:`PeerError` naming the group.
+the same timeout and fail with a :class:`PeerError` naming the group;
+:func:`exchange_bytes` is a bounded all-gather over any group that names the ranks
+that never arrived (the checkpoint's save uses it).
+
+Ranks in messages are global ranks (the job's); on a mesh, whose pipeline is a
+subgroup, the pipeline rank follows in parentheses. Every wait marks this rank's
+progress (:mod:`zerobubble.runtime.progress`) so that the launcher can name a rank
+that stalls.
 """
 
 from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from zerobubble.runtime.progress import Progress
 
 DTYPES = (
     torch.float32,
@@ -64,11 +73,14 @@ class PeerError(RuntimeError):
     """Communication with another pipeline rank failed or timed out.
 
     Attributes:
-        rank: This rank.
-        peer: The rank it was talking to; None for a collective over ``group``.
+        rank: This rank (its global rank).
+        peer: The global rank it was talking to; None for a collective over ``group``.
         action: What this rank was doing (an instruction with its compute, or the
             optimizer operation and its iteration).
-        group: For a collective: the ranks taking part.
+        group: For a collective: the global ranks taking part.
+        local: ``global rank -> rank in the subgroup`` when the group is a subgroup of the
+            job (a mesh's pipeline): the message gives both; empty otherwise.
+        dim: What the subgroup is, for the message ("pipeline", or "dp").
     """
 
     def __init__(
@@ -79,17 +91,27 @@ class PeerError(RuntimeError):
         cause: str,
         *,
         group: tuple[int, ...] = (),
+        local: Mapping[int, int] | None = None,
+        dim: str = "pipeline",
     ) -> None:
+        local = dict(local or {})
         if peer is None:
             ranks = ", ".join(map(str, group))
             where = f"in the collective over ranks [{ranks}]"
+            if local and all(r in local for r in group):
+                where += f" ({dim} ranks [{', '.join(str(local[r]) for r in group)}])"
         else:
-            where = f"with peer rank {peer}"
-        super().__init__(f"rank {rank}: {action} {where} failed: {cause}")
+            where = f"with peer rank {_named(peer, local, dim)}"
+        super().__init__(f"rank {_named(rank, local, dim)}: {action} {where} failed: {cause}")
         self.rank = rank
         self.peer = peer
         self.action = action
         self.group = group
+        self.local = local
+
+
+def _named(rank: int, local: Mapping[int, int], dim: str = "pipeline") -> str:
+    return f"{rank} ({dim} rank {local[rank]})" if rank in local else str(rank)
 
 
 @dataclass(frozen=True)
@@ -119,6 +141,7 @@ class P2P:
         directed: bool = False,
         pairs: Iterable[tuple[int, int, Channel]] = (),
         pipelines: Sequence[Sequence[int]] | None = None,
+        dim: str = "pipeline",
     ) -> None:
         """``pairs`` are the (src, dst, channel) streams that carry messages; with
         ``directed`` every rank of the default group must pass the same ones
@@ -126,12 +149,23 @@ class P2P:
         pipeline running the same program (a mesh's dp replicas, see
         :meth:`~zerobubble.runtime.mesh.PipelineMesh.pipelines`); every rank creates
         the lanes of all of them, in that order, and keeps its own. None: ``group`` is
-        the only pipeline."""
+        the only pipeline. ``dim``: what ``group`` is, as messages name its ranks."""
         self.group = group
         self.device = device
         self.timeout_s = timeout_s
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
+        self.global_ranks = tuple(
+            dist.get_global_rank(group, r) if group is not None else r for r in range(self.world)
+        )
+        """Global rank of each rank of ``group`` (messages name these)."""
+        self._local = (
+            {g: r for r, g in enumerate(self.global_ranks)}
+            if self.world != dist.get_world_size()
+            else {}
+        )
+        self.dim = dim
+        self.progress = Progress.from_env(self.global_ranks[self.rank])
         self._lanes: dict[tuple[int, int, Channel], tuple[dist.ProcessGroup | None, int]] = {}
         if directed:
             mine = [dist.get_global_rank(group, r) if group else r for r in range(self.world)]
@@ -166,9 +200,9 @@ class P2P:
         try:
             work = dist.isend(tensor, group=g, group_dst=p, tag=int(channel))
         except Exception as e:
-            raise PeerError(self.rank, peer, str(action), str(e)) from e
+            raise self.error(peer, action, str(e)) from e
         if work is None:  # torch returns None when this rank is outside the lane's group
-            raise PeerError(self.rank, peer, str(action), "not in the send lane's group")
+            raise self.error(peer, action, "not in the send lane's group")
         return work
 
     def irecv(
@@ -183,14 +217,23 @@ class P2P:
         try:
             work = dist.irecv(buffer, group=g, group_src=p, tag=int(channel))
         except Exception as e:
-            raise PeerError(self.rank, peer, str(action), str(e)) from e
+            raise self.error(peer, action, str(e)) from e
         if work is None:  # torch returns None when this rank is outside the lane's group
-            raise PeerError(self.rank, peer, str(action), "not in the recv lane's group")
+            raise self.error(peer, action, "not in the recv lane's group")
         return work
 
-    def wait(self, work: dist.Work, peer: int | None, action: object) -> None:
-        """Wait for ``work`` at most ``timeout_s`` seconds (``peer`` None: a collective)."""
+    def wait(
+        self,
+        work: dist.Work,
+        peer: int | None,
+        action: object,
+        *,
+        group: tuple[int, ...] | None = None,
+    ) -> None:
+        """Wait for ``work`` at most ``timeout_s`` seconds (``peer`` None: a collective, over
+        this group or, when given, the global ranks ``group``)."""
         start = time.monotonic()
+        self.progress.waiting(None if peer is None else self.global_ranks[peer])
         try:
             work.wait(timeout=timedelta(seconds=self.timeout_s))
         except Exception as e:
@@ -200,10 +243,28 @@ class P2P:
                 why = f"no completion within the comm timeout of {self.timeout_s:g}s ({who} stuck?)"
             else:
                 why = f"the transport failed after {took:.1f}s ({who} died?)"
-            raise PeerError(self.rank, peer, str(action), f"{why}: {e}", group=self._ranks()) from e
+            raise self.error(peer, action, f"{why}: {e}", group=group) from e
+        self.progress.running()
 
-    def _ranks(self) -> tuple[int, ...]:
-        return tuple(range(self.world))
+    def name(self, rank: int) -> str:
+        """Rank ``rank`` of the group as messages name it: its global rank, and on a mesh
+        its pipeline rank in parentheses."""
+        return _named(self.global_ranks[rank], self._local, self.dim)
+
+    def error(
+        self, peer: int | None, action: object, cause: str, *, group: tuple[int, ...] | None = None
+    ) -> PeerError:
+        """A :class:`PeerError` of this rank with ``peer`` (a rank of the group; None: a
+        collective over the group, or over the global ranks ``group``), in global ranks."""
+        return PeerError(
+            self.global_ranks[self.rank],
+            None if peer is None else self.global_ranks[peer],
+            str(action),
+            cause,
+            group=self.global_ranks if group is None else group,
+            local=self._local,
+            dim=self.dim,
+        )
 
     def all_reduce(self, tensor: torch.Tensor, action: str) -> None:
         """Sum ``tensor`` over the group in place, bounded by the comm timeout. A tensor on
@@ -213,7 +274,7 @@ class P2P:
         try:
             work = dist.all_reduce(on_device, group=self.group, async_op=True)
         except Exception as e:
-            raise PeerError(self.rank, None, action, str(e), group=self._ranks()) from e
+            raise self.error(None, action, str(e)) from e
         assert work is not None
         self.wait(work, None, action)
         if on_device is not tensor:
@@ -235,9 +296,84 @@ class P2P:
         try:
             work = dist.all_gather(out, t, group=self.group, async_op=True)
         except Exception as e:
-            raise PeerError(self.rank, None, action, str(e), group=self._ranks()) from e
+            raise self.error(None, action, str(e)) from e
         assert work is not None
         self.wait(work, None, action)
+
+
+def exchange_bytes(
+    data: bytes,
+    *,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    timeout_s: float,
+    action: str,
+    key: str,
+    progress: Progress | None = None,
+) -> list[bytes]:
+    """Every rank's ``data`` (in group rank order), each wait bounded by ``timeout_s``.
+
+    A collective over ``group`` (None: the world) that names who is missing: each rank
+    first sets its arrival entry under ``key`` in the job's store (``key`` the same on every
+    rank; its n-th use is the n-th call), so that a timeout can tell the ranks that never arrived
+    (stalled or dead) from a transport failure. Fails with a :class:`PeerError` whose
+    ``peer`` is the one missing rank (None if several or none).
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    ranks = tuple(dist.get_global_rank(group, r) if group else r for r in range(world))
+    me = ranks[rank]
+    progress = progress or Progress(None)
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        # The n-th call with this key on every rank: a key used again gets fresh entries.
+        key = f"{key}/{store.add(f'zerobubble/{key}/calls/{me}', 1)}"
+        store.set(f"zerobubble/{key}/{me}", "1")
+    except Exception as e:
+        raise PeerError(me, None, action, f"cannot reach the job's store ({e})", group=ranks) from e
+
+    def gather(t: torch.Tensor, what: str) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(world)]
+        start = time.monotonic()
+        progress.waiting(None)
+        try:
+            work = dist.all_gather(out, t, group=group, async_op=True)
+            assert work is not None
+            work.wait(timeout=timedelta(seconds=timeout_s))
+        except Exception as e:
+            took = time.monotonic() - start
+            missing = _not_arrived(store, key, ranks)
+            if missing is None:
+                who = "cannot tell which ranks arrived (the job's store is unreachable)"
+            elif missing:
+                who = f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} never arrived"
+                who += " (stalled or dead)"
+            else:
+                who = "every rank arrived"
+            why = (
+                f"no completion within {timeout_s:.1f}s"
+                if took >= 0.99 * timeout_s
+                else f"the transport failed after {took:.1f}s"
+            )
+            peer = missing[0] if missing and len(missing) == 1 else None
+            raise PeerError(me, peer, what, f"{why}; {who}: {e}", group=ranks) from e
+        progress.running()
+        return out
+
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [int(t.item()) for t in gather(n, action)]
+    body = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    if data:
+        body[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    parts = gather(body, action)
+    return [bytes(p[:k].cpu().numpy().tobytes()) for p, k in zip(parts, sizes, strict=True)]
+
+
+def _not_arrived(store: dist.Store, key: str, ranks: Sequence[int]) -> list[int] | None:
+    """The global ranks whose arrival entry for ``key`` is missing; None if unknown."""
+    try:
+        return [r for r in ranks if not store.check([f"zerobubble/{key}/{r}"])]
+    except Exception:
+        return None
 
 
 def dtype_code(dtype: torch.dtype) -> int:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from zerobubble.runtime.comm import PeerError
+from zerobubble.runtime.progress import Progress
 
 __all__ = ["GradReducer"]
 
@@ -65,6 +66,7 @@ class GradReducer:
         self.timeout_s = timeout_s
         self.rank = dist.get_rank()
         self.ranks = tuple(dist.get_process_group_ranks(group))
+        self.progress = Progress.from_env(self.rank)
         self._in_flight: list[_Bucket] = []
 
     def launch(self, stage: int, iteration: int) -> None:
@@ -89,6 +91,7 @@ class GradReducer:
         for b in buckets:
             what = self._what(b.stage, iteration)
             start = time.monotonic()
+            self.progress.waiting(None)
             try:
                 b.work.wait(timeout=timedelta(seconds=self.timeout_s))
             except Exception as e:
@@ -98,6 +101,7 @@ class GradReducer:
                 else:
                     why = f"the transport failed after {took:.1f}s (a dp replica died?)"
                 raise PeerError(self.rank, None, what, f"{why}: {e}", group=self.ranks) from e
+            self.progress.running()
             offset = 0
             for g in b.grads:
                 n = g.numel()

@@ -427,7 +427,8 @@ class PipelineExecutor:
         what = f"all-reduce over dim 'dp' of iteration {self.iteration}'s batch size or count"
         work = dist.all_reduce(t, group=self.mesh.dp_group, async_op=True)
         assert work is not None
-        self.p2p.wait(work, None, what)
+        dp = tuple(dist.get_process_group_ranks(self.mesh.dp_group))
+        self.p2p.wait(work, None, what, group=dp)  # the message names the dp group's ranks
         return t if isinstance(n, torch.Tensor) else int(t.item())
 
     def held_bytes(self) -> int:

@@ -98,7 +98,7 @@ class ShardedStages:
             self.units[s] = [*units, self.modules[s]]
         group = dp_mesh.get_group()
         self.device = torch.device(device or "cpu")
-        self._p2p = P2P(group, self.device, timeout_s)
+        self._p2p = P2P(group, self.device, timeout_s, dim="dp")
 
     @staticmethod
     def _wrap(module: nn.Module, dp_mesh: DeviceMesh) -> FSDPModule:

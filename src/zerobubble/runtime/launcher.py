@@ -14,6 +14,13 @@ comm timeouts name what they were waiting for), then are killed. The
 whole run is bounded by ``timeout``. Children die with the launcher (a
 watchdog thread in :func:`launch` workers; ``PR_SET_PDEATHSIG`` for scripts),
 so no process outlives it.
+
+A rank that stalls (alive, but making no progress) is not the first to fail: its
+peers time out waiting on it. Every rank marks its progress in a file the launcher
+reads (:mod:`zerobubble.runtime.progress`: each communication wait marks "waiting
+on rank p" or "running"); when the rank that failed first died waiting (or the job
+times out while ranks wait), the live rank it waited on, or else the live rank
+running outside any wait since the earliest moment, is reported first as stalled.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -37,6 +45,8 @@ from datetime import timedelta
 from multiprocessing import connection, get_context, parent_process
 from typing import TYPE_CHECKING, Any
 
+from zerobubble.runtime import progress
+
 if TYPE_CHECKING:
     from multiprocessing.context import ForkServerContext, SpawnContext
 
@@ -45,25 +55,32 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class RankFailure:
-    """How one rank failed: its exit code (None if it had to be killed) and error text."""
+    """How one rank failed: its exit code (None if it had to be killed) and error text;
+    ``stalled``: it was alive but made no progress while the others waited on it."""
 
     rank: int
     exitcode: int | None
     error: str
+    stalled: bool = False
 
 
 class LaunchError(RuntimeError):
-    """A launched job failed; ``failures`` are in order of death, ranks the launcher had to
-    kill last, so ``failures[0]`` is the rank that died first."""
+    """A launched job failed; ``failures[0]`` is the rank to blame: a rank that stalled
+    (``stalled``, killed by the launcher), else the rank that died first. The others follow
+    in order of death, ranks the launcher had to kill last."""
 
     def __init__(self, failures: list[RankFailure]) -> None:
         first = failures[0]
         others = "".join(
             f"\n--- rank {f.rank} (exit {f.exitcode}):\n{f.error.strip()}" for f in failures[1:]
         )
+        head = (
+            f"rank {first.rank} stalled (the others failed waiting on it)"
+            if first.stalled
+            else f"rank {first.rank} failed first (exit {first.exitcode})"
+        )
         super().__init__(
-            f"rank {first.rank} failed first (exit {first.exitcode}):\n{first.error.strip()}"
-            + (f"\n\nother ranks:{others}" if others else "")
+            f"{head}:\n{first.error.strip()}" + (f"\n\nother ranks:{others}" if others else "")
         )
         self.failures = failures
 
@@ -85,9 +102,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, nprocs: int, port: int) -> dict[str, str]:
-    """The torchrun-style environment of local rank ``rank``."""
+def rank_env(rank: int, nprocs: int, port: int, progress_dir: str | None = None) -> dict[str, str]:
+    """The torchrun-style environment of local rank ``rank`` (and the folder of the ranks'
+    progress marks, :mod:`zerobubble.runtime.progress`, if given)."""
+    extra = {} if progress_dir is None else {progress.ENV: progress_dir}
     return {
+        **extra,
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "RANK": str(rank),
@@ -157,8 +177,9 @@ def _worker(
     port: int,
     args: tuple,
     conn: connection.Connection,
+    progress_dir: str | None = None,
 ) -> None:
-    os.environ.update(rank_env(rank, nprocs, port))
+    os.environ.update(rank_env(rank, nprocs, port, progress_dir))
     if "torch" in sys.modules:  # imported while unpickling fn, before OMP_NUM_THREADS was set
         sys.modules["torch"].set_num_threads(1)
     threading.Thread(target=_watch_parent, daemon=True).start()
@@ -201,13 +222,26 @@ def launch(
     ctx: ForkServerContext | SpawnContext = (
         get_context("forkserver") if start_method == "forkserver" else get_context("spawn")
     )
+    with tempfile.TemporaryDirectory(prefix="zerobubble-progress-") as marks:
+        return _launch(fn, nprocs, args, timeout, grace, ctx, marks)
+
+
+def _launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: tuple,
+    timeout: float,
+    grace: float,
+    ctx: ForkServerContext | SpawnContext,
+    marks: str,
+) -> list[Any]:
     port = free_port()
     procs, conns = [], []
     for rank in range(nprocs):
         recv_end, send_end = ctx.Pipe(duplex=False)
         p = ctx.Process(
             target=_worker,
-            args=(fn, rank, nprocs, port, args, send_end),
+            args=(fn, rank, nprocs, port, args, send_end, marks),
             daemon=True,
         )
         p.start()
@@ -254,6 +288,13 @@ def launch(
         RankFailure(r, procs[r].exitcode, errors.get(r, _exit_text(procs[r].exitcode)))
         for r in failed
     ]
+    alive = [r for r, p in enumerate(procs) if p.exitcode is None]
+    stall = _stalled(
+        failed[0] if failed else None,
+        {r: procs[r].exitcode for r in failed},
+        alive,
+        progress.read(marks, nprocs),
+    )
     for rank, p in enumerate(procs):
         if p.exitcode is None:
             p.terminate()
@@ -270,12 +311,59 @@ def launch(
                     else "killed"
                 )
             )
-            failures.append(RankFailure(rank, None, errors.get(rank, why)))
+            if stall is not None and stall[0] == rank:
+                failures.insert(0, RankFailure(rank, None, f"{stall[1]}; {why}", stalled=True))
+            else:
+                failures.append(RankFailure(rank, None, errors.get(rank, why)))
     for c in conns:
         c.close()
     if failures:
         raise LaunchError(failures)
     return results
+
+
+def _stalled(
+    first: int | None,
+    codes: dict[int, int | None],
+    alive: Sequence[int],
+    marks: dict[int, progress.Mark],
+) -> tuple[int, str] | None:
+    """The live rank that stalled and why it is blamed, or None.
+
+    Only when the rank that failed first exited on its own and died waiting (its mark is
+    a wait), or, with no failure (the overall timeout), some live rank is waiting: then
+    the rank it waited on, followed through ranks that were themselves waiting, if that
+    one is alive and running outside any wait; else the live running rank whose mark is
+    the oldest (a collective names no peer).
+    """
+    now = time.monotonic()
+    running = [r for r in alive if r in marks and marks[r].state == progress.RUNNING]
+    if not running:
+        return None
+    if first is not None:
+        if (codes.get(first) or 0) < 0 or first not in marks:
+            return None  # killed by a signal: it is the cause itself
+        waiter = first
+    else:
+        waiting = [r for r in alive if r in marks and marks[r].state != progress.RUNNING]
+        if not waiting:
+            return None
+        waiter = min(waiting, key=lambda r: marks[r].since)
+    if marks[waiter].state == progress.RUNNING:
+        return None  # it failed in its own code, not waiting on anyone
+    peer, seen = marks[waiter].state, {waiter}
+    while peer >= 0 and peer in marks and marks[peer].state >= 0 and peer not in seen:
+        seen.add(peer)
+        peer = marks[peer].state
+    if peer in running:
+        how = f"rank {waiter} died waiting on it" if first is not None else f"rank {waiter} waits"
+    else:
+        peer = min(running, key=lambda r: (marks[r].since, r))
+        how = f"rank {waiter} {'died waiting' if first is not None else 'waits'} in a collective"
+    idle = now - marks[peer].since
+    return peer, (
+        f"stalled: no progress for {idle:.1f}s (running outside any communication wait) while {how}"
+    )
 
 
 def _exit_text(code: int | None) -> str:
@@ -313,14 +401,27 @@ def run_script(
     The code is 0 if every rank succeeded, else that of the rank that died first
     with a non-zero status, by time of death (``128 + signal`` for a signal, as a
     shell reports it); 124 on overall timeout, as ``timeout(1)`` does. Ranks the
-    launcher stops after the grace period are never blamed.
+    launcher stops after the grace period never set the code; one that stalled while
+    the others waited on it is named on a line of its own (see the module's docstring).
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    with tempfile.TemporaryDirectory(prefix="zerobubble-progress-") as marks:
+        return _run_script(script, script_args, nprocs, timeout, grace, marks)
+
+
+def _run_script(
+    script: str,
+    script_args: Sequence[str],
+    nprocs: int,
+    timeout: float,
+    grace: float,
+    marks: str,
+) -> int:
     port = free_port()
     procs = []
     for r in range(nprocs):
-        env = {**os.environ, **rank_env(r, nprocs, port)}
+        env = {**os.environ, **rank_env(r, nprocs, port, marks)}
         procs.append(
             subprocess.Popen(
                 [sys.executable, script, *script_args],
@@ -347,6 +448,12 @@ def run_script(
                 )
                 kill_at = min(kill_at, time.monotonic() + grace)
     finally:
+        ended_at = dict(deaths.at)
+        bad = [r for r in ended_at if procs[r].returncode != 0]
+        codes = {r: procs[r].returncode for r in bad}
+        order = _blame_order(bad, codes, ended_at)
+        alive = [r for r in range(nprocs) if r not in ended_at]
+        stall = _stalled(order[0] if order else None, codes, alive, progress.read(marks, nprocs))
         for sig, wait_s in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 10.0)):
             alive = [r for r in range(nprocs) if r not in deaths.at]
             stopped.update(alive)
@@ -355,6 +462,8 @@ def run_script(
             until = time.monotonic() + wait_s
             while len(deaths.at) < nprocs and deaths.next(until) is not None:
                 pass
+    if stall is not None:
+        print(f"zerobubble.launch: rank {stall[0]} {stall[1]}; it was stopped", file=sys.stderr)
     failed = [r for r in list(deaths.at) if r not in stopped and procs[r].returncode != 0]
     failed = _blame_order(failed, {r: procs[r].returncode for r in failed}, deaths.at)
     if not failed:

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from zerobubble.runtime.comm import PeerError, dtype_code
 from zerobubble.runtime.microbatch import loss_scales, split_batch
+from zerobubble.runtime.progress import Progress
 
 __all__ = ["TiedGroups", "TiedParam", "find_shared", "tie_local_replicas", "tied_reference_step"]
 
@@ -243,6 +244,12 @@ class TiedGroups:
         self.rank, self.timeout_s, self.check_every = rank, timeout_s, check_every
         self._placement = tuple(placement)
         self.groups: list[_Group] = []
+        size = dist.get_world_size(group) if dist.is_initialized() else 1
+        # Messages name global ranks; on a mesh (a pipeline subgroup) the pipeline rank too.
+        self._global = {r: dist.get_global_rank(group, r) if group else r for r in range(size)}
+        subgroup = dist.is_initialized() and size != dist.get_world_size()
+        self._local = {g: r for r, g in self._global.items()} if subgroup else {}
+        self.progress = Progress.from_env(self._global.get(rank, rank))
         for tp in shared:
             if not tp.tied:
                 continue
@@ -319,11 +326,13 @@ class TiedGroups:
             sums = self._gather(g, torch.tensor([mine], dtype=torch.int64, device=dev), what)
             if len({int(t.item()) for t in sums}) > 1:
                 got = ", ".join(
-                    f"rank {r}: {int(t.item())}" for r, t in zip(g.ranks, sums, strict=True)
+                    f"rank {self._name(r)}: {int(t.item())}"
+                    for r, t in zip(g.ranks, sums, strict=True)
                 )
                 raise RuntimeError(
-                    f"rank {self.rank}: the replicas of tied parameter {g.tp.name!r} (stages "
-                    f"{list(g.tp.stages)}) differ at iteration {iteration} (checksums {got}): "
+                    f"rank {self._name(self.rank)}: the replicas of tied parameter "
+                    f"{g.tp.name!r} (stages {list(g.tp.stages)}) differ at iteration "
+                    f"{iteration} (checksums {got}): "
                     "something changed one replica outside the optimizer step (an in-place "
                     "write on one rank, or an optimizer missing the replica); load the same "
                     "state on every rank"
@@ -374,6 +383,7 @@ class TiedGroups:
         """All-gather ``t`` over the tie's ranks, bounded by the timeout."""
         out = [torch.empty_like(t) for _ in g.ranks]
         start = time.monotonic()
+        self.progress.waiting(None)
         try:
             work = dist.all_gather(out, t, group=g.pg, async_op=True)
             assert work is not None
@@ -385,8 +395,21 @@ class TiedGroups:
                 if took >= 0.99 * self.timeout_s
                 else f"the transport failed after {took:.1f}s"
             )
-            raise PeerError(self.rank, None, what, f"{why}: {e}", group=g.ranks) from e
+            raise PeerError(
+                self._global.get(self.rank, self.rank),
+                None,
+                what,
+                f"{why}: {e}",
+                group=tuple(self._global.get(r, r) for r in g.ranks),
+                local=self._local,
+            ) from e
+        self.progress.running()
         return out
+
+    def _name(self, rank: int) -> str:
+        """A pipeline rank as messages name it: global, with the pipeline rank on a mesh."""
+        g = self._global.get(rank, rank)
+        return f"{g} (pipeline rank {rank})" if g in self._local else str(g)
 
 
 def tied_reference_step(
