@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,8 @@ import torch
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
 
 from zerobubble.interop import hf  # noqa: E402
 from zerobubble.runtime.partition import (  # noqa: E402
@@ -223,6 +226,42 @@ def test_microbatch_losses_with_the_global_count_add_up_to_the_batch_loss(name):
         torch.testing.assert_close(grad, model.get_parameter(key).grad, rtol=1e-4, atol=1e-7)
 
 
+def docs_snippet() -> str:
+    """docs/hf.md's first ```python block, as written."""
+    text = (ROOT / "docs" / "hf.md").read_text()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)[0]
+
+
+def test_the_docs_snippet_runs_as_written_and_trains_hfs_loss(monkeypatch):
+    """On one rank (the environment the launcher gives): HF's normalisation by default."""
+    import torch.distributed as dist
+
+    from zerobubble.runtime.launcher import free_port, rank_env
+
+    threads = torch.get_num_threads()
+    for key, value in rank_env(0, 1, free_port()).items():
+        monkeypatch.setenv(key, value)
+    ns: dict = {}
+    try:
+        exec(docs_snippet(), ns)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch.set_num_threads(threads)
+    model, ids, mask, labels, losses = (ns[k] for k in ("model", "ids", "mask", "labels", "losses"))
+    assert bool((mask == 0).any()) and len(losses) == 4  # a padded batch, 4 microbatches
+    total = hf.count_tokens(labels)
+    means = []
+    for j, rows in enumerate(torch.arange(len(ids)).tensor_split(4)):
+        batch = {"input_ids": ids[rows], "attention_mask": mask[rows], "labels": labels[rows]}
+        assert torch.equal(losses[j], model(**batch, num_items_in_batch=total).loss), j
+        means.append(model(**batch).loss * len(rows) / len(ids))
+    full = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    torch.testing.assert_close(sum(losses), full, rtol=1e-6, atol=0)  # summed per microbatch
+    # What the pipeline trained without the count: the microbatches' means weighted by rows.
+    assert abs(sum(means) - full) > 1e-3
+
+
 def test_loss_refuses_bad_labels_and_counts():
     model = hf.tiny_model("hf-llama")
     loss_fn = hf.CausalLMLoss(model)
@@ -308,6 +347,34 @@ def test_pipeline_uses_hf_names(name, tmp_path):
         model.load_state_dict(pipe.state_dict(), strict=True)
         for key, value in other.state_dict().items():
             assert torch.equal(model.state_dict()[key], value), key
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reference_step_takes_a_padded_mapping_and_names_as_the_pipeline(tmp_path):
+    """reference_step called as Pipeline.step is: the same losses, gradients and names."""
+    import torch.distributed as dist
+
+    from zerobubble.pipeline import Pipeline
+    from zerobubble.runtime.reference import reference_step
+
+    model = hf.tiny_model("hf-llama", seed=5)
+    ids, mask, labels = padded_batch(4, 7)
+    batch = {"input_ids": ids, "attention_mask": mask}
+    ref = hf.causal_lm_layers(copy.deepcopy(model))
+    losses, grads = reference_step(
+        ref, hf.CausalLMLoss(model), batch, target=labels, microbatches=2
+    )
+    assert list(grads) == [n for n, _ in model.named_parameters()]
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        layers = hf.causal_lm_layers(model)
+        pipe = Pipeline(layers, hf.CausalLMLoss(model), "1f1b", microbatches=2)
+        got = pipe.step(batch, target=labels)
+        assert got is not None and all(torch.equal(a, b) for a, b in zip(got, losses, strict=True))
+        for name, p in pipe.named_parameters():
+            assert torch.equal(p.grad, grads[name]), name
     finally:
         dist.destroy_process_group()
 

@@ -462,3 +462,62 @@ def test_families_of_another_layout_are_refused(family):
         model = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match=f"{type(model).__name__} has neither the GPT-2 layout"):
         hf.causal_lm_layers(model)
+
+
+#: Mixtures of experts, built from their config classes (no download).
+MOE = {
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    ),
+}
+
+
+def moe_model(family: str, **overrides) -> torch.nn.Module:
+    name, fields = MOE[family]
+    config = getattr(transformers, name)(**{**TINY, "num_hidden_layers": 2, **fields, **overrides})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_a_moe_model_with_a_router_loss_is_refused_naming_the_option(family):
+    model = moe_model(family, output_router_logits=True)
+    ids, mask, labels = batch(0, TINY["vocab_size"])
+    plain = copy.deepcopy(model)
+    plain.config.output_router_logits = False
+    # The model's loss adds the router loss: cross-entropy alone (what the layers train) differs.
+    with_router = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    alone = plain(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert not torch.equal(with_router, alone)
+    why = (
+        f"{type(model).__name__} is built with config.output_router_logits=True: its loss adds "
+        "router_aux_loss_coef=0.001 times the routers' load-balancing loss"
+    )
+    for check in (True, False):
+        with pytest.raises(ValueError, match=why + r".*build the model with output_router_logits"):
+            hf.causal_lm_layers(model, check=check)
+    with pytest.raises(ValueError, match=why):
+        hf.CausalLMLoss(model)
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_a_moe_model_without_a_router_loss_is_bitwise_its_own_loss(family):
+    model = moe_model(family)  # output_router_logits=False, the configs' default
+    twin = copy.deepcopy(model)
+    layers = hf.causal_lm_layers(twin)
+    ids, mask, labels = batch(0, TINY["vocab_size"])
+    own = model(input_ids=ids, attention_mask=mask, labels=labels)
+    own.loss.backward()
+    x = layers[0](ids, attention_mask=mask)
+    for layer in layers[1:]:
+        x = layer(x)
+    loss = hf.CausalLMLoss(twin)(x, labels)
+    loss.backward()
+    assert torch.equal(x, own.logits) and torch.equal(loss, own.loss)
+    for layer in layers:
+        for name, p in layer.named_parameters():
+            key = layer.source_name(name)
+            assert torch.equal(p.grad, model.get_parameter(key).grad), key

@@ -68,6 +68,38 @@ def test_launch_sets_the_torchrun_environment(method):
         assert env["OMP_NUM_THREADS"] == "1" and env["threads"] == 1
 
 
+def tensors_of_this_rank() -> dict:
+    import torch
+
+    rank = int(os.environ["RANK"])
+    x = torch.arange(6.0).view(2, 3) + rank
+    return {"x": x, "view": x[:, 1:], "grad": torch.ones(2, requires_grad=True) * 2}
+
+
+def an_unpicklable_result():
+    return lambda: None
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_results_holding_tensors_come_back_by_value(method):
+    import torch
+
+    multiprocessing.set_forkserver_preload(["torch"])
+    results = launch(tensors_of_this_rank, 2, timeout=60, start_method=method)
+    for rank, got in enumerate(results):
+        x = torch.arange(6.0).view(2, 3) + rank
+        assert torch.equal(got["x"], x) and torch.equal(got["view"], x[:, 1:])
+        assert torch.equal(got["grad"], torch.full((2,), 2.0)) and got["grad"].requires_grad
+
+
+def test_a_result_that_does_not_pickle_fails_its_rank_saying_so():
+    with pytest.raises(LaunchError) as err:
+        launch(an_unpicklable_result, 1, timeout=60)
+    assert err.value.failures[0].rank == 0
+    assert "TypeError: rank 0: fn returned a function that cannot be pickled" in str(err.value)
+    assert "return plain data" in str(err.value)
+
+
 def test_first_failure_is_reported_and_the_others_are_stopped(tmp_path):
     with pytest.raises(LaunchError) as err:
         launch(fail_on_rank_one, 3, str(tmp_path), timeout=60, grace=1.0)

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.runtime.microbatch import loss_scales, split_batch
@@ -77,3 +78,44 @@ def test_reference_step_rejects_mismatched_batches() -> None:
     model = build_mlp([2, 1])
     with pytest.raises(ValueError, match=r"target has shape \(3, 1\) and x \(4, 2\)"):
         reference_step(model, mlp_loss, torch.zeros(4, 2), torch.zeros(3, 1), 2)
+
+
+class MappingFirst(nn.Module):
+    """A first layer that takes a mapping and a keyword, and names its state itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, batch: dict, *, bias: torch.Tensor) -> torch.Tensor:
+        return self.lin(batch["x"]) * batch["scale"] + bias
+
+    def source_name(self, name: str) -> str:
+        return f"encoder.{name}"
+
+
+def test_reference_step_takes_the_batch_as_pipeline_step_and_gives_the_users_names() -> None:
+    torch.manual_seed(0)
+    layers = [MappingFirst(), nn.Linear(2, 2)]
+    manual = copy.deepcopy(layers)
+    x, y, bias = torch.randn(5, 4), torch.randn(5, 2), torch.randn(2)  # bias: not the batch
+    batch = {"x": x, "scale": 2.0}
+    losses, grads = reference_step(layers, mlp_loss, batch, target=y, microbatches=2, bias=bias)
+    want = []
+    for xj, yj, s in zip(x.tensor_split(2), y.tensor_split(2), [0.6, 0.4], strict=True):
+        loss = mlp_loss(manual[1](manual[0]({"x": xj, "scale": 2.0}, bias=bias)), yj)
+        (loss * s).backward()
+        want.append(loss.detach())
+    assert all(torch.equal(a, b) for a, b in zip(losses, want, strict=True))
+    names = ["encoder.lin.weight", "encoder.lin.bias", "1.weight", "1.bias"]
+    assert list(grads) == names
+    params = [*manual[0].parameters(), *manual[1].parameters()]
+    assert all(torch.equal(grads[n], p.grad) for n, p in zip(names, params, strict=True))
+
+
+def test_reference_step_without_a_target_says_how_to_call_it() -> None:
+    model = build_mlp([2, 1])
+    with pytest.raises(ValueError, match=r"target=\.\.\., microbatches=M.*target= is missing"):
+        reference_step(model, mlp_loss, {"x": torch.zeros(4, 2)}, microbatches=2)
+    with pytest.raises(ValueError, match=r"target has a batch of 3 and the inputs one of 4"):
+        reference_step(model, mlp_loss, x=torch.zeros(4, 2), target=torch.zeros(3), microbatches=2)

@@ -66,7 +66,8 @@ class Pipeline:
         options: :class:`~zerobubble.runtime.executor.ExecutorOptions` (its ``seed``
             seeds the stages' random ops per step, stage and microbatch).
         count_fn: ``count_fn(target)``: the count (e.g. non-ignored tokens) of the
-            whole batch that normalises the loss; see
+            whole batch that normalises the loss (default: ``loss_fn.count_fn`` if the
+            loss declares one, as :class:`~zerobubble.interop.hf.CausalLMLoss` does); see
             :class:`~zerobubble.runtime.executor.PipelineExecutor`.
         copy_layers: False: build the stages from the layer objects themselves
             (see :func:`~zerobubble.runtime.partition.build_stage_modules`).

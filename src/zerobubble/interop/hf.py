@@ -97,6 +97,25 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
+def _refuse_auxiliary_loss(model: nn.Module) -> None:
+    """Raise unless the model's loss is its cross-entropy alone.
+
+    A mixture-of-experts model built with ``output_router_logits=True`` (Mixtral,
+    Qwen3-MoE, ...) adds ``router_aux_loss_coef`` times its routers' load-balancing loss
+    to the loss; the layers return logits only, so a pipeline would train the
+    cross-entropy alone while the logits still match (the check cannot see it).
+    """
+    config = _hf_attr(model, "config")
+    if getattr(config, "output_router_logits", False):
+        coef = getattr(config, "router_aux_loss_coef", None)
+        raise ValueError(
+            f"{type(model).__name__} is built with config.output_router_logits=True: its loss "
+            f"adds router_aux_loss_coef={coef} times the routers' load-balancing loss, which "
+            "the adapter's layers and CausalLMLoss do not carry (a pipeline would train the "
+            "cross-entropy alone); build the model with output_router_logits=False"
+        )
+
+
 def _build(model: nn.Module) -> list[nn.Module]:
     from zerobubble.interop import hf_layers
 
@@ -247,13 +266,16 @@ def causal_lm_layers(model: nn.Module, *, check: bool = True) -> list[nn.Module]
     named as in the model (``layer.source_name``).
 
     ``check``: :func:`check_layers` (one forward of the model and of the layers on a
-    small batch). Dropout stays as the model configures it.
+    small batch). Dropout stays as the model configures it. A model whose loss adds an
+    auxiliary loss (``config.output_router_logits=True``: a mixture of experts' router
+    loss) is refused, with or without the check.
     """
     _transformers()
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise ValueError(
             f"expected a transformers PreTrainedModel (a causal LM), got {type(model).__name__}"
         )
+    _refuse_auxiliary_loss(model)
     layers = _build(model)
     if check:
         check_layers(model, layers)
@@ -282,12 +304,22 @@ class CausalLMLoss:
     tokens divided by that count, so the microbatches' losses add up to the batch
     mean and their gradients to the batch's, as with Hugging Face's
     ``num_items_in_batch``.
+
+    A :class:`~zerobubble.pipeline.Pipeline` (or :func:`~zerobubble.reference_step`)
+    given this loss and no ``count_fn`` uses :meth:`count_fn`, so it trains Hugging
+    Face's normalisation (the mean over the batch's tokens), not a mean of per-row
+    means weighted by rows.
     """
 
     def __init__(self, model: nn.Module, ignore_index: int = -100) -> None:
+        _refuse_auxiliary_loss(model)
         self._loss: Callable[..., Tensor] = _hf_attr(model, "loss_function")
         self.vocab_size: int = _hf_attr(model, "config").vocab_size
         self.ignore_index = ignore_index
+
+    def count_fn(self, labels: Tensor) -> int:
+        """The whole batch's count that Hugging Face normalises by: :func:`count_tokens`."""
+        return count_tokens(labels, self.ignore_index)
 
     def __call__(
         self, logits: Tensor, labels: Tensor, num_items_in_batch: int | Tensor | None = None

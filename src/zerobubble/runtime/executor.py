@@ -42,7 +42,13 @@ from zerobubble.runtime.dp import GradReducer
 from zerobubble.runtime.fsdp import ShardedStages
 from zerobubble.runtime.host_memory import retain_freed_memory
 from zerobubble.runtime.mesh import PipelineMesh
-from zerobubble.runtime.microbatch import CountFn, batch_count, batch_size, split_tree
+from zerobubble.runtime.microbatch import (
+    CountFn,
+    batch_count,
+    batch_size,
+    default_count_fn,
+    split_tree,
+)
 from zerobubble.runtime.recompute import Recompute, recompute_plan
 from zerobubble.runtime.rng import StageRng
 from zerobubble.runtime.shapes import (
@@ -215,6 +221,8 @@ class PipelineExecutor:
             microbatches' losses are then added unscaled, so the gradients are those of
             ``sum over the batch / num_items``. Without it the loss is a per-sample mean,
             weighted by ``n_j / N`` (:func:`~zerobubble.runtime.microbatch.loss_scales`).
+            Default: ``loss_fn.count_fn`` where the loss declares one (Hugging Face's
+            :class:`~zerobubble.interop.hf.CausalLMLoss` does: its tokens), else none.
         group: Process group whose rank ``d`` runs device ``d`` (default: the world).
         device: Where microbatches, buffers and the stages live (default: CPU).
         options: See :class:`ExecutorOptions`.
@@ -275,7 +283,7 @@ class PipelineExecutor:
                 )
         self.mesh = mesh
         self.options = options or ExecutorOptions()
-        self.count_fn = count_fn
+        self.count_fn = default_count_fn(loss_fn, count_fn)
         if self.options.fuse_local_backward:
             schedule = fuse_local_backward(schedule)
         self.schedule = schedule

@@ -30,6 +30,7 @@ import ctypes
 import functools
 import math
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -185,11 +186,19 @@ def _worker(
     threading.Thread(target=_watch_parent, daemon=True).start()
     code = 0
     try:
-        conn.send(("ok", fn(*args)))
+        result = fn(*args)
+        try:
+            blob = pickle.dumps(("ok", result))
+        except Exception as e:
+            raise TypeError(
+                f"rank {rank}: fn returned a {type(result).__name__} that cannot be pickled "
+                f"({type(e).__name__}: {e}); return plain data (tensors, numbers, containers)"
+            ) from e
+        conn.send_bytes(blob)
     except BaseException:
         code = 1
         with contextlib.suppress(Exception):
-            conn.send(("error", traceback.format_exc()))
+            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
     finally:
         conn.close()
         sys.stdout.flush()
@@ -214,6 +223,11 @@ def launch(
     seconds after the first failure. ``start_method`` is multiprocessing's: ``"forkserver"``
     after ``multiprocessing.set_forkserver_preload(["torch"])`` forks each rank from a
     server that imported torch once, instead of importing it per rank (seconds each).
+
+    Results come back by value through plain ``pickle`` (tensors copied with their
+    storage), not through multiprocessing's file-descriptor sharing, which needs the
+    rank alive after it has sent (each rank exits at once). A result that does not
+    pickle fails its rank with a message saying so.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
@@ -265,10 +279,15 @@ def _launch(
         for rank, c in list(open_conns.items()):
             if c.poll():
                 try:
-                    status, value = c.recv()
+                    data = c.recv_bytes()
                 except EOFError:
                     del open_conns[rank]
                     continue
+                try:
+                    status, value = pickle.loads(data)
+                except Exception as e:
+                    status = "error"
+                    value = f"its result cannot be unpickled here ({type(e).__name__}: {e})"
                 if status == "ok":
                     results[rank] = value
                 else:

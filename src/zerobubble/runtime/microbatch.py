@@ -14,6 +14,7 @@ __all__ = [
     "CountFn",
     "batch_count",
     "batch_size",
+    "default_count_fn",
     "loss_scales",
     "split_batch",
     "split_tree",
@@ -99,6 +100,20 @@ def token_count(ignore_index: int = -100) -> CountFn:
         return (target != ignore_index).sum()
 
     return count
+
+
+def default_count_fn(loss_fn: object, count_fn: CountFn | None) -> CountFn | None:
+    """``count_fn``, else the one ``loss_fn`` declares as its ``count_fn`` attribute.
+
+    A loss that is only right normalised by a count of the whole batch (a causal LM's
+    tokens: :class:`~zerobubble.interop.hf.CausalLMLoss`) carries its count, so a pipeline
+    built with it trains that objective without the caller naming the count; a
+    ``count_fn`` passed explicitly wins.
+    """
+    if count_fn is not None:
+        return count_fn
+    own = getattr(loss_fn, "count_fn", None)
+    return own if callable(own) else None
 
 
 def batch_count(

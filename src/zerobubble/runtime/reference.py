@@ -11,12 +11,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from typing import Any
 
+import torch
 from torch import Tensor, nn
 
-from zerobubble.runtime.microbatch import CountFn, batch_count, loss_scales, split_batch
-from zerobubble.runtime.partition import stage_bounds
+from zerobubble.runtime.microbatch import (
+    CountFn,
+    batch_count,
+    batch_size,
+    default_count_fn,
+    loss_scales,
+    split_batch,
+    split_tree,
+)
+from zerobubble.runtime.partition import model_name, stage_bounds
 from zerobubble.runtime.rng import StageRng
+from zerobubble.runtime.shapes import tensor_leaves
 
 __all__ = ["as_sequential", "dp_reference_step", "reference_step"]
 
@@ -32,68 +43,117 @@ def as_sequential(layers: Sequence[nn.Module] | nn.Sequential) -> nn.Sequential:
 def reference_step(
     layers: Sequence[nn.Module] | nn.Sequential,
     loss_fn: Callable[..., Tensor],
-    x: Tensor,
-    target: Tensor,
-    m: int,
-    *,
+    *args: Any,
+    target: Any = None,
+    microbatches: int | None = None,
     seed: int | None = None,
     step: int = 0,
     num_stages: int = 1,
     boundaries: Sequence[int] | None = None,
     count_fn: CountFn | None = None,
+    **kwargs: Any,
 ) -> tuple[list[Tensor], dict[str, Tensor]]:
-    """One step of plain autograd over ``m`` microbatches, in microbatch order.
+    """One step of plain autograd over the microbatches, in microbatch order.
 
-    Clears ``.grad`` (to None), then for j = 0..m-1 runs the layers on
-    microbatch j and back-propagates ``loss_j * scale_j`` (scales from
-    :func:`loss_scales`), exactly what a pipeline computes. The gradients are
-    left in ``.grad`` so an optimizer can step.
+    Takes the batch as :meth:`~zerobubble.pipeline.Pipeline.step` does:
+    ``reference_step(layers, loss_fn, *args, target=..., microbatches=M, **kwargs)``,
+    ``args`` and ``kwargs`` tensors or pytrees (a tokenizer's mapping) for the first
+    layer, ``target`` a tensor or pytree for ``loss_fn``, split by the same rule
+    (:func:`~zerobubble.runtime.microbatch.split_tree`: every tensor whose dim 0 is the
+    batch is split, everything else goes to every microbatch). The short form
+    ``reference_step(layers, loss_fn, x, target, m)`` is the same call for one tensor ``x``.
+
+    Clears ``.grad`` (to None), then for j = 0..M-1 calls the first layer on
+    microbatch j's ``(*args_j, **kwargs_j)``, chains the others and back-propagates
+    ``loss_j * scale_j`` (scales from :func:`loss_scales` over the target's rows),
+    exactly what a pipeline computes. The gradients are left in ``.grad`` so an
+    optimizer can step.
 
     With a ``seed``, the layers of each stage (``num_stages`` cut as
     :func:`~zerobubble.runtime.partition.stage_bounds` cuts them, with
     ``boundaries``) run under the generator state of ``(seed, step, stage, j)``,
     as :attr:`~zerobubble.runtime.executor.ExecutorOptions.seed` makes the
     pipeline do in its step number ``step``; without one they draw from the
-    process's generators as they are. With ``count_fn``, every microbatch's loss is
+    process's generators as they are. With ``count_fn`` (default: ``loss_fn.count_fn``
+    where the loss declares one, as the pipeline does), every microbatch's loss is
     ``loss_fn(output, target_j, count_fn(target))`` and is back-propagated
     unscaled, as the executor does with the same ``count_fn``.
 
     Returns:
         The unscaled per-microbatch losses (detached 0-dim tensors) and a copy
-        of every gradient, keyed by parameter name (see :func:`as_sequential`).
+        of every gradient, keyed by the user's parameter names, as
+        :meth:`~zerobubble.pipeline.Pipeline.named_parameters` names them (the layer's
+        key and name, or the layer's own ``source_name``; a shared parameter once,
+        under its first name).
     """
-    if target.dim() == 0 or target.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"target has shape {tuple(target.shape)} and x {tuple(x.shape)}: "
-            "they must share the batch (first) dimension"
-        )
+    if target is None:
+        if len(args) == 3 and isinstance(args[2], int) and microbatches is None and not kwargs:
+            x, target, microbatches = args
+            args = (x,)
+        else:
+            raise ValueError(
+                "reference_step takes the batch as Pipeline.step does: reference_step(layers, "
+                "loss_fn, *args, target=..., microbatches=M, **kwargs), or the short form "
+                "reference_step(layers, loss_fn, x, target, m); target= is missing"
+            )
+    if microbatches is None:
+        raise ValueError("reference_step needs microbatches= (how many per step, M)")
+    m = microbatches
+    n = batch_size((args, kwargs), "the input batch (reference_step's arguments)")
+    n_target = batch_size(target, "target")
+    if n_target != n:
+        if len(args) == 1 and not kwargs and isinstance(args[0], Tensor):
+            shapes = f"target has shape {_shape(target)} and x {tuple(args[0].shape)}"
+        else:
+            shapes = f"target has a batch of {n_target} and the inputs one of {n}"
+        raise ValueError(f"{shapes}: they must share the batch (first) dimension")
     model = as_sequential(layers)
-    xs, targets = split_batch(x, m), split_batch(target, m)
+    inputs = split_tree((args, kwargs), m, n)
+    targets = split_tree(target, m, n)
     bounds = stage_bounds(len(model), num_stages, boundaries)
     # Random ops draw on the device the layers live on, as on a pipeline's stages.
-    device = next((p.device for p in model.parameters()), x.device)
+    leaves = tensor_leaves((args, kwargs))
+    fallback = leaves[0].device if leaves else torch.device("cpu")
+    device = next((p.device for p in model.parameters()), fallback)
     rng = None if seed is None else StageRng(seed, device)
+    count_fn = default_count_fn(loss_fn, count_fn)
     extra: tuple[Tensor | int, ...]
     if count_fn is None:
-        scales, extra = loss_scales([len(t) for t in xs]), ()
+        sizes = [len(t) for t in torch.tensor_split(torch.empty(n), m)]
+        scales, extra = loss_scales(sizes), ()
     else:
         scales, extra = [1.0] * m, (batch_count(count_fn, target),)
     for p in model.parameters():
         p.grad = None
     losses = []
-    for j, (xj, tj, scale) in enumerate(zip(xs, targets, scales, strict=True)):
-        h = xj
+    for j, ((aj, kj), tj, scale) in enumerate(zip(inputs, targets, scales, strict=True)):
+        h: Any = None
         for s, layer_range in enumerate(bounds):
             with nullcontext() if rng is None else rng.scope(step, s, j):
                 for i in layer_range:
-                    h = model[i](h)
+                    h = model[i](*aj, **kj) if i == 0 else model[i](h)
                 if s == num_stages - 1:
                     h = loss_fn(h, tj, *extra)  # the last stage's forward holds the loss
         loss = h
         (loss * scale).backward()
         losses.append(loss.detach())
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return losses, grads
+    return losses, _user_grads(model)
+
+
+def _shape(t: Any) -> Any:
+    return tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+
+
+def _user_grads(model: nn.Sequential) -> dict[str, Tensor]:
+    """A copy of every gradient under the user's name of its parameter (:func:`model_name`)."""
+    keys = tuple(model._modules)
+    out: dict[str, Tensor] = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        key, _, rest = name.partition(".")
+        out[model_name(f"{keys.index(key)}.{rest}", keys, list(model))] = p.grad.clone()
+    return out
 
 
 def dp_reference_step(

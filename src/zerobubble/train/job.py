@@ -6,9 +6,11 @@ Phases, in lock step on all ranks (rank 0 analyses and reports):
    and sends the costs to all ranks; the balanced cut minimises the slowest
    stage. A few ZB-H1 steps on a copy cut into equal layer counts measure
    the stage times *before* balancing.
-2. **Profile.** 1F1B and ZB-H1 take turns training the model (balanced cut).
-   Their traces are the stage profile (ZB-H1: F, B, W and memory; 1F1B: F and
-   BW without split); a ping-pong per stage boundary gives the latency.
+2. **Profile.** 1F1B and ZB-H1 take turns training the model (balanced cut) on
+   batches of the longest length the job can draw, so the memory planned from
+   them holds on every later step, whatever its length. Their traces are the
+   stage profile (ZB-H1: F, B, W and memory; 1F1B: F and BW without split); a
+   ping-pong per stage boundary gives the latency.
 3. **Plan.** Rank 0 plans with :data:`PLANNER` under the memory limit from
    the profile and sends the schedule to all ranks.
 4. **Train.** 1F1B, ZB-H1 and the plan take turns, step by step, so that a
@@ -179,6 +181,9 @@ class StepRecord:
     loss: float
     """The batch loss: the microbatches' losses summed (token-normalised loss) or
     averaged (per-sample mean), as float32 computes it."""
+    seq_len: int = 0
+    """The batch's length (``job.seq_len`` in the profiling steps, which draw the longest
+    batch; see :func:`~zerobubble.train.models.padded_batch`)."""
 
 
 @dataclass(frozen=True)
@@ -247,9 +252,10 @@ class _Ctx:
         assert self.model is not None  # set first thing in _run
         return self.model
 
-    def batch(self) -> tuple[tuple[Any, ...], torch.Tensor]:
-        """The next step's batch (step arguments, target) from the job's data stream."""
-        return self.job_model.batch(self.cfg.batch_size, self.data)
+    def batch(self, longest: bool = False) -> tuple[tuple[Any, ...], torch.Tensor]:
+        """The next step's batch (step arguments, target) from the job's data stream;
+        ``longest``: of the longest length the job can draw (``seq_len``)."""
+        return self.job_model.batch(self.cfg.batch_size, self.data, longest)
 
     def next_seed(self) -> int:
         """The seed of the next phase executor: the n-th made gets (seed, 0, 0, n)'s."""
@@ -307,7 +313,7 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     # 1. Per-layer costs on rank 0, the same cut everywhere.
     def layer_profile() -> LayerProfile:
         gen = torch.Generator().manual_seed(cfg.job.seed + 1)
-        (x,), y = model.batch(cfg.job.microbatch_size, gen)
+        (x,), y = model.batch(cfg.job.microbatch_size, gen, False)
         return profile_layers(layers, model.profile_loss, x, y, warmup=1, iters=cfg.job.layer_iters)
 
     lp = _from_lead(ctx, layer_profile)
@@ -318,7 +324,9 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     if equal != balanced:
         measured_equal = _measure_cut(ctx, layers, equal)
 
-    # 2. Profile: 1F1B and ZB-H1 take turns step by step on the balanced cut (and train).
+    # 2. Profile: 1F1B and ZB-H1 take turns step by step on the balanced cut (and train),
+    # on batches of the longest length the job can draw: the plan's memory is taken there,
+    # so it holds on every step (activations grow with the length).
     base = one_f_one_b(P, cfg.schedule.microbatches)
     mods = build_stage_modules(layers, base, ctx.rank, boundaries=balanced, device=ctx.device)
     chunks = _chunks(mods, P, model, cfg.executor.recompute)
@@ -335,7 +343,7 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     total += 0 if cfg.job.profile_only else 3 * (cfg.job.warmup + cfg.job.steps)
     if ctx.lead and ctx.reporter is not None:
         ctx.reporter.start(total)
-    _rotate(ctx, phases, cfg.job.warmup + cfg.job.baseline_steps, measure=False)
+    _rotate(ctx, phases, cfg.job.warmup + cfg.job.baseline_steps, measure=False, longest=True)
     profiled = [gather_traces(ph.pipe.trace) or [] for ph in phases]
     boundary = cfg.job.microbatch_size * cfg.job.seq_len * model.hidden * 4  # float32
     pairs = [(a, b) for _, a, b in boundary_pairs(base.placement)]
@@ -435,7 +443,7 @@ def _measure_cut(ctx: _Ctx, layers: list[nn.Module], cut: tuple[int, ...]) -> tu
     )
     gen = torch.Generator().manual_seed(cfg.job.seed + 2)
     for _ in range(cfg.job.warmup + 2):
-        args, y = model.batch(cfg.batch_size, gen)
+        args, y = model.batch(cfg.batch_size, gen, False)
         pipe.step(*args, target=y)
     events = gather_traces(pipe.trace)
     if events is None:
@@ -516,22 +524,25 @@ def _phase(
     return _Phase(name or sched.name, sched, planned, pipe, trainer)
 
 
-def _rotate(ctx: _Ctx, phases: list[_Phase], rounds: int, *, measure: bool) -> None:
+def _rotate(
+    ctx: _Ctx, phases: list[_Phase], rounds: int, *, measure: bool, longest: bool = False
+) -> None:
     """``rounds`` steps of every phase, taking turns; the first ``warmup`` rounds are not
-    measured (nor, without ``measure``, any: they only feed the profile)."""
+    measured (nor, without ``measure``, any: they only feed the profile). ``longest``: every
+    batch of the longest length (see :meth:`_Ctx.batch`)."""
     for ph in phases:
         ph.measure_from = ph.pipe.iteration + ctx.cfg.job.warmup
     for r in range(rounds):
         for ph in phases:
             warm = r < ctx.cfg.job.warmup
             note = "warm-up, not measured" if warm else ("" if measure else "profiling")
-            _step(ctx, ph, record=measure and not warm, note=note)
+            _step(ctx, ph, record=measure and not warm, note=note, longest=longest)
 
 
-def _step(ctx: _Ctx, ph: _Phase, *, record: bool, note: str) -> None:
+def _step(ctx: _Ctx, ph: _Phase, *, record: bool, note: str, longest: bool = False) -> None:
     """One training step of ``ph``'s schedule; the slowest rank's times go to rank 0."""
     pipe = ph.pipe
-    args, y = ctx.batch()
+    args, y = ctx.batch(longest)
     iteration = pipe.iteration
     dist.barrier()
     t0, t0_ns = time.perf_counter(), pipe.trace.now()
@@ -558,7 +569,8 @@ def _step(ctx: _Ctx, ph: _Phase, *, record: bool, note: str) -> None:
             ph.step_s.append(step_s)
         ph.losses.append(loss)
         seed = pipe.options.seed
-        ctx.steps.append(StepRecord(ctx.step_index, ph.name, iteration, seed, loss))
+        length = int(y.shape[-1])
+        ctx.steps.append(StepRecord(ctx.step_index, ph.name, iteration, seed, loss, length))
         if ctx.reporter is not None:
             ctx.reporter.step(ph.name, ctx.step_index, loss, step_s, note)
     ctx.step_index += 1

@@ -41,8 +41,9 @@ class JobModel:
     """The whole batch's normaliser (non-ignored tokens), or None: per-sample mean."""
     profile_loss: Callable[[Tensor, Tensor], Tensor]
     """``loss(out, target)`` of one microbatch alone, for the per-layer profile."""
-    batch: Callable[[int, torch.Generator], tuple[tuple[Any, ...], Tensor]]
-    """``batch(rows, generator) -> (step arguments, target)``."""
+    batch: Callable[[int, torch.Generator, bool], tuple[tuple[Any, ...], Tensor]]
+    """``batch(rows, generator, longest) -> (step arguments, target)``; ``longest``: rows of
+    the longest length the job can draw (``seq_len``), what the profile is measured on."""
     hidden: int
     """Width of the hidden state between blocks (sizes the latency probe)."""
     summary: str
@@ -62,8 +63,8 @@ def _gpt(cfg: TrainConfig, corpus: CharCorpus) -> JobModel:
     )
     layers = list(build_gpt(gpt))
 
-    def batch(rows: int, gen: torch.Generator) -> tuple[tuple[Any, ...], Tensor]:
-        x, y = corpus.batch(rows, cfg.job.seq_len, gen)
+    def batch(rows: int, gen: torch.Generator, longest: bool) -> tuple[tuple[Any, ...], Tensor]:
+        x, y = corpus.batch(rows, cfg.job.seq_len, gen)  # always seq_len long
         return (x,), y
 
     tied = ", tied embedding and head" if cfg.model.tie_embeddings else ""
@@ -99,8 +100,8 @@ def _hf(cfg: TrainConfig, corpus: CharCorpus) -> JobModel:
     def count(labels: Tensor) -> int:
         return hf.count_tokens(labels, IGNORE_INDEX)
 
-    def batch(rows: int, gen: torch.Generator) -> tuple[tuple[Any, ...], Tensor]:
-        ids, mask, labels = padded_batch(corpus, rows, cfg.job.seq_len, gen, pad)
+    def batch(rows: int, gen: torch.Generator, longest: bool) -> tuple[tuple[Any, ...], Tensor]:
+        ids, mask, labels = padded_batch(corpus, rows, cfg.job.seq_len, gen, pad, longest=longest)
         return ({"input_ids": ids, "attention_mask": mask},), labels
 
     tied = ", tied embedding and head" if config.tie_word_embeddings else ""
@@ -117,7 +118,13 @@ def _hf(cfg: TrainConfig, corpus: CharCorpus) -> JobModel:
 
 
 def padded_batch(
-    corpus: CharCorpus, rows: int, seq_len: int, gen: torch.Generator, pad_id: int
+    corpus: CharCorpus,
+    rows: int,
+    seq_len: int,
+    gen: torch.Generator,
+    pad_id: int,
+    *,
+    longest: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``rows`` right-padded token rows: ``(input_ids, attention_mask, labels)``, ``(rows, T)``.
 
@@ -128,10 +135,17 @@ def padded_batch(
     padded on the right to ``T`` with ``pad_id``; ``attention_mask`` is 1 on tokens and
     0 on padding, ``labels`` are the ids with :data:`IGNORE_INDEX` on padding (the loss
     shifts them).
+
+    ``longest``: ``T = L``, the longest batch the rule can give (activations grow with
+    ``T``; the job profiles memory on it, so its plan holds on every step). ``T`` is still
+    drawn, so the draws after it are the same, and the batch equals the one drawn where
+    the draw gave ``L``.
     """
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2 for padded batches, got {seq_len}")
     width = int(torch.randint(_half(seq_len), seq_len + 1, (), generator=gen))
+    if longest:
+        width = seq_len
     lengths = torch.randint(_half(width), width + 1, (rows,), generator=gen)
     starts = torch.randint(0, len(corpus.tokens) - width, (rows,), generator=gen)
     mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
