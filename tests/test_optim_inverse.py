@@ -30,9 +30,11 @@ BOUNDS = {"gpt": 5e-3, "mlp": 1e-6}
 """Worst relative difference (max|a - b| / max|b| per parameter, any iteration) of
 inverse-rollback post-validation from the synchronous step. Measured (docs/optim.md): MLP
 8.8e-8; GPT over 4 seeds x 5 rollback patterns 1.1e-3 (the token embedding with rollbacks
-in iterations 1 and 6, the case below; 3.3e-6 with the first pattern). One undo is off by
-about one rounding, but Adam's sign-like steps on near-zero gradients amplify it; the GPT
-bound is the measured worst with margin, not a small multiple of eps. Excluded: the
+in iterations 1 and 6, the case below; 3.3e-6 with the first pattern): where the undone
+step's gradient dwarfs an entry's second moment, the new moment no longer holds the old
+one's bits, the inverse recovers it to ~10%, and Adam's division by sqrt(v) turns that into
+an lr-scale difference (docs/optim.md). The GPT bound is that measured worst with margin,
+not a small multiple of eps. Excluded: the
 attention key biases, whose gradient is zero in exact arithmetic (softmax ignores a shift
 of every key): Adam normalises their rounding noise into lr-sized steps, so any rounding
 difference makes them diverge (measured 0.88 relative); snapshot rollback is exact there."""
