@@ -473,3 +473,40 @@ def test_failed_recomputation_in_b_names_the_layer():
         match=r"stage 1: layer '1' \(_Fragile\): recomputing .* in B failed: RuntimeError: boom",
     ):
         chunk.backward_input(0, torch.ones_like(y))
+
+
+class _TwoOut(nn.Module):
+    """A BatchNorm whose forward returns two differentiable outputs: the graph-level split
+    re-runs such a call in F with the real parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        y = self.bn(x)
+        return y, 2 * y
+
+
+@pytest.mark.filterwarnings("ignore:stage 1. only 0%")
+@pytest.mark.parametrize("make", [lambda: nn.BatchNorm1d(4), _TwoOut], ids=["w-rerun", "f-rerun"])
+def test_graph_split_reruns_leave_running_buffers_as_one_forward_does(make):
+    """One stage, two microbatches through F, B and W: the BatchNorm's buffers are bitwise
+    those of the same module run once per microbatch (the W re-run, and the F re-run of
+    a call with several outputs, put them back)."""
+    torch.manual_seed(0)
+    module = nn.Sequential(make())
+    plain = copy.deepcopy(module)
+    chunk = StageChunk(module, 1, 3)
+    assert chunk.split_share is not None
+    xs = [torch.randn(6, 4) for _ in range(2)]
+    for mb, x in enumerate(xs):
+        y = chunk.forward(mb, x)
+        plain(x)
+        grad = [torch.ones_like(t) for t in y] if isinstance(y, tuple) else torch.ones_like(y)
+        chunk.backward_input(mb, grad)
+        chunk.backward_weight(mb)
+    for (name, a), (_, b) in zip(
+        module.state_dict().items(), plain.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name

@@ -232,6 +232,8 @@ class _Checkpoint(torch.autograd.Function):
         try:
             with kept, region.state.replay(), torch.enable_grad(), _recording(store, calls, record):
                 outs = region.outputs(region.call(xs))
+        except torch.OutOfMemoryError:
+            raise  # keeps its type: callers catch it to retry smaller
         except Exception as e:
             raise RuntimeError(
                 f"{region.name}: recomputing the checkpointed forward in B failed: "
