@@ -347,6 +347,38 @@ def test_shape_mismatch_names_both_stages():
     assert "PeerError: rank 0:" in by_rank[0] and "peer rank 1" in by_rank[0]
 
 
+class Refuses(nn.Module):
+    """Fails in its forward for a reason of its own, not its input's layout."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("refused by the layer itself")
+
+
+def own_failure_job() -> None:
+    info = init_distributed(timeout_s=30)
+    sched = generate("1f1b", 2, 2)
+    layers = [nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 3), Refuses())]
+    pipe = PipelineExecutor(
+        sched,
+        build_stage_modules(layers, sched, info.rank),
+        loss_fn=mlp_loss,
+        options=ExecutorOptions(comm_timeout_s=10),
+    )
+    pipe.step(torch.randn(4, 4), target=torch.randn(4, 3))
+
+
+def test_a_later_stage_failing_on_its_own_names_it_and_the_layer_not_its_neighbour():
+    """Issue 23, item 6: only a layout error is a ShapeMismatchError blaming stage s-1."""
+    with pytest.raises(LaunchError) as err:
+        launch(own_failure_job, 2, timeout=TIMEOUT, grace=20)
+    text = {f.rank: f.error for f in err.value.failures}[1]
+    want = (
+        "StageChunkError: stage 1, microbatch 0: forward (rank 1) failed in layer '0.1' "
+        "(Refuses): RuntimeError: refused by the layer itself"
+    )
+    assert want in text and "ShapeMismatchError" not in text, text
+
+
 class Bomb(nn.Module):
     """Identity that kills its process on the second microbatch it forwards with autograd."""
 

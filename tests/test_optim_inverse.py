@@ -26,13 +26,21 @@ pytestmark = pytest.mark.slow
 
 ITERS, M = 8, 4
 GPT = GPTConfig(vocab_size=64, max_seq_len=16, d_model=32, n_heads=4, n_layers=2, seed=5)
-BOUNDS = {"gpt": 1e-5, "mlp": 1e-6}
+BOUNDS = {"gpt": 5e-3, "mlp": 1e-6}
 """Worst relative difference (max|a - b| / max|b| per parameter, any iteration) of
-inverse-rollback post-validation from the synchronous step. Measured (docs/optim.md): GPT
-3.2e-6 (a block's output projection; token embedding 1.8e-6), MLP 8.8e-8. Excluded: the
+inverse-rollback post-validation from the synchronous step. Measured (docs/optim.md): MLP
+8.8e-8; GPT over 4 seeds x 5 rollback patterns 1.1e-3 (the token embedding with rollbacks
+in iterations 1 and 6, the case below; 3.3e-6 with the first pattern): where the undone
+step's gradient dwarfs an entry's second moment, the new moment no longer holds the old
+one's bits, the inverse recovers it to ~10%, and Adam's division by sqrt(v) turns that into
+an lr-scale difference (docs/optim.md). The GPT bound is that measured worst with margin,
+not a small multiple of eps. Excluded: the
 attention key biases, whose gradient is zero in exact arithmetic (softmax ignores a shift
 of every key): Adam normalises their rounding noise into lr-sized steps, so any rounding
 difference makes them diverge (measured 0.88 relative); snapshot rollback is exact there."""
+
+FAULTS = {"base": ((2, 0), (5, 3)), "early": ((1, 0), (6, 3))}
+"""(iteration, microbatch) of the NaN gradients on the last stage: two rollbacks each."""
 
 
 def model(name: str) -> tuple[list, object]:
@@ -49,7 +57,7 @@ def batch(name: str, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2 * M, 8, generator=gen), torch.randn(2 * M, 8, generator=gen)
 
 
-def run(rank: int, name: str, cfg: OptimConfig) -> list[dict[str, torch.Tensor]]:
+def run(rank: int, name: str, cfg: OptimConfig, faults: str) -> list[dict[str, torch.Tensor]]:
     sched = generate("zb-h1", 2, M)
     layers, loss = model(name)
     pipe = PipelineExecutor(
@@ -73,7 +81,7 @@ def run(rank: int, name: str, cfg: OptimConfig) -> list[dict[str, torch.Tensor]]
         snaps.append(snap)
 
     # NaN on the last stage only: rank 0 steps provisionally and rolls back (twice).
-    plan = FaultPlan(grads=(GradFault(2, 1, mb=0), GradFault(5, 1, mb=3)))
+    plan = FaultPlan(grads=tuple(GradFault(i, 1, mb=mb) for i, mb in FAULTS[faults]))
     trainer = PipelineTrainer(pipe, opt, cfg, faults=plan, on_commit=record)
     for i in range(ITERS):
         x, y = batch(name, i)
@@ -82,16 +90,16 @@ def run(rank: int, name: str, cfg: OptimConfig) -> list[dict[str, torch.Tensor]]
     return snaps
 
 
-def inverse_job(name: str) -> dict:
+def inverse_job(name: str, faults: str) -> dict:
     rank = init_distributed(timeout_s=120).rank
-    base = run(rank, name, OptimConfig(max_norm=1.0))
+    base = run(rank, name, OptimConfig(max_norm=1.0), faults)
     out = {}
     for spec in (False, True):
         cfg = OptimConfig(
             mode="speculative" if spec else "conservative", max_norm=1.0, rollback="inverse"
         )
         worst: dict[str, float] = {}
-        for a, b in zip(run(rank, name, cfg), base, strict=True):
+        for a, b in zip(run(rank, name, cfg, faults), base, strict=True):
             for k in b:
                 diff = (a[k].double() - b[k].double()).abs().max().item()
                 worst[k] = max(worst.get(k, 0.0), diff / b[k].double().abs().max().item())
@@ -100,9 +108,9 @@ def inverse_job(name: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", ["gpt", "mlp"])
-def test_inverse_rollback_stays_within_the_stated_bound_per_model(name):
-    results = launch(inverse_job, 2, name, timeout=300)
+@pytest.mark.parametrize(("name", "faults"), [("gpt", "base"), ("gpt", "early"), ("mlp", "base")])
+def test_inverse_rollback_stays_within_the_stated_bound_per_model(name, faults):
+    results = launch(inverse_job, 2, name, faults, timeout=300)
     worst = {k: v for r in results for errs in r.values() for k, v in errs.items()}
     noise = [k for k in worst if k.endswith("attn.k.bias")]
     for k in noise:

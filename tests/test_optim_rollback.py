@@ -145,3 +145,30 @@ def test_undo_without_prepare_is_a_protocol_error():
     for undo in (Snapshot(opt), Inverse(opt)):
         with pytest.raises(RuntimeError, match="without a prepared step"):
             undo.undo()
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam-maximize"])
+def test_inverse_brings_zero_moments_back_exactly_zero(name):
+    """Rows of an embedding that no step has reached yet (moments exactly 0) and that the
+    undone step reached: the inverse must give back exact zeros (issue 23, item 11). A
+    residue of the step's rounding there (~1e-11 in m, ~1e-16 in v, which the old inverse
+    left) makes every later Adam step move the row by m / (sqrt(v) + eps)."""
+    gen = torch.Generator().manual_seed(3)
+    emb = torch.nn.Parameter(torch.randn(64, 32, generator=gen))
+    opt = OPTIMIZERS[name]([emb])
+
+    def grad(rows: list[int]) -> torch.Tensor:
+        g = torch.zeros(64, 32)
+        g[rows] = torch.randn(len(rows), 32, generator=gen) * 1e-3
+        return g
+
+    emb.grad = grad([0, 1, 2])
+    opt.step()
+    undo = Inverse(opt)
+    undo.prepare()
+    emb.grad = grad([1, 2, *range(3, 40)])  # rows 3..39: first reached by the undone step
+    opt.step()
+    undo.undo()
+    state = opt.state[emb]
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(state[key][3:], torch.zeros(61, 32)), key

@@ -25,6 +25,7 @@ from zerobubble.profile.costs_file import Profile
 from zerobubble.profile.stages import stage_profile
 from zerobubble.runtime.chunk import StageChunk, storage_bytes
 from zerobubble.runtime.recompute import recompute_plan
+from zerobubble.runtime.reference import reference_step
 from zerobubble.runtime.rng import StageRng
 from zerobubble.schedule.costs import CostModel, CostSpec, costs_from_mapping, parse_costs
 from zerobubble.schedule.simulate import simulate
@@ -357,3 +358,156 @@ def test_recomputed_shared_weights_under_autocast_sum_at_their_one_cast(recomput
     want = dict(ref.named_parameters())
     for name, p in chunk.module.named_parameters():
         assert p.grad is not None and torch.equal(p.grad, want[name].grad), name
+
+
+# ---- running buffers and in-place ops on stage inputs (issue 23, items 2 and 6) -------------
+
+CONV_CUT = [0, 2, 3, 5, 7, 8, 10]
+"""zbv at P=3: six stages; stage 1 begins with the Hardswish, stage 4 is a BatchNorm alone
+(its stage module gets the graph-level split, whose W re-runs it)."""
+
+
+def conv_bn(inplace: bool) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.Hardswish(inplace=inplace),
+        nn.Conv2d(4, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.Hardswish(),
+        nn.Conv2d(4, 4, 1),
+        nn.BatchNorm2d(4),
+        nn.Flatten(),
+        nn.Linear(4 * 16, 3),
+    ]
+
+
+def mse(y: Tensor, t: Tensor) -> Tensor:
+    return nn.functional.mse_loss(y, t)
+
+
+def conv_job(inplace: bool, modes: list[str]) -> list[str]:
+    """Per recompute mode, one zbv step against reference_step: every buffer, gradient
+    and loss must be bitwise equal; returns what differs."""
+    zerobubble.init_distributed(timeout_s=60)
+    bad = []
+    gen = torch.Generator().manual_seed(1)
+    x, t = torch.randn(12, 3, 4, 4, generator=gen), torch.randn(12, 3, generator=gen)
+    for mode in modes:
+        ref = conv_bn(inplace)
+        pipe = zerobubble.Pipeline(
+            conv_bn(inplace),
+            mse,
+            zerobubble.generate("zbv", P, M),
+            boundaries=CONV_CUT,
+            options=zerobubble.ExecutorOptions(trace=False, recompute=mode),
+        )
+        losses = pipe.step(x, target=t)
+        want_losses, grads = reference_step(ref, mse, x, t, M, num_stages=6, boundaries=CONV_CUT)
+        state = nn.Sequential(*ref).state_dict()
+        bad += [
+            f"{mode}: buffer {k}"
+            for k, v in pipe.state_dict().items()
+            if not torch.equal(v, state[k])
+        ]
+        bad += [
+            f"{mode}: grad {k}"
+            for k, p in pipe.named_parameters()
+            if not torch.equal(p.grad, grads[k])
+        ]
+        if losses is not None and not all(map(torch.equal, losses, want_losses)):
+            bad.append(f"{mode}: losses")
+    torch.distributed.destroy_process_group()
+    return bad
+
+
+def test_batchnorm_running_statistics_match_the_reference_bitwise_under_recompute():
+    """The recomputation in B (stage, layers) and the graph-level split's W re-run (none:
+    stage 4) put the buffers back: num_batches_tracked counts 1 per microbatch, and the
+    running statistics are bitwise reference_step's."""
+    results = launch(conv_job, P, False, ["none", "stage", "layers"], timeout=TIMEOUT)
+    bad = [b for r in results for b in r]
+    assert not bad, bad
+
+
+def test_inplace_op_beginning_a_stage_runs_as_plain_autograd_bitwise():
+    """Hardswish(inplace=True) on the received stage input (stage 1 of zbv at P=3): a
+    non-leaf alias without recompute, a copy under "stage"; bitwise reference_step."""
+    results = launch(conv_job, P, True, ["none", "stage"], timeout=TIMEOUT)
+    bad = [b for r in results for b in r]
+    assert not bad, bad
+
+
+def test_checkpointed_layer_modifying_its_input_in_place_is_refused_in_f_naming_it():
+    chunk = StageChunk(
+        nn.Sequential(nn.Hardswish(inplace=True), nn.Linear(4, 4)), 1, 3, recompute="layers"
+    )
+    x = torch.randn(2, 4)
+    with pytest.raises(
+        RuntimeError,
+        match=r"stage 1: layer '0' \(Hardswish\): the checkpointed forward modified its input",
+    ):
+        chunk.forward(0, x)
+
+
+class _Fragile(nn.Module):
+    """A Linear whose recomputation fails (the second call of its forward raises)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("boom")
+        return self.lin(x)
+
+
+def test_failed_recomputation_in_b_names_the_layer():
+    chunk = StageChunk(nn.Sequential(nn.Linear(4, 4), _Fragile()), 1, 3, recompute="layers")
+    y = chunk.forward(0, torch.randn(2, 4))
+    with pytest.raises(
+        RuntimeError,
+        match=r"stage 1: layer '1' \(_Fragile\): recomputing .* in B failed: RuntimeError: boom",
+    ):
+        chunk.backward_input(0, torch.ones_like(y))
+
+
+class _TwoOut(nn.Module):
+    """A BatchNorm whose forward returns two differentiable outputs: the graph-level split
+    re-runs such a call in F with the real parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        y = self.bn(x)
+        return y, 2 * y
+
+
+@pytest.mark.filterwarnings("ignore:stage 1. only 0%")
+@pytest.mark.parametrize("make", [lambda: nn.BatchNorm1d(4), _TwoOut], ids=["w-rerun", "f-rerun"])
+def test_graph_split_reruns_leave_running_buffers_as_one_forward_does(make):
+    """One stage, two microbatches through F, B and W: the BatchNorm's buffers are bitwise
+    those of the same module run once per microbatch (the W re-run, and the F re-run of
+    a call with several outputs, put them back)."""
+    torch.manual_seed(0)
+    module = nn.Sequential(make())
+    plain = copy.deepcopy(module)
+    chunk = StageChunk(module, 1, 3)
+    assert chunk.split_share is not None
+    xs = [torch.randn(6, 4) for _ in range(2)]
+    for mb, x in enumerate(xs):
+        y = chunk.forward(mb, x)
+        plain(x)
+        grad = [torch.ones_like(t) for t in y] if isinstance(y, tuple) else torch.ones_like(y)
+        chunk.backward_input(mb, grad)
+        chunk.backward_weight(mb)
+    for (name, a), (_, b) in zip(
+        module.state_dict().items(), plain.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name

@@ -156,9 +156,13 @@ def _undo_adam(
     g = -grad if group.get("maximize", False) else grad
     if wd != 0 and not decoupled:
         g = g.add(p, alpha=wd)
-    # v_new = beta2 v + (1 - beta2) g^2;  m_new = m + (1 - beta1)(g - m) = beta1 m + (1 - beta1) g
-    v.addcmul_(g, g, value=-(1 - beta2)).div_(beta2).clamp_(min=0)
-    m.add_(g, alpha=-(1 - beta1)).div_(beta1)
+    # v_new = beta2 v + (1 - beta2) g^2;  m_new = m + (1 - beta1)(g - m) = beta1 m + (1 - beta1) g.
+    # The g terms are computed by the step's own kernels on a zero state, so that an entry
+    # whose moments were zero (an embedding row not yet seen) comes back exactly zero: a
+    # fused multiply-subtract would leave the term's rounding there, ~1e-11 in m and ~1e-16
+    # in v, and Adam divides m by sqrt(v) + eps, so each later step would move that row.
+    v.sub_(torch.zeros_like(v).addcmul_(g, g, value=1 - beta2)).div_(beta2).clamp_(min=0)
+    m.sub_(torch.zeros_like(m).lerp_(g, 1 - beta1)).div_(beta1)
     step_t -= 1
 
 

@@ -229,10 +229,18 @@ class StageChunk:
         hooks = saved_tensors_hooks(pack, _identity) if self.track_memory else nullcontext()
         with torch.enable_grad(), hooks, self.store.record(self.stage, mb):
             if self.recompute == "stage":
+                # The region keeps its inputs for B: the module gets copies, which it
+                # may modify in place (F and B each copy; F's copy dies with F).
                 call = (args, kw, target, num_items)
-                out = run_checkpointed(self._value, call, {}, self._params, self.store)
+                name = f"stage {self.stage}"
+                out = run_checkpointed(
+                    self._copied_value, call, {}, self._params, self.store, self.module, name
+                )
             else:
-                out = self._value(args, kw, target, num_items)
+                # A received leaf would refuse in-place ops, which plain autograd allows
+                # on the activation it stands for: the module gets a non-leaf alias.
+                inner = args if self.is_first else map_tensors(args, _entry)
+                out = self._value(inner, kw, target, num_items)
             result = out
             if self.is_last:
                 if not isinstance(out, Tensor) or out.dim() != 0:
@@ -271,6 +279,11 @@ class StageChunk:
         if message is not None and not self._warned:
             self._warned = True
             warnings.warn(message, stacklevel=3)
+
+    def _copied_value(self, args: tuple, kw: dict, target: Any, num_items: Any) -> Any:
+        """:meth:`_value` on copies of the module's input tensors (what "stage" replays)."""
+        args, kw = map_tensors((args, kw), Tensor.clone)
+        return self._value(args, kw, target, num_items)
 
     def _value(self, args: tuple, kw: dict, target: Any, num_items: Any) -> Any:
         """The stage's output, or on the last stage its loss (what "stage" recompute replays)."""
@@ -383,6 +396,19 @@ class StageChunk:
             self._held = storage_bytes(tensors, exclude=weights)
         return self._held
 
+    def layer_of(self, error: BaseException) -> str | None:
+        """The innermost layer of this stage whose forward is on ``error``'s traceback,
+        as ``"layer 'blocks.0.attn' (Attention)"``; None if none is (for messages)."""
+        names = {id(m): n for n, m in self.module.named_modules() if n}
+        found = None
+        tb = error.__traceback__
+        while tb is not None:
+            m = tb.tb_frame.f_locals.get("self")
+            if isinstance(m, nn.Module) and id(m) in names:
+                found = f"layer {names[id(m)]!r} ({type(m).__name__})"
+            tb = tb.tb_next
+        return found
+
     def pending(self) -> dict[int, str]:
         """Microbatches in flight: "F" (awaiting B) or "B" (awaiting W)."""
         return {mb: rec.state for mb, rec in sorted(self._records.items())}
@@ -465,6 +491,24 @@ def _receive_leaf(bare: bool) -> Callable[[Tensor], Tensor]:
         return t.detach().requires_grad_(grad)
 
     return leaf
+
+
+class _Entry(torch.autograd.Function):
+    """The stage input as its module sees it: the leaf's storage (no copy) and version
+    counter, but a node of its own, so that in-place ops on it work as on the activation
+    it stands for; its gradient reaches the leaf unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad
+
+
+def _entry(t: Tensor) -> Tensor:
+    return _Entry.apply(t) if t.requires_grad else t
 
 
 def _send_leaf(t: Tensor) -> Tensor:

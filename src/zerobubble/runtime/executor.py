@@ -56,6 +56,7 @@ from zerobubble.runtime.shapes import (
     ShapeMismatchError,
     describe,
     flatten,
+    is_layout_error,
     map_tensors,
     to_device,
     unflatten,
@@ -745,12 +746,20 @@ class _Step:
             except Exception as e:
                 if a.stage == 0:
                     raise
+                layer = chunk.layer_of(e)
+                where = "" if layer is None else f" in {layer}"
+                if not is_layout_error(e):  # the stage's own failure, not its input's
+                    raise StageChunkError(
+                        a.stage,
+                        a.mb,
+                        f"forward (rank {self.pipe.rank}) failed{where}: {type(e).__name__}: {e}",
+                    ) from e
                 codes, _ = flatten(arg, f"stage {a.stage} input")
                 raise ShapeMismatchError(
                     a.stage - 1,
                     a.stage,
                     f"stage {a.stage} (rank {self.pipe.rank}) cannot consume stage "
-                    f"{a.stage - 1}'s output of {describe(codes)} (microbatch {a.mb}): "
+                    f"{a.stage - 1}'s output of {describe(codes)} (microbatch {a.mb}){where}: "
                     f"{type(e).__name__}: {e}",
                 ) from e
             if last:

@@ -16,16 +16,20 @@ shared with ``torch.utils.checkpoint``: every floating output of a region
 carries a gradient (F cannot tell which do without a graph; one that does not
 gets a zero gradient); a region may use only its inputs and its own parameters
 (a parameter of another module reached from inside a checkpointed layer gets no
-gradient: checkpoint the layer that owns it, or the whole stage); buffers a
-region updates in its forward (BatchNorm's running statistics) are updated
-again by the recomputation; a kernel that picks its algorithm by
-``requires_grad`` may round F's and B's forward differently.
+gradient: checkpoint the layer that owns it, or the whole stage); a kernel
+that picks its algorithm by ``requires_grad`` may round F's and B's forward
+differently. A region that modifies one of its inputs in place cannot be
+recomputed from them: F refuses it, naming the region (a stage's checkpoint
+hands its module copies of the inputs, so there in-place ops work as without
+it). Buffers the forward updates (BatchNorm's running statistics) are put back
+after the recomputation (:mod:`~zerobubble.runtime.split.buffers`): each
+microbatch updates them once, as in plain autograd.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any, Literal, TypeAlias
 
 import torch
@@ -33,6 +37,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 from torch.utils import _pytree as pytree
 
+from zerobubble.runtime.split.buffers import restored
 from zerobubble.runtime.split.store import Call, GradList, WeightGradStore
 
 __all__ = [
@@ -135,6 +140,8 @@ class _Region:
         slots: list[int],
         params: list[Tensor],
         store: WeightGradStore | None,
+        module: nn.Module | None,
+        name: str,
     ) -> None:
         self.fn = fn
         self.spec = spec
@@ -142,6 +149,8 @@ class _Region:
         self.slots = slots  # where the tensor leaves go
         self.params = params
         self.store = store
+        self.module = module  # whose buffers the recomputation puts back
+        self.name = name  # for messages: "stage 2", "stage 2: layer 'mlp' (MLP)"
         self.state: _State | None = None
         self.out_spec: pytree.TreeSpec | None = None
         self.out_leaves: list[Any] = []
@@ -187,7 +196,18 @@ class _Checkpoint(torch.autograd.Function):
         ctx.save_for_backward(*inputs)
         device = next((t.device for t in tensors), torch.device("cpu"))
         region.state = _State(device)
+        versions = [t._version for t in inputs]
         outs = region.outputs(region.call(inputs))
+        modified = [
+            i for i, (t, v) in enumerate(zip(inputs, versions, strict=True)) if t._version != v
+        ]
+        if modified:
+            raise RuntimeError(
+                f"{region.name}: the checkpointed forward modified its input(s) {modified} in "
+                "place, so B could not recompute it from them; make that operation out of place "
+                "(e.g. inplace=False), or leave this layer out of recompute (a predicate), or "
+                "checkpoint the whole stage (recompute='stage')"
+            )
         # An input handed through unchanged becomes a view, so that this node owns it.
         outs = [o.view_as(o) if any(o is t for t in inputs) else o for o in outs]
         fixed = [
@@ -208,8 +228,17 @@ class _Checkpoint(torch.autograd.Function):
         calls: list[Call] = []
         assert region.state is not None
         record = store is not None and store.capturing is not None
-        with region.state.replay(), torch.enable_grad(), _recording(store, calls, record):
-            outs = region.outputs(region.call(xs))
+        kept = nullcontext() if region.module is None else restored(region.module)
+        try:
+            with kept, region.state.replay(), torch.enable_grad(), _recording(store, calls, record):
+                outs = region.outputs(region.call(xs))
+        except torch.OutOfMemoryError:
+            raise  # keeps its type: callers catch it to retry smaller
+        except Exception as e:
+            raise RuntimeError(
+                f"{region.name}: recomputing the checkpointed forward in B failed: "
+                f"{type(e).__name__}: {e}"
+            ) from e
         live = [
             (o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad
         ]
@@ -286,11 +315,15 @@ def run_checkpointed(
     kwargs: dict,
     params: Sequence[Tensor],
     store: WeightGradStore | None,
+    module: nn.Module | None = None,
+    name: str = "checkpointed region",
 ) -> Any:
     """``fn(*args, **kwargs)`` as a checkpointed region over ``params``.
 
-    Without grad mode, or when neither an input nor a parameter requires grad,
-    it is a plain call (there is nothing to recompute for).
+    ``module``: the module ``fn`` runs, whose buffers the recomputation must leave as it
+    finds them; ``name`` names the region in errors. Without grad mode, or when neither
+    an input nor a parameter requires grad, it is a plain call (there is nothing to
+    recompute for).
     """
     leaves, spec = pytree.tree_flatten((args, kwargs))
     slots = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
@@ -299,7 +332,7 @@ def run_checkpointed(
         return fn(*args, **kwargs)
     for i in slots:
         leaves[i] = None
-    region = _Region(fn, spec, leaves, slots, list(params), store)
+    region = _Region(fn, spec, leaves, slots, list(params), store, module, name)
     return region.rebuild(_Checkpoint.apply(region, *tensors, *params))
 
 
@@ -313,8 +346,9 @@ class _LayerForward:
     layers): each call's weight-gradient work goes to the store recording the forward.
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, name: str) -> None:
         self.module = module
+        self.name = name  # "stage 1: layer 'act' (Hardswish)", from the first install
         self.stores: list[WeightGradStore] = []
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -325,7 +359,8 @@ class _LayerForward:
         # they are its aliases, so that B leaves them to that split's W (as without
         # checkpointing), which then recomputes this layer again.
         params = list(m.parameters())
-        return run_checkpointed(lambda *a, **k: inner(m, *a, **k), args, kwargs, params, store)
+        fn = lambda *a, **k: inner(m, *a, **k)  # noqa: E731
+        return run_checkpointed(fn, args, kwargs, params, store, m, self.name)
 
 
 def install_layer_recompute(
@@ -357,7 +392,8 @@ def install_layer_recompute(
                 "or give it a split rule"
             )
         if forward is None:
-            forward = m.forward = _LayerForward(m)
+            label = f"stage {stage}: layer {name!r} ({type(m).__name__})"
+            forward = m.forward = _LayerForward(m, label)
         if store not in forward.stores:
             forward.stores.append(store)
         names.append(name)

@@ -17,6 +17,7 @@ grad, travel forward only.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,24 @@ class ShapeMismatchError(ValueError):
         super().__init__(f"{src} -> stage {dst_stage}: {message}{fix}")
         self.src_stage = src_stage
         self.dst_stage = dst_stage
+
+
+_LAYOUT_WORDS = re.compile(
+    r"\b(shapes?|sizes?|dimensions?|dim|channels|dtypes?|scalar type|devices?)\b", re.IGNORECASE
+)
+
+
+def is_layout_error(error: BaseException) -> bool:
+    """Whether ``error``, raised by a stage's forward, says its input has the wrong
+    structure or layout: a missing key, index or attribute, an argument of the wrong
+    kind, or a torch error about shapes, sizes, dimensions, channels, dtypes or devices.
+    Anything else (an in-place op refused, running out of memory, the user's own
+    assertion) is the stage's own failure, not its neighbour's."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return False
+    if isinstance(error, KeyError | IndexError | TypeError | AttributeError):
+        return True
+    return isinstance(error, RuntimeError | ValueError) and bool(_LAYOUT_WORDS.search(str(error)))
 
 
 class BoundaryError(ValueError):

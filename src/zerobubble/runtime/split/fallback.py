@@ -14,7 +14,10 @@ output gradient stay alive.
 A module called with more than one differentiable output is re-run with its
 real parameters instead (its gradients then arrive in B): W has a single output
 gradient per recorded call. Inputs modified in place between F and W are
-detected (version counters) and refused.
+detected (version counters) and refused. Buffers the forward updates (BatchNorm's
+running statistics) are put back after every re-run, in F and in W, so each
+microbatch updates them once, as in plain autograd (see
+:mod:`~zerobubble.runtime.split.buffers`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from zerobubble.runtime.split.buffers import restored
 from zerobubble.runtime.split.kernels import _alias, _current
 from zerobubble.runtime.split.store import GradList, WeightGradStore, output_node
 
@@ -132,7 +136,8 @@ class GraphSplit:
         if len(outs) != 1 or calls is None:
             self._rerun = True  # several outputs: plain autograd for this call
             try:
-                return module(*args, **kwargs)
+                with restored(module):
+                    return module(*args, **kwargs)
             finally:
                 self._rerun = False
         held = tuple(t for t, _ in replay.versions)
@@ -191,6 +196,7 @@ def _recompute_many(
     with (
         torch.enable_grad(),
         torch.autocast(dev.type, dtype=dtype, enabled=enabled, cache_enabled=cache),
+        restored(module),
     ):
         for replay, _ in calls:
             cpu_rng, acc_rng = replay.rng
