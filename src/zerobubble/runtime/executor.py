@@ -746,9 +746,9 @@ class _Step:
             except Exception as e:
                 if a.stage == 0:
                     raise
-                layer = chunk.layer_of(e)
-                where = "" if layer is None else f" in {layer}"
                 if not is_layout_error(e):  # the stage's own failure, not its input's
+                    layer = chunk.layer_of(e)
+                    where = "" if layer is None else f" in {layer}"
                     raise StageChunkError(
                         a.stage,
                         a.mb,
@@ -759,7 +759,7 @@ class _Step:
                     a.stage - 1,
                     a.stage,
                     f"stage {a.stage} (rank {self.pipe.rank}) cannot consume stage "
-                    f"{a.stage - 1}'s output of {describe(codes)} (microbatch {a.mb}){where}: "
+                    f"{a.stage - 1}'s output of {describe(codes)} (microbatch {a.mb}): "
                     f"{type(e).__name__}: {e}",
                 ) from e
             if last:

@@ -54,14 +54,17 @@ class ShapeMismatchError(ValueError):
 
 
 _LAYOUT_WORDS = re.compile(
-    r"\b(shapes?|sizes?|dimensions?|dim|channels|dtypes?|scalar type|devices?)\b", re.IGNORECASE
+    r"\b(shapes?|sizes?|dimensions?|dim|channels|dtypes?|scalar type|devices?)\b"
+    r"|\bgot (a |an )?(Tensor|tuple|list|dict|None|NoneType|str|int|float|bool)\b",
+    re.IGNORECASE,
 )
 
 
 def is_layout_error(error: BaseException) -> bool:
     """Whether ``error``, raised by a stage's forward, says its input has the wrong
     structure or layout: a missing key, index or attribute, an argument of the wrong
-    kind, or a torch error about shapes, sizes, dimensions, channels, dtypes or devices.
+    kind, a torch error about shapes, sizes, dimensions, channels, dtypes or devices, or
+    a layer's own check that "got" a value of the wrong Python type.
     Anything else (an in-place op refused, running out of memory, the user's own
     assertion) is the stage's own failure, not its neighbour's."""
     if isinstance(error, torch.OutOfMemoryError):
