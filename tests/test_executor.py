@@ -427,8 +427,9 @@ def test_dead_peer_makes_every_rank_fail_naming_peer_and_action():
 def test_stuck_peer_times_out_with_the_waiting_action():
     with pytest.raises(LaunchError) as err:
         launch(failure_job, 2, "hang", 2.0, timeout=TIMEOUT, grace=1)
-    first = err.value.failures[0]
-    assert first.rank == 0 and first.exitcode == 1
-    assert "PeerError: rank 0: wait_recv grad(s1->s0," in first.error
-    assert "with peer rank 1 failed: no completion within the comm timeout of 2s" in first.error
-    assert err.value.failures[1].exitcode is None  # the stuck rank was stopped, not left behind
+    stuck, waiter = err.value.failures  # the rank that stopped making progress comes first
+    assert stuck.rank == 1 and stuck.stalled and stuck.exitcode is None  # stopped, not left
+    assert "rank 0 died waiting on it" in stuck.error
+    assert waiter.rank == 0 and waiter.exitcode == 1
+    assert "PeerError: rank 0: wait_recv grad(s1->s0," in waiter.error
+    assert "with peer rank 1 failed: no completion within the comm timeout of 2s" in waiter.error
