@@ -252,6 +252,20 @@ CASES = [
         0,
         [],
     ),
+    (
+        "node-limit-not-exact",
+        "schedule zbv -p 3 -m 4 --node-limit 3",
+        None,
+        2,
+        ["--node-limit is for the exact searches optimal and optimal-v, not 'zbv'"],
+    ),
+    (
+        "node-limit-zero",
+        "schedule optimal -p 2 -m 2 --node-limit 0",
+        None,
+        2,
+        ["argument --node-limit: expected an integer >= 1, got '0'"],
+    ),
     # Files that are not UTF-8: each message names the file and the line.
     (
         "costs-file-not-utf8",
