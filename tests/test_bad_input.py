@@ -13,9 +13,12 @@ import math
 import pytest
 
 from zerobubble.cli import main
-from zerobubble.schedule.formats import json_format
+from zerobubble.schedule.costs import CostModel, load_costs_file
+from zerobubble.schedule.formats import json_format, load_schedule, torch_csv
 from zerobubble.schedule.generators import generate
+from zerobubble.schedule.trace_format import read_jsonl
 from zerobubble.schedule.validate import validate
+from zerobubble.train.options import load_toml
 
 SCHEDULE = json.loads(json_format.dumps(generate("zb-h1", 2, 4)))
 
@@ -196,6 +199,109 @@ CASES = [
         2,
         ["'steps' is not a section", "[job]"],
     ),
+    # Absurd cost values: refused naming the file and the field (1e308 was an
+    # OverflowError traceback: its makespan is inf).
+    (
+        "costs-file-1e308",
+        "schedule zb-h1 -p 2 -m 2 --costs-file {f}",
+        '{"F": [1e308, 1e308], "B": [1e308, 1e308], "W": [1, 1]}',
+        2,
+        ["infile: ", "F[0]=1e+308", "at most 1e+15"],
+    ),
+    (
+        "costs-file-infinity",
+        "schedule auto -p 2 -m 2 --costs-file {f}",
+        '{"F": [1, 1], "B": [1, Infinity], "W": [1, 1]}',
+        2,
+        ["infile: ", "B[1]=inf", "at most 1e+15"],
+    ),
+    (
+        "costs-file-nan",
+        "simulate-costs",
+        '{"F": [1, NaN], "B": [1, 1], "W": [1, 1]}',
+        2,
+        ["infile: ", "F[1]=nan", "not NaN"],
+    ),
+    (
+        "costs-file-negative",
+        "schedule zb-h1 -p 2 -m 2 --costs-file {f}",
+        '{"F": [1, 1], "B": [1, 1], "W": [1, -1]}',
+        2,
+        ["infile: ", "W[1]=-1", ">= 0"],
+    ),
+    (
+        "costs-file-huge-comm-and-limit",
+        "schedule zb-auto -p 2 -m 2 --costs-file {f}",
+        '{"F": [1, 1], "B": [1, 1], "W": [1, 1], "mem_limit": 1e300}',
+        2,
+        ["infile: ", "mem_limit=1e+300", "at most 1e+15"],
+    ),
+    (
+        "costs-file-huge-mem",
+        "schedule zb-h1 -p 2 -m 2 --costs-file {f}",
+        '{"F": [1, 1], "B": [1, 1], "W": [1, 1], "mem_B": [1e20, 1]}',
+        2,
+        ["infile: ", "mem_B[0]=1e+20"],
+    ),
+    ("costs-flag-1e308", "compare -p 2 -m 4 --costs F=1e308", None, 2, ["'F=1e308'", "1e+15"]),
+    # Costs 1e300 apart: drawn (the timeline's columns are clamped), not an OverflowError.
+    (
+        "costs-file-tiny",
+        "schedule zb-h1 -p 2 -m 2 --costs-file {f}",
+        '{"F": [1e-300, 1], "B": [1, 1], "W": [1, 1]}',
+        0,
+        [],
+    ),
+    (
+        "node-limit-not-exact",
+        "schedule zbv -p 3 -m 4 --node-limit 3",
+        None,
+        2,
+        ["--node-limit is for the exact searches optimal and optimal-v, not 'zbv'"],
+    ),
+    (
+        "node-limit-zero",
+        "schedule optimal -p 2 -m 2 --node-limit 0",
+        None,
+        2,
+        ["argument --node-limit: expected an integer >= 1, got '0'"],
+    ),
+    # Files that are not UTF-8: each message names the file and the line.
+    (
+        "costs-file-not-utf8",
+        "schedule zb-h1 -p 2 -m 2 --costs-file {f}",
+        b'{"F": [1, 1],\n "B": [1, 1], "W": [1, 1], "x": "\xe9"}',
+        2,
+        ["infile: the costs file is not UTF-8 text", "0xe9 on line 2", "save it as UTF-8"],
+    ),
+    (
+        "simulate-json-not-utf8",
+        "simulate {f}",
+        b"\xff\xfe{}",
+        2,
+        ["infile: the schedule file is not UTF-8 text", "0xff on line 1"],
+    ),
+    (
+        "simulate-csv-not-utf8",
+        "simulate {f}",
+        b"0F0,0I0,0W0\n0F1,0I1,0W1\x80\n",
+        2,
+        ["infile: the schedule file is not UTF-8 text", "0x80 on line 2"],
+    ),
+    (
+        "check-trace-not-utf8",
+        "check-trace {f}",
+        b"\n\n\xc3\x28\n",
+        2,
+        ["infile: the trace is not UTF-8 text", "0xc3 on line 3"],
+    ),
+    (
+        "train-config-not-utf8",
+        "train --config {f}",
+        b"[job]\nsteps = 3 # \xe9t\xe9\n",
+        2,
+        ["infile: the config file is not UTF-8 text", "0xe9 on line 2"],
+    ),
 ]
 
 
@@ -214,8 +320,14 @@ def exit_status(argv: list[str]) -> int:
 )
 def test_bad_input_table(argv, content, code, fragments, tmp_path, capsys):
     path = tmp_path / "infile"  # one name for every file: the fragments can name it
-    if content is not None:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
         path.write_text(content)
+    if argv == "simulate-costs":  # a schedule file and the costs file
+        sched = tmp_path / "sched.json"
+        sched.write_text(json_format.dumps(generate("zb-h1", 2, 4)))
+        argv = f"simulate {sched} --costs-file {{f}}"
     assert exit_status([a.format(f=path) for a in argv.split()]) == code
     captured = capsys.readouterr()
     err = captured.err
@@ -252,3 +364,23 @@ def test_unplannable_memory_limit_is_one_message_from_the_parent(tmp_path, capfd
     assert "Traceback" not in captured.err and "rank " not in captured.err
     assert "cannot plan auto within --mem-limit 1 bytes per device" in captured.err
     assert "raise the limit to at least" in captured.err
+
+
+def test_api_refuses_absurd_costs_and_files_that_are_not_utf8(tmp_path):
+    """The library's own readers and the cost model, not only the command line."""
+    with pytest.raises(ValueError, match=r"^f\[0\]=1e\+308 must be finite and at most 1e\+15"):
+        CostModel.per_stage([1e308], [1], [1])
+    with pytest.raises(ValueError, match=r"^comm=nan must be a number, not NaN$"):
+        CostModel.per_stage([1], [1], [1], comm=math.nan)
+    path = tmp_path / "file.txt"
+    path.write_bytes(b"\xff\n")
+    readers = {
+        "schedule file": (load_schedule, json_format.load, torch_csv.load),
+        "costs file": (load_costs_file,),
+        "trace": (read_jsonl,),
+        "config file": (load_toml,),
+    }
+    for what, loads in readers.items():
+        for load in loads:
+            with pytest.raises(ValueError, match=rf"^{path}: the {what} is not UTF-8 text "):
+                load(path)

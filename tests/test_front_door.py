@@ -213,6 +213,19 @@ def factory_names() -> list[str]:
     return [n for n, _ in pipe.named_parameters()]
 
 
+def auto_within_the_layers() -> dict:
+    """``"auto"`` over named_mlp's 7 layers at P=3, M=4: the search keeps within them
+    (it chose 4 chunks per device, 12 stages, before Pipeline passed the layer count)."""
+    model, loss_fn, batches = mlp_case()
+    ref = copy.deepcopy(model)
+    pipe = zerobubble.Pipeline(model, loss_fn, "auto", microbatches=4)
+    x, y = batches[0]
+    losses = pipe.step(x, target=y)
+    ref_losses, _ = zerobubble.reference_step(ref, loss_fn, x, y, 4)
+    equal = losses is None or all(map(torch.equal, losses, ref_losses))
+    return {"stages": pipe.schedule.num_stages, "equal": equal}
+
+
 def job() -> dict:
     info = zerobubble.init_distributed(timeout_s=60)
 
@@ -230,6 +243,7 @@ def job() -> dict:
         ),
         "factory": factory_names(),
         "state": state_dict_checks(info.rank),
+        "auto": auto_within_the_layers(),
     }
     torch.distributed.destroy_process_group()
     return out
@@ -251,6 +265,11 @@ def test_pipeline_matches_single_process_training_under_model_names(p3, case):
     keys = [k for r in results for k in r["keys"]]
     assert sorted(keys) == sorted(full.state_dict())
     assert all(r["version"] == 2 for r in results)  # the trainer bumped it, twice
+
+
+@pytest.mark.slow
+def test_pipeline_auto_keeps_within_the_layer_count(p3):
+    assert [r["auto"] for r in p3] == [{"stages": 6, "equal": True}] * 3
 
 
 @pytest.mark.slow

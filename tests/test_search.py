@@ -22,6 +22,7 @@ from zerobubble.schedule.ir import Action, Op, Schedule, looped_placement, v_pla
 from zerobubble.schedule.search import (
     ActionGraph,
     min_feasible_limit,
+    optimal_search,
     run_pass,
     solve_optimal,
     zb_auto,
@@ -218,6 +219,38 @@ def test_zb_auto_within_one_percent_of_milp_under_harsh_costs(P, M, seed):
     assert res.cost <= 1.01 * opt.lower_bound
 
 
+def test_optimal_v_is_reproducible_under_a_node_limit_and_reports_its_gap(capsys):
+    """A work limit, not a wall-clock one: the same input gives the same schedule, bound
+    and gap on every run; the result and the CLI say what was proven. (With 60 s of
+    wall clock it proved 2 of 8 small V instances, depending on the machine's load.)"""
+    from zerobubble.cli import main
+
+    spec = CostSpec(F=1, B=2, W=1, comm=1.0)
+    a, b = (optimal_search(3, 4, v_shape=True, costs=spec, mem_limit=2, node_limit=1) for _ in "ab")
+    assert a.schedule == b.schedule and a.schedule.name == "optimal-v"
+    assert (a.cost, a.lower_bound, a.gap, a.nodes, a.stopped) == (
+        b.cost,
+        b.lower_bound,
+        b.gap,
+        b.nodes,
+        b.stopped,
+    )
+    assert not a.proven and a.stopped == "node limit" and a.nodes == 1 and a.cost == 32.5
+    assert a.lower_bound == pytest.approx(30.5, rel=1e-9)
+    assert a.gap == pytest.approx(2 / 32.5, rel=1e-9)
+    line = "optimal-v: cost 32.5, not proven optimal: lower bound 30.5, gap 6.15% (stopped at "
+    assert a.summary().startswith(line)
+    proven = optimal_search(2, 4, v_shape=True, costs=spec, node_limit=1)
+    assert proven.proven and proven.gap == pytest.approx(1e-6) and proven.stopped is None
+    assert (
+        proven.summary()
+        == "optimal-v: cost 17.5, proven optimal (gap 1e-06, the tolerance), 1 nodes"
+    )
+    argv = "schedule optimal-v -p 3 -m 4 --costs F=1,B=2,W=1,comm=1.0 --mem-limit 2"
+    assert main([*argv.split(), "--node-limit", "1"]) == 0
+    assert a.summary() in capsys.readouterr().out.splitlines()
+
+
 def test_zb_auto_is_deterministic():
     costs = CostSpec(stage_costs=realistic(random.Random(3), 4))
     a = zb_auto(4, 8, costs=costs, mem_limit=6)
@@ -283,8 +316,10 @@ def test_smallest_feasible_limit_is_schedulable(v_shape):
 
 
 def test_registered_kinds_take_costs_and_mem_limit():
-    for kind in ("zb-auto", "optimal", "auto"):  # chunks: interleaved / at most v
+    for kind in ("zb-auto", "optimal"):  # chunks: interleaved
         assert GENERATORS[kind].options == frozenset({"costs", "mem_limit", "chunks"})
+    # chunks: at most v; max_stages: the layer count
+    assert GENERATORS["auto"].options == frozenset({"costs", "mem_limit", "chunks", "max_stages"})
     for kind in ("zbv-auto", "optimal-v"):
         assert GENERATORS[kind].options == frozenset({"costs", "mem_limit"})
     with pytest.raises(ValueError, match="does not take option 'chunks'"):

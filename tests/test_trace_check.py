@@ -316,7 +316,7 @@ def test_profile_json_loads_as_costs_and_drives_the_planner(job, tmp_path):
     data = json.loads((tmp_path / "profile.json").read_text())
     assert data["fused"]["BW"] == [s.median for s in fused.bw]
     assert data["units"] == {"time": "ms", "memory": "bytes"}
-    planned, kind = plan_schedule(2, 8, model, spec.mem_limit)
+    planned, kind = plan_schedule(2, 8, model, spec.mem_limit, num_layers=2)
     assert kind == "auto" and planned.num_stages == 2
     validate(planned, mem_limit=spec.mem_limit, costs=model)
 

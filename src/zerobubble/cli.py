@@ -4,7 +4,7 @@ Subcommand names and flags are fixed (scripts depend on them)::
 
     zerobubble schedule KIND -p P -m M [--chunks V] [--costs F=1,B=1,W=1,comm=0]
                          [--costs-file F] [--mem-limit X] [--mem-w R] [--split-backward]
-                         [--format text|json|csv] [-o FILE]
+                         [--node-limit N] [--format text|json|csv] [-o FILE]
     zerobubble simulate FILE [--costs ...] [--costs-file F] [--mem-w R] [--mem-limit X] [--json]
     zerobubble compare -p P -m M [--costs ...] [--costs-file F] [--mem-limit X] [--plot FILE.png]
     zerobubble train [-p P] [-m M] [--steps N] [--layers L] [--mem-limit BYTES] [--out DIR] ...
@@ -49,6 +49,16 @@ def _number(text: str) -> Number:
     if math.isnan(x):
         raise argparse.ArgumentTypeError(f"not a number: {text!r}")
     return x
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def _microseconds(text: str) -> float:
@@ -119,18 +129,46 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     from zerobubble.schedule.validate import validate
 
     _check_size(args.p, args.m, args.chunks)
+    exact = args.kind in ("optimal", "optimal-v")
+    if args.node_limit is not None and not exact:
+        raise ValueError(
+            f"--node-limit is for the exact searches optimal and optimal-v, not {args.kind!r}"
+        )
     spec = _cost_spec(args)
     limit = _mem_limit(args, spec)
     gen = GENERATORS.get(args.kind)
-    sched = generate(
-        args.kind,
-        args.p,
-        args.m,
-        chunks=args.chunks,
-        split_backward=args.split_backward,
-        costs=spec,
-        mem_limit=limit if gen is not None and "mem_limit" in gen.options else None,
-    )
+    proof = None
+    if exact:  # the search's result says whether it proved its schedule optimal
+        from zerobubble.schedule.search.milp import DEFAULT_NODE_LIMIT, optimal_search
+
+        assert gen is not None
+        for option, given in (("chunks", args.chunks), ("split_backward", args.split_backward)):
+            if given and option not in gen.options:  # as generate() refuses them
+                raise ValueError(
+                    f"schedule kind {args.kind!r} does not take option {option!r} "
+                    f"(it takes: {', '.join(sorted(gen.options))})"
+                )
+
+        proof = optimal_search(
+            args.p,
+            args.m,
+            chunks=args.chunks or 1,
+            v_shape=args.kind == "optimal-v",
+            costs=spec,
+            mem_limit=limit,
+            node_limit=args.node_limit or DEFAULT_NODE_LIMIT,
+        )
+        sched = proof.schedule
+    else:
+        sched = generate(
+            args.kind,
+            args.p,
+            args.m,
+            chunks=args.chunks,
+            split_backward=args.split_backward,
+            costs=spec,
+            mem_limit=limit if gen is not None and "mem_limit" in gen.options else None,
+        )
     result = validate(sched, mem_limit=limit, costs=spec.resolve(sched.placement))
     if args.format == "json":
         out = json_format.dumps(sched)
@@ -138,10 +176,14 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         out = torch_csv.dumps(sched)
     else:
         out = text.render(sched, result=result) + "\n"
+        if proof is not None:
+            out += proof.summary() + "\n"
     if args.output:
         Path(args.output).write_text(out)
     else:
         sys.stdout.write(out)
+    if proof is not None and (args.format != "text" or args.output):
+        print(proof.summary(), file=sys.stderr)  # beside a file format, not inside it
     return 0
 
 
@@ -379,6 +421,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="baselines: write each BW as B immediately followed by W",
     )
     _add_cost_args(p)
+    p.add_argument(
+        "--node-limit",
+        type=_positive_int,
+        help="optimal, optimal-v: branch-and-bound nodes HiGHS may solve (default 1000); "
+        "a work limit, so a run gives the same schedule and gap on any machine",
+    )
     p.add_argument("--format", choices=("text", "json", "csv"), default="text")
     p.add_argument("-o", "--output", help="write to FILE instead of stdout")
     p.set_defaults(func=cmd_schedule)

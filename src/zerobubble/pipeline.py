@@ -55,7 +55,8 @@ class Pipeline:
             ``count_fn``: ``loss_fn(output, target, num_items)``, a sum over the
             microbatch divided by ``num_items``; the batch loss is their plain sum.
         schedule: A :class:`~zerobubble.schedule.ir.Schedule`, or a generator kind
-            (``"zb-h1"``, ...) generated for the group's size and ``microbatches``.
+            (``"zb-h1"``, ``"auto"``, ...) generated for the group's size and
+            ``microbatches``, with at most one stage per layer.
         microbatches: Microbatches per step; only with a kind.
         num_layers: Layer count; only with a factory.
         boundaries: Cut points ``[0, b_1, ..., num_layers]`` (default: equal counts;
@@ -133,7 +134,13 @@ class Pipeline:
                     f"schedule {schedule!r} is a kind: pass microbatches= (per step), or pass a "
                     "Schedule from zerobubble.generate"
                 )
-            schedule = generate(schedule, dist.get_world_size(group), microbatches)
+            # Without the layer count, auto could pick more stages than there are layers.
+            schedule = generate(
+                schedule,
+                dist.get_world_size(group),
+                microbatches,
+                max_stages=len(layer_keys(layers, num_layers)),
+            )
         elif microbatches is not None and microbatches != schedule.num_microbatches:
             raise ValueError(
                 f"microbatches={microbatches} but schedule {schedule.name!r} has "

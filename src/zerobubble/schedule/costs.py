@@ -32,6 +32,27 @@ from zerobubble.schedule.ir import Op
 #: A time or memory amount: ints and floats, or Fractions for exact arithmetic.
 Number: TypeAlias = int | float | Fraction
 
+#: The largest duration or memory amount a cost model takes. Nothing real comes near it
+#: in any unit (1e15 ns are 11 days, 1e15 bytes a petabyte), and sums over the largest
+#: schedule the command line builds (1e8 actions) stay finite: a value like 1e308 would
+#: make a makespan of inf, which no exact (Fraction) arithmetic or drawing survives.
+MAX_AMOUNT = 1e15
+
+
+def _amount_error(x: object) -> str | None:
+    """Why ``x`` is no duration or memory amount, or None if it is one."""
+    try:
+        v = float(x)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return "must be a number"
+    if math.isnan(v):
+        return "must be a number, not NaN"
+    if v < 0:
+        return "must be >= 0"
+    if not v <= MAX_AMOUNT:
+        return f"must be finite and at most {MAX_AMOUNT:g} (no real stage takes that much)"
+    return None
+
 
 def _div(x: Number, v: int) -> Number:
     """Divide, staying exact for Fractions and for ints that divide evenly.
@@ -77,12 +98,10 @@ class CostModel:
     def __post_init__(self) -> None:
         n = len(self.f)
         object.__setattr__(self, "reduce", tuple(self.reduce) or (0,) * n)
-        if len(self.reduce) != n or not all(
-            math.isfinite(float(x)) and x >= 0 for x in self.reduce
-        ):
+        if len(self.reduce) != n or any(_amount_error(x) for x in self.reduce):
             raise ValueError(
-                f"reduce={list(self.reduce)} must hold one finite number >= 0 per virtual "
-                f"stage ({n})"
+                f"reduce={list(self.reduce)} must hold one finite number >= 0 (at most "
+                f"{MAX_AMOUNT:g}) per virtual stage ({n})"
             )
         for name in ("f", "b", "w", "mem_f", "mem_w"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
@@ -98,10 +117,10 @@ class CostModel:
                 )
         for name in ("f", "b", "w", "mem_f", "mem_w"):
             for s, x in enumerate(getattr(self, name)):
-                if not math.isfinite(float(x)) or x < 0:
-                    raise ValueError(f"{name}[{s}]={x} must be a finite number >= 0")
-        if not math.isfinite(float(self.comm)) or self.comm < 0:
-            raise ValueError(f"comm={self.comm} must be a finite number >= 0")
+                if why := _amount_error(x):
+                    raise ValueError(f"{name}[{s}]={x} {why}")
+        if why := _amount_error(self.comm):
+            raise ValueError(f"comm={self.comm} {why}")
         for s, (mf, mw) in enumerate(zip(self.mem_f, self.mem_w, strict=True)):
             if mw > mf and not self.recompute:
                 raise ValueError(
@@ -308,8 +327,10 @@ def parse_costs(text: str, mem_w: Number | None = None) -> CostSpec:
                 "of its activations and B recomputes it)"
             )
         values[key] = x = _parse_number(raw.strip(), part)
-        if not (math.isfinite(x) and x >= 0):
-            raise ValueError(f"cost {part!r}: must be a finite number >= 0")
+        if _amount_error(x):
+            raise ValueError(
+                f"cost {part!r}: must be a finite number >= 0 and at most {MAX_AMOUNT:g}"
+            )
     default = CostSpec()
     spec = CostSpec(
         F=values.get("F", default.F),
@@ -344,7 +365,7 @@ def load_costs_file(path: str | Path) -> CostSpec:
     ``comm`` (number), ``mem_B`` / ``mem_W`` (arrays), ``mem_limit`` and ``recompute``
     (true: the stages checkpoint activations, so ``mem_W`` may exceed ``mem_B``).
     """
-    return costs_from_mapping(read_json(path), source=str(path))
+    return costs_from_mapping(read_json(path, "costs file"), source=str(path))
 
 
 def costs_from_mapping(data: object, source: str = "costs") -> CostSpec:
@@ -362,6 +383,9 @@ def costs_from_mapping(data: object, source: str = "costs") -> CostSpec:
                 f"{source}: {key!r} must be a non-empty array of numbers, one per virtual "
                 f'stage (e.g. "{key}": [1.0, 1.0]), got {x!r:.60}'
             )
+        for s, v in enumerate(x):
+            if why := _amount_error(v):
+                raise ValueError(f"{source}: {key}[{s}]={v!r} {why}")
         return x
 
     def optional_array(key: str) -> list[Number] | None:
@@ -369,9 +393,13 @@ def costs_from_mapping(data: object, source: str = "costs") -> CostSpec:
 
     def number(key: str) -> Number | None:
         x = data.get(key)
-        if x is None or _is_number(x):
+        if x is None:
             return x
-        raise ValueError(f"{source}: {key!r} must be a number, got {x!r:.60}")
+        if not _is_number(x):
+            raise ValueError(f"{source}: {key!r} must be a number, got {x!r:.60}")
+        if why := _amount_error(x):
+            raise ValueError(f"{source}: {key}={x!r} {why}")
+        return x
 
     f, b, w, comm = array("F"), array("B"), array("W"), number("comm")
     mem_f, mem_w = optional_array("mem_B"), optional_array("mem_W")

@@ -18,6 +18,7 @@ from typing import IO, Any
 
 from zerobubble.schedule.ir import Action, Op
 from zerobubble.schedule.lowering import MsgKind
+from zerobubble.schedule.textfile import decode
 
 COMPUTE_OPS = tuple(Op)
 """The ops of compute events (the schedule's :class:`Op`)."""
@@ -280,8 +281,9 @@ def read_jsonl_lines(path: str | Path) -> tuple[list[TraceEvent], list[int]]:
     """
     events: list[TraceEvent] = []
     lines: list[int] = []
-    with open(path) as f:
-        for n, text in enumerate(f, 1):
+    with open(path, "rb") as f:  # decoded line by line: a bad byte names its line
+        for n, raw in enumerate(f, 1):
+            text = decode(raw, path, "trace", line=n)
             if not text.strip():
                 continue
             try:

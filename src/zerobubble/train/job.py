@@ -208,11 +208,19 @@ class JobResult:
 
 
 def plan_schedule(
-    num_devices: int, num_microbatches: int, costs: CostModel, mem_limit: int
+    num_devices: int, num_microbatches: int, costs: CostModel, mem_limit: int, *, num_layers: int
 ) -> tuple[Schedule, str]:
-    """The :data:`PLANNER` schedule for ``costs`` within ``mem_limit``, validated, and its kind."""
+    """The :data:`PLANNER` schedule for ``costs`` within ``mem_limit`` and at most one
+    stage per layer of ``num_layers``, validated, and its kind."""
     spec = CostSpec(stage_costs=costs)
-    sched = generate(PLANNER, num_devices, num_microbatches, costs=spec, mem_limit=mem_limit)
+    sched = generate(
+        PLANNER,
+        num_devices,
+        num_microbatches,
+        costs=spec,
+        mem_limit=mem_limit,
+        max_stages=num_layers,
+    )
     validate(sched, mem_limit=mem_limit, costs=costs)
     return sched, PLANNER
 
@@ -618,7 +626,9 @@ def _plan(
         limit = int(cfg.schedule.mem_ratio * peak_1f1b)
     prof = replace(prof, mem_limit=limit)
     try:
-        planned, kind = plan_schedule(ctx.world, cfg.schedule.microbatches, costs, limit)
+        planned, kind = plan_schedule(
+            ctx.world, cfg.schedule.microbatches, costs, limit, num_layers=lp.num_layers
+        )
     except ValueError as exc:  # ScheduleError too
         given = (
             f"--mem-limit {limit}"

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from zerobubble.schedule.textfile import read_text
 from zerobubble.train.config import TrainConfig, scaled_defaults
 
 _TRUE, _FALSE, _NONE = ("true", "yes", "1"), ("false", "no", "0"), ("none", "null")
@@ -139,7 +140,7 @@ def load_toml(path: str | Path) -> dict[str, object]:
     """The options a TOML file sets, as ``{key: value}``; errors name the file and the key."""
     p = Path(path)
     try:
-        data = tomllib.loads(p.read_text())
+        data = tomllib.loads(read_text(p, "config file"))
     except tomllib.TOMLDecodeError as exc:  # its message carries the line and column
         raise ValueError(f"{p}: not valid TOML: {exc}") from None
     known = {o.key: o for o in options()}

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from zerobubble.schedule.ir import Action, Op, Schedule
+from zerobubble.schedule.textfile import read_text
 
 FORMAT = "zerobubble.schedule/1"
 
@@ -113,10 +114,11 @@ def _count(data: Mapping[str, Any], key: str, source: str) -> int:
     return x
 
 
-def read_json(path: str | Path) -> object:
-    """A JSON file's value; a syntax error names the file, the line and the column."""
+def read_json(path: str | Path, what: str = "JSON file") -> object:
+    """A JSON file's value; a syntax error names the file, the line and the column
+    (and text that is not UTF-8 the file, ``what`` it is and the line)."""
     p = Path(path)
-    return parse_json(p.read_text(), str(p))
+    return parse_json(read_text(p, what), str(p))
 
 
 def parse_json(text: str, source: str) -> object:
@@ -133,7 +135,7 @@ def loads(text: str, source: str = "schedule JSON") -> Schedule:
 
 
 def load(path: str | Path) -> Schedule:
-    return loads(Path(path).read_text(), str(path))
+    return loads(read_text(path, "schedule file"), str(path))
 
 
 def save(schedule: Schedule, path: str | Path) -> None:

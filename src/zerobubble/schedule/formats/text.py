@@ -47,7 +47,9 @@ def render(
     scale = Fraction(widest) / shortest  # columns per time unit
 
     def col(t: Number) -> int:
-        return math.floor(Fraction(t) * scale + Fraction(1, 2))
+        # Clamped past the row's end: durations 1e15 times the shortest would
+        # otherwise ask for rows longer than memory holds.
+        return min(math.floor(Fraction(t) * scale + Fraction(1, 2)), max_width + 1)
 
     lines = [
         f"{schedule.name}: P={schedule.num_devices} S={schedule.num_stages} "

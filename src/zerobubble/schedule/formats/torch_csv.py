@@ -22,6 +22,7 @@ from pathlib import Path
 
 from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.ir import Action, Op, Schedule
+from zerobubble.schedule.textfile import read_text
 
 _TO_OURS = {"F": Op.F, "I": Op.B, "W": Op.W, "B": Op.BW}
 _TO_TORCH = {op: t for t, op in _TO_OURS.items()}
@@ -140,7 +141,7 @@ def load(
 ) -> Schedule:
     """Read a CSV file; the schedule is named after the file unless ``name`` is given."""
     return loads(
-        Path(path).read_text(),
+        read_text(path, "schedule file"),
         name=Path(path).stem if name is None else name,
         num_stages=num_stages,
         num_microbatches=num_microbatches,

@@ -45,7 +45,8 @@ class Generator:
         fn: ``fn(P, M, **options) -> Schedule``.
         summary: One line for ``--help`` and the docs.
         options: The keyword options ``fn`` accepts, among ``chunks``,
-            ``split_backward``, ``costs`` (a :class:`CostSpec`) and ``mem_limit``.
+            ``split_backward``, ``costs`` (a :class:`CostSpec`), ``mem_limit`` and
+            ``max_stages`` (a layer count the search keeps within).
         baseline: True for schedules without a B/W split (kept for comparison).
     """
 
@@ -128,7 +129,7 @@ _KINDS = (
         _auto,
         "best placement (1..4 chunks per device, looped or V) and schedule for the given "
         "costs and memory limit (default P); chunks caps the chunks per device",
-        _SEARCH_OPTIONS | {"chunks"},
+        _SEARCH_OPTIONS | {"chunks", "max_stages"},
     ),
     Generator(
         "zb-auto",
@@ -171,8 +172,14 @@ def generate(
     split_backward: bool = False,
     costs: CostSpec | None = None,
     mem_limit: Number | None = None,
+    max_stages: int | None = None,
 ) -> Schedule:
-    """Build a schedule of ``kind``; options the kind does not use are an error."""
+    """Build a schedule of ``kind``; options the kind does not use are an error.
+
+    ``max_stages`` (e.g. the model's layer count: a stage holds a layer at least) is
+    for every kind: ``auto`` searches only placements within it, any other kind whose
+    schedule has more stages is refused, naming both counts.
+    """
     try:
         gen = GENERATORS[kind]
     except KeyError:
@@ -184,6 +191,7 @@ def generate(
         "split_backward": split_backward or None,
         "costs": costs,
         "mem_limit": mem_limit,
+        "max_stages": max_stages,
     }
     kwargs = {}
     for key, value in given.items():
@@ -192,9 +200,18 @@ def generate(
         if key not in gen.options:
             if key == "costs":  # costs only matter to cost-aware kinds; timing uses them anyway
                 continue
+            if key == "max_stages":  # checked on the result below
+                continue
             raise ValueError(
                 f"schedule kind {kind!r} does not take option {key!r} "
                 f"(it takes: {', '.join(sorted(gen.options)) or 'no options'})"
             )
         kwargs[key] = value
-    return gen.fn(num_devices, num_microbatches, **kwargs)
+    sched = gen.fn(num_devices, num_microbatches, **kwargs)
+    if max_stages is not None and sched.num_stages > max_stages:
+        raise ValueError(
+            f"schedule kind {kind!r} makes {sched.num_stages} stages, more than "
+            f"max_stages={max_stages} (the layers to cut); pick fewer chunks, a kind with "
+            "one stage per device, or 'auto' (which keeps within max_stages)"
+        )
+    return sched

@@ -9,7 +9,7 @@
 from zerobubble.schedule.search.auto import auto_schedule, resolve_costs, zb_auto, zbv_auto
 from zerobubble.schedule.search.graph import ActionGraph, min_feasible_limit
 from zerobubble.schedule.search.greedy import Policy, run_pass
-from zerobubble.schedule.search.milp import OptimalResult, optimal, solve_optimal
+from zerobubble.schedule.search.milp import OptimalResult, optimal, optimal_search, solve_optimal
 
 __all__ = [
     "ActionGraph",
@@ -18,6 +18,7 @@ __all__ = [
     "auto_schedule",
     "min_feasible_limit",
     "optimal",
+    "optimal_search",
     "resolve_costs",
     "run_pass",
     "solve_optimal",

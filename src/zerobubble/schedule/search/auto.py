@@ -115,11 +115,11 @@ def search_inputs(
         seeds = [interleaved_1f1b(p, m, chunks=v, split_backward=True)]
         return GRID_V + round_grid(p), seeds, family
     if v == 2:
-        return GRID_V, [zbv(p, m), _split(dualpipev(p, m))], []
+        return GRID_V, [zbv(p, m), split_backward(dualpipev(p, m))], []
     return GRID_V, [], []
 
 
-def _split(sched: Schedule) -> Schedule:
+def split_backward(sched: Schedule) -> Schedule:
     """``sched`` with each BW written as B then W (same timing, searchable)."""
     acts = [
         [

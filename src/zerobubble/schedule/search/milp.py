@@ -52,8 +52,10 @@ from zerobubble.schedule.simulate import simulate
 
 log = logging.getLogger(__name__)
 
-#: Seconds HiGHS may spend in the ``optimal`` generator.
-DEFAULT_TIME_LIMIT = 60.0
+#: Branch-and-bound nodes HiGHS may solve in the ``optimal`` generators: a work limit,
+#: so the same input gives the same schedule and gap on any machine at any load (a
+#: wall-clock limit of 60 s proved 2 of 8 small V instances, depending on the load).
+DEFAULT_NODE_LIMIT = 1000
 #: Largest instance (F/B/W actions) the exact search accepts.
 MAX_ACTIONS = 600
 
@@ -70,6 +72,10 @@ class OptimalResult:
             placement under the limit (the MILP's dual bound).
         gap: ``(cost - lower_bound) / cost``; 0 means proven optimal.
         proven: True if HiGHS closed the gap to its tolerance.
+        nodes: Branch-and-bound nodes HiGHS solved (None when it does not say: it
+            found no schedule of its own before a limit).
+        stopped: Why the search ended unproven (``"node limit"``, ``"time limit"``
+            or HiGHS's message); None when proven.
     """
 
     schedule: Schedule
@@ -77,6 +83,22 @@ class OptimalResult:
     lower_bound: float
     gap: float
     proven: bool
+    nodes: int | None = None
+    stopped: str | None = None
+
+    def summary(self) -> str:
+        """One line for people: the cost, whether it is proven, else the gap and why."""
+        nodes = "" if self.nodes is None else f", {self.nodes} nodes"
+        if self.proven:
+            return (
+                f"{self.schedule.name}: cost {self.cost:g}, proven optimal (gap {self.gap:.2g}, "
+                f"the tolerance){nodes}"
+            )
+        return (
+            f"{self.schedule.name}: cost {self.cost:g}, not proven optimal: lower bound "
+            f"{self.lower_bound:g}, gap {self.gap:.2%} (stopped at the {self.stopped}{nodes}; "
+            "a larger node limit may close it)"
+        )
 
 
 class _Rows:
@@ -130,7 +152,8 @@ def solve_optimal(
     costs: CostModel,
     mem_limit: Number | None,
     *,
-    time_limit: float = DEFAULT_TIME_LIMIT,
+    node_limit: int = DEFAULT_NODE_LIMIT,
+    time_limit: float | None = None,
     rel_gap: float = 1e-6,
     name: str = "optimal",
 ) -> OptimalResult:
@@ -142,7 +165,10 @@ def solve_optimal(
             the solver finds nothing better.
         costs: Per-stage costs; every duration must be > 0.
         mem_limit: Per-device memory limit in the units of ``costs`` (None: unbounded).
-        time_limit: Seconds HiGHS may spend; the result then carries the gap it proved.
+        node_limit: Branch-and-bound nodes HiGHS may solve; the result then carries the
+            gap it proved. A work limit: the result is the same on every run.
+        time_limit: Seconds HiGHS may spend, on top of the node limit (None: none).
+            Reaching it makes the result depend on the machine's speed and load.
         rel_gap: Relative optimality tolerance.
         name: Name of the returned schedule.
     """
@@ -161,13 +187,18 @@ def solve_optimal(
         )
     incumbent = incumbent.with_actions(incumbent.actions, name=name)
     inc_cost = float(simulate(incumbent, costs).cost)
+    if not isinstance(node_limit, int) or isinstance(node_limit, bool) or node_limit < 1:
+        raise ValueError(f"node_limit must be an integer >= 1, got {node_limit!r}")
     model = _build(graph, costs, dur, mem_limit, inc_cost)
+    options: dict[str, object] = {"node_limit": node_limit, "mip_rel_gap": rel_gap}
+    if time_limit is not None:
+        options["time_limit"] = time_limit
     res = milp(
         model.objective,
         constraints=model.rows.constraint(model.ncols),
         integrality=model.integrality,
         bounds=Bounds(model.lo, model.hi),
-        options={"time_limit": time_limit, "mip_rel_gap": rel_gap, "disp": False},
+        options={**options, "disp": False},
     )
     best, best_cost = incumbent, inc_cost
     if res.x is not None:
@@ -179,13 +210,42 @@ def solve_optimal(
         bound = float(res.fun) * (1 - rel_gap)
     elif res.status == 2:  # nothing beats the cut: the incumbent is optimal
         bound = best_cost
-    else:
-        bound = float(getattr(res, "mip_dual_bound", None) or 0.0)
+    elif res.get("mip_dual_bound") is not None:
+        bound = float(res.mip_dual_bound)
+    else:  # stopped before HiGHS found a schedule of its own: it reports no bound
+        bound = _relaxation_bound(model)
     bound = min(bound, best_cost)
     gap = (best_cost - bound) / best_cost if best_cost > 0 else 0.0
-    if res.status not in (0, 2):
+    proven = res.status in (0, 2)
+    stopped = None if proven else _why_stopped(str(res.message))
+    if not proven:
         log.warning("exact search stopped (%s) with a gap of %.2f%%", res.message, 100 * gap)
-    return OptimalResult(best, best_cost, bound, gap, res.status in (0, 2))
+    nodes = res.get("mip_node_count")
+    return OptimalResult(
+        best, best_cost, bound, gap, proven, None if nodes is None else int(nodes), stopped
+    )
+
+
+def _why_stopped(message: str) -> str:
+    """HiGHS reports its node limit as "Solution limit reached" (scipy's status 4)."""
+    if "Solution limit" in message:
+        return "node limit"
+    if "Time limit" in message:
+        return "time limit"
+    return message
+
+
+def _relaxation_bound(model: _Model) -> float:
+    """The LP relaxation's optimum: a lower bound on every schedule (weaker than the
+    one HiGHS proved, which it does not report when it found no solution itself)."""
+    res = milp(
+        model.objective,
+        constraints=model.rows.constraint(model.ncols),
+        integrality=np.zeros(model.ncols),
+        bounds=Bounds(model.lo, model.hi),
+        options={"disp": False},
+    )
+    return float(res.fun) if res.status == 0 else 0.0
 
 
 def optimal(
@@ -199,11 +259,37 @@ def optimal(
 ) -> Schedule:
     """The exact optimum of one placement under a memory limit, by MILP.
 
+    The schedule of :func:`optimal_search` (see there), which also says whether it is
+    proven optimal and the gap otherwise.
+    """
+    return optimal_search(
+        num_devices,
+        num_microbatches,
+        chunks=chunks,
+        v_shape=v_shape,
+        costs=costs,
+        mem_limit=mem_limit,
+    ).schedule
+
+
+def optimal_search(
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    chunks: int = 1,
+    v_shape: bool = False,
+    costs: CostSpec | None = None,
+    mem_limit: Number | None = None,
+    node_limit: int = DEFAULT_NODE_LIMIT,
+) -> OptimalResult:
+    """The exact optimum of one placement under a memory limit, by MILP, with its proof.
+
     The placement is looped with ``chunks`` per device (one stage per device by
     default), or the V with ``v_shape`` (two chunks). Without ``mem_limit`` the
     limit is 2P microbatches' M_B (ZB-2p's budget). Small instances only
-    (3·S·M <= MAX_ACTIONS); HiGHS gets DEFAULT_TIME_LIMIT seconds and the best
-    schedule found is returned (the heuristic's if nothing better).
+    (3·S·M <= MAX_ACTIONS); HiGHS may solve ``node_limit`` branch-and-bound nodes
+    (a work limit: the same input gives the same result on every run) and the best
+    schedule found is returned (the heuristic's if nothing better) with the gap proven.
     """
     p, m = check_counts(num_devices, num_microbatches)
     if not isinstance(chunks, int) or chunks < 1:
@@ -217,7 +303,7 @@ def optimal(
     grid, seeds, family = search_inputs(p, m, v, looped=not v_shape)
     incumbent = auto_schedule("auto", placement, m, model, limit, grid, seeds, seed_orders=family)
     name = "optimal-v" if v_shape else "optimal"
-    return solve_optimal(incumbent, model, limit, name=name).schedule
+    return solve_optimal(incumbent, model, limit, node_limit=node_limit, name=name)
 
 
 def _check_size(actions: int) -> None:

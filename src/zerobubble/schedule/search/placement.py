@@ -6,8 +6,16 @@ cross-device hop, and so ``comm``, per chunk; a V placement keeps the turn-aroun
 on one device (no hop there) and drains memory early; under a tight limit the
 per-chunk M_B granularity decides what fits. So the planner tries each
 candidate placement with the same cost- and memory-aware search
-(:func:`.auto.auto_schedule` with that placement's grid and handcrafted seeds)
-and keeps the cheapest.
+(:func:`.auto.auto_schedule` with that placement's grid and handcrafted seeds),
+and the fixed kinds of that placement that are not among the seeds, and keeps
+the cheapest.
+
+``auto`` is never worse than a kind it could have chosen, by construction: on
+every placement it runs exactly zb-auto's (looped) or zbv-auto's (V) search, so
+it gets their schedule or a better one (a pruned or unpolished shortcut lost
+14% at the smallest feasible limit, where polishing gains most); instances too
+large to polish skip only passes that cannot beat the best placement so far.
+The exact searches (``optimal``, ``optimal-v``) are not among its choices.
 
 Candidates for ``max_chunks`` = V: looped (stage s on device s % P) for v = 1..V,
 and for every even v <= V the zig-zag (V for v = 2: device d holds d and 2P-1-d;
@@ -15,7 +23,8 @@ each further pair of chunks repeats the V). Costs given as per-device totals
 (``--costs``) are split over each placement's chunks; a per-stage costs file
 fixes the stage count, so only placements with that many stages are tried.
 
-Ties go to the lower peak memory, then to fewer chunks (fewer messages).
+Ties go to the lower peak memory, then to fewer chunks (fewer messages). A layer
+count (``max_stages``) keeps only placements with at most that many stages.
 """
 
 from __future__ import annotations
@@ -26,23 +35,28 @@ from dataclasses import dataclass
 
 from zerobubble.schedule.costs import CostModel, CostSpec, Number
 from zerobubble.schedule.errors import Reason, ScheduleError
+from zerobubble.schedule.generators.classic import gpipe, one_f_one_b
 from zerobubble.schedule.generators.common import check_counts
+from zerobubble.schedule.generators.v_family import one_f_one_b_v, v_half, v_min
 from zerobubble.schedule.ir import Schedule, looped_placement
 from zerobubble.schedule.search.auto import (
-    plateau_walk,
     polishes,
     resolve_costs,
     search_beating,
     search_inputs,
+    split_backward,
 )
 from zerobubble.schedule.simulate import simulate
 
 #: Chunks per device the planner tries by default.
 MAX_CHUNKS = 4
 
-#: Placements whose unpolished cost is within this fraction of the best unpolished one
-#: get the local search (polishing gains a few percent at most; it is the slow step).
-POLISH_WITHIN = 0.02
+#: Fixed kinds by placement (looped?, chunks) that the search does not seed: ZB-H1,
+#: ZB-H2, interleaved 1F1B, ZB-V and DualPipeV are seeds already (see search_inputs).
+FIXED_KINDS: dict[tuple[bool, int], tuple[Callable[[int, int], Schedule], ...]] = {
+    (True, 1): (gpipe, one_f_one_b),
+    (False, 2): (v_half, v_min, one_f_one_b_v),
+}
 
 
 @dataclass(frozen=True)
@@ -76,30 +90,27 @@ def candidates(num_devices: int, max_chunks: int = MAX_CHUNKS) -> list[Candidate
 
 
 def _plan_one(
-    cand: Candidate,
-    p: int,
-    m: int,
-    model: CostModel,
-    limit: float,
-    polish: bool,
-    beat: float = math.inf,
+    cand: Candidate, p: int, m: int, model: CostModel, limit: float, beat: float
 ) -> Schedule | None:
-    """The search of :mod:`.auto` on one placement, with that placement's seeds
-    (without the plateau walk: ``auto`` walks its winner only)."""
+    """zb-auto's / zbv-auto's whole search on one placement (:func:`.auto.auto_schedule`,
+    with that placement's seeds); None if, unpolished, nothing beat ``beat``."""
     grid, seeds, family = search_inputs(p, m, cand.chunks, looped=cand.looped)
     return search_beating(
-        "auto",
-        cand.placement,
-        m,
-        model,
-        limit,
-        grid,
-        seeds,
-        seed_orders=family,
-        polish=polish,
-        walk=False,
-        beat=beat,
+        "auto", cand.placement, m, model, limit, grid, seeds, seed_orders=family, beat=beat
     )
+
+
+def _fixed(cand: Candidate, p: int, m: int, model: CostModel, limit: float) -> list[Schedule]:
+    """The fixed kinds of ``cand``'s placement (each BW written as B then W: no slower)
+    that fit the limit, named ``auto``."""
+    out = []
+    for fn in FIXED_KINDS.get((cand.looped, cand.chunks), ()):
+        sched = split_backward(fn(p, m))
+        sched = sched.with_actions(sched.actions, name="auto")
+        peak = max(simulate(sched, model).peak_memory)
+        if peak <= limit + 1e-10 * max(1.0, abs(limit)):  # the search's own tolerance
+            out.append(sched)
+    return out
 
 
 def auto(
@@ -109,13 +120,15 @@ def auto(
     costs: CostSpec | None = None,
     mem_limit: Number | None = None,
     max_chunks: int = MAX_CHUNKS,
+    max_stages: int | None = None,
 ) -> Schedule:
     """The cheapest schedule over placements (v = 1..``max_chunks``, looped or zig-zag).
 
     ``mem_limit`` is per device in M_B units of a whole device (as for zb-auto:
     one microbatch's activations over all of a device's layers); without it (here
     or in the costs file) it is P, 1F1B's peak. A per-stage costs file keeps only
-    the placements with its stage count.
+    the placements with its stage count; ``max_stages`` (the model's layer count:
+    a stage holds one layer at least) only those with at most that many stages.
     """
     p, m = check_counts(num_devices, num_microbatches)
     spec = costs if costs is not None else CostSpec()
@@ -136,6 +149,7 @@ def auto(
         mem_limit,
         max_chunks=max_chunks,
         stages=(None if spec.stage_costs is None else spec.stage_costs.num_stages),
+        max_stages=max_stages,
     )
 
 
@@ -147,17 +161,29 @@ def search_placements(
     *,
     max_chunks: int = MAX_CHUNKS,
     stages: int | None = None,
+    max_stages: int | None = None,
 ) -> Schedule:
     """The placement search behind ``auto``, with costs from ``cost_of(placement)``.
 
     ``cost_of`` lets a caller that knows per-layer costs cost each placement's
-    stages itself; ``stages`` keeps only placements with that many stages.
+    stages itself; ``stages`` keeps only placements with that many stages,
+    ``max_stages`` only those with at most that many.
     """
     p, m = check_counts(num_devices, num_microbatches)
-    rough: list[tuple[tuple[float, float, int], Candidate, CostModel, float, Schedule]] = []
+    if max_stages is not None and (
+        not isinstance(max_stages, int) or isinstance(max_stages, bool) or max_stages < p
+    ):
+        raise ValueError(
+            f"auto: max_stages={max_stages!r} (the layer count) cannot give each of the "
+            f"{p} devices a stage of one layer at least; pass a model of {p} layers or "
+            "more, or use fewer devices"
+        )
+    best: tuple[tuple[float, float, int], Schedule] | None = None
     refusals: list[str] = []
     for cand in candidates(p, max_chunks):
         if stages is not None and stages != len(cand.placement):
+            continue
+        if max_stages is not None and len(cand.placement) > max_stages:
             continue
         model = cost_of(cand.placement)
         try:
@@ -167,40 +193,26 @@ def search_placements(
         except ScheduleError as exc:
             refusals.append(f"{cand.label}: {exc}")
             continue
-        # Passes that cannot come within POLISH_WITHIN of the best so far stop early.
-        beat = min((r[0][0] for r in rough), default=math.inf) * (1 + POLISH_WITHIN)
-        sched = _plan_one(cand, p, m, model, limit, polish=False, beat=beat)
-        if sched is None:
-            continue
-        rough.append((_key(sched, model, cand), cand, model, limit, sched))
-    if not rough:
+        # Polished, a placement gets zb-auto's whole search (pruning could lose its
+        # winner); unpolished only the cheapest pass counts, so passes that cannot
+        # beat the best placement so far stop early.
+        polished = polishes(3 * len(cand.placement) * m)
+        beat = math.inf if best is None or polished else best[0][0]
+        found = _fixed(cand, p, m, model, limit)
+        sched = _plan_one(cand, p, m, model, limit, beat)
+        for s in ([] if sched is None else [sched]) + found:
+            key = _key(s, model, cand)
+            if best is None or key < best[0]:
+                best = (key, s)
+    if best is None:
         raise ScheduleError(
             Reason.MEMORY, "no placement fits the memory limit: " + "; ".join(refusals)
         )
-    # Polish only the placements whose unpolished cost is near the best one's.
-    floor = min(r[0][0] for r in rough)
-    best: tuple[tuple[float, float, int], Schedule, CostModel, float] | None = None
-    for key, cand, model, limit, sched in rough:
-        if key[0] <= floor * (1 + POLISH_WITHIN) and polishes(len(sched)):
-            polished = _plan_one(cand, p, m, model, limit, polish=True)
-            assert polished is not None  # no cutoff: every grid finishes
-            sched, key = polished, _key(polished, model, cand)
-        if best is None or _less(key, best[0]):
-            best = (key, sched, model, limit)
-    assert best is not None
-    return plateau_walk(best[1], best[2], best[3])
+    return best[1]
 
 
 def _key(sched: Schedule, model: CostModel, cand: Candidate) -> tuple[float, float, int]:
+    """Cost first (exactly: auto is never worse than a kind it could have chosen), then
+    peak memory, then chunks."""
     res = simulate(sched, model)
     return float(res.cost), float(max(res.peak_memory)), cand.chunks
-
-
-def _less(x: tuple[float, float, int], y: tuple[float, float, int]) -> bool:
-    """Cost first (relative tolerance 1e-9), then peak memory, then chunks."""
-    tol = 1e-9 * max(1.0, abs(y[0]))
-    if x[0] < y[0] - tol:
-        return True
-    if x[0] > y[0] + tol:
-        return False
-    return x[1:] < y[1:]
