@@ -85,7 +85,7 @@ def test_cost_parsing_and_errors():
     assert (spec.F, spec.B, spec.W, spec.comm) == (1, 2, 0.5, Fraction(1, 10))
     with pytest.raises(ValueError, match="KEY one of F, B, W, comm"):
         parse_costs("X=1")
-    with pytest.raises(ValueError, match="must be a finite number >= 0"):
+    with pytest.raises(ValueError, match=r"f\[1\]=-1 must be >= 0"):
         CostModel.per_stage([1, -1], [1, 1], [1, 1])
     with pytest.raises(ValueError, match="cost array 'b' has 1 entries"):
         CostModel.per_stage([1, 1], [1], [1, 1])
