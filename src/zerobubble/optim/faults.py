@@ -189,7 +189,7 @@ class FaultPlan:
         for r in self.ranks:
             if (r.iteration, r.stage, r.mb, r.phase) == (iteration, action.stage, action.mb, phase):
                 r.happen()
-        if action.op not in (Op.W, Op.BW):
+        if not action.op.adds_weight_grad:
             return
         for f in self.grads:
             if (f.iteration, f.stage, f.mb) == (iteration, action.stage, action.mb):

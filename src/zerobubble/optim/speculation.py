@@ -82,7 +82,7 @@ class VersionGuard(StepHooks):
                 f"its F ran on {self.f_version.get(key)}; parameters must not change "
                 "between a microbatch's F and its backward"
             )
-        if action.op in (Op.W, Op.BW):
+        if action.op.adds_weight_grad:
             del self.f_version[key]
 
     def on_replay(self) -> None:

@@ -39,6 +39,12 @@ class Op(enum.StrEnum):
         """True for the ops that consume the output gradient (B and BW)."""
         return self is Op.B or self is Op.BW
 
+    @property
+    def adds_weight_grad(self) -> bool:
+        """True for the ops that add to the stage's parameter gradients (W and BW): after a
+        stage's last one of a step its gradients are complete (reduce, reduce-scatter)."""
+        return self is Op.W or self is Op.BW
+
 
 class Action(NamedTuple):
     """One op of one virtual stage on one microbatch.
@@ -140,6 +146,12 @@ class Schedule:
     def uses_split_backward(self) -> bool:
         """True if any action is a split B or W."""
         return any(a.op in (Op.B, Op.W) for acts in self.actions for a in acts)
+
+    def split_stages(self, device: int | None = None) -> frozenset[int]:
+        """The stages (of ``device``, or of every device) whose backward runs split: they
+        have a B, so their chunk must split the backward to gain from the schedule."""
+        acts = self.actions if device is None else (self.actions[device],)
+        return frozenset(a.stage for row in acts for a in row if a.op is Op.B)
 
     def __iter__(self) -> Iterator[tuple[int, int, Action]]:
         """Yield ``(device, position, action)`` for every action."""

@@ -100,7 +100,7 @@ class SimResult:
         for acts, en in zip(self.schedule.actions, self.end, strict=True):
             last: dict[int, Number] = {}
             for a, t in zip(acts, en, strict=True):
-                if a.op is Op.W or a.op is Op.BW:
+                if a.op.adds_weight_grad:
                     last[a.stage] = t
             lane: Number = 0
             row = []

@@ -715,7 +715,7 @@ def _analyze(ph: _Phase, profile: Profile, mem_limit: int) -> PhaseResult:
 
 def _split_stages(sched: Schedule) -> set[int]:
     """Stages with a split B (their chunk must split the backward to gain from it)."""
-    return {a.stage for acts in sched.actions for a in acts if a.op is Op.B}
+    return set(sched.split_stages())
 
 
 def executed_costs(profile: Profile, sched: Schedule) -> CostModel:
