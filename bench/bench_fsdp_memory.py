@@ -4,7 +4,7 @@ Run: ``OMP_NUM_THREADS=1 PYTHONPATH=src python bench/bench_fsdp_memory.py [--qui
 Prints one JSON object.
 
 Workload: an MLP of ``--layers`` Linear(width, width) layers (zb-h1, 4 microbatches,
-AdamW), cut into 2 stages, run by 2 data-parallel replicas; once with ``fsdp=True``
+AdamW), cut into 2 stages, run by 2 data-parallel replicas; once with ``build_mesh(pp, dp, fsdp=True)``
 and once replicated (``fsdp=False``: the DDP-style path, where every replica holds
 whole parameters, gradients and optimizer state). After ``--steps`` steps each
 rank reports the bytes it holds of
@@ -56,7 +56,7 @@ def rss_bytes() -> int:
 
 def job(fsdp: bool, width: int, layers: int, steps: int) -> dict:
     init_distributed()
-    mesh = build_mesh(PP, DP)
+    mesh = build_mesh(PP, DP, fsdp=fsdp)
     torch.manual_seed(0)
     model = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)]
     before = rss_bytes()
@@ -66,7 +66,6 @@ def job(fsdp: bool, width: int, layers: int, steps: int) -> dict:
         "zb-h1",
         microbatches=M,
         mesh=mesh,
-        fsdp=fsdp,
         options=ExecutorOptions(trace=False),
     )
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)

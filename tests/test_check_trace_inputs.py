@@ -15,7 +15,7 @@ from synthetic_trace import synthetic_trace
 from zerobubble.cli import main
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.ir import Op
-from zerobubble.schedule.lowering import MsgKind
+from zerobubble.schedule.program import MsgKind
 from zerobubble.schedule.trace_format import EventOp, TraceEvent, read_jsonl, write_jsonl
 
 SRC = Path(__file__).resolve().parents[1] / "src"

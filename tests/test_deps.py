@@ -30,8 +30,9 @@ from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.generators import GENERATORS
 from zerobubble.schedule.graph import CODE, _deps_by_dict, action_code, build_graph
 from zerobubble.schedule.ir import Action, Op, Schedule
-from zerobubble.schedule.lowering import Compute, MsgKind, Send, WaitRecv, lower
+from zerobubble.schedule.lowering import lower
 from zerobubble.schedule.passes import fuse_local_backward
+from zerobubble.schedule.program import Compute, MsgKind, Send, WaitRecv
 from zerobubble.schedule.search.graph import OPS, ActionGraph
 from zerobubble.schedule.trace_check import check_trace
 from zerobubble.schedule.trace_format import EventOp

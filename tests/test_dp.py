@@ -31,14 +31,10 @@ from zerobubble.schedule.dp import insert_grad_reduce
 from zerobubble.schedule.errors import ScheduleError
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.ir import Op
-from zerobubble.schedule.lowering import (
-    Compute,
-    ReduceGrads,
-    WaitReduce,
-    lower,
-    validate_lowered,
-)
+from zerobubble.schedule.lowering import lower
 from zerobubble.schedule.passes import fuse_local_backward
+from zerobubble.schedule.program import Compute, ReduceGrads, WaitReduce
+from zerobubble.schedule.program_check import validate_lowered
 from zerobubble.schedule.simulate import simulate
 from zerobubble.schedule.trace_check import check_trace
 

@@ -34,9 +34,10 @@ from zerobubble.runtime.mesh import PipelineMesh, build_mesh
 from zerobubble.runtime.reference import reference_step
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.ir import Op
-from zerobubble.schedule.lowering import Compute, lower
+from zerobubble.schedule.lowering import lower
 from zerobubble.schedule.passes import fuse_local_backward
-from zerobubble.schedule.sharding import ShardAction, ShardOp, insert_sharding
+from zerobubble.schedule.program import Compute, ShardAction, ShardOp
+from zerobubble.schedule.sharding import insert_sharding
 
 PP, DP, M, STEPS = 2, 2, 4, 3
 SIZES = [5, 7, 6, 5, 3]  # odd dim-0 sizes: FSDP pads the last shard
@@ -106,8 +107,7 @@ def train(kind: str, mesh: PipelineMesh, fsdp: bool) -> tuple[Pipeline, torch.op
         layers(),
         mlp_loss,
         generate(kind, PP, M),
-        mesh=mesh,
-        fsdp=fsdp,
+        mesh=mesh.with_fsdp(fsdp),
         options=ExecutorOptions(comm_timeout_s=60, trace=False),
     )
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.01, weight_decay=0.1)
@@ -119,7 +119,7 @@ def refusals(mesh: PipelineMesh, pipe: Pipeline) -> list[str]:
     """What bad input raises (before any collective, on every rank alike)."""
     out = []
     try:
-        Pipeline(layers(), mlp_loss, "zb-h1", microbatches=M, group=mesh.pp_group, fsdp=True)
+        build_mesh(PP, 1, fsdp=True)  # refused before any collective
     except ValueError as e:
         out.append(str(e))
     try:

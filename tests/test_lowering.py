@@ -9,7 +9,8 @@ from zerobubble.interop.torch_pipelining import torch_schedule
 from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.generators import GENERATORS, generate
 from zerobubble.schedule.ir import BW, F, Schedule
-from zerobubble.schedule.lowering import (
+from zerobubble.schedule.lowering import check_comm_order, lower
+from zerobubble.schedule.program import (
     Compute,
     LoweredSchedule,
     Message,
@@ -18,10 +19,8 @@ from zerobubble.schedule.lowering import (
     Send,
     WaitRecv,
     WaitSends,
-    check_comm_order,
-    lower,
-    validate_lowered,
 )
+from zerobubble.schedule.program_check import validate_lowered
 
 
 def options(kind: str) -> dict:

@@ -9,15 +9,29 @@ import torch
 
 from generated import generated
 from zerobubble.models import build_mlp, mlp_loss
-from zerobubble.optim.speculation import protocol_program
 from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.comm import TensorMeta
 from zerobubble.runtime.wire import HEADER_BYTES, Header, pack, packed_meta, unpack
 from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.generators import GENERATORS, generate
 from zerobubble.schedule.ir import Op
-from zerobubble.schedule.lowering import Compute, Message, MsgKind, PostRecv, Send, WaitRecv, lower
-from zerobubble.schedule.replay import Gate, VersionCheck, gate_position, plan_gates
+from zerobubble.schedule.lowering import lower
+from zerobubble.schedule.program import (
+    Compute,
+    Gate,
+    Message,
+    MsgKind,
+    PostRecv,
+    Send,
+    VersionCheck,
+    WaitRecv,
+)
+from zerobubble.schedule.replay import gate_position, insert_protocol, plan_gates
+
+
+def protocol_program(lowered, rank, *, speculative):
+    """Rank ``rank``'s program after the protocol pass."""
+    return insert_protocol(lowered, speculative=speculative).programs[rank]
 
 
 def every_schedule():

@@ -10,7 +10,7 @@ from zerobubble.optim.norms import per_tensor_norms
 from zerobubble.profile.bubbles import analyze_iteration
 from zerobubble.profile.stages import stage_profile
 from zerobubble.schedule.ir import Action, Op
-from zerobubble.schedule.lowering import MsgKind
+from zerobubble.schedule.program import MsgKind
 from zerobubble.schedule.trace_format import TraceEvent
 
 

@@ -24,7 +24,7 @@ from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.trainer import PipelineTrainer, stage_kwargs
 from zerobubble.runtime.chunk import LossFn
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
-from zerobubble.runtime.mesh import PipelineMesh
+from zerobubble.runtime.mesh import PipelineMesh, pipeline_group
 from zerobubble.runtime.microbatch import CountFn
 from zerobubble.runtime.partition import (
     LayerSource,
@@ -79,12 +79,13 @@ class Pipeline:
             pipeline runs on ``mesh.pp_group`` and, with ``dp > 1``, each stage's
             gradients are summed over ``mesh.dp_group`` (see
             :class:`~zerobubble.runtime.executor.PipelineExecutor`). Each replica's
-            :meth:`step` gets that replica's part of the global batch.
-        fsdp: Shard every stage's parameters, gradients and optimizer state over the
-            mesh's ``dp`` dimension with FSDP2 (:mod:`~zerobubble.runtime.fsdp`): gathered
-            from the stage's first F to its last W of each step, gradients
-            reduce-scattered (summed) after that W, instead of the reduction of whole
-            gradients. Needs ``mesh`` with ``dp > 1``.
+            :meth:`step` gets that replica's part of the global batch. A mesh built with
+            ``build_mesh(pp, dp, fsdp=True)`` (its
+            :class:`~zerobubble.runtime.mesh.ParallelSpec`) shards every stage's
+            parameters, gradients and optimizer state over ``dp`` with FSDP2
+            (:mod:`~zerobubble.runtime.fsdp`): gathered from the stage's first F to its
+            last W of each step, gradients reduce-scattered (summed) after that W,
+            instead of the reduction of whole gradients.
 
     A parameter the model uses in several layers stays one parameter: layers of
     a stage share it; stages share it as a tie whose replicas take one summed
@@ -116,7 +117,6 @@ class Pipeline:
         copy_layers: bool = True,
         tied_check_every: int = 0,
         mesh: PipelineMesh | None = None,
-        fsdp: bool = False,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -128,6 +128,7 @@ class Pipeline:
             if group is not None and group is not mesh.pp_group:
                 raise ValueError("pass either group= or mesh= (the pipeline runs on mesh.pp_group)")
             group = mesh.pp_group
+        fsdp = mesh is not None and mesh.spec.fsdp
         if isinstance(schedule, str):
             if microbatches is None:
                 raise ValueError(
@@ -146,18 +147,8 @@ class Pipeline:
                 f"microbatches={microbatches} but schedule {schedule.name!r} has "
                 f"{schedule.num_microbatches}; drop microbatches= or generate the schedule for it"
             )
+        group = pipeline_group(schedule, mesh, group)
         world = dist.get_world_size(group)
-        if mesh is not None and world != schedule.num_devices:
-            raise ValueError(
-                f"schedule {schedule.name!r} has {schedule.num_devices} devices but the mesh's "
-                f"'pp' dim has {world} ranks (mesh pp={mesh.pp_size} x dp={mesh.dp_size}); build "
-                f"the mesh with pp={schedule.num_devices} or generate the schedule for {world}"
-            )
-        if world != schedule.num_devices:
-            raise ValueError(
-                f"schedule {schedule.name!r} needs {schedule.num_devices} ranks but the process "
-                f"group has {world}; launch with -n {schedule.num_devices}"
-            )
         keys = layer_keys(layers, num_layers)
         stages = build_stage_modules(
             layers,
@@ -177,8 +168,9 @@ class Pipeline:
         tied = [tp.name for tp in shared if len(tp.local) > 1]
         if fsdp and tied:
             raise ValueError(
-                f"fsdp=True with parameters tied across stages ({', '.join(map(repr, tied))}) "
-                "is not supported: untie them or leave fsdp off"
+                f"FSDP (a mesh with fsdp=True) with parameters tied across stages "
+                f"({', '.join(map(repr, tied))}) "
+                "is not supported: untie them or build the mesh with fsdp=False"
             )
         self._first_name = {n: tp.name for tp in shared for n in tp.names}
         self._layer_keys = {s: keys[bounds[s].start : bounds[s].stop] for s in stages}
@@ -191,7 +183,6 @@ class Pipeline:
             device=device,
             options=options,
             mesh=mesh,
-            fsdp=fsdp,
         )
         self.rank = self.executor.rank
         self.schedule = self.executor.schedule

@@ -1,14 +1,15 @@
 """The optimizer's protocol as instructions and hooks for the plain executor.
 
 The executor (:mod:`zerobubble.runtime.executor`) only interprets a program. What
-post-validation needs on top of the lowered schedule is inserted here:
+post-validation needs on top of the lowered schedule is inserted by the builder's
+protocol pass (:func:`~zerobubble.schedule.replay.insert_protocol`, asked for with
+:meth:`~zerobubble.runtime.executor.PipelineExecutor.set_protocol`): a
+:class:`~zerobubble.schedule.program.VersionCheck` before every compute and, for
+speculative mode, the :class:`~zerobubble.schedule.program.Gate` of
+:func:`~zerobubble.schedule.replay.plan_gates` (receive posts moved, what a replay
+drains named); a schedule whose ranks cannot reach their gates is refused there,
+before any message. Here:
 
-* :func:`protocol_program`: a :class:`~zerobubble.schedule.replay.VersionCheck`
-  before every compute and, for speculative mode, the gate plan of
-  :func:`~zerobubble.schedule.replay.plan_gates` (receive posts moved, a
-  :class:`~zerobubble.schedule.replay.Gate` naming what a replay drains). A
-  schedule whose ranks cannot reach their gates is refused here, before any
-  message.
 * :class:`VersionGuard`: the hooks behind those instructions. Every B/W runs on
   its F's parameter version; speculative messages carry a version header
   (:mod:`~zerobubble.runtime.wire`) so stale ones are told from fresh ones, and
@@ -20,40 +21,13 @@ from __future__ import annotations
 import torch
 
 from zerobubble.runtime.comm import TensorMeta
-from zerobubble.runtime.executor import PipelineExecutor, ProgramItem, StepHooks
+from zerobubble.runtime.executor import PipelineExecutor
+from zerobubble.runtime.hooks import StepHooks
 from zerobubble.runtime.wire import Header, pack, packed_meta, unpack
 from zerobubble.schedule.ir import Action, Op
-from zerobubble.schedule.lowering import Compute, LoweredSchedule, Message
-from zerobubble.schedule.replay import Gate, VersionCheck, plan_gates
+from zerobubble.schedule.program import Message
 
-__all__ = ["VersionGuard", "protocol_program"]
-
-
-def protocol_program(
-    lowered: LoweredSchedule, rank: int, *, speculative: bool
-) -> tuple[ProgramItem, ...]:
-    """Rank ``rank``'s program with the protocol's instructions inserted."""
-    drain: tuple[tuple[int, Message], ...]
-    if not speculative:
-        program, gate, drain = lowered.programs[rank], -1, ()
-    else:
-        plan = plan_gates(lowered)
-        program, gate = plan.programs[rank], plan.gates[rank]
-        drain = tuple(
-            (peer, msg)
-            for peer, msgs in plan.stale[rank].items()
-            for msg in msgs[plan.posted[rank].get(peer, 0) :]
-        )
-    out: list[ProgramItem] = []
-    for i, ins in enumerate(program):
-        if i == gate:
-            out.append(Gate(drain))
-        if isinstance(ins, Compute):
-            out.append(VersionCheck(ins.action))
-        out.append(ins)
-    if gate == len(program):
-        out.append(Gate(drain))
-    return tuple(out)
+__all__ = ["VersionGuard"]
 
 
 class VersionGuard(StepHooks):

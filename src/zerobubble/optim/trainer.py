@@ -28,9 +28,9 @@ Modes (:class:`~zerobubble.optim.config.OptimConfig`):
 
 Every rank must call ``step`` and ``drain`` the same number of times. The trainer
 owns the parameter version (``executor.param_version`` follows its
-:class:`~zerobubble.optim.versions.RankVersions`) and loads the protocol's
-program into the executor (:mod:`zerobubble.optim.speculation`). Every wait is
-bounded by the executor's ``comm_timeout_s`` and fails with a
+:class:`~zerobubble.optim.versions.RankVersions`) and has the executor's programs
+built with the protocol's instructions (:mod:`zerobubble.optim.speculation`). Every
+wait is bounded by the executor's ``comm_timeout_s`` and fails with a
 :class:`~zerobubble.runtime.comm.PeerError`; the state messages travel on their
 own channel (:class:`~zerobubble.runtime.comm.Channel`) and are checked on receipt.
 """
@@ -59,11 +59,12 @@ from zerobubble.optim.norms import (
     may_step_early,
 )
 from zerobubble.optim.rollback import make_undo
-from zerobubble.optim.speculation import VersionGuard, protocol_program
+from zerobubble.optim.speculation import VersionGuard
 from zerobubble.optim.versions import OptState, ProtocolError, RankVersions
 from zerobubble.runtime.comm import Channel
 from zerobubble.runtime.executor import PipelineExecutor
 from zerobubble.runtime.tied import TiedGroups
+from zerobubble.schedule.build import Protocol
 from zerobubble.schedule.ir import Action as ComputeAction
 from zerobubble.schedule.step_sim import StepMode
 from zerobubble.schedule.trace_format import TraceEvent
@@ -125,9 +126,9 @@ class PipelineTrainer:
     """Runs iterations of a :class:`PipelineExecutor` with one optimizer per rank.
 
     Args:
-        executor: This rank's executor. The trainer loads the protocol's program into
-            it (:func:`~zerobubble.optim.speculation.protocol_program`); a schedule that
-            cannot replay speculative work is refused here.
+        executor: This rank's executor. The trainer has its programs rebuilt with the
+            protocol's instructions (:meth:`PipelineExecutor.set_protocol`); a schedule
+            that cannot replay speculative work is refused here.
         optimizer: Any ``torch.optim.Optimizer`` over (a subset of) this rank's
             stage parameters, e.g. built from :attr:`params`.
         config: See :class:`OptimConfig`.
@@ -183,9 +184,7 @@ class PipelineTrainer:
                 "parameters stale); use the synchronous step (OptimConfig(mode='sync'))"
             )
         self._combine = None if sharding is None else sharding.combine_norms
-        executor.load_program(
-            protocol_program(executor.lowered, executor.rank, speculative=self.config.speculative)
-        )
+        executor.set_protocol(Protocol.SPECULATIVE if self.config.speculative else Protocol.CHECKED)
         self.undo = make_undo(optimizer, self.config.rollback) if pv else None
         self.norm_params = (
             self.stage_params if tied is None else tied.norm_params(self.stage_params)

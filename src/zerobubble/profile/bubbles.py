@@ -56,7 +56,7 @@ from dataclasses import dataclass, replace
 from zerobubble.schedule.clocks import clock_offsets
 from zerobubble.schedule.deps import Key, needs, produces
 from zerobubble.schedule.ir import Action, Op
-from zerobubble.schedule.lowering import MsgKind
+from zerobubble.schedule.program import MsgKind
 from zerobubble.schedule.trace_format import EventOp, MessageId, TraceEvent
 
 CATEGORIES = ("dependency", "memory", "comm", "imbalance", "overhead")

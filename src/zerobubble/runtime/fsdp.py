@@ -46,7 +46,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.comm import P2P
-from zerobubble.schedule.sharding import ShardAction, ShardOp, T, insert_sharding
+from zerobubble.schedule.program import ShardAction, ShardOp
 
 __all__ = ["ShardedStages"]
 
@@ -109,12 +109,8 @@ class ShardedStages:
         m.set_force_sum_reduction_for_comms(True)  # gloo has no AVG / PREMUL_SUM
         return m
 
-    def insert(self, program: Sequence[T]) -> tuple[T | ShardAction, ...]:
-        """``program`` with this rank's unshard and reduce-scatter instructions."""
-        return insert_sharding(program, self.modules)
-
     def run(self, action: ShardAction) -> None:
-        """Carry out one instruction of :func:`insert_sharding`."""
+        """Carry out one instruction of :func:`~zerobubble.schedule.sharding.insert_sharding`."""
         units, chunk = self.units[action.stage], self.chunks[action.stage]
         if action.op is ShardOp.UNSHARD:
             for m in units:

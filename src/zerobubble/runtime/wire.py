@@ -25,7 +25,7 @@ from torch import Tensor
 
 from zerobubble.runtime.comm import TensorMeta
 from zerobubble.runtime.shapes import Layout
-from zerobubble.schedule.lowering import Message, MsgKind
+from zerobubble.schedule.program import Message, MsgKind
 
 HEADER_BYTES = 64
 """Header size: eight int64 values; a multiple of 64 so that the payload keeps the

@@ -10,16 +10,15 @@ the program, before the optimizer's tail (norm, clipping, NaN/Inf check), joins
 them all.
 
 Pure and torch-free, like :mod:`~zerobubble.schedule.lowering`; the runtime
-interprets :class:`~zerobubble.schedule.lowering.ReduceGrads` and
-:class:`~zerobubble.schedule.lowering.WaitReduce`.
+interprets :class:`~zerobubble.schedule.program.ReduceGrads` and
+:class:`~zerobubble.schedule.program.WaitReduce`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from zerobubble.schedule.ir import Op
-from zerobubble.schedule.lowering import (
+from zerobubble.schedule.program import (
     Compute,
     Instruction,
     LoweredSchedule,
@@ -30,16 +29,17 @@ from zerobubble.schedule.lowering import (
 
 __all__ = ["insert_grad_reduce", "last_weight_compute"]
 
-_WEIGHT = (Op.W, Op.BW)
-"""The computes that add to a stage's parameter gradients."""
-
 
 def last_weight_compute(program: Sequence[object], stage: int) -> int:
     """Index in ``program`` of the last W or BW of ``stage`` (-1 when there is none): where
     the stage's gradients of the step are complete (dp's reduce and FSDP's reduce-scatter)."""
     for i in range(len(program) - 1, -1, -1):
         ins = program[i]
-        if isinstance(ins, Compute) and ins.action.stage == stage and ins.action.op in _WEIGHT:
+        if (
+            isinstance(ins, Compute)
+            and ins.action.stage == stage
+            and ins.action.op.adds_weight_grad
+        ):
             return i
     return -1
 

@@ -12,166 +12,35 @@ two ranks strictly in order, so for every ordered pair of devices the receiver
 must post its receives in the order the sender sends. The pass guarantees it
 by construction (receives are hoisted when a device consumes messages in
 another order than its peer produces them); :func:`check_comm_order` verifies
-it on any program, and :func:`validate_lowered` runs the programs in a model
-of the transport (sends buffered, receives posted ahead) to refuse anything
-that could deadlock.
+it on any program, and
+:func:`~zerobubble.schedule.program_check.validate_program` runs the finished
+programs in a model of the transport (sends buffered, receives posted ahead) to
+refuse anything that could deadlock. The instructions are those of
+:mod:`~zerobubble.schedule.program`.
 
 This module is pure and torch-free.
 """
 
 from __future__ import annotations
 
-import enum
-from collections import Counter, defaultdict
-from dataclasses import dataclass
+from collections import defaultdict
 
-from zerobubble.schedule.deps import Key, Kind, needs, producer, produces
 from zerobubble.schedule.errors import Reason, ScheduleError
-from zerobubble.schedule.ir import Action, Op, Schedule
+from zerobubble.schedule.ir import Schedule
+from zerobubble.schedule.program import (
+    Compute,
+    Instruction,
+    LoweredSchedule,
+    Message,
+    PostRecv,
+    Send,
+    WaitRecv,
+    WaitSends,
+    input_message,
+    output_message,
+)
 
-
-class MsgKind(enum.StrEnum):
-    """What a message carries: the :class:`~zerobubble.schedule.deps.Kind` values that travel."""
-
-    ACT = Kind.ACT.value
-    """The output activation of F(s, j), consumed by F(s+1, j)."""
-    GRAD = Kind.GRAD.value
-    """The input gradient of B/BW(s, j), consumed by B/BW(s-1, j)."""
-
-    __hash__ = str.__hash__
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class Message:
-    """A tensor crossing a stage boundary; its fields are its stable id."""
-
-    kind: MsgKind
-    src_stage: int
-    dst_stage: int
-    mb: int
-
-    def __str__(self) -> str:
-        return f"{self.kind.value}(s{self.src_stage}->s{self.dst_stage},mb{self.mb})"
-
-
-@dataclass(frozen=True, slots=True)
-class Compute:
-    """Run one compute action (F, B, W or BW) of a stage held by this device."""
-
-    action: Action
-
-    def __str__(self) -> str:
-        return str(self.action)
-
-
-@dataclass(frozen=True, slots=True)
-class PostRecv:
-    """Post a non-blocking receive of ``msg`` from device ``peer`` (it lands in the background)."""
-
-    msg: Message
-    peer: int
-
-    def __str__(self) -> str:
-        return f"post_recv {self.msg} from device {self.peer}"
-
-
-@dataclass(frozen=True, slots=True)
-class WaitRecv:
-    """Block until the posted receive of ``msg`` from ``peer`` has completed."""
-
-    msg: Message
-    peer: int
-
-    def __str__(self) -> str:
-        return f"wait_recv {self.msg} from device {self.peer}"
-
-
-@dataclass(frozen=True, slots=True)
-class Send:
-    """Start an asynchronous send of ``msg`` to device ``peer`` (never waited on here)."""
-
-    msg: Message
-    peer: int
-
-    def __str__(self) -> str:
-        return f"send {self.msg} to device {self.peer}"
-
-
-@dataclass(frozen=True, slots=True)
-class WaitSends:
-    """Block until every send this device started has completed (end of a step)."""
-
-    def __str__(self) -> str:
-        return "wait_sends"
-
-
-@dataclass(frozen=True, slots=True)
-class ReduceGrads:
-    """Start an asynchronous sum of ``stage``'s parameter gradients over the data-parallel
-    replicas (inserted by :func:`zerobubble.schedule.dp.insert_grad_reduce` right after
-    the stage's last W or BW of the step)."""
-
-    stage: int
-
-    def __str__(self) -> str:
-        return f"reduce_grads s{self.stage}"
-
-
-@dataclass(frozen=True, slots=True)
-class WaitReduce:
-    """Block until every gradient reduction this device started has completed."""
-
-    def __str__(self) -> str:
-        return "wait_reduce"
-
-
-Instruction = Compute | PostRecv | WaitRecv | Send | WaitSends | ReduceGrads | WaitReduce
-
-
-@dataclass(frozen=True)
-class LoweredSchedule:
-    """A schedule with one program of instructions per device.
-
-    Attributes:
-        schedule: The compute schedule it was lowered from.
-        programs: ``programs[d]`` is device ``d``'s instruction list.
-    """
-
-    schedule: Schedule
-    programs: tuple[tuple[Instruction, ...], ...]
-
-    def messages(self, device: int) -> tuple[Message, ...]:
-        """Messages device ``device`` receives, in the order it posts them."""
-        return tuple(i.msg for i in self.programs[device] if isinstance(i, PostRecv))
-
-
-# ---- messages of an action -------------------------------------------------------------------
-
-
-def input_message(action: Action, num_stages: int) -> Message | None:
-    """The tensor ``action`` consumes from a neighbouring stage, if any (local or not)."""
-    for k in needs(action.op, action.stage, action.mb, num_stages):
-        if k.kind.travels:
-            return Message(MsgKind(k.kind.value), k.stage, k.consumer_stage, k.mb)
-    return None
-
-
-def output_message(action: Action, num_stages: int) -> Message | None:
-    """The tensor ``action`` produces for a neighbouring stage, if any (local or not)."""
-    for k in produces(action.op, action.stage, action.mb, num_stages):
-        if k.kind.travels:
-            return Message(MsgKind(k.kind.value), k.stage, k.consumer_stage, k.mb)
-    return None
-
-
-def message_key(msg: Message) -> Key:
-    """The dependency key a message carries."""
-    return Key(Kind(msg.kind.value), msg.src_stage, msg.mb)
-
-
-def producer_of(msg: Message) -> Action:
-    """The compute action that produces ``msg`` (B for a gradient; BW has the same output)."""
-    return producer(message_key(msg))
+__all__ = ["check_comm_order", "lower"]
 
 
 # ---- the pass ----------------------------------------------------------------------------------
@@ -277,136 +146,3 @@ def check_comm_order(lowered: LoweredSchedule) -> None:
                     device=dev,
                     position=pos,
                 )
-
-
-def validate_lowered(lowered: LoweredSchedule) -> None:
-    """Run the programs in a model of the transport; raise ``ScheduleError`` if they
-    cannot complete.
-
-    Model (gloo's, and NCCL's with one communicator per direction, see
-    :mod:`zerobubble.runtime.comm`): issuing a :class:`Send` or :class:`PostRecv`
-    never blocks; the k-th receive a device posts from a peer matches the k-th
-    message that peer sends to it; :class:`WaitRecv` blocks until its message
-    was sent; :class:`WaitSends` blocks until every message the device sent has
-    a posted receive.
-
-    A compute must find its inputs (a completed receive, or the local producer
-    having run). Reports ``COMM_ORDER`` for a mismatched match, ``MISSING`` for
-    an input nobody delivered, ``DEADLOCK`` naming every stuck instruction when
-    no device can advance.
-    """
-    sched = lowered.schedule
-    P, S = sched.num_devices, sched.num_stages
-    progs = lowered.programs
-    pc = [0] * P
-    sent: dict[tuple[int, int], list[Message]] = defaultdict(list)  # (src, dst) -> issued
-    posted: dict[tuple[int, int], list[Message]] = defaultdict(list)  # (src, dst) -> posted
-    arrived: list[set[Message]] = [set() for _ in range(P)]  # completed receives
-    made: list[set[Key]] = [set() for _ in range(P)]  # what each device's computes produced
-    weights: list[Counter[int]] = [Counter() for _ in range(P)]  # stage -> W/BW run
-    reducing: list[set[int]] = [set() for _ in range(P)]  # stages whose reduction started
-
-    def fail(reason: Reason, d: int, msg: str) -> ScheduleError:
-        ins = progs[d][pc[d]]
-        act = ins.action if isinstance(ins, Compute) else None
-        return ScheduleError(reason, f"{ins}: {msg}", device=d, position=pc[d], action=act)
-
-    def match(src: int, dst: int, k: int, d: int) -> Message | None:
-        """The k-th message src sent to dst, if sent yet; it must be the k-th posted one."""
-        if len(sent[src, dst]) <= k or len(posted[src, dst]) <= k:
-            return None
-        if sent[src, dst][k] != posted[src, dst][k]:
-            raise fail(
-                Reason.COMM_ORDER,
-                d,
-                f"receive #{k} of device {dst} from device {src} is {posted[src, dst][k]} but "
-                f"device {src} sent {sent[src, dst][k]}",
-            )
-        return sent[src, dst][k]
-
-    def step(d: int) -> bool:
-        """Execute device d's next instruction if it can run; report whether it did."""
-        ins = progs[d][pc[d]]
-        if isinstance(ins, PostRecv):
-            posted[ins.peer, d].append(ins.msg)
-        elif isinstance(ins, WaitRecv):
-            if ins.msg not in posted[ins.peer, d]:
-                raise fail(Reason.MISSING, d, "waits for a receive that was never posted")
-            if match(ins.peer, d, posted[ins.peer, d].index(ins.msg), d) is None:
-                return False
-            arrived[d].add(ins.msg)
-        elif isinstance(ins, Send):
-            if message_key(ins.msg) not in made[d]:
-                raise fail(Reason.MISSING, d, f"sent before {producer_of(ins.msg)} produced it")
-            sent[d, ins.peer].append(ins.msg)
-        elif isinstance(ins, WaitSends):
-            for dst in range(P):
-                if len(posted[d, dst]) < len(sent[d, dst]):
-                    return False
-        elif isinstance(ins, ReduceGrads):
-            if weights[d][ins.stage] != sched.num_microbatches or ins.stage in reducing[d]:
-                raise fail(
-                    Reason.MISSING,
-                    d,
-                    f"reduces stage {ins.stage}'s gradients after "
-                    f"{weights[d][ins.stage]} of its {sched.num_microbatches} weight "
-                    "gradients, or twice (it must follow the stage's last W or BW, once)",
-                )
-            reducing[d].add(ins.stage)
-        elif isinstance(ins, WaitReduce):
-            if reducing[d] != set(sched.stages_of_device[d]):
-                raise fail(
-                    Reason.MISSING,
-                    d,
-                    f"waits for the reductions of stages {sorted(sched.stages_of_device[d])} "
-                    f"but only {sorted(reducing[d])} were started",
-                )
-        else:
-            a = ins.action
-            if a.op is Op.W or a.op is Op.BW:
-                if a.stage in reducing[d]:
-                    raise fail(
-                        Reason.MISSING,
-                        d,
-                        f"adds to stage {a.stage}'s gradients after their reduction started",
-                    )
-                weights[d][a.stage] += 1
-            keys = needs(a.op, a.stage, a.mb, S)
-            # Messages first, then what this stage itself keeps (the F before a backward...).
-            for k in sorted(keys, key=lambda k: not k.kind.travels):
-                if not k.kind.travels:
-                    if k not in made[d]:
-                        raise fail(Reason.MISSING, d, f"{producer(k)} has not run here")
-                    continue
-                need = Message(MsgKind(k.kind.value), k.stage, k.consumer_stage, k.mb)
-                local = sched.placement[k.stage] == d
-                if not (k in made[d] if local else need in arrived[d]):
-                    how = "its producer has not run here" if local else "no WaitRecv precedes it"
-                    raise fail(Reason.MISSING, d, f"input {need} is not available ({how})")
-            made[d].update(produces(a.op, a.stage, a.mb, S))
-        pc[d] += 1
-        return True
-
-    progressed = True
-    while progressed:
-        progressed = False
-        for d in range(P):
-            while pc[d] < len(progs[d]) and step(d):
-                progressed = True
-    stuck = [d for d in range(P) if pc[d] < len(progs[d])]
-    if stuck:
-        parts = [f"device {d} at position {pc[d]} ({progs[d][pc[d]]})" for d in stuck]
-        raise fail(
-            Reason.DEADLOCK,
-            stuck[0],
-            "the programs cannot finish; stuck: " + "; ".join(parts),
-        )
-    for src, dst in sorted(set(sent) | set(posted)):
-        n_sent, n_posted = len(sent[src, dst]), len(posted[src, dst])
-        if n_sent != n_posted:
-            raise ScheduleError(
-                Reason.COMM_ORDER,
-                f"device {dst} posted {n_posted} receives from device {src} "
-                f"but device {src} sent {n_sent} messages to it",
-                device=dst,
-            )

@@ -21,9 +21,11 @@ Two properties make that safe, and :func:`plan_gates` establishes both:
   (checked on a transport model), so no rank waits, at or before its gate, for
   something a peer would do only after validating.
 
-The optimizer layer turns a plan into instructions (:class:`Gate`,
-:class:`VersionCheck`) that the executor interprets without knowing why. This
-module is pure and torch-free.
+:func:`insert_protocol` is the program pass that turns a plan into instructions
+(:class:`~zerobubble.schedule.program.Gate`,
+:class:`~zerobubble.schedule.program.VersionCheck`) that the executor interprets
+without knowing why; the optimizer's hooks act on them. This module is pure and
+torch-free.
 """
 
 from __future__ import annotations
@@ -31,49 +33,20 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from zerobubble.schedule.errors import Reason, ScheduleError
-from zerobubble.schedule.ir import Action
-from zerobubble.schedule.lowering import (
+from zerobubble.schedule.program import (
     Compute,
+    Gate,
     Instruction,
     LoweredSchedule,
     Message,
     MsgKind,
     PostRecv,
-    Send,
+    VersionCheck,
     WaitRecv,
-    validate_lowered,
 )
+from zerobubble.schedule.program_check import check_reachable, stale_messages, validate_lowered
 
-__all__ = ["Gate", "GatePlan", "VersionCheck", "gate_position", "plan_gates"]
-
-
-@dataclass(frozen=True)
-class Gate:
-    """Instruction: the replay gate. The caller validates here and may ask for a replay.
-
-    On a replay the interpreter posts ``drain`` (the stale messages peers sent before
-    their gates that this rank had not posted yet), waits for every posted receive,
-    discards the step's work and runs the program again from its start (passing the
-    gate without stopping).
-    """
-
-    drain: tuple[tuple[int, Message], ...]
-    """``(peer, message)`` in the order to post them."""
-
-    def __str__(self) -> str:
-        return f"replay gate ({len(self.drain)} stale messages to drain on a replay)"
-
-
-@dataclass(frozen=True)
-class VersionCheck:
-    """Instruction before a compute: the caller records (F) or checks (B, W, BW) the
-    parameter version its microbatch runs on."""
-
-    action: Action
-
-    def __str__(self) -> str:
-        return f"version check of {self.action}"
+__all__ = ["GatePlan", "gate_position", "insert_protocol", "plan_gates"]
 
 
 @dataclass(frozen=True)
@@ -110,65 +83,64 @@ def plan_gates(lowered: LoweredSchedule) -> GatePlan:
     """Place a gate in every device's program; raise ``ScheduleError`` if a replay could stall.
 
     The gated programs are checked with
-    :func:`~zerobubble.schedule.lowering.validate_lowered`, and every device must
+    :func:`~zerobubble.schedule.program_check.validate_lowered`, and every device must
     reach its gate with only the other devices' pre-gate instructions
     (``Reason.DEADLOCK`` naming the stuck devices otherwise).
     """
     P = lowered.schedule.num_devices
     first = [gate_position(prog) for prog in lowered.programs]
-    early: dict[tuple[int, int], list[Message]] = defaultdict(list)  # (src, dst) -> pre-gate sends
+    stale = stale_messages(lowered.programs, first)
+    programs, gates, posted = [], [], []
     for d, prog in enumerate(lowered.programs):
-        for ins in prog[: first[d]]:
-            if isinstance(ins, Send):
-                early[d, ins.peer].append(ins.msg)
-    programs, gates, stale, posted = [], [], [], []
-    for d, prog in enumerate(lowered.programs):
+        early = {m for msgs in stale[d].values() for m in msgs}
         keep: list[Instruction] = []
         moved: list[Instruction] = []
         for ins in prog[: first[d]]:
-            late = isinstance(ins, PostRecv) and ins.msg not in early[ins.peer, d]
+            late = isinstance(ins, PostRecv) and ins.msg not in early
             (moved if late else keep).append(ins)
         programs.append((*keep, *moved, *prog[first[d] :]))
         gates.append(len(keep))
-        stale.append({p: tuple(early[p, d]) for p in range(P) if early[p, d]})
         counts: dict[int, int] = defaultdict(int)
         for ins in keep:
             if isinstance(ins, PostRecv):
                 counts[ins.peer] += 1
         posted.append(dict(counts))
+    assert len(programs) == P
     plan = GatePlan(tuple(programs), tuple(gates), tuple(stale), tuple(posted))
-    _check_reachable(plan, lowered.schedule.name)
+    check_reachable(plan.programs, plan.gates, lowered.schedule.name)
     validate_lowered(LoweredSchedule(lowered.schedule, plan.programs))
     return plan
 
 
-def _check_reachable(plan: GatePlan, name: str) -> None:
-    """Every device reaches its gate while every device stops at its own gate."""
-    sent: dict[tuple[int, int], set[Message]] = defaultdict(set)
-    pc = [0] * len(plan.programs)
-    progressed = True
-    while progressed:
-        progressed = False
-        for d, prog in enumerate(plan.programs):
-            while pc[d] < plan.gates[d]:
-                ins = prog[pc[d]]
-                if isinstance(ins, WaitRecv) and ins.msg not in sent[ins.peer, d]:
-                    break
-                if isinstance(ins, Send):
-                    sent[d, ins.peer].add(ins.msg)
-                pc[d] += 1
-                progressed = True
-    stuck = [d for d in range(len(pc)) if pc[d] < plan.gates[d]]
-    if stuck:
-        d = stuck[0]
-        ins = plan.programs[d][pc[d]]
-        what = "; ".join(f"device {x} at {plan.programs[x][pc[x]]}" for x in stuck)
-        raise ScheduleError(
-            Reason.DEADLOCK,
-            f"schedule {name!r} cannot replay speculative work: before their first backward "
-            f"these devices wait for work another device does only after its own first "
-            f"backward: {what}. Use conservative post-validation (speculative=False).",
-            device=d,
-            position=pc[d],
-            action=ins.action if isinstance(ins, Compute) else None,
-        )
+def insert_protocol(lowered: LoweredSchedule, *, speculative: bool) -> LoweredSchedule:
+    """The optimizer's protocol pass: a :class:`VersionCheck` right before every compute
+    and, with ``speculative``, the :class:`Gate` of :func:`plan_gates` (receive posts moved,
+    the stale messages a replay drains named). A schedule whose ranks cannot reach their
+    gates is refused here (``ScheduleError``), before any message."""
+    if not speculative:
+        programs, gates = lowered.programs, [-1] * len(lowered.programs)
+        drains: list[tuple[tuple[int, Message], ...]] = [()] * len(programs)
+    else:
+        plan = plan_gates(lowered)
+        programs, gates = plan.programs, list(plan.gates)
+        drains = [
+            tuple(
+                (peer, msg)
+                for peer, msgs in plan.stale[d].items()
+                for msg in msgs[plan.posted[d].get(peer, 0) :]
+            )
+            for d in range(len(programs))
+        ]
+    out = []
+    for prog, gate, drain in zip(programs, gates, drains, strict=True):
+        items: list[Instruction] = []
+        for i, ins in enumerate(prog):
+            if i == gate:
+                items.append(Gate(drain))
+            if isinstance(ins, Compute):
+                items.append(VersionCheck(ins.action))
+            items.append(ins)
+        if gate == len(prog):
+            items.append(Gate(drain))
+        out.append(items)
+    return lowered.with_programs(out)

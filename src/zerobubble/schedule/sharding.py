@@ -6,7 +6,8 @@ reduce-scattered once its last weight gradient is in. In a zero-bubble schedule
 that last W comes late (after the B of every microbatch), so the gathered
 parameters are kept from the first F to the last W of the step: gathering them
 again for B or W would cost one all-gather per action, and B's saved tensors
-reference them anyway. :func:`insert_sharding` places one :class:`ShardAction`
+reference them anyway. :func:`insert_sharding` places one
+:class:`~zerobubble.schedule.program.ShardAction`
 of each kind per stage; the runtime (:mod:`zerobubble.runtime.fsdp`) carries them
 out, the executor only dispatches them.
 
@@ -20,43 +21,17 @@ This module is pure and torch-free.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import TypeVar
 
 from zerobubble.schedule.dp import last_weight_compute
-from zerobubble.schedule.lowering import Compute
+from zerobubble.schedule.program import Compute, Instruction, LoweredSchedule, ShardAction, ShardOp
 
-__all__ = ["ShardAction", "ShardOp", "insert_sharding"]
-
-T = TypeVar("T")
+__all__ = ["insert_sharding", "shard_programs"]
 
 
-class ShardOp(enum.StrEnum):
-    """What a sharded stage does with its parameters."""
-
-    UNSHARD = "unshard"
-    """All-gather the stage's parameters (before its first F of the step)."""
-    REDUCE = "reduce_scatter"
-    """Reduce-scatter its gradients over the replicas, then free the gathered
-    parameters (after its last W or BW of the step)."""
-
-    __hash__ = str.__hash__
-
-
-@dataclass(frozen=True, slots=True)
-class ShardAction:
-    """Instruction: ``op`` on the parameters of ``stage``."""
-
-    op: ShardOp
-    stage: int
-
-    def __str__(self) -> str:
-        return f"{self.op.value}(s{self.stage})"
-
-
-def insert_sharding(program: Sequence[T], stages: Iterable[int]) -> tuple[T | ShardAction, ...]:
+def insert_sharding(
+    program: Sequence[Instruction], stages: Iterable[int]
+) -> tuple[Instruction, ...]:
     """``program`` with an UNSHARD of each of ``stages`` before its first compute and a
     REDUCE after its last one.
 
@@ -86,9 +61,17 @@ def insert_sharding(program: Sequence[T], stages: Iterable[int]) -> tuple[T | Sh
             )
         before.setdefault(first[s], []).append(ShardAction(ShardOp.UNSHARD, s))
         after.setdefault(last[s], []).append(ShardAction(ShardOp.REDUCE, s))
-    out: list[T | ShardAction] = []
+    out: list[Instruction] = []
     for i, ins in enumerate(items):
         out.extend(before.get(i, ()))
         out.append(ins)
         out.extend(after.get(i, ()))
     return tuple(out)
+
+
+def shard_programs(lowered: LoweredSchedule) -> LoweredSchedule:
+    """The FSDP pass: :func:`insert_sharding` of every device's stages in its program."""
+    sched = lowered.schedule
+    return lowered.with_programs(
+        insert_sharding(prog, sched.stages_of_device[d]) for d, prog in enumerate(lowered.programs)
+    )

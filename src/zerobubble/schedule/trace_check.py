@@ -57,7 +57,7 @@ from pathlib import Path
 from zerobubble.schedule.clocks import pair_bounds
 from zerobubble.schedule.deps import LOCAL_PRODUCER, Key, needs, produces
 from zerobubble.schedule.ir import Op
-from zerobubble.schedule.lowering import MsgKind
+from zerobubble.schedule.program import MsgKind
 from zerobubble.schedule.trace_format import (
     COMPUTE_OPS,
     MESSAGE_OPS,

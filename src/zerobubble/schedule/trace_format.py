@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from zerobubble.schedule.ir import Action, Op
-from zerobubble.schedule.lowering import MsgKind
+from zerobubble.schedule.program import MsgKind
 from zerobubble.schedule.textfile import decode
 
 COMPUTE_OPS = tuple(Op)

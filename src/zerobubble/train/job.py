@@ -71,7 +71,7 @@ from zerobubble.runtime.tied import TiedGroups, find_shared
 from zerobubble.runtime.trace import gather_traces
 from zerobubble.schedule.costs import CostModel, CostSpec
 from zerobubble.schedule.generators import generate, one_f_one_b
-from zerobubble.schedule.ir import Op, Schedule
+from zerobubble.schedule.ir import Schedule
 from zerobubble.schedule.passes import fuse_local_backward
 from zerobubble.schedule.search.graph import min_feasible_limit
 from zerobubble.schedule.simulate import SimResult, simulate

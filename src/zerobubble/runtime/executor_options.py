@@ -1,0 +1,80 @@
+"""How a :class:`~zerobubble.runtime.executor.PipelineExecutor` runs: its options, documented.
+
+Each field is checked when the options are made, so a bad value is refused before
+any process group or stage exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerobubble.runtime.recompute import Recompute, recompute_plan
+from zerobubble.runtime.rng import StageRng
+
+__all__ = ["ExecutorOptions"]
+
+
+@dataclass(frozen=True)
+class ExecutorOptions:
+    """How a :class:`PipelineExecutor` runs."""
+
+    comm_timeout_s: float = 60.0
+    """Longest a single wait on a peer (a receive, the final send flush, a layout
+    message) may block; past it the step raises :class:`~zerobubble.runtime.comm.PeerError`
+    naming the peer and the instruction. A dead peer is usually reported sooner."""
+
+    recv_lookahead: int = 2
+    """How many compute actions before its consumer a receive is posted (more overlap,
+    more receive buffers held); see :func:`~zerobubble.schedule.lowering.lower`."""
+
+    directed_groups: bool | None = None
+    """Give each direction of each communicating rank pair its own subgroup. None picks
+    it for every backend but gloo (NCCL would otherwise serialise both directions and
+    can deadlock, see :mod:`~zerobubble.runtime.comm`). With a mesh, every pipeline of
+    the job runs the same schedule and every rank creates every pipeline's subgroups
+    (``new_group`` is collective over the default group); without one the pipeline's
+    group must be the whole default group."""
+
+    trace: bool = True
+    """Record a :class:`~zerobubble.runtime.trace.TraceEvent` per executed instruction
+    in :attr:`PipelineExecutor.trace` (one ``held_bytes`` query per compute: only
+    computes change what the stages hold). The stages then track their saved tensors
+    (``StageChunk(track_memory=True)``), a Python call per saved tensor in F and in B;
+    turn it off for the fastest steps."""
+
+    fuse_local_backward: bool = True
+    """Run a B immediately followed by its own W as one BW where no other device waits
+    for that B (stage 0, or a stage whose upstream neighbour shares the device; see
+    :func:`~zerobubble.schedule.passes.fuse_local_backward`). Every order and
+    cross-device dependency stays the same; one ordinary backward is cheaper than B
+    plus W. :attr:`PipelineExecutor.schedule` and the trace then show BW: turn it off
+    to measure B and W of every stage (profiling)."""
+
+    retain_host_memory: bool | None = None
+    """Keep freed host memory in the process for reuse instead of returning it to the
+    OS (glibc ``mallopt``, see :mod:`~zerobubble.runtime.host_memory`): a step then
+    does not page-fault its activations back in. Process-wide and permanent; resident
+    memory stays near its peak. None turns it on when the stages run on the CPU."""
+
+    seed: int = 0
+    """Seed of the stages' randomness: every forward of stage ``s`` on microbatch ``j`` in
+    step ``k`` (:attr:`PipelineExecutor.iteration`) runs with the CPU's and the device's
+    default generators set to a state derived from ``(seed, k, s, j)``
+    (:class:`~zerobubble.runtime.rng.StageRng`), and the caller's states are restored after
+    it. Dropout then draws the same under every schedule and on a replay, bitwise as
+    :func:`~zerobubble.runtime.reference.reference_step` given the same seed. Every rank
+    must use the same seed."""
+
+    recompute: Recompute = "none"
+    """Activation checkpointing of the stages the executor wraps (``StageChunk(recompute=)``,
+    see :mod:`~zerobubble.runtime.recompute`): "none", "stage", "layers" or a predicate
+    ``(layer name, module) -> bool``. F keeps only the checkpointed inputs; B recomputes
+    (with F's generator state: dropout draws the same) and keeps what W needs."""
+
+    def __post_init__(self) -> None:
+        if not self.comm_timeout_s > 0:
+            raise ValueError(f"comm_timeout_s must be > 0 seconds, got {self.comm_timeout_s}")
+        if self.recv_lookahead < 0:
+            raise ValueError(f"recv_lookahead must be >= 0, got {self.recv_lookahead}")
+        StageRng(self.seed, "cpu")  # a seed out of range is refused here
+        recompute_plan(self.recompute)  # and a recompute setting that is not one
