@@ -69,23 +69,17 @@ class ChunkTransforms:
             )
 
 
-def _compile(chunk: StageChunk, backend: str) -> list[str]:
+def _compile(chunk: StageChunk, backend: str) -> None:
     """Compile ``chunk``'s module around its split layers, each direct child on its own.
 
     Per child (a block, as torchtitan compiles per block): stage cuts fall between
     children, so the compiled regions, and with them the rounding, do not depend on
     where the pipeline cuts the model, and identical blocks share one compiled code. A
-    module without children is considered whole. Returns the compiled modules' names in
-    the chunk's module (``""`` for the module itself).
+    module without children is considered whole.
     """
-    children = list(chunk.module.named_children())
-    if not children:
-        return compile_between_splits(chunk.module, backend=backend)
-    return [
-        f"{name}.{sub}" if sub else name
-        for name, child in children
-        for sub in compile_between_splits(child, backend=backend)
-    ]
+    children = list(chunk.module.children()) or [chunk.module]
+    for child in children:
+        compile_between_splits(child, backend=backend)
 
 
 def prepare_chunks(
