@@ -14,6 +14,8 @@ from zerobubble.runtime.split import (
     WeightGradStore,
     enable_bw_split,
 )
+from zerobubble.runtime.split.fallback import GraphSplit, install_graph_split
+from zerobubble.runtime.split.store import WeightGradFn
 
 pytestmark = pytest.mark.bitwise  # also run under other kernel paths (Makefile)
 
@@ -428,3 +430,24 @@ def test_autocast_outside_record_matches_nn_linear() -> None:
     want.float().sum().backward()
     assert torch.equal(split.weight.grad, lin.weight.grad)
     assert torch.equal(split.bias.grad, lin.bias.grad)
+
+
+def test_graph_split_is_found_through_its_hooks_and_writes_nothing_into_the_module() -> None:
+    m = nn.LayerNorm(4)
+    keys = set(m.__dict__)
+    first, second = WeightGradStore(), WeightGradStore()
+    install_graph_split(m, first)
+    split = GraphSplit.of(m)
+    assert split is not None and split.store is first
+    assert set(m.__dict__) == keys
+    install_graph_split(m, second)  # rebinds: no second pair of hooks
+    assert GraphSplit.of(m) is split and split.store is second
+    assert len(m._forward_pre_hooks) == len(m._forward_hooks) == 1
+    twin = copy.deepcopy(m)
+    assert GraphSplit.of(twin) not in (None, split)
+    assert GraphSplit.of(nn.LayerNorm(4)) is None
+
+
+def test_weight_grad_fn_takes_group_and_many_together() -> None:
+    with pytest.raises(ValueError, match="give group and many together"):
+        WeightGradFn(lambda gy: [], group=lambda args: None)

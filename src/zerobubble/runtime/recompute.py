@@ -38,7 +38,7 @@ from torch.autograd.graph import GradientEdge
 from torch.utils import _pytree as pytree
 
 from zerobubble.runtime.split.buffers import restored
-from zerobubble.runtime.split.store import Call, GradList, WeightGradStore
+from zerobubble.runtime.split.store import Call, GradList, WeightGradStore, Work
 
 __all__ = [
     "Recompute",
@@ -243,8 +243,8 @@ class _Checkpoint(torch.autograd.Function):
             (o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad
         ]
         wanted = [x for x in xs if x.requires_grad] + [p for p in params if p.requires_grad]
-        edges = [_edge(node) for _, node, _, _ in calls]
-        work = [(held, fn, args) for held, _, fn, args in calls]
+        edges = [_edge(c.node) for c in calls]
+        work = [c.work() for c in calls]
         del calls, outs  # the recorded nodes would keep the recomputed graph alive
         got: Sequence[Tensor | None] = [None] * (len(wanted) + len(edges))
         if live and (wanted or edges):
@@ -288,22 +288,18 @@ def _recording(store: WeightGradStore | None, calls: list[Call], on: bool) -> It
         store.casts = None
 
 
-def _defer(
-    store: WeightGradStore,
-    work: list[tuple[Any, Callable[..., GradList], tuple]],
-    out_grads: Sequence[Tensor | None],
-) -> None:
+def _defer(store: WeightGradStore, work: list[Work], out_grads: Sequence[Tensor | None]) -> None:
     """Hand the recorded calls' weight gradients to the store as this microbatch's W work,
     in the order autograd's backward met the calls (reverse forward order), as B does."""
     pending = [(w, g) for w, g in zip(work, out_grads, strict=True) if g is not None]
     held: list[Tensor] = []
-    for (kept, _, _), gy in pending:
-        held += [*(kept if isinstance(kept, tuple) else (kept,)), gy]
+    for w, gy in pending:
+        held += [*(w.held if isinstance(w.held, tuple) else (w.held,)), gy]
 
     def compute() -> GradList:
         grads: GradList = []
-        for (_, fn, args), gy in reversed(pending):
-            grads += fn(*args, gy)
+        for w, gy in reversed(pending):
+            grads += w.run(gy)
         return grads
 
     store.defer(compute, held, owned=True)

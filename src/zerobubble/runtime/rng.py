@@ -8,8 +8,11 @@ state the caller had is put back afterwards. The same derivation seeds
 :func:`~zerobubble.runtime.reference.reference_step`, which therefore draws
 exactly what any pipelined run draws; a replayed forward draws the same again.
 
-Backward ops draw nothing: autograd keeps dropout's mask from the forward, and
-neither B nor W recomputes a forward (see :mod:`~zerobubble.runtime.bw_split`).
+Backward ops draw nothing new: autograd keeps dropout's mask from the forward; the
+split layers (:mod:`~zerobubble.runtime.split`) recompute nothing; and a forward that
+is recomputed (activation checkpointing's B, :mod:`~zerobubble.runtime.recompute`, or
+the graph-level split's W, :mod:`~zerobubble.runtime.split.fallback`) runs from the
+generator state its F started from, so it draws F's numbers again.
 """
 
 from __future__ import annotations

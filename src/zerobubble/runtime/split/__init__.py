@@ -2,7 +2,7 @@
 
 A pipeline stage must send the gradient of its input upstream as early as
 possible; the gradient of its own weights is only needed before the optimizer
-step. Three parts:
+step. Four parts:
 
 * :mod:`~zerobubble.runtime.split.store`: the :class:`WeightGradStore`, one
   record per (chunk, microbatch), that keeps W's operands from B to W and adds

@@ -22,7 +22,7 @@ microbatch updates them once, as in plain autograd (see
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -31,7 +31,13 @@ from torch.utils import _pytree as pytree
 
 from zerobubble.runtime.split.buffers import restored
 from zerobubble.runtime.split.kernels import _alias, _current
-from zerobubble.runtime.split.store import GradList, WeightGradStore, output_node
+from zerobubble.runtime.split.store import (
+    Call,
+    GradList,
+    WeightGradFn,
+    WeightGradStore,
+    output_node,
+)
 
 __all__ = ["GraphSplit", "install_graph_split"]
 
@@ -70,12 +76,19 @@ class GraphSplit:
     def install(self, module: nn.Module) -> None:
         module.register_forward_pre_hook(self._before, with_kwargs=True)
         module.register_forward_hook(self._after, with_kwargs=True, always_call=True)
-        module.__dict__["_zb_graph_split"] = self
 
     @staticmethod
     def of(module: nn.Module) -> GraphSplit | None:
-        hook = module.__dict__.get("_zb_graph_split")
-        return hook if isinstance(hook, GraphSplit) else None
+        """The graph-level split installed on ``module``, or None.
+
+        Found through the module's own forward pre-hooks, the one record that exists
+        anyway: nothing is written into the user's module, and no registry outlives it.
+        """
+        for hook in module._forward_pre_hooks.values():
+            owner = getattr(hook, "__self__", None)
+            if isinstance(owner, GraphSplit):
+                return owner
+        return None
 
     def params(self) -> list[Tensor]:
         """The module's parameters, in a fixed order."""
@@ -141,7 +154,7 @@ class GraphSplit:
             finally:
                 self._rerun = False
         held = tuple(t for t, _ in replay.versions)
-        calls.append((held, output_node(outs[0]), _recompute, (self, module, replay)))
+        calls.append(Call(held, output_node(outs[0]), _RECOMPUTE, (self, module, replay)))
         return None
 
 
@@ -168,10 +181,17 @@ def _held_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 def _recompute(split: GraphSplit, module: nn.Module, replay: _Replay, gy: Tensor) -> GradList:
     """W of a graph-split call: the forward again, then autograd to the parameters."""
-    return _recompute_many(split, module, [(replay, gy)])
+    return _recompute_calls(split, module, [(replay, gy)])
 
 
-def _recompute_many(
+def _recompute_many(calls: Sequence[tuple[tuple, Tensor]]) -> GradList:
+    """W of a group of graph-split calls (:func:`_recompute_group`), ``(args, output
+    gradient)`` pairs in forward order; the args are the recorded ``(split, module, replay)``."""
+    split, module, _ = calls[0][0]
+    return _recompute_calls(split, module, [(args[2], gy) for args, gy in calls])
+
+
+def _recompute_calls(
     split: GraphSplit, module: nn.Module, calls: Sequence[tuple[_Replay, Tensor]]
 ) -> GradList:
     """W of one or more graph-split calls of ``module`` in one microbatch (``calls`` in
@@ -217,17 +237,18 @@ def _recompute_many(
     ]
 
 
-def _recompute_group(args: tuple) -> tuple | None:
-    """The calls W recomputes together (see ``store._Raw.grads``): those of one module
-    under autocast with its cast cache, where they share a cast; without, each runs alone
-    (exact, and W holds one recomputed graph at a time)."""
+def _recompute_group(args: tuple) -> Hashable | None:
+    """The calls W recomputes together
+    (:attr:`~zerobubble.runtime.split.store.WeightGradFn.group`): those of one module under
+    autocast with its cast cache, where they share a cast; without, each runs alone (exact,
+    and W holds one recomputed graph at a time)."""
     split, _, replay = args
     enabled, dtype, cache = replay.autocast
     return (id(split), dtype) if enabled and cache else None
 
 
-_recompute.many = _recompute_many  # type: ignore[attr-defined]
-_recompute.group = _recompute_group  # type: ignore[attr-defined]
+_RECOMPUTE = WeightGradFn(_recompute, group=_recompute_group, many=_recompute_many)
+"""W of graph-split calls: alone, or a group of one module's calls under autocast's cache."""
 
 
 def install_graph_split(module: nn.Module, store: WeightGradStore) -> None:

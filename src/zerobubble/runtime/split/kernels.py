@@ -35,7 +35,14 @@ from torch.autograd.function import once_differentiable
 from torch.autograd.graph import GradientEdge, Node
 from torch.nn.modules.conv import _ConvNd
 
-from zerobubble.runtime.split.store import GradList, WeightGradStore, cast_back, output_node
+from zerobubble.runtime.split.store import (
+    Call,
+    GradList,
+    WeightGradFn,
+    WeightGradStore,
+    cast_back,
+    output_node,
+)
 
 __all__ = [
     "CONV",
@@ -182,6 +189,10 @@ def _linear_grads(
     return grads
 
 
+_LINEAR_W = WeightGradFn(_linear_grads)
+"""W of recorded linear calls."""
+
+
 class _SplitLinearCtx(Protocol):
     """What autograd's ctx of :class:`_SplitLinearFn` carries from forward to backward."""
 
@@ -308,6 +319,10 @@ def _cast_linear_grads(
     return grads
 
 
+_CAST_LINEAR_W = WeightGradFn(_cast_linear_grads)
+"""W of linear calls recorded under autocast."""
+
+
 class SplitLinear(nn.Module):
     """``nn.Linear`` whose backward defers the weight gradient to a store (B/W split).
 
@@ -366,7 +381,7 @@ class SplitLinear(nn.Module):
             return self._captured(x, lw, lb, dev)
         if not torch.is_autocast_enabled(dev):
             y = F.linear(x, lw, lb)
-            calls.append((x, _product_node(y), _linear_grads, (w, b, need_w, need_b, x)))
+            calls.append(Call(x, _product_node(y), _LINEAR_W, (w, b, need_w, need_b, x)))
             return y
         # Autocast: cast as autocast would (the graph gets the same casts) and keep
         # the cast operands for W, so that W multiplies exactly what autograd would.
@@ -375,7 +390,7 @@ class SplitLinear(nn.Module):
         with torch.autocast(dev, enabled=False):
             y = F.linear(xc, wc, bc)
         args = (w, b, need_w, need_b, xc, wc, bc)
-        calls.append((xc, _product_node(y), _cast_linear_grads, args))
+        calls.append(Call(xc, _product_node(y), _CAST_LINEAR_W, args))
         return y
 
     def _captured(self, x: Tensor, w: Tensor, b: Tensor | None, dev: str) -> Tensor:
@@ -445,8 +460,12 @@ def _embedding_grad(idx: Tensor, args: tuple[int, int, bool], gy: Tensor) -> Ten
 def _embedding_grads(
     weight: Tensor, idx: Tensor, args: tuple[int, int, bool], gy: Tensor
 ) -> GradList:
-    """W of a recorded embedding call (a :data:`~zerobubble.runtime.split.store.Call`)."""
+    """W of a recorded embedding call (a :class:`~zerobubble.runtime.split.store.Call`)."""
     return [(weight, _embedding_grad(idx, args, gy))]
+
+
+_EMBEDDING_W = WeightGradFn(_embedding_grads)
+"""W of recorded embedding calls."""
 
 
 class SplitEmbedding(nn.Module):
@@ -497,7 +516,7 @@ class SplitEmbedding(nn.Module):
                 self.norm_type,
                 self.scale_grad_by_freq,
             )
-            calls.append((idx, output_node(y), _embedding_grads, (w, idx, self.backward_args())))
+            calls.append(Call(idx, output_node(y), _EMBEDDING_W, (w, idx, self.backward_args())))
             return y
         return _SplitEmbeddingFn.apply(idx, w, self)
 
@@ -573,6 +592,10 @@ def _op_grads(
     ]
 
 
+_OP_W = WeightGradFn(_op_grads)
+"""W of recorded :class:`SplitOp` calls."""
+
+
 class SplitOp(nn.Module):
     """A one-op layer whose weight gradients are deferred to a store, per a :class:`Kernel`.
 
@@ -629,7 +652,7 @@ class SplitOp(nn.Module):
                 out, y, operands = self.kernel.forward(self.layer, x, used)
         held = operands[0] if len(operands) == 1 else operands
         args = (self.layer, self.kernel, operands, used, params, need)
-        calls.append((held, output_node(out), _op_grads, args))
+        calls.append(Call(held, output_node(out), _OP_W, args))
         return y
 
     def extra_repr(self) -> str:

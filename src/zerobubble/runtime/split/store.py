@@ -4,7 +4,7 @@ Two ways in, one store:
 
 * Recorded (the fast path, used by :class:`~zerobubble.runtime.chunk.StageChunk`):
   inside :meth:`WeightGradStore.record` a split layer runs the native kernel on
-  a leaf alias of its weight and appends a :data:`Call` (its input, where its
+  a leaf alias of its weight and appends a :class:`Call` (its input, where its
   output sits in the graph, and W's function) to :attr:`WeightGradStore.recording`.
   :meth:`WeightGradStore.backward` asks autograd for the gradients of the
   recorded outputs along with the stage input and the parameters, and W turns
@@ -20,7 +20,7 @@ out of order.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -30,7 +30,17 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["Call", "CastGrad", "GradList", "State", "WeightGradStore", "cast_back", "output_node"]
+__all__ = [
+    "Call",
+    "CastGrad",
+    "GradList",
+    "State",
+    "WeightGradFn",
+    "WeightGradStore",
+    "Work",
+    "cast_back",
+    "output_node",
+]
 
 _PyNode = torch._C._FunctionBase
 """Type of a custom Function's graph node, which a bare GradientEdge does not keep alive."""
@@ -74,10 +84,57 @@ def cast_back(grad: Tensor, used: Tensor, param: Tensor) -> Tensor | CastGrad:
     return grad if used.dtype == param.dtype else CastGrad(grad, used)
 
 
-Call = tuple["Tensor | tuple[Tensor, ...]", "Node | GradientEdge", Callable[..., GradList], tuple]
-"""A split layer's call recorded at forward: ``(tensors kept for W, node of the output
-(:func:`output_node`), grads, args)``; W runs ``grads(*args, output gradient)``. A plain
-tuple: one is built per layer and microbatch on the critical path."""
+@dataclass(frozen=True, slots=True)
+class WeightGradFn:
+    """How W turns a kind of recorded call into weight gradients.
+
+    A typed object rather than attributes on a function, so that the store calls each
+    part by name: ``one`` for a call on its own, and for calls that must run together
+    (the graph-level split's, which share autocast's casts) ``group`` and ``many``.
+    """
+
+    one: Callable[..., GradList]
+    """``one(*args, output gradient)``: W of one recorded call."""
+    group: Callable[[tuple], Hashable | None] | None = None
+    """``group(args)``: a microbatch's calls with the same key (not None) run together
+    through ``many``; None for a kind whose calls always run alone."""
+    many: Callable[[Sequence[tuple[tuple, Tensor]]], GradList] | None = None
+    """``many([(args, output gradient), ...])``, the calls of one group in forward order:
+    their W in one go."""
+
+    def __post_init__(self) -> None:
+        if (self.group is None) != (self.many is None):
+            raise ValueError("WeightGradFn: give group and many together, or neither")
+
+
+class Work(NamedTuple):
+    """A recorded call whose place in the graph is no longer needed (after B)."""
+
+    held: Tensor | tuple[Tensor, ...]
+    """The tensors W needs (kept alive until it runs)."""
+    w: WeightGradFn
+    args: tuple
+
+    def run(self, gy: Tensor) -> GradList:
+        """W of this call alone, from its output gradient ``gy``."""
+        return self.w.one(*self.args, gy)
+
+
+class Call(NamedTuple):
+    """A split layer's call recorded at forward. A NamedTuple (built per layer and
+    microbatch on the critical path): as cheap to read as a tuple, fields by name."""
+
+    held: Tensor | tuple[Tensor, ...]
+    """The tensors kept for W."""
+    node: Node | GradientEdge
+    """Where autograd delivers the output's gradient (:func:`output_node`)."""
+    w: WeightGradFn
+    args: tuple
+    """W runs ``w.one(*args, output gradient)``."""
+
+    def work(self) -> Work:
+        """This call without its graph node (which would keep B's saved tensors alive)."""
+        return Work(self.held, self.w, self.args)
 
 
 class State(StrEnum):
@@ -101,20 +158,12 @@ class _Deferred(NamedTuple):
     """``compute`` returns fresh tensors that ``.grad`` may adopt."""
 
 
-class _Work(NamedTuple):
-    """A recorded call after B (its place in the graph no longer needed)."""
-
-    held: Tensor | tuple[Tensor, ...]
-    grads: Callable[..., GradList]
-    args: tuple
-
-
 class _Raw(NamedTuple):
     """What B's autograd call returned for parameters and recorded outputs, as it came."""
 
     params: Sequence[Tensor]
     param_grads: Sequence[Tensor | None]
-    calls: list[_Work]
+    calls: list[Work]
     out_grads: Sequence[Tensor | None]
 
     def early(self) -> list[tuple[Tensor, Tensor]]:
@@ -126,17 +175,17 @@ class _Raw(NamedTuple):
         forward order), so that a layer's uses are summed as autograd sums them.
 
         Calls with one :func:`_group_key` (the graph-level split's calls of one module under
-        autocast) run together through their W function's ``many(*args[:2], calls)``, with
-        ``calls`` the ``(args[2], output gradient)`` pairs in forward order, placed where
-        the last of them comes in backward order: one recomputation then shares autocast's
-        cast per weight among them, as their forward did."""
+        autocast) run together through their :attr:`WeightGradFn.many`, with the
+        ``(args, output gradient)`` pairs in forward order, placed where the last of them
+        comes in backward order: one recomputation then shares autocast's cast per weight
+        among them, as their forward did."""
         pending = [
             (c, gy)
             for c, gy in zip(reversed(self.calls), reversed(self.out_grads), strict=True)
             if gy is not None
         ]
         keys = [_group_key(c) for c, _ in pending]
-        groups: dict[tuple, list[int]] = {}
+        groups: dict[Hashable, list[int]] = {}
         for i, key in enumerate(keys):
             if key is not None:
                 groups.setdefault(key, []).append(i)
@@ -144,10 +193,11 @@ class _Raw(NamedTuple):
         for i, ((c, gy), key) in enumerate(zip(pending, keys, strict=True)):
             group = groups[key] if key is not None else [i]
             if len(group) == 1:
-                out.extend([(p, g, True) for p, g in c.grads(*c.args, gy)])
+                out.extend([(p, g, True) for p, g in c.run(gy)])
             elif i == group[-1]:  # where the cast's backward runs: after its last use
-                calls = [(pending[j][0].args[2], pending[j][1]) for j in reversed(group)]
-                grads = c.grads.many(*c.args[:2], calls)  # args[:2]: the split, its module
+                many = c.w.many
+                assert many is not None  # a group key comes with many (WeightGradFn)
+                grads = many([(pending[j][0].args, pending[j][1]) for j in reversed(group)])
                 out.extend([(p, g, True) for p, g in grads])
         return out
 
@@ -177,7 +227,7 @@ class _Micro:
     """W's result, waiting for earlier microbatches."""
 
     def held(self) -> list[Tensor]:
-        out = [t for call in self.recorded for t in _tensors(call[0])]
+        out = [t for call in self.recorded for t in _tensors(call.held)]
         if self.raw is not None:
             out += self.raw.held()
         out += [t for item in self.work for t in item.held]
@@ -208,7 +258,7 @@ class WeightGradStore:
     def __init__(self) -> None:
         self.recording: list[Call] | None = None
         """The call list of the forward being recorded, or None. Split layers append a
-        :data:`Call` to it; a plain attribute because it is read once per layer call."""
+        :class:`Call` to it; a plain attribute because it is read once per layer call."""
         self.casts: dict[int, tuple[Tensor, Tensor]] | None = None
         """Autocast's casts of grad-requiring leaves, shared by the split layers of the
         forward being recorded as autocast's cast cache shares them: ``id(source) ->
@@ -310,7 +360,7 @@ class WeightGradStore:
         calls: list[Call] = []
         if micro is not None:
             calls, micro.recorded = micro.recorded, []
-        targets = [*inputs, *params, *(_edge(out) for _, out, _, _ in calls)]
+        targets = [*inputs, *params, *(_edge(c.node) for c in calls)]
         # Several roots (a stage output with several tensors) come as lists.
         roots = root if isinstance(root, list) else [] if root is None else [root]
         if grad_output is not None and not isinstance(grad_output, list):
@@ -323,7 +373,7 @@ class WeightGradStore:
         n = len(inputs)
         if params or calls:
             # Drop the graph edges: a node that B did not run keeps its saved tensors.
-            work = [_Work(held, fn, args) for held, _, fn, args in calls]
+            work = [c.work() for c in calls]
             self._micro[chunk, mb].raw = _Raw(
                 params, grads[n : n + len(params)], work, grads[n + len(params) :]
             )
@@ -448,11 +498,10 @@ def _autocast_off() -> Iterator[None]:
             yield
 
 
-def _group_key(c: _Work) -> tuple | None:
-    """Which recorded calls W runs together: those whose W function has a ``group(args)``
-    that returns the same key (the graph-level split's, see ``fallback._recompute``);
-    None for a call that runs alone."""
-    group = getattr(c.grads, "group", None)
+def _group_key(c: Work) -> Hashable | None:
+    """Which recorded calls W runs together (see :attr:`WeightGradFn.group`); None for a
+    call that runs alone."""
+    group = c.w.group
     return None if group is None else group(c.args)
 
 
@@ -461,7 +510,7 @@ def _tensors(held: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
 
 
 def output_node(y: Tensor) -> Node | GradientEdge:
-    """Where autograd delivers ``y``'s gradient, cheaply, at forward (for a :data:`Call`)."""
+    """Where autograd delivers ``y``'s gradient, cheaply, at forward (for a :class:`Call`)."""
     fn = y.grad_fn
     if fn is None or isinstance(fn, _PyNode) or y.output_nr:  # rare: the graph-owning edge
         return get_gradient_edge(y)
