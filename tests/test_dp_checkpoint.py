@@ -59,8 +59,7 @@ def job(root: str, resume: bool) -> dict:
             mlp_loss,
             "zb-h1",
             microbatches=M,
-            mesh=mesh,
-            fsdp=fsdp,
+            mesh=mesh.with_fsdp(fsdp),
             options=ExecutorOptions(comm_timeout_s=60, trace=False),
         )
         opt = torch.optim.AdamW(pipe.parameters(), lr=0.01, weight_decay=0.1)

@@ -23,41 +23,33 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerobubble.runtime.blame import forward_failure
 from zerobubble.runtime.chunk import LossFn, StageChunk, StageChunkError
-from zerobubble.runtime.comm import P2P, Channel
 from zerobubble.runtime.dp import GradReducer
 from zerobubble.runtime.executor_options import ExecutorOptions
 from zerobubble.runtime.fsdp import ShardedStages
 from zerobubble.runtime.hooks import StepHooks
 from zerobubble.runtime.host_memory import retain_freed_memory
-from zerobubble.runtime.links import Links, describe
+from zerobubble.runtime.links import Links, describe, pipeline_p2p
 from zerobubble.runtime.mesh import PipelineMesh, pipeline_group
 from zerobubble.runtime.microbatch import (
     CountFn,
-    batch_count,
-    batch_size,
     default_count_fn,
-    split_tree,
 )
 from zerobubble.runtime.rng import StageRng
 from zerobubble.runtime.shapes import (
-    ShapeMismatchError,
-    flatten,
-    is_layout_error,
     map_tensors,
-    to_device,
 )
-from zerobubble.runtime.shapes import (
-    describe as describe_layout,
-)
-from zerobubble.runtime.trace import Trace
+from zerobubble.runtime.step_batch import StepBatch, split_step
+from zerobubble.runtime.trace import TRACED, Trace, instruction_event
+from zerobubble.runtime.transforms import ChunkTransforms, prepare_chunks
 from zerobubble.schedule.build import GradSync, ProgramPlan, Protocol, build_programs
 from zerobubble.schedule.ir import Action, Op, Schedule
 from zerobubble.schedule.program import (
@@ -172,22 +164,24 @@ class PipelineExecutor:
                 f"rank {self.rank} was given stages {sorted(stages)} but the schedule places "
                 f"stages {list(mine)} on it (build them with build_stage_modules)"
             )
-        self.chunks = {s: self._chunk(s, m, loss_fn) for s, m in sorted(stages.items())}
-        self.has_first, self.has_last = (
-            0 in self.chunks,
-            self.schedule.num_stages - 1 in self.chunks,
-        )
-        self.reducer: GradReducer | None = None
+        self.chunks: dict[int, StageChunk] = {}
         self.sharding: ShardedStages | None = None
+        self._prepare(stages, loss_fn)
+        self.has_first = 0 in self.chunks
+        self.has_last = self.schedule.num_stages - 1 in self.chunks
+        self.reducer: GradReducer | None = None
         if mesh is not None and self.plan.grad_sync.reduces:
             assert mesh.dp_group is not None  # a ParallelSpec with dp > 1
             params = {s: list(c.module.parameters()) for s, c in self.chunks.items()}
             self.reducer = GradReducer(mesh.dp_group, params, opts.comm_timeout_s)
-        elif mesh is not None and self.plan.grad_sync.shards:
-            self.sharding = ShardedStages(
-                self.chunks, mesh.mesh["dp"], device=self.device, timeout_s=opts.comm_timeout_s
-            )
-        self.p2p = self._p2p(group, mesh)
+        self.p2p = pipeline_p2p(
+            self.programs,
+            group,
+            self.device,
+            opts.comm_timeout_s,
+            directed=opts.directed_groups,
+            pipelines=None if mesh is None else mesh.pipelines(),
+        )
         self.links = Links(self.p2p, self.device, self.rank)
         # The trace's epoch: every rank leaves this (bounded) barrier at nearly one instant.
         self.p2p.all_reduce(torch.zeros(1, device=self.device), "start-up barrier (trace epoch)")
@@ -196,57 +190,42 @@ class PipelineExecutor:
         self.iteration = 0
         self.replays = 0
 
-    def _p2p(self, group: dist.ProcessGroup | None, mesh: PipelineMesh | None) -> P2P:
-        """The point-to-point lanes every rank's program uses (and the optimizer's)."""
-        directed = self.options.directed_groups
-        if directed is None:
-            directed = dist.get_backend(group) != "gloo"
-        pairs = [
-            (d, ins.peer, channel)
-            for d, prog in enumerate(self.programs.programs)
-            for ins in prog
-            if isinstance(ins, Send)
-            for channel in (Channel.PIPELINE, Channel.LAYOUT)
-        ]
-        # The optimizer's state messages travel between neighbours, both ways.
-        world = self.schedule.num_devices
-        pairs += [
-            (a, b, Channel.OPTIM) for d in range(world - 1) for a, b in ((d, d + 1), (d + 1, d))
-        ]
-        return P2P(
-            group,
-            self.device,
-            self.options.comm_timeout_s,
-            directed=directed,
-            pairs=pairs,
-            pipelines=None if mesh is None else mesh.pipelines(),
-        )
-
-    def _chunk(self, s: int, m: nn.Module | StageChunk, loss_fn: LossFn | None) -> StageChunk:
-        S = self.schedule.num_stages
-        if isinstance(m, StageChunk):
-            if m.stage != s or m.num_stages != S:
-                raise ValueError(
-                    f"the StageChunk given for stage {s} is stage {m.stage} of {m.num_stages}; "
-                    f"the schedule has {S} stages"
-                )
-            if self.options.trace and not m.track_memory:
+    def _prepare(
+        self, stages: Mapping[int, nn.Module | StageChunk], loss_fn: LossFn | None
+    ) -> None:
+        """This rank's chunks through the one ordered transform step
+        (:func:`~zerobubble.runtime.transforms.prepare_chunks`: split, recompute, compile,
+        FSDP)."""
+        S, opts = self.schedule.num_stages, self.options
+        for s, m in stages.items():
+            if isinstance(m, StageChunk) and opts.trace and not m.track_memory:
                 raise ValueError(
                     f"the StageChunk given for stage {s} has track_memory=False, but the trace "
                     "records held bytes: build it with track_memory=True or pass "
                     "ExecutorOptions(trace=False)"
                 )
-            return m
-        if s == S - 1 and loss_fn is None:
-            raise ValueError(f"rank {self.rank} holds the last stage {s}: pass loss_fn")
-        return StageChunk(
-            m,
-            s,
+        last = stages.get(S - 1)
+        if last is not None and not isinstance(last, StageChunk) and loss_fn is None:
+            raise ValueError(f"rank {self.rank} holds the last stage {S - 1}: pass loss_fn")
+        split = self.schedule.split_stages(self.rank)
+        transforms = {
+            s: ChunkTransforms(
+                split=s in split,
+                recompute=opts.recompute,
+                compile=opts.compile,
+                track_memory=opts.trace,
+            )
+            for s in stages
+        }
+        mesh = self.mesh
+        self.chunks, self.sharding = prepare_chunks(
+            stages,
             S,
-            loss_fn=loss_fn if s == S - 1 else None,
-            split=s in self.schedule.split_stages(self.rank),
-            track_memory=self.options.trace,
-            recompute=self.options.recompute,
+            loss_fn=loss_fn,
+            transforms=transforms,
+            fsdp_mesh=mesh.mesh["dp"] if mesh is not None and self.plan.grad_sync.shards else None,
+            device=self.device,
+            timeout_s=opts.comm_timeout_s,
         )
 
     def set_protocol(self, protocol: Protocol | str) -> None:
@@ -297,7 +276,19 @@ class PipelineExecutor:
         With ``count_fn`` the losses are the microbatches' shares of the batch loss
         (they sum to it).
         """
-        run = _Run(self, self._batch(args, kwargs, target), hooks or StepHooks())
+        batch = split_step(
+            args,
+            kwargs,
+            target,
+            self.schedule.num_microbatches,
+            rank=self.rank,
+            first=self.has_first,
+            last=self.has_last,
+            count_fn=self.count_fn,
+            device=self.device,
+            over_dp=self._over_dp,
+        )
+        run = _Run(self, batch, hooks or StepHooks())
         run.run()
         self.iteration += 1
         if not self.has_last:
@@ -306,37 +297,6 @@ class PipelineExecutor:
         if losses is not None:
             losses.extend(out)
         return out
-
-    def _batch(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: object) -> _Batch:
-        """The step's microbatches of what this rank's stages use, and the loss weights."""
-        M = self.schedule.num_microbatches
-        taken = sorted(set(kwargs) & _RESERVED)
-        if taken:
-            raise ValueError(
-                f"step() keyword argument(s) {', '.join(taken)} are reserved for the runtime "
-                "(StageChunk.forward's own); rename the stage-0 argument or pass it positionally"
-            )
-        batch = _Batch()
-        if self.has_first:
-            if not args and not kwargs:
-                raise ValueError(f"rank {self.rank} holds stage 0: step() needs the batch x")
-            n = batch_size((args, kwargs), "the input batch (step's arguments)")
-            batch.inputs = [to_device(mb, self.device) for mb in split_tree((args, kwargs), M, n)]
-        if self.has_last:
-            if target is None:
-                raise ValueError(
-                    f"rank {self.rank} holds the last stage: step() needs target for the loss"
-                )
-            n = batch_size(target, "target")
-            batch.targets = [to_device(t, self.device) for t in split_tree(target, M, n)]
-            if self.count_fn is None:
-                sizes = [len(t) for t in torch.tensor_split(torch.empty(n), M)]
-                total = self._over_dp(n)  # loss_scales' n_j / N, N the global batch
-                batch.scales = [k / total for k in sizes]
-            else:
-                batch.num_items = self._over_dp(batch_count(self.count_fn, target, self.device))
-                batch.scales = [1.0] * M
-        return batch
 
     def _over_dp(self, n: torch.Tensor | int) -> Any:
         """``n`` summed over the dp replicas (the global batch's size or count); the
@@ -352,24 +312,10 @@ class PipelineExecutor:
         return t if isinstance(n, torch.Tensor) else int(t.item())
 
 
-_RESERVED = frozenset({"mb", "loss_scale", "num_items"})
-"""Keyword names of :meth:`StageChunk.forward` that stage-0 keyword arguments cannot take."""
-
-
-@dataclass
-class _Batch:
-    """One step's microbatches: stage 0's inputs, the last stage's targets and weights."""
-
-    inputs: list[tuple[tuple[Any, ...], dict[str, Any]]] | None = None
-    targets: list[Any] | None = None
-    scales: list[float] | None = None
-    num_items: torch.Tensor | int | None = None
-
-
 class _Run:
     """One step's interpretation of the program: the values in hand, the losses."""
 
-    def __init__(self, pipe: PipelineExecutor, batch: _Batch, hooks: StepHooks) -> None:
+    def __init__(self, pipe: PipelineExecutor, batch: StepBatch, hooks: StepHooks) -> None:
         self.pipe, self.batch, self.hooks = pipe, batch, hooks
         pipe.links.hooks = hooks
         self.S = pipe.schedule.num_stages
@@ -386,7 +332,7 @@ class _Run:
             ins = program[self.i]
             self.i += 1
             kind = type(ins)
-            if tracing and kind in _TRACED:
+            if tracing and kind in TRACED:
                 self.traced(ins)
             else:
                 _RUN[kind](self, ins)
@@ -401,7 +347,7 @@ class _Run:
         t1 = pipe.trace.now()
         if isinstance(ins, Compute):
             self.held = pipe.held_bytes()
-        pipe.trace.record(_event(ins, self.common(t0, t1, mem0, self.held)))
+        pipe.trace.record(instruction_event(ins, self.common(t0, t1, mem0, self.held)))
 
     def common(self, t0: int, t1: int, mem0: int, mem1: int) -> dict[str, Any]:
         pipe = self.pipe
@@ -470,22 +416,7 @@ class _Run:
         except Exception as e:
             if a.stage == 0:
                 raise
-            if not is_layout_error(e):  # the stage's own failure, not its input's
-                layer = chunk.layer_of(e)
-                where = "" if layer is None else f" in {layer}"
-                raise StageChunkError(
-                    a.stage,
-                    a.mb,
-                    f"forward (rank {pipe.rank}) failed{where}: {type(e).__name__}: {e}",
-                ) from e
-            codes, _ = flatten(arg, f"stage {a.stage} input")
-            raise ShapeMismatchError(
-                a.stage - 1,
-                a.stage,
-                f"stage {a.stage} (rank {pipe.rank}) cannot consume stage "
-                f"{a.stage - 1}'s output of {describe_layout(codes)} (microbatch {a.mb}): "
-                f"{type(e).__name__}: {e}",
-            ) from e
+            raise forward_failure(e, a.stage, a.mb, chunk.layer_of(e), arg, pipe.rank) from e
 
     def post(self, ins: PostRecv) -> None:
         self.pipe.links.post(ins.msg, ins.peer, describe(ins, self.pipe.iteration))
@@ -555,24 +486,3 @@ _RUN: dict[type, Callable[[_Run, Any], None]] = {
     Gate: _Run.gate,
 }
 """The dispatch table: one entry per instruction kind of :mod:`~zerobubble.schedule.program`."""
-
-_TRACED = frozenset({Compute, PostRecv, WaitRecv, Send, WaitSends, ReduceGrads, WaitReduce})
-"""The kinds that record a trace event."""
-
-_MESSAGE_OP = {PostRecv: "post_recv", WaitRecv: "wait_recv", Send: "send"}
-
-
-def _event(ins: Instruction, common: dict[str, Any]) -> TraceEvent:
-    """The trace event of an executed instruction (see :mod:`~zerobubble.schedule.trace_format`)."""
-    if isinstance(ins, Compute):
-        a = ins.action
-        return TraceEvent(op=a.op.value, stage=a.stage, mb=a.mb, **common)
-    if isinstance(ins, ReduceGrads):
-        return TraceEvent(op="reduce_grads", stage=ins.stage, mb=None, **common)
-    if isinstance(ins, PostRecv | WaitRecv | Send):
-        m = ins.msg
-        here = m.src_stage if isinstance(ins, Send) else m.dst_stage
-        msg_id = (m.kind.value, m.src_stage, m.dst_stage, m.mb)
-        op = _MESSAGE_OP[type(ins)]
-        return TraceEvent(op=op, stage=here, mb=m.mb, peer=ins.peer, msg=msg_id, **common)
-    return TraceEvent(op=str(ins), stage=None, mb=None, **common)  # wait_sends, wait_reduce

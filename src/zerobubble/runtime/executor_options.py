@@ -71,6 +71,12 @@ class ExecutorOptions:
     ``(layer name, module) -> bool``. F keeps only the checkpointed inputs; B recomputes
     (with F's generator state: dropout draws the same) and keeps what W needs."""
 
+    compile: str | None = None
+    """A ``torch.compile`` backend ("inductor", "aot_eager", ...) for the regions between
+    the split layers of the stages the executor wraps, applied in the chunks' one
+    transform step after split and recompute (:mod:`~zerobubble.runtime.transforms`);
+    None: eager. Not with "layers" recompute (refused)."""
+
     def __post_init__(self) -> None:
         if not self.comm_timeout_s > 0:
             raise ValueError(f"comm_timeout_s must be > 0 seconds, got {self.comm_timeout_s}")
@@ -78,3 +84,9 @@ class ExecutorOptions:
             raise ValueError(f"recv_lookahead must be >= 0, got {self.recv_lookahead}")
         StageRng(self.seed, "cpu")  # a seed out of range is refused here
         recompute_plan(self.recompute)  # and a recompute setting that is not one
+        if self.compile is not None and recompute_plan(self.recompute).mode == "layers":
+            raise ValueError(
+                f"compile={self.compile!r} with recompute={self.recompute!r} is not supported: "
+                "B recomputes a checkpointed layer eagerly, outside its compiled code; use "
+                "recompute='stage' or 'none' with compile"
+            )

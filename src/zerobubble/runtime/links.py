@@ -36,9 +36,9 @@ from zerobubble.runtime.wire import (
     stub_frame,
     unpack_frame,
 )
-from zerobubble.schedule.program import Message, MsgKind, PostRecv, Send, WaitRecv
+from zerobubble.schedule.program import LoweredSchedule, Message, MsgKind, PostRecv, Send, WaitRecv
 
-__all__ = ["Link", "Links", "describe"]
+__all__ = ["Link", "Links", "describe", "pipeline_p2p"]
 
 
 @dataclass
@@ -237,3 +237,32 @@ def boundary_name(m: Message) -> str:
     if m.kind is MsgKind.ACT:
         return f"stage {m.src_stage} output"
     return f"stage {m.src_stage} input gradient"
+
+
+def pipeline_p2p(
+    programs: LoweredSchedule,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    timeout_s: float,
+    *,
+    directed: bool | None,
+    pipelines: list[list[int]] | None,
+) -> P2P:
+    """The point-to-point lanes every rank's program uses, and the optimizer's.
+
+    ``directed`` None gives each direction of each pair its own subgroup for every
+    backend but gloo (see :mod:`~zerobubble.runtime.comm`); creating them is collective.
+    """
+    if directed is None:
+        directed = dist.get_backend(group) != "gloo"
+    pairs = [
+        (d, ins.peer, channel)
+        for d, prog in enumerate(programs.programs)
+        for ins in prog
+        if isinstance(ins, Send)
+        for channel in (Channel.PIPELINE, Channel.LAYOUT)
+    ]
+    # The optimizer's state messages travel between neighbours, both ways.
+    world = programs.schedule.num_devices
+    pairs += [(a, b, Channel.OPTIM) for d in range(world - 1) for a, b in ((d, d + 1), (d + 1, d))]
+    return P2P(group, device, timeout_s, directed=directed, pairs=pairs, pipelines=pipelines)

@@ -14,10 +14,20 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import torch.distributed as dist
 
+from zerobubble.schedule.program import (
+    Compute,
+    Instruction,
+    PostRecv,
+    ReduceGrads,
+    Send,
+    WaitRecv,
+    WaitReduce,
+    WaitSends,
+)
 from zerobubble.schedule.trace_format import TraceEvent, write_jsonl
 
 
@@ -65,3 +75,26 @@ def gather_traces(
         return None
     events = [TraceEvent.from_dict(d) for part in bucket for d in part]
     return sorted(events, key=lambda e: (e.start_ns, e.rank))
+
+
+TRACED = frozenset({Compute, PostRecv, WaitRecv, Send, WaitSends, ReduceGrads, WaitReduce})
+"""The instruction kinds that record a trace event when executed."""
+
+_MESSAGE_OP = {PostRecv: "post_recv", WaitRecv: "wait_recv", Send: "send"}
+
+
+def instruction_event(ins: Instruction, common: dict[str, Any]) -> TraceEvent:
+    """The trace event of an executed instruction of a :data:`TRACED` kind; ``common``
+    holds the fields every event has (iteration, rank, version, times, held bytes)."""
+    if isinstance(ins, Compute):
+        a = ins.action
+        return TraceEvent(op=a.op.value, stage=a.stage, mb=a.mb, **common)
+    if isinstance(ins, ReduceGrads):
+        return TraceEvent(op="reduce_grads", stage=ins.stage, mb=None, **common)
+    if isinstance(ins, PostRecv | WaitRecv | Send):
+        m = ins.msg
+        here = m.src_stage if isinstance(ins, Send) else m.dst_stage
+        msg_id = (m.kind.value, m.src_stage, m.dst_stage, m.mb)
+        op = _MESSAGE_OP[type(ins)]
+        return TraceEvent(op=op, stage=here, mb=m.mb, peer=ins.peer, msg=msg_id, **common)
+    return TraceEvent(op=str(ins), stage=None, mb=None, **common)  # wait_sends, wait_reduce
