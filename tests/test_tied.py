@@ -87,6 +87,33 @@ def test_find_shared_names_the_tie_its_stages_and_local_names():
     assert one.stages == (0,) and not one.tied
 
 
+class Named(nn.Module):
+    """A layer cut out of a bigger model: it names its state as that model does."""
+
+    def __init__(self, inner: nn.Module, prefix: str) -> None:
+        super().__init__()
+        self.inner, self.prefix = inner, prefix
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+    def source_name(self, name: str) -> str:
+        return f"{self.prefix}.{name.removeprefix('inner.')}"
+
+
+def test_find_shared_takes_every_layer_source_and_names_the_tie_as_the_model_does():
+    model = tied_mlp()
+    bounds = stage_bounds(7, 3)
+    (tp,) = find_shared(model, tuple(model._modules), bounds)  # the Sequential itself
+    assert tp.names == tp.source_names == ("0.0.weight", "6.weight")
+    assert find_shared(lambda i: model[i], tuple(map(str, range(7))), bounds) == ()
+    layers = [Named(model[0], "embed"), *model[1:6], Named(model[6], "lm_head")]
+    (tp,) = find_shared(layers, tuple(map(str, range(7))), bounds)
+    assert tp.names == ("0.inner.0.weight", "6.inner.weight")
+    assert tp.source_names == ("embed.0.weight", "lm_head.weight")
+    assert tp.stages == (0, 2) and tp.local == {0: ("0.inner.0.weight",), 2: ("1.inner.weight",)}
+
+
 def test_a_rank_holding_two_stages_of_a_tie_keeps_one_memory_and_two_replicas():
     model = tied_mlp()
     stages = build_stage_modules(model, zerobubble.generate("zbv", P, M), 0)
