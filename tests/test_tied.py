@@ -87,6 +87,33 @@ def test_find_shared_names_the_tie_its_stages_and_local_names():
     assert one.stages == (0,) and not one.tied
 
 
+class Named(nn.Module):
+    """A layer cut out of a bigger model: it names its state as that model does."""
+
+    def __init__(self, inner: nn.Module, prefix: str) -> None:
+        super().__init__()
+        self.inner, self.prefix = inner, prefix
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+    def source_name(self, name: str) -> str:
+        return f"{self.prefix}.{name.removeprefix('inner.')}"
+
+
+def test_find_shared_takes_every_layer_source_and_names_the_tie_as_the_model_does():
+    model = tied_mlp()
+    bounds = stage_bounds(7, 3)
+    (tp,) = find_shared(model, tuple(model._modules), bounds)  # the Sequential itself
+    assert tp.names == tp.source_names == ("0.0.weight", "6.weight")
+    assert find_shared(lambda i: model[i], tuple(map(str, range(7))), bounds) == ()
+    layers = [Named(model[0], "embed"), *model[1:6], Named(model[6], "lm_head")]
+    (tp,) = find_shared(layers, tuple(map(str, range(7))), bounds)
+    assert tp.names == ("0.inner.0.weight", "6.inner.weight")
+    assert tp.source_names == ("embed.0.weight", "lm_head.weight")
+    assert tp.stages == (0, 2) and tp.local == {0: ("0.inner.0.weight",), 2: ("1.inner.weight",)}
+
+
 def test_a_rank_holding_two_stages_of_a_tie_keeps_one_memory_and_two_replicas():
     model = tied_mlp()
     stages = build_stage_modules(model, zerobubble.generate("zbv", P, M), 0)
@@ -239,6 +266,68 @@ def state_and_check() -> dict:
     }
 
 
+def schedules_taking_turns() -> dict:
+    """1F1B, ZB-H1 (split) and ZB-H1 with B/W fusion take turns on one tied GPT through
+    ``with_schedule``: one AdamW, one set of tied groups, against the stage-order reference."""
+    model = tied_gpt()
+    ref = copy.deepcopy(model)
+    root = zerobubble.Pipeline(model, gpt_loss, zerobubble.generate("1f1b", P, M))
+    zb = zerobubble.generate("zb-h1", P, M)
+    split = root.with_schedule(zb, options=zerobubble.ExecutorOptions(fuse_local_backward=False))
+    fused = root.with_schedule(zb)
+    pipes = [root, split, fused]
+    opt = torch.optim.AdamW(root.parameters(), lr=0.02, weight_decay=0.1)
+    for pipe in pipes:
+        pipe.set_optimizer(opt, zerobubble.OptimConfig(max_norm=0.3))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.02, weight_decay=0.1)
+    ref_params = dict(ref.named_parameters())
+    bounds = stage_bounds(len(model), P)
+    bad: list[str] = []
+    for step, (x, y) in enumerate(batches("gpt", 6)):
+        pipe = pipes[step % 3]
+        losses = pipe.step(x, target=y)
+        ref_losses = tied_reference_step(ref, gpt_loss, x, y, M, bounds)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
+        ref_opt.step()
+        if pipe.executor.has_last and not all(map(torch.equal, losses or [], ref_losses)):
+            bad.append(f"step {step} ({pipe.schedule.name}): losses differ")
+        bad += [
+            f"step {step} ({pipe.schedule.name}): {name} differs"
+            for name, p in pipe.named_parameters()
+            if not torch.equal(p, ref_params[name])
+        ]
+    runs_split = fused.schedule.split_stages()
+    errors = []
+    for other, options in [
+        (zerobubble.generate("zbv", P, M), None),
+        (zb, zerobubble.ExecutorOptions(recompute="stage")),
+    ]:
+        try:
+            root.with_schedule(other, options=options)
+        except ValueError as e:
+            errors.append(str(e))
+    return {
+        "bad": bad,
+        "one_model": all(
+            [id(p) for p in q.parameters()] == [id(p) for p in root.parameters()]
+            and q.tied is root.tied
+            for q in pipes
+        ),
+        "chunks": [
+            (
+                root.executor.chunks[s].split,
+                split.executor.chunks[s].split,
+                s in runs_split,
+                fused.executor.chunks[s] is (split if s in runs_split else root).executor.chunks[s],
+                split.executor.chunks[s].module is root.executor.chunks[s].module,
+            )
+            for s in sorted(root.executor.chunks)
+        ],
+        "iterations": [q.executor.iteration for q in pipes],
+        "errors": errors,
+    }
+
+
 def job(kinds: list[str], post: list[str]) -> dict:
     zerobubble.init_distributed(timeout_s=120)
     out = {f"{kind}/{m}": train(kind, m) for kind in kinds for m in CASES}
@@ -246,6 +335,7 @@ def job(kinds: list[str], post: list[str]) -> dict:
         for mode in ("conservative", "speculative"):
             out[f"{kind}/{mode}"] = train(kind, "gpt", mode)
     out["state"] = state_and_check()
+    out["turns"] = schedules_taking_turns()
     torch.distributed.destroy_process_group()
     return out
 
@@ -280,14 +370,39 @@ def check(results: list[dict], kinds: list[str], post: list[str]) -> None:
         )
 
 
+def check_turns(results: list[dict]) -> None:
+    turns = [r["turns"] for r in results]
+    assert [b for t in turns for b in t["bad"]] == []
+    assert all(t["one_model"] for t in turns)
+    assert all(t["iterations"] == [2, 2, 2] for t in turns)
+    # One stage per rank: 1F1B's chunk is unsplit, ZB-H1's split; with fusion ZB-H1 at
+    # P=3, M=4 still splits stages 1 and 2, so rank 0 runs 1F1B's chunk, the others ZB-H1's.
+    assert [t["chunks"] for t in turns] == [
+        [(False, True, False, True, True)],
+        [(False, True, True, True, True)],
+        [(False, True, True, True, True)],
+    ]
+    placement, recompute = turns[0]["errors"]
+    assert placement == (
+        "schedule 'zbv' places stages on devices [0, 1, 2, 2, 1, 0] but this pipeline's "
+        "'1f1b' places them on [0, 1, 2]; with_schedule reuses this rank's stages: generate "
+        "the schedule for the same placement, or build a new Pipeline"
+    )
+    assert recompute.startswith("options recompute 'stage' but the stages were built with 'none'")
+
+
 @pytest.mark.bitwise
 def test_tied_pipelines_match_the_stage_order_reference_bitwise():
     kinds, post = FAST, ["interleaved-1f1b"]
-    check(launch(job, P, kinds, post, timeout=TIMEOUT), kinds, post)
+    results = launch(job, P, kinds, post, timeout=TIMEOUT)
+    check(results, kinds, post)
+    check_turns(results)
 
 
 @pytest.mark.slow
 def test_every_kind_with_a_tie_and_post_validation():
     kinds = [k for k in KINDS if k not in FAST]
     post = ["zbv", "zb-h1"]
-    check(launch(job, P, kinds, post, timeout=TIMEOUT), kinds, post)
+    results = launch(job, P, kinds, post, timeout=TIMEOUT)
+    check(results, kinds, post)
+    check_turns(results)

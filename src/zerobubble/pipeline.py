@@ -13,6 +13,7 @@ unpipelined model.
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.trainer import PipelineTrainer, stage_kwargs
-from zerobubble.runtime.chunk import LossFn
+from zerobubble.runtime.chunk import LossFn, StageChunk
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.mesh import PipelineMesh, pipeline_group
 from zerobubble.runtime.microbatch import CountFn
@@ -36,6 +37,7 @@ from zerobubble.runtime.partition import (
 from zerobubble.runtime.tied import TiedGroups, find_shared
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.ir import Schedule
+from zerobubble.schedule.passes import fuse_local_backward
 
 __all__ = ["Pipeline"]
 
@@ -93,12 +95,17 @@ class Pipeline:
     :meth:`state_dict` list it once, under its first name in the model.
 
     The constructor is collective: every rank of the group builds its Pipeline.
+    :meth:`with_schedule` gives further Pipelines on the same stages, so that several
+    schedules can take turns training one model.
 
     Attributes:
         executor: The :class:`PipelineExecutor` (its ``schedule``, ``trace``, ``chunks``).
         trainer: The :class:`PipelineTrainer` once :meth:`set_optimizer` was called.
         rank: This process's pipeline rank.
         schedule: The schedule that runs (after the executor's passes).
+        tied: The :class:`~zerobubble.runtime.tied.TiedGroups` of this rank's ties.
+        shared: Every parameter the model's layers share
+            (:func:`~zerobubble.runtime.tied.find_shared`), the same on every rank.
     """
 
     def __init__(
@@ -160,11 +167,7 @@ class Pipeline:
             copy_layers=copy_layers,
         )
         bounds = stage_bounds(len(keys), schedule.num_stages, boundaries)
-        shared = (
-            find_shared(list(layers), keys, bounds)
-            if isinstance(layers, nn.Sequential | nn.ModuleList | Sequence)
-            else ()
-        )
+        shared = self.shared = find_shared(layers, keys, bounds)
         tied = [tp.name for tp in shared if len(tp.local) > 1]
         if fsdp and tied:
             raise ValueError(
@@ -174,16 +177,13 @@ class Pipeline:
             )
         self._first_name = {n: tp.name for tp in shared for n in tp.names}
         self._layer_keys = {s: keys[bounds[s].start : bounds[s].stop] for s in stages}
-        self.executor = PipelineExecutor(
-            schedule,
-            stages,
-            loss_fn=loss_fn,
-            count_fn=count_fn,
-            group=None if mesh is not None else group,
-            device=device,
-            options=options,
-            mesh=mesh,
-        )
+        self._stages: dict[int, nn.Module] = dict(stages)
+        # Every StageChunk made for the stages, by split-ness: shared by the Pipelines of
+        # with_schedule, so executors of one split-ness share one weight-gradient store.
+        self._chunks: dict[bool, dict[int, StageChunk]] = {False: {}, True: {}}
+        self._loss_fn, self._count_fn, self._device = loss_fn, count_fn, device
+        self._group, self._mesh = group, mesh
+        self.executor = self._executor(schedule, options)
         self.rank = self.executor.rank
         self.schedule = self.executor.schedule
         self.tied = TiedGroups(
@@ -212,6 +212,74 @@ class Pipeline:
             for s, names in part.items():
                 for name in names:
                     self._holder.setdefault(name, (s, d))
+
+    def _executor(self, schedule: Schedule, options: ExecutorOptions | None) -> PipelineExecutor:
+        """An executor of ``schedule`` on the stages, on the chunks made so far where their
+        split-ness is what it needs; the chunks it makes itself join them.
+
+        A stage's chunk splits its backward where the schedule, after the B/W fusion the
+        options ask for, runs a B of it: the rule the executor wraps modules by.
+        """
+        opts = options or ExecutorOptions()
+        ran = fuse_local_backward(schedule) if opts.fuse_local_backward else schedule
+        split = ran.split_stages()
+        given = {s: self._chunks[s in split].get(s, m) for s, m in self._stages.items()}
+        executor = PipelineExecutor(
+            schedule,
+            given,
+            loss_fn=self._loss_fn,
+            count_fn=self._count_fn,
+            group=None if self._mesh is not None else self._group,
+            device=self._device,
+            options=opts,
+            mesh=self._mesh,
+        )
+        for s, chunk in executor.chunks.items():
+            self._chunks[chunk.split].setdefault(s, chunk)
+        return executor
+
+    def with_schedule(
+        self, schedule: Schedule, *, options: ExecutorOptions | None = None
+    ) -> Pipeline:
+        """A Pipeline running ``schedule`` on this one's stages, to take turns with it.
+
+        It shares the stage modules (so the parameters: one optimizer over
+        :meth:`parameters` serves both), the names and the tied groups, and reuses
+        the StageChunks of this Pipeline and of those made from it wherever their
+        B/W split is the one ``schedule`` needs, so executors of one split share a
+        weight-gradient store. Its executor has its own step count, trace and seed
+        (``options``, default: this Pipeline's); give it its own optimizer config with
+        :meth:`set_optimizer`. Collective, like the constructor.
+
+        Raises ValueError if ``schedule`` places the stages otherwise (the stages are
+        this rank's), if ``options`` recompute differently (checkpointing is installed
+        in the shared modules) or if the stages are FSDP-sharded (sharding wraps them
+        in place, once).
+        """
+        if schedule.placement != self.schedule.placement:
+            raise ValueError(
+                f"schedule {schedule.name!r} places stages on devices {list(schedule.placement)} "
+                f"but this pipeline's {self.schedule.name!r} places them on "
+                f"{list(self.schedule.placement)}; with_schedule reuses this rank's stages: "
+                "generate the schedule for the same placement, or build a new Pipeline"
+            )
+        if self.executor.sharding is not None:
+            raise ValueError(
+                "with_schedule on FSDP-sharded stages is not supported (sharding wraps the "
+                "stage modules in place): build a new Pipeline for the other schedule"
+            )
+        opts = options or self.executor.options
+        if opts.recompute != self.executor.options.recompute:
+            raise ValueError(
+                f"options recompute {opts.recompute!r} but the stages were built with "
+                f"{self.executor.options.recompute!r} (installed in the shared modules): "
+                "keep the recompute setting, or build a new Pipeline"
+            )
+        other = copy.copy(self)  # shares the stages, chunks, names and tied groups
+        other.executor = self._executor(schedule, opts)
+        other.schedule = other.executor.schedule
+        other.trainer = None
+        return other
 
     def _module(self, stage: int) -> nn.Module:
         return self.executor.chunks[stage].module

@@ -180,10 +180,9 @@ def build_stage_modules(
             built = [factory(i) for i in bounds[s]]
         stage = nn.Sequential(*built)
         out[s] = stage.to(device) if device is not None else stage
-    if factory is None:
-        tie_local_replicas(out, find_shared(layers, layer_keys(source), bounds))
-    else:
-        _refuse_factory_ties(out)
+    tie_local_replicas(out, find_shared(source, layer_keys(source, num_layers), bounds))
+    if factory is not None:
+        _refuse_factory_ties(out)  # find_shared cannot see a factory's ties; refuse those here
     return out
 
 

@@ -55,11 +55,15 @@ class TiedParam:
             order); ``names[0]`` is the one it is listed and saved under.
         stages: Stages whose layers use it, ascending.
         local: ``local[s]``: its names inside stage ``s``'s module (``"<i>.<name>"``).
+        source_names: ``names`` as the user's model spells them, for reports: a layer
+            cut out of a bigger model names its state itself (``source_name``, as
+            :func:`~zerobubble.runtime.partition.model_name` does), else ``names``.
     """
 
     names: tuple[str, ...]
     stages: tuple[int, ...]
     local: Mapping[int, tuple[str, ...]]
+    source_names: tuple[str, ...]
 
     @property
     def name(self) -> str:
@@ -72,22 +76,36 @@ class TiedParam:
 
 
 def find_shared(
-    layers: Sequence[nn.Module], keys: Sequence[str], bounds: Sequence[range]
+    layers: Sequence[nn.Module] | nn.Sequential | nn.ModuleList | Callable[[int], nn.Module],
+    keys: Sequence[str],
+    bounds: Sequence[range],
 ) -> tuple[TiedParam, ...]:
     """Every parameter that appears under more than one name, in model order.
+
+    The one finder of shared parameters: stage building and :class:`~zerobubble.Pipeline`
+    (and so the train job) take their ties from it. ``layers`` are the model's layers in
+    order (``keys`` their :func:`~zerobubble.runtime.partition.layer_keys`), ``bounds``
+    each stage's layer range. A layer factory gives none: no rank builds every layer, so
+    a tie across its stages cannot be found (stage building refuses one it sees on its
+    own rank).
 
     Raises ValueError, naming it, for what the runtime cannot honour: a buffer
     shared by layers of different stages (buffers are not synchronised), and two
     different Parameters of different stages sharing memory (a tie by ``.data``
     rather than by object, which deep copies would break).
     """
+    if not isinstance(layers, nn.Sequential | nn.ModuleList | Sequence):
+        return ()
+    ordered = list(layers)
     stage_of = {i: s for s, r in enumerate(bounds) for i in r}
-    params: dict[int, list[tuple[int, str, str]]] = {}
+    params: dict[int, list[tuple[int, str, str, str]]] = {}
     buffers: dict[int, list[tuple[int, str]]] = {}
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(ordered):
         s, local_index = stage_of[i], i - bounds[stage_of[i]].start
         for name, p in layer.named_parameters(remove_duplicate=False):
-            params.setdefault(id(p), []).append((s, f"{local_index}.{name}", f"{keys[i]}.{name}"))
+            params.setdefault(id(p), []).append(
+                (s, f"{local_index}.{name}", f"{keys[i]}.{name}", _user_name(layer, keys[i], name))
+            )
         for name, b in layer.named_buffers(remove_duplicate=False):
             buffers.setdefault(id(b), []).append((s, _user_name(layer, keys[i], name)))
     for buf_uses in buffers.values():
@@ -98,14 +116,15 @@ def find_shared(
                 "the pipeline does not keep buffers in sync across stages: give each layer its "
                 "own buffer, or choose boundaries that keep these layers on one stage"
             )
-    _refuse_memory_ties(layers, stage_of, keys)
+    _refuse_memory_ties(ordered, stage_of, keys)
     out = []
     for uses in params.values():
         if len(uses) < 2:
             continue
-        stages = tuple(sorted({s for s, _, _ in uses}))
-        local = {s: tuple(n for t, n, _ in uses if t == s) for s in stages}
-        out.append(TiedParam(tuple(n for _, _, n in uses), stages, local))
+        stages = tuple(sorted({u[0] for u in uses}))
+        local = {s: tuple(u[1] for u in uses if u[0] == s) for s in stages}
+        names = tuple(u[2] for u in uses)
+        out.append(TiedParam(names, stages, local, tuple(u[3] for u in uses)))
     return tuple(out)
 
 

@@ -50,29 +50,21 @@ from torch import nn
 
 from zerobubble.models.corpus import CharCorpus, stdlib_corpus
 from zerobubble.optim.config import OptimConfig
-from zerobubble.optim.trainer import PipelineTrainer
+from zerobubble.pipeline import Pipeline
 from zerobubble.profile.balance import balanced_boundaries, boundaries_of, stage_costs
 from zerobubble.profile.bubbles import IterationBubbles, analyze_iteration
 from zerobubble.profile.costs_file import Profile
 from zerobubble.profile.layers import LayerProfile, profile_layers
 from zerobubble.profile.stages import boundary_pairs, p2p_latency, stage_profile
 from zerobubble.profile.stats import OpStats
-from zerobubble.runtime.chunk import StageChunk
-from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.runtime.executor import ExecutorOptions
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.partition import (
-    build_stage_modules,
-    layer_keys,
-    model_name,
-    stage_bounds,
-)
+from zerobubble.runtime.partition import stage_bounds
 from zerobubble.runtime.rng import derive_seed
-from zerobubble.runtime.tied import TiedGroups, find_shared
 from zerobubble.runtime.trace import gather_traces
 from zerobubble.schedule.costs import CostModel, CostSpec
 from zerobubble.schedule.generators import generate, one_f_one_b
 from zerobubble.schedule.ir import Schedule
-from zerobubble.schedule.passes import fuse_local_backward
 from zerobubble.schedule.search.graph import min_feasible_limit
 from zerobubble.schedule.simulate import SimResult, simulate
 from zerobubble.schedule.trace_check import TraceReport, check_trace
@@ -240,7 +232,6 @@ class _Ctx:
     data: torch.Generator
     reporter: Reporter | None
     model: JobModel | None = None
-    tied: TiedGroups | None = None
     tied_names: tuple[str, ...] = ()
     """The model's first name of every parameter tied across stages."""
     step_index: int = 0
@@ -335,24 +326,31 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     # 2. Profile: 1F1B and ZB-H1 take turns step by step on the balanced cut (and train),
     # on batches of the longest length the job can draw: the plan's memory is taken there,
     # so it holds on every step (activations grow with the length).
+    # Every phase is a Pipeline of the first one's family: one model, one set of tied groups.
     base = one_f_one_b(P, cfg.schedule.microbatches)
-    mods = build_stage_modules(layers, base, ctx.rank, boundaries=balanced, device=ctx.device)
-    chunks = _chunks(mods, P, model, cfg.executor.recompute)
-    tied = ctx.tied = _tied_groups(ctx, mods, balanced, base)
-    skip = tied.secondary()  # a rank holding two replicas of a tie steps its memory once
-    opt = torch.optim.AdamW(
-        [p for m in mods.values() for p in m.parameters() if id(p) not in skip],
-        lr=cfg.optimizer.lr,
+    root = Pipeline(
+        layers,
+        model.loss_fn,
+        base,
+        boundaries=balanced,
+        device=ctx.device,
+        options=_options(cfg, seed=ctx.next_seed()),
+        count_fn=model.count_fn,
+        tied_check_every=1,
     )
-    phases = [
-        _phase(ctx, s, chunks, opt) for s in (base, generate("zb-h1", P, cfg.schedule.microbatches))
-    ]
+    _say_ties(ctx, root)
+    zbh1 = generate("zb-h1", P, cfg.schedule.microbatches)
+    pipes = [root, root.with_schedule(zbh1, options=_options(cfg, seed=ctx.next_seed()))]
+    # After every chunk exists (B/W splitting swaps layers in place); a rank holding two
+    # replicas of a tie steps its memory once.
+    opt = torch.optim.AdamW(root.parameters(), lr=cfg.optimizer.lr)
+    phases = [_phase(ctx, pipe, opt) for pipe in pipes]
     total = 2 * (cfg.job.warmup + cfg.job.baseline_steps)
     total += 0 if cfg.job.profile_only else 3 * (cfg.job.warmup + cfg.job.steps)
     if ctx.lead and ctx.reporter is not None:
         ctx.reporter.start(total)
     _rotate(ctx, phases, cfg.job.warmup + cfg.job.baseline_steps, measure=False, longest=True)
-    profiled = [gather_traces(ph.pipe.trace) or [] for ph in phases]
+    profiled = [gather_traces(ph.pipe.executor.trace) or [] for ph in phases]
     boundary = cfg.job.microbatch_size * cfg.job.seq_len * model.hidden * 4  # float32
     pairs = [(a, b) for _, a, b in boundary_pairs(base.placement)]
     latency = p2p_latency(pairs, boundary, device=ctx.device)
@@ -373,13 +371,16 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     # 4. Train: the three schedules take turns, so that load drifts hit them alike,
     # now with the executor's B/W fusion.
     if not cfg.job.profile_only:
-        zbh1 = _phase(ctx, phases[1].schedule, chunks, opt, fuse=True)
-        plan_ph = _phase(ctx, planned, chunks, opt, name=kind, planned=True, fuse=True)
-        phases = [phases[0], zbh1, plan_ph]
+        fused = [
+            root.with_schedule(s, options=_options(cfg, fuse=True, seed=ctx.next_seed()))
+            for s in (zbh1, planned)
+        ]
+        plan_ph = _phase(ctx, fused[1], opt, name=kind, planned=True)
+        phases = [phases[0], _phase(ctx, fused[0], opt), plan_ph]
         _rotate(ctx, phases, cfg.job.warmup + cfg.job.steps, measure=True)
         for ph in phases:
-            ph.events = gather_traces(ph.pipe.trace) or []
-    tied.check(phases[0].pipe.iteration)  # the replicas after the last step too
+            ph.events = gather_traces(ph.pipe.executor.trace) or []
+    root.tied.check(root.executor.iteration)  # the replicas after the last step too
     if not ctx.lead:
         return None
     cut = _Cut(lp, equal, balanced, measured_equal)
@@ -405,96 +406,49 @@ def _options(cfg: TrainConfig, *, fuse: bool = False, seed: int = 0) -> Executor
     )
 
 
-def _tied_groups(
-    ctx: _Ctx, mods: Mapping[int, nn.Module], cut: tuple[int, ...], sched: Schedule
-) -> TiedGroups:
-    """The ties of the model cut at ``cut`` (collective): replicas summed and compared."""
-    layers = ctx.job_model.layers
-    bounds = stage_bounds(len(layers), sched.num_stages, cut)
-    shared = find_shared(layers, layer_keys(layers), bounds)
-    tied = TiedGroups(
-        shared,
-        mods,
-        sched.placement,
-        ctx.rank,
-        timeout_s=ctx.cfg.executor.comm_timeout_s,
-        check_every=1,
-    )
-    keys = layer_keys(layers)
-    for tp in shared:
+def _say_ties(ctx: _Ctx, pipe: Pipeline) -> None:
+    """Name the parameters tied across stages (kept for the report) on rank 0."""
+    for tp in pipe.shared:
         if tp.tied:
-            names = []
-            for n in tp.names:  # "<layer key>.<rest>" as the model names it
-                key, _, rest = n.partition(".")
-                i = keys.index(key)
-                names.append(model_name(f"0.{rest}", (key,), [layers[i]]))
-            ctx.tied_names += (names[0],)
+            ctx.tied_names += (tp.source_names[0],)
             ctx.say(
-                f"tied across stages {list(tp.stages)}: {', '.join(names)} (one replica per "
-                "stage, gradients summed in stage order, replicas compared after every step)"
+                f"tied across stages {list(tp.stages)}: {', '.join(tp.source_names)} (one "
+                "replica per stage, gradients summed in stage order, replicas compared after "
+                "every step)"
             )
-    return tied
 
 
 def _measure_cut(ctx: _Ctx, layers: list[nn.Module], cut: tuple[int, ...]) -> tuple[float, ...]:
     """Per-stage F + B + W (ms) of a few ZB-H1 steps on a copy of the model cut at ``cut``."""
     cfg, model = ctx.cfg, ctx.job_model
     sched = generate("zb-h1", ctx.world, cfg.schedule.microbatches)
-    stages = build_stage_modules(layers, sched, ctx.rank, boundaries=cut, device=ctx.device)
-    pipe = PipelineExecutor(
+    pipe = Pipeline(
+        layers,
+        model.loss_fn,
         sched,
-        stages,
-        loss_fn=model.loss_fn,
-        count_fn=model.count_fn,
+        boundaries=cut,
         device=ctx.device,
         options=_options(cfg),
+        count_fn=model.count_fn,
     )
     gen = torch.Generator().manual_seed(cfg.job.seed + 2)
     for _ in range(cfg.job.warmup + 2):
         args, y = model.batch(cfg.batch_size, gen, False)
-        pipe.step(*args, target=y)
-    events = gather_traces(pipe.trace)
+        pipe.step(*args, target=y)  # no optimizer: gradients accumulate on the copy
+    events = gather_traces(pipe.executor.trace)
     if events is None:
         return ()
     prof = stage_profile(events, sched.num_stages, skip_iterations=cfg.job.warmup)
     return tuple(prof.stage_time(s) for s in range(sched.num_stages))
 
 
-def _chunks(
-    mods: Mapping[int, nn.Module], num_stages: int, model: JobModel, recompute: str = "none"
-) -> dict[bool, dict[int, StageChunk]]:
-    """Per stage one B/W-split chunk and one unsplit chunk over the same modules.
-
-    Schedules of each kind share their chunks (and so their weight-gradient
-    store), which lets executors of different schedules take turns on one model.
-    The unsplit chunks run the split layers' plain path (both gradients in the
-    backward), so schedules without split run an ordinary backward.
-    """
-    out: dict[bool, dict[int, StageChunk]] = {}
-    for split in (False, True):
-        out[split] = {
-            s: StageChunk(
-                m,
-                s,
-                num_stages,
-                loss_fn=model.loss_fn if s == num_stages - 1 else None,
-                split=split,
-                recompute=recompute,  # type: ignore[arg-type]  # checked by ExecutorSection
-            )
-            for s, m in mods.items()
-        }
-    return out
-
-
 @dataclass
 class _Phase:
-    """One schedule's executor and, on rank 0, its measurements."""
+    """One schedule's pipeline and, on rank 0, its measurements."""
 
     name: str
-    schedule: Schedule
     planned: bool
-    pipe: PipelineExecutor
-    trainer: PipelineTrainer
+    pipe: Pipeline
     measure_from: int = 0
     """First executor iteration whose figures count."""
     step_s: list[float] = field(default_factory=list)
@@ -504,32 +458,12 @@ class _Phase:
 
 
 def _phase(
-    ctx: _Ctx,
-    sched: Schedule,
-    chunks: dict[bool, dict[int, StageChunk]],
-    opt: torch.optim.Optimizer,
-    *,
-    name: str | None = None,
-    planned: bool = False,
-    fuse: bool = False,
+    ctx: _Ctx, pipe: Pipeline, opt: torch.optim.Optimizer, *, name: str = "", planned: bool = False
 ) -> _Phase:
-    """An executor of ``sched`` on the shared chunks, and its trainer (the synchronous
-    optimizer step: global grad-norm clipping, non-finite steps skipped). With
-    ``fuse``, stages whose every B/W pair the executor fuses get unsplit chunks."""
-    ran = fuse_local_backward(sched) if fuse else sched
-    split = _split_stages(ran)
-    mine = {s: chunks[s in split][s] for s in chunks[True]}
-    pipe = PipelineExecutor(
-        sched,
-        mine,
-        count_fn=ctx.job_model.count_fn,
-        device=ctx.device,
-        options=_options(ctx.cfg, fuse=fuse, seed=ctx.next_seed()),
-    )
-    trainer = PipelineTrainer(
-        pipe, opt, OptimConfig(max_norm=ctx.cfg.optimizer.grad_clip), tied=ctx.tied
-    )
-    return _Phase(name or sched.name, sched, planned, pipe, trainer)
+    """``pipe`` trained by ``opt`` under the synchronous optimizer step (global grad-norm
+    clipping, non-finite steps skipped); named ``name`` or after its schedule."""
+    pipe.set_optimizer(opt, OptimConfig(max_norm=ctx.cfg.optimizer.grad_clip))
+    return _Phase(name or pipe.schedule.name, planned, pipe)
 
 
 def _rotate(
@@ -539,7 +473,7 @@ def _rotate(
     measured (nor, without ``measure``, any: they only feed the profile). ``longest``: every
     batch of the longest length (see :meth:`_Ctx.batch`)."""
     for ph in phases:
-        ph.measure_from = ph.pipe.iteration + ctx.cfg.job.warmup
+        ph.measure_from = ph.pipe.executor.iteration + ctx.cfg.job.warmup
     for r in range(rounds):
         for ph in phases:
             warm = r < ctx.cfg.job.warmup
@@ -549,12 +483,12 @@ def _rotate(
 
 def _step(ctx: _Ctx, ph: _Phase, *, record: bool, note: str, longest: bool = False) -> None:
     """One training step of ``ph``'s schedule; the slowest rank's times go to rank 0."""
-    pipe = ph.pipe
+    pipe = ph.pipe.executor
     args, y = ctx.batch(longest)
     iteration = pipe.iteration
     dist.barrier()
     t0, t0_ns = time.perf_counter(), pipe.trace.now()
-    losses = ph.trainer.step(*args, target=y)  # the pipeline, then the optimizer step
+    losses = ph.pipe.step(*args, target=y)  # the pipeline, then the optimizer step
     t1 = time.perf_counter()
     # The pipeline's part ends with its wait for the last sends.
     end_ns = next(e.end_ns for e in reversed(pipe.trace.events) if e.op == "wait_sends")
