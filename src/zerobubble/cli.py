@@ -4,7 +4,8 @@ Subcommand names and flags are fixed (scripts depend on them)::
 
     zerobubble schedule KIND -p P -m M [--chunks V] [--costs F=1,B=1,W=1,comm=0]
                          [--costs-file F] [--mem-limit X] [--mem-w R] [--split-backward]
-                         [--node-limit N] [--format text|json|csv] [-o FILE]
+                         [--node-limit N] [--format text|json|csv|program]
+                         [--rank R] [--dp N] [--fsdp] [--protocol P] [-o FILE]
     zerobubble simulate FILE [--costs ...] [--costs-file F] [--mem-w R] [--mem-limit X] [--json]
     zerobubble compare -p P -m M [--costs ...] [--costs-file F] [--mem-limit X] [--plot FILE.png]
     zerobubble train [-p P] [-m M] [--steps N] [--layers L] [--mem-limit BYTES] [--out DIR] ...
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING
 from zerobubble.schedule.costs import CostSpec, Number, load_costs_file, parse_costs
 
 if TYPE_CHECKING:
+    from zerobubble.schedule.ir import Schedule
     from zerobubble.train.config import TrainConfig
     from zerobubble.train.job import JobResult, PlanError, Reporter
 
@@ -174,6 +176,8 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         out = json_format.dumps(sched)
     elif args.format == "csv":
         out = torch_csv.dumps(sched)
+    elif args.format == "program":
+        out = _programs(sched, args) + "\n"
     else:
         out = text.render(sched, result=result) + "\n"
         if proof is not None:
@@ -185,6 +189,22 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     if proof is not None and (args.format != "text" or args.output):
         print(proof.summary(), file=sys.stderr)  # beside a file format, not inside it
     return 0
+
+
+def _programs(sched: Schedule, args: argparse.Namespace) -> str:
+    """Each rank's finished program (every pass applied) as text."""
+    from zerobubble.schedule.build import GradSync, ProgramPlan, build_programs, format_programs
+
+    if args.rank is not None and not 0 <= args.rank < sched.num_devices:
+        raise ValueError(f"--rank {args.rank} is not in [0, {sched.num_devices})")
+    if args.fsdp and args.dp < 2:
+        raise ValueError("--fsdp shards over the dp replicas: pass --dp N with N >= 2")
+    sync = GradSync.NONE if args.dp == 1 else GradSync.FSDP if args.fsdp else GradSync.REDUCE
+    plan = ProgramPlan(fuse_local_backward=not args.no_fuse, grad_sync=sync, protocol=args.protocol)
+    head = (
+        f"# {sched.name}: P={sched.num_devices}, M={sched.num_microbatches}, dp={args.dp}; {plan}"
+    )
+    return head + "\n" + format_programs(build_programs(sched, plan), args.rank)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -427,7 +447,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="optimal, optimal-v: branch-and-bound nodes HiGHS may solve (default 1000); "
         "a work limit, so a run gives the same schedule and gap on any machine",
     )
-    p.add_argument("--format", choices=("text", "json", "csv"), default="text")
+    p.add_argument(
+        "--format",
+        choices=("text", "json", "csv", "program"),
+        default="text",
+        help="program: each rank's final instruction list, after every pass",
+    )
+    p.add_argument("--rank", type=int, help="--format program: only this rank's program")
+    p.add_argument(
+        "--dp", type=_positive_int, default=1, help="--format program: data-parallel replicas"
+    )
+    p.add_argument("--fsdp", action="store_true", help="--format program: FSDP over --dp")
+    p.add_argument(
+        "--protocol",
+        choices=("none", "checked", "speculative"),
+        default="none",
+        help="--format program: the optimizer protocol's instructions",
+    )
+    p.add_argument(
+        "--no-fuse", action="store_true", help="--format program: keep every B and W split"
+    )
     p.add_argument("-o", "--output", help="write to FILE instead of stdout")
     p.set_defaults(func=cmd_schedule)
 
