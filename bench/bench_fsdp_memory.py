@@ -4,7 +4,8 @@ Run: ``OMP_NUM_THREADS=1 PYTHONPATH=src python bench/bench_fsdp_memory.py [--qui
 Prints one JSON object.
 
 Workload: an MLP of ``--layers`` Linear(width, width) layers (zb-h1, 4 microbatches,
-AdamW), cut into 2 stages, run by 2 data-parallel replicas; once with ``build_mesh(pp, dp, fsdp=True)``
+AdamW), cut into 2 stages, run by 2 data-parallel replicas; once with
+``build_mesh(pp, dp, fsdp=True)``
 and once replicated (``fsdp=False``: the DDP-style path, where every replica holds
 whole parameters, gradients and optimizer state). After ``--steps`` steps each
 rank reports the bytes it holds of
