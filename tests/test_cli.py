@@ -95,3 +95,32 @@ def test_train_refuses_bad_models_before_launching(capsys, monkeypatch):
     assert main(["train", "--model", "hf-llama", "-p", "2"]) == 2
     err = capsys.readouterr().err
     assert "--model hf-llama needs Hugging Face transformers" in err and "dev extra" in err
+
+
+def test_schedule_format_program_prints_the_final_programs(capsys):
+    argv = ["schedule", "1f1b", "-p", "2", "-m", "2", "--format", "program"]
+    assert main([*argv, "--dp", "2", "--protocol", "speculative", "--rank", "0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == [
+        "# 1f1b: P=2, M=2, dp=2; fused, lookahead 2, grad sync reduce, protocol speculative",
+        "rank 0 (stages 0): 18 instructions",
+    ]
+    assert lines[8:10] == [
+        "   6  replay gate (0 stale messages to drain on a replay)",
+        "   7  post_recv grad(s1->s0,mb0) from device 1",
+    ]
+    assert lines[-3:] == ["  15  reduce_grads s0", "  16  wait_sends", "  17  wait_reduce"]
+    # A V kind at P=3 with FSDP: rank 2 holds stages 2 and 3; each is gathered before its F.
+    assert main(["schedule", "zbv", "-p", "3", "-m", "3", "--format", "program", "--dp", "2",
+                 "--fsdp", "--rank", "2"]) == 0  # fmt: skip
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:4] == [
+        "rank 2 (stages 2, 3): 38 instructions",
+        "   0  post_recv act(s1->s2,mb0) from device 1",
+        "   1  post_recv act(s1->s2,mb1) from device 1",
+    ]
+    assert out.index("   3  unshard(s2)") < out.index("   4  F(s2,mb0)")
+    assert sum("reduce_scatter" in x for x in out) == 2
+    for bad in (["--rank", "2"], ["--fsdp"]):
+        assert main([*argv, *bad]) == 2
+        assert "zerobubble schedule: error:" in capsys.readouterr().err

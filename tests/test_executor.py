@@ -433,3 +433,9 @@ def test_stuck_peer_times_out_with_the_waiting_action():
     assert waiter.rank == 0 and waiter.exitcode == 1
     assert "PeerError: rank 0: wait_recv grad(s1->s0," in waiter.error
     assert "with peer rank 1 failed: no completion within the comm timeout of 2s" in waiter.error
+
+
+def test_executor_options_refuse_compile_with_layer_recompute() -> None:
+    with pytest.raises(ValueError, match="compile='aot_eager' with recompute='layers' is not"):
+        ExecutorOptions(compile="aot_eager", recompute="layers")
+    assert ExecutorOptions(compile="aot_eager", recompute="stage").compile == "aot_eager"

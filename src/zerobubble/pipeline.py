@@ -35,9 +35,9 @@ from zerobubble.runtime.partition import (
     stage_bounds,
 )
 from zerobubble.runtime.tied import TiedGroups, find_shared
+from zerobubble.schedule.build import ProgramPlan
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.ir import Schedule
-from zerobubble.schedule.passes import fuse_local_backward
 
 __all__ = ["Pipeline"]
 
@@ -221,8 +221,8 @@ class Pipeline:
         options ask for, runs a B of it: the rule the executor wraps modules by.
         """
         opts = options or ExecutorOptions()
-        ran = fuse_local_backward(schedule) if opts.fuse_local_backward else schedule
-        split = ran.split_stages()
+        plan = ProgramPlan(fuse_local_backward=opts.fuse_local_backward)
+        split = plan.compute_schedule(schedule).split_stages()
         given = {s: self._chunks[s in split].get(s, m) for s, m in self._stages.items()}
         executor = PipelineExecutor(
             schedule,

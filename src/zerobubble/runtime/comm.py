@@ -6,7 +6,8 @@ of a hang. Pipeline device ``d`` is rank ``d`` of the process group (a mesh's
 ``pp`` group, :mod:`zerobubble.runtime.mesh`).
 
 Transports: gloo buffers each direction independently, which is the model the
-lowered programs are checked against (:func:`~zerobubble.schedule.lowering.validate_lowered`).
+finished programs are checked against
+(:func:`~zerobubble.schedule.program_check.validate_program`).
 NCCL runs both directions of a rank pair on one communicator whose operations
 execute in issue order, and a large send does not finish before its receive
 runs; a send queued behind a receive can then deadlock (1F1B's steady state

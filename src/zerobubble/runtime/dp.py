@@ -1,9 +1,9 @@
 """DDP-style gradient reduction over the mesh's ``dp`` dim, one async all-reduce per stage.
 
 The executor calls :meth:`GradReducer.launch` at a
-:class:`~zerobubble.schedule.lowering.ReduceGrads` (right after the stage's last
+:class:`~zerobubble.schedule.program.ReduceGrads` (right after the stage's last
 W or BW, see :mod:`zerobubble.schedule.dp`) and :meth:`GradReducer.wait` at the
-program's :class:`~zerobubble.schedule.lowering.WaitReduce`. A stage's gradients
+program's :class:`~zerobubble.schedule.program.WaitReduce`. A stage's gradients
 travel as one flat bucket per dtype (model order inside), summed by
 ``all_reduce(SUM)`` on the dp group, and are copied back into ``.grad`` once the
 wait returns.

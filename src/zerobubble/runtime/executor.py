@@ -37,7 +37,7 @@ from zerobubble.runtime.executor_options import ExecutorOptions
 from zerobubble.runtime.fsdp import ShardedStages
 from zerobubble.runtime.hooks import StepHooks
 from zerobubble.runtime.host_memory import retain_freed_memory
-from zerobubble.runtime.links import Links, describe, pipeline_p2p
+from zerobubble.runtime.links import Described, Links, pipeline_p2p
 from zerobubble.runtime.mesh import PipelineMesh, pipeline_group
 from zerobubble.runtime.microbatch import (
     CountFn,
@@ -419,15 +419,15 @@ class _Run:
             raise forward_failure(e, a.stage, a.mb, chunk.layer_of(e), arg, pipe.rank) from e
 
     def post(self, ins: PostRecv) -> None:
-        self.pipe.links.post(ins.msg, ins.peer, describe(ins, self.pipe.iteration))
+        self.pipe.links.post(ins.msg, ins.peer, Described(ins, self.pipe.iteration))
 
     def wait_recv(self, ins: WaitRecv) -> None:
-        what = describe(ins, self.pipe.iteration)
+        what = Described(ins, self.pipe.iteration)
         self.ready[ins.msg] = self.pipe.links.receive(ins.msg, ins.peer, what)
 
     def send(self, ins: Send) -> None:
         value = self.ready.pop(ins.msg)
-        self.pipe.links.send(ins.msg, ins.peer, value, describe(ins, self.pipe.iteration))
+        self.pipe.links.send(ins.msg, ins.peer, value, Described(ins, self.pipe.iteration))
 
     def wait_sends(self, ins: WaitSends) -> None:
         self.pipe.links.wait_sends()

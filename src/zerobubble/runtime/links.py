@@ -16,7 +16,6 @@ executor calls it at its message instructions.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +37,7 @@ from zerobubble.runtime.wire import (
 )
 from zerobubble.schedule.program import LoweredSchedule, Message, MsgKind, PostRecv, Send, WaitRecv
 
-__all__ = ["Link", "Links", "describe", "pipeline_p2p"]
+__all__ = ["Described", "Link", "Links", "pipeline_p2p"]
 
 
 @dataclass
@@ -206,8 +205,9 @@ class Links:
             link.early.clear()
 
 
-class _Description:
-    """Text for a PeerError, built only if one is raised (not on every instruction)."""
+class Described:
+    """A message instruction named for a PeerError: formatted only if one is raised (not on
+    every instruction)."""
 
     __slots__ = ("ins", "iteration")
 
@@ -221,10 +221,6 @@ class _Description:
             return f"{ins} (output of {op}(s{m.src_stage},mb{m.mb}), iteration {k})"
         consumer = "F" if m.kind is MsgKind.ACT else "backward"
         return f"{ins} (input of {consumer}(s{m.dst_stage},mb{m.mb}), iteration {k})"
-
-
-describe: Callable[[PostRecv | WaitRecv | Send, int], object] = _Description
-"""``describe(instruction, iteration)``: the lazily formatted name of a message instruction."""
 
 
 def frame_meta(layout: Layout | None) -> TensorMeta:

@@ -116,6 +116,11 @@ class ProgramPlan:
                 "rollback would leave the gathered parameters stale); use the synchronous step"
             )
 
+    def compute_schedule(self, schedule: Schedule) -> Schedule:
+        """The compute schedule the programs run: ``schedule`` after the B/W fusion, if
+        asked for (which stages split their backward is read from it)."""
+        return fuse_local_backward(schedule) if self.fuse_local_backward else schedule
+
     def __str__(self) -> str:
         fuse = "fused" if self.fuse_local_backward else "unfused"
         return (
@@ -157,8 +162,7 @@ def build_programs(schedule: Schedule, plan: ProgramPlan | None = None) -> Lower
     """
     plan = plan or ProgramPlan()
     validate(schedule)
-    if plan.fuse_local_backward:
-        schedule = fuse_local_backward(schedule)
+    schedule = plan.compute_schedule(schedule)
     lowered = lower(schedule, recv_lookahead=plan.recv_lookahead)
     for _, run in PASSES:
         lowered = run(lowered, plan)
