@@ -21,6 +21,7 @@ from zerobubble.schedule.generators import (
 from zerobubble.schedule.ir import Action, Op, Schedule, looped_placement, v_placement
 from zerobubble.schedule.search import (
     ActionGraph,
+    greedy,
     min_feasible_limit,
     optimal_search,
     run_pass,
@@ -29,6 +30,8 @@ from zerobubble.schedule.search import (
     zbv_auto,
 )
 from zerobubble.schedule.search.auto import GRID_1, GRID_V
+from zerobubble.schedule.search.graph import OPS, direct_predecessors, predecessors
+from zerobubble.schedule.search.milp import first_actions, first_starts
 from zerobubble.schedule.simulate import simulate
 from zerobubble.schedule.validate import validate
 
@@ -386,3 +389,58 @@ def test_incremental_timing_equals_full_simulation():
             assert part.end == full.end
             checked += 1
     assert checked > 20
+
+
+# ---- the searches follow the dependency rule (schedule.deps) --------------------------------
+
+
+def test_direct_predecessors_drop_only_implied_needs():
+    """B(s)'s F(s) is implied by B(s+1) (through F(s+1)); the last B keeps it."""
+    assert direct_predecessors(3) == {
+        (Op.F, 0): (),
+        (Op.F, 1): ((Op.F, 0),),
+        (Op.F, 2): ((Op.F, 1),),
+        (Op.B, 0): ((Op.B, 1),),
+        (Op.B, 1): ((Op.B, 2),),
+        (Op.B, 2): ((Op.F, 2),),
+        (Op.W, 0): ((Op.B, 0),),
+        (Op.W, 1): ((Op.B, 1),),
+        (Op.W, 2): ((Op.B, 2),),
+    }
+    assert predecessors(Op.B, 1, 3) == ((Op.F, 1), (Op.B, 2))
+
+
+@pytest.mark.parametrize("v_shape", [False, True])
+def test_pass_is_the_same_on_the_unreduced_rule(monkeypatch, v_shape):
+    """The pass on every need of the rule (several per B: its bounds recurse) emits
+    bitwise what it does on the reduced needs."""
+    rng = random.Random(11)
+    cases = []
+    for P, M in [(2, 3), (3, 7), (4, 9)]:
+        placement = v_placement(P) if v_shape else looped_placement(P, 2)
+        costs = realistic(rng, len(placement), 0.5)
+        limit = float(min_feasible_limit(placement, costs)) * P
+        for policy in GRID_V:
+            cases.append((placement, M, costs, limit, policy))
+    reduced = [run_pass(*c) for c in cases]
+    monkeypatch.setattr(
+        greedy,
+        "direct_predecessors",
+        lambda S: {(op, s): predecessors(op, s, S) for op in OPS for s in range(S)},
+    )
+    assert [run_pass(*c) for c in cases] == reduced
+    assert all(p is not None for p in reduced)
+
+
+def test_first_starts_follow_the_forward_chain():
+    """T0 of each device: the uncontended chain of dependencies into its first action."""
+    costs = CostModel.per_stage([1, 2, 4], [1, 1, 1], [1, 1, 1], comm=0.5)
+    g = ActionGraph((0, 1, 2), 2)
+    assert first_actions(g) == [g.index(Op.F, s, 0) for s in range(3)]
+    assert first_starts(g, costs) == [0.0, 1.5, 4.0]
+    v = ActionGraph(v_placement(2), 2)  # device 0 holds stages 0 and 3, device 1 stages 1, 2
+    vcosts = CostModel.per_stage([3, 1, 1, 1], [1] * 4, [1] * 4, comm=0.25)
+    assert first_actions(v) == [v.index(Op.F, 0, 0), v.index(Op.F, 1, 0)]
+    assert first_starts(v, vcosts) == [0.0, 3.25]
+    with pytest.raises(ValueError, match="distinct devices"):
+        first_actions(ActionGraph((0, 0, 1), 2))

@@ -1,9 +1,21 @@
 """The dependency rule: what each action needs and what it produces.
 
 Every consumer of dependencies (the graph the validator and simulator share,
-the searches' graph, the V-family generator, lowering, the trace checker and
-the bubble breakdown) derives its edges from :data:`RULES` through
-:func:`needs` and :func:`produces`, so a new action kind is one entry here.
+the searches' graph, the automatic scheduler's pass and the exact search, the
+fusing pass, the V-family generator, lowering, the trace checker and the
+bubble breakdown) derives its edges from :data:`RULES` through :func:`needs`
+and :func:`produces`, so a new dependency between the existing ops (a need in
+a :class:`Rule`, with a new :class:`Kind` and its flow if the data is new) is
+one entry here. :class:`~zerobubble.schedule.graph.Graph` stores at most two
+needs per action and refuses to import beyond that.
+
+A new action kind is an entry here and, outside the rule: its
+:class:`~zerobubble.schedule.ir.Op` member, its duration and memory delta
+(:class:`~zerobubble.schedule.costs.CostModel`), the validator's check of
+which ops a complete schedule holds (every F its B+W or BW), the torch CSV
+format's letter, the runtime's executor, and, for the searches, which
+schedule F, B and W only (``search.graph.OPS``), a role in the automatic
+scheduler's heuristic.
 
 Edges are stated on plain keys, not on actions: an action produces data
 (:class:`Key`: kind, producing stage, microbatch) and needs data; whichever

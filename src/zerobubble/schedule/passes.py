@@ -5,6 +5,7 @@ Pure functions on the torch-free IR; the runtime applies them before lowering.
 
 from __future__ import annotations
 
+from zerobubble.schedule.deps import produces
 from zerobubble.schedule.ir import Action, Op, Schedule
 
 __all__ = ["fuse_local_backward", "fusible_backward"]
@@ -14,9 +15,10 @@ def fusible_backward(schedule: Schedule, device: int, index: int) -> bool:
     """Whether action ``index`` of ``device`` is a B that :func:`fuse_local_backward` merges.
 
     That is a B(s, j) directly followed on its device by W(s, j), where nobody on
-    another device waits for B's result: s is the first stage (its input
-    gradient goes nowhere), or stage s - 1 lives on the same device (its
-    backward comes later on this device anyway).
+    another device waits for B's result: every stage that consumes what B
+    produces (:func:`~zerobubble.schedule.deps.produces`) lives on this device.
+    For B that is s itself (what W reads) and s - 1 (the input gradient; none on
+    the first stage).
     """
     acts = schedule.actions[device]
     a = acts[index]
@@ -24,7 +26,8 @@ def fusible_backward(schedule: Schedule, device: int, index: int) -> bool:
         return False
     if acts[index + 1] != Action(Op.W, a.stage, a.mb):
         return False
-    return a.stage == 0 or schedule.placement[a.stage - 1] == device
+    made = produces(a.op, a.stage, a.mb, schedule.num_stages)
+    return all(schedule.placement[k.consumer_stage] == device for k in made)
 
 
 def fuse_local_backward(schedule: Schedule) -> Schedule:

@@ -14,12 +14,59 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from zerobubble.schedule.costs import CostModel, Number
-from zerobubble.schedule.deps import PRODUCERS, RULES
+from zerobubble.schedule.deps import PRODUCERS, needs, produces
 from zerobubble.schedule.graph import CODE, action_code
 from zerobubble.schedule.ir import Action, Op
 
 OPS = (Op.F, Op.B, Op.W)
 """The ops of a split-backward schedule; their codes are 0, 1, 2, so ids are dense."""
+
+
+def predecessors(op: Op, stage: int, num_stages: int) -> tuple[tuple[Op, int], ...]:
+    """(op, stage) of the producers of ``op``'s needs on ``stage`` (any microbatch: its own),
+    in :data:`~zerobubble.schedule.deps.RULES` order; B, not BW, where both would do (the
+    searches have no BW)."""
+    return tuple(
+        (next(p for p in PRODUCERS[k.kind] if p in OPS), k.stage)
+        for k in needs(op, stage, 0, num_stages)
+    )
+
+
+def direct_predecessors(num_stages: int) -> dict[tuple[Op, int], tuple[tuple[Op, int], ...]]:
+    """:func:`predecessors` of every (op, stage), less each that another of them depends on
+    anyway (B(s)'s F(s) where B(s+1) exists): one microbatch's graph, transitively reduced.
+
+    With durations and latencies >= 0 a dropped need never arrives last and has run
+    whenever the kept ones have, so readiness and arrival times (and their bounds)
+    follow from these alone, with fewer checks.
+    """
+    nodes = [(op, s) for op in OPS for s in range(num_stages)]
+    preds = {v: predecessors(*v, num_stages) for v in nodes}
+    bit = {v: 1 << i for i, v in enumerate(nodes)}
+    below: dict[tuple[Op, int], int] = {}  # bitset of every ancestor of each node
+    indeg = {v: len(preds[v]) for v in nodes}
+    succ: dict[tuple[Op, int], list[tuple[Op, int]]] = {v: [] for v in nodes}
+    for v in nodes:
+        for u in preds[v]:
+            succ[u].append(v)
+    order = [v for v in nodes if not indeg[v]]
+    for v in order:
+        below[v] = 0
+        for u in preds[v]:
+            below[v] |= bit[u] | below[u]
+        for x in succ[v]:
+            indeg[x] -= 1
+            if not indeg[x]:
+                order.append(x)
+    return {
+        v: tuple(u for u in ps if not any(below[w] & bit[u] for w in ps if w != u))
+        for v, ps in preds.items()
+    }
+
+
+def consumer_stages(op: Op, stage: int, num_stages: int) -> tuple[int, ...]:
+    """The stages whose actions consume what ``op`` of ``stage`` produces (each once)."""
+    return tuple(dict.fromkeys(k.consumer_stage for k in produces(op, stage, 0, num_stages)))
 
 
 @dataclass(frozen=True)
@@ -62,19 +109,13 @@ class ActionGraph:
     def edges(self) -> tuple[tuple[int, int, bool], ...]:
         """``(before, after, crosses_devices)``: dependencies plus the in-order chains."""
         S, M, idx = self.num_stages, self.num_microbatches, self.index
-        # Per op, each need's flow and its producer here (B, not BW: the graph has no BW).
-        plan = [
-            (op, [(k.flow, next(p for p in PRODUCERS[k] if p in OPS)) for k in RULES[op].needs])
-            for op in OPS
-        ]
+        plan = [[(op, predecessors(op, s, S)) for op in OPS] for s in range(S)]
         out: list[tuple[int, int, bool]] = []
         for s in range(S):
             for j in range(M):
-                for op, need in plan:
-                    for flow, prod in need:
-                        src = s - flow
-                        if 0 <= src < S:
-                            out.append((idx(prod, src, j), idx(op, s, j), self._cross(src, s)))
+                for op, preds in plan[s]:
+                    for prod, src in preds:
+                        out.append((idx(prod, src, j), idx(op, s, j), self._cross(src, s)))
                 if j + 1 < M:
                     for op in OPS:
                         out.append((idx(op, s, j), idx(op, s, j + 1), False))

@@ -30,7 +30,9 @@ any limit of at least one microbatch's M_B per device (summed over its
 stages) is schedulable.
 
 Actions are encoded as ``ActionGraph`` indices: ``(k * S + s) * M + j`` with
-k = 0, 1, 2 for F, B, W.
+k = 0, 1, 2 for F, B, W. What each action waits for and which devices hear of
+it come from the dependency rule (:mod:`zerobubble.schedule.deps`), tabled per
+(op, stage) once; the roles the heuristic gives F, B and W are its own.
 """
 
 from __future__ import annotations
@@ -41,9 +43,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from zerobubble.schedule.costs import CostModel, Number
+from zerobubble.schedule.deps import LOCAL_PRODUCER
 from zerobubble.schedule.ir import Op
+from zerobubble.schedule.search.graph import OPS, consumer_stages, direct_predecessors
 
 _INF = float("inf")
+_F, _B, _W = range(len(OPS))
+"""Indices into ``OPS``: the heuristic's three roles (forward, critical backward, filler)."""
 
 
 @dataclass(frozen=True)
@@ -126,9 +132,8 @@ class _Builder:
         P = max(placement) + 1
         self.placement, self.m, self.S, self.P, self.policy = placement, m, S, P, policy
         self.cutoff = cutoff * (1 - 1e-12)
-        self.f = [float(x) for x in costs.f]
-        self.b = [float(x) for x in costs.b]
-        self.w = [float(x) for x in costs.w]
+        self.dur = [[float(costs.duration(op, s)) for s in range(S)] for op in OPS]
+        self.f, self.b, self.w = self.dur
         comm = float(costs.comm)
         # Under recompute B may allocate (M_W > M_B): an F then reserves what its B will
         # hold, so that admitting F at the limit never lets a later B exceed it.
@@ -138,6 +143,7 @@ class _Builder:
             for s, (f, w) in enumerate(zip(costs.mem_f, costs.mem_w, strict=True))
         ]
         self.mem_w = [float(costs.memory_delta(Op.W, s)) for s in range(S)]
+        self.mem_delta = (self.mem_f, self.mem_b, self.mem_w)
         self.limit = limit + 1e-10 * max(1.0, abs(limit))
         self.stages: list[list[int]] = [[] for _ in range(P)]
         for s, d in enumerate(placement):
@@ -149,18 +155,50 @@ class _Builder:
             for k, s in enumerate(held):
                 self.reserve[s] = sum(self.mem_f[t] for t in held[k + 1 :])
         self.cap = [policy.inflight * (S - s) if policy.inflight > 0 else m for s in range(S)]
-        # Latency into stage s from the stage before (F) and after (B) it.
-        self.lat_prev = [
-            comm if s > 0 and placement[s - 1] != placement[s] else 0.0 for s in range(S)
+        self.n = [[0] * S for _ in OPS]  # actions of (k, s) run so far (in microbatch order)
+        self.nf, self.nb = self.n[_F], self.n[_B]
+        self.end = [[[0.0] * m for _ in range(S)] for _ in OPS]
+        # The rule per (op k, stage s): each need of (k, s, j) (its producer runs microbatch
+        # j too) as (its op, that op's counts, its stage, its end times there, the latency), and
+        # the other devices its outputs reach.
+        preds = direct_predecessors(S)
+        self.need = [
+            [
+                tuple(
+                    (p, self.n[p], t, self.end[p][t], comm if placement[t] != placement[s] else 0.0)
+                    for p, t in ((OPS.index(op_p), t) for op_p, t in preds[op, s])
+                )
+                for s in range(S)
+            ]
+            for op in OPS
         ]
-        self.lat_next = [
-            comm if s + 1 < S and placement[s + 1] != placement[s] else 0.0 for s in range(S)
+        self.tell = [
+            [
+                tuple(
+                    dict.fromkeys(
+                        placement[t]
+                        for t in consumer_stages(op, s, S)
+                        if placement[t] != placement[s]
+                    )
+                )
+                for s in range(S)
+            ]
+            for op in OPS
         ]
-        self.nf = [0] * S
-        self.nb = [0] * S
-        self.nw = [0] * S
-        self.end_f = [[0.0] * m for _ in range(S)]
-        self.end_b = [[0.0] * m for _ in range(S)]
+        # Per (k, s): its need if it has exactly one (else None), and (the latency of that
+        # need, its device, its duration, its key k * S + s) for walking chains of them.
+        self.one = [[nd[0] if len(nd) == 1 else None for nd in row] for row in self.need]
+        self.step = [
+            [
+                (nd[0][4] if len(nd) == 1 else 0.0, placement[s], self.dur[k][s], k * S + s)
+                for s, nd in enumerate(row)
+            ]
+            for k, row in enumerate(self.need)
+        ]
+        # The op whose action on the same stage and microbatch must run first (None: F),
+        # and so how far each (k, s) may go: its local producer's count, else M.
+        self.local = [None if (p := LOCAL_PRODUCER[op]) is None else OPS.index(p) for op in OPS]
+        self.upto = [[m] * S if p is None else self.n[p] for p in self.local]
         self.free = [0.0] * P
         self.first = [-1.0] * P
         self.mem = [0.0] * P
@@ -168,7 +206,7 @@ class _Builder:
         self.rem = [sum(self.f[s] + self.b[s] + self.w[s] for s in h) * m for h in self.stages]
         self.pending_w: list[deque[int]] = [deque() for _ in range(P)]
         self.out: list[list[int]] = [[] for _ in range(P)]
-        self.left = [3 * m * len(h) for h in self.stages]
+        self.left = [len(OPS) * m * len(h) for h in self.stages]
         # With rounds: the fixed F and B stage sequence of each device, and where it stands.
         group = policy.rounds or P
         self.seq_f = [self._rounds(held, m, group) for held in self.stages]
@@ -189,68 +227,74 @@ class _Builder:
 
     # ---- arrivals ------------------------------------------------------------------------
 
-    def _f_ready(self, s: int) -> float:
-        """When the next F of stage s can start (inf if its input is not scheduled yet)."""
-        if s == 0:
-            return 0.0
-        j = self.nf[s]
-        if self.nf[s - 1] <= j:
-            return _INF
-        return self.end_f[s - 1][j] + self.lat_prev[s]
-
-    def _b_ready(self, s: int) -> float:
-        j = self.nb[s]
-        if s == self.S - 1:
-            return self.end_f[s][j]
-        if self.nb[s + 1] <= j:
-            return _INF
-        return self.end_b[s + 1][j] + self.lat_next[s]
-
-    def _f_bound(self, s: int) -> float:
-        """Lower bound on when the next F of stage s can start."""
-        r = self._f_ready(s)
-        if r < _INF:
-            return r
-        return self._f_end_bound(s - 1, self.nf[s]) + self.lat_prev[s]
-
-    def _b_bound(self, s: int) -> float:
-        r = self._b_ready(s)
-        if r < _INF:
-            return r
-        return self._b_end_bound(s + 1, self.nb[s]) + self.lat_next[s]
-
-    def _f_end_bound(self, s: int, j: int) -> float:
-        """Lower bound on the end of F(s, j): its unscheduled forward chain, uncontended."""
-        nf = self.nf
-        if nf[s] > j:
-            return self.end_f[s][j]
-        top = s
-        while top > 0 and nf[top - 1] <= j:
-            top -= 1
-        t = 0.0 if top == 0 else self.end_f[top - 1][j] + self.lat_prev[top]
-        for u in range(top, s + 1):
-            if u > top:
-                t += self.lat_prev[u]
-            t = max(t, self.free[self.placement[u]]) + self.f[u]
+    def _ready(self, k: int, s: int) -> float:
+        """When the next action of (k, s) can start (inf if some input is not scheduled yet)."""
+        j = self.n[k][s]
+        t = 0.0
+        for _, n, u, end, lat in self.need[k][s]:
+            if n[u] <= j:
+                return _INF
+            r = end[j] + lat
+            if r > t:
+                t = r
         return t
 
-    def _b_end_bound(self, s: int, j: int) -> float:
-        """Lower bound on the end of B(s, j): the rest of its forward and backward chain."""
-        nb = self.nb
-        if nb[s] > j:
-            return self.end_b[s][j]
-        last = self.S - 1
-        top = s
-        while top < last and nb[top + 1] <= j:
-            top += 1
-        if top == last:
-            t = self._f_end_bound(last, j)
-        else:
-            t = self.end_b[top + 1][j] + self.lat_next[top]
-        for u in range(top, s - 1, -1):
-            if u < top:
-                t += self.lat_next[u]
-            t = max(t, self.free[self.placement[u]]) + self.b[u]
+    def _bound(self, k: int, s: int) -> float:
+        """Lower bound on when the next action of (k, s) can start, where ``_ready`` says inf."""
+        j = self.n[k][s]
+        need = self.need[k][s]
+        seen: dict[int, float] | None = {} if len(need) > 1 else None
+        t = 0.0
+        for p, n, u, end, lat in need:
+            r = (end[j] if n[u] > j else self._end_bound(p, u, j, seen)) + lat
+            if r > t:
+                t = r
+        return t
+
+    def _end_bound(self, k: int, s: int, j: int, seen: dict[int, float] | None) -> float:
+        """Lower bound on the end of the unscheduled action j of (k, s): its unscheduled
+        ancestors run uncontended, each after its inputs and once its device is free.
+
+        Actions with one need are walked up as a chain, without a call per action (this
+        is the pass's hottest path); several needs recurse, sharing ``seen`` (the bounds
+        found so far in this query, by ``k * S + s``) so that no ancestor is visited twice.
+        """
+        one, step, free = self.one, self.step, self.free
+        chain = []  # the walked actions' steps, from (k, s) up
+        while True:
+            single = one[k][s]
+            if single is None:  # no need or several: the top of the chain
+                nd = self.need[k][s]
+                if nd and seen is None:
+                    seen = {}
+                t = 0.0
+                for p, n, u, end, lat in nd:
+                    if n[u] > j:
+                        r = end[j]
+                    else:
+                        assert seen is not None
+                        hit = seen.get(p * self.S + u)
+                        r = self._end_bound(p, u, j, seen) if hit is None else hit
+                    r += lat
+                    if r > t:
+                        t = r
+                chain.append((0.0, *step[k][s][1:]))
+                break
+            chain.append(step[k][s])
+            p, n, u, end, _ = single
+            if n[u] > j:
+                t = end[j]
+                break
+            if seen is not None and (hit := seen.get(p * self.S + u)) is not None:
+                t = hit
+                break
+            k, s = p, u
+        for lat, d, dur, key in reversed(chain):
+            t += lat
+            f = free[d]
+            t = (t if t > f else f) + dur
+            if seen is not None:
+                seen[key] = t
         return t
 
     # ---- the pass ------------------------------------------------------------------------
@@ -282,7 +326,9 @@ class _Builder:
         pol = self.policy
         later = pol.later_first
         free = self.free[d]
-        nf, nb, m = self.nf, self.nb, self.m
+        nf, nb = self.nf, self.nb
+        ready, bound = self._ready, self._bound
+        upto_f, upto_b = self.upto[_F], self.upto[_B]
         held = self.rev_stages[d]
         held_b: Sequence[int] = held
         held_f: Sequence[int] = held
@@ -294,93 +340,82 @@ class _Builder:
         # The next B and F of each stage held here: ready now, or when they will arrive.
         best_b, b_at, next_b = -1, _INF, _INF
         for s in held_b:
-            if nb[s] < nf[s]:
-                r = self._b_ready(s)
+            if nb[s] < upto_b[s]:
+                r = ready(_B, s)
                 if r <= now:
                     if r < b_at and not (later and best_b >= 0):
                         best_b, b_at = s, r
                 else:
-                    r = self._b_bound(s)
+                    if r == _INF:
+                        r = bound(_B, s)
                     if r < next_b:
                         next_b = r
         best_f, f_at, next_f = -1, _INF, _INF
         blocked = False
         room = self.limit - self.mem[d]
         for s in held_f:
-            if nf[s] < m:
+            if nf[s] < upto_f[s]:
                 fits = self.mem_f[s] + self.reserve[s] <= room and nf[s] - nb[s] < self.cap[s]
-                r = self._f_ready(s)
+                r = ready(_F, s)
                 if r <= now:
                     if not fits:
                         blocked = True
                     elif r < f_at and not (later and best_f >= 0):
                         best_f, f_at = s, r
                 elif fits:
-                    r = self._f_bound(s)
+                    if r == _INF:
+                        r = bound(_F, s)
                     if r < next_f:
                         next_f = r
 
         if best_b >= 0 and not (pol.f_first and best_f >= 0):
-            self._put(d, 1, best_b, b_at if b_at > free else free)
+            self._put(d, _B, best_b, b_at if b_at > free else free)
             return
         if best_f >= 0:
             start = f_at if f_at > free else free
             if best_b >= 0 or pol.f_overrun or start + self.f[best_f] <= next_b:
-                self._put(d, 0, best_f, start)
+                self._put(d, _F, best_f, start)
                 return
         if self.pending_w[d]:
             s = self.pending_w[d][0]
+            r = ready(_W, s)
+            start = r if r > free else free
             # The gap lasts until the next B (if a ready F is held back for it) or until
             # the next F or B arrives; with nothing (admissible) to come it stays open.
             gap_end = next_b if best_f >= 0 else min(next_b, next_f)
-            if blocked or pol.w_overrun or free + self.w[s] <= gap_end:
-                self._put(d, 2, s, free)
+            if r < _INF and (blocked or pol.w_overrun or start + self.w[s] <= gap_end):
+                self._put(d, _W, s, start)
                 return
         # Wait for the next known arrival; unknown ones send news when scheduled.
         soon = _INF
         for s in held:
-            if nf[s] < m:
-                r = self._f_ready(s)
-                if now < r < soon:
-                    soon = r
-            if nb[s] < nf[s]:
-                r = self._b_ready(s)
-                if now < r < soon:
-                    soon = r
+            for k in (_F, _B):
+                if self.n[k][s] < self.upto[k][s]:
+                    r = ready(k, s)
+                    if now < r < soon:
+                        soon = r
         if soon < _INF:
             self._wake(d, soon)
 
     def _put(self, d: int, k: int, s: int, start: float) -> None:
-        m = self.m
-        if k == 0:
-            j = self.nf[s]
-            end = start + self.f[s]
-            self.end_f[s][j] = end
-            self.nf[s] = j + 1
+        m, n = self.m, self.n[k]
+        j = n[s]
+        end = start + self.dur[k][s]
+        self.end[k][s][j] = end
+        n[s] = j + 1
+        self.mem[d] += self.mem_delta[k][s]
+        if k == _F:
             self.pos_f[d] += 1
-            self.mem[d] += self.mem_f[s]
             if self.mem[d] > self.peak[d]:
                 self.peak[d] = self.mem[d]
-            if s + 1 < self.S and self.placement[s + 1] != d:
-                nxt = self.placement[s + 1]
-                self._wake(nxt, self.free[nxt])
-        elif k == 1:
-            j = self.nb[s]
-            end = start + self.b[s]
-            self.end_b[s][j] = end
-            self.nb[s] = j + 1
+        elif k == _B:
             self.pos_b[d] += 1
-            self.mem[d] += self.mem_b[s]
-            self.pending_w[d].append(s)
-            if s > 0 and self.placement[s - 1] != d:
-                prv = self.placement[s - 1]
-                self._wake(prv, self.free[prv])
         else:
             self.pending_w[d].popleft()
-            j = self.nw[s]
-            self.nw[s] = j + 1
-            end = start + self.w[s]
-            self.mem[d] += self.mem_w[s]
+        if k == self.local[_W]:  # W runs from the queue once its own stage's input exists
+            self.pending_w[d].append(s)
+        for e in self.tell[k][s]:
+            self._wake(e, self.free[e])
         if self.first[d] < 0:
             self.first[d] = start
         self.out[d].append((k * self.S + s) * m + j)

@@ -11,9 +11,10 @@ The model (the ZB paper's ILP, tightened):
 * memory: after each F (where a device's memory peaks) the sum of the
   deltas of the actions ordered before it, a linear function of ``y``, stays
   within the limit;
-* cost: the first action of device d is F(first stage, 0); executed as soon
-  as possible it starts at a constant ``T0_d`` (the forward chain of
-  microbatch 0 reaches it uncontended), so ``C >= e_last - T0_d``. Fixing
+* cost: device d's first action is the one all its others depend on
+  (F(first stage, 0)); executed as soon as possible it starts at a constant
+  ``T0_d`` (its dependencies, each the first action of another device, reach
+  it uncontended), so ``C >= e_last - T0_d``. Fixing
   that start makes the optimum equal to the best cost ``simulate`` can give
   any order (as-soon-as-possible times are the least solution of these
   constraints);
@@ -126,25 +127,39 @@ class _Rows:
         return LinearConstraint(a, np.array(self.lb), np.array(self.ub))
 
 
-def first_starts(graph: ActionGraph, costs: CostModel) -> list[float]:
-    """``T0_d``: when device d's first action, F(first stage, 0), starts as soon as possible.
+def first_actions(graph: ActionGraph) -> list[int]:
+    """Each device's first action in every schedule: the one all its other actions depend on.
 
-    Needs stages 0..P-1 on distinct devices (true of looped and V placements),
-    so that each link of microbatch 0's forward chain is its device's first action.
+    Needs stages 0..P-1 on distinct devices (true of looped and V placements):
+    then each device has one, F(first stage, 0), and all that it depends on are
+    the first actions of other devices.
     """
     P = graph.num_devices
     if sorted(graph.placement[:P]) != list(range(P)):
         raise ValueError(
             "the exact search needs stages 0..P-1 on distinct devices (looped or V placement)"
         )
-    t, starts = 0.0, [0.0] * P
-    for s in range(P):
-        if s > 0:
-            t += float(costs.f[s - 1]) + (
-                float(costs.comm) if graph.placement[s - 1] != graph.placement[s] else 0.0
-            )
-        starts[graph.placement[s]] = t
-    return starts
+    out = []
+    for held in graph.by_device:
+        mask = sum(1 << i for i in held)
+        out.append(next(a for a in held if (graph.descendants[a] | 1 << a) & mask == mask))
+    return out
+
+
+def first_starts(graph: ActionGraph, costs: CostModel) -> list[float]:
+    """``T0_d``: when device d's first action (:func:`first_actions`) starts as soon as possible.
+
+    Its dependencies are first actions too, so they run uncontended: ``T0`` is the
+    longest chain of dependencies (durations plus ``comm`` across devices) into it.
+    """
+    first = first_actions(graph)
+    dur = durations(graph, costs)
+    comm = float(costs.comm)
+    start = dict.fromkeys(first, 0.0)
+    for a, b, cross in _by_source(graph.edges, graph.topological()):
+        if a in start and b in start:
+            start[b] = max(start[b], start[a] + (dur[a] + (comm if cross else 0.0)))
+    return [start[a] for a in first]
 
 
 def solve_optimal(
@@ -335,7 +350,7 @@ def _build(
     comm = float(costs.comm)
     t0 = first_starts(graph, costs)
     dev = [graph.device(i) for i in range(n)]
-    first = {graph.index(Op.F, s, 0) for s in range(graph.num_devices)}
+    first = set(first_actions(graph))
     # Bounds on end times: earliest from the graph, latest from the cost cut.
     order = graph.topological()
     lo = [0.0] * n
