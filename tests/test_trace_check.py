@@ -31,10 +31,12 @@ from zerobubble.schedule.costs import load_costs_file
 from zerobubble.schedule.generators import GENERATORS, generate
 from zerobubble.schedule.ir import Schedule
 from zerobubble.schedule.passes import fuse_local_backward
+from zerobubble.schedule.simulate import simulate
 from zerobubble.schedule.trace_check import check_trace, load_trace
 from zerobubble.schedule.trace_format import COMPUTE_OPS, TraceEvent, write_jsonl
 from zerobubble.schedule.validate import validate
-from zerobubble.train.job import executed_costs, plan_schedule
+from zerobubble.train.job import plan_schedule
+from zerobubble.train.trials import executed_costs, fastest, plan_candidates, predict_ms
 
 pytestmark = pytest.mark.slow
 
@@ -344,6 +346,26 @@ def test_profile_json_loads_as_costs_and_drives_the_planner(job, tmp_path):
     )
     assert executed_costs(prof, generate("1f1b", 2, 8)) == fused_model
     assert executed_costs(prof, generate("zb-h1", 2, 8)) == parts
+
+    # The plan's candidates: the plan and the alternatives that fit, each predicted as it
+    # runs (fused), best first, none alike; the limit (10 M_B) fits ZB-H1 and ZB-H2.
+    found = plan_candidates(prof, (kind, planned), 8, spec.mem_limit, top=4)
+    runs = [fuse_local_backward(c.schedule).actions for c in found]
+    assert len(set(map(str, runs))) == len(found) >= 2
+    assert [c.predicted_ms for c in found] == sorted(c.predicted_ms for c in found)
+    for c in found:
+        assert c.predicted_ms == predict_ms(prof, fuse_local_backward(c.schedule))
+        validate(c.schedule, mem_limit=spec.mem_limit, costs=model)
+    assert found[0].predicted_ms <= predict_ms(prof, fuse_local_backward(planned))
+    kinds = [c.kind for c in found]
+    assert kinds[0] == "auto" or "auto" not in kinds  # ties keep the plan first
+    assert plan_candidates(prof, (kind, planned), 8, spec.mem_limit, top=1) == found[:1]
+    h1_peak = int(max(simulate(generate("zb-h1", 2, 8), model).peak_memory))
+    tight = plan_candidates(prof, (kind, planned), 8, h1_peak, top=4)
+    assert "zb-h2" in kinds and "zb-h2" not in [c.kind for c in tight]  # it holds more
+    # Measured medians decide; equal medians go to the better prediction, then the earlier.
+    assert fastest([(0.30, 10.0), (0.25, 12.0), (0.25, 11.0)]) == 2
+    assert fastest([(0.25, 11.0), (0.25, 11.0)]) == 0
 
 
 # ---- optimizer commits -----------------------------------------------------------------------

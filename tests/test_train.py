@@ -42,8 +42,16 @@ def test_train_profiles_plans_trains_and_writes_its_outputs(tmp_path, capfd):
     assert main(["train", *TINY, "--out", str(out)]) == 0
     text = capfd.readouterr().out
     steps = [line for line in text.splitlines() if line.startswith("step ")]
-    assert len(steps) == 2 * (1 + 2) + 3 * (1 + 2)  # profile, then train: warm-up + 2 each
-    assert sum("(warm-up, not measured)" in s for s in steps) == 2 + 3
+    tried = [s.split()[2] for s in steps if s.split()[2].startswith("try:")]
+    k = len(set(tried))  # the plan's candidates that fit and run unlike each other
+    assert 2 <= k <= 3 and tried.count(tried[0]) == 1 + 2  # warm-up + job.trial_steps
+    # profile, the trials, then train: warm-up + 2 each
+    assert len(steps) == 2 * (1 + 2) + k * (1 + 2) + 3 * (1 + 2)
+    assert sum("(warm-up, not measured)" in s for s in steps) == 2 + k + 3
+    chosen = next(line for line in text.splitlines() if line.startswith("chose "))
+    kind = chosen.split()[1]
+    assert f"try:{kind}" in tried and f"{kind} (planned)" in text
+    assert "plan candidates (best prediction first" in text
     for title in ("stage profile", "stage balancing", "schedules (P=2, M=4", "idle time by cause"):
         assert title in text
     assert "trace check: OK" in text and "wall time" in text
@@ -54,11 +62,10 @@ def test_train_profiles_plans_trains_and_writes_its_outputs(tmp_path, capfd):
     assert len(data["layers"]["F"]) == 4  # embedding, 1 block, norm, head
     events, lines = load_trace(out / "trace.jsonl")
     assert check_trace(events, lines=lines, mem_budget=spec.mem_limit).ok
-    assert {e.iteration for e in events} == {0, 1, 2}
+    assert {e.iteration for e in events} == set(range(2 * (1 + 2)))  # its trial steps, then 3
     assert (out / "timeline.png").stat().st_size > 0
     assert json.loads((out / "trace.chrome.json").read_text())["traceEvents"]
     assert "planned with auto under a memory limit of" in text
-    assert "auto (planned)" in text
 
 
 def test_bad_configurations_are_refused_before_launching():
@@ -73,7 +80,7 @@ def test_bad_configurations_are_refused_before_launching():
 
 SMALL = [
     "-m", "4", "--seq-len", "8", "--microbatch-size", "2", "--steps", "1",
-    "--baseline-steps", "1", "--warmup", "0", "--job.layer-iters", "1",
+    "--baseline-steps", "1", "--warmup", "0", "--job.layer-iters", "1", "--job.trial-steps", "1",
     "--job.corpus-chars", "20000",
 ]  # fmt: skip
 
@@ -157,16 +164,20 @@ def test_the_job_on_real_architectures_equals_a_single_process_run(tmp_path, cap
     argv = [*flags, *SMALL, "--out", str(out)]
     assert main(["train", *argv]) == 0  # the trace check passes (else exit 1)
     text = capfd.readouterr().out
-    assert "trace check: OK" in text and "auto (planned)" in text
+    assert "trace check: OK" in text and "(planned)" in text
     assert (out / "timeline.png").stat().st_size > 0
     if tied is not None:  # the replicas were compared after every step (a mismatch raises)
         assert tied in text
     records = json.loads((out / "losses.json").read_text())
-    assert [r["phase"] for r in records] == ["1f1b", "zb-h1", "1f1b", "zb-h1", "auto"]
-    assert [r["iteration"] for r in records] == [0, 0, 1, 0, 0]
+    phases = [r["phase"] for r in records]
+    k = len(phases) - 5  # the candidates tried, one step each (no warm-up)
+    assert phases[:2] == ["1f1b", "zb-h1"] and phases[-3:-1] == ["1f1b", "zb-h1"]
+    assert 2 <= k <= 3 and all(p.startswith("try:") for p in phases[2:-3])
+    assert f"try:{phases[-1]}" in phases[2:-3]  # the plan is the candidate that won
+    assert [r["iteration"] for r in records] == [0, 0] + [0] * k + [1, 0, 1]
     lengths = [r["seq_len"] for r in records]
     assert lengths[:2] == [8, 8] and all(4 <= n <= 8 for n in lengths)  # profile: the longest
-    assert len({r["seed"] for r in records}) == 4  # one per phase executor
+    assert len({r["seed"] for r in records}) == 3 + k  # one per phase executor
     losses = [r["loss"] for r in records]
     assert all(math.isfinite(v) for v in losses)
     cfg = build_config(

@@ -224,6 +224,12 @@ class JobSection:
     taking turns."""
     baseline_steps: int = field(default=4, metadata=aliases("--baseline-steps"))
     """Profiling steps of each of 1F1B and ZB-H1 (after the warm-up), taking turns."""
+    trials: int = field(default=3, metadata=aliases("--trials"))
+    """How many of the plan's candidates (the plan and the fixed kinds that fit the limit,
+    best prediction first) train job.trial_steps steps each, taking turns, before the
+    fastest by measurement becomes the plan; 1: the best prediction, untried."""
+    trial_steps: int = 2
+    """Measured steps of each tried candidate (after the warm-up)."""
     warmup: int = field(default=1, metadata=aliases("--warmup"))
     """Steps run before measuring, in every phase; excluded from every figure."""
     layer_iters: int = 4
@@ -246,6 +252,9 @@ class JobSection:
         for name in ("steps", "warmup"):
             if getattr(self, name) < 0:
                 raise ValueError(f"job.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("trials", "trial_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"job.{name} must be >= 1, got {getattr(self, name)}")
         if self.baseline_steps < 1:
             raise ValueError(
                 f"job.baseline_steps must be >= 1, got {self.baseline_steps}: "

@@ -58,6 +58,12 @@ class ConsoleReporter:
         progress.start()
         self._live = progress, progress.add_task("train", total=total_steps, loss="-")
 
+    def extend(self, more_steps: int) -> None:
+        """``more_steps`` steps more than :meth:`start` announced (the plan's trials)."""
+        if self._live is not None:
+            progress, task = self._live
+            progress.update(task, total=(progress.tasks[task].total or 0) + more_steps)
+
     def step(self, phase: str, step: int, loss: float, seconds: float, note: str) -> None:
         self.console.print(
             f"step {step:3d}  {phase:<8} loss {loss:.4f}  {seconds * 1e3:6.0f} ms"
@@ -79,6 +85,8 @@ def print_summary(result: JobResult, console: Console | None = None) -> None:
     con = console or Console(width=120)
     _profile_table(result, con)
     _balance_table(result, con)
+    if result.trials:
+        _trials_table(result, con)
     if result.phases:
         _schedule_table(result, con)
         _idle_table(result, con)
@@ -232,6 +240,27 @@ def _schedule_table(result: JobResult, con: Console) -> None:
             f"{ph.pipe_time * 1e3:.0f}",
             f"{float(ph.predicted.makespan):.0f}",
             f"{ph.peak_memory / MIB:.2f}",
+        )
+    con.print(table)
+
+
+def _trials_table(result: JobResult, con: Console) -> None:
+    """The candidates tried before training and the one measurement chose."""
+    table = Table(
+        title=f"plan candidates (best prediction first; {result.config.job.trial_steps} "
+        "measured steps each, taking turns; the fastest median step is the plan)",
+        title_justify="left",
+    )
+    for col in ("candidate", "pred. ms", "pipeline ms", "step ms", "step min-max", "chosen"):
+        table.add_column(col, justify="left" if col == "candidate" else "right", no_wrap=True)
+    for t in result.trials:
+        table.add_row(
+            t.kind,
+            f"{t.predicted_ms:.0f}",
+            f"{t.pipe_time * 1e3:.0f}",
+            f"{t.step_time * 1e3:.0f}",
+            f"{min(t.step_s) * 1e3:.0f}-{max(t.step_s) * 1e3:.0f}",
+            "yes" if t.chosen else "",
         )
     con.print(table)
 

@@ -12,7 +12,10 @@ Phases, in lock step on all ranks (rank 0 analyses and reports):
    stage profile (ZB-H1: F, B, W and memory; 1F1B: F and BW without split); a
    ping-pong per stage boundary gives the latency.
 3. **Plan.** Rank 0 plans with :data:`PLANNER` under the memory limit from
-   the profile and sends the schedule to all ranks.
+   the profile and sends the schedule to all ranks, with the other candidates
+   (:mod:`zerobubble.train.trials`: the fixed kinds that fit, best prediction
+   first). Unless ``job.trials`` is 1, the candidates train a few steps each,
+   taking turns, and the fastest by measurement becomes the plan.
 4. **Train.** 1F1B, ZB-H1 and the plan take turns, step by step, so that a
    drifting machine load hits all three alike; these steps are the figures
    compared. They run as the executor does by default, with B/W pairs that
@@ -72,6 +75,13 @@ from zerobubble.schedule.trace_format import TraceEvent, write_chrome_trace, wri
 from zerobubble.schedule.validate import validate
 from zerobubble.train.config import TrainConfig
 from zerobubble.train.models import JobModel, build_job_model
+from zerobubble.train.trials import (
+    Candidate,
+    TrialResult,
+    executed_costs,
+    fastest,
+    plan_candidates,
+)
 
 T = TypeVar("T")
 
@@ -91,6 +101,7 @@ class Reporter(Protocol):
 
     def info(self, text: str) -> None: ...
     def start(self, total_steps: int) -> None: ...
+    def extend(self, more_steps: int) -> None: ...
     def step(self, phase: str, step: int, loss: float, seconds: float, note: str) -> None: ...
     def close(self) -> None: ...
 
@@ -197,6 +208,9 @@ class JobResult:
     tied: tuple[str, ...] = ()
     """Parameters tied across stages (the model's first name of each), checked equal after
     every step."""
+    trials: tuple[TrialResult, ...] = ()
+    """The candidates tried before training, best prediction first (empty: the plan was
+    taken on its prediction)."""
 
 
 def plan_schedule(
@@ -348,7 +362,7 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     total = 2 * (cfg.job.warmup + cfg.job.baseline_steps)
     total += 0 if cfg.job.profile_only else 3 * (cfg.job.warmup + cfg.job.steps)
     if ctx.lead and ctx.reporter is not None:
-        ctx.reporter.start(total)
+        ctx.reporter.start(total)  # the trials' steps are added once their count is known
     _rotate(ctx, phases, cfg.job.warmup + cfg.job.baseline_steps, measure=False, longest=True)
     profiled = [gather_traces(ph.pipe.executor.trace) or [] for ph in phases]
     boundary = cfg.job.microbatch_size * cfg.job.seq_len * model.hidden * 4  # float32
@@ -365,18 +379,19 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     plan = _from_lead(ctx, plan_or_refusal)
     if isinstance(plan, PlanError):
         raise plan
-    _, mem_limit, planned, kind = plan
-    ctx.say(f"planned with {kind} under a memory limit of {mem_limit / 2**20:.2f} MiB per device")
+    ctx.say(
+        f"planned with {plan.kind} under a memory limit of {plan.mem_limit / 2**20:.2f} MiB "
+        "per device"
+    )
+    trials: tuple[TrialResult, ...] = ()
 
     # 4. Train: the three schedules take turns, so that load drifts hit them alike,
-    # now with the executor's B/W fusion.
+    # now with the executor's B/W fusion; first the candidates, if more than one.
     if not cfg.job.profile_only:
-        fused = [
-            root.with_schedule(s, options=_options(cfg, fuse=True, seed=ctx.next_seed()))
-            for s in (zbh1, planned)
-        ]
-        plan_ph = _phase(ctx, fused[1], opt, name=kind, planned=True)
-        phases = [phases[0], _phase(ctx, fused[0], opt), plan_ph]
+        fused = root.with_schedule(zbh1, options=_options(cfg, fuse=True, seed=ctx.next_seed()))
+        plan_ph, trials, chosen = _verify(ctx, root, opt, plan.candidates)
+        plan = plan._replace(schedule=chosen.schedule, kind=chosen.kind)
+        phases = [phases[0], _phase(ctx, fused, opt), plan_ph]
         _rotate(ctx, phases, cfg.job.warmup + cfg.job.steps, measure=True)
         for ph in phases:
             ph.events = gather_traces(ph.pipe.executor.trace) or []
@@ -384,7 +399,54 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     if not ctx.lead:
         return None
     cut = _Cut(lp, equal, balanced, measured_equal)
-    return _report(ctx, phases, cut, plan, began=began)
+    return _report(ctx, phases, cut, plan, trials, began=began)
+
+
+def _verify(
+    ctx: _Ctx, root: Pipeline, opt: torch.optim.Optimizer, candidates: tuple[Candidate, ...]
+) -> tuple[_Phase, tuple[TrialResult, ...], Candidate]:
+    """The plan's phase and the candidate it runs: the fastest by measurement after
+    ``job.trial_steps`` steps of each, taking turns (see :mod:`zerobubble.train.trials`),
+    or the best prediction alone when there is one candidate."""
+    cfg = ctx.cfg
+
+    def pipe(c: Candidate) -> Pipeline:
+        opts = _options(cfg, fuse=True, seed=ctx.next_seed())
+        return root.with_schedule(c.schedule, options=opts)
+
+    if len(candidates) == 1:
+        only = candidates[0]
+        return _phase(ctx, pipe(only), opt, name=only.kind, planned=True), (), only
+    ctx.say(
+        "trying the plan's candidates, best prediction first: "
+        + ", ".join(f"{c.kind} ({c.predicted_ms:.0f} ms)" for c in candidates)
+    )
+    if ctx.lead and ctx.reporter is not None:
+        ctx.reporter.extend(len(candidates) * (cfg.job.warmup + cfg.job.trial_steps))
+    tried = [_phase(ctx, pipe(c), opt, name=f"try:{c.kind}") for c in candidates]
+    _rotate(ctx, tried, cfg.job.warmup + cfg.job.trial_steps, measure=True)
+
+    def measured() -> tuple[TrialResult, ...]:  # rank 0 holds the step times
+        best = fastest(
+            [
+                (statistics.median(t.step_s), c.predicted_ms)
+                for t, c in zip(tried, candidates, strict=True)
+            ]
+        )
+        return tuple(
+            TrialResult(c.kind, c.predicted_ms, tuple(t.step_s), tuple(t.pipe_s), i == best)
+            for i, (t, c) in enumerate(zip(tried, candidates, strict=True))
+        )
+
+    results = _from_lead(ctx, measured)
+    best = next(i for i, r in enumerate(results) if r.chosen)
+    ctx.say(
+        f"chose {candidates[best].kind} by measurement (median step: "
+        + ", ".join(f"{r.kind} {r.step_time * 1e3:.0f} ms" for r in results)
+        + ")"
+    )
+    winner = tried[best]
+    return _Phase(candidates[best].kind, True, winner.pipe), results, candidates[best]
 
 
 def _from_lead(ctx: _Ctx, make: Callable[[], T]) -> T:
@@ -523,6 +585,8 @@ class _Plan(NamedTuple):
     mem_limit: int
     schedule: Schedule
     kind: str
+    candidates: tuple[Candidate, ...]
+    """The plan and the alternatives to try, best prediction first (see :func:`_verify`)."""
 
 
 @dataclass(frozen=True)
@@ -570,10 +634,20 @@ def _plan(
             else f"the limit {limit} (--mem-ratio {cfg.schedule.mem_ratio} x 1F1B's peak)"
         )
         raise PlanError(f"cannot plan {PLANNER} within {given} bytes per device: {exc}") from None
-    return _Plan(prof, limit, planned, kind)
+    top = 1 if cfg.job.profile_only else cfg.job.trials
+    found = plan_candidates(prof, (kind, planned), cfg.schedule.microbatches, limit, top=top)
+    return _Plan(prof, limit, planned, kind, found)
 
 
-def _report(ctx: _Ctx, phases: list[_Phase], cut: _Cut, plan: _Plan, *, began: float) -> JobResult:
+def _report(
+    ctx: _Ctx,
+    phases: list[_Phase],
+    cut: _Cut,
+    plan: _Plan,
+    trials: tuple[TrialResult, ...],
+    *,
+    began: float,
+) -> JobResult:
     cfg, profile, mem_limit, lp = ctx.cfg, plan.profile, plan.mem_limit, cut.layers
     out = Path(cfg.job.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -626,6 +700,7 @@ def _report(ctx: _Ctx, phases: list[_Phase], cut: _Cut, plan: _Plan, *, began: f
         wall_s=time.perf_counter() - began,
         steps=steps,
         tied=ctx.tied_names,
+        trials=trials,
     )
 
 
@@ -645,21 +720,3 @@ def _analyze(ph: _Phase, profile: Profile, mem_limit: int) -> PhaseResult:
         bubbles,
         simulate(ran, executed_costs(profile, ran)),
     )
-
-
-def _split_stages(sched: Schedule) -> set[int]:
-    """Stages with a split B (their chunk must split the backward to gain from it)."""
-    return set(sched.split_stages())
-
-
-def executed_costs(profile: Profile, sched: Schedule) -> CostModel:
-    """Per-stage costs of ``sched`` as executed: a stage that runs a split B takes the
-    split run's F, B, W; the others (1F1B, stages whose B/W pairs were all fused) the
-    unsplit run's F and BW."""
-    split = _split_stages(sched)
-    if len(split) == sched.num_stages:
-        return profile.cost_model()  # needs no unsplit run
-    whole = profile.cost_model(fused=True)
-    if not split:
-        return whole
-    return profile.cost_model().with_stages_from(whole, set(range(sched.num_stages)) - split)

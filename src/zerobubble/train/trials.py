@@ -1,0 +1,129 @@
+"""Trust, but verify: the plan's best candidates, ranked by prediction, chosen by measurement.
+
+The simulator prices what the profile measured (each op's compute, its host tail,
+the boundary latency), but not everything a run pays (the machine's load, cache
+effects, the messages' interplay with compute on a shared core). So a plan that wins
+on paper may lose when run. The job therefore keeps the planner's few best
+*candidates*: the plan and the fixed kinds of the profiled stage count that fit the
+memory limit, each predicted as the executor will run it (B/W pairs that delay no one
+fused, costed by :func:`executed_costs`); they train a few steps each, taking turns,
+and the fastest median step wins. Ties (equal medians) go to the better prediction.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from zerobubble.profile.costs_file import Profile
+from zerobubble.schedule.costs import CostModel, CostSpec
+from zerobubble.schedule.generators import GENERATORS, generate
+from zerobubble.schedule.ir import Schedule
+from zerobubble.schedule.passes import fuse_local_backward
+from zerobubble.schedule.simulate import simulate
+from zerobubble.schedule.validate import validate
+
+ALTERNATIVES = ("zb-auto", "zb-h2", "zb-h1")
+"""Kinds tried beside the plan: one stage per device like the profile, so the profile's
+per-stage costs price them (the searching ``zb-auto`` under the plan's memory limit)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A schedule the job may train with, and what the profile predicts for it."""
+
+    kind: str
+    schedule: Schedule
+    predicted_ms: float
+    """Simulated pipeline step (makespan, ms) of the schedule as the executor runs it."""
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """A candidate's measured trial steps (warm-up excluded)."""
+
+    kind: str
+    predicted_ms: float
+    step_s: tuple[float, ...]
+    """Wall time of each measured trial step (pipeline + optimizer), slowest rank."""
+    pipe_s: tuple[float, ...]
+    """Wall time of each measured pipeline step alone, slowest rank."""
+    chosen: bool
+
+    @property
+    def step_time(self) -> float:
+        return statistics.median(self.step_s)
+
+    @property
+    def pipe_time(self) -> float:
+        return statistics.median(self.pipe_s)
+
+
+def executed_costs(profile: Profile, sched: Schedule) -> CostModel:
+    """Per-stage costs of ``sched`` as executed: a stage that runs a split B takes the
+    split run's F, B, W; the others (1F1B, stages whose B/W pairs were all fused) the
+    unsplit run's F and BW."""
+    split = set(sched.split_stages())
+    if len(split) == sched.num_stages:
+        return profile.cost_model()  # needs no unsplit run
+    whole = profile.cost_model(fused=True)
+    if not split:
+        return whole
+    return profile.cost_model().with_stages_from(whole, set(range(sched.num_stages)) - split)
+
+
+def predict_ms(profile: Profile, sched: Schedule) -> float:
+    """The simulated pipeline step of ``sched`` as it will run (``sched`` already fused
+    or not, as the executor will run it)."""
+    return float(simulate(sched, executed_costs(profile, sched)).makespan)
+
+
+def plan_candidates(
+    profile: Profile,
+    plan: tuple[str, Schedule],
+    num_microbatches: int,
+    mem_limit: int,
+    *,
+    top: int,
+) -> tuple[Candidate, ...]:
+    """At most ``top`` candidates, best prediction first: ``plan`` (kind, schedule) and the
+    :data:`ALTERNATIVES` that fit ``mem_limit``; no two that would run alike (the plan
+    keeps its name when an alternative is the same schedule)."""
+    if top < 1:
+        raise ValueError(f"top must be >= 1, got {top}")
+    costs = profile.cost_model()
+    num_devices = plan[1].num_devices
+    found = [plan]
+    for kind in ALTERNATIVES:
+        searches = "mem_limit" in GENERATORS[kind].options
+        try:
+            sched = generate(
+                kind,
+                num_devices,
+                num_microbatches,
+                costs=CostSpec(stage_costs=costs) if searches else None,
+                mem_limit=mem_limit if searches else None,
+            )
+            validate(sched, mem_limit=mem_limit, costs=costs)
+        except ValueError:  # does not fit the limit (ScheduleError is a ValueError)
+            continue
+        found.append((kind, sched))
+    out: list[Candidate] = []
+    seen: set[tuple[tuple[object, ...], ...]] = set()
+    for kind, sched in found:
+        ran = fuse_local_backward(sched)
+        key = tuple(tuple(acts) for acts in ran.actions)
+        if sched.num_stages != plan[1].num_stages or key in seen:
+            continue
+        seen.add(key)
+        out.append(Candidate(kind, sched, predict_ms(profile, ran)))
+    order = sorted(range(len(out)), key=lambda i: (out[i].predicted_ms, i))
+    return tuple(out[i] for i in order[:top])
+
+
+def fastest(trials: list[tuple[float, float]]) -> int:
+    """Index of the fastest trial among ``(median step s, predicted ms)`` pairs: the
+    smallest measured median, ties to the smaller prediction, then to the earlier."""
+    if not trials:
+        raise ValueError("no trial to choose from")
+    return min(range(len(trials)), key=lambda i: (trials[i][0], trials[i][1], i))
