@@ -42,6 +42,21 @@ def test_costs_file_null_comm_reads_as_no_latency() -> None:
         costs_from_mapping({**arrays, "comm": "x"})
     with pytest.raises(ValueError, match="costs: 'mem_limit' must be a number, got True"):
         costs_from_mapping({**arrays, "mem_limit": True})
+    # The host part of each op: a profile writes null for an op a stage never ran.
+    host = {"F": [0.5, None, 1], "B": [0, 0, 0.5]}
+    got = costs_from_mapping({**arrays, "host": host}).stage_costs
+    assert got is not None and (got.host_f, got.host_b, got.host_w) == (
+        (0.5, 0, 1),
+        (0, 0, 0.5),
+        (0, 0, 0),
+    )
+    assert costs_from_mapping(got.to_dict()).stage_costs == got
+    with pytest.raises(ValueError, match="costs: 'host' must be an object with arrays F, B, W"):
+        costs_from_mapping({**arrays, "host": {"BW": [1, 1, 1]}})
+    with pytest.raises(ValueError, match=r"costs: host\['F'\] must be an array of numbers"):
+        costs_from_mapping({**arrays, "host": {"F": "x"}})
+    with pytest.raises(ValueError, match=r"costs: host_w\[0\]=1 exceeds w\[0\]=0.5"):
+        costs_from_mapping({**arrays, "host": {"W": [1, 0, 0]}})
 
 
 def test_cost_model_with_stages_from_takes_every_array() -> None:

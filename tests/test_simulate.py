@@ -112,3 +112,23 @@ def test_cost_models_mix_per_stage():
     assert a.with_stages_from(b, []) == a
     with pytest.raises(ValueError, match="cannot mix cost models of 3 and 1 stages"):
         a.with_stages_from(CostModel.per_stage([1], [1], [1]), [0])
+
+
+def test_host_parts_are_part_of_the_durations_and_summed_per_device():
+    # 1F1B, P=2, M=2: each device runs F, F, BW, BW (device 1: F, BW, F, BW).
+    host = {"F": [1, 2], "B": [1, 1], "W": [0, 1]}
+    m = CostModel.per_stage([4, 4], [4, 4], [2, 2], host=host)
+    sched = generate("1f1b", 2, 2)
+    r = simulate(sched, m)
+    assert r.end == simulate(sched, CostModel.per_stage([4, 4], [4, 4], [2, 2])).end
+    assert r.host == (2 * 1 + 2 * (1 + 0), 2 * 2 + 2 * (1 + 1))  # F's plus BW's (B + W)
+    assert m.host_time(Op.BW, 1) == 2 and m.host_time(Op.W, 0) == 0
+    mixed = m.with_stages_from(CostModel.per_stage([4, 4], [4, 4], [2, 2]), [1])
+    assert (mixed.host_f, mixed.host_b, mixed.host_w) == ((1, 0), (1, 0), (0, 0))
+    assert CostModel.per_stage([1], [1], [1]).host_f == (0,)
+    with pytest.raises(ValueError, match=r"host_b\[1\]=5 exceeds b\[1\]=4"):
+        CostModel.per_stage([4, 4], [4, 4], [2, 2], host={"B": [0, 5]})
+    with pytest.raises(ValueError, match="cost array 'host_w' has 1 entries"):
+        CostModel.per_stage([4, 4], [4, 4], [2, 2], host={"W": [0]})
+    assert m.to_dict()["host"] == {"F": [1.0, 2.0], "B": [1.0, 1.0], "W": [0.0, 1.0]}
+    assert "host" not in CostModel.per_stage([1], [1], [1]).to_dict()

@@ -30,6 +30,11 @@ def _costs(st: StageProfile, op: str, stats: tuple[OpStats, ...]) -> list[float]
     return [s.median + (h or 0.0) for s, h in zip(stats, st.host[op], strict=True)]
 
 
+def _host(st: StageProfile, op: str) -> list[float]:
+    """Median host tail of ``op`` on every stage (0 where it never ran)."""
+    return [h or 0.0 for h in st.host[op]]
+
+
 def _every_stage(stats: tuple[OpStats | None, ...]) -> tuple[OpStats, ...] | None:
     """``stats`` if every stage ran the op, else None."""
     ran = tuple(s for s in stats if s is not None)
@@ -79,6 +84,7 @@ class Profile:
         st = self.stages
         split_b, split_w = self._split()
         w = _costs(st, "W", split_w)
+        host_w = _host(st, "W")
         if not fused:
             return CostModel.per_stage(
                 f=_costs(st, "F", st.f),
@@ -88,16 +94,23 @@ class Profile:
                 mem_f=list(st.mem_b),
                 mem_w=[m if m is not None else 0 for m in st.mem_w],
                 recompute=st.recompute,
+                host={"F": _host(st, "F"), "B": _host(st, "B"), "W": host_w},
             )
         fu = self.fused
         fused_bw = None if fu is None else _every_stage(fu.bw)
         if fu is None or fused_bw is None:
             raise ValueError("no run without B/W split was profiled: there is no measured BW")
+        b = [max(bw - ws, 0.0) for bw, ws in zip(_costs(fu, "BW", fused_bw), w, strict=True)]
+        # BW's host tail is B's part plus W's, as its duration is b + w.
+        host_b = [
+            min(max(h - hw, 0.0), x) for h, hw, x in zip(_host(fu, "BW"), host_w, b, strict=True)
+        ]
         return CostModel.per_stage(
             f=_costs(fu, "F", fu.f),
-            b=[max(bw - ws, 0.0) for bw, ws in zip(_costs(fu, "BW", fused_bw), w, strict=True)],
+            b=b,
             w=w,
             comm=self.comm,
+            host={"F": _host(fu, "F"), "B": host_b, "W": host_w},
             mem_f=list(fu.mem_b),
             mem_w=[
                 (m or 0) if st.recompute else min(m or 0, mb)

@@ -84,6 +84,12 @@ class CostModel:
         reduce: Duration of the data-parallel all-reduce of each stage's gradients
             (default 0: no dp). It runs on the device's comm lane, not its compute:
             see :attr:`~zerobubble.schedule.simulate.SimResult.reductions`.
+        host_f, host_b, host_w: The part of f, b, w that is host work after the op
+            (recording it, sending its output, posting receives, dispatching the
+            next; default 0). It occupies the device like compute, so the durations
+            include it; it is kept apart only so that a prediction can be read as a
+            trace is: a trace counts it as idle ("overhead"), not as compute (see
+            :attr:`~zerobubble.schedule.simulate.SimResult.host`).
     """
 
     f: tuple[Number, ...]
@@ -94,9 +100,14 @@ class CostModel:
     mem_w: tuple[Number, ...] = ()
     recompute: bool = False
     reduce: tuple[Number, ...] = ()
+    host_f: tuple[Number, ...] = ()
+    host_b: tuple[Number, ...] = ()
+    host_w: tuple[Number, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.f)
+        for name in ("host_f", "host_b", "host_w"):
+            object.__setattr__(self, name, tuple(getattr(self, name)) or (0,) * n)
         object.__setattr__(self, "reduce", tuple(self.reduce) or (0,) * n)
         if len(self.reduce) != n or any(_amount_error(x) for x in self.reduce):
             raise ValueError(
@@ -109,7 +120,7 @@ class CostModel:
             object.__setattr__(self, "mem_f", (1,) * n)
         if not self.mem_w:
             object.__setattr__(self, "mem_w", tuple(_div(m, 2) for m in self.mem_f))
-        for name in ("b", "w", "mem_f", "mem_w"):
+        for name in ("b", "w", "mem_f", "mem_w", "host_f", "host_b", "host_w"):
             if len(getattr(self, name)) != n:
                 raise ValueError(
                     f"cost array {name!r} has {len(getattr(self, name))} entries, "
@@ -126,6 +137,13 @@ class CostModel:
                 raise ValueError(
                     f"mem_w[{s}]={mw} exceeds mem_f[{s}]={mf}: W cannot hold more than F allocated"
                 )
+        for name, whole in (("host_f", self.f), ("host_b", self.b), ("host_w", self.w)):
+            for s, (x, t) in enumerate(zip(getattr(self, name), whole, strict=True)):
+                if (why := _amount_error(x)) or x > t:
+                    raise ValueError(
+                        f"{name}[{s}]={x} {why or f'exceeds {name[-1]}[{s}]={t}'}: the host "
+                        "part of an op is part of its duration"
+                    )
 
     @property
     def num_stages(self) -> int:
@@ -154,6 +172,9 @@ class CostModel:
             w=pick("w"),
             mem_f=pick("mem_f"),
             mem_w=pick("mem_w"),
+            host_f=pick("host_f"),
+            host_b=pick("host_b"),
+            host_w=pick("host_w"),
             recompute=self.recompute or other.recompute,
         )
 
@@ -198,6 +219,19 @@ class CostModel:
                 return self.w[stage]
             case Op.BW:
                 return self.b[stage] + self.w[stage]
+        raise AssertionError(op)  # pragma: no cover
+
+    def host_time(self, op: Op, stage: int) -> Number:
+        """Of :meth:`duration`, the host part (see the class docstring)."""
+        match op:
+            case Op.F:
+                return self.host_f[stage]
+            case Op.B:
+                return self.host_b[stage]
+            case Op.W:
+                return self.host_w[stage]
+            case Op.BW:
+                return self.host_b[stage] + self.host_w[stage]
         raise AssertionError(op)  # pragma: no cover
 
     def memory_delta(self, op: Op, stage: int) -> Number:
@@ -257,10 +291,22 @@ class CostModel:
         mem_f: Sequence[Number] | None = None,
         mem_w: Sequence[Number] | None = None,
         recompute: bool = False,
+        host: Mapping[str, Sequence[Number]] | None = None,
     ) -> CostModel:
-        """Costs given as one value per virtual stage (e.g. from a profile)."""
+        """Costs given as one value per virtual stage (e.g. from a profile); ``host``:
+        the host part of F, B and W (keys ``F``, ``B``, ``W``, any subset)."""
+        host = host or {}
         return cls(
-            tuple(f), tuple(b), tuple(w), comm, tuple(mem_f or ()), tuple(mem_w or ()), recompute
+            tuple(f),
+            tuple(b),
+            tuple(w),
+            comm,
+            tuple(mem_f or ()),
+            tuple(mem_w or ()),
+            recompute,
+            host_f=tuple(host.get("F", ())),
+            host_b=tuple(host.get("B", ())),
+            host_w=tuple(host.get("W", ())),
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -274,6 +320,11 @@ class CostModel:
         }
         if self.recompute:
             out["recompute"] = True
+        if any(self.host_f) or any(self.host_b) or any(self.host_w):
+            out["host"] = {
+                op: [float(x) for x in xs]
+                for op, xs in (("F", self.host_f), ("B", self.host_b), ("W", self.host_w))
+            }
         return out
 
 
@@ -403,18 +454,36 @@ def costs_from_mapping(data: object, source: str = "costs") -> CostSpec:
 
     f, b, w, comm = array("F"), array("B"), array("W"), number("comm")
     mem_f, mem_w = optional_array("mem_B"), optional_array("mem_W")
+    host = _host_parts(data.get("host"), source)
     recompute = data.get("recompute", False)
     if not isinstance(recompute, bool):
         raise ValueError(f"{source}: 'recompute' must be true or false, got {recompute!r:.60}")
     try:
         model = CostModel.per_stage(
-            f, b, w, 0 if comm is None else comm, mem_f, mem_w, recompute=recompute
+            f, b, w, 0 if comm is None else comm, mem_f, mem_w, recompute=recompute, host=host
         )
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from None
     if not any(model.f) and not any(model.b) and not any(model.w):
         raise ValueError(f"{source}: every F, B and W is 0; give the stages positive durations")
     return CostSpec(stage_costs=model, mem_limit=number("mem_limit"))
+
+
+def _host_parts(data: object, source: str) -> dict[str, list[Number]]:
+    """The optional ``host`` object (the host part of F, B, W per stage; a stage the
+    profile never ran an op on, null, counts 0)."""
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping) or not set(data) <= {"F", "B", "W"}:
+        raise ValueError(
+            f"{source}: 'host' must be an object with arrays F, B, W, got {data!r:.60}"
+        )
+    out: dict[str, list[Number]] = {}
+    for op, xs in data.items():
+        if not isinstance(xs, list) or not all(x is None or _is_number(x) for x in xs):
+            raise ValueError(f"{source}: host[{op!r}] must be an array of numbers, got {xs!r:.60}")
+        out[op] = [0 if x is None else x for x in xs]
+    return out
 
 
 def _is_number(x: object) -> TypeGuard[int | float]:

@@ -58,6 +58,15 @@ class SimResult:
         return tuple(sum(map(sub, en, st), 0) for st, en in zip(self.start, self.end, strict=True))
 
     @cached_property
+    def host(self) -> tuple[Number, ...]:
+        """Per device: the host part of its actions' durations (``CostModel.host_*``):
+        what a measured trace shows as idle "overhead", not as compute."""
+        c = self.costs
+        return tuple(
+            sum((c.host_time(a.op, a.stage) for a in acts), 0) for acts in self.schedule.actions
+        )
+
+    @cached_property
     def span(self) -> tuple[Number, ...]:
         """Per device: last end minus first start (0 for an idle device)."""
         return tuple(

@@ -288,11 +288,19 @@ def _idle_table(result: JobResult, con: Console) -> None:
         title="idle time by cause (ms per iteration, summed over devices)", title_justify="left"
     )
     table.add_column("schedule")
-    for c in (*CATEGORIES, "total idle"):
+    for c in (*CATEGORIES, "total idle", "pred. overhead"):
         table.add_column(c, justify="right")
     for ph in result.phases:
         parts = ph.idle_ms()
         table.add_row(
-            _label(ph), *(f"{parts[c]:.1f}" for c in CATEGORIES), f"{sum(parts.values()):.1f}"
+            _label(ph),
+            *(f"{parts[c]:.1f}" for c in CATEGORIES),
+            f"{sum(parts.values()):.1f}",
+            f"{ph.predicted_overhead_ms:.1f}",
         )
     con.print(table)
+    con.print(
+        "pred. overhead: the host work after each op (recording, sends, posted receives, "
+        "dispatch) that the prediction charged, from the profile; the trace counts it as idle",
+        highlight=False,
+    )

@@ -159,10 +159,16 @@ class PhaseResult:
 
     @property
     def predicted_bubble_rate(self) -> float:
-        """Σ idle / (P · makespan) of the simulation: the measured rate's definition."""
+        """Σ idle / (P · makespan) of the simulation: the measured rate's definition, so
+        the ops' host tails count as idle (a trace's "overhead"), not as compute."""
         r = self.predicted
-        busy = sum(float(x) for x in r.busy)
+        busy = sum(float(x) - float(h) for x, h in zip(r.busy, r.host, strict=True))
         return 1 - busy / (len(r.busy) * float(r.makespan)) if r.makespan else 0.0
+
+    @property
+    def predicted_overhead_ms(self) -> float:
+        """The host time the simulation charged, summed over devices (ms per iteration)."""
+        return sum(float(h) for h in self.predicted.host)
 
     def idle_ms(self) -> dict[str, float]:
         """Idle time by cause, summed over devices, median over measured iterations."""
