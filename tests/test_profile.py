@@ -14,10 +14,12 @@ from zerobubble.profile.balance import (
     stage_costs,
 )
 from zerobubble.profile.layers import profile_layers
-from zerobubble.profile.stages import stage_profile
+from zerobubble.profile.stages import message_latency, stage_profile
 from zerobubble.profile.stats import OpStats
 from zerobubble.runtime.partition import stage_bounds
-from zerobubble.schedule.trace_format import TraceEvent
+from zerobubble.schedule.ir import Op
+from zerobubble.schedule.program import MsgKind
+from zerobubble.schedule.trace_format import EventOp, TraceEvent
 
 
 def test_opstats_median_and_nearest_rank_p95():
@@ -83,3 +85,37 @@ def test_stage_profile_times_ops_and_their_host_tails():
     assert prof.mem_b == (150,)  # the largest rise
     with pytest.raises(ValueError, match="no measured F of stages"):
         stage_profile(events, 1, skip_iterations=1)
+
+
+def test_message_latency_is_what_a_waiting_receiver_paid_on_aligned_clocks():
+    """Two ranks whose clocks differ by 5 ns (rank 1 reads 5 more). Message act mb0 leaves
+    F(0,0) at 100 and returns rank 1's wait (waiting since 50) at 170 on its clock; grad
+    mb0 leaves B(1,0) at 271 (rank 1's clock) and returns rank 0's wait at 331. The
+    clock bounds are [100 - 170, 331 - 271] = [-70, 60], so rank 1 is shifted by the
+    middle, -5: both messages took 65 ns. Act mb1's wait began after its producer ended
+    (the message may have waited for the receiver): not a sample."""
+
+    def ev(rank, op, start, end, stage, mb, **kw):
+        return TraceEvent(
+            op=op, stage=stage, mb=mb, iteration=1, rank=rank, param_version=1,
+            start_ns=start, end_ns=end, mem_before=0, mem_after=0, **kw,
+        )  # fmt: skip
+
+    act0, act1 = (MsgKind.ACT, 0, 1, 0), (MsgKind.ACT, 0, 1, 1)
+    grad0 = (MsgKind.GRAD, 1, 0, 0)
+    events = [
+        ev(0, Op.F, 0, 100, 0, 0),
+        ev(0, EventOp.SEND, 100, 110, 0, 0, peer=1, msg=act0),
+        ev(0, Op.F, 111, 118, 0, 1),
+        ev(0, EventOp.SEND, 119, 120, 0, 1, peer=1, msg=act1),
+        ev(0, EventOp.WAIT_RECV, 121, 331, 0, 0, peer=1, msg=grad0),
+        ev(0, Op.B, 332, 400, 0, 0),
+        ev(1, EventOp.WAIT_RECV, 50, 170, 1, 0, peer=0, msg=act0),
+        ev(1, Op.F, 171, 221, 1, 0),
+        ev(1, Op.B, 222, 271, 1, 0),
+        ev(1, EventOp.SEND, 271, 281, 1, 0, peer=0, msg=grad0),
+        ev(1, EventOp.WAIT_RECV, 290, 295, 1, 1, peer=0, msg=act1),
+    ]
+    assert message_latency(events) == {0: OpStats.of([65 / 1e6, 65 / 1e6])}
+    assert message_latency(events, events, skip_iterations=1)[0].n == 4  # runs add up
+    assert message_latency(events, skip_iterations=2) == {}  # all warm-up

@@ -120,7 +120,8 @@ def test_host_parts_are_part_of_the_durations_and_summed_per_device():
     m = CostModel.per_stage([4, 4], [4, 4], [2, 2], host=host)
     sched = generate("1f1b", 2, 2)
     r = simulate(sched, m)
-    assert r.end == simulate(sched, CostModel.per_stage([4, 4], [4, 4], [2, 2])).end
+    plain = simulate(sched, CostModel.per_stage([4, 4], [4, 4], [2, 2]))
+    assert r.busy == plain.busy  # the durations include the host parts
     assert r.host == (2 * 1 + 2 * (1 + 0), 2 * 2 + 2 * (1 + 1))  # F's plus BW's (B + W)
     assert m.host_time(Op.BW, 1) == 2 and m.host_time(Op.W, 0) == 0
     mixed = m.with_stages_from(CostModel.per_stage([4, 4], [4, 4], [2, 2]), [1])
@@ -132,3 +133,12 @@ def test_host_parts_are_part_of_the_durations_and_summed_per_device():
         CostModel.per_stage([4, 4], [4, 4], [2, 2], host={"W": [0]})
     assert m.to_dict()["host"] == {"F": [1.0, 2.0], "B": [1.0, 1.0], "W": [0.0, 1.0]}
     assert "host" not in CostModel.per_stage([1], [1], [1]).to_dict()
+
+
+def test_a_message_leaves_when_its_producers_compute_ends():
+    # F(0) takes 4 of which 1 is host tail, so its activation leaves at 3 and arrives at
+    # 3 + comm = 5; BW(1) has no host part: its gradient arrives at 15 + 2.
+    m = CostModel.per_stage([4, 4], [4, 4], [2, 2], comm=2, host={"F": [1, 0]})
+    r = simulate(generate("1f1b", 2, 1), m)
+    assert r.start == ((0, 17), (5, 9)) and r.end == ((4, 23), (9, 15))
+    assert m.hop(Op.F, 0) == 1 and m.hop(Op.BW, 1) == 2

@@ -20,7 +20,12 @@ except waiting for a message) is measured per op too; a planner should count
 it, since the device cannot compute meanwhile.
 
 Latency is a ping-pong between the two ranks of each stage boundary with a
-message of the boundary's size: one-way latency = round trip / 2.
+message of the boundary's size: one-way latency = round trip / 2. The traced
+messages measure it as the schedule pays it (:func:`message_latency`): from the
+end of the op that produced a message to the return of the consumer's wait for
+it, over the messages whose consumer was already waiting. The producer's host
+tail (which includes its send) overlaps that time, so the simulator starts a
+message's latency at the end of the producer's compute, not of its host tail.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ import torch
 import torch.distributed as dist
 
 from zerobubble.profile.stats import OpStats
+from zerobubble.schedule.clocks import clock_offsets
+from zerobubble.schedule.ir import Op
+from zerobubble.schedule.program import MsgKind
 from zerobubble.schedule.trace_format import COMPUTE_OPS, TraceEvent
 
 HOST_OPS = ("send", "post_recv")
@@ -167,6 +175,45 @@ def _host_tails(events: Sequence[TraceEvent]) -> dict[tuple[str, int], list[floa
                     break  # the next compute, or the end of the step
                 prev = nxt.end_ns
             out[a.op, a.stage].append(tail / 1e6)
+    return out
+
+
+def message_latency(*runs: Sequence[TraceEvent], skip_iterations: int = 0) -> dict[int, OpStats]:
+    """Per stage boundary ``s -> s+1`` that crosses ranks (its activations and the
+    gradients back), over the traced ``runs`` (each one executor's events of every
+    rank): ms from the end of a message's producing op to the return of the receiver's
+    wait, over the messages the receiver waited for from before that end (so the return
+    is the arrival). Each run's clocks are aligned first
+    (:func:`~zerobubble.schedule.clocks.clock_offsets`); iterations below
+    ``skip_iterations`` are warm-up. Boundaries without such a message are absent."""
+    samples: dict[int, list[float]] = defaultdict(list)
+    for run in runs:
+        kept = [e for e in run if e.iteration >= skip_iterations]
+        for s, ms in _message_delays(kept):
+            samples[s].append(ms)
+    return {s: OpStats.of(xs) for s, xs in sorted(samples.items())}
+
+
+def _message_delays(events: Sequence[TraceEvent]) -> list[tuple[int, float]]:
+    """(boundary, ms) of every message of one run whose receiver waited (see above)."""
+    offset = clock_offsets(events)
+    made: dict[tuple[int, MsgKind, int, int], TraceEvent] = {}
+    for e in events:
+        a = e.action
+        if a is not None and a.op != Op.W:  # W sends nothing
+            kind = MsgKind.ACT if a.op == Op.F else MsgKind.GRAD
+            made[e.iteration, kind, a.stage, a.mb] = e
+    out = []
+    for w in events:
+        if w.op != "wait_recv" or w.msg is None:
+            continue
+        carried, src, dst, mb = w.msg
+        p = made.get((w.iteration, MsgKind(carried), src, mb))
+        if p is None or p.rank == w.rank:
+            continue
+        done = p.end_ns + offset.get(p.rank, 0)
+        if w.start_ns + offset.get(w.rank, 0) < done:
+            out.append((min(src, dst), (w.end_ns + offset.get(w.rank, 0) - done) / 1e6))
     return out
 
 

@@ -234,6 +234,12 @@ class CostModel:
                 return self.host_b[stage] + self.host_w[stage]
         raise AssertionError(op)  # pragma: no cover
 
+    def hop(self, op: Op, stage: int) -> Number:
+        """From the end of ``op`` of ``stage`` to when a consumer of its output on another
+        device may start: ``comm`` from the end of its compute, which is its end minus its
+        host tail (the message leaves before the tail's other work is done)."""
+        return self.comm - self.host_time(op, stage)
+
     def memory_delta(self, op: Op, stage: int) -> Number:
         """Net memory change when ``op`` of ``stage`` completes."""
         match op:

@@ -2,7 +2,11 @@
 
 Each device runs its actions in list order, one at a time, never pre-empted.
 An action starts when its device is free and every dependency has finished
-(plus ``comm`` when the dependency ran on another device). The graph of
+(plus ``comm`` when the dependency ran on another device). An action's
+duration includes its host tail (``CostModel.host_*``: recording it, sending
+its output, posting receives), which keeps its device busy; its message leaves
+when its compute ends, so a consumer on another device may start ``comm``
+after the end minus the host tail. The graph of
 "previous action on my device" and dependency edges is processed in
 topological order, so the simulation is O(actions) and also proves the
 schedule is realizable: a cycle is reported as a deadlock.
@@ -217,9 +221,10 @@ def _times(
         graph.offsets,
     )
     n = len(flat)
-    comm = costs.comm
     table = {(op, st): costs.duration(op, st) for op in Op for st in range(costs.num_stages)}
     dur = list(map(table.__getitem__, map(_op_stage, flat)))
+    hops = {(op, st): costs.hop(op, st) for op, st in table}
+    leave = list(map(hops.__getitem__, map(_op_stage, flat)))
 
     start: list[Number] = [0] * n
     end: list[Number] = [0] * n
@@ -240,7 +245,7 @@ def _times(
                 if not done[x]:
                     waiting = x
                     break
-                r = end[x] + comm if device[x] != d else end[x]
+                r = end[x] + leave[x] if device[x] != d else end[x]
                 if r > t:
                     t = r
             if waiting >= 0:

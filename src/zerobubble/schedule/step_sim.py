@@ -134,7 +134,10 @@ def simulate_steps(
                     validation(it - 1, d)
                     gate = False
                 after = [
-                    (("A", it, dep), costs.comm if schedule.placement[dep.stage] != d else 0)
+                    (
+                        ("A", it, dep),
+                        costs.hop(dep.op, dep.stage) if schedule.placement[dep.stage] != d else 0,
+                    )
                     for dep in dependencies(a, S, bops)
                 ]
                 add(d, ("A", it, a), costs.duration(a.op, a.stage), after)

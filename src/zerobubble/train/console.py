@@ -169,8 +169,10 @@ def _profile_table(result: JobResult, con: Console) -> None:
     )
     for s, lat in prof.latency:
         con.print(
-            f"p2p latency stage {s} -> {s + 1} (device {prof.placement[s]} -> "
-            f"{prof.placement[s + 1]}): {lat.median:.3f} ms median, {lat.p95:.3f} ms p95",
+            f"message latency stage {s} <-> {s + 1} (devices {prof.placement[s]} <-> "
+            f"{prof.placement[s + 1]}; producer's compute end to the waiting receiver's "
+            f"return, in the profiled steps): {lat.median:.3f} ms median, {lat.p95:.3f} ms "
+            f"p95 ({lat.n} messages)",
             highlight=False,
         )
 

@@ -10,7 +10,9 @@ Phases, in lock step on all ranks (rank 0 analyses and reports):
    batches of the longest length the job can draw, so the memory planned from
    them holds on every later step, whatever its length. Their traces are the
    stage profile (ZB-H1: F, B, W and memory; 1F1B: F and BW without split); a
-   ping-pong per stage boundary gives the latency.
+   boundary's latency is what its messages took in those steps (from the end of
+   the producing op's compute to the return of a receiver that was waiting), or a
+   ping-pong's where no receiver waited.
 3. **Plan.** Rank 0 plans with :data:`PLANNER` under the memory limit from
    the profile and sends the schedule to all ranks, with the other candidates
    (:mod:`zerobubble.train.trials`: the fixed kinds that fit, best prediction
@@ -58,7 +60,12 @@ from zerobubble.profile.balance import balanced_boundaries, boundaries_of, stage
 from zerobubble.profile.bubbles import IterationBubbles, analyze_iteration
 from zerobubble.profile.costs_file import Profile
 from zerobubble.profile.layers import LayerProfile, profile_layers
-from zerobubble.profile.stages import boundary_pairs, p2p_latency, stage_profile
+from zerobubble.profile.stages import (
+    boundary_pairs,
+    message_latency,
+    p2p_latency,
+    stage_profile,
+)
 from zerobubble.profile.stats import OpStats
 from zerobubble.runtime.executor import ExecutorOptions
 from zerobubble.runtime.launcher import init_distributed
@@ -619,7 +626,9 @@ def _plan(
     rc = cfg.executor.recompute != "none"  # measured: B includes the recomputation
     split = stage_profile(zbh1, S, skip_iterations=cfg.job.warmup, recompute=rc)
     full = stage_profile(f1b, S, skip_iterations=cfg.job.warmup, recompute=rc)
-    lat = tuple((s, latency[a, b]) for s, a, b in boundary_pairs(base.placement))
+    # The latency the schedules paid (both profiled runs' messages), else the ping-pong's.
+    paid = message_latency(f1b, zbh1, skip_iterations=cfg.job.warmup)
+    lat = tuple((s, paid.get(s, latency[a, b])) for s, a, b in boundary_pairs(base.placement))
     prof = Profile(split, base.placement, lat, lp, balanced, None, cfg.job.warmup, fused=full)
     costs = prof.cost_model()
     limit = cfg.schedule.mem_limit

@@ -169,6 +169,12 @@ def durations(graph: ActionGraph, costs: CostModel) -> list[float]:
     return [float(costs.duration(a.op, a.stage)) for a in graph.actions]
 
 
+def hops(graph: ActionGraph, costs: CostModel) -> list[float]:
+    """Per action: from its end to when a consumer on another device may start
+    (:meth:`~zerobubble.schedule.costs.CostModel.hop`)."""
+    return [float(costs.hop(a.op, a.stage)) for a in graph.actions]
+
+
 def memory_deltas(graph: ActionGraph, costs: CostModel) -> list[float]:
     return [float(costs.memory_delta(a.op, a.stage)) for a in graph.actions]
 

@@ -6,7 +6,7 @@ The model (the ZB paper's ILP, tightened):
   ("a runs before b") per pair of actions on one device whose order the
   graph leaves open, and the cost ``C``;
 * dependencies and in-order chains (see :mod:`.graph`):
-  ``e_b >= e_a + dur_b (+ comm across devices)``;
+  ``e_b >= e_a + dur_b (+ a's hop across devices: comm less a's host tail)``;
 * one action at a time per device, big-M disjunctions on ``y``;
 * memory: after each F (where a device's memory peaks) the sum of the
   deltas of the actions ordered before it, a linear function of ``y``, stays
@@ -46,6 +46,7 @@ from zerobubble.schedule.search.auto import auto_schedule, resolve_costs, search
 from zerobubble.schedule.search.graph import (
     ActionGraph,
     durations,
+    hops,
     memory_deltas,
     min_feasible_limit,
 )
@@ -154,11 +155,11 @@ def first_starts(graph: ActionGraph, costs: CostModel) -> list[float]:
     """
     first = first_actions(graph)
     dur = durations(graph, costs)
-    comm = float(costs.comm)
+    hop = hops(graph, costs)
     start = dict.fromkeys(first, 0.0)
     for a, b, cross in _by_source(graph.edges, graph.topological()):
         if a in start and b in start:
-            start[b] = max(start[b], start[a] + (dur[a] + (comm if cross else 0.0)))
+            start[b] = max(start[b], start[a] + (dur[a] + (hop[a] if cross else 0.0)))
     return [start[a] for a in first]
 
 
@@ -347,7 +348,7 @@ def _build(
     upper: float,
 ) -> _Model:
     n = len(graph)
-    comm = float(costs.comm)
+    hop = hops(graph, costs)
     t0 = first_starts(graph, costs)
     dev = [graph.device(i) for i in range(n)]
     first = set(first_actions(graph))
@@ -358,7 +359,7 @@ def _build(
         ahead = sum(dur[j] for j in graph.by_device[dev[i]] if graph.precedes(j, i))
         lo[i] = t0[dev[i]] + ahead + dur[i]
     for a, b, cross in _by_source(graph.edges, order):
-        lo[b] = max(lo[b], lo[a] + dur[b] + (comm if cross else 0.0))
+        lo[b] = max(lo[b], lo[a] + dur[b] + (hop[a] if cross else 0.0))
     hi = [0.0] * n
     tail = [0.0] * n  # work on the same device that must follow
     for i in range(n):
@@ -390,7 +391,7 @@ def _build(
 
     rows = _Rows()
     for a, b, cross in graph.edges:
-        rows.add({b: 1.0, a: -1.0}, dur[b] + (comm if cross else 0.0), math.inf)
+        rows.add({b: 1.0, a: -1.0}, dur[b] + (hop[a] if cross else 0.0), math.inf)
     for (a, b), y in pair.items():
         big_ab = hi[a] + dur[b] - lo[b]  # y=1: a first, so e_b >= e_a + dur_b
         rows.add({b: 1.0, a: -1.0, y: -big_ab}, dur[b] - big_ab, math.inf)
