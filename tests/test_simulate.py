@@ -142,3 +142,9 @@ def test_a_message_leaves_when_its_producers_compute_ends():
     r = simulate(generate("1f1b", 2, 1), m)
     assert r.start == ((0, 17), (5, 9)) and r.end == ((4, 23), (9, 15))
     assert m.hop(Op.F, 0) == 1 and m.hop(Op.BW, 1) == 2
+    # Overhead as a trace counts it: F(0,1)'s input is local (ready at 0), so all of
+    # F(0,0)'s host tail delayed it; F(0,1)'s tail ends at 8, long before BW(0,0)'s
+    # gradient is ready at 17: it delays nothing.
+    two = simulate(generate("1f1b", 2, 2), m)
+    assert two.start == ((0, 4, 17, 27), (5, 9, 15, 19))
+    assert two.host == (2, 0) and two.overhead == (1, 0)

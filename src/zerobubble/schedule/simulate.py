@@ -71,6 +71,34 @@ class SimResult:
         )
 
     @cached_property
+    def overhead(self) -> tuple[Number, ...]:
+        """Per device: the host time that delayed its actions, as a measured trace's
+        idle breakdown counts "overhead" (:mod:`zerobubble.profile.bubbles`): of the
+        previous action's host tail, the part after the next action's inputs were ready.
+        Host time spent while an input was still on its way is dependency or comm there."""
+        g = build_graph(self.schedule)
+        c = self.costs
+        start = [t for row in self.start for t in row]
+        end = [t for row in self.end for t in row]
+        out = []
+        for d in range(len(g.offsets) - 1):
+            total: Number = 0
+            for i in range(g.offsets[d] + 1, g.offsets[d + 1]):
+                ready: Number = 0
+                for x in g.preds[i]:
+                    r = (
+                        end[x] + c.hop(g.flat[x].op, g.flat[x].stage)
+                        if g.device[x] != d
+                        else end[x]
+                    )
+                    ready = max(ready, r)
+                prev = g.flat[i - 1]
+                tail = c.host_time(prev.op, prev.stage)
+                total += min(max(end[i - 1] - ready, 0), tail) if start[i] >= ready else 0
+            out.append(total)
+        return tuple(out)
+
+    @cached_property
     def span(self) -> tuple[Number, ...]:
         """Per device: last end minus first start (0 for an idle device)."""
         return tuple(

@@ -302,7 +302,8 @@ def _idle_table(result: JobResult, con: Console) -> None:
         )
     con.print(table)
     con.print(
-        "pred. overhead: the host work after each op (recording, sends, posted receives, "
-        "dispatch) that the prediction charged, from the profile; the trace counts it as idle",
+        "pred. overhead: of the host work after each op that the prediction charges "
+        "(recording, sends, posted receives, dispatch), the part that delayed the next op "
+        "after its inputs were ready, as the measured overhead is defined",
         highlight=False,
     )

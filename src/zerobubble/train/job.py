@@ -174,8 +174,9 @@ class PhaseResult:
 
     @property
     def predicted_overhead_ms(self) -> float:
-        """The host time the simulation charged, summed over devices (ms per iteration)."""
-        return sum(float(h) for h in self.predicted.host)
+        """The host time that delayed the simulated actions, summed over devices (ms per
+        iteration): the measured "overhead"'s definition (see ``SimResult.overhead``)."""
+        return sum(float(h) for h in self.predicted.overhead)
 
     def idle_ms(self) -> dict[str, float]:
         """Idle time by cause, summed over devices, median over measured iterations."""
