@@ -223,6 +223,7 @@ def _schedule_table(result: JobResult, con: Console) -> None:
     cols = (
         "schedule",
         "step ms",
+        "min-max",
         "tokens/s",
         "bubble",
         "pred. bubble",
@@ -236,6 +237,7 @@ def _schedule_table(result: JobResult, con: Console) -> None:
         table.add_row(
             _label(ph),
             f"{ph.step_time * 1e3:.0f}",
+            f"{min(ph.step_s) * 1e3:.0f}-{max(ph.step_s) * 1e3:.0f}",
             f"{cfg.tokens_per_step / ph.step_time:,.0f}",
             f"{ph.bubble_rate:.1%}",
             f"{ph.predicted_bubble_rate:.1%}",
