@@ -360,6 +360,9 @@ def test_profile_json_loads_as_costs_and_drives_the_planner(job, tmp_path):
     kinds = [c.kind for c in found]
     assert kinds[0] == "auto" or "auto" not in kinds  # ties keep the plan first
     assert plan_candidates(prof, (kind, planned), 8, spec.mem_limit, top=1) == found[:1]
+    fixed = dataclasses.replace(prof, step_fixed_ms=5.0)  # a step's time outside compute
+    ran = fuse_local_backward(planned)
+    assert predict_ms(fixed, ran) == predict_ms(prof, ran) + 5.0
     h1_peak = int(max(simulate(generate("zb-h1", 2, 8), model).peak_memory))
     tight = plan_candidates(prof, (kind, planned), 8, h1_peak, top=4)
     assert "zb-h2" in kinds and "zb-h2" not in [c.kind for c in tight]  # it holds more

@@ -60,6 +60,7 @@ def test_train_profiles_plans_trains_and_writes_its_outputs(tmp_path, capfd):
     data = json.loads((out / "profile.json").read_text())
     assert data["boundaries"][0] == 0 and data["boundaries"][-1] == 4
     assert len(data["layers"]["F"]) == 4  # embedding, 1 block, norm, head
+    assert data["step_fixed_ms"] > 0  # a step starts before its first compute
     events, lines = load_trace(out / "trace.jsonl")
     assert check_trace(events, lines=lines, mem_budget=spec.mem_limit).ok
     assert {e.iteration for e in events} == set(range(2 * (1 + 2)))  # its trial steps, then 3

@@ -55,6 +55,11 @@ class Profile:
         mem_limit: Activation-memory limit per device for the planner (bytes), if any.
         warmup: Iterations dropped before measuring.
         fused: Per-stage costs of a run without B/W split (F and BW), if one was traced.
+        step_fixed_ms: A pipeline step's median time outside its compute window (from
+            the step's start to the first compute, and from the last compute to the end
+            of the last wait for sends): splitting the batch, the first posts, the last
+            waits. The same for every schedule of the placement, so a prediction of the
+            step adds it to the simulated makespan.
     """
 
     stages: StageProfile
@@ -65,6 +70,7 @@ class Profile:
     mem_limit: int | None = None
     warmup: int = 1
     fused: StageProfile | None = None
+    step_fixed_ms: float = 0.0
 
     @property
     def comm(self) -> float:
@@ -164,6 +170,7 @@ class Profile:
         out["layers"] = self.layers.to_dict() if self.layers is not None else None
         out["units"] = {"time": "ms", "memory": "bytes"}
         out["warmup_iterations"] = self.warmup
+        out["step_fixed_ms"] = self.step_fixed_ms
         out["measured_samples"] = {"F": [s.n for s in st.f]}
         return out
 

@@ -242,7 +242,7 @@ def _schedule_table(result: JobResult, con: Console) -> None:
             f"{ph.bubble_rate:.1%}",
             f"{ph.predicted_bubble_rate:.1%}",
             f"{ph.pipe_time * 1e3:.0f}",
-            f"{float(ph.predicted.makespan):.0f}",
+            f"{ph.predicted_ms:.0f}",
             f"{ph.peak_memory / MIB:.2f}",
         )
     con.print(table)
@@ -279,7 +279,7 @@ def _predictions(result: JobResult, con: Console) -> None:
         (f"{result.plan_kind} (plan)", result.plan),
     ):
         r = simulate(sched, prof.cost_model(fused=not sched.uses_split_backward))
-        parts.append(f"{name} {float(r.makespan):.0f} ms")
+        parts.append(f"{name} {float(r.makespan) + prof.step_fixed_ms:.0f} ms")
     con.print("predicted pipeline step: " + ", ".join(parts), highlight=False)
 
 

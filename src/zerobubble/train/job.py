@@ -147,6 +147,8 @@ class PhaseResult:
     """Idle-time breakdown of each measured iteration."""
     predicted: SimResult
     """The schedule simulated with the measured profile (times in ms)."""
+    fixed_ms: float = 0.0
+    """The step's measured time outside its compute window, added to the prediction."""
 
     @property
     def step_time(self) -> float:
@@ -163,6 +165,12 @@ class PhaseResult:
     @property
     def peak_memory(self) -> int:
         return max(b.peak_memory for b in self.bubbles)
+
+    @property
+    def predicted_ms(self) -> float:
+        """The predicted pipeline step: the simulated makespan plus the profile's
+        :attr:`~zerobubble.profile.costs_file.Profile.step_fixed_ms`."""
+        return float(self.predicted.makespan) + self.fixed_ms
 
     @property
     def predicted_bubble_rate(self) -> float:
@@ -386,7 +394,8 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     # 3. Plan on rank 0; a refusal reaches every rank, so that all of them stop alike.
     def plan_or_refusal() -> _Plan | PlanError:
         try:
-            return _plan(ctx, profiled, lp, balanced, latency, base)
+            fixed = [x for ph in phases for x in ph.fixed_s]
+            return _plan(ctx, profiled, lp, balanced, latency, base, fixed)
         except PlanError as exc:
             return exc
 
@@ -529,6 +538,9 @@ class _Phase:
     """First executor iteration whose figures count."""
     step_s: list[float] = field(default_factory=list)
     pipe_s: list[float] = field(default_factory=list)
+    fixed_s: list[float] = field(default_factory=list)
+    """Per step after the warm-up, measured or not: the pipeline step's time outside its
+    compute window (splitting the batch, the first posts, the last waits), slowest rank."""
     losses: list[float] = field(default_factory=list)
     events: list[TraceEvent] = field(default_factory=list)
 
@@ -568,12 +580,22 @@ def _step(ctx: _Ctx, ph: _Phase, *, record: bool, note: str, longest: bool = Fal
     t1 = time.perf_counter()
     # The pipeline's part ends with its wait for the last sends.
     end_ns = next(e.end_ns for e in reversed(pipe.trace.events) if e.op == "wait_sends")
+    ran = [e for e in pipe.trace.events if e.iteration == iteration and e.action is not None]
+    first_ns = min((e.start_ns for e in ran), default=end_ns)  # on the ranks' common epoch
+    last_ns = max((e.end_ns for e in ran), default=end_ns)
     loss = 0.0
     if losses:  # shares of the batch loss add up to it; per-sample means are averaged
         both = torch.stack(losses)
         loss = (both.sum() if pipe.count_fn is not None else both.mean()).item()
     mine = torch.tensor(
-        [(end_ns - t0_ns) / 1e9, t1 - t0, loss, float(losses is not None)],
+        [
+            (end_ns - t0_ns) / 1e9,
+            t1 - t0,
+            loss,
+            float(losses is not None),
+            first_ns / 1e9,
+            last_ns / 1e9,
+        ],
         dtype=torch.float64,
         device=ctx.device,  # the default group's device (NCCL takes no CPU tensors)
     )
@@ -585,6 +607,10 @@ def _step(ctx: _Ctx, ph: _Phase, *, record: bool, note: str, longest: bool = Fal
         if record:
             ph.pipe_s.append(max(float(t[0]) for t in every))
             ph.step_s.append(step_s)
+        if iteration >= ph.measure_from:
+            window = max(float(t[5]) for t in every) - min(float(t[4]) for t in every)
+            pipe_s = max(float(t[0]) for t in every)
+            ph.fixed_s.append(max(pipe_s - window, 0.0))
         ph.losses.append(loss)
         seed = pipe.options.seed
         length = int(y.shape[-1])
@@ -620,6 +646,7 @@ def _plan(
     balanced: tuple[int, ...],
     latency: Mapping[tuple[int, int], OpStats],
     base: Schedule,
+    fixed_s: list[float],
 ) -> _Plan:
     cfg = ctx.cfg
     f1b, zbh1 = profiled
@@ -630,7 +657,8 @@ def _plan(
     # The latency the schedules paid (both profiled runs' messages), else the ping-pong's.
     paid = message_latency(f1b, zbh1, skip_iterations=cfg.job.warmup)
     lat = tuple((s, paid.get(s, latency[a, b])) for s, a, b in boundary_pairs(base.placement))
-    prof = Profile(split, base.placement, lat, lp, balanced, None, cfg.job.warmup, fused=full)
+    fixed_ms = statistics.median(fixed_s) * 1e3 if fixed_s else 0.0
+    prof = Profile(split, base.placement, lat, lp, balanced, None, cfg.job.warmup, full, fixed_ms)
     costs = prof.cost_model()
     limit = cfg.schedule.mem_limit
     if limit is None:
@@ -735,4 +763,5 @@ def _analyze(ph: _Phase, profile: Profile, mem_limit: int) -> PhaseResult:
         tuple(ph.losses),
         bubbles,
         simulate(ran, executed_costs(profile, ran)),
+        profile.step_fixed_ms,
     )

@@ -35,7 +35,8 @@ class Candidate:
     kind: str
     schedule: Schedule
     predicted_ms: float
-    """Simulated pipeline step (makespan, ms) of the schedule as the executor runs it."""
+    """Predicted pipeline step (ms) of the schedule as the executor runs it
+    (:func:`predict_ms`)."""
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,10 @@ def executed_costs(profile: Profile, sched: Schedule) -> CostModel:
 
 
 def predict_ms(profile: Profile, sched: Schedule) -> float:
-    """The simulated pipeline step of ``sched`` as it will run (``sched`` already fused
-    or not, as the executor will run it)."""
-    return float(simulate(sched, executed_costs(profile, sched)).makespan)
+    """The predicted pipeline step of ``sched`` as it will run (``sched`` already fused
+    or not, as the executor will run it): the simulated makespan plus the profile's
+    fixed time per step (:attr:`Profile.step_fixed_ms`)."""
+    return float(simulate(sched, executed_costs(profile, sched)).makespan) + profile.step_fixed_ms
 
 
 def plan_candidates(
