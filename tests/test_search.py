@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from fractions import Fraction
@@ -141,6 +142,13 @@ def test_pass_times_equal_simulate(v_shape):
     for P, M in [(2, 3), (3, 5), (4, 8)]:
         placement = v_placement(P) if v_shape else looped_placement(P, 1)
         costs = realistic(rng, len(placement), 0.5 if v_shape else 1.0)
+        if M == 5:  # host tails (a message leaves before its producer's end) on one size
+            costs = dataclasses.replace(
+                costs,
+                host_f=tuple(x * rng.uniform(0, 0.3) for x in costs.f),
+                host_b=tuple(x * rng.uniform(0, 0.3) for x in costs.b),
+                host_w=tuple(x * rng.uniform(0, 0.3) for x in costs.w),
+            )
         g = ActionGraph(placement, M)
         for policy in GRID_V if v_shape else GRID_1:
             limit = float(min_feasible_limit(placement, costs)) * P

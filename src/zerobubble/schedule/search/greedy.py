@@ -3,7 +3,7 @@
 Devices decide in time order while the pass tracks when every action ends,
 so the pass is its own simulator: its times are exactly what ``simulate``
 computes for the order it emits (an action starts once its device is free and
-its inputs have arrived, plus ``comm`` across devices).
+its inputs have arrived: across devices, ``CostModel.hop`` after its producer ends).
 
 A free device picks, in this order (the ZB paper's heuristic):
 
@@ -134,7 +134,6 @@ class _Builder:
         self.cutoff = cutoff * (1 - 1e-12)
         self.dur = [[float(costs.duration(op, s)) for s in range(S)] for op in OPS]
         self.f, self.b, self.w = self.dur
-        comm = float(costs.comm)
         # Under recompute B may allocate (M_W > M_B): an F then reserves what its B will
         # hold, so that admitting F at the limit never lets a later B exceed it.
         self.mem_f = [float(max(f, w)) for f, w in zip(costs.mem_f, costs.mem_w, strict=True)]
@@ -165,8 +164,10 @@ class _Builder:
         self.need = [
             [
                 tuple(
-                    (p, self.n[p], t, self.end[p][t], comm if placement[t] != placement[s] else 0.0)
-                    for p, t in ((OPS.index(op_p), t) for op_p, t in preds[op, s])
+                    (p, self.n[p], t, self.end[p][t], hop if placement[t] != placement[s] else 0.0)
+                    for p, t, hop in (
+                        (OPS.index(op_p), t, float(costs.hop(op_p, t))) for op_p, t in preds[op, s]
+                    )
                 )
                 for s in range(S)
             ]
