@@ -264,7 +264,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from zerobubble.train.job import run_job
 
     cfg = _train_config(args)
-    _make_out(Path(cfg.job.out))  # before any rank starts: a bad path is one message
+    _make_out(Path(cfg.job.out), "--out")  # before any rank starts: a bad path is one message
+    if cfg.job.torch_profile is not None:
+        _make_out(Path(cfg.job.torch_profile), "--torch-profile")
     reporter = ConsoleReporter()
     began = time.perf_counter()
     if "RANK" in os.environ:  # started by torchrun or zerobubble.launch: this process is a rank
@@ -298,15 +300,18 @@ def _rank(cfg: TrainConfig, reporter: Reporter | None) -> JobResult | PlanError 
         return exc
 
 
-def _make_out(out: Path) -> None:
+def _make_out(out: Path, flag: str) -> None:
+    """Create output folder ``out`` (given as ``flag``), or refuse it in one message."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
         why = f"{blocker} is a file, not a folder" if blocker else exc.strerror
         raise ValueError(
-            f"--out {out}: cannot create the output folder ({why}); pass a folder path"
+            f"{flag} {out}: cannot create the output folder ({why}); pass a folder path"
         ) from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {out}: the folder is not writable; pass a folder you may write")
 
 
 def cmd_check_trace(args: argparse.Namespace) -> int:

@@ -64,10 +64,11 @@ from zerobubble.optim.versions import OptState, ProtocolError, RankVersions
 from zerobubble.runtime.comm import Channel
 from zerobubble.runtime.executor import PipelineExecutor
 from zerobubble.runtime.tied import TiedGroups
+from zerobubble.runtime.trace import profiled
 from zerobubble.schedule.build import Protocol
 from zerobubble.schedule.ir import Action as ComputeAction
 from zerobubble.schedule.step_sim import StepMode
-from zerobubble.schedule.trace_format import TraceEvent
+from zerobubble.schedule.trace_format import TraceEvent, event_name
 
 __all__ = ["Commit", "PipelineTrainer", "group_settings"]
 
@@ -257,13 +258,12 @@ class PipelineTrainer:
     # ---- the synchronous step -----------------------------------------------------------
 
     def _sync_tail(self, k: int) -> None:
-        t0 = self._now()
-        vec = self.layout.new_vector()
-        self.layout.fill(vec, self.norm_params, self.config.norm_type, self._combine)
-        self.pipe.p2p.all_reduce(vec, f"all-reduce of iteration {k}'s gradient-norm state")
-        total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
-        action = decide(total, self.config)
-        self._event("opt_reduce", k, t0)
+        with self._span("opt_reduce", k):
+            vec = self.layout.new_vector()
+            self.layout.fill(vec, self.norm_params, self.config.norm_type, self._combine)
+            self.pipe.p2p.all_reduce(vec, f"all-reduce of iteration {k}'s gradient-norm state")
+            total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
+            action = decide(total, self.config)
         self._apply(action, total, k)
         self._commit(k, action, total)
 
@@ -271,48 +271,49 @@ class PipelineTrainer:
 
     def _post_validation_tail(self, k: int) -> None:
         d, last = self.rank, self.rank == self.world - 1
-        t0 = self._now()
-        vec = self.layout.new_vector()
-        if d > 0:
-            what = f"receive of iteration {k}'s gradient-norm prefix state"
-            work = self.pipe.p2p.irecv(vec, d - 1, what, Channel.OPTIM)
-            self.pipe.p2p.wait(work, d - 1, what)
-            self._check(vec, StateKind.PREFIX, k, d - 1)
-        self.layout.fill(vec, self.norm_params, self.config.norm_type, self._combine)
-        flags = self.layout.flags
+        with self._span("opt_prefix", k):
+            vec = self.layout.new_vector()
+            if d > 0:
+                what = f"receive of iteration {k}'s gradient-norm prefix state"
+                work = self.pipe.p2p.irecv(vec, d - 1, what, Channel.OPTIM)
+                self.pipe.p2p.wait(work, d - 1, what)
+                self._check(vec, StateKind.PREFIX, k, d - 1)
+            self.layout.fill(vec, self.norm_params, self.config.norm_type, self._combine)
+            flags = self.layout.flags
+            if last:
+                total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
+                action = decide(total, self.config)
+                replay = not (action is Decision.STEP and vec[flags + FLAG_DEFERRED] == 0)
+                vec[flags + FLAG_REPLAY] = float(replay)
+                self.layout.stamp(vec, StateKind.FULL, k)
+                if d > 0:  # send the full state back first: the others' validation waits on it
+                    self._send(vec, d - 1, f"send of iteration {k}'s validated optimizer state")
+            else:
+                prefix = self.layout.total(
+                    vec, self.config.norm_type, self.pipe.device, prefix=True
+                )
+                stepped = may_step_early(prefix, self.config)
+                if not stepped:
+                    vec[flags + FLAG_DEFERRED] = 1.0
+                self.layout.stamp(vec, StateKind.PREFIX, k)
+                # Pass the prefix on before stepping, so the ranks' steps overlap.
+                self._send(vec, d + 1, f"send of iteration {k}'s gradient-norm prefix state")
+                back = self.layout.new_vector()
+                what = f"receive of iteration {k}'s validated optimizer state"
+                work = self.pipe.p2p.irecv(back, d + 1, what, Channel.OPTIM)
         if last:
-            total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
-            action = decide(total, self.config)
-            replay = not (action is Decision.STEP and vec[flags + FLAG_DEFERRED] == 0)
-            vec[flags + FLAG_REPLAY] = float(replay)
-            self.layout.stamp(vec, StateKind.FULL, k)
-            if d > 0:  # send the full state back first: the others' validation waits on it
-                self._send(vec, d - 1, f"send of iteration {k}'s validated optimizer state")
-            self._event("opt_prefix", k, t0)
             self._apply(action, total, k)
             self._pending = _Pending(k, None, replay=replay)
             self._commit(k, action, total, replay=replay)
             return
-        prefix = self.layout.total(vec, self.config.norm_type, self.pipe.device, prefix=True)
-        stepped = may_step_early(prefix, self.config)
-        if not stepped:
-            vec[flags + FLAG_DEFERRED] = 1.0
-        self.layout.stamp(vec, StateKind.PREFIX, k)
-        # Pass the prefix on before stepping, so the ranks' steps overlap.
-        self._send(vec, d + 1, f"send of iteration {k}'s gradient-norm prefix state")
-        back = self.layout.new_vector()
-        what = f"receive of iteration {k}'s validated optimizer state"
-        work = self.pipe.p2p.irecv(back, d + 1, what, Channel.OPTIM)
-        self._event("opt_prefix", k, t0)
-        t0 = self._now()
-        hyper = group_settings(self.optimizer)
-        if stepped:
-            assert self.undo is not None
-            self.undo.prepare()
-            self.optimizer.step()
-        self.versions.provisional(k, stepped)
-        self.pipe.param_version = self.versions.param_version
-        self._event("opt_provisional" if stepped else "opt_defer", k, t0)
+        with self._span("opt_provisional" if stepped else "opt_defer", k):
+            hyper = group_settings(self.optimizer)
+            if stepped:
+                assert self.undo is not None
+                self.undo.prepare()
+                self.optimizer.step()
+            self.versions.provisional(k, stepped)
+            self.pipe.param_version = self.versions.param_version
         self._pending = _Pending(k, stepped, hyper, (back, work))
         self.faults.crash(d, k, CrashPoint.AFTER_PROVISIONAL)
 
@@ -330,27 +331,26 @@ class PipelineTrainer:
         if pend.back is None:  # the last rank applied its final action at the tail
             self._flush_sends()
             return pend.replay
-        t0 = self._now()
-        vec, work = pend.back
-        self.pipe.p2p.wait(work, d + 1, f"receive of iteration {k}'s validated optimizer state")
-        self._check(vec, StateKind.FULL, k, d + 1)
-        if d > 0:
-            self._send(vec, d - 1, f"send of iteration {k}'s validated optimizer state")
-        self._flush_sends(keep_last=d > 0)
-        total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
-        action = decide(total, self.config)
-        replay = bool(vec[self.layout.flags + FLAG_REPLAY])
-        self._event("opt_validate", k, t0)
+        with self._span("opt_validate", k):
+            vec, work = pend.back
+            what = f"receive of iteration {k}'s validated optimizer state"
+            self.pipe.p2p.wait(work, d + 1, what)
+            self._check(vec, StateKind.FULL, k, d + 1)
+            if d > 0:
+                self._send(vec, d - 1, f"send of iteration {k}'s validated optimizer state")
+            self._flush_sends(keep_last=d > 0)
+            total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
+            action = decide(total, self.config)
+            replay = bool(vec[self.layout.flags + FLAG_REPLAY])
         rolled_back = False
         assert pend.hyper is not None
         with _settings_applied(self.optimizer, pend.hyper):
             if pend.stepped and action is not Decision.STEP:
-                t0 = self._now()
-                assert self.undo is not None
-                self.undo.undo()
-                self.versions.rollback(k)
-                self.pipe.param_version = self.versions.param_version
-                self._event("opt_rollback", k, t0)
+                with self._span("opt_rollback", k):
+                    assert self.undo is not None
+                    self.undo.undo()
+                    self.versions.rollback(k)
+                    self.pipe.param_version = self.versions.param_version
                 rolled_back = True
             if not pend.stepped or rolled_back:
                 self._apply(action, total, k)
@@ -362,13 +362,12 @@ class PipelineTrainer:
 
     def _apply(self, action: Decision, total: Tensor, k: int) -> None:
         """The final action: skip, or (clip and) step."""
-        t0 = self._now()
-        if action is not Decision.SKIP:
-            if action is Decision.CLIP:
-                assert self.config.max_norm is not None
-                torch.nn.utils.clip_grads_with_norm_(self.params, self.config.max_norm, total)
-            self.optimizer.step()
-        self._event("opt_skip" if action is Decision.SKIP else "opt_step", k, t0)
+        with self._span("opt_skip" if action is Decision.SKIP else "opt_step", k):
+            if action is not Decision.SKIP:
+                if action is Decision.CLIP:
+                    assert self.config.max_norm is not None
+                    torch.nn.utils.clip_grads_with_norm_(self.params, self.config.max_norm, total)
+                self.optimizer.step()
 
     def _commit(
         self,
@@ -379,10 +378,9 @@ class PipelineTrainer:
         rolled_back: bool = False,
         replay: bool = False,
     ) -> None:
-        t0 = self._now()
-        self.versions.commit(k)
-        self.pipe.param_version = self.versions.param_version
-        self._event("opt_commit", k, t0)
+        with self._span("opt_commit", k):
+            self.versions.commit(k)
+            self.pipe.param_version = self.versions.param_version
         info = Commit(
             k, self.versions.committed, action, float(total), provisional, rolled_back, replay
         )
@@ -414,6 +412,15 @@ class PipelineTrainer:
 
     def _now(self) -> int:
         return self.pipe.trace.now()
+
+    @contextlib.contextmanager
+    def _span(self, op: str, k: int) -> Iterator[None]:
+        """The block is optimizer event ``op`` of iteration ``k``: its trace event (when
+        the block completes) and, while a profiler records, a range of the event's name."""
+        t0 = self._now()
+        with profiled(event_name(op)):
+            yield
+        self._event(op, k, t0)
 
     def _event(self, op: str, k: int, t0: int) -> None:
         if not self.pipe.options.trace:

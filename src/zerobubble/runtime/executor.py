@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from zerobubble.runtime.blame import forward_failure
 from zerobubble.runtime.chunk import LossFn, StageChunk, StageChunkError
@@ -48,7 +49,14 @@ from zerobubble.runtime.shapes import (
     map_tensors,
 )
 from zerobubble.runtime.step_batch import StepBatch, split_step
-from zerobubble.runtime.trace import TRACED, Trace, instruction_event
+from zerobubble.runtime.trace import (
+    TRACED,
+    Trace,
+    instruction_event,
+    instruction_name,
+    profiled,
+    profiling,
+)
 from zerobubble.runtime.transforms import ChunkTransforms, prepare_chunks
 from zerobubble.schedule.build import GradSync, ProgramPlan, Protocol, build_programs
 from zerobubble.schedule.ir import Action, Op, Schedule
@@ -67,7 +75,7 @@ from zerobubble.schedule.program import (
     input_message,
     output_message,
 )
-from zerobubble.schedule.trace_format import TraceEvent
+from zerobubble.schedule.trace_format import EventOp, TraceEvent, event_name
 
 __all__ = ["ExecutorOptions", "PipelineExecutor", "StepHooks"]
 
@@ -116,6 +124,9 @@ class PipelineExecutor:
         programs: Every rank's finished program (a
             :class:`~zerobubble.schedule.program.LoweredSchedule`); :attr:`program` is this
             rank's.
+        names: The name of each instruction of :attr:`program` as its trace event has it
+            (:func:`~zerobubble.runtime.trace.instruction_name`; None for kinds that record
+            none): the ``torch.profiler`` range it runs in while a profiler records.
         param_version: Parameter version recorded in the trace. Setting it is the caller's
             job (:class:`~zerobubble.optim.trainer.PipelineTrainer` does it); the executor
             only labels events with it.
@@ -157,7 +168,7 @@ class PipelineExecutor:
         if retain or (retain is None and self.device.type == "cpu"):
             retain_freed_memory()
         self.rank = dist.get_rank(group)
-        self.program = self.programs.programs[self.rank]
+        self._load_program()
         mine = self.schedule.stages_of_device[self.rank]
         if sorted(stages) != list(mine):
             raise ValueError(
@@ -238,7 +249,14 @@ class PipelineExecutor:
         """
         plan = replace(self.plan, protocol=Protocol(protocol))
         self.programs = build_programs(self._source, plan)
-        self.plan, self.program = plan, self.programs.programs[self.rank]
+        self.plan = plan
+        self._load_program()
+
+    def _load_program(self) -> None:
+        """This rank's program from :attr:`programs`, and its instructions' names (once
+        per build: a step only looks them up)."""
+        self.program = self.programs.programs[self.rank]
+        self.names = [instruction_name(ins) for ins in self.program]
 
     def held_bytes(self) -> int:
         """Activation bytes held by this rank's stages."""
@@ -326,18 +344,28 @@ class _Run:
         self.held = pipe.held_bytes() if pipe.options.trace else 0  # as of the last compute
 
     def run(self) -> None:
-        program, hooks = self.pipe.program, self.hooks
+        program, names, hooks = self.pipe.program, self.pipe.names, self.hooks
         tracing = self.pipe.options.trace
         while self.i < len(program):
-            ins = program[self.i]
+            ins, name = program[self.i], names[self.i]
             self.i += 1
             kind = type(ins)
-            if tracing and kind in TRACED:
-                self.traced(ins)
+            # The one place an instruction's work is wrapped: its profiler range (only
+            # while a profiler records) around its trace event's timing.
+            if name is not None and profiling():
+                with record_function(name):
+                    self.dispatch(ins, tracing)
             else:
-                _RUN[kind](self, ins)
+                self.dispatch(ins, tracing)
             if kind is Compute:
                 hooks.after_compute(ins.action)  # type: ignore[union-attr]  # a Compute
+
+    def dispatch(self, ins: Instruction, tracing: bool) -> None:
+        """Run ``ins`` by its entry of :data:`_RUN`, recording its event if traced."""
+        if tracing and type(ins) in TRACED:
+            self.traced(ins)
+        else:
+            _RUN[type(ins)](self, ins)
 
     def traced(self, ins: Instruction) -> None:
         """Run ``ins`` and record its event (times, held bytes before and after)."""
@@ -455,14 +483,17 @@ class _Run:
             self.replay(ins)
 
     def replay(self, gate: Gate) -> None:
-        """Discard this attempt (stage state, stale messages) and restart the program."""
+        """Discard this attempt (stage state, stale messages) and restart the program.
+
+        Its own profiler range: the gate that runs it records no event of its own."""
         pipe = self.pipe
         tracing = pipe.options.trace
         t0, mem0 = (pipe.trace.now(), pipe.held_bytes()) if tracing else (0, 0)
-        pipe.links.drain(gate.drain)
-        for chunk in pipe.chunks.values():
-            chunk.discard()
-        self.hooks.on_replay()
+        with profiled(event_name(EventOp.REPLAY)):
+            pipe.links.drain(gate.drain)
+            for chunk in pipe.chunks.values():
+                chunk.discard()
+            self.hooks.on_replay()
         self.ready.clear()
         self.losses = [None] * len(self.losses)
         self.i = 0
@@ -470,7 +501,7 @@ class _Run:
         if tracing:
             self.held = pipe.held_bytes()
             common = self.common(t0, pipe.trace.now(), mem0, self.held)
-            pipe.trace.record(TraceEvent(op="replay", stage=None, mb=None, **common))
+            pipe.trace.record(TraceEvent(op=EventOp.REPLAY, stage=None, mb=None, **common))
 
 
 _RUN: dict[type, Callable[[_Run, Any], None]] = {

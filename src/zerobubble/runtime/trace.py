@@ -7,16 +7,24 @@ its JSON-lines and Chrome-trace writers live in the torch-free
 relative to an epoch all ranks take right after a barrier (:func:`sync_epoch`),
 so events of different ranks share one time axis; :func:`gather_traces`
 collects every rank's events on one rank.
+
+While a ``torch.profiler`` records, the work of every event also runs inside a
+``record_function`` range of the event's name
+(:func:`~zerobubble.schedule.trace_format.event_name`): see :func:`profiled`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any
 
+import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from zerobubble.schedule.program import (
     Compute,
@@ -24,6 +32,7 @@ from zerobubble.schedule.program import (
     PostRecv,
     ReduceGrads,
     Send,
+    ShardAction,
     WaitRecv,
     WaitReduce,
     WaitSends,
@@ -77,8 +86,12 @@ def gather_traces(
     return sorted(events, key=lambda e: (e.start_ns, e.rank))
 
 
-TRACED = frozenset({Compute, PostRecv, WaitRecv, Send, WaitSends, ReduceGrads, WaitReduce})
-"""The instruction kinds that record a trace event when executed."""
+TRACED = frozenset(
+    {Compute, PostRecv, WaitRecv, Send, WaitSends, ReduceGrads, WaitReduce, ShardAction}
+)
+"""The instruction kinds that record a trace event when executed (and open a profiler
+range). The others do no work of their own: a version check compares two counters, and
+the gate's validation is the optimizer's events."""
 
 _MESSAGE_OP = {PostRecv: "post_recv", WaitRecv: "wait_recv", Send: "send"}
 
@@ -91,6 +104,8 @@ def instruction_event(ins: Instruction, common: dict[str, Any]) -> TraceEvent:
         return TraceEvent(op=a.op.value, stage=a.stage, mb=a.mb, **common)
     if isinstance(ins, ReduceGrads):
         return TraceEvent(op="reduce_grads", stage=ins.stage, mb=None, **common)
+    if isinstance(ins, ShardAction):
+        return TraceEvent(op=ins.op.value, stage=ins.stage, mb=None, **common)
     if isinstance(ins, PostRecv | WaitRecv | Send):
         m = ins.msg
         here = m.src_stage if isinstance(ins, Send) else m.dst_stage
@@ -98,3 +113,34 @@ def instruction_event(ins: Instruction, common: dict[str, Any]) -> TraceEvent:
         op = _MESSAGE_OP[type(ins)]
         return TraceEvent(op=op, stage=here, mb=m.mb, peer=ins.peer, msg=msg_id, **common)
     return TraceEvent(op=str(ins), stage=None, mb=None, **common)  # wait_sends, wait_reduce
+
+
+_COMMON = ("iteration", "rank", "param_version", "start_ns", "end_ns", "mem_before", "mem_after")
+
+
+def instruction_name(ins: Instruction) -> str | None:
+    """The name of the event ``ins`` records (None for a kind outside :data:`TRACED`):
+    taken from that very event, so the profiler range and the trace cannot disagree."""
+    if type(ins) not in TRACED:
+        return None
+    return instruction_event(ins, dict.fromkeys(_COMMON, 0)).name
+
+
+def profiling() -> bool:
+    """True while a ``torch.profiler`` (or autograd profiler) records on this thread.
+
+    The callers test it before opening a range: a ``record_function`` costs tens of
+    microseconds even with no profiler running, this test a fraction of one.
+    """
+    return torch.autograd._profiler_enabled()
+
+
+@contextlib.contextmanager
+def profiled(name: str) -> Iterator[None]:
+    """A ``record_function`` range named ``name`` around the block while a profiler
+    records; nothing otherwise."""
+    if not profiling():
+        yield
+        return
+    with record_function(name):
+        yield

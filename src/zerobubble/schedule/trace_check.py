@@ -70,7 +70,14 @@ from zerobubble.schedule.trace_format import (
     read_jsonl_lines,
 )
 
-OTHER_OPS = (EventOp.WAIT_SENDS, EventOp.REPLAY, EventOp.REDUCE_GRADS, EventOp.WAIT_REDUCE)
+OTHER_OPS = (
+    EventOp.WAIT_SENDS,
+    EventOp.REPLAY,
+    EventOp.REDUCE_GRADS,
+    EventOp.WAIT_REDUCE,
+    EventOp.UNSHARD,
+    EventOp.REDUCE_SCATTER,
+)
 DEFAULT_OPT_OPS: tuple[EventKind, ...] = (
     OptOp.REDUCE,
     OptOp.PREFIX,

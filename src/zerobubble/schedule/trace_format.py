@@ -37,6 +37,10 @@ class EventOp(enum.StrEnum):
     """The launch of a stage's asynchronous gradient all-reduce over ``dp`` (its ``stage``)."""
     WAIT_REDUCE = "wait_reduce"
     """The wait for every gradient reduction of the step, before the optimizer's tail."""
+    UNSHARD = "unshard"
+    """FSDP: the all-gather of a stage's parameters (its ``stage``)."""
+    REDUCE_SCATTER = "reduce_scatter"
+    """FSDP: the reduce-scatter of a stage's gradients over ``dp`` (its ``stage``)."""
 
     __hash__ = str.__hash__
 
@@ -76,7 +80,8 @@ _MSG_KINDS: dict[str, MsgKind] = {str(k): k for k in MsgKind}
 TRACKS = ("compute", "recv", "send", "optim", "reduce")
 """Chrome-trace threads: compute actions, receives (post and wait), sends, the
 optimizer protocol (:class:`OptOp` events and ``replay``), and the data-parallel
-gradient reduction (``reduce_grads``, ``wait_reduce``)."""
+gradient reduction (``reduce_grads``, ``wait_reduce``, FSDP's ``unshard`` and
+``reduce_scatter``)."""
 _TRACK: dict[EventKind, str] = {
     **{op: "compute" for op in Op},
     EventOp.POST_RECV: "recv",
@@ -86,8 +91,24 @@ _TRACK: dict[EventKind, str] = {
     EventOp.REPLAY: "optim",
     EventOp.REDUCE_GRADS: "reduce",
     EventOp.WAIT_REDUCE: "reduce",
+    EventOp.UNSHARD: "reduce",
+    EventOp.REDUCE_SCATTER: "reduce",
     **{op: "optim" for op in OptOp},
 }
+
+
+def event_name(
+    op: EventKind, stage: int | None = None, mb: int | None = None, msg: MessageId | None = None
+) -> str:
+    """The one name of an event: its Chrome-trace span and the ``torch.profiler`` range
+    the runtime opens around the work (``zb.F s1 mb3``, ``zb.send act s1->s2 mb3``,
+    ``zb.opt_step``), so that a Kineto trace and ours line up name for name."""
+    name = f"zb.{op}"
+    if msg is not None:
+        name += f" {msg[0]} s{msg[1]}->s{msg[2]}"
+    elif stage is not None:
+        name += f" s{stage}"
+    return name if mb is None else f"{name} mb{mb}"
 
 
 def is_opt_op(op: EventKind) -> bool:
@@ -166,6 +187,11 @@ class TraceEvent:
                 "`zerobubble check-trace`)"
             )
         return self.msg
+
+    @property
+    def name(self) -> str:
+        """See :func:`event_name`."""
+        return event_name(self.op, self.stage, self.mb, self.msg)
 
     @property
     def track(self) -> str:
@@ -316,7 +342,6 @@ def chrome_trace(events: Iterable[TraceEvent]) -> dict[str, Any]:
     ranks: set[int] = set()
     for e in events:
         ranks.add(e.rank)
-        name = e.op if e.mb is None else f"{e.op}{e.mb}"
         args: dict[str, object] = {
             "iteration": e.iteration,
             "stage": e.stage,
@@ -329,7 +354,7 @@ def chrome_trace(events: Iterable[TraceEvent]) -> dict[str, Any]:
             args |= {"peer": e.peer, "msg": list(e.msg) if e.msg else None}
         out.append(
             {
-                "name": name,
+                "name": e.name,
                 "cat": e.op,
                 "ph": "X",
                 "ts": e.start_ns / 1000,

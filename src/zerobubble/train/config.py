@@ -24,6 +24,12 @@ RECOMPUTE = ("none", "stage", "layers")
 :mod:`zerobubble.runtime.recompute`)."""
 
 
+TORCH_PROFILE_WARMUP, TORCH_PROFILE_ACTIVE = 1, 2
+"""``job.torch_profile``: rounds of profiler warm-up (the job's own warm-up round by
+default: first-step costs stay out), then rounds recorded (enough to compare steps,
+small enough for a trace a browser opens)."""
+
+
 def aliases(*flags: str) -> dict[str, tuple[str, ...]]:
     """Field metadata: flags that predate the sections and set the field too."""
     return {"aliases": flags}
@@ -242,6 +248,13 @@ class JobSection:
     """Folder for the profile, traces and picture."""
     timeout_s: float = field(default=900.0, metadata=aliases("--timeout"))
     """Seconds the whole job may take when this process launches the ranks."""
+    torch_profile: str | None = field(default=None, metadata=aliases("--torch-profile"))
+    """Folder for a torch.profiler (Kineto) trace of each rank, rank<r>.json, of the
+    training rounds (a round: one step of each schedule; under zerobubble profile, the
+    profiling rounds): one round of profiler warm-up, then two recorded (fewer when fewer
+    run); CPU activities, and CUDA on a GPU. Every action runs in a range named like its
+    event in our trace (zb.F s1 mb3, zb.send act s0->s1 mb3, zb.opt_step); none: no
+    profile (default)."""
     profile_only: bool = field(default=False, metadata=NOT_AN_OPTION)
     """Stop after profiling and planning (``zerobubble profile``)."""
 

@@ -41,6 +41,7 @@ Warm-up steps are excluded from every figure.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -80,7 +81,7 @@ from zerobubble.schedule.simulate import SimResult, simulate
 from zerobubble.schedule.trace_check import TraceReport, check_trace
 from zerobubble.schedule.trace_format import TraceEvent, write_chrome_trace, write_jsonl
 from zerobubble.schedule.validate import validate
-from zerobubble.train.config import TrainConfig
+from zerobubble.train.config import TORCH_PROFILE_ACTIVE, TORCH_PROFILE_WARMUP, TrainConfig
 from zerobubble.train.models import JobModel, build_job_model
 from zerobubble.train.trials import (
     Candidate,
@@ -385,7 +386,9 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     total += 0 if cfg.job.profile_only else 3 * (cfg.job.warmup + cfg.job.steps)
     if ctx.lead and ctx.reporter is not None:
         ctx.reporter.start(total)  # the trials' steps are added once their count is known
-    _rotate(ctx, phases, cfg.job.warmup + cfg.job.baseline_steps, measure=False, longest=True)
+    rounds = cfg.job.warmup + cfg.job.baseline_steps
+    with _torch_profile(ctx, rounds if cfg.job.profile_only else 0) as prof:
+        _rotate(ctx, phases, rounds, measure=False, longest=True, profiler=prof)
     profiled = [gather_traces(ph.pipe.executor.trace) or [] for ph in phases]
     boundary = cfg.job.microbatch_size * cfg.job.seq_len * model.hidden * 4  # float32
     pairs = [(a, b) for _, a, b in boundary_pairs(base.placement)]
@@ -415,7 +418,9 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
         plan_ph, trials, chosen = _verify(ctx, root, opt, plan.candidates)
         plan = plan._replace(schedule=chosen.schedule, kind=chosen.kind)
         phases = [phases[0], _phase(ctx, fused, opt), plan_ph]
-        _rotate(ctx, phases, cfg.job.warmup + cfg.job.steps, measure=True)
+        rounds = cfg.job.warmup + cfg.job.steps
+        with _torch_profile(ctx, rounds) as prof:
+            _rotate(ctx, phases, rounds, measure=True, profiler=prof)
         for ph in phases:
             ph.events = gather_traces(ph.pipe.executor.trace) or []
     root.tied.check(root.executor.iteration)  # the replicas after the last step too
@@ -555,11 +560,17 @@ def _phase(
 
 
 def _rotate(
-    ctx: _Ctx, phases: list[_Phase], rounds: int, *, measure: bool, longest: bool = False
+    ctx: _Ctx,
+    phases: list[_Phase],
+    rounds: int,
+    *,
+    measure: bool,
+    longest: bool = False,
+    profiler: torch.profiler.profile | None = None,
 ) -> None:
     """``rounds`` steps of every phase, taking turns; the first ``warmup`` rounds are not
     measured (nor, without ``measure``, any: they only feed the profile). ``longest``: every
-    batch of the longest length (see :meth:`_Ctx.batch`)."""
+    batch of the longest length (see :meth:`_Ctx.batch`). ``profiler`` steps once a round."""
     for ph in phases:
         ph.measure_from = ph.pipe.executor.iteration + ctx.cfg.job.warmup
     for r in range(rounds):
@@ -567,6 +578,32 @@ def _rotate(
             warm = r < ctx.cfg.job.warmup
             note = "warm-up, not measured" if warm else ("" if measure else "profiling")
             _step(ctx, ph, record=measure and not warm, note=note, longest=longest)
+        if profiler is not None:
+            profiler.step()
+
+
+def _torch_profile(
+    ctx: _Ctx, rounds: int
+) -> contextlib.AbstractContextManager[torch.profiler.profile | None]:
+    """With ``job.torch_profile``, a ``torch.profiler`` over ``rounds`` rounds that writes
+    this rank's trace to ``<folder>/rank<r>.json`` (see
+    :attr:`~zerobubble.train.config.JobSection.torch_profile`); else (or with no rounds)
+    nothing. The warm-up shrinks first when fewer rounds run than it and the recording
+    take, so a short job still writes a trace."""
+    folder = ctx.cfg.job.torch_profile
+    if folder is None or rounds == 0:
+        return contextlib.nullcontext()
+    warmup = min(TORCH_PROFILE_WARMUP, rounds - 1)
+    active = min(TORCH_PROFILE_ACTIVE, rounds - warmup)
+    path = Path(folder) / f"rank{ctx.rank}.json"
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if ctx.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(
+        activities=activities,
+        schedule=torch.profiler.schedule(wait=0, warmup=warmup, active=active, repeat=1),
+        on_trace_ready=lambda prof: prof.export_chrome_trace(str(path)),
+    )
 
 
 def _step(ctx: _Ctx, ph: _Phase, *, record: bool, note: str, longest: bool = False) -> None:
@@ -696,6 +733,8 @@ def _report(
     out = Path(cfg.job.out)
     out.mkdir(parents=True, exist_ok=True)
     files = {"profile": str(profile.save(out / "profile.json"))}
+    if cfg.job.torch_profile is not None:
+        files["torch profile"] = str(Path(cfg.job.torch_profile) / "rank*.json")
     steps = tuple(ctx.steps)
     (out / "losses.json").write_text(json.dumps([asdict(r) for r in steps], indent=1) + "\n")
     files["losses"] = str(out / "losses.json")
