@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from generated import generated
 from ranks import launch
 from zerobubble.interop.torch_pipelining import torch_rows
 from zerobubble.models import GPTConfig, build_gpt, build_mlp, gpt_loss, mlp_loss
@@ -55,7 +56,7 @@ def schedules(p: int) -> list[Schedule]:
         ms = {1, max(p - 1, 1), p} | (set() if kind in EXACT_KINDS else {2 * p + 1})
         for m in sorted(ms):
             try:
-                out.append(generate(kind, p, m, **opts))
+                out.append(generated(kind, p, m, **opts))
             except ValueError:  # the kind does not support this M
                 continue
     return out

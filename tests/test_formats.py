@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from generated import generated
 from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.formats import json_format, load_schedule, save_schedule, text, torch_csv
 from zerobubble.schedule.generators import GENERATORS, generate
@@ -15,9 +16,9 @@ from zerobubble.schedule.ir import Action, Op
 def all_kinds():
     for kind in GENERATORS:
         try:
-            yield generate(kind, 3, 7)
+            yield generated(kind, 3, 7)
         except ValueError:
-            yield generate(kind, 3, 12)
+            yield generated(kind, 3, 12)
 
 
 @pytest.mark.parametrize("sched", list(all_kinds()), ids=lambda s: s.name)

@@ -12,15 +12,15 @@ must raise one of them (it reports structure before order, see validate.py).
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from generated import generated
 from zerobubble.schedule.errors import Reason, ScheduleError
-from zerobubble.schedule.generators import GENERATORS, generate
+from zerobubble.schedule.generators import GENERATORS
 from zerobubble.schedule.ir import Action, Op, Schedule
 from zerobubble.schedule.validate import validate
 
@@ -34,11 +34,6 @@ FAST = settings(
 LONG = settings(FAST, max_examples=400)
 MUTATIONS = ("swap", "swap_devices", "drop", "duplicate", "move", "relabel", "placement")
 STRUCTURE = {Reason.OUT_OF_RANGE, Reason.WRONG_DEVICE, Reason.DUPLICATE}
-
-
-@functools.cache
-def base(kind: str, p: int, m: int) -> Schedule:
-    return generate(kind, p, m)
 
 
 # ---- the independent judge -----------------------------------------------------------------
@@ -121,7 +116,7 @@ def order_problems(sched: Schedule, ops: dict[tuple[int, int], set[Op]]) -> set[
 def mutated(draw, kind: str) -> tuple[Schedule, list[str]]:
     """A schedule of ``kind`` after one to three random mutations, and what they were."""
     p, m = draw(st.sampled_from(SIZES))
-    sched = base(kind, p, m)
+    sched = generated(kind, p, m)
     acts = [list(x) for x in sched.actions]
     placement = list(sched.placement)
     done: list[str] = []
@@ -213,14 +208,14 @@ def test_mutated_schedules_are_judged_like_the_independent_judge_long(kind, data
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(("p", "m"), SIZES)
 def test_every_base_schedule_is_valid_for_the_judge_and_the_validator(kind, p, m):
-    sched = base(kind, p, m)
+    sched = generated(kind, p, m)
     assert judge(sched) == set()
     validate(sched)
 
 
 def test_the_judge_catches_each_kind_of_mistake():
     """The judge itself can fail: one hand-made mistake per reason on a V schedule."""
-    sched = base("zbv", 3, 4)
+    sched = generated("zbv", 3, 4)
     acts = [list(x) for x in sched.actions]
     f0 = Action(Op.F, 0, 0)
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 transformers = pytest.importorskip("transformers")
 
 import zerobubble  # noqa: E402
+from generated import generated  # noqa: E402
 from ranks import launch  # noqa: E402
 from zerobubble.interop import hf  # noqa: E402
 from zerobubble.runtime.partition import build_stage_modules, stage_bounds  # noqa: E402
@@ -270,7 +271,7 @@ def cases(p: int) -> list[tuple[zerobubble.Schedule, str, int]]:
             opts = {"chunks": 2} if "chunks" in GENERATORS[kind].options else {}
             variant = names[(i + offset) % len(names)]
             steps = 5 if variant.startswith("gpt2") and m > p == 4 else 3
-            out.append((zerobubble.generate(kind, p, m, **opts), variant, steps))
+            out.append((generated(kind, p, m, **opts), variant, steps))
     return out
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from generated import generated
 from ranks import launch
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.optim.config import OptimConfig
@@ -24,7 +25,7 @@ from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.partition import build_stage_modules, stage_bounds
 from zerobubble.runtime.reference import reference_step
-from zerobubble.schedule.generators import GENERATORS, generate
+from zerobubble.schedule.generators import GENERATORS
 from zerobubble.schedule.ir import Schedule
 
 WIDTH = 4
@@ -168,7 +169,7 @@ def check(results: list[dict], kinds: list[str], p: int) -> None:
 
 def schedules(kinds: list[str], p: int) -> dict[str, Schedule]:
     """Built once here, not on every rank for every mode (the search kinds take seconds)."""
-    return {kind: generate(kind, p, 2 * p) for kind in kinds}
+    return {kind: generated(kind, p, 2 * p) for kind in kinds}
 
 
 FAST_P3 = ["zbv", "dualpipev"]

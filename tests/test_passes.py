@@ -84,6 +84,7 @@ def test_every_kind_keeps_its_timing_and_memory():
     rng = random.Random(7)
     checked = 0
     for sched in _kinds():
+        validate(sched)
         fused = fuse_local_backward(sched)
         validate(fused)
         assert fuse_local_backward(fused) is fused  # idempotent

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerobubble
+from generated import generated
 from ranks import launch
 from zerobubble.runtime.launcher import LaunchError
 from zerobubble.runtime.microbatch import batch_size, split_tree
@@ -168,7 +169,7 @@ def all_kinds(p: int) -> list[zerobubble.Schedule]:
         if kind == "optimal":
             continue
         opts = {"chunks": 2} if "chunks" in gen.options else {}
-        out.append(zerobubble.generate(kind, p, 4, **opts))
+        out.append(generated(kind, p, 4, **opts))
     return out
 
 

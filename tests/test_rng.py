@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerobubble
+from generated import generated
 from ranks import launch
 from zerobubble.optim.faults import FaultPlan, GradFault
 from zerobubble.runtime.microbatch import batch_count, token_count
@@ -285,9 +286,9 @@ def job(
 def run_job(p: int, dropout_kinds: list[str], token_kinds: list[str], spec_kinds: list[str]):
     """The schedules are built here once, not on every rank (the search kinds take seconds);
     dropout and speculative runs take M = 2P microbatches, the token runs 2P + 1."""
-    dropout = [zerobubble.generate(k, p, 2 * p) for k in dropout_kinds]
-    token = [zerobubble.generate(k, p, 2 * p + 1) for k in token_kinds]
-    spec = [zerobubble.generate(k, p, 2 * p) for k in spec_kinds]
+    dropout = [generated(k, p, 2 * p) for k in dropout_kinds]
+    token = [generated(k, p, 2 * p + 1) for k in token_kinds]
+    spec = [generated(k, p, 2 * p) for k in spec_kinds]
     return launch(job, p, dropout, token, spec, timeout=TIMEOUT)
 
 
@@ -312,8 +313,6 @@ def test_every_kind_at_p3_is_bitwise_with_dropout_token_loss_and_replay():
 
 @pytest.mark.slow
 def test_v_kinds_at_p4_are_bitwise_with_dropout():
-    v_kinds = [
-        k for k in KINDS if k != "optimal" and zerobubble.generate(k, 4, 8).placement[-1] == 0
-    ]
+    v_kinds = [k for k in KINDS if k != "optimal" and generated(k, 4, 8).placement[-1] == 0]
     assert len(v_kinds) >= 5, v_kinds
     check(run_job(4, v_kinds, ["zbv"], ["zbv"]))

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from generated import generated
 from ranks import launch
 from zerobubble.cli import main
 from zerobubble.models import build_mlp, mlp_loss
@@ -61,11 +62,11 @@ def traced_run(sched: Schedule, rank: int, **opts) -> list[TraceEvent] | None:
     return gather_traces(pipe.trace)
 
 
-def kinds_job() -> dict:
+def kinds_job(scheds: dict[str, Schedule]) -> dict:
+    """``scheds``: every kind at P=2, built once in the test, not on every rank."""
     info = init_distributed(timeout_s=60)
     out: dict = {"traces": {}}
-    for kind, gen in GENERATORS.items():
-        sched = generate(kind, 2, M, **({"chunks": 2} if "chunks" in gen.options else {}))
+    for kind, sched in scheds.items():
         out["traces"][kind] = (sched, traced_run(sched, info.rank))
     # ZB-H1 with every B and W split (no fusion): what a profile is taken from, and
     # the trace the violation tests edit (both ranks run B and W).
@@ -78,7 +79,11 @@ def kinds_job() -> dict:
 
 @pytest.fixture(scope="module")
 def job():
-    return launch(kinds_job, 2, timeout=240)[0]
+    scheds = {
+        kind: generated(kind, 2, M, **({"chunks": 2} if "chunks" in gen.options else {}))
+        for kind, gen in GENERATORS.items()
+    }
+    return launch(kinds_job, 2, scheds, timeout=240)[0]
 
 
 @pytest.fixture
