@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from zerobubble.runtime.comm import PeerError
+from zerobubble.runtime.comm import P2P, PeerError
 from zerobubble.runtime.progress import Progress
 
-__all__ = ["GradReducer"]
+__all__ = ["GradReducer", "sum_over_dp"]
 
 
 @dataclass
@@ -113,3 +113,19 @@ class GradReducer:
             f"all-reduce of stage {stage}'s gradients over dim 'dp' (mesh dp group, "
             f"iteration {iteration})"
         )
+
+
+def sum_over_dp(
+    dp_group: dist.ProcessGroup | None, p2p: P2P, iteration: int, n: Tensor | int
+) -> Tensor | int:
+    """``n`` summed over the dp replicas (a step's global batch size or count, which the
+    losses are weighted by); the last stage's ranks of all replicas call it together.
+    The wait is bounded by ``p2p``'s timeout, and its message names the dp ranks."""
+    if dp_group is None:
+        return n
+    t = torch.as_tensor(n, device=p2p.device).clone()
+    what = f"all-reduce over dim 'dp' of iteration {iteration}'s batch size or count"
+    work = dist.all_reduce(t, group=dp_group, async_op=True)
+    assert work is not None
+    p2p.wait(work, None, what, group=tuple(dist.get_process_group_ranks(dp_group)))
+    return t if isinstance(n, Tensor) else int(t.item())

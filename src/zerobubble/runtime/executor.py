@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,21 +34,16 @@ from torch.profiler import record_function
 
 from zerobubble.runtime.blame import forward_failure
 from zerobubble.runtime.chunk import LossFn, StageChunk, StageChunkError
-from zerobubble.runtime.dp import GradReducer
+from zerobubble.runtime.dp import GradReducer, sum_over_dp
 from zerobubble.runtime.executor_options import ExecutorOptions
 from zerobubble.runtime.fsdp import ShardedStages
 from zerobubble.runtime.hooks import StepHooks
 from zerobubble.runtime.host_memory import retain_freed_memory
 from zerobubble.runtime.links import Described, Links, pipeline_p2p
 from zerobubble.runtime.mesh import PipelineMesh, pipeline_group
-from zerobubble.runtime.microbatch import (
-    CountFn,
-    default_count_fn,
-)
+from zerobubble.runtime.microbatch import CountFn, default_count_fn
 from zerobubble.runtime.rng import StageRng
-from zerobubble.runtime.shapes import (
-    map_tensors,
-)
+from zerobubble.runtime.shapes import map_tensors
 from zerobubble.runtime.step_batch import StepBatch, split_step
 from zerobubble.runtime.trace import (
     TRACED,
@@ -208,26 +204,14 @@ class PipelineExecutor:
         (:func:`~zerobubble.runtime.transforms.prepare_chunks`: split, recompute, compile,
         FSDP)."""
         S, opts = self.schedule.num_stages, self.options
-        for s, m in stages.items():
-            if isinstance(m, StageChunk) and opts.trace and not m.track_memory:
-                raise ValueError(
-                    f"the StageChunk given for stage {s} has track_memory=False, but the trace "
-                    "records held bytes: build it with track_memory=True or pass "
-                    "ExecutorOptions(trace=False)"
-                )
         last = stages.get(S - 1)
         if last is not None and not isinstance(last, StageChunk) and loss_fn is None:
             raise ValueError(f"rank {self.rank} holds the last stage {S - 1}: pass loss_fn")
         split = self.schedule.split_stages(self.rank)
-        transforms = {
-            s: ChunkTransforms(
-                split=s in split,
-                recompute=opts.recompute,
-                compile=opts.compile,
-                track_memory=opts.trace,
-            )
-            for s in stages
-        }
+        every = ChunkTransforms(
+            recompute=opts.recompute, compile=opts.compile, track_memory=opts.trace
+        )
+        transforms = {s: replace(every, split=s in split) for s in stages}
         mesh = self.mesh
         self.chunks, self.sharding = prepare_chunks(
             stages,
@@ -278,13 +262,9 @@ class PipelineExecutor:
         called as ``stage0(*args_j, **kwargs_j)`` per microbatch j; ``target`` (a
         tensor or pytree) is needed on the rank holding the last stage, whose
         output and ``target_j`` go to ``loss_fn``. Others may pass them too; they
-        are ignored. Splitting rule: the batch size N is dim 0 of the first tensor
-        with a dim (depth-first through ``args`` then ``kwargs``; for ``target``,
-        through it); every tensor whose dim 0 is N is split into the schedule's M
-        microbatches as ``torch.tensor_split`` does, every other value (0-dim
-        tensors, tensors of another length, None, numbers...) goes unchanged to
-        every microbatch. ``kwargs`` cannot be named ``target``, ``losses``,
-        ``hooks``, ``mb``, ``loss_scale`` or ``num_items``. On
+        are ignored. They are split into the schedule's M microbatches by the rule of
+        :func:`~zerobubble.runtime.step_batch.split_step`; ``kwargs`` cannot be named
+        ``target``, ``losses``, ``hooks``, ``mb``, ``loss_scale`` or ``num_items``. On
         the last stage's rank, returns the M unscaled per-microbatch losses and
         appends them to ``losses`` if given; elsewhere returns None. ``hooks``
         are called after every compute, at the protocol instructions of the program
@@ -304,7 +284,9 @@ class PipelineExecutor:
             last=self.has_last,
             count_fn=self.count_fn,
             device=self.device,
-            over_dp=self._over_dp,
+            over_dp=partial(
+                sum_over_dp, self.mesh.dp_group if self.mesh else None, self.p2p, self.iteration
+            ),
         )
         run = _Run(self, batch, hooks or StepHooks())
         run.run()
@@ -315,19 +297,6 @@ class PipelineExecutor:
         if losses is not None:
             losses.extend(out)
         return out
-
-    def _over_dp(self, n: torch.Tensor | int) -> Any:
-        """``n`` summed over the dp replicas (the global batch's size or count); the
-        last stage's ranks of all replicas call it together."""
-        if self.mesh is None or self.mesh.dp_group is None:
-            return n
-        t = torch.as_tensor(n, device=self.device).clone()
-        what = f"all-reduce over dim 'dp' of iteration {self.iteration}'s batch size or count"
-        work = dist.all_reduce(t, group=self.mesh.dp_group, async_op=True)
-        assert work is not None
-        dp = tuple(dist.get_process_group_ranks(self.mesh.dp_group))
-        self.p2p.wait(work, None, what, group=dp)  # the message names the dp group's ranks
-        return t if isinstance(n, torch.Tensor) else int(t.item())
 
 
 class _Run:

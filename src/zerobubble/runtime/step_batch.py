@@ -43,6 +43,11 @@ def split_step(
 ) -> StepBatch:
     """Split what a rank holding stage 0 (``first``) and/or the last stage (``last``) needs.
 
+    The rule: the batch size N is dim 0 of the first tensor with a dim (depth-first
+    through ``args`` then ``kwargs``; for ``target``, through it); every tensor whose
+    dim 0 is N is split into the M microbatches as ``torch.tensor_split`` does, every
+    other value (0-dim tensors, tensors of another length, None, numbers...) goes
+    unchanged to every microbatch.
     ``over_dp(n)`` sums the batch's size (or count) over the data-parallel replicas, so
     the losses are weighted by the global batch (``n_j / N`` each, or ``count_fn``'s
     count). Raises ValueError for a reserved keyword or a missing batch or target.

@@ -149,6 +149,6 @@ def _check_ready(chunk: StageChunk, s: int, num_stages: int, t: ChunkTransforms)
     if t.track_memory and not chunk.track_memory:
         raise ValueError(
             f"the StageChunk given for stage {s} has track_memory=False, but its transforms "
-            "ask for track_memory: build it with track_memory=True or drop it from the "
-            "transforms"
+            "ask for track_memory (a traced executor records held bytes): build it with "
+            "track_memory=True, or pass ExecutorOptions(trace=False)"
         )
