@@ -17,7 +17,7 @@ import random
 from bisect import bisect_left
 
 from zerobubble.schedule.costs import CostModel
-from zerobubble.schedule.search.graph import ActionGraph, durations, memory_deltas
+from zerobubble.schedule.search.graph import ActionGraph, durations, hops, memory_deltas
 
 _EPS = 1e-9
 
@@ -54,7 +54,7 @@ class Evaluator:
 
     def __init__(self, graph: ActionGraph, costs: CostModel) -> None:
         n = len(graph)
-        comm = float(costs.comm)
+        hop = hops(graph, costs)
         self.num_devices = graph.num_devices
         self.dur = durations(graph, costs)
         self.delta = memory_deltas(graph, costs)
@@ -62,7 +62,7 @@ class Evaluator:
         self.local_pred: list[set[int]] = [set() for _ in range(n)]
         self.local_succ: list[set[int]] = [set() for _ in range(n)]
         for a, b, cross in graph.edges:
-            self.deps[b].append((a, comm if cross else 0.0))
+            self.deps[b].append((a, hop[a] if cross else 0.0))
             if not cross:
                 self.local_pred[b].add(a)
                 self.local_succ[a].add(b)
