@@ -319,3 +319,75 @@ def test_auto_keeps_within_the_layer_count():
     with pytest.raises(ValueError, match=r"'zbv' makes 6 stages, more than max_stages=5"):
         generate("zbv", 3, 4, max_stages=5)
     assert generate("zb-h1", 3, 4, max_stages=3) == generate("zb-h1", 3, 4)
+
+
+# ---- speed-ups that must not change a result, and the anytime budget ------------------------
+
+
+def test_time_budget_anytime_and_deterministic_without():
+    """A budget of 0 stops after the first placement's first pass yet returns a valid
+    schedule within the limit; no budget (or one never reached) is the deterministic search."""
+    plain = generate("auto", 4, 8, costs=ISSUE)
+    assert simulate(plain, ISSUE.resolve(plain.placement)).cost == pytest.approx(33.15, abs=1e-9)
+    assert generate("auto", 4, 8, costs=ISSUE, time_budget_s=1e6) == plain
+    rushed = generate("auto", 4, 8, costs=ISSUE, time_budget_s=0)
+    res = validate(rushed, mem_limit=4, costs=ISSUE.resolve(rushed.placement))
+    assert max(res.peak_memory) <= 4
+    assert rushed.num_stages == 4  # only looped-v1 was tried
+    assert res.cost >= simulate(plain, ISSUE.resolve(plain.placement)).cost
+    for bad in (-1, float("nan"), "soon"):
+        with pytest.raises(ValueError, match="time_budget_s"):
+            generate("auto", 4, 8, time_budget_s=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="time_budget_s"):
+        generate("zb-h1", 4, 8, time_budget_s=1.0)
+
+
+CLI_AUTO = (sys.executable, "-m", "zerobubble.cli", "schedule", "auto", "-p", "4", "-m", "8")
+
+
+def test_cli_schedule_time_budget():
+    out = subprocess.run(
+        [*CLI_AUTO, "--time-budget", "0", "--format", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert '"num_devices": 4' in out.stdout
+
+
+def test_interleaved_family_streamed_equals_members():
+    """The family is made one member at a time; every distinct member once, in order."""
+    from zerobubble.schedule.search import templates as t
+
+    for p, m, v, count in ((4, 8, 1, 16), (4, 8, 2, 58), (3, 5, 3, 58), (8, 16, 4, 60)):
+        got = list(t.interleaved_family(p, m, v))
+        assert len(got) == count
+        groups = sorted({p, (p + 1) // 2, 1} if v > 1 else {1}, reverse=True)
+        every = [
+            t.interleaved_orders(p, m, v, slope=a, extra=b, lagged=c, group=g)
+            for g in groups
+            for a, b, c in t.VARIANTS
+        ]
+        assert got == list(dict.fromkeys(every))
+
+
+def test_evaluator_tables_match_the_edges():
+    """The evaluator's dependency lists (built by index arithmetic) are the edges by consumer,
+    and its pruned cost is the full simulation's wherever it does not prune."""
+    from zerobubble.schedule.search.graph import ActionGraph
+    from zerobubble.schedule.search.refine import Evaluator
+
+    for cand in candidates(3, 4):
+        g = ActionGraph(cand.placement, 5)
+        ev = Evaluator(g, CostSpec(comm=0.25).resolve(cand.placement))
+        deps: list[list[tuple[int, float]]] = [[] for _ in range(len(g))]
+        for a, b, cross in g.edges:
+            deps[b].append((a, 0.25 if cross else 0.0))
+        assert ev.deps == deps
+    g = ActionGraph(looped_placement(4, 1), 8)
+    ev = Evaluator(g, ISSUE.resolve(g.placement))
+    orders = [list(o) for o in g.orders_of(generate("zb-h1", 4, 8).actions)]
+    cost = max(ev.spans(orders) or [])
+    assert ev.cost_within(orders, cost) == cost
+    assert ev.cost_within(orders, 2 * cost) == cost
+    assert ev.cost_within(orders, 0.9 * cost) is None

@@ -330,7 +330,9 @@ def test_registered_kinds_take_costs_and_mem_limit():
     for kind in ("zb-auto", "optimal"):  # chunks: interleaved
         assert GENERATORS[kind].options == frozenset({"costs", "mem_limit", "chunks"})
     # chunks: at most v; max_stages: the layer count
-    assert GENERATORS["auto"].options == frozenset({"costs", "mem_limit", "chunks", "max_stages"})
+    assert GENERATORS["auto"].options == frozenset(
+        {"costs", "mem_limit", "chunks", "max_stages", "time_budget_s"}  # and the anytime budget
+    )
     for kind in ("zbv-auto", "optimal-v"):
         assert GENERATORS[kind].options == frozenset({"costs", "mem_limit"})
     with pytest.raises(ValueError, match="does not take option 'chunks'"):

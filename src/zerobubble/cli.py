@@ -4,7 +4,7 @@ Subcommand names and flags are fixed (scripts depend on them)::
 
     zerobubble schedule KIND -p P -m M [--chunks V] [--costs F=1,B=1,W=1,comm=0]
                          [--costs-file F] [--mem-limit X] [--mem-w R] [--split-backward]
-                         [--node-limit N] [--format text|json|csv|program]
+                         [--node-limit N] [--time-budget S] [--format text|json|csv|program]
                          [--rank R] [--dp N] [--fsdp] [--protocol P] [-o FILE]
     zerobubble simulate FILE [--costs ...] [--costs-file F] [--mem-w R] [--mem-limit X] [--json]
     zerobubble compare -p P -m M [--costs ...] [--costs-file F] [--mem-limit X] [--plot FILE.png]
@@ -170,6 +170,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
             split_backward=args.split_backward,
             costs=spec,
             mem_limit=limit if gen is not None and "mem_limit" in gen.options else None,
+            time_budget_s=args.time_budget,
         )
     result = validate(sched, mem_limit=limit, costs=spec.resolve(sched.placement))
     if args.format == "json":
@@ -451,6 +452,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         help="optimal, optimal-v: branch-and-bound nodes HiGHS may solve (default 1000); "
         "a work limit, so a run gives the same schedule and gap on any machine",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        metavar="S",
+        help="auto: return the best schedule found within S seconds (anytime search; "
+        "without it the search is deterministic)",
     )
     p.add_argument(
         "--format",

@@ -45,8 +45,9 @@ class Generator:
         fn: ``fn(P, M, **options) -> Schedule``.
         summary: One line for ``--help`` and the docs.
         options: The keyword options ``fn`` accepts, among ``chunks``,
-            ``split_backward``, ``costs`` (a :class:`CostSpec`), ``mem_limit`` and
-            ``max_stages`` (a layer count the search keeps within).
+            ``split_backward``, ``costs`` (a :class:`CostSpec`), ``mem_limit``,
+            ``max_stages`` (a layer count the search keeps within) and ``time_budget_s``
+            (seconds after which the search returns its best so far).
         baseline: True for schedules without a B/W split (kept for comparison).
     """
 
@@ -129,7 +130,7 @@ _KINDS = (
         _auto,
         "best placement (1..4 chunks per device, looped or V) and schedule for the given "
         "costs and memory limit (default P); chunks caps the chunks per device",
-        _SEARCH_OPTIONS | {"chunks", "max_stages"},
+        _SEARCH_OPTIONS | {"chunks", "max_stages", "time_budget_s"},
     ),
     Generator(
         "zb-auto",
@@ -173,12 +174,15 @@ def generate(
     costs: CostSpec | None = None,
     mem_limit: Number | None = None,
     max_stages: int | None = None,
+    time_budget_s: float | None = None,
 ) -> Schedule:
     """Build a schedule of ``kind``; options the kind does not use are an error.
 
     ``max_stages`` (e.g. the model's layer count: a stage holds a layer at least) is
     for every kind: ``auto`` searches only placements within it, any other kind whose
-    schedule has more stages is refused, naming both counts.
+    schedule has more stages is refused, naming both counts. ``time_budget_s`` (``auto``)
+    returns the best schedule found within that many seconds; without it every kind is
+    a pure function of its arguments.
     """
     try:
         gen = GENERATORS[kind]
@@ -192,6 +196,7 @@ def generate(
         "costs": costs,
         "mem_limit": mem_limit,
         "max_stages": max_stages,
+        "time_budget_s": time_budget_s,
     }
     kwargs = {}
     for key, value in given.items():

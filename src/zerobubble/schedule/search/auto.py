@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from itertools import chain
 
 from zerobubble.schedule.costs import CostModel, CostSpec, Number
 from zerobubble.schedule.errors import Reason, ScheduleError
@@ -100,7 +102,7 @@ PLATEAU_STEPS = 3_000_000
 
 def search_inputs(
     num_devices: int, num_microbatches: int, chunks: int, *, looped: bool
-) -> tuple[tuple[Policy, ...], list[Schedule], list[tuple[tuple[int, ...], ...]]]:
+) -> tuple[tuple[Policy, ...], list[Schedule], Iterable[tuple[tuple[int, ...], ...]]]:
     """The grid, the handcrafted seeds and the seed orders for one placement kind.
 
     ``looped``: stage s on device s % P (ZB-H1/ZB-H2 and the interleaved family
@@ -115,8 +117,8 @@ def search_inputs(
         seeds = [interleaved_1f1b(p, m, chunks=v, split_backward=True)]
         return GRID_V + round_grid(p), seeds, family
     if v == 2:
-        return GRID_V, [zbv(p, m), split_backward(dualpipev(p, m))], []
-    return GRID_V, [], []
+        return GRID_V, [zbv(p, m), split_backward(dualpipev(p, m))], ()
+    return GRID_V, [], ()
 
 
 def split_backward(sched: Schedule) -> Schedule:
@@ -181,7 +183,7 @@ def auto_schedule(
     grid: Sequence[Policy],
     seeds: Sequence[Schedule] = (),
     *,
-    seed_orders: Sequence[tuple[tuple[int, ...], ...]] = (),
+    seed_orders: Iterable[tuple[tuple[int, ...], ...]] = (),
     polish: bool = True,
     walk: bool = True,
 ) -> Schedule:
@@ -217,19 +219,25 @@ def search_beating(
     grid: Sequence[Policy],
     seeds: Sequence[Schedule] = (),
     *,
-    seed_orders: Sequence[tuple[tuple[int, ...], ...]] = (),
+    seed_orders: Iterable[tuple[tuple[int, ...], ...]] = (),
     polish: bool = True,
     walk: bool = True,
     beat: float = math.inf,
+    evaluator: Evaluator | None = None,
+    deadline: float | None = None,
 ) -> Schedule | None:
     """:func:`auto_schedule`, except that without polishing passes that cannot beat
     ``beat`` stop early; None when no pass or seed was kept (nothing beat ``beat``).
 
     The placement search passes its best cost so far, so a placement that cannot
-    come near it costs only the start of its passes.
+    come near it costs only the start of its passes; and ``evaluator``, built for
+    ``placement`` x M and ``costs``, which it shares with the fixed kinds it tries.
+    Past ``deadline`` (a :func:`time.monotonic` time) it stops once it has a
+    schedule and returns the best so far: the anytime mode, the only one whose
+    result depends on the clock.
     """
-    graph = ActionGraph(placement, num_microbatches)
-    ev = Evaluator(graph, costs)
+    ev = evaluator or Evaluator(ActionGraph(placement, num_microbatches), costs)
+    graph = ev.graph
     limit = mem_limit + 1e-10 * max(1.0, abs(mem_limit))
     budget = REFINE_STEPS
     polish = polish and polishes(len(graph))
@@ -237,20 +245,30 @@ def search_beating(
     found: dict[tuple[tuple[int, ...], ...], float] = {}
     best = beat
     for policy in grid:
+        if found and expired(deadline):
+            break
         cutoff = math.inf if polish else best
         cand = run_pass(placement, num_microbatches, costs, mem_limit, policy, cutoff)
         if cand is not None:
             found.setdefault(cand.orders, cand.cost)
             best = min(best, cand.cost)
-    converted = [
-        tuple(tuple(graph.index(a.op, a.stage, a.mb) for a in acts) for acts in seed.actions)
-        for seed in seeds
-    ]
-    for orders in (*converted, *seed_orders):
-        if orders not in found and all(ev.fits(list(o), limit) for o in orders):
+    converted = [graph.orders_of(seed.actions) for seed in seeds]
+    for orders in chain(converted, seed_orders):
+        if found and expired(deadline):
+            break
+        if orders in found or not all(ev.fits(o, limit) for o in orders):
+            continue
+        if polish:
             spans = ev.spans([list(o) for o in orders])
             if spans is not None:
                 found[orders] = max(spans)
+            continue
+        # Unpolished, only the first of the cheapest counts, and one dearer than ``beat``
+        # loses to the placement that set it: stop simulating once neither can be.
+        bar = min(found.values()) if found else beat * (1 + 1e-9)
+        cost = ev.cost_within(orders, bar)
+        if cost is not None and (cost < bar if found else cost <= bar):
+            found[orders] = cost
     if not found:
         return None
     ranked = sorted(found.items(), key=lambda item: item[1])
@@ -258,10 +276,10 @@ def search_beating(
         ranked = ranked[:1]
     winner, cost = [list(o) for o in ranked[0][0]], ranked[0][1]
     for orders, _ in ranked if polish else ():  # cheapest first; each may use what is left
-        if budget <= 0:
+        if budget <= 0 or expired(deadline):
             break
         polished, c, spent = refine(
-            graph, costs, mem_limit, [list(o) for o in orders], max_steps=budget
+            graph, costs, mem_limit, [list(o) for o in orders], max_steps=budget, deadline=deadline
         )
         budget -= spent
         if c < cost:
@@ -271,18 +289,38 @@ def search_beating(
     rng = random.Random(0)
     kicks = 0
     budget = min(budget, KICK_STEPS)
-    while polish and budget > 0 and kicks < KICKS:
+    while polish and budget > 0 and kicks < KICKS and not expired(deadline):
         kicks += 1
         start = perturb(graph, costs, mem_limit, winner, rng, moves=1 + kicks % 4)
         if start is None:
             break
-        polished, c, spent = refine(graph, costs, mem_limit, start, max_steps=budget)
+        polished, c, spent = refine(
+            graph, costs, mem_limit, start, max_steps=budget, deadline=deadline
+        )
         budget -= spent
         if c < cost - 1e-12:
             winner, cost = polished, c
-    if polish and walk:
-        winner, cost = _walk(graph, costs, mem_limit, winner, cost)
+    if polish and walk and not expired(deadline):
+        winner, cost = _walk(graph, costs, mem_limit, winner, cost, deadline)
     return _schedule(name, graph, winner)
+
+
+def expired(deadline: float | None) -> bool:
+    """Whether the anytime search's ``deadline`` (a :func:`time.monotonic` time) has passed."""
+    return deadline is not None and time.monotonic() > deadline
+
+
+def deadline_after(time_budget_s: float | None) -> float | None:
+    """The monotonic deadline ``time_budget_s`` seconds from now (None: no budget)."""
+    if time_budget_s is None:
+        return None
+    try:
+        budget = float(time_budget_s)
+    except (TypeError, ValueError):
+        raise ValueError(f"time_budget_s must be a number, got {time_budget_s!r}") from None
+    if not math.isfinite(budget) or budget < 0:
+        raise ValueError(f"time_budget_s must be a finite number >= 0, got {time_budget_s!r}")
+    return time.monotonic() + budget
 
 
 def _schedule(name: str, graph: ActionGraph, orders: Sequence[Sequence[int]]) -> Schedule:
@@ -297,12 +335,21 @@ def _schedule(name: str, graph: ActionGraph, orders: Sequence[Sequence[int]]) ->
 
 
 def _walk(
-    graph: ActionGraph, costs: CostModel, mem_limit: float, orders: list[list[int]], cost: float
+    graph: ActionGraph,
+    costs: CostModel,
+    mem_limit: float,
+    orders: list[list[int]],
+    cost: float,
+    deadline: float | None = None,
 ) -> tuple[list[list[int]], float]:
     """Plateau walk: moves that keep the cost but end the Bs sooner in sum, which
     shortens a critical backward chain one device at a time; then polish again."""
-    walked, _, _ = refine(graph, costs, mem_limit, orders, max_steps=PLATEAU_STEPS, plateau=True)
-    walked, c, _ = refine(graph, costs, mem_limit, walked, max_steps=PLATEAU_STEPS)
+    walked, _, _ = refine(
+        graph, costs, mem_limit, orders, max_steps=PLATEAU_STEPS, plateau=True, deadline=deadline
+    )
+    walked, c, _ = refine(
+        graph, costs, mem_limit, walked, max_steps=PLATEAU_STEPS, deadline=deadline
+    )
     return (walked, c) if c < cost - 1e-12 else (orders, cost)
 
 
@@ -312,7 +359,7 @@ def plateau_walk(schedule: Schedule, costs: CostModel, mem_limit: float) -> Sche
     graph = ActionGraph(schedule.placement, schedule.num_microbatches)
     if not polishes(len(graph)):
         return schedule
-    orders = [[graph.index(a.op, a.stage, a.mb) for a in acts] for acts in schedule.actions]
+    orders = [list(o) for o in graph.orders_of(schedule.actions)]
     spans = Evaluator(graph, costs).spans(orders)
     if spans is None:
         raise ValueError("plateau_walk() needs a schedule that runs; this one deadlocks")

@@ -93,6 +93,13 @@ class ActionGraph:
     def index(self, op: Op, stage: int, mb: int) -> int:
         return action_code(CODE[op], stage, mb, self.num_stages, self.num_microbatches)
 
+    def orders_of(self, rows: Sequence[Sequence[Action]]) -> tuple[tuple[int, ...], ...]:
+        """Per-device rows of actions as rows of indices (:meth:`index` of each, inlined:
+        seeds of the placement search hold millions of actions)."""
+        S, M = self.num_stages, self.num_microbatches
+        base = {op: code * S for op, code in CODE.items()}
+        return tuple(tuple((base[a.op] + a.stage) * M + a.mb for a in row) for row in rows)
+
     @cached_property
     def actions(self) -> tuple[Action, ...]:
         return tuple(
@@ -108,21 +115,57 @@ class ActionGraph:
     @cached_property
     def edges(self) -> tuple[tuple[int, int, bool], ...]:
         """``(before, after, crosses_devices)``: dependencies plus the in-order chains."""
-        S, M, idx = self.num_stages, self.num_microbatches, self.index
-        plan = [[(op, predecessors(op, s, S)) for op in OPS] for s in range(S)]
+        S, M, pl = self.num_stages, self.num_microbatches, self.placement
         out: list[tuple[int, int, bool]] = []
+        rows = [
+            [
+                (CODE[op] * S + s, [(CODE[p] * S + t, pl[t] != pl[s]) for p, t in preds])
+                for op in OPS
+                for preds in [predecessors(op, s, S)]
+            ]
+            for s in range(S)
+        ]
         for s in range(S):
             for j in range(M):
-                for op, preds in plan[s]:
-                    for prod, src in preds:
-                        out.append((idx(prod, src, j), idx(op, s, j), self._cross(src, s)))
+                for key, preds in rows[s]:
+                    b = key * M + j
+                    for src_key, cross in preds:
+                        out.append((src_key * M + j, b, cross))
                 if j + 1 < M:
-                    for op in OPS:
-                        out.append((idx(op, s, j), idx(op, s, j + 1), False))
+                    for key, _ in rows[s]:
+                        out.append((key * M + j, key * M + j + 1, False))
         return tuple(out)
 
-    def _cross(self, s: int, t: int) -> bool:
-        return self.placement[s] != self.placement[t]
+    def dependencies(self, costs: CostModel) -> list[list[tuple[int, float]]]:
+        """What each action waits for, as ``(action, latency)``: its in-order chain
+        predecessor (same op and stage, the microbatch before), then its producers
+        (their :meth:`~zerobubble.schedule.costs.CostModel.hop` across devices).
+        :attr:`edges` by consumer, built by index arithmetic (the placement search needs
+        it once per placement, for millions of actions)."""
+        S, M, pl = self.num_stages, self.num_microbatches, self.placement
+        deps: list[list[tuple[int, float]]] = [[] for _ in range(len(self))]
+        for s in range(S):
+            for op in OPS:
+                key = CODE[op] * S + s
+                preds = [
+                    (CODE[prod] * S + src, float(costs.hop(prod, src)) if pl[src] != pl[s] else 0.0)
+                    for prod, src in predecessors(op, s, S)
+                ]
+                base = key * M
+                deps[base] = [(src * M, lat) for src, lat in preds]
+                chain = range(base, base + M - 1)  # the microbatch before, for j = 1 .. M-1
+                if not preds:
+                    deps[base + 1 : base + M] = [[(a, 0.0)] for a in chain]
+                elif len(preds) == 1:
+                    ((src, lat),) = preds
+                    shift = src * M - base
+                    deps[base + 1 : base + M] = [[(a, 0.0), (a + 1 + shift, lat)] for a in chain]
+                else:
+                    deps[base + 1 : base + M] = [
+                        [(a, 0.0), *((src * M + a + 1 - base, lat) for src, lat in preds)]
+                        for a in chain
+                    ]
+        return deps
 
     @cached_property
     def descendants(self) -> tuple[int, ...]:
@@ -166,7 +209,11 @@ class ActionGraph:
 
 
 def durations(graph: ActionGraph, costs: CostModel) -> list[float]:
-    return [float(costs.duration(a.op, a.stage)) for a in graph.actions]
+    """Each action's duration, by index (one lookup per op and stage)."""
+    M = graph.num_microbatches
+    return [
+        x for op in OPS for s in range(graph.num_stages) for x in [float(costs.duration(op, s))] * M
+    ]
 
 
 def hops(graph: ActionGraph, costs: CostModel) -> list[float]:
@@ -176,7 +223,14 @@ def hops(graph: ActionGraph, costs: CostModel) -> list[float]:
 
 
 def memory_deltas(graph: ActionGraph, costs: CostModel) -> list[float]:
-    return [float(costs.memory_delta(a.op, a.stage)) for a in graph.actions]
+    """Each action's memory change, by index."""
+    M = graph.num_microbatches
+    return [
+        x
+        for op in OPS
+        for s in range(graph.num_stages)
+        for x in [float(costs.memory_delta(op, s))] * M
+    ]
 
 
 def min_feasible_limit(placement: Sequence[int], costs: CostModel) -> Number:

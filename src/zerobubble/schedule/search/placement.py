@@ -40,13 +40,17 @@ from zerobubble.schedule.generators.common import check_counts
 from zerobubble.schedule.generators.v_family import one_f_one_b_v, v_half, v_min
 from zerobubble.schedule.ir import Schedule, looped_placement
 from zerobubble.schedule.search.auto import (
+    deadline_after,
+    expired,
     polishes,
     resolve_costs,
     search_beating,
     search_inputs,
     split_backward,
 )
-from zerobubble.schedule.simulate import simulate
+from zerobubble.schedule.search.graph import ActionGraph
+from zerobubble.schedule.search.refine import Evaluator
+from zerobubble.schedule.simulate import SimResult, simulate
 
 #: Chunks per device the planner tries by default.
 MAX_CHUNKS = 4
@@ -67,6 +71,10 @@ class Candidate:
     chunks: int
     placement: tuple[int, ...]
     looped: bool
+
+
+#: The best schedule so far with its key (cost, peak memory, chunks).
+Best = tuple[tuple[float, float, int], Schedule]
 
 
 def zigzag_placement(num_devices: int, chunks: int) -> tuple[int, ...]:
@@ -90,27 +98,56 @@ def candidates(num_devices: int, max_chunks: int = MAX_CHUNKS) -> list[Candidate
 
 
 def _plan_one(
-    cand: Candidate, p: int, m: int, model: CostModel, limit: float, beat: float
+    cand: Candidate,
+    p: int,
+    m: int,
+    model: CostModel,
+    limit: float,
+    beat: float,
+    ev: Evaluator,
+    deadline: float | None,
 ) -> Schedule | None:
     """zb-auto's / zbv-auto's whole search on one placement (:func:`.auto.auto_schedule`,
     with that placement's seeds); None if, unpolished, nothing beat ``beat``."""
     grid, seeds, family = search_inputs(p, m, cand.chunks, looped=cand.looped)
     return search_beating(
-        "auto", cand.placement, m, model, limit, grid, seeds, seed_orders=family, beat=beat
+        "auto",
+        cand.placement,
+        m,
+        model,
+        limit,
+        grid,
+        seeds,
+        seed_orders=family,
+        beat=beat,
+        evaluator=ev,
+        deadline=deadline,
     )
 
 
-def _fixed(cand: Candidate, p: int, m: int, model: CostModel, limit: float) -> list[Schedule]:
-    """The fixed kinds of ``cand``'s placement (each BW written as B then W: no slower)
-    that fit the limit, named ``auto``."""
-    out = []
-    for fn in FIXED_KINDS.get((cand.looped, cand.chunks), ()):
-        sched = split_backward(fn(p, m))
-        sched = sched.with_actions(sched.actions, name="auto")
-        peak = max(simulate(sched, model).peak_memory)
-        if peak <= limit + 1e-10 * max(1.0, abs(limit)):  # the search's own tolerance
-            out.append(sched)
-    return out
+def _fixed(
+    fn: Callable[[int, int], Schedule],
+    p: int,
+    m: int,
+    model: CostModel,
+    limit: float,
+    ev: Evaluator,
+    beat: float,
+) -> tuple[Schedule, SimResult] | None:
+    """The fixed kind ``fn`` (each BW written as B then W: no slower) named ``auto``, with
+    its simulation; None if it breaks the limit or costs more than ``beat`` (the best
+    so far, which it then cannot displace). Only what could win is simulated in full:
+    the evaluator rules out clear losers first, with a margin for rounding."""
+    sched = split_backward(fn(p, m))
+    sched = sched.with_actions(sched.actions, name="auto")
+    tol = 1e-10 * max(1.0, abs(limit))  # the search's own tolerance
+    orders = ev.graph.orders_of(sched.actions)
+    if not all(ev.fits(o, limit + 2 * tol) for o in orders):
+        return None
+    if beat < math.inf and ev.cost_within(orders, beat) is None:
+        return None
+    res = simulate(sched, model)
+    return (sched, res) if max(res.peak_memory) <= limit + tol else None
 
 
 def auto(
@@ -121,6 +158,7 @@ def auto(
     mem_limit: Number | None = None,
     max_chunks: int = MAX_CHUNKS,
     max_stages: int | None = None,
+    time_budget_s: float | None = None,
 ) -> Schedule:
     """The cheapest schedule over placements (v = 1..``max_chunks``, looped or zig-zag).
 
@@ -129,7 +167,13 @@ def auto(
     or in the costs file) it is P, 1F1B's peak. A per-stage costs file keeps only
     the placements with its stage count; ``max_stages`` (the model's layer count:
     a stage holds one layer at least) only those with at most that many stages.
+
+    ``time_budget_s`` makes the search anytime: once that many seconds have passed it
+    returns the best schedule found so far (the first placement's first pass at least,
+    so even a budget of 0 gives a valid schedule). Without it the search is a
+    deterministic function of its inputs.
     """
+    deadline = deadline_after(time_budget_s)
     p, m = check_counts(num_devices, num_microbatches)
     spec = costs if costs is not None else CostSpec()
     if mem_limit is None:
@@ -150,6 +194,7 @@ def auto(
         max_chunks=max_chunks,
         stages=(None if spec.stage_costs is None else spec.stage_costs.num_stages),
         max_stages=max_stages,
+        deadline=deadline,
     )
 
 
@@ -162,12 +207,14 @@ def search_placements(
     max_chunks: int = MAX_CHUNKS,
     stages: int | None = None,
     max_stages: int | None = None,
+    deadline: float | None = None,
 ) -> Schedule:
     """The placement search behind ``auto``, with costs from ``cost_of(placement)``.
 
     ``cost_of`` lets a caller that knows per-layer costs cost each placement's
     stages itself; ``stages`` keeps only placements with that many stages,
-    ``max_stages`` only those with at most that many.
+    ``max_stages`` only those with at most that many. Past ``deadline`` (a
+    :func:`time.monotonic` time) it returns the best schedule found so far.
     """
     p, m = check_counts(num_devices, num_microbatches)
     if max_stages is not None and (
@@ -178,9 +225,11 @@ def search_placements(
             f"{p} devices a stage of one layer at least; pass a model of {p} layers or "
             "more, or use fewer devices"
         )
-    best: tuple[tuple[float, float, int], Schedule] | None = None
+    best: Best | None = None
     refusals: list[str] = []
     for cand in candidates(p, max_chunks):
+        if best is not None and expired(deadline):
+            break
         if stages is not None and stages != len(cand.placement):
             continue
         if max_stages is not None and len(cand.placement) > max_stages:
@@ -198,12 +247,17 @@ def search_placements(
         # beat the best placement so far stop early.
         polished = polishes(3 * len(cand.placement) * m)
         beat = math.inf if best is None or polished else best[0][0]
-        found = _fixed(cand, p, m, model, limit)
-        sched = _plan_one(cand, p, m, model, limit, beat)
-        for s in ([] if sched is None else [sched]) + found:
-            key = _key(s, model, cand)
-            if best is None or key < best[0]:
-                best = (key, s)
+        ev = Evaluator(ActionGraph(cand.placement, m), model)
+        sched = _plan_one(cand, p, m, model, limit, beat, ev, deadline)
+        if sched is not None:
+            best = _keep(best, sched, simulate(sched, model), cand)
+        # Then the fixed kinds not among the seeds, each against the best so far.
+        for fn in FIXED_KINDS.get((cand.looped, cand.chunks), ()):
+            if best is not None and expired(deadline):
+                break
+            got = _fixed(fn, p, m, model, limit, ev, math.inf if best is None else best[0][0])
+            if got is not None:
+                best = _keep(best, *got, cand)
     if best is None:
         raise ScheduleError(
             Reason.MEMORY, "no placement fits the memory limit: " + "; ".join(refusals)
@@ -211,8 +265,8 @@ def search_placements(
     return best[1]
 
 
-def _key(sched: Schedule, model: CostModel, cand: Candidate) -> tuple[float, float, int]:
-    """Cost first (exactly: auto is never worse than a kind it could have chosen), then
-    peak memory, then chunks."""
-    res = simulate(sched, model)
-    return float(res.cost), float(max(res.peak_memory)), cand.chunks
+def _keep(best: Best | None, sched: Schedule, res: SimResult, cand: Candidate) -> Best:
+    """The better of ``best`` and ``sched``: cost first (exactly: auto is never worse than
+    a kind it could have chosen), then peak memory, then chunks; ties keep ``best``."""
+    key = float(res.cost), float(max(res.peak_memory)), cand.chunks
+    return (key, sched) if best is None or key < best[0] else best

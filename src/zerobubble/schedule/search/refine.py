@@ -14,10 +14,14 @@ move that deadlocks is rejected by the simulation.
 from __future__ import annotations
 
 import random
+import time
 from bisect import bisect_left
+from collections.abc import Sequence
+from functools import cached_property
+from itertools import accumulate
 
 from zerobubble.schedule.costs import CostModel
-from zerobubble.schedule.search.graph import ActionGraph, durations, hops, memory_deltas
+from zerobubble.schedule.search.graph import ActionGraph, durations, memory_deltas
 
 _EPS = 1e-9
 
@@ -53,19 +57,29 @@ class Evaluator:
     """Fast simulation of per-device orders of ActionGraph indices."""
 
     def __init__(self, graph: ActionGraph, costs: CostModel) -> None:
-        n = len(graph)
-        hop = hops(graph, costs)
+        self.graph = graph
         self.num_devices = graph.num_devices
         self.dur = durations(graph, costs)
         self.delta = memory_deltas(graph, costs)
-        self.deps: list[list[tuple[int, float]]] = [[] for _ in range(n)]
-        self.local_pred: list[set[int]] = [set() for _ in range(n)]
-        self.local_succ: list[set[int]] = [set() for _ in range(n)]
-        for a, b, cross in graph.edges:
-            self.deps[b].append((a, hop[a] if cross else 0.0))
+        self.deps = graph.dependencies(costs)
+
+    @cached_property
+    def local_pred(self) -> list[set[int]]:
+        """Each action's same-device direct predecessors (moves must not cross them)."""
+        out: list[set[int]] = [set() for _ in range(len(self.graph))]
+        for a, b, cross in self.graph.edges:
             if not cross:
-                self.local_pred[b].add(a)
-                self.local_succ[a].add(b)
+                out[b].add(a)
+        return out
+
+    @cached_property
+    def local_succ(self) -> list[set[int]]:
+        """Each action's same-device direct successors."""
+        out: list[set[int]] = [set() for _ in range(len(self.graph))]
+        for a, b, cross in self.graph.edges:
+            if not cross:
+                out[a].add(b)
+        return out
 
     def spans(self, orders: list[list[int]]) -> list[float] | None:
         """Per-device spans of the as-soon-as-possible execution, None on deadlock."""
@@ -135,14 +149,60 @@ class Evaluator:
         spans = [free[d] - first[d] if orders[d] else 0.0 for d in range(P)]
         return Timing(list(orders), start, end, first, spans, work)
 
-    def fits(self, order: list[int], limit: float) -> bool:
-        level = 0.0
-        delta = self.delta
-        for a in order:
-            level += delta[a]
-            if level > limit:
-                return False
-        return True
+    def cost_within(self, orders: Sequence[Sequence[int]], cutoff: float) -> float | None:
+        """The cost of ``orders`` (the largest span), or None on deadlock or as soon as
+        some device's span so far plus its work still to run exceeds ``cutoff`` by more
+        than rounding could explain: a caller that keeps only what can win skips the
+        rest of a hopeless order's simulation (a cost at ``cutoff`` is still returned).
+        """
+        deps, dur = self.deps, self.dur
+        P = self.num_devices
+        end = [-1.0] * len(dur)
+        pos = [0] * P
+        free = [0.0] * P
+        first = [0.0] * P
+        rem = [sum(map(dur.__getitem__, o)) for o in orders]
+        bar = cutoff + _EPS * max(1.0, abs(cutoff))
+        todo = sum(map(len, orders))
+        while todo:
+            progressed = False
+            for d in range(P):
+                lst = orders[d]
+                i = start_i = pos[d]
+                t_free = free[d]
+                n = len(lst)
+                while i < n:
+                    a = lst[i]
+                    t = t_free
+                    for dep, lat in deps[a]:
+                        ready = end[dep]
+                        if ready < 0:
+                            break
+                        ready += lat
+                        if ready > t:
+                            t = ready
+                    else:
+                        if i == 0:
+                            first[d] = t
+                        t_free = end[a] = t + dur[a]
+                        i += 1
+                        continue
+                    break
+                if i != start_i:
+                    todo -= i - start_i
+                    pos[d] = i
+                    free[d] = t_free
+                    rem[d] -= sum(map(dur.__getitem__, lst[start_i:i]))
+                    if t_free - first[d] + rem[d] > bar:
+                        return None
+                    progressed = True
+            if not progressed:
+                return None
+        return max(free[d] - first[d] if orders[d] else 0.0 for d in range(P))
+
+    def fits(self, order: Sequence[int], limit: float) -> bool:
+        """Whether the memory level stays within ``limit`` after every action of ``order``."""
+        return not order or max(accumulate(map(self.delta.__getitem__, order))) <= limit
 
 
 def _key(timing: Timing, backward: range | None) -> tuple[float, ...]:
@@ -180,11 +240,13 @@ def refine(
     max_steps: int,
     window: int = 6,
     plateau: bool = False,
+    deadline: float | None = None,
 ) -> tuple[list[list[int]], float, int]:
     """Improve ``orders`` (a valid schedule within ``mem_limit``).
 
     ``plateau`` also accepts moves that keep cost and spans but end the Bs sooner
-    in sum (see ``_key``). Returns the orders, their cost and the simulation steps spent.
+    in sum (see ``_key``); past ``deadline`` (a :func:`time.monotonic` time) it stops
+    with what it has. Returns the orders, their cost and the simulation steps spent.
     """
     ev = Evaluator(graph, costs)
     orders = [list(o) for o in orders]
@@ -204,6 +266,8 @@ def refine(
             lst = orders[d]
             i = len(lst) - 1
             while i >= 0 and spent < max_steps:
+                if deadline is not None and time.monotonic() > deadline:
+                    return orders, best[0], spent
                 a = lst[i]
                 for step in offsets:
                     k = i + step

@@ -20,7 +20,8 @@ good orders, not only valid ones.
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Iterator
+from itertools import pairwise
 
 from zerobubble.schedule.ir import Schedule, looped_placement
 from zerobubble.schedule.search.graph import ActionGraph
@@ -57,31 +58,65 @@ def interleaved_orders(
     """One member of the family on the looped placement (stage s on device s % P), as
     per-device orders of ActionGraph indices (``(k * S + s) * M + j``, k = 0, 1, 2 for F, B, W).
     """
-    P, M, v = num_devices, num_microbatches, chunks
-    g = P if group is None else group
-    S = v * P
-    w_shift = S * M  # index of W(s, j) = index of B(s, j) + S*M
-    orders = []
+    g = num_devices if group is None else group
+    rows = _device_rounds(num_devices, num_microbatches, chunks, g)
+    return _member(rows, num_devices, num_microbatches, chunks, g, slope, extra, lagged)
+
+
+def _device_rounds(
+    num_devices: int, num_microbatches: int, chunks: int, group: int
+) -> list[tuple[list[int], list[int]]]:
+    """Each device's F and B in rounds of ``group`` (the same for every member)."""
+    P, M, S = num_devices, num_microbatches, chunks * num_devices
+    out = []
     for d in range(P):
-        held = [c * P + d for c in range(v)]
-        fwd = _rounds(held, M, g, 0, S)
-        bwd = _rounds(held[::-1], M, g, 1, S)
-        warm = min(len(fwd), max(1, (v - 1) * g + P - 1 - slope * d + extra))
-        lag = d if lagged else 0
-        out = fwd[:warm]
-        nxt = warm
-        pending: deque[int] = deque()
-        for b in bwd:
-            out.append(b)
-            pending.append(b + w_shift)
-            while len(pending) > lag:
-                out.append(pending.popleft())
-            if nxt < len(fwd):
-                out.append(fwd[nxt])
-                nxt += 1
-        out.extend(pending)
-        orders.append(tuple(out))
+        held = [c * P + d for c in range(chunks)]
+        out.append((_rounds(held, M, group, 0, S), _rounds(held[::-1], M, group, 1, S)))
+    return out
+
+
+def _member(
+    rows: list[tuple[list[int], list[int]]],
+    num_devices: int,
+    num_microbatches: int,
+    chunks: int,
+    group: int,
+    slope: int,
+    extra: int,
+    lagged: bool,
+) -> tuple[tuple[int, ...], ...]:
+    """The member for ``(slope, extra, lagged)`` from each device's rounds."""
+    P, v = num_devices, chunks
+    w_shift = v * P * num_microbatches  # index of W(s, j) = index of B(s, j) + S*M
+    orders = []
+    for d, (fwd, bwd) in enumerate(rows):
+        warm = min(len(fwd), max(1, (v - 1) * group + P - 1 - slope * d + extra))
+        orders.append(_interleave(fwd, bwd, warm, d if lagged else 0, w_shift))
     return tuple(orders)
+
+
+def _interleave(
+    fwd: list[int], bwd: list[int], warm: int, lag: int, w_shift: int
+) -> tuple[int, ...]:
+    """``warm`` F, then per B: the B, the W of the B ``lag`` places back, the next F; then
+    the Ws still pending. Written segment by segment with strided slices (each
+    segment has the same shape of step throughout): members hold millions of actions.
+    """
+    nb, rest = len(bwd), len(fwd) - warm  # rest < nb: there are as many F as B
+    out = fwd[:warm]
+    cuts = sorted({0, min(lag, nb), rest, nb})
+    for a, b in pairwise(cuts):
+        has_w, has_f = a >= lag, a < rest
+        size = 1 + has_w + has_f
+        seg = [0] * ((b - a) * size)
+        seg[0::size] = bwd[a:b]
+        if has_w:
+            seg[1::size] = [x + w_shift for x in bwd[a - lag : b - lag]]
+        if has_f:
+            seg[size - 1 :: size] = fwd[warm + a : warm + b]
+        out += seg
+    out += [x + w_shift for x in bwd[max(0, nb - lag) :]]
+    return tuple(out)
 
 
 def interleaved_zb(
@@ -111,25 +146,26 @@ def interleaved_zb(
 
 def interleaved_family(
     num_devices: int, num_microbatches: int, chunks: int
-) -> list[tuple[tuple[int, ...], ...]]:
-    """Every distinct member of the family for P, M and ``chunks`` >= 1 (as index orders)."""
-    seen: set[tuple[tuple[int, ...], ...]] = set()
-    out = []
+) -> Iterator[tuple[tuple[int, ...], ...]]:
+    """Every distinct member of the family for P, M and ``chunks`` >= 1 (as index orders).
+
+    Made one at a time, and earlier members are remembered by hash and remade to be
+    compared on a match: at P=64, M=512 a member holds 400k actions and a search that
+    prunes them needs only one at once.
+    """
+    P, M, v = num_devices, num_microbatches, chunks
+    seen: dict[int, list[tuple[int, int, int, bool]]] = {}
     # One chunk: the round size does not matter. Smaller rounds need less warm-up
     # memory: under a tight limit only they fit.
-    groups = sorted({num_devices, (num_devices + 1) // 2, 1} if chunks > 1 else {1}, reverse=True)
+    groups = sorted({P, (P + 1) // 2, 1} if v > 1 else {1}, reverse=True)
     for group in groups:
+        rows = _device_rounds(P, M, v, group)
         for slope, extra, lagged in VARIANTS:
-            orders = interleaved_orders(
-                num_devices,
-                num_microbatches,
-                chunks,
-                slope=slope,
-                extra=extra,
-                lagged=lagged,
-                group=group,
-            )
-            if orders not in seen:
-                seen.add(orders)
-                out.append(orders)
-    return out
+            orders = _member(rows, P, M, v, group, slope, extra, lagged)
+            twins = seen.setdefault(hash(orders), [])
+            if not any(
+                orders == interleaved_orders(P, M, v, slope=a, extra=b, lagged=c, group=g)
+                for g, a, b, c in twins
+            ):
+                twins.append((group, slope, extra, lagged))
+                yield orders
