@@ -171,14 +171,14 @@ def test_the_job_on_real_architectures_equals_a_single_process_run(tmp_path, cap
         assert tied in text
     records = json.loads((out / "losses.json").read_text())
     phases = [r["phase"] for r in records]
-    k = len(phases) - 5  # the candidates tried, one step each (no warm-up)
+    k = len(phases) - 5  # the candidates tried, one step each (no warm-up); 0: only one fit
     assert phases[:2] == ["1f1b", "zb-h1"] and phases[-3:-1] == ["1f1b", "zb-h1"]
-    assert 2 <= k <= 3 and all(p.startswith("try:") for p in phases[2:-3])
-    assert f"try:{phases[-1]}" in phases[2:-3]  # the plan is the candidate that won
-    assert [r["iteration"] for r in records] == [0, 0] + [0] * k + [1, 0, 1]
+    assert k in (0, 2, 3) and all(p.startswith("try:") for p in phases[2:-3])
+    assert k == 0 or f"try:{phases[-1]}" in phases[2:-3]  # the plan is the winner
+    assert [r["iteration"] for r in records] == [0, 0] + [0] * k + [1, 0, 1 if k else 0]
     lengths = [r["seq_len"] for r in records]
     assert lengths[:2] == [8, 8] and all(4 <= n <= 8 for n in lengths)  # profile: the longest
-    assert len({r["seed"] for r in records}) == 3 + k  # one per phase executor
+    assert len({r["seed"] for r in records}) == 3 + max(k, 1)  # one per phase executor
     losses = [r["loss"] for r in records]
     assert all(math.isfinite(v) for v in losses)
     cfg = build_config(
