@@ -85,6 +85,7 @@ from zerobubble.train.config import TORCH_PROFILE_ACTIVE, TORCH_PROFILE_WARMUP, 
 from zerobubble.train.models import JobModel, build_job_model
 from zerobubble.train.trials import (
     Candidate,
+    MeasuredSteps,
     TrialResult,
     executed_costs,
     fastest,
@@ -131,7 +132,7 @@ class Balance:
 
 
 @dataclass(frozen=True)
-class PhaseResult:
+class PhaseResult(MeasuredSteps):
     """One schedule's training steps, measured (warm-up excluded) and predicted."""
 
     name: str
@@ -150,14 +151,6 @@ class PhaseResult:
     """The schedule simulated with the measured profile (times in ms)."""
     fixed_ms: float = 0.0
     """The step's measured time outside its compute window, added to the prediction."""
-
-    @property
-    def step_time(self) -> float:
-        return statistics.median(self.step_s)
-
-    @property
-    def pipe_time(self) -> float:
-        return statistics.median(self.pipe_s)
 
     @property
     def bubble_rate(self) -> float:

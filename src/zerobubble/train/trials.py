@@ -39,17 +39,13 @@ class Candidate:
     (:func:`predict_ms`)."""
 
 
-@dataclass(frozen=True)
-class TrialResult:
-    """A candidate's measured trial steps (warm-up excluded)."""
+class MeasuredSteps:
+    """Medians of a run's measured steps, for the result classes that hold them."""
 
-    kind: str
-    predicted_ms: float
     step_s: tuple[float, ...]
-    """Wall time of each measured trial step (pipeline + optimizer), slowest rank."""
+    """Wall time of each measured step (pipeline + optimizer), slowest rank."""
     pipe_s: tuple[float, ...]
     """Wall time of each measured pipeline step alone, slowest rank."""
-    chosen: bool
 
     @property
     def step_time(self) -> float:
@@ -58,6 +54,17 @@ class TrialResult:
     @property
     def pipe_time(self) -> float:
         return statistics.median(self.pipe_s)
+
+
+@dataclass(frozen=True)
+class TrialResult(MeasuredSteps):
+    """A candidate's measured trial steps (warm-up excluded)."""
+
+    kind: str
+    predicted_ms: float
+    step_s: tuple[float, ...]
+    pipe_s: tuple[float, ...]
+    chosen: bool
 
 
 def executed_costs(profile: Profile, sched: Schedule) -> CostModel:

@@ -95,7 +95,7 @@ class Evaluator:
         position ``at`` on), everything that started before the first changed action
         could start is kept: it cannot depend on the change.
         """
-        deps, dur = self.deps, self.dur
+        dur = self.dur
         P = self.num_devices
         if base is None or at == 0:
             end = [-1.0] * len(dur)
@@ -113,11 +113,47 @@ class Evaluator:
             for e in range(P):
                 for a in orders[e][pos[e] :]:
                     end[a] = -1.0
-        todo = work = sum(len(o) - k for o, k in zip(orders, pos, strict=True))
+        work = sum(len(o) - k for o, k in zip(orders, pos, strict=True))
+        if not self._advance(orders, pos, free, first, end, start, work):
+            return None
+        spans = [free[d] - first[d] if orders[d] else 0.0 for d in range(P)]
+        return Timing(list(orders), start, end, first, spans, work)
+
+    def cost_within(self, orders: Sequence[Sequence[int]], cutoff: float) -> float | None:
+        """The cost of ``orders`` (the largest span), or None on deadlock or as soon as
+        some device's span so far plus its work still to run exceeds ``cutoff`` by more
+        than rounding could explain: a caller that keeps only what can win skips the
+        rest of a hopeless order's simulation (a cost at ``cutoff`` is still returned).
+        """
+        dur, P = self.dur, self.num_devices
+        free, first = [0.0] * P, [0.0] * P
+        rem = [sum(map(dur.__getitem__, o)) for o in orders]
+        bar = (cutoff + _EPS * max(1.0, abs(cutoff)), rem)
+        args = ([-1.0] * len(dur), [0.0] * len(dur), sum(map(len, orders)))
+        if not self._advance(orders, [0] * P, free, first, *args, bar=bar):
+            return None
+        return max(free[d] - first[d] if orders[d] else 0.0 for d in range(P))
+
+    def _advance(
+        self,
+        orders: Sequence[Sequence[int]],
+        pos: list[int],
+        free: list[float],
+        first: list[float],
+        end: list[float],
+        start: list[float],
+        todo: int,
+        *,
+        bar: tuple[float, list[float]] | None = None,
+    ) -> bool:
+        """Run every device from ``pos`` as far as its dependencies allow, until ``todo``
+        actions ran (``end`` is -1 for an action not run yet); False on deadlock, or, with
+        ``bar = (cutoff, work left per device)``, once a device's span so far plus its
+        work left exceeds the cutoff."""
+        deps, dur = self.deps, self.dur
         while todo:
             progressed = False
-            for d in range(P):
-                lst = orders[d]
+            for d, lst in enumerate(orders):
                 i = start_i = pos[d]
                 t_free = free[d]
                 n = len(lst)
@@ -144,61 +180,14 @@ class Evaluator:
                     pos[d] = i
                     free[d] = t_free
                     progressed = True
+                    if bar is not None:
+                        cutoff, rem = bar
+                        rem[d] -= sum(map(dur.__getitem__, lst[start_i:i]))
+                        if t_free - first[d] + rem[d] > cutoff:
+                            return False
             if not progressed:
-                return None
-        spans = [free[d] - first[d] if orders[d] else 0.0 for d in range(P)]
-        return Timing(list(orders), start, end, first, spans, work)
-
-    def cost_within(self, orders: Sequence[Sequence[int]], cutoff: float) -> float | None:
-        """The cost of ``orders`` (the largest span), or None on deadlock or as soon as
-        some device's span so far plus its work still to run exceeds ``cutoff`` by more
-        than rounding could explain: a caller that keeps only what can win skips the
-        rest of a hopeless order's simulation (a cost at ``cutoff`` is still returned).
-        """
-        deps, dur = self.deps, self.dur
-        P = self.num_devices
-        end = [-1.0] * len(dur)
-        pos = [0] * P
-        free = [0.0] * P
-        first = [0.0] * P
-        rem = [sum(map(dur.__getitem__, o)) for o in orders]
-        bar = cutoff + _EPS * max(1.0, abs(cutoff))
-        todo = sum(map(len, orders))
-        while todo:
-            progressed = False
-            for d in range(P):
-                lst = orders[d]
-                i = start_i = pos[d]
-                t_free = free[d]
-                n = len(lst)
-                while i < n:
-                    a = lst[i]
-                    t = t_free
-                    for dep, lat in deps[a]:
-                        ready = end[dep]
-                        if ready < 0:
-                            break
-                        ready += lat
-                        if ready > t:
-                            t = ready
-                    else:
-                        if i == 0:
-                            first[d] = t
-                        t_free = end[a] = t + dur[a]
-                        i += 1
-                        continue
-                    break
-                if i != start_i:
-                    todo -= i - start_i
-                    pos[d] = i
-                    free[d] = t_free
-                    rem[d] -= sum(map(dur.__getitem__, lst[start_i:i]))
-                    if t_free - first[d] + rem[d] > bar:
-                        return None
-                    progressed = True
-            if not progressed:
-                return None
-        return max(free[d] - first[d] if orders[d] else 0.0 for d in range(P))
+                return False
+        return True
 
     def fits(self, order: Sequence[int], limit: float) -> bool:
         """Whether the memory level stays within ``limit`` after every action of ``order``."""
