@@ -127,10 +127,11 @@ class Evaluator:
         """
         dur, P = self.dur, self.num_devices
         free, first = [0.0] * P, [0.0] * P
+        end, start = [-1.0] * len(dur), [0.0] * len(dur)
         rem = [sum(map(dur.__getitem__, o)) for o in orders]
         bar = (cutoff + _EPS * max(1.0, abs(cutoff)), rem)
-        args = ([-1.0] * len(dur), [0.0] * len(dur), sum(map(len, orders)))
-        if not self._advance(orders, [0] * P, free, first, *args, bar=bar):
+        todo = sum(map(len, orders))
+        if not self._advance(orders, [0] * P, free, first, end, start, todo, bar=bar):
             return None
         return max(free[d] - first[d] if orders[d] else 0.0 for d in range(P))
 
