@@ -24,12 +24,18 @@ $(STAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/zerobubble demo
 
+# The suite runs on WORKERS xdist processes (one per core of the 2-core CI machine); a test
+# module stays on one worker (its module-scoped launches run once), and the workers share the
+# schedules they generate (tests/generated.py). WORKERS=0 runs it in this process.
+WORKERS ?= 2
+XDIST   := -n $(WORKERS) --dist loadscope
+
 test: $(STAMP)  ## the whole suite (slow tests included), the bitwise tests on other kernels, the checks
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(XDIST)
 	$(MAKE) --no-print-directory test-kernels check
 
 test-kernels: $(STAMP)  ## the bitwise subset again, on other kernel paths
-	$(OTHER_KERNELS) OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m bitwise
+	$(OTHER_KERNELS) OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(XDIST) -m bitwise
 
 check: lint typecheck  ## what CI enforces besides the tests
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from fractions import Fraction
 
 import pytest
 
+from generated import SHARED_ENV
 from zerobubble.schedule.costs import CostModel
 from zerobubble.schedule.ir import Schedule
 
@@ -31,3 +35,14 @@ def pytest_report_header(config) -> str:
     names = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
     env = " ".join(f"{n}={os.environ[n]}" for n in names if n in os.environ) or "none set"
     return f"kernels: PyTorch CPU capability {torch.backends.cpu.get_cpu_capability()} ({env})"
+
+
+def pytest_configure(config) -> None:
+    """The run's shared folder of generated schedules (see generated.py), made by the process
+    that starts the run before it starts any xdist worker, so every worker inherits it."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get(SHARED_ENV):
+        return
+    folder = tempfile.mkdtemp(prefix="zerobubble-schedules-")
+    os.environ[SHARED_ENV] = folder
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    config.add_cleanup(lambda: os.environ.pop(SHARED_ENV, None))

@@ -459,3 +459,23 @@ def test_first_starts_follow_the_forward_chain():
     assert first_starts(v, vcosts) == [0.0, 3.25]
     with pytest.raises(ValueError, match="distinct devices"):
         first_actions(ActionGraph((0, 0, 1), 2))
+
+
+def test_a_seed_at_the_work_floor_is_returned_without_polishing(monkeypatch):
+    """ZB-V at P=3, M=6 with F = B = W per device has no bubble: its cost is the busiest
+    device's work back to back (3M = 18), which no order can beat, so the local search
+    (which keeps only strictly cheaper orders) is skipped; at the smallest feasible memory
+    limit zero bubble is out of reach and the search polishes."""
+    from zerobubble.schedule.search import auto as auto_mod
+    from zerobubble.schedule.search.refine import Evaluator
+
+    calls = []
+    real = auto_mod.refine
+    monkeypatch.setattr(auto_mod, "refine", lambda *a, **k: calls.append(1) or real(*a, **k))
+    sched = zbv_auto(3, 6)
+    assert simulate(sched).cost == 18 and calls == []
+    costs = CostSpec().resolve(sched.placement)
+    assert auto_mod.work_floor(Evaluator(ActionGraph(sched.placement, 6), costs)) == 18
+    assert auto_mod.at_floor(18 + 1e-13, 18) and not auto_mod.at_floor(18.001, 18)
+    tight = zbv_auto(3, 6, mem_limit=float(min_feasible_limit(sched.placement, costs)))
+    assert simulate(tight).cost > 18 and calls

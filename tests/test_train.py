@@ -43,15 +43,17 @@ def test_train_profiles_plans_trains_and_writes_its_outputs(tmp_path, capfd):
     text = capfd.readouterr().out
     steps = [line for line in text.splitlines() if line.startswith("step ")]
     tried = [s.split()[2] for s in steps if s.split()[2].startswith("try:")]
-    k = len(set(tried))  # the plan's candidates that fit and run unlike each other
-    assert 2 <= k <= 3 and tried.count(tried[0]) == 1 + 2  # warm-up + job.trial_steps
+    # The plan's candidates that fit and run unlike each other; which do depends on the
+    # measured profile, and 0 means one alone fit (no trials: the plan runs as predicted).
+    k = len(set(tried))
+    assert k in (0, 2, 3) and all(tried.count(t) == 1 + 2 for t in tried)  # warm-up + 2
     # profile, the trials, then train: warm-up + 2 each
     assert len(steps) == 2 * (1 + 2) + k * (1 + 2) + 3 * (1 + 2)
     assert sum("(warm-up, not measured)" in s for s in steps) == 2 + k + 3
-    chosen = next(line for line in text.splitlines() if line.startswith("chose "))
-    kind = chosen.split()[1]
-    assert f"try:{kind}" in tried and f"{kind} (planned)" in text
-    assert "plan candidates (best prediction first" in text
+    chosen = [line.split()[1] for line in text.splitlines() if line.startswith("chose ")]
+    assert len(chosen) == (k > 0)
+    assert all(f"try:{kind}" in tried and f"{kind} (planned)" in text for kind in chosen)
+    assert ("plan candidates (best prediction first" in text) == (k > 0)
     for title in ("stage profile", "stage balancing", "schedules (P=2, M=4", "idle time by cause"):
         assert title in text
     assert "trace check: OK" in text and "wall time" in text
@@ -63,7 +65,8 @@ def test_train_profiles_plans_trains_and_writes_its_outputs(tmp_path, capfd):
     assert data["step_fixed_ms"] > 0  # a step starts before its first compute
     events, lines = load_trace(out / "trace.jsonl")
     assert check_trace(events, lines=lines, mem_budget=spec.mem_limit).ok
-    assert {e.iteration for e in events} == set(range(2 * (1 + 2)))  # its trial steps, then 3
+    # The plan's executor traced its trial steps (if it had any), then the 3 of training.
+    assert {e.iteration for e in events} == set(range((2 if k else 1) * (1 + 2)))
     assert (out / "timeline.png").stat().st_size > 0
     assert json.loads((out / "trace.chrome.json").read_text())["traceEvents"]
     assert "planned with auto under a memory limit of" in text

@@ -275,8 +275,13 @@ def search_beating(
     if not polish:
         ranked = ranked[:1]
     winner, cost = [list(o) for o in ranked[0][0]], ranked[0][1]
+    # No order runs faster than its busiest device's work back to back: a winner at that
+    # floor is optimal, and as polishing keeps only strictly cheaper orders it would
+    # return this very winner after spending its whole budget.
+    floor = work_floor(ev)
+    polish = polish and not at_floor(cost, floor)
     for orders, _ in ranked if polish else ():  # cheapest first; each may use what is left
-        if budget <= 0 or expired(deadline):
+        if budget <= 0 or expired(deadline) or at_floor(cost, floor):
             break
         polished, c, spent = refine(
             graph, costs, mem_limit, [list(o) for o in orders], max_steps=budget, deadline=deadline
@@ -290,6 +295,8 @@ def search_beating(
     kicks = 0
     budget = min(budget, KICK_STEPS)
     while polish and budget > 0 and kicks < KICKS and not expired(deadline):
+        if at_floor(cost, floor):
+            break
         kicks += 1
         start = perturb(graph, costs, mem_limit, winner, rng, moves=1 + kicks % 4)
         if start is None:
@@ -300,9 +307,20 @@ def search_beating(
         budget -= spent
         if c < cost - 1e-12:
             winner, cost = polished, c
-    if polish and walk and not expired(deadline):
+    if polish and walk and not expired(deadline) and not at_floor(cost, floor):
         winner, cost = _walk(graph, costs, mem_limit, winner, cost, deadline)
     return _schedule(name, graph, winner)
+
+
+def work_floor(ev: Evaluator) -> float:
+    """A lower bound on any order's cost: the busiest device's actions back to back (a
+    device runs one action at a time, and its span covers every action it runs)."""
+    return max((sum(ev.dur[a] for a in held) for held in ev.graph.by_device), default=0.0)
+
+
+def at_floor(cost: float, floor: float) -> bool:
+    """Whether ``cost`` reached ``floor`` (within rounding): nothing can beat it."""
+    return cost <= floor + 1e-12 * max(1.0, abs(floor))
 
 
 def expired(deadline: float | None) -> bool:
