@@ -6,6 +6,7 @@ Each launch runs many cases inside the spawned ranks (process start-up dominates
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -86,6 +87,15 @@ def param_names(pipe: PipelineExecutor, layers: list[nn.Module]) -> dict[str, nn
     return out
 
 
+@functools.cache
+def reference(model: str, num_stages: int, m: int) -> tuple[list[torch.Tensor], dict]:
+    """reference_step on :func:`make_model`'s model and batch, once per rank and arguments:
+    the cases of one launch share a few (every kind at a given P and M cuts the same
+    model into the same number of stages)."""
+    layers, loss_fn, x, y = make_model(model, num_stages, m)
+    return reference_step(layers, loss_fn, x, y, m)
+
+
 def check_step(sched: Schedule, model: str, rank: int, **opts) -> dict:
     """One pipeline step against reference_step; returns what differed."""
     m = sched.num_microbatches
@@ -94,7 +104,7 @@ def check_step(sched: Schedule, model: str, rank: int, **opts) -> dict:
     pipe = PipelineExecutor(sched, stages, loss_fn=loss_fn, options=ExecutorOptions(**opts))
     losses: list[torch.Tensor] = []
     returned = pipe.step(x, target=y, losses=losses)
-    ref_losses, ref_grads = reference_step(layers, loss_fn, x, y, m)
+    ref_losses, ref_grads = reference(model, sched.num_stages, m)
     name = f"{sched.name} P={sched.num_devices} M={m} {model}"
     bad = []
     if pipe.has_last:
