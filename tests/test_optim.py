@@ -31,7 +31,8 @@ from zerobubble.runtime.trace import gather_traces
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.trace_check import check_trace
 
-pytestmark = pytest.mark.slow
+# One xdist worker runs the module: its module-scoped launches run once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_optim")]
 
 TIMEOUT = 240.0
 SIZES = [6] * 6  # five layers

@@ -39,7 +39,8 @@ from zerobubble.schedule.validate import validate
 from zerobubble.train.job import plan_schedule
 from zerobubble.train.trials import executed_costs, fastest, plan_candidates, predict_ms
 
-pytestmark = pytest.mark.slow
+# One xdist worker runs the module: its module-scoped launches run once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_trace_check")]
 
 M = 4
 
