@@ -24,12 +24,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/zerobubble demo
 
-# The suite runs on WORKERS xdist processes (one per core of the 2-core CI machine), test by
-# test; a module with module-scoped launches is an xdist_group, run by one worker (so they run
-# once), and the workers share the schedules they generate (tests/generated.py). WORKERS=0
-# runs it in this process.
+# The suite runs on WORKERS xdist processes (one per core of the 2-core CI machine); a test
+# module stays on one worker (its module-scoped launches run once), and the workers share the
+# schedules they generate (tests/generated.py). WORKERS=0 runs it in this process.
 WORKERS ?= 2
-XDIST   := -n $(WORKERS) --dist loadgroup
+XDIST   := -n $(WORKERS) --dist loadscope
 
 test: $(STAMP)  ## the whole suite (slow tests included), the bitwise tests on other kernels, the checks
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(XDIST)

@@ -35,8 +35,7 @@ from zerobubble.schedule.passes import fuse_local_backward
 from zerobubble.schedule.trace_format import TRACKS, chrome_trace, read_jsonl, write_jsonl
 from zerobubble.schedule.validate import validate
 
-# One xdist worker runs the module: its module-scoped launches run once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_executor")]
+pytestmark = pytest.mark.slow
 
 TIMEOUT = 240.0  # a whole launch, generous for a loaded 2-core machine
 

@@ -249,10 +249,6 @@ def job() -> dict:
     return out
 
 
-# One xdist worker runs the module: its module-scoped launches run once.
-pytestmark = pytest.mark.xdist_group("test_front_door")
-
-
 @pytest.fixture(scope="module")
 def p3():
     return launch(job, 3, timeout=TIMEOUT)

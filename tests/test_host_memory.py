@@ -82,10 +82,6 @@ def retention_job(retain: bool | None) -> dict:
     return out
 
 
-# One xdist worker runs the module: its module-scoped launches run once.
-pytestmark = pytest.mark.xdist_group("test_host_memory")
-
-
 @pytest.fixture(scope="module")
 def runs() -> dict:
     (default,) = launch(retention_job, 1, None, timeout=120)

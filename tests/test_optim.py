@@ -31,8 +31,7 @@ from zerobubble.runtime.trace import gather_traces
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.trace_check import check_trace
 
-# One xdist worker runs the module: its module-scoped launches run once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_optim")]
+pytestmark = pytest.mark.slow
 
 TIMEOUT = 240.0
 SIZES = [6] * 6  # five layers

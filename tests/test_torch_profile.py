@@ -22,8 +22,7 @@ from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.mesh import build_mesh
 
-# One xdist worker runs the module: its module-scoped launches run once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_torch_profile")]
+pytestmark = pytest.mark.slow
 
 TIMEOUT = 240.0
 SIZES = [6, 8, 8, 8, 6]

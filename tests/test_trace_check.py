@@ -39,8 +39,7 @@ from zerobubble.schedule.validate import validate
 from zerobubble.train.job import plan_schedule
 from zerobubble.train.trials import executed_costs, fastest, plan_candidates, predict_ms
 
-# One xdist worker runs the module: its module-scoped launches run once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_trace_check")]
+pytestmark = pytest.mark.slow
 
 M = 4
 
