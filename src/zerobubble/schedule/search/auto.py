@@ -276,10 +276,9 @@ def search_beating(
         ranked = ranked[:1]
     winner, cost = [list(o) for o in ranked[0][0]], ranked[0][1]
     # No order runs faster than its busiest device's work back to back: a winner at that
-    # floor is optimal, and as polishing keeps only strictly cheaper orders it would
-    # return this very winner after spending its whole budget.
+    # floor is optimal, and as steps 3 to 5 keep only strictly cheaper orders they would
+    # return this very winner after spending their whole budget, so each stops there.
     floor = work_floor(ev)
-    polish = polish and not at_floor(cost, floor)
     for orders, _ in ranked if polish else ():  # cheapest first; each may use what is left
         if budget <= 0 or expired(deadline) or at_floor(cost, floor):
             break
