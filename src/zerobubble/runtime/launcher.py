@@ -1,9 +1,12 @@
 """Start P local processes, one per pipeline rank, the way torchrun does.
 
-Each process gets ``MASTER_ADDR``/``MASTER_PORT`` (a free local port), ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``OMP_NUM_THREADS=1``;
-code inside calls :func:`init_distributed`, which reads that environment and so
-works the same under ``torchrun``.
+Each process gets ``MASTER_ADDR``/``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``OMP_NUM_THREADS=1``; code inside calls
+:func:`init_distributed`, which reads that environment and so works the same under
+``torchrun``. As under torchrun, the launcher hosts the job's store
+(``TORCHELASTIC_USE_AGENT_STORE``) and every rank is its client: the store outlives
+any rank, so a rank that times out can still read who arrived after rank 0 has died
+(a store hosted by rank 0 dies with it).
 
 Failure policy: the first rank that fails (exception or non-zero exit) is the
 one reported, by time of death: a thread per process stamps the moment it
@@ -40,7 +43,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import connection, get_context, parent_process
@@ -103,10 +106,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, nprocs: int, port: int, progress_dir: str | None = None) -> dict[str, str]:
+def rank_env(
+    rank: int,
+    nprocs: int,
+    port: int,
+    progress_dir: str | None = None,
+    *,
+    agent_store: bool = False,
+) -> dict[str, str]:
     """The torchrun-style environment of local rank ``rank`` (and the folder of the ranks'
-    progress marks, :mod:`zerobubble.runtime.progress`, if given)."""
+    progress marks, :mod:`zerobubble.runtime.progress`, if given). ``agent_store``: the
+    store at ``port`` is hosted by the launcher (:func:`job_store`), not by rank 0."""
     extra = {} if progress_dir is None else {progress.ENV: progress_dir}
+    if agent_store:
+        extra["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     return {
         **extra,
         "MASTER_ADDR": "127.0.0.1",
@@ -117,6 +130,19 @@ def rank_env(rank: int, nprocs: int, port: int, progress_dir: str | None = None)
         "LOCAL_WORLD_SIZE": str(nprocs),
         "OMP_NUM_THREADS": "1",
     }
+
+
+@contextlib.contextmanager
+def job_store() -> Iterator[int]:
+    """Host a job's TCP store in this process for as long as the block runs; yields its
+    port (chosen by the store itself, so no other process can take it in between)."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        yield store.port
+    finally:
+        del store
 
 
 def init_distributed(timeout_s: float = 60.0) -> DistInfo:
@@ -180,7 +206,7 @@ def _worker(
     conn: connection.Connection,
     progress_dir: str | None = None,
 ) -> None:
-    os.environ.update(rank_env(rank, nprocs, port, progress_dir))
+    os.environ.update(rank_env(rank, nprocs, port, progress_dir, agent_store=True))
     if "torch" in sys.modules:  # imported while unpickling fn, before OMP_NUM_THREADS was set
         sys.modules["torch"].set_num_threads(1)
     threading.Thread(target=_watch_parent, daemon=True).start()
@@ -236,8 +262,8 @@ def launch(
     ctx: ForkServerContext | SpawnContext = (
         get_context("forkserver") if start_method == "forkserver" else get_context("spawn")
     )
-    with tempfile.TemporaryDirectory(prefix="zerobubble-progress-") as marks:
-        return _launch(fn, nprocs, args, timeout, grace, ctx, marks)
+    with tempfile.TemporaryDirectory(prefix="zerobubble-progress-") as marks, job_store() as port:
+        return _launch(fn, nprocs, args, timeout, grace, ctx, marks, port)
 
 
 def _launch(
@@ -248,8 +274,8 @@ def _launch(
     grace: float,
     ctx: ForkServerContext | SpawnContext,
     marks: str,
+    port: int,
 ) -> list[Any]:
-    port = free_port()
     procs, conns = [], []
     for rank in range(nprocs):
         recv_end, send_end = ctx.Pipe(duplex=False)
@@ -425,8 +451,8 @@ def run_script(
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    with tempfile.TemporaryDirectory(prefix="zerobubble-progress-") as marks:
-        return _run_script(script, script_args, nprocs, timeout, grace, marks)
+    with tempfile.TemporaryDirectory(prefix="zerobubble-progress-") as marks, job_store() as port:
+        return _run_script(script, script_args, nprocs, timeout, grace, marks, port)
 
 
 def _run_script(
@@ -436,11 +462,11 @@ def _run_script(
     timeout: float,
     grace: float,
     marks: str,
+    port: int,
 ) -> int:
-    port = free_port()
     procs = []
     for r in range(nprocs):
-        env = {**os.environ, **rank_env(r, nprocs, port, marks)}
+        env = {**os.environ, **rank_env(r, nprocs, port, marks, agent_store=True)}
         procs.append(
             subprocess.Popen(
                 [sys.executable, script, *script_args],
