@@ -122,6 +122,32 @@ def test_overall_timeout_kills_everything(tmp_path):
     assert_all_dead(tmp_path, 2)
 
 
+def rank_zero_dies_before_an_exchange() -> None:
+    import torch
+
+    from zerobubble.runtime.comm import exchange_bytes
+    from zerobubble.runtime.launcher import init_distributed
+
+    info = init_distributed(timeout_s=60)
+    if info.rank == 0:
+        os._exit(3)
+    time.sleep(0.5)  # rank 0 is gone (and with it, before, the store it hosted)
+    exchange_bytes(
+        b"x", group=None, device=torch.device("cpu"), timeout_s=2.0, action="a test", key="t"
+    )
+
+
+def test_the_store_outlives_rank_zero_so_a_timeout_names_who_never_arrived():
+    """The launcher hosts the job's store, as torchrun's agent does: a store hosted by rank 0
+    would die with it, and rank 1 could only say that it cannot tell who arrived."""
+    with pytest.raises(LaunchError) as err:
+        launch(rank_zero_dies_before_an_exchange, 2, timeout=60, grace=15)
+    by_rank = {f.rank: f for f in err.value.failures}
+    assert by_rank[0].exitcode == 3
+    assert by_rank[1].exitcode == 1, by_rank[1].error
+    assert "rank 0 never arrived (stalled or dead)" in by_rank[1].error, by_rank[1].error
+
+
 def test_a_start_method_other_than_spawn_or_forkserver_is_refused():
     with pytest.raises(
         ValueError, match="start_method must be 'spawn' or 'forkserver', got 'fork'"
