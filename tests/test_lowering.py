@@ -23,6 +23,10 @@ from zerobubble.schedule.program import (
 from zerobubble.schedule.program_check import validate_lowered
 
 
+def options(kind: str) -> dict:
+    return {"chunks": 2} if "chunks" in GENERATORS[kind].options else {}
+
+
 def act(s: int, j: int) -> Message:
     return Message(MsgKind.ACT, s, s + 1, j)
 
@@ -83,9 +87,7 @@ def test_same_device_edges_need_no_message():
 def test_every_generator_lowers_and_runs(kind):
     for p in (1, 2, 3, 4):
         for m in sorted({1, 2, p, 2 * p + 1}):
-            # Default options, as the other sweeps ask: one shared schedule per point. Several
-            # chunks per device come from interleaved-1f1b, the V kinds and auto's placements.
-            sched = generated(kind, p, m)
+            sched = generated(kind, p, m, **options(kind))
             for lookahead in (0, 2, 1000):
                 low = lower(sched, recv_lookahead=lookahead)
                 validate_lowered(low)
