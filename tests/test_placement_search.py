@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from generated import generated
 from zerobubble.interop.torch_pipelining import torch_schedule
 from zerobubble.schedule.costs import CostModel, CostSpec
 from zerobubble.schedule.errors import ScheduleError
@@ -319,7 +320,7 @@ def test_auto_at_the_smallest_feasible_limit_is_no_worse_than_zbv_auto():
 def test_auto_keeps_within_the_layer_count():
     """An 8-layer model at P=3, M=4: auto chose 4 chunks per device (12 stages) and
     Pipeline then failed to cut 8 layers into 12 stages."""
-    assert auto(3, 4).num_stages == 12
+    assert generated("auto", 3, 4).num_stages == 12  # generate's auto is placement.auto
     assert generate("auto", 3, 4, max_stages=8).num_stages <= 8
     assert auto(3, 4, max_stages=3).num_stages == 3
     with pytest.raises(ValueError, match=r"max_stages=2 \(the layer count\) cannot give each"):
