@@ -1,0 +1,84 @@
+"""Balanced sequence cuts: the min-max optimum (against brute force) and closed forms."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from zerobubble.schedule.segments import (
+    SegmentCost,
+    balanced_cuts,
+    equal_token_cuts,
+    imbalance,
+    segment_costs,
+)
+
+
+def brute_force(length: int, k: int, cost: SegmentCost, g: int) -> float:
+    """The smallest costliest segment over every way to cut at multiples of g."""
+    inner = range(g, length, g)
+    return min(
+        max(segment_costs((0, *c, length), cost)) for c in itertools.combinations(inner, k - 1)
+    )
+
+
+@pytest.mark.parametrize("kernel", ["causal", "dense"])
+@pytest.mark.parametrize(("linear", "attention"), [(1, 0), (0, 1), (5, 1), (1, 3)])
+def test_balanced_cuts_are_the_min_max_optimum(kernel, linear, attention):
+    cost = SegmentCost(linear, attention, kernel)
+    for length, k, g in itertools.product((1, 2, 7, 13, 16), (1, 2, 3, 4), (1, 3)):
+        if k > math.ceil(length / g):
+            with pytest.raises(ValueError, match="leave some segment empty"):
+                balanced_cuts(length, k, cost, g)
+            continue
+        cuts = balanced_cuts(length, k, cost, g)
+        assert cuts[0] == 0 and cuts[-1] == length and len(cuts) == k + 1
+        assert all(a < b for a, b in itertools.pairwise(cuts))
+        assert all(c % g == 0 for c in cuts[:-1])
+        assert max(segment_costs(cuts, cost)) == brute_force(length, k, cost, g), (length, k, g)
+
+
+def test_closed_forms():
+    # Attention only, two segments: causal pairs x(x+1)/2 = half of all, x ~ T/sqrt(2);
+    # dense x*x = (T-x)*T, x = T(sqrt(5)-1)/2 (the golden section).
+    assert balanced_cuts(1000, 2, SegmentCost(0, 1)) == (0, 707, 1000)
+    assert balanced_cuts(1000, 2, SegmentCost(0, 1, "dense")) == (0, 618, 1000)
+    # Linear only: equal token counts are optimal.
+    assert max(segment_costs(balanced_cuts(4096, 4, SegmentCost(1, 0)), SegmentCost(1, 0))) == 1024
+    assert equal_token_cuts(4096, 4) == (0, 1024, 2048, 3072, 4096)
+    assert equal_token_cuts(10, 3) == (0, 3, 6, 10)
+    assert equal_token_cuts(10, 3, granularity=4) == (0, 4, 8, 10)
+
+
+def test_a_transformer_at_4k_tokens():
+    """Width 64 (so attention outweighs the linear terms at long context), cuts at multiples
+    of 64: equal token counts leave the last segment 1.63x the mean, balanced cuts 1.04x."""
+    cost = SegmentCost.transformer(64, kernel="causal")
+    assert (cost.linear, cost.attention) == (8 * 64 * 64 + 2 * 2 * 64 * 256, 4 * 64)
+    equal, balanced = equal_token_cuts(4096, 4, 64), balanced_cuts(4096, 4, cost, 64)
+    assert balanced == (0, 1920, 2816, 3520, 4096)
+    assert round(imbalance(equal, cost), 3) == 1.631
+    assert round(imbalance(balanced, cost), 3) == 1.036
+    gated = SegmentCost.transformer(64, 172, gated=True, kernel="dense")
+    assert gated.linear == 8 * 64 * 64 + 3 * 2 * 64 * 172
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: balanced_cuts(0, 1, SegmentCost(1, 1)), "length must be an integer >= 1"),
+        (lambda: balanced_cuts(8, 0, SegmentCost(1, 1)), "segments must be an integer >= 1"),
+        (lambda: balanced_cuts(8, 2, SegmentCost(1, 1), 0), "granularity must be"),
+        (lambda: balanced_cuts(8, 3, SegmentCost(1, 1), 4), "use at most 2 segments"),
+        (lambda: SegmentCost(-1, 1), r"SegmentCost.linear must be a finite number >= 0"),
+        (lambda: SegmentCost(1, float("nan")), r"SegmentCost.attention must be"),
+        (lambda: SegmentCost(0, 0), "all costs are 0"),
+        (lambda: SegmentCost(1, 1, "flash"), "kernel must be 'causal' or 'dense'"),  # type: ignore[arg-type]
+        (lambda: SegmentCost.transformer(0, kernel="causal"), "widths must be >= 1"),
+    ],
+)
+def test_bad_input_is_a_value_error(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
