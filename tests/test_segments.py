@@ -65,6 +65,23 @@ def test_a_transformer_at_4k_tokens():
     assert gated.linear == 8 * 64 * 64 + 3 * 2 * 64 * 172
 
 
+@pytest.mark.parametrize("kernel", ["causal", "dense"])
+def test_fit_recovers_the_terms_of_exact_timings(kernel):
+    truth = SegmentCost(3.0, 0.5, kernel)
+    samples = [(s, e, truth.of(s, e)) for s, e in ((0, 64), (0, 256), (512, 768), (0, 1024))]
+    got = SegmentCost.fit(samples, kernel)
+    assert got.linear == pytest.approx(3.0, rel=1e-9)
+    assert got.attention == pytest.approx(0.5, rel=1e-9)
+    # Timings with no attention term: the unconstrained fit goes negative; refitted at 0.
+    concave = [(0, 100, 100.0), (0, 200, 210.0), (0, 400, 380.0)]
+    clamped = SegmentCost.fit(concave, kernel)
+    assert clamped.attention == 0 and clamped.linear == pytest.approx(680 / 700, rel=1e-12)
+    with pytest.raises(ValueError, match="cannot separate the linear from the attention"):
+        SegmentCost.fit([(0, 64, 1.0)], kernel)
+    with pytest.raises(ValueError, match="0 <= start < end"):
+        SegmentCost.fit([(5, 5, 1.0), (0, 4, 1.0)], kernel)
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -68,6 +69,47 @@ class SegmentCost:
         ffn = 4 * width if ffn_width is None else ffn_width
         mlp = (3 if gated else 2) * 2 * width * ffn
         return cls(linear=8 * width * width + mlp, attention=4 * width, kernel=kernel)
+
+    @classmethod
+    def fit(
+        cls, samples: Iterable[tuple[int, int, float]], kernel: Attention = "causal"
+    ) -> SegmentCost:
+        """The non-negative least-squares terms of measured ``(start, end, cost)`` segments
+        (a profile's timings of one layer or stage on segments of a sequence).
+
+        Both terms need two segments whose token counts and pair counts are not
+        proportional (e.g. two lengths at position 0, or one length at two positions).
+        """
+        rows = []
+        for start, end, cost in samples:
+            if not (0 <= start < end) or not math.isfinite(cost) or cost < 0:
+                raise ValueError(
+                    f"a sample needs 0 <= start < end and a finite cost >= 0, got "
+                    f"({start}, {end}, {cost})"
+                )
+            n = end - start
+            pairs = n * (end + start + 1) / 2 if kernel == "causal" else n * end
+            rows.append((float(n), float(pairs), float(cost)))
+        # The 2 x 2 normal equations; a negative term is refitted at zero.
+        sxx = sum(n * n for n, _, _ in rows)
+        sxy = sum(n * q for n, q, _ in rows)
+        syy = sum(q * q for _, q, _ in rows)
+        sxc = sum(n * c for n, _, c in rows)
+        syc = sum(q * c for _, q, c in rows)
+        det = sxx * syy - sxy * sxy
+        if len(rows) < 2 or det <= 1e-12 * sxx * syy:
+            raise ValueError(
+                f"{len(rows)} samples cannot separate the linear from the attention term: "
+                "measure at least two segment lengths from position 0 (or one length at two "
+                "positions)"
+            )
+        linear = (syy * sxc - sxy * syc) / det
+        attention = (sxx * syc - sxy * sxc) / det
+        if linear < 0:
+            linear, attention = 0.0, syc / syy
+        elif attention < 0:
+            linear, attention = sxc / sxx, 0.0
+        return cls(linear=linear, attention=attention, kernel=kernel)
 
     def of(self, start: int, end: int) -> float:
         """The cost of the segment of positions ``[start, end)``."""
