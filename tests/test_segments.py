@@ -99,3 +99,19 @@ def test_fit_recovers_the_terms_of_exact_timings(kernel):
 def test_bad_input_is_a_value_error(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_among_optimal_cuts_the_nearest_equal_token_counts():
+    """Without attention every equal-token cut is optimal and is the one returned (the
+    furthest-reaching cuts would leave 7 tokens as 3, 3, 1); with it the optimum holds."""
+    linear = SegmentCost(1, 0)
+    for length, k, g in itertools.product(range(1, 40), (1, 2, 3, 5), (1, 4)):
+        if k <= math.ceil(length / g):
+            assert balanced_cuts(length, k, linear, g) == equal_token_cuts(length, k, g)
+    cost = SegmentCost(2, 1)
+    big = balanced_cuts(100_000, 8, cost, 128)
+    assert round(imbalance(big, cost), 3) == 1.005  # the 128-token grid allows no better
+    # Attention alone, 4 segments of a million tokens: x(x+1)/2 at a quarter of the total
+    # each, within a token of T sqrt(i / 4).
+    cuts = balanced_cuts(1_000_000, 4, SegmentCost(0, 1))
+    assert all(abs(c - 1_000_000 * math.sqrt(i / 4)) <= 1 for i, c in enumerate(cuts))
