@@ -139,10 +139,7 @@ def job_store() -> Iterator[int]:
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    try:
-        yield store.port
-    finally:
-        del store
+    yield store.port  # the suspended generator holds the store; it closes with the block
 
 
 def init_distributed(timeout_s: float = 60.0) -> DistInfo:

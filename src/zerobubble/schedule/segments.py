@@ -20,6 +20,7 @@ is found by bisection. Torch-free.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Iterable
@@ -87,9 +88,7 @@ class SegmentCost:
                     f"a sample needs 0 <= start < end and a finite cost >= 0, got "
                     f"({start}, {end}, {cost})"
                 )
-            n = end - start
-            pairs = n * (end + start + 1) / 2 if kernel == "causal" else n * end
-            rows.append((float(n), float(pairs), float(cost)))
+            rows.append((float(end - start), _pairs(start, end, kernel), float(cost)))
         # The 2 x 2 normal equations; a negative term is refitted at zero.
         sxx = sum(n * n for n, _, _ in rows)
         sxy = sum(n * q for n, q, _ in rows)
@@ -113,9 +112,13 @@ class SegmentCost:
 
     def of(self, start: int, end: int) -> float:
         """The cost of the segment of positions ``[start, end)``."""
-        n = end - start
-        pairs = n * (end + start + 1) / 2 if self.kernel == "causal" else n * end
-        return self.linear * n + self.attention * pairs
+        return self.linear * (end - start) + self.attention * _pairs(start, end, self.kernel)
+
+
+def _pairs(start: int, end: int, kernel: Attention) -> float:
+    """The query-key pairs attention computes for the queries ``[start, end)``."""
+    n = end - start
+    return n * (end + start + 1) / 2 if kernel == "causal" else float(n * end)
 
 
 def _positions(length: int, segments: int, granularity: int) -> list[int]:
@@ -153,90 +156,45 @@ def balanced_cuts(
     pos = _positions(length, segments, granularity)
     n = len(pos) - 1
 
-    def reach(i: int, bound: float) -> int:
-        """The furthest j > i with cost(pos[i], pos[j]) <= bound (i + 1 if none is)."""
-        lo, hi = i + 1, n
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if cost.of(pos[i], pos[mid]) <= bound:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+    def reach(i: int, bound: float, top: int = n) -> int:
+        """The furthest j in (i, top] with cost(pos[i], pos[j]) <= bound (i if none is)."""
+        start = pos[i]
+        over = bisect.bisect_left(
+            range(i + 1, top + 1), True, key=lambda j: cost.of(start, pos[j]) > bound
+        )
+        return i + over
 
-    def greedy(bound: float) -> list[int] | None:
-        """The furthest-reaching cuts within ``bound`` (indices into ``pos``), or None if
-        ``segments`` segments cannot cover the sequence within it."""
-        cuts = [0]
-        while cuts[-1] < n:
-            if len(cuts) > segments:
-                return None
-            j = reach(cuts[-1], bound)
-            if cost.of(pos[cuts[-1]], pos[j]) > bound:
-                return None
-            cuts.append(j)
-        return cuts
+    def fits(bound: float) -> bool:
+        """``segments`` segments, each extended as far as ``bound`` allows, cover it all."""
+        i = 0
+        for _ in range(segments):
+            i = reach(i, bound)
+        return i == n
 
-    lo, hi = 0.0, cost.of(0, length)
-    best = greedy(hi)
-    assert best is not None  # one segment of everything always fits
-    while True:  # bisection down to adjacent floats: the optimum is one segment's cost
-        mid = (lo + hi) / 2
-        if not lo < mid < hi:
-            break
-        got = greedy(mid)
-        if got is None:
-            lo = mid
-        else:
-            hi, best = mid, got
-    while len(best) - 1 < segments:  # fewer segments fit: split one (costs only drop)
-        widest = max(range(len(best) - 1), key=lambda t: best[t + 1] - best[t])
-        best.insert(widest + 1, best[widest] + 1)
-    even = _nearest_even(pos, segments, cost, hi)
-    return tuple(pos[j] for j in (even or best))
-
-
-def _nearest_even(
-    pos: list[int], segments: int, cost: SegmentCost, bound: float
-) -> list[int] | None:
-    """Cuts (indices into ``pos``) within ``bound`` that lie as near equal token counts as
-    it allows, or None should the window argument below fail (never seen in 20,000 random
-    cases; the caller then keeps the furthest-reaching cuts, as good for the costliest
-    segment).
-
-    Each cut, left to right, goes to its equal-token position, clamped to the window where
-    the segment before it stays within ``bound`` and what remains still fits: no earlier
-    than where ``segments - i`` segments, packed from the end, must begin.
-    """
-    n = len(pos) - 1
-    earliest = [0] * (segments + 1)
-    earliest[segments] = j = n
-    for i in range(segments - 1, 0, -1):  # the latest cuts' earliest positions, from the end
-        lo, hi = 0, j - 1
-        while lo < hi:  # the smallest start whose segment up to j is within bound
-            mid = (lo + hi) // 2
-            if cost.of(pos[mid], pos[j]) <= bound:
-                hi = mid
-            else:
-                lo = mid + 1
-        j = lo
-        earliest[i] = max(j, i)
+    lo, bound = 0.0, cost.of(0, length)  # one segment of everything fits
+    while lo < (mid := (lo + bound) / 2) < bound:  # bisection to adjacent floats: the
+        lo, bound = (lo, mid) if fits(mid) else (mid, bound)  # optimum is a segment's cost
+    # Among the cuts within the optimum, each one (left to right) at its equal-token
+    # position, clamped to its window: after the previous cut, at most as far as the
+    # bound reaches, and no earlier than where the segments after it, packed from the end
+    # (each as long as the bound allows), must begin. The window is never empty: a cut at
+    # or after that earliest position leaves a suffix inside segments of the packing,
+    # each within the bound, as is every single position (the optimum holds each one).
+    earliest = [n] * (segments + 1)
+    for i in range(segments - 1, 0, -1):
+        earliest[i] = max(i, _first_start(cost, pos, earliest[i + 1], bound))
     cuts = [0]
     for i in range(1, segments):
-        start, lo, top = pos[cuts[-1]], max(cuts[-1] + 1, earliest[i]), n - (segments - i)
-        if lo > top or cost.of(start, pos[lo]) > bound:
-            return None
-        hi = lo
-        while hi < top:  # the furthest end within bound, up to top
-            mid = (hi + top + 1) // 2
-            if cost.of(start, pos[mid]) <= bound:
-                hi = mid
-            else:
-                top = mid - 1
-        cuts.append(min(max((i * n) // segments, lo), hi))
-    cuts.append(n)
-    ok = all(cost.of(pos[a], pos[b]) <= bound for a, b in itertools.pairwise(cuts))
-    return cuts if ok else None
+        lo_i, hi_i = max(cuts[-1] + 1, earliest[i]), reach(cuts[-1], bound, n - segments + i)
+        assert lo_i <= hi_i, "empty window: see the comment above"
+        cuts.append(min(max((i * n) // segments, lo_i), hi_i))
+    return tuple(pos[c] for c in (*cuts, n))
+
+
+def _first_start(cost: SegmentCost, pos: list[int], j: int, bound: float) -> int:
+    """The smallest i < j with cost(pos[i], pos[j]) <= bound (j - 1 if none is)."""
+    i = bisect.bisect_left(range(j), True, key=lambda x: cost.of(pos[x], pos[j]) <= bound)
+    return min(i, j - 1)
 
 
 def segment_costs(cuts: tuple[int, ...], cost: SegmentCost) -> tuple[float, ...]:
