@@ -104,7 +104,7 @@ def test_graph_validator_and_generators_agree(sched):
     made = producers_of(sched)
     g = build_graph(sched)
     assert g.columns is not None
-    assert (g.dep1, g.dep2) == _deps_by_dict(g.flat, sched.num_stages)
+    assert g.deps == _deps_by_dict(g.flat, sched.num_stages, sched.segments)
     for i, a in enumerate(g.flat):
         want = tuple(made[k] for k in needs(a.op, a.stage, a.mb, sched.num_stages))
         assert tuple(g.flat[x] for x in g.preds[i]) == want

@@ -42,7 +42,7 @@ def test_array_path_matches_dict_path_and_ir_dependencies(name):
     sched = SCHEDULES[name]()
     g = build_graph(sched)
     assert g.columns is not None
-    assert (g.dep1, g.dep2) == _deps_by_dict(g.flat, sched.num_stages)
+    assert g.deps == _deps_by_dict(g.flat, sched.num_stages, sched.segments)
     bw = backward_ops(sched)
     for i, a in enumerate(g.flat):
         want = tuple(g.index[x] for x in dependencies(a, sched.num_stages, bw) if x in g.index)

@@ -2,7 +2,7 @@
 
 Subcommand names and flags are fixed (scripts depend on them)::
 
-    zerobubble schedule KIND -p P -m M [--chunks V] [--costs F=1,B=1,W=1,comm=0]
+    zerobubble schedule KIND -p P -m M [--chunks V] [--segments K] [--costs F=1,B=1,W=1,comm=0]
                          [--costs-file F] [--mem-limit X] [--mem-w R] [--split-backward]
                          [--node-limit N] [--time-budget S] [--format text|json|csv|program]
                          [--rank R] [--dp N] [--fsdp] [--protocol P] [-o FILE]
@@ -144,7 +144,11 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         from zerobubble.schedule.search.milp import DEFAULT_NODE_LIMIT, optimal_search
 
         assert gen is not None
-        for option, given in (("chunks", args.chunks), ("split_backward", args.split_backward)):
+        for option, given in (
+            ("chunks", args.chunks),
+            ("split_backward", args.split_backward),
+            ("segments", args.segments),
+        ):
             if given and option not in gen.options:  # as generate() refuses them
                 raise ValueError(
                     f"schedule kind {args.kind!r} does not take option {option!r} "
@@ -171,8 +175,9 @@ def cmd_schedule(args: argparse.Namespace) -> int:
             costs=spec,
             mem_limit=limit if gen is not None and "mem_limit" in gen.options else None,
             time_budget_s=args.time_budget,
+            segments=args.segments,
         )
-    result = validate(sched, mem_limit=limit, costs=spec.resolve(sched.placement))
+    result = validate(sched, mem_limit=limit, costs=spec.resolve(sched.placement, sched.segments))
     if args.format == "json":
         out = json_format.dumps(sched)
     elif args.format == "csv":
@@ -214,7 +219,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     sched = load_schedule(args.file, num_microbatches=args.m)
     spec = _cost_spec(args)
-    result = validate(sched, mem_limit=_mem_limit(args, spec), costs=spec.resolve(sched.placement))
+    result = validate(
+        sched, mem_limit=_mem_limit(args, spec), costs=spec.resolve(sched.placement, sched.segments)
+    )
     if args.json:
         summary = result.summary()
         summary["idle"] = [[[float(a), float(b)] for a, b in gaps] for gaps in result.idle]
@@ -441,6 +448,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", type=int, required=True, help="number of devices (pipeline ranks)")
     p.add_argument("-m", type=int, required=True, help="number of microbatches")
     p.add_argument("--chunks", type=int, help="chunks per device (interleaved kinds)")
+    p.add_argument(
+        "--segments",
+        type=_positive_int,
+        metavar="K",
+        help="seq1f1b, seq-zb: sequence segments per microbatch (default 2); --costs "
+        "are per microbatch, each segment costs 1/K",
+    )
     p.add_argument(
         "--split-backward",
         action="store_true",

@@ -50,7 +50,7 @@ def compare(
                 costs=spec,
                 mem_limit=limit if "mem_limit" in gen.options else None,
             )
-            costs = spec.resolve(sched.placement)
+            costs = spec.resolve(sched.placement, sched.segments)
             entries.append(Entry(kind, validate(sched, costs=costs)))
         except ValueError as exc:  # includes ScheduleError
             entries.append(Entry(kind, error=str(exc)))

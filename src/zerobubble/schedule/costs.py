@@ -90,6 +90,12 @@ class CostModel:
             include it; it is kept apart only so that a prediction can be read as a
             trace is: a trace counts it as idle ("overhead"), not as compute (see
             :attr:`~zerobubble.schedule.simulate.SimResult.host`).
+        segment_time, segment_memory: For a schedule of k sequence segments per
+            microbatch, one factor per segment (0 = the sequence's start) that scales
+            the durations and the memory deltas of that segment's actions (default: all
+            1). The per-stage terms are then those of a mean segment; unequal cuts make
+            unequal segments (:func:`~zerobubble.schedule.segments.segment_costs`), and
+            a late segment holds more keys and values.
     """
 
     f: tuple[Number, ...]
@@ -103,9 +109,16 @@ class CostModel:
     host_f: tuple[Number, ...] = ()
     host_b: tuple[Number, ...] = ()
     host_w: tuple[Number, ...] = ()
+    segment_time: tuple[Number, ...] = ()
+    segment_memory: tuple[Number, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.f)
+        for name in ("segment_time", "segment_memory"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+            for i, x in enumerate(getattr(self, name)):
+                if why := _amount_error(x):
+                    raise ValueError(f"{name}[{i}]={x} {why}")
         for name in ("host_f", "host_b", "host_w"):
             object.__setattr__(self, name, tuple(getattr(self, name)) or (0,) * n)
         object.__setattr__(self, "reduce", tuple(self.reduce) or (0,) * n)
@@ -208,6 +221,38 @@ class CostModel:
             recompute=True,
         )
 
+    def per_segment(self, segments: int) -> CostModel:
+        """The model of one of ``segments`` equal segments: every duration and memory term
+        1/k of this (per-microbatch) model's; ``comm`` and ``reduce`` stay."""
+
+        def part(xs: tuple[Number, ...]) -> tuple[Number, ...]:
+            return tuple(_div(x, segments) for x in xs)
+
+        return replace(
+            self,
+            f=part(self.f),
+            b=part(self.b),
+            w=part(self.w),
+            mem_f=part(self.mem_f),
+            mem_w=part(self.mem_w),
+            host_f=part(self.host_f),
+            host_b=part(self.host_b),
+            host_w=part(self.host_w),
+        )
+
+    def segment_scales(self, segments: int) -> tuple[tuple[Number, ...], tuple[Number, ...]]:
+        """The time and memory factor of each of ``segments`` segments (1 where unset)."""
+        out = []
+        for name in ("segment_time", "segment_memory"):
+            xs: tuple[Number, ...] = getattr(self, name)
+            if xs and len(xs) != segments:
+                raise ValueError(
+                    f"cost model has {len(xs)} {name} factors, the schedule {segments} "
+                    "segments per microbatch"
+                )
+            out.append(xs or (1,) * segments)
+        return out[0], out[1]
+
     def duration(self, op: Op, stage: int) -> Number:
         """How long ``op`` takes on virtual stage ``stage``."""
         match op:
@@ -264,18 +309,24 @@ class CostModel:
         W: Number = 1,
         comm: Number = 0,
         mem_w: Number = 0.5,
+        segments: int = 1,
     ) -> CostModel:
-        """Uniform costs given as per-device totals.
+        """Uniform costs given as per-device totals of one microbatch.
 
         A device holding v chunks spends F/v, B/v, W/v per chunk and allocates
-        1/v (of its M_B) per chunk F; ``mem_w`` is r = M_W / M_B.
+        1/v (of its M_B) per chunk F; ``mem_w`` is r = M_W / M_B. With k
+        ``segments`` per microbatch every term is that of one segment, 1/k of it
+        (equal segments; :attr:`segment_time` and :attr:`segment_memory` make them
+        unequal).
         """
         # Exact in, exact out: one Fraction among the inputs makes memory exact too.
         unit = Fraction(1) if any(isinstance(x, Fraction) for x in (F, B, W, mem_w)) else 1
         counts: dict[int, int] = {}
         for d in placement:
             counts[d] = counts.get(d, 0) + 1
-        vs = [counts[d] for d in placement]
+        vs = [counts[d] * segments for d in placement]
+        if type(segments) is not int or segments < 1:
+            raise ValueError(f"segments must be an integer >= 1, got {segments!r}")
         if not 0 <= mem_w <= 1:
             raise ValueError(f"mem_w ratio r={mem_w} must be in [0, 1]")
         return cls(
@@ -326,6 +377,9 @@ class CostModel:
         }
         if self.recompute:
             out["recompute"] = True
+        for name in ("segment_time", "segment_memory"):
+            if getattr(self, name):
+                out[name] = [float(x) for x in getattr(self, name)]
         if any(self.host_f) or any(self.host_b) or any(self.host_w):
             out["host"] = {
                 op: [float(x) for x in xs]
@@ -353,7 +407,13 @@ class CostSpec:
     """Whole-stage activation checkpointing: F keeps this fraction of its M_B and B
     recomputes F (:meth:`CostModel.with_recompute`); None: no checkpointing."""
 
-    def resolve(self, placement: Sequence[int]) -> CostModel:
+    def resolve(self, placement: Sequence[int], segments: int = 1) -> CostModel:
+        """The model of ``placement``, per sequence segment when ``segments`` > 1 (each term
+        1/k of the microbatch's)."""
+        if self.stage_costs is not None and segments > 1:
+            return replace(self, stage_costs=self.stage_costs.per_segment(segments)).resolve(
+                placement
+            )
         if self.stage_costs is not None:
             if self.stage_costs.num_stages != len(placement):
                 raise ValueError(
@@ -364,7 +424,7 @@ class CostSpec:
             model = self.stage_costs
         else:
             model = CostModel.from_device_totals(
-                placement, self.F, self.B, self.W, self.comm, self.mem_w
+                placement, self.F, self.B, self.W, self.comm, self.mem_w, segments
             )
         if self.recompute is None:
             return model

@@ -27,6 +27,15 @@ stages sit on different devices) or stays on its stage (``flow`` 0). A key
 exists only when both the producing and the consuming stage exist: F(0) needs
 no activation (it reads the batch), the last stage's F output feeds the loss,
 stage 0's input gradient is dropped.
+
+Sequence segments (:attr:`~zerobubble.schedule.ir.Schedule.segments`, k) add two
+kinds that *step* to a neighbouring unit of the same microbatch on the same
+stage (``step`` +1 or -1): a segment's forward reads the keys and values of the
+segments before it (:attr:`Kind.KV`), and its backward sends gradients into them
+(:attr:`Kind.KVGRAD`), so backwards run last segment first. Such a key exists
+only inside one microbatch: the first segment reads no keys, the last receives
+no key gradients. With k = 1 they never exist, so every other schedule is
+unchanged.
 """
 
 from __future__ import annotations
@@ -49,6 +58,11 @@ class Kind(enum.StrEnum):
     """What F(s) keeps for the backward of s."""
     WSTATE = "wstate"
     """What B(s) keeps for W(s) (its inputs and output gradients)."""
+    KV = "kv"
+    """The keys and values of F(s)'s segment, read by F(s) of the microbatch's next segment."""
+    KVGRAD = "kvgrad"
+    """The gradients a segment's backward sends into the keys and values of the segments
+    before it, read by the backward of the previous segment."""
 
     __hash__ = str.__hash__
 
@@ -62,8 +76,26 @@ class Kind(enum.StrEnum):
         """True for the kinds that cross a stage boundary (messages between devices)."""
         return _FLOW[self] != 0
 
+    @property
+    def step(self) -> int:
+        """Consuming unit minus producing unit (segments of one microbatch; 0 for the rest)."""
+        return _STEP.get(self, 0)
 
-_FLOW = {Kind.ACT: 1, Kind.GRAD: -1, Kind.SAVED: 0, Kind.WSTATE: 0}
+    @property
+    def same_action(self) -> bool:
+        """True for the kinds one action hands to a later op of its own (stage, unit)."""
+        return _FLOW[self] == 0 and self.step == 0
+
+
+_FLOW = {
+    Kind.ACT: 1,
+    Kind.GRAD: -1,
+    Kind.SAVED: 0,
+    Kind.WSTATE: 0,
+    Kind.KV: 0,
+    Kind.KVGRAD: 0,
+}
+_STEP = {Kind.KV: 1, Kind.KVGRAD: -1}
 
 
 class Rule(NamedTuple):
@@ -74,13 +106,17 @@ class Rule(NamedTuple):
 
 
 RULES: Mapping[Op, Rule] = {
-    Op.F: Rule(needs=(Kind.ACT,), produces=(Kind.ACT, Kind.SAVED)),
-    Op.B: Rule(needs=(Kind.SAVED, Kind.GRAD), produces=(Kind.GRAD, Kind.WSTATE)),
+    Op.F: Rule(needs=(Kind.ACT, Kind.KV), produces=(Kind.ACT, Kind.SAVED, Kind.KV)),
+    Op.B: Rule(
+        needs=(Kind.SAVED, Kind.GRAD, Kind.KVGRAD),
+        produces=(Kind.GRAD, Kind.WSTATE, Kind.KVGRAD),
+    ),
     Op.W: Rule(needs=(Kind.WSTATE,), produces=()),
-    Op.BW: Rule(needs=(Kind.SAVED, Kind.GRAD), produces=(Kind.GRAD,)),
+    Op.BW: Rule(needs=(Kind.SAVED, Kind.GRAD, Kind.KVGRAD), produces=(Kind.GRAD, Kind.KVGRAD)),
 }
 """The rule. F(s,j) needs F(s-1,j); B/BW(s,j) need F(s,j) and the backward of (s+1,j);
-W(s,j) needs B(s,j)."""
+W(s,j) needs B(s,j). With segments, F(s,j) also needs F(s,j-1) and B/BW(s,j) the
+backward of (s,j+1), inside one microbatch."""
 
 MAX_NEEDS = max(len(r.needs) for r in RULES.values())
 """Dependencies per action at most (the graphs store this many per action)."""
@@ -91,7 +127,7 @@ PRODUCERS: Mapping[Kind, tuple[Op, ...]] = {
 """The ops that produce each kind, in :class:`Op` order (B before BW for GRAD)."""
 
 LOCAL_PRODUCER: Mapping[Op, Op | None] = {
-    op: next((PRODUCERS[k][0] for k in r.needs if not k.travels), None) for op, r in RULES.items()
+    op: next((PRODUCERS[k][0] for k in r.needs if k.same_action), None) for op, r in RULES.items()
 }
 """The op whose same-stage output each op needs (B for W, F for B and BW, None for F):
 what must have run on this stage and microbatch before it."""
@@ -108,22 +144,32 @@ class Key(NamedTuple):
     def consumer_stage(self) -> int:
         return self.stage + self.kind.flow
 
+    @property
+    def consumer_mb(self) -> int:
+        return self.mb + self.kind.step
 
-def needs(op: Op, stage: int, mb: int, num_stages: int) -> tuple[Key, ...]:
-    """The keys ``op`` of ``stage`` on ``mb`` consumes, in :data:`RULES` order."""
+
+def same_microbatch(unit: int, other: int, segments: int) -> bool:
+    """Whether two units (``mb`` fields) are segments of one microbatch."""
+    return other >= 0 and unit // segments == other // segments
+
+
+def needs(op: Op, stage: int, mb: int, num_stages: int, segments: int = 1) -> tuple[Key, ...]:
+    """The keys ``op`` of ``stage`` on unit ``mb`` consumes, in :data:`RULES` order."""
     out = []
     for k in RULES[op].needs:
-        src = stage - _FLOW[k]
-        if 0 <= src < num_stages:
-            out.append(Key(k, src, mb))
+        src, j = stage - _FLOW[k], mb - k.step
+        if 0 <= src < num_stages and (j == mb or same_microbatch(mb, j, segments)):
+            out.append(Key(k, src, j))
     return tuple(out)
 
 
-def produces(op: Op, stage: int, mb: int, num_stages: int) -> tuple[Key, ...]:
-    """The keys ``op`` of ``stage`` on ``mb`` makes that some other action consumes."""
+def produces(op: Op, stage: int, mb: int, num_stages: int, segments: int = 1) -> tuple[Key, ...]:
+    """The keys ``op`` of ``stage`` on unit ``mb`` makes that some other action consumes."""
     out = []
     for k in RULES[op].produces:
-        if 0 <= stage + _FLOW[k] < num_stages:
+        j = mb + k.step
+        if 0 <= stage + _FLOW[k] < num_stages and (j == mb or same_microbatch(mb, j, segments)):
             out.append(Key(k, stage, mb))
     return tuple(out)
 
@@ -151,9 +197,13 @@ def backward_ops(schedule: Schedule) -> dict[tuple[int, int], Op]:
 
 
 def dependencies(
-    action: Action, num_stages: int, backward_op: Mapping[tuple[int, int], Op]
+    action: Action,
+    num_stages: int,
+    backward_op: Mapping[tuple[int, int], Op],
+    segments: int = 1,
 ) -> tuple[Action, ...]:
     """The actions that must finish before ``action`` may start (the producers of its needs)."""
     return tuple(
-        producer(k, backward_op) for k in needs(action.op, action.stage, action.mb, num_stages)
+        producer(k, backward_op)
+        for k in needs(action.op, action.stage, action.mb, num_stages, segments)
     )

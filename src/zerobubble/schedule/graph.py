@@ -1,11 +1,11 @@
 """The dependency graph of a schedule, flattened for speed.
 
-Actions get flat ids (device 0's first, then device 1's, ...). ``dep1[g]`` and
-``dep2[g]`` are the ids of the actions ``g`` depends on that the schedule
-contains (-1 where there is none), in the order of the op's needs in
-:data:`~zerobubble.schedule.deps.RULES`; the previous action on the same device
-is implicit. The validator and the simulator share this so a 200k-action
-schedule is indexed once.
+Actions get flat ids (device 0's first, then device 1's, ...). ``deps[n][g]``
+is the id of the action that produces ``g``'s n-th need in
+:data:`~zerobubble.schedule.deps.RULES` order, where the schedule contains one
+(-1 where there is none); the previous action on the same device is implicit.
+The validator and the simulator share this so a 200k-action schedule is
+indexed once.
 
 When every action is a well-formed, in-range :class:`Action` (the common
 case), the graph also carries :class:`Columns`: the actions as integer arrays,
@@ -44,19 +44,21 @@ def action_code(op: int | _I, stage: _I, mb: _I, num_stages: int, num_mbs: int) 
     return code
 
 
-if MAX_NEEDS != 2:  # pragma: no cover - a rule change that Graph must follow
-    raise ImportError(f"Graph stores 2 dependencies per action; the rule has {MAX_NEEDS}")
+if MAX_NEEDS != 3:  # pragma: no cover - a rule change the simulator's loop must follow
+    raise ImportError(f"the simulator reads 3 dependencies per action; the rule has {MAX_NEEDS}")
 
 
 @dataclass(frozen=True)
 class Columns:
-    """The actions as arrays: op code, stage, microbatch, and a sorted key index."""
+    """The actions as arrays: op code, stage, unit, and a sorted key index."""
 
     op: np.ndarray
     stage: np.ndarray
     mb: np.ndarray
     num_stages: int
     num_microbatches: int
+    """The range of ``mb``: the schedule's units (:attr:`Schedule.num_units`)."""
+    segments: int
     order: np.ndarray
     """Flat ids sorted by key (stable, so the first occurrence of a key comes first)."""
     sorted_keys: np.ndarray
@@ -86,8 +88,8 @@ class Graph:
     """Device d owns flat ids ``offsets[d] <= g < offsets[d + 1]``."""
     flat: tuple[Action, ...]
     device: list[int]
-    dep1: list[int]
-    dep2: list[int]
+    deps: tuple[list[int], ...]
+    """One list per need slot (:data:`~zerobubble.schedule.deps.MAX_NEEDS`)."""
     columns: Columns | None
     """The array view, when every action is a well-formed in-range Action."""
 
@@ -100,9 +102,7 @@ class Graph:
     @cached_property
     def preds(self) -> tuple[tuple[int, ...], ...]:
         """The dependencies of each action, as ids (the first of B/BW's is its F)."""
-        return tuple(
-            tuple(x for x in pair if x >= 0) for pair in zip(self.dep1, self.dep2, strict=True)
-        )
+        return tuple(tuple(x for x in row if x >= 0) for row in zip(*self.deps, strict=True))
 
     def location(self, g: int) -> tuple[int, int]:
         d = self.device[g]
@@ -114,15 +114,18 @@ def build_graph(schedule: Schedule) -> Graph:
     lengths = [len(acts) for acts in schedule.actions]
     offsets = (0, *accumulate(lengths))
     device = list(chain.from_iterable([d] * k for d, k in enumerate(lengths)))
-    columns = _columns(flat, schedule.num_stages, schedule.num_microbatches)
+    k = schedule.segments
+    columns = _columns(flat, schedule.num_stages, schedule.num_units, k)
     if columns is None:
-        dep1, dep2 = _deps_by_dict(flat, schedule.num_stages)
+        deps = _deps_by_dict(flat, schedule.num_stages, k)
     else:
-        dep1, dep2 = _deps_by_columns(columns)
-    return Graph(offsets, flat, device, dep1, dep2, columns)
+        deps = _deps_by_columns(columns)
+    return Graph(offsets, flat, device, deps, columns)
 
 
-def _columns(flat: tuple[Action, ...], num_stages: int, num_microbatches: int) -> Columns | None:
+def _columns(
+    flat: tuple[Action, ...], num_stages: int, num_microbatches: int, segments: int
+) -> Columns | None:
     """The array view of ``flat``, or None if any entry is malformed or out of range."""
     if not flat:
         return None
@@ -138,7 +141,7 @@ def _columns(flat: tuple[Action, ...], num_stages: int, num_microbatches: int) -
     op = np.fromiter(map(CODE.__getitem__, ops), dtype=np.int64, count=len(ops))
     keys = action_code(op, stage, mb, num_stages, num_microbatches)
     order = np.argsort(keys, kind="stable")
-    return Columns(op, stage, mb, num_stages, num_microbatches, order, keys[order])
+    return Columns(op, stage, mb, num_stages, num_microbatches, segments, order, keys[order])
 
 
 _NEED_GROUPS: tuple[tuple[tuple[Kind, ...], tuple[int, ...]], ...] = tuple(
@@ -148,7 +151,7 @@ _NEED_GROUPS: tuple[tuple[tuple[Kind, ...], tuple[int, ...]], ...] = tuple(
 """The ops' codes grouped by what they need (B and BW need the same), for one pass each."""
 
 
-def _deps_by_columns(c: Columns) -> tuple[list[int], list[int]]:
+def _deps_by_columns(c: Columns) -> tuple[list[int], ...]:
     n = len(c.op)
     deps = [np.full(n, -1, dtype=np.int64) for _ in range(MAX_NEEDS)]
     for kinds, codes in _NEED_GROUPS:
@@ -158,9 +161,14 @@ def _deps_by_columns(c: Columns) -> tuple[list[int], list[int]]:
         ids = np.flatnonzero(sel)
         stage, mb = c.stage[ids], c.mb[ids]
         for slot, kind in enumerate(kinds):
-            at, src, j = ids, stage - kind.flow, mb
+            if kind.step and c.segments == 1:
+                continue  # no unit has a neighbouring segment
+            at, src, j = ids, stage - kind.flow, mb - kind.step
             if kind.flow:
                 keep = (src >= 0) & (src < c.num_stages)
+                at, src, j = at[keep], src[keep], j[keep]
+            if kind.step:
+                keep = (j >= 0) & (j // c.segments == (j + kind.step) // c.segments)
                 at, src, j = at[keep], src[keep], j[keep]
             first, *others = PRODUCERS[kind]
             found = c.find(CODE[first], src, j)
@@ -168,14 +176,16 @@ def _deps_by_columns(c: Columns) -> tuple[list[int], list[int]]:
                 miss = np.flatnonzero(found < 0)
                 found[miss] = c.find(CODE[prod], src[miss], j[miss])
             deps[slot][at] = found
-    return deps[0].tolist(), deps[1].tolist()
+    return tuple(d.tolist() for d in deps)
 
 
-_PLAN = {op: tuple((k.flow, PRODUCERS[k]) for k in r.needs) for op, r in RULES.items()}
-"""Per op: for each need, its flow and the ops that may produce it."""
+_PLAN = {op: tuple((k.flow, k.step, PRODUCERS[k]) for k in r.needs) for op, r in RULES.items()}
+"""Per op: for each need, its flow, its step and the ops that may produce it."""
 
 
-def _deps_by_dict(flat: tuple[Action, ...], num_stages: int) -> tuple[list[int], list[int]]:
+def _deps_by_dict(
+    flat: tuple[Action, ...], num_stages: int, segments: int
+) -> tuple[list[int], ...]:
     index: dict[tuple[Op, int, int], int] = {}
     for g, a in enumerate(flat):
         index.setdefault(a, g)
@@ -186,15 +196,17 @@ def _deps_by_dict(flat: tuple[Action, ...], num_stages: int) -> tuple[list[int],
     for op, s, j in flat:
         found = [-1] * MAX_NEEDS
         if type(op) is Op and type(s) is int and type(j) is int:
-            for slot, (flow, prods) in enumerate(_PLAN[op]):
-                src = s - flow
+            for slot, (flow, step, prods) in enumerate(_PLAN[op]):
+                src, unit = s - flow, j - step
                 if not 0 <= src < num_stages:
                     continue
+                if step and (unit < 0 or unit // segments != j // segments):
+                    continue
                 for prod in prods:
-                    hit = get((prod, src, j))
+                    hit = get((prod, src, unit))
                     if hit is not None:
                         found[slot] = hit
                         break
         for slot in range(MAX_NEEDS):
             deps[slot].append(found[slot])
-    return deps[0], deps[1]
+    return tuple(deps)

@@ -88,6 +88,10 @@ class Schedule:
         num_microbatches: M.
         placement: ``placement[s]`` is the device that holds virtual stage ``s``.
         actions: ``actions[d]`` is device ``d``'s ordered list of actions.
+        segments: k, the sequence segments of each microbatch (Seq1F1B-style pipelining,
+            :mod:`zerobubble.schedule.segments`). An action's ``mb`` field numbers a
+            *unit*, microbatch ``u // k``'s segment ``u % k``; there are ``M * k`` units
+            (:attr:`num_units`). With the default k = 1 units are microbatches.
     """
 
     name: str
@@ -96,6 +100,7 @@ class Schedule:
     num_microbatches: int
     placement: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
+    segments: int = 1
 
     def __post_init__(self) -> None:
         # Normalise containers so a caller passing lists still gets an immutable value.
@@ -107,6 +112,8 @@ class Schedule:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
         if self.num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
+        if type(self.segments) is not int or self.segments < 1:
+            raise ValueError(f"segments must be an int >= 1, got {self.segments!r}")
         if len(self.placement) != self.num_stages:
             raise ValueError(
                 f"placement has {len(self.placement)} entries but num_stages={self.num_stages}"
@@ -120,6 +127,23 @@ class Schedule:
                 raise ValueError(f"placement[{s}]={d} is not a device in [0, {self.num_devices})")
 
     # ---- derived views -------------------------------------------------------------------
+
+    @property
+    def num_units(self) -> int:
+        """M * k: the range of an action's ``mb`` field (microbatches when k = 1)."""
+        return self.num_microbatches * self.segments
+
+    def unit(self, mb: int, segment: int) -> int:
+        """The ``mb`` field of microbatch ``mb``'s segment ``segment``."""
+        return mb * self.segments + segment
+
+    def microbatch_of(self, unit: int) -> int:
+        """The microbatch a unit belongs to."""
+        return unit // self.segments
+
+    def segment_of(self, unit: int) -> int:
+        """The segment (0 = the sequence's start) a unit is."""
+        return unit % self.segments
 
     @cached_property
     def stages_of_device(self) -> tuple[tuple[int, ...], ...]:
@@ -173,6 +197,7 @@ class Schedule:
             num_microbatches=self.num_microbatches,
             placement=self.placement,
             actions=tuple(tuple(a) for a in actions),
+            segments=self.segments,
         )
 
 

@@ -142,9 +142,9 @@ class Compute:
                     f"adds to stage {a.stage}'s gradients after their reduction started",
                 )
             m.weights[d][a.stage] += 1
-        S = m.schedule.num_stages
+        S, k_seg = m.schedule.num_stages, m.schedule.segments
         # Messages first, then what this stage itself keeps (the F before a backward...).
-        for k in sorted(needs(a.op, a.stage, a.mb, S), key=lambda k: not k.kind.travels):
+        for k in sorted(needs(a.op, a.stage, a.mb, S, k_seg), key=lambda k: not k.kind.travels):
             if not k.kind.travels:
                 if k not in m.made[d]:
                     raise m.fail(Reason.MISSING, d, f"{producer(k)} has not run here")
@@ -154,7 +154,7 @@ class Compute:
             if not (k in m.made[d] if local else need in m.arrived[d]):
                 how = "its producer has not run here" if local else "no WaitRecv precedes it"
                 raise m.fail(Reason.MISSING, d, f"input {need} is not available ({how})")
-        m.made[d].update(produces(a.op, a.stage, a.mb, S))
+        m.made[d].update(produces(a.op, a.stage, a.mb, S, k_seg))
         return True
 
 
@@ -243,7 +243,7 @@ class ReduceGrads:
 
     def step(self, m: Model, d: int) -> bool:
         """Needs every weight gradient of the stage (all M), once."""
-        M = m.schedule.num_microbatches
+        M = m.schedule.num_units
         if m.weights[d][self.stage] != M or self.stage in m.reducing[d]:
             raise m.fail(
                 Reason.MISSING,
@@ -311,7 +311,7 @@ class ShardAction:
                 raise m.fail(Reason.LOCAL_ORDER, d, f"gathers stage {s} after it computed")
             m.gathered[d].add(s)
             return True
-        M = m.schedule.num_microbatches
+        M = m.schedule.num_units
         if s not in m.gathered[d] or m.weights[d][s] != M:
             raise m.fail(
                 Reason.MISSING,

@@ -207,3 +207,12 @@ def imbalance(cuts: tuple[int, ...], cost: SegmentCost) -> float:
     which a pipeline paced by its costliest segment runs slower than by its mean."""
     costs = segment_costs(cuts, cost)
     return max(costs) * len(costs) / sum(costs)
+
+
+def time_factors(cuts: tuple[int, ...], cost: SegmentCost) -> tuple[float, ...]:
+    """Each segment's cost over the mean segment's: the
+    :attr:`~zerobubble.schedule.costs.CostModel.segment_time` of a schedule cut at ``cuts``
+    whose per-stage costs are those of a mean segment."""
+    costs = segment_costs(cuts, cost)
+    mean = sum(costs) / len(costs)
+    return tuple(c / mean for c in costs)

@@ -222,7 +222,7 @@ def simulate(
     indexed the schedule skip that work.
     """
     if costs is None:
-        costs = CostModel.from_device_totals(schedule.placement)
+        costs = CostModel.from_device_totals(schedule.placement, segments=schedule.segments)
     if costs.num_stages != schedule.num_stages:
         raise ValueError(
             f"cost model has {costs.num_stages} stages, schedule has {schedule.num_stages}"
@@ -241,16 +241,14 @@ def _times(
     Each action is timed once and each block parks its device on the awaited
     action, so this is O(actions) without building a successor list.
     """
-    flat, device, dep1, dep2, offsets = (
-        graph.flat,
-        graph.device,
-        graph.dep1,
-        graph.dep2,
-        graph.offsets,
-    )
+    flat, device, offsets = graph.flat, graph.device, graph.offsets
+    dep1, dep2, dep3 = graph.deps
     n = len(flat)
     table = {(op, st): costs.duration(op, st) for op in Op for st in range(costs.num_stages)}
     dur = list(map(table.__getitem__, map(_op_stage, flat)))
+    if schedule.segments > 1:
+        scale, _ = costs.segment_scales(schedule.segments)
+        dur = [t * scale[a.mb % schedule.segments] for t, a in zip(dur, flat, strict=True)]
     hops = {(op, st): costs.hop(op, st) for op, st in table}
     leave = list(map(hops.__getitem__, map(_op_stage, flat)))
 
@@ -267,7 +265,7 @@ def _times(
         g, stop, t_dev = head[d], offsets[d + 1], clock[d]
         while g < stop:
             t, waiting = t_dev, -1
-            for x in (dep1[g], dep2[g]):
+            for x in (dep1[g], dep2[g], dep3[g]):
                 if x < 0:
                     continue
                 if not done[x]:
@@ -335,6 +333,13 @@ def _deadlock_error(schedule: Schedule, graph: Graph, head: dict[int, int]) -> S
 def _memory(schedule: Schedule, costs: CostModel) -> tuple[tuple[Number, ...], ...]:
     table = {(op, s): costs.memory_delta(op, s) for op in Op for s in range(costs.num_stages)}
     get = table.__getitem__
+    if schedule.segments > 1:
+        k = schedule.segments
+        _, scale = costs.segment_scales(k)
+        return tuple(
+            tuple(accumulate((get((a.op, a.stage)) * scale[a.mb % k] for a in lst), initial=0))[1:]
+            for lst in schedule.actions
+        )
     return tuple(
         tuple(accumulate(map(get, map(_op_stage, lst)), initial=0))[1:] for lst in schedule.actions
     )

@@ -138,7 +138,7 @@ def simulate_steps(
                         ("A", it, dep),
                         costs.hop(dep.op, dep.stage) if schedule.placement[dep.stage] != d else 0,
                     )
-                    for dep in dependencies(a, S, bops)
+                    for dep in dependencies(a, S, bops, schedule.segments)
                 ]
                 add(d, ("A", it, a), costs.duration(a.op, a.stage), after)
         if mode is StepMode.SYNC:

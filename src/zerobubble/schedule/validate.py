@@ -43,7 +43,7 @@ def check_structure(schedule: Schedule) -> Graph:
 
     Returns the dependency graph it built, for the simulator to reuse.
     """
-    S, M = schedule.num_stages, schedule.num_microbatches
+    S, M = schedule.num_stages, schedule.num_units
     placement = schedule.placement
     graph = build_graph(schedule)
     cols = graph.columns
@@ -84,7 +84,7 @@ def _backwards_consistent(cols: Columns) -> bool:
 def _has_local_order_problem(graph: Graph) -> bool:
     g = np.arange(len(graph.flat))
     device = np.asarray(graph.device)
-    for dep in (graph.dep1, graph.dep2):
+    for dep in graph.deps:
         x = np.asarray(dep)
         later = x > g
         if np.any(device[x[later]] == device[later]):

@@ -5,6 +5,10 @@ Exactly this shape, so other tools can read it without zerobubble::
     {"format": "zerobubble.schedule/1", "name": str, "num_devices": P,
      "num_stages": S, "num_microbatches": M, "placement": [device of stage 0, ...],
      "actions": [[{"op": "F", "stage": 0, "mb": 0}, ...], ...one list per device...]}
+
+plus ``"segments": k`` when a microbatch's sequence runs as k > 1 segments; each
+action's ``mb`` is then a unit, microbatch ``mb // k``'s segment ``mb % k``
+(see :class:`~zerobubble.schedule.ir.Schedule`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ def to_dict(schedule: Schedule) -> dict[str, Any]:
         "num_stages": schedule.num_stages,
         "num_microbatches": schedule.num_microbatches,
         "placement": list(schedule.placement),
+        **({"segments": schedule.segments} if schedule.segments > 1 else {}),
         "actions": [
             [{"op": a.op.value, "stage": a.stage, "mb": a.mb} for a in acts]
             for acts in schedule.actions
@@ -85,8 +90,9 @@ def from_dict(data: object, source: str = "schedule JSON") -> Schedule:
             f"got {placement!r:.60}"
         )
     counts = {k: _count(data, k, source) for k in ("num_devices", "num_stages", "num_microbatches")}
+    segments = _count(data, "segments", source) if "segments" in data else 1
     total = sum(len(r) for r in actions)
-    if counts["num_microbatches"] > total:
+    if counts["num_microbatches"] * segments > total:
         raise ValueError(
             f"{source}: num_microbatches={counts['num_microbatches']} but the file holds "
             f"{total} actions, and every microbatch needs a forward on every stage; "
@@ -99,6 +105,7 @@ def from_dict(data: object, source: str = "schedule JSON") -> Schedule:
         num_microbatches=counts["num_microbatches"],
         placement=tuple(placement),
         actions=tuple(actions),
+        segments=segments,
     )
 
 

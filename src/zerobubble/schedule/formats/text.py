@@ -1,8 +1,9 @@
 """A compact, time-aligned text timeline for terminals.
 
 Each device is one row; each action is drawn over the columns its simulated
-duration covers, labelled ``F3`` (op and microbatch), with a chunk letter
-(``F3b``) when the device holds several stages; ``.`` is idle time::
+duration covers, labelled ``F3`` (op and microbatch), ``F3.1`` for a microbatch's
+segment 1 when its sequence runs in segments, with a chunk letter (``F3b``) when
+the device holds several stages; ``.`` is idle time::
 
     d0 |F0 F1 F2 F3 B0 W0 F4 B1 W1 ...
     d1 |...F0 F1 F2 B0 F3 B1 W0 ...
@@ -19,8 +20,13 @@ from zerobubble.schedule.simulate import SimResult, simulate
 
 
 def label(schedule: Schedule, action: Action) -> str:
-    """``F3`` or, on multi-chunk devices, ``F3a`` / ``F3b`` for the local chunk."""
-    text = f"{action.op.value}{action.mb}"
+    """``F3`` (``F3.1`` for segment 1) or, on multi-chunk devices, ``F3a`` / ``F3b``."""
+    k = schedule.segments
+    text = (
+        f"{action.op.value}{action.mb}"
+        if k == 1
+        else f"{action.op.value}{action.mb // k}.{action.mb % k}"
+    )
     if schedule.chunks(schedule.placement[action.stage]) > 1:
         text += "abcdefghijklmnopqrstuvwxyz"[schedule.chunk_of_stage[action.stage] % 26]
     return text
@@ -53,7 +59,9 @@ def render(
 
     lines = [
         f"{schedule.name}: P={schedule.num_devices} S={schedule.num_stages} "
-        f"M={schedule.num_microbatches} cost={float(res.cost):g} "
+        f"M={schedule.num_microbatches}"
+        + (f" segments={schedule.segments}" if schedule.segments > 1 else "")
+        + f" cost={float(res.cost):g} "
         f"bubble={res.bubble_rate:.1%}"
     ]
     for d, acts in enumerate(schedule.actions):

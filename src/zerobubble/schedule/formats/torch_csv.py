@@ -33,6 +33,11 @@ _OVERLAP = re.compile(r"^\((.*)\)OVERLAP_F_B$")
 
 
 def dumps(schedule: Schedule) -> str:
+    if schedule.segments > 1:
+        raise ValueError(
+            f"{schedule.name} runs {schedule.segments} sequence segments per microbatch, "
+            "which PyTorch's CSV format cannot say; export it as JSON"
+        )
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     for acts in schedule.actions:

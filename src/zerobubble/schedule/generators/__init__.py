@@ -15,6 +15,7 @@ from types import MappingProxyType
 from zerobubble.schedule.costs import CostSpec, Number
 from zerobubble.schedule.generators.classic import gpipe, interleaved_1f1b, one_f_one_b
 from zerobubble.schedule.generators.dualpipe import dualpipev
+from zerobubble.schedule.generators.sequence import seq1f1b, seq_zb
 from zerobubble.schedule.generators.v_family import one_f_one_b_v, v_half, v_min
 from zerobubble.schedule.generators.zero_bubble import zb_h1, zb_h2, zbv
 from zerobubble.schedule.ir import Schedule
@@ -28,6 +29,8 @@ __all__ = [
     "interleaved_1f1b",
     "one_f_one_b",
     "one_f_one_b_v",
+    "seq1f1b",
+    "seq_zb",
     "v_half",
     "v_min",
     "zb_h1",
@@ -46,8 +49,9 @@ class Generator:
         summary: One line for ``--help`` and the docs.
         options: The keyword options ``fn`` accepts, among ``chunks``,
             ``split_backward``, ``costs`` (a :class:`CostSpec`), ``mem_limit``,
-            ``max_stages`` (a layer count the search keeps within) and ``time_budget_s``
-            (seconds after which the search returns its best so far).
+            ``max_stages`` (a layer count the search keeps within), ``time_budget_s``
+            (seconds after which the search returns its best so far) and ``segments``
+            (sequence segments per microbatch).
         baseline: True for schedules without a B/W split (kept for comparison).
     """
 
@@ -121,6 +125,19 @@ _KINDS = (
         True,
     ),
     Generator(
+        "seq1f1b",
+        seq1f1b,
+        "Seq1F1B: 1F1B over k sequence segments per microbatch (default k=2)",
+        frozenset({"segments", "split_backward"}),
+        True,
+    ),
+    Generator(
+        "seq-zb",
+        seq_zb,
+        "ZB-H1 over k sequence segments per microbatch: Seq1F1B's memory, a third of its bubble",
+        frozenset({"segments"}),
+    ),
+    Generator(
         "dualpipev",
         dualpipev,
         "DeepSeek's DualPipeV: DualPipe cut in half onto the V placement",
@@ -175,6 +192,7 @@ def generate(
     mem_limit: Number | None = None,
     max_stages: int | None = None,
     time_budget_s: float | None = None,
+    segments: int | None = None,
 ) -> Schedule:
     """Build a schedule of ``kind``; options the kind does not use are an error.
 
@@ -197,6 +215,7 @@ def generate(
         "mem_limit": mem_limit,
         "max_stages": max_stages,
         "time_budget_s": time_budget_s,
+        "segments": segments,
     }
     kwargs = {}
     for key, value in given.items():

@@ -76,7 +76,7 @@ def interleaved_1f1b(
         warmup = min((p - d - 1) * 2 + (v - 1) * len(groups[0]), m * v)
         fwd = [Action(Op.F, c * p + d, j) for c, j in order]
         bwd = [((v - 1 - c) * p + d, j) for c, j in order]
-        actions.append(_merge_1f1b(fwd, bwd, warmup, split_backward))
+        actions.append(merge_1f1b(fwd, bwd, warmup, split_backward))
     return Schedule(
         "interleaved-1f1b",
         p,
@@ -103,7 +103,7 @@ def _groups(p: int, m: int) -> list[range]:
     return out
 
 
-def _merge_1f1b(
+def merge_1f1b(
     fwd: list[Action], bwd: list[tuple[int, int]], warmup: int, split: bool
 ) -> list[Action]:
     """Warm-up forwards, then one F / one backward, then the remaining backwards.

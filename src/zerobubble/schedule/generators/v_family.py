@@ -297,8 +297,9 @@ def _reorder(blocks: Sequence[Block], m: int) -> list[list[tuple[int, Action]]]:
         dev.settle(horizon)
         devices[d] = _Device(horizon, max(dev.level))
     # The dependency rule (deps.RULES), its keys as list indices (no tuples to build).
-    need = {op: [(k, k.flow) for k in r.needs] for op, r in RULES.items()}
-    made = {op: r.produces for op, r in RULES.items()}
+    # One segment per microbatch here: the kinds that step between segments never occur.
+    need = {op: [(k, k.flow) for k in r.needs if not k.step] for op, r in RULES.items()}
+    made = {op: [k for k in r.produces if not k.step] for op, r in RULES.items()}
     ready_at = {kind: [0] * (num_stages * m) for kind in Kind}  # [stage * m + mb]: ready time
     kind_end: dict[tuple[Op, int], int] = {}  # keeps each (op, stage) in microbatch order
     for t0, d, op, stage, mb in tiled:
