@@ -24,8 +24,12 @@ from typing import Any
 
 from filelock import FileLock
 
-from zerobubble.schedule.generators import generate
+from zerobubble.schedule.generators import GENERATORS, generate
 from zerobubble.schedule.ir import Schedule
+
+RUNTIME_KINDS = tuple(k for k, g in GENERATORS.items() if "segments" not in g.options)
+"""The kinds the executor runs: all but those that cut sequences into segments (the
+executor refuses them until it runs attention over cached keys and values)."""
 
 SHARED_ENV = "ZEROBUBBLE_TEST_SCHEDULES"
 """The environment variable naming the run's shared folder of generated schedules."""

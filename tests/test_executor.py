@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from generated import generated
+from generated import RUNTIME_KINDS, generated
 from ranks import launch
 from zerobubble.interop.torch_pipelining import torch_rows
 from zerobubble.models import GPTConfig, build_gpt, build_mlp, gpt_loss, mlp_loss
@@ -52,7 +52,8 @@ def schedules(p: int) -> list[Schedule]:
     """Every registered kind at M in {1, P-1, P, 2P+1} (M <= P for EXACT_KINDS), where the
     kind allows that M. Searching kinds get ``chunks=2`` (auto: at most 2 chunks per device)."""
     out = []
-    for kind, gen in GENERATORS.items():
+    for kind in RUNTIME_KINDS:
+        gen = GENERATORS[kind]
         opts = {"chunks": 2} if "chunks" in gen.options else {}
         ms = {1, max(p - 1, 1), p} | (set() if kind in EXACT_KINDS else {2 * p + 1})
         for m in sorted(ms):
@@ -235,7 +236,7 @@ def test_every_kind_matches_the_reference_bitwise(fixture, request):
     p = len(results)
     assert_bitwise([r["cases"] for r in results])
     kinds = {c["case"].split()[0] for c in results[0]["cases"]}
-    assert kinds == set(GENERATORS)  # every registered kind ran
+    assert kinds == set(RUNTIME_KINDS)  # every kind the executor runs ran
     counts = {c["case"].split()[2] for c in results[0]["cases"]}
     assert f"M={2 * p + 1}" in counts and "M=1" in counts
 
@@ -325,6 +326,12 @@ def test_invalid_schedule_is_refused_before_any_compute():
     assert err.value.reason is Reason.LOCAL_ORDER
     assert str(err.value) == str(expected.value)
     assert calls == []
+
+
+def test_a_segment_schedule_is_refused_naming_what_is_missing():
+    sched = generate("seq-zb", 1, 2, segments=2)
+    with pytest.raises(ValueError, match="'seq-zb' cuts each microbatch's sequence into 2 seg"):
+        PipelineExecutor(sched, {0: nn.Sequential(nn.Linear(2, 2))}, loss_fn=mlp_loss)
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,7 @@ import torch.distributed as dist
 transformers = pytest.importorskip("transformers")
 
 import zerobubble  # noqa: E402
-from generated import generated  # noqa: E402
+from generated import RUNTIME_KINDS, generated  # noqa: E402
 from ranks import launch  # noqa: E402
 from zerobubble.interop import hf  # noqa: E402
 from zerobubble.runtime.partition import build_stage_modules, stage_bounds  # noqa: E402
@@ -267,7 +267,7 @@ def cases(p: int) -> list[tuple[zerobubble.Schedule, str, int]]:
     out = []
     for point, m in enumerate((p, 2 * p + 1)):
         offset = 2 * (p == 4) + point
-        for i, kind in enumerate(GENERATORS):
+        for i, kind in enumerate(RUNTIME_KINDS):
             opts = {"chunks": 2} if "chunks" in GENERATORS[kind].options else {}
             variant = names[(i + offset) % len(names)]
             steps = 5 if variant.startswith("gpt2") and m > p == 4 else 3

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from generated import generated
+from generated import RUNTIME_KINDS, generated
 from ranks import launch
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.optim.config import OptimConfig
@@ -33,7 +33,6 @@ from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.partition import build_stage_modules, stage_bounds
 from zerobubble.runtime.reference import reference_step
-from zerobubble.schedule.generators import GENERATORS
 from zerobubble.schedule.ir import Schedule
 
 WIDTH = 4
@@ -141,7 +140,7 @@ PS = (2, 3, 4)
 def covering_modes(kind: str, p: int) -> tuple[str, ...]:
     """The modes ``kind`` runs at ``p``: sync always; cons at one P and spec at the next,
     rotating with the kind's position so that every (mode, P) pair occurs too."""
-    i = list(GENERATORS).index(kind)
+    i = RUNTIME_KINDS.index(kind)
     rotated = [mode for j, mode in enumerate(("cons", "spec")) if PS[(i + j) % len(PS)] == p]
     return ("sync", *rotated)
 
@@ -194,13 +193,15 @@ FAST_P3 = ["zbv", "dualpipev"]
 
 
 def test_covering_design_covers_every_pair():
-    runs = {(k, mode, p) for p in PS for k in GENERATORS for mode in covering_modes(k, p)}
+    runs = {(k, mode, p) for p in PS for k in RUNTIME_KINDS for mode in covering_modes(k, p)}
     assert {(k, p) for k, mode, p in runs if mode == "sync"} == {
-        (k, p) for k in GENERATORS for p in PS
+        (k, p) for k in RUNTIME_KINDS for p in PS
     }
-    assert {(k, mode) for k, mode, _ in runs} == {(k, mode) for k in GENERATORS for mode in MODES}
+    assert {(k, mode) for k, mode, _ in runs} == {
+        (k, mode) for k in RUNTIME_KINDS for mode in MODES
+    }
     assert {(mode, p) for _, mode, p in runs} == {(mode, p) for mode in MODES for p in PS}
-    assert len(runs) == 5 * len(GENERATORS)
+    assert len(runs) == 5 * len(RUNTIME_KINDS)
 
 
 @pytest.mark.parametrize("kind", FAST_P3)
@@ -212,6 +213,6 @@ def test_speculative_v_schedules_at_p3_match_sync_bitwise(kind):
 @pytest.mark.slow
 @pytest.mark.parametrize("p", PS)
 def test_every_kind_post_validation_matches_sync_bitwise(p):
-    kinds = [k for k in GENERATORS if p != 3 or k not in FAST_P3]  # those run in full above
+    kinds = [k for k in RUNTIME_KINDS if p != 3 or k not in FAST_P3]  # those run in full above
     modes = {k: covering_modes(k, p) for k in kinds}
     check(launch(matrix_job, p, schedules(kinds, p), modes, timeout=900), modes, p)

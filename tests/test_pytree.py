@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerobubble
-from generated import generated
+from generated import RUNTIME_KINDS, generated
 from ranks import launch
 from zerobubble.runtime.launcher import LaunchError
 from zerobubble.runtime.microbatch import batch_size, split_tree
@@ -165,7 +165,8 @@ def check_kind(schedule: zerobubble.Schedule, steps=((9, 6, 0), (9, 4, 1), (9, 6
 
 def all_kinds(p: int) -> list[zerobubble.Schedule]:
     out = []
-    for kind, gen in GENERATORS.items():
+    for kind in RUNTIME_KINDS:
+        gen = GENERATORS[kind]
         if kind == "optimal":
             continue
         opts = {"chunks": 2} if "chunks" in gen.options else {}

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerobubble
-from generated import generated
+from generated import RUNTIME_KINDS, generated
 from ranks import launch
 from zerobubble.optim.faults import FaultPlan, GradFault
 from zerobubble.runtime.microbatch import batch_count, token_count
@@ -26,7 +26,7 @@ TIMEOUT = 600.0
 WIDTH = 6
 VOCAB = 11
 IGNORE = -100
-KINDS = list(zerobubble.GENERATORS)
+KINDS = list(RUNTIME_KINDS)
 
 # ---- single process ------------------------------------------------------------------------
 

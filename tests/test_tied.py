@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import zerobubble
+from generated import RUNTIME_KINDS
 from ranks import launch
 from zerobubble.models import GPTConfig, build_gpt, gpt_loss, mlp_loss
 from zerobubble.runtime.comm import PeerError
@@ -26,7 +27,7 @@ TIMEOUT = 600.0
 P = 3
 M = 4
 # auto picks its own chunk count, which can need more stages than these models have layers.
-KINDS = [k for k in zerobubble.GENERATORS if k not in ("optimal", "optimal-v", "auto")]
+KINDS = [k for k in RUNTIME_KINDS if k not in ("optimal", "optimal-v", "auto")]
 FAST = ["zbv", "interleaved-1f1b", "zb-h1"]
 
 

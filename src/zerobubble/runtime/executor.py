@@ -146,6 +146,13 @@ class PipelineExecutor:
         options: ExecutorOptions | None = None,
         mesh: PipelineMesh | None = None,
     ) -> None:
+        if schedule.segments > 1:
+            raise ValueError(
+                f"schedule {schedule.name!r} cuts each microbatch's sequence into "
+                f"{schedule.segments} segments, which the executor cannot run yet (its "
+                "attention would need the keys and values of earlier segments); run a kind "
+                "without segments (e.g. zb-h1 or 1f1b)"
+            )
         self.options = opts = options or ExecutorOptions()
         self.plan = ProgramPlan(
             fuse_local_backward=opts.fuse_local_backward,

@@ -36,6 +36,8 @@ class Box:
     op: Op
     mb: int
     chunk: int = 0
+    label: str = ""
+    """The text inside the box (default: ``mb``); ``3.1`` is microbatch 3's segment 1."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class Row:
 
 def boxes_of(result: SimResult) -> Row:
     sched = result.schedule
+    k = sched.segments
     boxes = tuple(
         Box(
             d,
@@ -57,6 +60,7 @@ def boxes_of(result: SimResult) -> Row:
             a.op,
             a.mb,
             sched.chunk_of_stage[a.stage],
+            f"{a.mb // k}.{a.mb % k}" if k > 1 else "",
         )
         for d, acts in enumerate(sched.actions)
         for i, a in enumerate(acts)
@@ -89,11 +93,12 @@ def draw_row(ax: Axes, row: Row, end: float) -> None:
             linewidth=0.4,
         )
         # Label a box only when the number fits inside it.
-        if width / end * 15 * 72 > 7 * (len(str(b.mb)) + 0.6):
+        text = b.label or str(b.mb)
+        if width / end * 15 * 72 > 7 * (len(text) + 0.6):
             ax.text(
                 b.start + width / 2,
                 row.num_devices - 1 - b.device,
-                str(b.mb),
+                text,
                 ha="center",
                 va="center",
                 fontsize=6.5,
