@@ -24,8 +24,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from zerobubble.runtime.kv_segments import SegmentAware, SegmentSlot
 
 Boundary = dict[str, Any]
 """What travels between layers: ``hidden``, ``attention_mask``, ``position_ids``."""
@@ -267,13 +269,19 @@ def _own_rotary(rotary_emb: nn.Module) -> nn.Module:
     return copy.deepcopy(rotary_emb)
 
 
-class DecoderBlock(HFLayer):
+class DecoderBlock(SegmentAware, HFLayer):
     """One decoder layer with its mask (full or sliding window) and rotary embedding.
 
     ``attention_type`` is the key of the model's mask mapping for this layer
     (``config.layer_types[i]``, else sliding iff ``config.sliding_window`` is set).
+
+    In a segment scope (:mod:`zerobubble.runtime.kv_segments`) the hidden states are
+    tokens ``[start, start + T)``: the layer gets a ``DynamicCache`` holding the earlier
+    segments' keys and values, so the model's own code offsets the mask and attends over
+    them, and the cache's tail after the call is this segment's keys and values.
     """
 
+    holds_kv = True
     layer: nn.Module
     rotary_emb: nn.Module
 
@@ -292,12 +300,15 @@ class DecoderBlock(HFLayer):
                 f"masks for {', '.join(_MASKS)} only"
             )
         self.config = config
+        self.index = index
         self.attention_type = attention_type
         # Models with per-type rotary tables (local/global) take the layer type too.
         self._rotary_by_type = "layer_type" in inspect.signature(rotary_emb.forward).parameters
 
     def forward(self, x: Boundary) -> Boundary:
         hidden, mask, position_ids = _unpack(type(self).__name__, x)
+        if self.segment_slot is not None:
+            return self._segment_forward(self.segment_slot, hidden, mask, position_ids)
         positions = _positions(hidden, position_ids)
         cache = _forward_cache(self.config)
         causal = _MASKS[self.attention_type](
@@ -307,6 +318,66 @@ class DecoderBlock(HFLayer):
             cache=cache,
             position_ids=positions,
         )
+        return self._run(hidden, mask, position_ids, positions, cache, causal)
+
+    def _segment_forward(
+        self, slot: SegmentSlot, hidden: Tensor, mask: Tensor | None, position_ids: Tensor | None
+    ) -> Boundary:
+        """Tokens ``[start, end)`` over a cache pre-filled with the earlier segments.
+
+        The cache gives the mask its query offset and key length (``start`` and ``end``),
+        and the padding mask's columns ``[0, end)`` mark the padded keys of every segment.
+        Without a past the cache starts empty, as :func:`_forward_cache`'s does.
+        """
+        start, end = slot.start, slot.start + hidden.shape[1]
+        if self.attention_type != "full_attention":
+            raise ValueError(
+                f"{slot.name}: {self.attention_type!r} attention in segments would drop the "
+                "earlier keys its window leaves, and their gradients; segments take "
+                "full attention only"
+            )
+        if mask is not None:
+            if mask.ndim != 2 or mask.shape[-1] < end:
+                raise ValueError(
+                    f"{slot.name}: a segment ending at token {end} needs the 2-D padding mask "
+                    f"of keys [0, {end}), got shape {tuple(mask.shape)}"
+                )
+            mask = mask[:, :end]
+        if position_ids is None:
+            positions = torch.arange(start, end, device=hidden.device).unsqueeze(0)
+        else:
+            positions = position_ids
+        past_k, past_v = slot.past()
+        cache = DynamicCache(config=self.config)
+        if past_k:
+            cache.update(torch.cat(past_k, dim=-2), torch.cat(past_v, dim=-2), self.index)
+        causal = _MASKS[self.attention_type](
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=mask,
+            cache=cache,
+            position_ids=positions,
+            layer_idx=self.index,
+        )
+        out = self._run(hidden, mask, position_ids, positions, cache, causal)
+        kv = cache.layers[self.index]
+        if not isinstance(kv, DynamicLayer) or kv.keys is None or kv.values is None:
+            raise ValueError(
+                f"{slot.name}: the layer left no keys and values in its {type(kv).__name__} "
+                "cache; segments take attention layers that cache them"
+            )
+        slot.record(kv.keys[..., start:, :], kv.values[..., start:, :])
+        return out
+
+    def _run(
+        self,
+        hidden: Tensor,
+        mask: Tensor | None,
+        position_ids: Tensor | None,
+        positions: Tensor,
+        cache: DynamicCache | None,
+        causal: Any,
+    ) -> Boundary:
         if self._rotary_by_type:
             rotary = self.rotary_emb(hidden, positions, self.attention_type)
         else:
