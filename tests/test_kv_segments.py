@@ -49,9 +49,14 @@ TOLERANCE = {torch.float32: (1e-5, 1e-6), torch.float64: (1e-13, 1e-15)}
 """``(rtol, atol)`` per dtype; ``atol`` is relative to the largest value of the output, or of
 all the parameter gradients (some are zero in exact arithmetic, e.g. a key bias's, and
 rounding noise in both runs)."""
-LLAMAS = ["llama-sdpa", "llama-eager", "llama-sdpa-stage", "llama-eager-stage"]
+HF = ["llama-sdpa", "llama-eager", "gpt2-sdpa"]
 INPUTS = [("gpt", False), ("gpt-stage", False)]  # our GPT takes no padding mask
-INPUTS += [(name, padded) for name in LLAMAS for padded in (False, True)]
+INPUTS += [
+    (f"{name}{stage}", padded)
+    for name in HF
+    for stage in ("", "-stage")
+    for padded in (False, True)
+]
 INPUT_IDS = [f"{name}{'-padded' if padded else ''}" for name, padded in INPUTS]
 # HF's eager attention takes its softmax in float32 whatever the dtype: no float64 eager.
 DTYPED = [(*x, torch.float32) for x in INPUTS]
@@ -72,11 +77,16 @@ def padding() -> torch.Tensor:
 
 
 @cache
-def _llama(impl: str) -> nn.Module:
-    return hf.tiny_model("hf-llama", attn_implementation=impl, num_hidden_layers=2).train()
+def _hf_model(family: str, impl: str) -> nn.Module:
+    """A two-block tiny model, dropout off (GPT-2's config has it)."""
+    if family == "gpt2":
+        fields = {"n_layer": 2, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    else:
+        fields = {"num_hidden_layers": 2}
+    return hf.tiny_model(f"hf-{family}", attn_implementation=impl, **fields).train()
 
 
-def case(name: str, dtype: torch.dtype, padded: bool):
+def case(name: str, dtype: torch.dtype, padded: bool, position_ids: torch.Tensor | None = None):
     """``(layers, stage inputs, loss_fn, valid rows)`` of one model and input.
 
     A ``-stage`` case is the middle of the model (hidden states in and out, the loss a
@@ -91,8 +101,8 @@ def case(name: str, dtype: torch.dtype, padded: bool):
         with torch.no_grad():
             hidden = model[0](ids())
         return layers, hidden, _projection_loss(dtype), None
-    impl = name.split("-")[1]
-    model = copy.deepcopy(_llama(impl)).to(dtype)
+    family, impl = name.split("-")[:2]
+    model = copy.deepcopy(_hf_model(family, impl)).to(dtype)
     layers = hf.causal_lm_layers(model, check=False)
     mask = padding() if padded else torch.ones(B, T, dtype=torch.long)
     rows = mask.bool() if padded else None
@@ -103,6 +113,8 @@ def case(name: str, dtype: torch.dtype, padded: bool):
     labels = ids().masked_fill(mask == 0, -100)
     labels[:, 1:][mask[:, :-1] == 0] = -100
     batch = {"input_ids": ids(), "attention_mask": mask if padded else None}
+    if position_ids is not None:
+        batch["position_ids"] = position_ids
     if not name.endswith("-stage"):
         loss = hf.CausalLMLoss(model)
         return layers, batch, lambda out: loss(out, labels), rows
@@ -140,8 +152,8 @@ def whole(layers, inputs, loss_fn):
     return out.detach(), loss.detach(), grads, None if leaf is None else leaf.grad
 
 
-def compare(name, dtype, padded, cuts, check):
-    layers, inputs, loss_fn, rows = case(name, dtype, padded)
+def compare(name, dtype, padded, cuts, check, position_ids=None):
+    layers, inputs, loss_fn, rows = case(name, dtype, padded, position_ids)
     out, loss, grads, input_grad = whole(layers, inputs, loss_fn)
     for layer in layers:
         layer.zero_grad(set_to_none=True)
@@ -180,6 +192,10 @@ def test_segments_match_the_whole_pass(name, padded, dtype, cuts):
     """Outputs, loss, parameter and input gradients of k segments against one pass, within
     the module docstring's tolerance: the segments' kernels run on other shapes (so round
     otherwise, the forward too) and their gradients sum in another order."""
+    compare(name, dtype, padded, cuts, _close(dtype))
+
+
+def _close(dtype):
     rtol, atol = TOLERANCE[dtype]
 
     def close(actual, expected, scale, msg=""):
@@ -191,7 +207,14 @@ def test_segments_match_the_whole_pass(name, padded, dtype, cuts):
             msg=lambda m: f"{msg} {m}" if msg else m,
         )
 
-    compare(name, dtype, padded, cuts, close)
+    return close
+
+
+@pytest.mark.parametrize("name", ["llama-sdpa", "gpt2-sdpa-stage"])
+def test_given_position_ids_are_cut_with_the_segments(name):
+    """The user's position ids (here starting at 3) go with their tokens, not offset again."""
+    positions = torch.arange(3, 3 + T).unsqueeze(0)
+    compare(name, torch.float64, True, (0, 5, 6, 16), _close(torch.float64), positions)
 
 
 def test_gpt_segment_past_max_seq_len_names_the_limit():
@@ -246,8 +269,22 @@ def test_the_scope_leaves_nothing_behind_even_on_an_exception():
     assert torch.equal(model(x), reference(x))
 
 
+def test_a_mask_that_does_not_reach_the_segment_end_is_refused():
+    layers, inputs, _, _ = case("llama-sdpa-stage", torch.float32, True)
+    hidden = inputs["hidden"][:, 4:8]
+    past = [[(torch.zeros(B, 2, 4, 16), torch.zeros(B, 2, 4, 16))]] * 2
+    short = {**inputs, "hidden": hidden, "attention_mask": inputs["attention_mask"][:, 4:8]}
+    with (
+        pytest.raises(ValueError, match=r"^0: a segment ending at token 8 needs the 2-D padding"),
+        segment_scope(layers, SegmentContext(4, past)),
+    ):
+        layers[0](short)
+    with pytest.raises(ValueError, match="segments take a 2-D attention_mask"):
+        segment_inputs({"attention_mask": torch.ones(B, 1, T, T)}, 4, 8)
+
+
 def test_sliding_window_attention_is_refused():
     model = hf.tiny_model("hf-mistral", num_hidden_layers=1)
     layers = hf.causal_lm_layers(model, check=False)
-    with pytest.raises(ValueError, match="'sliding_attention' attention in segments"):
+    with pytest.raises(ValueError, match="sliding-window attention in segments"):
         run_segments(layers, ids(), (0, 8, 16), lambda o: o.sum())
