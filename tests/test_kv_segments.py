@@ -3,8 +3,8 @@
 ``run_segments`` runs a stage's layers on k segments of the sequence by the executor's
 protocol (forward in order with the earlier segments' keys and values as detached leaves,
 backward in reverse with their accumulated gradients) and is compared with the whole
-sequence in one pass, for our GPT and a tiny Hugging Face Llama, whole models and middle
-stages (hidden states in, so the input gradient is checked too).
+sequence in one pass, for our GPT and tiny Hugging Face Llama (sdpa and eager) and GPT-2
+models, whole and as middle stages (hidden states in, so the input gradient is checked too).
 
 What is bitwise: one segment, which issues the very ops of one pass on the same shapes.
 With k > 1 nothing is bitwise by construction, the forward included: a segment's GEMMs
