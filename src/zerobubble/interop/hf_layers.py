@@ -24,8 +24,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from zerobubble.runtime.kv_segments import SegmentAware, SegmentSlot
 
 Boundary = dict[str, Any]
 """What travels between layers: ``hidden``, ``attention_mask``, ``position_ids``."""
@@ -106,11 +108,12 @@ def _padding_mask(layer: str, mask: Tensor | None) -> Tensor | None:
     return mask.to(torch.bool)
 
 
-def _positions(hidden: Tensor, position_ids: Tensor | None) -> Tensor:
-    """The user's position ids, or the models' default ``arange(S)[None]``."""
+def _positions(hidden: Tensor, position_ids: Tensor | None, start: int = 0) -> Tensor:
+    """The user's position ids, or the models' default ``arange(S)[None]`` (from ``start``
+    for a segment)."""
     if position_ids is not None:
         return position_ids
-    return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    return torch.arange(start, start + hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
 def _forward_cache(config: Any) -> DynamicCache | None:
@@ -124,6 +127,74 @@ def _forward_cache(config: Any) -> DynamicCache | None:
     reads the cache afterwards; it lives for one call.
     """
     return DynamicCache(config=config) if getattr(config, "use_cache", False) else None
+
+
+def _attention_inputs(
+    slot: SegmentSlot | None,
+    config: Any,
+    index: int,
+    make_mask: Callable[..., Any],
+    hidden: Tensor,
+    mask: Tensor | None,
+    position_ids: Tensor | None,
+) -> tuple[DynamicCache | None, Tensor | None, Tensor, Any]:
+    """The cache, padding mask, positions and causal mask of one block's call.
+
+    Without a segment, what the model's forward gives the block. In a segment of tokens
+    ``[start, end)`` (:mod:`zerobubble.runtime.kv_segments`) the cache holds the earlier
+    segments' keys and values (empty for the first, as :func:`_forward_cache`'s), so the
+    model's own code attends over them and the mask utilities take the query offset and
+    key length from it; the padding mask keeps the columns of keys ``[0, end)``.
+    """
+    if slot is None:
+        positions = _positions(hidden, position_ids)
+        cache = _forward_cache(config)
+        causal = make_mask(
+            config=config,
+            inputs_embeds=hidden,
+            attention_mask=mask,
+            cache=cache,
+            position_ids=positions,
+        )
+        return cache, mask, positions, causal
+    end = slot.start + hidden.shape[1]
+    if make_mask is not create_causal_mask:
+        raise ValueError(
+            f"{slot.name}: sliding-window attention in segments would drop the earlier keys "
+            "its window leaves, and their gradients; segments take full attention only"
+        )
+    if mask is not None:
+        if mask.ndim != 2 or mask.shape[-1] < end:
+            raise ValueError(
+                f"{slot.name}: a segment ending at token {end} needs the 2-D padding mask "
+                f"of keys [0, {end}), got shape {tuple(mask.shape)}"
+            )
+        mask = mask[:, :end]
+    positions = _positions(hidden, position_ids, slot.start)
+    past_k, past_v = slot.past()
+    cache = DynamicCache(config=config)
+    if past_k:
+        cache.update(torch.cat(past_k, dim=-2), torch.cat(past_v, dim=-2), index)
+    causal = make_mask(
+        config=config,
+        inputs_embeds=hidden,
+        attention_mask=mask,
+        cache=cache,
+        position_ids=positions,
+        layer_idx=index,
+    )
+    return cache, mask, positions, causal
+
+
+def _record_kv(slot: SegmentSlot, cache: DynamicCache | None, index: int) -> None:
+    """Hand the segment's own keys and values, the tail of the layer's cache, to the scope."""
+    kv = None if cache is None else cache.layers[index]
+    if not isinstance(kv, DynamicLayer) or kv.keys is None or kv.values is None:
+        raise ValueError(
+            f"{slot.name}: the layer left no keys and values in its cache; segments take "
+            "attention layers that cache them"
+        )
+    slot.record(kv.keys[..., slot.start :, :], kv.values[..., slot.start :, :])
 
 
 def _boundary(hidden: Tensor, mask: Tensor | None, position_ids: Tensor | None) -> Boundary:
@@ -142,8 +213,11 @@ def _unpack(layer: str, x: Any) -> tuple[Tensor, Tensor | None, Tensor | None]:
 # ---- GPT-2 family: transformer.{wte, wpe, drop, h, ln_f}, lm_head -------------------------------
 
 
-class GPT2Embedding(HFLayer):
-    """Token plus position embeddings (and token types), then dropout, as ``GPT2Model``."""
+class GPT2Embedding(SegmentAware, HFLayer):
+    """Token plus position embeddings (and token types), then dropout, as ``GPT2Model``.
+
+    In a segment scope the ids are tokens ``[start, start + S)`` and take those positions.
+    """
 
     wte: nn.Module
     wpe: nn.Module
@@ -174,7 +248,8 @@ class GPT2Embedding(HFLayer):
         ids = args["input_ids"]
         ids = ids.view(-1, ids.shape[-1])
         embeds = self.wte(ids)
-        positions = _positions(embeds, args["position_ids"])
+        start = 0 if self.segment_slot is None else self.segment_slot.start
+        positions = _positions(embeds, args["position_ids"], start)
         hidden = embeds + self.wpe(positions).to(embeds.device)
         if args["token_type_ids"] is not None:
             hidden = hidden + self.wte(args["token_type_ids"].view(-1, ids.shape[-1]))
@@ -186,27 +261,30 @@ class GPT2Embedding(HFLayer):
         return _boundary(hidden, mask, args["position_ids"])
 
 
-class GPT2Block(HFLayer):
-    """One ``GPT2Block`` with the causal (and padding) mask it is given in ``GPT2Model``."""
+class GPT2Block(SegmentAware, HFLayer):
+    """One ``GPT2Block`` with the causal (and padding) mask it is given in ``GPT2Model``.
 
+    In a segment scope it attends over the earlier segments' keys and values too (see
+    :func:`_attention_inputs`).
+    """
+
+    holds_kv = True
     block: nn.Module
 
     def __init__(self, config: Any, block: nn.Module, index: int) -> None:
         super().__init__({"block": (f"transformer.h.{index}", block)})
         self.config = config
+        self.index = index
 
     def forward(self, x: Boundary) -> Boundary:
         hidden, mask, position_ids = _unpack(type(self).__name__, x)
-        positions = _positions(hidden, position_ids)
-        cache = _forward_cache(self.config)
-        causal = create_causal_mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=mask,
-            cache=cache,
-            position_ids=positions,
+        slot = self.segment_slot
+        cache, mask, positions, causal = _attention_inputs(
+            slot, self.config, self.index, create_causal_mask, hidden, mask, position_ids
         )
         out = self.block(hidden, cache=cache, attention_mask=causal, position_ids=positions)
+        if slot is not None:
+            _record_kv(slot, cache, self.index)
         return _boundary(out[0] if isinstance(out, tuple) else out, mask, position_ids)
 
 
@@ -267,13 +345,18 @@ def _own_rotary(rotary_emb: nn.Module) -> nn.Module:
     return copy.deepcopy(rotary_emb)
 
 
-class DecoderBlock(HFLayer):
+class DecoderBlock(SegmentAware, HFLayer):
     """One decoder layer with its mask (full or sliding window) and rotary embedding.
 
     ``attention_type`` is the key of the model's mask mapping for this layer
     (``config.layer_types[i]``, else sliding iff ``config.sliding_window`` is set).
+
+    In a segment scope it attends over the earlier segments' keys and values too, its
+    rotary positions offset by the segment's start (see :func:`_attention_inputs`); full
+    attention only.
     """
 
+    holds_kv = True
     layer: nn.Module
     rotary_emb: nn.Module
 
@@ -292,20 +375,16 @@ class DecoderBlock(HFLayer):
                 f"masks for {', '.join(_MASKS)} only"
             )
         self.config = config
+        self.index = index
         self.attention_type = attention_type
         # Models with per-type rotary tables (local/global) take the layer type too.
         self._rotary_by_type = "layer_type" in inspect.signature(rotary_emb.forward).parameters
 
     def forward(self, x: Boundary) -> Boundary:
         hidden, mask, position_ids = _unpack(type(self).__name__, x)
-        positions = _positions(hidden, position_ids)
-        cache = _forward_cache(self.config)
-        causal = _MASKS[self.attention_type](
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=mask,
-            cache=cache,
-            position_ids=positions,
+        slot = self.segment_slot
+        cache, mask, positions, causal = _attention_inputs(
+            slot, self.config, self.index, _MASKS[self.attention_type], hidden, mask, position_ids
         )
         if self._rotary_by_type:
             rotary = self.rotary_emb(hidden, positions, self.attention_type)
@@ -318,6 +397,8 @@ class DecoderBlock(HFLayer):
             position_embeddings=rotary,
             position_ids=positions,
         )
+        if slot is not None:
+            _record_kv(slot, cache, self.index)
         return _boundary(out[0] if isinstance(out, tuple) else out, mask, position_ids)
 
 

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from zerobubble.runtime.kv_segments import SegmentAware
+
 __all__ = ["Block", "CausalSelfAttention", "GPTConfig", "GPTEmbedding", "build_gpt", "gpt_loss"]
 
 
@@ -62,8 +64,12 @@ class GPTConfig:
         return self.d_model // self.n_heads
 
 
-class GPTEmbedding(nn.Module):
-    """Token plus learned position embedding: (B, T) ids -> (B, T, d_model)."""
+class GPTEmbedding(SegmentAware, nn.Module):
+    """Token plus learned position embedding: (B, T) ids -> (B, T, d_model).
+
+    In a segment scope (:mod:`zerobubble.runtime.kv_segments`) the ids are tokens
+    ``[start, start + T)`` of the sequence and take those positions.
+    """
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -73,14 +79,22 @@ class GPTEmbedding(nn.Module):
 
     def forward(self, idx: Tensor) -> Tensor:
         t = idx.shape[-1]
-        if t > self.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds max_seq_len={self.max_seq_len}")
-        return self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        start = 0 if self.segment_slot is None else self.segment_slot.start
+        if start + t > self.max_seq_len:
+            what = f"sequence length {t}" if start == 0 else f"segment [{start}, {start + t})"
+            raise ValueError(f"{what} exceeds max_seq_len={self.max_seq_len}")
+        return self.tok(idx) + self.pos(torch.arange(start, start + t, device=idx.device))
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with separate q/k/v/out nn.Linear projections."""
+class CausalSelfAttention(SegmentAware, nn.Module):
+    """Multi-head causal self-attention with separate q/k/v/out nn.Linear projections.
 
+    In a segment scope the queries of tokens ``[start, start + T)`` attend over the earlier
+    segments' keys and values followed by their own (each query row meets the same keys,
+    in the same order, as in one pass), and the own keys and values go to the scope.
+    """
+
+    holds_kv = True
     future: Tensor  # a buffer: nn.Module's attribute lookup alone types it as Tensor | Module
 
     def __init__(self, cfg: GPTConfig) -> None:
@@ -103,8 +117,21 @@ class CausalSelfAttention(nn.Module):
             return y.view(b, t, h, d // h).transpose(1, 2)  # (B, H, T, D)
 
         q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        start, end = 0, t
+        slot = self.segment_slot
+        if slot is not None:
+            start, end = slot.start, slot.start + t
+            if end > self.future.shape[0]:
+                raise ValueError(
+                    f"{slot.name}: segment [{start}, {end}) exceeds max_seq_len="
+                    f"{self.future.shape[0]}"
+                )
+            past_k, past_v = slot.past()
+            slot.record(k, v)
+            if past_k:  # without a past, the very tensors (and layouts) of one pass
+                k, v = torch.cat([*past_k, k], dim=2), torch.cat([*past_v, v], dim=2)
         scores = (q @ k.transpose(-2, -1)) * self.scale
-        scores = scores.masked_fill(self.future[:t, :t], float("-inf"))
+        scores = scores.masked_fill(self.future[start:end, :end], float("-inf"))
         y = torch.softmax(scores, dim=-1) @ v
         return self.out(y.transpose(1, 2).reshape(b, t, d))
 

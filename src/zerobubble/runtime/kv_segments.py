@@ -1,0 +1,329 @@
+"""Attention over earlier segments' keys and values (Seq1F1B-style sequence segments).
+
+A microbatch's sequence is cut at ``0 = b0 < b1 < ... < bk = T`` and the segments run
+through a stage one after another. On a stage, segment ``i``'s causal attention needs the
+keys and values of segments ``< i`` of the same microbatch, and its backward sends
+gradients into them. The protocol, per stage call:
+
+* forward of segment ``i``: the segment's input (tokens ``[b_i, b_{i+1})``) plus a
+  :class:`SegmentContext` with its ``start`` and, per attention layer of the stage, the
+  ``past``: the earlier segments' keys and values as **detached leaves with
+  ``requires_grad``**. It returns the output, and the context's :attr:`~SegmentContext.new`
+  holds each attention layer's own keys and values: tensors of this segment's graph, that
+  is extra outputs of the stage.
+* backward of segment ``i`` (segments in reverse order): the output's gradient plus, per
+  attention layer, the gradients of its own keys and values accumulated from the later
+  segments' backwards (none for the last segment). It gives the gradient of the input, of
+  each past leaf (added into that earlier segment's accumulators) and of the parameters.
+
+The past of a layer is one leaf per earlier segment, not one concatenated tensor. A leaf
+is then ``new.detach()`` of that segment: an alias of keys and values its own graph keeps
+anyway, so a waiting segment holds no copy of the past (a concatenated leaf would be one
+more ``O(start)`` copy per layer, alive from the forward to the backward), and its
+gradient arrives already split by segment: it goes into that segment's accumulator as is,
+with no lengths to track. The attention concatenates the pieces with its own keys, a copy
+it makes in any case.
+
+Layers take part by deriving from :class:`SegmentAware`; :func:`segment_scope` installs
+the context on them for one call and removes it afterwards, even on an exception, so
+nothing lives on the modules (or anywhere else) between calls. :func:`run_segments` is
+the reference driver the tests compare with the whole sequence in one pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "KV",
+    "SegmentAware",
+    "SegmentContext",
+    "SegmentRun",
+    "SegmentSlot",
+    "run_segments",
+    "segment_inputs",
+    "segment_scope",
+]
+
+KV = tuple[Tensor, Tensor]
+"""Keys and values of one segment for one layer, the sequence on dim -2."""
+
+
+@dataclass
+class SegmentContext:
+    """One segment's place in the sequence, for one call of a stage.
+
+    ``past[j]`` is the ``j``-th attention layer's keys and values of the earlier segments,
+    one ``(k, v)`` per segment in sequence order (empty for the first segment); ``None``
+    for no past at all. After the call :attr:`new` holds, per attention layer, the
+    segment's own ``(k, v)``.
+    """
+
+    start: int
+    past: Sequence[Sequence[KV]] | None = None
+    new: list[KV | None] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            raise ValueError(f"a segment's start must be >= 0, got {self.start}")
+        if self.start > 0 and self.past is None:
+            raise ValueError(
+                f"a segment starting at token {self.start} needs the past keys and values"
+            )
+
+    def new_kv(self) -> list[KV]:
+        """The segment's own keys and values per attention layer, all of them recorded."""
+        missing = [i for i, kv in enumerate(self.new) if kv is None]
+        if missing:
+            raise ValueError(
+                f"attention layers {missing} of the stage did not run in this segment's call"
+            )
+        return [kv for kv in self.new if kv is not None]
+
+
+@dataclass(frozen=True)
+class SegmentSlot:
+    """What one module sees of the context: its index among the stage's attention layers."""
+
+    context: SegmentContext
+    index: int
+    """Position among the stage's attention layers; -1 for a module that holds none."""
+    name: str
+    """The module's name in the stage (``"<layer>.<path>"``), for messages."""
+
+    @property
+    def start(self) -> int:
+        return self.context.start
+
+    def past(self) -> tuple[list[Tensor], list[Tensor]]:
+        """This layer's earlier keys and values (lists in sequence order), checked to cover
+        exactly the tokens before ``start``."""
+        past = self.context.past
+        pieces = [] if past is None else list(past[self.index])
+        keys = [k for k, _ in pieces]
+        values = [v for _, v in pieces]
+        k_len = sum(k.shape[-2] for k in keys)
+        v_len = sum(v.shape[-2] for v in values)
+        if k_len != self.start or v_len != self.start:
+            raise ValueError(
+                f"{self.name}: the past keys and values cover {k_len} and {v_len} tokens, but "
+                f"the segment starts at token {self.start}"
+            )
+        return keys, values
+
+    def record(self, k: Tensor, v: Tensor) -> None:
+        """Hand back this layer's own keys and values (part of the segment's graph)."""
+        if self.context.new[self.index] is not None:
+            raise ValueError(f"{self.name} ran twice in one segment's call")
+        self.context.new[self.index] = (k, v)
+
+
+class SegmentAware:
+    """Mixin of a module that reads a :class:`SegmentSlot` while a scope is installed.
+
+    ``holds_kv`` says whether the module is an attention layer with keys and values in the
+    protocol (else it only reads ``start``, e.g. for positions). Outside a scope
+    ``segment_slot`` is the class's ``None`` and the module runs as it always does.
+    """
+
+    holds_kv: ClassVar[bool] = False
+    segment_slot: SegmentSlot | None = None
+
+
+@contextmanager
+def segment_scope(layers: Sequence[nn.Module], context: SegmentContext) -> Iterator[SegmentContext]:
+    """Install ``context`` on the segment-aware modules of ``layers`` for the block.
+
+    Attention layers are numbered in the order ``layers`` and their ``named_modules``
+    list them; ``context.past`` must have one entry per attention layer.
+    """
+    found: list[tuple[str, SegmentAware]] = []
+    seen: set[int] = set()
+    for i, layer in enumerate(layers):
+        for name, module in layer.named_modules():
+            if isinstance(module, SegmentAware) and id(module) not in seen:
+                seen.add(id(module))
+                found.append((f"{i}.{name}" if name else str(i), module))
+    n_kv = sum(module.holds_kv for _, module in found)
+    if context.past is not None and len(context.past) != n_kv:
+        raise ValueError(
+            f"the segment's past has {len(context.past)} entries, but the stage has {n_kv} "
+            "attention layers"
+        )
+    context.new = [None] * n_kv
+    installed: list[SegmentAware] = []
+    try:
+        index = 0
+        for name, module in found:
+            if module.segment_slot is not None:
+                raise ValueError(f"{name} is already in a segment scope")
+            module.segment_slot = SegmentSlot(context, index if module.holds_kv else -1, name)
+            installed.append(module)
+            index += module.holds_kv
+        yield context
+    finally:
+        for module in installed:
+            del module.segment_slot  # back to the class's None
+
+
+def segment_inputs(inputs: Any, start: int, end: int) -> Any:
+    """A stage's inputs for tokens ``[start, end)`` from those of the whole sequence.
+
+    A tensor (token ids or hidden states, the sequence on dim 1) is sliced; in a mapping
+    (a tokenizer's batch, the HF adapter's boundary) so are all tensors but the 2-D
+    ``attention_mask``, which keeps the columns of every key the segment attends,
+    ``[0, end)``. A 4-D mask is refused: it would need rows and columns cut alike.
+    """
+    if isinstance(inputs, Tensor):
+        return inputs[:, start:end]
+    if not isinstance(inputs, Mapping):
+        raise ValueError(
+            f"segment inputs must be a tensor or a mapping of tensors, got {type(inputs).__name__}"
+        )
+    out = {}
+    for key, value in inputs.items():
+        if key == "attention_mask" and isinstance(value, Tensor):
+            if value.ndim != 2:
+                raise ValueError(
+                    f"segments take a 2-D attention_mask (batch, sequence), got shape "
+                    f"{tuple(value.shape)}"
+                )
+            out[key] = value[:, :end]
+        elif isinstance(value, Tensor):
+            out[key] = value[:, start:end]
+        else:
+            out[key] = value
+    return out
+
+
+@dataclass
+class SegmentRun:
+    """What :func:`run_segments` returns."""
+
+    loss: Tensor
+    output: Tensor
+    """The segments' outputs concatenated on the sequence dim (detached)."""
+    grads: dict[str, Tensor | None]
+    """Each parameter's ``.grad`` after the backward, named ``"<layer>.<name>"``."""
+    input_grad: Tensor | None
+    """Gradient of the floating-point input (hidden states), ``None`` for token ids."""
+
+
+def _main(x: Any) -> Tensor:
+    """The sequence tensor of a stage's input or output: itself, or a mapping's ``hidden``
+    (the HF adapter's boundary) or ``input_ids`` (a tokenizer's batch)."""
+    if isinstance(x, Mapping):
+        x = x.get("hidden", x.get("input_ids"))
+    if not isinstance(x, Tensor):
+        raise ValueError(
+            f"expected a tensor or a mapping with 'hidden' or 'input_ids', got {type(x).__name__}"
+        )
+    return x
+
+
+def _as_leaf(inputs: Any) -> tuple[Any, Tensor | None]:
+    """The inputs with their floating-point tensor replaced by a fresh leaf (as a stage
+    receives activations), and that leaf."""
+    x = _main(inputs)
+    if not x.is_floating_point():
+        return inputs, None
+    leaf = x.detach().requires_grad_()
+    if isinstance(inputs, Mapping):
+        return {**inputs, "hidden": leaf}, leaf
+    return leaf, leaf
+
+
+def _call(layers: Sequence[nn.Module], inputs: Any) -> Any:
+    x = layers[0](inputs)
+    for layer in layers[1:]:
+        x = layer(x)
+    return x
+
+
+def _check_cuts(cuts: Sequence[int], length: int) -> list[tuple[int, int]]:
+    if len(cuts) < 2 or cuts[0] != 0 or cuts[-1] != length:
+        raise ValueError(f"cuts must run from 0 to the sequence length {length}, got {cuts}")
+    pairs = list(itertools.pairwise(cuts))
+    if any(end <= start for start, end in pairs):
+        raise ValueError(f"cuts must be strictly increasing, got {cuts}")
+    return pairs
+
+
+def run_segments(
+    layers: Sequence[nn.Module],
+    batch_inputs: Any,
+    cuts: Sequence[int],
+    loss_fn: Any,
+) -> SegmentRun:
+    """Forward every segment in order, then backward them in reverse, by the protocol.
+
+    ``batch_inputs`` are the stage's inputs for the whole sequence (see
+    :func:`segment_inputs`); ``cuts`` the boundaries ``0 = b0 < ... < bk = T``;
+    ``loss_fn`` maps the concatenated outputs to a scalar. The loss is taken once on the
+    concatenation, so any loss over the whole sequence (a token mean, an ignore index)
+    means what it means in one pass; its gradient is then split by segment, as a last
+    stage's loss per segment would give it. Parameter gradients accumulate in ``.grad``
+    as ``loss.backward()`` would.
+    """
+    length = _main(batch_inputs).shape[1]
+    pairs = _check_cuts(cuts, length)
+    leaves: list[Tensor | None] = []
+    outputs: list[Tensor] = []
+    contexts: list[SegmentContext] = []
+    for start, end in pairs:
+        inputs, leaf = _as_leaf(segment_inputs(batch_inputs, start, end))
+        past = None
+        if contexts:  # per layer, one detached leaf per earlier segment
+            earlier = zip(*(context.new_kv() for context in contexts), strict=True)
+            past = [
+                [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in layer]
+                for layer in earlier
+            ]
+        context = SegmentContext(start, past)
+        with segment_scope(layers, context):
+            outputs.append(_main(_call(layers, inputs)))
+        leaves.append(leaf)
+        contexts.append(context)
+
+    whole = torch.cat([out.detach() for out in outputs], dim=1).requires_grad_()
+    loss = loss_fn(whole)
+    (output_grad,) = torch.autograd.grad(loss, whole)
+    output_grads = output_grad.split([end - start for start, end in pairs], dim=1)
+
+    # acc[i][j]: the gradient of segment i's own keys and values in attention layer j, summed
+    # over the later segments' backwards as they run.
+    acc: list[list[KV | None]] = [[None] * len(context.new) for context in contexts]
+    for i in reversed(range(len(pairs))):
+        tensors, tensor_grads = [outputs[i]], [output_grads[i]]
+        for kv, kv_grad in zip(contexts[i].new_kv(), acc[i], strict=True):
+            if kv_grad is not None:
+                tensors.extend(kv)
+                tensor_grads.extend(kv_grad)
+        torch.autograd.backward(tensors, tensor_grads)
+        for j, layer_past in enumerate(contexts[i].past or []):
+            for s, (k, v) in enumerate(layer_past):
+                if k.grad is not None and v.grad is not None:
+                    held = acc[s][j]
+                    acc[s][j] = (
+                        (k.grad, v.grad) if held is None else (held[0] + k.grad, held[1] + v.grad)
+                    )
+
+    input_grads = [
+        torch.zeros_like(leaf) if leaf.grad is None else leaf.grad
+        for leaf in leaves
+        if leaf is not None
+    ]
+    input_grad = torch.cat(input_grads, dim=1) if input_grads else None
+    grads = {
+        f"{i}.{name}": p.grad
+        for i, layer in enumerate(layers)
+        for name, p in layer.named_parameters()
+    }
+    return SegmentRun(loss.detach(), whole.detach(), grads, input_grad)
