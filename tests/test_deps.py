@@ -90,7 +90,7 @@ def producers_of(sched: Schedule) -> dict[Key, Action]:
     """Which action of the schedule produces each key (from the rule alone)."""
     out: dict[Key, Action] = {}
     for _, _, a in sched:
-        for k in produces(a.op, a.stage, a.mb, sched.num_stages):
+        for k in produces(a.op, a.stage, a.mb, sched.num_stages, sched.segments):
             out.setdefault(k, a)
     return out
 
@@ -106,7 +106,7 @@ def test_graph_validator_and_generators_agree(sched):
     assert g.columns is not None
     assert g.deps == _deps_by_dict(g.flat, sched.num_stages, sched.segments)
     for i, a in enumerate(g.flat):
-        want = tuple(made[k] for k in needs(a.op, a.stage, a.mb, sched.num_stages))
+        want = tuple(made[k] for k in needs(a.op, a.stage, a.mb, sched.num_stages, sched.segments))
         assert tuple(g.flat[x] for x in g.preds[i]) == want
     validate(sched)  # every generator (the V family's reorder included) obeys the rule
 

@@ -24,10 +24,12 @@ def all_kinds():
 @pytest.mark.parametrize("sched", list(all_kinds()), ids=lambda s: s.name)
 def test_round_trips_are_exact(sched, tmp_path):
     assert json_format.loads(json_format.dumps(sched)) == sched
-    assert torch_csv.loads(torch_csv.dumps(sched), name=sched.name) == sched
     save_schedule(sched, tmp_path / "s.json")
-    save_schedule(sched, tmp_path / "s.csv")
     assert load_schedule(tmp_path / "s.json") == sched
+    if sched.segments > 1:  # PyTorch's CSV has no segments (test_seq_schedule: it refuses)
+        return
+    assert torch_csv.loads(torch_csv.dumps(sched), name=sched.name) == sched
+    save_schedule(sched, tmp_path / "s.csv")
     assert load_schedule(tmp_path / "s.csv").actions == sched.actions
 
 

@@ -41,7 +41,7 @@ STRUCTURE = {Reason.OUT_OF_RANGE, Reason.WRONG_DEVICE, Reason.DUPLICATE}
 
 def judge(sched: Schedule) -> set[Reason]:
     """Every reason that applies to ``sched``; empty iff it can run."""
-    S, M = sched.num_stages, sched.num_microbatches
+    S, M = sched.num_stages, sched.num_units
     flat = [(d, i, a) for d, acts in enumerate(sched.actions) for i, a in enumerate(acts)]
     found: set[Reason] = set()
     for d, _, a in flat:
@@ -69,16 +69,23 @@ def judge(sched: Schedule) -> set[Reason]:
     return order_problems(sched, ops)
 
 
-def needs(a: Action, S: int, ops: dict[tuple[int, int], set[Op]]) -> list[Action]:
-    """What ``a`` waits for, from the definition of the passes."""
+def needs(a: Action, S: int, ops: dict[tuple[int, int], set[Op]], k: int = 1) -> list[Action]:
+    """What ``a`` waits for, from the definition of the passes: with ``k`` segments per
+    microbatch, a forward also waits for its segment's predecessor and a backward for its
+    successor's backward (units ``j`` and ``j -+ 1`` of one microbatch)."""
     s, j = a.stage, a.mb
     if a.op is Op.F:
-        return [Action(Op.F, s - 1, j)] if s > 0 else []
+        out = [Action(Op.F, s - 1, j)] if s > 0 else []
+        if j % k:
+            out.append(Action(Op.F, s, j - 1))
+        return out
     if a.op is Op.W:
         return [Action(Op.B, s, j)]
     out = [Action(Op.F, s, j)]
     if s + 1 < S:
         out.append(Action(Op.BW if Op.BW in ops[s + 1, j] else Op.B, s + 1, j))
+    if (j + 1) % k:
+        out.append(Action(Op.BW if Op.BW in ops[s, j + 1] else Op.B, s, j + 1))
     return out
 
 
@@ -91,7 +98,7 @@ def order_problems(sched: Schedule, ops: dict[tuple[int, int], set[Op]]) -> set[
     local = any(
         where[n][0] == d and where[n][1] > i
         for a, (d, i) in where.items()
-        for n in needs(a, S, ops)
+        for n in needs(a, S, ops, sched.segments)
     )
     done: set[Action] = set()
     nxt = [0] * sched.num_devices
@@ -99,7 +106,9 @@ def order_problems(sched: Schedule, ops: dict[tuple[int, int], set[Op]]) -> set[
     while moved:
         moved = False
         for d, acts in enumerate(sched.actions):
-            if nxt[d] < len(acts) and all(n in done for n in needs(acts[nxt[d]], S, ops)):
+            if nxt[d] < len(acts) and all(
+                n in done for n in needs(acts[nxt[d]], S, ops, sched.segments)
+            ):
                 done.add(acts[nxt[d]])
                 nxt[d] += 1
                 moved = True

@@ -100,7 +100,9 @@ def test_every_generator_lowers_and_runs(kind):
                     sched.placement[s] != sched.placement[s + 1]
                     for s in range(sched.num_stages - 1)
                 )
-                assert sends == 2 * cross * m  # one activation and one gradient per edge and mb
+                assert (
+                    sends == 2 * cross * sched.num_units
+                )  # one activation, one gradient per edge, unit
 
 
 @pytest.mark.parametrize(

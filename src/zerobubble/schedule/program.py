@@ -26,9 +26,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from zerobubble.schedule.deps import Key, Kind, needs, producer, produces
+from zerobubble.schedule.deps import RULES, Key, Kind, needs, producer, produces
 from zerobubble.schedule.errors import Reason
-from zerobubble.schedule.ir import Action, Schedule
+from zerobubble.schedule.ir import Action, Op, Schedule
 
 if TYPE_CHECKING:
     from zerobubble.schedule.program_check import Model
@@ -55,6 +55,11 @@ __all__ = [
     "output_message",
     "producer_of",
 ]
+
+
+_FORWARD_KINDS = frozenset(RULES[Op.F].produces)
+"""What forwards make (activations, saved state, keys and values): a replay gate may come
+after these, before anything a backward makes."""
 
 
 # ---- messages ----------------------------------------------------------------------------------
@@ -350,7 +355,7 @@ class Gate:
         the ranks, see :func:`~zerobubble.schedule.program_check.check_gates`)."""
         if m.gated[d]:
             raise m.fail(Reason.DUPLICATE, d, "a program holds at most one replay gate")
-        if any(k.kind is not Kind.ACT and k.kind is not Kind.SAVED for k in m.made[d]):
+        if any(k.kind not in _FORWARD_KINDS for k in m.made[d]):
             raise m.fail(Reason.LOCAL_ORDER, d, "the replay gate comes after a backward")
         m.gated[d] = True
         return True
