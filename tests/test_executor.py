@@ -328,10 +328,18 @@ def test_invalid_schedule_is_refused_before_any_compute():
     assert calls == []
 
 
-def test_a_segment_schedule_is_refused_naming_what_is_missing():
+def test_a_segment_schedule_needs_its_cuts_and_a_token_count():
     sched = generate("seq-zb", 1, 2, segments=2)
-    with pytest.raises(ValueError, match="'seq-zb' cuts each microbatch's sequence into 2 seg"):
-        PipelineExecutor(sched, {0: nn.Sequential(nn.Linear(2, 2))}, loss_fn=mlp_loss)
+    stages = {0: nn.Sequential(nn.Linear(2, 2))}
+    for cuts, message in [
+        (None, r"cuts each sequence into 2 segments: pass ExecutorOptions\(cuts=...\)"),
+        ((0, 4), r"cuts=\[0, 4\] must be 3 increasing token positions from 0"),
+        ((0, 4, 4), "must be 3 increasing"),
+        ((1, 2, 4), "must be 3 increasing"),
+        ((0, 2, 4), "runs sequence segments, whose losses .* pass count_fn"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            PipelineExecutor(sched, stages, loss_fn=mlp_loss, options=ExecutorOptions(cuts=cuts))
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,7 @@ from zerobubble.runtime.links import Described, Links, pipeline_p2p
 from zerobubble.runtime.mesh import PipelineMesh, pipeline_group
 from zerobubble.runtime.microbatch import CountFn, default_count_fn
 from zerobubble.runtime.rng import StageRng
+from zerobubble.runtime.segment_batch import check_cuts, segment_of, segment_step
 from zerobubble.runtime.shapes import map_tensors
 from zerobubble.runtime.step_batch import StepBatch, split_step
 from zerobubble.runtime.trace import (
@@ -146,14 +147,17 @@ class PipelineExecutor:
         options: ExecutorOptions | None = None,
         mesh: PipelineMesh | None = None,
     ) -> None:
-        if schedule.segments > 1:
-            raise ValueError(
-                f"schedule {schedule.name!r} cuts each microbatch's sequence into "
-                f"{schedule.segments} segments, which the executor cannot run yet (its "
-                "attention would need the keys and values of earlier segments); run a kind "
-                "without segments (e.g. zb-h1 or 1f1b)"
-            )
         self.options = opts = options or ExecutorOptions()
+        self.cuts = check_cuts(opts.cuts, schedule.segments) if schedule.segments > 1 else None
+        """The segments' token boundaries (None without segments)."""
+        self.count_fn = default_count_fn(loss_fn, count_fn)
+        if self.cuts is not None and self.count_fn is None:
+            raise ValueError(
+                f"schedule {schedule.name!r} runs sequence segments, whose losses must be "
+                "their tokens' shares of the batch loss: pass count_fn (the batch's token "
+                "count, e.g. non-ignored targets) and a loss_fn(output, target, num_items) "
+                "that sums over tokens and divides by it"
+            )
         self.plan = ProgramPlan(
             fuse_local_backward=opts.fuse_local_backward,
             recv_lookahead=opts.recv_lookahead,
@@ -164,7 +168,6 @@ class PipelineExecutor:
         self.schedule = self.programs.schedule
         self.group = group = pipeline_group(schedule, mesh, group)
         self.mesh = mesh
-        self.count_fn = default_count_fn(loss_fn, count_fn)
         self.device = torch.device(device or "cpu")
         self.rng = StageRng(opts.seed, self.device)
         retain = opts.retain_host_memory
@@ -295,12 +298,17 @@ class PipelineExecutor:
                 sum_over_dp, self.mesh.dp_group if self.mesh else None, self.p2p, self.iteration
             ),
         )
+        if self.cuts is not None:
+            batch = segment_step(batch, self.cuts)
         run = _Run(self, batch, hooks or StepHooks())
         run.run()
         self.iteration += 1
         if not self.has_last:
             return None
         out = [loss for loss in run.losses if loss is not None]
+        k = self.schedule.segments
+        if k > 1:  # a microbatch's loss is the sum of its segments' shares
+            out = [sum(out[j * k + 1 : (j + 1) * k], out[j * k]) for j in range(len(out) // k)]
         if losses is not None:
             losses.extend(out)
         return out
@@ -316,7 +324,7 @@ class _Run:
         self.i = 0  # the next instruction
         self.past_gate = False  # one stop per step: a replayed run passes the gate
         self.ready: dict[Any, Any] = {}  # values received or produced, not yet consumed
-        self.losses: list[torch.Tensor | None] = [None] * pipe.schedule.num_microbatches
+        self.losses: list[torch.Tensor | None] = [None] * pipe.schedule.num_units
         self.held = pipe.held_bytes() if pipe.options.trace else 0  # as of the last compute
 
     def run(self) -> None:
@@ -413,6 +421,7 @@ class _Run:
                     target=target,
                     loss_scale=scale,
                     num_items=batch.num_items if last else None,
+                    segment=None if pipe.cuts is None else segment_of(a.mb, pipe.cuts),
                     **kwargs,
                 )
         except StageChunkError:

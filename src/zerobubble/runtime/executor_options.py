@@ -77,7 +77,17 @@ class ExecutorOptions:
     transform step after split and recompute (:mod:`~zerobubble.runtime.transforms`);
     None: eager. Not with "layers" recompute (refused)."""
 
+    cuts: tuple[int, ...] | None = None
+    """For a schedule of k sequence segments per microbatch
+    (:attr:`~zerobubble.schedule.ir.Schedule.segments`): the token boundaries
+    ``0 = b0 < ... < bk = T`` of every microbatch's sequence (dim 1 of stage 0's inputs and
+    of the target), the same on every rank (a middle stage needs each segment's first
+    token too). :func:`~zerobubble.schedule.segments.balanced_cuts` gives segments of equal
+    work. Required with segments, unused without."""
+
     def __post_init__(self) -> None:
+        if self.cuts is not None:
+            object.__setattr__(self, "cuts", tuple(self.cuts))
         if not self.comm_timeout_s > 0:
             raise ValueError(f"comm_timeout_s must be > 0 seconds, got {self.comm_timeout_s}")
         if self.recv_lookahead < 0:
