@@ -311,6 +311,10 @@ class CausalLMLoss:
     means weighted by rows.
     """
 
+    shifts_labels = True
+    """Position ``t`` is scored against label ``t + 1`` of the same call: a sequence cut into
+    segments would lose each segment's last target (a segment schedule refuses it)."""
+
     def __init__(self, model: nn.Module, ignore_index: int = -100) -> None:
         _refuse_auxiliary_loss(model)
         self._loss: Callable[..., Tensor] = _hf_attr(model, "loss_function")

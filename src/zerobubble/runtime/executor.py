@@ -151,6 +151,14 @@ class PipelineExecutor:
         self.cuts = check_cuts(opts.cuts, schedule.segments) if schedule.segments > 1 else None
         """The segments' token boundaries (None without segments)."""
         self.count_fn = default_count_fn(loss_fn, count_fn)
+        if self.cuts is not None and getattr(loss_fn, "shifts_labels", False):
+            raise ValueError(
+                f"schedule {schedule.name!r} cuts sequences into segments, but loss_fn "
+                f"{type(loss_fn).__name__} shifts the labels inside each call, so every "
+                "segment's last position would lose its target: shift the labels once for the "
+                "whole sequence (label t+1 at position t, the last -100) and pass a loss that "
+                "scores position t against label t"
+            )
         if self.cuts is not None and self.count_fn is None:
             raise ValueError(
                 f"schedule {schedule.name!r} runs sequence segments, whose losses must be "
