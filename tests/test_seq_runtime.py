@@ -1,19 +1,22 @@
 """Segment schedules on the executor: P ranks (gloo) against one process.
 
-The reference runs the whole (unsplit) model one microbatch at a time, each microbatch's
-segments by :func:`~zerobubble.runtime.kv_segments.run_segments` (forwards in order,
-backwards in reverse), every loss a sum over tokens divided by the batch's token count.
-Against the whole sequence in one pass nothing is bitwise (shorter GEMMs and softmax
-rows sum in another order; see tests/test_kv_segments.py), so that comparison is held to
-float32 tolerances at the values' scale.
+Bitwise against :func:`unit_reference`: the whole (unsplit) model in one process doing
+what the pipeline does per unit (segments forward in order, backward last first, each
+loss a sum over the segment's tokens over the batch's count, parameter gradients added
+in unit order). Against the whole sequence in one pass nothing is bitwise (shorter GEMMs
+and softmax rows sum in another order, gradients over segments in another order; see
+tests/test_kv_segments.py), so that comparison is held to float32 tolerances at the
+values' scale.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -21,7 +24,8 @@ from generated import generated
 from ranks import launch
 from zerobubble.models import GPTConfig, build_gpt
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
-from zerobubble.runtime.kv_segments import run_segments
+from zerobubble.runtime.kv_segments import SegmentContext, segment_scope
+from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.partition import build_stage_modules, stage_bounds
 from zerobubble.runtime.reference import reference_step
 
@@ -50,21 +54,76 @@ def model_and_batch(num_stages: int, m: int) -> tuple[list[nn.Module], torch.Ten
     return list(build_gpt(cfg)), x, y
 
 
+def unit_reference(
+    layers: list[nn.Module], x: torch.Tensor, y: torch.Tensor, m: int, cuts: tuple[int, ...]
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """The pipeline's arithmetic in one process: per microbatch, the segments forward in
+    order and backward last first (each B's roots: the segment's loss, a sum over its
+    tokens over the batch's count, and its keys and values with the gradients the later
+    segments sent); a microbatch's loss the sum of its segments' in order; parameter
+    gradients added in unit order (what the weight-gradient store does)."""
+    model = nn.Sequential(*layers)
+    params = list(model.parameters())
+    total = count(y)
+    pairs = list(itertools.pairwise(cuts))
+    losses, per_unit = [], []
+    for xj, yj in zip(torch.tensor_split(x, m), torch.tensor_split(y, m), strict=True):
+        contexts, seg_losses = [], []
+        for start, end in pairs:
+            past = None
+            if contexts:
+                earlier = zip(*(c.new_kv() for c in contexts), strict=True)
+                past = [
+                    [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kvs]
+                    for kvs in earlier
+                ]
+            context = SegmentContext(start, past)
+            with segment_scope([model], context):
+                out = model(xj[:, start:end])
+            seg_losses.append(token_loss(out, yj[:, start:end], total))
+            contexts.append(context)
+        acc: dict[int, list] = {}
+        grads_j: list[list[torch.Tensor | None]] = [[] for _ in pairs]
+        for i in reversed(range(len(pairs))):
+            roots, root_grads = [seg_losses[i]], [torch.ones_like(seg_losses[i])]
+            for kv, kv_grad in zip(contexts[i].new_kv(), acc.get(i, []), strict=False):
+                if kv_grad is not None:
+                    roots.extend(kv)
+                    root_grads.extend(kv_grad)
+            leaves = [t for kvs in contexts[i].past or [] for kv in kvs for t in kv]
+            got = torch.autograd.grad(roots, params + leaves, root_grads, allow_unused=True)
+            grads_j[i] = list(got[: len(params)])
+            n_layers = len(contexts[i].past or [])
+            for layer in range(n_layers):
+                for s in range(i):
+                    at = len(params) + 2 * (layer * i + s)
+                    sums = acc.setdefault(s, [None] * n_layers)
+                    held, new = sums[layer], (got[at], got[at + 1])
+                    sums[layer] = new if held is None else (held[0] + new[0], held[1] + new[1])
+        losses.append(sum(seg_losses[1:], seg_losses[0]).detach())
+        per_unit.extend(grads_j)
+    grads: dict[str, torch.Tensor] = {}
+    names = [n for n, _ in model.named_parameters()]
+    for unit in per_unit:
+        for name, g in zip(names, unit, strict=True):
+            if g is not None:
+                grads[name] = g.clone() if name not in grads else grads[name] + g
+    return losses, grads
+
+
 @functools.cache
 def references(num_stages: int, m: int, cuts: tuple[int, ...]) -> tuple[list, dict, list, dict]:
-    """(segment losses, segment grads, one-pass losses, one-pass grads)."""
+    """(unit losses, unit-order grads, one-pass losses, one-pass grads)."""
     layers, x, y = model_and_batch(num_stages, m)
-    total = count(y)
-    seg_losses = []
-    for xj, yj in zip(torch.tensor_split(x, m), torch.tensor_split(y, m), strict=True):
-        run = run_segments(layers, xj, cuts, lambda out, yj=yj: token_loss(out, yj, total))
-        seg_losses.append(run.loss)
-    seg_grads = {n: p.grad.clone() for n, p in nn.Sequential(*layers).named_parameters()}
-    one_losses, one_grads = reference_step(layers, token_loss, x, target=y, microbatches=m, count_fn=count)
+    seg_losses, seg_grads = unit_reference(layers, x, y, m, cuts)
+    one_losses, one_grads = reference_step(
+        layers, token_loss, x, target=y, microbatches=m, count_fn=count
+    )
     return seg_losses, seg_grads, one_losses, one_grads
 
 
-def seq_job(rank: int, kind: str, p: int, m: int, k: int, cuts: tuple[int, ...]) -> dict:
+def seq_job(kind: str, p: int, m: int, k: int, cuts: tuple[int, ...]) -> dict:
+    rank = init_distributed(timeout_s=60).rank
     sched = generated(kind, p, m, segments=k)
     layers, x, y = model_and_batch(sched.num_stages, m)
     stages = build_stage_modules(layers, sched, rank)
@@ -78,7 +137,9 @@ def seq_job(rank: int, kind: str, p: int, m: int, k: int, cuts: tuple[int, ...])
         for name, param in chunk.module.named_parameters():
             local, rest = name.split(".", 1)
             grads[f"{bounds[s].start + int(local)}.{rest}"] = param.grad
-    return {"losses": losses, "grads": grads, "held": pipe.held_bytes()}
+    held = pipe.held_bytes()
+    dist.destroy_process_group()
+    return {"losses": losses, "grads": grads, "held": held}
 
 
 def check(results: list[dict], num_stages: int, m: int, cuts: tuple[int, ...]) -> None:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge, saved_tensors_hooks
 
+from zerobubble.runtime.kv_segments import KV, SegmentContext, SegmentOf, segment_scope
 from zerobubble.runtime.recompute import (
     Recompute,
     install_layer_recompute,
@@ -73,6 +74,31 @@ class _Record:
     """One per output tensor that carries a gradient (the scaled loss on the last stage)."""
     outs: list[tuple[torch.Size, torch.dtype, torch.device]]
     saved: list[weakref.ref[Tensor]] = field(default_factory=list)
+    segment: SegmentOf | None = None
+    """The unit's place in its microbatch's sequence (None: a whole sequence)."""
+    kv_roots: list[GradientEdge] = field(default_factory=list)
+    """The segment's own keys and values, per attention layer ``k`` then ``v``: extra
+    outputs whose gradients come from the later segments' backwards (none for the last)."""
+    past: list[Tensor] = field(default_factory=list)
+    """The leaves standing for the earlier segments' keys and values (per layer, per
+    earlier segment, ``k`` then ``v``); B hands their gradients back to those segments."""
+
+
+@dataclass
+class _Sequence:
+    """What the segments of one microbatch share on a stage, between their ops."""
+
+    forwarded: int = 0
+    """How many of its segments ran their forward here."""
+    kv: list[list[KV]] = field(default_factory=list)
+    """Per segment forwarded so far, its keys and values per attention layer (aliases
+    without a graph: the segment's own graph keeps the data anyway); dropped after the
+    last segment's forward, the backwards' leaves keep what they need."""
+    grads: dict[int, list[KV | None]] = field(default_factory=dict)
+    """Per segment, the gradients of its keys and values summed over the later segments'
+    backwards that ran so far (None for a layer none of them reached)."""
+    next_backward: int = -1
+    """The segment whose backward may run next (the last one first)."""
 
 
 def storage_bytes(tensors: Iterable[Tensor], exclude: Iterable[Tensor] = ()) -> int:
@@ -170,6 +196,8 @@ class StageChunk:
         self._plain = not is_split(self.module)
         self._submodules = list(self.module.modules())
         self._records: dict[int, _Record] = {}
+        self._sequences: dict[int, _Sequence] = {}
+        """Per microbatch whose sequence runs in segments, what its segments share."""
         self._held: int | None = 0  # held_bytes() until the next op; None: recount
 
     # ---- ops ----------------------------------------------------------------------------
@@ -181,6 +209,7 @@ class StageChunk:
         target: Any = None,
         loss_scale: float = 1.0,
         num_items: Tensor | int | None = None,
+        segment: SegmentOf | None = None,
         **kwargs: Any,
     ) -> Any:
         """F. Returns the stage output, detached, or on the last stage the unscaled loss.
@@ -195,6 +224,12 @@ class StageChunk:
         ``loss * loss_scale`` as the root of its backward; its loss is
         ``loss_fn(output, target)``, or ``loss_fn(output, target, num_items)`` when
         ``num_items`` (a count over the whole batch) is given.
+
+        With ``segment``, ``mb`` is a unit of a segment schedule and the input is that
+        segment of the microbatch's sequence: the stage's attention reads the keys and
+        values this chunk kept from the microbatch's earlier segments (which must have
+        run here, in order) and keeps its own for the later ones
+        (:mod:`~zerobubble.runtime.kv_segments`).
         """
         if mb in self._records:
             raise StageChunkError(
@@ -213,6 +248,7 @@ class StageChunk:
             raise StageChunkError(
                 self.stage, mb, "a stage after the first takes one input, the received value"
             )
+        context = None if segment is None else self._segment_context(mb, segment)
         bare = len(inputs) == 1 and not kwargs and isinstance(inputs[0], Tensor)
         if self.is_first:
             args, kw = map_tensors((inputs, kwargs), Tensor.detach)
@@ -227,7 +263,8 @@ class StageChunk:
 
         self._held = None
         hooks = saved_tensors_hooks(pack, _identity) if self.track_memory else nullcontext()
-        with torch.enable_grad(), hooks, self.store.record(self.stage, mb):
+        scope = nullcontext() if context is None else segment_scope([self.module], context)
+        with torch.enable_grad(), hooks, scope, self.store.record(self.stage, mb):
             if self.recompute == "stage":
                 # The region keeps its inputs for B: the module gets copies, which it
                 # may modify in place (F and B each copy; F's copy dies with F).
@@ -259,12 +296,96 @@ class StageChunk:
         refs = [weakref.ref(t) for t in saved]
         saved.clear()  # every saved tensor's hooks keep `pack`, and with it this list, alive
         x = tensor_leaves(args if self.is_first else args[0])
-        self._records[mb] = _Record("F", x, bare, roots, outs, refs)
+        rec = _Record("F", x, bare, roots, outs, refs)
+        if context is not None and segment is not None:
+            self._keep_segment(rec, segment, context)
+        self._records[mb] = rec
         if self._graph_splits:
             self._recount_share()
         if self.is_last:
             return result.detach()
         return map_tensors(result, _send_leaf)
+
+    def _segment_context(self, mb: int, segment: SegmentOf) -> SegmentContext:
+        """The context of ``segment``'s forward: one fresh leaf per earlier segment's keys
+        and values per attention layer, so that each leaf's gradient is this segment's
+        share for that earlier segment."""
+        if self.recompute != "none":
+            raise ValueError(
+                f"stage {self.stage}: recompute={self.recompute!r} with sequence segments is "
+                "not supported (the recomputed forward would not see the earlier segments' "
+                "keys and values); use recompute='none'"
+            )
+        seq = self._sequences.setdefault(segment.microbatch, _Sequence())
+        if seq.forwarded != segment.index:
+            raise StageChunkError(
+                self.stage,
+                mb,
+                f"segment {segment.index} of microbatch {segment.microbatch} forwarded after "
+                f"{seq.forwarded} of its segments; the segments of a sequence go in order",
+            )
+        if not seq.kv:
+            return SegmentContext(segment.start)
+        layers = zip(*seq.kv, strict=True)
+        past = [
+            [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kvs]
+            for kvs in layers
+        ]
+        return SegmentContext(segment.start, past)
+
+    def _keep_segment(self, rec: _Record, segment: SegmentOf, context: SegmentContext) -> None:
+        """Record the segment on ``rec``: its past leaves as inputs of its backward, and, for
+        all but the last segment, its own keys and values (for the later segments, and as
+        extra outputs of its backward)."""
+        rec.segment = segment
+        rec.past = [t for kvs in context.past or [] for kv in kvs for t in kv]
+        own = context.new_kv()
+        seq = self._sequences[segment.microbatch]
+        seq.forwarded += 1
+        if segment.index + 1 < segment.count:
+            seq.kv.append([(k.detach(), v.detach()) for k, v in own])
+            rec.kv_roots = [get_gradient_edge(t) for kv in own for t in kv]
+        else:
+            seq.kv.clear()  # no later segment reads them
+            seq.next_backward = segment.index
+
+    def _segment_grads(self, mb: int, rec: _Record) -> list[Tensor | None]:
+        """The summed gradients of the segment's own keys and values, after checking that
+        every later segment's backward ran."""
+        segment = rec.segment
+        assert segment is not None
+        seq = self._sequences[segment.microbatch]
+        if seq.next_backward != segment.index:
+            raise StageChunkError(
+                self.stage,
+                mb,
+                f"backward of segment {segment.index} of microbatch {segment.microbatch} "
+                f"before that of segment {seq.next_backward}; the segments of a sequence go "
+                "backward last first",
+            )
+        held = seq.grads.pop(segment.index, None)
+        if held is None:
+            return [None] * len(rec.kv_roots)
+        return [g for kv in held for g in (kv if kv is not None else (None, None))]
+
+    def _hand_back(self, rec: _Record, grads: Sequence[Tensor | None]) -> None:
+        """Add the past leaves' gradients to the earlier segments' sums."""
+        segment = rec.segment
+        assert segment is not None
+        seq = self._sequences[segment.microbatch]
+        layers = len(rec.past) // (2 * segment.index) if segment.index else 0
+        for j in range(layers):
+            for s in range(segment.index):
+                at = 2 * (j * segment.index + s)
+                gk, gv = grads[at], grads[at + 1]
+                if gk is None or gv is None:
+                    continue
+                sums = seq.grads.setdefault(s, [None] * layers)
+                held = sums[j]
+                sums[j] = (gk, gv) if held is None else (held[0] + gk, held[1] + gv)
+        seq.next_backward = segment.index - 1
+        if segment.index == 0:
+            del self._sequences[segment.microbatch]
 
     def _recount_share(self) -> None:
         """Recount :attr:`split_share` once a graph-level split has fallen back to B (a call
@@ -311,11 +432,34 @@ class StageChunk:
         assert rec.x is not None
         xs = [t for t in rec.x if t.requires_grad]
         params = [p for p in self._params if p.requires_grad]
-        got = self.store.backward(self.stage, mb, rec.roots, grads, xs, params)
+        roots = rec.roots
+        if rec.segment is not None:
+            roots, grads = self._segment_roots(mb, rec, grads)
+        got = self.store.backward(self.stage, mb, roots, grads, xs + rec.past, params)
+        if rec.segment is not None:
+            self._hand_back(rec, got[len(xs) :])
+            got = got[: len(xs)]
+            rec.past, rec.kv_roots = [], []
         # The weak references to saved tensors stay: held_bytes would expose a
         # graph that B failed to free.
         rec.state, rec.x, rec.roots = "B", None, []
         return _input_grads(rec, xs, got)
+
+    def _segment_roots(
+        self, mb: int, rec: _Record, grads: list[Tensor] | None
+    ) -> tuple[list[Tensor | GradientEdge], list[Tensor] | None]:
+        """The roots and gradients of a segment's backward: its outputs', then those of its
+        own keys and values that a later segment's backward reached."""
+        kv_grads = self._segment_grads(mb, rec)
+        if not any(g is not None for g in kv_grads):
+            return rec.roots, grads
+        roots: list[Tensor | GradientEdge] = list(rec.roots)
+        out = list(grads) if grads is not None else [torch.ones_like(r) for r in rec.roots]  # type: ignore[arg-type]
+        for edge, g in zip(rec.kv_roots, kv_grads, strict=True):
+            if g is not None:
+                roots.append(edge)
+                out.append(g)
+        return roots, out
 
     def backward_weight(self, mb: int) -> None:
         """W. Runs the deferred weight-gradient work and adds gradients in microbatch order."""
@@ -330,7 +474,9 @@ class StageChunk:
         Without split layers and in microbatch order, one ``torch.autograd.backward``
         adds the parameter gradients as it goes, like plain autograd.
         """
-        if not (self._plain and self.store.direct(self.stage, mb)):
+        rec0 = self._records.get(mb)
+        segmented = rec0 is not None and rec0.segment is not None
+        if segmented or not (self._plain and self.store.direct(self.stage, mb)):
             gx = self.backward_input(mb, grad_output)
             self.backward_weight(mb)
             return gx
@@ -362,6 +508,7 @@ class StageChunk:
         for mb in self._records:
             self.store.discard(self.stage, mb)
         self._records.clear()
+        self._sequences.clear()
 
     # ---- inspection ---------------------------------------------------------------------
 
@@ -387,6 +534,11 @@ class StageChunk:
                 tensors.extend(r for r in rec.roots if isinstance(r, Tensor))
                 tensors.extend(t for ref in rec.saved if (t := ref()) is not None)
             tensors.extend(self.store.held_tensors(self.stage))
+            for seq in self._sequences.values():
+                tensors.extend(t for kvs in seq.kv for kv in kvs for t in kv)
+                tensors.extend(
+                    t for sums in seq.grads.values() for kv in sums if kv is not None for t in kv
+                )
             weights = [
                 t
                 for m in self._submodules

@@ -45,6 +45,7 @@ __all__ = [
     "KV",
     "SegmentAware",
     "SegmentContext",
+    "SegmentOf",
     "SegmentRun",
     "SegmentSlot",
     "run_segments",
@@ -54,6 +55,23 @@ __all__ = [
 
 KV = tuple[Tensor, Tensor]
 """Keys and values of one segment for one layer, the sequence on dim -2."""
+
+
+@dataclass(frozen=True)
+class SegmentOf:
+    """Where a unit of a segment schedule sits: microbatch ``microbatch``'s segment ``index``
+    of ``count``, whose first token is ``start`` (what a stage needs to run it)."""
+
+    microbatch: int
+    index: int
+    count: int
+    start: int
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.index < self.count and self.microbatch >= 0 and self.start >= 0):
+            raise ValueError(f"not a segment: {self}")
+        if (self.index == 0) != (self.start == 0):
+            raise ValueError(f"segment {self.index} cannot start at token {self.start}")
 
 
 @dataclass
