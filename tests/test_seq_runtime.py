@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -22,12 +23,16 @@ from torch import nn
 
 from generated import generated
 from ranks import launch
+from zerobubble.interop import hf
 from zerobubble.models import GPTConfig, build_gpt
+from zerobubble.runtime.chunk import StageChunk, StageChunkError
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
-from zerobubble.runtime.kv_segments import SegmentContext, segment_scope
+from zerobubble.runtime.kv_segments import SegmentContext, SegmentOf, segment_inputs, segment_scope
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.partition import build_stage_modules, stage_bounds
+from zerobubble.runtime.partition import build_stage_modules, model_name, stage_bounds
 from zerobubble.runtime.reference import reference_step
+from zerobubble.runtime.segment_batch import segment_step
+from zerobubble.runtime.step_batch import StepBatch
 
 IGNORE = -100
 T = 16
@@ -42,20 +47,42 @@ def count(labels: torch.Tensor) -> int:
     return int((labels != IGNORE).sum())
 
 
-def model_and_batch(num_stages: int, m: int) -> tuple[list[nn.Module], torch.Tensor, torch.Tensor]:
-    """A GPT of num_stages blocks; 2m+1 rows, the last labels of some rows ignored (padding)."""
-    cfg = GPTConfig(vocab_size=17, max_seq_len=T, d_model=8, n_heads=2, n_layers=num_stages)
+def model_and_batch(
+    model: str, num_stages: int, m: int
+) -> tuple[list[nn.Module], Any, torch.Tensor]:
+    """Our GPT or a tiny HF Llama (sdpa) of num_stages blocks, and 2m+1 rows.
+
+    GPT: the last labels of every other row ignored (padding at the end). Llama: a padding
+    mask (row 1 padded on the left, row 2 on the right), the labels shifted once for the
+    whole sequence (position t scores label t+1; a loss that shifts inside each call would
+    lose every segment's last target) and ignored where they or the position are padding.
+    """
     gen = torch.Generator().manual_seed(7)
     n = 2 * m + 1
-    x = torch.randint(0, 17, (n, T), generator=gen)
-    y = torch.randint(0, 17, (n, T), generator=gen)
-    for row in range(0, n, 2):
-        y[row, T - 1 - row % T :] = IGNORE
-    return list(build_gpt(cfg)), x, y
+    if model == "gpt":
+        cfg = GPTConfig(vocab_size=17, max_seq_len=T, d_model=8, n_heads=2, n_layers=num_stages)
+        x = torch.randint(0, 17, (n, T), generator=gen)
+        y = torch.randint(0, 17, (n, T), generator=gen)
+        for row in range(0, n, 2):
+            y[row, T - 1 - row % T :] = IGNORE
+        return list(build_gpt(cfg)), x, y
+    llama = hf.tiny_model(
+        "hf-llama",
+        attn_implementation="sdpa",
+        num_hidden_layers=num_stages,
+        tie_word_embeddings=False,
+    ).train()
+    ids = torch.randint(3, 256, (n, T), generator=gen)
+    mask = torch.ones(n, T, dtype=torch.long)
+    mask[1, :5] = 0
+    mask[2, 11:] = 0
+    y = torch.full((n, T), IGNORE)
+    y[:, :-1] = ids[:, 1:].masked_fill((mask[:, 1:] == 0) | (mask[:, :-1] == 0), IGNORE)
+    return hf.causal_lm_layers(llama, check=False), {"input_ids": ids, "attention_mask": mask}, y
 
 
 def unit_reference(
-    layers: list[nn.Module], x: torch.Tensor, y: torch.Tensor, m: int, cuts: tuple[int, ...]
+    layers: list[nn.Module], x: Any, y: torch.Tensor, m: int, cuts: tuple[int, ...]
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """The pipeline's arithmetic in one process: per microbatch, the segments forward in
     order and backward last first (each B's roots: the segment's loss, a sum over its
@@ -67,7 +94,8 @@ def unit_reference(
     total = count(y)
     pairs = list(itertools.pairwise(cuts))
     losses, per_unit = [], []
-    for xj, yj in zip(torch.tensor_split(x, m), torch.tensor_split(y, m), strict=True):
+    for j, yj in enumerate(torch.tensor_split(y, m)):
+        xj = split_rows(x, m, j)
         contexts, seg_losses = [], []
         for start, end in pairs:
             past = None
@@ -79,7 +107,7 @@ def unit_reference(
                 ]
             context = SegmentContext(start, past)
             with segment_scope([model], context):
-                out = model(xj[:, start:end])
+                out = model(segment_inputs(xj, start, end))
             seg_losses.append(token_loss(out, yj[:, start:end], total))
             contexts.append(context)
         acc: dict[int, list] = {}
@@ -111,21 +139,32 @@ def unit_reference(
     return losses, grads
 
 
+def split_rows(x: Any, m: int, j: int) -> Any:
+    """Microbatch j of a tensor or a mapping of tensors, as the executor splits them."""
+    if isinstance(x, dict):
+        return {k: torch.tensor_split(v, m)[j] for k, v in x.items()}
+    return torch.tensor_split(x, m)[j]
+
+
 @functools.cache
-def references(num_stages: int, m: int, cuts: tuple[int, ...]) -> tuple[list, dict, list, dict]:
+def references(
+    model: str, num_stages: int, m: int, cuts: tuple[int, ...]
+) -> tuple[list, dict, list, dict]:
     """(unit losses, unit-order grads, one-pass losses, one-pass grads)."""
-    layers, x, y = model_and_batch(num_stages, m)
+    layers, x, y = model_and_batch(model, num_stages, m)
     seg_losses, seg_grads = unit_reference(layers, x, y, m, cuts)
-    one_losses, one_grads = reference_step(
+    one_losses, user_grads = reference_step(
         layers, token_loss, x, target=y, microbatches=m, count_fn=count
     )
+    keys = tuple(str(i) for i in range(len(layers)))
+    one_grads = {name: user_grads[model_name(name, keys, layers)] for name in seg_grads}
     return seg_losses, seg_grads, one_losses, one_grads
 
 
-def seq_job(kind: str, p: int, m: int, k: int, cuts: tuple[int, ...]) -> dict:
+def seq_job(model: str, kind: str, p: int, m: int, k: int, cuts: tuple[int, ...]) -> dict:
     rank = init_distributed(timeout_s=60).rank
     sched = generated(kind, p, m, segments=k)
-    layers, x, y = model_and_batch(sched.num_stages, m)
+    layers, x, y = model_and_batch(model, sched.num_stages, m)
     stages = build_stage_modules(layers, sched, rank)
     pipe = PipelineExecutor(
         sched, stages, loss_fn=token_loss, count_fn=count, options=ExecutorOptions(cuts=cuts)
@@ -142,8 +181,8 @@ def seq_job(kind: str, p: int, m: int, k: int, cuts: tuple[int, ...]) -> dict:
     return {"losses": losses, "grads": grads, "held": held}
 
 
-def check(results: list[dict], num_stages: int, m: int, cuts: tuple[int, ...]) -> None:
-    seg_losses, seg_grads, one_losses, one_grads = references(num_stages, m, cuts)
+def check(results: list[dict], model: str, num_stages: int, m: int, cuts: tuple[int, ...]) -> None:
+    seg_losses, seg_grads, one_losses, one_grads = references(model, num_stages, m, cuts)
     losses = next(r["losses"] for r in results if r["losses"] is not None)
     grads = {k: v for r in results for k, v in r["grads"].items()}
     assert sorted(grads) == sorted(seg_grads)
@@ -158,15 +197,78 @@ def check(results: list[dict], num_stages: int, m: int, cuts: tuple[int, ...]) -
 
 
 @pytest.mark.parametrize(
-    ("kind", "p", "k", "cuts"),
+    ("model", "kind", "p", "k", "cuts"),
     [
-        ("seq1f1b", 2, 2, (0, 9, 16)),
-        ("seq-zb", 2, 4, (0, 6, 10, 13, 16)),
-        ("seq1f1b", 3, 4, (0, 1, 2, 15, 16)),
-        ("seq-zb", 3, 2, (0, 12, 16)),
+        ("gpt", "seq1f1b", 2, 2, (0, 9, 16)),
+        ("gpt", "seq-zb", 2, 4, (0, 6, 10, 13, 16)),
+        ("gpt", "seq1f1b", 3, 4, (0, 1, 2, 15, 16)),
+        ("gpt", "seq-zb", 3, 2, (0, 12, 16)),
+        ("llama", "seq-zb", 2, 2, (0, 10, 16)),
+        ("llama", "seq1f1b", 3, 4, (0, 3, 7, 12, 16)),
     ],
 )
-def test_segment_schedules_match_the_segments_of_one_process(kind, p, k, cuts):
+def test_segment_schedules_match_the_segments_of_one_process(model, kind, p, k, cuts):
     m = 3
-    results = launch(seq_job, p, kind, p, m, k, cuts, timeout=240)
-    check(results, p, m, cuts)
+    results = launch(seq_job, p, model, kind, p, m, k, cuts, timeout=240)
+    check(results, model, p, m, cuts)
+
+
+# ---- what a stage refuses ------------------------------------------------------------------
+
+
+def _stage0() -> StageChunk:
+    cfg = GPTConfig(vocab_size=17, max_seq_len=T, d_model=8, n_heads=2, n_layers=2)
+    return StageChunk(nn.Sequential(*list(build_gpt(cfg))[:2]), 0, 2)
+
+
+def test_a_stage_runs_a_sequence_forward_in_order_and_backward_last_first():
+    chunk = _stage0()
+    x = torch.randint(0, 17, (2, T), generator=torch.Generator().manual_seed(0))
+    first, second = SegmentOf(0, 0, 2, 0), SegmentOf(0, 1, 2, 8)
+    with pytest.raises(StageChunkError, match="segment 1 of microbatch 0 forwarded after 0 of"):
+        chunk.forward(1, x[:, 8:], segment=second)
+    y0 = chunk.forward(0, x[:, :8], segment=first)
+    y1 = chunk.forward(1, x[:, 8:], segment=second)
+    with pytest.raises(StageChunkError, match="backward of segment 0 of microbatch 0 before that"):
+        chunk.backward_input(0, torch.ones_like(y0))
+    chunk.backward_input(1, torch.ones_like(y1))
+    chunk.backward_input(0, torch.ones_like(y0))
+    chunk.backward_weight(1)
+    chunk.backward_weight(0)
+    assert chunk.pending() == {} and chunk.held_bytes() == 0
+
+
+def test_recompute_with_segments_is_refused_naming_the_stage():
+    cfg = GPTConfig(vocab_size=17, max_seq_len=T, d_model=8, n_heads=2, n_layers=2)
+    chunk = StageChunk(nn.Sequential(*list(build_gpt(cfg))[:2]), 0, 2, recompute="stage")
+    with pytest.raises(ValueError, match="stage 0: recompute='stage' with sequence segments"):
+        chunk.forward(0, torch.zeros(1, 8, dtype=torch.long), segment=SegmentOf(0, 0, 2, 0))
+
+
+def test_a_loss_that_shifts_labels_is_refused_with_segments():
+    class Shifting:
+        shifts_labels = True
+
+        def __call__(self, out, labels, num_items):  # pragma: no cover - never called
+            raise AssertionError
+
+    sched = generated("seq-zb", 1, 2, segments=2)
+    with pytest.raises(ValueError, match="shifts the labels inside each call"):
+        PipelineExecutor(
+            sched,
+            {0: nn.Sequential(nn.Linear(2, 2))},
+            loss_fn=Shifting(),
+            count_fn=count,
+            options=ExecutorOptions(cuts=(0, 8, 16)),
+        )
+
+
+def test_a_batch_of_another_length_is_refused_naming_both():
+    batch = StepBatch(inputs=[((torch.zeros(1, 12, dtype=torch.long),), {})])
+    with pytest.raises(
+        ValueError, match=r"sequences of 12 tokens but the segment cuts \[0, 8, 16\]"
+    ):
+        segment_step(batch, (0, 8, 16))
+    cut = segment_step(StepBatch(inputs=[((torch.arange(16)[None],), {})]), (0, 8, 16))
+    assert cut.inputs is not None
+    assert [a[0].tolist() for a, _ in cut.inputs] == [[list(range(8))], [list(range(8, 16))]]
