@@ -272,3 +272,10 @@ def test_a_batch_of_another_length_is_refused_naming_both():
     cut = segment_step(StepBatch(inputs=[((torch.arange(16)[None],), {})]), (0, 8, 16))
     assert cut.inputs is not None
     assert [a[0].tolist() for a, _ in cut.inputs] == [[list(range(8))], [list(range(8, 16))]]
+
+
+def test_an_attention_layer_that_cannot_see_earlier_segments_is_refused():
+    stage = nn.Sequential(nn.Embedding(17, 8), nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0))
+    chunk = StageChunk(stage, 0, 2, split=False)
+    with pytest.raises(ValueError, match=r"stage 0: attention layer 1.self_attn \(MultiheadAtt"):
+        chunk.forward(0, torch.zeros(1, 8, dtype=torch.long), segment=SegmentOf(0, 0, 2, 0))

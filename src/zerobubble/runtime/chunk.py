@@ -27,7 +27,13 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge, saved_tensors_hooks
 
-from zerobubble.runtime.kv_segments import KV, SegmentContext, SegmentOf, segment_scope
+from zerobubble.runtime.kv_segments import (
+    KV,
+    SegmentContext,
+    SegmentOf,
+    segment_scope,
+    unaware_attention,
+)
 from zerobubble.runtime.recompute import (
     Recompute,
     install_layer_recompute,
@@ -315,6 +321,12 @@ class StageChunk:
                 f"stage {self.stage}: recompute={self.recompute!r} with sequence segments is "
                 "not supported (the recomputed forward would not see the earlier segments' "
                 "keys and values); use recompute='none'"
+            )
+        if (layer := unaware_attention(self.module)) is not None:
+            raise ValueError(
+                f"stage {self.stage}: attention layer {layer} would see only its own segment "
+                "of the sequence, not the earlier ones; run it without segments, or make it "
+                "segment-aware (zerobubble.runtime.kv_segments.SegmentAware)"
             )
         seq = self._sequences.setdefault(segment.microbatch, _Sequence())
         if seq.forwarded != segment.index:

@@ -51,6 +51,7 @@ __all__ = [
     "run_segments",
     "segment_inputs",
     "segment_scope",
+    "unaware_attention",
 ]
 
 KV = tuple[Tensor, Tensor]
@@ -153,6 +154,24 @@ class SegmentAware:
 
     holds_kv: ClassVar[bool] = False
     segment_slot: SegmentSlot | None = None
+
+
+def unaware_attention(module: nn.Module) -> str | None:
+    """The name of an attention layer of ``module`` that would not see the earlier segments
+    (none of the segment-aware layers holds it), or None.
+
+    A heuristic, to refuse the likely silent error: ``nn.MultiheadAttention`` and modules
+    whose class name ends in ``Attention`` count as attention."""
+    covered: list[str] = []
+    for name, m in module.named_modules():
+        if any(name == c or name.startswith(c + ".") for c in covered):
+            continue
+        if isinstance(m, SegmentAware) and m.holds_kv:
+            covered.append(name)
+            continue
+        if isinstance(m, nn.MultiheadAttention) or type(m).__name__.endswith("Attention"):
+            return f"{name or '(the stage)'} ({type(m).__name__})"
+    return None
 
 
 @contextmanager
