@@ -126,6 +126,10 @@ def storage_bytes(tensors: Iterable[Tensor], exclude: Iterable[Tensor] = ()) -> 
 class StageChunk:
     """F / B / W / BW of one virtual stage.
 
+    Under a segment schedule (``forward(..., segment=...)``) the ops run on units, one
+    segment of a microbatch's sequence each; the chunk keeps what the microbatch's
+    segments share on this stage (keys and values, their gradients) between them.
+
     Args:
         module: The stage's layers (split in place when ``split``).
         stage: Index of this virtual stage in model order.
@@ -204,6 +208,8 @@ class StageChunk:
         self._records: dict[int, _Record] = {}
         self._sequences: dict[int, _Sequence] = {}
         """Per microbatch whose sequence runs in segments, what its segments share."""
+        self._unaware: str | None = None
+        """An attention layer that cannot run segments ("" if none), found at the first."""
         self._held: int | None = 0  # held_bytes() until the next op; None: recount
 
     # ---- ops ----------------------------------------------------------------------------
@@ -322,7 +328,9 @@ class StageChunk:
                 "not supported (the recomputed forward would not see the earlier segments' "
                 "keys and values); use recompute='none'"
             )
-        if (layer := unaware_attention(self.module)) is not None:
+        if self._unaware is None:  # once: the module's layers do not change
+            self._unaware = unaware_attention(self.module) or ""
+        if layer := self._unaware:
             raise ValueError(
                 f"stage {self.stage}: attention layer {layer} would see only its own segment "
                 "of the sequence, not the earlier ones; run it without segments, or make it "
