@@ -33,6 +33,7 @@ from zerobubble.runtime.partition import build_stage_modules, model_name, stage_
 from zerobubble.runtime.reference import reference_step
 from zerobubble.runtime.segment_batch import segment_step
 from zerobubble.runtime.step_batch import StepBatch
+from zerobubble.schedule.trace_check import check_trace
 
 IGNORE = -100
 T = 16
@@ -178,7 +179,7 @@ def seq_job(model: str, kind: str, p: int, m: int, k: int, cuts: tuple[int, ...]
             grads[f"{bounds[s].start + int(local)}.{rest}"] = param.grad
     held = pipe.held_bytes()
     dist.destroy_process_group()
-    return {"losses": losses, "grads": grads, "held": held}
+    return {"losses": losses, "grads": grads, "held": held, "events": list(pipe.trace.events)}
 
 
 def check(results: list[dict], model: str, num_stages: int, m: int, cuts: tuple[int, ...]) -> None:
@@ -187,6 +188,8 @@ def check(results: list[dict], model: str, num_stages: int, m: int, cuts: tuple[
     grads = {k: v for r in results for k, v in r["grads"].items()}
     assert sorted(grads) == sorted(seg_grads)
     assert all(r["held"] == 0 for r in results)
+    report = check_trace([e for r in results for e in r["events"]])
+    assert report.ok, report.first
     assert all(map(torch.equal, losses, seg_losses)), (losses, seg_losses)
     for name, g in grads.items():
         assert torch.equal(g, seg_grads[name]), name
