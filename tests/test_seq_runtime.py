@@ -11,6 +11,7 @@ values' scale.
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 from typing import Any
@@ -21,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import zerobubble
 from generated import generated
 from ranks import launch
 from zerobubble.interop import hf
@@ -32,6 +34,7 @@ from zerobubble.runtime.chunk import StageChunk, StageChunkError
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.kv_segments import SegmentContext, SegmentOf, segment_inputs, segment_scope
 from zerobubble.runtime.launcher import init_distributed
+from zerobubble.runtime.mesh import build_mesh
 from zerobubble.runtime.partition import build_stage_modules, model_name, stage_bounds
 from zerobubble.runtime.reference import reference_step
 from zerobubble.runtime.segment_batch import segment_step
@@ -86,7 +89,12 @@ def model_and_batch(
 
 
 def unit_reference(
-    layers: list[nn.Module], x: Any, y: torch.Tensor, m: int, cuts: tuple[int, ...]
+    layers: list[nn.Module],
+    x: Any,
+    y: torch.Tensor,
+    m: int,
+    cuts: tuple[int, ...],
+    total: int | None = None,
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """The pipeline's arithmetic in one process: per microbatch, the segments forward in
     order and backward last first (each B's roots: the segment's loss, a sum over its
@@ -95,7 +103,7 @@ def unit_reference(
     gradients added in unit order (what the weight-gradient store does)."""
     model = nn.Sequential(*layers)
     params = list(model.parameters())
-    total = count(y)
+    total = count(y) if total is None else total  # the batch's count (all replicas')
     pairs = list(itertools.pairwise(cuts))
     losses, per_unit = [], []
     for j, yj in enumerate(torch.tensor_split(y, m)):
@@ -325,3 +333,37 @@ def test_post_validation_modes_train_segments_as_sync_does_bitwise(kind, p, k, c
         for rank in range(p):
             assert all(map(torch.equal, runs[mode][rank][0], runs["sync"][rank][0])), (mode, rank)
     assert runs["spec"][0][1] > 0  # the NaN made speculation replay
+
+
+# ---- data parallel ---------------------------------------------------------------------------
+
+
+def dp_job(kind: str, pp: int, dp: int, k: int, cuts: tuple[int, ...]) -> dict:
+    """One step of a (pp, dp) mesh; replica r takes its share of the rows."""
+    init_distributed(timeout_s=60)
+    mesh = build_mesh(pp, dp)
+    sched = generated(kind, pp, 3, segments=k)
+    layers, x, y = model_and_batch("gpt", sched.num_stages, 6)
+    part = slice(mesh.dp_rank * 7, (mesh.dp_rank + 1) * 7 - mesh.dp_rank)  # 7 and 6 rows
+    pipe = zerobubble.Pipeline(
+        layers, token_loss, sched, mesh=mesh, options=ExecutorOptions(cuts=cuts), count_fn=count
+    )
+    pipe.step(x[part], target=y[part])
+    grads = {n: q.grad.clone() for n, q in pipe.named_parameters()}
+    dist.destroy_process_group()
+    return grads
+
+
+def test_data_parallel_segment_pipelines_sum_the_replicas_bitwise():
+    cuts = (0, 9, 16)
+    results = launch(dp_job, 4, "seq-zb", 2, 2, 2, cuts, timeout=240)
+    layers, x, y = model_and_batch("gpt", 2, 6)
+    total = count(y)
+    replicas = [
+        unit_reference(copy.deepcopy(layers), x[rows], y[rows], 3, cuts, total)[1]
+        for rows in (slice(0, 7), slice(7, 13))
+    ]
+    grads = {n: g for r in results for n, g in r.items()}
+    assert sorted(grads) == sorted(replicas[0])
+    for name, g in grads.items():
+        assert torch.equal(g, replicas[0][name] + replicas[1][name]), name
