@@ -5,7 +5,10 @@ The public API, all importable from ``zerobubble``:
 * schedules (no torch): :class:`Schedule`, :class:`Action`, :class:`Op`,
   :func:`generate` (every kind in :data:`GENERATORS`), :func:`validate` (raises
   :class:`ScheduleError`), :func:`simulate` (a :class:`SimResult`) under a
-  :class:`CostModel`, :func:`load_schedule` / :func:`save_schedule`;
+  :class:`CostModel`, :func:`load_schedule` / :func:`save_schedule`; for sequence
+  segments (``generate("seq-zb", P, M, segments=k)``), where to cut a sequence:
+  :func:`balanced_cuts` (segments of equal :class:`SegmentCost`) or :func:`equal_token_cuts`,
+  passed to the executor as ``ExecutorOptions(cuts=...)``;
 * running them, one process per device: :class:`Pipeline` (layers + loss ->
   this rank's stages, trained step by step), or its parts
   :func:`build_stage_modules` / :func:`stage_bounds`, :class:`PipelineExecutor`
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
     from zerobubble.schedule.formats import load_schedule, save_schedule
     from zerobubble.schedule.generators import GENERATORS, generate
     from zerobubble.schedule.ir import Action, Op, Schedule
+    from zerobubble.schedule.segments import SegmentCost, balanced_cuts, equal_token_cuts
     from zerobubble.schedule.simulate import SimResult, simulate
     from zerobubble.schedule.validate import validate
 
@@ -57,7 +61,10 @@ _WHERE: dict[str, tuple[str, str | None]] = {
     "Op": ("zerobubble.schedule.ir", "Op"),
     "Schedule": ("zerobubble.schedule.ir", "Schedule"),
     "ScheduleError": ("zerobubble.schedule.errors", "ScheduleError"),
+    "SegmentCost": ("zerobubble.schedule.segments", "SegmentCost"),
     "SimResult": ("zerobubble.schedule.simulate", "SimResult"),
+    "balanced_cuts": ("zerobubble.schedule.segments", "balanced_cuts"),
+    "equal_token_cuts": ("zerobubble.schedule.segments", "equal_token_cuts"),
     "generate": ("zerobubble.schedule.generators", "generate"),
     "load_schedule": ("zerobubble.schedule.formats", "load_schedule"),
     "save_schedule": ("zerobubble.schedule.formats", "save_schedule"),
@@ -100,10 +107,13 @@ __all__ = [
     "Rollback",
     "Schedule",
     "ScheduleError",
+    "SegmentCost",
     "SimResult",
     "StepMode",
+    "balanced_cuts",
     "build_mesh",
     "build_stage_modules",
+    "equal_token_cuts",
     "generate",
     "init_distributed",
     "launch_local",
