@@ -12,6 +12,7 @@ values' scale.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import itertools
 from typing import Any
@@ -199,7 +200,8 @@ def check(results: list[dict], model: str, num_stages: int, m: int, cuts: tuple[
     grads = {k: v for r in results for k, v in r["grads"].items()}
     assert sorted(grads) == sorted(seg_grads)
     assert all(r["held"] == 0 for r in results)
-    report = check_trace([e for r in results for e in r["events"]])
+    k = len(cuts) - 1
+    report = check_trace([e for r in results for e in r["events"]], segments=k)
     assert report.ok, report.first
     assert all(map(torch.equal, losses, seg_losses)), (losses, seg_losses)
     for name, g in grads.items():
@@ -367,3 +369,24 @@ def test_data_parallel_segment_pipelines_sum_the_replicas_bitwise():
     assert sorted(grads) == sorted(replicas[0])
     for name, g in grads.items():
         assert torch.equal(g, replicas[0][name] + replicas[1][name]), name
+
+
+def test_check_trace_with_segments_names_a_segment_run_out_of_order():
+    results = launch(seq_job, 2, "gpt", "seq1f1b", 2, 3, 2, (0, 9, 16), timeout=240)
+    events = [e for r in results for e in r["events"]]
+    assert check_trace(events, segments=2).ok
+
+    # Swap the labels of microbatch 0's two segments everywhere (computes and messages):
+    # every message still pairs up, but each stage now runs segment 1 before segment 0.
+    def swap(e):
+        mb = 1 - e.mb if e.mb in (0, 1) else e.mb
+        msg = e.msg
+        if msg is not None and msg[3] in (0, 1):
+            msg = (*msg[:3], 1 - msg[3])
+        return dataclasses.replace(e, mb=mb, msg=msg)
+
+    swapped = [swap(e) for e in events]
+    report = check_trace(swapped, segments=2)
+    assert report.first is not None and report.first.check == "edge"
+    assert "consumes the output of F(s0,mb0)" in str(report.first), report.first
+    assert check_trace(swapped).ok  # without the segment count the order is not known

@@ -12,8 +12,8 @@ Subcommand names and flags are fixed (scripts depend on them)::
     zerobubble train --config job.toml [--section.field VALUE ...]  (flags override the file;
                      one flag per field of zerobubble.train.config)
     zerobubble profile [same flags as train]
-    zerobubble check-trace TRACE [--mem-budget BYTES] [--tolerance-us US] [--opt-op NAME]
-                           [--conservative]
+    zerobubble check-trace TRACE [--segments K] [--mem-budget BYTES] [--tolerance-us US]
+                           [--opt-op NAME] [--conservative]
     zerobubble demo [--out DIR]
 """
 
@@ -333,6 +333,7 @@ def cmd_check_trace(args: argparse.Namespace) -> int:
         tolerance_ns=int(args.tolerance_us * 1000),
         opt_ops=args.opt_op or DEFAULT_OPT_OPS,
         conservative=args.conservative,
+        segments=args.segments,
     )
     for note in report.notes:
         print(f"note: {note}")
@@ -526,6 +527,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check-trace", help="check an executed pipeline's JSONL trace")
     p.add_argument("trace", type=Path)
+    p.add_argument(
+        "--segments",
+        type=_positive_int,
+        default=1,
+        metavar="K",
+        help="the run's schedule cut each sequence into K segments (its mb are units): also "
+        "check the segments' order on every stage",
+    )
     p.add_argument("--mem-budget", type=int, help="activation bytes per rank never to exceed")
     p.add_argument(
         "--tolerance-us",

@@ -24,7 +24,9 @@ its earliest event):
    (the transport matches messages in order).
 5. ``edge``: every cross-stage dependency is respected: a consumer runs after
    its local producer, or after waiting for the message whose send follows
-   its producer on the other rank.
+   its producer on the other rank. With ``segments=k`` (a segment schedule's
+   trace, whose ``mb`` are units) also the segments' order on each stage:
+   forwards from the sequence's start, backwards from its end.
 6. ``clock``: some clock offset between each pair of ranks makes every
    message between them arrive after it was sent (so, with 5, every consumer
    starts after its producer ended).
@@ -204,8 +206,11 @@ def check_trace(
     tolerance_ns: int = DEFAULT_TOLERANCE_NS,
     opt_ops: Iterable[EventKind] = DEFAULT_OPT_OPS,
     conservative: bool = False,
+    segments: int = 1,
 ) -> TraceReport:
     """Check a trace of every rank; see the module docstring for the rules."""
+    if type(segments) is not int or segments < 1:
+        raise ValueError(f"segments must be an integer >= 1, got {segments!r}")
     opt_ops = tuple(opt_ops)
     counters: Counter[int] = Counter()
     evs: list[_Ev] = []
@@ -223,7 +228,7 @@ def check_trace(
         lambda: _check_reduce(evs, kept, opt_ops),
         lambda: _check_messages(kept),
         lambda: _check_message_order(kept),
-        lambda: _check_edges(kept),
+        lambda: _check_edges(kept, segments),
         lambda: _check_clocks(kept, tolerance_ns),
         lambda: _check_versions(kept),
         lambda: _check_optimizer(evs, opt_ops, notes),
@@ -542,7 +547,7 @@ def _check_message_order(evs: Sequence[_Ev]) -> _Found:
 # ---- 5. dependency edges ------------------------------------------------------------------
 
 
-def _check_edges(evs: Sequence[_Ev]) -> _Found:
+def _check_edges(evs: Sequence[_Ev], segments: int) -> _Found:
     out: _Found = []
     for _it, it_evs in _by_iteration(evs).items():
         computes = [(ev, a) for ev in it_evs if (a := ev.e.action) is not None]
@@ -552,14 +557,18 @@ def _check_edges(evs: Sequence[_Ev]) -> _Found:
         num_stages = 1 + max(a.stage for _, a in computes)
         made: dict[Key, _Ev] = {}
         for ev, a in reversed(computes):  # the first producer of a key wins
-            made.update(dict.fromkeys(produces(*a, num_stages), ev))
+            made.update(dict.fromkeys(produces(*a, num_stages, segments), ev))
         for ev, a in computes:
-            for k in needs(*a, num_stages):
-                if not k.kind.travels:
+            for k in needs(*a, num_stages, segments):
+                if not (k.kind.travels or k.kind.step):
                     continue  # same-stage order is the backward check's
                 prod = made.get(k)
                 if prod is None:
                     continue  # reported by the backward check
+                if not k.kind.travels:  # an earlier or later segment on the same stage
+                    if prod.index > ev.index:
+                        out.append(_v("edge", ev, _runs_after(prod)))
+                    continue
                 msg = (MsgKind(k.kind.value), k.stage, k.consumer_stage, k.mb)
                 problem = _edge_problem(ev, prod, msg, msgs)
                 if problem:
@@ -573,9 +582,7 @@ def _edge_problem(
     e, p = ev.e, prod.e
     pname = f"{describe(p)} (rank {p.rank} event #{prod.index})"
     if p.rank == e.rank:
-        if prod.index > ev.index:
-            return f"consumes the output of {pname}, which runs after it"
-        return None
+        return _runs_after(prod) if prod.index > ev.index else None
     wait = msgs.get((EventOp.WAIT_RECV, e.rank, msg))
     send = msgs.get((EventOp.SEND, p.rank, msg))
     if wait is None or send is None:
@@ -590,6 +597,12 @@ def _edge_problem(
     if send.index < prod.index:
         return f"its input {_msg(msg)} was sent (event #{send.index}) before {pname} made it"
     return None
+
+
+def _runs_after(prod: _Ev) -> str:
+    p = prod.e
+    where = f"rank {p.rank} event #{prod.index}"
+    return f"consumes the output of {describe(p)} ({where}), which runs after it"
 
 
 def _check_clocks(evs: Sequence[_Ev], tolerance_ns: int) -> _Found:
