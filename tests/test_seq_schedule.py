@@ -140,25 +140,24 @@ def _swap(sched: Schedule, device: int, a: Action, b: Action) -> Schedule:
     return sched.with_actions(acts)
 
 
-def test_a_segment_forward_before_its_predecessor_is_a_local_order_error() -> None:
-    sched = seq_zb(3, 2, segments=2)
-    bad = _swap(sched, 1, Action(F, 1, 0), Action(F, 1, 1))
+@pytest.mark.parametrize(
+    ("device", "first", "second", "awaited"),
+    [
+        # A segment's forward before its predecessor's, whose keys and values it reads.
+        (1, Action(F, 1, 0), Action(F, 1, 1), "F(s1,mb0)"),
+        # Device 2 runs B of segment 0 before segment 1's B, whose key gradients it needs.
+        (2, Action(B, 2, 1), Action(B, 2, 0), "B(s2,mb1)"),
+    ],
+)
+def test_segments_out_of_order_are_a_local_order_error(
+    device: int, first: Action, second: Action, awaited: str
+) -> None:
+    bad = _swap(seq_zb(3, 2, segments=2), device, first, second)
     with pytest.raises(ScheduleError) as info:
         validate(bad)
     assert info.value.reason is Reason.LOCAL_ORDER
-    assert info.value.action == Action(F, 1, 1)
-    assert "F(s1,mb0)" in str(info.value)
-
-
-def test_backwards_in_forward_segment_order_are_refused() -> None:
-    sched = seq_zb(3, 2, segments=2)
-    # Device 2 runs B of segment 0 before segment 1's B, whose key gradients it needs.
-    bad = _swap(sched, 2, Action(B, 2, 1), Action(B, 2, 0))
-    with pytest.raises(ScheduleError) as info:
-        validate(bad)
-    assert info.value.reason is Reason.LOCAL_ORDER
-    assert info.value.action == Action(B, 2, 0)
-    assert "B(s2,mb1)" in str(info.value)
+    assert info.value.action == second
+    assert awaited in str(info.value)
 
 
 def test_a_unit_beyond_m_times_k_is_out_of_range() -> None:

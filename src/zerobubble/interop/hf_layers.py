@@ -146,17 +146,37 @@ def _attention_inputs(
     model's own code attends over them and the mask utilities take the query offset and
     key length from it; the padding mask keeps the columns of keys ``[0, end)``.
     """
+    extra: dict[str, Any] = {}
     if slot is None:
         positions = _positions(hidden, position_ids)
         cache = _forward_cache(config)
-        causal = make_mask(
-            config=config,
-            inputs_embeds=hidden,
-            attention_mask=mask,
-            cache=cache,
-            position_ids=positions,
+    else:  # the mask sized from this layer's cache: the others' are empty in a segment
+        mask, positions, cache = _segment_inputs(
+            config, make_mask, hidden, mask, position_ids, slot, index
         )
-        return cache, mask, positions, causal
+        extra["layer_idx"] = index
+    causal = make_mask(
+        config=config,
+        inputs_embeds=hidden,
+        attention_mask=mask,
+        cache=cache,
+        position_ids=positions,
+        **extra,
+    )
+    return cache, mask, positions, causal
+
+
+def _segment_inputs(
+    config: Any,
+    make_mask: Callable[..., Any],
+    hidden: Tensor,
+    mask: Tensor | None,
+    position_ids: Tensor | None,
+    slot: SegmentSlot,
+    index: int,
+) -> tuple[Tensor | None, Tensor, DynamicCache]:
+    """A segment's padding mask (keys ``[0, end)``), positions (from its start) and a cache
+    holding the earlier segments' keys and values."""
     end = slot.start + hidden.shape[1]
     if make_mask is not create_causal_mask:
         raise ValueError(
@@ -175,15 +195,7 @@ def _attention_inputs(
     cache = DynamicCache(config=config)
     if past_k:
         cache.update(torch.cat(past_k, dim=-2), torch.cat(past_v, dim=-2), index)
-    causal = make_mask(
-        config=config,
-        inputs_embeds=hidden,
-        attention_mask=mask,
-        cache=cache,
-        position_ids=positions,
-        layer_idx=index,
-    )
-    return cache, mask, positions, causal
+    return mask, positions, cache
 
 
 def _record_kv(slot: SegmentSlot, cache: DynamicCache | None, index: int) -> None:

@@ -18,12 +18,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from zerobubble.runtime.kv_segments import (
     SegmentContext,
     segment_inputs,
     segment_scope,
+    sequence_tensor,
 )
 from zerobubble.schedule.segments import Attention, SegmentCost
 
@@ -105,10 +106,7 @@ def _chain(layers: Sequence[nn.Module], x: Any) -> Any:
 
 
 def _length(inputs: Any) -> int:
-    x = inputs.get("input_ids", inputs.get("hidden")) if isinstance(inputs, dict) else inputs
-    if not isinstance(x, Tensor) or x.dim() < 2:
-        raise ValueError(
-            "inputs must be a tensor (batch, sequence, ...) or a mapping with 'input_ids' or "
-            "'hidden'"
-        )
+    x = sequence_tensor(inputs)
+    if x.dim() < 2:
+        raise ValueError(f"inputs must have a sequence dim (dim 1), got shape {tuple(x.shape)}")
     return int(x.shape[1])

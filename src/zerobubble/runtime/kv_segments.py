@@ -51,6 +51,7 @@ __all__ = [
     "run_segments",
     "segment_inputs",
     "segment_scope",
+    "sequence_tensor",
     "unaware_attention",
 ]
 
@@ -253,7 +254,7 @@ class SegmentRun:
     """Gradient of the floating-point input (hidden states), ``None`` for token ids."""
 
 
-def _main(x: Any) -> Tensor:
+def sequence_tensor(x: Any) -> Tensor:
     """The sequence tensor of a stage's input or output: itself, or a mapping's ``hidden``
     (the HF adapter's boundary) or ``input_ids`` (a tokenizer's batch)."""
     if isinstance(x, Mapping):
@@ -268,7 +269,7 @@ def _main(x: Any) -> Tensor:
 def _as_leaf(inputs: Any) -> tuple[Any, Tensor | None]:
     """The inputs with their floating-point tensor replaced by a fresh leaf (as a stage
     receives activations), and that leaf."""
-    x = _main(inputs)
+    x = sequence_tensor(inputs)
     if not x.is_floating_point():
         return inputs, None
     leaf = x.detach().requires_grad_()
@@ -309,7 +310,7 @@ def run_segments(
     stage's loss per segment would give it. Parameter gradients accumulate in ``.grad``
     as ``loss.backward()`` would.
     """
-    length = _main(batch_inputs).shape[1]
+    length = sequence_tensor(batch_inputs).shape[1]
     pairs = _check_cuts(cuts, length)
     leaves: list[Tensor | None] = []
     outputs: list[Tensor] = []
@@ -325,7 +326,7 @@ def run_segments(
             ]
         context = SegmentContext(start, past)
         with segment_scope(layers, context):
-            outputs.append(_main(_call(layers, inputs)))
+            outputs.append(sequence_tensor(_call(layers, inputs)))
         leaves.append(leaf)
         contexts.append(context)
 
