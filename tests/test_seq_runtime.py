@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import itertools
 from typing import Any
 
 import pytest
@@ -33,7 +32,7 @@ from zerobubble.optim.faults import FaultPlan, GradFault
 from zerobubble.optim.trainer import PipelineTrainer
 from zerobubble.runtime.chunk import StageChunk, StageChunkError
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
-from zerobubble.runtime.kv_segments import SegmentContext, SegmentOf, segment_inputs, segment_scope
+from zerobubble.runtime.kv_segments import SegmentOf
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.mesh import build_mesh
 from zerobubble.runtime.partition import build_stage_modules, model_name, stage_bounds
@@ -97,59 +96,15 @@ def unit_reference(
     cuts: tuple[int, ...],
     total: int | None = None,
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """The pipeline's arithmetic in one process: per microbatch, the segments forward in
-    order and backward last first (each B's roots: the segment's loss, a sum over its
-    tokens over the batch's count, and its keys and values with the gradients the later
-    segments sent); a microbatch's loss the sum of its segments' in order; parameter
-    gradients added in unit order (what the weight-gradient store does)."""
+    """The pipeline's arithmetic in one process (:func:`zerobubble.segment_reference_step`),
+    the gradients under the layers' own names; ``total``: the count of every replica's
+    batch (default: this batch's)."""
+    counter = count if total is None else (lambda _: total)
+    losses, _ = zerobubble.segment_reference_step(
+        layers, token_loss, x, target=y, microbatches=m, cuts=cuts, count_fn=counter
+    )
     model = nn.Sequential(*layers)
-    params = list(model.parameters())
-    total = count(y) if total is None else total  # the batch's count (all replicas')
-    pairs = list(itertools.pairwise(cuts))
-    losses, per_unit = [], []
-    for j, yj in enumerate(torch.tensor_split(y, m)):
-        xj = split_rows(x, m, j)
-        contexts, seg_losses = [], []
-        for start, end in pairs:
-            past = None
-            if contexts:
-                earlier = zip(*(c.new_kv() for c in contexts), strict=True)
-                past = [
-                    [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kvs]
-                    for kvs in earlier
-                ]
-            context = SegmentContext(start, past)
-            with segment_scope([model], context):
-                out = model(segment_inputs(xj, start, end))
-            seg_losses.append(token_loss(out, yj[:, start:end], total))
-            contexts.append(context)
-        acc: dict[int, list] = {}
-        grads_j: list[list[torch.Tensor | None]] = [[] for _ in pairs]
-        for i in reversed(range(len(pairs))):
-            roots, root_grads = [seg_losses[i]], [torch.ones_like(seg_losses[i])]
-            for kv, kv_grad in zip(contexts[i].new_kv(), acc.get(i, []), strict=False):
-                if kv_grad is not None:
-                    roots.extend(kv)
-                    root_grads.extend(kv_grad)
-            leaves = [t for kvs in contexts[i].past or [] for kv in kvs for t in kv]
-            got = torch.autograd.grad(roots, params + leaves, root_grads, allow_unused=True)
-            grads_j[i] = list(got[: len(params)])
-            n_layers = len(contexts[i].past or [])
-            for layer in range(n_layers):
-                for s in range(i):
-                    at = len(params) + 2 * (layer * i + s)
-                    sums = acc.setdefault(s, [None] * n_layers)
-                    held, new = sums[layer], (got[at], got[at + 1])
-                    sums[layer] = new if held is None else (held[0] + new[0], held[1] + new[1])
-        losses.append(sum(seg_losses[1:], seg_losses[0]).detach())
-        per_unit.extend(grads_j)
-    grads: dict[str, torch.Tensor] = {}
-    names = [n for n, _ in model.named_parameters()]
-    for unit in per_unit:
-        for name, g in zip(names, unit, strict=True):
-            if g is not None:
-                grads[name] = g.clone() if name not in grads else grads[name] + g
-    return losses, grads
+    return losses, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def split_rows(x: Any, m: int, j: int) -> Any:

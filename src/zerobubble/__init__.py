@@ -13,7 +13,8 @@ The public API, all importable from ``zerobubble``:
   this rank's stages, trained step by step), or its parts
   :func:`build_stage_modules` / :func:`stage_bounds`, :class:`PipelineExecutor`
   with :class:`ExecutorOptions`, and :func:`reference_step`, the single-process
-  result a pipeline reproduces bitwise;
+  result a pipeline reproduces bitwise (:func:`segment_reference_step` for a segment
+  schedule's arithmetic);
 * optimizer semantics: :class:`PipelineTrainer` under an :class:`OptimConfig`
   (:class:`StepMode`, :class:`Rollback`), :func:`save_checkpoint` /
   :func:`load_checkpoint`;
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from zerobubble.runtime.launcher import launch as launch_local
     from zerobubble.runtime.mesh import PipelineMesh, build_mesh
     from zerobubble.runtime.partition import build_stage_modules, stage_bounds
-    from zerobubble.runtime.reference import reference_step
+    from zerobubble.runtime.reference import reference_step, segment_reference_step
     from zerobubble.schedule.costs import CostModel
     from zerobubble.schedule.errors import ScheduleError
     from zerobubble.schedule.formats import load_schedule, save_schedule
@@ -89,6 +90,7 @@ _WHERE: dict[str, tuple[str, str | None]] = {
     "models": ("zerobubble.models", None),
     "reference_step": ("zerobubble.runtime.reference", "reference_step"),
     "save_checkpoint": ("zerobubble.optim.checkpoint", "save_checkpoint"),
+    "segment_reference_step": ("zerobubble.runtime.reference", "segment_reference_step"),
     "stage_bounds": ("zerobubble.runtime.partition", "stage_bounds"),
 }
 
@@ -123,6 +125,7 @@ __all__ = [
     "reference_step",
     "save_checkpoint",
     "save_schedule",
+    "segment_reference_step",
     "simulate",
     "stage_bounds",
     "validate",

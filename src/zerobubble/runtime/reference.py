@@ -9,6 +9,7 @@ number and the pipeline's cut (``num_stages``, ``boundaries``) to
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from zerobubble.runtime.kv_segments import SegmentContext, segment_inputs, segment_scope
 from zerobubble.runtime.microbatch import (
     CountFn,
     batch_count,
@@ -27,9 +29,10 @@ from zerobubble.runtime.microbatch import (
 )
 from zerobubble.runtime.partition import model_name, stage_bounds
 from zerobubble.runtime.rng import StageRng
+from zerobubble.runtime.segment_batch import check_cuts
 from zerobubble.runtime.shapes import tensor_leaves
 
-__all__ = ["as_sequential", "dp_reference_step", "reference_step"]
+__all__ = ["as_sequential", "dp_reference_step", "reference_step", "segment_reference_step"]
 
 
 def as_sequential(layers: Sequence[nn.Module] | nn.Sequential) -> nn.Sequential:
@@ -193,3 +196,117 @@ def dp_reference_step(
     for n, p in model.named_parameters():
         p.grad = summed.get(n)
     return losses, {n: g.clone() for n, g in summed.items()}
+
+
+def segment_reference_step(
+    layers: Sequence[nn.Module] | nn.Sequential,
+    loss_fn: Callable[..., Tensor],
+    *args: Any,
+    target: Any,
+    microbatches: int,
+    cuts: Sequence[int],
+    count_fn: CountFn | None = None,
+    seed: int | None = None,
+    step: int = 0,
+    num_stages: int = 1,
+    boundaries: Sequence[int] | None = None,
+    **kwargs: Any,
+) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """One step of a segment schedule's arithmetic in one process (the ground truth of
+    :attr:`~zerobubble.runtime.executor_options.ExecutorOptions.cuts`).
+
+    The batch is taken and split as :func:`reference_step` takes it; every sequence is
+    cut at ``cuts`` (``0 = b0 < ... < bk = T``) into unit ``u = j * k + i``, microbatch
+    j's tokens ``[b_i, b_i+1)``. Per microbatch the segments run forward in order, each
+    attending fresh leaves of the earlier segments' keys and values
+    (:mod:`~zerobubble.runtime.kv_segments`), and its loss is
+    ``loss_fn(output, target_u, count_fn(target))``; backward runs last segment first,
+    each segment's roots its loss and its own keys and values with the gradients the
+    later segments sent back (summed, last segment first). A microbatch's loss is the sum
+    of its segments' in order, and every parameter's gradient is the per-unit gradients
+    added in unit order: what the pipeline's chunks compute, so a segment schedule
+    equals this bitwise. ``seed``, ``step``, ``num_stages`` and ``boundaries`` seed each
+    stage's random ops per unit, as the executor does.
+
+    Returns:
+        The per-microbatch losses (detached) and a copy of every gradient (left in
+        ``.grad`` too), keyed as :func:`reference_step` keys them.
+    """
+    count_fn = default_count_fn(loss_fn, count_fn)
+    if count_fn is None:
+        raise ValueError(
+            "segment_reference_step needs count_fn: a segment's loss is its tokens' share of "
+            "the batch loss, loss_fn(output, target, count_fn(target))"
+        )
+    model = as_sequential(layers)
+    k = len(cuts) - 1
+    pairs = list(itertools.pairwise(check_cuts(cuts, max(k, 1))))
+    n = batch_size((args, kwargs), "the input batch (segment_reference_step's arguments)")
+    inputs = split_tree((args, kwargs), microbatches, n)
+    targets = split_tree(target, microbatches, n)
+    total = batch_count(count_fn, target)
+    bounds = stage_bounds(len(model), num_stages, boundaries)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    rng = None if seed is None else StageRng(seed, device)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = None
+    losses: list[Tensor] = []
+    per_unit: list[tuple[Tensor | None, ...]] = []
+    for j, ((aj, kj), tj) in enumerate(zip(inputs, targets, strict=True)):
+        length = int(tj.shape[1]) if isinstance(tj, Tensor) and tj.dim() >= 2 else pairs[-1][1]
+        if length != pairs[-1][1]:
+            raise ValueError(
+                f"target has sequences of {length} tokens but the cuts {list(cuts)} cover "
+                f"{pairs[-1][1]}; cut for this length"
+            )
+        contexts: list[SegmentContext] = []
+        seg_losses: list[Tensor] = []
+        for i, (start, end) in enumerate(pairs):
+            past = None
+            if contexts:  # per attention layer, each earlier segment's (k, v) as fresh leaves
+                earlier = zip(*(c.new_kv() for c in contexts), strict=True)
+                past = [[(a.detach().requires_grad_(), b.detach().requires_grad_()) for a, b in kvs]
+                        for kvs in earlier]  # fmt: skip
+            context = SegmentContext(start, past)
+            a_seg, k_seg = _cut_inputs(aj, start, end), segment_inputs(kj, start, end)
+            with segment_scope([model], context):
+                h: Any = None
+                for s, layer_range in enumerate(bounds):
+                    scope = nullcontext() if rng is None else rng.scope(step, s, j * k + i)
+                    with scope:
+                        for x in layer_range:
+                            h = model[x](*a_seg, **k_seg) if x == 0 else model[x](h)
+                        if s == len(bounds) - 1:
+                            h = loss_fn(h, segment_inputs(tj, start, end), total)
+            seg_losses.append(h)
+            contexts.append(context)
+        sent: dict[int, list[tuple[Tensor, Tensor] | None]] = {}  # gradients of earlier kv
+        grads_j: list[tuple[Tensor | None, ...]] = [() for _ in pairs]
+        for i in reversed(range(len(pairs))):
+            roots, root_grads = [seg_losses[i]], [torch.ones_like(seg_losses[i])]
+            for kv, kv_grad in zip(contexts[i].new_kv(), sent.get(i, []), strict=False):
+                if kv_grad is not None:
+                    roots.extend(kv)
+                    root_grads.extend(kv_grad)
+            leaves = [t for kvs in contexts[i].past or [] for kv in kvs for t in kv]
+            got = torch.autograd.grad(roots, params + leaves, root_grads, allow_unused=True)
+            grads_j[i] = tuple(got[: len(params)])
+            n_layers = len(contexts[i].past or [])
+            for layer in range(n_layers):
+                for s in range(i):
+                    at = len(params) + 2 * (layer * i + s)
+                    sums = sent.setdefault(s, [None] * n_layers)
+                    held, new = sums[layer], (got[at], got[at + 1])
+                    sums[layer] = new if held is None else (held[0] + new[0], held[1] + new[1])
+        losses.append(sum(seg_losses[1:], seg_losses[0]).detach())
+        per_unit.extend(grads_j)
+    for unit in per_unit:  # added in unit order, as the weight-gradient store adds them
+        for p, g in zip(params, unit, strict=True):
+            if g is not None:
+                p.grad = g.clone() if p.grad is None else p.grad + g
+    return losses, _user_grads(model)
+
+
+def _cut_inputs(args: tuple[Any, ...], start: int, end: int) -> tuple[Any, ...]:
+    return tuple(segment_inputs(a, start, end) if isinstance(a, Tensor | dict) else a for a in args)
