@@ -8,6 +8,7 @@ variant costs 3Mk + P - 1 once Mk >= P + k - 1.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import subprocess
 import sys
 from fractions import Fraction
@@ -202,14 +203,19 @@ def test_segment_memory_factors_scale_each_segment() -> None:
     assert CostSpec().resolve((0, 1), 2) == CostModel.from_device_totals((0, 1), segments=2)
     profiled = CostModel((4,), (6,), (2,), mem_f=(8,), mem_w=(2,), host_f=(2,))
     halves = CostSpec(stage_costs=profiled).resolve((0,), 2)
+    # compute halves; F's host tail (2 of its 4) is per action, so each segment keeps it
     assert (halves.f, halves.b, halves.w, halves.mem_f, halves.mem_w) == (
-        (2,),
+        (3,),
         (3,),
         (1,),
         (4,),
         (1,),
     )
-    assert halves.host_f == (1,) and halves.comm == profiled.comm
+    assert halves.host_f == (2,) and halves.comm == profiled.comm
+    # a segment factor scales the compute, not the host tail: F0 = 2 + 1 * 1, F1 = 2 + 1 * 3
+    timed = replace(halves, segment_time=(Fraction(1), Fraction(3)))
+    res = simulate(seq1f1b(1, 1, segments=2, split_backward=True), timed)
+    assert res.makespan == 3 + 5 + 3 * 3 + 1 * 3 + 3 + 1
 
 
 # ---- formats, programs, the command line ---------------------------------------------------

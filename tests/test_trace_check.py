@@ -32,6 +32,12 @@ from zerobubble.schedule.costs import load_costs_file
 from zerobubble.schedule.generators import GENERATORS, generate
 from zerobubble.schedule.ir import Schedule
 from zerobubble.schedule.passes import fuse_local_backward
+from zerobubble.schedule.segments import (
+    SegmentCost,
+    balanced_cuts,
+    equal_token_cuts,
+    segment_model,
+)
 from zerobubble.schedule.simulate import simulate
 from zerobubble.schedule.trace_check import check_trace, load_trace
 from zerobubble.schedule.trace_format import COMPUTE_OPS, TraceEvent, write_jsonl
@@ -374,6 +380,26 @@ def test_profile_json_loads_as_costs_and_drives_the_planner(job, tmp_path):
     assert "zb-h2" not in [c.kind for c in tight]  # it holds more than ZB-H1's peak:
     with pytest.raises(ValueError, match="memory"):
         validate(generate("zb-h2", 2, 8), mem_limit=h1_peak, costs=model)
+    # With segments the segment kinds join, per segment from the measured segment cost;
+    # the best of them is tried even when its prediction is not among the top.
+    with pytest.raises(ValueError, match="no segment cost: profile with segments"):
+        plan_candidates(prof, (kind, planned), 8, spec.mem_limit, top=4, segments=4)
+    seg = dataclasses.replace(prof, segment_cost=SegmentCost(1.0, 0.05, "dense"), seq_len=64)
+    cuts = balanced_cuts(64, 4, seg.segment_cost)
+    assert seg.cuts(4) == cuts and cuts != equal_token_cuts(64, 4)
+    seq = generate("seq-zb", 2, 8, segments=4)
+    assert executed_costs(seg, seq) == segment_model(parts, cuts, seg.segment_cost)
+    assert executed_costs(seg, generate("zb-h1", 2, 8)) == parts
+    every = plan_candidates(seg, (kind, planned), 8, spec.mem_limit, top=20, segments=4)
+    assert {c.kind for c in every if c.cuts} == {"seq-zb(k=2)", "seq1f1b(k=2)", "seq-zb(k=4)",
+                                                 "seq1f1b(k=4)"}  # fmt: skip
+    for c in every:
+        assert c.cuts == (seg.cuts(c.schedule.segments) if c.schedule.segments > 1 else None)
+        assert c.predicted_ms == predict_ms(seg, fuse_local_backward(c.schedule))
+    two = plan_candidates(seg, (kind, planned), 8, spec.mem_limit, top=2, segments=4)
+    best_seq = next(c for c in every if c.cuts)
+    assert two[0] == every[0] and best_seq in two
+    assert plan_candidates(seg, (kind, planned), 8, spec.mem_limit, top=1, segments=4) == every[:1]
     # Measured medians decide; equal medians go to the better prediction, then the earlier.
     assert fastest([(0.30, 10.0), (0.25, 12.0), (0.25, 11.0)]) == 2
     assert fastest([(0.25, 11.0), (0.25, 11.0)]) == 0

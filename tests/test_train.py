@@ -15,6 +15,7 @@ from zerobubble.cli import build_parser, main
 from zerobubble.models.corpus import stdlib_corpus
 from zerobubble.runtime.microbatch import batch_count, loss_scales, split_batch, split_tree
 from zerobubble.runtime.partition import layer_keys, stage_bounds
+from zerobubble.runtime.reference import segment_reference_step
 from zerobubble.runtime.rng import StageRng
 from zerobubble.runtime.tied import find_shared
 from zerobubble.schedule.costs import load_costs_file
@@ -117,7 +118,21 @@ def reference_losses(cfg, records, boundaries) -> list[float]:
         for st in stages:
             st.zero_grad(set_to_none=True)
         rng, losses = StageRng(rec["seed"], "cpu"), []
-        for j in range(M):
+        if rec["cuts"] is not None:  # a segment schedule's arithmetic, stage by stage
+            losses, _ = segment_reference_step(
+                nn.Sequential(*stages),
+                model.loss_fn,
+                x,
+                target=target,
+                microbatches=M,
+                cuts=tuple(rec["cuts"]),
+                count_fn=model.count_fn,
+                seed=rec["seed"],
+                step=rec["iteration"],
+                num_stages=len(stages),
+                boundaries=range(len(stages) + 1),
+            )
+        for j in range(M if rec["cuts"] is None else 0):
             h = xs[j]
             for s, st in enumerate(stages):
                 with rng.scope(rec["iteration"], s, j):
@@ -155,11 +170,13 @@ def reference_losses(cfg, records, boundaries) -> list[float]:
         # against a budget of 114,072); the profile runs at the longest length instead.
         (["--model", "hf-llama", "-p", "3", "--model.num-hidden-layers", "1",
           "--model.attn-implementation", "eager", "--seed", "29"], None),
-        # Our GPT with tie_embeddings: a tied group too.
+        # Our GPT with tie_embeddings, a tied group too; with 2 sequence segments, so a
+        # segment schedule is among the candidates tried (and may be the plan).
         (["-p", "3", "--layers", "1", "--d-model", "16", "--heads", "2",
-          "--model.tie-embeddings", "true"], "tied across stages [0, 2]: 0.tok.weight, 3.weight"),
+          "--model.tie-embeddings", "true", "--segments", "2"],
+         "tied across stages [0, 2]: 0.tok.weight, 3.weight"),
     ],
-    ids=["hf-gpt2", "hf-llama", "gpt-tied"],
+    ids=["hf-gpt2", "hf-llama", "gpt-tied-segments"],
 )  # fmt: skip
 def test_the_job_on_real_architectures_equals_a_single_process_run(tmp_path, capfd, flags, tied):
     if "--model" in flags:
@@ -179,6 +196,11 @@ def test_the_job_on_real_architectures_equals_a_single_process_run(tmp_path, cap
     assert k in (0, 2, 3) and all(p.startswith("try:") for p in phases[2:-3])
     assert k == 0 or f"try:{phases[-1]}" in phases[2:-3]  # the plan is the winner
     assert [r["iteration"] for r in records] == [0, 0] + [0] * k + [1, 0, 1 if k else 0]
+    segmented = [r["phase"] for r in records if r["cuts"] is not None]
+    if "--segments" in flags:  # the best segment candidate is always tried
+        assert any(p.startswith("try:seq") and p.endswith("(k=2)") for p in segmented)
+    else:
+        assert not segmented
     lengths = [r["seq_len"] for r in records]
     assert lengths[:2] == [8, 8] and all(4 <= n <= 8 for n in lengths)  # profile: the longest
     assert len({r["seed"] for r in records}) == 3 + max(k, 1)  # one per phase executor

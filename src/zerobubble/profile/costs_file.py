@@ -23,6 +23,7 @@ from zerobubble.profile.layers import LayerProfile
 from zerobubble.profile.stages import StageProfile
 from zerobubble.profile.stats import OpStats
 from zerobubble.schedule.costs import CostModel
+from zerobubble.schedule.segments import SegmentCost, balanced_cuts, segment_model
 
 
 def _costs(st: StageProfile, op: str, stats: tuple[OpStats, ...]) -> list[float]:
@@ -60,6 +61,10 @@ class Profile:
             of the last wait for sends): splitting the batch, the first posts, the last
             waits. The same for every schedule of the placement, so a prediction of the
             step adds it to the simulated makespan.
+        segment_cost: The layers' cost of a segment of a sequence (fitted to timed spans,
+            :func:`~zerobubble.profile.segments.profile_segment_cost`), if measured: what
+            a segment schedule's cuts balance and its prediction scales by.
+        seq_len: The length of the profiled sequences (the cuts' last position).
     """
 
     stages: StageProfile
@@ -71,6 +76,26 @@ class Profile:
     warmup: int = 1
     fused: StageProfile | None = None
     step_fixed_ms: float = 0.0
+    segment_cost: SegmentCost | None = None
+    seq_len: int | None = None
+
+    def cuts(self, segments: int) -> tuple[int, ...]:
+        """Where to cut the profiled sequences into ``segments`` segments of equal work."""
+        if self.segment_cost is None or self.seq_len is None:
+            raise ValueError(
+                "the profile has no segment cost: profile with segments (zerobubble profile "
+                "--segments K) to plan a segment schedule"
+            )
+        return balanced_cuts(self.seq_len, segments, self.segment_cost)
+
+    def segment_model(self, costs: CostModel, segments: int) -> CostModel:
+        """``costs`` (per microbatch) as the model of a schedule of ``segments`` segments cut
+        at :meth:`cuts`; ``costs`` itself for one segment."""
+        if segments == 1:
+            return costs
+        cuts = self.cuts(segments)
+        assert self.segment_cost is not None  # cuts() checked it
+        return segment_model(costs, cuts, self.segment_cost)
 
     @property
     def comm(self) -> float:
@@ -172,6 +197,15 @@ class Profile:
         out["warmup_iterations"] = self.warmup
         out["step_fixed_ms"] = self.step_fixed_ms
         out["measured_samples"] = {"F": [s.n for s in st.f]}
+        if self.segment_cost is not None:
+            c = self.segment_cost
+            out["segment_cost"] = {
+                "linear": c.linear,
+                "attention": c.attention,
+                "kernel": c.kernel,
+                "seq_len": self.seq_len,
+                "unit": "ms of the whole model's forward",
+            }
         return out
 
     def save(self, path: str | Path) -> Path:

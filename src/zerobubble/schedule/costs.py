@@ -92,8 +92,8 @@ class CostModel:
             :attr:`~zerobubble.schedule.simulate.SimResult.host`).
         segment_time, segment_memory: For a schedule of k sequence segments per
             microbatch, one factor per segment (0 = the sequence's start) that scales
-            the durations and the memory deltas of that segment's actions (default: all
-            1). The per-stage terms are then those of a mean segment; unequal cuts make
+            the compute of that segment's actions (their durations less the host tails)
+            and their memory deltas (default: all 1). The per-stage terms are then those of a mean segment; unequal cuts make
             unequal segments (:func:`~zerobubble.schedule.segments.segment_costs`), and
             a late segment holds more keys and values.
     """
@@ -222,22 +222,26 @@ class CostModel:
         )
 
     def per_segment(self, segments: int) -> CostModel:
-        """The model of one of ``segments`` equal segments: every duration and memory term
-        1/k of this (per-microbatch) model's; ``comm`` and ``reduce`` stay."""
+        """The model of one of ``segments`` equal segments: every compute and memory term 1/k
+        of this (per-microbatch) model's. A host tail is per action (recording, posting,
+        dispatching), not per token, so each segment's action keeps it whole; ``comm`` and
+        ``reduce`` stay."""
 
         def part(xs: tuple[Number, ...]) -> tuple[Number, ...]:
             return tuple(_div(x, segments) for x in xs)
 
+        def compute(xs: tuple[Number, ...], host: tuple[Number, ...]) -> tuple[Number, ...]:
+            if not host:
+                return part(xs)
+            return tuple(_div(x - h, segments) + h for x, h in zip(xs, host, strict=True))
+
         return replace(
             self,
-            f=part(self.f),
-            b=part(self.b),
-            w=part(self.w),
+            f=compute(self.f, self.host_f),
+            b=compute(self.b, self.host_b),
+            w=compute(self.w, self.host_w),
             mem_f=part(self.mem_f),
             mem_w=part(self.mem_w),
-            host_f=part(self.host_f),
-            host_b=part(self.host_b),
-            host_w=part(self.host_w),
         )
 
     def segment_scales(self, segments: int) -> tuple[tuple[Number, ...], tuple[Number, ...]]:

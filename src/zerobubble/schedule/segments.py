@@ -24,8 +24,10 @@ import bisect
 import itertools
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
+
+from zerobubble.schedule.costs import CostModel
 
 Attention = Literal["causal", "dense"]
 
@@ -216,3 +218,20 @@ def time_factors(cuts: tuple[int, ...], cost: SegmentCost) -> tuple[float, ...]:
     costs = segment_costs(cuts, cost)
     mean = sum(costs) / len(costs)
     return tuple(c / mean for c in costs)
+
+
+def segment_model(costs: CostModel, cuts: tuple[int, ...], cost: SegmentCost) -> CostModel:
+    """The cost model of a schedule that cuts every sequence at ``cuts``, from ``costs`` of
+    whole microbatches: a mean segment's terms (:meth:`CostModel.per_segment`), each
+    segment's compute scaled by its share of the work (:func:`time_factors`) and its
+    memory by its share of the tokens (activations are per token). Not priced: the
+    copies of the earlier segments' keys and values a later segment's attention
+    concatenates, and the sums of their gradients."""
+    k = len(cuts) - 1
+    tokens = tuple(e - s for s, e in itertools.pairwise(cuts))
+    mean = sum(tokens) / k
+    return replace(
+        costs.per_segment(k),
+        segment_time=time_factors(cuts, cost),
+        segment_memory=tuple(n / mean for n in tokens),
+    )

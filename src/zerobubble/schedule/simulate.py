@@ -247,8 +247,12 @@ def _times(
     table = {(op, st): costs.duration(op, st) for op in Op for st in range(costs.num_stages)}
     dur = list(map(table.__getitem__, map(_op_stage, flat)))
     if schedule.segments > 1:
-        scale, _ = costs.segment_scales(schedule.segments)
-        dur = [t * scale[a.mb % schedule.segments] for t, a in zip(dur, flat, strict=True)]
+        k, (scale, _) = schedule.segments, costs.segment_scales(schedule.segments)
+        tail = {key: costs.host_time(*key) for key in table}
+        dur = [
+            tail[key] + (t - tail[key]) * scale[a.mb % k]  # the host tail is per action
+            for t, a, key in zip(dur, flat, map(_op_stage, flat), strict=True)
+        ]
     hops = {(op, st): costs.hop(op, st) for op, st in table}
     leave = list(map(hops.__getitem__, map(_op_stage, flat)))
 

@@ -57,6 +57,9 @@ HF_MODELS = ("hf-gpt2", "hf-llama", "hf-mistral", "hf-qwen2")
 """The tiny Hugging Face configs shipped in ``zerobubble/models/configs``
 (:data:`zerobubble.interop.hf.TINY_CONFIGS`)."""
 
+SEGMENT_MODELS = ("gpt", "hf-gpt2", "hf-llama")
+"""The job's models whose attention runs in sequence segments (full attention)."""
+
 GPT_FIELDS = ("d_model", "n_heads", "n_layers", "mlp_ratio", "tie_embeddings")
 """The model fields the job passes to :class:`~zerobubble.models.GPTConfig`."""
 
@@ -150,7 +153,18 @@ class ScheduleSection:
     (with recompute, of the larger of that peak and one microbatch's M_W, which every B
     rebuilds)."""
 
+    segments: int = field(default=1, metadata=aliases("--segments"))
+    """Sequence segments per microbatch k (sequence-level pipelining, see
+    docs/long-context.md); above 1 the plan's candidates also cut every sequence into k
+    segments of equal measured work (and into 2, 4, ... fewer) under seq-zb and seq1f1b,
+    and the trials measure the best of them. Every schedule then trains a loss summed over
+    tokens and divided by the batch's count (labels shifted once for the whole sequence),
+    and hf-* batches all have job.seq_len tokens (their rows still padded); gpt, hf-gpt2
+    and hf-llama only (sliding-window attention would drop keys), without recompute."""
+
     def __post_init__(self) -> None:
+        if self.segments < 1:
+            raise ValueError(f"schedule.segments must be >= 1, got {self.segments}")
         if self.devices < 2:
             raise ValueError(
                 f"schedule.devices must be >= 2, got {self.devices}: the job profiles and "
@@ -288,6 +302,7 @@ class TrainConfig:
     job: JobSection = field(default_factory=JobSection)
 
     def __post_init__(self) -> None:
+        self._check_segments()
         P = self.schedule.devices
         if self.model.name == "gpt":
             n_layers = self.model.n_layers + 3
@@ -313,6 +328,28 @@ class TrainConfig:
             raise ValueError(
                 f"job.seq_len {self.job.seq_len}: {self.model.name} takes rows of 2 to "
                 f"{positions} tokens (its max_position_embeddings); pass --seq-len in that range"
+            )
+
+    def _check_segments(self) -> None:
+        k = self.schedule.segments
+        if k == 1:
+            return
+        if self.model.name not in SEGMENT_MODELS:
+            raise ValueError(
+                f"--segments {k}: {self.model.name} has sliding-window attention, which in "
+                "segments would drop the earlier keys its window leaves; use --model "
+                f"{', '.join(SEGMENT_MODELS)}, or --segments 1"
+            )
+        if self.executor.recompute != "none":
+            raise ValueError(
+                f"--segments {k} with --recompute {self.executor.recompute}: a segment's keys "
+                "and values stay in later segments' graphs, which recomputation would rebuild "
+                "as new tensors; pass --recompute none"
+            )
+        if self.job.seq_len < max(4, k):
+            raise ValueError(
+                f"--segments {k} needs sequences of at least {max(4, k)} tokens (one per "
+                f"segment, 4 to profile the segment cost), got --seq-len {self.job.seq_len}"
             )
 
     @property

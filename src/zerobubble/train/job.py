@@ -61,6 +61,7 @@ from zerobubble.profile.balance import balanced_boundaries, boundaries_of, stage
 from zerobubble.profile.bubbles import IterationBubbles, analyze_iteration
 from zerobubble.profile.costs_file import Profile
 from zerobubble.profile.layers import LayerProfile, profile_layers
+from zerobubble.profile.segments import profile_segment_cost
 from zerobubble.profile.stages import (
     boundary_pairs,
     message_latency,
@@ -77,6 +78,7 @@ from zerobubble.schedule.costs import CostModel, CostSpec
 from zerobubble.schedule.generators import generate, one_f_one_b
 from zerobubble.schedule.ir import Schedule
 from zerobubble.schedule.search.graph import min_feasible_limit
+from zerobubble.schedule.segments import SegmentCost, balanced_cuts
 from zerobubble.schedule.simulate import SimResult, simulate
 from zerobubble.schedule.trace_check import TraceReport, check_trace
 from zerobubble.schedule.trace_format import TraceEvent, write_chrome_trace, write_jsonl
@@ -203,6 +205,9 @@ class StepRecord:
     seq_len: int = 0
     """The batch's length (``job.seq_len`` in the profiling steps, which draw the longest
     batch; see :func:`~zerobubble.train.models.padded_batch`)."""
+    cuts: tuple[int, ...] | None = None
+    """A segment schedule's token boundaries (see
+    :func:`~zerobubble.runtime.reference.segment_reference_step`); None without segments."""
 
 
 @dataclass(frozen=True)
@@ -339,13 +344,26 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
             "inputs, B recomputes the forward; profiled and planned with it)"
         )
 
-    # 1. Per-layer costs on rank 0, the same cut everywhere.
-    def layer_profile() -> LayerProfile:
+    # 1. Per-layer costs on rank 0, the same cut everywhere (with segments, the cost of a
+    # segment of the sequence too, from the layers' forward on spans of a longest batch).
+    def layer_profile() -> tuple[LayerProfile, SegmentCost | None]:
         gen = torch.Generator().manual_seed(cfg.job.seed + 1)
         (x,), y = model.batch(cfg.job.microbatch_size, gen, False)
-        return profile_layers(layers, model.profile_loss, x, y, warmup=1, iters=cfg.job.layer_iters)
+        lp = profile_layers(layers, model.profile_loss, x, y, warmup=1, iters=cfg.job.layer_iters)
+        if cfg.schedule.segments == 1:
+            return lp, None
+        (x,), _ = model.batch(cfg.job.microbatch_size, gen, True)
+        iters = cfg.job.layer_iters
+        return lp, profile_segment_cost(layers, x, kernel="dense", iters=iters)
 
-    lp = _from_lead(ctx, layer_profile)
+    lp, seg_cost = _from_lead(ctx, layer_profile)
+    if seg_cost is not None:
+        k, L = cfg.schedule.segments, cfg.job.seq_len
+        ctx.say(
+            f"segment cost (whole model's forward): {seg_cost.linear * 1e3:.3g} us a token, "
+            f"{seg_cost.attention * 1e6:.3g} ns a query-key pair; {k} segments of equal work: "
+            f"cuts {list(balanced_cuts(L, k, seg_cost))} of {L} tokens"
+        )
     equal = tuple(boundaries_of(stage_bounds(len(layers), P)))
     balanced = tuple(balanced_boundaries(lp.costs(), P))
     ctx.say(f"layer cut: equal counts {list(equal)} -> balanced {list(balanced)}")
@@ -391,7 +409,7 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     def plan_or_refusal() -> _Plan | PlanError:
         try:
             fixed = [x for ph in phases for x in ph.fixed_s]
-            return _plan(ctx, profiled, lp, balanced, latency, base, fixed)
+            return _plan(ctx, profiled, lp, balanced, latency, base, fixed, seg_cost)
         except PlanError as exc:
             return exc
 
@@ -432,7 +450,7 @@ def _verify(
     cfg = ctx.cfg
 
     def pipe(c: Candidate) -> Pipeline:
-        opts = _options(cfg, fuse=True, seed=ctx.next_seed())
+        opts = _options(cfg, fuse=True, seed=ctx.next_seed(), cuts=c.cuts)
         return root.with_schedule(c.schedule, options=opts)
 
     if len(candidates) == 1:
@@ -477,7 +495,9 @@ def _from_lead(ctx: _Ctx, make: Callable[[], T]) -> T:
     return box[0]
 
 
-def _options(cfg: TrainConfig, *, fuse: bool = False, seed: int = 0) -> ExecutorOptions:
+def _options(
+    cfg: TrainConfig, *, fuse: bool = False, seed: int = 0, cuts: tuple[int, ...] | None = None
+) -> ExecutorOptions:
     # Unfused unless asked: a profile needs B and W of every stage.
     ex = cfg.executor
     return ExecutorOptions(
@@ -486,6 +506,7 @@ def _options(cfg: TrainConfig, *, fuse: bool = False, seed: int = 0) -> Executor
         fuse_local_backward=fuse,
         seed=seed,
         recompute=ex.recompute,  # type: ignore[arg-type]  # checked by ExecutorSection
+        cuts=cuts,
     )
 
 
@@ -644,7 +665,8 @@ def _step(ctx: _Ctx, ph: _Phase, *, record: bool, note: str, longest: bool = Fal
         ph.losses.append(loss)
         seed = pipe.options.seed
         length = int(y.shape[-1])
-        ctx.steps.append(StepRecord(ctx.step_index, ph.name, iteration, seed, loss, length))
+        record = StepRecord(ctx.step_index, ph.name, iteration, seed, loss, length, pipe.cuts)
+        ctx.steps.append(record)
         if ctx.reporter is not None:
             ctx.reporter.step(ph.name, ctx.step_index, loss, step_s, note)
     ctx.step_index += 1
@@ -677,6 +699,7 @@ def _plan(
     latency: Mapping[tuple[int, int], OpStats],
     base: Schedule,
     fixed_s: list[float],
+    seg_cost: SegmentCost | None,
 ) -> _Plan:
     cfg = ctx.cfg
     f1b, zbh1 = profiled
@@ -688,7 +711,19 @@ def _plan(
     paid = message_latency(f1b, zbh1, skip_iterations=cfg.job.warmup)
     lat = tuple((s, paid.get(s, latency[a, b])) for s, a, b in boundary_pairs(base.placement))
     fixed_ms = statistics.median(fixed_s) * 1e3 if fixed_s else 0.0
-    prof = Profile(split, base.placement, lat, lp, balanced, None, cfg.job.warmup, full, fixed_ms)
+    prof = Profile(
+        split,
+        base.placement,
+        lat,
+        lp,
+        balanced,
+        None,
+        cfg.job.warmup,
+        full,
+        fixed_ms,
+        seg_cost,
+        cfg.job.seq_len if seg_cost is not None else None,
+    )
     costs = prof.cost_model()
     limit = cfg.schedule.mem_limit
     if limit is None:
@@ -709,7 +744,14 @@ def _plan(
         )
         raise PlanError(f"cannot plan {PLANNER} within {given} bytes per device: {exc}") from None
     top = 1 if cfg.job.profile_only else cfg.job.trials
-    found = plan_candidates(prof, (kind, planned), cfg.schedule.microbatches, limit, top=top)
+    found = plan_candidates(
+        prof,
+        (kind, planned),
+        cfg.schedule.microbatches,
+        limit,
+        top=top,
+        segments=cfg.schedule.segments,
+    )
     return _Plan(prof, limit, planned, kind, found)
 
 
@@ -742,7 +784,7 @@ def _report(
         write_chrome_trace(events, out / "trace.chrome.json")
         files["trace"] = str(out / "trace.jsonl")
         files["chrome"] = str(out / "trace.chrome.json")
-        report = check_trace(events, mem_budget=mem_limit)
+        report = check_trace(events, mem_budget=mem_limit, segments=plan.schedule.segments)
         panels = []
         for ph, res in zip(phases, results, strict=True):
             # The iteration of median length: representative, not an outlier.

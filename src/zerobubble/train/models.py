@@ -7,6 +7,13 @@ built from a config shipped in ``zerobubble/models/configs``
 right-padded rows of varying length with an attention mask, trained with the
 model's own shifted cross-entropy normalised by the whole batch's token count
 (:func:`padded_batch` states the rule). Both read the same stdlib corpus.
+
+With sequence segments (``schedule.segments`` > 1) a loss call sees one segment, so
+both train :class:`TokenSumLoss` instead: labels shifted once for the whole sequence
+(:func:`shift_labels`), the cross-entropy summed over the call's tokens and divided by
+the batch's count, so that segments and microbatches add up to the batch's token mean
+(for ``gpt``, whose rows are all tokens, the same mean as its per-sample loss); and
+hf-* batches all take the longest length (the cuts are fixed token positions).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zerobubble.models import GPTConfig, build_gpt, gpt_loss
@@ -24,7 +32,14 @@ from zerobubble.runtime.chunk import LossFn
 from zerobubble.runtime.microbatch import CountFn
 from zerobubble.train.config import GPT_FIELDS, TrainConfig
 
-__all__ = ["IGNORE_INDEX", "JobModel", "build_job_model", "padded_batch"]
+__all__ = [
+    "IGNORE_INDEX",
+    "JobModel",
+    "TokenSumLoss",
+    "build_job_model",
+    "padded_batch",
+    "shift_labels",
+]
 
 IGNORE_INDEX = -100
 """Label of a padding position: left out of the loss and of its token count."""
@@ -49,6 +64,38 @@ class JobModel:
     summary: str
 
 
+@dataclass(frozen=True)
+class TokenSumLoss:
+    """``loss(logits, labels, num_items)``: cross-entropy summed over the call's tokens (label
+    ``t`` scores position ``t``; :data:`IGNORE_INDEX` left out), divided by ``num_items``,
+    the batch's :meth:`count_fn`. Calls on segments and microbatches add up to the
+    batch's token mean, whatever the cut (what a segment schedule needs)."""
+
+    ignore_index: int = IGNORE_INDEX
+
+    def __call__(self, logits: Tensor, labels: Tensor, num_items: int | Tensor) -> Tensor:
+        ce = F.cross_entropy(
+            logits.float().flatten(0, -2),
+            labels.flatten(),
+            ignore_index=self.ignore_index,
+            reduction="sum",
+        )
+        return ce / num_items
+
+    def count_fn(self, labels: Tensor) -> int:
+        """The batch's scored tokens: labels that are not ignored."""
+        return int((labels != self.ignore_index).sum())
+
+
+def shift_labels(labels: Tensor) -> Tensor:
+    """Labels shifted once for the whole sequence: position ``t`` gets label ``t + 1`` (what
+    a causal LM's own loss shifts inside each call), the last position
+    :data:`IGNORE_INDEX`."""
+    out = torch.full_like(labels, IGNORE_INDEX)
+    out[:, :-1] = labels[:, 1:]
+    return out
+
+
 def build_job_model(cfg: TrainConfig, corpus: CharCorpus) -> JobModel:
     """The model ``cfg.model.name`` names, seeded by ``cfg.job.seed``."""
     if cfg.model.name == "gpt":
@@ -68,6 +115,18 @@ def _gpt(cfg: TrainConfig, corpus: CharCorpus) -> JobModel:
         return (x,), y
 
     tied = ", tied embedding and head" if cfg.model.tie_embeddings else ""
+    if cfg.schedule.segments > 1:
+        summed = TokenSumLoss()
+        return JobModel(
+            layers,
+            summed,
+            summed.count_fn,
+            lambda out, y: summed(out, y, summed.count_fn(y)),
+            batch,
+            cfg.model.d_model,
+            f"GPT: {len(layers)} layers ({cfg.model.n_layers} blocks, d={cfg.model.d_model}"
+            f"{tied}), token-summed loss",
+        )
     return JobModel(
         layers,
         gpt_loss,
@@ -105,6 +164,26 @@ def _hf(cfg: TrainConfig, corpus: CharCorpus) -> JobModel:
         return ({"input_ids": ids, "attention_mask": mask},), labels
 
     tied = ", tied embedding and head" if config.tie_word_embeddings else ""
+    summary = (
+        f"{m.name} ({type(model).__name__}, {m.attn_implementation} attention): {len(layers)} "
+        f"layers ({config.num_hidden_layers} blocks, d={config.hidden_size}{tied})"
+    )
+    if cfg.schedule.segments > 1:
+        summed = TokenSumLoss()
+
+        def whole(rows: int, gen: torch.Generator, longest: bool) -> tuple[tuple[Any, ...], Tensor]:
+            (inputs,), labels = batch(rows, gen, True)  # fixed cuts: every batch the longest
+            return (inputs,), shift_labels(labels)
+
+        return JobModel(
+            layers,
+            summed,
+            summed.count_fn,
+            lambda logits, y: summed(logits, y, summed.count_fn(y)),
+            whole,
+            config.hidden_size,
+            f"{summary}, labels shifted once and the loss summed over tokens",
+        )
     return JobModel(
         layers,
         loss,
@@ -112,8 +191,7 @@ def _hf(cfg: TrainConfig, corpus: CharCorpus) -> JobModel:
         lambda logits, labels: loss(logits, labels),
         batch,
         config.hidden_size,
-        f"{m.name} ({type(model).__name__}, {m.attn_implementation} attention): {len(layers)} "
-        f"layers ({config.num_hidden_layers} blocks, d={config.hidden_size}{tied})",
+        summary,
     )
 
 

@@ -8,6 +8,11 @@ on paper may lose when run. The job therefore keeps the planner's few best
 memory limit, each predicted as the executor will run it (B/W pairs that delay no one
 fused, costed by :func:`executed_costs`); they train a few steps each, taking turns,
 and the fastest median step wins. Ties (equal medians) go to the better prediction.
+
+With sequence segments (``segments`` > 1 and a profile that measured the segment cost),
+the segment kinds join them (:data:`SEGMENT_KINDS`, at k and at the powers of two below
+it, cut by :meth:`Profile.cuts`), and the best-predicted of them is always tried: so the
+choice of k is made by measurement too.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from zerobubble.schedule.simulate import simulate
 from zerobubble.schedule.validate import validate
 
 ALTERNATIVES = ("zb-auto", "zb-h2", "zb-h1")
+SEGMENT_KINDS = ("seq-zb", "seq1f1b")
+"""Kinds that cut each sequence into segments, tried beside the plan when segments > 1."""
 """Kinds tried beside the plan: one stage per device like the profile, so the profile's
 per-stage costs price them (the searching ``zb-auto`` under the plan's memory limit)."""
 
@@ -37,6 +44,8 @@ class Candidate:
     predicted_ms: float
     """Predicted pipeline step (ms) of the schedule as the executor runs it
     (:func:`predict_ms`)."""
+    cuts: tuple[int, ...] | None = None
+    """The token boundaries of a segment schedule's segments (None without segments)."""
 
 
 class MeasuredSteps:
@@ -70,7 +79,11 @@ class TrialResult(MeasuredSteps):
 def executed_costs(profile: Profile, sched: Schedule) -> CostModel:
     """Per-stage costs of ``sched`` as executed: a stage that runs a split B takes the
     split run's F, B, W; the others (1F1B, stages whose B/W pairs were all fused) the
-    unsplit run's F and BW."""
+    unsplit run's F and BW; a segment schedule's per segment (:meth:`Profile.segment_model`)."""
+    return profile.segment_model(_microbatch_costs(profile, sched), sched.segments)
+
+
+def _microbatch_costs(profile: Profile, sched: Schedule) -> CostModel:
     split = set(sched.split_stages())
     if len(split) == sched.num_stages:
         return profile.cost_model()  # needs no unsplit run
@@ -94,12 +107,17 @@ def plan_candidates(
     mem_limit: int,
     *,
     top: int,
+    segments: int = 1,
 ) -> tuple[Candidate, ...]:
-    """At most ``top`` candidates, best prediction first: ``plan`` (kind, schedule) and the
-    :data:`ALTERNATIVES` that fit ``mem_limit``; no two that would run alike (the plan
-    keeps its name when an alternative is the same schedule)."""
+    """At most ``top`` candidates, best prediction first: ``plan`` (kind, schedule), the
+    :data:`ALTERNATIVES` and, with ``segments`` > 1, the :data:`SEGMENT_KINDS` at
+    :func:`segment_counts` that fit ``mem_limit``; no two that would run alike (the plan
+    keeps its name when an alternative is the same schedule). With segments the best
+    segment candidate is among them, in place of the last if it has to be."""
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top}")
+    if segments > 1:
+        profile.cuts(segments)  # raises, naming the fix, without a measured segment cost
     costs = profile.cost_model()
     num_devices = plan[1].num_devices
     found = [plan]
@@ -117,17 +135,39 @@ def plan_candidates(
         except ValueError:  # does not fit the limit (ScheduleError is a ValueError)
             continue
         found.append((kind, sched))
+    for k in segment_counts(segments):
+        for kind in SEGMENT_KINDS:
+            try:
+                sched = generate(kind, num_devices, num_microbatches, segments=k)
+                validate(sched, mem_limit=mem_limit, costs=profile.segment_model(costs, k))
+            except ValueError:
+                continue
+            found.append((f"{kind}(k={k})", sched))
     out: list[Candidate] = []
-    seen: set[tuple[tuple[object, ...], ...]] = set()
+    seen: set[tuple[object, ...]] = set()
     for kind, sched in found:
         ran = fuse_local_backward(sched)
-        key = tuple(tuple(acts) for acts in ran.actions)
+        key = (sched.segments, *(tuple(acts) for acts in ran.actions))
         if sched.num_stages != plan[1].num_stages or key in seen:
             continue
         seen.add(key)
-        out.append(Candidate(kind, sched, predict_ms(profile, ran)))
+        cuts = profile.cuts(sched.segments) if sched.segments > 1 else None
+        out.append(Candidate(kind, sched, predict_ms(profile, ran), cuts))
     order = sorted(range(len(out)), key=lambda i: (out[i].predicted_ms, i))
-    return tuple(out[i] for i in order[:top])
+    chosen = order[:top]
+    cut = [i for i in order if out[i].cuts is not None]
+    if top > 1 and cut and not any(out[i].cuts is not None for i in chosen):
+        chosen[-1] = cut[0]
+    return tuple(out[i] for i in chosen)
+
+
+def segment_counts(segments: int) -> tuple[int, ...]:
+    """The segment counts the candidates try for ``segments``: the powers of two from 2
+    below it, and itself (none for 1)."""
+    if segments < 1:
+        raise ValueError(f"segments must be >= 1, got {segments}")
+    twos = tuple(2**i for i in range(1, segments.bit_length()) if 2**i < segments)
+    return (*twos, segments) if segments > 1 else ()
 
 
 def fastest(trials: list[tuple[float, float]]) -> int:
