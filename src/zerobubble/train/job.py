@@ -665,8 +665,8 @@ def _step(ctx: _Ctx, ph: _Phase, *, record: bool, note: str, longest: bool = Fal
         ph.losses.append(loss)
         seed = pipe.options.seed
         length = int(y.shape[-1])
-        record = StepRecord(ctx.step_index, ph.name, iteration, seed, loss, length, pipe.cuts)
-        ctx.steps.append(record)
+        step_record = StepRecord(ctx.step_index, ph.name, iteration, seed, loss, length, pipe.cuts)
+        ctx.steps.append(step_record)
         if ctx.reporter is not None:
             ctx.reporter.step(ph.name, ctx.step_index, loss, step_s, note)
     ctx.step_index += 1
