@@ -38,6 +38,7 @@ from zerobubble.runtime.kv_segments import (
     segment_inputs,
     segment_scope,
 )
+from zerobubble.runtime.segment_check import check_segments
 
 transformers = pytest.importorskip("transformers")
 
@@ -288,3 +289,42 @@ def test_sliding_window_attention_is_refused():
     layers = hf.causal_lm_layers(model, check=False)
     with pytest.raises(ValueError, match="sliding-window attention in segments"):
         run_segments(layers, ids(), (0, 8, 16), lambda o: o.sum())
+
+
+class _PositionEmbedding(nn.Module):
+    """Token and learned position embeddings, positions taken from the input's length: on
+    a segment every token would get the position it has in the segment, a silent error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(256, 64), nn.Embedding(T, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tok(x) + self.pos(torch.arange(x.shape[1]))
+
+
+@pytest.mark.parametrize(
+    ("name", "padded"),
+    [("gpt", False), ("llama-sdpa", True), ("llama-eager", True), ("gpt2-sdpa", True)],
+)
+def test_check_segments_passes_the_segment_aware_models(name, padded):
+    layers, inputs, _, _ = case(name, torch.float32, padded)
+    for cuts in CUTS:
+        check_segments(layers, inputs, cuts)
+
+
+def test_check_segments_names_a_layer_that_reads_positions_from_the_length():
+    layers, inputs, _, _ = case("gpt", torch.float32, False)
+    torch.manual_seed(0)
+    unaware = [_PositionEmbedding(), *layers[1:]]
+    with pytest.raises(ValueError, match=r"layer 0 \(_PositionEmbedding\) computes other values"):
+        check_segments(unaware, inputs, (0, 8, 16))
+    with pytest.raises(ValueError, match="cuts must run from 0 to the sequence length 16"):
+        check_segments(layers, inputs, (0, 8, 12))
+
+
+def test_check_segments_runs_dropout_off_and_gives_the_mode_back():
+    layers, inputs, _, _ = case("gpt", torch.float32, False)
+    dropped = [layers[0], nn.Dropout(0.5), *layers[1:]]
+    check_segments(dropped, inputs, (0, 8, 16))
+    assert all(m.training for layer in dropped for m in layer.modules())

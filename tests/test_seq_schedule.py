@@ -8,9 +8,9 @@ variant costs 3Mk + P - 1 once Mk >= P + k - 1.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 import subprocess
 import sys
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest

@@ -93,9 +93,9 @@ class CostModel:
         segment_time, segment_memory: For a schedule of k sequence segments per
             microbatch, one factor per segment (0 = the sequence's start) that scales
             the compute of that segment's actions (their durations less the host tails)
-            and their memory deltas (default: all 1). The per-stage terms are then those of a mean segment; unequal cuts make
-            unequal segments (:func:`~zerobubble.schedule.segments.segment_costs`), and
-            a late segment holds more keys and values.
+            and their memory deltas (default: all 1). The per-stage terms are then those
+            of a mean segment; unequal cuts make unequal segments
+            (:func:`~zerobubble.schedule.segments.segment_model`).
     """
 
     f: tuple[Number, ...]

@@ -73,6 +73,7 @@ from zerobubble.runtime.executor import ExecutorOptions
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.partition import stage_bounds
 from zerobubble.runtime.rng import derive_seed
+from zerobubble.runtime.segment_check import check_segments
 from zerobubble.runtime.trace import gather_traces
 from zerobubble.schedule.costs import CostModel, CostSpec
 from zerobubble.schedule.generators import generate, one_f_one_b
@@ -345,24 +346,34 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
         )
 
     # 1. Per-layer costs on rank 0, the same cut everywhere (with segments, the cost of a
-    # segment of the sequence too, from the layers' forward on spans of a longest batch).
-    def layer_profile() -> tuple[LayerProfile, SegmentCost | None]:
+    # segment of the sequence too, from the layers' forward on spans of a longest batch,
+    # and the check that every layer computes on segments what it does on the whole).
+    def layer_profile() -> tuple[LayerProfile, SegmentCost | None] | PlanError:
         gen = torch.Generator().manual_seed(cfg.job.seed + 1)
         (x,), y = model.batch(cfg.job.microbatch_size, gen, False)
         lp = profile_layers(layers, model.profile_loss, x, y, warmup=1, iters=cfg.job.layer_iters)
-        if cfg.schedule.segments == 1:
+        k, L = cfg.schedule.segments, cfg.job.seq_len
+        if k == 1:
             return lp, None
         (x,), _ = model.batch(cfg.job.microbatch_size, gen, True)
-        iters = cfg.job.layer_iters
-        return lp, profile_segment_cost(layers, x, kernel="dense", iters=iters)
+        cost = profile_segment_cost(layers, x, kernel="dense", iters=cfg.job.layer_iters)
+        try:
+            check_segments(layers, x, balanced_cuts(L, k, cost))
+        except ValueError as exc:
+            return PlanError(f"cannot run --segments {k}: {exc}")
+        return lp, cost
 
-    lp, seg_cost = _from_lead(ctx, layer_profile)
+    profiled_layers = _from_lead(ctx, layer_profile)
+    if isinstance(profiled_layers, PlanError):
+        raise profiled_layers
+    lp, seg_cost = profiled_layers
     if seg_cost is not None:
         k, L = cfg.schedule.segments, cfg.job.seq_len
         ctx.say(
             f"segment cost (whole model's forward): {seg_cost.linear * 1e3:.3g} us a token, "
             f"{seg_cost.attention * 1e6:.3g} ns a query-key pair; {k} segments of equal work: "
-            f"cuts {list(balanced_cuts(L, k, seg_cost))} of {L} tokens"
+            f"cuts {list(balanced_cuts(L, k, seg_cost))} of {L} tokens (each layer checked "
+            "to compute on segments what it computes on the whole sequence)"
         )
     equal = tuple(boundaries_of(stage_bounds(len(layers), P)))
     balanced = tuple(balanced_boundaries(lp.costs(), P))
