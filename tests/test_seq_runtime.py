@@ -167,6 +167,7 @@ def check(results: list[dict], model: str, num_stages: int, m: int, cuts: tuple[
         torch.testing.assert_close(g, one_grads[name], rtol=1e-5, atol=1e-6 * scale)
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize(
     ("model", "kind", "p", "k", "cuts"),
     [
