@@ -65,6 +65,9 @@ def test_train_profiles_plans_trains_and_writes_its_outputs(tmp_path, capfd):
     assert data["boundaries"][0] == 0 and data["boundaries"][-1] == 4
     assert len(data["layers"]["F"]) == 4  # embedding, 1 block, norm, head
     assert data["step_fixed_ms"] > 0  # a step starts before its first compute
+    # the cost model charges the latency fitted to the profiled steps, within its bounds
+    assert 0 <= data["comm_fit"] <= max(20 * data["comm_measured"], 1.0)
+    assert data["comm"] == data["comm_fit"] and "latency charged per cross-device" in text
     events, lines = load_trace(out / "trace.jsonl")
     assert check_trace(events, lines=lines, mem_budget=spec.mem_limit).ok
     # The plan's executor traced its trial steps (if it had any), then the 3 of training.

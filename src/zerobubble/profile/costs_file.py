@@ -65,6 +65,10 @@ class Profile:
             :func:`~zerobubble.profile.segments.profile_segment_cost`), if measured: what
             a segment schedule's cuts balance and its prediction scales by.
         seq_len: The length of the profiled sequences (the cuts' last position).
+        comm_fit: The latency (ms) per cross-device dependency under which the profiled
+            schedules' simulated steps best match their measured ones
+            (:func:`~zerobubble.profile.calibrate.fit_latency`), if fitted: the cost
+            model charges it instead of the measured median.
     """
 
     stages: StageProfile
@@ -78,6 +82,7 @@ class Profile:
     step_fixed_ms: float = 0.0
     segment_cost: SegmentCost | None = None
     seq_len: int | None = None
+    comm_fit: float | None = None
 
     def cuts(self, segments: int) -> tuple[int, ...]:
         """Where to cut the profiled sequences into ``segments`` segments of equal work."""
@@ -99,7 +104,13 @@ class Profile:
 
     @property
     def comm(self) -> float:
-        """One latency for the cost model: the mean of the boundaries' median latencies."""
+        """One latency for the cost model: :attr:`comm_fit` if fitted, else the mean of the
+        boundaries' median latencies (:attr:`comm_measured`)."""
+        return self.comm_fit if self.comm_fit is not None else self.comm_measured
+
+    @property
+    def comm_measured(self) -> float:
+        """The mean of the boundaries' median latencies (0 without a boundary)."""
         if not self.latency:
             return 0.0
         return sum(s.median for _, s in self.latency) / len(self.latency)
@@ -197,6 +208,8 @@ class Profile:
         out["warmup_iterations"] = self.warmup
         out["step_fixed_ms"] = self.step_fixed_ms
         out["measured_samples"] = {"F": [s.n for s in st.f]}
+        out["comm_measured"] = self.comm_measured
+        out["comm_fit"] = self.comm_fit
         if self.segment_cost is not None:
             c = self.segment_cost
             out["segment_cost"] = {

@@ -175,6 +175,13 @@ def _profile_table(result: JobResult, con: Console) -> None:
             f"p95 ({lat.n} messages)",
             highlight=False,
         )
+    if prof.comm_fit is not None:
+        con.print(
+            f"latency charged per cross-device dependency: {prof.comm_fit:.3f} ms, fitted so "
+            "that the profiled schedules' simulated steps match their measured ones (see "
+            "zerobubble.profile.calibrate)",
+            highlight=False,
+        )
 
 
 def _ms(stats: OpStats | None) -> str:

@@ -59,6 +59,7 @@ from zerobubble.optim.config import OptimConfig
 from zerobubble.pipeline import Pipeline
 from zerobubble.profile.balance import balanced_boundaries, boundaries_of, stage_costs
 from zerobubble.profile.bubbles import IterationBubbles, analyze_iteration
+from zerobubble.profile.calibrate import fit_latency
 from zerobubble.profile.costs_file import Profile
 from zerobubble.profile.layers import LayerProfile, profile_layers
 from zerobubble.profile.segments import profile_segment_cost
@@ -93,6 +94,7 @@ from zerobubble.train.trials import (
     executed_costs,
     fastest,
     plan_candidates,
+    predict_ms,
 )
 
 T = TypeVar("T")
@@ -420,7 +422,8 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     def plan_or_refusal() -> _Plan | PlanError:
         try:
             fixed = [x for ph in phases for x in ph.fixed_s]
-            return _plan(ctx, profiled, lp, balanced, latency, base, fixed, seg_cost)
+            steps = [(ph.pipe.schedule, statistics.median(ph.settled_s) * 1e3) for ph in phases]
+            return _plan(ctx, profiled, lp, balanced, latency, base, fixed, seg_cost, steps)
         except PlanError as exc:
             return exc
 
@@ -571,6 +574,9 @@ class _Phase:
     fixed_s: list[float] = field(default_factory=list)
     """Per step after the warm-up, measured or not: the pipeline step's time outside its
     compute window (splitting the batch, the first posts, the last waits), slowest rank."""
+    settled_s: list[float] = field(default_factory=list)
+    """Per step after the warm-up, measured or not: the pipeline step's time, slowest rank
+    (the profiled steps' are what the latency fit matches)."""
     losses: list[float] = field(default_factory=list)
     events: list[TraceEvent] = field(default_factory=list)
 
@@ -673,6 +679,7 @@ def _step(ctx: _Ctx, ph: _Phase, *, record: bool, note: str, longest: bool = Fal
             window = max(float(t[5]) for t in every) - min(float(t[4]) for t in every)
             pipe_s = max(float(t[0]) for t in every)
             ph.fixed_s.append(max(pipe_s - window, 0.0))
+            ph.settled_s.append(pipe_s)
         ph.losses.append(loss)
         seed = pipe.options.seed
         length = int(y.shape[-1])
@@ -711,6 +718,7 @@ def _plan(
     base: Schedule,
     fixed_s: list[float],
     seg_cost: SegmentCost | None,
+    steps: list[tuple[Schedule, float]],
 ) -> _Plan:
     cfg = ctx.cfg
     f1b, zbh1 = profiled
@@ -735,6 +743,7 @@ def _plan(
         seg_cost,
         cfg.job.seq_len if seg_cost is not None else None,
     )
+    prof = _fit_latency(prof, steps)
     costs = prof.cost_model()
     limit = cfg.schedule.mem_limit
     if limit is None:
@@ -764,6 +773,18 @@ def _plan(
         segments=cfg.schedule.segments,
     )
     return _Plan(prof, limit, planned, kind, found)
+
+
+def _fit_latency(prof: Profile, steps: list[tuple[Schedule, float]]) -> Profile:
+    """``prof`` charging the latency per cross-device dependency under which the profiled
+    ``steps`` ((schedule as run, median pipeline ms)) are best predicted."""
+
+    def predict(latency: float) -> list[float]:
+        at = replace(prof, comm_fit=latency)
+        return [predict_ms(at, sched) for sched, _ in steps]
+
+    fitted = fit_latency(predict, [ms for _, ms in steps], prof.comm_measured)
+    return replace(prof, comm_fit=fitted)
 
 
 def _report(
