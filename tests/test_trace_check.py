@@ -43,7 +43,13 @@ from zerobubble.schedule.trace_check import check_trace, load_trace
 from zerobubble.schedule.trace_format import COMPUTE_OPS, TraceEvent, write_jsonl
 from zerobubble.schedule.validate import validate
 from zerobubble.train.job import plan_schedule
-from zerobubble.train.trials import executed_costs, fastest, plan_candidates, predict_ms
+from zerobubble.train.trials import (
+    executed_costs,
+    fastest,
+    plan_candidates,
+    predict_ms,
+    segment_counts,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -390,6 +396,9 @@ def test_profile_json_loads_as_costs_and_drives_the_planner(job, tmp_path):
     seq = generate("seq-zb", 2, 8, segments=4)
     assert executed_costs(seg, seq) == segment_model(parts, cuts, seg.segment_cost)
     assert executed_costs(seg, generate("zb-h1", 2, 8)) == parts
+    assert [segment_counts(k) for k in (1, 2, 3, 4, 6, 8)] == [
+        (), (2,), (2, 3), (2, 4), (2, 4, 6), (2, 4, 8)
+    ]  # fmt: skip
     every = plan_candidates(seg, (kind, planned), 8, spec.mem_limit, top=20, segments=4)
     assert {c.kind for c in every if c.cuts} == {"seq-zb(k=2)", "seq1f1b(k=2)", "seq-zb(k=4)",
                                                  "seq1f1b(k=4)"}  # fmt: skip

@@ -29,10 +29,10 @@ from zerobubble.schedule.simulate import simulate
 from zerobubble.schedule.validate import validate
 
 ALTERNATIVES = ("zb-auto", "zb-h2", "zb-h1")
-SEGMENT_KINDS = ("seq-zb", "seq1f1b")
-"""Kinds that cut each sequence into segments, tried beside the plan when segments > 1."""
 """Kinds tried beside the plan: one stage per device like the profile, so the profile's
 per-stage costs price them (the searching ``zb-auto`` under the plan's memory limit)."""
+SEGMENT_KINDS = ("seq-zb", "seq1f1b")
+"""Kinds that cut each sequence into segments, tried beside the plan when segments > 1."""
 
 
 @dataclass(frozen=True)
