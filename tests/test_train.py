@@ -255,3 +255,21 @@ def test_padded_batches_follow_the_documented_rule():
         assert torch.equal(labels[mask == 1], ids[mask == 1])
         assert bool((ids[mask == 0] == 0).all())
     assert len(widths) > 1  # the sequence length changes from step to step
+
+
+def test_labels_shifted_once_give_the_models_own_loss():
+    """With segments the job trains TokenSumLoss on labels shifted once for the whole
+    sequence: on whole sequences that is Hugging Face's own shifted loss, bitwise."""
+    pytest.importorskip("transformers")
+    from zerobubble.interop import hf
+    from zerobubble.train.models import TokenSumLoss, shift_labels
+
+    model = hf.tiny_model("hf-llama", num_hidden_layers=1)
+    gen = torch.Generator().manual_seed(3)
+    ids, mask, labels = padded_batch(stdlib_corpus(max_chars=5000), 4, 12, gen, pad_id=0)
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    theirs = hf.CausalLMLoss(model)
+    ours, shifted = TokenSumLoss(), shift_labels(labels)
+    assert ours.count_fn(shifted) == hf.count_tokens(labels)
+    n = hf.count_tokens(labels)
+    assert torch.equal(ours(logits, shifted, n), theirs(logits, labels, n))
