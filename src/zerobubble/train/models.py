@@ -45,6 +45,10 @@ IGNORE_INDEX = -100
 """Label of a padding position: left out of the loss and of its token count."""
 
 
+BatchFn = Callable[[int, torch.Generator, bool], tuple[tuple[Any, ...], Tensor]]
+"""``batch(rows, generator, longest) -> (step arguments, target)``."""
+
+
 @dataclass(frozen=True)
 class JobModel:
     """What the job needs of a model: its layers, losses and batches."""
@@ -56,7 +60,7 @@ class JobModel:
     """The whole batch's normaliser (non-ignored tokens), or None: per-sample mean."""
     profile_loss: Callable[[Tensor, Tensor], Tensor]
     """``loss(out, target)`` of one microbatch alone, for the per-layer profile."""
-    batch: Callable[[int, torch.Generator, bool], tuple[tuple[Any, ...], Tensor]]
+    batch: BatchFn
     """``batch(rows, generator, longest) -> (step arguments, target)``; ``longest``: rows of
     the longest length the job can draw (``seq_len``), what the profile is measured on."""
     hidden: int
@@ -115,27 +119,11 @@ def _gpt(cfg: TrainConfig, corpus: CharCorpus) -> JobModel:
         return (x,), y
 
     tied = ", tied embedding and head" if cfg.model.tie_embeddings else ""
+    blocks = f"{cfg.model.n_layers} blocks, d={cfg.model.d_model}{tied}"
+    summary = f"GPT: {len(layers)} layers ({blocks})"
     if cfg.schedule.segments > 1:
-        summed = TokenSumLoss()
-        return JobModel(
-            layers,
-            summed,
-            summed.count_fn,
-            lambda out, y: summed(out, y, summed.count_fn(y)),
-            batch,
-            cfg.model.d_model,
-            f"GPT: {len(layers)} layers ({cfg.model.n_layers} blocks, d={cfg.model.d_model}"
-            f"{tied}), token-summed loss",
-        )
-    return JobModel(
-        layers,
-        gpt_loss,
-        None,
-        gpt_loss,
-        batch,
-        cfg.model.d_model,
-        f"GPT: {len(layers)} layers ({cfg.model.n_layers} blocks, d={cfg.model.d_model}{tied})",
-    )
+        return _token_summed(layers, batch, cfg.model.d_model, f"{summary}, token-summed loss")
+    return JobModel(layers, gpt_loss, None, gpt_loss, batch, cfg.model.d_model, summary)
 
 
 def _hf(cfg: TrainConfig, corpus: CharCorpus) -> JobModel:
@@ -169,21 +157,13 @@ def _hf(cfg: TrainConfig, corpus: CharCorpus) -> JobModel:
         f"layers ({config.num_hidden_layers} blocks, d={config.hidden_size}{tied})"
     )
     if cfg.schedule.segments > 1:
-        summed = TokenSumLoss()
 
         def whole(rows: int, gen: torch.Generator, longest: bool) -> tuple[tuple[Any, ...], Tensor]:
             (inputs,), labels = batch(rows, gen, True)  # fixed cuts: every batch the longest
             return (inputs,), shift_labels(labels)
 
-        return JobModel(
-            layers,
-            summed,
-            summed.count_fn,
-            lambda logits, y: summed(logits, y, summed.count_fn(y)),
-            whole,
-            config.hidden_size,
-            f"{summary}, labels shifted once and the loss summed over tokens",
-        )
+        shifted = f"{summary}, labels shifted once and the loss summed over tokens"
+        return _token_summed(layers, whole, config.hidden_size, shifted)
     return JobModel(
         layers,
         loss,
@@ -191,6 +171,20 @@ def _hf(cfg: TrainConfig, corpus: CharCorpus) -> JobModel:
         lambda logits, labels: loss(logits, labels),
         batch,
         config.hidden_size,
+        summary,
+    )
+
+
+def _token_summed(layers: list[nn.Module], batch: BatchFn, hidden: int, summary: str) -> JobModel:
+    """The job's model under segments: :class:`TokenSumLoss` for every schedule."""
+    summed = TokenSumLoss()
+    return JobModel(
+        layers,
+        summed,
+        summed.count_fn,
+        lambda out, y: summed(out, y, summed.count_fn(y)),
+        batch,
+        hidden,
         summary,
     )
 
