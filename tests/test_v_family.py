@@ -267,7 +267,7 @@ def test_registered_with_their_options():
         "v-min": frozenset(),
         "v-half": frozenset(),
         "1f1b-v": frozenset({"split_backward"}),
-        "dualpipev": frozenset(),
+        "dualpipev": frozenset({"overlap"}),
     }
     assert GENERATORS["1f1b-v"].baseline and not GENERATORS["v-half"].baseline
     for kind in KINDS:

@@ -148,6 +148,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
             ("chunks", args.chunks),
             ("split_backward", args.split_backward),
             ("segments", args.segments),
+            ("overlap", args.overlap),
         ):
             if given and option not in gen.options:  # as generate() refuses them
                 raise ValueError(
@@ -176,6 +177,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
             mem_limit=limit if gen is not None and "mem_limit" in gen.options else None,
             time_budget_s=args.time_budget,
             segments=args.segments,
+            overlap=args.overlap,
         )
     result = validate(sched, mem_limit=limit, costs=spec.resolve(sched.placement, sched.segments))
     if args.format == "json":
@@ -460,6 +462,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--split-backward",
         action="store_true",
         help="baselines: write each BW as B immediately followed by W",
+    )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="dualpipev: pair F&B as DualPipe overlaps them (one's all-to-all hides behind "
+        "the other's compute; see --costs a2a=...)",
     )
     _add_cost_args(p)
     p.add_argument(

@@ -96,6 +96,13 @@ class CostModel:
             and their memory deltas (default: all 1). The per-stage terms are then those
             of a mean segment; unequal cuts make unequal segments
             (:func:`~zerobubble.schedule.segments.segment_model`).
+        a2a: Per virtual stage, the all-to-all time (a mixture of experts' dispatch and
+            combine) of each F and each backward (B or BW) of the stage, on the device's
+            comm lane; default 0. A lone action waits for it, so it counts in the
+            action's :meth:`duration`; an overlapped F&B pair
+            (:attr:`~zerobubble.schedule.ir.Schedule.overlaps`) hides each one's behind
+            the other's compute, taking ``max(compute, all-to-all)`` of the two together
+            (:meth:`overlapped`).
     """
 
     f: tuple[Number, ...]
@@ -111,9 +118,16 @@ class CostModel:
     host_w: tuple[Number, ...] = ()
     segment_time: tuple[Number, ...] = ()
     segment_memory: tuple[Number, ...] = ()
+    a2a: tuple[Number, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.f)
+        object.__setattr__(self, "a2a", tuple(self.a2a) or (0,) * n)
+        if len(self.a2a) != n or any(_amount_error(x) for x in self.a2a):
+            raise ValueError(
+                f"a2a={list(self.a2a)} must hold one finite number >= 0 (at most "
+                f"{MAX_AMOUNT:g}) per virtual stage ({n})"
+            )
         for name in ("segment_time", "segment_memory"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
             for i, x in enumerate(getattr(self, name)):
@@ -242,6 +256,7 @@ class CostModel:
             w=compute(self.w, self.host_w),
             mem_f=part(self.mem_f),
             mem_w=part(self.mem_w),
+            a2a=part(self.a2a),
         )
 
     def segment_scales(self, segments: int) -> tuple[tuple[Number, ...], tuple[Number, ...]]:
@@ -261,14 +276,26 @@ class CostModel:
         """How long ``op`` takes on virtual stage ``stage``."""
         match op:
             case Op.F:
-                return self.f[stage]
+                return self.f[stage] + self.a2a[stage]
             case Op.B:
-                return self.b[stage]
+                return self.b[stage] + self.a2a[stage]
             case Op.W:
                 return self.w[stage]
             case Op.BW:
-                return self.b[stage] + self.w[stage]
+                return self.b[stage] + self.w[stage] + self.a2a[stage]
         raise AssertionError(op)  # pragma: no cover
+
+    def a2a_time(self, op: Op, stage: int) -> Number:
+        """Of :meth:`duration`, the all-to-all part (none for W)."""
+        return 0 if op is Op.W else self.a2a[stage]
+
+    def overlapped(self, f_stage: int, b_op: Op, b_stage: int) -> tuple[Number, Number]:
+        """An overlapped pair's block (F of ``f_stage``, then ``b_op`` of ``b_stage``): its
+        duration, ``max(compute, all-to-all)`` of the two together (each one's
+        all-to-all runs while the other computes), and the all-to-all left exposed."""
+        comm = self.a2a[f_stage] + self.a2a_time(b_op, b_stage)
+        compute = self.duration(Op.F, f_stage) + self.duration(b_op, b_stage) - comm
+        return max(compute, comm), max(comm - compute, 0)
 
     def host_time(self, op: Op, stage: int) -> Number:
         """Of :meth:`duration`, the host part (see the class docstring)."""
@@ -314,10 +341,12 @@ class CostModel:
         comm: Number = 0,
         mem_w: Number = 0.5,
         segments: int = 1,
+        a2a: Number = 0,
     ) -> CostModel:
         """Uniform costs given as per-device totals of one microbatch.
 
-        A device holding v chunks spends F/v, B/v, W/v per chunk and allocates
+        A device holding v chunks spends F/v, B/v, W/v (and ``a2a``/v of all-to-all in
+        each F and each backward) per chunk and allocates
         1/v (of its M_B) per chunk F; ``mem_w`` is r = M_W / M_B. With k
         ``segments`` per microbatch every term is that of one segment, 1/k of it
         (equal segments; :attr:`segment_time` and :attr:`segment_memory` make them
@@ -340,6 +369,7 @@ class CostModel:
             comm=comm,
             mem_f=tuple(_div(unit, v) for v in vs),
             mem_w=tuple(_div(mem_w, v) for v in vs),
+            a2a=tuple(_div(a2a, v) for v in vs),
         )
 
     @classmethod
@@ -353,9 +383,11 @@ class CostModel:
         mem_w: Sequence[Number] | None = None,
         recompute: bool = False,
         host: Mapping[str, Sequence[Number]] | None = None,
+        a2a: Sequence[Number] = (),
     ) -> CostModel:
         """Costs given as one value per virtual stage (e.g. from a profile); ``host``:
-        the host part of F, B and W (keys ``F``, ``B``, ``W``, any subset)."""
+        the host part of F, B and W (keys ``F``, ``B``, ``W``, any subset); ``a2a``: the
+        all-to-all time of each F and backward (see :attr:`a2a`)."""
         host = host or {}
         return cls(
             tuple(f),
@@ -368,6 +400,7 @@ class CostModel:
             host_f=tuple(host.get("F", ())),
             host_b=tuple(host.get("B", ())),
             host_w=tuple(host.get("W", ())),
+            a2a=tuple(a2a),
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -384,6 +417,8 @@ class CostModel:
         for name in ("segment_time", "segment_memory"):
             if getattr(self, name):
                 out[name] = [float(x) for x in getattr(self, name)]
+        if any(self.a2a):
+            out["a2a"] = [float(x) for x in self.a2a]
         if any(self.host_f) or any(self.host_b) or any(self.host_w):
             out["host"] = {
                 op: [float(x) for x in xs]
@@ -410,6 +445,8 @@ class CostSpec:
     recompute: Number | None = None
     """Whole-stage activation checkpointing: F keeps this fraction of its M_B and B
     recomputes F (:meth:`CostModel.with_recompute`); None: no checkpointing."""
+    a2a: Number = 0
+    """All-to-all time of each F and each backward, per device (:attr:`CostModel.a2a`)."""
 
     def resolve(self, placement: Sequence[int], segments: int = 1) -> CostModel:
         """The model of ``placement``, per sequence segment when ``segments`` > 1 (each term
@@ -428,7 +465,7 @@ class CostSpec:
             model = self.stage_costs
         else:
             model = CostModel.from_device_totals(
-                placement, self.F, self.B, self.W, self.comm, self.mem_w, segments
+                placement, self.F, self.B, self.W, self.comm, self.mem_w, segments, self.a2a
             )
         if self.recompute is None:
             return model
@@ -441,11 +478,12 @@ def parse_costs(text: str, mem_w: Number | None = None) -> CostSpec:
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, raw = part.partition("=")
         key = key.strip()
-        if not sep or key not in {"F", "B", "W", "comm", "recompute"}:
+        if not sep or key not in {"F", "B", "W", "comm", "recompute", "a2a"}:
             raise ValueError(
                 f"cannot parse cost {part!r}: expected KEY=NUMBER with KEY one of F, B, W, comm, "
-                "recompute (e.g. --costs F=1,B=1,W=0.5,comm=0.1; recompute=0.05: F keeps 5% "
-                "of its activations and B recomputes it)"
+                "recompute, a2a (e.g. --costs F=1,B=1,W=0.5,comm=0.1; recompute=0.05: F keeps "
+                "5% of its activations and B recomputes it; a2a=0.5: each F and backward also "
+                "waits 0.5 for its all-to-all, unless overlapped)"
             )
         values[key] = x = _parse_number(raw.strip(), part)
         if _amount_error(x):
@@ -459,6 +497,7 @@ def parse_costs(text: str, mem_w: Number | None = None) -> CostSpec:
         W=values.get("W", default.W),
         comm=values.get("comm", default.comm),
         recompute=values.get("recompute"),
+        a2a=values.get("a2a", default.a2a),
     )
     if spec.F + spec.B + spec.W == 0:
         raise ValueError(
@@ -483,8 +522,9 @@ def load_costs_file(path: str | Path) -> CostSpec:
     """Read a per-stage costs JSON (the profiler writes this format).
 
     Keys: ``F``, ``B``, ``W`` (arrays, one per virtual stage), optional
-    ``comm`` (number), ``mem_B`` / ``mem_W`` (arrays), ``mem_limit`` and ``recompute``
-    (true: the stages checkpoint activations, so ``mem_W`` may exceed ``mem_B``).
+    ``comm`` (number), ``mem_B`` / ``mem_W`` / ``a2a`` (arrays), ``mem_limit`` and
+    ``recompute`` (true: the stages checkpoint activations, so ``mem_W`` may exceed
+    ``mem_B``).
     """
     return costs_from_mapping(read_json(path, "costs file"), source=str(path))
 
@@ -524,13 +564,22 @@ def costs_from_mapping(data: object, source: str = "costs") -> CostSpec:
 
     f, b, w, comm = array("F"), array("B"), array("W"), number("comm")
     mem_f, mem_w = optional_array("mem_B"), optional_array("mem_W")
+    a2a = optional_array("a2a") or ()
     host = _host_parts(data.get("host"), source)
     recompute = data.get("recompute", False)
     if not isinstance(recompute, bool):
         raise ValueError(f"{source}: 'recompute' must be true or false, got {recompute!r:.60}")
     try:
         model = CostModel.per_stage(
-            f, b, w, 0 if comm is None else comm, mem_f, mem_w, recompute=recompute, host=host
+            f,
+            b,
+            w,
+            0 if comm is None else comm,
+            mem_f,
+            mem_w,
+            recompute=recompute,
+            host=host,
+            a2a=a2a,
         )
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from None

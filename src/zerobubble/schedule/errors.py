@@ -28,6 +28,8 @@ class Reason(enum.StrEnum):
     """Activation memory on a device exceeds the limit."""
     COMM_ORDER = "comm_order"
     """Lowered programs disagree on the order of messages between two devices."""
+    OVERLAP = "overlap"
+    """An overlapped F&B pair whose backward needs its forward's result."""
 
 
 class ScheduleError(ValueError):

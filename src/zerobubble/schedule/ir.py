@@ -92,6 +92,13 @@ class Schedule:
             :mod:`zerobubble.schedule.segments`). An action's ``mb`` field numbers a
             *unit*, microbatch ``u // k``'s segment ``u % k``; there are ``M * k`` units
             (:attr:`num_units`). With the default k = 1 units are microbatches.
+        overlaps: Overlapped F&B pairs ``(f, b)`` (DualPipe's, PyTorch's ``OVERLAP_F_B``): an
+            F and, right after it on the same device, the backward (B or BW) of another
+            stage and microbatch, run as one block so that each one's communication (a
+            mixture of experts' all-to-all) hides behind the other's compute. In order
+            they mean F then b, which is how a runtime without an overlap runs them;
+            the simulator times the pair as one block (see
+            :attr:`~zerobubble.schedule.costs.CostModel.a2a`).
     """
 
     name: str
@@ -101,6 +108,7 @@ class Schedule:
     placement: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
     segments: int = 1
+    overlaps: tuple[tuple[Action, Action], ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise containers so a caller passing lists still gets an immutable value.
@@ -125,6 +133,33 @@ class Schedule:
         for s, d in enumerate(self.placement):
             if not 0 <= d < self.num_devices:
                 raise ValueError(f"placement[{s}]={d} is not a device in [0, {self.num_devices})")
+        pairs = tuple(sorted((Action(*f), Action(*b)) for f, b in self.overlaps))
+        object.__setattr__(self, "overlaps", pairs)
+        if pairs:
+            self._check_overlaps()
+
+    def _check_overlaps(self) -> None:
+        """Each pair: an F directly followed on its device by a B or BW, each action in
+        at most one pair."""
+        if self.segments > 1:
+            raise ValueError("overlapped F&B pairs with sequence segments are not built")
+        where = {(a, d): i for d, acts in enumerate(self.actions) for i, a in enumerate(acts)}
+        used: set[Action] = set()
+        for f, b in self.overlaps:
+            if f.op is not Op.F or b.op not in (Op.B, Op.BW):
+                raise ValueError(
+                    f"overlap ({f}, {b}) must pair an F with the B or BW that follows it"
+                )
+            d = self.placement[f.stage] if 0 <= f.stage < self.num_stages else -1
+            i = where.get((f, d))
+            if i is None or where.get((b, d)) != i + 1:
+                raise ValueError(
+                    f"overlap ({f}, {b}): {b} must come right after {f} on the device that "
+                    "holds both"
+                )
+            if f in used or b in used:
+                raise ValueError(f"overlap ({f}, {b}): an action is in two overlapped pairs")
+            used.update((f, b))
 
     # ---- derived views -------------------------------------------------------------------
 
@@ -187,18 +222,34 @@ class Schedule:
         return sum(len(acts) for acts in self.actions)
 
     def with_actions(
-        self, actions: Sequence[Iterable[Action]], name: str | None = None
+        self,
+        actions: Sequence[Iterable[Action]],
+        name: str | None = None,
+        overlaps: Iterable[tuple[Action, Action]] | None = None,
     ) -> Schedule:
-        """A copy with other per-device action lists (used by mutation tests and passes)."""
+        """A copy with other per-device action lists (used by mutation tests and passes).
+
+        ``overlaps`` defaults to this schedule's pairs that are still an F directly
+        followed by its partner on the new lists (a pass that moves them apart runs them
+        one after the other)."""
+        rows = tuple(tuple(a) for a in actions)
+        if overlaps is None:
+            after = {a: row[i + 1] for row in rows for i, a in enumerate(row[:-1])}
+            overlaps = tuple((f, b) for f, b in self.overlaps if after.get(f) == b)
         return Schedule(
             name=self.name if name is None else name,
             num_devices=self.num_devices,
             num_stages=self.num_stages,
             num_microbatches=self.num_microbatches,
             placement=self.placement,
-            actions=tuple(tuple(a) for a in actions),
+            actions=rows,
             segments=self.segments,
+            overlaps=tuple(overlaps),
         )
+
+    def overlap_partner(self) -> dict[Action, Action]:
+        """Each overlapped F's backward partner (see :attr:`overlaps`)."""
+        return dict(self.overlaps)
 
 
 # ---- placements ----------------------------------------------------------------------------

@@ -44,7 +44,7 @@ def fuse_local_backward(schedule: Schedule) -> Schedule:
     device. Returns ``schedule`` itself when nothing is fusible.
     """
     out: list[tuple[Action, ...]] = []
-    changed = False
+    merged: dict[Action, Action] = {}  # B -> its BW
     for d, acts in enumerate(schedule.actions):
         fused: list[Action] = []
         skip = False
@@ -53,9 +53,13 @@ def fuse_local_backward(schedule: Schedule) -> Schedule:
                 skip = False
                 continue
             if fusible_backward(schedule, d, i):
-                fused.append(Action(Op.BW, a.stage, a.mb))
-                skip = changed = True
+                merged[a] = Action(Op.BW, a.stage, a.mb)
+                fused.append(merged[a])
+                skip = True
             else:
                 fused.append(a)
         out.append(tuple(fused))
-    return schedule.with_actions(out) if changed else schedule
+    if not merged:
+        return schedule
+    pairs = tuple((f, merged.get(b, b)) for f, b in schedule.overlaps)  # an F&B keeps its B
+    return schedule.with_actions(out, overlaps=pairs)

@@ -99,6 +99,24 @@ class SimResult:
         return tuple(out)
 
     @cached_property
+    def exposed_a2a(self) -> tuple[Number, ...]:
+        """Per device: the all-to-all time its actions wait for (``CostModel.a2a``): all of
+        a lone F's or backward's, and of an overlapped pair what outlasts its compute."""
+        c, partner = self.costs, self.schedule.overlap_partner()
+        paired = set(partner.values())
+        out = []
+        for acts in self.schedule.actions:
+            total: Number = 0
+            for a in acts:
+                if a in partner:
+                    b = partner[a]
+                    total += c.overlapped(a.stage, b.op, b.stage)[1]
+                elif a not in paired:
+                    total += c.a2a_time(a.op, a.stage)
+            out.append(total)
+        return tuple(out)
+
+    @cached_property
     def span(self) -> tuple[Number, ...]:
         """Per device: last end minus first start (0 for an idle device)."""
         return tuple(
@@ -255,6 +273,11 @@ def _times(
         ]
     hops = {(op, st): costs.hop(op, st) for op, st in table}
     leave = list(map(hops.__getitem__, map(_op_stage, flat)))
+    deps: list[tuple[int, ...]] = list(zip(dep1, dep2, dep3, strict=True))
+    for g, h in _pairs(schedule, graph):  # an overlapped pair is one block, timed on its F:
+        dur[g], _ = costs.overlapped(flat[g].stage, flat[h].op, flat[h].stage)
+        dur[h] = 0  # its backward ends with it
+        deps[g] = tuple(x for x in (*deps[g], *deps[h]) if x != g)  # both inputs first
 
     start: list[Number] = [0] * n
     end: list[Number] = [0] * n
@@ -269,7 +292,7 @@ def _times(
         g, stop, t_dev = head[d], offsets[d + 1], clock[d]
         while g < stop:
             t, waiting = t_dev, -1
-            for x in (dep1[g], dep2[g], dep3[g]):
+            for x in deps[g]:
                 if x < 0:
                     continue
                 if not done[x]:
@@ -290,21 +313,39 @@ def _times(
         head[d], clock[d] = g, t_dev
     stuck = {d: head[d] - offsets[d] for d in range(num_devices) if head[d] < offsets[d + 1]}
     if stuck:
-        raise _deadlock_error(schedule, graph, stuck)
+        raise _deadlock_error(schedule, graph, stuck, deps)
     per_dev_start = tuple(tuple(start[offsets[d] : offsets[d + 1]]) for d in range(num_devices))
     per_dev_end = tuple(tuple(end[offsets[d] : offsets[d + 1]]) for d in range(num_devices))
     return per_dev_start, per_dev_end
 
 
-def _deadlock_error(schedule: Schedule, graph: Graph, head: dict[int, int]) -> ScheduleError:
+def _pairs(schedule: Schedule, graph: Graph) -> list[tuple[int, int]]:
+    """The flat indices ``(F, its partner)`` of the schedule's overlapped pairs."""
+    if not schedule.overlaps:
+        return []
+    where = {(d, a): graph.offsets[d] + i for d, i, a in schedule}
+    out = []
+    for f, b in schedule.overlaps:
+        d = schedule.placement[f.stage]
+        out.append((where[d, f], where[d, b]))
+    return out
+
+
+def _deadlock_error(
+    schedule: Schedule, graph: Graph, head: dict[int, int], deps: list[tuple[int, ...]]
+) -> ScheduleError:
     """Describe the wait-for cycle among the stuck device heads.
 
-    ``head[d]`` is the first position device d could not run (everything before it ran).
+    ``head[d]`` is the first position device d could not run (everything before it ran);
+    ``deps[g]`` what action ``g`` waited for (an overlapped pair's F: both its inputs).
     """
     acts = schedule.actions
+    partner = schedule.overlap_partner()
 
     def blocker(d: int) -> tuple[int, int]:
-        for x in graph.preds[graph.offsets[d] + head[d]]:
+        for x in deps[graph.offsets[d] + head[d]]:
+            if x < 0:
+                continue
             dd, ii = graph.location(x)
             if ii >= head.get(dd, len(acts[dd])):
                 return dd, ii
@@ -319,15 +360,18 @@ def _deadlock_error(schedule: Schedule, graph: Graph, head: dict[int, int]) -> S
     steps = []
     for c in cycle:
         bd, bi = blocker(c)
+        a = acts[c][head[c]]
+        block = f"{a}, overlapped with {partner[a]}" if a in partner else str(a)
         steps.append(
-            f"device {c} at position {head[c]} ({acts[c][head[c]]}) waits for "
+            f"device {c} at position {head[c]} ({block}) waits for "
             f"{acts[bd][bi]} at device {bd} position {bi}"
         )
     first = min(cycle)
     return ScheduleError(
         Reason.DEADLOCK,
         "no execution order exists: " + "; ".join(steps) + ". Reorder one of these devices "
-        "so that the awaited action comes first.",
+        "so that the awaited action comes first"
+        + (" (or run the overlapped pair in sequence)." if "overlapped" in "".join(steps) else "."),
         device=first,
         position=head[first],
         action=acts[first][head[first]],

@@ -62,7 +62,26 @@ def check_structure(schedule: Schedule) -> Graph:
         _check_complete(graph, S, M, placement)
     if cols is None or _has_local_order_problem(graph):
         _check_local_order(graph)
+    if schedule.overlaps:
+        _check_overlaps(schedule, graph)
     return graph
+
+
+def _check_overlaps(schedule: Schedule, graph: Graph) -> None:
+    """An overlapped pair runs as one block: its backward may not need its forward (a need
+    through another device shows as a deadlock)."""
+    for f, b in schedule.overlaps:
+        g, h = graph.index[f], graph.index[b]
+        if g in graph.preds[h]:
+            d, i = graph.location(h)
+            raise ScheduleError(
+                Reason.OVERLAP,
+                f"it is overlapped with {f}, whose result it needs; pair {f} with the "
+                "backward of another microbatch, or run the two in sequence",
+                device=d,
+                position=i,
+                action=b,
+            )
 
 
 def _placed_once(graph: Graph, cols: Columns, placement: tuple[int, ...]) -> bool:

@@ -8,7 +8,8 @@ Exactly this shape, so other tools can read it without zerobubble::
 
 plus ``"segments": k`` when a microbatch's sequence runs as k > 1 segments; each
 action's ``mb`` is then a unit, microbatch ``mb // k``'s segment ``mb % k``
-(see :class:`~zerobubble.schedule.ir.Schedule`).
+(see :class:`~zerobubble.schedule.ir.Schedule`); and ``"overlaps": [[F, B], ...]``
+(actions as above) when the schedule overlaps F&B pairs.
 """
 
 from __future__ import annotations
@@ -33,11 +34,17 @@ def to_dict(schedule: Schedule) -> dict[str, Any]:
         "num_microbatches": schedule.num_microbatches,
         "placement": list(schedule.placement),
         **({"segments": schedule.segments} if schedule.segments > 1 else {}),
-        "actions": [
-            [{"op": a.op.value, "stage": a.stage, "mb": a.mb} for a in acts]
-            for acts in schedule.actions
-        ],
+        **(
+            {"overlaps": [[_action(f), _action(b)] for f, b in schedule.overlaps]}
+            if schedule.overlaps
+            else {}
+        ),
+        "actions": [[_action(a) for a in acts] for acts in schedule.actions],
     }
+
+
+def _action(a: Action) -> dict[str, Any]:
+    return {"op": a.op.value, "stage": a.stage, "mb": a.mb}
 
 
 def dumps(schedule: Schedule) -> str:
@@ -69,20 +76,17 @@ def from_dict(data: object, source: str = "schedule JSON") -> Schedule:
             f"{source}: 'actions' must be a list with one list of actions per device, "
             f"got {rows!r:.60}"
         )
-    ops = {op.value: op for op in Op}
-    actions: list[tuple[Action, ...]] = []
-    for d, acts in enumerate(rows):
-        row = []
-        for i, a in enumerate(acts):
-            op_name = a.get("op") if isinstance(a, dict) else None
-            op = ops.get(op_name) if isinstance(op_name, str) else None
-            if op is None or not (_is_int(a.get("stage")) and _is_int(a.get("mb"))):
-                raise ValueError(
-                    f"{source}: device {d} position {i}: bad action {a!r}; expected "
-                    '{"op": "F"|"B"|"W"|"BW", "stage": int, "mb": int}'
-                )
-            row.append(Action(op, a["stage"], a["mb"]))
-        actions.append(tuple(row))
+    actions = [
+        tuple(_parsed(a, f"{source}: device {d} position {i}") for i, a in enumerate(acts))
+        for d, acts in enumerate(rows)
+    ]
+    pairs = data.get("overlaps", [])
+    if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+        raise ValueError(f"{source}: 'overlaps' must be a list of [F, B] pairs, got {pairs!r:.60}")
+    overlaps = tuple(
+        (_parsed(f, f"{source}: overlap {i}"), _parsed(b, f"{source}: overlap {i}"))
+        for i, (f, b) in enumerate(pairs)
+    )
     placement = data["placement"]
     if not isinstance(placement, list) or not all(_is_int(x) for x in placement):
         raise ValueError(
@@ -106,7 +110,27 @@ def from_dict(data: object, source: str = "schedule JSON") -> Schedule:
         placement=tuple(placement),
         actions=tuple(actions),
         segments=segments,
+        overlaps=overlaps,
     )
+
+
+def _parsed(a: object, where: str) -> Action:
+    name = a.get("op") if isinstance(a, dict) else None
+    op = _OPS.get(name) if isinstance(name, str) else None
+    if not isinstance(a, dict) or op is None or not _is_int(a.get("stage")):
+        raise _bad_action(a, where)
+    if not _is_int(a.get("mb")):
+        raise _bad_action(a, where)
+    return Action(op, a["stage"], a["mb"])
+
+
+def _bad_action(a: object, where: str) -> ValueError:
+    return ValueError(
+        f'{where}: bad action {a!r}; expected {{"op": "F"|"B"|"W"|"BW", "stage": int, "mb": int}}'
+    )
+
+
+_OPS = {op.value: op for op in Op}
 
 
 def _is_int(x: object) -> TypeGuard[int]:

@@ -3,7 +3,8 @@
 Each device is one row; each action is drawn over the columns its simulated
 duration covers, labelled ``F3`` (op and microbatch), ``F3.1`` for a microbatch's
 segment 1 when its sequence runs in segments, with a chunk letter (``F3b``) when
-the device holds several stages; ``.`` is idle time::
+the device holds several stages; an overlapped F&B pair is one block labelled
+``F3a&BW1b``; ``.`` is idle time::
 
     d0 |F0 F1 F2 F3 B0 W0 F4 B1 W1 ...
     d1 |...F0 F1 F2 B0 F3 B1 W0 ...
@@ -41,7 +42,14 @@ def render(
 ) -> str:
     """Render the simulated timeline; rows are truncated to ``max_width`` columns."""
     res = result if result is not None else simulate(schedule, costs)
-    labels = [[label(schedule, a) for a in acts] for acts in schedule.actions]
+    partner = schedule.overlap_partner()
+    labels = [
+        [
+            label(schedule, a) + (f"&{label(schedule, partner[a])}" if a in partner else "")
+            for a in acts
+        ]
+        for acts in schedule.actions
+    ]
     widest = max((len(x) for row in labels for x in row), default=1) + 1
     durations = [
         Fraction(e) - Fraction(s)
@@ -82,8 +90,16 @@ def render(
 
 
 def render_order(schedule: Schedule) -> str:
-    """Untimed listing: each device's actions in order (handy for diffs)."""
+    """Untimed listing: each device's actions in order (handy for diffs); an overlapped
+    pair as one ``F3a&BW1b``."""
+    partner = schedule.overlap_partner()
+    paired = set(partner.values())
     return "\n".join(
-        f"d{d}: " + " ".join(label(schedule, a) for a in acts)
+        f"d{d}: " + " ".join(_block(schedule, partner, a) for a in acts if a not in paired)
         for d, acts in enumerate(schedule.actions)
     )
+
+
+def _block(schedule: Schedule, partner: dict[Action, Action], a: Action) -> str:
+    """``a``'s label, joined by ``&`` to its overlapped partner's if it has one."""
+    return label(schedule, a) + (f"&{label(schedule, partner[a])}" if a in partner else "")

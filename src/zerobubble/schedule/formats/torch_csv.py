@@ -5,11 +5,12 @@ One row per rank; each cell is ``{stage}{type}{microbatch}`` with type
 gradient: our W) or ``B`` (full backward: our BW). PyTorch's listings may also
 hold empty cells (idle slots), bookkeeping actions (``REDUCE_GRAD``,
 ``UNSHARD``, ``RESHARD``: no compute, skipped) and ``(a;b)OVERLAP_F_B`` pairs
-(expanded to their sub-actions in order). Communication cells (``SEND_F``...)
-mean a compute+comms listing, which is refused.
+(their sub-actions in order, an F and a backward kept as an overlapped pair:
+``Schedule.overlaps``). Communication cells (``SEND_F``...) mean a compute+comms
+listing, which is refused.
 
-Export writes only F/I/W/B cells, so our schedules round-trip exactly
-(the name is not part of the format).
+Export writes F/I/W/B cells and an overlapped pair as one ``(a;b)OVERLAP_F_B``
+cell, so our schedules round-trip exactly (the name is not part of the format).
 """
 
 from __future__ import annotations
@@ -40,9 +41,20 @@ def dumps(schedule: Schedule) -> str:
         )
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
+    partner = schedule.overlap_partner()
     for acts in schedule.actions:
-        writer.writerow([f"{a.stage}{_TO_TORCH[a.op]}{a.mb}" for a in acts])
+        cells, paired = [], set(partner.values())
+        for a in acts:
+            if a in partner:
+                cells.append(f"({_cell(a)};{_cell(partner[a])})OVERLAP_F_B")
+            elif a not in paired:
+                cells.append(_cell(a))
+        writer.writerow(cells)
     return out.getvalue()
+
+
+def _cell(a: Action) -> str:
+    return f"{a.stage}{_TO_TORCH[a.op]}{a.mb}"
 
 
 def save(schedule: Schedule, path: str | Path) -> None:
@@ -84,11 +96,20 @@ def from_rows(
     pass them to have out-of-range cells rejected precisely by the validator.
     """
     actions: list[list[Action]] = []
+    overlaps: list[tuple[Action, Action]] = []
     where: dict[int, tuple[int, int]] = {}
     for rank, row in enumerate(rows):
         acts: list[Action] = []
         for column, cell in enumerate(row):
-            for a in parse_cell(cell, rank, column):
+            parsed = parse_cell(cell, rank, column)
+            if (
+                _OVERLAP.match(cell.strip())
+                and len(parsed) == 2
+                and parsed[0].op is Op.F
+                and parsed[1].op in (Op.B, Op.BW)
+            ):
+                overlaps.append((parsed[0], parsed[1]))
+            for a in parsed:
                 if a.stage in where and where[a.stage][0] != rank:
                     first_rank, first_col = where[a.stage]
                     raise ScheduleError(
@@ -123,7 +144,9 @@ def from_rows(
             "microbatch needs a forward on every stage; pass the schedule's own -m"
         )
     placement = tuple(where[s][0] for s in range(S))
-    return Schedule(name, len(actions), S, M, placement, tuple(map(tuple, actions)))
+    return Schedule(
+        name, len(actions), S, M, placement, tuple(map(tuple, actions)), overlaps=tuple(overlaps)
+    )
 
 
 def loads(

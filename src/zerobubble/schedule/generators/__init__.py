@@ -50,8 +50,8 @@ class Generator:
         options: The keyword options ``fn`` accepts, among ``chunks``,
             ``split_backward``, ``costs`` (a :class:`CostSpec`), ``mem_limit``,
             ``max_stages`` (a layer count the search keeps within), ``time_budget_s``
-            (seconds after which the search returns its best so far) and ``segments``
-            (sequence segments per microbatch).
+            (seconds after which the search returns its best so far), ``segments``
+            (sequence segments per microbatch) and ``overlap`` (overlapped F&B pairs).
         baseline: True for schedules without a B/W split (kept for comparison).
     """
 
@@ -141,6 +141,7 @@ _KINDS = (
         "dualpipev",
         dualpipev,
         "DeepSeek's DualPipeV: DualPipe cut in half onto the V placement",
+        frozenset({"overlap"}),
     ),
     Generator(
         "auto",
@@ -193,6 +194,7 @@ def generate(
     max_stages: int | None = None,
     time_budget_s: float | None = None,
     segments: int | None = None,
+    overlap: bool = False,
 ) -> Schedule:
     """Build a schedule of ``kind``; options the kind does not use are an error.
 
@@ -216,6 +218,7 @@ def generate(
         "max_stages": max_stages,
         "time_budget_s": time_budget_s,
         "segments": segments,
+        "overlap": overlap or None,
     }
     kwargs = {}
     for key, value in given.items():

@@ -7,9 +7,14 @@ Vocabulary. In DualPipe a "B" is a *full* backward chunk (our BW); only when
 zero-bubble mode is on for that chunk is it an input-gradient backward (our
 B) whose weight gradient is queued and run later by a "W" (our W), oldest
 first. An overlapped "F&B" pair (one microbatch's forward computing while
-another's backward communicates) is, in our IR, simply the F followed by the
-BW on the same device: the simulator runs them back to back, so any
-compute/communication overlap DualPipe gains comes on top of our figures.
+another's backward communicates its all-to-all, and the other way round) is the
+F followed by the BW on the same device. With ``overlap=True`` they are listed in
+``Schedule.overlaps``: the pairs of the main step and of step 5, as DualPipe and
+PyTorch's ``ScheduleDualPipeV`` (its ``OVERLAP_F_B`` actions) pair them. A runtime
+that does not overlap runs them one after the other. The simulator times a pair as
+one block that starts once both inputs are in: under a cost model with an all-to-all
+time (``CostModel.a2a``) each one's hides behind the other's compute; without one,
+pairing only costs the F its earlier start (1/2 more bubble at F = B = W).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from zerobubble.schedule.generators.common import check_counts
 from zerobubble.schedule.ir import Action, Op, Schedule, v_placement
 
 
-def dualpipev(num_devices: int, num_microbatches: int) -> Schedule:
+def dualpipev(num_devices: int, num_microbatches: int, *, overlap: bool = False) -> Schedule:
     """DualPipeV, phase for phase as in DeepSeek's ``dualpipev.py``.
 
     The order equals PyTorch's ``ScheduleDualPipeV`` listing. At F = B = W
@@ -30,10 +35,13 @@ def dualpipev(num_devices: int, num_microbatches: int) -> Schedule:
     DeepSeek requires M >= 2P. Any M >= 1 works here: the order is built for
     max(M, 2P) microbatches and the extra ones are dropped, which keeps every
     dependency satisfied (the figures above then no longer hold).
+
+    ``overlap``: list DualPipe's overlapped F&B pairs in ``Schedule.overlaps``.
     """
     p, m = check_counts(num_devices, num_microbatches)
     n = max(m, 2 * p)
     actions = []
+    pairs: list[tuple[Action, Action]] = []
     for r in range(p):
         o = _DualOrder(down=r, up=2 * p - 1 - r)
         # Step 1: nF0
@@ -48,17 +56,18 @@ def dualpipev(num_devices: int, num_microbatches: int) -> Schedule:
             o.b(o.up, split=True)
             o.w()
             o.f(o.up)
-        # Step 4 (main step): nF0B1F1B0, two overlapped F&B pairs per round
-        for _ in range(n - 2 * p + r + 1):
+        # Step 4 (main step): nF0B1F1B0, two overlapped F&B pairs per round (the last
+        # device runs its first F0 and B1 apart: the B1 waits for that F0's result)
+        for i in range(n - 2 * p + r + 1):
             o.f(o.down)
-            o.b(o.up)
+            o.b(o.up, overlap=not (i == 0 and r == p - 1))
             o.f(o.up)
-            o.b(o.down)
-        # Step 5: nB1F1B0
+            o.b(o.down, overlap=True)
+        # Step 5: nB1F1B0, the F1 and B0 overlapped
         for _ in range(p - r - 1):
             o.b(o.up)
             o.f(o.up)
-            o.b(o.down)
+            o.b(o.down, overlap=True)
         # Step 6: nB1B0 (the second half switches to zero bubble)
         half = (r + 1) // 2
         for i in range(r + 1):
@@ -72,8 +81,15 @@ def dualpipev(num_devices: int, num_microbatches: int) -> Schedule:
         while o.pending:
             o.w()
         actions.append([a for a in o.actions if a.mb < m])
+        pairs.extend((f, b) for f, b in o.pairs if f.mb < m and b.mb < m)
     return Schedule(
-        "dualpipev", p, 2 * p, m, v_placement(p), tuple(tuple(acts) for acts in actions)
+        "dualpipev",
+        p,
+        2 * p,
+        m,
+        v_placement(p),
+        tuple(tuple(acts) for acts in actions),
+        overlaps=tuple(pairs) if overlap else (),
     )
 
 
@@ -83,6 +99,7 @@ class _DualOrder:
     def __init__(self, down: int, up: int) -> None:
         self.down, self.up = down, up
         self.actions: list[Action] = []
+        self.pairs: list[tuple[Action, Action]] = []  # overlapped (F, BW)
         self.pending: deque[Action] = deque()
         self._fwd = {down: 0, up: 0}
         self._bwd = {down: 0, up: 0}  # shared by BW and B: both are "the backward"
@@ -91,11 +108,14 @@ class _DualOrder:
         self.actions.append(Action(Op.F, stage, self._fwd[stage]))
         self._fwd[stage] += 1
 
-    def b(self, stage: int, split: bool = False) -> None:
-        """A full backward (BW), or with ``split`` its input half (B) with its W queued."""
+    def b(self, stage: int, split: bool = False, overlap: bool = False) -> None:
+        """A full backward (BW), or with ``split`` its input half (B) with its W queued;
+        ``overlap``: overlapped with the F just before it."""
         j = self._bwd[stage]
         self._bwd[stage] += 1
         self.actions.append(Action(Op.B if split else Op.BW, stage, j))
+        if overlap:
+            self.pairs.append((self.actions[-2], self.actions[-1]))
         if split:
             self.pending.append(Action(Op.W, stage, j))
 
