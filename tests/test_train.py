@@ -77,6 +77,20 @@ def test_train_profiles_plans_trains_and_writes_its_outputs(tmp_path, capfd):
     assert "planned with auto under a memory limit of" in text
 
 
+def test_profile_with_segments_fits_the_segment_cost_and_predicts_the_segment_kinds(
+    tmp_path, capfd
+):
+    out = tmp_path / "out"
+    assert main(["profile", *TINY, "--segments", "2", "--out", str(out)]) == 0
+    text = capfd.readouterr().out
+    assert "each layer checked to compute on segments what it computes" in text
+    line = next(x for x in text.splitlines() if x.startswith("predicted pipeline step"))
+    assert "seq-zb(k=2)" in line and "seq1f1b(k=2)" in line
+    data = json.loads((out / "profile.json").read_text())
+    cost = data["segment_cost"]
+    assert cost["seq_len"] == 8 and cost["kernel"] == "dense" and cost["linear"] >= 0
+
+
 def test_bad_configurations_are_refused_before_launching():
     with pytest.raises(ValueError, match="baseline_steps must be >= 1"):
         JobSection(baseline_steps=0)
