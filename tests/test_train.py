@@ -84,8 +84,8 @@ def test_profile_with_segments_fits_the_segment_cost_and_predicts_the_segment_ki
     assert main(["profile", *TINY, "--segments", "2", "--out", str(out)]) == 0
     text = capfd.readouterr().out
     assert "each layer checked to compute on segments what it computes" in text
-    line = next(x for x in text.splitlines() if x.startswith("predicted pipeline step"))
-    assert "seq-zb(k=2)" in line and "seq1f1b(k=2)" in line
+    said = " ".join(text[text.index("predicted pipeline step") : text.index("profile:")].split())
+    assert "seq-zb(k=2)" in said and "seq1f1b(k=2)" in said and "(cuts [0, " in said
     data = json.loads((out / "profile.json").read_text())
     cost = data["segment_cost"]
     assert cost["seq_len"] == 8 and cost["kernel"] == "dense" and cost["linear"] >= 0
