@@ -2,7 +2,7 @@
 
 Subcommand names and flags are fixed (scripts depend on them)::
 
-    zerobubble schedule KIND -p P -m M [--chunks V] [--segments K] [--costs F=1,B=1,W=1,comm=0]
+    zerobubble schedule KIND -p P -m M [--chunks V] [--segments K] [--overlap] [--costs F=1,B=1,W=1,comm=0]
                          [--costs-file F] [--mem-limit X] [--mem-w R] [--split-backward]
                          [--node-limit N] [--time-budget S] [--format text|json|csv|program]
                          [--rank R] [--dp N] [--fsdp] [--protocol P] [-o FILE]
