@@ -2,8 +2,9 @@
 
 Subcommand names and flags are fixed (scripts depend on them)::
 
-    zerobubble schedule KIND -p P -m M [--chunks V] [--segments K] [--overlap] [--costs F=1,B=1,W=1,comm=0]
-                         [--costs-file F] [--mem-limit X] [--mem-w R] [--split-backward]
+    zerobubble schedule KIND -p P -m M [--chunks V] [--segments K] [--overlap]
+                         [--costs F=1,B=1,W=1,comm=0,a2a=0] [--costs-file F]
+                         [--mem-limit X] [--mem-w R] [--split-backward]
                          [--node-limit N] [--time-budget S] [--format text|json|csv|program]
                          [--rank R] [--dp N] [--fsdp] [--protocol P] [-o FILE]
     zerobubble simulate FILE [--costs ...] [--costs-file F] [--mem-w R] [--mem-limit X] [--json]
