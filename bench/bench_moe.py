@@ -5,7 +5,8 @@ dispatch and combine all-to-all travels while the other computes. Here every F a
 backward of a stage also waits ``a2a`` (per device, like F: ``CostSpec(a2a=...)``) for its
 all-to-all unless it is in an overlapped pair, whose block takes ``max(compute,
 all-to-all)`` of the two (``Schedule.overlaps``, ``CostModel.a2a``). Compared: ``dualpipev``
-with its pairs overlapped and run in sequence, and ``zbv`` (same V placement, no pairs),
+with its pairs overlapped and run in sequence, and ``zbv`` (same V placement) with the pairs
+that pay under the costs (``passes.overlap_where_it_pays``) and without,
 at F = B = W = 1 per device and all-to-all from none to 1.5x F; ``a2a=1`` is a
 DeepSeek-V3-like mix (the all-to-all about as long as the compute it pairs with).
 
@@ -27,7 +28,7 @@ from zerobubble.schedule.generators import generate
 from zerobubble.schedule.simulate import simulate
 
 A2A = (0.0, 0.5, 1.0, 1.5)
-KINDS = (("dualpipev", True), ("dualpipev", False), ("zbv", False))
+KINDS = (("dualpipev", True), ("dualpipev", False), ("zbv", True), ("zbv", False))
 
 
 def rows(p: int, m: int) -> list[dict[str, object]]:
@@ -37,7 +38,7 @@ def rows(p: int, m: int) -> list[dict[str, object]]:
         spec = CostSpec(a2a=a2a)
         steps = {}
         for kind, overlap in KINDS:
-            sched = generate(kind, p, m, overlap=overlap)
+            sched = generate(kind, p, m, overlap=overlap, costs=spec)
             res = simulate(sched, spec.resolve(sched.placement))
             steps[kind, overlap] = res
         base = float(steps["dualpipev", False].makespan)

@@ -24,7 +24,7 @@ from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.formats import json_format, text, torch_csv
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.ir import Action, Op, Schedule
-from zerobubble.schedule.passes import fuse_local_backward
+from zerobubble.schedule.passes import fuse_local_backward, overlap_where_it_pays
 from zerobubble.schedule.simulate import simulate
 from zerobubble.schedule.validate import validate
 
@@ -136,6 +136,22 @@ def test_overlap_pays_when_the_all_to_all_compares_with_compute():
     assert simulate(on, free.resolve(on.placement)).makespan > simulate(off).makespan
 
 
+@pytest.mark.parametrize(("kind", "before", "after"), [("zbv", 83, 73.5), ("v-half", 89.5, 88.5)])
+def test_other_kinds_pair_where_it_pays(kind, before, after):
+    """Any kind may take pairs (the pass behind generate's ``overlap``): each one kept hides
+    some all-to-all, leaves the schedule runnable (v-half has candidates whose wait would
+    close a cycle) and does not lengthen the step; none without an all-to-all."""
+    spec = CostSpec(a2a=1)
+    plain = generate(kind, 4, 16)
+    model = spec.resolve(plain.placement)
+    paired = overlap_where_it_pays(plain, model)
+    assert paired.actions == plain.actions and paired.overlaps
+    assert validate(plain, costs=model).cost == before
+    assert validate(paired, costs=model).cost == after
+    assert generate(kind, 4, 16, overlap=True, costs=spec) == paired
+    assert overlap_where_it_pays(plain) == plain  # no all-to-all: nothing to hide
+
+
 def test_fusion_keeps_a_pair_and_moving_it_apart_drops_it():
     f1, b0, w0 = Action(F, 0, 1), Action(B, 0, 0), Action(W, 0, 0)
     acts = (Action(F, 0, 0), f1, b0, w0, Action(B, 0, 1), Action(W, 0, 1))
@@ -180,8 +196,12 @@ def test_the_command_line_overlaps_dualpipev(capsys):
     )
     out = capsys.readouterr().out
     assert "cost=18.5" in out and "&BW" in out
-    assert main(["schedule", "zbv", "-p", "2", "-m", "4", "--overlap"]) == 2
-    assert "does not take option 'overlap'" in capsys.readouterr().err
+    argv = ["schedule", "zbv", "-p", "4", "-m", "16", "--overlap", "--costs", "a2a=1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "cost=73.5" in out and "&B" in out  # 83 without pairs
+    assert main(["schedule", "seq-zb", "-p", "2", "-m", "4", "--overlap"]) == 2
+    assert "with sequence segments are not built" in capsys.readouterr().err
 
 
 def test_the_documented_costs():
@@ -190,11 +210,15 @@ def test_the_documented_costs():
         ("dualpipev", False): (49.5, 84.5),
         ("dualpipev", True): (51, 61.5),
         ("zbv", False): (48, 83),
+        ("zbv", True): (48, 73.5),
     }
     for (kind, overlap), costs in want.items():
-        sched = generate(kind, 4, 16, overlap=overlap)
-        got = tuple(simulate(sched, CostSpec(a2a=a).resolve(sched.placement)).cost for a in (0, 1))
-        assert got == costs, (kind, overlap)
+        got = []
+        for a2a in (0, 1):
+            spec = CostSpec(a2a=a2a)
+            sched = generate(kind, 4, 16, overlap=overlap, costs=spec)
+            got.append(simulate(sched, spec.resolve(sched.placement)).cost)
+        assert tuple(got) == costs, (kind, overlap)
 
 
 # ---- the executor runs a pair in sequence --------------------------------------------------

@@ -467,8 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--overlap",
         action="store_true",
-        help="dualpipev: pair F&B as DualPipe overlaps them (one's all-to-all hides behind "
-        "the other's compute; see --costs a2a=...)",
+        help="overlapped F&B pairs, one's all-to-all hidden behind the other's compute "
+        "(--costs a2a=...): dualpipev's own, as DualPipe pairs them; other kinds where a "
+        "pair pays under --costs",
     )
     _add_cost_args(p)
     p.add_argument(

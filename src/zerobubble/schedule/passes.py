@@ -5,10 +5,15 @@ Pure functions on the torch-free IR; the runtime applies them before lowering.
 
 from __future__ import annotations
 
-from zerobubble.schedule.deps import produces
-from zerobubble.schedule.ir import Action, Op, Schedule
+import itertools
 
-__all__ = ["fuse_local_backward", "fusible_backward"]
+from zerobubble.schedule.costs import CostModel
+from zerobubble.schedule.deps import backward_ops, dependencies, produces
+from zerobubble.schedule.errors import ScheduleError
+from zerobubble.schedule.ir import Action, Op, Schedule
+from zerobubble.schedule.simulate import simulate
+
+__all__ = ["fuse_local_backward", "fusible_backward", "overlap_where_it_pays"]
 
 
 def fusible_backward(schedule: Schedule, device: int, index: int) -> bool:
@@ -63,3 +68,40 @@ def fuse_local_backward(schedule: Schedule) -> Schedule:
         return schedule
     pairs = tuple((f, merged.get(b, b)) for f, b in schedule.overlaps)  # an F&B keeps its B
     return schedule.with_actions(out, overlaps=pairs)
+
+
+def overlap_where_it_pays(schedule: Schedule, costs: CostModel | None = None) -> Schedule:
+    """``schedule`` with overlapped F&B pairs (:attr:`Schedule.overlaps`) added where they pay
+    under ``costs`` (uniform without all-to-all by default: then none does).
+
+    A candidate is an F directly followed on its device by a B or BW of another stage and
+    microbatch that does not need it. Trying them in device order, a pair is kept when it
+    hides some all-to-all (``CostModel.a2a``), the schedule still runs (a pair waits for
+    both inputs, which can close a cycle) and the simulated makespan does not grow. The
+    schedule's own pairs stay. One simulation per candidate: quadratic in the actions,
+    meant for schedules of a few thousand.
+    """
+    if schedule.segments > 1:
+        raise ValueError("overlapped F&B pairs with sequence segments are not built")
+    first = simulate(schedule, costs)
+    model, best = first.costs, first.makespan
+    ops = backward_ops(schedule)
+    kept = list(schedule.overlaps)
+    used = {a for pair in kept for a in pair}
+    for acts in schedule.actions:
+        for f, b in itertools.pairwise(acts):
+            if f.op is not Op.F or b.op not in (Op.B, Op.BW) or f in used or b in used:
+                continue
+            hidden = model.a2a_time(Op.F, f.stage) + model.a2a_time(b.op, b.stage)
+            if not hidden or f in dependencies(b, schedule.num_stages, ops, schedule.segments):
+                continue
+            trial = schedule.with_actions(schedule.actions, overlaps=(*kept, (f, b)))
+            try:
+                makespan = simulate(trial, model).makespan
+            except ScheduleError:  # the pair's wait closes a cycle
+                continue
+            if makespan <= best:
+                kept.append((f, b))
+                used.update((f, b))
+                best = makespan
+    return schedule.with_actions(schedule.actions, overlaps=kept)

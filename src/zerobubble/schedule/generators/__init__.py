@@ -19,6 +19,7 @@ from zerobubble.schedule.generators.sequence import seq1f1b, seq_zb
 from zerobubble.schedule.generators.v_family import one_f_one_b_v, v_half, v_min
 from zerobubble.schedule.generators.zero_bubble import zb_h1, zb_h2, zbv
 from zerobubble.schedule.ir import Schedule
+from zerobubble.schedule.passes import overlap_where_it_pays
 
 __all__ = [
     "GENERATORS",
@@ -200,7 +201,10 @@ def generate(
 
     ``max_stages`` (e.g. the model's layer count: a stage holds a layer at least) is
     for every kind: ``auto`` searches only placements within it, any other kind whose
-    schedule has more stages is refused, naming both counts. ``time_budget_s`` (``auto``)
+    schedule has more stages is refused, naming both counts. ``overlap`` pairs F&B as
+    DualPipe does for ``dualpipev`` (its own pairs), and for any other kind where a pair
+    pays under ``costs`` (:func:`~zerobubble.schedule.passes.overlap_where_it_pays`; none
+    without an all-to-all cost). ``time_budget_s`` (``auto``)
     returns the best schedule found within that many seconds; without it every kind is
     a pure function of its arguments.
     """
@@ -227,7 +231,7 @@ def generate(
         if key not in gen.options:
             if key == "costs":  # costs only matter to cost-aware kinds; timing uses them anyway
                 continue
-            if key == "max_stages":  # checked on the result below
+            if key in ("max_stages", "overlap"):  # both applied to the result below
                 continue
             raise ValueError(
                 f"schedule kind {kind!r} does not take option {key!r} "
@@ -235,6 +239,9 @@ def generate(
             )
         kwargs[key] = value
     sched = gen.fn(num_devices, num_microbatches, **kwargs)
+    if overlap and "overlap" not in gen.options:  # pairs where they pay under the costs
+        model = None if costs is None else costs.resolve(sched.placement, sched.segments)
+        sched = overlap_where_it_pays(sched, model)
     if max_stages is not None and sched.num_stages > max_stages:
         raise ValueError(
             f"schedule kind {kind!r} makes {sched.num_stages} stages, more than "
