@@ -31,6 +31,9 @@ from zerobubble.runtime.kv_segments import (
     KV,
     SegmentContext,
     SegmentOf,
+    add_past_grads,
+    flat_past,
+    past_leaves,
     segment_scope,
     unaware_attention,
 )
@@ -344,21 +347,14 @@ class StageChunk:
                 f"segment {segment.index} of microbatch {segment.microbatch} forwarded after "
                 f"{seq.forwarded} of its segments; the segments of a sequence go in order",
             )
-        if not seq.kv:
-            return SegmentContext(segment.start)
-        layers = zip(*seq.kv, strict=True)
-        past = [
-            [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kvs]
-            for kvs in layers
-        ]
-        return SegmentContext(segment.start, past)
+        return SegmentContext(segment.start, past_leaves(seq.kv))
 
     def _keep_segment(self, rec: _Record, segment: SegmentOf, context: SegmentContext) -> None:
         """Record the segment on ``rec``: its past leaves as inputs of its backward, and, for
         all but the last segment, its own keys and values (for the later segments, and as
         extra outputs of its backward)."""
         rec.segment = segment
-        rec.past = [t for kvs in context.past or [] for kv in kvs for t in kv]
+        rec.past = flat_past(context.past)
         own = context.new_kv()
         seq = self._sequences[segment.microbatch]
         seq.forwarded += 1
@@ -393,16 +389,7 @@ class StageChunk:
         segment = rec.segment
         assert segment is not None
         seq = self._sequences[segment.microbatch]
-        layers = len(rec.past) // (2 * segment.index) if segment.index else 0
-        for j in range(layers):
-            for s in range(segment.index):
-                at = 2 * (j * segment.index + s)
-                gk, gv = grads[at], grads[at + 1]
-                if gk is None or gv is None:
-                    continue
-                sums = seq.grads.setdefault(s, [None] * layers)
-                held = sums[j]
-                sums[j] = (gk, gv) if held is None else (held[0] + gk, held[1] + gv)
+        add_past_grads(seq.grads, grads, segment.index)
         seq.next_backward = segment.index - 1
         if segment.index == 0:
             del self._sequences[segment.microbatch]

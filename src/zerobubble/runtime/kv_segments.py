@@ -48,6 +48,10 @@ __all__ = [
     "SegmentOf",
     "SegmentRun",
     "SegmentSlot",
+    "add_past_grads",
+    "cut_pairs",
+    "flat_past",
+    "past_leaves",
     "run_segments",
     "segment_inputs",
     "segment_scope",
@@ -285,13 +289,54 @@ def _call(layers: Sequence[nn.Module], inputs: Any) -> Any:
     return x
 
 
-def _check_cuts(cuts: Sequence[int], length: int) -> list[tuple[int, int]]:
+def cut_pairs(cuts: Sequence[int], length: int) -> list[tuple[int, int]]:
+    """The segments ``[(b0, b1), (b1, b2), ...]`` of ``cuts``, checked to run from 0 to the
+    sequence ``length`` strictly increasing."""
     if len(cuts) < 2 or cuts[0] != 0 or cuts[-1] != length:
-        raise ValueError(f"cuts must run from 0 to the sequence length {length}, got {cuts}")
+        raise ValueError(f"cuts must run from 0 to the sequence length {length}, got {list(cuts)}")
     pairs = list(itertools.pairwise(cuts))
     if any(end <= start for start, end in pairs):
-        raise ValueError(f"cuts must be strictly increasing, got {cuts}")
+        raise ValueError(f"cuts must be strictly increasing, got {list(cuts)}")
     return pairs
+
+
+def past_leaves(earlier: Sequence[Sequence[KV]]) -> list[list[KV]] | None:
+    """The past of the segment after ``earlier`` (per earlier segment, its keys and values
+    per attention layer): per attention layer, each earlier segment's ``(k, v)`` as fresh
+    leaves that require grad, so each leaf's gradient is the new segment's share for that
+    segment. None for the first segment."""
+    if not earlier:
+        return None
+    return [
+        [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in layer]
+        for layer in zip(*earlier, strict=True)
+    ]
+
+
+def flat_past(past: Sequence[Sequence[KV]] | None) -> list[Tensor]:
+    """A past's leaves in one list: per attention layer, per earlier segment, ``k`` then ``v``
+    (the order :func:`add_past_grads` reads their gradients in)."""
+    return [t for layer in past or [] for kv in layer for t in kv]
+
+
+def add_past_grads(
+    sums: dict[int, list[KV | None]], grads: Sequence[Tensor | None], segment: int
+) -> None:
+    """Add the gradients of segment ``segment``'s past leaves (ordered as :func:`flat_past`)
+    to each earlier segment's running sums, ``sums[s][layer]``: ``held + new``, in the order
+    the later segments' backwards run; a leaf no backward reached adds nothing."""
+    if segment == 0:
+        return
+    layers = len(grads) // (2 * segment)
+    for j in range(layers):
+        for s in range(segment):
+            at = 2 * (j * segment + s)
+            gk, gv = grads[at], grads[at + 1]
+            if gk is None or gv is None:
+                continue
+            held = sums.setdefault(s, [None] * layers)
+            kv = held[j]
+            held[j] = (gk, gv) if kv is None else (kv[0] + gk, kv[1] + gv)
 
 
 def run_segments(
@@ -311,20 +356,13 @@ def run_segments(
     as ``loss.backward()`` would.
     """
     length = sequence_tensor(batch_inputs).shape[1]
-    pairs = _check_cuts(cuts, length)
+    pairs = cut_pairs(cuts, length)
     leaves: list[Tensor | None] = []
     outputs: list[Tensor] = []
     contexts: list[SegmentContext] = []
     for start, end in pairs:
         inputs, leaf = _as_leaf(segment_inputs(batch_inputs, start, end))
-        past = None
-        if contexts:  # per layer, one detached leaf per earlier segment
-            earlier = zip(*(context.new_kv() for context in contexts), strict=True)
-            past = [
-                [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in layer]
-                for layer in earlier
-            ]
-        context = SegmentContext(start, past)
+        context = SegmentContext(start, past_leaves([c.new_kv() for c in contexts]))
         with segment_scope(layers, context):
             outputs.append(sequence_tensor(_call(layers, inputs)))
         leaves.append(leaf)
@@ -337,21 +375,15 @@ def run_segments(
 
     # acc[i][j]: the gradient of segment i's own keys and values in attention layer j, summed
     # over the later segments' backwards as they run.
-    acc: list[list[KV | None]] = [[None] * len(context.new) for context in contexts]
+    acc: dict[int, list[KV | None]] = {}
     for i in reversed(range(len(pairs))):
         tensors, tensor_grads = [outputs[i]], [output_grads[i]]
-        for kv, kv_grad in zip(contexts[i].new_kv(), acc[i], strict=True):
+        for kv, kv_grad in zip(contexts[i].new_kv(), acc.get(i, []), strict=False):
             if kv_grad is not None:
                 tensors.extend(kv)
                 tensor_grads.extend(kv_grad)
         torch.autograd.backward(tensors, tensor_grads)
-        for j, layer_past in enumerate(contexts[i].past or []):
-            for s, (k, v) in enumerate(layer_past):
-                if k.grad is not None and v.grad is not None:
-                    held = acc[s][j]
-                    acc[s][j] = (
-                        (k.grad, v.grad) if held is None else (held[0] + k.grad, held[1] + v.grad)
-                    )
+        add_past_grads(acc, [t.grad for t in flat_past(contexts[i].past)], i)
 
     input_grads = [
         torch.zeros_like(leaf) if leaf.grad is None else leaf.grad

@@ -9,7 +9,6 @@ number and the pipeline's cut (``num_stages``, ``boundaries``) to
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -17,7 +16,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from zerobubble.runtime.kv_segments import SegmentContext, segment_inputs, segment_scope
+from zerobubble.runtime.kv_segments import (
+    KV,
+    SegmentContext,
+    add_past_grads,
+    cut_pairs,
+    flat_past,
+    past_leaves,
+    segment_inputs,
+    segment_scope,
+)
 from zerobubble.runtime.microbatch import (
     CountFn,
     batch_count,
@@ -29,7 +37,7 @@ from zerobubble.runtime.microbatch import (
 )
 from zerobubble.runtime.partition import model_name, stage_bounds
 from zerobubble.runtime.rng import StageRng
-from zerobubble.runtime.segment_batch import check_cuts
+from zerobubble.runtime.segment_batch import cut_value, sequence_length
 from zerobubble.runtime.shapes import tensor_leaves
 
 __all__ = ["as_sequential", "dp_reference_step", "reference_step", "segment_reference_step"]
@@ -240,7 +248,7 @@ def segment_reference_step(
         )
     model = as_sequential(layers)
     k = len(cuts) - 1
-    pairs = list(itertools.pairwise(check_cuts(cuts, max(k, 1))))
+    pairs = cut_pairs(cuts, sequence_length(target, "target"))
     n = batch_size((args, kwargs), "the input batch (segment_reference_step's arguments)")
     inputs = split_tree((args, kwargs), microbatches, n)
     targets = split_tree(target, microbatches, n)
@@ -254,22 +262,11 @@ def segment_reference_step(
     losses: list[Tensor] = []
     per_unit: list[tuple[Tensor | None, ...]] = []
     for j, ((aj, kj), tj) in enumerate(zip(inputs, targets, strict=True)):
-        length = int(tj.shape[1]) if isinstance(tj, Tensor) and tj.dim() >= 2 else pairs[-1][1]
-        if length != pairs[-1][1]:
-            raise ValueError(
-                f"target has sequences of {length} tokens but the cuts {list(cuts)} cover "
-                f"{pairs[-1][1]}; cut for this length"
-            )
         contexts: list[SegmentContext] = []
         seg_losses: list[Tensor] = []
         for i, (start, end) in enumerate(pairs):
-            past = None
-            if contexts:  # per attention layer, each earlier segment's (k, v) as fresh leaves
-                earlier = zip(*(c.new_kv() for c in contexts), strict=True)
-                past = [[(a.detach().requires_grad_(), b.detach().requires_grad_()) for a, b in kvs]
-                        for kvs in earlier]  # fmt: skip
-            context = SegmentContext(start, past)
-            a_seg, k_seg = _cut_inputs(aj, start, end), segment_inputs(kj, start, end)
+            context = SegmentContext(start, past_leaves([c.new_kv() for c in contexts]))
+            a_seg, k_seg = cut_value(aj, start, end), segment_inputs(kj, start, end)
             with segment_scope([model], context):
                 h: Any = None
                 for s, layer_range in enumerate(bounds):
@@ -278,10 +275,10 @@ def segment_reference_step(
                         for x in layer_range:
                             h = model[x](*a_seg, **k_seg) if x == 0 else model[x](h)
                         if s == len(bounds) - 1:
-                            h = loss_fn(h, segment_inputs(tj, start, end), total)
+                            h = loss_fn(h, cut_value(tj, start, end), total)
             seg_losses.append(h)
             contexts.append(context)
-        sent: dict[int, list[tuple[Tensor, Tensor] | None]] = {}  # gradients of earlier kv
+        sent: dict[int, list[KV | None]] = {}  # gradients of earlier keys and values
         grads_j: list[tuple[Tensor | None, ...]] = [() for _ in pairs]
         for i in reversed(range(len(pairs))):
             roots, root_grads = [seg_losses[i]], [torch.ones_like(seg_losses[i])]
@@ -289,16 +286,10 @@ def segment_reference_step(
                 if kv_grad is not None:
                     roots.extend(kv)
                     root_grads.extend(kv_grad)
-            leaves = [t for kvs in contexts[i].past or [] for kv in kvs for t in kv]
+            leaves = flat_past(contexts[i].past)
             got = torch.autograd.grad(roots, params + leaves, root_grads, allow_unused=True)
             grads_j[i] = tuple(got[: len(params)])
-            n_layers = len(contexts[i].past or [])
-            for layer in range(n_layers):
-                for s in range(i):
-                    at = len(params) + 2 * (layer * i + s)
-                    sums = sent.setdefault(s, [None] * n_layers)
-                    held, new = sums[layer], (got[at], got[at + 1])
-                    sums[layer] = new if held is None else (held[0] + new[0], held[1] + new[1])
+            add_past_grads(sent, got[len(params) :], i)
         losses.append(sum(seg_losses[1:], seg_losses[0]).detach())
         per_unit.extend(grads_j)
     for unit in per_unit:  # added in unit order, as the weight-gradient store adds them
@@ -306,7 +297,3 @@ def segment_reference_step(
             if g is not None:
                 p.grad = g.clone() if p.grad is None else p.grad + g
     return losses, _user_grads(model)
-
-
-def _cut_inputs(args: tuple[Any, ...], start: int, end: int) -> tuple[Any, ...]:
-    return tuple(segment_inputs(a, start, end) if isinstance(a, Tensor | dict) else a for a in args)

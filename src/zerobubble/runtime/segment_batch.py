@@ -19,7 +19,7 @@ from torch import Tensor
 from zerobubble.runtime.kv_segments import SegmentOf, segment_inputs
 from zerobubble.runtime.step_batch import StepBatch
 
-__all__ = ["check_cuts", "segment_of", "segment_step"]
+__all__ = ["check_cuts", "cut_value", "segment_of", "segment_step", "sequence_length"]
 
 
 def check_cuts(cuts: Sequence[int] | None, segments: int) -> tuple[int, ...]:
@@ -50,8 +50,9 @@ def segment_of(unit: int, cuts: tuple[int, ...]) -> SegmentOf:
     return SegmentOf(microbatch=unit // k, index=unit % k, count=k, start=cuts[unit % k])
 
 
-def _length(value: Any, what: str) -> int:
-    """Dim 1 of the first tensor in ``value`` (depth-first), the sequence length."""
+def sequence_length(value: Any, what: str) -> int:
+    """Dim 1 of the first tensor in ``value`` (depth-first), the sequence length; ``what``
+    names ``value`` in the error when it holds none."""
     stack = [value]
     while stack:
         x = stack.pop(0)
@@ -64,9 +65,11 @@ def _length(value: Any, what: str) -> int:
     raise ValueError(f"{what} holds no tensor with a sequence dim (dim 1) to cut into segments")
 
 
-def _cut(value: Any, start: int, end: int) -> Any:
+def cut_value(value: Any, start: int, end: int) -> Any:
+    """Tokens ``[start, end)`` of a tensor, a mapping (:func:`segment_inputs`) or a tuple of
+    them; anything else as is."""
     if isinstance(value, tuple):
-        return tuple(_cut(x, start, end) for x in value)
+        return tuple(cut_value(x, start, end) for x in value)
     if isinstance(value, Tensor | dict):
         return segment_inputs(value, start, end)
     return value
@@ -78,18 +81,18 @@ def segment_step(batch: StepBatch, cuts: tuple[int, ...]) -> StepBatch:
     pairs = list(itertools.pairwise(cuts))
     out = StepBatch(scales=None, num_items=batch.num_items)
     if batch.inputs is not None:
-        n = _length(batch.inputs[0], "the input batch")
+        n = sequence_length(batch.inputs[0], "the input batch")
         _same_length(n, cuts, "the input batch")
         out.inputs = [
-            (_cut(args, s, e), segment_inputs(kwargs, s, e) if kwargs else kwargs)
+            (cut_value(args, s, e), segment_inputs(kwargs, s, e) if kwargs else kwargs)
             for args, kwargs in batch.inputs
             for s, e in pairs
         ]
     if batch.targets is not None:
         assert batch.scales is not None
-        n = _length(batch.targets[0], "target")
+        n = sequence_length(batch.targets[0], "target")
         _same_length(n, cuts, "target")
-        out.targets = [_cut(t, s, e) for t in batch.targets for s, e in pairs]
+        out.targets = [cut_value(t, s, e) for t in batch.targets for s, e in pairs]
         out.scales = [x for x in batch.scales for _ in pairs]
     return out
 

@@ -13,7 +13,6 @@ names the first layer whose output differs by more than float32's reordering can
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -23,6 +22,8 @@ from torch import Tensor, nn
 
 from zerobubble.runtime.kv_segments import (
     SegmentContext,
+    cut_pairs,
+    past_leaves,
     segment_inputs,
     segment_scope,
     sequence_tensor,
@@ -48,10 +49,7 @@ def check_segments(
     blamed on the layer that makes it, not on the ones after it. The layers run in eval
     mode (dropout would draw differently on a segment) and get their mode back.
     """
-    length = int(sequence_tensor(inputs).shape[1])
-    if len(cuts) < 2 or cuts[0] != 0 or cuts[-1] != length:
-        raise ValueError(f"cuts must run from 0 to the sequence length {length}, got {list(cuts)}")
-    pairs = list(itertools.pairwise(cuts))
+    pairs = cut_pairs(cuts, int(sequence_tensor(inputs).shape[1]))
     mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
     x = inputs
     with torch.no_grad(), _eval(layers):
@@ -60,10 +58,7 @@ def check_segments(
             pieces: list[Tensor] = []
             contexts: list[SegmentContext] = []
             for start, end in pairs:
-                past = None
-                if contexts:
-                    past = [list(kvs) for kvs in zip(*(c.new_kv() for c in contexts), strict=True)]
-                context = SegmentContext(start, past)
+                context = SegmentContext(start, past_leaves([c.new_kv() for c in contexts]))
                 with segment_scope([layer], context):
                     pieces.append(sequence_tensor(layer(segment_inputs(x, start, end))))
                 contexts.append(context)
