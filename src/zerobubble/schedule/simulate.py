@@ -321,14 +321,7 @@ def _times(
 
 def _pairs(schedule: Schedule, graph: Graph) -> list[tuple[int, int]]:
     """The flat indices ``(F, its partner)`` of the schedule's overlapped pairs."""
-    if not schedule.overlaps:
-        return []
-    where = {(d, a): graph.offsets[d] + i for d, i, a in schedule}
-    out = []
-    for f, b in schedule.overlaps:
-        d = schedule.placement[f.stage]
-        out.append((where[d, f], where[d, b]))
-    return out
+    return [(graph.index[f], graph.index[b]) for f, b in schedule.overlaps]
 
 
 def _deadlock_error(

@@ -22,7 +22,7 @@ from zerobubble.schedule.generators import generate
 from zerobubble.schedule.passes import fuse_local_backward
 from zerobubble.schedule.simulate import simulate
 from zerobubble.train.job import JobResult, PhaseResult
-from zerobubble.train.trials import SEGMENT_KINDS, predict_ms, segment_counts
+from zerobubble.train.trials import predict_ms, segment_schedules
 
 MIB = 2**20
 
@@ -290,11 +290,10 @@ def _predictions(result: JobResult, con: Console) -> None:
         r = simulate(sched, prof.cost_model(fused=not sched.uses_split_backward))
         parts.append(f"{name} {float(r.makespan) + prof.step_fixed_ms:.0f} ms")
     if prof.segment_cost is not None:  # --segments: the segment kinds, cut as they would be
-        for k in segment_counts(cfg.schedule.segments):
-            for kind in SEGMENT_KINDS:
-                sched = generate(kind, cfg.schedule.devices, cfg.schedule.microbatches, segments=k)
-                ms = predict_ms(prof, fuse_local_backward(sched))
-                parts.append(f"{kind}(k={k}) {ms:.0f} ms (cuts {list(prof.cuts(k))})")
+        P, M, k = cfg.schedule.devices, cfg.schedule.microbatches, cfg.schedule.segments
+        for name, sched in segment_schedules(P, M, k):
+            ms = predict_ms(prof, fuse_local_backward(sched))
+            parts.append(f"{name} {ms:.0f} ms (cuts {list(prof.cuts(sched.segments))})")
     con.print("predicted pipeline step: " + ", ".join(parts), highlight=False)
 
 

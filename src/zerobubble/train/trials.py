@@ -135,14 +135,13 @@ def plan_candidates(
         except ValueError:  # does not fit the limit (ScheduleError is a ValueError)
             continue
         found.append((kind, sched))
-    for k in segment_counts(segments):
-        for kind in SEGMENT_KINDS:
-            try:
-                sched = generate(kind, num_devices, num_microbatches, segments=k)
-                validate(sched, mem_limit=mem_limit, costs=profile.segment_model(costs, k))
-            except ValueError:
-                continue
-            found.append((f"{kind}(k={k})", sched))
+    for name, sched in segment_schedules(num_devices, num_microbatches, segments):
+        try:
+            model = profile.segment_model(costs, sched.segments)
+            validate(sched, mem_limit=mem_limit, costs=model)
+        except ValueError:  # does not fit the limit
+            continue
+        found.append((name, sched))
     out: list[Candidate] = []
     seen: set[tuple[object, ...]] = set()
     for kind, sched in found:
@@ -159,6 +158,17 @@ def plan_candidates(
     if top > 1 and cut and not any(out[i].cuts is not None for i in chosen):
         chosen[-1] = cut[0]
     return tuple(out[i] for i in chosen)
+
+
+def segment_schedules(
+    num_devices: int, num_microbatches: int, segments: int
+) -> list[tuple[str, Schedule]]:
+    """The :data:`SEGMENT_KINDS` at each of :func:`segment_counts`, named ``kind(k=K)``."""
+    return [
+        (f"{kind}(k={k})", generate(kind, num_devices, num_microbatches, segments=k))
+        for k in segment_counts(segments)
+        for kind in SEGMENT_KINDS
+    ]
 
 
 def segment_counts(segments: int) -> tuple[int, ...]:
