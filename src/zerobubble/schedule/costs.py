@@ -122,12 +122,6 @@ class CostModel:
 
     def __post_init__(self) -> None:
         n = len(self.f)
-        object.__setattr__(self, "a2a", tuple(self.a2a) or (0,) * n)
-        if len(self.a2a) != n or any(_amount_error(x) for x in self.a2a):
-            raise ValueError(
-                f"a2a={list(self.a2a)} must hold one finite number >= 0 (at most "
-                f"{MAX_AMOUNT:g}) per virtual stage ({n})"
-            )
         for name in ("segment_time", "segment_memory"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
             for i, x in enumerate(getattr(self, name)):
@@ -135,12 +129,14 @@ class CostModel:
                     raise ValueError(f"{name}[{i}]={x} {why}")
         for name in ("host_f", "host_b", "host_w"):
             object.__setattr__(self, name, tuple(getattr(self, name)) or (0,) * n)
-        object.__setattr__(self, "reduce", tuple(self.reduce) or (0,) * n)
-        if len(self.reduce) != n or any(_amount_error(x) for x in self.reduce):
-            raise ValueError(
-                f"reduce={list(self.reduce)} must hold one finite number >= 0 (at most "
-                f"{MAX_AMOUNT:g}) per virtual stage ({n})"
-            )
+        for name in ("reduce", "a2a"):  # per stage, 0 by default
+            xs = tuple(getattr(self, name)) or (0,) * n
+            object.__setattr__(self, name, xs)
+            if len(xs) != n or any(_amount_error(x) for x in xs):
+                raise ValueError(
+                    f"{name}={list(xs)} must hold one finite number >= 0 (at most "
+                    f"{MAX_AMOUNT:g}) per virtual stage ({n})"
+                )
         for name in ("f", "b", "w", "mem_f", "mem_w"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if not self.mem_f:
@@ -245,8 +241,6 @@ class CostModel:
             return tuple(_div(x, segments) for x in xs)
 
         def compute(xs: tuple[Number, ...], host: tuple[Number, ...]) -> tuple[Number, ...]:
-            if not host:
-                return part(xs)
             return tuple(_div(x - h, segments) + h for x, h in zip(xs, host, strict=True))
 
         return replace(
