@@ -251,6 +251,13 @@ class Schedule:
         """Each overlapped F's backward partner (see :attr:`overlaps`)."""
         return dict(self.overlaps)
 
+    def blocks(self, device: int) -> list[tuple[Action, Action | None]]:
+        """``device``'s actions as the blocks they run in: an overlapped F with its
+        backward, every other action alone (``None``)."""
+        partner = self.overlap_partner()
+        paired = set(partner.values())
+        return [(a, partner.get(a)) for a in self.actions[device] if a not in paired]
+
 
 # ---- placements ----------------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ from operator import itemgetter, sub
 from zerobubble.schedule.costs import CostModel, Number
 from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.graph import Graph, build_graph
-from zerobubble.schedule.ir import Op, Schedule
+from zerobubble.schedule.ir import Action, Op, Schedule
 
 _op_stage = itemgetter(0, 1)  # (op, stage) of an Action
 
@@ -102,19 +102,16 @@ class SimResult:
     def exposed_a2a(self) -> tuple[Number, ...]:
         """Per device: the all-to-all time its actions wait for (``CostModel.a2a``): all of
         a lone F's or backward's, and of an overlapped pair what outlasts its compute."""
-        c, partner = self.costs, self.schedule.overlap_partner()
-        paired = set(partner.values())
-        out = []
-        for acts in self.schedule.actions:
-            total: Number = 0
-            for a in acts:
-                if a in partner:
-                    b = partner[a]
-                    total += c.overlapped(a.stage, b.op, b.stage)[1]
-                elif a not in paired:
-                    total += c.a2a_time(a.op, a.stage)
-            out.append(total)
-        return tuple(out)
+        c, sched = self.costs, self.schedule
+
+        def exposed(a: Action, b: Action | None) -> Number:
+            return (
+                c.a2a_time(a.op, a.stage) if b is None else c.overlapped(a.stage, b.op, b.stage)[1]
+            )
+
+        return tuple(
+            sum((exposed(a, b) for a, b in sched.blocks(d)), 0) for d in range(sched.num_devices)
+        )
 
     @cached_property
     def span(self) -> tuple[Number, ...]:

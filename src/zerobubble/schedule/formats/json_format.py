@@ -115,17 +115,12 @@ def from_dict(data: object, source: str = "schedule JSON") -> Schedule:
 
 
 def _parsed(a: object, where: str) -> Action:
-    name = a.get("op") if isinstance(a, dict) else None
-    op = _OPS.get(name) if isinstance(name, str) else None
-    if not isinstance(a, dict) or op is None or not _is_int(a.get("stage")):
-        raise _bad_action(a, where)
-    if not _is_int(a.get("mb")):
-        raise _bad_action(a, where)
-    return Action(op, a["stage"], a["mb"])
-
-
-def _bad_action(a: object, where: str) -> ValueError:
-    return ValueError(
+    if isinstance(a, dict):
+        name, stage, mb = a.get("op"), a.get("stage"), a.get("mb")
+        op = _OPS.get(name) if isinstance(name, str) else None
+        if op is not None and _is_int(stage) and _is_int(mb):
+            return Action(op, stage, mb)
+    raise ValueError(
         f'{where}: bad action {a!r}; expected {{"op": "F"|"B"|"W"|"BW", "stage": int, "mb": int}}'
     )
 

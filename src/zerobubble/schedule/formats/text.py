@@ -43,13 +43,7 @@ def render(
     """Render the simulated timeline; rows are truncated to ``max_width`` columns."""
     res = result if result is not None else simulate(schedule, costs)
     partner = schedule.overlap_partner()
-    labels = [
-        [
-            label(schedule, a) + (f"&{label(schedule, partner[a])}" if a in partner else "")
-            for a in acts
-        ]
-        for acts in schedule.actions
-    ]
+    labels = [[_block(schedule, a, partner.get(a)) for a in acts] for acts in schedule.actions]
     widest = max((len(x) for row in labels for x in row), default=1) + 1
     durations = [
         Fraction(e) - Fraction(s)
@@ -92,14 +86,12 @@ def render(
 def render_order(schedule: Schedule) -> str:
     """Untimed listing: each device's actions in order (handy for diffs); an overlapped
     pair as one ``F3a&BW1b``."""
-    partner = schedule.overlap_partner()
-    paired = set(partner.values())
     return "\n".join(
-        f"d{d}: " + " ".join(_block(schedule, partner, a) for a in acts if a not in paired)
-        for d, acts in enumerate(schedule.actions)
+        f"d{d}: " + " ".join(_block(schedule, a, b) for a, b in schedule.blocks(d))
+        for d in range(schedule.num_devices)
     )
 
 
-def _block(schedule: Schedule, partner: dict[Action, Action], a: Action) -> str:
+def _block(schedule: Schedule, a: Action, partner: Action | None) -> str:
     """``a``'s label, joined by ``&`` to its overlapped partner's if it has one."""
-    return label(schedule, a) + (f"&{label(schedule, partner[a])}" if a in partner else "")
+    return label(schedule, a) + ("" if partner is None else f"&{label(schedule, partner)}")

@@ -41,15 +41,11 @@ def dumps(schedule: Schedule) -> str:
         )
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    partner = schedule.overlap_partner()
-    for acts in schedule.actions:
-        cells, paired = [], set(partner.values())
-        for a in acts:
-            if a in partner:
-                cells.append(f"({_cell(a)};{_cell(partner[a])})OVERLAP_F_B")
-            elif a not in paired:
-                cells.append(_cell(a))
-        writer.writerow(cells)
+    for d in range(schedule.num_devices):
+        writer.writerow(
+            _cell(a) if b is None else f"({_cell(a)};{_cell(b)})OVERLAP_F_B"
+            for a, b in schedule.blocks(d)
+        )
     return out.getvalue()
 
 
