@@ -5,6 +5,7 @@ cost, the validator, the fusion pass and the formats."""
 from __future__ import annotations
 
 import json
+import warnings
 from fractions import Fraction
 
 import pytest
@@ -235,7 +236,10 @@ def overlapped_step(p: int, m: int) -> tuple[list | None, dict]:
     rank = init_distributed(timeout_s=60).rank
     sched = generate("dualpipev", p, m, overlap=True)
     layers = list(build_gpt(GPT))
-    pipe = PipelineExecutor(sched, build_stage_modules(layers, sched, rank), loss_fn=gpt_loss)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        pipe = PipelineExecutor(sched, build_stage_modules(layers, sched, rank), loss_fn=gpt_loss)
+    assert any("runs each pair's two actions one after the other" in str(w.message) for w in said)
     x, y = batch()
     losses = pipe.step(x, target=y)
     bounds = stage_bounds(len(layers), sched.num_stages)
@@ -250,8 +254,8 @@ def overlapped_step(p: int, m: int) -> tuple[list | None, dict]:
 
 @pytest.mark.bitwise
 def test_the_executor_runs_overlapped_pairs_as_the_reference_does_bitwise():
-    """P = 3 (V placement, 6 stages): the pairs run in sequence; losses and gradients are
-    bitwise those of one process over the same microbatches."""
+    """P = 3 (V placement, 6 stages): the pairs run in sequence, as the executor warns;
+    losses and gradients are bitwise those of one process over the same microbatches."""
     results = launch(overlapped_step, 3, 3, 6, timeout=240)
     losses = next(r[0] for r in results if r[0] is not None)
     grads = {k: v for r in results for k, v in r[1].items()}

@@ -22,6 +22,7 @@ messages the gate names, discards the step's work and restarts the program.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from functools import partial
@@ -172,6 +173,13 @@ class PipelineExecutor:
             grad_sync=GradSync.NONE if mesh is None else mesh.spec.grad_sync,
         )
         self._source = schedule
+        if schedule.overlaps:
+            warnings.warn(
+                f"schedule {schedule.name!r} overlaps {len(schedule.overlaps)} F&B pairs, but "
+                "the executor runs each pair's two actions one after the other (the same "
+                "results; no all-to-all is hidden): an overlapped runtime is not built yet",
+                stacklevel=2,
+            )
         self.programs = build_programs(schedule, self.plan)
         self.schedule = self.programs.schedule
         self.group = group = pipeline_group(schedule, mesh, group)
