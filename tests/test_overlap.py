@@ -5,21 +5,12 @@ cost, the validator, the fusion pass and the formats."""
 from __future__ import annotations
 
 import json
-import warnings
 from fractions import Fraction
 
 import pytest
-import torch
-import torch.distributed as dist
 
-from ranks import launch
 from zerobubble.cli import main
 from zerobubble.interop.torch_pipelining import torch_schedule
-from zerobubble.models import GPTConfig, build_gpt, gpt_loss
-from zerobubble.runtime.executor import PipelineExecutor
-from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.partition import build_stage_modules, stage_bounds
-from zerobubble.runtime.reference import reference_step
 from zerobubble.schedule.costs import CostModel, CostSpec, costs_from_mapping, parse_costs
 from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.formats import json_format, text, torch_csv
@@ -220,47 +211,3 @@ def test_the_documented_costs():
             sched = generate(kind, 4, 16, overlap=overlap, costs=spec)
             got.append(simulate(sched, spec.resolve(sched.placement)).cost)
         assert tuple(got) == costs, (kind, overlap)
-
-
-# ---- the executor runs a pair in sequence --------------------------------------------------
-
-GPT = GPTConfig(vocab_size=17, max_seq_len=8, d_model=8, n_heads=2, n_layers=3)
-
-
-def batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(0, 17, (8, 8), generator=g), torch.randint(0, 17, (8, 8), generator=g)
-
-
-def overlapped_step(p: int, m: int) -> tuple[list | None, dict]:
-    rank = init_distributed(timeout_s=60).rank
-    sched = generate("dualpipev", p, m, overlap=True)
-    layers = list(build_gpt(GPT))
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        pipe = PipelineExecutor(sched, build_stage_modules(layers, sched, rank), loss_fn=gpt_loss)
-    assert any("runs each pair's two actions one after the other" in str(w.message) for w in said)
-    x, y = batch()
-    losses = pipe.step(x, target=y)
-    bounds = stage_bounds(len(layers), sched.num_stages)
-    grads = {
-        f"{bounds[s].start + int(name.split('.', 1)[0])}.{name.split('.', 1)[1]}": p.grad
-        for s, chunk in pipe.chunks.items()
-        for name, p in chunk.module.named_parameters()
-    }
-    dist.destroy_process_group()
-    return losses, grads
-
-
-@pytest.mark.bitwise
-def test_the_executor_runs_overlapped_pairs_as_the_reference_does_bitwise():
-    """P = 3 (V placement, 6 stages): the pairs run in sequence, as the executor warns;
-    losses and gradients are bitwise those of one process over the same microbatches."""
-    results = launch(overlapped_step, 3, 3, 6, timeout=240)
-    losses = next(r[0] for r in results if r[0] is not None)
-    grads = {k: v for r in results for k, v in r[1].items()}
-    x, y = batch()
-    want_losses, want_grads = reference_step(list(build_gpt(GPT)), gpt_loss, x, y, 6)
-    assert all(map(torch.equal, losses, want_losses))
-    assert grads.keys() == want_grads.keys()
-    assert all(torch.equal(g, want_grads[k]) for k, g in grads.items())

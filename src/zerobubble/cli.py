@@ -326,9 +326,11 @@ def _make_out(out: Path, flag: str) -> None:
 
 
 def cmd_check_trace(args: argparse.Namespace) -> int:
+    from zerobubble.schedule.formats import load_schedule
     from zerobubble.schedule.trace_check import DEFAULT_OPT_OPS, check_trace, load_trace
 
     events, lines = load_trace(args.trace)
+    overlaps = () if args.schedule is None else load_schedule(args.schedule).overlaps
     report = check_trace(
         events,
         lines=lines,
@@ -337,6 +339,7 @@ def cmd_check_trace(args: argparse.Namespace) -> int:
         opt_ops=args.opt_op or DEFAULT_OPT_OPS,
         conservative=args.conservative,
         segments=args.segments,
+        overlaps=overlaps,
     )
     for note in report.notes:
         print(f"note: {note}")
@@ -544,6 +547,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="the run's schedule cut each sequence into K segments (its mb are units): also "
         "check the segments' order on every stage",
+    )
+    p.add_argument(
+        "--schedule",
+        type=Path,
+        metavar="FILE",
+        help="the run's schedule (any format `schedule` reads): its overlapped F&B pairs may "
+        "overlap in time",
     )
     p.add_argument("--mem-budget", type=int, help="activation bytes per rank never to exceed")
     p.add_argument(

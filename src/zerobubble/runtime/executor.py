@@ -22,7 +22,6 @@ messages the gate names, discards the step's work and restarts the program.
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from functools import partial
@@ -43,6 +42,7 @@ from zerobubble.runtime.host_memory import retain_freed_memory
 from zerobubble.runtime.links import Described, Links, pipeline_p2p
 from zerobubble.runtime.mesh import PipelineMesh, pipeline_group
 from zerobubble.runtime.microbatch import CountFn, default_count_fn
+from zerobubble.runtime.overlap import OverlapPair, run_pair
 from zerobubble.runtime.rng import StageRng
 from zerobubble.runtime.segment_batch import check_cuts, segment_of, segment_step
 from zerobubble.runtime.shapes import map_tensors
@@ -62,6 +62,7 @@ from zerobubble.schedule.program import (
     Compute,
     Gate,
     Instruction,
+    Overlap,
     PostRecv,
     ReduceGrads,
     Send,
@@ -174,12 +175,7 @@ class PipelineExecutor:
         )
         self._source = schedule
         if schedule.overlaps:
-            warnings.warn(
-                f"schedule {schedule.name!r} overlaps {len(schedule.overlaps)} F&B pairs, but "
-                "the executor runs each pair's two actions one after the other (the same "
-                "results; no all-to-all is hidden): an overlapped runtime is not built yet",
-                stacklevel=2,
-            )
+            _check_overlap(schedule, opts, mesh)
         self.programs = build_programs(schedule, self.plan)
         self.schedule = self.programs.schedule
         self.group = group = pipeline_group(schedule, mesh, group)
@@ -447,6 +443,41 @@ class _Run:
                 raise
             raise forward_failure(e, a.stage, a.mb, chunk.layer_of(e), arg, pipe.rank) from e
 
+    def overlap(self, ins: Overlap) -> None:
+        """Both halves of a pair at once (:mod:`~zerobubble.runtime.overlap`): their version
+        checks first, here; each compute's event and profiler range on its own thread."""
+        pipe, tracing = self.pipe, self.pipe.options.trace
+        for part in ins.parts:
+            if isinstance(part, VersionCheck):
+                self.version_check(part)
+        f, b = ins.computes
+        mem0 = self.held
+        times: dict[Compute, tuple[int, int]] = {}
+
+        def half(c: Compute) -> Callable[[], None]:
+            def run() -> None:
+                t0 = pipe.trace.now() if tracing else 0
+                name = instruction_name(c)
+                if name is not None and profiling():
+                    with record_function(name):
+                        self.compute(c)
+                else:
+                    self.compute(c)
+                if tracing:
+                    times[c] = (t0, pipe.trace.now())
+
+            return run
+
+        pair = OverlapPair(f.action, b.action, half(f), half(b))
+        run_pair(pair, pipe.options.overlap_fn, pipe.options.comm_timeout_s)
+        if tracing:
+            self.held = pipe.held_bytes()
+            for c in sorted(times, key=lambda c: times[c]):
+                t0, t1 = times[c]
+                pipe.trace.record(instruction_event(c, self.common(t0, t1, mem0, self.held)))
+        self.hooks.after_compute(f.action)
+        self.hooks.after_compute(b.action)
+
     def post(self, ins: PostRecv) -> None:
         self.pipe.links.post(ins.msg, ins.peer, Described(ins, self.pipe.iteration))
 
@@ -507,6 +538,7 @@ class _Run:
 
 _RUN: dict[type, Callable[[_Run, Any], None]] = {
     Compute: _Run.compute,
+    Overlap: _Run.overlap,
     PostRecv: _Run.post,
     WaitRecv: _Run.wait_recv,
     Send: _Run.send,
@@ -518,3 +550,18 @@ _RUN: dict[type, Callable[[_Run, Any], None]] = {
     Gate: _Run.gate,
 }
 """The dispatch table: one entry per instruction kind of :mod:`~zerobubble.schedule.program`."""
+
+
+def _check_overlap(schedule: Schedule, opts: ExecutorOptions, mesh: PipelineMesh | None) -> None:
+    """Refuse what would share state between the two halves of an overlapped pair."""
+    pairs = f"schedule {schedule.name!r} overlaps {len(schedule.overlaps)} F&B pairs"
+    if opts.recompute != "none":
+        raise ValueError(
+            f"{pairs}, whose halves run at once, and recompute={opts.recompute!r} replays a "
+            "forward (with its random state) inside the backward: drop one of the two"
+        )
+    if mesh is not None and mesh.spec.fsdp:
+        raise ValueError(
+            f"{pairs}, whose halves run at once, and FSDP keeps one state per stage for "
+            "its hooks: build the mesh with fsdp=False or a schedule without overlap"
+        )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zerobubble.runtime.overlap import OverlapFn
 from zerobubble.runtime.recompute import Recompute, recompute_plan
 from zerobubble.runtime.rng import StageRng
 
@@ -84,6 +85,13 @@ class ExecutorOptions:
     of the target), the same on every rank (a middle stage needs each segment's first
     token too). :func:`~zerobubble.schedule.segments.balanced_cuts` gives segments of equal
     work. Required with segments, unused without."""
+
+    overlap_fn: OverlapFn | None = None
+    """How an overlapped F&B pair of the schedule runs
+    (:attr:`~zerobubble.schedule.ir.Schedule.overlaps`): a hook given an
+    :class:`~zerobubble.runtime.overlap.OverlapPair` that runs each half once. None:
+    :func:`~zerobubble.runtime.overlap.run_together` (the F on a helper thread while the
+    backward runs, so one's all-to-all is in flight while the other computes)."""
 
     def __post_init__(self) -> None:
         if self.cuts is not None:

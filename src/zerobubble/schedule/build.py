@@ -11,7 +11,8 @@
 4. then the program passes of :data:`PASSES`, each a function from programs to
    programs: the gradient reduction over data-parallel replicas, or FSDP's
    unshard and reduce-scatter; the optimizer's protocol (version checks, the
-   replay gate);
+   replay gate); last, each overlapped F&B pair becomes one instruction
+   (:func:`~zerobubble.schedule.overlap.insert_overlaps`);
 5. the finished programs are validated as they will run, every kind included
    (:func:`~zerobubble.schedule.program_check.validate_program`).
 
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from zerobubble.schedule.dp import insert_grad_reduce
 from zerobubble.schedule.ir import Schedule
 from zerobubble.schedule.lowering import lower
+from zerobubble.schedule.overlap import insert_overlaps
 from zerobubble.schedule.passes import fuse_local_backward
 from zerobubble.schedule.program import LoweredSchedule, Program
 from zerobubble.schedule.program_check import validate_program
@@ -145,12 +147,19 @@ def _protocol(lowered: LoweredSchedule, plan: ProgramPlan) -> LoweredSchedule:
 
 Pass = Callable[[LoweredSchedule, ProgramPlan], LoweredSchedule]
 
+
+def _overlaps(lowered: LoweredSchedule, plan: ProgramPlan) -> LoweredSchedule:
+    return insert_overlaps(lowered)
+
+
 PASSES: tuple[tuple[str, Pass], ...] = (
     ("gradient sync", _grad_sync),
     ("optimizer protocol", _protocol),
+    ("overlapped pairs", _overlaps),
 )
 """The program passes after lowering, in order. Gradient sync comes first: the gate plan
-of the protocol must see every instruction (and the reductions come after the gate)."""
+of the protocol must see every instruction (and the reductions come after the gate).
+The pairs come last: they gather what the other passes put around each pair's computes."""
 
 
 def build_programs(schedule: Schedule, plan: ProgramPlan | None = None) -> LoweredSchedule:

@@ -40,6 +40,7 @@ __all__ = [
     "LoweredSchedule",
     "Message",
     "MsgKind",
+    "Overlap",
     "PostRecv",
     "Program",
     "ReduceGrads",
@@ -160,6 +161,47 @@ class Compute:
                 how = "its producer has not run here" if local else "no WaitRecv precedes it"
                 raise m.fail(Reason.MISSING, d, f"input {need} is not available ({how})")
         m.made[d].update(produces(a.op, a.stage, a.mb, S, k_seg))
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class Overlap:
+    """An F and a backward of other microbatches, on this device, run together: one's
+    communication inside the stage (an all-to-all) is in flight while the other computes.
+
+    ``parts`` holds each half's version check (when the program has them) and compute,
+    the F's first. The transport model runs them in that order: the schedule already
+    refused a pair whose backward needs its F (the ``overlap`` reason), so a program is
+    valid overlapped exactly when it is valid in order, and the interpreter may run the
+    two halves at once.
+    """
+
+    parts: tuple[VersionCheck | Compute, ...]
+
+    def __post_init__(self) -> None:
+        computes = [p for p in self.parts if isinstance(p, Compute)]
+        if len(computes) != 2 or computes[0].action.op is not Op.F:
+            raise ValueError(f"an overlap holds an F then a backward, got {self.parts}")
+
+    @property
+    def halves(self) -> tuple[tuple[VersionCheck | Compute, ...], ...]:
+        """The F's instructions, then the backward's (each ends with its compute)."""
+        cut = next(i for i, p in enumerate(self.parts) if isinstance(p, Compute)) + 1
+        return self.parts[:cut], self.parts[cut:]
+
+    @property
+    def computes(self) -> tuple[Compute, Compute]:
+        f, b = (p for p in self.parts if isinstance(p, Compute))
+        return f, b
+
+    def __str__(self) -> str:
+        f, b = self.computes
+        return f"overlap {f} & {b}"
+
+    def step(self, m: Model, d: int) -> bool:
+        """Its parts in order (each raises when its needs are not met; none waits)."""
+        for part in self.parts:
+            part.step(m, d)
         return True
 
 
@@ -379,6 +421,7 @@ class VersionCheck:
 
 Instruction = (
     Compute
+    | Overlap
     | PostRecv
     | WaitRecv
     | Send

@@ -58,7 +58,7 @@ from pathlib import Path
 
 from zerobubble.schedule.clocks import pair_bounds
 from zerobubble.schedule.deps import LOCAL_PRODUCER, Key, needs, produces
-from zerobubble.schedule.ir import Op
+from zerobubble.schedule.ir import Action, Op
 from zerobubble.schedule.program import MsgKind
 from zerobubble.schedule.trace_format import (
     COMPUTE_OPS,
@@ -207,8 +207,12 @@ def check_trace(
     opt_ops: Iterable[EventKind] = DEFAULT_OPT_OPS,
     conservative: bool = False,
     segments: int = 1,
+    overlaps: Iterable[tuple[Action, Action]] = (),
 ) -> TraceReport:
-    """Check a trace of every rank; see the module docstring for the rules."""
+    """Check a trace of every rank; see the module docstring for the rules.
+
+    ``overlaps``: the schedule's overlapped F&B pairs, whose two events may overlap in time
+    (the runtime runs them at once)."""
     if type(segments) is not int or segments < 1:
         raise ValueError(f"segments must be an integer >= 1, got {segments!r}")
     opt_ops = tuple(opt_ops)
@@ -223,7 +227,7 @@ def check_trace(
     if dropped:
         notes.append(f"{dropped} event(s) of replayed (discarded) work not checked")
     families: tuple[Callable[[], _Found], ...] = (
-        lambda: _check_events(evs, opt_ops),
+        lambda: _check_events(evs, opt_ops, frozenset(overlaps)),
         lambda: _check_backward(kept),
         lambda: _check_reduce(evs, kept, opt_ops),
         lambda: _check_messages(kept),
@@ -290,7 +294,9 @@ def _by_iteration(evs: Sequence[_Ev]) -> dict[int, list[_Ev]]:
 # ---- 1. events --------------------------------------------------------------------------------
 
 
-def _check_events(evs: Sequence[_Ev], opt_ops: tuple[EventKind, ...]) -> _Found:
+def _check_events(
+    evs: Sequence[_Ev], opt_ops: tuple[EventKind, ...], overlaps: frozenset[tuple[Action, Action]]
+) -> _Found:
     known = (*COMPUTE_OPS, *MESSAGE_OPS, *OTHER_OPS, *opt_ops)
     out: _Found = []
     for rank_evs in _by_rank(evs).values():
@@ -318,7 +324,8 @@ def _check_events(evs: Sequence[_Ev], opt_ops: tuple[EventKind, ...]) -> _Found:
                 )
             if prev is not None:
                 p = prev.e
-                if e.start_ns < p.end_ns:
+                paired = (p.action, e.action) in overlaps or (e.action, p.action) in overlaps
+                if e.start_ns < p.end_ns and not paired:
                     out.append(
                         _v(
                             "event",

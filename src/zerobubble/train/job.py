@@ -816,7 +816,12 @@ def _report(
         write_chrome_trace(events, out / "trace.chrome.json")
         files["trace"] = str(out / "trace.jsonl")
         files["chrome"] = str(out / "trace.chrome.json")
-        report = check_trace(events, mem_budget=mem_limit, segments=plan.schedule.segments)
+        report = check_trace(
+            events,
+            mem_budget=mem_limit,
+            segments=plan.schedule.segments,
+            overlaps=plan.schedule.overlaps,
+        )
         panels = []
         for ph, res in zip(phases, results, strict=True):
             # The iteration of median length: representative, not an outlier.

@@ -390,7 +390,7 @@ class WeightGradStore:
         micro = self._micro.get(key)
         if micro is None or micro.state is not State.OPEN or micro.recorded:
             return False
-        return min(k for k in self._micro if k[0] == chunk) == key
+        return min(k for k in tuple(self._micro) if k[0] == chunk) == key
 
     def finish(self, chunk: int, mb: int) -> None:
         """Close (chunk, mb) after its gradients went to ``.grad`` directly (see :meth:`direct`)."""
@@ -474,7 +474,7 @@ class WeightGradStore:
     def _flush(self, chunk: int) -> None:
         """Add every ready microbatch of ``chunk`` that no earlier one is waiting for."""
         while True:
-            first = min((k for k in self._micro if k[0] == chunk), default=None)
+            first = min((k for k in tuple(self._micro) if k[0] == chunk), default=None)
             if first is None or self._micro[first].state is not State.READY:
                 return
             _accumulate(self._micro.pop(first).ready)

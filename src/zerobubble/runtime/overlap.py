@@ -1,0 +1,124 @@
+"""How an overlapped F&B pair runs: both halves at once, so one's communication hides.
+
+A pair (:class:`~zerobubble.schedule.program.Overlap`) is the F of one microbatch and
+the backward of another on the same rank. Neither needs the other, so they may run
+concurrently. The default, :func:`run_together`, runs the F on a helper thread while
+the backward runs on the executor's thread: PyTorch kernels and a collective's wait
+release the GIL, so while one half waits for its all-to-all the other computes.
+
+A user hook (:attr:`~zerobubble.runtime.executor_options.ExecutorOptions.overlap_fn`)
+replaces it, as DualPipe's ``overlapped_forward_backward`` or PyTorch's custom
+``OVERLAP_F_B`` function do: it gets an :class:`OverlapPair` and must run each half
+exactly once (in any order, on any thread).
+
+What a half may do: the two halves share nothing but the rank's collectives. A layer
+whose forward and backward both run collectives on one process group would let the
+two threads issue them in a different order on different ranks; such a layer must
+give its forward and its backward a group each (:class:`LaneGroups`), so that each
+group sees one thread's sequence, the same on every rank. The executor refuses what
+would share other state between the halves (recomputation replays a forward inside
+the backward, FSDP's hooks keep one state per stage).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from zerobubble.schedule.ir import Action
+
+__all__ = ["LaneGroups", "OverlapFn", "OverlapPair", "run_pair", "run_together"]
+
+
+@dataclass(frozen=True)
+class LaneGroups:
+    """A collective layer's two process groups: one for the calls its forwards make, one
+    for those its backwards make. Under an overlapped schedule a forward and a backward
+    run at once; on separate groups each group's calls come in one order on every rank."""
+
+    forward: Any
+    """The group of the forward's collectives (a ``ProcessGroup``; None: the default)."""
+    backward: Any
+    """The group of the backward's collectives."""
+
+
+@dataclass
+class OverlapPair:
+    """One overlapped pair as a hook sees it: the two actions and their runners."""
+
+    forward: Action
+    """The F."""
+    backward: Action
+    """The B or BW (of another microbatch, or another stage of this rank)."""
+    run_forward: Callable[[], None]
+    """Runs the F (its input is in hand; its output is kept for the sends after the pair)."""
+    run_backward: Callable[[], None]
+    """Runs the backward."""
+
+
+OverlapFn = Callable[[OverlapPair], None]
+"""A hook that runs an :class:`OverlapPair`, each half exactly once."""
+
+
+def run_together(pair: OverlapPair, timeout_s: float | None = None) -> None:
+    """The default: the F on a helper thread, the backward on this one; then join.
+
+    An exception of either half is raised here (the backward's first, as it ran on the
+    caller's thread). ``timeout_s`` bounds the wait for the F after the backward ended
+    (its own collectives are bounded by their groups' timeouts).
+    """
+    failed: list[BaseException] = []
+
+    def forward() -> None:
+        try:
+            pair.run_forward()
+        except BaseException as e:  # handed to the caller's thread below
+            failed.append(e)
+
+    helper = threading.Thread(target=forward, name=f"zerobubble {pair.forward}", daemon=True)
+    helper.start()
+    try:
+        pair.run_backward()
+    finally:
+        helper.join(timeout_s)
+    if helper.is_alive():
+        raise TimeoutError(
+            f"the overlapped {pair.forward} did not finish within {timeout_s} s after "
+            f"{pair.backward} did; a collective of its forward may be waiting for a peer"
+        )
+    if failed:
+        raise failed[0]
+
+
+def run_pair(pair: OverlapPair, hook: OverlapFn | None, timeout_s: float) -> None:
+    """Run ``pair`` by ``hook`` (None: :func:`run_together`) and check both halves ran once."""
+    ran: list[str] = []
+    forward, backward = pair.run_forward, pair.run_backward
+
+    def once(name: str, run: Callable[[], None]) -> Callable[[], None]:
+        def call() -> None:
+            if name in ran:
+                raise ValueError(f"the overlap hook ran {name} twice; run each half once")
+            ran.append(name)
+            run()
+
+        return call
+
+    counted = OverlapPair(
+        pair.forward,
+        pair.backward,
+        once(str(pair.forward), forward),
+        once(str(pair.backward), backward),
+    )
+    if hook is None:
+        run_together(counted, timeout_s)
+    else:
+        hook(counted)
+    missing = [str(a) for a in (pair.forward, pair.backward) if str(a) not in ran]
+    if missing:
+        raise ValueError(
+            f"the overlap hook returned without running {' and '.join(missing)}; it must "
+            "call run_forward and run_backward once each"
+        )
