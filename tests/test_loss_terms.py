@@ -1,0 +1,162 @@
+"""Loss terms that layers add in their forward (issue 24 item 1): the objective is the main
+loss plus every term, each stage back-propagates its own terms, and a pipeline reproduces
+the single-process reference bitwise (toy layers here, HF mixture-of-experts below)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zerobubble
+from generated import generated
+from ranks import launch
+from test_chunk import run_order, sequential_order
+from zerobubble.runtime.chunk import StageChunk
+from zerobubble.runtime.split import WeightGradStore
+from zerobubble.runtime.loss_terms import add_loss_term, collect_loss_terms, objective
+from zerobubble.runtime.reference import reference_step
+
+
+class Termed(nn.Module):
+    """A layer that adds ``name``: ``coef * mean(h ** 2)`` of its output (None: no term)."""
+
+    def __init__(self, width: int, name: str | None, coef: float = 0.25) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.name, self.coef = name, coef
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(x))
+        if self.name is not None:
+            add_loss_term(self, self.name, self.coef * h.pow(2).mean())
+        return h
+
+
+def toy(names: list[str | None], width: int = 4, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*(Termed(width, n) for n in names))
+
+
+def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out - target).pow(2).mean()
+
+
+def data(n: int = 6, width: int = 4, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, width, generator=g), torch.randn(n, width, generator=g)
+
+
+# ---- the API ------------------------------------------------------------------------------------
+
+
+def test_a_term_outside_a_collecting_forward_names_the_layer_the_term_and_the_fix():
+    layer = Termed(4, "aux")
+    with pytest.raises(ValueError, match=r"Termed added loss term 'aux' outside .*collect_loss_terms"):
+        layer(torch.zeros(2, 4))
+
+
+def test_a_term_must_be_a_float_scalar():
+    layer = Termed(4, None)
+    with collect_loss_terms(layer), pytest.raises(ValueError, match=r"'v' as \(2,\).*scalar"):
+        add_loss_term(layer, "v", torch.zeros(2))
+    with collect_loss_terms(layer), pytest.raises(ValueError, match="'v' as int"):
+        add_loss_term(layer, "v", 3)  # type: ignore[arg-type]
+
+
+def test_collect_sums_each_name_in_layer_order_and_leaves_no_sink_behind():
+    model = toy(["a", "b", "a", None])
+    x, _ = data()
+    with collect_loss_terms(model) as terms:
+        h = x
+        parts = []
+        for layer in model:
+            h = layer(h)
+            parts.append(layer.coef * h.pow(2).mean())
+    assert list(terms) == ["a", "b"]
+    assert torch.equal(terms["a"], parts[0] + parts[2]) and torch.equal(terms["b"], parts[1])
+    loss = mse(h, x)
+    assert torch.equal(objective(loss, terms), loss + terms["a"] + terms["b"])
+    with pytest.raises(ValueError, match="outside"):
+        model(x)
+
+
+# ---- one process: chunks -------------------------------------------------------------------------
+
+NAMES = ["a", None, "b", "a", None, "a"]
+
+
+def chunks_of(model: nn.Sequential, cuts: list[int], **kw) -> list[StageChunk]:
+    bounds = [*cuts, len(model)]
+    n = len(cuts)
+    store = WeightGradStore()
+    return [
+        StageChunk(
+            model[bounds[s] : bounds[s + 1]],
+            s,
+            n,
+            loss_fn=mse if s == n - 1 else None,
+            store=store,
+            **kw,
+        )
+        for s in range(n)
+    ]
+
+
+@pytest.mark.parametrize("recompute", ["none", "stage"])
+def test_chunks_train_the_loss_plus_every_term_bitwise_as_plain_autograd(recompute):
+    model = toy(NAMES)
+    ref = copy.deepcopy(model)
+    x, y = data()
+    terms: dict[str, list[torch.Tensor]] = {}
+    ref_losses, ref_grads = reference_step(ref, mse, x, target=y, microbatches=2, terms=terms)
+    # The reference is plain autograd of (loss + a + b) * n_j / N per microbatch.
+    plain = copy.deepcopy(model)
+    for j, (xj, yj) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
+        with collect_loss_terms(plain) as found:
+            loss = mse(plain(xj), yj) + found["a"] + found["b"]
+        assert torch.equal(loss, ref_losses[j])
+        assert torch.equal(found["a"], terms["a"][j]) and torch.equal(found["b"], terms["b"][j])
+        (loss * 0.5).backward()
+    for name, p in plain.named_parameters():
+        assert torch.equal(p.grad, ref_grads[name]), name
+    # Three stages: terms on every stage, one stage that adds none and passes the sums on.
+    chunks = chunks_of(model, [0, 2, 4], recompute=recompute)
+    schedule = zerobubble.generate("zb-h1", 3, 2)
+    losses = run_order(chunks, sequential_order(schedule), x, y, 2)
+    assert all(map(torch.equal, losses, ref_losses))
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, ref_grads[name]), name
+
+
+def test_the_last_stage_reports_each_term_per_microbatch():
+    model = toy(NAMES)
+    x, y = data()
+    c0, c1 = chunks_of(model, [0, 3])
+    h = c0.forward(0, x)
+    loss = c1.forward(0, h, target=y)
+    got = c1.take_terms(0)
+    assert sorted(got) == ["a", "b"] and not got["a"].requires_grad
+    with collect_loss_terms(model) as found:
+        out = model(x)
+    assert torch.equal(got["a"], found["a"]) and torch.equal(got["b"], found["b"])
+    assert torch.equal(loss, objective(mse(out, y), found))
+    assert c1.take_terms(0) == {}  # taken once
+
+
+def test_a_term_in_a_checkpointed_layer_is_refused_naming_the_fix():
+    chunk = StageChunk(toy(["a", None]), 0, 2, recompute="layers")
+    with pytest.raises(ValueError, match=r"Termed added loss term 'a' with gradients disabled.*"
+                       r"recompute='stage'"):
+        chunk.forward(0, torch.zeros(2, 4))
+
+
+def test_terms_with_sequence_segments_are_refused():
+    from zerobubble.runtime.kv_segments import SegmentOf
+
+    chunk = StageChunk(toy(["a"]), 0, 2)
+    with pytest.raises(ValueError, match="loss terms .* with sequence segments are not supported"):
+        chunk.forward(0, torch.zeros(2, 4), segment=SegmentOf(0, 0, 2, 0))
