@@ -160,3 +160,61 @@ def test_terms_with_sequence_segments_are_refused():
     chunk = StageChunk(toy(["a"]), 0, 2)
     with pytest.raises(ValueError, match="loss terms .* with sequence segments are not supported"):
         chunk.forward(0, torch.zeros(2, 4), segment=SegmentOf(0, 0, 2, 0))
+
+
+# ---- several processes: toy layers ----------------------------------------------------------------
+
+TIMEOUT = 240
+TOY_M = 4
+
+
+def toy_reference() -> dict:
+    x, y = data(8)
+    terms: dict[str, list[torch.Tensor]] = {}
+    losses, grads = reference_step(toy(NAMES), mse, x, target=y, microbatches=TOY_M, terms=terms)
+    return {"losses": losses, "grads": grads, "terms": terms}
+
+
+def toy_job(kinds: list[str], ref: dict) -> list[str]:
+    zerobubble.init_distributed(timeout_s=120)
+    p = dist.get_world_size()
+    x, y = data(8)
+    bad = []
+    for kind in kinds:
+        pipe = zerobubble.Pipeline(toy(NAMES), mse, generated(kind, p, TOY_M))
+        losses: list[torch.Tensor] = []
+        terms: dict[str, list[torch.Tensor]] = {}
+        pipe.step(x, target=y, losses=losses, terms=terms)
+        if pipe.executor.has_last:
+            if not all(map(torch.equal, losses, ref["losses"])):
+                bad.append(f"{kind}: losses {losses} != {ref['losses']}")
+            if terms.keys() != ref["terms"].keys() or not all(
+                all(map(torch.equal, terms[n], ref["terms"][n])) for n in terms
+            ):
+                bad.append(f"{kind}: terms {terms} != {ref['terms']}")
+        elif losses or terms:
+            bad.append(f"{kind}: rank {pipe.rank} without the last stage reported {terms}")
+        for name, param in pipe.named_parameters():
+            if param.grad is None or not torch.equal(param.grad, ref["grads"][name]):
+                bad.append(f"{kind}: gradient of {name} differs")
+        # Through the trainer too: the objective is what it steps on, terms still reported.
+        pipe.set_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.0))
+        again: dict[str, list[torch.Tensor]] = {}
+        out = pipe.step(x, target=y, terms=again)
+        pipe.drain()
+        if pipe.executor.has_last and not (
+            out is not None
+            and all(map(torch.equal, out, ref["losses"]))
+            and all(all(map(torch.equal, again[n], ref["terms"][n])) for n in ref["terms"])
+        ):
+            bad.append(f"{kind}: the trainer's step reports {out}, {again}")
+    dist.destroy_process_group()
+    return bad
+
+
+@pytest.mark.slow
+@pytest.mark.bitwise
+def test_terms_on_several_stages_are_bitwise_the_reference_at_p3_under_zb_h1_and_zbv():
+    ref = toy_reference()
+    results = launch(toy_job, 3, ["zb-h1", "zbv"], ref, timeout=TIMEOUT)
+    assert [b for r in results for b in r] == []
