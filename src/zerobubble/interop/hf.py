@@ -29,6 +29,7 @@ from zerobubble.runtime.loss_terms import collect_loss_terms
 
 __all__ = [
     "TINY_CONFIGS",
+    "TINY_MOE_CONFIGS",
     "CausalLMLoss",
     "causal_lm_layers",
     "check_layers",
@@ -38,7 +39,11 @@ __all__ = [
 ]
 
 #: The tiny configs shipped in ``zerobubble/models/configs`` (``<name>-tiny.json``).
-TINY_CONFIGS = ("hf-gpt2", "hf-llama", "hf-mistral", "hf-qwen2", "hf-mixtral", "hf-qwen3-moe")
+TINY_CONFIGS = ("hf-gpt2", "hf-llama", "hf-mistral", "hf-qwen2")
+
+#: The tiny mixtures of experts shipped there too, built with ``output_router_logits``: their
+#: loss adds the router loss (a loss term of the layers, not :class:`CausalLMLoss`'s).
+TINY_MOE_CONFIGS = ("hf-mixtral", "hf-qwen3-moe")
 
 _PROBE_BATCH, _PROBE_LENGTH, _PROBE_PADS, _PROBE_WINDOW = 2, 7, 2, 3
 
@@ -364,13 +369,15 @@ class CausalLMLoss:
 
 
 def tiny_config(name: str, **overrides: Any) -> Any:
-    """The ``transformers`` config of a shipped tiny model (one of :data:`TINY_CONFIGS`).
+    """The ``transformers`` config of a shipped tiny model (one of :data:`TINY_CONFIGS` or
+    :data:`TINY_MOE_CONFIGS`).
 
     ``overrides`` replace config fields (e.g. ``attn_implementation="eager"``,
     ``num_hidden_layers=6``).
     """
-    if name not in TINY_CONFIGS:
-        raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(TINY_CONFIGS)}")
+    names = TINY_CONFIGS + TINY_MOE_CONFIGS
+    if name not in names:
+        raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(names)}")
     text = resources.files("zerobubble.models").joinpath(f"configs/{name}-tiny.json").read_text()
     fields: dict[str, Any] = {**json.loads(text), **overrides}
     model_type = fields.pop("model_type")
