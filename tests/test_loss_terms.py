@@ -218,3 +218,115 @@ def test_terms_on_several_stages_are_bitwise_the_reference_at_p3_under_zb_h1_and
     ref = toy_reference()
     results = launch(toy_job, 3, ["zb-h1", "zbv"], ref, timeout=TIMEOUT)
     assert [b for r in results for b in r] == []
+
+
+# ---- Hugging Face mixtures of experts with their router loss ---------------------------------------
+
+transformers = pytest.importorskip("transformers")
+from zerobubble.interop import hf  # noqa: E402
+
+HF_M = 4
+MOE_KINDS = ["zb-h1", "zbv", "dualpipev"]
+
+
+def hf_batch(padded: bool, rows: int = 8, length: int = 6) -> tuple[dict, torch.Tensor]:
+    """Token ids (and a right-padded mask) with labels; padding is labelled -100."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 256, (rows, length), generator=g)
+    inputs: dict = {"input_ids": ids}
+    labels = ids.clone()
+    if padded:
+        mask = torch.ones(rows, length, dtype=torch.long)
+        for r in range(0, rows, 3):
+            mask[r, length - 1 - r % 4 :] = 0
+        labels[mask == 0] = -100
+        inputs["attention_mask"] = mask
+    return inputs, labels
+
+
+@pytest.mark.parametrize("name", hf.TINY_MOE_CONFIGS)
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_layers_objective_is_the_models_own_loss_with_its_router_loss(name, padded):
+    """HF's loss (mean cross-entropy plus the router loss) against the layers' objective with
+    the batch's token count (sum over tokens / count: another summation order, so within
+    1e-6 relative; the router term itself is bitwise the model's)."""
+    model = hf.tiny_model(name)
+    layers = hf.causal_lm_layers(copy.deepcopy(model))
+    inputs, labels = hf_batch(padded)
+    own = model(**inputs, labels=labels)
+    loss_fn = hf.CausalLMLoss(model)
+    with collect_loss_terms(*layers) as terms:
+        x = layers[0](inputs)
+        for layer in layers[1:]:
+            x = layer(x)
+        got = objective(loss_fn(x, labels, loss_fn.count_fn(labels)), terms)
+    assert list(terms) == ["router_aux"] and float(terms["router_aux"].detach()) > 0
+    assert torch.equal(terms["router_aux"], model.router_aux_loss_coef * own.aux_loss)
+    torch.testing.assert_close(got, own.loss, rtol=1e-6, atol=0)
+
+
+def moe_reference(padded: bool) -> dict:
+    model = hf.tiny_model("hf-mixtral")
+    inputs, labels = hf_batch(padded)
+    terms: dict[str, list[torch.Tensor]] = {}
+    losses, grads = reference_step(
+        hf.causal_lm_layers(model),
+        hf.CausalLMLoss(model),
+        inputs,
+        target=labels,
+        microbatches=HF_M,
+        terms=terms,
+    )
+    return {"losses": losses, "grads": grads, "terms": terms}
+
+
+def moe_job(padded: bool, ref: dict) -> list[str]:
+    zerobubble.init_distributed(timeout_s=120)
+    p = dist.get_world_size()
+    inputs, labels = hf_batch(padded)
+    bad = []
+    for kind in MOE_KINDS:
+        model = hf.tiny_model("hf-mixtral")
+        pipe = zerobubble.Pipeline(
+            hf.causal_lm_layers(model), hf.CausalLMLoss(model), generated(kind, p, HF_M)
+        )
+        terms: dict[str, list[torch.Tensor]] = {}
+        losses = pipe.step(inputs, target=labels, terms=terms)
+        what = f"{kind} P={p}"
+        if pipe.executor.has_last:
+            if losses is None or not all(map(torch.equal, losses, ref["losses"])):
+                bad.append(f"{what}: losses {losses} != {ref['losses']}")
+            if list(terms) != ["router_aux"] or not all(
+                map(torch.equal, terms["router_aux"], ref["terms"]["router_aux"])
+            ):
+                bad.append(f"{what}: terms {terms} != {ref['terms']}")
+        for name, param in pipe.named_parameters():
+            if param.grad is None or not torch.equal(param.grad, ref["grads"][name]):
+                bad.append(f"{what}: gradient of {name} differs")
+    dist.destroy_process_group()
+    return bad
+
+
+@pytest.mark.slow
+@pytest.mark.bitwise
+@pytest.mark.parametrize(("p", "padded"), [(2, True), (3, False)])
+def test_mixtral_with_its_router_loss_is_bitwise_the_reference_under_zb_h1_zbv_dualpipev(p, padded):
+    """The issue's matrix {P=2, P=3} x {zb-h1, zbv, dualpipev}, one launch per P (with and
+    without padding, the router loss's two branches)."""
+    ref = moe_reference(padded)
+    assert all(float(t) > 0 for t in ref["terms"]["router_aux"])
+    results = launch(moe_job, p, padded, ref, timeout=TIMEOUT)
+    assert [b for r in results for b in r] == []
+
+
+def test_the_router_stays_on_plain_autograd_so_its_logits_loss_gradient_is_kept():
+    """The graph-level split would differentiate the MoE block's output only, dropping the
+    gradient the router loss sends into the router's logits: the block names its router in
+    unsplit_submodules(), and the experts still defer their weight gradients to W."""
+    from zerobubble.runtime.split import unsplit_modules
+
+    layers = hf.causal_lm_layers(hf.tiny_model("hf-mixtral"))
+    chunk = StageChunk(nn.Sequential(*layers[1:3]), 1, 3)
+    unsplit = {name for name, _ in unsplit_modules(chunk.module)}
+    assert {"0.layer.mlp.gate", "1.layer.mlp.gate"} <= unsplit
+    assert not any("experts" in name for name in unsplit)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -416,6 +417,12 @@ class DecoderBlock(SegmentAware, HFLayer):
         # Models with per-type rotary tables (local/global) take the layer type too.
         self._rotary_by_type = "layer_type" in inspect.signature(rotary_emb.forward).parameters
 
+    def unsplit_submodules(self) -> list[nn.Module]:
+        """The router, whose logits the router loss reads outside its MoE block: the B/W
+        split's graph-level fallback must leave it (and that block) on plain autograd
+        (:mod:`~zerobubble.runtime.split.swap`)."""
+        return [] if self._router_path is None else [self.layer.get_submodule(self._router_path)]
+
     def forward(self, x: Boundary) -> Boundary:
         hidden, mask, position_ids = _unpack(type(self).__name__, x)
         slot = self.segment_slot
@@ -431,7 +438,7 @@ class DecoderBlock(SegmentAware, HFLayer):
         if self.router is not None and self._router_path is not None:
             index = self.router.index
             gate = self.layer.get_submodule(self._router_path)
-            handle = gate.register_forward_hook(lambda _m, _a, out: logits.append(out[index]))
+            handle = gate.register_forward_hook(partial(_keep_logits, logits, index))
         try:
             out = self.layer(
                 hidden,
@@ -450,6 +457,15 @@ class DecoderBlock(SegmentAware, HFLayer):
             assert self.router is not None
             stats = add_routing(stats, gate_logits, x.get("attention_mask"), self.router)
         return _boundary(out[0] if isinstance(out, tuple) else out, mask, position_ids, stats)
+
+
+def _keep_logits(kept: list[Tensor], index: int, _module: nn.Module, _args: Any, out: Any) -> None:
+    """A router's forward hook: keep its logits once per call. A module re-run inside its own
+    call (the graph-level B/W split re-runs a router with two differentiable outputs) hands
+    the inner call's output to the outer call's hooks as well."""
+    logits = out[index]
+    if not any(t is logits for t in kept):
+        kept.append(logits)
 
 
 def _router_path(layer: nn.Module, router: RouterLoss, index: int) -> str | None:
