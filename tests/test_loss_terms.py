@@ -16,9 +16,9 @@ from generated import generated
 from ranks import launch
 from test_chunk import run_order, sequential_order
 from zerobubble.runtime.chunk import StageChunk
-from zerobubble.runtime.split import WeightGradStore
 from zerobubble.runtime.loss_terms import add_loss_term, collect_loss_terms, objective
 from zerobubble.runtime.reference import reference_step
+from zerobubble.runtime.split import WeightGradStore
 
 
 class Termed(nn.Module):
@@ -55,7 +55,9 @@ def data(n: int = 6, width: int = 4, seed: int = 1) -> tuple[torch.Tensor, torch
 
 def test_a_term_outside_a_collecting_forward_names_the_layer_the_term_and_the_fix():
     layer = Termed(4, "aux")
-    with pytest.raises(ValueError, match=r"Termed added loss term 'aux' outside .*collect_loss_terms"):
+    with pytest.raises(
+        ValueError, match=r"Termed added loss term 'aux' outside .*collect_loss_terms"
+    ):
         layer(torch.zeros(2, 4))
 
 
@@ -84,7 +86,7 @@ def test_collect_sums_each_name_in_layer_order_and_leaves_no_sink_behind():
         model(x)
 
 
-# ---- one process: chunks -------------------------------------------------------------------------
+# ---- one process: chunks ------------------------------------------------------------------------
 
 NAMES = ["a", None, "b", "a", None, "a"]
 
@@ -149,8 +151,11 @@ def test_the_last_stage_reports_each_term_per_microbatch():
 
 def test_a_term_in_a_checkpointed_layer_is_refused_naming_the_fix():
     chunk = StageChunk(toy(["a", None]), 0, 2, recompute="layers")
-    with pytest.raises(ValueError, match=r"Termed added loss term 'a' with gradients disabled.*"
-                       r"recompute='stage'"):
+    with pytest.raises(
+        ValueError,
+        match=r"Termed added loss term 'a' with gradients disabled.*"
+        r"recompute='stage'",
+    ):
         chunk.forward(0, torch.zeros(2, 4))
 
 
@@ -158,11 +163,11 @@ def test_terms_with_sequence_segments_are_refused():
     from zerobubble.runtime.kv_segments import SegmentOf
 
     chunk = StageChunk(toy(["a"]), 0, 2)
-    with pytest.raises(ValueError, match="loss terms .* with sequence segments are not supported"):
+    with pytest.raises(ValueError, match=r"loss terms .* with sequence segments are not supported"):
         chunk.forward(0, torch.zeros(2, 4), segment=SegmentOf(0, 0, 2, 0))
 
 
-# ---- several processes: toy layers ----------------------------------------------------------------
+# ---- several processes: toy layers --------------------------------------------------------------
 
 TIMEOUT = 240
 TOY_M = 4
@@ -220,7 +225,7 @@ def test_terms_on_several_stages_are_bitwise_the_reference_at_p3_under_zb_h1_and
     assert [b for r in results for b in r] == []
 
 
-# ---- Hugging Face mixtures of experts with their router loss ---------------------------------------
+# ---- Hugging Face mixtures of experts with their router loss ------------------------------------
 
 transformers = pytest.importorskip("transformers")
 from zerobubble.interop import hf  # noqa: E402

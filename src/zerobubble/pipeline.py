@@ -343,9 +343,7 @@ class Pipeline:
         """
         stage_kw = stage_kwargs(kwargs, "Pipeline.step")
         if self.trainer is None:
-            return self.executor.step(
-                *args, target=target, losses=losses, terms=terms, **stage_kw
-            )
+            return self.executor.step(*args, target=target, losses=losses, terms=terms, **stage_kw)
         out = self.trainer.step(*args, target=target, **stage_kw)
         if out is not None and losses is not None:
             losses.extend(out)

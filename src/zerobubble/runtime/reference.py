@@ -165,7 +165,6 @@ def reference_step(
     return losses, _user_grads(model)
 
 
-
 def _shape(t: Any) -> Any:
     return tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
 
