@@ -5,6 +5,7 @@ the single-process reference bitwise (toy layers here, HF mixture-of-experts bel
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -271,8 +272,20 @@ def test_the_layers_objective_is_the_models_own_loss_with_its_router_loss(name, 
     torch.testing.assert_close(got, own.loss, rtol=1e-6, atol=0)
 
 
-def moe_reference(padded: bool) -> dict:
+def test_the_check_refuses_layers_whose_router_term_is_not_the_models():
     model = hf.tiny_model("hf-mixtral")
+    layers = hf.causal_lm_layers(model)
+    head = layers[-1]
+    head.router = dataclasses.replace(head.router, coef=0.5)
+    with pytest.raises(ValueError, match=r"loss term 'router_aux' \(.*\) is not the model's own"):
+        hf.check_layers(model, layers)
+    head.router = None
+    with pytest.raises(ValueError, match=r"add the loss terms \[\] but the model's loss adds"):
+        hf.check_layers(model, layers)
+
+
+def moe_reference(name: str, padded: bool) -> dict:
+    model = hf.tiny_model(name)
     inputs, labels = hf_batch(padded)
     terms: dict[str, list[torch.Tensor]] = {}
     losses, grads = reference_step(
@@ -286,19 +299,20 @@ def moe_reference(padded: bool) -> dict:
     return {"losses": losses, "grads": grads, "terms": terms}
 
 
-def moe_job(padded: bool, ref: dict) -> list[str]:
+def moe_job(cases: list[tuple[str, str]], padded: bool, refs: dict) -> list[str]:
     zerobubble.init_distributed(timeout_s=120)
     p = dist.get_world_size()
     inputs, labels = hf_batch(padded)
     bad = []
-    for kind in MOE_KINDS:
-        model = hf.tiny_model("hf-mixtral")
+    for name, kind in cases:
+        ref = refs[name]
+        model = hf.tiny_model(name)
         pipe = zerobubble.Pipeline(
             hf.causal_lm_layers(model), hf.CausalLMLoss(model), generated(kind, p, HF_M)
         )
         terms: dict[str, list[torch.Tensor]] = {}
         losses = pipe.step(inputs, target=labels, terms=terms)
-        what = f"{kind} P={p}"
+        what = f"{name} {kind} P={p}"
         if pipe.executor.has_last:
             if losses is None or not all(map(torch.equal, losses, ref["losses"])):
                 bad.append(f"{what}: losses {losses} != {ref['losses']}")
@@ -306,9 +320,9 @@ def moe_job(padded: bool, ref: dict) -> list[str]:
                 map(torch.equal, terms["router_aux"], ref["terms"]["router_aux"])
             ):
                 bad.append(f"{what}: terms {terms} != {ref['terms']}")
-        for name, param in pipe.named_parameters():
-            if param.grad is None or not torch.equal(param.grad, ref["grads"][name]):
-                bad.append(f"{what}: gradient of {name} differs")
+        for key, param in pipe.named_parameters():
+            if param.grad is None or not torch.equal(param.grad, ref["grads"][key]):
+                bad.append(f"{what}: gradient of {key} differs")
     dist.destroy_process_group()
     return bad
 
@@ -318,10 +332,14 @@ def moe_job(padded: bool, ref: dict) -> list[str]:
 @pytest.mark.parametrize(("p", "padded"), [(2, True), (3, False)])
 def test_mixtral_with_its_router_loss_is_bitwise_the_reference_under_zb_h1_zbv_dualpipev(p, padded):
     """The issue's matrix {P=2, P=3} x {zb-h1, zbv, dualpipev}, one launch per P (with and
-    without padding, the router loss's two branches)."""
-    ref = moe_reference(padded)
-    assert all(float(t) > 0 for t in ref["terms"]["router_aux"])
-    results = launch(moe_job, p, padded, ref, timeout=TIMEOUT)
+    without padding, the router loss's two branches); Qwen3-MoE under zbv at P=3."""
+    cases = [("hf-mixtral", kind) for kind in MOE_KINDS]
+    if p == 3:
+        cases.append(("hf-qwen3-moe", "zbv"))
+    refs = {name: moe_reference(name, padded) for name in {name for name, _ in cases}}
+    for ref in refs.values():
+        assert all(float(t) > 0 for t in ref["terms"]["router_aux"])
+    results = launch(moe_job, p, cases, padded, refs, timeout=TIMEOUT)
     assert [b for r in results for b in r] == []
 
 

@@ -211,7 +211,10 @@ def check_layers(model: nn.Module, layers: list[nn.Module]) -> None:
     nothing from the caller's RNG and restoring every submodule's mode; a sliding
     window is shortened below the batch's length meanwhile, so the check also sees
     which layers slide. Also for layers cut by hand (the first takes the tokenizer-style
-    mapping ``{"input_ids", "attention_mask"}``, the last returns the logits).
+    mapping ``{"input_ids", "attention_mask"}``, the last returns the logits). The loss
+    terms the layers add (:mod:`~zerobubble.runtime.loss_terms`) must be the model's own:
+    ``"router_aux"``, bitwise ``router_aux_loss_coef * aux_loss``, where its loss adds a
+    router loss, else none.
     """
     batch = _probe(model)
     name = type(model).__name__
