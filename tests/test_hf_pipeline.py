@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import sys
 from contextlib import contextmanager
 
 import pytest
@@ -37,6 +38,7 @@ import zerobubble  # noqa: E402
 from generated import RUNTIME_KINDS, generated  # noqa: E402
 from ranks import launch  # noqa: E402
 from zerobubble.interop import hf  # noqa: E402
+from zerobubble.runtime.loss_terms import collect_loss_terms, objective  # noqa: E402
 from zerobubble.runtime.partition import build_stage_modules, stage_bounds  # noqa: E402
 from zerobubble.runtime.rng import derive_seed  # noqa: E402
 from zerobubble.runtime.shapes import BoundaryError, flatten  # noqa: E402
@@ -484,15 +486,33 @@ def moe_model(family: str, **overrides) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("family", MOE)
-def test_a_moe_model_with_a_router_loss_is_refused_naming_the_option(family):
+def test_a_moe_model_with_a_router_loss_is_bitwise_its_own_loss_through_the_heads_term(family):
     model = moe_model(family, output_router_logits=True)
+    twin = copy.deepcopy(model)
+    layers = hf.causal_lm_layers(twin)
     ids, mask, labels = batch(0, TINY["vocab_size"])
-    plain = copy.deepcopy(model)
-    plain.config.output_router_logits = False
-    # The model's loss adds the router loss: cross-entropy alone (what the layers train) differs.
-    with_router = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-    alone = plain(input_ids=ids, attention_mask=mask, labels=labels).loss
-    assert not torch.equal(with_router, alone)
+    own = model(input_ids=ids, attention_mask=mask, labels=labels)
+    own.loss.backward()
+    with collect_loss_terms(*layers) as terms:
+        x = layers[0](ids, attention_mask=mask)
+        for layer in layers[1:]:
+            x = layer(x)
+    # The model's loss is its cross-entropy plus the router loss, bitwise.
+    assert list(terms) == ["router_aux"]
+    assert torch.equal(terms["router_aux"], model.router_aux_loss_coef * own.aux_loss)
+    loss = objective(hf.CausalLMLoss(twin)(x, labels), terms)
+    assert torch.equal(loss, own.loss)
+    loss.backward()
+    for layer in layers:
+        for name, p in layer.named_parameters():
+            key = layer.source_name(name)
+            assert torch.equal(p.grad, model.get_parameter(key).grad), key
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_a_router_loss_of_another_form_is_refused_naming_the_option(family, monkeypatch):
+    model = moe_model(family, output_router_logits=True)
+    monkeypatch.delattr(sys.modules[type(model).__module__], "load_balancing_loss_func")
     why = (
         f"{type(model).__name__} is built with config.output_router_logits=True: its loss adds "
         "router_aux_loss_coef=0.001 times the routers' load-balancing loss"

@@ -315,6 +315,7 @@ class Pipeline:
         *args: object,
         target: object = None,
         losses: list[Tensor] | None = None,
+        terms: dict[str, list[Tensor]] | None = None,
         **kwargs: object,
     ) -> list[Tensor] | None:
         """Run one iteration on a batch split into the schedule's microbatches.
@@ -330,13 +331,25 @@ class Pipeline:
         collective, sums them once the accumulation is over). On the last stage's
         rank returns the per-microbatch losses (and appends them to ``losses``);
         elsewhere returns None.
+
+        Layers may add loss terms in their forward
+        (:func:`~zerobubble.runtime.loss_terms.add_loss_term`, e.g. a router's
+        load-balancing loss). A microbatch's objective is then ``loss_fn``'s loss plus the
+        sum of every term (added in name order), weighted or normalised as the loss is, and
+        that is what is trained: the returned ``losses`` are these objectives, not
+        ``loss_fn``'s loss alone. On the last stage's rank ``terms``, if given, gets per
+        term name the microbatches' values (detached, unscaled; ``losses[j]`` is
+        ``loss_fn``'s loss plus ``terms[name][j]`` over the names).
         """
         stage_kw = stage_kwargs(kwargs, "Pipeline.step")
         if self.trainer is None:
-            return self.executor.step(*args, target=target, losses=losses, **stage_kw)
+            return self.executor.step(*args, target=target, losses=losses, terms=terms, **stage_kw)
         out = self.trainer.step(*args, target=target, **stage_kw)
         if out is not None and losses is not None:
             losses.extend(out)
+        if out is not None and terms is not None:
+            for name, values in self.executor.last_terms.items():
+                terms.setdefault(name, []).extend(values)
         return out
 
     def drain(self) -> None:

@@ -24,8 +24,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from zerobubble.interop.hf_router import ROUTER_TERM, router_loss_of
+from zerobubble.runtime.loss_terms import collect_loss_terms
+
 __all__ = [
     "TINY_CONFIGS",
+    "TINY_MOE_CONFIGS",
     "CausalLMLoss",
     "causal_lm_layers",
     "check_layers",
@@ -36,6 +40,10 @@ __all__ = [
 
 #: The tiny configs shipped in ``zerobubble/models/configs`` (``<name>-tiny.json``).
 TINY_CONFIGS = ("hf-gpt2", "hf-llama", "hf-mistral", "hf-qwen2")
+
+#: The tiny mixtures of experts shipped there too, built with ``output_router_logits``: their
+#: loss adds the router loss (a loss term of the layers, not :class:`CausalLMLoss`'s).
+TINY_MOE_CONFIGS = ("hf-mixtral", "hf-qwen3-moe")
 
 _PROBE_BATCH, _PROBE_LENGTH, _PROBE_PADS, _PROBE_WINDOW = 2, 7, 2, 3
 
@@ -97,25 +105,6 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
-def _refuse_auxiliary_loss(model: nn.Module) -> None:
-    """Raise unless the model's loss is its cross-entropy alone.
-
-    A mixture-of-experts model built with ``output_router_logits=True`` (Mixtral,
-    Qwen3-MoE, ...) adds ``router_aux_loss_coef`` times its routers' load-balancing loss
-    to the loss; the layers return logits only, so a pipeline would train the
-    cross-entropy alone while the logits still match (the check cannot see it).
-    """
-    config = _hf_attr(model, "config")
-    if getattr(config, "output_router_logits", False):
-        coef = getattr(config, "router_aux_loss_coef", None)
-        raise ValueError(
-            f"{type(model).__name__} is built with config.output_router_logits=True: its loss "
-            f"adds router_aux_loss_coef={coef} times the routers' load-balancing loss, which "
-            "the adapter's layers and CausalLMLoss do not carry (a pipeline would train the "
-            "cross-entropy alone); build the model with output_router_logits=False"
-        )
-
-
 def _build(model: nn.Module) -> list[nn.Module]:
     from zerobubble.interop import hf_layers
 
@@ -125,6 +114,8 @@ def _build(model: nn.Module) -> list[nn.Module]:
     decoder = _part(model, "model", ("embed_tokens", "layers", "norm", "rotary_emb"))
     config = _hf_attr(model, "config")
     if isinstance(head, nn.Module) and transformer is not None:
+        if router_loss_of(model) is not None:
+            raise ValueError(f"{name}: a router loss in the GPT-2 layout is not supported")
         if getattr(config, "add_cross_attention", False):
             raise ValueError(
                 f"{name} has cross-attention (config.add_cross_attention): the adapter takes "
@@ -138,10 +129,13 @@ def _build(model: nn.Module) -> list[nn.Module]:
     if isinstance(head, nn.Module) and decoder is not None:
         blocks = _blocks(decoder, "layers")[: config.num_hidden_layers]
         rotary_emb = decoder.get_submodule("rotary_emb")
+        router = router_loss_of(model)
         return [
             hf_layers.DecoderEmbedding(decoder.get_submodule("embed_tokens")),
             *(
-                hf_layers.DecoderBlock(config, b, rotary_emb, i, _attention_type(config, i))
+                hf_layers.DecoderBlock(
+                    config, b, rotary_emb, i, _attention_type(config, i), router=router
+                )
                 for i, b in enumerate(blocks)
             ),
             hf_layers.DecoderHead(
@@ -149,6 +143,7 @@ def _build(model: nn.Module) -> list[nn.Module]:
                 head,
                 logit_scale=_number(getattr(model, "logit_scale", None)),
                 softcap=_number(getattr(config, "final_logit_softcapping", None)),
+                router=router,
             ),
         ]
     raise ValueError(
@@ -216,7 +211,10 @@ def check_layers(model: nn.Module, layers: list[nn.Module]) -> None:
     nothing from the caller's RNG and restoring every submodule's mode; a sliding
     window is shortened below the batch's length meanwhile, so the check also sees
     which layers slide. Also for layers cut by hand (the first takes the tokenizer-style
-    mapping ``{"input_ids", "attention_mask"}``, the last returns the logits).
+    mapping ``{"input_ids", "attention_mask"}``, the last returns the logits). The loss
+    terms the layers add (:mod:`~zerobubble.runtime.loss_terms`) must be the model's own:
+    ``"router_aux"``, bitwise ``router_aux_loss_coef * aux_loss``, where its loss adds a
+    router loss, else none.
     """
     batch = _probe(model)
     name = type(model).__name__
@@ -225,12 +223,14 @@ def check_layers(model: nn.Module, layers: list[nn.Module]) -> None:
         for training in (False, True):
             model.train(training)
             torch.manual_seed(0)
-            expected = model(**batch).logits  # as training calls it: the config's use_cache
+            own = model(**batch)  # as training calls it: the config's use_cache
+            expected = own.logits
             torch.manual_seed(0)
             try:
                 x: Any = batch
-                for layer in layers:
-                    x = layer(x)
+                with collect_loss_terms(*layers) as terms:
+                    for layer in layers:
+                        x = layer(x)
             except Exception as e:
                 raise ValueError(
                     f"{name}: its modules have the expected layout but are not called the way "
@@ -252,6 +252,24 @@ def check_layers(model: nn.Module, layers: list[nn.Module]) -> None:
                     "scaled embeddings or logits, another dropout, extra inputs); cut this model "
                     "into layers by hand"
                 )
+            _check_terms(name, model, getattr(own, "aux_loss", None), terms)
+
+
+def _check_terms(name: str, model: nn.Module, aux: Any, terms: dict[str, Tensor]) -> None:
+    """The layers' loss terms are the model's own: its router loss, bitwise, or none."""
+    router = router_loss_of(model)
+    expected = {} if router is None else {ROUTER_TERM: router.coef * aux}
+    if terms.keys() != expected.keys():
+        raise ValueError(
+            f"{name}: the layers add the loss terms {sorted(terms)} but the model's loss adds "
+            f"{sorted(expected)}; cut this model into layers by hand"
+        )
+    for term, value in expected.items():
+        if not torch.equal(terms[term], value):
+            raise ValueError(
+                f"{name}: the layers' loss term {term!r} ({terms[term].item():.6g}) is not the "
+                f"model's own ({value.item():.6g}); cut this model into layers by hand"
+            )
 
 
 def causal_lm_layers(model: nn.Module, *, check: bool = True) -> list[nn.Module]:
@@ -266,16 +284,19 @@ def causal_lm_layers(model: nn.Module, *, check: bool = True) -> list[nn.Module]
     named as in the model (``layer.source_name``).
 
     ``check``: :func:`check_layers` (one forward of the model and of the layers on a
-    small batch). Dropout stays as the model configures it. A model whose loss adds an
-    auxiliary loss (``config.output_router_logits=True``: a mixture of experts' router
-    loss) is refused, with or without the check.
+    small batch). Dropout stays as the model configures it. A mixture of experts built
+    with ``config.output_router_logits=True`` (Mixtral, Qwen3-MoE) adds its router loss:
+    the blocks carry the routers' statistics and the head adds ``router_aux_loss_coef``
+    times the load-balancing loss as the loss term ``"router_aux"``
+    (:mod:`~zerobubble.interop.hf_router`), so a pipeline trains the model's own loss; a
+    router loss of another form is refused, with or without the check.
     """
     _transformers()
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise ValueError(
             f"expected a transformers PreTrainedModel (a causal LM), got {type(model).__name__}"
         )
-    _refuse_auxiliary_loss(model)
+    router_loss_of(model)  # refuses a router loss the layers cannot carry
     layers = _build(model)
     if check:
         check_layers(model, layers)
@@ -316,7 +337,7 @@ class CausalLMLoss:
     segments would lose each segment's last target (a segment schedule refuses it)."""
 
     def __init__(self, model: nn.Module, ignore_index: int = -100) -> None:
-        _refuse_auxiliary_loss(model)
+        router_loss_of(model)  # refuses a router loss the layers cannot carry
         self._loss: Callable[..., Tensor] = _hf_attr(model, "loss_function")
         self.vocab_size: int = _hf_attr(model, "config").vocab_size
         self.ignore_index = ignore_index
@@ -351,13 +372,15 @@ class CausalLMLoss:
 
 
 def tiny_config(name: str, **overrides: Any) -> Any:
-    """The ``transformers`` config of a shipped tiny model (one of :data:`TINY_CONFIGS`).
+    """The ``transformers`` config of a shipped tiny model (one of :data:`TINY_CONFIGS` or
+    :data:`TINY_MOE_CONFIGS`).
 
     ``overrides`` replace config fields (e.g. ``attn_implementation="eager"``,
     ``num_hidden_layers=6``).
     """
-    if name not in TINY_CONFIGS:
-        raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(TINY_CONFIGS)}")
+    names = TINY_CONFIGS + TINY_MOE_CONFIGS
+    if name not in names:
+        raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(names)}")
     text = resources.files("zerobubble.models").joinpath(f"configs/{name}-tiny.json").read_text()
     fields: dict[str, Any] = {**json.loads(text), **overrides}
     model_type = fields.pop("model_type")

@@ -3,7 +3,8 @@
 Each layer holds the model's own submodules (no copies, no re-implementation):
 the embedding layer, one layer per decoder block, and the final norm with the
 head. Between layers travels a dict pytree ``{"hidden", "attention_mask",
-"position_ids"}``: the hidden states (the only tensor with a gradient), the 2-D
+"position_ids"}`` (plus ``"router"``, the router-loss statistics of a mixture of
+experts: :mod:`~zerobubble.interop.hf_router`): the hidden states, the 2-D
 padding mask as bool (or a user's 4-D mask, unchanged) and the user's position
 ids, each possibly ``None``. Every block rebuilds what it needs from them the
 way the model's forward does (the causal mask with ``transformers``' own mask
@@ -20,6 +21,7 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -27,7 +29,15 @@ from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from zerobubble.interop.hf_router import (
+    ROUTER_TERM,
+    RouterLoss,
+    RouterStats,
+    add_routing,
+    router_term,
+)
 from zerobubble.runtime.kv_segments import SegmentAware, SegmentSlot
+from zerobubble.runtime.loss_terms import add_loss_term
 
 Boundary = dict[str, Any]
 """What travels between layers: ``hidden``, ``attention_mask``, ``position_ids``."""
@@ -209,8 +219,14 @@ def _record_kv(slot: SegmentSlot, cache: DynamicCache | None, index: int) -> Non
     slot.record(kv.keys[..., slot.start :, :], kv.values[..., slot.start :, :])
 
 
-def _boundary(hidden: Tensor, mask: Tensor | None, position_ids: Tensor | None) -> Boundary:
-    return {"hidden": hidden, "attention_mask": mask, "position_ids": position_ids}
+def _boundary(
+    hidden: Tensor,
+    mask: Tensor | None,
+    position_ids: Tensor | None,
+    router: RouterStats | None = None,
+) -> Boundary:
+    out = {"hidden": hidden, "attention_mask": mask, "position_ids": position_ids}
+    return out if router is None else {**out, "router": router}
 
 
 def _unpack(layer: str, x: Any) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -373,7 +389,13 @@ class DecoderBlock(SegmentAware, HFLayer):
     rotary_emb: nn.Module
 
     def __init__(
-        self, config: Any, layer: nn.Module, rotary_emb: nn.Module, index: int, attention_type: str
+        self,
+        config: Any,
+        layer: nn.Module,
+        rotary_emb: nn.Module,
+        index: int,
+        attention_type: str,
+        router: RouterLoss | None = None,
     ) -> None:
         super().__init__(
             {
@@ -389,8 +411,17 @@ class DecoderBlock(SegmentAware, HFLayer):
         self.config = config
         self.index = index
         self.attention_type = attention_type
+        self.router = router
+        """The model's router loss (None: none); then the block adds its router's statistics."""
+        self._router_path = None if router is None else _router_path(layer, router, index)
         # Models with per-type rotary tables (local/global) take the layer type too.
         self._rotary_by_type = "layer_type" in inspect.signature(rotary_emb.forward).parameters
+
+    def unsplit_submodules(self) -> list[nn.Module]:
+        """The router, whose logits the router loss reads outside its MoE block: the B/W
+        split's graph-level fallback must leave it (and that block) on plain autograd
+        (:mod:`~zerobubble.runtime.split.swap`)."""
+        return [] if self._router_path is None else [self.layer.get_submodule(self._router_path)]
 
     def forward(self, x: Boundary) -> Boundary:
         hidden, mask, position_ids = _unpack(type(self).__name__, x)
@@ -402,20 +433,58 @@ class DecoderBlock(SegmentAware, HFLayer):
             rotary = self.rotary_emb(hidden, positions, self.attention_type)
         else:
             rotary = self.rotary_emb(hidden, positions)
-        out = self.layer(
-            hidden,
-            cache=cache,
-            attention_mask=causal,
-            position_embeddings=rotary,
-            position_ids=positions,
-        )
+        logits: list[Tensor] = []
+        handle = None
+        if self.router is not None and self._router_path is not None:
+            index = self.router.index
+            gate = self.layer.get_submodule(self._router_path)
+            handle = gate.register_forward_hook(partial(_keep_logits, logits, index))
+        try:
+            out = self.layer(
+                hidden,
+                cache=cache,
+                attention_mask=causal,
+                position_embeddings=rotary,
+                position_ids=positions,
+            )
+        finally:
+            if handle is not None:
+                handle.remove()
         if slot is not None:
             _record_kv(slot, cache, self.index)
-        return _boundary(out[0] if isinstance(out, tuple) else out, mask, position_ids)
+        stats = x.get("router")
+        for gate_logits in logits:  # the padding mask as the model's forward was given it
+            assert self.router is not None
+            stats = add_routing(stats, gate_logits, x.get("attention_mask"), self.router)
+        return _boundary(out[0] if isinstance(out, tuple) else out, mask, position_ids, stats)
+
+
+def _keep_logits(kept: list[Tensor], index: int, _module: nn.Module, _args: Any, out: Any) -> None:
+    """A router's forward hook: keep its logits once per call. A module re-run inside its own
+    call (the graph-level B/W split re-runs a router with two differentiable outputs) hands
+    the inner call's output to the outer call's hooks as well."""
+    logits = out[index]
+    if not any(t is logits for t in kept):
+        kept.append(logits)
+
+
+def _router_path(layer: nn.Module, router: RouterLoss, index: int) -> str | None:
+    """Where ``layer``'s router is (None for a dense layer); ValueError for several."""
+    found = [n for n, m in layer.named_modules() if isinstance(m, router.router_class)]
+    if len(found) > 1:
+        raise ValueError(
+            f"decoder layer {index} holds {len(found)} routers ({', '.join(found)}); the "
+            "adapter carries the router loss of one router per layer"
+        )
+    return found[0] if found else None
 
 
 class DecoderHead(HFLayer):
     """Final norm and the LM head (tied to ``embed_tokens`` if the model ties them).
+
+    With a router loss (a mixture of experts built with ``output_router_logits=True``) it
+    adds ``router_aux_loss_coef`` times the load-balancing loss of the blocks' statistics
+    as the loss term ``"router_aux"`` (:mod:`~zerobubble.interop.hf_router`).
 
     Then what some causal LMs do to the logits in their forward, in the same order:
     multiply by ``logit_scale`` (Cohere), soft-cap to ``(-softcap, softcap)`` with
@@ -433,13 +502,19 @@ class DecoderHead(HFLayer):
         *,
         logit_scale: float | None = None,
         softcap: float | None = None,
+        router: RouterLoss | None = None,
     ) -> None:
         super().__init__({"norm": ("model.norm", norm), "lm_head": ("lm_head", lm_head)})
         self.logit_scale = logit_scale
         self.softcap = softcap
+        self.router = router
+        """The model's router loss: added as the loss term ``"router_aux"`` (None: none)."""
 
     def forward(self, x: Boundary) -> Tensor:
         hidden, _, _ = _unpack(type(self).__name__, x)
+        stats = x.get("router")
+        if self.router is not None and stats is not None:
+            add_loss_term(self, ROUTER_TERM, router_term(stats, self.router))
         logits = self.lm_head(self.norm(hidden))
         if self.logit_scale is not None:
             logits = logits * self.logit_scale

@@ -464,7 +464,7 @@ def _settings_applied(
             g.update(h)
 
 
-_EXECUTOR_OWN = frozenset({"hooks", "losses"})
+_EXECUTOR_OWN = frozenset({"hooks", "losses", "terms"})
 """Keyword names of :meth:`PipelineExecutor.step` that stage-0 keyword arguments cannot take."""
 
 

@@ -37,6 +37,7 @@ from zerobubble.runtime.kv_segments import (
     segment_scope,
     unaware_attention,
 )
+from zerobubble.runtime.loss_terms import objective, split_terms, term_scope, with_terms
 from zerobubble.runtime.recompute import (
     Recompute,
     install_layer_recompute,
@@ -214,6 +215,10 @@ class StageChunk:
         self._unaware: str | None = None
         """An attention layer that cannot run segments ("" if none), found at the first."""
         self._held: int | None = 0  # held_bytes() until the next op; None: recount
+        self._reported: dict[str, Tensor] = {}
+        """The last stage's term sums of the forward that just ran (set by :meth:`_value`)."""
+        self._terms: dict[int, dict[str, Tensor]] = {}
+        """Per microbatch forwarded on the last stage, its terms (detached), until taken."""
 
     # ---- ops ----------------------------------------------------------------------------
 
@@ -239,6 +244,12 @@ class StageChunk:
         ``loss * loss_scale`` as the root of its backward; its loss is
         ``loss_fn(output, target)``, or ``loss_fn(output, target, num_items)`` when
         ``num_items`` (a count over the whole batch) is given.
+
+        Loss terms the layers add (:func:`~zerobubble.runtime.loss_terms.add_loss_term`)
+        travel with the output as their running sums (an extra part of the pytree that the
+        next stage takes off before calling its module); on the last stage the loss
+        becomes the objective, the loss plus every term, and :meth:`take_terms` gives the
+        terms. Not with ``segment``.
 
         With ``segment``, ``mb`` is a unit of a segment schedule and the input is that
         segment of the microbatch's sequence: the stage's attention reads the keys and
@@ -277,6 +288,7 @@ class StageChunk:
             return alias
 
         self._held = None
+        self._reported = {}
         hooks = saved_tensors_hooks(pack, _identity) if self.track_memory else nullcontext()
         scope = nullcontext() if context is None else segment_scope([self.module], context)
         with torch.enable_grad(), hooks, scope, self.store.record(self.stage, mb):
@@ -301,6 +313,14 @@ class StageChunk:
                         self.stage, mb, f"loss_fn must return a scalar tensor, got {shape}"
                     )
                 out = out * loss_scale
+        reported, self._reported = self._reported, {}
+        if segment is not None and (reported or _carries_terms(out)):
+            raise ValueError(
+                f"stage {self.stage}: loss terms (add_loss_term) with sequence segments are "
+                "not supported (each segment would add its own term); run without segments"
+            )
+        if reported:
+            self._terms[mb] = {n: reported[n].detach() for n in sorted(reported)}
         grad_outs = [t for t in tensor_leaves(out) if t.requires_grad]
         # Keep each output's node, not its data, unless the loss (a scalar) or a
         # leaf that the stage passed through.
@@ -414,14 +434,35 @@ class StageChunk:
         return self._value(args, kw, target, num_items)
 
     def _value(self, args: tuple, kw: dict, target: Any, num_items: Any) -> Any:
-        """The stage's output, or on the last stage its loss (what "stage" recompute replays)."""
-        out = _call(self.module, args, kw)
+        """The stage's output, or on the last stage its objective (what "stage" recompute
+        replays).
+
+        The layers' loss terms (:mod:`~zerobubble.runtime.loss_terms`) continue the sums a
+        later stage received: an output carries them on; the last stage adds them to its
+        loss and leaves them in ``_reported`` for :meth:`forward` (a replay's are ignored).
+        """
+        carried: dict[str, Tensor] = {}
+        if not self.is_first:
+            value, carried = split_terms(args[0])
+            args = (value,)
+        with term_scope(self._submodules, carried) as sink:
+            out = _call(self.module, args, kw)
         if not self.is_last:
-            return out
+            return with_terms(out, sink.sums)
         assert self.loss_fn is not None and target is not None
         if num_items is None:
-            return self.loss_fn(out, target)
-        return self.loss_fn(out, target, num_items)
+            loss = self.loss_fn(out, target)
+        else:
+            loss = self.loss_fn(out, target, num_items)
+        self._reported = sink.sums
+        if not sink.sums or not isinstance(loss, Tensor) or loss.dim() != 0:
+            return loss  # forward refuses a loss that is no scalar, naming the stage
+        return objective(loss, sink.sums)
+
+    def take_terms(self, mb: int) -> dict[str, Tensor]:
+        """The loss terms of microbatch ``mb``'s forward on the last stage, by name (their
+        per-microbatch sums, detached and unscaled; empty if its layers added none)."""
+        return self._terms.pop(mb, {})
 
     def backward_input(self, mb: int, grad_output: Any) -> Any:
         """B. Returns the gradient of the stage input: for a bare tensor input that
@@ -516,6 +557,7 @@ class StageChunk:
             self.store.discard(self.stage, mb)
         self._records.clear()
         self._sequences.clear()
+        self._terms.clear()
 
     # ---- inspection ---------------------------------------------------------------------
 
@@ -623,6 +665,10 @@ class StageChunk:
                     "stage's output for this microbatch",
                 )
         return grads
+
+
+def _carries_terms(out: Any) -> bool:
+    return bool(split_terms(out)[1])
 
 
 def _identity(t: Tensor) -> Tensor:

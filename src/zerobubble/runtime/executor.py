@@ -40,6 +40,7 @@ from zerobubble.runtime.fsdp import ShardedStages
 from zerobubble.runtime.hooks import StepHooks
 from zerobubble.runtime.host_memory import retain_freed_memory
 from zerobubble.runtime.links import Described, Links, pipeline_p2p
+from zerobubble.runtime.loss_terms import gather_terms
 from zerobubble.runtime.mesh import PipelineMesh, pipeline_group
 from zerobubble.runtime.microbatch import CountFn, default_count_fn
 from zerobubble.runtime.overlap import OverlapPair, run_pair
@@ -218,6 +219,8 @@ class PipelineExecutor:
         self.param_version = 0
         self.iteration = 0
         self.replays = 0
+        self.last_terms: dict[str, list[torch.Tensor]] = {}
+        """On the last stage's rank, the loss terms of the latest step (see :meth:`step`)."""
 
     def _prepare(
         self, stages: Mapping[int, nn.Module | StageChunk], loss_fn: LossFn | None
@@ -276,6 +279,7 @@ class PipelineExecutor:
         target: object = None,
         losses: list[torch.Tensor] | None = None,
         hooks: StepHooks | None = None,
+        terms: dict[str, list[torch.Tensor]] | None = None,
         **kwargs: object,
     ) -> list[torch.Tensor] | None:
         """Run the schedule on one batch; gradients accumulate into the stages' ``.grad``.
@@ -286,9 +290,13 @@ class PipelineExecutor:
         output and ``target_j`` go to ``loss_fn``. Others may pass them too; they
         are ignored. They are split into the schedule's M microbatches by the rule of
         :func:`~zerobubble.runtime.step_batch.split_step`; ``kwargs`` cannot be named
-        ``target``, ``losses``, ``hooks``, ``mb``, ``loss_scale`` or ``num_items``. On
-        the last stage's rank, returns the M unscaled per-microbatch losses and
-        appends them to ``losses`` if given; elsewhere returns None. ``hooks``
+        ``target``, ``losses``, ``hooks``, ``terms``, ``mb``, ``loss_scale`` or
+        ``num_items``. On the last stage's rank, returns the M unscaled per-microbatch
+        losses and appends them to ``losses`` if given; elsewhere returns None. Where the
+        layers add loss terms (:func:`~zerobubble.runtime.loss_terms.add_loss_term`) a
+        microbatch's loss is its objective, ``loss_fn``'s loss plus every term, and on the
+        last stage's rank ``terms`` (and :attr:`last_terms`) gets, per term name, its M
+        per-microbatch values (detached, unscaled). ``hooks``
         are called after every compute, at the protocol instructions of the program
         and on every message; if a gate asks for a replay, the step's
         work so far is discarded and the step runs again from its start (its
@@ -321,8 +329,13 @@ class PipelineExecutor:
         k = self.schedule.segments
         if k > 1:  # a microbatch's loss is the sum of its segments' shares
             out = [sum(out[j * k + 1 : (j + 1) * k], out[j * k]) for j in range(len(out) // k)]
+        self.last_terms = {}
+        gather_terms(run.terms, self.last_terms)
         if losses is not None:
             losses.extend(out)
+        if terms is not None:
+            for name, values in self.last_terms.items():
+                terms.setdefault(name, []).extend(values)
         return out
 
 
@@ -337,6 +350,7 @@ class _Run:
         self.past_gate = False  # one stop per step: a replayed run passes the gate
         self.ready: dict[Any, Any] = {}  # values received or produced, not yet consumed
         self.losses: list[torch.Tensor | None] = [None] * pipe.schedule.num_units
+        self.terms: list[dict[str, torch.Tensor]] = [{} for _ in self.losses]
         self.held = pipe.held_bytes() if pipe.options.trace else 0  # as of the last compute
 
     def run(self) -> None:
@@ -399,6 +413,7 @@ class _Run:
             y = self.forward(a, chunk, arg)
             if a.stage == self.S - 1:
                 self.losses[a.mb] = y
+                self.terms[a.mb] = chunk.take_terms(a.mb)
                 return
         elif a.op is Op.B:
             y = chunk.backward_input(a.mb, arg)
@@ -528,6 +543,7 @@ class _Run:
             self.hooks.on_replay()
         self.ready.clear()
         self.losses = [None] * len(self.losses)
+        self.terms = [{} for _ in self.losses]
         self.i = 0
         pipe.replays += 1
         if tracing:

@@ -26,6 +26,7 @@ from zerobubble.runtime.kv_segments import (
     segment_inputs,
     segment_scope,
 )
+from zerobubble.runtime.loss_terms import collect_loss_terms, gather_terms, objective
 from zerobubble.runtime.microbatch import (
     CountFn,
     batch_count,
@@ -62,6 +63,7 @@ def reference_step(
     num_stages: int = 1,
     boundaries: Sequence[int] | None = None,
     count_fn: CountFn | None = None,
+    terms: dict[str, list[Tensor]] | None = None,
     **kwargs: Any,
 ) -> tuple[list[Tensor], dict[str, Tensor]]:
     """One step of plain autograd over the microbatches, in microbatch order.
@@ -89,6 +91,12 @@ def reference_step(
     where the loss declares one, as the pipeline does), every microbatch's loss is
     ``loss_fn(output, target_j, count_fn(target))`` and is back-propagated
     unscaled, as the executor does with the same ``count_fn``.
+
+    Loss terms the layers add (:func:`~zerobubble.runtime.loss_terms.add_loss_term`) are
+    collected over the microbatch's forward in layer order, and what is back-propagated
+    (and returned) is the objective, ``loss_fn``'s loss plus every term in name order,
+    as a pipeline's last stage roots it; ``terms``, if given, gets each term's
+    per-microbatch values (detached), as :meth:`~zerobubble.pipeline.Pipeline.step` does.
 
     Returns:
         The unscaled per-microbatch losses (detached 0-dim tensors) and a copy
@@ -137,17 +145,23 @@ def reference_step(
     for p in model.parameters():
         p.grad = None
     losses = []
+    per_mb: list[dict[str, Tensor]] = []
     for j, ((aj, kj), tj, scale) in enumerate(zip(inputs, targets, scales, strict=True)):
         h: Any = None
-        for s, layer_range in enumerate(bounds):
-            with nullcontext() if rng is None else rng.scope(step, s, j):
-                for i in layer_range:
-                    h = model[i](*aj, **kj) if i == 0 else model[i](h)
-                if s == num_stages - 1:
-                    h = loss_fn(h, tj, *extra)  # the last stage's forward holds the loss
+        with collect_loss_terms(model) as found:
+            for s, layer_range in enumerate(bounds):
+                with nullcontext() if rng is None else rng.scope(step, s, j):
+                    for i in layer_range:
+                        h = model[i](*aj, **kj) if i == 0 else model[i](h)
+                    if s == num_stages - 1:
+                        h = loss_fn(h, tj, *extra)  # the last stage's forward holds the loss
+                        h = objective(h, found)
         loss = h
         (loss * scale).backward()
         losses.append(loss.detach())
+        per_mb.append({n: t.detach() for n, t in found.items()})
+    if terms is not None:
+        gather_terms(per_mb, terms)
     return losses, _user_grads(model)
 
 
@@ -180,7 +194,8 @@ def dp_reference_step(
     together) into fresh gradients; the replicas' gradients are then summed in rank
     order, ``((g_0 + g_1) + g_2) + ...``, which is what the dp all-reduce gives
     bitwise for two replicas (see :mod:`zerobubble.runtime.dp` for more). The sums
-    are left in ``.grad``.
+    are left in ``.grad``. A microbatch's loss is its objective: ``loss_fn``'s plus the
+    layers' loss terms, as in :func:`reference_step`.
 
     Returns:
         Each replica's unscaled per-microbatch losses, and a copy of every summed gradient.
@@ -194,7 +209,8 @@ def dp_reference_step(
             p.grad = None
         mine = []
         for xj, tj in zip(split_batch(x, m), split_batch(target, m), strict=True):
-            loss = loss_fn(model(xj), tj)
+            with collect_loss_terms(model) as found:
+                loss = objective(loss_fn(model(xj), tj), found)
             (loss * (len(xj) / total)).backward()
             mine.append(loss.detach())
         losses.append(mine)
@@ -267,7 +283,7 @@ def segment_reference_step(
         for i, (start, end) in enumerate(pairs):
             context = SegmentContext(start, past_leaves([c.new_kv() for c in contexts]))
             a_seg, k_seg = cut_value(aj, start, end), segment_inputs(kj, start, end)
-            with segment_scope([model], context):
+            with segment_scope([model], context), collect_loss_terms(model) as found:
                 h: Any = None
                 for s, layer_range in enumerate(bounds):
                     scope = nullcontext() if rng is None else rng.scope(step, s, j * k + i)
@@ -276,6 +292,12 @@ def segment_reference_step(
                             h = model[x](*a_seg, **k_seg) if x == 0 else model[x](h)
                         if s == len(bounds) - 1:
                             h = loss_fn(h, cut_value(tj, start, end), total)
+            if found:
+                raise ValueError(
+                    f"the layers added loss terms {sorted(found)}: loss terms with sequence "
+                    "segments are not supported (each segment would add its own); run without "
+                    "segments"
+                )
             seg_losses.append(h)
             contexts.append(context)
         sent: dict[int, list[KV | None]] = {}  # gradients of earlier keys and values

@@ -11,7 +11,12 @@ registered process-wide.
 
 Any other module that owns parameters, and whose subtree has no rule-split
 layer, gets the graph-level split of :mod:`~zerobubble.runtime.split.fallback`
-(unless ``fallback=False``).
+(unless ``fallback=False``). A layer whose forward lets a tensor computed inside one
+of its submodules escape that submodule's output (a router's logits that a loss term
+reads) names such submodules in an ``unsplit_submodules()`` method: the fallback
+leaves them, and every module around them, on plain autograd, since a graph-level
+split would differentiate only the module's output and drop the escaped tensor's
+gradient.
 """
 
 from __future__ import annotations
@@ -230,8 +235,15 @@ def enable_bw_split(
 
 
 def _install_fallbacks(module: nn.Module, store: WeightGradStore, rules: SplitRules) -> None:
-    """Graph-split the outermost modules that own parameters and contain no split layer."""
+    """Graph-split the outermost modules that own parameters and contain no split layer
+    and no submodule a layer keeps unsplit (``unsplit_submodules()``)."""
     has_split: dict[int, bool] = {}
+    kept = {
+        id(k)
+        for m in module.modules()
+        if callable(unsplit := getattr(type(m), "unsplit_submodules", None))
+        for k in unsplit(m)
+    }
 
     def contains_split(m: nn.Module) -> bool:
         if id(m) not in has_split:
@@ -244,7 +256,10 @@ def _install_fallbacks(module: nn.Module, store: WeightGradStore, rules: SplitRu
         rule = rules.rule_for(m)
         if isinstance(m, _SPLIT_TYPES) or (rule is not None and rule.split is None):
             return
-        if not contains_split(m) and any(p.requires_grad for p in m.parameters()):
+        if id(m) in kept:
+            return
+        holds_kept = any(id(k) in kept for k in m.modules())
+        if not (contains_split(m) or holds_kept) and any(p.requires_grad for p in m.parameters()):
             install_graph_split(m, store)
             return
         for c in m.children():
