@@ -21,9 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from zerobubble.models.moe import shard_experts
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.trainer import PipelineTrainer, stage_kwargs
 from zerobubble.runtime.chunk import LossFn, StageChunk
+from zerobubble.runtime.ep import ExpertGroup
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.mesh import PipelineMesh, pipeline_group
 from zerobubble.runtime.microbatch import CountFn
@@ -87,7 +89,10 @@ class Pipeline:
             parameters, gradients and optimizer state over ``dp`` with FSDP2
             (:mod:`~zerobubble.runtime.fsdp`): gathered from the stage's first F to its
             last W of each step, gradients reduce-scattered (summed) after that W,
-            instead of the reduction of whole gradients.
+            instead of the reduction of whole gradients. A mesh with ``ep > 1`` shards
+            every :class:`~zerobubble.models.moe.MoE` layer's experts over its ep group
+            (:func:`~zerobubble.models.moe.shard_experts`): this rank keeps its experts,
+            whose gradients are summed over ``mesh.edp_group``.
 
     A parameter the model uses in several layers stays one parameter: layers of
     a stage share it; stages share it as a tie whose replicas take one summed
@@ -166,6 +171,9 @@ class Pipeline:
             device=device,
             copy_layers=copy_layers,
         )
+        if mesh is not None and mesh.ep_size > 1:  # this rank keeps its experts
+            for m in stages.values():
+                shard_experts(m, ExpertGroup.of(mesh))
         bounds = stage_bounds(len(keys), schedule.num_stages, boundaries)
         shared = self.shared = find_shared(layers, keys, bounds)
         tied = [tp.name for tp in shared if len(tp.local) > 1]

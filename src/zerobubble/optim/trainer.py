@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,12 +48,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from zerobubble.optim.config import OptimConfig
+from zerobubble.optim.ep_norms import ExpertNorms, expert_slots
 from zerobubble.optim.faults import CrashPoint, FaultPlan
 from zerobubble.optim.norms import (
     FLAG_DEFERRED,
     FLAG_REPLAY,
     Decision,
     ParamLayout,
+    Remote,
     StateKind,
     decide,
     may_step_early,
@@ -187,10 +189,23 @@ class PipelineTrainer:
         self._combine = None if sharding is None else sharding.combine_norms
         executor.set_protocol(Protocol.SPECULATIVE if self.config.speculative else Protocol.CHECKED)
         self.undo = make_undo(optimizer, self.config.rollback) if pv else None
-        self.norm_params = (
-            self.stage_params if tied is None else tied.norm_params(self.stage_params)
-        )
+        norm_params = self.stage_params if tied is None else tied.norm_params(self.stage_params)
+        mesh = executor.mesh
+        self.norm_params: Mapping[int, Sequence[Tensor | Remote]] = norm_params
+        self._experts: ExpertNorms | None = None
+        if mesh is not None and mesh.ep_group is not None:
+            if pv:
+                raise ValueError(
+                    f"rank {executor.rank}: post-validation ({self.config.mode.value}) with "
+                    f"expert parallelism (ep={mesh.ep_size}) is not supported; use the "
+                    "synchronous step (OptimConfig(mode='sync'))"
+                )
+            self.norm_params = expert_slots(norm_params, mesh.ep_rank, mesh.ep_size)
         self.layout = ParamLayout.exchange(self.norm_params, executor.p2p)
+        if mesh is not None and mesh.ep_group is not None:
+            self._experts = ExpertNorms(
+                self.layout, self.norm_params, mesh.ep_rank, mesh.ep_group, executor.p2p
+            )
         self.versions = RankVersions(speculative=self.config.speculative)
         self.rank, self.world = executor.rank, executor.schedule.num_devices
         self.last_commit: Commit | None = None
@@ -261,6 +276,8 @@ class PipelineTrainer:
         with self._span("opt_reduce", k):
             vec = self.layout.new_vector()
             self.layout.fill(vec, self.norm_params, self.config.norm_type, self._combine)
+            if self._experts is not None:
+                self._experts.merge(vec, k)
             self.pipe.p2p.all_reduce(vec, f"all-reduce of iteration {k}'s gradient-norm state")
             total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
             action = decide(total, self.config)
