@@ -1,0 +1,277 @@
+"""Expert parallelism: the mesh's ep dim, the dropless MoE block, and pp x ep on gloo
+ranks bitwise against the single-process reference (:func:`ep_reference_step`).
+
+One 4-rank launch builds the pp=2 x dp=2 x ep=2 and pp=1 x dp=4 x ep=2 meshes (their
+groups), runs one step of zb-h1 and of zbv on the first and one of 1f1b on the second
+(gradients after the reduction and losses against the reference; expert weight
+gradients deferred to W), and trains zb-h1 for two AdamW steps with clipping
+(parameters against the reference trained with ``clip_grad_norm_``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerobubble
+from ranks import launch
+from zerobubble.models import mlp_loss
+from zerobubble.models.moe import MoE, build_moe_mlp, dispatch_order, run_experts
+from zerobubble.runtime.ep import is_expert
+from zerobubble.runtime.ep_reference import ep_reference_step
+from zerobubble.runtime.hooks import StepHooks
+from zerobubble.runtime.launcher import init_distributed
+from zerobubble.runtime.mesh import ParallelSpec, build_mesh
+from zerobubble.runtime.split import split_share
+from zerobubble.schedule.ir import Action, Op
+
+SIZES = (6, 8, 3)
+E, K, M, LOCAL, T = 4, 2, 4, 8, 3
+MAX_NORM = 0.05
+TIMEOUT = 240.0
+
+
+def model() -> torch.nn.Sequential:
+    return build_moe_mlp(SIZES, hidden=16, num_experts=E, top_k=K, blocks=2, seed=0)
+
+
+def batch(dp: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(dp * LOCAL, T, SIZES[0], generator=g)
+    return x, torch.randn(dp * LOCAL, T, SIZES[2], generator=g)
+
+
+def parts(dp: int, step: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x, y = batch(dp, step)
+    return [(x[r * LOCAL : (r + 1) * LOCAL], y[r * LOCAL : (r + 1) * LOCAL]) for r in range(dp)]
+
+
+# ---- the spec and the block, in one process --------------------------------------------------
+
+
+def test_parallel_spec_refuses_bad_ep():
+    with pytest.raises(ValueError) as e:
+        ParallelSpec(2, 3, ep=2)
+    assert str(e.value) == (
+        "ep=2 must divide dp=3 (experts are sharded over ep ranks inside the data-parallel "
+        "ranks); choose dp as a multiple of ep"
+    )
+    with pytest.raises(ValueError) as e:
+        ParallelSpec(2, 4, fsdp=True, ep=2)
+    assert str(e.value) == (
+        "fsdp=True with ep=2 is not supported (expert parameters would need their own shard "
+        "group); use ep=1 with fsdp, or fsdp=False with ep"
+    )
+    with pytest.raises(ValueError, match=r"^mesh sizes must be >= 1, got pp=2, dp=2, ep=0$"):
+        ParallelSpec(2, 2, ep=0)
+    spec = ParallelSpec(2, 4, ep=2)
+    assert (spec.world_size, spec.edp) == (8, 2)
+
+
+def test_moe_at_ep1_is_a_dense_loop_over_experts_bitwise():
+    """The block equals, bitwise, each expert run on its tokens' rows (token order, the
+    same per-expert shapes), weighted and summed per token; dropless: all N * k pairs."""
+    torch.manual_seed(0)
+    moe = MoE(8, 16, E, K)
+    x = torch.randn(5, 7, 8)
+    got = moe(x)
+    tokens = x.reshape(-1, 8)
+    weights, chosen = moe.route(tokens)
+    assert torch.equal(weights.sum(-1), torch.ones(35)) or torch.allclose(
+        weights.sum(-1), torch.ones(35), rtol=0, atol=1e-6
+    )
+    _, _, counts = dispatch_order(chosen, E)
+    assert counts.sum().item() == 35 * K  # dropless: every (token, k) pair is computed
+    assert counts.tolist() == [int((chosen == e).sum()) for e in range(E)]
+    per_pair = torch.empty(35, K, 8)
+    for e in range(E):
+        tok, slot = (chosen == e).nonzero(as_tuple=True)  # token order
+        per_pair[tok, slot] = moe.experts[str(e)](tokens[tok])
+    want = (per_pair * weights.unsqueeze(-1)).sum(1).view(5, 7, 8)
+    assert torch.equal(got, want)  # bitwise against the dense loop
+
+
+def test_run_experts_groups_rows_by_expert_in_source_order():
+    """Received rows (2 sources x 2 local experts) reach each expert as one block, source 0's
+    rows first; the outputs come back in the received layout."""
+    seen: list[torch.Tensor] = []
+
+    class Record(torch.nn.Module):
+        def forward(self, x):
+            seen.append(x.clone())
+            return x * 10
+
+    rows = torch.arange(7.0).unsqueeze(1)  # src 0: e0 [0], e1 [1, 2]; src 1: e0 [3, 4], e1 [5, 6]
+    out = run_experts([Record(), Record()], rows, torch.tensor([[1, 2], [2, 2]]))
+    assert [s.squeeze(1).tolist() for s in seen] == [[0.0, 3.0, 4.0], [1.0, 2.0, 5.0, 6.0]]
+    assert torch.equal(out, rows * 10)
+
+
+def test_ep_reference_at_ep1_is_the_dp_reference_order():
+    """With ep=1 and one replica the reference is plain per-microbatch autograd."""
+    ref = model()
+    ((x, y),) = parts(1)
+    losses, grads = ep_reference_step(ref, mlp_loss, [(x, y)], M, 1)
+    plain = model()
+    want = []
+    for xj, yj in zip(x.chunk(M), y.chunk(M), strict=True):
+        loss = mlp_loss(plain(xj), yj)
+        (loss * (len(xj) / LOCAL)).backward()
+        want.append(loss.detach())
+    assert all(map(torch.equal, losses[0], want))
+    for n, p in plain.named_parameters():
+        assert torch.equal(grads[n], p.grad), n
+
+
+# ---- inside the ranks ------------------------------------------------------------------------
+
+
+class Deferral(StepHooks):
+    """After each B of a stage holding experts: were its expert gradients left to W?"""
+
+    def __init__(self, executor) -> None:
+        self.executor = executor
+        self.after_b: list[tuple[int, int, bool, bool]] = []
+
+    def after_compute(self, action: Action) -> None:
+        if action.op is not Op.B:
+            return
+        chunk = self.executor.chunks[action.stage]
+        experts = [p for p in chunk.module.parameters() if is_expert(p)]
+        if experts:
+            untouched = action.mb == 0 and all(p.grad is None for p in experts)
+            pending = (action.stage, action.mb) in chunk.store.in_flight(action.stage)
+            self.after_b.append((action.stage, action.mb, untouched or action.mb > 0, pending))
+
+
+def groups(mesh) -> dict:
+    import torch.distributed as dist
+
+    def ranks(g):
+        return None if g is None else dist.get_process_group_ranks(g)
+
+    return {
+        "ep": ranks(mesh.ep_group),
+        "edp": ranks(mesh.edp_group),
+        "dp": ranks(mesh.dp_group),
+        "pp": ranks(mesh.pp_group),
+        "ep_rank": mesh.ep_rank,
+    }
+
+
+def one_step(mesh, kind: str) -> dict:
+    pipe = zerobubble.Pipeline(model(), mlp_loss, kind, microbatches=M, mesh=mesh)
+    hooks = Deferral(pipe.executor)
+    x, y = parts(mesh.dp_size)[mesh.dp_rank]
+    losses = pipe.executor.step(x, target=y, hooks=hooks)
+    split = [c.module for c in pipe.executor.chunks.values() if c.split]
+    shares = [split_share(m) for m in split]
+    return {
+        "losses": None if losses is None else [t.numpy() for t in losses],
+        "grads": {n: p.grad.numpy().copy() for n, p in pipe.named_parameters()},
+        "after_b": hooks.after_b,
+        "unsplit": [u for s in shares for u in s.unsplit],
+        "split_experts": sum(is_expert(p) for m in split for p in m.parameters()),
+        "b_planned": sum(
+            a.op is Op.B and any(map(is_expert, pipe.executor.chunks[a.stage].module.parameters()))
+            for a in pipe.schedule.actions[pipe.rank]
+        ),
+    }
+
+
+def run_ranks() -> dict:
+    init_distributed()
+    mesh = build_mesh(2, 2, ep=2)
+    wide = build_mesh(1, 4, ep=2)
+    out: dict = {"dp_rank": mesh.dp_rank, "groups": (groups(mesh), groups(wide))}
+    for kind in ("zb-h1", "zbv"):
+        out[kind] = one_step(mesh, kind)
+    out["wide"] = one_step(wide, "1f1b")
+    pipe = zerobubble.Pipeline(model(), mlp_loss, "zb-h1", microbatches=M, mesh=mesh)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
+    trainer = pipe.set_optimizer(opt, zerobubble.OptimConfig(max_norm=MAX_NORM))
+    for k in range(2):
+        x, y = parts(2, k)[mesh.dp_rank]
+        pipe.step(x, target=y)
+    pipe.drain()
+    out["train"] = {
+        "params": {n: p.detach().numpy().copy() for n, p in pipe.named_parameters()},
+        "norm": float(trainer.last_commit.total_norm),
+    }
+    return out
+
+
+def reference_train() -> tuple[dict[str, torch.Tensor], float]:
+    ref = model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    norm = 0.0
+    for k in range(2):
+        ep_reference_step(ref, mlp_loss, parts(2, k), M, 2)
+        norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM))
+        opt.step()
+    return {n: p.detach() for n, p in ref.named_parameters()}, norm
+
+
+@pytest.mark.bitwise
+def test_pp2_ep2_matches_the_single_process_reference_bitwise():
+    results = launch(run_ranks, 4, timeout=TIMEOUT)
+    narrow = [r["groups"][0] for r in results]
+    assert [g["ep"] for g in narrow] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [g["edp"] for g in narrow] == [None] * 4  # dp / ep = 1: experts not reduced
+    assert [g["dp"] for g in narrow] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [g["pp"] for g in narrow] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [g["ep_rank"] for g in narrow] == [0, 1, 0, 1]
+    wide = [r["groups"][1] for r in results]
+    assert [g["ep"] for g in wide] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [g["edp"] for g in wide] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [g["dp"] for g in wide] == [[0, 1, 2, 3]] * 4
+    split_experts = {"zb-h1": 0, "zbv": 0, "wide": 0}
+    b_of_experts = dict(split_experts)
+    for key, dp in (("zb-h1", 2), ("zbv", 2), ("wide", 4)):
+        want_losses, want = ep_reference_step(model(), mlp_loss, parts(dp), M, 2)
+        held: dict[str, int] = {}
+        for g, r in enumerate(results):
+            got = r[key]
+            dp_rank = g % dp
+            for n, array in got["grads"].items():
+                held[n] = held.get(n, 0) + 1
+                grad = torch.from_numpy(array)
+                if key == "wide" and ".experts." not in n:
+                    # 4 replicas: gloo's ring adds in its own order (runtime/dp.py); every
+                    # replica gets the same sum, within (dp - 1) eps sum|g_r| of rank order
+                    assert torch.equal(grad, torch.from_numpy(results[0][key]["grads"][n]))
+                    assert torch.allclose(grad, want[n], rtol=0, atol=1e-7), (key, g, n)
+                else:  # expert grads summed over edp (2 ranks: g_0 + g_1) or not at all
+                    assert torch.equal(grad, want[n]), (key, g, n)
+            if got["losses"] is not None:
+                assert all(
+                    map(torch.equal, map(torch.from_numpy, got["losses"]), want_losses[dp_rank])
+                )
+            # Split stages (those whose B runs apart from W) defer every weight gradient,
+            # the experts' included: after a B the store holds the microbatch's W work,
+            # and the first B leaves the expert gradients untouched.
+            assert not [u for u in got["unsplit"] if ".moe." in u[0]], (key, got["unsplit"])
+            assert all(u and p for _, _, u, p in got["after_b"]), (key, got["after_b"])
+            split_experts[key] += got["split_experts"]
+            b_of_experts[key] += len(got["after_b"])
+            assert len(got["after_b"]) == got["b_planned"], key  # every B was seen
+        # every parameter of the whole model is held: dense ones on every replica, each
+        # expert on the dp / ep replicas of its ep rank
+        assert set(held) == set(want), key
+        for n, count in held.items():
+            expert = ".experts." in n
+            assert count == (dp // 2 if expert else dp), (key, n)
+        assert sum(".experts." in n for n in held) == 2 * E * 3  # 2 blocks, E experts, 3 Linears
+    # zb-h1: stage 1 (layers 2-3, one MoE block) is split on both replicas: 2 ranks x
+    # 4 local expert parameter sets... 2 experts x 3 Linears = 6 expert weights each.
+    # zbv: stages 1-3 split (layers 1-3), two MoE blocks on 2 replicas each.
+    assert split_experts == {"zb-h1": 12, "zbv": 24, "wide": 0}, split_experts
+    # zb-h1: stage 1's B of each microbatch on 2 replicas; zbv fuses some of the B/W
+    # pairs of stages 1 and 2 into BW (the executor's fuse_local_backward), 5 Bs remain.
+    assert b_of_experts == {"zb-h1": 2 * M, "zbv": 2 * 5, "wide": 0}, b_of_experts
+    params, norm = reference_train()
+    for r in results:
+        assert r["train"]["norm"] == norm  # bitwise: clip_grad_norm_ over the whole model
+        for n, array in r["train"]["params"].items():
+            assert torch.equal(torch.from_numpy(array), params[n]), n
+    assert norm > MAX_NORM
