@@ -17,7 +17,7 @@ import zerobubble
 from ranks import launch
 from zerobubble.models import mlp_loss
 from zerobubble.models.moe import MoE, build_moe_mlp, dispatch_order, run_experts
-from zerobubble.runtime.ep import is_expert
+from zerobubble.runtime.ep import ExpertGroup, is_expert
 from zerobubble.runtime.ep_reference import ep_reference_step
 from zerobubble.runtime.hooks import StepHooks
 from zerobubble.runtime.launcher import init_distributed
@@ -66,6 +66,23 @@ def test_parallel_spec_refuses_bad_ep():
         ParallelSpec(2, 2, ep=0)
     spec = ParallelSpec(2, 4, ep=2)
     assert (spec.world_size, spec.edp) == (8, 2)
+
+
+def test_expert_group_and_shard_refuse_bad_sizes():
+    with pytest.raises(ValueError) as e:
+        ExpertGroup(None, 0, 2)
+    assert str(e.value) == (
+        "ExpertGroup(rank=0, size=2) needs 0 <= rank < size and a process group when "
+        "size > 1; build it with ExpertGroup.of(mesh)"
+    )
+    moe = MoE(8, 16, E, K)
+    with pytest.raises(ValueError) as e:
+        moe.shard(ExpertGroup(object(), 0, 3))  # type: ignore[arg-type]  # never used
+    assert str(e.value) == (
+        "ep=3 must divide num_experts=4; choose ep among the divisors of the expert count"
+    )
+    with pytest.raises(ValueError, match=r"^top_k=5 must be in \[1, num_experts=4\]$"):
+        MoE(8, 16, E, 5)
 
 
 def test_moe_at_ep1_is_a_dense_loop_over_experts_bitwise():
@@ -198,6 +215,12 @@ def run_ranks() -> dict:
         "params": {n: p.detach().numpy().copy() for n, p in pipe.named_parameters()},
         "norm": float(trainer.last_commit.total_norm),
     }
+    # The whole model's state dict loads strictly: the other ep ranks' experts are known.
+    other = build_moe_mlp(SIZES, hidden=16, num_experts=E, top_k=K, blocks=2, seed=1)
+    pipe.load_state_dict(other.state_dict())
+    whole = dict(other.named_parameters())
+    out["loaded"] = [n for n, p in pipe.named_parameters() if not torch.equal(p, whole[n])]
+    out["state_keys"] = sorted(pipe.state_dict())
     return out
 
 
@@ -275,3 +298,8 @@ def test_pp2_ep2_matches_the_single_process_reference_bitwise():
         for n, array in r["train"]["params"].items():
             assert torch.equal(torch.from_numpy(array), params[n]), n
     assert norm > MAX_NORM
+    for r in results:
+        assert r["loaded"] == []
+    expert_keys = [k for r in results for k in r["state_keys"] if ".experts." in k]
+    # dp / ep = 1: each of the 2 blocks x E experts x 3 weights is held by one rank
+    assert len(expert_keys) == len(set(expert_keys)) == 2 * E * 3

@@ -220,6 +220,14 @@ class Pipeline:
             for s, names in part.items():
                 for name in names:
                     self._holder.setdefault(name, (s, d))
+        if mesh is not None and mesh.ep_group is not None:
+            # The other ep ranks' experts belong to the model too (held there, same stages).
+            peers: list[dict[str, tuple[int, int]] | None] = [None] * mesh.ep_size
+            dist.all_gather_object(peers, self._holder, group=mesh.ep_group)
+            for held in peers:
+                assert held is not None
+                for name, where in held.items():
+                    self._holder.setdefault(name, where)
 
     def _executor(self, schedule: Schedule, options: ExecutorOptions | None) -> PipelineExecutor:
         """An executor of ``schedule`` on the stages, on the chunks made so far where their

@@ -46,6 +46,7 @@ __all__ = ["GradReducer", "sum_over_dp"]
 @dataclass
 class _Bucket:
     stage: int
+    expert: bool
     flat: Tensor
     grads: list[Tensor]
     work: dist.Work
@@ -75,6 +76,9 @@ class GradReducer:
         self.timeout_s = timeout_s
         self.rank = dist.get_rank()
         self.ranks = tuple(dist.get_process_group_ranks(group))
+        self.expert_ranks = (
+            () if expert_group is None else tuple(dist.get_process_group_ranks(expert_group))
+        )
         self.progress = Progress.from_env(self.rank)
         self._in_flight: list[_Bucket] = []
 
@@ -89,20 +93,22 @@ class GradReducer:
             by_dtype.setdefault((expert, g.dtype, g.device), []).append(g)
         for (expert, _, _), gs in by_dtype.items():
             flat = torch.cat([g.reshape(-1) for g in gs])
-            what = self._what(stage, iteration)
+            what = self._what(stage, iteration, expert)
             group = self.expert_group if expert else self.group
+            ranks = self.expert_ranks if expert else self.ranks
             try:
                 work = dist.all_reduce(flat, group=group, async_op=True)
             except Exception as e:
-                raise PeerError(self.rank, None, what, str(e), group=self.ranks) from e
+                raise PeerError(self.rank, None, what, str(e), group=ranks) from e
             assert work is not None
-            self._in_flight.append(_Bucket(stage, flat, gs, work))
+            self._in_flight.append(_Bucket(stage, expert, flat, gs, work))
 
     def wait(self, iteration: int) -> None:
         """Wait for every launched reduction and write the sums back into ``.grad``."""
         buckets, self._in_flight = self._in_flight, []
         for b in buckets:
-            what = self._what(b.stage, iteration)
+            what = self._what(b.stage, iteration, b.expert)
+            ranks = self.expert_ranks if b.expert else self.ranks
             start = time.monotonic()
             self.progress.waiting(None)
             try:
@@ -113,7 +119,7 @@ class GradReducer:
                     why = f"no completion within the comm timeout of {self.timeout_s:g}s"
                 else:
                     why = f"the transport failed after {took:.1f}s (a dp replica died?)"
-                raise PeerError(self.rank, None, what, f"{why}: {e}", group=self.ranks) from e
+                raise PeerError(self.rank, None, what, f"{why}: {e}", group=ranks) from e
             self.progress.running()
             offset = 0
             for g in b.grads:
@@ -121,7 +127,12 @@ class GradReducer:
                 g.copy_(b.flat[offset : offset + n].view_as(g))
                 offset += n
 
-    def _what(self, stage: int, iteration: int) -> str:
+    def _what(self, stage: int, iteration: int, expert: bool = False) -> str:
+        if expert:
+            return (
+                f"all-reduce of stage {stage}'s expert gradients over dim 'edp' (mesh edp "
+                f"group, iteration {iteration})"
+            )
         return (
             f"all-reduce of stage {stage}'s gradients over dim 'dp' (mesh dp group, "
             f"iteration {iteration})"
