@@ -144,7 +144,8 @@ def test_ep_reference_at_ep1_is_the_dp_reference_order():
 
 
 class Deferral(StepHooks):
-    """After each B of a stage holding experts: were its expert gradients left to W?"""
+    """After each B of a stage holding experts: ``(stage, mb, no expert gradient yet,
+    the store holds the microbatch's W work)``."""
 
     def __init__(self, executor) -> None:
         self.executor = executor
@@ -156,9 +157,9 @@ class Deferral(StepHooks):
         chunk = self.executor.chunks[action.stage]
         experts = [p for p in chunk.module.parameters() if is_expert(p)]
         if experts:
-            untouched = action.mb == 0 and all(p.grad is None for p in experts)
+            none = all(p.grad is None for p in experts)
             pending = (action.stage, action.mb) in chunk.store.in_flight(action.stage)
-            self.after_b.append((action.stage, action.mb, untouched or action.mb > 0, pending))
+            self.after_b.append((action.stage, action.mb, none, pending))
 
 
 def groups(mesh) -> dict:
@@ -250,6 +251,7 @@ def test_pp2_ep2_matches_the_single_process_reference_bitwise():
     assert [g["dp"] for g in wide] == [[0, 1, 2, 3]] * 4
     split_experts = {"zb-h1": 0, "zbv": 0, "wide": 0}
     b_of_experts = dict(split_experts)
+    first_b = dict(split_experts)
     for key, dp in (("zb-h1", 2), ("zbv", 2), ("wide", 4)):
         want_losses, want = ep_reference_step(model(), mlp_loss, parts(dp), M, 2)
         held: dict[str, int] = {}
@@ -274,9 +276,12 @@ def test_pp2_ep2_matches_the_single_process_reference_bitwise():
             # the experts' included: after a B the store holds the microbatch's W work,
             # and the first B leaves the expert gradients untouched.
             assert not [u for u in got["unsplit"] if ".moe." in u[0]], (key, got["unsplit"])
-            assert all(u and p for _, _, u, p in got["after_b"]), (key, got["after_b"])
+            assert all(pending for _, _, _, pending in got["after_b"]), (key, got["after_b"])
+            # B of microbatch 0 (before any W) leaves the expert gradients unset
+            assert all(none for _, mb, none, _ in got["after_b"] if mb == 0), key
             split_experts[key] += got["split_experts"]
             b_of_experts[key] += len(got["after_b"])
+            first_b[key] += sum(mb == 0 for _, mb, _, _ in got["after_b"])
             assert len(got["after_b"]) == got["b_planned"], key  # every B was seen
         # every parameter of the whole model is held: dense ones on every replica, each
         # expert on the dp / ep replicas of its ep rank
@@ -292,6 +297,7 @@ def test_pp2_ep2_matches_the_single_process_reference_bitwise():
     # zb-h1: stage 1's B of each microbatch on 2 replicas; zbv fuses some of the B/W
     # pairs of stages 1 and 2 into BW (the executor's fuse_local_backward), 5 Bs remain.
     assert b_of_experts == {"zb-h1": 2 * M, "zbv": 2 * 5, "wide": 0}, b_of_experts
+    assert first_b == {"zb-h1": 2, "zbv": 2, "wide": 0}, first_b
     params, norm = reference_train()
     for r in results:
         assert r["train"]["norm"] == norm  # bitwise: clip_grad_norm_ over the whole model
