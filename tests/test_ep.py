@@ -205,6 +205,7 @@ def run_ranks() -> dict:
     for kind in ("zb-h1", "zbv"):
         out[kind] = one_step(mesh, kind)
     out["wide"] = one_step(wide, "1f1b")
+    out["ep1"] = one_step(build_mesh(2, 2), "zb-h1")  # whole experts on every dp replica
     pipe = zerobubble.Pipeline(model(), mlp_loss, "zb-h1", microbatches=M, mesh=mesh)
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
     trainer = pipe.set_optimizer(opt, zerobubble.OptimConfig(max_norm=MAX_NORM))
@@ -298,6 +299,18 @@ def test_pp2_ep2_matches_the_single_process_reference_bitwise():
     # pairs of stages 1 and 2 into BW (the executor's fuse_local_backward), 5 Bs remain.
     assert b_of_experts == {"zb-h1": 2 * M, "zbv": 2 * 5, "wide": 0}, b_of_experts
     assert first_b == {"zb-h1": 2, "zbv": 2, "wide": 0}, first_b
+    # ep=1 on dp=2: every replica runs all experts on its own tokens, all gradients
+    # summed over dp (2 ranks: g_0 + g_1), bitwise the reference played with ep=1
+    want_losses, want = ep_reference_step(model(), mlp_loss, parts(2), M, 1)
+    for g, r in enumerate(results):
+        got = r["ep1"]
+        assert got["split_experts"] == 0 and got["after_b"] == []  # nothing is marked
+        for n, array in got["grads"].items():
+            assert torch.equal(torch.from_numpy(array), want[n]), ("ep1", g, n)
+        if got["losses"] is not None:
+            losses = list(map(torch.from_numpy, got["losses"]))
+            assert all(map(torch.equal, losses, want_losses[g % 2]))
+    assert sum(".experts." in n for r in results for n in r["ep1"]["grads"]) == 2 * 2 * E * 3
     params, norm = reference_train()
     for r in results:
         assert r["train"]["norm"] == norm  # bitwise: clip_grad_norm_ over the whole model
