@@ -2,7 +2,8 @@
 ranks bitwise against the single-process reference (:func:`ep_reference_step`).
 
 One 4-rank launch builds the pp=2 x dp=2 x ep=2 and pp=1 x dp=4 x ep=2 meshes (their
-groups), runs one step of zb-h1 and of zbv on the first and one of 1f1b on the second
+groups), runs one step of zb-h1 and of zbv on the first (and of zbv with a MoE GPT) and
+one of 1f1b on the second
 (gradients after the reduction and losses against the reference; expert weight
 gradients deferred to W), and trains zb-h1 for two AdamW steps with clipping
 (parameters against the reference trained with ``clip_grad_norm_``). Two more launches
@@ -16,8 +17,14 @@ import torch
 
 import zerobubble
 from ranks import launch
-from zerobubble.models import mlp_loss
-from zerobubble.models.moe import MoE, build_moe_mlp, dispatch_order, run_experts
+from zerobubble.models import GPTConfig, gpt_loss, mlp_loss
+from zerobubble.models.moe import (
+    MoE,
+    build_moe_gpt,
+    build_moe_mlp,
+    dispatch_order,
+    run_experts,
+)
 from zerobubble.optim.checkpoint import load_checkpoint, save_checkpoint
 from zerobubble.runtime.ep import ExpertGroup, is_expert
 from zerobubble.runtime.ep_reference import ep_reference_step
@@ -35,6 +42,20 @@ TIMEOUT = 240.0
 
 def model() -> torch.nn.Sequential:
     return build_moe_mlp(SIZES, hidden=16, num_experts=E, top_k=K, blocks=2, seed=0)
+
+
+GPT = GPTConfig(vocab_size=32, max_seq_len=8, d_model=16, n_heads=2, n_layers=2, mlp_ratio=2)
+
+
+def moe_gpt() -> torch.nn.Sequential:
+    return build_moe_gpt(GPT, num_experts=E, top_k=K)
+
+
+def gpt_parts(dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, GPT.vocab_size, (dp * LOCAL, GPT.max_seq_len + 1), generator=g)
+    x, y = ids[:, :-1], ids[:, 1:]
+    return [(x[r * LOCAL : (r + 1) * LOCAL], y[r * LOCAL : (r + 1) * LOCAL]) for r in range(dp)]
 
 
 def batch(dp: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,10 +200,11 @@ def groups(mesh) -> dict:
     }
 
 
-def one_step(mesh, kind: str) -> dict:
-    pipe = zerobubble.Pipeline(model(), mlp_loss, kind, microbatches=M, mesh=mesh)
+def one_step(mesh, kind: str, gpt: bool = False) -> dict:
+    layers, loss_fn = (moe_gpt(), gpt_loss) if gpt else (model(), mlp_loss)
+    pipe = zerobubble.Pipeline(layers, loss_fn, kind, microbatches=M, mesh=mesh)
     hooks = Deferral(pipe.executor)
-    x, y = parts(mesh.dp_size)[mesh.dp_rank]
+    x, y = (gpt_parts if gpt else parts)(mesh.dp_size)[mesh.dp_rank]
     losses = pipe.executor.step(x, target=y, hooks=hooks)
     split = [c.module for c in pipe.executor.chunks.values() if c.split]
     shares = [split_share(m) for m in split]
@@ -208,6 +230,7 @@ def run_ranks() -> dict:
         out[kind] = one_step(mesh, kind)
     out["wide"] = one_step(wide, "1f1b")
     out["ep1"] = one_step(build_mesh(2, 2), "zb-h1")  # whole experts on every dp replica
+    out["gpt"] = one_step(mesh, "zbv", gpt=True)
     pipe = zerobubble.Pipeline(model(), mlp_loss, "zb-h1", microbatches=M, mesh=mesh)
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
     trainer = pipe.set_optimizer(opt, zerobubble.OptimConfig(max_norm=MAX_NORM))
@@ -313,6 +336,22 @@ def test_pp2_ep2_matches_the_single_process_reference_bitwise():
             losses = list(map(torch.from_numpy, got["losses"]))
             assert all(map(torch.equal, losses, want_losses[g % 2]))
     assert sum(".experts." in n for r in results for n in r["ep1"]["grads"]) == 2 * 2 * E * 3
+    # A GPT with MoE blocks (attention, then the MoE) under zbv, bitwise the same way
+    want_losses, want = ep_reference_step(moe_gpt(), gpt_loss, gpt_parts(2), M, 2)
+    held = []
+    for g, r in enumerate(results):
+        got = r["gpt"]
+        for n, array in got["grads"].items():
+            held.append(n)
+            assert torch.equal(torch.from_numpy(array), want[n]), ("gpt", g, n)
+        if got["losses"] is not None:
+            losses = list(map(torch.from_numpy, got["losses"]))
+            assert all(map(torch.equal, losses, want_losses[g % 2]))
+        assert all(pending for _, _, _, pending in got["after_b"])
+    experts = sorted(n for n in want if ".experts." in n)
+    dense = sorted(n for n in want if ".experts." not in n)
+    assert sorted(n for n in held if ".experts." in n) == experts  # each on one rank
+    assert sorted(n for n in held if ".experts." not in n) == sorted(dense * 2)
     params, norm = reference_train()
     for r in results:
         assert r["train"]["norm"] == norm  # bitwise: clip_grad_norm_ over the whole model

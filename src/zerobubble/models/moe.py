@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from zerobubble.models.gpt import CausalSelfAttention, GPTConfig, GPTEmbedding, _init
 from zerobubble.runtime.ep import ExpertGroup, all_to_all, exchange_counts, mark_expert
 
 __all__ = [
@@ -39,6 +40,8 @@ __all__ = [
     "ExpertLayer",
     "MoE",
     "MoEBlock",
+    "MoEGPTBlock",
+    "build_moe_gpt",
     "build_moe_mlp",
     "dispatch_order",
     "run_experts",
@@ -207,6 +210,43 @@ class MoEBlock(ExpertLayer):
     def combine(self, ctx: Any, out: Tensor) -> Tensor:
         x, inner = ctx
         return x + self.moe.combine(inner, out)
+
+
+class MoEGPTBlock(ExpertLayer):
+    """A GPT block whose MLP is a :class:`MoE`: ``x + attn(ln1(x))``, then ``+ moe(ln2(.))``."""
+
+    def __init__(self, cfg: GPTConfig, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.ln1 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+        self.moe = MoE(d, cfg.mlp_ratio * d, num_experts, top_k)
+
+    def dispatch(self, x: Tensor) -> tuple[Any, Tensor, Tensor]:
+        x = x + self.attn(self.ln1(x))
+        ctx, rows, counts = self.moe.dispatch(self.ln2(x))
+        return (x, ctx), rows, counts
+
+    def combine(self, ctx: Any, out: Tensor) -> Tensor:
+        x, inner = ctx
+        return x + self.moe.combine(inner, out)
+
+
+def build_moe_gpt(cfg: GPTConfig, *, num_experts: int, top_k: int) -> nn.Sequential:
+    """:func:`~zerobubble.models.gpt.build_gpt`'s model with :class:`MoEGPTBlock` s:
+    ``[GPTEmbedding, MoEGPTBlock x n_layers, LayerNorm, Linear head]``, initialised as
+    it is (seeded by ``cfg.seed``); ``cfg.tie_embeddings`` is not supported."""
+    if cfg.tie_embeddings:
+        raise ValueError("build_moe_gpt: tie_embeddings=True is not supported; leave it False")
+    with torch.random.fork_rng(devices=[]):
+        embedding = GPTEmbedding(cfg)
+        blocks = [MoEGPTBlock(cfg, num_experts, top_k) for _ in range(cfg.n_layers)]
+        norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        model = nn.Sequential(embedding, *blocks, norm, head)
+        _init(model, cfg)
+    return model
 
 
 def shard_experts(module: nn.Module, ep: ExpertGroup) -> int:
