@@ -3,12 +3,10 @@ ranks bitwise against the single-process reference (:func:`ep_reference_step`).
 
 One 4-rank launch builds the pp=2 x dp=2 x ep=2 and pp=1 x dp=4 x ep=2 meshes (their
 groups), runs one step of zb-h1 and of zbv on the first (and of zbv with a MoE GPT) and
-one of 1f1b on the second
-(gradients after the reduction and losses against the reference; expert weight
-gradients deferred to W), and trains zb-h1 for two AdamW steps with clipping
-(parameters against the reference trained with ``clip_grad_norm_``). Two more launches
-resume pp=2 x ep=2 training from a checkpoint.
-"""
+one of 1f1b on the second (gradients after the reduction and losses against the
+reference; expert weight gradients deferred to W), and trains zb-h1 for two AdamW steps
+with clipping in each step mode (parameters against the reference trained with
+``clip_grad_norm_``). Two more launches resume pp=2 x ep=2 training from a checkpoint."""
 
 from __future__ import annotations
 
@@ -231,17 +229,22 @@ def run_ranks() -> dict:
     out["wide"] = one_step(wide, "1f1b")
     out["ep1"] = one_step(build_mesh(2, 2), "zb-h1")  # whole experts on every dp replica
     out["gpt"] = one_step(mesh, "zbv", gpt=True)
-    pipe = zerobubble.Pipeline(model(), mlp_loss, "zb-h1", microbatches=M, mesh=mesh)
-    opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
-    trainer = pipe.set_optimizer(opt, zerobubble.OptimConfig(max_norm=MAX_NORM))
-    for k in range(2):
-        x, y = parts(2, k)[mesh.dp_rank]
-        pipe.step(x, target=y)
-    pipe.drain()
-    out["train"] = {
-        "params": {n: p.detach().numpy().copy() for n, p in pipe.named_parameters()},
-        "norm": float(trainer.last_commit.total_norm),
-    }
+    for mode in ("sync", "conservative", "speculative"):
+        pipe = zerobubble.Pipeline(model(), mlp_loss, "zb-h1", microbatches=M, mesh=mesh)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
+        config = zerobubble.OptimConfig(mode=mode, max_norm=MAX_NORM)
+        trainer = pipe.set_optimizer(opt, config)
+        commits: list = []
+        trainer.on_commit = commits.append
+        for k in range(2):
+            x, y = parts(2, k)[mesh.dp_rank]
+            pipe.step(x, target=y)
+        pipe.drain()
+        out[f"train-{mode}"] = {
+            "params": {n: p.detach().numpy().copy() for n, p in pipe.named_parameters()},
+            "norm": float(trainer.last_commit.total_norm),
+            "commits": [str(c.action) for c in commits],
+        }
     # The whole model's state dict loads strictly: the other ep ranks' experts are known.
     other = build_moe_mlp(SIZES, hidden=16, num_experts=E, top_k=K, blocks=2, seed=1)
     pipe.load_state_dict(other.state_dict())
@@ -353,10 +356,13 @@ def test_pp2_ep2_matches_the_single_process_reference_bitwise():
     assert sorted(n for n in held if ".experts." in n) == experts  # each on one rank
     assert sorted(n for n in held if ".experts." not in n) == sorted(dense * 2)
     params, norm = reference_train()
-    for r in results:
-        assert r["train"]["norm"] == norm  # bitwise: clip_grad_norm_ over the whole model
-        for n, array in r["train"]["params"].items():
-            assert torch.equal(torch.from_numpy(array), params[n]), n
+    for mode in ("sync", "conservative", "speculative"):  # post-validation: the same steps
+        for r in results:
+            got = r[f"train-{mode}"]
+            assert got["commits"] == ["clip", "clip"], (mode, got["commits"])
+            assert got["norm"] == norm, mode  # bitwise: clip_grad_norm_ over the whole model
+            for n, array in got["params"].items():
+                assert torch.equal(torch.from_numpy(array), params[n]), (mode, n)
     assert norm > MAX_NORM
     for r in results:
         assert r["loaded"] == []

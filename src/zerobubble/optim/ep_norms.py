@@ -4,8 +4,10 @@ An ep rank holds only its experts, so its pipeline's norm vector would miss the
 other ep ranks' experts. The layout instead has a slot for every expert parameter of
 the whole model (:func:`expert_slots`: a run of local expert parameters stands for
 ``ep`` runs, ep rank 0's first, which is the order of the unsharded model's
-parameters); a rank fills its own slots, and before the pipeline's all-reduce the ep
-ranks sum their vectors (:meth:`ExpertNorms.merge`). That sum is exact: each slot is
+parameters); a rank fills its own slots, and the ep ranks sum these vectors
+(:meth:`ExpertNorms.merge`) before the pipeline's all-reduce, or under post-validation
+before the rank adds them to the prefix state it passes on (every ep peer then
+receives, holds and decides on the same state). That sum is exact: each slot is
 filled by one rank only (dense slots by ep rank 0; the others zero theirs), so every
 addition adds zeros. Expert gradients were already summed over ``edp`` by the
 reduction and are the same on every replica, so nothing is counted twice; the global

@@ -194,12 +194,6 @@ class PipelineTrainer:
         self.norm_params: Mapping[int, Sequence[Tensor | Remote]] = norm_params
         self._experts: ExpertNorms | None = None
         if mesh is not None and mesh.ep_group is not None:
-            if pv:
-                raise ValueError(
-                    f"rank {executor.rank}: post-validation ({self.config.mode.value}) with "
-                    f"expert parallelism (ep={mesh.ep_size}) is not supported; use the "
-                    "synchronous step (OptimConfig(mode='sync'))"
-                )
             self.norm_params = expert_slots(norm_params, mesh.ep_rank, mesh.ep_size)
         self.layout = ParamLayout.exchange(self.norm_params, executor.p2p)
         if mesh is not None and mesh.ep_group is not None:
@@ -275,9 +269,7 @@ class PipelineTrainer:
     def _sync_tail(self, k: int) -> None:
         with self._span("opt_reduce", k):
             vec = self.layout.new_vector()
-            self.layout.fill(vec, self.norm_params, self.config.norm_type, self._combine)
-            if self._experts is not None:
-                self._experts.merge(vec, k)
+            self._fill(vec, k)
             self.pipe.p2p.all_reduce(vec, f"all-reduce of iteration {k}'s gradient-norm state")
             total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
             action = decide(total, self.config)
@@ -295,7 +287,7 @@ class PipelineTrainer:
                 work = self.pipe.p2p.irecv(vec, d - 1, what, Channel.OPTIM)
                 self.pipe.p2p.wait(work, d - 1, what)
                 self._check(vec, StateKind.PREFIX, k, d - 1)
-            self.layout.fill(vec, self.norm_params, self.config.norm_type, self._combine)
+            self._fill(vec, k)
             flags = self.layout.flags
             if last:
                 total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
@@ -376,6 +368,17 @@ class PipelineTrainer:
         return replay
 
     # ---- shared pieces ------------------------------------------------------------------
+
+    def _fill(self, vec: Tensor, k: int) -> None:
+        """Add the norms of this rank's gradients (with ep: and of its ep peers' experts, a
+        collective over ep) into their slots of ``vec``, which holds none of them yet."""
+        if self._experts is None:
+            self.layout.fill(vec, self.norm_params, self.config.norm_type, self._combine)
+            return
+        own = self.layout.new_vector()
+        self.layout.fill(own, self.norm_params, self.config.norm_type, self._combine)
+        self._experts.merge(own, k)
+        vec.add_(own)  # exact: the slots are disjoint (zeros on one side)
 
     def _apply(self, action: Decision, total: Tensor, k: int) -> None:
         """The final action: skip, or (clip and) step."""
