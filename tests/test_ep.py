@@ -198,9 +198,10 @@ def groups(mesh) -> dict:
     }
 
 
-def one_step(mesh, kind: str, gpt: bool = False) -> dict:
+def one_step(mesh, kind: str, gpt: bool = False, recompute: str = "none") -> dict:
     layers, loss_fn = (moe_gpt(), gpt_loss) if gpt else (model(), mlp_loss)
-    pipe = zerobubble.Pipeline(layers, loss_fn, kind, microbatches=M, mesh=mesh)
+    options = zerobubble.ExecutorOptions(recompute=recompute)
+    pipe = zerobubble.Pipeline(layers, loss_fn, kind, microbatches=M, mesh=mesh, options=options)
     hooks = Deferral(pipe.executor)
     x, y = (gpt_parts if gpt else parts)(mesh.dp_size)[mesh.dp_rank]
     losses = pipe.executor.step(x, target=y, hooks=hooks)
@@ -229,6 +230,7 @@ def run_ranks() -> dict:
     out["wide"] = one_step(wide, "1f1b")
     out["ep1"] = one_step(build_mesh(2, 2), "zb-h1")  # whole experts on every dp replica
     out["gpt"] = one_step(mesh, "zbv", gpt=True)
+    out["recompute"] = one_step(mesh, "zb-h1", recompute="layers")  # B repeats the all-to-all
     for mode in ("sync", "conservative", "speculative"):
         pipe = zerobubble.Pipeline(model(), mlp_loss, "zb-h1", microbatches=M, mesh=mesh)
         opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
@@ -278,10 +280,10 @@ def test_pp2_ep2_matches_the_single_process_reference_bitwise():
     assert [g["ep"] for g in wide] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [g["edp"] for g in wide] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert [g["dp"] for g in wide] == [[0, 1, 2, 3]] * 4
-    split_experts = {"zb-h1": 0, "zbv": 0, "wide": 0}
+    split_experts = {"zb-h1": 0, "zbv": 0, "wide": 0, "recompute": 0}
     b_of_experts = dict(split_experts)
     first_b = dict(split_experts)
-    for key, dp in (("zb-h1", 2), ("zbv", 2), ("wide", 4)):
+    for key, dp in (("zb-h1", 2), ("zbv", 2), ("wide", 4), ("recompute", 2)):
         want_losses, want = ep_reference_step(model(), mlp_loss, parts(dp), M, 2)
         held: dict[str, int] = {}
         for g, r in enumerate(results):
@@ -319,14 +321,14 @@ def test_pp2_ep2_matches_the_single_process_reference_bitwise():
             expert = ".experts." in n
             assert count == (dp // 2 if expert else dp), (key, n)
         assert sum(".experts." in n for n in held) == 2 * E * 3  # 2 blocks, E experts, 3 Linears
-    # zb-h1: stage 1 (layers 2-3, one MoE block) is split on both replicas: 2 ranks x
-    # 4 local expert parameter sets... 2 experts x 3 Linears = 6 expert weights each.
-    # zbv: stages 1-3 split (layers 1-3), two MoE blocks on 2 replicas each.
-    assert split_experts == {"zb-h1": 12, "zbv": 24, "wide": 0}, split_experts
+    # Expert weights in split stages, over the ranks: a rank holds 2 experts x 3 Linears
+    # = 6 per MoE block. zb-h1: stage 1 (layers 2-3, one block) on pp rank 1 of both
+    # replicas (12); zbv: stages 1 and 2 (one block each) on pp rank 1 of both (24).
+    assert split_experts == {"zb-h1": 12, "zbv": 24, "wide": 0, "recompute": 12}, split_experts
     # zb-h1: stage 1's B of each microbatch on 2 replicas; zbv fuses some of the B/W
     # pairs of stages 1 and 2 into BW (the executor's fuse_local_backward), 5 Bs remain.
-    assert b_of_experts == {"zb-h1": 2 * M, "zbv": 2 * 5, "wide": 0}, b_of_experts
-    assert first_b == {"zb-h1": 2, "zbv": 2, "wide": 0}, first_b
+    assert b_of_experts == {"zb-h1": 2 * M, "zbv": 2 * 5, "wide": 0, "recompute": 2 * M}
+    assert first_b == {"zb-h1": 2, "zbv": 2, "wide": 0, "recompute": 2}, first_b
     # ep=1 on dp=2: every replica runs all experts on its own tokens, all gradients
     # summed over dp (2 ranks: g_0 + g_1), bitwise the reference played with ep=1
     want_losses, want = ep_reference_step(model(), mlp_loss, parts(2), M, 1)

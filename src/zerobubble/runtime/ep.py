@@ -15,11 +15,14 @@ experts), every other parameter over ``dp_group``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from zerobubble.runtime.mesh import PipelineMesh
 
 __all__ = [
     "AllToAll",
@@ -55,7 +58,7 @@ class ExpertGroup:
             )
 
     @classmethod
-    def of(cls, mesh: Any) -> ExpertGroup:
+    def of(cls, mesh: PipelineMesh) -> ExpertGroup:
         """The ep group of a :class:`~zerobubble.runtime.mesh.PipelineMesh`."""
         return cls(mesh.ep_group, mesh.ep_rank, mesh.ep_size)
 
