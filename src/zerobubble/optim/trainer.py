@@ -190,10 +190,10 @@ class PipelineTrainer:
         executor.set_protocol(Protocol.SPECULATIVE if self.config.speculative else Protocol.CHECKED)
         self.undo = make_undo(optimizer, self.config.rollback) if pv else None
         norm_params = self.stage_params if tied is None else tied.norm_params(self.stage_params)
-        mesh = executor.mesh
         self.norm_params: Mapping[int, Sequence[Tensor | Remote]] = norm_params
         self._experts: ExpertNorms | None = None
-        if mesh is not None and mesh.ep_group is not None:
+        mesh = executor.mesh
+        if mesh is not None and mesh.ep_group is not None:  # experts sharded: slots for all
             self.norm_params = expert_slots(norm_params, mesh.ep_rank, mesh.ep_size)
         self.layout = ParamLayout.exchange(self.norm_params, executor.p2p)
         if mesh is not None and mesh.ep_group is not None:
