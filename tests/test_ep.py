@@ -38,8 +38,15 @@ MAX_NORM = 0.05
 TIMEOUT = 240.0
 
 
-def model() -> torch.nn.Sequential:
-    return build_moe_mlp(SIZES, hidden=16, num_experts=E, top_k=K, blocks=2, seed=0)
+def model(skewed: bool = False) -> torch.nn.Sequential:
+    """The tiny MoE model; ``skewed``: the routers are zero, so every token goes to the same
+    two experts (ties), both on one ep rank: the other receives no rows."""
+    layers = build_moe_mlp(SIZES, hidden=16, num_experts=E, top_k=K, blocks=2, seed=0)
+    if skewed:
+        with torch.no_grad():
+            for block in (layers[1], layers[2]):
+                block.moe.router.weight.zero_()
+    return layers
 
 
 GPT = GPTConfig(vocab_size=32, max_seq_len=8, d_model=16, n_heads=2, n_layers=2, mlp_ratio=2)
@@ -106,21 +113,24 @@ def test_expert_group_and_shard_refuse_bad_sizes():
         MoE(8, 16, E, 5)
 
 
-def test_moe_at_ep1_is_a_dense_loop_over_experts_bitwise():
+@pytest.mark.parametrize("skewed", [False, True])
+def test_moe_at_ep1_is_a_dense_loop_over_experts_bitwise(skewed):
     """The block equals, bitwise, each expert run on its tokens' rows (token order, the
-    same per-expert shapes), weighted and summed per token; dropless: all N * k pairs."""
+    same per-expert shapes), weighted and summed per token. Dropless: all N * k pairs are
+    computed, even when the router sends every token to experts 0 and 1 (skewed)."""
     torch.manual_seed(0)
     moe = MoE(8, 16, E, K)
     x = torch.randn(5, 7, 8)
+    if skewed:
+        x = x.abs()
+        with torch.no_grad():
+            moe.router.weight.copy_(torch.tensor([1.0, 0.5, -1.0, -1.0]).unsqueeze(1))
     got = moe(x)
     tokens = x.reshape(-1, 8)
     weights, chosen = moe.route(tokens)
-    assert torch.equal(weights.sum(-1), torch.ones(35)) or torch.allclose(
-        weights.sum(-1), torch.ones(35), rtol=0, atol=1e-6
-    )
     _, _, counts = dispatch_order(chosen, E)
     assert counts.sum().item() == 35 * K  # dropless: every (token, k) pair is computed
-    assert counts.tolist() == [int((chosen == e).sum()) for e in range(E)]
+    assert counts.tolist() == ([35, 35, 0, 0] if skewed else [20, 17, 18, 15])
     per_pair = torch.empty(35, K, 8)
     for e in range(E):
         tok, slot = (chosen == e).nonzero(as_tuple=True)  # token order
@@ -198,8 +208,10 @@ def groups(mesh) -> dict:
     }
 
 
-def one_step(mesh, kind: str, gpt: bool = False, recompute: str = "none") -> dict:
-    layers, loss_fn = (moe_gpt(), gpt_loss) if gpt else (model(), mlp_loss)
+def one_step(
+    mesh, kind: str, gpt: bool = False, recompute: str = "none", skewed: bool = False
+) -> dict:
+    layers, loss_fn = (moe_gpt(), gpt_loss) if gpt else (model(skewed), mlp_loss)
     options = zerobubble.ExecutorOptions(recompute=recompute)
     pipe = zerobubble.Pipeline(layers, loss_fn, kind, microbatches=M, mesh=mesh, options=options)
     hooks = Deferral(pipe.executor)
@@ -231,6 +243,7 @@ def run_ranks() -> dict:
     out["ep1"] = one_step(build_mesh(2, 2), "zb-h1")  # whole experts on every dp replica
     out["gpt"] = one_step(mesh, "zbv", gpt=True)
     out["recompute"] = one_step(mesh, "zb-h1", recompute="layers")  # B repeats the all-to-all
+    out["skewed"] = one_step(mesh, "zb-h1", skewed=True)
     for mode in ("sync", "conservative", "speculative"):
         pipe = zerobubble.Pipeline(model(), mlp_loss, "zb-h1", microbatches=M, mesh=mesh)
         opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
@@ -280,11 +293,15 @@ def test_pp2_ep2_matches_the_single_process_reference_bitwise():
     assert [g["ep"] for g in wide] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [g["edp"] for g in wide] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert [g["dp"] for g in wide] == [[0, 1, 2, 3]] * 4
-    split_experts = {"zb-h1": 0, "zbv": 0, "wide": 0, "recompute": 0}
+    split_experts = {"zb-h1": 0, "zbv": 0, "wide": 0, "recompute": 0, "skewed": 0}
     b_of_experts = dict(split_experts)
     first_b = dict(split_experts)
-    for key, dp in (("zb-h1", 2), ("zbv", 2), ("wide", 4), ("recompute", 2)):
-        want_losses, want = ep_reference_step(model(), mlp_loss, parts(dp), M, 2)
+    # skewed: all tokens of both blocks go to experts 2 and 3 (ep rank 1's; topk's ties)
+    _, chosen = model(skewed=True)[1].moe.route(torch.randn(10, SIZES[1]))
+    assert chosen.sort(-1).values.tolist() == [[2, 3]] * 10
+    for key, dp in (("zb-h1", 2), ("zbv", 2), ("wide", 4), ("recompute", 2), ("skewed", 2)):
+        skewed = key == "skewed"
+        want_losses, want = ep_reference_step(model(skewed), mlp_loss, parts(dp), M, 2)
         held: dict[str, int] = {}
         for g, r in enumerate(results):
             got = r[key]
@@ -324,11 +341,13 @@ def test_pp2_ep2_matches_the_single_process_reference_bitwise():
     # Expert weights in split stages, over the ranks: a rank holds 2 experts x 3 Linears
     # = 6 per MoE block. zb-h1: stage 1 (layers 2-3, one block) on pp rank 1 of both
     # replicas (12); zbv: stages 1 and 2 (one block each) on pp rank 1 of both (24).
-    assert split_experts == {"zb-h1": 12, "zbv": 24, "wide": 0, "recompute": 12}, split_experts
+    assert split_experts == {"zb-h1": 12, "zbv": 24, "wide": 0, "recompute": 12, "skewed": 12}
     # zb-h1: stage 1's B of each microbatch on 2 replicas; zbv fuses some of the B/W
     # pairs of stages 1 and 2 into BW (the executor's fuse_local_backward), 5 Bs remain.
-    assert b_of_experts == {"zb-h1": 2 * M, "zbv": 2 * 5, "wide": 0, "recompute": 2 * M}
-    assert first_b == {"zb-h1": 2, "zbv": 2, "wide": 0, "recompute": 2}, first_b
+    assert b_of_experts == {"zb-h1": 2 * M, "zbv": 2 * 5, "wide": 0, "recompute": 2 * M} | {
+        "skewed": 2 * M
+    }
+    assert first_b == {"zb-h1": 2, "zbv": 2, "wide": 0, "recompute": 2, "skewed": 2}, first_b
     # ep=1 on dp=2: every replica runs all experts on its own tokens, all gradients
     # summed over dp (2 ranks: g_0 + g_1), bitwise the reference played with ep=1
     want_losses, want = ep_reference_step(model(), mlp_loss, parts(2), M, 1)
