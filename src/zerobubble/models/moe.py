@@ -163,7 +163,11 @@ class MoE(ExpertLayer):
 
     def route(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """Routing weights and chosen experts, both ``(N, k)``."""
-        probs = self.router(tokens).softmax(-1)
+        return self.select(self.router(tokens).softmax(-1))
+
+    def select(self, probs: Tensor) -> tuple[Tensor, Tensor]:
+        """The top-k of routing probabilities ``(N, E)``: weights (renormalised with
+        ``normalize``) and chosen experts, both ``(N, k)``."""
         weights, chosen = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -171,7 +175,8 @@ class MoE(ExpertLayer):
 
     def dispatch(self, x: Tensor) -> tuple[Any, Tensor, Tensor]:
         tokens = x.reshape(-1, x.shape[-1])
-        weights, chosen = self.route(tokens)
+        probs = self.router(tokens).softmax(-1)
+        weights, chosen = self.select(probs)  # router losses would read probs and chosen here
         order, token_of, counts = dispatch_order(chosen, self.num_experts)
         return (x.shape, weights, order), tokens[token_of], counts
 
