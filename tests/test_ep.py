@@ -6,9 +6,12 @@ groups), runs one step of zb-h1 and of zbv on the first (and of zbv with a MoE G
 one of 1f1b on the second (gradients after the reduction and losses against the
 reference; expert weight gradients deferred to W), and trains zb-h1 for two AdamW steps
 with clipping in each step mode (parameters against the reference trained with
-``clip_grad_norm_``). Two more launches resume pp=2 x ep=2 training from a checkpoint."""
+``clip_grad_norm_``). Two more launches resume pp=2 x ep=2 training from a checkpoint;
+a 2-rank one kills an ep peer at the all-to-all: the survivor names it."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -27,7 +30,7 @@ from zerobubble.optim.checkpoint import load_checkpoint, save_checkpoint
 from zerobubble.runtime.ep import ExpertGroup, is_expert
 from zerobubble.runtime.ep_reference import ep_reference_step
 from zerobubble.runtime.hooks import StepHooks
-from zerobubble.runtime.launcher import init_distributed
+from zerobubble.runtime.launcher import LaunchError, init_distributed
 from zerobubble.runtime.mesh import ParallelSpec, build_mesh
 from zerobubble.runtime.split import split_share
 from zerobubble.schedule.ir import Action, Op
@@ -427,3 +430,32 @@ def test_pp2_ep2_resumes_from_a_checkpoint_bitwise(tmp_path):
         assert a.keys() == b.keys()
         for n in a:
             assert a[n] == b[n], (rank, n)
+
+
+# ---- an ep peer that dies --------------------------------------------------------------------
+
+
+def die_at_the_all_to_all() -> None:
+    """pp=1 x dp=2 x ep=2: rank 1 exits where its first MoE layer would exchange tokens."""
+    init_distributed()
+    mesh = build_mesh(1, 2, ep=2)
+    options = zerobubble.ExecutorOptions(comm_timeout_s=30.0)
+    pipe = zerobubble.Pipeline(
+        model(), mlp_loss, "1f1b", microbatches=M, mesh=mesh, options=options
+    )
+    if mesh.ep_rank == 1:
+        for m in pipe.executor.chunks[0].module.modules():
+            if isinstance(m, MoE):
+                m.exchange = lambda rows, counts: os._exit(3)
+    x, y = parts(2)[mesh.dp_rank]
+    pipe.step(x, target=y)
+
+
+def test_an_ep_peer_that_dies_is_named():
+    with pytest.raises(LaunchError) as info:
+        launch(die_at_the_all_to_all, 2, timeout=TIMEOUT, grace=40.0)
+    failures = {f.rank: f for f in info.value.failures}
+    assert info.value.failures[0].rank == 1 and failures[1].exitcode == 3
+    err = failures[0].error
+    assert "PeerError: rank 0: all-to-all of the per-expert token counts over dim 'ep'" in err, err
+    assert "in the collective over ranks [0, 1]" in err, err

@@ -172,8 +172,9 @@ class Pipeline:
             copy_layers=copy_layers,
         )
         if mesh is not None and mesh.ep_size > 1:  # this rank keeps its experts
+            timeout_s = (options or ExecutorOptions()).comm_timeout_s
             for m in stages.values():
-                shard_experts(m, ExpertGroup.of(mesh))
+                shard_experts(m, ExpertGroup.of(mesh, timeout_s))
         bounds = stage_bounds(len(keys), schedule.num_stages, boundaries)
         shared = self.shared = find_shared(layers, keys, bounds)
         tied = [tp.name for tp in shared if len(tp.local) > 1]

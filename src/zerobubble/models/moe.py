@@ -189,8 +189,8 @@ class MoE(ExpertLayer):
         received = exchange_counts(counts, ep)
         send = counts.view(ep.size, -1).sum(1).tolist()
         recv = received.sum(1).tolist()
-        got = all_to_all(rows, recv, send, ep.group)
-        return all_to_all(run_experts(experts, got, received), send, recv, ep.group)
+        got = all_to_all(rows, recv, send, ep)
+        return all_to_all(run_experts(experts, got, received), send, recv, ep)
 
     def combine(self, ctx: Any, out: Tensor) -> Tensor:
         shape, weights, order = ctx

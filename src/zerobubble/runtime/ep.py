@@ -7,6 +7,10 @@ synchronous form) waits on it at once. An overlapping runtime would start the
 dispatch of one microbatch and wait for it while another computes: the split is
 already there.
 
+Every wait is bounded by the pipeline's comm timeout (:meth:`ExpertGroup.wait`): an ep
+peer that dies or stalls becomes a :class:`~zerobubble.runtime.comm.PeerError` naming
+the all-to-all, dim ``ep`` and the group's ranks.
+
 Which group a gradient is summed over is decided here, once (:func:`is_expert`):
 expert parameters over the mesh's ``edp_group`` (the dp ranks holding the same
 experts), every other parameter over ``dp_group``.
@@ -14,12 +18,16 @@ experts), every other parameter over ``dp_group``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from zerobubble.runtime.comm import PeerError
 
 if TYPE_CHECKING:
     from zerobubble.runtime.mesh import PipelineMesh
@@ -49,6 +57,9 @@ class ExpertGroup:
     group: dist.ProcessGroup | None = None
     rank: int = 0
     size: int = 1
+    timeout_s: float | None = None
+    """Longest an all-to-all may block (None: the process group's own timeout); past it,
+    or when a peer dies, a :class:`~zerobubble.runtime.comm.PeerError` names the ep ranks."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size or (self.size > 1 and self.group is None):
@@ -58,9 +69,26 @@ class ExpertGroup:
             )
 
     @classmethod
-    def of(cls, mesh: PipelineMesh) -> ExpertGroup:
+    def of(cls, mesh: PipelineMesh, timeout_s: float | None = None) -> ExpertGroup:
         """The ep group of a :class:`~zerobubble.runtime.mesh.PipelineMesh`."""
-        return cls(mesh.ep_group, mesh.ep_rank, mesh.ep_size)
+        return cls(mesh.ep_group, mesh.ep_rank, mesh.ep_size, timeout_s)
+
+    def wait(self, work: dist.Work, what: str) -> None:
+        """Wait for ``work`` (a collective over this group), bounded by ``timeout_s``."""
+        if self.timeout_s is None:
+            work.wait()
+            return
+        start = time.monotonic()
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except Exception as e:
+            took = time.monotonic() - start
+            if took >= 0.99 * self.timeout_s:
+                why = f"no completion within the comm timeout of {self.timeout_s:g}s"
+            else:
+                why = f"the transport failed after {took:.1f}s (an ep peer died?)"
+            ranks = tuple(dist.get_process_group_ranks(self.group))
+            raise PeerError(dist.get_rank(), None, what, f"{why}: {e}", group=ranks) from e
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ExpertGroup:
         return self
@@ -87,7 +115,9 @@ def exchange_counts(counts: Tensor, group: ExpertGroup) -> Tensor:
     """Per-expert row counts (``E``, in global expert order) sent to the experts' owners:
     returns ``(ep, E / ep)``, row ``src`` the counts rank ``src`` sends for each local expert."""
     out = torch.empty_like(counts)
-    dist.all_to_all_single(out, counts.contiguous(), group=group.group)
+    work = dist.all_to_all_single(out, counts.contiguous(), group=group.group, async_op=True)
+    assert work is not None
+    group.wait(work, "all-to-all of the per-expert token counts over dim 'ep'")
     return out.view(group.size, -1)
 
 
@@ -109,27 +139,23 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
-        x: Tensor,
-        out_splits: list[int],
-        in_splits: list[int],
-        group: dist.ProcessGroup | None,
+        ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int], group: ExpertGroup
     ) -> Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        out, work = start_all_to_all(x, out_splits, in_splits, group)
-        work.wait()
+        out, work = start_all_to_all(x, out_splits, in_splits, group.group)
+        group.wait(work, "all-to-all of the routed tokens over dim 'ep'")
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         out_splits, in_splits = ctx.splits
-        back, work = start_all_to_all(grad, in_splits, out_splits, ctx.group)
-        work.wait()
+        back, work = start_all_to_all(grad, in_splits, out_splits, ctx.group.group)
+        ctx.group.wait(work, "reverse all-to-all of the routed tokens' gradients over dim 'ep'")
         return back, None, None, None
 
 
 def all_to_all(
-    x: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None
+    x: Tensor, out_splits: list[int], in_splits: list[int], group: ExpertGroup
 ) -> Tensor:
     """:class:`AllToAll` applied (synchronous, differentiable)."""
     out = AllToAll.apply(x, out_splits, in_splits, group)
