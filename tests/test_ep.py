@@ -142,19 +142,29 @@ def test_moe_at_ep1_is_a_dense_loop_over_experts_bitwise(skewed):
     assert torch.equal(got, want)  # bitwise against the dense loop
 
 
-def test_run_experts_groups_rows_by_expert_in_source_order():
-    """Received rows (2 sources x 2 local experts) reach each expert as one block, source 0's
+@pytest.mark.parametrize(
+    ("counts", "want"),
+    [
+        # src 0: e0 [0], e1 [1, 2]; src 1: e0 [3, 4], e1 [5, 6]
+        ([[1, 2], [2, 2]], [[0, 3, 4], [1, 2, 5, 6]]),
+        # src 0: e1 [0, 1], e2 [2]; src 1: e0 [3, 4, 5]; src 2: e0 [6], e1 [7]
+        ([[0, 2, 1], [3, 0, 0], [1, 1, 0]], [[3, 4, 5, 6], [0, 1, 7], [2]]),
+    ],
+)
+def test_run_experts_groups_rows_by_expert_in_source_order(counts, want):
+    """Received rows (sources x local experts) reach each expert as one block, source 0's
     rows first; the outputs come back in the received layout."""
-    seen: list[torch.Tensor] = []
+    seen: list[list[float]] = []
 
     class Record(torch.nn.Module):
         def forward(self, x):
-            seen.append(x.clone())
+            seen.append(x.squeeze(1).tolist())
             return x * 10
 
-    rows = torch.arange(7.0).unsqueeze(1)  # src 0: e0 [0], e1 [1, 2]; src 1: e0 [3, 4], e1 [5, 6]
-    out = run_experts([Record(), Record()], rows, torch.tensor([[1, 2], [2, 2]]))
-    assert [s.squeeze(1).tolist() for s in seen] == [[0.0, 3.0, 4.0], [1.0, 2.0, 5.0, 6.0]]
+    table = torch.tensor(counts)
+    rows = torch.arange(float(table.sum())).unsqueeze(1)
+    out = run_experts([Record() for _ in counts[0]], rows, table)
+    assert seen == [[float(r) for r in rows_e] for rows_e in want]
     assert torch.equal(out, rows * 10)
 
 

@@ -80,20 +80,16 @@ def run_experts(experts: Sequence[nn.Module], rows: Tensor, counts: Tensor) -> T
     sources concatenated in source order.
     """
     sources, local = counts.shape
-    sizes = counts.reshape(-1).tolist()
     if sources == 1:  # already grouped by expert
-        outs = [e(x) for e, x in zip(experts, rows.split(sizes), strict=True)]
+        outs = [e(x) for e, x in zip(experts, rows.split(counts[0].tolist()), strict=True)]
         return torch.cat(outs) if outs else rows
-    starts = [0]
-    for n in sizes:
-        starts.append(starts[-1] + n)
-    perm = torch.cat(
-        [
-            torch.arange(starts[s * local + e], starts[s * local + e + 1])
-            for e in range(local)
-            for s in range(sources)
-        ]
-    ).to(rows.device)
+    # perm: the received rows regrouped expert-major (source order inside an expert)
+    flat = counts.reshape(-1)
+    starts = flat.cumsum(0) - flat  # of each (source, expert) block in the received rows
+    lengths = counts.t().reshape(-1)  # the blocks in expert-major order
+    moved = starts.view(sources, local).t().reshape(-1) - (lengths.cumsum(0) - lengths)
+    perm = torch.arange(len(rows), device=counts.device)
+    perm = (perm + moved.repeat_interleave(lengths)).to(rows.device)
     per_expert = counts.sum(0).tolist()
     grouped = rows[perm].split(per_expert)
     out = torch.cat([e(x) for e, x in zip(experts, grouped, strict=True)])
