@@ -116,6 +116,7 @@ def test_expert_group_and_shard_refuse_bad_sizes():
         MoE(8, 16, E, 5)
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("skewed", [False, True])
 def test_moe_at_ep1_is_a_dense_loop_over_experts_bitwise(skewed):
     """The block equals, bitwise, each expert run on its tokens' rows (token order, the
@@ -168,6 +169,7 @@ def test_run_experts_groups_rows_by_expert_in_source_order(counts, want):
     assert torch.equal(out, rows * 10)
 
 
+@pytest.mark.bitwise
 def test_ep_reference_at_ep1_is_the_dp_reference_order():
     """With ep=1 and one replica the reference is plain per-microbatch autograd."""
     ref = model()
@@ -430,6 +432,7 @@ def resume_job(root: str, resume: bool) -> dict:
     }
 
 
+@pytest.mark.bitwise
 def test_pp2_ep2_resumes_from_a_checkpoint_bitwise(tmp_path):
     """Each ep rank's experts are saved under their global names and come back to the
     same rank: the resumed run's parameters and AdamW state equal the uninterrupted run's."""
