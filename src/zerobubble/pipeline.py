@@ -21,9 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from zerobubble.models.moe import shard_experts
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.trainer import PipelineTrainer, stage_kwargs
 from zerobubble.runtime.chunk import LossFn, StageChunk
+from zerobubble.runtime.ep import ExpertGroup
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.mesh import PipelineMesh, pipeline_group
 from zerobubble.runtime.microbatch import CountFn
@@ -87,7 +89,10 @@ class Pipeline:
             parameters, gradients and optimizer state over ``dp`` with FSDP2
             (:mod:`~zerobubble.runtime.fsdp`): gathered from the stage's first F to its
             last W of each step, gradients reduce-scattered (summed) after that W,
-            instead of the reduction of whole gradients.
+            instead of the reduction of whole gradients. A mesh with ``ep > 1`` shards
+            every :class:`~zerobubble.models.moe.MoE` layer's experts over its ep group
+            (:func:`~zerobubble.models.moe.shard_experts`): this rank keeps its experts,
+            whose gradients are summed over ``mesh.edp_group``.
 
     A parameter the model uses in several layers stays one parameter: layers of
     a stage share it; stages share it as a tie whose replicas take one summed
@@ -166,6 +171,10 @@ class Pipeline:
             device=device,
             copy_layers=copy_layers,
         )
+        if mesh is not None and mesh.ep_size > 1:  # this rank keeps its experts
+            timeout_s = (options or ExecutorOptions()).comm_timeout_s
+            for m in stages.values():
+                shard_experts(m, ExpertGroup.of(mesh, timeout_s))
         bounds = stage_bounds(len(keys), schedule.num_stages, boundaries)
         shared = self.shared = find_shared(layers, keys, bounds)
         tied = [tp.name for tp in shared if len(tp.local) > 1]
@@ -212,6 +221,14 @@ class Pipeline:
             for s, names in part.items():
                 for name in names:
                     self._holder.setdefault(name, (s, d))
+        if mesh is not None and mesh.ep_group is not None:
+            # The other ep ranks' experts belong to the model too (held there, same stages).
+            peers: list[dict[str, tuple[int, int]] | None] = [None] * mesh.ep_size
+            dist.all_gather_object(peers, self._holder, group=mesh.ep_group)
+            for held in peers:
+                assert held is not None
+                for name, where in held.items():
+                    self._holder.setdefault(name, where)
 
     def _executor(self, schedule: Schedule, options: ExecutorOptions | None) -> PipelineExecutor:
         """An executor of ``schedule`` on the stages, on the chunks made so far where their

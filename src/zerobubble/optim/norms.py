@@ -65,6 +65,15 @@ class Decision(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class Remote:
+    """A slot of a parameter another rank of this pipeline rank holds (an expert of
+    another ep rank, :mod:`~zerobubble.optim.ep_norms`): :meth:`ParamLayout.fill`
+    leaves it unseen for that rank to fill."""
+
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class ParamLayout:
     """Slots of every parameter of the model, in model order (stage by stage).
 
@@ -90,7 +99,9 @@ class ParamLayout:
         return 2 * self.size
 
     @classmethod
-    def exchange(cls, stage_params: Mapping[int, Sequence[Tensor]], p2p: P2P) -> ParamLayout:
+    def exchange(
+        cls, stage_params: Mapping[int, Sequence[Tensor | Remote]], p2p: P2P
+    ) -> ParamLayout:
         """Agree on the layout with every rank (a bounded collective: all ranks call it)."""
         mine: list[int] = []
         for s, ps in stage_params.items():
@@ -136,7 +147,7 @@ class ParamLayout:
     def fill(
         self,
         vec: Tensor,
-        stage_params: Mapping[int, Sequence[Tensor]],
+        stage_params: Mapping[int, Sequence[Tensor | Remote]],
         norm_type: float,
         combine: Callable[[Sequence[Tensor], float], list[Tensor]] | None = None,
     ) -> None:
@@ -150,6 +161,8 @@ class ParamLayout:
         for s, params in stage_params.items():
             for i, p in enumerate(params):
                 slot = self.first[s] + i
+                if isinstance(p, Remote):
+                    continue
                 if p.grad is None:
                     vec[self.size + slot] = ABSENT
                 else:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,12 +48,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from zerobubble.optim.config import OptimConfig
+from zerobubble.optim.ep_norms import ExpertNorms, expert_slots
 from zerobubble.optim.faults import CrashPoint, FaultPlan
 from zerobubble.optim.norms import (
     FLAG_DEFERRED,
     FLAG_REPLAY,
     Decision,
     ParamLayout,
+    Remote,
     StateKind,
     decide,
     may_step_early,
@@ -187,10 +189,17 @@ class PipelineTrainer:
         self._combine = None if sharding is None else sharding.combine_norms
         executor.set_protocol(Protocol.SPECULATIVE if self.config.speculative else Protocol.CHECKED)
         self.undo = make_undo(optimizer, self.config.rollback) if pv else None
-        self.norm_params = (
-            self.stage_params if tied is None else tied.norm_params(self.stage_params)
-        )
+        norm_params = self.stage_params if tied is None else tied.norm_params(self.stage_params)
+        self.norm_params: Mapping[int, Sequence[Tensor | Remote]] = norm_params
+        self._experts: ExpertNorms | None = None
+        mesh = executor.mesh
+        if mesh is not None and mesh.ep_group is not None:  # experts sharded: slots for all
+            self.norm_params = expert_slots(norm_params, mesh.ep_rank, mesh.ep_size)
         self.layout = ParamLayout.exchange(self.norm_params, executor.p2p)
+        if mesh is not None and mesh.ep_group is not None:
+            self._experts = ExpertNorms(
+                self.layout, self.norm_params, mesh.ep_rank, mesh.ep_group, executor.p2p
+            )
         self.versions = RankVersions(speculative=self.config.speculative)
         self.rank, self.world = executor.rank, executor.schedule.num_devices
         self.last_commit: Commit | None = None
@@ -260,7 +269,7 @@ class PipelineTrainer:
     def _sync_tail(self, k: int) -> None:
         with self._span("opt_reduce", k):
             vec = self.layout.new_vector()
-            self.layout.fill(vec, self.norm_params, self.config.norm_type, self._combine)
+            self._fill(vec, k)
             self.pipe.p2p.all_reduce(vec, f"all-reduce of iteration {k}'s gradient-norm state")
             total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
             action = decide(total, self.config)
@@ -278,7 +287,7 @@ class PipelineTrainer:
                 work = self.pipe.p2p.irecv(vec, d - 1, what, Channel.OPTIM)
                 self.pipe.p2p.wait(work, d - 1, what)
                 self._check(vec, StateKind.PREFIX, k, d - 1)
-            self.layout.fill(vec, self.norm_params, self.config.norm_type, self._combine)
+            self._fill(vec, k)
             flags = self.layout.flags
             if last:
                 total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
@@ -359,6 +368,17 @@ class PipelineTrainer:
         return replay
 
     # ---- shared pieces ------------------------------------------------------------------
+
+    def _fill(self, vec: Tensor, k: int) -> None:
+        """Add the norms of this rank's gradients (with ep: and of its ep peers' experts, a
+        collective over ep) into their slots of ``vec``, which holds none of them yet."""
+        if self._experts is None:
+            self.layout.fill(vec, self.norm_params, self.config.norm_type, self._combine)
+            return
+        own = self.layout.new_vector()
+        self.layout.fill(own, self.norm_params, self.config.norm_type, self._combine)
+        self._experts.merge(own, k)
+        vec.add_(own)  # exact: the slots are disjoint (zeros on one side)
 
     def _apply(self, action: Decision, total: Tensor, k: int) -> None:
         """The final action: skip, or (clip and) step."""

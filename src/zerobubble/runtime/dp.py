@@ -15,6 +15,10 @@ replicas' gradients in rank order. With more, gloo's ring algorithm adds the
 still identical on every replica, and differs from the rank-order sum by at most
 ``(dp - 1) * eps * sum_r |g_r|`` per element (``eps`` the dtype's unit roundoff).
 
+With expert parallelism (a mesh with ``ep > 1``) expert parameters
+(:func:`~zerobubble.runtime.ep.is_expert`) are summed over the ``edp_group`` (the
+replicas holding the same experts) instead, and not at all when it has one rank.
+
 Every replica must have gradients for the same parameters of a stage (same
 model, same step), so the buckets agree in size; a replica that dies or stalls
 turns into a :class:`~zerobubble.runtime.comm.PeerError` naming this rank, the
@@ -33,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from zerobubble.runtime.comm import P2P, PeerError
+from zerobubble.runtime.ep import is_expert
 from zerobubble.runtime.progress import Progress
 
 __all__ = ["GradReducer", "sum_over_dp"]
@@ -41,6 +46,7 @@ __all__ = ["GradReducer", "sum_over_dp"]
 @dataclass
 class _Bucket:
     stage: int
+    expert: bool
     flat: Tensor
     grads: list[Tensor]
     work: dist.Work
@@ -53,6 +59,8 @@ class GradReducer:
         group: The dp group (this rank's data-parallel replicas).
         stage_params: ``stage -> parameters`` of this rank, in model order.
         timeout_s: Longest the wait for one stage's reduction may block.
+        expert_group: The group expert parameters are summed over (the mesh's
+            ``edp_group``); None: they are not reduced (each rank holds its experts alone).
     """
 
     def __init__(
@@ -60,36 +68,47 @@ class GradReducer:
         group: dist.ProcessGroup,
         stage_params: Mapping[int, Sequence[nn.Parameter]],
         timeout_s: float,
+        expert_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.group = group
+        self.expert_group = expert_group
         self.stage_params = {s: list(ps) for s, ps in stage_params.items()}
         self.timeout_s = timeout_s
         self.rank = dist.get_rank()
         self.ranks = tuple(dist.get_process_group_ranks(group))
+        self.expert_ranks = (
+            () if expert_group is None else tuple(dist.get_process_group_ranks(expert_group))
+        )
         self.progress = Progress.from_env(self.rank)
         self._in_flight: list[_Bucket] = []
 
     def launch(self, stage: int, iteration: int) -> None:
         """Start summing ``stage``'s gradients over dp (one bucket per dtype)."""
-        grads = [p.grad for p in self.stage_params[stage] if p.grad is not None]
-        by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault((g.dtype, g.device), []).append(g)
-        for gs in by_dtype.values():
+        by_dtype: dict[tuple[bool, torch.dtype, torch.device], list[Tensor]] = {}
+        for p in self.stage_params[stage]:
+            g = p.grad
+            expert = is_expert(p)
+            if g is None or (expert and self.expert_group is None):
+                continue
+            by_dtype.setdefault((expert, g.dtype, g.device), []).append(g)
+        for (expert, _, _), gs in by_dtype.items():
             flat = torch.cat([g.reshape(-1) for g in gs])
-            what = self._what(stage, iteration)
+            what = self._what(stage, iteration, expert)
+            group = self.expert_group if expert else self.group
+            ranks = self.expert_ranks if expert else self.ranks
             try:
-                work = dist.all_reduce(flat, group=self.group, async_op=True)
+                work = dist.all_reduce(flat, group=group, async_op=True)
             except Exception as e:
-                raise PeerError(self.rank, None, what, str(e), group=self.ranks) from e
+                raise PeerError(self.rank, None, what, str(e), group=ranks) from e
             assert work is not None
-            self._in_flight.append(_Bucket(stage, flat, gs, work))
+            self._in_flight.append(_Bucket(stage, expert, flat, gs, work))
 
     def wait(self, iteration: int) -> None:
         """Wait for every launched reduction and write the sums back into ``.grad``."""
         buckets, self._in_flight = self._in_flight, []
         for b in buckets:
-            what = self._what(b.stage, iteration)
+            what = self._what(b.stage, iteration, b.expert)
+            ranks = self.expert_ranks if b.expert else self.ranks
             start = time.monotonic()
             self.progress.waiting(None)
             try:
@@ -100,7 +119,7 @@ class GradReducer:
                     why = f"no completion within the comm timeout of {self.timeout_s:g}s"
                 else:
                     why = f"the transport failed after {took:.1f}s (a dp replica died?)"
-                raise PeerError(self.rank, None, what, f"{why}: {e}", group=self.ranks) from e
+                raise PeerError(self.rank, None, what, f"{why}: {e}", group=ranks) from e
             self.progress.running()
             offset = 0
             for g in b.grads:
@@ -108,7 +127,12 @@ class GradReducer:
                 g.copy_(b.flat[offset : offset + n].view_as(g))
                 offset += n
 
-    def _what(self, stage: int, iteration: int) -> str:
+    def _what(self, stage: int, iteration: int, expert: bool = False) -> str:
+        if expert:
+            return (
+                f"all-reduce of stage {stage}'s expert gradients over dim 'edp' (mesh edp "
+                f"group, iteration {iteration})"
+            )
         return (
             f"all-reduce of stage {stage}'s gradients over dim 'dp' (mesh dp group, "
             f"iteration {iteration})"

@@ -203,7 +203,9 @@ class PipelineExecutor:
         if mesh is not None and self.plan.grad_sync.reduces:
             assert mesh.dp_group is not None  # a ParallelSpec with dp > 1
             params = {s: list(c.module.parameters()) for s, c in self.chunks.items()}
-            self.reducer = GradReducer(mesh.dp_group, params, opts.comm_timeout_s)
+            self.reducer = GradReducer(
+                mesh.dp_group, params, opts.comm_timeout_s, expert_group=mesh.edp_group
+            )
         self.p2p = pipeline_p2p(
             self.programs,
             group,

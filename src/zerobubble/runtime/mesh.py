@@ -2,8 +2,9 @@
 
 Named dims ``pp`` (outermost) and ``dp``; how the dp replicas share a stage's
 parameters (replicated with a gradient all-reduce, or sharded with FSDP2) is part
-of the spec, not a separate flag. Expert, tensor and context parallelism would
-enter the spec as dims of their own (``ep`` inside ``dp``, ``tp`` innermost).
+of the spec, not a separate flag. Expert parallelism (``ep``) shards a MoE layer's
+experts over ``ep`` consecutive dp ranks (inside ``dp``, as torchtitan and Megatron
+do); tensor and context parallelism would enter as dims of their own (``tp`` innermost).
 
 A job of ``pp * dp`` ranks runs ``dp`` copies of one pipeline. Global rank
 ``pp_rank * dp + dp_rank`` (``pp`` outermost, as torchtitan lays it out): a
@@ -12,12 +13,26 @@ same node, so the gradient all-reduce stays inside a node and only pipeline hops
 cross nodes. The executor, the optimizer's norm messages and the tie groups run
 on :attr:`PipelineMesh.pp_group`; the gradient reduction runs on
 :attr:`PipelineMesh.dp_group`. A ``tp`` dim would go innermost.
+
+With ``ep > 1`` the dp rank splits as ``dp_rank = edp_rank * ep + ep_rank``: the
+``ep`` consecutive dp ranks of one pipeline rank form its :attr:`PipelineMesh.ep_group`
+(they hold different experts and exchange tokens with all-to-all), and the dp ranks
+with the same ep rank form its :attr:`PipelineMesh.edp_group` (size ``dp / ep``: they
+hold the same experts, whose gradients are summed over it; dense gradients still sum
+over the whole ``dp_group``). pp=2 x dp=4 x ep=2::
+
+    global rank   0 1 2 3 | 4 5 6 7
+    pp rank       0 0 0 0 | 1 1 1 1
+    dp rank       0 1 2 3 | 0 1 2 3
+    ep rank       0 1 0 1 | 0 1 0 1     ep groups  [0,1] [2,3] [4,5] [6,7]
+    edp rank      0 0 1 1 | 0 0 1 1     edp groups [0,2] [1,3] [4,6] [5,7]
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -39,10 +54,26 @@ class ParallelSpec:
     """Shard every stage's parameters, gradients and optimizer state over ``dp`` with FSDP2
     (:mod:`~zerobubble.runtime.fsdp`) instead of replicating them and all-reducing whole
     gradients. Needs ``dp >= 2``."""
+    ep: int = 1
+    """Expert-parallel ranks: each MoE layer's experts are sharded over ``ep`` consecutive
+    dp ranks (``dp % ep == 0``); the ``dp / ep`` ranks holding the same experts sum their
+    gradients."""
 
     def __post_init__(self) -> None:
-        if self.pp < 1 or self.dp < 1:
-            raise ValueError(f"mesh sizes must be >= 1, got pp={self.pp}, dp={self.dp}")
+        if self.pp < 1 or self.dp < 1 or self.ep < 1:
+            raise ValueError(
+                f"mesh sizes must be >= 1, got pp={self.pp}, dp={self.dp}, ep={self.ep}"
+            )
+        if self.dp % self.ep:
+            raise ValueError(
+                f"ep={self.ep} must divide dp={self.dp} (experts are sharded over ep ranks "
+                f"inside the data-parallel ranks); choose dp as a multiple of ep"
+            )
+        if self.fsdp and self.ep > 1:
+            raise ValueError(
+                f"fsdp=True with ep={self.ep} is not supported (expert parameters would need "
+                "their own shard group); use ep=1 with fsdp, or fsdp=False with ep"
+            )
         if self.fsdp and self.dp < 2:
             raise ValueError(
                 f"fsdp=True shards over the mesh's dp dimension: it needs dp >= 2 (got "
@@ -52,6 +83,11 @@ class ParallelSpec:
     @property
     def world_size(self) -> int:
         return self.pp * self.dp
+
+    @property
+    def edp(self) -> int:
+        """Data-parallel replicas of each expert (``dp / ep``)."""
+        return self.dp // self.ep
 
     @property
     def grad_sync(self) -> GradSync:
@@ -71,6 +107,11 @@ class PipelineMesh:
         dp_group: This rank's data-parallel replicas (size ``dp``); None when ``dp == 1``.
         pp_rank, pp_size, dp_rank, dp_size: This rank's coordinates and the dim sizes.
         spec: The :class:`ParallelSpec` it was built from.
+        ep_group: The ``ep`` consecutive dp ranks of this rank's pipeline rank, which shard
+            the experts and exchange tokens (None when ``ep == 1``).
+        edp_group: The dp ranks holding this rank's experts (same pp and ep rank, size
+            ``dp / ep``), over which expert gradients are summed (None when it is 1).
+        ep_mesh: The ``(pp, edp, ep)`` DeviceMesh of those groups (None when ``ep == 1``).
     """
 
     mesh: DeviceMesh
@@ -81,6 +122,17 @@ class PipelineMesh:
     dp_rank: int
     dp_size: int
     spec: ParallelSpec
+    ep_group: dist.ProcessGroup | None = None
+    edp_group: dist.ProcessGroup | None = None
+    ep_mesh: DeviceMesh | None = None
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank % self.spec.ep
+
+    @property
+    def ep_size(self) -> int:
+        return self.spec.ep
 
     def with_fsdp(self, fsdp: bool = True) -> PipelineMesh:
         """The same mesh (same groups) with the dp replicas sharding, or not, their stages."""
@@ -102,10 +154,11 @@ def pipeline_ranks(pp: int, dp: int) -> list[list[int]]:
 
 
 def build_mesh(
-    pp: int, dp: int = 1, *, fsdp: bool = False, device_type: str | None = None
+    pp: int, dp: int = 1, *, fsdp: bool = False, ep: int = 1, device_type: str | None = None
 ) -> PipelineMesh:
-    """Build the ``(pp, dp)`` mesh of :class:`ParallelSpec` ``(pp, dp, fsdp)`` over the
-    default process group; collective.
+    """Build the ``(pp, dp)`` mesh of :class:`ParallelSpec` ``(pp, dp, fsdp, ep)`` over the
+    default process group; collective. With ``ep > 1`` also the ``(pp, dp / ep, ep)``
+    mesh of the expert groups (see the module docstring for the layout).
 
     ``device_type`` defaults to that of the default group's backend (``"cpu"`` for
     gloo, the accelerator's type otherwise). Raises ValueError when the world size
@@ -116,7 +169,7 @@ def build_mesh(
             "torch.distributed is not initialised: call zerobubble.init_distributed() before "
             "build_mesh"
         )
-    spec = ParallelSpec(pp, dp, fsdp)
+    spec = ParallelSpec(pp, dp, fsdp, ep)
     world = dist.get_world_size()
     if world != pp * dp:
         raise ValueError(
@@ -127,6 +180,10 @@ def build_mesh(
         device_type = "cpu" if dist.get_backend() == "gloo" else _accelerator_type()
     mesh = init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "dp"))
     rank = dist.get_rank()
+    ep_mesh = None
+    if ep > 1:
+        layout = torch.arange(pp * dp).view(pp, dp // ep, ep)
+        ep_mesh = DeviceMesh(device_type, layout, mesh_dim_names=("pp", "edp", "ep"))
     return PipelineMesh(
         mesh=mesh,
         pp_group=mesh.get_group("pp"),
@@ -136,6 +193,9 @@ def build_mesh(
         dp_rank=rank % dp,
         dp_size=dp,
         spec=spec,
+        ep_group=None if ep_mesh is None else ep_mesh.get_group("ep"),
+        edp_group=None if ep_mesh is None or dp == ep else ep_mesh.get_group("edp"),
+        ep_mesh=ep_mesh,
     )
 
 
@@ -169,7 +229,5 @@ def pipeline_group(
 
 
 def _accelerator_type() -> str:
-    import torch
-
     acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     return acc.type if acc is not None else "cpu"

@@ -1,0 +1,280 @@
+"""A small dropless mixture-of-experts block, with experts shardable over an ep group.
+
+:class:`MoE` routes each token to its ``top_k`` experts (router ``Linear(dim, E)``,
+softmax, top-k, optionally renormalised as Mixtral does). Dropless: every (token, k)
+pair is computed, whatever the load. Its forward is three phases, so that the
+all-to-all can later be overlapped and so that
+:func:`~zerobubble.runtime.ep_reference.ep_reference_step` can play every ep rank
+in one process with the very same ops:
+
+* :meth:`ExpertLayer.dispatch`: route; the (token, k) rows sorted by expert
+  (stable) and the per-expert counts;
+* :meth:`MoE.exchange`: counts, then rows, all-to-all to the experts' owners
+  (:mod:`~zerobubble.runtime.ep`); :func:`run_experts` on the received rows (rows
+  from source rank 0 first, then rank 1, ...; each local expert's rows concatenated
+  in that order); the reverse all-to-all. With ``ep == 1`` no communication;
+* :meth:`ExpertLayer.combine`: unsort, weight by the routing probabilities, sum.
+
+Experts are :class:`Expert` MLPs of ``nn.Linear`` layers, so the B/W split defers
+their weight gradients to W like any other weight. A model is built whole (all
+experts, identical on every rank); :func:`shard_experts` (which
+:class:`~zerobubble.pipeline.Pipeline` applies to its stages on a mesh with
+``ep > 1``) keeps a rank's experts ``[r * E / ep, (r + 1) * E / ep)``, named by
+their global index, and marks them for the expert gradient reduction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from zerobubble.models.gpt import CausalSelfAttention, GPTConfig, GPTEmbedding, _init
+from zerobubble.runtime.ep import ExpertGroup, all_to_all, exchange_counts, mark_expert
+
+__all__ = [
+    "Expert",
+    "ExpertLayer",
+    "MoE",
+    "MoEBlock",
+    "MoEGPTBlock",
+    "build_moe_gpt",
+    "build_moe_mlp",
+    "dispatch_order",
+    "run_experts",
+    "shard_experts",
+]
+
+
+class Expert(nn.Module):
+    """A SwiGLU MLP, ``w2(silu(w1 x) * w3 x)`` (Mixtral's expert), of bias-free Linears."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def dispatch_order(chosen: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """For ``chosen`` ``(N, k)`` expert indices: the (token, k) pairs sorted by expert
+    (stable: token order within an expert), the token of each sorted pair, and the
+    per-expert counts ``(E,)``."""
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, order // chosen.shape[1], counts
+
+
+def run_experts(experts: Sequence[nn.Module], rows: Tensor, counts: Tensor) -> Tensor:
+    """Run local experts on received rows, returning outputs in the received layout.
+
+    ``rows`` holds, for source rank 0, 1, ... in turn, its rows for local expert 0,
+    1, ...; ``counts[src, l]`` how many. Expert ``l`` runs once on its rows of all
+    sources concatenated in source order.
+    """
+    sources, local = counts.shape
+    if sources == 1:  # already grouped by expert
+        outs = [e(x) for e, x in zip(experts, rows.split(counts[0].tolist()), strict=True)]
+        return torch.cat(outs) if outs else rows
+    # perm: the received rows regrouped expert-major (source order inside an expert)
+    flat = counts.reshape(-1)
+    starts = flat.cumsum(0) - flat  # of each (source, expert) block in the received rows
+    lengths = counts.t().reshape(-1)  # the blocks in expert-major order
+    moved = starts.view(sources, local).t().reshape(-1) - (lengths.cumsum(0) - lengths)
+    perm = torch.arange(len(rows), device=counts.device)
+    perm = (perm + moved.repeat_interleave(lengths)).to(rows.device)
+    per_expert = counts.sum(0).tolist()
+    grouped = rows[perm].split(per_expert)
+    out = torch.cat([e(x) for e, x in zip(experts, grouped, strict=True)])
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(len(perm), device=perm.device)
+    return out[inverse]
+
+
+class ExpertLayer(nn.Module):
+    """A layer whose forward is ``combine(ctx, moe.exchange(rows, counts))`` after
+    ``ctx, rows, counts = dispatch(x)``: the phases the single-process reference
+    drives for every ep rank at once."""
+
+    moe: MoE
+
+    def dispatch(self, x: Tensor) -> tuple[Any, Tensor, Tensor]:
+        raise NotImplementedError
+
+    def combine(self, ctx: Any, out: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:
+        ctx, rows, counts = self.dispatch(x)
+        return self.combine(ctx, self.moe.exchange(rows, counts))
+
+
+class MoE(ExpertLayer):
+    """Dropless top-k mixture of :class:`Expert` s; input ``(..., dim)``.
+
+    Args:
+        dim, hidden: Model and expert hidden widths.
+        num_experts: ``E``, experts of the whole layer (over all ep ranks).
+        top_k: Experts per token.
+        normalize: Renormalise the top-k probabilities to sum to 1 (Mixtral).
+    """
+
+    def __init__(
+        self, dim: int, hidden: int, num_experts: int, top_k: int, *, normalize: bool = True
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+        self.num_experts, self.top_k, self.normalize = num_experts, top_k, normalize
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.experts = nn.ModuleDict({str(e): Expert(dim, hidden) for e in range(num_experts)})
+        self.ep = ExpertGroup()
+
+    @property
+    def moe(self) -> MoE:  # type: ignore[override]  # a MoE is its own expert layer
+        return self
+
+    def shard(self, ep: ExpertGroup, run: int = 0) -> None:
+        """Keep this rank's experts ``[r * E / ep, (r + 1) * E / ep)`` and mark them."""
+        if self.num_experts % ep.size:
+            raise ValueError(
+                f"ep={ep.size} must divide num_experts={self.num_experts}; choose ep among "
+                "the divisors of the expert count"
+            )
+        if len(self.experts) != self.num_experts:
+            raise ValueError("MoE.shard: the experts are already sharded")
+        local = self.num_experts // ep.size
+        keep = range(ep.rank * local, (ep.rank + 1) * local)
+        self.experts = nn.ModuleDict({str(e): self.experts[str(e)] for e in keep})
+        self.ep = ep
+        for p in self.experts.parameters():
+            mark_expert(p, run)
+
+    def route(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Routing weights and chosen experts, both ``(N, k)``."""
+        return self.select(self.router(tokens).softmax(-1))
+
+    def select(self, probs: Tensor) -> tuple[Tensor, Tensor]:
+        """The top-k of routing probabilities ``(N, E)``: weights (renormalised with
+        ``normalize``) and chosen experts, both ``(N, k)``."""
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, chosen
+
+    def dispatch(self, x: Tensor) -> tuple[Any, Tensor, Tensor]:
+        tokens = x.reshape(-1, x.shape[-1])
+        probs = self.router(tokens).softmax(-1)
+        weights, chosen = self.select(probs)  # router losses would read probs and chosen here
+        order, token_of, counts = dispatch_order(chosen, self.num_experts)
+        return (x.shape, weights, order), tokens[token_of], counts
+
+    def exchange(self, rows: Tensor, counts: Tensor) -> Tensor:
+        """Outputs of the rows' experts, in the rows' order (communicating over ep)."""
+        experts = list(self.experts.values())
+        ep = self.ep
+        if ep.size == 1:
+            return run_experts(experts, rows, counts.view(1, -1))
+        received = exchange_counts(counts, ep)
+        send = counts.view(ep.size, -1).sum(1).tolist()
+        recv = received.sum(1).tolist()
+        got = all_to_all(rows, recv, send, ep)
+        return all_to_all(run_experts(experts, got, received), send, recv, ep)
+
+    def combine(self, ctx: Any, out: Tensor) -> Tensor:
+        shape, weights, order = ctx
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order), device=order.device)
+        pairs = out[inverse].view(weights.shape[0], self.top_k, -1)
+        return (pairs * weights.unsqueeze(-1)).sum(1).view(shape)
+
+
+class MoEBlock(ExpertLayer):
+    """``x + moe(norm(x))``, a pre-norm residual MoE block."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.moe = MoE(dim, hidden, num_experts, top_k)
+
+    def dispatch(self, x: Tensor) -> tuple[Any, Tensor, Tensor]:
+        ctx, rows, counts = self.moe.dispatch(self.norm(x))
+        return (x, ctx), rows, counts
+
+    def combine(self, ctx: Any, out: Tensor) -> Tensor:
+        x, inner = ctx
+        return x + self.moe.combine(inner, out)
+
+
+class MoEGPTBlock(ExpertLayer):
+    """A GPT block whose MLP is a :class:`MoE`: ``x + attn(ln1(x))``, then ``+ moe(ln2(.))``."""
+
+    def __init__(self, cfg: GPTConfig, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.ln1 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+        self.moe = MoE(d, cfg.mlp_ratio * d, num_experts, top_k)
+
+    def dispatch(self, x: Tensor) -> tuple[Any, Tensor, Tensor]:
+        x = x + self.attn(self.ln1(x))
+        ctx, rows, counts = self.moe.dispatch(self.ln2(x))
+        return (x, ctx), rows, counts
+
+    def combine(self, ctx: Any, out: Tensor) -> Tensor:
+        x, inner = ctx
+        return x + self.moe.combine(inner, out)
+
+
+def build_moe_gpt(cfg: GPTConfig, *, num_experts: int, top_k: int) -> nn.Sequential:
+    """:func:`~zerobubble.models.gpt.build_gpt`'s model with :class:`MoEGPTBlock` s:
+    ``[GPTEmbedding, MoEGPTBlock x n_layers, LayerNorm, Linear head]``, initialised as
+    it is (seeded by ``cfg.seed``); ``cfg.tie_embeddings`` is not supported."""
+    if cfg.tie_embeddings:
+        raise ValueError("build_moe_gpt: tie_embeddings=True is not supported; leave it False")
+    with torch.random.fork_rng(devices=[]):
+        embedding = GPTEmbedding(cfg)
+        blocks = [MoEGPTBlock(cfg, num_experts, top_k) for _ in range(cfg.n_layers)]
+        norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        model = nn.Sequential(embedding, *blocks, norm, head)
+        _init(model, cfg)
+    return model
+
+
+def shard_experts(module: nn.Module, ep: ExpertGroup) -> int:
+    """Shard every :class:`MoE` in ``module`` over ``ep`` (see :meth:`MoE.shard`); returns
+    how many. Each layer's experts are marked with their own run."""
+    layers = [m for m in module.modules() if isinstance(m, MoE)]
+    for run, m in enumerate(layers):
+        m.shard(ep, run)
+    return len(layers)
+
+
+def build_moe_mlp(
+    sizes: tuple[int, int, int],
+    *,
+    hidden: int,
+    num_experts: int,
+    top_k: int,
+    blocks: int,
+    seed: int = 0,
+) -> nn.Sequential:
+    """``Linear(sizes[0], dim)``, ``blocks`` :class:`MoEBlock` s, ``Linear(dim, sizes[2])``
+    with ``dim = sizes[1]``: a tiny MoE model for tests. Parameters come from ``seed``;
+    the global RNG is left untouched."""
+    d_in, dim, d_out = sizes
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        layers: list[nn.Module] = [nn.Linear(d_in, dim)]
+        layers += [MoEBlock(dim, hidden, num_experts, top_k) for _ in range(blocks)]
+        layers.append(nn.Linear(dim, d_out))
+    return nn.Sequential(*layers)

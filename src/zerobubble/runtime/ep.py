@@ -1,0 +1,163 @@
+"""Expert parallelism's communication: the ep group a MoE layer shards over, the
+token all-to-all, and the mark that routes expert gradients to the right reduction.
+
+The all-to-all is one function, :func:`start_all_to_all`, returning the output and
+its :class:`torch.distributed.Work`; :class:`AllToAll` (the autograd-aware,
+synchronous form) waits on it at once. An overlapping runtime would start the
+dispatch of one microbatch and wait for it while another computes: the split is
+already there.
+
+Every wait is bounded by the pipeline's comm timeout (:meth:`ExpertGroup.wait`): an ep
+peer that dies or stalls becomes a :class:`~zerobubble.runtime.comm.PeerError` naming
+the all-to-all, dim ``ep`` and the group's ranks.
+
+Which group a gradient is summed over is decided here, once (:func:`is_expert`):
+expert parameters over the mesh's ``edp_group`` (the dp ranks holding the same
+experts), every other parameter over ``dp_group``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from zerobubble.runtime.comm import PeerError
+
+if TYPE_CHECKING:
+    from zerobubble.runtime.mesh import PipelineMesh
+
+__all__ = [
+    "AllToAll",
+    "ExpertGroup",
+    "all_to_all",
+    "exchange_counts",
+    "expert_run",
+    "is_expert",
+    "mark_expert",
+    "start_all_to_all",
+]
+
+_EXPERT_ATTR = "_zb_expert_run"
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """The ep ranks one MoE layer's experts are sharded over, and this rank's place.
+
+    Deep copies return the same object: a process group is shared, not copied (the
+    pipeline deep-copies its layers per stage).
+    """
+
+    group: dist.ProcessGroup | None = None
+    rank: int = 0
+    size: int = 1
+    timeout_s: float | None = None
+    """Longest an all-to-all may block (None: the process group's own timeout); past it,
+    or when a peer dies, a :class:`~zerobubble.runtime.comm.PeerError` names the ep ranks."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size or (self.size > 1 and self.group is None):
+            raise ValueError(
+                f"ExpertGroup(rank={self.rank}, size={self.size}) needs 0 <= rank < size and "
+                "a process group when size > 1; build it with ExpertGroup.of(mesh)"
+            )
+
+    @classmethod
+    def of(cls, mesh: PipelineMesh, timeout_s: float | None = None) -> ExpertGroup:
+        """The ep group of a :class:`~zerobubble.runtime.mesh.PipelineMesh`."""
+        return cls(mesh.ep_group, mesh.ep_rank, mesh.ep_size, timeout_s)
+
+    def wait(self, work: dist.Work, what: str) -> None:
+        """Wait for ``work`` (a collective over this group), bounded by ``timeout_s``."""
+        if self.timeout_s is None:
+            work.wait()
+            return
+        start = time.monotonic()
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except Exception as e:
+            took = time.monotonic() - start
+            if took >= 0.99 * self.timeout_s:
+                why = f"no completion within the comm timeout of {self.timeout_s:g}s"
+            else:
+                why = f"the transport failed after {took:.1f}s (an ep peer died?)"
+            ranks = tuple(dist.get_process_group_ranks(self.group))
+            raise PeerError(dist.get_rank(), None, what, f"{why}: {e}", group=ranks) from e
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ExpertGroup:
+        return self
+
+
+def mark_expert(param: nn.Parameter, run: int) -> None:
+    """Mark ``param`` as an expert shard; ``run`` tells apart the MoE layers of a stage
+    (the parameters of one layer's local experts are consecutive and share a run)."""
+    setattr(param, _EXPERT_ATTR, run)
+
+
+def is_expert(param: Tensor) -> bool:
+    """Whether ``param`` is an expert shard: summed over ``edp_group``, not ``dp_group``."""
+    return hasattr(param, _EXPERT_ATTR)
+
+
+def expert_run(param: Tensor) -> int | None:
+    """The run :func:`mark_expert` gave ``param`` (None: a dense parameter)."""
+    run = getattr(param, _EXPERT_ATTR, None)
+    return None if run is None else int(run)
+
+
+def exchange_counts(counts: Tensor, group: ExpertGroup) -> Tensor:
+    """Per-expert row counts (``E``, in global expert order) sent to the experts' owners:
+    returns ``(ep, E / ep)``, row ``src`` the counts rank ``src`` sends for each local expert."""
+    out = torch.empty_like(counts)
+    work = dist.all_to_all_single(out, counts.contiguous(), group=group.group, async_op=True)
+    assert work is not None
+    group.wait(work, "all-to-all of the per-expert token counts over dim 'ep'")
+    return out.view(group.size, -1)
+
+
+def start_all_to_all(
+    x: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None
+) -> tuple[Tensor, dist.Work]:
+    """Start sending ``x``'s row blocks (``in_splits`` rows to each rank, in rank order);
+    the output holds ``out_splits`` rows from each rank, in rank order, once the work is done."""
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    work = dist.all_to_all_single(
+        out, x.contiguous(), out_splits, in_splits, group=group, async_op=True
+    )
+    assert work is not None
+    return out, work
+
+
+class AllToAll(torch.autograd.Function):
+    """The row all-to-all with autograd: the backward is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int], group: ExpertGroup
+    ) -> Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out, work = start_all_to_all(x, out_splits, in_splits, group.group)
+        group.wait(work, "all-to-all of the routed tokens over dim 'ep'")
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        out_splits, in_splits = ctx.splits
+        back, work = start_all_to_all(grad, in_splits, out_splits, ctx.group.group)
+        ctx.group.wait(work, "reverse all-to-all of the routed tokens' gradients over dim 'ep'")
+        return back, None, None, None
+
+
+def all_to_all(
+    x: Tensor, out_splits: list[int], in_splits: list[int], group: ExpertGroup
+) -> Tensor:
+    """:class:`AllToAll` applied (synchronous, differentiable)."""
+    out = AllToAll.apply(x, out_splits, in_splits, group)
+    assert isinstance(out, Tensor)
+    return out

@@ -1,0 +1,124 @@
+"""The single-process ground truth of pipeline x expert parallelism.
+
+One process plays every dp rank of a ``(pp, dp, ep)`` mesh: each replica has its own
+copy of the model, and at an :class:`~zerobubble.models.moe.ExpertLayer` the
+replicas of one ep group meet as the all-to-all makes them meet. Each replica
+dispatches its tokens; the rows bound for expert owner ``o`` are concatenated in
+source-rank order (what ``all_to_all_single`` delivers), owner ``o``'s copy of its
+experts runs on them with :func:`~zerobubble.models.moe.run_experts` (the same ops
+on the same rows, in the same order, as the ep rank runs them), and the outputs go
+back split by source. Stage cuts do not change what is computed, so the model runs
+whole. Bitwise equality with a pipeline run holds by construction, not by a
+kernel's luck.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from zerobubble.models.moe import ExpertLayer, MoE, run_experts
+from zerobubble.runtime.microbatch import split_batch
+from zerobubble.runtime.reference import as_sequential
+
+__all__ = ["ep_reference_step"]
+
+
+def ep_reference_step(
+    layers: Sequence[nn.Module] | nn.Sequential,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    parts: Sequence[tuple[Tensor, Tensor]],
+    m: int,
+    ep: int,
+) -> tuple[list[list[Tensor]], dict[str, Tensor]]:
+    """One step of a ``(pp, dp = len(parts), ep)`` mesh, in one process (no random ops).
+
+    ``layers`` is the whole (unsharded) model, whose MoE layers must be top-level
+    :class:`~zerobubble.models.moe.ExpertLayer` s. ``parts[r]`` is dp replica ``r``'s
+    ``(x, target)``. For j = 0..m-1 every replica runs microbatch j (ep groups meeting
+    at the expert layers) and ``sum_r loss_rj * n_rj / N`` is back-propagated once
+    (``N`` the global batch): each replica's dense copy gets exactly its own
+    gradients, accumulated in microbatch order, and expert ``e``'s copy on its owner
+    (ep rank ``e // (E / ep)`` of each ep group) the gradient of its one matmul over
+    all sources' rows. The replicas' gradients are then summed in rank order,
+    ``(g_0 + g_1) + ...``: dense ones over all replicas (the dp all-reduce), expert
+    ones over the replicas holding that expert (the edp all-reduce); with two terms
+    that is gloo's sum bitwise (see :mod:`~zerobubble.runtime.dp`). The sums are
+    left in ``layers``' ``.grad``.
+
+    Returns:
+        Each replica's unscaled per-microbatch losses, and a copy of every summed
+        gradient keyed by ``layers``' parameter names.
+    """
+    model = as_sequential(layers)
+    dp = len(parts)
+    if ep < 1 or dp % ep:
+        raise ValueError(f"ep={ep} must divide the {dp} replicas (parts); pass one per dp rank")
+    for i, layer in enumerate(model):
+        if not isinstance(layer, ExpertLayer) and any(isinstance(x, MoE) for x in layer.modules()):
+            raise ValueError(
+                f"layer {i} ({type(layer).__name__}) holds a MoE inside: ep_reference_step "
+                "needs the MoE layers at the top level (a MoE, a MoEBlock or another "
+                "ExpertLayer)"
+            )
+    replicas = [copy.deepcopy(model) for _ in range(dp)]
+    for rep in replicas:
+        for p in rep.parameters():
+            p.grad = None
+    total = sum(len(x) for x, _ in parts)
+    xs = [split_batch(x, m) for x, _ in parts]
+    ts = [split_batch(t, m) for _, t in parts]
+    losses: list[list[Tensor]] = [[] for _ in range(dp)]
+    for j in range(m):
+        hs: list[Tensor] = [xs[r][j] for r in range(dp)]
+        for i, layer in enumerate(model):
+            if isinstance(layer, ExpertLayer):
+                hs = _expert_layer([rep[i] for rep in replicas], hs, ep)
+            else:
+                hs = [rep[i](h) for rep, h in zip(replicas, hs, strict=True)]
+        mine = [loss_fn(h, ts[r][j]) for r, h in enumerate(hs)]
+        root = mine[0] * (len(xs[0][j]) / total)
+        for r in range(1, dp):
+            root = root + mine[r] * (len(xs[r][j]) / total)
+        root.backward()
+        for r in range(dp):
+            losses[r].append(mine[r].detach())
+    summed: dict[str, Tensor] = {}
+    for rep in replicas:  # rank order; a replica's unused expert copies have no gradient
+        for n, p in rep.named_parameters():
+            if p.grad is not None:
+                summed[n] = p.grad.clone() if n not in summed else summed[n] + p.grad
+    for n, p in model.named_parameters():
+        p.grad = summed.get(n)
+    return losses, {n: g.clone() for n, g in summed.items()}
+
+
+def _expert_layer(layers: Sequence[Any], hs: list[Tensor], ep: int) -> list[Tensor]:
+    """Every replica's ``layers[r]`` on ``hs[r]``, each ep group's all-to-all played out."""
+    out: list[Tensor] = list(hs)
+    for first in range(0, len(hs), ep):
+        group = range(first, first + ep)
+        dispatched = [layers[r].dispatch(hs[r]) for r in group]
+        counts = [c.view(ep, -1) for _, _, c in dispatched]
+        local = counts[0].shape[1]
+        sends = [c.sum(1).tolist() for c in counts]  # sends[src][owner]: rows src sends
+        pieces = [rows.split(sends[s]) for s, (_, rows, _) in enumerate(dispatched)]
+        back: list[list[Tensor]] = [[] for _ in group]
+        for o in range(ep):
+            received = torch.cat([pieces[s][o] for s in range(ep)])  # source-rank order
+            recv_counts = torch.stack([counts[s][o] for s in range(ep)])
+            moe = layers[first + o].moe
+            experts = [moe.experts[str(e)] for e in range(o * local, (o + 1) * local)]
+            outs = run_experts(experts, received, recv_counts).split(
+                [sends[s][o] for s in range(ep)]
+            )
+            for s in range(ep):
+                back[s].append(outs[s])
+        for s, r in enumerate(group):
+            ctx = dispatched[s][0]
+            out[r] = layers[r].combine(ctx, torch.cat(back[s]))
+    return out
