@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from zerobubble.models.gpt import CausalSelfAttention, GPTConfig, GPTEmbedding, _init
 from zerobubble.runtime.ep import ExpertGroup, all_to_all, exchange_counts, mark_expert
+from zerobubble.runtime.loss_terms import add_loss_term
 
 __all__ = [
     "Expert",
@@ -124,15 +125,30 @@ class MoE(ExpertLayer):
         num_experts: ``E``, experts of the whole layer (over all ep ranks).
         top_k: Experts per token.
         normalize: Renormalise the top-k probabilities to sum to 1 (Mixtral).
+        balance: Coefficient of the layer's load-balancing loss, added as the loss term
+            ``"router_balance"`` (:func:`~zerobubble.runtime.loss_terms.add_loss_term`):
+            ``E * sum_e f_e * P_e`` over this layer's tokens (Switch Transformer's), with
+            ``f_e`` the share of (token, k) picks that chose expert ``e`` (no gradient) and
+            ``P_e`` the mean router probability of ``e``. 0: no term.
     """
 
     def __init__(
-        self, dim: int, hidden: int, num_experts: int, top_k: int, *, normalize: bool = True
+        self,
+        dim: int,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        normalize: bool = True,
+        balance: float = 0.0,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+        if not balance >= 0:
+            raise ValueError(f"balance={balance} must be >= 0 (0: no load-balancing term)")
         self.num_experts, self.top_k, self.normalize = num_experts, top_k, normalize
+        self.balance = balance
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = nn.ModuleDict({str(e): Expert(dim, hidden) for e in range(num_experts)})
         self.ep = ExpertGroup()
@@ -172,8 +188,12 @@ class MoE(ExpertLayer):
     def dispatch(self, x: Tensor) -> tuple[Any, Tensor, Tensor]:
         tokens = x.reshape(-1, x.shape[-1])
         probs = self.router(tokens).softmax(-1)
-        weights, chosen = self.select(probs)  # router losses would read probs and chosen here
+        weights, chosen = self.select(probs)
         order, token_of, counts = dispatch_order(chosen, self.num_experts)
+        if self.balance:
+            share = counts.to(probs.dtype) / chosen.numel()
+            term = (share * probs.mean(0)).sum() * (self.balance * self.num_experts)
+            add_loss_term(self, "router_balance", term)
         return (x.shape, weights, order), tokens[token_of], counts
 
     def exchange(self, rows: Tensor, counts: Tensor) -> Tensor:
@@ -199,10 +219,12 @@ class MoE(ExpertLayer):
 class MoEBlock(ExpertLayer):
     """``x + moe(norm(x))``, a pre-norm residual MoE block."""
 
-    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int) -> None:
+    def __init__(
+        self, dim: int, hidden: int, num_experts: int, top_k: int, *, balance: float = 0.0
+    ) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim)
-        self.moe = MoE(dim, hidden, num_experts, top_k)
+        self.moe = MoE(dim, hidden, num_experts, top_k, balance=balance)
 
     def dispatch(self, x: Tensor) -> tuple[Any, Tensor, Tensor]:
         ctx, rows, counts = self.moe.dispatch(self.norm(x))
@@ -216,13 +238,15 @@ class MoEBlock(ExpertLayer):
 class MoEGPTBlock(ExpertLayer):
     """A GPT block whose MLP is a :class:`MoE`: ``x + attn(ln1(x))``, then ``+ moe(ln2(.))``."""
 
-    def __init__(self, cfg: GPTConfig, num_experts: int, top_k: int) -> None:
+    def __init__(
+        self, cfg: GPTConfig, num_experts: int, top_k: int, *, balance: float = 0.0
+    ) -> None:
         super().__init__()
         d = cfg.d_model
         self.ln1 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
-        self.moe = MoE(d, cfg.mlp_ratio * d, num_experts, top_k)
+        self.moe = MoE(d, cfg.mlp_ratio * d, num_experts, top_k, balance=balance)
 
     def dispatch(self, x: Tensor) -> tuple[Any, Tensor, Tensor]:
         x = x + self.attn(self.ln1(x))
@@ -234,15 +258,20 @@ class MoEGPTBlock(ExpertLayer):
         return x + self.moe.combine(inner, out)
 
 
-def build_moe_gpt(cfg: GPTConfig, *, num_experts: int, top_k: int) -> nn.Sequential:
+def build_moe_gpt(
+    cfg: GPTConfig, *, num_experts: int, top_k: int, balance: float = 0.0
+) -> nn.Sequential:
     """:func:`~zerobubble.models.gpt.build_gpt`'s model with :class:`MoEGPTBlock` s:
     ``[GPTEmbedding, MoEGPTBlock x n_layers, LayerNorm, Linear head]``, initialised as
-    it is (seeded by ``cfg.seed``); ``cfg.tie_embeddings`` is not supported."""
+    it is (seeded by ``cfg.seed``); ``cfg.tie_embeddings`` is not supported. ``balance``:
+    each MoE's load-balancing term (:class:`MoE`)."""
     if cfg.tie_embeddings:
         raise ValueError("build_moe_gpt: tie_embeddings=True is not supported; leave it False")
     with torch.random.fork_rng(devices=[]):
         embedding = GPTEmbedding(cfg)
-        blocks = [MoEGPTBlock(cfg, num_experts, top_k) for _ in range(cfg.n_layers)]
+        blocks = [
+            MoEGPTBlock(cfg, num_experts, top_k, balance=balance) for _ in range(cfg.n_layers)
+        ]
         norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         model = nn.Sequential(embedding, *blocks, norm, head)
@@ -267,14 +296,17 @@ def build_moe_mlp(
     top_k: int,
     blocks: int,
     seed: int = 0,
+    balance: float = 0.0,
 ) -> nn.Sequential:
     """``Linear(sizes[0], dim)``, ``blocks`` :class:`MoEBlock` s, ``Linear(dim, sizes[2])``
     with ``dim = sizes[1]``: a tiny MoE model for tests. Parameters come from ``seed``;
-    the global RNG is left untouched."""
+    the global RNG is left untouched. ``balance``: each MoE's load-balancing term."""
     d_in, dim, d_out = sizes
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         layers: list[nn.Module] = [nn.Linear(d_in, dim)]
-        layers += [MoEBlock(dim, hidden, num_experts, top_k) for _ in range(blocks)]
+        layers += [
+            MoEBlock(dim, hidden, num_experts, top_k, balance=balance) for _ in range(blocks)
+        ]
         layers.append(nn.Linear(dim, d_out))
     return nn.Sequential(*layers)

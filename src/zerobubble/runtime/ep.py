@@ -60,6 +60,11 @@ class ExpertGroup:
     timeout_s: float | None = None
     """Longest an all-to-all may block (None: the process group's own timeout); past it,
     or when a peer dies, a :class:`~zerobubble.runtime.comm.PeerError` names the ep ranks."""
+    backward: dist.ProcessGroup | None = None
+    """The same ranks' second group, for the all-to-alls of backwards (None: ``group``).
+    Under an overlapped schedule a forward (on a helper thread) and a backward run at once
+    (:mod:`~zerobubble.runtime.overlap`): each group then sees one thread's calls, in the
+    same order on every ep rank."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size or (self.size > 1 and self.group is None):
@@ -71,9 +76,14 @@ class ExpertGroup:
     @classmethod
     def of(cls, mesh: PipelineMesh, timeout_s: float | None = None) -> ExpertGroup:
         """The ep group of a :class:`~zerobubble.runtime.mesh.PipelineMesh`."""
-        return cls(mesh.ep_group, mesh.ep_rank, mesh.ep_size, timeout_s)
+        return cls(mesh.ep_group, mesh.ep_rank, mesh.ep_size, timeout_s, mesh.ep_backward_group)
 
-    def wait(self, work: dist.Work, what: str) -> None:
+    @property
+    def backward_group(self) -> dist.ProcessGroup | None:
+        """The group the backwards' all-to-alls run on."""
+        return self.group if self.backward is None else self.backward
+
+    def wait(self, work: dist.Work, what: str, group: dist.ProcessGroup | None = None) -> None:
         """Wait for ``work`` (a collective over this group), bounded by ``timeout_s``."""
         if self.timeout_s is None:
             work.wait()
@@ -87,7 +97,7 @@ class ExpertGroup:
                 why = f"no completion within the comm timeout of {self.timeout_s:g}s"
             else:
                 why = f"the transport failed after {took:.1f}s (an ep peer died?)"
-            ranks = tuple(dist.get_process_group_ranks(self.group))
+            ranks = tuple(dist.get_process_group_ranks(group or self.group))
             raise PeerError(dist.get_rank(), None, what, f"{why}: {e}", group=ranks) from e
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ExpertGroup:
@@ -149,8 +159,10 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         out_splits, in_splits = ctx.splits
-        back, work = start_all_to_all(grad, in_splits, out_splits, ctx.group.group)
-        ctx.group.wait(work, "reverse all-to-all of the routed tokens' gradients over dim 'ep'")
+        group = ctx.group.backward_group
+        back, work = start_all_to_all(grad, in_splits, out_splits, group)
+        what = "reverse all-to-all of the routed tokens' gradients over dim 'ep'"
+        ctx.group.wait(work, what, group)
         return back, None, None, None
 
 

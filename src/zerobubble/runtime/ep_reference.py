@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from zerobubble.models.moe import ExpertLayer, MoE, run_experts
+from zerobubble.runtime.loss_terms import collect_loss_terms, objective
 from zerobubble.runtime.microbatch import split_batch
 from zerobubble.runtime.reference import as_sequential
 
@@ -50,9 +52,13 @@ def ep_reference_step(
     that is gloo's sum bitwise (see :mod:`~zerobubble.runtime.dp`). The sums are
     left in ``layers``' ``.grad``.
 
+    Loss terms a layer adds (a router's balance loss) are collected per replica in layer
+    order; each replica's loss is then its objective, ``loss_fn``'s loss plus every term
+    (:func:`~zerobubble.runtime.loss_terms.objective`), as a pipeline's last stage roots it.
+
     Returns:
-        Each replica's unscaled per-microbatch losses, and a copy of every summed
-        gradient keyed by ``layers``' parameter names.
+        Each replica's unscaled per-microbatch losses (objectives), and a copy of every
+        summed gradient keyed by ``layers``' parameter names.
     """
     model = as_sequential(layers)
     dp = len(parts)
@@ -75,12 +81,14 @@ def ep_reference_step(
     losses: list[list[Tensor]] = [[] for _ in range(dp)]
     for j in range(m):
         hs: list[Tensor] = [xs[r][j] for r in range(dp)]
-        for i, layer in enumerate(model):
-            if isinstance(layer, ExpertLayer):
-                hs = _expert_layer([rep[i] for rep in replicas], hs, ep)
-            else:
-                hs = [rep[i](h) for rep, h in zip(replicas, hs, strict=True)]
-        mine = [loss_fn(h, ts[r][j]) for r, h in enumerate(hs)]
+        with ExitStack() as stack:
+            found = [stack.enter_context(collect_loss_terms(rep)) for rep in replicas]
+            for i, layer in enumerate(model):
+                if isinstance(layer, ExpertLayer):
+                    hs = _expert_layer([rep[i] for rep in replicas], hs, ep)
+                else:
+                    hs = [rep[i](h) for rep, h in zip(replicas, hs, strict=True)]
+        mine = [objective(loss_fn(h, ts[r][j]), found[r]) for r, h in enumerate(hs)]
         root = mine[0] * (len(xs[0][j]) / total)
         for r in range(1, dp):
             root = root + mine[r] * (len(xs[r][j]) / total)

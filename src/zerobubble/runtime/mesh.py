@@ -112,6 +112,9 @@ class PipelineMesh:
         edp_group: The dp ranks holding this rank's experts (same pp and ep rank, size
             ``dp / ep``), over which expert gradients are summed (None when it is 1).
         ep_mesh: The ``(pp, edp, ep)`` DeviceMesh of those groups (None when ``ep == 1``).
+        ep_backward_group: A second group of ``ep_group``'s ranks, for the all-to-alls of
+            backwards, so that an overlapped F&B pair's two threads never share a group
+            (:class:`~zerobubble.runtime.ep.ExpertGroup`).
     """
 
     mesh: DeviceMesh
@@ -125,6 +128,7 @@ class PipelineMesh:
     ep_group: dist.ProcessGroup | None = None
     edp_group: dist.ProcessGroup | None = None
     ep_mesh: DeviceMesh | None = None
+    ep_backward_group: dist.ProcessGroup | None = None
 
     @property
     def ep_rank(self) -> int:
@@ -180,10 +184,14 @@ def build_mesh(
         device_type = "cpu" if dist.get_backend() == "gloo" else _accelerator_type()
     mesh = init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "dp"))
     rank = dist.get_rank()
-    ep_mesh = None
+    ep_mesh = backward = None
     if ep > 1:
         layout = torch.arange(pp * dp).view(pp, dp // ep, ep)
         ep_mesh = DeviceMesh(device_type, layout, mesh_dim_names=("pp", "edp", "ep"))
+        for ranks in layout.reshape(-1, ep).tolist():  # new_group is collective: every rank
+            group = dist.new_group(ranks)  # makes every group, in one order, keeps its own
+            if rank in ranks:
+                backward = group
     return PipelineMesh(
         mesh=mesh,
         pp_group=mesh.get_group("pp"),
@@ -196,6 +204,7 @@ def build_mesh(
         ep_group=None if ep_mesh is None else ep_mesh.get_group("ep"),
         edp_group=None if ep_mesh is None or dp == ep else ep_mesh.get_group("edp"),
         ep_mesh=ep_mesh,
+        ep_backward_group=backward,
     )
 
 
