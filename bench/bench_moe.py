@@ -14,14 +14,26 @@ DeepSeek-V3-like mix (the all-to-all about as long as the compute it pairs with)
 
 Each row: the kind, P, M, the all-to-all per device, the step (makespan), its ratio to
 dualpipev in sequence, the exposed all-to-all summed over devices (what no compute hid)
-and the bubble rate. The measured side (exposed all-to-all ms per step on CPU ranks with
-expert parallelism) needs the mixture-of-experts runtime, which is not built yet.
+and the bubble rate.
+
+``--measure``: 4 CPU ranks, pp = 2 x dp = 2 with the experts sharded over ep = 2, a MoE
+GPT under dualpipev with its pairs run at once and in sequence, taking turns step by
+step. Per rank and step: the wall time, the time spent waiting for all-to-alls, and the
+part of it that is *exposed*: a wait on one thread during which the other thread (an
+overlapped pair's other half) was not computing. In sequence every wait is exposed.
+Medians over the timed steps, per rank, then the mean over ranks.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src python bench/bench_moe.py --measure [--steps 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import threading
+import time
+from typing import Any
 
 from zerobubble.schedule.costs import CostSpec
 from zerobubble.schedule.generators import generate
@@ -59,11 +71,123 @@ def rows(p: int, m: int) -> list[dict[str, object]]:
     return out
 
 
+def _covered(span: tuple[int, int], busy: list[tuple[int, int]]) -> int:
+    """Nanoseconds of ``span`` inside the (disjoint) ``busy`` intervals."""
+    a, b = span
+    return sum(max(0, min(b, y) - max(a, x)) for x, y in busy)
+
+
+def _minus(intervals: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list:
+    """``intervals`` with ``holes`` cut out (both lists of disjoint intervals)."""
+    out = []
+    for a, b in intervals:
+        cuts = sorted((max(a, x), min(b, y)) for x, y in holes if x < b and y > a)
+        start = a
+        for x, y in cuts:
+            if x > start:
+                out.append((start, x))
+            start = max(start, y)
+        if start < b:
+            out.append((start, b))
+    return out
+
+
+def _measure_rank(steps: int, warmup: int) -> dict[str, Any]:
+    import torch
+
+    import zerobubble
+    from zerobubble.models import GPTConfig, gpt_loss
+    from zerobubble.models.moe import build_moe_gpt
+    from zerobubble.runtime import ep
+    from zerobubble.runtime.launcher import init_distributed
+    from zerobubble.runtime.mesh import build_mesh
+
+    init_distributed()
+    mesh = build_mesh(2, 2, ep=2)
+    waits: list[tuple[bool, int, int]] = []  # (on the executor's thread, start, end)
+    plain_wait = ep.ExpertGroup.wait
+
+    def timed_wait(self: Any, work: Any, what: str, group: Any = None) -> None:
+        t0 = time.perf_counter_ns()
+        plain_wait(self, work, what, group)
+        main = threading.current_thread() is threading.main_thread()
+        waits.append((main, t0, time.perf_counter_ns()))
+
+    ep.ExpertGroup.wait = timed_wait  # type: ignore[method-assign]  # this bench's probe
+    cfg = GPTConfig(vocab_size=256, max_seq_len=64, d_model=64, n_heads=4, n_layers=4)
+    pipes = {}
+    for overlap in (True, False):
+        model = build_moe_gpt(cfg, num_experts=4, top_k=2, balance=0.01)
+        sched = generate("dualpipev", 2, 8, overlap=overlap)
+        pipes[overlap] = zerobubble.Pipeline(
+            model, gpt_loss, sched, mesh=mesh, boundaries=[0, 2, 3, 4, 7]
+        )
+    rows: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
+    g = torch.Generator().manual_seed(mesh.dp_rank)
+    for i in range(warmup + steps):
+        ids = torch.randint(0, cfg.vocab_size, (16, cfg.max_seq_len + 1), generator=g)
+        for overlap, pipe in pipes.items():
+            trace = pipe.executor.trace
+            trace.clear()
+            waits.clear()
+            torch.distributed.barrier()
+            t0 = time.perf_counter_ns()
+            pipe.step(ids[:, :-1], target=ids[:, 1:])
+            wall = time.perf_counter_ns() - t0
+            paired_f = {f for f, _ in pipe.schedule.overlaps}
+            computes = [
+                (e.action in paired_f, e.start_ns + trace.epoch_ns, e.end_ns + trace.epoch_ns)
+                for e in trace.events
+                if e.action is not None
+            ]
+            mine = {side: [(a, b) for m, a, b in waits if m == side] for side in (True, False)}
+            busy = {  # computing, not waiting: the main thread runs all but the paired Fs
+                side: _minus([(a, b) for helper, a, b in computes if helper != side], mine[side])
+                for side in (True, False)
+            }
+            waited = sum(b - a for _, a, b in waits)
+            exposed = sum(b - a - _covered((a, b), busy[not m]) for m, a, b in waits)
+            if i >= warmup:
+                rows[overlap].append((wall / 1e6, waited / 1e6, exposed / 1e6))
+    torch.distributed.destroy_process_group()
+    return {
+        ("overlap" if o else "sequence"): {
+            key: statistics.median(r[k] for r in rs)
+            for k, key in enumerate(("step_ms", "a2a_wait_ms", "exposed_a2a_ms"))
+        }
+        for o, rs in rows.items()
+    }
+
+
+def measure(steps: int, warmup: int) -> list[dict[str, object]]:
+    """The measured rows (see the module docstring)."""
+    from zerobubble.runtime.launcher import launch
+
+    per_rank = launch(_measure_rank, 4, steps, warmup, timeout=1800)
+    out: list[dict[str, object]] = []
+    for mode in ("overlap", "sequence"):
+        mean = {
+            key: round(statistics.fmean(r[mode][key] for r in per_rank), 2)
+            for key in ("step_ms", "a2a_wait_ms", "exposed_a2a_ms")
+        }
+        out.append({"measured": "pp2 x ep2 dualpipev", "pairs": mode, **mean})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--p", type=int, nargs="+", default=[4, 8], help="device counts")
     parser.add_argument("--m-per-p", type=int, default=4, help="microbatches per device")
+    parser.add_argument(
+        "--measure", action="store_true", help="measure on 4 CPU ranks (see the docstring)"
+    )
+    parser.add_argument("--steps", type=int, default=8, help="timed steps (--measure)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (--measure)")
     args = parser.parse_args()
+    if args.measure:
+        for row in measure(args.steps, args.warmup):
+            print(json.dumps(row))
+        return
     for p in args.p:
         for row in rows(p, args.m_per_p * p):
             print(json.dumps(row))
