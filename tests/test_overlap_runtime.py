@@ -115,12 +115,22 @@ def test_the_hook_must_run_each_half_once_and_errors_reach_the_caller():
             run_pair(pair(half), None, 10.0)
 
 
-def overlapped_step(p: int, m: int) -> tuple[list | None, dict, tuple]:
+def backward_first(pair: OverlapPair) -> None:
+    """docs/moe.md's worked hook: the backward on a helper thread, the F here."""
+    helper = threading.Thread(target=pair.run_backward)
+    helper.start()
+    pair.run_forward()
+    helper.join()
+
+
+def overlapped_step(p: int, m: int, hook: bool = False) -> tuple[list | None, dict, tuple]:
     rank = init_distributed(timeout_s=60).rank
     sched = generate("dualpipev", p, m, overlap=True)
     layers = list(build_gpt(GPT))
     threads: set[str] = set()
-    pipe = PipelineExecutor(sched, build_stage_modules(layers, sched, rank), loss_fn=gpt_loss)
+    options = ExecutorOptions(overlap_fn=backward_first if hook else None)
+    stages = build_stage_modules(layers, sched, rank)
+    pipe = PipelineExecutor(sched, stages, loss_fn=gpt_loss, options=options)
     for chunk in pipe.chunks.values():  # which threads run the forwards
         chunk.module.register_forward_hook(lambda *_: threads.add(threading.current_thread().name))
     x, y = batch()
@@ -140,8 +150,14 @@ def overlapped_step(p: int, m: int) -> tuple[list | None, dict, tuple]:
 def test_overlapped_pairs_run_at_once_bitwise_as_the_reference(tmp_path):
     """P = 3 (V placement, 6 stages), dualpipev's pairs: each pair's F ran on a helper
     thread; losses and gradients are bitwise those of one process over the same
-    microbatches; the trace checks out given the pairs (whose events may overlap in time)."""
+    microbatches, also under docs/moe.md's hook (the backward on the helper); the trace
+    checks out given the pairs (whose events may overlap in time)."""
+    hooked = launch(overlapped_step, 3, 3, 6, True, timeout=240)
     results = launch(overlapped_step, 3, 3, 6, timeout=240)
+    for r, h in zip(results, hooked, strict=True):
+        assert (r[0] is None) == (h[0] is None)
+        assert r[0] is None or all(map(torch.equal, r[0], h[0]))
+        assert all(torch.equal(g, h[1][k]) for k, g in r[1].items())
     losses = next(r[0] for r in results if r[0] is not None)
     grads = {k: v for r in results for k, v in r[1].items()}
     x, y = batch()

@@ -22,7 +22,14 @@ The public API, all importable from ``zerobubble``:
 * processes: :func:`init_distributed` (inside each rank) and :func:`launch_local`
   (``launch_local(fn, P, *args)`` runs ``fn`` as P local ranks; for scripts use
   ``python -m zerobubble.launch -n P script.py`` or ``torchrun``); :func:`build_mesh`
-  (a :class:`PipelineMesh` of ``pp`` x ``dp`` ranks for ``Pipeline(mesh=...)``).
+  (a :class:`PipelineMesh` of ``pp`` x ``dp`` ranks for ``Pipeline(mesh=...)``);
+* mixtures of experts: :func:`add_loss_term` (a layer's loss term, e.g. a router loss,
+  trained and reported wherever its stage is; :func:`collect_loss_terms` outside a
+  pipeline), :class:`ExpertGroup` (experts sharded over ``build_mesh(..., ep=)``) and
+  :func:`ep_reference_step` (its single-process result); overlapped F&B pairs
+  (``generate("dualpipev", P, M, overlap=True)``) run both halves at once, or by a hook
+  given an :class:`OverlapPair`; a layer with collectives in both directions gives them
+  :class:`LaneGroups`.
 
 Names are imported on first use, so ``import zerobubble`` and the schedule names
 do not import torch (the torch-free command-line paths stay fast).
@@ -77,6 +84,12 @@ _WHERE: dict[str, tuple[str, str | None]] = {
     "launch_local": ("zerobubble.runtime.launcher", "launch"),
     # torch-backed
     "ExecutorOptions": ("zerobubble.runtime.executor", "ExecutorOptions"),
+    "ExpertGroup": ("zerobubble.runtime.ep", "ExpertGroup"),
+    "LaneGroups": ("zerobubble.runtime.overlap", "LaneGroups"),
+    "OverlapPair": ("zerobubble.runtime.overlap", "OverlapPair"),
+    "add_loss_term": ("zerobubble.runtime.loss_terms", "add_loss_term"),
+    "collect_loss_terms": ("zerobubble.runtime.loss_terms", "collect_loss_terms"),
+    "ep_reference_step": ("zerobubble.runtime.ep_reference", "ep_reference_step"),
     "OptimConfig": ("zerobubble.optim.config", "OptimConfig"),
     "Pipeline": ("zerobubble.pipeline", "Pipeline"),
     "PipelineExecutor": ("zerobubble.runtime.executor", "PipelineExecutor"),
@@ -100,8 +113,11 @@ __all__ = [
     "CostModel",
     "DistInfo",
     "ExecutorOptions",
+    "ExpertGroup",
+    "LaneGroups",
     "Op",
     "OptimConfig",
+    "OverlapPair",
     "Pipeline",
     "PipelineExecutor",
     "PipelineMesh",
@@ -112,9 +128,12 @@ __all__ = [
     "SegmentCost",
     "SimResult",
     "StepMode",
+    "add_loss_term",
     "balanced_cuts",
     "build_mesh",
     "build_stage_modules",
+    "collect_loss_terms",
+    "ep_reference_step",
     "equal_token_cuts",
     "generate",
     "init_distributed",
