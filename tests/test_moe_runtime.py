@@ -137,3 +137,79 @@ def test_pp2_ep2_dualpipev_with_and_without_overlap_is_bitwise_the_reference():
         for n, g in on["grads"].items():
             assert torch.equal(g, off["grads"][n]), n
             assert torch.equal(g, want_grads[n]), n
+
+
+# ---- DeepSeek-V3's MoE (shared experts, bias-balanced sigmoid routing) ---------------------------
+
+DS_M = 4
+
+
+def ds_batch() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 256, (8, 10), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0  # padding on one row: its labels are ignored
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask}, labels
+
+
+def test_deepseek_v3_layers_compute_the_models_own_loss():
+    """Its loss is cross-entropy alone (no auxiliary loss): the layers' loss with the batch's
+    token count is HF's within 1e-6 relative (another summation order)."""
+    from zerobubble.interop import hf
+
+    model = hf.tiny_model("hf-deepseek-v3")
+    layers = hf.causal_lm_layers(model)  # check_layers: a forward of both, compared
+    inputs, labels = ds_batch()
+    own = model(**inputs, labels=labels)
+    loss_fn = hf.CausalLMLoss(model)
+    x = layers[0](inputs)
+    for layer in layers[1:]:
+        x = layer(x)
+    got = loss_fn(x, labels, loss_fn.count_fn(labels))
+    assert [type(b.layer.mlp).__name__ for b in layers[1:-1]] == [
+        "DeepseekV3MLP",
+        "DeepseekV3MoE",
+        "DeepseekV3MoE",
+    ]
+    torch.testing.assert_close(got, own.loss, rtol=1e-6, atol=0)
+
+
+def deepseek_job(refs: tuple) -> list[str]:
+    from zerobubble.interop import hf
+
+    init_distributed()
+    p = torch.distributed.get_world_size()
+    inputs, labels = ds_batch()
+    bad = []
+    for kind in ("zb-h1", "dualpipev"):
+        model = hf.tiny_model("hf-deepseek-v3")
+        sched = generate(kind, p, DS_M, overlap=kind == "dualpipev")
+        pipe = zerobubble.Pipeline(hf.causal_lm_layers(model), hf.CausalLMLoss(model), sched)
+        losses = pipe.step(inputs, target=labels)
+        if losses is not None and not all(map(torch.equal, losses, refs[0])):
+            bad.append(f"{kind}: losses {losses} != {refs[0]}")
+        for name, param in pipe.named_parameters():
+            if param.grad is None or not torch.equal(param.grad, refs[1][name]):
+                bad.append(f"{kind}: gradient of {name} differs")
+    torch.distributed.destroy_process_group()
+    return bad
+
+
+@pytest.mark.bitwise
+def test_deepseek_v3_trains_bitwise_the_reference_under_zb_h1_and_overlapped_dualpipev():
+    """P = 2: a dense block, then two MoE blocks (a shared expert, routed experts, the
+    routing bias); losses and every gradient bitwise those of one process over the same
+    microbatches, under zb-h1 and under dualpipev with its pairs running at once."""
+    from zerobubble.interop import hf
+
+    model = hf.tiny_model("hf-deepseek-v3")
+    inputs, labels = ds_batch()
+    refs = reference_step(
+        hf.causal_lm_layers(model),
+        hf.CausalLMLoss(model),
+        inputs,
+        target=labels,
+        microbatches=DS_M,
+    )
+    assert [b for r in launch(deepseek_job, 2, refs, timeout=240) for b in r] == []
