@@ -7,6 +7,7 @@ import pytest
 
 from zerobubble.profile.bubbles import CATEGORIES, analyze_iteration
 from zerobubble.schedule.clocks import clock_offsets, pair_bounds
+from zerobubble.schedule.ir import Action, Op
 from zerobubble.schedule.trace_format import TraceEvent
 
 
@@ -96,6 +97,14 @@ def test_overlapping_computes_are_refused():
         analyze_iteration(bad, 0)
     with pytest.raises(ValueError, match="iteration 3: every rank needs compute events"):
         analyze_iteration(TRACE, 3)
+    # Declared as an overlapped pair, F(s0,mb1) [10, 20] and B(s0,mb0) [15, 60] run at once:
+    # their union, 10..60, is busy once, and the parts still add up to the idle time.
+    pair = (Action(Op.F, 0, 1), Action(Op.B, 0, 0))
+    paired = analyze_iteration(bad, 0, overlaps=[pair]).devices[0]
+    plain = analyze_iteration(TRACE, 0).devices[0]
+    assert paired.busy_ns == plain.busy_ns - (20 - 10) - (60 - 50) + (60 - 10)
+    parts = paired.dependency_ns + paired.memory_ns + paired.comm_ns + paired.imbalance_ns
+    assert parts + paired.overhead_ns == paired.idle_ns
 
 
 def test_clock_offsets_come_from_messages_both_ways():

@@ -15,6 +15,7 @@ from torch import nn
 from ranks import launch
 from zerobubble.cli import main
 from zerobubble.models import GPTConfig, build_gpt, gpt_loss
+from zerobubble.profile.bubbles import analyze_iteration
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.mesh import build_mesh
@@ -169,6 +170,16 @@ def test_overlapped_pairs_run_at_once_bitwise_as_the_reference(tmp_path):
     sched = generate("dualpipev", 3, 6, overlap=True)
     report = check_trace(events, overlaps=sched.overlaps)
     assert report.ok, report.first
+    # The idle-time breakdown takes the pairs' overlapping events: their union is busy.
+    for dev in analyze_iteration(events, 0, overlaps=sched.overlaps).devices:
+        spans = sorted((e.start_ns, e.end_ns) for e in events if e.rank == dev.rank and e.action)
+        union, reach = 0, None
+        for a, b in spans:
+            union += b - a if reach is None or a >= reach else max(0, b - reach)
+            reach = b if reach is None else max(reach, b)
+        assert dev.busy_ns == union
+        parts = dev.dependency_ns + dev.memory_ns + dev.comm_ns + dev.imbalance_ns
+        assert parts + dev.overhead_ns == dev.idle_ns
     write_jsonl(events, tmp_path / "trace.jsonl")
     (tmp_path / "sched.json").write_text(json_format.dumps(sched))
     assert (

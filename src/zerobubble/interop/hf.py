@@ -28,8 +28,8 @@ from zerobubble.interop.hf_router import ROUTER_TERM, router_loss_of
 from zerobubble.runtime.loss_terms import collect_loss_terms
 
 __all__ = [
-    "TINY_CONFIGS",
     "TINY_BIAS_MOE_CONFIGS",
+    "TINY_CONFIGS",
     "TINY_MOE_CONFIGS",
     "CausalLMLoss",
     "causal_lm_layers",

@@ -8,7 +8,9 @@ nanoseconds, so the parts add up exactly.
 Definitions (one iteration, device = rank ``d``):
 
 * compute events ``c_1 .. c_n`` of ``d`` in execution order, ``[s_i, e_i]``;
-  ``busy_d = Σ (e_i - s_i)``.
+  ``busy_d`` is the length of their union: ``Σ (e_i - s_i)``, except that the two
+  halves of an overlapped F&B pair (:mod:`~zerobubble.runtime.overlap`), whose events
+  may overlap in time, count their common time once.
 * window ``[T0, T1]``: the first compute start and the last compute end over
   all devices. **Idle time** ``idle_d = (T1 - T0) - busy_d``: the gaps
   ``[T0, s_1]``, ``[e_i, s_{i+1}]`` and ``[e_n, T1]``. The measured **bubble
@@ -50,7 +52,7 @@ rest lies after the window.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from zerobubble.schedule.clocks import clock_offsets
@@ -119,14 +121,20 @@ def iterations(events: Sequence[TraceEvent]) -> list[int]:
 
 
 def analyze_iteration(
-    events: Sequence[TraceEvent], iteration: int, *, mem_budget: int | None = None
+    events: Sequence[TraceEvent],
+    iteration: int,
+    *,
+    mem_budget: int | None = None,
+    overlaps: Iterable[tuple[Action, Action]] = (),
 ) -> IterationBubbles:
     """Decompose iteration ``iteration``'s idle time (see the module docstring).
 
     ``events`` are every rank's events, each rank's in execution order; other
     iterations only help align the clocks. ``mem_budget`` (bytes per device) enables
-    memory stalls.
+    memory stalls. ``overlaps``: the schedule's overlapped F&B pairs, the only compute
+    events that may overlap in time.
     """
+    pairs = {frozenset(pair) for pair in overlaps}
     offsets = clock_offsets(events)
     mine = [
         replace(e, start_ns=e.start_ns + offsets[e.rank], end_ns=e.end_ns + offsets[e.rank])
@@ -145,7 +153,7 @@ def analyze_iteration(
             made.update(dict.fromkeys(produces(*act, num_stages), e))
     arrivals = {(e.rank, e.msg): e.end_ns for e in mine if e.op is EventOp.WAIT_RECV}
     t0 = min(c[0].start_ns for c in computes.values())
-    t1 = max(c[-1].end_ns for c in computes.values())
+    t1 = max(c.end_ns for cs in computes.values() for c in cs)
 
     def producer(c: TraceEvent) -> tuple[TraceEvent | None, MessageId | None]:
         """The compute whose output ``c`` consumes from another stage, and the message id."""
@@ -160,16 +168,22 @@ def analyze_iteration(
     for r in ranks:
         cs = computes[r]
         parts = dict.fromkeys(CATEGORIES, 0)
-        busy[r] = sum(c.end_ns - c.start_ns for c in cs)
+        busy[r] = 0
         peaks[r] = max(max(e.mem_before, e.mem_after) for e in per_rank[r])
         lo = t0
         for i, c in enumerate(cs):
             hi = c.start_ns
             if hi < lo:
-                raise ValueError(
-                    f"rank {r}: compute events overlap at {c.op}(s{c.stage},mb{c.mb}) of "
-                    f"iteration {iteration}; check the trace with `zerobubble check-trace`"
-                )
+                if i == 0 or frozenset((cs[i - 1].action, c.action)) not in pairs:
+                    raise ValueError(
+                        f"rank {r}: compute events overlap at {c.op}(s{c.stage},mb{c.mb}) of "
+                        f"iteration {iteration}; only an overlapped F&B pair's may; check "
+                        "the trace with `zerobubble check-trace`"
+                    )
+                busy[r] += max(0, c.end_ns - lo)  # the pair's common time counts once
+                lo = max(lo, c.end_ns)
+                continue
+            busy[r] += c.end_ns - c.start_ns
             p = a = lo
             prod, msg = producer(c)
             if prod is not None and prod.rank != r:

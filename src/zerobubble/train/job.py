@@ -863,7 +863,10 @@ def _analyze(ph: _Phase, profile: Profile, mem_limit: int) -> PhaseResult:
     """Figures of the measured iterations; the prediction simulates the schedule as it
     ran with the profile (see :func:`executed_costs`)."""
     iters = sorted({e.iteration for e in ph.events if e.iteration >= ph.measure_from})
-    bubbles = tuple(analyze_iteration(ph.events, k, mem_budget=mem_limit) for k in iters)
+    bubbles = tuple(
+        analyze_iteration(ph.events, k, mem_budget=mem_limit, overlaps=ph.pipe.schedule.overlaps)
+        for k in iters
+    )
     ran = ph.pipe.schedule
     return PhaseResult(
         ph.name,
