@@ -1,0 +1,258 @@
+"""Hugging Face MoE experts (Mixtral, Qwen3-MoE) sharded over ep, as our MoE's are.
+
+In one process: at ep=1 :class:`ShardedExperts` is HF's experts module bitwise in the
+forward. On 4 gloo ranks (pp=2 x dp=2 x ep=2) the tiny Mixtral (with its router loss) runs
+one step under zb-h1 and zbv and Qwen3-MoE under zbv; 2 ranks run pp=1 x ep=2 (1f1b).
+Losses, router terms and every gradient after the reduction are bitwise equal between
+those runs (the schedule and the stage cuts do not change the arithmetic) and within
+1e-5 of each tensor's largest magnitude of HF's own model run per replica on the same
+microbatches with the replicas' gradients summed (an expert's matmuls see both
+replicas' rows under ep, so that comparison is not bitwise). The clipping norm counts
+every expert row block once, bitwise ``get_total_norm`` of the layout's tensors; the
+whole HF state dict loads strictly; a checkpoint round-trips."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import zerobubble
+from ranks import launch
+from zerobubble.interop import hf
+from zerobubble.interop.hf_experts import ShardedExperts, expert_shard, shard_hf_experts
+from zerobubble.runtime.ep import ExpertGroup, expert_run, is_expert
+from zerobubble.runtime.launcher import init_distributed
+from zerobubble.runtime.mesh import build_mesh
+
+M, LOCAL, LENGTH = 2, 4, 6
+TIMEOUT = 240.0
+CASES = [("hf-mixtral", "zb-h1"), ("hf-mixtral", "zbv"), ("hf-qwen3-moe", "zbv")]
+
+
+def batch(dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(3, 256, (dp * LOCAL, LENGTH), generator=g)
+    return ids, ids.clone()
+
+
+def part(dp: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batch(dp)
+    return x[r * LOCAL : (r + 1) * LOCAL], y[r * LOCAL : (r + 1) * LOCAL]
+
+
+# ---- one process ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", hf.TINY_MOE_CONFIGS)
+def test_sharded_experts_at_ep1_are_the_hf_block_bitwise(name):
+    model = hf.tiny_model(name)
+    block = model.model.layers[0].mlp
+    mine = copy.deepcopy(block)
+    assert shard_hf_experts(mine, ExpertGroup(), first_run=3) == 1
+    experts = mine.experts
+    assert isinstance(experts, ShardedExperts)
+    assert [expert_run(p) for p in experts.parameters()] == [3, 4]
+    assert all(map(is_expert, experts.parameters()))
+    assert expert_shard(experts.gate_up_proj) == (0, 4, 4)
+    assert [n for n, _ in mine.named_parameters()] == [n for n, _ in block.named_parameters()]
+    x = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    want, got = block(x), mine(x2)
+    assert torch.equal(want, got)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+    assert torch.equal(block.gate.weight.grad, mine.gate.weight.grad)
+    # the expert weight gradients: the same matmuls, another accumulation path (rounding)
+    for n in ("gate_up_proj", "down_proj"):
+        a, b = getattr(block.experts, n).grad, getattr(experts, n).grad
+        assert torch.allclose(a, b, rtol=0, atol=1e-6 * float(a.abs().max())), n
+
+
+def test_shard_hf_experts_refuses_an_ep_that_does_not_divide_the_experts():
+    model = hf.tiny_model("hf-mixtral")
+    with pytest.raises(ValueError, match=r"ep=3 must divide the HF experts' num_experts=4"):
+        shard_hf_experts(model.model.layers[0], ExpertGroup(object(), 0, 3))  # type: ignore[arg-type]
+    experts = model.model.layers[0].mlp.experts
+    with torch.no_grad():
+        experts.down_proj = torch.nn.Parameter(experts.down_proj[:2].clone())
+    with pytest.raises(ValueError, match=r"MixtralExperts.down_proj is not a \(4, ., .\) tensor"):
+        ShardedExperts(experts, ExpertGroup())
+
+
+# ---- ranks ---------------------------------------------------------------------------------
+
+
+def one_step(mesh, name: str, kind: str) -> dict:
+    model = hf.tiny_model(name)
+    pipe = zerobubble.Pipeline(
+        hf.causal_lm_layers(model), hf.CausalLMLoss(model), kind, microbatches=M, mesh=mesh
+    )
+    x, y = part(mesh.dp_size, mesh.dp_rank)
+    terms: dict[str, list[torch.Tensor]] = {}
+    losses = pipe.step(x, target=y, terms=terms)
+    sharded = [n for n, p in pipe.named_parameters() if expert_shard(p) is not None]
+    return {
+        "losses": None if losses is None else [t.numpy() for t in losses],
+        "terms": {k: [t.numpy() for t in v] for k, v in terms.items()},
+        "grads": {n: p.grad.numpy().copy() for n, p in pipe.named_parameters()},
+        "shard": {n: expert_shard(p) for n, p in pipe.named_parameters()},
+        "sharded": sharded,
+    }
+
+
+def ep_ranks(tmp: str) -> dict:
+    init_distributed(timeout_s=120)
+    mesh = build_mesh(2, 2, ep=2)
+    out: dict = {"ep_rank": mesh.ep_rank, "dp_rank": mesh.dp_rank, "pp_rank": mesh.pp_rank}
+    for name, kind in CASES:
+        out[(name, kind)] = one_step(mesh, name, kind)
+    # The clipping norm: one step of a trainer (plain SGD, lr 0) on the zb-h1 pipeline.
+    model = hf.tiny_model("hf-mixtral")
+    pipe = zerobubble.Pipeline(
+        hf.causal_lm_layers(model), hf.CausalLMLoss(model), "zb-h1", microbatches=M, mesh=mesh
+    )
+    trainer = pipe.set_optimizer(
+        torch.optim.SGD(pipe.parameters(), lr=0.0), zerobubble.OptimConfig(max_norm=1e-3)
+    )
+    x, y = part(2, mesh.dp_rank)
+    pipe.step(x, target=y)
+    pipe.drain()
+    assert trainer.last_commit is not None
+    out["norm"] = float(trainer.last_commit.total_norm)
+    # The whole HF state dict loads strictly (each rank keeps its rows of the experts).
+    other = hf.tiny_model("hf-mixtral", seed=1)
+    pipe.load_state_dict(other.state_dict())
+    whole = other.state_dict()
+    bad = []
+    for n, p in pipe.named_parameters():
+        shard = expert_shard(p)
+        want = whole[n] if shard is None else whole[n][shard[0] : shard[1]]
+        if not torch.equal(p.detach(), want):
+            bad.append(n)
+    out["loaded"] = bad
+    # A checkpoint round-trips: ep peers' rows of one name are separate entries.
+    saved = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+    from zerobubble.optim.checkpoint import load_checkpoint, save_checkpoint
+
+    save_checkpoint(trainer, tmp, mesh=mesh)
+    with torch.no_grad():
+        for p in pipe.parameters():
+            p.zero_()
+    load_checkpoint(trainer, tmp, mesh=mesh)
+    out["restored"] = [n for n, p in pipe.named_parameters() if not torch.equal(p, saved[n])]
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return out
+
+
+def pp1_ranks() -> dict:
+    init_distributed(timeout_s=120)
+    mesh = build_mesh(1, 2, ep=2)
+    out = {"ep_rank": mesh.ep_rank, "step": one_step(mesh, "hf-mixtral", "1f1b")}
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return out
+
+
+def hf_reference(name: str, dp: int) -> tuple[list[list[torch.Tensor]], dict[str, torch.Tensor]]:
+    """HF's own model per replica: per microbatch ``model(..., labels, num_items_in_batch=N)``
+    (N the global token count, as the pipeline normalises), back-propagated unscaled; the
+    replicas' gradients summed in rank order."""
+    model = hf.tiny_model(name)
+    _, labels = batch(dp)
+    total = hf.count_tokens(labels)
+    losses: list[list[torch.Tensor]] = []
+    summed: dict[str, torch.Tensor] = {}
+    for r in range(dp):
+        model.zero_grad(set_to_none=True)
+        x, y = part(dp, r)
+        mine = []
+        for xj, yj in zip(x.chunk(M), y.chunk(M), strict=True):
+            loss = model(input_ids=xj, labels=yj, num_items_in_batch=total).loss
+            loss.backward()
+            mine.append(loss.detach())
+        losses.append(mine)
+        for n, p in model.named_parameters():
+            assert p.grad is not None, n
+            summed[n] = p.grad.clone() if n not in summed else summed[n] + p.grad
+    return losses, summed
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return torch.allclose(got, want, rtol=0, atol=1e-5 * max(float(want.abs().max()), 1e-30))
+
+
+@pytest.mark.slow
+@pytest.mark.bitwise
+def test_hf_experts_on_pp2_ep2_are_bitwise_across_schedules_and_close_to_hf(tmp_path):
+    results = launch(ep_ranks, 4, str(tmp_path), timeout=TIMEOUT)
+    pp1 = launch(pp1_ranks, 2, timeout=TIMEOUT)
+    assert [r["ep_rank"] for r in results] == [0, 1, 0, 1]
+    refs = {name: hf_reference(name, 2) for name in {n for n, _ in CASES}}
+    # the zb-h1 Mixtral run by (replica, name), and its losses by replica
+    h1 = {
+        (r["dp_rank"], n): torch.from_numpy(a)
+        for r in results
+        for n, a in r[("hf-mixtral", "zb-h1")]["grads"].items()
+    }
+    h1_losses = {
+        r["dp_rank"]: list(map(torch.from_numpy, r[("hf-mixtral", "zb-h1")]["losses"]))
+        for r in results
+        if r[("hf-mixtral", "zb-h1")]["losses"] is not None
+    }
+    for r in results:
+        assert r["loaded"] == [] and r["restored"] == []
+    for case in CASES:
+        name, kind = case
+        want_losses, want = refs[name]
+        held: dict[str, set] = {}
+        assert any(r[case]["sharded"] for r in results), case
+        for r in results:
+            got = r[case]
+            for n, array in got["grads"].items():
+                grad, shard = torch.from_numpy(array), got["shard"][n]
+                held.setdefault(n, set()).add(shard)
+                ref = want[n] if shard is None else want[n][shard[0] : shard[1]]
+                assert close(grad, ref), (case, n)
+                if kind == "zbv" and name == "hf-mixtral":  # bitwise the zb-h1 run
+                    assert torch.equal(grad, h1[(r["dp_rank"], n)]), (case, n)
+            if got["losses"] is not None:
+                mine = want_losses[r["dp_rank"]]
+                pairs = zip(got["losses"], mine, strict=True)
+                assert all(close(torch.from_numpy(a), b) for a, b in pairs)
+                assert list(got["terms"]) == ["router_aux"]
+                if kind == "zbv" and name == "hf-mixtral":
+                    assert all(
+                        map(
+                            torch.equal,
+                            map(torch.from_numpy, got["losses"]),
+                            h1_losses[r["dp_rank"]],
+                        )
+                    )
+        # every parameter of the model is held; experts as two row blocks
+        assert set(held) == set(want), case
+        for n, shards in held.items():
+            assert shards == ({None} if ".experts." not in n else {(0, 2, 4), (2, 4, 4)}), n
+    # pp=1 x ep=2 under 1f1b: bitwise the pp=2 runs (replica = ep rank here)
+    for q in pp1:
+        step, replica = q["step"], q["ep_rank"]
+        assert set(step["grads"]) == {n for d, n in h1 if d == replica}
+        for n, array in step["grads"].items():
+            assert torch.equal(torch.from_numpy(array), h1[(replica, n)]), n
+        assert all(map(torch.equal, map(torch.from_numpy, step["losses"]), h1_losses[replica]))
+    # the clipping norm: every expert row block once, in the unsharded model's order
+    grads = {}
+    for r in results:
+        for n, array in r[("hf-mixtral", "zb-h1")]["grads"].items():
+            shard = r[("hf-mixtral", "zb-h1")]["shard"][n]
+            grads[(n, None if shard is None else shard[0])] = torch.from_numpy(array)
+    order = []
+    for n, _ in hf.tiny_model("hf-mixtral").named_parameters():
+        order += [grads[(n, 0)], grads[(n, 2)]] if ".experts." in n else [grads[(n, None)]]
+    norm = float(torch.nn.utils.get_total_norm(order))
+    assert [r["norm"] for r in results] == [norm] * 4
