@@ -21,7 +21,12 @@ import torch
 import zerobubble
 from ranks import launch
 from zerobubble.interop import hf
-from zerobubble.interop.hf_experts import ShardedExperts, expert_shard, shard_hf_experts
+from zerobubble.interop.hf_experts import (
+    ShardedExperts,
+    expert_shard,
+    gather_hf_experts,
+    shard_hf_experts,
+)
 from zerobubble.runtime.ep import ExpertGroup, expert_run, is_expert
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.mesh import build_mesh
@@ -133,6 +138,8 @@ def ep_ranks(tmp: str) -> dict:
         if not torch.equal(p.detach(), want):
             bad.append(n)
     out["loaded"] = bad
+    gathered = gather_hf_experts(pipe, mesh)  # whole HF tensors again: HF's own entries
+    out["gathered"] = [n for n, t in gathered.items() if not torch.equal(t, whole[n])]
     # A checkpoint round-trips: ep peers' rows of one name are separate entries.
     saved = {n: p.detach().clone() for n, p in pipe.named_parameters()}
     from zerobubble.optim.checkpoint import load_checkpoint, save_checkpoint
@@ -206,7 +213,7 @@ def test_hf_experts_on_pp2_ep2_are_bitwise_across_schedules_and_close_to_hf(tmp_
         if r[("hf-mixtral", "zb-h1")]["losses"] is not None
     }
     for r in results:
-        assert r["loaded"] == [] and r["restored"] == []
+        assert r["loaded"] == [] and r["restored"] == [] and r["gathered"] == []
     for case in CASES:
         name, kind = case
         want_losses, want = refs[name]

@@ -38,19 +38,26 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zerobubble.models.moe import dispatch_order, run_experts
 from zerobubble.runtime.ep import ExpertGroup, all_to_all, exchange_counts, mark_expert
 
+if TYPE_CHECKING:
+    from zerobubble.pipeline import Pipeline
+    from zerobubble.runtime.mesh import PipelineMesh
+
 __all__ = [
     "HF_EXPERT_CLASSES",
     "ShardedExperts",
     "expert_shard",
+    "gather_hf_experts",
     "hf_expert_classes",
     "shard_hf_experts",
 ]
@@ -183,3 +190,21 @@ def shard_hf_experts(module: nn.Module, ep: ExpertGroup, first_run: int = 0) -> 
         parent = module.get_submodule(parent_name) if parent_name else module
         setattr(parent, attr, ShardedExperts(m, ep, first_run + 2 * i))
     return len(found)
+
+
+def gather_hf_experts(pipe: Pipeline, mesh: PipelineMesh) -> OrderedDict[str, Tensor]:
+    """``pipe.state_dict()`` with every sharded HF experts tensor whole again, ``(E, ...)``:
+    the ep ranks' row blocks concatenated in ep-rank order, so the entries are HF's own
+    (``model.load_state_dict`` takes them). A collective over ``mesh.ep_group`` (every ep
+    peer holds the same stages, so the same sharded names, in the same order)."""
+    state = pipe.state_dict()
+    if mesh.ep_group is None:
+        return state
+    shards = {n: expert_shard(p) for n, p in pipe.named_parameters()}
+    for name, value in state.items():
+        if shards.get(name) is None:
+            continue
+        blocks = [torch.empty_like(value) for _ in range(mesh.ep_size)]
+        dist.all_gather(blocks, value.contiguous(), group=mesh.ep_group)
+        state[name] = torch.cat(blocks)
+    return state
