@@ -20,6 +20,7 @@ import torch
 
 import zerobubble
 from ranks import launch
+from test_ep import Deferral
 from zerobubble.interop import hf
 from zerobubble.interop.hf_experts import (
     ShardedExperts,
@@ -97,7 +98,8 @@ def one_step(mesh, name: str, kind: str) -> dict:
     )
     x, y = part(mesh.dp_size, mesh.dp_rank)
     terms: dict[str, list[torch.Tensor]] = {}
-    losses = pipe.step(x, target=y, terms=terms)
+    hooks = Deferral(pipe.executor)
+    losses = pipe.executor.step(x, target=y, terms=terms, hooks=hooks)
     sharded = [n for n, p in pipe.named_parameters() if expert_shard(p) is not None]
     return {
         "losses": None if losses is None else [t.numpy() for t in losses],
@@ -105,6 +107,7 @@ def one_step(mesh, name: str, kind: str) -> dict:
         "grads": {n: p.grad.numpy().copy() for n, p in pipe.named_parameters()},
         "shard": {n: expert_shard(p) for n, p in pipe.named_parameters()},
         "sharded": sharded,
+        "after_b": hooks.after_b,
     }
 
 
@@ -241,6 +244,11 @@ def test_hf_experts_on_pp2_ep2_are_bitwise_across_schedules_and_close_to_hf(tmp_
                             h1_losses[r["dp_rank"]],
                         )
                     )
+            # split stages defer the HF expert weight gradients to W, like our MoE's
+            assert all(pending for _, _, _, pending in got["after_b"]), case
+            assert all(none for _, mb, none, _ in got["after_b"] if mb == 0), case
+        if kind != "1f1b":
+            assert any(r[case]["after_b"] for r in results), case
         # every parameter of the model is held; experts as two row blocks
         assert set(held) == set(want), case
         for n, shards in held.items():
