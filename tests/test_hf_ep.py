@@ -1,15 +1,17 @@
 """Hugging Face MoE experts (Mixtral, Qwen3-MoE) sharded over ep, as our MoE's are.
 
 In one process: at ep=1 :class:`ShardedExperts` is HF's experts module bitwise in the
-forward. On 4 gloo ranks (pp=2 x dp=2 x ep=2) the tiny Mixtral (with its router loss) runs
-one step under zb-h1 and zbv and Qwen3-MoE under zbv; 2 ranks run pp=1 x ep=2 (1f1b).
-Losses, router terms and every gradient after the reduction are bitwise equal between
-those runs (the schedule and the stage cuts do not change the arithmetic) and within
-1e-5 of each tensor's largest magnitude of HF's own model run per replica on the same
-microbatches with the replicas' gradients summed (an expert's matmuls see both
-replicas' rows under ep, so that comparison is not bitwise). The clipping norm counts
-every expert row block once, bitwise ``get_total_norm`` of the layout's tensors; the
-whole HF state dict loads strictly; a checkpoint round-trips."""
+forward; the threaded reference (:func:`threaded_ep_reference_step`) is
+:func:`ep_reference_step` bitwise on our MoE. On 4 gloo ranks (pp=2 x dp=2 x ep=2) the
+tiny Mixtral (with its router loss) runs one step under zb-h1 and zbv and Qwen3-MoE under
+zbv; 2 ranks run pp=1 x ep=2 (1f1b). Losses and every gradient after the reduction are
+bitwise the threaded reference and equal between those runs (the schedule and the stage
+cuts do not change the arithmetic), and within 1e-5 of each tensor's largest magnitude
+of HF's own model run per replica on the same microbatches with the replicas' gradients
+summed (an expert's matmuls see both replicas' rows under ep, so that comparison is not
+bitwise). The clipping norm counts every expert row block once, bitwise
+``get_total_norm`` of the layout's tensors; the whole HF state dict loads strictly and
+:func:`gather_hf_experts` gives it back; a checkpoint round-trips."""
 
 from __future__ import annotations
 
@@ -28,7 +30,10 @@ from zerobubble.interop.hf_experts import (
     gather_hf_experts,
     shard_hf_experts,
 )
+from zerobubble.models import mlp_loss
+from zerobubble.models.moe import build_moe_mlp
 from zerobubble.runtime.ep import ExpertGroup, expert_run, is_expert
+from zerobubble.runtime.ep_reference import ep_reference_step, threaded_ep_reference_step
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.mesh import build_mesh
 
@@ -86,6 +91,39 @@ def test_shard_hf_experts_refuses_an_ep_that_does_not_divide_the_experts():
         experts.down_proj = torch.nn.Parameter(experts.down_proj[:2].clone())
     with pytest.raises(ValueError, match=r"MixtralExperts.down_proj is not a \(4, ., .\) tensor"):
         ShardedExperts(experts, ExpertGroup())
+
+
+@pytest.mark.parametrize(("dp", "ep"), [(2, 2), (4, 2)])
+def test_the_threaded_reference_is_ep_reference_step_bitwise_on_our_moe(dp, ep):
+    """Threads meeting at a LocalGroup compute what ep_reference_step's explicit
+    concatenations compute: losses (with a balance term) and every gradient, bitwise."""
+
+    def model():
+        return build_moe_mlp((6, 8, 3), hidden=16, num_experts=4, top_k=2, blocks=2, balance=0.01)
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(dp * 8, 3, 6, generator=g), torch.randn(dp * 8, 3, 3, generator=g)
+    parts = [(x[r * 8 : (r + 1) * 8], y[r * 8 : (r + 1) * 8]) for r in range(dp)]
+    want_losses, want = ep_reference_step(model(), mlp_loss, parts, 4, ep)
+    losses, grads = threaded_ep_reference_step(model(), mlp_loss, parts, 4, ep)
+    assert sorted(grads) == sorted(want)
+    assert all(torch.equal(grads[n], want[n]) for n in want)
+    assert [list(map(float, r)) for r in losses] == [list(map(float, r)) for r in want_losses]
+
+
+def test_a_failing_replica_of_the_threaded_reference_raises_instead_of_hanging():
+    calls = []
+
+    def loss_fn(out, target):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("replica failed")
+        return mlp_loss(out, target)
+
+    model = build_moe_mlp((6, 8, 3), hidden=16, num_experts=4, top_k=2, blocks=1)
+    parts = [(torch.randn(4, 6), torch.randn(4, 3)) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="replica failed"):
+        threaded_ep_reference_step(model, loss_fn, parts, 2, 2)
 
 
 # ---- ranks ---------------------------------------------------------------------------------
@@ -193,17 +231,28 @@ def hf_reference(name: str, dp: int) -> tuple[list[list[torch.Tensor]], dict[str
     return losses, summed
 
 
+def threaded_reference(name: str, dp: int, ep: int):
+    """The single-process ground truth: one thread per replica, the all-to-alls played out
+    between them (:func:`threaded_ep_reference_step`)."""
+    model = hf.tiny_model(name)
+    parts = [part(dp, r) for r in range(dp)]
+    return threaded_ep_reference_step(
+        hf.causal_lm_layers(model), hf.CausalLMLoss(model), parts, M, ep
+    )
+
+
 def close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return torch.allclose(got, want, rtol=0, atol=1e-5 * max(float(want.abs().max()), 1e-30))
 
 
 @pytest.mark.slow
 @pytest.mark.bitwise
-def test_hf_experts_on_pp2_ep2_are_bitwise_across_schedules_and_close_to_hf(tmp_path):
+def test_hf_experts_on_pp2_ep2_are_bitwise_the_threaded_reference_and_close_to_hf(tmp_path):
     results = launch(ep_ranks, 4, str(tmp_path), timeout=TIMEOUT)
     pp1 = launch(pp1_ranks, 2, timeout=TIMEOUT)
     assert [r["ep_rank"] for r in results] == [0, 1, 0, 1]
     refs = {name: hf_reference(name, 2) for name in {n for n, _ in CASES}}
+    exact = {name: threaded_reference(name, 2, 2) for name in refs}
     # the zb-h1 Mixtral run by (replica, name), and its losses by replica
     h1 = {
         (r["dp_rank"], n): torch.from_numpy(a)
@@ -220,6 +269,7 @@ def test_hf_experts_on_pp2_ep2_are_bitwise_across_schedules_and_close_to_hf(tmp_
     for case in CASES:
         name, kind = case
         want_losses, want = refs[name]
+        exact_losses, exact_grads = exact[name]
         held: dict[str, set] = {}
         assert any(r[case]["sharded"] for r in results), case
         for r in results:
@@ -229,12 +279,16 @@ def test_hf_experts_on_pp2_ep2_are_bitwise_across_schedules_and_close_to_hf(tmp_
                 held.setdefault(n, set()).add(shard)
                 ref = want[n] if shard is None else want[n][shard[0] : shard[1]]
                 assert close(grad, ref), (case, n)
+                bits = exact_grads[n] if shard is None else exact_grads[n][shard[0] : shard[1]]
+                assert torch.equal(grad, bits), (case, n)
                 if kind == "zbv" and name == "hf-mixtral":  # bitwise the zb-h1 run
                     assert torch.equal(grad, h1[(r["dp_rank"], n)]), (case, n)
             if got["losses"] is not None:
                 mine = want_losses[r["dp_rank"]]
                 pairs = zip(got["losses"], mine, strict=True)
                 assert all(close(torch.from_numpy(a), b) for a, b in pairs)
+                losses = map(torch.from_numpy, got["losses"])
+                assert all(map(torch.equal, losses, exact_losses[r["dp_rank"]])), case
                 assert list(got["terms"]) == ["router_aux"]
                 if kind == "zbv" and name == "hf-mixtral":
                     assert all(
