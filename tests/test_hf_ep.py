@@ -211,6 +211,36 @@ def pp1_ranks() -> dict:
     return out
 
 
+def wide_ranks() -> dict:
+    """pp=1 x dp=4 x ep=2: expert gradients summed over edp (2 ranks)."""
+    init_distributed(timeout_s=120)
+    mesh = build_mesh(1, 4, ep=2)
+    out = {"dp_rank": mesh.dp_rank, "step": one_step(mesh, "hf-mixtral", "1f1b")}
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.bitwise
+def test_hf_experts_on_dp4_ep2_sum_expert_gradients_over_edp():
+    """Expert gradients (g_0 + g_2 for ep rank 0) bitwise the threaded reference; dense
+    ones (gloo's 4-rank ring, its own order) within 1e-7 and equal on every replica."""
+    results = launch(wide_ranks, 4, timeout=TIMEOUT)
+    losses, want = threaded_reference("hf-mixtral", 4, 2)
+    for r in results:
+        got = r["step"]
+        assert all(map(torch.equal, map(torch.from_numpy, got["losses"]), losses[r["dp_rank"]]))
+        for n, array in got["grads"].items():
+            grad, shard = torch.from_numpy(array), got["shard"][n]
+            if shard is not None:
+                assert torch.equal(grad, want[n][shard[0] : shard[1]]), n
+            else:
+                assert torch.equal(grad, torch.from_numpy(results[0]["step"]["grads"][n])), n
+                assert torch.allclose(grad, want[n], rtol=0, atol=1e-7), n
+
+
 def hf_reference(name: str, dp: int) -> tuple[list[list[torch.Tensor]], dict[str, torch.Tensor]]:
     """HF's own model per replica: per microbatch ``model(..., labels, num_items_in_batch=N)``
     (N the global token count, as the pipeline normalises), back-propagated unscaled; the
