@@ -26,12 +26,17 @@ Its forward is our MoE's three phases with HF's per-expert math:
 * combine: each row times its routing weight, then one ``index_add_`` per hit expert in
   ascending expert order into zeros: HF's loop, op for op.
 
-At ``ep == 1`` the forward is therefore HF's bitwise (the same rows in the same order
-through the same ops). With ``ep > 1`` an expert's matmuls see the rows of every source,
-so a replica's result is HF's within rounding, not bitwise.
+At ``ep == 1`` the module is therefore HF's eager experts (``experts_implementation=
+"eager"``) bitwise, forward and every gradient: the same rows in the same order through
+the same ops. transformers' default on this version, ``"grouped_mm"``, gives the same
+forward bitwise and weight gradients within rounding (another backward kernel). With
+``ep > 1`` an expert's matmuls see the rows of every source, so a replica's result is
+HF's within rounding, not bitwise.
 
-Only HF's eager expert math is reproduced (``config._experts_implementation`` other than
-``"eager"``, e.g. grouped_mm kernels, is replaced by it).
+Only HF's eager expert math is reproduced: whatever ``config._experts_implementation``
+says, a sharded block runs it. Expert modules of another layout (transposed, interleaved
+gate/up, biases, a post-expert norm: the flags of HF's ``use_experts_implementation``)
+are refused with a ValueError.
 """
 
 from __future__ import annotations
@@ -114,6 +119,19 @@ class ShardedExperts(nn.Module):
             raise ValueError(
                 f"ep={ep.size} must divide the HF experts' num_experts={num_experts} "
                 f"({type(experts).__name__}); choose ep among the divisors of the expert count"
+            )
+        layout = {
+            "is_transposed": False,
+            "is_concatenated": True,
+            "has_bias": False,
+            "has_gate": True,
+            "has_post_expert_norm": False,
+        }
+        other = {k: getattr(hf, k) for k, v in layout.items() if getattr(hf, k, v) != v}
+        if other:
+            raise ValueError(
+                f"{type(experts).__name__} has {other}: ShardedExperts reproduces HF's "
+                f"concatenated [gate; up] layout without bias or post norm only ({layout})"
             )
         gate_up, down = hf.gate_up_proj, hf.down_proj
         for name, p in (("gate_up_proj", gate_up), ("down_proj", down)):
