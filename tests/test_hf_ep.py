@@ -252,11 +252,13 @@ def test_hf_experts_on_dp4_ep2_sum_expert_gradients_over_edp():
                 assert torch.allclose(grad, want[n], rtol=0, atol=1e-7), n
 
 
-def hf_reference(name: str, dp: int) -> tuple[list[list[torch.Tensor]], dict[str, torch.Tensor]]:
+def hf_reference(
+    name: str, dp: int, skewed: bool = False
+) -> tuple[list[list[torch.Tensor]], dict[str, torch.Tensor]]:
     """HF's own model per replica: per microbatch ``model(..., labels, num_items_in_batch=N)``
     (N the global token count, as the pipeline normalises), back-propagated unscaled; the
     replicas' gradients summed in rank order."""
-    model = hf.tiny_model(name)
+    model = skew(hf.tiny_model(name)) if skewed else hf.tiny_model(name)
     _, labels = batch(dp)
     total = hf.count_tokens(labels)
     losses: list[list[torch.Tensor]] = []
@@ -276,10 +278,19 @@ def hf_reference(name: str, dp: int) -> tuple[list[list[torch.Tensor]], dict[str
     return losses, summed
 
 
-def threaded_reference(name: str, dp: int, ep: int):
+def skew(model):
+    """Zero routers: every token picks the same two experts (topk's ties: 2 and 3, ep rank
+    1's at ep=2); the other ep rank receives no rows."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.zero_()
+    return model
+
+
+def threaded_reference(name: str, dp: int, ep: int, skewed: bool = False):
     """The single-process ground truth: one thread per replica, the all-to-alls played out
     between them (:func:`threaded_ep_reference_step`)."""
-    model = hf.tiny_model(name)
+    model = skew(hf.tiny_model(name)) if skewed else hf.tiny_model(name)
     parts = [part(dp, r) for r in range(dp)]
     return threaded_ep_reference_step(
         hf.causal_lm_layers(model), hf.CausalLMLoss(model), parts, M, ep
@@ -288,6 +299,25 @@ def threaded_reference(name: str, dp: int, ep: int):
 
 def close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return torch.allclose(got, want, rtol=0, atol=1e-5 * max(float(want.abs().max()), 1e-30))
+
+
+@pytest.mark.parametrize("skewed", [False, True])
+def test_the_threaded_reference_of_hf_experts_is_close_to_hf_per_replica(skewed):
+    """At dp=2 x ep=2, in one process, with and without an ep rank that receives no rows."""
+    losses, grads = threaded_reference("hf-mixtral", 2, 2, skewed)
+    want_losses, want = hf_reference("hf-mixtral", 2, skewed)
+    assert sorted(grads) == sorted(want)
+    assert all(close(grads[n], want[n]) for n in want), [
+        n for n in want if not close(grads[n], want[n])
+    ]
+    pairs = [
+        (a, b) for r, w in zip(losses, want_losses, strict=True) for a, b in zip(r, w, strict=True)
+    ]
+    assert len(pairs) == 2 * M and all(close(a, b) for a, b in pairs)
+    if skewed:  # one ep rank's experts saw no token (topk's ties pick 2 and 3 here)
+        experts = [grads[n] for n in grads if ".experts." in n]
+        idle = [q for q in (0, 1) if all(not g[2 * q : 2 * q + 2].any() for g in experts)]
+        assert len(idle) == 1, idle
 
 
 @pytest.mark.slow
