@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from zerobubble.interop.hf_experts import expert_shard, shard_hf_experts
 from zerobubble.models.moe import shard_experts
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.trainer import PipelineTrainer, stage_kwargs
@@ -91,8 +92,10 @@ class Pipeline:
             last W of each step, gradients reduce-scattered (summed) after that W,
             instead of the reduction of whole gradients. A mesh with ``ep > 1`` shards
             every :class:`~zerobubble.models.moe.MoE` layer's experts over its ep group
-            (:func:`~zerobubble.models.moe.shard_experts`): this rank keeps its experts,
-            whose gradients are summed over ``mesh.edp_group``.
+            (:func:`~zerobubble.models.moe.shard_experts`), and every Hugging Face
+            Mixtral / Qwen3-MoE experts module
+            (:func:`~zerobubble.interop.hf_experts.shard_hf_experts`): this rank keeps its
+            experts, whose gradients are summed over ``mesh.edp_group``.
 
     A parameter the model uses in several layers stays one parameter: layers of
     a stage share it; stages share it as a tie whose replicas take one summed
@@ -174,7 +177,8 @@ class Pipeline:
         if mesh is not None and mesh.ep_size > 1:  # this rank keeps its experts
             timeout_s = (options or ExecutorOptions()).comm_timeout_s
             for m in stages.values():
-                shard_experts(m, ExpertGroup.of(mesh, timeout_s))
+                ep = ExpertGroup.of(mesh, timeout_s)
+                shard_hf_experts(m, ep, first_run=shard_experts(m, ep))
         bounds = stage_bounds(len(keys), schedule.num_stages, boundaries)
         shared = self.shared = find_shared(layers, keys, bounds)
         tied = [tp.name for tp in shared if len(tp.local) > 1]
@@ -403,7 +407,14 @@ class Pipeline:
             yield p
 
     def state_dict(self) -> OrderedDict[str, Tensor]:
-        """This rank's part of the model's state dict, keyed as ``model.state_dict()`` is."""
+        """This rank's part of the model's state dict, keyed as ``model.state_dict()`` is.
+
+        A Hugging Face experts tensor sharded over ep (``...experts.gate_up_proj``,
+        ``down_proj``; :mod:`~zerobubble.interop.hf_experts`) keeps HF's name but holds only
+        this rank's rows ``(E / ep, ...)``
+        (:func:`~zerobubble.interop.hf_experts.expert_shard` tells which): the whole tensor
+        is the ep ranks' blocks concatenated in ep-rank order.
+        """
         out: OrderedDict[str, Tensor] = OrderedDict()
         for s in sorted(self.executor.chunks):
             for name, t in self._module(s).state_dict().items():
@@ -417,7 +428,9 @@ class Pipeline:
         takes its own keys) or this rank's part. ``strict``: every key of this rank's
         stages must be there and every key must belong to some stage of the model;
         a mismatch raises ValueError naming the keys and the stages holding them.
-        Shapes must match in any case. A shared parameter is read from its first name
+        Shapes must match in any case, except that a Hugging Face experts tensor sharded
+        over ep takes either the whole ``(E, ...)`` tensor (this rank keeps its rows) or
+        its own rows ``(E / ep, ...)``. A shared parameter is read from its first name
         (or, failing that, any other name the model gives it) into every replica.
         """
         unexpected = [k for k in state_dict if k not in self._holder]
@@ -428,6 +441,7 @@ class Pipeline:
             aliases.setdefault(first, []).append(name)
         for s in sorted(self.executor.chunks):
             own = self._module(s).state_dict()
+            shards = {n: expert_shard(p) for n, p in self._module(s).named_parameters()}
             local[s] = {}
             for name, current in own.items():
                 key = self._name(s, name)
@@ -437,6 +451,10 @@ class Pipeline:
                         missing.append((s, key))
                     continue
                 value = state_dict[found[0]]
+                shard = shards.get(name)
+                whole = shard is not None and value.dim() and value.shape[0] == shard[2]
+                if shard is not None and whole and value.shape[0] != current.shape[0]:
+                    value = value[shard[0] : shard[1]]  # the whole HF tensor: this rank's rows
                 if value.shape != current.shape:
                     raise ValueError(
                         f"state dict entry {key!r} has shape {tuple(value.shape)} but stage {s} "

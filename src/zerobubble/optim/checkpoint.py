@@ -70,6 +70,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import empty as dtensor_empty
 
+from zerobubble.interop.hf_experts import expert_shard
 from zerobubble.optim.faults import CrashPoint
 from zerobubble.optim.trainer import PipelineTrainer, group_settings
 from zerobubble.runtime.comm import exchange_bytes
@@ -516,10 +517,18 @@ def _write_json(path: Path, obj: Any) -> None:
 def _param_names(trainer: PipelineTrainer) -> dict[int, str]:
     """``id(param) -> "s<stage>.<name>"``: unique across ranks."""
     return {
-        id(p): f"s{s}.{n}"
+        id(p): _param_key(s, n, p)
         for s, chunk in trainer.pipe.chunks.items()
         for n, p in chunk.module.named_parameters()
     }
+
+
+def _param_key(stage: int, name: str, param: Tensor) -> str:
+    """``s<stage>.<name>``; a Hugging Face experts tensor sharded over ep
+    (:func:`~zerobubble.interop.hf_experts.expert_shard`) adds its rows, ``@rows<a>-<b>``:
+    its ep peers hold other rows under the same name."""
+    shard = expert_shard(param)
+    return f"s{stage}.{name}" + ("" if shard is None else f"@rows{shard[0]}-{shard[1]}")
 
 
 def _state_dict(
@@ -531,7 +540,7 @@ def _state_dict(
     loose: dict[str, dict[str, Any]] = {}
     for s, chunk in trainer.pipe.chunks.items():
         for n, p in chunk.module.named_parameters():
-            out[f"model.s{s}.{n}"] = p.detach()
+            out[f"model.{_param_key(s, n, p)}"] = p.detach()
         for n, b in chunk.module.named_buffers():
             out[f"buffer.s{s}.{n}"] = b
     if with_optimizer:

@@ -18,6 +18,7 @@ experts), every other parameter over ``dp_group``.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AllToAll",
     "ExpertGroup",
+    "LocalGroup",
     "all_to_all",
     "exchange_counts",
     "expert_run",
@@ -46,6 +48,35 @@ __all__ = [
 _EXPERT_ATTR = "_zb_expert_run"
 
 
+class LocalGroup:
+    """An in-process stand-in for an ep process group: one thread per ep rank, meeting at
+    a barrier (:func:`~zerobubble.runtime.ep_reference.threaded_ep_reference_step`).
+
+    :func:`exchange_counts` and :func:`all_to_all` over an :class:`ExpertGroup` whose
+    ``group`` is one hand the same blocks between threads that the process group hands
+    between processes: each rank receives its blocks in source-rank order.
+    """
+
+    def __init__(self, size: int, timeout_s: float = 120.0) -> None:
+        self.size = size
+        self._slots: list[list[Tensor] | None] = [None] * size
+        self._barrier = threading.Barrier(size, timeout=timeout_s)
+
+    def exchange(self, rank: int, blocks: list[Tensor]) -> list[Tensor]:
+        """Send ``blocks[d]`` to rank ``d``; returns what each source sent to ``rank``."""
+        if len(blocks) != self.size:
+            raise ValueError(f"LocalGroup.exchange: {len(blocks)} blocks for {self.size} ranks")
+        self._slots[rank] = blocks
+        self._barrier.wait()
+        got = [slot[rank] for slot in self._slots if slot is not None]
+        self._barrier.wait()  # every rank has read the slots before any writes them again
+        return got
+
+    def abort(self) -> None:
+        """Break the barrier: the other threads' waits raise instead of hanging."""
+        self._barrier.abort()
+
+
 @dataclass(frozen=True)
 class ExpertGroup:
     """The ep ranks one MoE layer's experts are sharded over, and this rank's place.
@@ -54,13 +85,13 @@ class ExpertGroup:
     pipeline deep-copies its layers per stage).
     """
 
-    group: dist.ProcessGroup | None = None
+    group: dist.ProcessGroup | LocalGroup | None = None
     rank: int = 0
     size: int = 1
     timeout_s: float | None = None
     """Longest an all-to-all may block (None: the process group's own timeout); past it,
     or when a peer dies, a :class:`~zerobubble.runtime.comm.PeerError` names the ep ranks."""
-    backward: dist.ProcessGroup | None = None
+    backward: dist.ProcessGroup | LocalGroup | None = None
     """The same ranks' second group, for the all-to-alls of backwards (None: ``group``).
     Under an overlapped schedule a forward (on a helper thread) and a backward run at once
     (:mod:`~zerobubble.runtime.overlap`): each group then sees one thread's calls, in the
@@ -79,7 +110,7 @@ class ExpertGroup:
         return cls(mesh.ep_group, mesh.ep_rank, mesh.ep_size, timeout_s, mesh.ep_backward_group)
 
     @property
-    def backward_group(self) -> dist.ProcessGroup | None:
+    def backward_group(self) -> dist.ProcessGroup | LocalGroup | None:
         """The group the backwards' all-to-alls run on."""
         return self.group if self.backward is None else self.backward
 
@@ -97,7 +128,9 @@ class ExpertGroup:
                 why = f"no completion within the comm timeout of {self.timeout_s:g}s"
             else:
                 why = f"the transport failed after {took:.1f}s (an ep peer died?)"
-            ranks = tuple(dist.get_process_group_ranks(group or self.group))
+            pg = group or self.group
+            assert not isinstance(pg, LocalGroup)
+            ranks = tuple(dist.get_process_group_ranks(pg))
             raise PeerError(dist.get_rank(), None, what, f"{why}: {e}", group=ranks) from e
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ExpertGroup:
@@ -124,6 +157,8 @@ def expert_run(param: Tensor) -> int | None:
 def exchange_counts(counts: Tensor, group: ExpertGroup) -> Tensor:
     """Per-expert row counts (``E``, in global expert order) sent to the experts' owners:
     returns ``(ep, E / ep)``, row ``src`` the counts rank ``src`` sends for each local expert."""
+    if isinstance(group.group, LocalGroup):
+        return torch.stack(group.group.exchange(group.rank, list(counts.view(group.size, -1))))
     out = torch.empty_like(counts)
     work = dist.all_to_all_single(out, counts.contiguous(), group=group.group, async_op=True)
     assert work is not None
@@ -152,6 +187,8 @@ class AllToAll(torch.autograd.Function):
         ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int], group: ExpertGroup
     ) -> Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
+        if isinstance(group.group, LocalGroup):
+            return torch.cat(group.group.exchange(group.rank, list(x.detach().split(in_splits))))
         out, work = start_all_to_all(x, out_splits, in_splits, group.group)
         group.wait(work, "all-to-all of the routed tokens over dim 'ep'")
         return out
@@ -160,6 +197,9 @@ class AllToAll(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         out_splits, in_splits = ctx.splits
         group = ctx.group.backward_group
+        if isinstance(group, LocalGroup):
+            back = torch.cat(group.exchange(ctx.group.rank, list(grad.split(out_splits))))
+            return back, None, None, None
         back, work = start_all_to_all(grad, in_splits, out_splits, group)
         what = "reverse all-to-all of the routed tokens' gradients over dim 'ep'"
         ctx.group.wait(work, what, group)

@@ -15,6 +15,7 @@ kernel's luck.
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -23,11 +24,20 @@ import torch
 from torch import Tensor, nn
 
 from zerobubble.models.moe import ExpertLayer, MoE, run_experts
+from zerobubble.runtime.ep import ExpertGroup, LocalGroup, is_expert
 from zerobubble.runtime.loss_terms import collect_loss_terms, objective
-from zerobubble.runtime.microbatch import split_batch
+from zerobubble.runtime.microbatch import (
+    CountFn,
+    batch_count,
+    batch_size,
+    default_count_fn,
+    split_batch,
+    split_tree,
+)
+from zerobubble.runtime.partition import model_name
 from zerobubble.runtime.reference import as_sequential
 
-__all__ = ["ep_reference_step"]
+__all__ = ["ep_reference_step", "threaded_ep_reference_step"]
 
 
 def ep_reference_step(
@@ -130,3 +140,110 @@ def _expert_layer(layers: Sequence[Any], hs: list[Tensor], ep: int) -> list[Tens
             ctx = dispatched[s][0]
             out[r] = layers[r].combine(ctx, torch.cat(back[s]))
     return out
+
+
+def threaded_ep_reference_step(
+    layers: Sequence[nn.Module] | nn.Sequential,
+    loss_fn: Callable[..., Tensor],
+    parts: Sequence[tuple[Any, Any]],
+    m: int,
+    ep: int,
+    *,
+    count_fn: CountFn | None = None,
+) -> tuple[list[list[Tensor]], dict[str, Tensor]]:
+    """:func:`ep_reference_step` for expert layers anywhere in the model (a Hugging Face
+    decoder layer's experts, :mod:`~zerobubble.interop.hf_experts`): one thread per dp
+    replica, each with its own copy of the model sharded as the pipeline shards it
+    (:func:`~zerobubble.models.moe.shard_experts`, then
+    :func:`~zerobubble.interop.hf_experts.shard_hf_experts`) over an :class:`ExpertGroup`
+    of a :class:`~zerobubble.runtime.ep.LocalGroup`: the ep group's all-to-alls (forward
+    and backward) hand the same blocks between the threads, in source-rank order, that
+    the process group hands between ep ranks, so every op sees the rows it sees there.
+
+    Per replica, in microbatch order, the objective is back-propagated: ``loss_fn``'s
+    loss plus the replica's loss terms, scaled by ``n_j / N`` (``N`` the global batch),
+    or with ``count_fn`` (default: ``loss_fn.count_fn``, as the pipeline does) computed
+    as ``loss_fn(output, target_j, count)`` with ``count`` summed over the replicas and
+    unscaled. The replicas' gradients are then summed in rank order: dense ones over all
+    replicas, expert ones over the replicas with the same ep rank (edp). ``parts[r]`` is
+    replica ``r``'s ``(x, target)``, ``x`` what the first layer takes (split along dim 0).
+
+    Returns:
+        Each replica's unscaled per-microbatch objectives, and every summed gradient
+        keyed by the user's parameter names; a sharded HF experts tensor whole again
+        (its ep ranks' row blocks concatenated in ep-rank order).
+    """
+    from zerobubble.interop.hf_experts import expert_shard, shard_hf_experts
+    from zerobubble.models.moe import shard_experts
+
+    model = as_sequential(layers)
+    dp = len(parts)
+    if ep < 1 or dp % ep:
+        raise ValueError(f"ep={ep} must divide the {dp} replicas (parts); pass one per dp rank")
+    groups = [LocalGroup(ep) for _ in range(dp // ep)]
+    replicas = []
+    for r in range(dp):
+        rep = copy.deepcopy(model)
+        group = ExpertGroup(groups[r // ep] if ep > 1 else None, r % ep, ep)
+        shard_hf_experts(rep, group, first_run=shard_experts(rep, group))
+        for p in rep.parameters():
+            p.grad = None
+        replicas.append(rep)
+    count_fn = default_count_fn(loss_fn, count_fn)
+    total = sum(batch_size(x, "x") for x, _ in parts)
+    count: Tensor | int | None = None
+    if count_fn is not None:
+        counts = [batch_count(count_fn, t) for _, t in parts]
+        count = counts[0]
+        for c in counts[1:]:
+            count = count + c
+    losses: list[list[Tensor]] = [[] for _ in range(dp)]
+    failed: list[BaseException] = []
+
+    def run(r: int) -> None:
+        rep, (x, target) = replicas[r], parts[r]
+        try:
+            n = batch_size(x, "x")
+            for xj, tj in zip(split_tree(x, m, n), split_tree(target, m, n), strict=True):
+                with collect_loss_terms(rep) as found:
+                    out = rep(xj)
+                    if count is None:
+                        loss = objective(loss_fn(out, tj), found)
+                        scaled = loss * (batch_size(xj, "x") / total)
+                    else:
+                        loss = scaled = objective(loss_fn(out, tj, count), found)
+                scaled.backward()
+                losses[r].append(loss.detach())
+        except BaseException as e:
+            failed.append(e)
+            for g in groups:
+                g.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(dp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failed:
+        raise failed[0]
+    keys = tuple(model._modules)
+    dense: dict[str, Tensor] = {}
+    experts: list[dict[str, Tensor]] = [{} for _ in range(ep)]
+    whole: dict[str, bool] = {}
+    for r, rep in enumerate(replicas):  # rank order
+        for name, p in rep.named_parameters():
+            if p.grad is None:
+                continue
+            key, _, rest = name.partition(".")
+            user = model_name(f"{keys.index(key)}.{rest}", keys, list(model))
+            into = experts[r % ep] if is_expert(p) else dense
+            into[user] = p.grad.clone() if user not in into else into[user] + p.grad
+            whole[user] = expert_shard(p) is not None
+    out = dict(dense)
+    for q in range(ep):
+        for user, g in experts[q].items():
+            if whole[user]:
+                out[user] = torch.cat([experts[k][user] for k in range(ep)])
+            else:
+                out[user] = g
+    return losses, out
