@@ -266,8 +266,8 @@ def exchanging_step(hooked: bool) -> tuple[list | None, dict, list, list]:
     }
     lanes = lanes_of[mesh.pp_rank]
     spans: list[tuple[int, int]] = []
-    stall = 0.05 if mesh.dp_rank == 1 else 0.0
-    sched = generate("dualpipev", 2, 6, overlap=True)
+    stall = 0.03 if mesh.dp_rank == 1 else 0.0
+    sched = generate("dualpipev", 2, 4, overlap=True)
     layers = exchanging_layers(lanes, spans, stall)
     options = ExecutorOptions(overlap_fn=in_sequence if hooked else None)
     pipe = PipelineExecutor(
@@ -278,7 +278,7 @@ def exchanging_step(hooked: bool) -> tuple[list | None, dict, list, list]:
         options=options,
     )
     g = torch.Generator().manual_seed(mesh.dp_rank)
-    x, y = torch.randn(12, 16, generator=g), torch.randn(12, 16, generator=g)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
     losses = pipe.step(x, target=y)
     grads = {
         f"{s}.{n}": p.grad.clone()
