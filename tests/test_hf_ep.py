@@ -19,6 +19,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import zerobubble
 from ranks import launch
@@ -206,8 +207,6 @@ def ep_ranks(tmp: str) -> dict:
             p.zero_()
     load_checkpoint(trainer, tmp, mesh=mesh)
     out["restored"] = [n for n, p in pipe.named_parameters() if not torch.equal(p, saved[n])]
-    import torch.distributed as dist
-
     dist.destroy_process_group()
     return out
 
@@ -216,8 +215,6 @@ def pp1_ranks() -> dict:
     init_distributed(timeout_s=120)
     mesh = build_mesh(1, 2, ep=2)
     out = {"ep_rank": mesh.ep_rank, "step": one_step(mesh, "hf-mixtral", "1f1b")}
-    import torch.distributed as dist
-
     dist.destroy_process_group()
     return out
 
@@ -227,8 +224,6 @@ def wide_ranks() -> dict:
     init_distributed(timeout_s=120)
     mesh = build_mesh(1, 4, ep=2)
     out = {"dp_rank": mesh.dp_rank, "step": one_step(mesh, "hf-mixtral", "1f1b")}
-    import torch.distributed as dist
-
     dist.destroy_process_group()
     return out
 

@@ -51,8 +51,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from zerobubble.models.moe import dispatch_order, run_experts
-from zerobubble.runtime.ep import ExpertGroup, all_to_all, exchange_counts, mark_expert
+from zerobubble.models.moe import dispatch_order, exchange_rows
+from zerobubble.runtime.ep import ExpertGroup, mark_expert
 
 if TYPE_CHECKING:
     from zerobubble.pipeline import Pipeline
@@ -178,15 +178,8 @@ class ShardedExperts(nn.Module):
 
     def exchange(self, rows: Tensor, counts: Tensor) -> Tensor:
         """Outputs of the rows' experts, in the rows' order (communicating over ep)."""
-        experts: list[Any] = [(lambda x, i=i: self.expert(i, x)) for i in range(self.local)]
-        ep = self.ep
-        if ep.size == 1:
-            return run_experts(experts, rows, counts.view(1, -1))
-        received = exchange_counts(counts, ep)
-        send = counts.view(ep.size, -1).sum(1).tolist()
-        recv = received.sum(1).tolist()
-        got = all_to_all(rows, recv, send, ep)
-        return all_to_all(run_experts(experts, got, received), send, recv, ep)
+        experts = [(lambda x, i=i: self.expert(i, x)) for i in range(self.local)]
+        return exchange_rows(experts, rows, counts, self.ep)
 
 
 def shard_hf_experts(module: nn.Module, ep: ExpertGroup, first_run: int = 0) -> int:

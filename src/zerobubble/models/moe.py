@@ -45,6 +45,7 @@ __all__ = [
     "build_moe_gpt",
     "build_moe_mlp",
     "dispatch_order",
+    "exchange_rows",
     "run_experts",
     "shard_experts",
 ]
@@ -73,7 +74,7 @@ def dispatch_order(chosen: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Te
     return order, order // chosen.shape[1], counts
 
 
-def run_experts(experts: Sequence[nn.Module], rows: Tensor, counts: Tensor) -> Tensor:
+def run_experts(experts: Sequence[Any], rows: Tensor, counts: Tensor) -> Tensor:
     """Run local experts on received rows, returning outputs in the received layout.
 
     ``rows`` holds, for source rank 0, 1, ... in turn, its rows for local expert 0,
@@ -97,6 +98,20 @@ def run_experts(experts: Sequence[nn.Module], rows: Tensor, counts: Tensor) -> T
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(len(perm), device=perm.device)
     return out[inverse]
+
+
+def exchange_rows(experts: Sequence[Any], rows: Tensor, counts: Tensor, ep: ExpertGroup) -> Tensor:
+    """Outputs of dispatched ``rows`` (sorted by global expert, ``counts`` per expert), in
+    the rows' order: counts then rows all-to-all to the experts' owners, :func:`run_experts`
+    over this rank's ``experts`` (callables), the reverse all-to-all. No communication at
+    ``ep.size == 1``."""
+    if ep.size == 1:
+        return run_experts(experts, rows, counts.view(1, -1))
+    received = exchange_counts(counts, ep)
+    send = counts.view(ep.size, -1).sum(1).tolist()
+    recv = received.sum(1).tolist()
+    got = all_to_all(rows, recv, send, ep)
+    return all_to_all(run_experts(experts, got, received), send, recv, ep)
 
 
 class ExpertLayer(nn.Module):
@@ -198,15 +213,7 @@ class MoE(ExpertLayer):
 
     def exchange(self, rows: Tensor, counts: Tensor) -> Tensor:
         """Outputs of the rows' experts, in the rows' order (communicating over ep)."""
-        experts = list(self.experts.values())
-        ep = self.ep
-        if ep.size == 1:
-            return run_experts(experts, rows, counts.view(1, -1))
-        received = exchange_counts(counts, ep)
-        send = counts.view(ep.size, -1).sum(1).tolist()
-        recv = received.sum(1).tolist()
-        got = all_to_all(rows, recv, send, ep)
-        return all_to_all(run_experts(experts, got, received), send, recv, ep)
+        return exchange_rows(list(self.experts.values()), rows, counts, self.ep)
 
     def combine(self, ctx: Any, out: Tensor) -> Tensor:
         shape, weights, order = ctx

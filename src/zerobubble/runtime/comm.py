@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -109,6 +109,23 @@ class PeerError(RuntimeError):
         self.action = action
         self.group = group
         self.local = local
+
+
+def wait_or_raise(
+    work: dist.Work, timeout_s: float, who: str, blame: Callable[[str], PeerError]
+) -> None:
+    """Wait for ``work`` at most ``timeout_s`` seconds; on a timeout or a broken transport
+    raise ``blame(why)``, ``why`` telling the two apart (``who``: whom to suspect)."""
+    start = time.monotonic()
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    except Exception as e:
+        took = time.monotonic() - start
+        if took >= 0.99 * timeout_s:
+            why = f"no completion within the comm timeout of {timeout_s:g}s ({who} stuck?)"
+        else:
+            why = f"the transport failed after {took:.1f}s ({who} died?)"
+        raise blame(f"{why}: {e}") from e
 
 
 def _named(rank: int, local: Mapping[int, int], dim: str = "pipeline") -> str:
@@ -233,18 +250,11 @@ class P2P:
     ) -> None:
         """Wait for ``work`` at most ``timeout_s`` seconds (``peer`` None: a collective, over
         this group or, when given, the global ranks ``group``)."""
-        start = time.monotonic()
         self.progress.waiting(None if peer is None else self.global_ranks[peer])
-        try:
-            work.wait(timeout=timedelta(seconds=self.timeout_s))
-        except Exception as e:
-            took = time.monotonic() - start
-            who = "peer" if peer is not None else "a rank of the group"
-            if took >= 0.99 * self.timeout_s:
-                why = f"no completion within the comm timeout of {self.timeout_s:g}s ({who} stuck?)"
-            else:
-                why = f"the transport failed after {took:.1f}s ({who} died?)"
-            raise self.error(peer, action, f"{why}: {e}", group=group) from e
+        who = "peer" if peer is not None else "a rank of the group"
+        wait_or_raise(
+            work, self.timeout_s, who, lambda why: self.error(peer, action, why, group=group)
+        )
         self.progress.running()
 
     def name(self, rank: int) -> str:

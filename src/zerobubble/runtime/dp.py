@@ -27,16 +27,15 @@ stage, the dim ``dp`` and the group's ranks, within the comm timeout.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from zerobubble.runtime.comm import P2P, PeerError
+from zerobubble.runtime.comm import P2P, PeerError, wait_or_raise
 from zerobubble.runtime.ep import is_expert
 from zerobubble.runtime.progress import Progress
 
@@ -109,17 +108,9 @@ class GradReducer:
         for b in buckets:
             what = self._what(b.stage, iteration, b.expert)
             ranks = self.expert_ranks if b.expert else self.ranks
-            start = time.monotonic()
             self.progress.waiting(None)
-            try:
-                b.work.wait(timeout=timedelta(seconds=self.timeout_s))
-            except Exception as e:
-                took = time.monotonic() - start
-                if took >= 0.99 * self.timeout_s:
-                    why = f"no completion within the comm timeout of {self.timeout_s:g}s"
-                else:
-                    why = f"the transport failed after {took:.1f}s (a dp replica died?)"
-                raise PeerError(self.rank, None, what, f"{why}: {e}", group=ranks) from e
+            blame = partial(PeerError, self.rank, None, what, group=ranks)
+            wait_or_raise(b.work, self.timeout_s, "a dp replica", blame)
             self.progress.running()
             offset = 0
             for g in b.grads:

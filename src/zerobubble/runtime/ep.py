@@ -19,16 +19,14 @@ experts), every other parameter over ``dp_group``.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from zerobubble.runtime.comm import PeerError
+from zerobubble.runtime.comm import PeerError, wait_or_raise
 
 if TYPE_CHECKING:
     from zerobubble.runtime.mesh import PipelineMesh
@@ -119,19 +117,14 @@ class ExpertGroup:
         if self.timeout_s is None:
             work.wait()
             return
-        start = time.monotonic()
-        try:
-            work.wait(timeout=timedelta(seconds=self.timeout_s))
-        except Exception as e:
-            took = time.monotonic() - start
-            if took >= 0.99 * self.timeout_s:
-                why = f"no completion within the comm timeout of {self.timeout_s:g}s"
-            else:
-                why = f"the transport failed after {took:.1f}s (an ep peer died?)"
-            pg = group or self.group
-            assert not isinstance(pg, LocalGroup)
+        pg = group or self.group
+        assert not isinstance(pg, LocalGroup)
+
+        def blame(why: str) -> PeerError:
             ranks = tuple(dist.get_process_group_ranks(pg))
-            raise PeerError(dist.get_rank(), None, what, f"{why}: {e}", group=ranks) from e
+            return PeerError(dist.get_rank(), None, what, why, group=ranks)
+
+        wait_or_raise(work, self.timeout_s, "an ep peer", blame)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ExpertGroup:
         return self
