@@ -184,12 +184,6 @@ class Overlap:
             raise ValueError(f"an overlap holds an F then a backward, got {self.parts}")
 
     @property
-    def halves(self) -> tuple[tuple[VersionCheck | Compute, ...], ...]:
-        """The F's instructions, then the backward's (each ends with its compute)."""
-        cut = next(i for i, p in enumerate(self.parts) if isinstance(p, Compute)) + 1
-        return self.parts[:cut], self.parts[cut:]
-
-    @property
     def computes(self) -> tuple[Compute, Compute]:
         f, b = (p for p in self.parts if isinstance(p, Compute))
         return f, b
