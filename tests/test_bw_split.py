@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from zerobubble.runtime.split import (
     SplitEmbedding,
@@ -451,3 +451,37 @@ def test_graph_split_is_found_through_its_hooks_and_writes_nothing_into_the_modu
 def test_weight_grad_fn_takes_group_and_many_together() -> None:
     with pytest.raises(ValueError, match="give group and many together"):
         WeightGradFn(lambda gy: [], group=lambda args: None)
+
+
+def test_a_swapped_layer_keeps_its_forward_hooks_in_order() -> None:
+    """Tensor parallelism redistributes a layer's input and output in forward hooks: the
+    split layer that replaces it must run them, in their order, with their kwargs flag."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 3)
+    calls: list[str] = []
+
+    def pre(m: nn.Module, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        calls.append("pre")
+        return (args[0] * 2,)
+
+    def pre_kw(
+        m: nn.Module, args: tuple[Tensor, ...], kwargs: dict[str, object]
+    ) -> tuple[tuple[Tensor, ...], dict[str, object]]:
+        calls.append("pre_kw")
+        return args, kwargs
+
+    def post(m: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> Tensor:
+        calls.append("post")
+        return out + 1
+
+    lin.register_forward_pre_hook(pre)
+    lin.register_forward_pre_hook(pre_kw, with_kwargs=True)
+    lin.register_forward_hook(post)
+    x = torch.randn(5, 4)
+    want = lin(x)
+    root = nn.Sequential(lin)
+    enable_bw_split(root, WeightGradStore())
+    assert isinstance(root[0], SplitLinear)
+    calls.clear()
+    assert torch.equal(root(x), want)
+    assert calls == ["pre", "pre_kw", "post"]

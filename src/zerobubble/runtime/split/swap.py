@@ -193,7 +193,8 @@ def enable_bw_split(
 
     The swapped layers keep the original Parameter objects and state_dict keys;
     a module shared at several places is replaced by one shared split module;
-    forward hooks registered on a swapped module are dropped. With ``fallback``,
+    the forward (pre-)hooks of a swapped module move to its replacement (tensor
+    parallelism's input and output redistribution lives there). With ``fallback``,
     each remaining module that owns parameters and has no rule-split layer
     below it gets the graph-level split (its hooks are added, nothing is
     swapped); a module with both (e.g. a model holding a positional-embedding
@@ -215,6 +216,8 @@ def enable_bw_split(
             else:
                 rule = rules.rule_for(m)
                 new = None if rule is None or rule.split is None else rule.split(m, store)
+                if new is not None:
+                    _move_hooks(m, new)
             replaced[id(m)] = new if new is not None else m
         new = replaced[id(m)]
         return None if new is m else new
@@ -232,6 +235,17 @@ def enable_bw_split(
     if fallback:
         _install_fallbacks(module, store, rules)
     return module
+
+
+def _move_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Give ``new`` the forward hooks and pre-hooks of ``old`` (which it replaces), in order,
+    with their keyword-argument flags: DTensor's parallel styles redistribute a layer's
+    input and output in such hooks."""
+    new._forward_pre_hooks.update(old._forward_pre_hooks)
+    new._forward_pre_hooks_with_kwargs.update(old._forward_pre_hooks_with_kwargs)
+    new._forward_hooks.update(old._forward_hooks)
+    new._forward_hooks_with_kwargs.update(old._forward_hooks_with_kwargs)
+    new._forward_hooks_always_called.update(old._forward_hooks_always_called)
 
 
 def _install_fallbacks(module: nn.Module, store: WeightGradStore, rules: SplitRules) -> None:
