@@ -23,7 +23,15 @@ wildcards allowed) -> parallel style."""
 
 
 def parallelize_stage(
-    module: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, *, stage: int
+    module: nn.Module,
+    tp_mesh: DeviceMesh,
+    plan: TPPlan | None = None,
+    *,
+    stage: int,
+    sequence_parallel: bool = False,
 ) -> nn.Module:
-    """Apply ``plan`` to stage ``stage``'s ``module`` over ``tp_mesh``, in place."""
+    """Apply ``plan`` (None: the default plan of ``module``) to stage ``stage``'s
+    ``module`` over ``tp_mesh``, in place; returns the module."""
+    if plan is None:
+        raise ValueError(f"stage {stage}: no default tensor-parallel plan yet; pass tp_plan=")
     return parallelize_module(module, tp_mesh, dict(plan))
