@@ -1,0 +1,288 @@
+"""Tensor-parallel plans of stage modules (runtime/tp.py) at tp=2 (gloo, one 2-rank launch).
+
+For our GPT and a tiny HF Llama, cut into a first, a middle and a last stage module, with
+sequence parallelism off and on, each stage is parallelized by the default plan twice:
+
+* ``split``: through a ``StageChunk`` with the B/W split (F, B, then W);
+* ``plain``: plain autograd on the same parallelized module (no split).
+
+Outputs, input gradients and every parameter gradient (the local shards of DTensor
+gradients) of ``split`` equal ``plain``'s bitwise. Both are compared with the unparallelized
+stage in one process (``full_tensor()`` of DTensor gradients, the same slice of sequence
+shards) within ``REL`` relative to the largest magnitude: tensor parallelism sums the
+row-wise layers' partial products in another order. A middle stage with sequence
+parallelism maps a (B, T/2, d) local tensor to a (B, T/2, d) local tensor.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from ranks import launch
+from zerobubble.interop.hf import causal_lm_layers, tiny_model
+from zerobubble.interop.hf_layers import DecoderBlock
+from zerobubble.models.gpt import GPTConfig, build_gpt, gpt_loss
+from zerobubble.runtime.chunk import StageChunk
+from zerobubble.runtime.launcher import init_distributed
+from zerobubble.runtime.tp import default_plan, hf_block_plan, parallelize_stage
+
+TP, B, T = 2, 2, 8
+REL = 1e-5
+GPT = GPTConfig(vocab_size=64, max_seq_len=16, d_model=32, n_heads=4, n_layers=2, seed=1)
+
+
+def gpt_stages() -> list[nn.Sequential]:
+    layers = list(build_gpt(GPT))
+    return [nn.Sequential(*layers[:2]), nn.Sequential(layers[2]), nn.Sequential(*layers[3:])]
+
+
+def llama_stages() -> list[nn.Sequential]:
+    layers = causal_lm_layers(tiny_model("hf-llama", num_hidden_layers=2, seed=2))
+    return [nn.Sequential(*layers[:2]), nn.Sequential(layers[2]), nn.Sequential(*layers[3:])]
+
+
+def hidden_of(x: Any) -> Tensor:
+    return x["hidden"] if isinstance(x, dict) else x
+
+
+def with_hidden(x: Any, h: Tensor) -> Any:
+    return {**x, "hidden": h} if isinstance(x, dict) else h
+
+
+def grads(module: nn.Module, full: bool) -> dict[str, Tensor]:
+    out = {}
+    for n, p in module.named_parameters():
+        g = p.grad
+        assert g is not None, n
+        if isinstance(g, DTensor):
+            g = g.full_tensor() if full else g.to_local()
+        out[n] = g
+    return out
+
+
+def close(a: Tensor, b: Tensor) -> float:
+    """max |a - b| relative to max |b|."""
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def stage_run(module: nn.Module, s: int, x: Any, gy: Tensor | None, target: Tensor, split: bool):
+    """F and backward of stage ``s`` (0, 1 or 2 of 3); returns output, input grad, grads."""
+    if split:
+        chunk = StageChunk(module, s, 3, loss_fn=gpt_loss if s == 2 else None)
+        out = chunk.forward(0, x, target=target) if s == 2 else chunk.forward(0, x)
+        gx = chunk.backward_input(0, None if s == 2 else gy)
+        chunk.backward_weight(0)
+        gx = None if s == 0 else (gx[0] if isinstance(gx, list) else gx)
+        return hidden_of(out), gx, grads(chunk.module, full=False)
+    leaf = None
+    if s > 0:
+        leaf = hidden_of(x).detach().requires_grad_()
+        x = with_hidden(x, leaf)
+    y = module(x)
+    if s == 2:
+        y = gpt_loss(y, target)
+        y.backward()
+    else:
+        hidden_of(y).backward(gy)
+    gx = None if leaf is None else leaf.grad
+    return hidden_of(y).detach(), gx, grads(module, full=False)
+
+
+def shard(t: Tensor, sp: bool, rank: int) -> Tensor:
+    return t.chunk(TP, dim=1)[rank].contiguous() if sp else t
+
+
+def check_model(name: str, stages: list[nn.Sequential], mesh: Any, rank: int) -> dict:
+    """Every check of one model, with sequence parallelism off and on."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = GPT.vocab_size if name == "gpt" else 256
+    ids = torch.randint(0, vocab, (B, T), generator=gen)
+    target = torch.randint(0, vocab, (B, T), generator=gen)
+    # The single-process run of the whole stack: each stage's input, output and grads.
+    single = [copy.deepcopy(m) for m in stages]
+    xs, ys, gxs = [], [], []
+    x: Any = ids
+    for s, m in enumerate(single):
+        if s > 0:
+            h = hidden_of(x).detach().requires_grad_()
+            x = with_hidden(x, h)
+        xs.append(x)
+        x = m(x)
+        ys.append(x)
+    loss = gpt_loss(ys[-1], target)
+    gy_mid = torch.randn(hidden_of(ys[1]).shape, generator=gen)
+    loss.backward()
+    hidden_of(ys[1]).backward(gy_mid)  # stage 1 (middle) gets gy_mid, not the loss's
+    hidden_of(ys[0]).backward(hidden_of(xs[1]).grad)
+    for m in single:
+        m.zero_grad()
+    # Per stage alone, with the grad that the test feeds it (the middle one gy_mid).
+    want = []
+    for s, m in enumerate(single):
+        x = xs[s]
+        if s > 0:
+            x = with_hidden(x, hidden_of(x).detach().requires_grad_())
+        y = m(x)
+        if s == 2:
+            gpt_loss(y, target).backward()
+        else:
+            gy = gy_mid if s == 1 else torch.randn(hidden_of(y).shape, generator=gen)
+            hidden_of(y).backward(gy)
+        gx = hidden_of(x).grad if s > 0 else None
+        want.append((hidden_of(y).detach(), gx, grads(m, full=True), gy if s < 2 else None))
+    out: dict[str, Any] = {}
+    for sp in (False, True):
+        for s, m in enumerate(stages):
+            y_want, gx_want, g_want, gy = want[s]
+            x = xs[s]
+            if s > 0:
+                x = with_hidden(x, shard(hidden_of(x).detach(), sp, rank))
+            gy_local = None if gy is None else shard(gy, sp, rank)
+            runs = {}
+            for split in (True, False):
+                mod = parallelize_stage(
+                    copy.deepcopy(m), mesh, stage=s, sequence_parallel=sp
+                )
+                runs[split] = stage_run(mod, s, x, gy_local, target, split)
+                if not split:
+                    full = grads(mod, full=True)
+            key = f"{name} sp={sp} stage={s}"
+            (y1, gx1, g1), (y0, gx0, g0) = runs[True], runs[False]
+            out[key + " bitwise"] = (
+                torch.equal(y1, y0)
+                and (gx1 is None or torch.equal(gx1, gx0))
+                and g1.keys() == g0.keys()
+                and all(torch.equal(g1[n], g0[n]) for n in g0)
+            )
+            y_ref = y_want if s == 2 else shard(y_want, sp, rank)
+            errs = [close(y0, y_ref)]
+            if gx0 is not None:
+                errs.append(close(gx0, shard(gx_want, sp, rank)))
+            errs += [close(full[n], g_want[n]) for n in g_want]
+            out[key + " rel"] = max(errs)
+            out[key + " shapes"] = (tuple(hidden_of(x).shape), tuple(y0.shape))
+    return out
+
+
+def run_ranks() -> dict:
+    init_distributed()
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
+    out = check_model("gpt", gpt_stages(), mesh, rank)
+    out |= check_model("llama", llama_stages(), mesh, rank)
+    errors = {}
+    first = parallelize_stage(gpt_stages()[0], mesh, stage=0, sequence_parallel=True)
+    try:
+        first(torch.zeros(B, T - 1, dtype=torch.long))
+    except ValueError as e:
+        errors["length"] = str(e)
+    drop = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
+    try:
+        parallelize_stage(drop, mesh, {}, stage=3)
+    except ValueError as e:
+        errors["dropout"] = str(e)
+    out["errors"] = errors
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return launch(run_ranks, TP, timeout=600)
+
+
+def test_split_equals_plain_autograd_on_the_same_tp_layout_bitwise(results):
+    for r in results:
+        bad = [k for k, v in r.items() if k.endswith("bitwise") and v is not True]
+        assert not bad
+        assert sum(k.endswith("bitwise") for k in r) == 12
+
+
+def test_tp_stages_match_the_single_process_stage_within_rel(results):
+    for r in results:
+        errs = {k: v for k, v in r.items() if k.endswith(" rel")}
+        assert len(errs) == 12 and max(errs.values()) < REL, errs
+
+
+def test_sequence_parallel_stages_take_and_give_local_shards(results):
+    for r in results:
+        for model in ("gpt", "llama"):
+            assert r[f"{model} sp=True stage=1 shapes"][0][:2] == (B, T // TP)
+            assert r[f"{model} sp=True stage=1 shapes"][1][:2] == (B, T // TP)
+            assert r[f"{model} sp=True stage=0 shapes"][1][:2] == (B, T // TP)
+            assert r[f"{model} sp=True stage=2 shapes"][1][:2] == (B, T)  # gathered logits
+            assert r[f"{model} sp=False stage=1 shapes"][1][:2] == (B, T)
+
+
+def test_tp_refuses_uneven_sequences_and_dropout(results):
+    for r in results:
+        assert "sequence length 7 is not divisible by tp=2" in r["errors"]["length"]
+        assert "stage 3: 1 has dropout 0.1" in r["errors"]["dropout"]
+
+
+# ---- in one process: the plan derivation and the refusals of the default plan ------------
+
+
+def test_hf_block_plan_maps_base_model_tp_plan_onto_the_stage_layer():
+    layers = causal_lm_layers(tiny_model("hf-llama", num_hidden_layers=2), check=False)
+    block = layers[2]
+    assert isinstance(block, DecoderBlock)
+    plan = hf_block_plan(block.config.base_model_tp_plan, {"layer": "model.layers.1"}, block)
+    assert plan == {
+        "layer.self_attn.q_proj": "colwise",
+        "layer.self_attn.k_proj": "colwise",
+        "layer.self_attn.v_proj": "colwise",
+        "layer.self_attn.o_proj": "rowwise",
+        "layer.mlp.gate_proj": "colwise",
+        "layer.mlp.up_proj": "colwise",
+        "layer.mlp.down_proj": "rowwise",
+    }
+    # "*" is one name component: layer 1's plan does not match under another path.
+    assert hf_block_plan({"layers.0.mlp.up_proj": "colwise"}, {"layer": "model.layers.1"}, block) == {}
+    with pytest.raises(ValueError, match="'moe_tp_experts': no mapping"):
+        hf_block_plan({"layers.*.mlp.experts": "moe_tp_experts"}, {"layer": "model.layers.1"}, block)
+
+
+def test_default_plan_names_every_sharded_layer_of_a_gpt_stage():
+    plan = default_plan(gpt_stages()[0], 2, stage=0, sequence_parallel=True)
+    assert sorted(plan) == sorted(
+        ["0", "0.tok", "0.pos"]
+        + [f"1.{n}" for n in ("attn.q", "attn.k", "attn.v", "attn.out", "fc", "proj", "ln1", "ln2")]
+    )
+    assert sorted(default_plan(gpt_stages()[2], 2, stage=2, sequence_parallel=False)) == ["1"]
+
+
+@pytest.mark.parametrize(
+    ("stage", "tp", "match"),
+    [
+        ("gpt-heads", 8, r"stage 1: 0.attn has n_heads=4, not divisible by tp=8"),
+        ("gpt-vocab", 3, r"stage 0: 0.tok has num_embeddings \(vocabulary\)=64"),
+        ("mistral", 2, r"stage 1: 0.layer.self_attn has num_key_value_heads=1"),
+        ("unknown", 2, r"stage 1: layer 0 \(Wrapper\) holds Linear or Embedding layers"),
+    ],
+)
+def test_default_plan_refuses_what_it_cannot_shard_exactly(stage, tp, match):
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+    if stage == "gpt-heads":
+        module, s = gpt_stages()[1], 1
+    elif stage == "gpt-vocab":
+        module, s = gpt_stages()[0], 0
+    elif stage == "mistral":
+        layers = causal_lm_layers(tiny_model("hf-mistral", num_hidden_layers=2), check=False)
+        module, s = nn.Sequential(layers[1]), 1
+    else:
+        module, s = nn.Sequential(Wrapper()), 1
+    with pytest.raises(ValueError, match=match):
+        default_plan(module, tp, stage=s, sequence_parallel=False)
