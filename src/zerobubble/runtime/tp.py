@@ -81,7 +81,7 @@ class _Replicated(ParallelStyle):
                 for a in args
             )
 
-        return distribute_module(module, device_mesh, input_fn=inputs)  # type: ignore[arg-type]
+        return distribute_module(module, device_mesh, input_fn=inputs)
 
 
 def _style(kind: str, sp: bool) -> ParallelStyle:
@@ -138,7 +138,8 @@ def _gpt_layer(layer: nn.Module, stage: int, name: str, tp: int, sp: bool) -> di
         # The token embedding's output stays a DTensor to meet the position embedding's.
         return {"tok": "embedding_dtensor", "pos": "replicated", "": "shard_output"}
     if isinstance(layer, Block):
-        attn: CausalSelfAttention = layer.attn  # type: ignore[assignment]
+        attn = layer.attn
+        assert isinstance(attn, CausalSelfAttention)
         _divisible(stage, f"{name}.attn", "n_heads", attn.n_heads, tp)
         kinds = dict.fromkeys(("attn.q", "attn.k", "attn.v", "fc"), "colwise")
         kinds.update({"attn.out": "rowwise", "proj": "rowwise"})
@@ -168,8 +169,8 @@ def hf_block_plan(
                 f"base_model_tp_plan[{fqn!r}] = {kind!r}: no mapping to a parallel style (the "
                 f"default plan maps {', '.join(sorted(_KINDS))}); pass tp_plan= instead"
             )
-        pattern = r"[^.]+".join(re.escape(part) for part in f"model.{fqn}".split("*"))
-        rules.append((re.compile(pattern), _KINDS[kind]))
+        regex = r"[^.]+".join(re.escape(part) for part in f"model.{fqn}".split("*"))
+        rules.append((re.compile(regex), _KINDS[kind]))
     out: dict[str, str] = {}
     for attr, path in paths.items():
         for rest, _ in layer.get_submodule(attr).named_modules():
@@ -200,16 +201,14 @@ def _hf_layer(layer: nn.Module, stage: int, name: str, tp: int, sp: bool) -> dic
     if isinstance(layer, hf_layers.DecoderEmbedding):
         return {"embed_tokens": "embedding"}
     if isinstance(layer, hf_layers.DecoderHead):
-        return {"lm_head": "colwise_gather_output"} | (
-            {"norm": "sequence_parallel"} if sp else {}
-        )
+        return {"lm_head": "colwise_gather_output"} | ({"norm": "sequence_parallel"} if sp else {})
     if isinstance(layer, hf_layers.DecoderBlock):
         config = layer.config
         for what in ("num_attention_heads", "num_key_value_heads"):
             _divisible(stage, f"{name}.layer.self_attn", what, getattr(config, what), tp)
         table = getattr(config, "base_model_tp_plan", None) or _LLAMA_PLAN
         kinds = hf_block_plan(table, {"layer": layer._paths["layer"]}, layer)
-        return kinds | (dict.fromkeys(_norms(layer.layer), "sequence_parallel") if sp else {})
+        return kinds | (dict.fromkeys(_norms(layer), "sequence_parallel") if sp else {})
     return None
 
 
@@ -330,6 +329,6 @@ def _shard_sequence(module: nn.Module, stage: int, tp: int) -> None:
     check: Callable[..., None] = partial(_check_length, stage, tp)
     for m in module.children():
         if hasattr(m, "sequence_shards"):
-            m.sequence_shards = tp
+            setattr(m, "sequence_shards", tp)  # noqa: B010 (nn.Module types it as a Module)
         if isinstance(m, GPTEmbedding) or type(m).__name__ == "DecoderEmbedding":
             m.register_forward_pre_hook(check, with_kwargs=True)
