@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ranks import launch
 from zerobubble.interop.hf import causal_lm_layers, tiny_model
@@ -33,10 +33,13 @@ from zerobubble.interop.hf_layers import DecoderBlock
 from zerobubble.models.gpt import GPTConfig, build_gpt, gpt_loss
 from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.launcher import init_distributed
+from zerobubble.runtime.split import SplitRules, unsplit_modules
 from zerobubble.runtime.tp import default_plan, hf_block_plan, parallelize_stage
 
 TP, B, T = 2, 2, 8
 REL = 1e-5
+FALLBACK = SplitRules(tuple(r for r in SplitRules.default().rules if r.split is not None))
+LAYER_NORM = SplitRules.default().with_layer_norm()
 GPT = GPTConfig(vocab_size=64, max_seq_len=16, d_model=32, n_heads=4, n_layers=2, seed=1)
 
 
@@ -48,6 +51,19 @@ def gpt_stages() -> list[nn.Sequential]:
 def llama_stages() -> list[nn.Sequential]:
     layers = causal_lm_layers(tiny_model("hf-llama", num_hidden_layers=2, seed=2))
     return [nn.Sequential(*layers[:2]), nn.Sequential(layers[2]), nn.Sequential(*layers[3:])]
+
+
+class Collectives(TorchDispatchMode):
+    """The collectives issued inside (DTensor's redistributions included, and the waits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("_c10d_functional", "c10d"):
+            self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def hidden_of(x: Any) -> Tensor:
@@ -74,23 +90,34 @@ def close(a: Tensor, b: Tensor, scale: float | None = None) -> float:
     return float((a - b).abs().max() / (b.abs().max() if scale is None else scale))
 
 
-def stage_run(module: nn.Module, s: int, x: Any, gy: Tensor | None, target: Tensor, split: bool):
+def stage_run(
+    module: nn.Module,
+    s: int,
+    x: Any,
+    gy: Tensor | None,
+    target: Tensor,
+    split: bool,
+    rules: SplitRules | None = None,
+):
     """Two microbatches (the same data) through stage ``s`` (0, 1 or 2 of 3): F F B B W W
     through a StageChunk, or two plain forward/backward passes. Returns the output, the
-    input gradient, the gradients and the collectives that W issued."""
+    input gradient, the gradients, the collectives that W issued and the modules whose
+    gradients B made."""
     if split:
         if s > 0:  # a pytree's float leaves carry a gradient only if they require one
             x = with_hidden(x, hidden_of(x).detach().requires_grad_())
-        chunk = StageChunk(module, s, 3, loss_fn=gpt_loss if s == 2 else None)
+        loss_fn = gpt_loss if s == 2 else None
+        chunk = StageChunk(module, s, 3, loss_fn=loss_fn, split_rules=rules)
         for mb in (0, 1):
             out = chunk.forward(mb, x, target=target) if s == 2 else chunk.forward(mb, x)
         for mb in (0, 1):
             gx = chunk.backward_input(mb, None if s == 2 else gy)
-        with CommDebugMode() as comm:
+        with Collectives() as comm:
             for mb in (0, 1):
                 chunk.backward_weight(mb)
         gx = None if s == 0 else (gx[0] if isinstance(gx, list) else gx)
-        return hidden_of(out), gx, grads(chunk.module, full=False), comm.get_total_counts()
+        kept = [n for n, _ in unsplit_modules(chunk.module)]  # gradients made in B
+        return hidden_of(out), gx, grads(chunk.module, full=False), comm.ops, kept
     for _ in (0, 1):
         leaf = None
         xi = x
@@ -104,17 +131,20 @@ def stage_run(module: nn.Module, s: int, x: Any, gy: Tensor | None, target: Tens
         else:
             hidden_of(y).backward(gy)
     gx = None if leaf is None else leaf.grad
-    return hidden_of(y).detach(), gx, grads(module, full=False), 0
+    return hidden_of(y).detach(), gx, grads(module, full=False), [], []
 
 
 def shard(t: Tensor, sp: bool, rank: int) -> Tensor:
     return t.chunk(TP, dim=1)[rank].contiguous() if sp else t
 
 
-def check_model(name: str, stages: list[nn.Sequential], mesh: Any, rank: int) -> dict:
-    """Every check of one model, with sequence parallelism off and on."""
+def check_model(
+    name: str, stages: list[nn.Sequential], mesh: Any, rank: int, rules: SplitRules | None = None
+) -> dict:
+    """Every check of one model, with sequence parallelism off and on (with ``rules``: the
+    middle stage only, sequence parallelism on)."""
     gen = torch.Generator().manual_seed(5)
-    vocab = GPT.vocab_size if name == "gpt" else 256
+    vocab = GPT.vocab_size if name.startswith("gpt") else 256
     ids = torch.randint(0, vocab, (B, T), generator=gen)
     target = torch.randint(0, vocab, (B, T), generator=gen)
     # Each stage's input: the unparallelized stack's forward.
@@ -139,8 +169,10 @@ def check_model(name: str, stages: list[nn.Sequential], mesh: Any, rank: int) ->
         gx = hidden_of(x).grad if s > 0 else None
         want.append((hidden_of(y).detach(), gx, grads(m, full=True), gy if s < 2 else None))
     out: dict[str, Any] = {}
-    for sp in (False, True):
+    for sp in (False, True) if rules is None else (True,):
         for s, m in enumerate(stages):
+            if rules is not None and s != 1:
+                continue
             y_want, gx_want, g_want, gy = want[s]
             x = xs[s]
             if s > 0:
@@ -149,12 +181,13 @@ def check_model(name: str, stages: list[nn.Sequential], mesh: Any, rank: int) ->
             runs = {}
             for split in (True, False):
                 mod = parallelize_stage(copy.deepcopy(m), mesh, stage=s, sequence_parallel=sp)
-                runs[split] = stage_run(mod, s, x, gy_local, target, split)
+                runs[split] = stage_run(mod, s, x, gy_local, target, split, rules)
                 if not split:
                     full = grads(mod, full=True)
             key = f"{name} sp={sp} stage={s}"
-            (y1, gx1, g1, comm), (y0, gx0, g0, _) = runs[True], runs[False]
+            (y1, gx1, g1, comm, kept), (y0, gx0, g0, _, _) = runs[True], runs[False]
             out[key + " W collectives"] = comm
+            out[key + " kept in B"] = kept
             differ = [n for n in g0 if not torch.equal(g1[n], g0[n])]
             if not torch.equal(y1, y0):
                 differ.append("out")
@@ -182,6 +215,11 @@ def run_ranks() -> dict:
     mesh = init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
     out = check_model("gpt", gpt_stages(), mesh, rank)
     out |= check_model("llama", llama_stages(), mesh, rank)
+    # The norms on sequence shards through the graph-level split (no norm rule) and, for
+    # our GPT's LayerNorm, through the opt-in LayerNorm kernel: deferred to W too.
+    out |= check_model("gpt graph-split norms", gpt_stages(), mesh, rank, FALLBACK)
+    out |= check_model("llama graph-split norms", llama_stages(), mesh, rank, FALLBACK)
+    out |= check_model("gpt LayerNorm kernel", gpt_stages(), mesh, rank, LAYER_NORM)
     errors = {}
     first = parallelize_stage(gpt_stages()[0], mesh, stage=0, sequence_parallel=True)
     try:
@@ -207,14 +245,26 @@ def test_split_equals_plain_autograd_on_the_same_tp_layout_bitwise(results):
     for r in results:
         bad = [k for k, v in r.items() if k.endswith("bitwise") and v is not True]
         assert not bad
-        assert sum(k.endswith("bitwise") for k in r) == 12
-        assert {v for k, v in r.items() if k.endswith("W collectives")} == {0}
+        assert sum(k.endswith("bitwise") for k in r) == 15
+        assert all(v == [] for k, v in r.items() if k.endswith("W collectives"))
+
+
+def test_w_defers_every_layer_but_the_norms_and_graph_split_norms_too(results):
+    for r in results:
+        kept = {k[: -len(" kept in B")]: v for k, v in r.items() if k.endswith("kept in B")}
+        assert kept["gpt sp=True stage=1"] == ["0.ln1", "0.ln2"]  # the default keeps norms in B
+        assert kept["llama sp=False stage=1"] == [
+            "0.layer.input_layernorm",
+            "0.layer.post_attention_layernorm",
+        ]
+        for name in ("gpt graph-split norms", "llama graph-split norms", "gpt LayerNorm kernel"):
+            assert kept[f"{name} sp=True stage=1"] == []
 
 
 def test_tp_stages_match_the_single_process_stage_within_rel(results):
     for r in results:
         errs = {k: v for k, v in r.items() if k.endswith(" rel")}
-        assert len(errs) == 12 and max(errs.values()) < REL, errs
+        assert len(errs) == 15 and max(errs.values()) < REL, errs
 
 
 def test_sequence_parallel_stages_take_and_give_local_shards(results):
