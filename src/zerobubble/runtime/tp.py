@@ -207,13 +207,12 @@ def _hf_layer(layer: nn.Module, stage: int, name: str, tp: int, sp: bool) -> dic
         for what in ("num_attention_heads", "num_key_value_heads"):
             _divisible(stage, f"{name}.layer.self_attn", what, getattr(config, what), tp)
         table = getattr(config, "base_model_tp_plan", None) or _LLAMA_PLAN
-        kinds = hf_block_plan(table, {"layer": layer._paths["layer"]}, layer)
+        try:
+            kinds = hf_block_plan(table, {"layer": layer._paths["layer"]}, layer)
+        except ValueError as e:
+            raise ValueError(f"stage {stage}: layer {name}: {e}") from None
         return kinds | (dict.fromkeys(_norms(layer), "sequence_parallel") if sp else {})
     return None
-
-
-def _has_linear(module: nn.Module) -> bool:
-    return any(isinstance(m, nn.Linear | nn.Embedding) for m in module.modules())
 
 
 def default_plan(module: nn.Module, tp: int, *, stage: int, sequence_parallel: bool) -> TPPlan:
@@ -226,12 +225,14 @@ def default_plan(module: nn.Module, tp: int, *, stage: int, sequence_parallel: b
         kinds = _gpt_layer(layer, stage, name, tp, sp)
         if not kinds and "interop.hf_layers" in type(layer).__module__:
             kinds = _hf_layer(layer, stage, name, tp, sp) or {}
-        if not kinds and _has_linear(layer) and not isinstance(layer, nn.Linear):
+        if not kinds and not _is_norm(layer) and any(True for _ in layer.parameters()):
+            # Left replicated, its weight gradients would be per-rank partial sums under
+            # sequence parallelism, and it would hold whole matrices: refuse, not guess.
             raise ValueError(
-                f"stage {stage}: layer {name} ({type(layer).__name__}) holds Linear or "
-                "Embedding layers but the default tensor-parallel plan knows only our GPT's "
-                "and the Hugging Face adapter's Llama-layout layers; pass tp_plan= (a plan, "
-                "or a function (stage, module) -> plan)"
+                f"stage {stage}: layer {name} ({type(layer).__name__}) holds parameters but "
+                "the default tensor-parallel plan knows only our GPT's and the Hugging Face "
+                "adapter's Llama-layout layers; pass tp_plan= (a plan, or a function "
+                "(stage, module) -> plan)"
             )
         for sub, kind in kinds.items():
             full = f"{name}.{sub}" if sub else name
