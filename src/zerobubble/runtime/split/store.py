@@ -562,19 +562,21 @@ def _accumulate(grads: list[_Ready]) -> None:
 
     Like AccumulateGrad, the first gradient is adopted only if nobody else holds
     it and it has the parameter's strides; otherwise ``.grad`` gets a copy. The
-    additions run as one ``_foreach_add_`` (elementwise, so the same bits as
-    one ``add_`` per parameter).
+    additions run as one ``_foreach_add_`` per tensor type (plain, DTensor: one call
+    cannot mix them), elementwise, so the same bits as one ``add_`` per parameter.
     """
-    dst: list[Tensor] = []
-    src: list[Tensor] = []
+    pairs: dict[type, tuple[list[Tensor], list[Tensor]]] = {}
     with torch.no_grad():
         for param, grad, owned in grads:
             if param.grad is None:
                 if not owned or grad.stride() != param.stride():
-                    grad = torch.empty_like(param).copy_(grad)
+                    # AccumulateGrad's copy: in the gradient's own layout (a DTensor's
+                    # Partial stays Partial), with the parameter's strides
+                    grad = grad.new_empty_strided(param.size(), param.stride()).copy_(grad)
                 param.grad = grad
             else:
+                dst, src = pairs.setdefault(type(param.grad), ([], []))
                 dst.append(param.grad)
                 src.append(grad)
-        if dst:
+        for dst, src in pairs.values():
             torch._foreach_add_(dst, src)
