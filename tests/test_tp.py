@@ -9,9 +9,11 @@ against the tp-only reference run by the same ranks, and within ``RTOL``/``ATOL`
 single-process :func:`reference_step` on the unparallelized model (gradients gathered
 with ``full_tensor()``); the payload of every activation message, which sequence
 parallelism cuts to ``1/tp``; a second schedule on the same stages
-(:meth:`Pipeline.with_schedule`: parallelized once); the state dict (DTensors out, whole
+(:meth:`Pipeline.with_schedule`: parallelized once); zb-h1 with every block recomputed;
+the state dict (DTensors out, whole
 tensors or DTensors in). On pp=1 x dp=2 x tp=2 the dp reduction of DTensor gradients.
-And the refusals (a plan without tp, ties across stages with tp, the world size).
+And the refusals (the world size, ties across stages, overlapped F&B pairs, a plan
+without tp).
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ from torch.distributed.tensor.parallel import (
 
 from ranks import launch
 from zerobubble.pipeline import Pipeline
+from zerobubble.runtime.executor import ExecutorOptions
 from zerobubble.runtime.hooks import StepHooks
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.mesh import ParallelSpec, build_mesh, pipeline_ranks
 from zerobubble.runtime.reference import reference_step
 from zerobubble.runtime.tp_reference import tp_reference_step
 from zerobubble.runtime.wire import FRAME_HEADER
+from zerobubble.schedule.generators import generate
 from zerobubble.schedule.program import Message, MsgKind
 
 PP, TP = 2, 2
@@ -145,6 +149,10 @@ def refusals(mesh) -> list[str]:
     with pytest.raises(ValueError) as e:
         Pipeline(chain, loss_fn, "1f1b", microbatches=M, mesh=mesh, tp_plan={})
     out.append(str(e.value))
+    with pytest.raises(ValueError) as e:
+        overlapped = generate("dualpipev", PP, 4, overlap=True)
+        Pipeline(layers(), loss_fn, overlapped, mesh=mesh, tp_plan=mlp_plan(False))
+    out.append(str(e.value))
     flat = build_mesh(PP * TP)
     with pytest.raises(ValueError) as e:
         Pipeline(layers(), loss_fn, "1f1b", microbatches=4, mesh=flat, tp_plan=mlp_plan(False))
@@ -191,6 +199,17 @@ def job() -> dict:
                 other = first.with_schedule(pipe.schedule)
                 other.executor.step(x, target=y)
                 result["with_schedule"] = compare(other, ref)
+                recomputed = Pipeline(
+                    layers(),
+                    loss_fn,
+                    kind,
+                    microbatches=M,
+                    mesh=mesh,
+                    tp_plan=plan,
+                    options=ExecutorOptions(recompute="layers"),
+                )
+                recomputed.executor.step(x, target=y)
+                result["recompute"] = compare(recomputed, ref)
             out[sp, kind, mesh.pp_rank, mesh.tp_rank] = result
         assert first is not None
         state = first.state_dict()
@@ -278,6 +297,7 @@ def test_pp_tp_bitwise_against_the_tp_reference() -> None:
                     assert r["losses"] is (True if holds_last else None), (sp, kind, d, t)
                     assert r["bad"] == [], (sp, kind, d, t)
                     assert r.get("with_schedule", []) == [], (sp, kind, d, t)
+                    assert r.get("recompute", []) == [], (sp, kind, d, t)
                     assert r["dtensors"] > 0
                     for n, g in r["full"].items():
                         torch.testing.assert_close(g, single[n], rtol=RTOL, atol=ATOL)
@@ -297,6 +317,10 @@ def test_pp_tp_bitwise_against_the_tp_reference() -> None:
         "tensor parallelism (a mesh with tp=2) with parameters tied across stages ('1.weight', "
         "'1.bias') is not supported (each stage would shard its replica on its own): untie "
         "them or build the mesh with tp=1",
+        "schedule 'dualpipev' overlaps 6 F&B pairs, whose halves run at once, and tensor "
+        "parallelism (tp=2) runs both halves' collectives on the one tp group, where the tp "
+        "ranks could order them differently: build the mesh with tp=1 or a schedule without "
+        "overlap",
         "tp_plan is given but the mesh has no tensor parallelism (tp=1): build the mesh with "
         "build_mesh(..., tp=2 or more), or drop tp_plan",
     ]

@@ -608,3 +608,10 @@ def _check_overlap(schedule: Schedule, opts: ExecutorOptions, mesh: PipelineMesh
             f"{pairs}, whose halves run at once, and FSDP keeps one state per stage for "
             "its hooks: build the mesh with fsdp=False or a schedule without overlap"
         )
+    if mesh is not None and mesh.tp_size > 1:
+        raise ValueError(
+            f"{pairs}, whose halves run at once, and tensor parallelism (tp="
+            f"{mesh.tp_size}) runs both halves' collectives on the one tp group, where the "
+            "tp ranks could order them differently: build the mesh with tp=1 or a schedule "
+            "without overlap"
+        )
