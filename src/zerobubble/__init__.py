@@ -22,7 +22,8 @@ The public API, all importable from ``zerobubble``:
 * processes: :func:`init_distributed` (inside each rank) and :func:`launch_local`
   (``launch_local(fn, P, *args)`` runs ``fn`` as P local ranks; for scripts use
   ``python -m zerobubble.launch -n P script.py`` or ``torchrun``); :func:`build_mesh`
-  (a :class:`PipelineMesh` of ``pp`` x ``dp`` ranks for ``Pipeline(mesh=...)``);
+  (a :class:`PipelineMesh` of ``pp`` x ``dp`` (x ``tp``) ranks for ``Pipeline(mesh=...)``;
+  with ``tp``, :func:`tp_reference_step` is what a pipeline reproduces bitwise);
 * mixtures of experts: :func:`add_loss_term` (a layer's loss term, e.g. a router loss,
   trained and reported wherever its stage is; :func:`collect_loss_terms` outside a
   pipeline), :class:`ExpertGroup` (experts sharded over ``build_mesh(..., ep=)``) and
@@ -90,6 +91,7 @@ _WHERE: dict[str, tuple[str, str | None]] = {
     "add_loss_term": ("zerobubble.runtime.loss_terms", "add_loss_term"),
     "collect_loss_terms": ("zerobubble.runtime.loss_terms", "collect_loss_terms"),
     "ep_reference_step": ("zerobubble.runtime.ep_reference", "ep_reference_step"),
+    "tp_reference_step": ("zerobubble.runtime.tp_reference", "tp_reference_step"),
     "OptimConfig": ("zerobubble.optim.config", "OptimConfig"),
     "Pipeline": ("zerobubble.pipeline", "Pipeline"),
     "PipelineExecutor": ("zerobubble.runtime.executor", "PipelineExecutor"),
@@ -147,6 +149,7 @@ __all__ = [
     "segment_reference_step",
     "simulate",
     "stage_bounds",
+    "tp_reference_step",
     "validate",
 ]
 

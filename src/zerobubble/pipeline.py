@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from zerobubble.interop.hf_experts import expert_shard, shard_hf_experts
 from zerobubble.models.moe import shard_experts
@@ -38,6 +39,7 @@ from zerobubble.runtime.partition import (
     stage_bounds,
 )
 from zerobubble.runtime.tied import TiedGroups, find_shared
+from zerobubble.runtime.transforms import StagePlan
 from zerobubble.schedule.build import ProgramPlan
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.ir import Schedule
@@ -95,7 +97,16 @@ class Pipeline:
             (:func:`~zerobubble.models.moe.shard_experts`), and every Hugging Face
             Mixtral / Qwen3-MoE experts module
             (:func:`~zerobubble.interop.hf_experts.shard_hf_experts`): this rank keeps its
-            experts, whose gradients are summed over ``mesh.edp_group``.
+            experts, whose gradients are summed over ``mesh.edp_group``. A mesh with
+            ``tp > 1`` (``build_mesh(pp, dp, tp=, sequence_parallel=)``) parallelizes every
+            stage over its ``tp_mesh`` with ``tp_plan`` before the B/W split
+            (:mod:`~zerobubble.runtime.tp`): the parameters, their gradients and the
+            entries of :meth:`state_dict` are DTensors (this rank's shards), and
+            :meth:`load_state_dict` takes DTensors of the same layout.
+        tp_plan: The tensor-parallel plan of a ``tp > 1`` mesh: one plan for every stage
+            (names relative to the stage module, an ``nn.Sequential`` of its layers:
+            ``"0.fc1"`` or ``"*.fc1"``), a function ``(stage, stage module) -> plan``, or
+            None: each stage module's default plan.
 
     A parameter the model uses in several layers stays one parameter: layers of
     a stage share it; stages share it as a tie whose replicas take one summed
@@ -132,6 +143,7 @@ class Pipeline:
         copy_layers: bool = True,
         tied_check_every: int = 0,
         mesh: PipelineMesh | None = None,
+        tp_plan: StagePlan = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -188,6 +200,12 @@ class Pipeline:
                 f"({', '.join(map(repr, tied))}) "
                 "is not supported: untie them or build the mesh with fsdp=False"
             )
+        if mesh is not None and mesh.tp_size > 1 and tied:
+            raise ValueError(
+                f"tensor parallelism (a mesh with tp={mesh.tp_size}) with parameters tied "
+                f"across stages ({', '.join(map(repr, tied))}) is not supported (each stage "
+                "would shard its replica on its own): untie them or build the mesh with tp=1"
+            )
         self._first_name = {n: tp.name for tp in shared for n in tp.names}
         self._layer_keys = {s: keys[bounds[s].start : bounds[s].stop] for s in stages}
         self._stages: dict[int, nn.Module] = dict(stages)
@@ -195,6 +213,7 @@ class Pipeline:
         # with_schedule, so executors of one split-ness share one weight-gradient store.
         self._chunks: dict[bool, dict[int, StageChunk]] = {False: {}, True: {}}
         self._loss_fn, self._count_fn, self._device = loss_fn, count_fn, device
+        self._tp_plan = tp_plan
         self._group, self._mesh = group, mesh
         self.executor = self._executor(schedule, options)
         self.rank = self.executor.rank
@@ -254,6 +273,7 @@ class Pipeline:
             device=self._device,
             options=opts,
             mesh=self._mesh,
+            tp_plan=self._tp_plan,
         )
         for s, chunk in executor.chunks.items():
             self._chunks[chunk.split].setdefault(s, chunk)
@@ -413,7 +433,9 @@ class Pipeline:
         ``down_proj``; :mod:`~zerobubble.interop.hf_experts`) keeps HF's name but holds only
         this rank's rows ``(E / ep, ...)``
         (:func:`~zerobubble.interop.hf_experts.expert_shard` tells which): the whole tensor
-        is the ep ranks' blocks concatenated in ep-rank order.
+        is the ep ranks' blocks concatenated in ep-rank order. With tensor parallelism
+        (a mesh with ``tp > 1``) a parallelized entry is the stage's DTensor, this rank's
+        shard of it (``full_tensor()``, collective over the tp ranks, gives the whole).
         """
         out: OrderedDict[str, Tensor] = OrderedDict()
         for s in sorted(self.executor.chunks):
@@ -431,7 +453,10 @@ class Pipeline:
         Shapes must match in any case, except that a Hugging Face experts tensor sharded
         over ep takes either the whole ``(E, ...)`` tensor (this rank keeps its rows) or
         its own rows ``(E / ep, ...)``. A shared parameter is read from its first name
-        (or, failing that, any other name the model gives it) into every replica.
+        (or, failing that, any other name the model gives it) into every replica. With
+        tensor parallelism an entry the stage holds as a DTensor takes a DTensor of the
+        same layout (what :meth:`state_dict` gives) or the whole tensor (e.g. the
+        unpipelined model's): this rank keeps its shard.
         """
         unexpected = [k for k in state_dict if k not in self._holder]
         missing: list[tuple[int, str]] = []
@@ -455,6 +480,14 @@ class Pipeline:
                 whole = shard is not None and value.dim() and value.shape[0] == shard[2]
                 if shard is not None and whole and value.shape[0] != current.shape[0]:
                     value = value[shard[0] : shard[1]]  # the whole HF tensor: this rank's rows
+                if isinstance(current, DTensor) and not isinstance(value, DTensor):
+                    # the whole tensor: this rank keeps its shard (no message: src_data_rank)
+                    value = distribute_tensor(
+                        value.to(current.device),
+                        current.device_mesh,
+                        current.placements,
+                        src_data_rank=None,
+                    )
                 if value.shape != current.shape:
                     raise ValueError(
                         f"state dict entry {key!r} has shape {tuple(value.shape)} but stage {s} "

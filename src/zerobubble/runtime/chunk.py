@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge, saved_tensors_hooks
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from zerobubble.runtime.kv_segments import (
     KV,
@@ -115,16 +116,29 @@ def storage_bytes(tensors: Iterable[Tensor], exclude: Iterable[Tensor] = ()) -> 
     """Bytes of the distinct storages behind ``tensors``, skipping those of ``exclude``.
 
     Views share their base's storage and count once, at its full size: that is
-    what keeping them alive costs.
+    what keeping them alive costs. A DTensor counts its local shard (what this rank holds).
     """
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    skip = {p.untyped_storage().data_ptr() for t in exclude for p in _plain(t)}
     seen: dict[int, int] = {}
-    for t in tensors:
-        st = t.untyped_storage()
+    for p in (p for t in tensors for p in _plain(t)):
+        st = p.untyped_storage()
         ptr = st.data_ptr()
         if ptr and ptr not in skip:
             seen[ptr] = st.nbytes()
     return sum(seen.values())
+
+
+def _plain(t: Tensor) -> Iterator[Tensor]:
+    """The plain tensors behind ``t``: itself, or a wrapper subclass's inner tensors (a
+    DTensor's local shard, a pending collective's result), which hold its memory."""
+    if not is_traceable_wrapper_subclass(t):
+        yield t
+        return
+    names, _ = t.__tensor_flatten__()
+    for name in names:
+        inner = getattr(t, name)
+        if isinstance(inner, Tensor):  # not the metadata some subclasses list (a mesh)
+            yield from _plain(inner)
 
 
 class StageChunk:

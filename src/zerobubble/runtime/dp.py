@@ -19,6 +19,9 @@ With expert parallelism (a mesh with ``ep > 1``) expert parameters
 (:func:`~zerobubble.runtime.ep.is_expert`) are summed over the ``edp_group`` (the
 replicas holding the same experts) instead, and not at all when it has one rank.
 
+With tensor parallelism a DTensor gradient's local shard is summed (the dp group is the
+ranks with the same pp and tp ranks, which hold the same shard).
+
 Every replica must have gradients for the same parameters of a stage (same
 model, same step), so the buckets agree in size; a replica that dies or stalls
 turns into a :class:`~zerobubble.runtime.comm.PeerError` naming this rank, the
@@ -34,6 +37,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from zerobubble.runtime.comm import P2P, PeerError, wait_or_raise
 from zerobubble.runtime.ep import is_expert
@@ -89,6 +93,7 @@ class GradReducer:
             expert = is_expert(p)
             if g is None or (expert and self.expert_group is None):
                 continue
+            g = _local(g)
             by_dtype.setdefault((expert, g.dtype, g.device), []).append(g)
         for (expert, _, _), gs in by_dtype.items():
             flat = torch.cat([g.reshape(-1) for g in gs])
@@ -128,6 +133,15 @@ class GradReducer:
             f"all-reduce of stage {stage}'s gradients over dim 'dp' (mesh dp group, "
             f"iteration {iteration})"
         )
+
+
+def _local(g: Tensor) -> Tensor:
+    """What a replica sums of a gradient: a DTensor's local shard (the dp replicas of one tp
+    rank hold the same shard, or the same partial sum), written back in place."""
+    if not isinstance(g, DTensor):
+        return g
+    with torch.no_grad():
+        return g.to_local()
 
 
 def sum_over_dp(

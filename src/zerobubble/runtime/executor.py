@@ -56,7 +56,12 @@ from zerobubble.runtime.trace import (
     profiled,
     profiling,
 )
-from zerobubble.runtime.transforms import ChunkTransforms, prepare_chunks
+from zerobubble.runtime.transforms import (
+    ChunkTransforms,
+    StagePlan,
+    TensorParallel,
+    prepare_chunks,
+)
 from zerobubble.schedule.build import GradSync, ProgramPlan, Protocol, build_programs
 from zerobubble.schedule.ir import Action, Op, Schedule
 from zerobubble.schedule.program import (
@@ -115,7 +120,14 @@ class PipelineExecutor:
             the optimizer over the chunks' parameters afterwards, the sharded DTensors).
             The loss is normalised over the global batch (``n_j / sum of N`` per
             microbatch, or the count summed over dp), so the synchronised gradients are
-            those of the global batch.
+            those of the global batch. With ``tp > 1`` every stage module is parallelized
+            over the mesh's ``tp_mesh`` first (:mod:`~zerobubble.runtime.transforms`'s "tp"
+            step): its parameters and gradients become DTensors, and a pipeline is the pp
+            ranks of one ``(dp, tp)`` coordinate, each stage sending its local output to
+            the same tp rank of the next.
+        tp_plan: The tensor-parallel plan of the stages with a ``tp > 1`` mesh: a plan, a
+            function ``(stage, stage module) -> plan`` or None (each stage module's default
+            plan); see :data:`~zerobubble.runtime.transforms.StagePlan`.
 
     Attributes:
         schedule: The schedule this executor runs (``schedule`` after
@@ -149,6 +161,7 @@ class PipelineExecutor:
         device: torch.device | str | None = None,
         options: ExecutorOptions | None = None,
         mesh: PipelineMesh | None = None,
+        tp_plan: StagePlan = None,
     ) -> None:
         self.options = opts = options or ExecutorOptions()
         self.cuts = check_cuts(opts.cuts, schedule.segments) if schedule.segments > 1 else None
@@ -196,7 +209,7 @@ class PipelineExecutor:
             )
         self.chunks: dict[int, StageChunk] = {}
         self.sharding: ShardedStages | None = None
-        self._prepare(stages, loss_fn)
+        self._prepare(stages, loss_fn, tp_plan)
         self.has_first = 0 in self.chunks
         self.has_last = self.schedule.num_stages - 1 in self.chunks
         self.reducer: GradReducer | None = None
@@ -225,11 +238,14 @@ class PipelineExecutor:
         """On the last stage's rank, the loss terms of the latest step (see :meth:`step`)."""
 
     def _prepare(
-        self, stages: Mapping[int, nn.Module | StageChunk], loss_fn: LossFn | None
+        self,
+        stages: Mapping[int, nn.Module | StageChunk],
+        loss_fn: LossFn | None,
+        tp_plan: StagePlan,
     ) -> None:
         """This rank's chunks through the one ordered transform step
-        (:func:`~zerobubble.runtime.transforms.prepare_chunks`: split, recompute, compile,
-        FSDP)."""
+        (:func:`~zerobubble.runtime.transforms.prepare_chunks`: tp, split, recompute,
+        compile, FSDP)."""
         S, opts = self.schedule.num_stages, self.options
         last = stages.get(S - 1)
         if last is not None and not isinstance(last, StageChunk) and loss_fn is None:
@@ -240,6 +256,14 @@ class PipelineExecutor:
         )
         transforms = {s: replace(every, split=s in split) for s in stages}
         mesh = self.mesh
+        tp = None
+        if mesh is not None and mesh.tp_mesh is not None:
+            tp = TensorParallel(mesh.tp_mesh, tp_plan, mesh.spec.sequence_parallel)
+        elif tp_plan is not None:
+            raise ValueError(
+                "tp_plan is given but the mesh has no tensor parallelism (tp=1): build the "
+                "mesh with build_mesh(..., tp=2 or more), or drop tp_plan"
+            )
         self.chunks, self.sharding = prepare_chunks(
             stages,
             S,
@@ -248,6 +272,7 @@ class PipelineExecutor:
             fsdp_mesh=mesh.mesh["dp"] if mesh is not None and self.plan.grad_sync.shards else None,
             device=self.device,
             timeout_s=opts.comm_timeout_s,
+            tp=tp,
         )
 
     def set_protocol(self, protocol: Protocol | str) -> None:
@@ -582,4 +607,11 @@ def _check_overlap(schedule: Schedule, opts: ExecutorOptions, mesh: PipelineMesh
         raise ValueError(
             f"{pairs}, whose halves run at once, and FSDP keeps one state per stage for "
             "its hooks: build the mesh with fsdp=False or a schedule without overlap"
+        )
+    if mesh is not None and mesh.tp_size > 1:
+        raise ValueError(
+            f"{pairs}, whose halves run at once, and tensor parallelism (tp="
+            f"{mesh.tp_size}) runs both halves' collectives on the one tp group, where the "
+            "tp ranks could order them differently: build the mesh with tp=1 or a schedule "
+            "without overlap"
         )

@@ -3,39 +3,73 @@
 Each stage module goes through the same steps, in one fixed order (as torchtitan's
 ``parallelize`` applies its transforms to each model part):
 
-1. **split**: the B/W split swaps the layers a rule matches for split layers and gives
+1. **tp**: tensor parallelism over the mesh's ``tp`` dim
+   (:func:`~zerobubble.runtime.tp.parallelize_stage`: the plan's parallel styles turn the
+   layers' parameters into DTensors and install their input and output redistribution).
+   First, so that the split layers take over the parallelized layers' parameters and
+   hooks, and W computes the local shards' gradients;
+2. **split**: the B/W split swaps the layers a rule matches for split layers and gives
    the rest the graph-level split (:func:`~zerobubble.runtime.split.enable_bw_split`);
-2. **recompute**: activation checkpointing of the stage or of its layers
+3. **recompute**: activation checkpointing of the stage or of its layers
    (:mod:`~zerobubble.runtime.recompute`), around the split layers, whose W it leaves
    as it is;
-3. **compile**: ``torch.compile`` of the regions between split layers
+4. **compile**: ``torch.compile`` of the regions between split layers
    (:func:`~zerobubble.runtime.compile.compile_between_splits`). After the split, so
    that it sees which layers are split and keeps them (and graph-split modules) eager:
    compiled first, a layer's weight gradient would be computed in B inside the compiled
    graph's one backward node;
-4. **FSDP** over all this rank's chunks (:class:`~zerobubble.runtime.fsdp.ShardedStages`).
+5. **FSDP** over all this rank's chunks (:class:`~zerobubble.runtime.fsdp.ShardedStages`).
    Last, so that it shards the parameters the split layers hold and the chunks see.
 
-Steps 1 and 2 run inside :class:`StageChunk` (they need its store and stage index);
+Steps 2 and 3 run inside :class:`StageChunk` (they need its store and stage index);
 :func:`prepare_chunks` is the caller that decides them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from zerobubble.runtime.chunk import LossFn, StageChunk
 from zerobubble.runtime.compile import compile_between_splits
 from zerobubble.runtime.fsdp import ShardedStages
 from zerobubble.runtime.recompute import Recompute, recompute_plan
 from zerobubble.runtime.split import SplitRules
+from zerobubble.runtime.tp import TPPlan, parallelize_stage
 
-__all__ = ["ChunkTransforms", "prepare_chunks"]
+__all__ = ["ChunkTransforms", "StagePlan", "TensorParallel", "prepare_chunks"]
+
+StagePlan = TPPlan | Callable[[int, nn.Module], TPPlan] | None
+"""A tensor-parallel plan for every stage (its submodule names are relative to the stage
+module), a function ``(stage, stage module) -> plan``, or None: the default plan of each
+stage module (:func:`~zerobubble.runtime.tp.parallelize_stage`)."""
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """The "tp" step of :func:`prepare_chunks`: which mesh, which plan."""
+
+    mesh: DeviceMesh
+    """The 1-D ``tp`` mesh (:attr:`~zerobubble.runtime.mesh.PipelineMesh.tp_mesh`)."""
+    plan: StagePlan = None
+    sequence_parallel: bool = False
+
+    def apply(self, stage: int, module: nn.Module) -> None:
+        """Parallelize ``module`` (stage ``stage``) in place, unless it is already: a module
+        with a DTensor parameter keeps its layout (its caller parallelized it, or an earlier
+        executor on the same stage modules did, as :meth:`Pipeline.with_schedule
+        <zerobubble.pipeline.Pipeline.with_schedule>` makes)."""
+        if any(isinstance(p, DTensor) for p in module.parameters()):
+            return
+        plan = self.plan(stage, module) if callable(self.plan) else self.plan
+        parallelize_stage(
+            module, self.mesh, plan, stage=stage, sequence_parallel=self.sequence_parallel
+        )
 
 
 @dataclass(frozen=True)
@@ -91,17 +125,20 @@ def prepare_chunks(
     fsdp_mesh: DeviceMesh | None = None,
     device: torch.device | str | None = None,
     timeout_s: float = 60.0,
+    tp: TensorParallel | None = None,
 ) -> tuple[dict[int, StageChunk], ShardedStages | None]:
     """This rank's stages as chunks with their transforms applied, in the documented order.
 
     Args:
         modules: ``stage -> module`` of this rank; a ready :class:`StageChunk` has had its
-            split and recompute decided by whoever built it and only gets compile and FSDP.
+            tensor parallelism, split and recompute decided by whoever built it and only
+            gets compile and FSDP.
         num_stages: Virtual stages of the whole pipeline.
         loss_fn: The loss, given to the last stage only (required if this rank holds it).
         transforms: ``stage -> ChunkTransforms``, one per stage in ``modules``.
         fsdp_mesh: The ``dp`` dimension to shard every chunk over (FSDP2), or None.
         device, timeout_s: For :class:`~zerobubble.runtime.fsdp.ShardedStages`.
+        tp: The tensor parallelism of every module (None: none).
 
     Returns the chunks by stage and, with ``fsdp_mesh``, their sharding.
     """
@@ -118,6 +155,8 @@ def prepare_chunks(
             _check_ready(m, s, num_stages, t)
             chunk = m
         else:
+            if tp is not None:
+                tp.apply(s, m)
             chunk = StageChunk(  # split, then recompute
                 m,
                 s,

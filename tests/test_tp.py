@@ -1,0 +1,329 @@
+"""Tensor (and sequence) parallelism inside pipeline stages: the mesh's tp dim, the "tp"
+transform step, and pp x tp on gloo ranks bitwise against :func:`tp_reference_step`.
+
+One 4-rank launch. On pp=2 x tp=2 it runs 1f1b, zb-h1 and zbv (two chunks per rank, the
+V placement) on a small MLP stack with an explicit plan (an input Linear row-wise, blocks
+of a norm and a column-wise / row-wise Linear pair, a column-wise head), with and without
+sequence parallelism: losses and every gradient (local shard and placements) bitwise
+against the tp-only reference run by the same ranks, and within ``RTOL``/``ATOL`` of the
+single-process :func:`reference_step` on the unparallelized model (gradients gathered
+with ``full_tensor()``); the payload of every activation message, which sequence
+parallelism cuts to ``1/tp``; a second schedule on the same stages
+(:meth:`Pipeline.with_schedule`: parallelized once); zb-h1 with every block recomputed;
+the state dict (DTensors out, whole
+tensors or DTensors in). On pp=1 x dp=2 x tp=2 the dp reduction of DTensor gradients.
+And the refusals (the world size, ties across stages, overlapped F&B pairs, a plan
+without tp).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from ranks import launch
+from zerobubble.pipeline import Pipeline
+from zerobubble.runtime.executor import ExecutorOptions
+from zerobubble.runtime.hooks import StepHooks
+from zerobubble.runtime.launcher import init_distributed
+from zerobubble.runtime.mesh import ParallelSpec, build_mesh, pipeline_ranks
+from zerobubble.runtime.reference import reference_step
+from zerobubble.runtime.tp_reference import tp_reference_step
+from zerobubble.runtime.wire import FRAME_HEADER
+from zerobubble.schedule.generators import generate
+from zerobubble.schedule.program import Message, MsgKind
+
+PP, TP = 2, 2
+IN, D, H, OUT = 6, 8, 16, 5
+B, T, M = 4, 4, 2
+KINDS = ("1f1b", "zb-h1", "zbv")
+RTOL, ATOL = 1e-5, 1e-6
+"""Against the single process, where a row-wise layer's tp partial sums add otherwise."""
+TIMEOUT = 300.0
+
+
+class Block(nn.Module):
+    """``x + fc2(gelu(fc1(norm(x))))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.fc1 = nn.Linear(D, H)
+        self.fc2 = nn.Linear(H, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+def layers(seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return [nn.Linear(IN, D), Block(), Block(), Block(), Block(), nn.Linear(D, OUT)]
+
+
+def batch(n: int = B, seed: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, T, IN, generator=g), torch.randn(n, T, OUT, generator=g)
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, target)
+
+
+def mlp_plan(sp: bool):
+    """Per stage module: the input layer row-wise (a replicated input, its output the
+    boundary's layout), each block's pair column-wise then row-wise (with ``sp`` its norm
+    sequence-parallel and the activations between blocks, the boundaries included,
+    sharded over the sequence), the head column-wise with a replicated output (the loss)."""
+    between = Shard(1) if sp else Replicate()
+
+    def plan(stage: int, module: nn.Module) -> dict[str, ParallelStyle]:
+        out: dict[str, ParallelStyle] = {}
+        for name, child in module.named_children():
+            if isinstance(child, Block):
+                if sp:
+                    out[f"{name}.norm"] = SequenceParallel()
+                out[f"{name}.fc1"] = ColwiseParallel(input_layouts=between)
+                out[f"{name}.fc2"] = RowwiseParallel(output_layouts=between)
+            elif child.in_features == IN:
+                out[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+            else:
+                out[name] = ColwiseParallel(input_layouts=between, output_layouts=Replicate())
+        return out
+
+    return plan
+
+
+class Bytes(StepHooks):
+    """The size of every activation frame this rank sends (layout stubs included)."""
+
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+
+    def encode(self, msg: Message, t: torch.Tensor) -> torch.Tensor:
+        if msg.kind is MsgKind.ACT:
+            self.sent.append(t.numel() * t.element_size())
+        return t
+
+
+def shard(t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """A gradient's local tensor and placements (none for a plain tensor)."""
+    return (t.to_local(), tuple(t.placements)) if isinstance(t, DTensor) else (t, ())
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def compare(pipe: Pipeline, want: dict[str, torch.Tensor]) -> list[str]:
+    """Names of this rank's parameters whose gradient is not ``want``'s, bitwise (local
+    shard and placements)."""
+    bad = []
+    for name, p in pipe.named_parameters():
+        (got, where), (ref, ref_where) = shard(p.grad), shard(want[name])
+        if where != ref_where or not torch.equal(got, ref):
+            bad.append(name)
+    return bad
+
+
+def zero(pipe: Pipeline) -> None:
+    for p in pipe.parameters():
+        p.grad = None
+
+
+def refusals(mesh) -> list[str]:
+    """What a pipeline with tp refuses, each raised on every rank before any collective."""
+    out = []
+    with pytest.raises(ValueError) as e:
+        build_mesh(PP, tp=4)
+    out.append(str(e.value))
+    shared = nn.Linear(D, D)  # in stage 0 and stage 1
+    chain = [nn.Linear(IN, D), shared, Block(), shared, nn.Linear(D, OUT)]
+    with pytest.raises(ValueError) as e:
+        Pipeline(chain, loss_fn, "1f1b", microbatches=M, mesh=mesh, tp_plan={})
+    out.append(str(e.value))
+    with pytest.raises(ValueError) as e:
+        overlapped = generate("dualpipev", PP, 4, overlap=True)
+        Pipeline(layers(), loss_fn, overlapped, mesh=mesh, tp_plan=mlp_plan(False))
+    out.append(str(e.value))
+    flat = build_mesh(PP * TP)
+    with pytest.raises(ValueError) as e:
+        Pipeline(layers(), loss_fn, "1f1b", microbatches=4, mesh=flat, tp_plan=mlp_plan(False))
+    out.append(str(e.value))
+    return out
+
+
+def job() -> dict:
+    init_distributed()
+    out: dict = {}
+    x, y = batch()
+    for sp in (False, True):
+        mesh = build_mesh(PP, tp=TP, sequence_parallel=sp)
+        assert mesh.tp_mesh is not None
+        plan = mlp_plan(sp)
+        first: Pipeline | None = None
+        for kind in KINDS:
+            pipe = Pipeline(layers(), loss_fn, kind, microbatches=M, mesh=mesh, tp_plan=plan)
+            counter = Bytes()
+            losses = pipe.executor.step(x, target=y, hooks=counter)
+            ref_losses, ref = tp_reference_step(
+                layers(),
+                loss_fn,
+                x,
+                target=y,
+                microbatches=M,
+                tp_mesh=mesh.tp_mesh,
+                tp_plan=plan,
+                sequence_parallel=sp,
+                num_stages=pipe.schedule.num_stages,
+            )
+            result = {
+                "losses": None if losses is None else all(map(torch.equal, losses, ref_losses)),
+                "bad": compare(pipe, ref),
+                "dtensors": sum(isinstance(p, DTensor) for p in pipe.parameters()),
+                "full": {n: whole(p.grad) for n, p in pipe.named_parameters()},
+                "sent": counter.sent,
+            }
+            if kind == "1f1b":
+                first = pipe
+            elif kind == "zb-h1":  # the same stages under another schedule: parallelized once
+                assert first is not None
+                zero(first)
+                other = first.with_schedule(pipe.schedule)
+                other.executor.step(x, target=y)
+                result["with_schedule"] = compare(other, ref)
+                recomputed = Pipeline(
+                    layers(),
+                    loss_fn,
+                    kind,
+                    microbatches=M,
+                    mesh=mesh,
+                    tp_plan=plan,
+                    options=ExecutorOptions(recompute="layers"),
+                )
+                recomputed.executor.step(x, target=y)
+                result["recompute"] = compare(recomputed, ref)
+            out[sp, kind, mesh.pp_rank, mesh.tp_rank] = result
+        assert first is not None
+        state = first.state_dict()
+        new = nn.Sequential(*layers(seed=1)).state_dict()
+        first.load_state_dict(new)  # whole tensors: each rank keeps its shard
+        loaded = {k: torch.equal(whole(v), new[k]) for k, v in first.state_dict().items()}
+        first.load_state_dict(state)  # DTensors of the same layout
+        back = {
+            k: torch.equal(shard(v)[0], shard(state[k])[0]) for k, v in first.state_dict().items()
+        }
+        out[sp, "state", mesh.pp_rank, mesh.tp_rank] = {
+            "dtensors": sorted(k for k, v in state.items() if isinstance(v, DTensor)),
+            "loaded": loaded,
+            "back": back,
+        }
+    out["refusals", mesh.pp_rank, mesh.tp_rank] = refusals(mesh)
+    # pp=1 x dp=2 x tp=2: each dp replica's gradient shards summed over dp
+    mesh = build_mesh(1, 2, tp=TP)
+    assert mesh.tp_mesh is not None
+    plan = mlp_plan(False)
+    xs, ys = batch(2 * B, seed=20)
+    part = slice(mesh.dp_rank * B, (mesh.dp_rank + 1) * B)
+    pipe = Pipeline(layers(), loss_fn, "1f1b", microbatches=M, mesh=mesh, tp_plan=plan)
+    pipe.executor.step(xs[part], target=ys[part])
+    refs = [
+        tp_reference_step(
+            layers(),
+            loss_fn,
+            xs[r * B : (r + 1) * B],
+            target=ys[r * B : (r + 1) * B],
+            microbatches=M,
+            tp_mesh=mesh.tp_mesh,
+            tp_plan=plan,
+        )[1]
+        for r in range(2)
+    ]
+    # Each replica's loss is weighted by B / 2B = its reference's weight / 2 (exact: a
+    # power of two), and the two replicas' sum is commutative (gloo's all-reduce).
+    summed = {n: (refs[0][n] + refs[1][n]) * 0.5 for n in refs[0]}
+    out["dp", mesh.dp_rank, mesh.tp_rank] = {"bad": compare(pipe, summed)}
+    return out
+
+
+def test_parallel_spec_refuses_bad_tp() -> None:
+    with pytest.raises(ValueError, match=r"^mesh sizes must be >= 1, got pp=2, dp=1, ep=1, tp=0$"):
+        ParallelSpec(2, tp=0)
+    with pytest.raises(ValueError) as e:
+        ParallelSpec(2, sequence_parallel=True)
+    assert str(e.value) == (
+        "sequence_parallel=True shards activations over the mesh's tp dimension: it needs "
+        "tp >= 2 (got tp=1); build the mesh with tp >= 2 or leave sequence_parallel off"
+    )
+    with pytest.raises(ValueError) as e:
+        ParallelSpec(2, 2, ep=2, tp=2)
+    assert str(e.value) == (
+        "ep=2 with tp=2 is not supported (the experts' all-to-all would have to run on "
+        "tensor-parallel shards); use ep=1 with tp, or tp=1 with ep"
+    )
+    assert ParallelSpec(2, 2, tp=2, sequence_parallel=True).world_size == 8
+
+
+def test_pipelines_are_the_pp_ranks_of_each_dp_tp_coordinate() -> None:
+    """rank = (pp_rank * dp + dp_rank) * tp + tp_rank; tp == 1 keeps the old layout."""
+    assert pipeline_ranks(2, 2, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert pipeline_ranks(2, 1, 2) == [[0, 2], [1, 3]]
+    assert pipeline_ranks(2, 2) == [[0, 2], [1, 3]]
+    assert pipeline_ranks(3, 1, 1) == [[0, 1, 2]]
+
+
+@pytest.mark.bitwise
+def test_pp_tp_bitwise_against_the_tp_reference() -> None:
+    results: dict = {}
+    for r in launch(job, PP * TP, timeout=TIMEOUT):
+        results.update(r)
+    x, y = batch()
+    for sp in (False, True):
+        header = FRAME_HEADER  # a multiple of 64 bytes: the payload follows it directly
+        payload = B // M * (T // TP if sp else T) * D * 4
+        for kind in KINDS:
+            _, single = reference_step(layers(), loss_fn, x, target=y, microbatches=M)
+            for d in range(PP):
+                for t in range(TP):
+                    r = results[sp, kind, d, t]
+                    holds_last = d == (0 if kind == "zbv" else PP - 1)  # V: the last on 0
+                    assert r["losses"] is (True if holds_last else None), (sp, kind, d, t)
+                    assert r["bad"] == [], (sp, kind, d, t)
+                    assert r.get("with_schedule", []) == [], (sp, kind, d, t)
+                    assert r.get("recompute", []) == [], (sp, kind, d, t)
+                    assert r["dtensors"] > 0
+                    for n, g in r["full"].items():
+                        torch.testing.assert_close(g, single[n], rtol=RTOL, atol=ATOL)
+                    # a layout stub (a bare header) then the frame, per microbatch
+                    holds_output = kind == "zbv" or d == 0
+                    assert r["sent"] == ([header, header + payload] * M if holds_output else [])
+        for d in range(PP):
+            for t in range(TP):
+                st = results[sp, "state", d, t]
+                assert st["dtensors"] and all(st["loaded"].values()) and all(st["back"].values())
+    for t in range(TP):
+        for j in range(2):
+            assert results["dp", j, t]["bad"] == []
+    want = [
+        "the world has 4 ranks but the mesh pp=2 x dp=1 x tp=4 needs 8; launch pp*dp*tp = 8 "
+        "processes or change --pp/--dp/--tp",
+        "tensor parallelism (a mesh with tp=2) with parameters tied across stages ('1.weight', "
+        "'1.bias') is not supported (each stage would shard its replica on its own): untie "
+        "them or build the mesh with tp=1",
+        "schedule 'dualpipev' overlaps 6 F&B pairs, whose halves run at once, and tensor "
+        "parallelism (tp=2) runs both halves' collectives on the one tp group, where the tp "
+        "ranks could order them differently: build the mesh with tp=1 or a schedule without "
+        "overlap",
+        "tp_plan is given but the mesh has no tensor parallelism (tp=1): build the mesh with "
+        "build_mesh(..., tp=2 or more), or drop tp_plan",
+    ]
+    for d in range(PP):
+        for t in range(TP):
+            assert results["refusals", d, t] == want
