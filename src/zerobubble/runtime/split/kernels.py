@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.autograd.graph import GradientEdge, Node
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.conv import _ConvNd
 
 from zerobubble.runtime.split.store import (
@@ -170,8 +171,15 @@ def _product_node(y: Tensor) -> Node | GradientEdge:
 
 
 def _current(alias: Tensor | None, p: Tensor) -> TypeGuard[Tensor]:
-    """``alias`` still is :func:`_alias` of ``p`` (same memory, size, strides, requires_grad)."""
-    return alias is not None and alias.is_set_to(p) and alias.requires_grad == p.requires_grad
+    """``alias`` still is :func:`_alias` of ``p`` (same memory, size, strides, requires_grad;
+    of a DTensor: the same local tensor and placements, DTensor has no ``is_set_to``)."""
+    if alias is None or alias.requires_grad != p.requires_grad:
+        return False
+    if isinstance(p, DTensor):
+        if not isinstance(alias, DTensor) or alias.placements != p.placements:
+            return False
+        return alias.to_local().is_set_to(p.to_local())
+    return alias.is_set_to(p)
 
 
 def _linear_grads(
