@@ -209,7 +209,8 @@ def run(
         assert root is not None
         load_checkpoint(trainer, root)
     for i in iters:
-        trainer.step(*batch(i, tp.get_local_rank())[:1], target=batch(i, tp.get_local_rank())[1])
+        x, y = batch(i, tp.get_local_rank())
+        trainer.step(x, target=y)
         if root is not None and not iters.start and i + 1 == SAVE_AT:
             save_checkpoint(trainer, root)
     trainer.drain()
@@ -290,6 +291,7 @@ def results(tmp_path_factory):
 
 
 def summary(bad: list[str]) -> dict:
+    """``case it <iteration>`` -> the slots that differ (a short failure message)."""
     out: dict = {}
     for b in bad:
         name, rest = b.split(": ", 1)
