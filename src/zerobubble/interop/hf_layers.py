@@ -411,6 +411,9 @@ class DecoderBlock(SegmentAware, HFLayer):
         self.config = config
         self.index = index
         self.attention_type = attention_type
+        self.sequence_shards = 1
+        """Over how many ranks the hidden states' sequence is sharded (sequence parallelism,
+        :mod:`~zerobubble.runtime.tp`): the mask and positions are of the whole sequence."""
         self.router = router
         """The model's router loss (None: none); then the block adds its router's statistics."""
         self._router_path = None if router is None else _router_path(layer, router, index)
@@ -426,8 +429,12 @@ class DecoderBlock(SegmentAware, HFLayer):
     def forward(self, x: Boundary) -> Boundary:
         hidden, mask, position_ids = _unpack(type(self).__name__, x)
         slot = self.segment_slot
+        whole = hidden
+        if self.sequence_shards > 1:  # a stand-in of the whole sequence's shape (no memory)
+            b, t, d = hidden.shape
+            whole = hidden.new_empty(()).expand(b, t * self.sequence_shards, d)
         cache, mask, positions, causal = _attention_inputs(
-            slot, self.config, self.index, _MASKS[self.attention_type], hidden, mask, position_ids
+            slot, self.config, self.index, _MASKS[self.attention_type], whole, mask, position_ids
         )
         if self._rotary_by_type:
             rotary = self.rotary_emb(hidden, positions, self.attention_type)

@@ -101,6 +101,7 @@ class CausalSelfAttention(SegmentAware, nn.Module):
         super().__init__()
         d = cfg.d_model
         self.n_heads = cfg.n_heads
+        self.head_dim = cfg.head_dim
         self.q = nn.Linear(d, d)
         self.k = nn.Linear(d, d)
         self.v = nn.Linear(d, d)
@@ -110,13 +111,16 @@ class CausalSelfAttention(SegmentAware, nn.Module):
         self.register_buffer("future", future, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        b, t, d = x.shape
-        h = self.n_heads
+        # The projections' width, not x's: under tensor parallelism q/k/v hold this rank's
+        # heads only (d / tp columns), and with sequence parallelism x is a sequence shard
+        # that q/k/v gather, so batch, length and width are read off their output.
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        b, t, width = q.shape
 
         def heads(y: Tensor) -> Tensor:
-            return y.view(b, t, h, d // h).transpose(1, 2)  # (B, H, T, D)
+            return y.view(b, t, width // self.head_dim, self.head_dim).transpose(1, 2)  # (B,H,T,D)
 
-        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        q, k, v = heads(q), heads(k), heads(v)
         start, end = 0, t
         slot = self.segment_slot
         if slot is not None:
@@ -133,7 +137,7 @@ class CausalSelfAttention(SegmentAware, nn.Module):
         scores = (q @ k.transpose(-2, -1)) * self.scale
         scores = scores.masked_fill(self.future[start:end, :end], float("-inf"))
         y = torch.softmax(scores, dim=-1) @ v
-        return self.out(y.transpose(1, 2).reshape(b, t, d))
+        return self.out(y.transpose(1, 2).reshape(b, t, width))
 
 
 class Block(nn.Module):

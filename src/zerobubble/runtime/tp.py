@@ -5,21 +5,282 @@ layers (the split layers keep the parallel styles' input and output hooks), so t
 layers compute on DTensors: B's all-reduce or reduce-scatter of the input gradient runs
 inside the parallel style's redistribution, on the critical path, and W multiplies the
 local shards only.
+
+The default plan (``plan=None``) covers the stage modules built from our GPT
+(:mod:`~zerobubble.models.gpt`) and from the Hugging Face adapter's Llama-layout models
+(:mod:`~zerobubble.interop.hf_layers`: Llama, Qwen2, Mistral, ...), Megatron's layout:
+
+* attention's q/k/v and the MLP's up projections column-wise (each rank holds
+  ``heads / tp`` heads and ``d_ff / tp`` hidden units), the output and down projections
+  row-wise (one all-reduce, or reduce-scatter, per block half). A Hugging Face block takes
+  its config's ``base_model_tp_plan`` where it has one;
+* the token embedding row-wise (vocabulary-sharded: each rank holds ``vocab / tp`` rows,
+  the lookup's partial sums are reduced), not replicated, so that no rank keeps the
+  largest matrix whole; our GPT's position embedding is replicated (a DTensor, so its
+  gradient stays exact under sequence parallelism);
+* the LM head column-wise with the logits gathered (``Replicate``): every tp rank holds
+  the whole logits and the loss runs unchanged.
+
+With ``sequence_parallel`` the norms run on sequence shards (``SequenceParallel``), the
+column-wise layers gather the sequence, the row-wise ones reduce-scatter it, and the
+embedding hands out shards: the tensors between the layers, and so a stage's input and
+output, are each tp rank's local shard ``(B, T / tp, d)``. Masks and positions are those
+of the whole sequence (a Hugging Face block rebuilds them from the whole length; the
+boundary's ``position_ids`` and ``attention_mask`` travel whole, they are a few integers).
+
+Random ops are refused: dropout on sequence shards would need a generator per tp rank,
+which the runtime's per-(step, stage, microbatch) streams (:mod:`~zerobubble.runtime.rng`)
+do not have yet, so a stage with dropout > 0 raises rather than drawing correlated masks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
-__all__ = ["TPPlan", "parallelize_stage"]
+from zerobubble.models.gpt import Block, CausalSelfAttention, GPTEmbedding
+
+__all__ = ["HF_STYLES", "TPPlan", "default_plan", "hf_block_plan", "parallelize_stage"]
 
 TPPlan = Mapping[str, ParallelStyle]
 """``parallelize_module``'s plan: submodule name (relative to the stage module, ``*``
 wildcards allowed) -> parallel style."""
+
+HF_STYLES = ("colwise", "rowwise", "colwise_gather_output", "sequence_parallel")
+"""The ``base_model_tp_plan`` strings of ``transformers`` that :func:`hf_block_plan` maps
+(``colwise_rep`` is read as ``colwise_gather_output``); any other raises ValueError."""
+
+_KINDS = {**{k: k for k in HF_STYLES}, "colwise_rep": "colwise_gather_output"}
+
+
+class _Replicated(ParallelStyle):
+    """Parameters as ``Replicate`` DTensors, inputs made ``Replicate`` DTensors, the output
+    left a DTensor: a small table (a position embedding) that every rank holds whole but
+    whose output meets sharded DTensors, so its gradient is reduced exactly by DTensor."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def inputs(_m: nn.Module, args: Any, mesh: DeviceMesh) -> Any:
+            return tuple(
+                DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                if isinstance(a, Tensor) and not isinstance(a, DTensor)
+                else a
+                for a in args
+            )
+
+        return distribute_module(module, device_mesh, input_fn=inputs)
+
+
+def _style(kind: str, sp: bool) -> ParallelStyle:
+    """The parallel style of ``kind`` with or without sequence parallelism."""
+    seq: Placement = Shard(1) if sp else Replicate()
+    if kind == "colwise":
+        return ColwiseParallel(input_layouts=seq)
+    if kind == "rowwise":
+        return RowwiseParallel(output_layouts=seq)
+    if kind == "colwise_gather_output":
+        return ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+    if kind == "embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if kind == "embedding_dtensor":
+        return RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=seq, use_local_output=False
+        )
+    if kind == "sequence_parallel":
+        return SequenceParallel()
+    raise AssertionError(kind)
+
+
+def _divisible(stage: int, name: str, what: str, n: int, tp: int) -> None:
+    if n % tp:
+        raise ValueError(
+            f"stage {stage}: {name} has {what}={n}, not divisible by tp={tp}; the default "
+            f"tensor-parallel plan shards it evenly: choose a tp that divides {n}, or pass "
+            "tp_plan= leaving this layer replicated"
+        )
+
+
+def _check(stage: int, name: str, module: nn.Module, kind: str, tp: int) -> None:
+    """What the default plan cannot shard evenly raises (DTensor would shard unevenly)."""
+    if isinstance(module, nn.Embedding):
+        _divisible(stage, name, "num_embeddings (vocabulary)", module.num_embeddings, tp)
+    elif isinstance(module, nn.Linear) and kind.startswith("colwise"):
+        _divisible(stage, name, "out_features", module.out_features, tp)
+    elif isinstance(module, nn.Linear) and kind == "rowwise":
+        _divisible(stage, name, "in_features", module.in_features, tp)
+
+
+def _norms(module: nn.Module) -> list[str]:
+    """The names of ``module``'s norms (by type, as the B/W split knows them)."""
+    return [n for n, m in module.named_modules() if n and _is_norm(m)]
+
+
+def _is_norm(m: nn.Module) -> bool:
+    return isinstance(m, nn.LayerNorm | nn.RMSNorm) or type(m).__name__.endswith("Norm")
+
+
+def _gpt_layer(layer: nn.Module, stage: int, name: str, tp: int, sp: bool) -> dict[str, str]:
+    """Kinds of one GPT layer's submodules ("" names the layer itself)."""
+    if isinstance(layer, GPTEmbedding):
+        # The token embedding's output stays a DTensor to meet the position embedding's.
+        return {"tok": "embedding_dtensor", "pos": "replicated", "": "shard_output"}
+    if isinstance(layer, Block):
+        attn = layer.attn
+        assert isinstance(attn, CausalSelfAttention)
+        _divisible(stage, f"{name}.attn", "n_heads", attn.n_heads, tp)
+        kinds = dict.fromkeys(("attn.q", "attn.k", "attn.v", "fc"), "colwise")
+        kinds.update({"attn.out": "rowwise", "proj": "rowwise"})
+        return kinds | (dict.fromkeys(_norms(layer), "sequence_parallel") if sp else {})
+    if _is_norm(layer):
+        return {"": "sequence_parallel"} if sp else {}
+    if type(layer) is nn.Linear:  # the LM head
+        return {"": "colwise_gather_output"}
+    return {}
+
+
+def hf_block_plan(
+    base_model_tp_plan: Mapping[str, str], paths: Mapping[str, str], layer: nn.Module
+) -> dict[str, str]:
+    """Map a ``transformers`` config's ``base_model_tp_plan`` onto one adapter layer.
+
+    ``base_model_tp_plan`` names submodules of the base model (``"layers.*.mlp.up_proj"``,
+    ``*`` one name component) with a style string (:data:`HF_STYLES`); ``paths`` maps each
+    attribute of the adapter layer to its path in the causal LM (``HFLayer._paths``, e.g.
+    ``{"layer": "model.layers.3"}``). Returns ``{name in layer: style kind}`` for every
+    submodule the plan names.
+    """
+    rules = []
+    for fqn, kind in base_model_tp_plan.items():
+        if kind not in _KINDS:
+            raise ValueError(
+                f"base_model_tp_plan[{fqn!r}] = {kind!r}: no mapping to a parallel style (the "
+                f"default plan maps {', '.join(sorted(_KINDS))}); pass tp_plan= instead"
+            )
+        regex = r"[^.]+".join(re.escape(part) for part in f"model.{fqn}".split("*"))
+        rules.append((re.compile(regex), _KINDS[kind]))
+    out: dict[str, str] = {}
+    for attr, path in paths.items():
+        for rest, _ in layer.get_submodule(attr).named_modules():
+            full = f"{path}.{rest}" if rest else path
+            for pattern, kind in rules:
+                if pattern.fullmatch(full):
+                    out[f"{attr}.{rest}" if rest else attr] = kind
+    return out
+
+
+_LLAMA_PLAN = {
+    **dict.fromkeys(
+        ("layers.*.self_attn.q_proj", "layers.*.self_attn.k_proj", "layers.*.self_attn.v_proj"),
+        "colwise",
+    ),
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+"""Our table for a Llama-layout block whose config has no ``base_model_tp_plan``."""
+
+
+def _hf_layer(layer: nn.Module, stage: int, name: str, tp: int, sp: bool) -> dict[str, str] | None:
+    """Kinds of one adapter layer's submodules; None if ``layer`` is not one."""
+    from zerobubble.interop import hf_layers  # imports transformers: only for its layers
+
+    if isinstance(layer, hf_layers.DecoderEmbedding):
+        return {"embed_tokens": "embedding"}
+    if isinstance(layer, hf_layers.DecoderHead):
+        return {"lm_head": "colwise_gather_output"} | ({"norm": "sequence_parallel"} if sp else {})
+    if isinstance(layer, hf_layers.DecoderBlock):
+        config = layer.config
+        for what in ("num_attention_heads", "num_key_value_heads"):
+            _divisible(stage, f"{name}.layer.self_attn", what, getattr(config, what), tp)
+        table = getattr(config, "base_model_tp_plan", None) or _LLAMA_PLAN
+        try:
+            kinds = hf_block_plan(table, {"layer": layer._paths["layer"]}, layer)
+        except ValueError as e:
+            raise ValueError(f"stage {stage}: layer {name}: {e}") from None
+        return kinds | (dict.fromkeys(_norms(layer), "sequence_parallel") if sp else {})
+    return None
+
+
+def default_plan(module: nn.Module, tp: int, *, stage: int, sequence_parallel: bool) -> TPPlan:
+    """The default plan of stage ``stage``'s ``module`` (an ``nn.Sequential`` of our GPT's
+    or the Hugging Face adapter's layers) over ``tp`` ranks; ValueError for a layer it
+    cannot shard exactly or does not know."""
+    sp = sequence_parallel
+    plan: dict[str, ParallelStyle] = {}
+    for name, layer in module.named_children():
+        kinds = _gpt_layer(layer, stage, name, tp, sp)
+        if not kinds and "interop.hf_layers" in type(layer).__module__:
+            kinds = _hf_layer(layer, stage, name, tp, sp) or {}
+        if not kinds and not _is_norm(layer) and any(True for _ in layer.parameters()):
+            # Left replicated, its weight gradients would be per-rank partial sums under
+            # sequence parallelism, and it would hold whole matrices: refuse, not guess.
+            raise ValueError(
+                f"stage {stage}: layer {name} ({type(layer).__name__}) holds parameters but "
+                "the default tensor-parallel plan knows only our GPT's and the Hugging Face "
+                "adapter's Llama-layout layers; pass tp_plan= (a plan, or a function "
+                "(stage, module) -> plan)"
+            )
+        for sub, kind in kinds.items():
+            full = f"{name}.{sub}" if sub else name
+            target = module.get_submodule(full)
+            if kind == "replicated":
+                plan[full] = _Replicated()
+            elif kind == "shard_output":
+                seq: Placement = Shard(1) if sp else Replicate()
+                plan[full] = PrepareModuleOutput(
+                    output_layouts=seq, desired_output_layouts=seq, use_local_output=True
+                )
+            else:
+                _check(stage, full, target, kind, tp)
+                plan[full] = _style(kind, sp)
+    return plan
+
+
+def _refuse_dropout(module: nn.Module, stage: int) -> None:
+    for name, m in module.named_modules():
+        p = m.p if isinstance(m, nn.modules.dropout._DropoutNd) else None
+        p = getattr(m, "attention_dropout", p)
+        if isinstance(p, float) and p > 0:
+            raise ValueError(
+                f"stage {stage}: {name or type(module).__name__} has dropout {p}; tensor "
+                "parallelism does not yet draw per-tp-rank random streams, so dropout on "
+                "shards would repeat one mask on every rank: set dropout to 0 with tp > 1"
+            )
+
+
+def _check_length(stage: int, tp: int, _m: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Sequence parallelism shards the sequence evenly: the first stage checks its ids."""
+    ids = args[0] if args else kwargs.get("input_ids")
+    if isinstance(ids, Mapping):
+        ids = ids.get("input_ids")
+    if isinstance(ids, Tensor) and ids.shape[-1] % tp:
+        raise ValueError(
+            f"stage {stage}: sequence length {ids.shape[-1]} is not divisible by tp={tp}; "
+            f"sequence parallelism shards it evenly over the tp ranks: pad the batch to a "
+            f"multiple of {tp} tokens, or turn sequence_parallel off"
+        )
+
+
+def _shared_names(module: nn.Module) -> dict[int, list[str]]:
+    names: dict[int, list[str]] = {}
+    for mod_name, m in module.named_modules(remove_duplicate=False):
+        for p_name, p in m.named_parameters(recurse=False):
+            names.setdefault(id(p), []).append(f"{mod_name}.{p_name}" if mod_name else p_name)
+    return names
 
 
 def parallelize_stage(
@@ -30,8 +291,45 @@ def parallelize_stage(
     stage: int,
     sequence_parallel: bool = False,
 ) -> nn.Module:
-    """Apply ``plan`` (None: the default plan of ``module``) to stage ``stage``'s
-    ``module`` over ``tp_mesh``, in place; returns the module."""
+    """Apply ``plan`` (None: :func:`default_plan`) to stage ``stage``'s ``module`` over
+    ``tp_mesh``, in place; returns the module.
+
+    Refuses dropout > 0, and a parameter shared by two layers of the stage (tied
+    embeddings on one stage): parallelizing each layer would untie it.
+    """
+    tp = tp_mesh.size()
+    _refuse_dropout(module, stage)
     if plan is None:
-        raise ValueError(f"stage {stage}: no default tensor-parallel plan yet; pass tp_plan=")
-    return parallelize_module(module, tp_mesh, dict(plan))
+        plan = default_plan(module, tp, stage=stage, sequence_parallel=sequence_parallel)
+    tied = [n for n in _shared_names(module).values() if len(n) > 1]
+    parallelize_module(module, tp_mesh, dict(plan))
+    after = {name: id(p) for name, p in _named_all(module)}
+    for names in tied:
+        if len({after[n] for n in names}) > 1:
+            raise ValueError(
+                f"stage {stage}: {' and '.join(names)} are one parameter that the tensor-"
+                "parallel plan shards as two; untie them (e.g. tie_embeddings=False) or keep "
+                "both layers on one style"
+            )
+    if sequence_parallel:
+        _shard_sequence(module, stage, tp)
+    return module
+
+
+def _named_all(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [
+        (f"{mn}.{pn}" if mn else pn, p)
+        for mn, m in module.named_modules(remove_duplicate=False)
+        for pn, p in m.named_parameters(recurse=False)
+    ]
+
+
+def _shard_sequence(module: nn.Module, stage: int, tp: int) -> None:
+    """Tell the layers that rebuild masks and positions from the hidden states' length the
+    number of shards, and check the first stage's sequence length."""
+    check: Callable[..., None] = partial(_check_length, stage, tp)
+    for m in module.children():
+        if hasattr(m, "sequence_shards"):
+            setattr(m, "sequence_shards", tp)  # noqa: B010 (nn.Module types it as a Module)
+        if isinstance(m, GPTEmbedding) or type(m).__name__ == "DecoderEmbedding":
+            m.register_forward_pre_hook(check, with_kwargs=True)

@@ -27,6 +27,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from zerobubble.runtime.split.buffers import restored
@@ -229,12 +231,22 @@ def _recompute_calls(
             (y,) = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
             outs.append(y)
     grads = torch.autograd.grad(outs, need, gys, allow_unused=True)
-    ptrs = {gy.untyped_storage().data_ptr() for gy in gys}
+    ptrs = {_data_ptr(gy) for gy in gys}
     return [
-        (p, g.clone() if g.untyped_storage().data_ptr() in ptrs else g)  # .grad may adopt it
+        (p, g.clone() if _data_ptr(g) in ptrs else g)  # .grad may adopt it
         for p, g in zip(need, grads, strict=True)
         if g is not None
     ]
+
+
+def _data_ptr(t: Tensor) -> int:
+    """Where ``t``'s storage is; a DTensor's (tensor parallelism) is its local tensor's, which
+    may be the wrapper of a collective's result (B's reduce-scatter, done: B's input
+    gradient used it), whose own storage is the result's."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    if isinstance(local, AsyncCollectiveTensor):
+        local = local.trigger_wait()
+    return local.untyped_storage().data_ptr()
 
 
 def _recompute_group(args: tuple) -> Hashable | None:

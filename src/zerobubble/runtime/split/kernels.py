@@ -171,15 +171,19 @@ def _product_node(y: Tensor) -> Node | GradientEdge:
 
 
 def _current(alias: Tensor | None, p: Tensor) -> TypeGuard[Tensor]:
-    """``alias`` still is :func:`_alias` of ``p`` (same memory, size, strides, requires_grad;
-    of a DTensor: the same local tensor and placements, DTensor has no ``is_set_to``)."""
-    if alias is None or alias.requires_grad != p.requires_grad:
+    """``alias`` still is :func:`_alias` of ``p`` (same memory, size, strides, requires_grad)."""
+    return alias is not None and _same_memory(alias, p) and alias.requires_grad == p.requires_grad
+
+
+def _same_memory(alias: Tensor, p: Tensor) -> bool:
+    """``alias.is_set_to(p)``; for a DTensor (tensor parallelism, which has no sharding rule
+    for ``is_set_to``) the same placements on the same mesh and the same local memory."""
+    if not isinstance(p, DTensor):
+        return alias.is_set_to(p)
+    if not (isinstance(alias, DTensor) and alias.placements == p.placements):
         return False
-    if isinstance(p, DTensor):
-        if not isinstance(alias, DTensor) or alias.placements != p.placements:
-            return False
-        return alias.to_local().is_set_to(p.to_local())
-    return alias.is_set_to(p)
+    with torch.no_grad():
+        return alias.device_mesh == p.device_mesh and alias.to_local().is_set_to(p.to_local())
 
 
 def _linear_grads(

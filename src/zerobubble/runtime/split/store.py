@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.distributed.tensor import DTensor
 
 __all__ = [
     "Call",
@@ -570,11 +571,49 @@ def _accumulate(grads: list[_Ready]) -> None:
     with torch.no_grad():
         for param, grad, owned in grads:
             if param.grad is None:
-                if not owned or grad.stride() != param.stride():
+                if isinstance(grad, DTensor) and grad.placements != getattr(
+                    param, "placements", None
+                ):
+                    # As AccumulateGrad: a DTensor gradient keeps its placements (a
+                    # Partial one stays unreduced: copying it into the parameter's
+                    # layout, or DTensor's clone, would all-reduce it here, in W).
+                    grad = grad if owned else _local_copy(grad)
+                elif not owned or grad.stride() != param.stride():
                     grad = torch.empty_like(param).copy_(grad)
                 param.grad = grad
             else:
                 dst.append(param.grad)
                 src.append(grad)
         if dst:
-            torch._foreach_add_(dst, src)
+            _add_(dst, src)
+
+
+def _add_(dst: list[Tensor], src: list[Tensor]) -> None:
+    """``dst[i] += src[i]`` as one ``_foreach_add_`` over plain tensors: DTensors (tensor
+    parallelism) add their local tensors where the placements agree (no collective), and
+    through DTensor's ``add_`` otherwise."""
+    plain: tuple[list[Tensor], list[Tensor]] = ([], [])
+    for d, g in zip(dst, src, strict=True):
+        if not isinstance(d, DTensor):
+            plain[0].append(d)
+            plain[1].append(g)
+        elif isinstance(g, DTensor) and g.placements == d.placements:
+            plain[0].append(d.to_local())
+            plain[1].append(g.to_local())
+        else:
+            d.add_(g)
+    if plain[0]:
+        torch._foreach_add_(*plain)
+
+
+def _local_copy(grad: DTensor) -> DTensor:
+    """A copy of ``grad`` made of a copy of its local tensor, in its placements."""
+    local = grad.to_local().clone()
+    return DTensor.from_local(
+        local,
+        grad.device_mesh,
+        grad.placements,
+        run_check=False,
+        shape=grad.shape,
+        stride=grad.stride(),
+    )
