@@ -11,8 +11,8 @@ after every iteration, and the norm every rank reports), under one fault plan wi
 NaN on one tp rank only (stage 0, a partial-sum gradient), an Inf on the other tp rank
 only (the last stage, a sharded gradient) and two clipped iterations:
 
-* the synchronous step under 1f1b and 1f1b-v (two stages per rank);
-* conservative and speculative post-validation (1f1b) with snapshot rollback;
+* the synchronous step under zb-h1 and zbv (two stages per rank);
+* conservative (zb-h1) and speculative (zb-h2) post-validation with snapshot rollback;
 * a checkpoint saved after 4 iterations, loaded into a fresh trainer: the remaining
   iterations equal the uninterrupted run; loading it without tp raises.
 
@@ -245,19 +245,19 @@ def job(root: str) -> dict:
     sync = OptimConfig(max_norm=MAX_NORM)
     refs = {s: reference(tp, s) for s in (2, 4)}
     cases = {
-        "sync/1f1b": ("1f1b", sync, None),
-        "sync/1f1b-v": ("1f1b-v", sync, None),
-        "cons/1f1b": ("1f1b", OptimConfig(mode="conservative", max_norm=MAX_NORM), None),
-        "spec/1f1b": ("1f1b", OptimConfig(mode="speculative", max_norm=MAX_NORM), None),
-        "spec-inverse/1f1b": (
-            "1f1b",
+        "sync/zb-h1": ("zb-h1", sync, None),
+        "sync/zbv": ("zbv", sync, None),
+        "cons/zb-h1": ("zb-h1", OptimConfig(mode="conservative", max_norm=MAX_NORM), None),
+        "spec/zb-h2": ("zb-h2", OptimConfig(mode="speculative", max_norm=MAX_NORM), None),
+        "spec-inverse/zb-h2": (
+            "zb-h2",
             OptimConfig(mode="speculative", max_norm=MAX_NORM, rollback="inverse"),
             INVERSE_TOL,
         ),
     }
     for name, (kind, cfg, tol) in cases.items():
         trainer, snaps, commits = run(
-            kind, cfg, pp_group, tp, root=root if name == "sync/1f1b" else None
+            kind, cfg, pp_group, tp, root=root if name == "sync/zb-h1" else None
         )
         ref, norms = refs[generate(kind, PP, M).num_stages]
         bad, worst = differences(name, trainer, snaps, ref, tol)
@@ -265,13 +265,13 @@ def job(root: str) -> dict:
         out[f"worst/{name}"] = worst
         out["commits"][name] = [(c.iteration, c.action.value, repr(c.total_norm)) for c in commits]
         out["norms"][name] = [repr(n) for n in norms]
-    # Resume from the checkpoint saved after SAVE_AT iterations of sync/1f1b.
-    trainer, snaps, _ = run("1f1b", sync, pp_group, tp, iters=range(SAVE_AT, ITERS), root=root)
+    # Resume from the checkpoint saved after SAVE_AT iterations of sync/zb-h1.
+    trainer, snaps, _ = run("zb-h1", sync, pp_group, tp, iters=range(SAVE_AT, ITERS), root=root)
     out["resumed"] = sorted(snaps)
     out["bad"] += differences("resumed", trainer, snaps, refs[2][0])[0]
     try:
         run(
-            "1f1b",
+            "zb-h1",
             sync,
             pp_group,
             tp,
@@ -303,7 +303,7 @@ def summary(bad: list[str]) -> dict:
 def test_tp_optimizer_bitwise_against_the_tp_reference(results):
     for r, res in enumerate(results):
         assert res["bad"] == [], (r, summary(res["bad"]))
-        assert res["worst/spec-inverse/1f1b"] <= INVERSE_TOL
+        assert res["worst/spec-inverse/zb-h2"] <= INVERSE_TOL
 
 
 def test_every_rank_decides_alike_and_faults_on_one_tp_rank_skip_everywhere(results):
