@@ -43,6 +43,13 @@ assembles FSDP's DTensor shards into the global tensor; loading reads each
 rank's shard (or the whole tensor) back. The per-rank entries (metadata, RNG,
 ``extra``) are keyed by pipeline and dp rank. The record notes the dp size,
 and a checkpoint loads only into a job of the same pp and dp sizes.
+
+With tensor parallelism (stages parallelized over a tp mesh, see
+:func:`~zerobubble.optim.trainer.tp_mesh_of`) every tp rank's pipeline saves into the
+same checkpoint: the save is over the whole job, parameters and optimizer state are
+stored as the DTensors they are (DCP writes each shard once and a replicated one once),
+per-rank entries add the tp rank, and the record notes the tp size: loading into another
+tp size raises ValueError (resharding across tp sizes is not supported).
 """
 
 from __future__ import annotations
@@ -197,6 +204,7 @@ def save_checkpoint(
             "schedule": trainer.pipe.schedule.name,
             "num_stages": trainer.pipe.schedule.num_stages,
             "dp_size": 1 if mesh is None else mesh.dp_size,
+            "tp_size": _tp_size(trainer),
             "files": dict(sorted(files.items())),
         }
         _write_json(root / f"{name}.json", record)
@@ -339,6 +347,12 @@ def load_checkpoint(
             f"data-parallel replicas; this run has dp={dp}: resume with the same mesh "
             "(and pass mesh= to load_checkpoint when the job has one)"
         )
+    if manifest.get("tp_size", 1) != _tp_size(trainer):
+        raise ValueError(
+            f"checkpoint {manifest['path']} was saved with tensor parallelism "
+            f"tp={manifest.get('tp_size', 1)}; this run has tp={_tp_size(trainer)}: resume "
+            "with the same tp size (resharding a checkpoint to another tp size is not supported)"
+        )
     group = _group(trainer, mesh)
     own = _own_key(trainer, mesh)
     path = Path(root) / manifest["path"]
@@ -375,7 +389,17 @@ def load_checkpoint(
 
 
 def _group(trainer: PipelineTrainer, mesh: PipelineMesh | None) -> dist.ProcessGroup | None:
-    """The ranks that save one checkpoint together: the pipeline, or with a mesh the job."""
+    """The ranks that save one checkpoint together: the pipeline, or with a mesh or with
+    tensor parallelism the job (the tp ranks hold shards of the same DTensors)."""
+    if mesh is None and _tp_size(trainer) > 1:
+        pp, tp, world = trainer.world, _tp_size(trainer), dist.get_world_size()
+        if world != pp * tp:
+            raise ValueError(
+                f"rank {trainer.pipe.p2p.name(trainer.rank)}: a checkpoint of a pipeline with "
+                f"tensor parallelism is saved by the whole job, pp={pp} x tp={tp} ranks, but "
+                f"the world has {world}: pass mesh= (the job's mesh with its dp dim)"
+            )
+        return None
     if mesh is None:
         return trainer.pipe.group
     if dist.get_world_size(trainer.pipe.group) != mesh.pp_size:
@@ -389,9 +413,16 @@ def _group(trainer: PipelineTrainer, mesh: PipelineMesh | None) -> dist.ProcessG
 
 def _own_key(trainer: PipelineTrainer, mesh: PipelineMesh | None) -> str:
     """The prefix of this rank's own entries (every rank of the saving group has one)."""
-    if mesh is None or mesh.dp_size == 1:
-        return f"rank{trainer.rank}"
-    return f"rank{trainer.rank}.dp{mesh.dp_rank}"
+    key = f"rank{trainer.rank}"
+    if mesh is not None and mesh.dp_size > 1:
+        key += f".dp{mesh.dp_rank}"
+    tp = trainer.layout.tp_mesh
+    return key if tp is None or tp.size() == 1 else f"{key}.tp{tp.get_local_rank()}"
+
+
+def _tp_size(trainer: PipelineTrainer) -> int:
+    tp = trainer.layout.tp_mesh
+    return 1 if tp is None else tp.size()
 
 
 def _target(md: TensorStorageMetadata, param: Tensor) -> Tensor:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from zerobubble.schedule.ir import Action, Op
 
@@ -58,9 +59,10 @@ class GradFault:
             raise ValueError("a scale fault applies at the iteration tail: leave mb=None")
 
     def apply(self, params: Sequence[Tensor]) -> None:
-        """Corrupt ``params``' gradients (the stage's, in model order)."""
+        """Corrupt ``params``' gradients (the stage's, in model order); a DTensor gradient
+        in this rank's shard (or partial sum) only, as a fault on one tp rank would."""
         with torch.no_grad():
-            grads = [p.grad for p in params if p.grad is not None]
+            grads = [_local(p.grad) for p in params if p.grad is not None]
             if not grads:
                 raise RuntimeError(f"fault {self}: stage {self.stage} has no gradient yet")
             if self.kind is GradFaultKind.SCALE:
@@ -70,6 +72,11 @@ class GradFault:
                 grads[0].view(-1)[0] = (
                     float("nan") if self.kind is GradFaultKind.NAN else float("inf")
                 )
+
+
+def _local(t: Tensor) -> Tensor:
+    """This rank's part of a DTensor (sharing its storage); a plain tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class CrashPoint(enum.StrEnum):

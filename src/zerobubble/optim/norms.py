@@ -11,10 +11,22 @@ complete, any rank rebuilds the list of norms with their dtypes and reduces it
 exactly as ``clip_grad_norm_`` does. The same vector, partially filled, is the
 prefix state of post-validation.
 
+Tensor parallelism: ``clip_grad_norm_`` over DTensor gradients takes each norm as
+DTensor computes it: a tp-sharded gradient's norm is a partial norm over tp (each tp
+rank holds the norm of its shard), a replicated one's is replicated (a gradient that is
+still a partial sum is reduced first). The stack of these norms and its norm are
+DTensor ops too, whose redistribution (the reduction of the partial norms over tp)
+decides the rounding. So a tp rank writes the local value of each norm into its slot
+and marks the partial ones (:data:`PARTIAL`); :meth:`ParamLayout.total` rebuilds the
+norms as DTensors over the tp mesh with those placements and runs the same stack and
+norm, so DTensor redistributes them as in ``clip_grad_norm_`` (a collective over tp:
+every tp rank of a pipeline rank computes every total its peers compute). The slots
+differ between tp ranks; the total does not.
+
 Vector layout (float64): ``[norms (n) | status (n) | flags | header]`` with n
 the number of parameters of the whole model; status is :data:`UNSEEN`,
-:data:`PRESENT` or :data:`ABSENT` (no gradient, ignored like ``clip_grad_norm_``
-ignores it). Ranks fill disjoint slots, so summing vectors (an all-reduce) is
+:data:`PRESENT`, :data:`PARTIAL` or :data:`ABSENT` (no gradient, ignored like
+``clip_grad_norm_`` ignores it). Ranks fill disjoint slots, so summing vectors (an all-reduce) is
 exact. The header (message kind, iteration, vector length) is stamped on every
 point-to-point state message and checked on receipt (:meth:`ParamLayout.check`).
 """
@@ -27,13 +39,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
 from zerobubble.optim.config import OptimConfig
 from zerobubble.runtime.comm import P2P, dtype_code, dtype_of
 
-UNSEEN, PRESENT, ABSENT = 0.0, 1.0, 2.0
+UNSEEN, PRESENT, ABSENT, PARTIAL = 0.0, 1.0, 2.0, 3.0
+"""Slot status: not filled yet; a norm; no gradient; this tp rank's part of a partial norm."""
 
 FLAG_DEFERRED = 0
 """Flag slot: 1 if some rank deferred its step (post-validation prefix)."""
@@ -80,10 +94,13 @@ class ParamLayout:
     Attributes:
         dtypes: dtype of each slot's parameter.
         first: ``first[s]``: slot of the first parameter of stage ``s``.
+        tp_mesh: The 1-D tensor-parallel mesh the parameters are DTensors on (None
+            without tp): norms are taken and totalled as DTensors over it.
     """
 
     dtypes: tuple[torch.dtype, ...]
     first: Mapping[int, int]
+    tp_mesh: DeviceMesh | None = None
 
     @property
     def size(self) -> int:
@@ -100,25 +117,43 @@ class ParamLayout:
 
     @classmethod
     def exchange(
-        cls, stage_params: Mapping[int, Sequence[Tensor | Remote]], p2p: P2P
+        cls,
+        stage_params: Mapping[int, Sequence[Tensor | Remote]],
+        p2p: P2P,
+        tp_mesh: DeviceMesh | None = None,
     ) -> ParamLayout:
-        """Agree on the layout with every rank (a bounded collective: all ranks call it)."""
-        mine: list[int] = []
+        """Agree on the layout with every rank (a bounded collective: all ranks call it).
+
+        Raises ValueError naming the stages when the ranks disagree on the tp size.
+        """
+        tp = 1 if tp_mesh is None else tp_mesh.size()
+        mine: list[int] = [tp]
         for s, ps in stage_params.items():
             mine += [s, len(ps), *(dtype_code(p.dtype) for p in ps)]
         stages: dict[int, list[torch.dtype]] = {}
+        sizes: dict[int, list[int]] = {}
         for part in p2p.all_gather_ints(mine, "exchange of the parameter layout"):
-            i = 0
+            sizes.setdefault(part[0], [])
+            i = 1
             while i < len(part):
                 s, n = part[i], part[i + 1]
                 stages[s] = [dtype_of(c) for c in part[i + 2 : i + 2 + n]]
+                sizes[part[0]].append(s)
                 i += 2 + n
+        if len(sizes) > 1:
+            seen = "; ".join(f"stages {sorted(ss)}: tp={t}" for t, ss in sorted(sizes.items()))
+            raise ValueError(
+                f"the pipeline's ranks disagree on the tensor-parallel size ({seen}): the "
+                "gradient norm is reduced over tp on every rank; parallelize every stage over "
+                "a tp mesh of one size (a stage without tp-sharded parameters still needs its "
+                "parameters as DTensors on that mesh, e.g. replicated)"
+            )
         dtypes: list[torch.dtype] = []
         first: dict[int, int] = {}
         for s in sorted(stages):
             first[s] = len(dtypes)
             dtypes.extend(stages[s])
-        return cls(tuple(dtypes), first)
+        return cls(tuple(dtypes), first, tp_mesh)
 
     def stamp(self, vec: Tensor, kind: StateKind, iteration: int) -> None:
         """Write the header of a state message."""
@@ -155,7 +190,9 @@ class ParamLayout:
 
         Sharded gradients (DTensors, FSDP) contribute the norms of their local shards,
         which ``combine`` (collective over the shards' replicas) turns into the norms of
-        the whole gradients.
+        the whole gradients. Without ``combine`` and with a tp mesh, norms are taken
+        as DTensors (collective over tp for partial-sum gradients) and their local
+        values written, partial ones marked :data:`PARTIAL`.
         """
         grads, slots = [], []
         for s, params in stage_params.items():
@@ -170,12 +207,14 @@ class ParamLayout:
                     slots.append(slot)
         if not grads:
             return
-        norms = per_tensor_norms([_local(g) for g in grads], norm_type)
+        as_dtensors = self.tp_mesh is not None and combine is None
+        norms = per_tensor_norms([g if as_dtensors else _local(g) for g in grads], norm_type)
         if combine is not None:
             norms = combine(norms, norm_type)
         index = torch.tensor(slots)
-        vec[index] = torch.stack([n.detach().to("cpu", torch.float64) for n in norms])
-        vec[index + self.size] = PRESENT
+        vec[index] = torch.stack([_local(n).detach().to("cpu", torch.float64) for n in norms])
+        status = [PARTIAL if _is_partial(n) else PRESENT for n in norms]
+        vec[index + self.size] = torch.tensor(status, dtype=torch.float64)
 
     def total(
         self, vec: Tensor, norm_type: float, device: torch.device, *, prefix: bool = False
@@ -183,27 +222,49 @@ class ParamLayout:
         """The global norm, as ``clip_grad_norm_`` would compute it over all gradients.
 
         With ``prefix``, slots no rank has filled yet count as zero norms (the
-        prefix state of post-validation: never above the final norm).
+        prefix state of post-validation: never above the final norm). With a tp mesh
+        the norms are DTensors again (see the module docstring) and the total, the same
+        on every tp rank, is returned as a plain tensor (its local value).
         """
         values = vec[: self.size].tolist()
         status = vec[self.size : 2 * self.size].tolist()
         norms = []
+        tp = self.tp_mesh
+        partial = Replicate() if tp is None else _partial_norm(tp, norm_type)
         for slot, (v, st) in enumerate(zip(values, status, strict=True)):
             if st == ABSENT:
                 continue
             if st == UNSEEN and not prefix:
                 raise RuntimeError(f"gradient norm slot {slot} was never filled (protocol bug)")
-            norms.append(torch.tensor(v if st == PRESENT else 0.0, dtype=self.dtypes[slot]))
+            n = torch.tensor(0.0 if st == UNSEEN else v, dtype=self.dtypes[slot])
+            if tp is not None:
+                where = partial if st == PARTIAL else Replicate()
+                n = DTensor.from_local(n, tp, [where], run_check=False)
+            elif st == PARTIAL:
+                raise RuntimeError(f"gradient norm slot {slot} is partial over tp without tp")
+            norms.append(n)
         if not norms:
             return torch.tensor(0.0, device=device)
         # Stack in the order clip_grad_norm_ does: grouped by dtype, model order inside.
         ordered = [n for _, ts, _ in _group_by_device_and_dtype(norms) for n in ts]
-        return torch.linalg.vector_norm(torch.stack(ordered).to(device), norm_type)
+        total = torch.linalg.vector_norm(torch.stack(ordered).to(device), norm_type)
+        return total.full_tensor() if isinstance(total, DTensor) else total
 
 
 def _local(t: Tensor) -> Tensor:
     """This rank's shard of a DTensor; a plain tensor as it is."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _is_partial(t: Tensor) -> bool:
+    return isinstance(t, DTensor) and any(p.is_partial() for p in t.placements)
+
+
+def _partial_norm(mesh: DeviceMesh, norm_type: float) -> Placement:
+    """The placement DTensor gives the norm of a tensor sharded over ``mesh`` (a partial
+    norm for this ``norm_type``), asked of DTensor itself (no collective)."""
+    probe = DTensor.from_local(torch.zeros(1), mesh, [Shard(0)], run_check=False)
+    return torch.linalg.vector_norm(probe, norm_type).placements[0]
 
 
 def per_tensor_norms(grads: Sequence[Tensor], norm_type: float) -> list[Tensor]:

@@ -46,6 +46,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.ep_norms import ExpertNorms, expert_slots
@@ -72,7 +74,7 @@ from zerobubble.schedule.ir import Action as ComputeAction
 from zerobubble.schedule.step_sim import StepMode
 from zerobubble.schedule.trace_format import TraceEvent, event_name
 
-__all__ = ["Commit", "PipelineTrainer", "group_settings"]
+__all__ = ["Commit", "PipelineTrainer", "group_settings", "tp_mesh_of"]
 
 
 @dataclass(frozen=True)
@@ -195,7 +197,8 @@ class PipelineTrainer:
         mesh = executor.mesh
         if mesh is not None and mesh.ep_group is not None:  # experts sharded: slots for all
             self.norm_params = expert_slots(norm_params, mesh.ep_rank, mesh.ep_size)
-        self.layout = ParamLayout.exchange(self.norm_params, executor.p2p)
+        tp_mesh = None if sharding is not None else tp_mesh_of(executor.rank, self.params)
+        self.layout = ParamLayout.exchange(self.norm_params, executor.p2p, tp_mesh)
         if mesh is not None and mesh.ep_group is not None:
             self._experts = ExpertNorms(
                 self.layout, self.norm_params, mesh.ep_rank, mesh.ep_group, executor.p2p
@@ -460,6 +463,27 @@ class PipelineTrainer:
                 mem_after=held,
             )
         )
+
+
+def tp_mesh_of(rank: int, params: Sequence[Tensor]) -> DeviceMesh | None:
+    """The tensor-parallel mesh of this rank's DTensor parameters (None if it has none).
+
+    The gradient norm is taken over it as ``clip_grad_norm_`` takes it over DTensors
+    (:mod:`~zerobubble.optim.norms`); plain parameters beside them count as replicated.
+    Raises ValueError when the parameters live on several meshes or a multi-dimensional one.
+    """
+    meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
+    if not meshes:
+        return None
+    mesh = meshes.pop()
+    if meshes or mesh.ndim != 1:
+        names = sorted(str(m.mesh_dim_names or m.shape) for m in (mesh, *meshes))
+        raise ValueError(
+            f"rank {rank}: the stages' DTensor parameters live on the meshes {names}; "
+            "tensor parallelism inside a pipeline needs all of them on one 1-D tp mesh "
+            "(parallelize every stage over the same mesh['tp'])"
+        )
+    return mesh
 
 
 def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
