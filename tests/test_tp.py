@@ -14,9 +14,18 @@ the state dict (DTensors out, whole
 tensors or DTensors in). On pp=1 x dp=2 x tp=2 the dp reduction of DTensor gradients.
 And the refusals (the world size, ties across stages, overlapped F&B pairs, a plan
 without tp).
+
+Then the default plans (``tp_plan=None``) on our GPT (5 layers) and a tiny HF Llama (4
+layers, a padded batch given as a tokenizer's mapping), M=4, in six runs covering every
+pair of {model} x {1f1b, zb-h1, zbv} x {sequence parallelism off, on}: losses and every
+gradient bitwise against :func:`tp_reference_step`, and within ``MODEL_REL`` of the
+single-process :func:`reference_step` on the unparallelized model. Our GPT under zbv puts
+its final LayerNorm alone on a stage: its output, a boundary, is a sequence shard.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -30,6 +39,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ranks import launch
+from zerobubble.interop.hf import CausalLMLoss, causal_lm_layers, tiny_model
+from zerobubble.models.gpt import GPTConfig, build_gpt, gpt_loss
 from zerobubble.pipeline import Pipeline
 from zerobubble.runtime.executor import ExecutorOptions
 from zerobubble.runtime.hooks import StepHooks
@@ -48,6 +59,22 @@ KINDS = ("1f1b", "zb-h1", "zbv")
 RTOL, ATOL = 1e-5, 1e-6
 """Against the single process, where a row-wise layer's tp partial sums add otherwise."""
 TIMEOUT = 300.0
+GPT = GPTConfig(vocab_size=64, max_seq_len=16, d_model=32, n_heads=4, n_layers=2, seed=1)
+LM_B, LM_T, LM_M = 4, 8, 4
+MODEL_RUNS = (
+    ("gpt", "1f1b", False),
+    ("llama", "1f1b", True),
+    ("gpt", "zb-h1", True),
+    ("llama", "zb-h1", False),
+    ("gpt", "zbv", True),
+    ("llama", "zbv", False),
+)
+"""A covering design over {model} x {schedule} x {sequence parallelism}: every pair of
+values of two factors appears in some run."""
+MODEL_REL = 1e-5
+"""Against the single process: max |pipeline - single| over a model's gradients relative
+to its largest gradient, and over its losses relative to the largest loss (measured
+2.2e-7 for our GPT, 2.1e-7 for the Llama, the losses equal)."""
 
 
 class Block(nn.Module):
@@ -160,9 +187,59 @@ def refusals(mesh) -> list[str]:
     return out
 
 
+def lm(name: str) -> tuple[list[nn.Module], Callable[..., torch.Tensor]]:
+    """Our GPT (5 layers) or a tiny HF Llama (4 layers: 2 blocks, grouped-query
+    attention, rotary) and its loss."""
+    if name == "gpt":
+        return list(build_gpt(GPT)), gpt_loss
+    model = tiny_model("hf-llama", num_hidden_layers=2, seed=2)
+    return causal_lm_layers(model), CausalLMLoss(model)
+
+
+def lm_batch(name: str) -> tuple[object, torch.Tensor]:
+    """Ids and targets; Llama's as a tokenizer's mapping with right padding (the mask and
+    the labels' -100 travel whole under sequence parallelism)."""
+    g = torch.Generator().manual_seed(30)
+    vocab = GPT.vocab_size if name == "gpt" else 256
+    ids = torch.randint(3, vocab, (LM_B, LM_T), generator=g)
+    if name == "gpt":
+        return ids, torch.randint(0, vocab, (LM_B, LM_T), generator=g)
+    mask = (torch.arange(LM_T) < torch.tensor([[8], [5], [8], [3]])).long()
+    return {"input_ids": ids, "attention_mask": mask}, ids.masked_fill(mask == 0, -100)
+
+
+def lm_runs(out: dict) -> None:
+    """Our GPT and the tiny Llama at pp=2 x tp=2 with the default plans (``tp_plan=None``)."""
+    for name, kind, sp in MODEL_RUNS:
+        mesh = build_mesh(PP, tp=TP, sequence_parallel=sp)
+        assert mesh.tp_mesh is not None
+        x, y = lm_batch(name)
+        layers_, loss = lm(name)
+        pipe = Pipeline(layers_, loss, kind, microbatches=LM_M, mesh=mesh)
+        losses = pipe.executor.step(x, target=y)
+        ref_layers, ref_loss = lm(name)
+        ref_losses, ref = tp_reference_step(
+            ref_layers,
+            ref_loss,
+            x,
+            target=y,
+            microbatches=LM_M,
+            tp_mesh=mesh.tp_mesh,
+            sequence_parallel=sp,
+            num_stages=pipe.schedule.num_stages,
+        )
+        out[name, kind, sp, mesh.pp_rank, mesh.tp_rank] = {
+            "losses": None if losses is None else all(map(torch.equal, losses, ref_losses)),
+            "values": losses,
+            "bad": compare(pipe, ref),
+            "full": {n: whole(p.grad) for n, p in pipe.named_parameters()},
+        }
+
+
 def job() -> dict:
     init_distributed()
     out: dict = {}
+    lm_runs(out)
     x, y = batch()
     for sp in (False, True):
         mesh = build_mesh(PP, tp=TP, sequence_parallel=sp)
@@ -327,3 +404,36 @@ def test_pp_tp_bitwise_against_the_tp_reference() -> None:
     for d in range(PP):
         for t in range(TP):
             assert results["refusals", d, t] == want
+    lm_checks(results)
+
+
+def lm_checks(results: dict) -> None:
+    """The GPT and Llama runs: losses and every gradient (local shard and placements)
+    bitwise against ``tp_reference_step`` on every rank; against ``reference_step`` on the
+    unparallelized model within ``MODEL_REL`` of each model's largest gradient (loss)."""
+    errs: dict[str, float] = {}
+    for name, kind, sp in MODEL_RUNS:
+        layers_, loss = lm(name)
+        x, y = lm_batch(name)
+        single_losses, single = reference_step(layers_, loss, x, target=y, microbatches=LM_M)
+        scale = max(float(g.abs().max()) for g in single.values())
+        loss_scale = max(float(v.abs()) for v in single_losses)
+        holder = 0 if kind == "zbv" else PP - 1  # the V placement: the last stage on rank 0
+        for d in range(PP):
+            for t in range(TP):
+                r = results[name, kind, sp, d, t]
+                assert r["losses"] is (True if d == holder else None), (name, kind, sp, d, t)
+                assert r["bad"] == [], (name, kind, sp, d, t)
+                assert r["full"].keys() <= single.keys()
+                for n, g in r["full"].items():
+                    err = float((g - single[n]).abs().max()) / scale
+                    errs[name] = max(errs.get(name, 0.0), err)
+                for got, want in zip(r["values"] or [], single_losses, strict=False):
+                    errs[name + " loss"] = max(
+                        errs.get(name + " loss", 0.0), float((got - want).abs()) / loss_scale
+                    )
+        held = set().union(
+            *(results[name, kind, sp, d, t]["full"] for d in range(PP) for t in range(TP))
+        )
+        assert held == single.keys(), (name, kind, sp)
+    assert len(errs) == 4 and max(errs.values()) < MODEL_REL, errs

@@ -15,12 +15,15 @@ with sequence parallelism maps a (B, T/2, d) local tensor to a (B, T/2, d) local
 collective (a dispatch mode sees every one, DTensor's included), and two microbatches
 accumulate as plain autograd does (Partial gradients of replicated norms stay Partial).
 The norms' gradients are made in B by default; the graph-level split (no norm rule) and
-the opt-in LayerNorm kernel defer them to W on sequence shards, bitwise too.
+the opt-in LayerNorm kernel defer them to W on sequence shards, bitwise too. The
+collectives of F and B of one block: q/k/v (Llama's gate/up too) share one prepared
+input, so one all-gather per block half with sequence parallelism.
 """
 
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import PrepareModuleInput
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ranks import launch
@@ -112,16 +116,19 @@ def stage_run(
             x = with_hidden(x, hidden_of(x).detach().requires_grad_())
         loss_fn = gpt_loss if s == 2 else None
         chunk = StageChunk(module, s, 3, loss_fn=loss_fn, split_rules=rules)
-        for mb in (0, 1):
-            out = chunk.forward(mb, x, target=target) if s == 2 else chunk.forward(mb, x)
-        for mb in (0, 1):
-            gx = chunk.backward_input(mb, None if s == 2 else gy)
+        with Collectives() as f_comm:
+            for mb in (0, 1):
+                out = chunk.forward(mb, x, target=target) if s == 2 else chunk.forward(mb, x)
+        with Collectives() as b_comm:
+            for mb in (0, 1):
+                gx = chunk.backward_input(mb, None if s == 2 else gy)
         with Collectives() as comm:
             for mb in (0, 1):
                 chunk.backward_weight(mb)
         gx = None if s == 0 else (gx[0] if isinstance(gx, list) else gx)
         kept = [n for n, _ in unsplit_modules(chunk.module)]  # gradients made in B
-        return hidden_of(out), gx, grads(chunk.module, full=False), comm.ops, kept
+        ops = {"F": f_comm.ops, "B": b_comm.ops, "W": comm.ops}
+        return hidden_of(out), gx, grads(chunk.module, full=False), ops, kept
     for _ in (0, 1):
         leaf = None
         xi = x
@@ -190,7 +197,8 @@ def check_model(
                     full = grads(mod, full=True)
             key = f"{name} sp={sp} stage={s}"
             (y1, gx1, g1, comm, kept), (y0, gx0, g0, _, _) = runs[True], runs[False]
-            out[key + " W collectives"] = comm
+            out[key + " W collectives"] = comm["W"]
+            out[key + " F B collectives"] = (comm["F"], comm["B"])
             out[key + " kept in B"] = kept
             differ = [n for n in g0 if not torch.equal(g1[n], g0[n])]
             if not torch.equal(y1, y0):
@@ -280,6 +288,26 @@ def test_sequence_parallel_stages_take_and_give_local_shards(results):
             assert r[f"{model} sp=False stage=1 shapes"][1][:2] == (B, T)
 
 
+def counts(ops: list[str]) -> dict[str, int]:
+    """The collectives of ``ops`` by name (the waits and autograd wrappers left out)."""
+    names = (op.split(".")[0] for op in ops)
+    return dict(Counter(n for n in names if n not in ("wait_tensor", "_wrap_tensor_autograd")))
+
+
+def test_one_gather_per_block_half_under_sequence_parallelism(results):
+    """q/k/v (and Llama's gate/up) take one prepared input: per block and microbatch (two
+    here) one all-gather per block half and one reduce-scatter per row-wise layer in F, the
+    mirror in B (one per layer, 3 + 1 and 3 + 2 gathers, before); without sequence
+    parallelism one all-reduce per block half each way."""
+    for r in results:
+        for model in ("gpt", "llama"):
+            f, b = r[f"{model} sp=True stage=1 F B collectives"]
+            want = {"all_gather_into_tensor": 4, "reduce_scatter_tensor": 4}
+            assert counts(f) == counts(b) == want, (model, f, b)
+            f, b = r[f"{model} sp=False stage=1 F B collectives"]
+            assert counts(f) == counts(b) == {"all_reduce": 4}, (model, f, b)
+
+
 def test_tp_refuses_uneven_sequences_and_dropout(results):
     for r in results:
         assert "sequence length 7 is not divisible by tp=2" in r["errors"]["length"]
@@ -316,9 +344,10 @@ def test_hf_block_plan_maps_base_model_tp_plan_onto_the_stage_layer():
 def test_default_plan_names_every_sharded_layer_of_a_gpt_stage():
     plan = default_plan(gpt_stages()[0], 2, stage=0, sequence_parallel=True)
     assert sorted(plan) == sorted(
-        ["0", "0.tok", "0.pos"]
+        ["0", "0.tok", "0.pos", "1.attn"]
         + [f"1.{n}" for n in ("attn.q", "attn.k", "attn.v", "attn.out", "fc", "proj", "ln1", "ln2")]
     )
+    assert isinstance(plan["1.attn"], PrepareModuleInput)
     assert sorted(default_plan(gpt_stages()[2], 2, stage=2, sequence_parallel=False)) == ["1"]
 
 

@@ -19,7 +19,13 @@ The default plan (``plan=None``) covers the stage modules built from our GPT
   largest matrix whole; our GPT's position embedding is replicated (a DTensor, so its
   gradient stays exact under sequence parallelism);
 * the LM head column-wise with the logits gathered (``Replicate``): every tp rank holds
-  the whole logits and the loss runs unchanged.
+  the whole logits and the loss runs unchanged;
+* the module that feeds several column-wise layers one input (attention's q/k/v, a gated
+  MLP's gate/up) takes it as one ``Replicate`` DTensor (``PrepareModuleInput``, as
+  torchtitan's Llama plan): with sequence parallelism one all-gather of the sequence
+  per block half instead of one per layer, and in backward the layers' ``Partial`` input
+  gradients add up locally before one reduce-scatter (or all-reduce without sequence
+  parallelism) instead of one each.
 
 With ``sequence_parallel`` the norms run on sequence shards (``SequenceParallel``), the
 column-wise layers gather the sequence, the row-wise ones reduce-scatter it, and the
@@ -35,6 +41,7 @@ do not have yet, so a stage with dropout > 0 raises rather than drawing correlat
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -46,6 +53,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -84,11 +92,46 @@ class _Replicated(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=inputs)
 
 
+class _PrepareInput(PrepareModuleInput):
+    """``PrepareModuleInput`` of a module's first input, passed positionally or by name
+    (``transformers``' decoder layers call attention with ``hidden_states=``)."""
+
+    def __init__(self, name: str, layout: Placement) -> None:
+        super().__init__(input_layouts=(layout,), desired_input_layouts=(Replicate(),))
+        self.name = name
+        self.layout = layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def prepare(m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            def arg(x: Any) -> Any:
+                return self._prepare_input_arg(x, device_mesh, self.layout, Replicate())
+
+            if args:
+                return (arg(args[0]), *args[1:]), kwargs
+            if self.name not in kwargs:
+                raise ValueError(
+                    f"{type(m).__name__} was called without its input {self.name!r}, which "
+                    "the tensor-parallel plan gathers once for its column-wise layers; pass "
+                    "tp_plan= with ColwiseParallel on each of them instead"
+                )
+            return args, {**kwargs, self.name: arg(kwargs[self.name])}
+
+        module.register_forward_pre_hook(prepare, with_kwargs=True)
+        return module
+
+
+def _first_input(module: nn.Module) -> str:
+    """The name of the first parameter of ``module.forward``."""
+    return next(iter(inspect.signature(module.forward).parameters))
+
+
 def _style(kind: str, sp: bool) -> ParallelStyle:
     """The parallel style of ``kind`` with or without sequence parallelism."""
     seq: Placement = Shard(1) if sp else Replicate()
     if kind == "colwise":
         return ColwiseParallel(input_layouts=seq)
+    if kind == "colwise_prepared":  # the input is a Replicate DTensor already
+        return ColwiseParallel(input_layouts=Replicate())
     if kind == "rowwise":
         return RowwiseParallel(output_layouts=seq)
     if kind == "colwise_gather_output":
@@ -101,6 +144,8 @@ def _style(kind: str, sp: bool) -> ParallelStyle:
         )
     if kind == "sequence_parallel":
         return SequenceParallel()
+    if kind == "sequence_parallel_layer":  # a stage's layer: its output may be the boundary
+        return SequenceParallel(use_local_output=True)
     raise AssertionError(kind)
 
 
@@ -141,11 +186,16 @@ def _gpt_layer(layer: nn.Module, stage: int, name: str, tp: int, sp: bool) -> di
         attn = layer.attn
         assert isinstance(attn, CausalSelfAttention)
         _divisible(stage, f"{name}.attn", "n_heads", attn.n_heads, tp)
-        kinds = dict.fromkeys(("attn.q", "attn.k", "attn.v", "fc"), "colwise")
-        kinds.update({"attn.out": "rowwise", "proj": "rowwise"})
+        kinds = {
+            "attn": "prepare_input",  # q/k/v's one input (our MLP has one column-wise fc)
+            **dict.fromkeys(("attn.q", "attn.k", "attn.v"), "colwise_prepared"),
+            "attn.out": "rowwise",
+            "fc": "colwise",
+            "proj": "rowwise",
+        }
         return kinds | (dict.fromkeys(_norms(layer), "sequence_parallel") if sp else {})
     if _is_norm(layer):
-        return {"": "sequence_parallel"} if sp else {}
+        return {"": "sequence_parallel_layer"} if sp else {}
     if type(layer) is nn.Linear:  # the LM head
         return {"": "colwise_gather_output"}
     return {}
@@ -211,8 +261,23 @@ def _hf_layer(layer: nn.Module, stage: int, name: str, tp: int, sp: bool) -> dic
             kinds = hf_block_plan(table, {"layer": layer._paths["layer"]}, layer)
         except ValueError as e:
             raise ValueError(f"stage {stage}: layer {name}: {e}") from None
-        return kinds | (dict.fromkeys(_norms(layer), "sequence_parallel") if sp else {})
+        return _prepared(kinds) | (dict.fromkeys(_norms(layer), "sequence_parallel") if sp else {})
     return None
+
+
+def _prepared(kinds: dict[str, str]) -> dict[str, str]:
+    """``kinds`` with each module that holds two or more column-wise layers (attention's
+    q/k/v, a gated MLP's gate/up) preparing their shared input once."""
+    parents: dict[str, list[str]] = {}
+    for sub, kind in kinds.items():
+        if kind == "colwise" and "." in sub:
+            parents.setdefault(sub.rpartition(".")[0], []).append(sub)
+    out = dict(kinds)
+    for parent, subs in parents.items():
+        if len(subs) > 1:
+            out[parent] = "prepare_input"
+            out |= dict.fromkeys(subs, "colwise_prepared")
+    return out
 
 
 def default_plan(module: nn.Module, tp: int, *, stage: int, sequence_parallel: bool) -> TPPlan:
@@ -239,6 +304,8 @@ def default_plan(module: nn.Module, tp: int, *, stage: int, sequence_parallel: b
             target = module.get_submodule(full)
             if kind == "replicated":
                 plan[full] = _Replicated()
+            elif kind == "prepare_input":
+                plan[full] = _PrepareInput(_first_input(target), Shard(1) if sp else Replicate())
             elif kind == "shard_output":
                 seq: Placement = Shard(1) if sp else Replicate()
                 plan[full] = PrepareModuleOutput(
