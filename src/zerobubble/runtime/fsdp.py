@@ -64,6 +64,7 @@ class ShardedStages:
     Attributes:
         modules: ``stage -> FSDPModule`` (the chunks' modules).
         units: ``stage -> FSDPModule`` of each layer holding parameters, then the stage.
+        dp_mesh: The dp mesh (whose dim leads the sharded parameters' meshes).
         dp_size: Replicas sharing each parameter.
     """
 
@@ -81,6 +82,7 @@ class ShardedStages:
                 f"{dp_mesh.mesh_dim_names}: pass mesh.mesh['dp']"
             )
         self.chunks = dict(chunks)
+        self.dp_mesh = dp_mesh
         self.dp_size = dp_mesh.size()
         self.modules: dict[int, FSDPModule] = {}
         self.units: dict[int, list[FSDPModule]] = {}
