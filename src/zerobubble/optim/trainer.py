@@ -504,9 +504,9 @@ def tp_mesh_of(
         return want
     found = meshes.pop()
     if meshes or found.ndim != 1:
-        names = sorted(str(m.mesh_dim_names or m.shape) for m in (found, *meshes))
+        seen = sorted(str(m.mesh_dim_names or m.shape) for m in (found, *meshes))
         raise ValueError(
-            f"rank {rank}: the stages' DTensor parameters live on the meshes {names}; "
+            f"rank {rank}: the stages' DTensor parameters live on the meshes {seen}; "
             "tensor parallelism inside a pipeline needs all of them on one 1-D tp mesh "
             "(parallelize every stage over the same mesh['tp'])"
         )
