@@ -48,7 +48,7 @@ from ranks import launch
 from zerobubble.optim.checkpoint import load_checkpoint, save_checkpoint
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.faults import FaultPlan, GradFault
-from zerobubble.optim.trainer import PipelineTrainer
+from zerobubble.optim.trainer import PipelineTrainer, tp_mesh_of
 from zerobubble.pipeline import Pipeline
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.launcher import init_distributed
@@ -316,6 +316,11 @@ def job(root: str) -> dict:
     )
     out["mesh resumed"] = sorted(snaps)
     out["bad"] += differences("mesh resumed", trainer, snaps, refs[2][0])[0]
+    elsewhere = DTensor.from_local(torch.zeros(2), mesh.mesh["pp"], [Shard(0)], run_check=False)
+    try:  # parameters on another mesh than the job mesh's tp dim
+        tp_mesh_of(mesh.pp_rank, [elsewhere], mesh)
+    except ValueError as e:
+        out["other mesh"] = str(e)
     dist.destroy_process_group()
     return out
 
@@ -357,4 +362,5 @@ def test_checkpoint_resumes_bitwise_and_refuses_another_tp_size(results):
         assert res["tp mesh is the mesh's"]
         assert res["mesh record"] == (TP, 1)
         assert res["mesh own keys"] == [f"rank{d}.tp{t}.meta" for d in range(PP) for t in range(TP)]
+        assert "not on the job mesh's tp dim" in res["other mesh"], res["other mesh"]
         assert "tp=2" in res["no-tp load"] and "tp=1" in res["no-tp load"], res["no-tp load"]
