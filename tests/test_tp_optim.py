@@ -14,7 +14,12 @@ only (the last stage, a sharded gradient) and two clipped iterations:
 * the synchronous step under zb-h1 and zbv (two stages per rank);
 * conservative (zb-h1) and speculative (zb-h2) post-validation with snapshot rollback;
 * a checkpoint saved after 4 iterations, loaded into a fresh trainer: the remaining
-  iterations equal the uninterrupted run; loading it without tp raises.
+  iterations equal the uninterrupted run; loading it without tp raises;
+* the same through the job mesh (``build_mesh(2, tp=2, sequence_parallel=True)``,
+  ``Pipeline(..., mesh=, tp_plan=)``, ``set_optimizer``, ``save_checkpoint`` and
+  ``load_checkpoint`` with ``mesh=``): the trainer's tp mesh is the mesh's, the record
+  notes tp_size 2 and the per-rank entries are keyed by tp rank, and the run and its
+  resumption are bitwise the reference too.
 
 Speculative post-validation with the inverse rollback is not bitwise by construction
 (docs/optim.md, "Rollback numerics"): within 1e-5 relative of the synchronous run.
@@ -22,10 +27,14 @@ Speculative post-validation with the inverse rollback is not bitwise by construc
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import (
@@ -39,9 +48,11 @@ from ranks import launch
 from zerobubble.optim.checkpoint import load_checkpoint, save_checkpoint
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.faults import FaultPlan, GradFault
-from zerobubble.optim.trainer import PipelineTrainer
+from zerobubble.optim.trainer import PipelineTrainer, tp_mesh_of
+from zerobubble.pipeline import Pipeline
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.launcher import init_distributed
+from zerobubble.runtime.mesh import PipelineMesh, build_mesh
 from zerobubble.runtime.partition import build_stage_modules
 from zerobubble.runtime.reference import reference_step
 from zerobubble.schedule.generators import generate
@@ -80,6 +91,8 @@ PLAN = {
     "fc1": ColwiseParallel(input_layouts=Shard(1)),
     "fc2": RowwiseParallel(output_layouts=Shard(1)),
 }
+STAGE_PLAN = {f"*.{name}": style for name, style in PLAN.items()}
+"""PLAN for every block of a stage module (``Pipeline``'s ``tp_plan``)."""
 
 
 def layers() -> list[nn.Module]:
@@ -178,23 +191,24 @@ def run(
     iters: range = range(ITERS),
     root: str | None = None,
     tensor_parallel: bool = True,
+    mesh: PipelineMesh | None = None,
 ) -> tuple[PipelineTrainer, dict[int, list], list]:
     """Train ``iters``; loads from ``root`` first when ``iters`` does not start at 0, saves
-    to it after iteration SAVE_AT - 1 otherwise."""
-    pp_rank = dist.get_rank(pp_group)
+    to it after iteration SAVE_AT - 1 otherwise. With ``mesh``: through ``Pipeline`` on
+    it (which parallelizes the stages), else on stages parallelized by hand."""
     sched = generate(kind, PP, M)
-    stages = build_stage_modules(layers(), sched, pp_rank)
-    if tensor_parallel:
-        for m in stages.values():
-            parallelize(m, tp)
-    pipe = PipelineExecutor(
-        sched,
-        stages,
-        loss_fn=loss_fn,
-        group=pp_group,
-        options=ExecutorOptions(comm_timeout_s=60, trace=False),
-    )
-    params = [q for s in sorted(pipe.chunks) for q in pipe.chunks[s].module.parameters()]
+    options = ExecutorOptions(comm_timeout_s=60, trace=False)
+    front: Pipeline | None = None
+    if mesh is not None:
+        front = Pipeline(layers(), loss_fn, sched, mesh=mesh, tp_plan=STAGE_PLAN, options=options)
+        params = list(front.parameters())
+    else:
+        stages = build_stage_modules(layers(), sched, dist.get_rank(pp_group))
+        if tensor_parallel:
+            for m in stages.values():
+                parallelize(m, tp)
+        pipe = PipelineExecutor(sched, stages, loss_fn=loss_fn, group=pp_group, options=options)
+        params = [q for s in sorted(pipe.chunks) for q in pipe.chunks[s].module.parameters()]
     opt = adamw(params)
     snaps: dict[int, list] = {}
     commits = []
@@ -204,15 +218,18 @@ def run(
         commits.append(c)
 
     plan = faults(tp.get_local_rank(), sched.num_stages - 1)
-    trainer = PipelineTrainer(pipe, opt, cfg, faults=plan, on_commit=record)
+    if front is not None:
+        trainer = front.set_optimizer(opt, cfg, faults=plan, on_commit=record)
+    else:
+        trainer = PipelineTrainer(pipe, opt, cfg, faults=plan, on_commit=record)
     if iters.start:
         assert root is not None
-        load_checkpoint(trainer, root)
+        load_checkpoint(trainer, root, mesh=mesh)
     for i in iters:
         x, y = batch(i, tp.get_local_rank())
-        trainer.step(x, target=y)
+        (trainer if front is None else front).step(x, target=y)
         if root is not None and not iters.start and i + 1 == SAVE_AT:
-            save_checkpoint(trainer, root)
+            save_checkpoint(trainer, root, mesh=mesh)
     trainer.drain()
     return trainer, snaps, commits
 
@@ -281,6 +298,29 @@ def job(root: str) -> dict:
         )
     except ValueError as e:
         out["no-tp load"] = str(e)
+    # The same through the job mesh, saved and resumed under its own root.
+    mesh = build_mesh(PP, tp=TP, sequence_parallel=True)
+    assert mesh.tp_mesh is not None
+    at = f"{root}/mesh"
+    trainer, snaps, commits = run("zb-h1", sync, mesh.pp_group, mesh.tp_mesh, root=at, mesh=mesh)
+    out["tp mesh is the mesh's"] = trainer.layout.tp_mesh == mesh.tp_mesh
+    out["bad"] += differences("mesh", trainer, snaps, refs[2][0])[0]
+    out["commits"]["mesh"] = [(c.iteration, c.action.value, repr(c.total_norm)) for c in commits]
+    out["norms"]["mesh"] = [repr(n) for n in refs[2][1]]
+    record = json.loads(Path(at, "manifest.json").read_text())
+    out["mesh record"] = (record["tp_size"], record["dp_size"])
+    stored = FileSystemReader(Path(at, record["path"])).read_metadata().state_dict_metadata
+    out["mesh own keys"] = sorted(k for k in stored if k.endswith(".meta"))
+    trainer, snaps, _ = run(
+        "zb-h1", sync, mesh.pp_group, mesh.tp_mesh, iters=range(SAVE_AT, ITERS), root=at, mesh=mesh
+    )
+    out["mesh resumed"] = sorted(snaps)
+    out["bad"] += differences("mesh resumed", trainer, snaps, refs[2][0])[0]
+    elsewhere = DTensor.from_local(torch.zeros(2), mesh.mesh["pp"], [Shard(0)], run_check=False)
+    try:  # parameters on another mesh than the job mesh's tp dim
+        tp_mesh_of(mesh.pp_rank, [elsewhere], mesh)
+    except ValueError as e:
+        out["other mesh"] = str(e)
     dist.destroy_process_group()
     return out
 
@@ -318,5 +358,9 @@ def test_every_rank_decides_alike_and_faults_on_one_tp_rank_skip_everywhere(resu
 
 def test_checkpoint_resumes_bitwise_and_refuses_another_tp_size(results):
     for res in results:
-        assert res["resumed"] == list(range(SAVE_AT, ITERS))
+        assert res["resumed"] == res["mesh resumed"] == list(range(SAVE_AT, ITERS))
+        assert res["tp mesh is the mesh's"]
+        assert res["mesh record"] == (TP, 1)
+        assert res["mesh own keys"] == [f"rank{d}.tp{t}.meta" for d in range(PP) for t in range(TP)]
+        assert "not on the job mesh's tp dim" in res["other mesh"], res["other mesh"]
         assert "tp=2" in res["no-tp load"] and "tp=1" in res["no-tp load"], res["no-tp load"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from zerobubble.interop.hf_experts import expert_shard, shard_hf_experts
 from zerobubble.models.moe import shard_experts
 from zerobubble.optim.config import OptimConfig
-from zerobubble.optim.trainer import PipelineTrainer, stage_kwargs
+from zerobubble.optim.faults import FaultPlan
+from zerobubble.optim.trainer import Commit, PipelineTrainer, stage_kwargs
 from zerobubble.runtime.chunk import LossFn, StageChunk
 from zerobubble.runtime.ep import ExpertGroup
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
@@ -334,12 +335,19 @@ class Pipeline:
     # ---- training -----------------------------------------------------------------------
 
     def set_optimizer(
-        self, optimizer: torch.optim.Optimizer, config: OptimConfig | None = None
+        self,
+        optimizer: torch.optim.Optimizer,
+        config: OptimConfig | None = None,
+        *,
+        faults: FaultPlan | None = None,
+        on_commit: Callable[[Commit], None] | None = None,
     ) -> PipelineTrainer:
         """Let every :meth:`step` end with ``optimizer``'s step under ``config``'s semantics.
 
         ``optimizer`` is built over (a subset of) :meth:`parameters`. Collective (the
         ranks agree on the parameter layout); returns the trainer, for checkpoints.
+        ``faults`` and ``on_commit`` go to the :class:`PipelineTrainer` (fault injection
+        for tests, a callback per committed iteration).
         """
         mine = {id(p) for p in self.parameters()}
         foreign = sum(id(p) not in mine for g in optimizer.param_groups for p in g["params"])
@@ -348,7 +356,9 @@ class Pipeline:
                 f"the optimizer holds {foreign} parameters that rank {self.rank}'s stages do not: "
                 "build it from pipe.parameters() (the stages' own copies), not from the model"
             )
-        self.trainer = PipelineTrainer(self.executor, optimizer, config, tied=self.tied)
+        self.trainer = PipelineTrainer(
+            self.executor, optimizer, config, faults=faults, on_commit=on_commit, tied=self.tied
+        )
         return self.trainer
 
     def step(

@@ -190,9 +190,12 @@ class ParamLayout:
 
         Sharded gradients (DTensors, FSDP) contribute the norms of their local shards,
         which ``combine`` (collective over the shards' replicas) turns into the norms of
-        the whole gradients. Without ``combine`` and with a tp mesh, norms are taken
-        as DTensors (collective over tp for partial-sum gradients) and their local
-        values written, partial ones marked :data:`PARTIAL`.
+        the whole gradients; with a tp mesh too, the norm of this tp rank's part of
+        them, marked :data:`PARTIAL` where the gradient is sharded over tp (FSDP has
+        reduced partial sums over tp already). Without ``combine`` and with a tp mesh,
+        norms are taken as DTensors (collective over tp for partial-sum gradients; a
+        plain gradient as a replicated one) and their local values written, partial
+        ones marked :data:`PARTIAL`.
         """
         grads, slots = [], []
         for s, params in stage_params.items():
@@ -207,13 +210,18 @@ class ParamLayout:
                     slots.append(slot)
         if not grads:
             return
-        as_dtensors = self.tp_mesh is not None and combine is None
-        norms = per_tensor_norms([g if as_dtensors else _local(g) for g in grads], norm_type)
+        tp = self.tp_mesh
         if combine is not None:
-            norms = combine(norms, norm_type)
+            norms = combine(per_tensor_norms([_local(g) for g in grads], norm_type), norm_type)
+            partial = [tp is not None and _sharded_over(g, tp) for g in grads]
+        else:
+            if tp is not None:
+                grads = [_replicated(g, tp) for g in grads]
+            norms = per_tensor_norms(grads, norm_type)
+            partial = [_is_partial(n) for n in norms]
         index = torch.tensor(slots)
         vec[index] = torch.stack([_local(n).detach().to("cpu", torch.float64) for n in norms])
-        status = [PARTIAL if _is_partial(n) else PRESENT for n in norms]
+        status = [PARTIAL if p else PRESENT for p in partial]
         vec[index + self.size] = torch.tensor(status, dtype=torch.float64)
 
     def total(
@@ -256,6 +264,22 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _replicated(t: Tensor, mesh: DeviceMesh) -> Tensor:
+    """``t`` as a DTensor over ``mesh``: a plain tensor as a replicated one (DTensor's
+    foreach kernels do not mix them; the norm of its local value is the same bits)."""
+    if isinstance(t, DTensor):
+        return t
+    return DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+
+
+def _sharded_over(t: Tensor, tp: DeviceMesh) -> bool:
+    """Whether ``t`` (an FSDP-sharded gradient) is sharded over ``tp``'s dim of its mesh."""
+    if not isinstance(t, DTensor):
+        return False
+    names, (dim,) = t.device_mesh.mesh_dim_names or (), tp.mesh_dim_names or (None,)
+    return dim in names and t.placements[names.index(dim)].is_shard()
+
+
 def _is_partial(t: Tensor) -> bool:
     return isinstance(t, DTensor) and any(p.is_partial() for p in t.placements)
 
@@ -296,6 +320,19 @@ def _group_by_device_and_dtype(
             raise RuntimeError("torch grouped a missing tensor that it was not given")
         out.append((device, present, index))
     return out
+
+
+def clip_grads(params: Sequence[Tensor], max_norm: float, total: Tensor) -> None:
+    """``clip_grads_with_norm_`` over ``params``, one call per mesh (plain tensors
+    together): DTensor's foreach kernels take one mesh and no plain tensors (FSDP's
+    ``("dp", "tp")`` parameters beside its ``("dp",)`` ones, or tp DTensors beside plain
+    parameters). Every gradient is multiplied by the same coefficient, elementwise, so
+    the grouping changes no bit."""
+    groups: dict[DeviceMesh | None, list[Tensor]] = {}
+    for p in params:
+        groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
 
 
 def clip_coefficient(total: Tensor, max_norm: float) -> Tensor:

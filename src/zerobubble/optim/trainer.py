@@ -59,6 +59,7 @@ from zerobubble.optim.norms import (
     ParamLayout,
     Remote,
     StateKind,
+    clip_grads,
     decide,
     may_step_early,
 )
@@ -67,6 +68,7 @@ from zerobubble.optim.speculation import VersionGuard
 from zerobubble.optim.versions import OptState, ProtocolError, RankVersions
 from zerobubble.runtime.comm import Channel
 from zerobubble.runtime.executor import PipelineExecutor
+from zerobubble.runtime.mesh import PipelineMesh
 from zerobubble.runtime.tied import TiedGroups
 from zerobubble.runtime.trace import profiled
 from zerobubble.schedule.build import Protocol
@@ -197,7 +199,8 @@ class PipelineTrainer:
         mesh = executor.mesh
         if mesh is not None and mesh.ep_group is not None:  # experts sharded: slots for all
             self.norm_params = expert_slots(norm_params, mesh.ep_rank, mesh.ep_size)
-        tp_mesh = None if sharding is not None else tp_mesh_of(executor.rank, self.params)
+        dp_mesh = None if sharding is None else sharding.dp_mesh
+        tp_mesh = tp_mesh_of(executor.rank, self.params, mesh, sharded_over=dp_mesh)
         self.layout = ParamLayout.exchange(self.norm_params, executor.p2p, tp_mesh)
         if mesh is not None and mesh.ep_group is not None:
             self._experts = ExpertNorms(
@@ -389,7 +392,7 @@ class PipelineTrainer:
             if action is not Decision.SKIP:
                 if action is Decision.CLIP:
                     assert self.config.max_norm is not None
-                    torch.nn.utils.clip_grads_with_norm_(self.params, self.config.max_norm, total)
+                    clip_grads(self.params, self.config.max_norm, total)
                 self.optimizer.step()
 
     def _commit(
@@ -465,25 +468,56 @@ class PipelineTrainer:
         )
 
 
-def tp_mesh_of(rank: int, params: Sequence[Tensor]) -> DeviceMesh | None:
+def tp_mesh_of(
+    rank: int,
+    params: Sequence[Tensor],
+    mesh: PipelineMesh | None = None,
+    *,
+    sharded_over: DeviceMesh | None = None,
+) -> DeviceMesh | None:
     """The tensor-parallel mesh of this rank's DTensor parameters (None if it has none).
 
     The gradient norm is taken over it as ``clip_grad_norm_`` takes it over DTensors
     (:mod:`~zerobubble.optim.norms`); plain parameters beside them count as replicated.
-    Raises ValueError when the parameters live on several meshes or a multi-dimensional one.
+    ``sharded_over``: the dp mesh FSDP shards the parameters over, whose dim leads their
+    meshes (``("dp",)``, or ``("dp", "tp")`` over tp DTensors) and is not tp's. With the
+    job's ``mesh`` at ``tp > 1`` the result is its :attr:`~PipelineMesh.tp_mesh`, which
+    the parameters' must be (the checkpoint's per-rank keys and the norm's tp reduction
+    then follow the mesh even where a plan leaves a stage's parameters plain).
+
+    Raises ValueError when the parameters live on several meshes, a multi-dimensional
+    one, or not on the job mesh's tp dim.
     """
-    meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
+    lead = None if sharded_over is None else sharded_over.mesh_dim_names
+    meshes = set()
+    for p in params:
+        if isinstance(p, DTensor):
+            m = p.device_mesh
+            names = m.mesh_dim_names or ()
+            if lead is not None and names[: len(lead)] == lead:  # FSDP's dp dim first
+                if len(names) == len(lead):
+                    continue  # sharded over dp only: a plain parameter's shards
+                m = m[names[len(lead) :]]
+            meshes.add(m)
+    want = None if mesh is None else mesh.tp_mesh
     if not meshes:
-        return None
-    mesh = meshes.pop()
-    if meshes or mesh.ndim != 1:
-        names = sorted(str(m.mesh_dim_names or m.shape) for m in (mesh, *meshes))
+        return want
+    found = meshes.pop()
+    if meshes or found.ndim != 1:
+        seen = sorted(str(m.mesh_dim_names or m.shape) for m in (found, *meshes))
         raise ValueError(
-            f"rank {rank}: the stages' DTensor parameters live on the meshes {names}; "
+            f"rank {rank}: the stages' DTensor parameters live on the meshes {seen}; "
             "tensor parallelism inside a pipeline needs all of them on one 1-D tp mesh "
             "(parallelize every stage over the same mesh['tp'])"
         )
-    return mesh
+    if want is not None and found != want:
+        raise ValueError(
+            f"rank {rank}: the stages' DTensor parameters live on the mesh "
+            f"{found.mesh_dim_names} {found.mesh.tolist()}, not on the job mesh's tp dim "
+            f"{want.mesh.tolist()}: parallelize the stages over mesh.tp_mesh (or let "
+            "Pipeline(..., mesh=) do it)"
+        )
+    return found
 
 
 def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

@@ -31,6 +31,13 @@ The gradient norm spans dp x pp: :meth:`ShardedStages.combine_norms` turns the
 norms of the local shards into the norm of each whole gradient (an all-reduce of
 ``|shard|^p`` over dp), which then enters the pipeline's norm vector like any
 other.
+
+With tensor parallelism (a ``("pp", "dp", "tp")`` mesh) the stages' parameters are
+tp DTensors already (the "tp" transform step runs first); FSDP2 shards them over the dp
+dim of the same root mesh into ``("dp", "tp")`` DTensors, and reduces a gradient over
+tp to its tp layout before the reduce-scatter over dp. A combined norm is then this tp
+rank's part, which the trainer marks partial over tp where the gradient is tp-sharded
+(:meth:`~zerobubble.optim.norms.ParamLayout.fill`).
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ class ShardedStages:
     Attributes:
         modules: ``stage -> FSDPModule`` (the chunks' modules).
         units: ``stage -> FSDPModule`` of each layer holding parameters, then the stage.
+        dp_mesh: The dp mesh (whose dim leads the sharded parameters' meshes).
         dp_size: Replicas sharing each parameter.
     """
 
@@ -81,6 +89,7 @@ class ShardedStages:
                 f"{dp_mesh.mesh_dim_names}: pass mesh.mesh['dp']"
             )
         self.chunks = dict(chunks)
+        self.dp_mesh = dp_mesh
         self.dp_size = dp_mesh.size()
         self.modules: dict[int, FSDPModule] = {}
         self.units: dict[int, list[FSDPModule]] = {}

@@ -36,6 +36,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from zerobubble.runtime.comm import PeerError, dtype_code
 from zerobubble.runtime.microbatch import loss_scales, split_batch
@@ -143,7 +144,8 @@ def _refuse_memory_ties(
         for name, p in layer.named_parameters(remove_duplicate=False):
             if p.numel() == 0:
                 continue
-            storage = p.untyped_storage()
+            # a DTensor wraps no storage of its own: its local shard's is what it holds
+            storage = (p.to_local() if isinstance(p, DTensor) else p).untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
             first = seen.setdefault(key, (id(p), _user_name(layer, keys[i], name), stage_of[i]))
             if first[0] != id(p) and first[2] != stage_of[i]:
