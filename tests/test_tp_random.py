@@ -16,6 +16,8 @@ off and on:
   (without sequence parallelism, the embedding's and residual branches') they are equal,
   and so is every layer's output (the final norm's replays in W by the graph-level split
   included): the replicas do not diverge;
+* a tiny HF Llama with ``attention_dropout`` 0.1 (drawn on each rank's heads) under zb-h1
+  with sequence parallelism: bitwise against :func:`tp_reference_step`;
 * a plan that leaves a dropout uncovered is refused, naming the stage and the module.
 
 In one process: the rule of :func:`rank_stream` (one draw from the shared stream on every
@@ -30,6 +32,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from ranks import launch
+from zerobubble.interop.hf import CausalLMLoss, causal_lm_layers, tiny_model
 from zerobubble.models.gpt import GPTConfig, build_gpt, gpt_loss
 from zerobubble.pipeline import Pipeline
 from zerobubble.runtime.executor import ExecutorOptions
@@ -141,6 +144,33 @@ def job() -> dict:
             else:
                 result["recompute"] = differ(grads(run(mesh, kind, sp, recompute="stage")[0]), ref)
             out[(kind, *at)] = result
+    # A tiny HF Llama whose attention draws attention_dropout (on this rank's heads): zb-h1
+    # bitwise against the reference, with sequence parallelism (the last mesh).
+    model = tiny_model("hf-llama", num_hidden_layers=2, seed=2, attention_dropout=0.1)
+    pipe = Pipeline(
+        causal_lm_layers(model, check=False),
+        CausalLMLoss(model),
+        "zb-h1",
+        microbatches=M,
+        mesh=mesh,
+        options=ExecutorOptions(seed=SEED),
+    )
+    losses = pipe.executor.step(x, target=y)
+    ref_losses, ref = tp_reference_step(
+        causal_lm_layers(model, check=False),
+        CausalLMLoss(model),
+        x,
+        target=y,
+        microbatches=M,
+        tp_mesh=mesh.tp_mesh,
+        sequence_parallel=True,
+        num_stages=PP,
+        seed=SEED,
+    )
+    out["llama", mesh.pp_rank, mesh.tp_rank] = {
+        "losses bitwise": losses is None or all(map(torch.equal, losses, ref_losses)),
+        "bad": differ(grads(pipe), ref),
+    }
     stage = nn.Sequential(*build_gpt(GPT)[1:2])
     try:
         parallelize_stage(stage, mesh.tp_mesh, {}, stage=1)
@@ -170,6 +200,14 @@ def test_dropout_under_tp_is_bitwise_the_tp_reference(results: dict) -> None:
                     assert r.get("again", []) == [], (kind, sp, d, t)
                 # the tp ranks of the last stage compute the same loss (logits gathered)
                 assert results[kind, sp, d, 0]["losses"] == results[kind, sp, d, 1]["losses"]
+
+
+@pytest.mark.bitwise
+def test_hf_llama_attention_dropout_under_tp_is_bitwise_the_tp_reference(results: dict) -> None:
+    for d in range(PP):
+        for t in range(TP):
+            r = results["llama", d, t]
+            assert r["losses bitwise"] and r["bad"] == [], (d, t)
 
 
 def test_masks_differ_where_sharded_and_agree_where_replicated(results: dict) -> None:
