@@ -244,19 +244,32 @@ def test_an_uncovered_dropout_is_refused(results: dict) -> None:
             )
 
 
-def test_rank_stream_draws_one_shared_value_and_seeds_the_rank_from_it() -> None:
-    torch.manual_seed(11)
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+        ),
+    ],
+)
+def test_rank_stream_draws_one_shared_value_and_seeds_the_rank_from_it(device: str) -> None:
+    """The shared value comes from the CPU's generator; the rank's stream is the CPU's and
+    ``device``'s default generator, both seeded from it and put back on exit."""
+    torch.manual_seed(11)  # every device's default generator
     shared = int(torch.empty((), dtype=torch.int64).random_())
-    after_one = torch.rand(3)
+    after_one = torch.rand(3), torch.rand(3, device=device)
     draws = {}
     for rank in (0, 1):
         torch.manual_seed(11)
-        with rank_stream(rank):
-            draws[rank] = torch.rand(5)
-            torch.rand(100)  # the rank's own draws do not move the shared stream
-        assert torch.equal(torch.rand(3), after_one)  # exactly one shared draw per rank
-        own = torch.Generator().manual_seed(derive_rank_seed(shared, rank))
-        assert torch.equal(draws[rank], torch.rand(5, generator=own))
+        with rank_stream(rank, device):
+            draws[rank] = torch.rand(5, device=device)
+            torch.rand(100, device=device)  # the rank's own draws do not move the shared stream
+        # exactly one shared draw (from the CPU's), the device's shared stream untouched
+        assert torch.equal(torch.rand(3), after_one[0])
+        assert torch.equal(torch.rand(3, device=device), after_one[1])
+        own = torch.Generator(device).manual_seed(derive_rank_seed(shared, rank))
+        assert torch.equal(draws[rank], torch.rand(5, generator=own, device=device))
     assert not torch.equal(draws[0], draws[1])
     with pytest.raises(ValueError, match=r"^rank must be >= 0 to derive a seed, got -1$"):
         derive_rank_seed(0, -1)
