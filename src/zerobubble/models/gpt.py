@@ -4,7 +4,9 @@
 final LayerNorm, LM head)``; :func:`gpt_loss` is the token-mean cross-entropy.
 Attention is written with plain matmul and softmax (no fused SDPA kernel) so
 CPU results are deterministic and its saved tensors are ordinary autograd
-tensors. There is no dropout: every run is reproducible bitwise.
+tensors. Dropout (``GPTConfig.dropout``, off by default) draws from the default
+generators, which the runtime seeds per (step, stage, microbatch)
+(:mod:`~zerobubble.runtime.rng`), so runs with it stay reproducible bitwise.
 """
 
 from __future__ import annotations
@@ -49,11 +51,17 @@ class GPTConfig:
     summed in stage order (see docs/runtime.md, "Shared and tied parameters")."""
     seed: int = 0
     """Seed of the initialisation; the global RNG is left untouched."""
+    dropout: float = 0.0
+    """Dropout probability, as GPT-2 places it: on the embedding's output, on the
+    attention probabilities, and on each residual branch (attention and MLP) before it
+    is added."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"GPTConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}"
@@ -76,6 +84,7 @@ class GPTEmbedding(SegmentAware, nn.Module):
         self.max_seq_len = cfg.max_seq_len
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, idx: Tensor) -> Tensor:
         t = idx.shape[-1]
@@ -83,7 +92,9 @@ class GPTEmbedding(SegmentAware, nn.Module):
         if start + t > self.max_seq_len:
             what = f"sequence length {t}" if start == 0 else f"segment [{start}, {start + t})"
             raise ValueError(f"{what} exceeds max_seq_len={self.max_seq_len}")
-        return self.tok(idx) + self.pos(torch.arange(start, start + t, device=idx.device))
+        return self.drop(
+            self.tok(idx) + self.pos(torch.arange(start, start + t, device=idx.device))
+        )
 
 
 class CausalSelfAttention(SegmentAware, nn.Module):
@@ -106,6 +117,8 @@ class CausalSelfAttention(SegmentAware, nn.Module):
         self.k = nn.Linear(d, d)
         self.v = nn.Linear(d, d)
         self.out = nn.Linear(d, d)
+        self.attn_drop = nn.Dropout(cfg.dropout)
+        self.resid_drop = nn.Dropout(cfg.dropout)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         future = torch.ones(cfg.max_seq_len, cfg.max_seq_len, dtype=torch.bool).triu(1)
         self.register_buffer("future", future, persistent=False)
@@ -136,8 +149,8 @@ class CausalSelfAttention(SegmentAware, nn.Module):
                 k, v = torch.cat([*past_k, k], dim=2), torch.cat([*past_v, v], dim=2)
         scores = (q @ k.transpose(-2, -1)) * self.scale
         scores = scores.masked_fill(self.future[start:end, :end], float("-inf"))
-        y = torch.softmax(scores, dim=-1) @ v
-        return self.out(y.transpose(1, 2).reshape(b, t, width))
+        y = self.attn_drop(torch.softmax(scores, dim=-1)) @ v
+        return self.resid_drop(self.out(y.transpose(1, 2).reshape(b, t, width)))
 
 
 class Block(nn.Module):
@@ -152,10 +165,11 @@ class Block(nn.Module):
         self.fc = nn.Linear(d, cfg.mlp_ratio * d)
         self.act = nn.GELU()
         self.proj = nn.Linear(cfg.mlp_ratio * d, d)
+        self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.proj(self.act(self.fc(self.ln2(x))))
+        return x + self.drop(self.proj(self.act(self.fc(self.ln2(x)))))
 
 
 def _init(model: nn.Sequential, cfg: GPTConfig) -> None:

@@ -13,6 +13,17 @@ split layers (:mod:`~zerobubble.runtime.split`) recompute nothing; and a forward
 is recomputed (activation checkpointing's B, :mod:`~zerobubble.runtime.recompute`, or
 the graph-level split's W, :mod:`~zerobubble.runtime.split.fallback`) runs from the
 generator state its F started from, so it draws F's numbers again.
+
+Under tensor parallelism the ``tp`` ranks of a stage start from the same state (the tuple
+has no tp rank), which is the *shared* stream: a random op on activations that every tp
+rank holds whole (replicated) draws the same numbers on each, so the replicas stay equal.
+A random op on activations that are sharded over the tp ranks (sequence shards, local
+attention heads) runs inside :func:`rank_stream`: one value is drawn from the shared stream
+(the same count on every rank, so the shared stream stays in step), and the tp rank's own
+stream is seeded from that value and the rank (:func:`derive_rank_seed`), a function of
+``(seed, step, stage, microbatch, tp rank)`` and the op's place in the forward. A replayed
+or recomputed forward starts from the same shared state, so it draws the same again. The
+tensor-parallel plan says which region is which (:class:`~zerobubble.runtime.tp.TPRandom`).
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["StageRng", "derive_seed"]
+__all__ = ["StageRng", "derive_rank_seed", "derive_seed", "rank_stream"]
 
 _MASK63 = (1 << 63) - 1
 
@@ -43,6 +54,54 @@ def derive_seed(seed: int, step: int, stage: int, mb: int) -> int:
     packed = struct.pack("<qqqq", seed, step, stage, mb)
     digest = hashlib.blake2b(packed, digest_size=8, person=b"zerobubble-rng").digest()
     return int.from_bytes(digest, "little") & _MASK63
+
+
+def derive_rank_seed(shared: int, rank: int) -> int:
+    """A 63-bit seed for tp rank ``rank``'s stream, from a value ``shared`` that every tp rank
+    drew alike from the shared stream; distinct pairs give unrelated seeds."""
+    if rank < 0:
+        raise ValueError(f"rank must be >= 0 to derive a seed, got {rank}")
+    packed = struct.pack("<qq", shared, rank)
+    digest = hashlib.blake2b(packed, digest_size=8, person=b"zerobubble-tprk").digest()
+    return int.from_bytes(digest, "little") & _MASK63
+
+
+@contextmanager
+def _seeded(
+    seed: int, device: torch.device, cpu: torch.Generator, acc: torch.Generator | None
+) -> Iterator[None]:
+    """Inside: the CPU's and ``device``'s default generators start at ``seed``'s state (set
+    through the scratch generators ``cpu`` and ``acc``, the latter on ``device`` unless it is
+    the CPU); their states before are restored on exit."""
+    saved_cpu = torch.get_rng_state()
+    mod = None if acc is None else torch.get_device_module(device.type)
+    saved_acc = None if mod is None else mod.get_rng_state(device)
+    torch.set_rng_state(cpu.manual_seed(seed).get_state())
+    if mod is not None:
+        assert acc is not None
+        mod.set_rng_state(acc.manual_seed(seed).get_state(), device)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved_cpu)
+        if mod is not None:
+            mod.set_rng_state(saved_acc, device)
+
+
+@contextmanager
+def rank_stream(rank: int, device: torch.device | str = "cpu") -> Iterator[None]:
+    """Inside: the default generators (the CPU's and ``device``'s) draw from tp rank
+    ``rank``'s own stream; on exit the shared stream continues as on every other tp rank.
+
+    On entry one int64 is drawn from the CPU's default generator (the shared stream, the
+    same value on every tp rank), and the rank's stream is seeded with
+    :func:`derive_rank_seed` of it and ``rank``.
+    """
+    shared = int(torch.empty((), dtype=torch.int64).random_())
+    dev = torch.device(device)
+    acc = None if dev.type == "cpu" else torch.Generator(dev)
+    with _seeded(derive_rank_seed(shared, rank), dev, torch.Generator(), acc):
+        yield
 
 
 class StageRng:
@@ -69,17 +128,5 @@ class StageRng:
         The states they had before are restored on exit, so the caller's own random
         stream is not advanced by the stage's draws.
         """
-        s = derive_seed(self.seed, step, stage, mb)
-        saved_cpu = torch.get_rng_state()
-        mod = None if self._acc is None else torch.get_device_module(self.device.type)
-        saved_acc = None if mod is None else mod.get_rng_state(self.device)
-        torch.set_rng_state(self._cpu.manual_seed(s).get_state())
-        if mod is not None:
-            assert self._acc is not None
-            mod.set_rng_state(self._acc.manual_seed(s).get_state(), self.device)
-        try:
+        with _seeded(derive_seed(self.seed, step, stage, mb), self.device, self._cpu, self._acc):
             yield
-        finally:
-            torch.set_rng_state(saved_cpu)
-            if mod is not None:
-                mod.set_rng_state(saved_acc, self.device)

@@ -34,9 +34,14 @@ output, are each tp rank's local shard ``(B, T / tp, d)``. Masks and positions a
 of the whole sequence (a Hugging Face block rebuilds them from the whole length; the
 boundary's ``position_ids`` and ``attention_mask`` travel whole, they are a few integers).
 
-Random ops are refused: dropout on sequence shards would need a generator per tp rank,
-which the runtime's per-(step, stage, microbatch) streams (:mod:`~zerobubble.runtime.rng`)
-do not have yet, so a stage with dropout > 0 raises rather than drawing correlated masks.
+Random ops draw by the rule of :mod:`~zerobubble.runtime.rng`: on activations sharded over
+the tp ranks (sequence shards, local attention heads) each tp rank from its own stream, on
+replicated activations every tp rank the same numbers from the shared one. The plan says
+which is which: :class:`TPRandom` on each module with dropout (or on a module around it);
+the default plan marks our GPT's dropouts (attention probabilities: local heads, sharded;
+the embedding's and the residual branches': sharded with sequence parallelism, replicated
+without) and a Llama-layout block's ``attention_dropout`` (local heads). A module with
+dropout > 0 that no :class:`TPRandom` covers is refused.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
+from fnmatch import fnmatch
 from functools import partial
 from typing import Any
 
@@ -61,8 +68,16 @@ from torch.distributed.tensor.parallel import (
 )
 
 from zerobubble.models.gpt import Block, CausalSelfAttention, GPTEmbedding
+from zerobubble.runtime.rng import rank_stream
 
-__all__ = ["HF_STYLES", "TPPlan", "default_plan", "hf_block_plan", "parallelize_stage"]
+__all__ = [
+    "HF_STYLES",
+    "TPPlan",
+    "TPRandom",
+    "default_plan",
+    "hf_block_plan",
+    "parallelize_stage",
+]
 
 TPPlan = Mapping[str, ParallelStyle]
 """``parallelize_module``'s plan: submodule name (relative to the stage module, ``*``
@@ -125,6 +140,56 @@ def _first_input(module: nn.Module) -> str:
     return next(iter(inspect.signature(module.forward).parameters))
 
 
+class TPRandom(ParallelStyle):
+    """Where the random ops of a module (and of its submodules) draw under tensor parallelism.
+
+    ``sharded=True``: the module's activations are sharded over the tp ranks (sequence
+    shards, local heads), each rank draws from its own stream
+    (:func:`~zerobubble.runtime.rng.rank_stream`, entered before the forward and left after
+    it); ``sharded=False``: they are replicated, every rank draws the same numbers from the
+    shared stream. A dropout module's DTensor input is handed to it as its local tensor and
+    its output made a DTensor of the same layout again, so that it draws from our streams on
+    every device (DTensor's own random ops keep a tracker of their own on CUDA).
+    """
+
+    def __init__(self, *, sharded: bool) -> None:
+        super().__init__()
+        self.sharded = sharded
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rank = device_mesh.get_local_rank()
+        open_: list[tuple[ExitStack, DTensor | None]] = []  # one per forward running
+        elementwise = isinstance(module, nn.modules.dropout._DropoutNd)
+
+        def enter(_m: nn.Module, args: tuple) -> tuple:
+            first = args[0] if args else None
+            stack = ExitStack()
+            if self.sharded:
+                device = first.device if isinstance(first, Tensor) else device_mesh.device_type
+                stack.enter_context(rank_stream(rank, device))
+            layout = first if elementwise and isinstance(first, DTensor) else None
+            open_.append((stack, layout))
+            return args if layout is None else (layout.to_local(), *args[1:])
+
+        def leave(_m: nn.Module, _args: tuple, out: Any) -> Any:
+            stack, layout = open_.pop()
+            stack.close()
+            if layout is None or not isinstance(out, Tensor):
+                return out
+            return DTensor.from_local(
+                out,
+                layout.device_mesh,
+                layout.placements,
+                shape=layout.shape,
+                stride=layout.stride(),
+                run_check=False,
+            )
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave, always_call=True)
+        return module
+
+
 def _style(kind: str, sp: bool) -> ParallelStyle:
     """The parallel style of ``kind`` with or without sequence parallelism."""
     seq: Placement = Shard(1) if sp else Replicate()
@@ -146,6 +211,8 @@ def _style(kind: str, sp: bool) -> ParallelStyle:
         return SequenceParallel()
     if kind == "sequence_parallel_layer":  # a stage's layer: its output may be the boundary
         return SequenceParallel(use_local_output=True)
+    if kind in ("random_sharded", "random_replicated"):
+        return TPRandom(sharded=kind == "random_sharded")
     raise AssertionError(kind)
 
 
@@ -181,7 +248,8 @@ def _gpt_layer(layer: nn.Module, stage: int, name: str, tp: int, sp: bool) -> di
     """Kinds of one GPT layer's submodules ("" names the layer itself)."""
     if isinstance(layer, GPTEmbedding):
         # The token embedding's output stays a DTensor to meet the position embedding's.
-        return {"tok": "embedding_dtensor", "pos": "replicated", "": "shard_output"}
+        kinds = {"tok": "embedding_dtensor", "pos": "replicated", "": "shard_output"}
+        return kinds | _dropouts(layer, {"drop": sp})
     if isinstance(layer, Block):
         attn = layer.attn
         assert isinstance(attn, CausalSelfAttention)
@@ -193,12 +261,32 @@ def _gpt_layer(layer: nn.Module, stage: int, name: str, tp: int, sp: bool) -> di
             "fc": "colwise",
             "proj": "rowwise",
         }
+        # Attention probabilities are of this rank's heads; the residual branches are
+        # sequence shards under sp, the row-wise layers' all-reduced whole output without.
+        kinds |= _dropouts(layer, {"attn.attn_drop": True, "attn.resid_drop": sp, "drop": sp})
         return kinds | (dict.fromkeys(_norms(layer), "sequence_parallel") if sp else {})
-    if _is_norm(layer):
+    if _is_norm(layer):  # a layer of its own, its output may be the stage's: a local shard
         return {"": "sequence_parallel_layer"} if sp else {}
     if type(layer) is nn.Linear:  # the LM head
         return {"": "colwise_gather_output"}
     return {}
+
+
+def _dropouts(layer: nn.Module, sharded: Mapping[str, bool]) -> dict[str, str]:
+    """The random kinds of ``layer``'s dropouts ``{name: sharded}`` that draw (p > 0)."""
+    return {
+        name: "random_sharded" if is_sharded else "random_replicated"
+        for name, is_sharded in sharded.items()
+        if _dropout_p(layer.get_submodule(name)) > 0
+    }
+
+
+def _dropout_p(m: nn.Module) -> float:
+    """A module's dropout probability: a dropout module's, or an attention's
+    ``attention_dropout`` (Hugging Face attention modules draw it in their forward)."""
+    p = m.p if isinstance(m, nn.modules.dropout._DropoutNd) else None
+    p = getattr(m, "attention_dropout", p)
+    return p if isinstance(p, float) else 0.0
 
 
 def hf_block_plan(
@@ -261,6 +349,12 @@ def _hf_layer(layer: nn.Module, stage: int, name: str, tp: int, sp: bool) -> dic
             kinds = hf_block_plan(table, {"layer": layer._paths["layer"]}, layer)
         except ValueError as e:
             raise ValueError(f"stage {stage}: layer {name}: {e}") from None
+        if any(_dropout_p(m) > 0 for m in layer.modules()) and not any(
+            isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in layer.modules()
+        ):
+            # Only attention_dropout draws, on this rank's heads: the block's own stream.
+            # A dropout module stays uncovered (it may act on replicated activations): refused.
+            kinds[""] = "random_sharded"
         return _prepared(kinds) | (dict.fromkeys(_norms(layer), "sequence_parallel") if sp else {})
     return None
 
@@ -317,15 +411,24 @@ def default_plan(module: nn.Module, tp: int, *, stage: int, sequence_parallel: b
     return plan
 
 
-def _refuse_dropout(module: nn.Module, stage: int) -> None:
+def _refuse_uncovered_dropout(module: nn.Module, plan: TPPlan, stage: int) -> None:
+    """Every module that draws (dropout > 0) must be, or be inside, a :class:`TPRandom` of the
+    plan: whether its activations are sharded or replicated is the plan's to say."""
+    marked = [key.split(".") for key, style in plan.items() if isinstance(style, TPRandom)]
+
+    def covered(name: str) -> bool:  # parallelize_module's matching: fnmatch per component
+        parts = name.split(".")
+        return any(len(key) <= len(parts) and all(map(fnmatch, parts, key)) for key in marked)
+
     for name, m in module.named_modules():
-        p = m.p if isinstance(m, nn.modules.dropout._DropoutNd) else None
-        p = getattr(m, "attention_dropout", p)
-        if isinstance(p, float) and p > 0:
+        p = _dropout_p(m)
+        if p > 0 and not covered(name):
             raise ValueError(
-                f"stage {stage}: {name or type(module).__name__} has dropout {p}; tensor "
-                "parallelism does not yet draw per-tp-rank random streams, so dropout on "
-                "shards would repeat one mask on every rank: set dropout to 0 with tp > 1"
+                f"stage {stage}: {name or type(module).__name__} has dropout {p}, and the "
+                "tensor-parallel plan does not say where it draws: give it (or a module "
+                "around it) TPRandom(sharded=True) in tp_plan= if its activations are "
+                "sharded over the tp ranks (sequence shards, local heads), "
+                "TPRandom(sharded=False) if they are replicated; or set dropout to 0"
             )
 
 
@@ -361,13 +464,14 @@ def parallelize_stage(
     """Apply ``plan`` (None: :func:`default_plan`) to stage ``stage``'s ``module`` over
     ``tp_mesh``, in place; returns the module.
 
-    Refuses dropout > 0, and a parameter shared by two layers of the stage (tied
-    embeddings on one stage): parallelizing each layer would untie it.
+    Refuses dropout > 0 that no :class:`TPRandom` of the plan covers, and a parameter
+    shared by two layers of the stage (tied embeddings on one stage): parallelizing each
+    layer would untie it.
     """
     tp = tp_mesh.size()
-    _refuse_dropout(module, stage)
     if plan is None:
         plan = default_plan(module, tp, stage=stage, sequence_parallel=sequence_parallel)
+    _refuse_uncovered_dropout(module, plan, stage)
     tied = [n for n in _shared_names(module).values() if len(n) > 1]
     parallelize_module(module, tp_mesh, dict(plan))
     after = {name: id(p) for name, p in _named_all(module)}
