@@ -357,7 +357,11 @@ def test_default_plan_names_every_sharded_layer_of_a_gpt_stage():
         ("gpt-heads", 8, r"stage 1: 0.attn has n_heads=4, not divisible by tp=8"),
         ("gpt-vocab", 3, r"stage 0: 0.tok has num_embeddings \(vocabulary\)=64"),
         ("mistral", 2, r"stage 1: 0.layer.self_attn has num_key_value_heads=1"),
-        ("unknown", 2, r"stage 1: layer 0 \(Wrapper\) holds parameters but the default"),
+        (
+            "unknown",
+            2,
+            r"stage 1: layer 0 \(Wrapper\) holds parameters but no tensor-parallel plan of its own",
+        ),
         ("gpt2", 2, r"stage 1: layer 0 \(GPT2Block\) holds parameters"),
     ],
 )

@@ -38,6 +38,7 @@ from zerobubble.interop.hf_router import (
 )
 from zerobubble.runtime.kv_segments import SegmentAware, SegmentSlot
 from zerobubble.runtime.loss_terms import add_loss_term
+from zerobubble.runtime.tp import LayerLayout, hf_block_plan, share_column_inputs
 
 Boundary = dict[str, Any]
 """What travels between layers: ``hidden``, ``attention_mask``, ``position_ids``."""
@@ -338,6 +339,27 @@ class GPT2Head(HFLayer):
 # ---- Llama family: model.{embed_tokens, layers, norm, rotary_emb}, lm_head ----------------------
 
 
+TP_TABLE = {
+    **dict.fromkeys(
+        ("layers.*.self_attn.q_proj", "layers.*.self_attn.k_proj", "layers.*.self_attn.v_proj"),
+        "colwise",
+    ),
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+"""The tensor-parallel table of a Llama-layout block whose config has no
+``base_model_tp_plan`` (the same names and style strings, see
+:func:`~zerobubble.runtime.tp.hf_block_plan`)."""
+
+
+def _attention_dropout(m: nn.Module) -> float:
+    """A Hugging Face attention module's ``attention_dropout`` (drawn in its forward)."""
+    p = getattr(m, "attention_dropout", None)
+    return p if isinstance(p, float) else 0.0
+
+
 class DecoderEmbedding(HFLayer):
     """The token embedding of a Llama-layout model (``model.embed_tokens``)."""
 
@@ -345,6 +367,14 @@ class DecoderEmbedding(HFLayer):
 
     def __init__(self, embed_tokens: nn.Module) -> None:
         super().__init__({"embed_tokens": ("model.embed_tokens", embed_tokens)})
+
+    tp_token_ids = True
+    """Takes the token ids, whose length sequence parallelism shards (checked)."""
+
+    def tp_kinds(self, layout: LayerLayout) -> dict[str, str]:
+        """Tensor parallelism (:mod:`~zerobubble.runtime.tp`): the table
+        vocabulary-sharded, its output ``seq`` (sequence shards with sequence parallelism)."""
+        return {"embed_tokens": "embedding"}
 
     def forward(
         self,
@@ -425,6 +455,29 @@ class DecoderBlock(SegmentAware, HFLayer):
         split's graph-level fallback must leave it (and that block) on plain autograd
         (:mod:`~zerobubble.runtime.split.swap`)."""
         return [] if self._router_path is None else [self.layer.get_submodule(self._router_path)]
+
+    def tp_kinds(self, layout: LayerLayout) -> dict[str, str]:
+        """Tensor parallelism (:mod:`~zerobubble.runtime.tp`): the config's
+        ``base_model_tp_plan`` where it has one, else Megatron's Llama layout
+        (:data:`TP_TABLE`); column-wise siblings share one prepared input, the norms run on
+        sequence shards with sequence parallelism. When only ``attention_dropout`` draws (on
+        this rank's heads) the block draws from the rank's own stream; a dropout module is
+        left uncovered, so that :func:`~zerobubble.runtime.tp.parallelize_stage` refuses it
+        (it may act on replicated activations)."""
+        config = self.config
+        for what in ("num_attention_heads", "num_key_value_heads"):
+            layout.divisible("layer.self_attn", what, getattr(config, what))
+        table = getattr(config, "base_model_tp_plan", None) or TP_TABLE
+        try:
+            kinds = hf_block_plan(table, {"layer": self._paths["layer"]}, self)
+        except ValueError as e:
+            raise ValueError(f"stage {layout.stage}: layer {layout.name}: {e}") from None
+        modules = list(self.modules())
+        if any(_attention_dropout(m) > 0 for m in modules) and not any(
+            isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in modules
+        ):
+            kinds[""] = "random_sharded"
+        return share_column_inputs(kinds) | layout.norms(self)
 
     def forward(self, x: Boundary) -> Boundary:
         hidden, mask, position_ids = _unpack(type(self).__name__, x)
@@ -516,6 +569,13 @@ class DecoderHead(HFLayer):
         self.softcap = softcap
         self.router = router
         """The model's router loss: added as the loss term ``"router_aux"`` (None: none)."""
+
+    def tp_kinds(self, layout: LayerLayout) -> dict[str, str]:
+        """Tensor parallelism (:mod:`~zerobubble.runtime.tp`): the LM head column-wise with
+        the logits gathered, so the loss runs unchanged; the norm on sequence shards with
+        sequence parallelism."""
+        norm = {"norm": "sequence_parallel"} if layout.sequence_parallel else {}
+        return {"lm_head": "colwise_gather_output"} | norm
 
     def forward(self, x: Boundary) -> Tensor:
         hidden, _, _ = _unpack(type(self).__name__, x)

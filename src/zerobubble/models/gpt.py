@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zerobubble.runtime.kv_segments import SegmentAware
+from zerobubble.runtime.tp import LayerLayout, dropout_kinds
 
 __all__ = ["Block", "CausalSelfAttention", "GPTConfig", "GPTEmbedding", "build_gpt", "gpt_loss"]
 
@@ -85,6 +86,18 @@ class GPTEmbedding(SegmentAware, nn.Module):
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
+
+    tp_token_ids = True
+    """Takes the token ids, whose length sequence parallelism shards (checked)."""
+
+    def tp_kinds(self, layout: LayerLayout) -> dict[str, str]:
+        """Tensor parallelism (:mod:`~zerobubble.runtime.tp`): the token table
+        vocabulary-sharded, its output left a DTensor to meet the position table's, which
+        is replicated (as a DTensor, so its gradient is exact on sequence shards); the sum
+        handed on as local ``seq`` tensors, where the dropout draws sharded with sequence
+        parallelism and replicated without."""
+        kinds = {"tok": "embedding_dtensor", "pos": "replicated", "": "shard_output"}
+        return kinds | dropout_kinds(self, {"drop": layout.sequence_parallel})
 
     def forward(self, idx: Tensor) -> Tensor:
         t = idx.shape[-1]
@@ -166,6 +179,25 @@ class Block(nn.Module):
         self.act = nn.GELU()
         self.proj = nn.Linear(cfg.mlp_ratio * d, d)
         self.drop = nn.Dropout(cfg.dropout)
+
+    def tp_kinds(self, layout: LayerLayout) -> dict[str, str]:
+        """Tensor parallelism (:mod:`~zerobubble.runtime.tp`), Megatron's layout: q/k/v
+        column-wise on one prepared input (our MLP has one column-wise ``fc``), the
+        attention's output and ``proj`` row-wise, the norms on sequence shards with sequence
+        parallelism. Attention probabilities are this rank's heads (their dropout draws
+        sharded); the residual branches are sequence shards with sequence parallelism, the
+        row-wise layers' all-reduced whole output without."""
+        layout.divisible("attn", "n_heads", self.attn.n_heads)
+        kinds = {
+            "attn": "prepare_input",
+            **dict.fromkeys(("attn.q", "attn.k", "attn.v"), "colwise_prepared"),
+            "attn.out": "rowwise",
+            "fc": "colwise",
+            "proj": "rowwise",
+        }
+        sp = layout.sequence_parallel
+        kinds |= dropout_kinds(self, {"attn.attn_drop": True, "attn.resid_drop": sp, "drop": sp})
+        return kinds | layout.norms(self)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln1(x))

@@ -6,9 +6,13 @@ layers compute on DTensors: B's all-reduce or reduce-scatter of the input gradie
 inside the parallel style's redistribution, on the critical path, and W multiplies the
 local shards only.
 
-The default plan (``plan=None``) covers the stage modules built from our GPT
-(:mod:`~zerobubble.models.gpt`) and from the Hugging Face adapter's Llama-layout models
-(:mod:`~zerobubble.interop.hf_layers`: Llama, Qwen2, Mistral, ...), Megatron's layout:
+The default plan (``plan=None``) is assembled from the stage's layers: a layer states
+its own in a method ``tp_kinds(layout: LayerLayout) -> {submodule name: kind}`` (``""``
+names the layer itself; the kinds are :data:`KINDS`), so this module knows no model. A
+layer on its own that is a norm or an ``nn.Linear`` (a final norm, an LM head) needs no
+method; any other layer with parameters and no method is refused. Our GPT
+(:mod:`~zerobubble.models.gpt`) and the Hugging Face adapter's Llama-layout layers
+(:mod:`~zerobubble.interop.hf_layers`: Llama, Qwen2, Mistral, ...) state Megatron's layout:
 
 * attention's q/k/v and the MLP's up projections column-wise (each rank holds
   ``heads / tp`` heads and ``d_ff / tp`` hidden units), the output and down projections
@@ -50,6 +54,7 @@ import inspect
 import re
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
+from dataclasses import dataclass
 from fnmatch import fnmatch
 from functools import partial
 from typing import Any
@@ -67,16 +72,20 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from zerobubble.models.gpt import Block, CausalSelfAttention, GPTEmbedding
 from zerobubble.runtime.rng import rank_stream
 
 __all__ = [
     "HF_STYLES",
+    "KINDS",
+    "LayerLayout",
     "TPPlan",
     "TPRandom",
     "default_plan",
+    "dropout_kinds",
     "hf_block_plan",
+    "norm_names",
     "parallelize_stage",
+    "share_column_inputs",
 ]
 
 TPPlan = Mapping[str, ParallelStyle]
@@ -88,6 +97,55 @@ HF_STYLES = ("colwise", "rowwise", "colwise_gather_output", "sequence_parallel")
 (``colwise_rep`` is read as ``colwise_gather_output``); any other raises ValueError."""
 
 _KINDS = {**{k: k for k in HF_STYLES}, "colwise_rep": "colwise_gather_output"}
+
+KINDS = (
+    "colwise",
+    "colwise_prepared",
+    "colwise_gather_output",
+    "rowwise",
+    "embedding",
+    "embedding_dtensor",
+    "replicated",
+    "prepare_input",
+    "shard_output",
+    "sequence_parallel",
+    "sequence_parallel_layer",
+    "random_sharded",
+    "random_replicated",
+)
+"""What a layer's ``tp_kinds`` may say of a submodule (the sequence layout ``seq`` is
+``Shard(1)`` with sequence parallelism, ``Replicate()`` without): ``colwise`` (input
+``seq``), ``colwise_prepared`` (input already a ``Replicate`` DTensor, see
+``prepare_input``), ``colwise_gather_output`` (output gathered), ``rowwise`` (output
+``seq``), ``embedding`` (vocabulary-sharded, output ``seq``), ``embedding_dtensor`` (the
+same, output left a DTensor), ``replicated`` (whole parameters as DTensors),
+``prepare_input`` (the module's first input made one ``Replicate`` DTensor for its
+column-wise layers), ``shard_output`` (the module's output handed on as local ``seq``
+tensors), ``sequence_parallel`` (a norm on sequence shards), ``sequence_parallel_layer``
+(the same, its output local: a layer whose output may be the stage's), ``random_sharded``
+and ``random_replicated`` (:class:`TPRandom`)."""
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """What a layer's ``tp_kinds`` is told: the tp size, sequence parallelism, and where
+    the layer is (for the messages of what it cannot shard)."""
+
+    tp: int
+    sequence_parallel: bool
+    stage: int
+    name: str
+    """The layer's name in its stage module."""
+
+    def divisible(self, sub: str, what: str, n: int) -> None:
+        """Raise ValueError naming the stage and ``sub`` unless ``tp`` divides ``n``."""
+        _divisible(self.stage, f"{self.name}.{sub}" if sub else self.name, what, n, self.tp)
+
+    def norms(self, layer: nn.Module) -> dict[str, str]:
+        """``layer``'s norms on sequence shards with sequence parallelism (else none)."""
+        if not self.sequence_parallel:
+            return {}
+        return dict.fromkeys(norm_names(layer), "sequence_parallel")
 
 
 class _Replicated(ParallelStyle):
@@ -235,7 +293,7 @@ def _check(stage: int, name: str, module: nn.Module, kind: str, tp: int) -> None
         _divisible(stage, name, "in_features", module.in_features, tp)
 
 
-def _norms(module: nn.Module) -> list[str]:
+def norm_names(module: nn.Module) -> list[str]:
     """The names of ``module``'s norms (by type, as the B/W split knows them)."""
     return [n for n, m in module.named_modules() if n and _is_norm(m)]
 
@@ -244,35 +302,7 @@ def _is_norm(m: nn.Module) -> bool:
     return isinstance(m, nn.LayerNorm | nn.RMSNorm) or type(m).__name__.endswith("Norm")
 
 
-def _gpt_layer(layer: nn.Module, stage: int, name: str, tp: int, sp: bool) -> dict[str, str]:
-    """Kinds of one GPT layer's submodules ("" names the layer itself)."""
-    if isinstance(layer, GPTEmbedding):
-        # The token embedding's output stays a DTensor to meet the position embedding's.
-        kinds = {"tok": "embedding_dtensor", "pos": "replicated", "": "shard_output"}
-        return kinds | _dropouts(layer, {"drop": sp})
-    if isinstance(layer, Block):
-        attn = layer.attn
-        assert isinstance(attn, CausalSelfAttention)
-        _divisible(stage, f"{name}.attn", "n_heads", attn.n_heads, tp)
-        kinds = {
-            "attn": "prepare_input",  # q/k/v's one input (our MLP has one column-wise fc)
-            **dict.fromkeys(("attn.q", "attn.k", "attn.v"), "colwise_prepared"),
-            "attn.out": "rowwise",
-            "fc": "colwise",
-            "proj": "rowwise",
-        }
-        # Attention probabilities are of this rank's heads; the residual branches are
-        # sequence shards under sp, the row-wise layers' all-reduced whole output without.
-        kinds |= _dropouts(layer, {"attn.attn_drop": True, "attn.resid_drop": sp, "drop": sp})
-        return kinds | (dict.fromkeys(_norms(layer), "sequence_parallel") if sp else {})
-    if _is_norm(layer):  # a layer of its own, its output may be the stage's: a local shard
-        return {"": "sequence_parallel_layer"} if sp else {}
-    if type(layer) is nn.Linear:  # the LM head
-        return {"": "colwise_gather_output"}
-    return {}
-
-
-def _dropouts(layer: nn.Module, sharded: Mapping[str, bool]) -> dict[str, str]:
+def dropout_kinds(layer: nn.Module, sharded: Mapping[str, bool]) -> dict[str, str]:
     """The random kinds of ``layer``'s dropouts ``{name: sharded}`` that draw (p > 0)."""
     return {
         name: "random_sharded" if is_sharded else "random_replicated"
@@ -319,47 +349,7 @@ def hf_block_plan(
     return out
 
 
-_LLAMA_PLAN = {
-    **dict.fromkeys(
-        ("layers.*.self_attn.q_proj", "layers.*.self_attn.k_proj", "layers.*.self_attn.v_proj"),
-        "colwise",
-    ),
-    "layers.*.self_attn.o_proj": "rowwise",
-    "layers.*.mlp.gate_proj": "colwise",
-    "layers.*.mlp.up_proj": "colwise",
-    "layers.*.mlp.down_proj": "rowwise",
-}
-"""Our table for a Llama-layout block whose config has no ``base_model_tp_plan``."""
-
-
-def _hf_layer(layer: nn.Module, stage: int, name: str, tp: int, sp: bool) -> dict[str, str] | None:
-    """Kinds of one adapter layer's submodules; None if ``layer`` is not one."""
-    from zerobubble.interop import hf_layers  # imports transformers: only for its layers
-
-    if isinstance(layer, hf_layers.DecoderEmbedding):
-        return {"embed_tokens": "embedding"}
-    if isinstance(layer, hf_layers.DecoderHead):
-        return {"lm_head": "colwise_gather_output"} | ({"norm": "sequence_parallel"} if sp else {})
-    if isinstance(layer, hf_layers.DecoderBlock):
-        config = layer.config
-        for what in ("num_attention_heads", "num_key_value_heads"):
-            _divisible(stage, f"{name}.layer.self_attn", what, getattr(config, what), tp)
-        table = getattr(config, "base_model_tp_plan", None) or _LLAMA_PLAN
-        try:
-            kinds = hf_block_plan(table, {"layer": layer._paths["layer"]}, layer)
-        except ValueError as e:
-            raise ValueError(f"stage {stage}: layer {name}: {e}") from None
-        if any(_dropout_p(m) > 0 for m in layer.modules()) and not any(
-            isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in layer.modules()
-        ):
-            # Only attention_dropout draws, on this rank's heads: the block's own stream.
-            # A dropout module stays uncovered (it may act on replicated activations): refused.
-            kinds[""] = "random_sharded"
-        return _prepared(kinds) | (dict.fromkeys(_norms(layer), "sequence_parallel") if sp else {})
-    return None
-
-
-def _prepared(kinds: dict[str, str]) -> dict[str, str]:
+def share_column_inputs(kinds: dict[str, str]) -> dict[str, str]:
     """``kinds`` with each module that holds two or more column-wise layers (attention's
     q/k/v, a gated MLP's gate/up) preparing their shared input once."""
     parents: dict[str, list[str]] = {}
@@ -374,26 +364,37 @@ def _prepared(kinds: dict[str, str]) -> dict[str, str]:
     return out
 
 
+def _layer_kinds(layer: nn.Module, layout: LayerLayout) -> dict[str, str] | None:
+    """The kinds ``layer`` states (``tp_kinds``), or those of a norm or a linear layer on
+    its own; None for a layer that says nothing."""
+    kinds = getattr(layer, "tp_kinds", None)
+    if callable(kinds):
+        return dict(kinds(layout))
+    if _is_norm(layer):  # a layer of its own, its output may be the stage's: a local shard
+        return {"": "sequence_parallel_layer"} if layout.sequence_parallel else {}
+    if type(layer) is nn.Linear:  # an LM head
+        return {"": "colwise_gather_output"}
+    return None
+
+
 def default_plan(module: nn.Module, tp: int, *, stage: int, sequence_parallel: bool) -> TPPlan:
-    """The default plan of stage ``stage``'s ``module`` (an ``nn.Sequential`` of our GPT's
-    or the Hugging Face adapter's layers) over ``tp`` ranks; ValueError for a layer it
-    cannot shard exactly or does not know."""
+    """The default plan of stage ``stage``'s ``module`` (an ``nn.Sequential`` of layers that
+    state their kinds, see the module docstring) over ``tp`` ranks; ValueError for a layer
+    that cannot be sharded exactly or states nothing."""
     sp = sequence_parallel
     plan: dict[str, ParallelStyle] = {}
     for name, layer in module.named_children():
-        kinds = _gpt_layer(layer, stage, name, tp, sp)
-        if not kinds and "interop.hf_layers" in type(layer).__module__:
-            kinds = _hf_layer(layer, stage, name, tp, sp) or {}
-        if not kinds and not _is_norm(layer) and any(True for _ in layer.parameters()):
+        kinds = _layer_kinds(layer, LayerLayout(tp, sp, stage, name))
+        if kinds is None and any(True for _ in layer.parameters()):
             # Left replicated, its weight gradients would be per-rank partial sums under
             # sequence parallelism, and it would hold whole matrices: refuse, not guess.
             raise ValueError(
                 f"stage {stage}: layer {name} ({type(layer).__name__}) holds parameters but "
-                "the default tensor-parallel plan knows only our GPT's and the Hugging Face "
-                "adapter's Llama-layout layers; pass tp_plan= (a plan, or a function "
-                "(stage, module) -> plan)"
+                "no tensor-parallel plan of its own (a tp_kinds method; our GPT's and the "
+                "Hugging Face adapter's Llama-layout layers have one); pass tp_plan= (a "
+                "plan, or a function (stage, module) -> plan)"
             )
-        for sub, kind in kinds.items():
+        for sub, kind in (kinds or {}).items():
             full = f"{name}.{sub}" if sub else name
             target = module.get_submodule(full)
             if kind == "replicated":
@@ -502,5 +503,5 @@ def _shard_sequence(module: nn.Module, stage: int, tp: int) -> None:
     for m in module.children():
         if hasattr(m, "sequence_shards"):
             setattr(m, "sequence_shards", tp)  # noqa: B010 (nn.Module types it as a Module)
-        if isinstance(m, GPTEmbedding) or type(m).__name__ == "DecoderEmbedding":
+        if getattr(m, "tp_token_ids", False):  # takes the ids whose length is sharded
             m.register_forward_pre_hook(check, with_kwargs=True)
