@@ -48,19 +48,34 @@ TIMEOUT = 240.0  # a whole launch, generous for a loaded 2-core machine
 EXACT_KINDS = ("optimal", "optimal-v")
 
 
-def schedules(p: int) -> list[Schedule]:
+MODELS = ("mlp", "gpt")
+
+
+def cases(p: int) -> list[tuple[Schedule, str]]:
     """Every registered kind at M in {1, P-1, P, 2P+1} (M <= P for EXACT_KINDS), where the
-    kind allows that M. Searching kinds get ``chunks=2`` (auto: at most 2 chunks per device)."""
+    kind allows that M. Searching kinds get ``chunks=2`` (auto: at most 2 chunks per device).
+
+    A covering design over (kind, M, model), not the product: each (kind, M) runs one model,
+    alternating along the kind's Ms and starting with the kind's position, so every
+    (kind, model) and (M, model) pair occurs too (a kind with one M runs both models). The
+    model decides the tensors crossing stages (floats or token ids in, one layer shape or
+    several), the kind and M which actions run where: no code path depends on all three.
+    """
     out = []
-    for kind in RUNTIME_KINDS:
+    for i, kind in enumerate(RUNTIME_KINDS):
         gen = GENERATORS[kind]
         opts = {"chunks": 2} if "chunks" in gen.options else {}
         ms = {1, max(p - 1, 1), p} | (set() if kind in EXACT_KINDS else {2 * p + 1})
+        mine = []
         for m in sorted(ms):
             try:
-                out.append(generated(kind, p, m, **opts))
+                mine.append(generated(kind, p, m, **opts))
             except ValueError:  # the kind does not support this M
                 continue
+        if len(mine) == 1:
+            out += [(mine[0], model) for model in MODELS]
+        else:
+            out += [(s, MODELS[(i + j) % len(MODELS)]) for j, s in enumerate(mine)]
     return out
 
 
@@ -171,13 +186,10 @@ def untracked_chunk_refusal(rank: int) -> str:
     return ""
 
 
-def main_job(p: int, scheds: list[Schedule]) -> dict:
-    """``scheds``: :func:`schedules` of ``p``, built once in the test, not on every rank."""
+def main_job(p: int, todo: list[tuple[Schedule, str]]) -> dict:
+    """``todo``: :func:`cases` of ``p``, built once in the test, not on every rank."""
     info = init_distributed(timeout_s=60)
-    out: dict = {"cases": []}
-    for sched in scheds:
-        for model in ("mlp", "gpt"):
-            out["cases"].append(check_step(sched, model, info.rank))
+    out: dict = {"cases": [check_step(sched, model, info.rank) for sched, model in todo]}
     if p == 2:
         csv_text = "\n".join(",".join(row) for row in torch_rows("ZBVZeroBubble", 2, 4))
         imported = torch_csv.loads(csv_text, name="torch:ZBVZeroBubble", num_microbatches=4)
@@ -208,17 +220,17 @@ def main_job(p: int, scheds: list[Schedule]) -> dict:
 
 @pytest.fixture(scope="module")
 def p1():
-    return launch(main_job, 1, 1, schedules(1), timeout=TIMEOUT)
+    return launch(main_job, 1, 1, cases(1), timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def p2():
-    return launch(main_job, 2, 2, schedules(2), timeout=TIMEOUT)
+    return launch(main_job, 2, 2, cases(2), timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def p4():
-    return launch(main_job, 4, 4, schedules(4), timeout=TIMEOUT)
+    return launch(main_job, 4, 4, cases(4), timeout=TIMEOUT)
 
 
 def assert_bitwise(per_rank: list[dict]) -> None:
@@ -239,6 +251,19 @@ def test_every_kind_matches_the_reference_bitwise(fixture, request):
     assert kinds == set(RUNTIME_KINDS)  # every kind the executor runs ran
     counts = {c["case"].split()[2] for c in results[0]["cases"]}
     assert f"M={2 * p + 1}" in counts and "M=1" in counts
+    models = {c["case"].split()[3] for c in results[0]["cases"]}
+    assert models == set(MODELS)
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_the_cases_cover_every_kind_m_and_model_pair(p):
+    runs = [(s.name, s.num_microbatches, model) for s, model in cases(p)]
+    kind_m = {(k, m) for k, m, _ in runs}
+    single = {k for k in RUNTIME_KINDS if sum(x == k for x, _ in kind_m) == 1}
+    assert len(runs) == len(kind_m) + len(single)  # one model per (kind, M) but theirs
+    assert {k for k, _ in kind_m} == set(RUNTIME_KINDS)
+    assert {(k, model) for k, _, model in runs} == {(k, x) for k in RUNTIME_KINDS for x in MODELS}
+    assert {(m, model) for _, m, model in runs} == {(m, x) for _, m in kind_m for x in MODELS}
 
 
 def test_imported_torch_schedule_and_directed_groups_match(p2):

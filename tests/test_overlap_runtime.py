@@ -18,7 +18,7 @@ from zerobubble.models import GPTConfig, build_gpt, gpt_loss
 from zerobubble.profile.bubbles import analyze_iteration
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.mesh import build_mesh
+from zerobubble.runtime.mesh import PipelineMesh, build_mesh
 from zerobubble.runtime.overlap import LaneGroups, OverlapPair, run_pair
 from zerobubble.runtime.partition import build_stage_modules, stage_bounds
 from zerobubble.runtime.reference import reference_step
@@ -124,8 +124,15 @@ def backward_first(pair: OverlapPair) -> None:
     helper.join()
 
 
-def overlapped_step(p: int, m: int, hook: bool = False) -> tuple[list | None, dict, tuple]:
+def overlapped_steps(p: int, m: int) -> dict[bool, tuple[list | None, dict, tuple]]:
+    """One step without and one with the hook, in one launch: {hook: what the step gave}."""
     rank = init_distributed(timeout_s=60).rank
+    out = {hook: overlapped_step(rank, p, m, hook) for hook in (False, True)}
+    dist.destroy_process_group()
+    return out
+
+
+def overlapped_step(rank: int, p: int, m: int, hook: bool) -> tuple[list | None, dict, tuple]:
     sched = generate("dualpipev", p, m, overlap=True)
     layers = list(build_gpt(GPT))
     threads: set[str] = set()
@@ -143,7 +150,6 @@ def overlapped_step(p: int, m: int, hook: bool = False) -> tuple[list | None, di
         for name, p in chunk.module.named_parameters()
     }
     events = list(pipe.trace.events)
-    dist.destroy_process_group()
     return losses, grads, (events, sorted(threads))
 
 
@@ -153,8 +159,8 @@ def test_overlapped_pairs_run_at_once_bitwise_as_the_reference(tmp_path):
     thread; losses and gradients are bitwise those of one process over the same
     microbatches, also under docs/moe.md's hook (the backward on the helper); the trace
     checks out given the pairs (whose events may overlap in time)."""
-    hooked = launch(overlapped_step, 3, 3, 6, True, timeout=240)
-    results = launch(overlapped_step, 3, 3, 6, timeout=240)
+    both = launch(overlapped_steps, 3, 3, 6, timeout=240)
+    results, hooked = [r[False] for r in both], [r[True] for r in both]
     for r, h in zip(results, hooked, strict=True):
         assert (r[0] is None) == (h[0] is None)
         assert r[0] is None or all(map(torch.equal, r[0], h[0]))
@@ -256,7 +262,8 @@ def mse(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return ((y - t) ** 2).sum()
 
 
-def exchanging_step(hooked: bool) -> tuple[list | None, dict, list, list]:
+def exchanging_steps() -> dict[bool, tuple[list | None, dict, list, list]]:
+    """One step together and one in turn (hooked), in one launch: {hooked: what it gave}."""
     init_distributed(timeout_s=60)
     mesh = build_mesh(2, 2)
     # Every rank makes every lane group, in one order (new_group is collective).
@@ -264,7 +271,16 @@ def exchanging_step(hooked: bool) -> tuple[list | None, dict, list, list]:
         pp: LaneGroups(dist.new_group([2 * pp, 2 * pp + 1]), dist.new_group([2 * pp, 2 * pp + 1]))
         for pp in range(2)
     }
-    lanes = lanes_of[mesh.pp_rank]
+    out = {
+        hooked: exchanging_step(mesh, lanes_of[mesh.pp_rank], hooked) for hooked in (False, True)
+    }
+    dist.destroy_process_group()
+    return out
+
+
+def exchanging_step(
+    mesh: PipelineMesh, lanes: LaneGroups, hooked: bool
+) -> tuple[list | None, dict, list, list]:
     spans: list[tuple[int, int]] = []
     stall = 0.03 if mesh.dp_rank == 1 else 0.0
     sched = generate("dualpipev", 2, 4, overlap=True)
@@ -293,7 +309,6 @@ def exchanging_step(hooked: bool) -> tuple[list | None, dict, list, list]:
         for e in pipe.trace.events
         if e.action is not None and e.action in pairs.values()
     ]
-    dist.destroy_process_group()
     return losses, grads, (in_flight if mesh.dp_rank == 0 else []), backwards
 
 
@@ -309,8 +324,8 @@ def test_a_collective_of_the_forward_is_in_flight_while_the_paired_backward_comp
     paired backward computes while a forward's exchange is in flight. Run in sequence by
     a hook (one thread: disjoint spans), none does; losses and gradients are bitwise the
     same either way."""
-    together = launch(exchanging_step, 4, False, timeout=240)
-    in_turn = launch(exchanging_step, 4, True, timeout=240)
+    both = launch(exchanging_steps, 4, timeout=240)
+    together, in_turn = [r[False] for r in both], [r[True] for r in both]
     for (l1, g1, *_), (l2, g2, *_) in zip(together, in_turn, strict=True):
         assert (l1 is None) == (l2 is None)
         if l1 is not None:

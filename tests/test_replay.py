@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from generated import generated
+from generated import SLOW_SOLVES, generated
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.comm import TensorMeta
@@ -39,6 +39,8 @@ def every_schedule():
         opts = {"chunks": 2} if "chunks" in gen.options else {}
         for p in (1, 2, 3, 4):
             for m in sorted({1, max(p - 1, 1), p, 2 * p + 1}):
+                if (kind, p, m) in SLOW_SOLVES:
+                    continue
                 try:
                     yield generated(kind, p, m, **opts)
                 except ValueError:

@@ -4,6 +4,12 @@ Pipelines at P=3 over our GPT (``tie_embeddings=True``) and an MLP whose first a
 last Linear share their weight, every schedule kind, 5 AdamW steps with clipping:
 losses and parameters bitwise equal to :func:`tied_reference_step` (per-stage
 gradients summed in stage order), and the replicas bitwise equal on every rank.
+
+A covering design, not the full product (kind x model): the fast kinds (one of each
+placement: looped, interleaved, V) run every model; every other kind runs one model,
+rotating, so that every model also meets every other kind's placement family (looped and V).
+The tie's code paths depend on the placement (which ranks hold the tie, one rank holding two
+of its stages) and on the model (two or three holders), not on a kind's order of actions.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import torch
 from torch import nn
 
 import zerobubble
-from generated import RUNTIME_KINDS
+from generated import RUNTIME_KINDS, generated
 from ranks import launch
 from zerobubble.models import GPTConfig, build_gpt, gpt_loss, mlp_loss
 from zerobubble.runtime.comm import PeerError
@@ -29,6 +35,7 @@ M = 4
 # auto picks its own chunk count, which can need more stages than these models have layers.
 KINDS = [k for k in RUNTIME_KINDS if k not in ("optimal", "optimal-v", "auto")]
 FAST = ["zbv", "interleaved-1f1b", "zb-h1"]
+SLOW = [k for k in KINDS if k not in FAST]
 
 
 def tied_gpt() -> nn.Sequential:
@@ -170,12 +177,14 @@ def test_sharing_the_runtime_cannot_honour_is_refused_naming_the_parameter():
 # ---- on 3 gloo ranks ---------------------------------------------------------------------
 
 
-def train(kind: str, model_name: str, mode: str = "sync", steps: int = 5) -> dict:
+def train(
+    schedule: zerobubble.Schedule, model_name: str, mode: str = "sync", steps: int = 5
+) -> dict:
     """``steps`` AdamW steps with clipping through Pipeline and through the reference."""
+    kind = schedule.name
     build, loss_fn, tied_name = CASES[model_name]
     model = build()
     ref = copy.deepcopy(model)
-    schedule = zerobubble.generate(kind, P, M)
     pipe = zerobubble.Pipeline(model, loss_fn, schedule, tied_check_every=2)
     # Post-validation: rank 0's prefix norm (about 1.03 at step 0) stays below the
     # threshold, the full norm (1.64) does not: rank 0 steps early and rolls back.
@@ -329,22 +338,41 @@ def schedules_taking_turns() -> dict:
     }
 
 
-def job(kinds: list[str], post: list[str]) -> dict:
+def covering_runs(kinds: list[str]) -> list[tuple[str, str]]:
+    """(kind, model) for the kinds not in FAST: one model each, rotating with the kind."""
+    models = list(CASES)
+    return [(kind, models[i % len(models)]) for i, kind in enumerate(kinds)]
+
+
+def schedules(kinds: list[str]) -> dict[str, zerobubble.Schedule]:
+    """Built once in the test, not on every rank (the searching kinds take seconds)."""
+    return {kind: generated(kind, P, M) for kind in kinds}
+
+
+def job(
+    runs: list[tuple[str, str]],
+    post: list[str],
+    shared: bool,
+    scheds: dict[str, zerobubble.Schedule],
+) -> dict:
+    """``shared``: also the state-dict, checksum and with_schedule checks (no kind in them)."""
     zerobubble.init_distributed(timeout_s=120)
-    out = {f"{kind}/{m}": train(kind, m) for kind in kinds for m in CASES}
+    out = {f"{kind}/{m}": train(scheds[kind], m) for kind, m in runs}
     for kind in post:
         for mode in ("conservative", "speculative"):
-            out[f"{kind}/{mode}"] = train(kind, "gpt", mode)
-    out["state"] = state_and_check()
-    out["turns"] = schedules_taking_turns()
+            out[f"{kind}/{mode}"] = train(scheds[kind], "gpt", mode)
+    if shared:
+        out["state"] = state_and_check()
+        out["turns"] = schedules_taking_turns()
     torch.distributed.destroy_process_group()
     return out
 
 
-def check(results: list[dict], kinds: list[str], post: list[str]) -> None:
-    runs = [f"{k}/{m}" for k in kinds for m in CASES]
-    runs += [f"{k}/{mode}" for k in post for mode in ("conservative", "speculative")]
-    for run in runs:
+def check(results: list[dict], runs: list[tuple[str, str]], post: list[str]) -> None:
+    """The training runs only; :func:`check_shared` checks the rest."""
+    names = [f"{k}/{m}" for k, m in runs]
+    names += [f"{k}/{mode}" for k in post for mode in ("conservative", "speculative")]
+    for run in names:
         assert [b for r in results for b in r[run]["bad"]] == [], run
         replicas = [t for r in results for t in r[run]["replicas"]]
         assert len(replicas) == (3 if run.endswith("mlp3") else 2), run  # one per stage
@@ -354,7 +382,11 @@ def check(results: list[dict], kinds: list[str], post: list[str]) -> None:
             assert "clip rolled back" in [a for r in results for a in r[run]["actions"]], run
         model = CASES.get(run.split("/")[1], CASES["gpt"])[0]()
         names = [n for r in results for n in r[run]["names"]]
-        assert sorted(set(names)) == sorted(n for n, _ in model.named_parameters()), run
+        held = [n for r in results for n in r[run]["names"]]
+        assert sorted(set(held)) == sorted(n for n, _ in model.named_parameters()), run
+
+
+def check_shared(results: list[dict]) -> None:
     state = [r["state"] for r in results]
     assert all(s["bad"] == [] and all(s["replicas"]) for s in state)
     assert "6.weight" not in [k for s in state for k in s["keys"]]
@@ -394,16 +426,22 @@ def check_turns(results: list[dict]) -> None:
 
 @pytest.mark.bitwise
 def test_tied_pipelines_match_the_stage_order_reference_bitwise():
-    kinds, post = FAST, ["interleaved-1f1b"]
-    results = launch(job, P, kinds, post, timeout=TIMEOUT)
-    check(results, kinds, post)
+    runs, post = [(k, m) for k in FAST for m in CASES], ["interleaved-1f1b"]
+    results = launch(job, P, runs, post, True, schedules(FAST), timeout=TIMEOUT)
+    check(results, runs, post)
+    check_shared(results)
     check_turns(results)
+
+
+def test_the_runs_cover_every_kind_model_and_placement_family():
+    runs = [(k, m) for k in FAST for m in CASES] + covering_runs(SLOW)
+    assert {k for k, _ in runs} == set(KINDS)
+    family = {k: s.placement for k, s in schedules(KINDS).items()}
+    assert {(family[k], m) for k, m in runs} == {(f, m) for f in family.values() for m in CASES}
 
 
 @pytest.mark.slow
 def test_every_kind_with_a_tie_and_post_validation():
-    kinds = [k for k in KINDS if k not in FAST]
-    post = ["zbv", "zb-h1"]
-    results = launch(job, P, kinds, post, timeout=TIMEOUT)
-    check(results, kinds, post)
-    check_turns(results)
+    runs, post = covering_runs(SLOW), ["zbv", "zb-h1"]
+    results = launch(job, P, runs, post, False, schedules(SLOW + post), timeout=TIMEOUT)
+    check(results, runs, post)
