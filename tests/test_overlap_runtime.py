@@ -350,7 +350,9 @@ def test_overlap_with_fsdp_is_refused():
     from zerobubble.runtime.executor import _check_overlap
 
     sched = generate("dualpipev", 2, 6, overlap=True)
-    mesh = SimpleNamespace(spec=SimpleNamespace(fsdp=True))
+    mesh = SimpleNamespace(spec=SimpleNamespace(fsdp=True), tp_size=1)
     with pytest.raises(ValueError, match="FSDP keeps one state per stage"):
         _check_overlap(sched, ExecutorOptions(), mesh)  # type: ignore[arg-type]
-    _check_overlap(sched, ExecutorOptions(), SimpleNamespace(spec=SimpleNamespace(fsdp=False)))  # type: ignore[arg-type]
+    _check_overlap(
+        sched, ExecutorOptions(), SimpleNamespace(spec=SimpleNamespace(fsdp=False), tp_size=1)
+    )  # type: ignore[arg-type]
