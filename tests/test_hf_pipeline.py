@@ -257,27 +257,69 @@ def case_key(schedule: zerobubble.Schedule, variant: str) -> tuple[str, int, str
     return (schedule.name, schedule.num_microbatches, variant)
 
 
-def cases(p: int) -> list[tuple[zerobubble.Schedule, str, int]]:
-    """Every kind at M = P and M = 2P + 1, each with one model variant.
+#: The design's rows as (P is 4, M is 2P + 1, Llama, eager): a half fraction of the 2^4
+#: product (the rows whose levels sum to an even number), in complementary pairs. Any two
+#: factors take all four level pairs over its rows.
+ROWS = ((0, 0, 0, 0), (0, 0, 1, 1), (0, 1, 0, 1), (0, 1, 1, 0))
+ROWS += tuple(tuple(1 - x for x in row) for row in ROWS)
 
-    The variant rotates with the kind and the (P, M) point, so over the four points
-    of the two tests every kind runs every variant once. Two chunks where a kind
-    takes a chunk count (8 stages at P = 4: the models' 8 layers). GPT-2 runs 5
-    steps at P = 4, M = 9 (the tied replicas after 5 AdamW steps), the rest 2 (the
-    first clips, the second does not; the sequence length changes between them).
-    What generated.SLOW_SOLVES skips runs at M = P - 1 instead.
+
+def design() -> list[tuple[str, int, int, str]]:
+    """(kind, P, M, variant) of every run: a covering design, not the full product.
+
+    Each kind runs twice, as one complementary pair of rows (the pair rotating with the
+    kind), so every kind meets both P, both M points, both families and both attention
+    implementations, and over the kinds every pair of the other four factors occurs
+    (test_the_design_covers_every_pair). Neither family nor attention implementation
+    touches the schedule: what a kind changes (placement, order, the tied replicas' ranks)
+    is checked at both P and both M with a tied and an untied model.
     """
-    names = list(VARIANTS)
     out = []
-    for point, m in enumerate((p, 2 * p + 1)):
-        offset = 2 * (p == 4) + point
-        for i, kind in enumerate(RUNTIME_KINDS):
-            opts = {"chunks": 2} if "chunks" in GENERATORS[kind].options else {}
-            variant = names[(i + offset) % len(names)]
-            steps = 5 if variant.startswith("gpt2") and m > p == 4 else 2
-            mine = p - 1 if (kind, p, m) in SLOW_SOLVES else m
-            out.append((generated(kind, p, mine, **opts), variant, steps))
+    for i, kind in enumerate(RUNTIME_KINDS):
+        for row in (ROWS[i % 4], ROWS[i % 4 + 4]):
+            p = 4 if row[0] else 2
+            m = 2 * p + 1 if row[1] else p
+            variant = f"{'llama' if row[2] else 'gpt2'}-{'eager' if row[3] else 'sdpa'}"
+            out.append((kind, p, m, variant))
     return out
+
+
+def cases(p: int) -> list[tuple[zerobubble.Schedule, str, int]]:
+    """The design's runs at ``p``. Two chunks where a kind takes a chunk count (8 stages at
+    P = 4: the models' 8 layers). GPT-2 runs 5 steps at P = 4, M = 9 (the tied replicas
+    after 5 AdamW steps), the rest 2 (the first clips, the second does not; the sequence
+    length changes between them). What generated.SLOW_SOLVES skips runs at M = P - 1 instead.
+    """
+    out = []
+    for kind, q, m, variant in design():
+        if q != p:
+            continue
+        opts = {"chunks": 2} if "chunks" in GENERATORS[kind].options else {}
+        steps = 5 if variant.startswith("gpt2") and m > p == 4 else 2
+        mine = p - 1 if (kind, p, m) in SLOW_SOLVES else m
+        out.append((generated(kind, p, mine, **opts), variant, steps))
+    return out
+
+
+def test_the_design_covers_every_pair():
+    runs = design()
+    factors = [
+        [k for k, *_ in runs],
+        [p for _, p, _, _ in runs],
+        ["long" if m > p else "short" for _, p, m, _ in runs],
+        [v.split("-")[0] for *_, v in runs],
+        [v.split("-")[1] for *_, v in runs],
+    ]
+    levels = [set(f) for f in factors]
+    assert [len(x) for x in levels] == [len(RUNTIME_KINDS), 2, 2, 2, 2]
+    for a in range(len(factors)):
+        for b in range(a + 1, len(factors)):
+            seen = set(zip(factors[a], factors[b], strict=True))
+            assert seen == {(x, y) for x in levels[a] for y in levels[b]}, (a, b)
+    assert {v for *_, v in runs} == set(VARIANTS)
+    # Tied replicas after 5 steps at P = 4, M = 9: some kinds run GPT-2 there.
+    assert any(p == 4 and m == 9 and v.startswith("gpt2") for _, p, m, v in runs)
+    assert len(runs) == 2 * len(RUNTIME_KINDS)
 
 
 def check_matrix(p: int) -> None:

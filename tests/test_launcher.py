@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing
 import os
 import subprocess
@@ -260,9 +261,11 @@ def neighbours(port: int) -> None:
     raise ConnectionError(f"rank {rank}: peer rank {world - 2} closed the connection")
 
 
-NEIGHBOURS = """
-import os, sys
-from test_launcher import neighbours
+# The script carries neighbours' source: importing it from this module would import pytest
+# in every rank, a second of start-up each on a loaded machine, four times per world.
+NEIGHBOURS = f"""
+import os, sys, time
+{inspect.getsource(neighbours)}
 try:
     neighbours(int(sys.argv[1]))
 except ConnectionError:
@@ -274,7 +277,7 @@ except ConnectionError:
 def test_script_launcher_blames_the_rank_that_died_first(tmp_path, world):
     script = tmp_path / "job.py"
     script.write_text(NEIGHBOURS)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")])}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     victim = world - 2
     for _ in range(4):
         cmd = [sys.executable, "-m", "zerobubble.launch", "-n", str(world), "--grace", "2"]
