@@ -74,11 +74,14 @@ def schedules(draw) -> Schedule:
     p = draw(st.integers(2, 4))
     # The edge M = P (no steady state), a short run (M = P + 1: warm-up and cool-down
     # meet) or a steady state (M = 2P), not every M in [P, 3P]: P + 1 and 2P are the sizes
-    # test_fuzz_schedule and test_optim_matrix generate every kind at, so most draws
-    # solve no searches of their own (seconds apiece).
+    # test_fuzz_schedule and test_optim_matrix generate every kind at, and M = P with two
+    # chunks where a kind takes them is what test_lowering, test_replay and test_executor
+    # generate, so the draws solve no searches of their own (seconds apiece; auto's default
+    # of four chunks alone took 19 s at M = P).
     m = draw(st.sampled_from((p, p + 1, 2 * p)))
+    opts = {"chunks": 2} if m == p and "chunks" in GENERATORS[kind].options else {}
     try:
-        sched = generated(kind, p, m)
+        sched = generated(kind, p, m, **opts)
     except (ValueError, ScheduleError):
         assume(False)
     if draw(st.booleans()):

@@ -7,6 +7,7 @@ from fractions import Fraction
 import pytest
 
 from conftest import exact_costs
+from generated import generated
 from zerobubble.schedule.generators import GENERATORS, generate
 from zerobubble.schedule.ir import Op, looped_placement, v_placement
 from zerobubble.schedule.validate import validate
@@ -127,10 +128,16 @@ ODD_CASES = [
 ]
 
 
+#: ``auto`` takes at most two chunks here, as in the every-kind sweeps (test_lowering,
+#: test_replay, test_executor), whose schedules at these sizes it then shares: its default of
+#: four (seconds a solve at every size) is validated by test_fuzz_schedule and test_deps.
+AUTO_OPTS = {"chunks": 2}
+
+
 @pytest.mark.parametrize(("kind", "p", "m"), ODD_CASES)
 def test_every_kind_valid_for_small_and_odd_cases(kind, p, m):
     try:
-        sched = generate(kind, p, m)
+        sched = generated(kind, p, m, **(AUTO_OPTS if kind == "auto" else {}))
     except ValueError as exc:  # a documented precondition: the message must say what to change
         assert str(exc)
         return

@@ -75,11 +75,12 @@ def test_auto_beats_pytorch_interleaved_zero_bubble_at_its_peak():
     assert float(simulate(two, ISSUE.resolve(two.placement)).cost) == pytest.approx(34.0, 1e-12)
 
 
-def test_auto_with_one_chunk_is_zb_auto_or_better_and_deterministic():
+def test_auto_with_one_chunk_is_zb_auto_or_better():
+    """(Two runs giving equal schedules: test_time_budget_anytime_and_deterministic_without,
+    over three placements.)"""
     spec = CostSpec(F=1, B=1.5, W=0.7, comm=0.05)
     a = generate("auto", 3, 6, chunks=1, costs=spec, mem_limit=3)
-    b = generate("auto", 3, 6, chunks=1, costs=spec, mem_limit=3)
-    assert a == b and a.placement == (0, 1, 2)
+    assert a.placement == (0, 1, 2)
     z = zb_auto(3, 6, costs=spec, mem_limit=3)
     model = spec.resolve(a.placement)
     assert simulate(a, model).cost <= simulate(z, model).cost + 1e-12
@@ -140,7 +141,7 @@ def test_auto_errors():
 
 
 def test_cli_schedule_auto(tmp_path):
-    cmd = [sys.executable, "-m", "zerobubble.cli", "schedule", "auto", "-p", "4", "-m", "8"]
+    cmd = [sys.executable, "-m", "zerobubble.cli", "schedule", "auto", "-p", "2", "-m", "4"]
     cmd += ["--costs", "F=1,B=2,W=0.6,comm=0.1", "--mem-limit", "4", "--chunks", "2"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -335,12 +336,13 @@ def test_auto_keeps_within_the_layer_count():
 
 def test_time_budget_anytime_and_deterministic_without():
     """A budget of 0 stops after the first placement's first pass yet returns a valid
-    schedule within the limit; no budget (or one never reached) is the deterministic search."""
-    plain = generate("auto", 3, 6, costs=ISSUE)
+    schedule within the limit; no budget (or one never reached) is the deterministic search.
+    Two chunks at most (three placements) is enough for "past the first placement"."""
+    plain = generate("auto", 3, 6, chunks=2, costs=ISSUE)
     best = simulate(plain, ISSUE.resolve(plain.placement)).cost
     assert plain.num_stages > 3  # the search went past the first placement
-    assert generate("auto", 3, 6, costs=ISSUE, time_budget_s=1e6) == plain
-    rushed = generate("auto", 3, 6, costs=ISSUE, time_budget_s=0)
+    assert generate("auto", 3, 6, chunks=2, costs=ISSUE, time_budget_s=1e6) == plain
+    rushed = generate("auto", 3, 6, chunks=2, costs=ISSUE, time_budget_s=0)
     res = validate(rushed, mem_limit=3, costs=ISSUE.resolve(rushed.placement))
     assert max(res.peak_memory) <= 3
     assert rushed.num_stages == 3  # only looped-v1 was tried
