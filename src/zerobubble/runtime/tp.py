@@ -447,10 +447,10 @@ def _check_length(stage: int, tp: int, _m: nn.Module, args: tuple, kwargs: dict)
 
 
 def _shared_names(module: nn.Module) -> dict[int, list[str]]:
+    """Every name of each parameter of ``module`` (a tied one has several)."""
     names: dict[int, list[str]] = {}
-    for mod_name, m in module.named_modules(remove_duplicate=False):
-        for p_name, p in m.named_parameters(recurse=False):
-            names.setdefault(id(p), []).append(f"{mod_name}.{p_name}" if mod_name else p_name)
+    for name, p in _named_all(module):
+        names.setdefault(id(p), []).append(name)
     return names
 
 
@@ -489,6 +489,7 @@ def parallelize_stage(
 
 
 def _named_all(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` under every name, duplicates included."""
     return [
         (f"{mn}.{pn}" if mn else pn, p)
         for mn, m in module.named_modules(remove_duplicate=False)
