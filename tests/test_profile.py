@@ -14,11 +14,14 @@ from zerobubble.profile.balance import (
     stage_costs,
 )
 from zerobubble.profile.layers import profile_layers
-from zerobubble.profile.stages import message_latency, stage_profile
+from zerobubble.profile.costs_file import Profile
+from zerobubble.profile.stages import StageProfile, message_latency, stage_profile
 from zerobubble.profile.stats import OpStats
 from zerobubble.runtime.partition import stage_bounds
+from zerobubble.schedule.generators import generate
 from zerobubble.schedule.ir import Op
 from zerobubble.schedule.program import MsgKind
+from zerobubble.schedule.simulate import simulate
 from zerobubble.schedule.trace_format import EventOp, TraceEvent
 
 
@@ -119,3 +122,69 @@ def test_message_latency_is_what_a_waiting_receiver_paid_on_aligned_clocks():
     assert message_latency(events) == {0: OpStats.of([65 / 1e6, 65 / 1e6])}
     assert message_latency(events, events, skip_iterations=1)[0].n == 4  # runs add up
     assert message_latency(events, skip_iterations=2) == {}  # all warm-up
+
+
+def _stats(x: float) -> OpStats:
+    return OpStats(x, x, 1)
+
+
+def test_a_replay_of_the_profiled_runs_is_their_prediction_and_prices_each_run_by_its_ops():
+    """replay_model takes every op's time from the run it is given: replaying the profile's
+    own split run gives the cost model the planner predicts with, replaying its unsplit run
+    the fused one's durations (a BW costs the measured BW plus its host tail either way),
+    so each profiled schedule's replay is its prediction; a run at another pace (a V-shaped
+    one here, with B/W split on some stages and BW alone on others) is priced by its ops."""
+    none = (None, None, None)
+    split = StageProfile(
+        f=(_stats(3.0), _stats(4.0), _stats(5.0)),
+        b=(_stats(2.0), _stats(3.0), _stats(4.0)),
+        w=(_stats(1.0), _stats(2.0), _stats(1.5)),
+        bw=none,
+        mem_b=(10, 10, 10),
+        mem_w=(4, 4, 4),
+        host={"F": (0.5, 0.25, 0.0), "B": (0.5, 0.5, 0.5), "W": (0.25, 0.0, 0.0), "BW": none},
+    )
+    fused = StageProfile(
+        f=(_stats(2.5), _stats(3.5), _stats(4.5)),
+        b=none,
+        w=none,
+        bw=(_stats(2.75), _stats(4.5), _stats(5.0)),
+        mem_b=(10, 10, 10),
+        mem_w=none,
+        host={"F": (0.5, 0.5, 0.5), "B": none, "W": none, "BW": (0.75, 0.5, 0.25)},
+    )
+    prof = Profile(split, (0, 1, 2), ((0, _stats(0.5)), (1, _stats(0.5))), fused=fused)
+    for kind, run, model in (
+        ("zb-h1", split, prof.cost_model()),
+        ("1f1b", fused, prof.cost_model(fused=True)),
+    ):
+        sched = generate(kind, 3, 6)
+        replay = prof.replay_model(run)
+        assert simulate(sched, replay).makespan == simulate(sched, model).makespan
+        assert replay.comm == prof.comm == 0.5
+    assert prof.replay_model(split).f == (3.5, 4.25, 5.0)
+    assert prof.replay_model(split).b == (2.5, 3.5, 4.5)
+    assert prof.replay_model(split).w == (1.25, 2.0, 1.5)
+    assert prof.replay_model(fused).b == (3.5, 5.0, 5.25)  # BW and its tail, all on b
+    assert prof.replay_model(fused).w == (0.0, 0.0, 0.0)
+    # A run that split stage 1 only, twice as slow there: priced by its own ops.
+    mixed = StageProfile(
+        f=(_stats(2.5), _stats(8.0), _stats(4.5)),
+        b=(None, _stats(6.0), None),
+        w=(None, _stats(4.0), None),
+        bw=(_stats(2.75), None, _stats(5.0)),
+        mem_b=(10, 10, 10),
+        mem_w=(None, 4, None),
+        host={"F": (0.0,) * 3, "B": (None, 0.0, None), "W": (None, 0.0, None), "BW": (0.0,) * 3},
+    )
+    replay = prof.replay_model(mixed)
+    assert (replay.f, replay.b, replay.w) == ((2.5, 8.0, 4.5), (2.75, 6.0, 5.0), (0.0, 4.0, 0.0))
+    lopsided = StageProfile(
+        f=(_stats(1.0),), b=(None,), w=(None,), bw=(None,), mem_b=(1,), mem_w=(None,),
+        host={"F": (0.0,), "B": (None,), "W": (None,), "BW": (None,)},
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="the run has 1 stages, the profile 3"):
+        prof.replay_model(lopsided)
+    no_backward = StageProfile(**{**mixed.__dict__, "bw": (_stats(1.0), None, None)})
+    with pytest.raises(ValueError, match="no backward of stage 2"):
+        prof.replay_model(no_backward)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,9 @@ def test_train_profiles_plans_trains_and_writes_its_outputs(tmp_path, capfd):
     for title in ("stage profile", "stage balancing", "schedules (P=2, M=4", "idle time by cause"):
         assert title in text
     assert "trace check: OK" in text and "wall time" in text
+    # every schedule's pipeline step: measured / predicted / replayed from its own op times
+    assert "pipeline ms / pred. / replay" in text
+    assert len(re.findall(r"│ +\d+ / \d+ / \d+ │", text)) == 3
     spec = load_costs_file(out / "profile.json")
     assert spec.stage_costs.num_stages == 2 and spec.mem_limit > 0
     data = json.loads((out / "profile.json").read_text())

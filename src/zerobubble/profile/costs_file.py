@@ -161,6 +161,53 @@ class Profile:
             recompute=st.recompute,
         )
 
+    def replay_model(self, run: StageProfile) -> CostModel:
+        """The cost model with every op's time taken from ``run`` (the stage profile of one
+        measured run, e.g. one schedule's training steps) and the rest from this profile
+        (the latency :attr:`comm`; memory, which a makespan does not depend on).
+
+        A stage that ran split B and W takes them (a BW of that stage then costs their
+        sum); one that ran BW only takes ``b = BW``, ``w = 0``. Simulating the run's own
+        schedule with it *replays* the run: the prediction the profile would have made had
+        it been measured at the run's pace. A gap between prediction and measurement then
+        splits in two: prediction against replay is the machine's drift between the
+        phases (the same ops took longer or shorter), replay against measurement is what
+        the model does not charge (see docs/e2e.md, "Reading a prediction").
+        """
+        if run.num_stages != self.stages.num_stages:
+            raise ValueError(
+                f"the run has {run.num_stages} stages, the profile {self.stages.num_stages}"
+            )
+        f, b, w = [], [], []
+        host: dict[str, list[float]] = {"F": [], "B": [], "W": []}
+        for s in range(run.num_stages):
+            f.append(run.f[s].median + (run.host["F"][s] or 0.0))
+            host["F"].append(run.host["F"][s] or 0.0)
+            rb, rw, rbw = run.b[s], run.w[s], run.bw[s]
+            if rb is not None and rw is not None:
+                parts = (("B", rb), ("W", rw))
+            elif rbw is not None:
+                parts = (("BW", rbw),)
+            else:
+                raise ValueError(f"the run has no backward of stage {s} (neither B and W nor BW)")
+            times = {op: st.median + (run.host[op][s] or 0.0) for op, st in parts}
+            tails = {op: run.host[op][s] or 0.0 for op, _ in parts}
+            b.append(times.get("B", times.get("BW", 0.0)))
+            w.append(times.get("W", 0.0))
+            host["B"].append(tails.get("B", tails.get("BW", 0.0)))
+            host["W"].append(tails.get("W", 0.0))
+        st = self.stages
+        return CostModel.per_stage(
+            f=f,
+            b=b,
+            w=w,
+            comm=self.comm,
+            mem_f=list(st.mem_b),
+            mem_w=[m if m is not None else 0 for m in st.mem_w],
+            recompute=st.recompute,
+            host=host,
+        )
+
     def _split(self) -> tuple[tuple[OpStats, ...], tuple[OpStats, ...]]:
         """B and W of every stage; the planners need both passes measured."""
         st = self.stages

@@ -226,7 +226,8 @@ def _schedule_table(result: JobResult, con: Console) -> None:
     table = Table(
         title=f"schedules (P={cfg.schedule.devices}, M={cfg.schedule.microbatches}; "
         f"median of {cfg.job.steps} steps "
-        f"each, taking turns; pred. = simulated from the profile{_recompute_note(result)})",
+        f"each, taking turns; pred. = simulated from the profile{_recompute_note(result)}; "
+        "replay = simulated from these steps' own op times)",
         title_justify="left",
     )
     cols = (
@@ -234,24 +235,21 @@ def _schedule_table(result: JobResult, con: Console) -> None:
         "step ms",
         "min-max",
         "tokens/s",
-        "bubble",
-        "pred. bubble",
-        "pipeline ms",
-        "pred. ms",
+        "bubble / pred.",
+        "pipeline ms / pred. / replay",
         "act. peak MiB",
     )
     for col in cols:
         table.add_column(col, justify="left" if col == "schedule" else "right", no_wrap=True)
     for ph in result.phases:
+        replay = "-" if ph.replayed_ms is None else f"{ph.replayed_ms:.0f}"
         table.add_row(
             _label(ph),
             f"{ph.step_time * 1e3:.0f}",
             f"{min(ph.step_s) * 1e3:.0f}-{max(ph.step_s) * 1e3:.0f}",
             f"{cfg.tokens_per_step / ph.step_time:,.0f}",
-            f"{ph.bubble_rate:.1%}",
-            f"{ph.predicted_bubble_rate:.1%}",
-            f"{ph.pipe_time * 1e3:.0f}",
-            f"{ph.predicted_ms:.0f}",
+            f"{ph.bubble_rate:.1%} / {ph.predicted_bubble_rate:.1%}",
+            f"{ph.pipe_time * 1e3:.0f} / {ph.predicted_ms:.0f} / {replay}",
             f"{ph.peak_memory / MIB:.2f}",
         )
     con.print(table)

@@ -156,6 +156,10 @@ class PhaseResult(MeasuredSteps):
     """The schedule simulated with the measured profile (times in ms)."""
     fixed_ms: float = 0.0
     """The step's measured time outside its compute window, added to the prediction."""
+    replayed: SimResult | None = None
+    """The schedule simulated with the op times of these very steps
+    (:meth:`~zerobubble.profile.costs_file.Profile.replay_model`); None for a schedule of
+    sequence segments or overlapped pairs, whose ops the stage profile does not separate."""
 
     @property
     def bubble_rate(self) -> float:
@@ -184,6 +188,14 @@ class PhaseResult(MeasuredSteps):
         """The host time that delayed the simulated actions, summed over devices (ms per
         iteration): the measured "overhead"'s definition (see ``SimResult.overhead``)."""
         return sum(float(h) for h in self.predicted.overhead)
+
+    @property
+    def replayed_ms(self) -> float | None:
+        """The replayed pipeline step: what the prediction would have been at the pace these
+        steps ran (same fixed time per step); None where there is no replay."""
+        if self.replayed is None:
+            return None
+        return float(self.replayed.makespan) + self.fixed_ms
 
     def idle_ms(self) -> dict[str, float]:
         """Idle time by cause, summed over devices, median over measured iterations."""
@@ -861,13 +873,23 @@ def _report(
 
 def _analyze(ph: _Phase, profile: Profile, mem_limit: int) -> PhaseResult:
     """Figures of the measured iterations; the prediction simulates the schedule as it
-    ran with the profile (see :func:`executed_costs`)."""
+    ran with the profile (see :func:`executed_costs`), the replay with these iterations'
+    own op times."""
     iters = sorted({e.iteration for e in ph.events if e.iteration >= ph.measure_from})
     bubbles = tuple(
         analyze_iteration(ph.events, k, mem_budget=mem_limit, overlaps=ph.pipe.schedule.overlaps)
         for k in iters
     )
     ran = ph.pipe.schedule
+    replayed = None
+    if ran.segments == 1 and not ran.overlaps:
+        run = stage_profile(
+            ph.events,
+            ran.num_stages,
+            skip_iterations=ph.measure_from,
+            recompute=profile.stages.recompute,
+        )
+        replayed = simulate(ran, profile.replay_model(run))
     return PhaseResult(
         ph.name,
         ran,
@@ -878,4 +900,5 @@ def _analyze(ph: _Phase, profile: Profile, mem_limit: int) -> PhaseResult:
         bubbles,
         simulate(ran, executed_costs(profile, ran)),
         profile.step_fixed_ms,
+        replayed,
     )
