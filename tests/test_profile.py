@@ -13,8 +13,8 @@ from zerobubble.profile.balance import (
     imbalance,
     stage_costs,
 )
-from zerobubble.profile.layers import profile_layers
 from zerobubble.profile.costs_file import Profile
+from zerobubble.profile.layers import profile_layers
 from zerobubble.profile.stages import StageProfile, message_latency, stage_profile
 from zerobubble.profile.stats import OpStats
 from zerobubble.runtime.partition import stage_bounds

@@ -13,7 +13,12 @@ from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.profile.layers import LayerProfile, profile_layers
 from zerobubble.profile.stats import OpStats
 from zerobubble.runtime.chunk import StageChunk
-from zerobubble.runtime.split import WeightGradStore, enable_bw_split, split_share
+from zerobubble.runtime.split import (
+    SplitShareWarning,
+    WeightGradStore,
+    enable_bw_split,
+    split_share,
+)
 
 
 class _BigOwnWeight(nn.Module):
@@ -41,7 +46,7 @@ def test_split_share_counts_parameter_elements_exactly() -> None:
 
 
 def test_a_stage_deferring_less_than_half_warns_once_naming_the_modules_and_the_fix() -> None:
-    with pytest.warns(UserWarning) as record:
+    with pytest.warns(SplitShareWarning) as record:
         chunk = StageChunk(_BigOwnWeight(), 1, 3)
     assert len(record) == 1
     message = str(record[0].message)
@@ -89,6 +94,17 @@ def test_a_graph_split_that_falls_back_to_b_is_counted_and_warned_at_its_first_f
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         chunk.forward(1, x)  # once per chunk
+
+
+def test_the_layer_profile_does_not_warn_about_a_layer_with_nothing_to_split() -> None:
+    """A layer profiled alone is not a pipeline stage: a norm there defers nothing, and the
+    stage warning would name a "stage" the user never made."""
+    layers = [nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        profile_layers(layers, F.mse_loss, torch.randn(5, 8), torch.randn(5, 4), iters=1)
+    with pytest.warns(SplitShareWarning, match="stage 1: only 0% of the weight-gradient"):
+        StageChunk(nn.LayerNorm(8), 1, 3)
 
 
 def test_layer_profile_reports_the_deferred_shares() -> None:

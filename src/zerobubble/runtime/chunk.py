@@ -49,6 +49,7 @@ from zerobubble.runtime.shapes import map_tensors, tensor_leaves
 from zerobubble.runtime.split import (
     SplitRules,
     SplitShare,
+    SplitShareWarning,
     WeightGradStore,
     enable_bw_split,
     is_split,
@@ -207,7 +208,7 @@ class StageChunk:
         message = None if self.split_share is None else self.split_share.warning(stage)
         self._warned = message is not None
         if message is not None:
-            warnings.warn(message, stacklevel=2)
+            warnings.warn(message, SplitShareWarning, stacklevel=2)
         self._graph_splits = [
             g for m in self.module.modules() if (g := GraphSplit.of(m)) is not None
         ]
@@ -440,7 +441,7 @@ class StageChunk:
         message = self.split_share.warning(self.stage)
         if message is not None and not self._warned:
             self._warned = True
-            warnings.warn(message, stacklevel=3)
+            warnings.warn(message, SplitShareWarning, stacklevel=3)
 
     def _copied_value(self, args: tuple, kw: dict, target: Any, num_items: Any) -> Any:
         """:meth:`_value` on copies of the module's input tensors (what "stage" replays)."""

@@ -44,6 +44,7 @@ __all__ = [
     "SplitRule",
     "SplitRules",
     "SplitShare",
+    "SplitShareWarning",
     "enable_bw_split",
     "is_split",
     "split_share",
@@ -325,6 +326,12 @@ class SplitShare:
             "StageChunk(split_rules=...)), keep enable_bw_split's graph-level fallback on, or "
             "use a schedule without B/W split (1f1b)"
         )
+
+
+class SplitShareWarning(UserWarning):
+    """A split stage defers less than half of its weight-gradient work to W
+    (:meth:`SplitShare.warning`): a category of its own, so that code splitting single
+    layers on purpose (the layer profiler) can silence it alone."""
 
 
 def split_share(module: nn.Module) -> SplitShare:
