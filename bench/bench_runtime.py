@@ -1,7 +1,7 @@
 """Step time of our runtime against PyTorch's own pipelining runtime (prints JSON).
 
 Same small GPT, 2 CPU ranks with one thread each, M = 8 microbatches. Ours:
-1f1b, zb-h1, zb-h2, zbv through :class:`PipelineExecutor` (tracing off).
+1f1b, 1f1b-v, zb-h1, zb-h2, zbv through :class:`PipelineExecutor` (tracing off).
 PyTorch's: ``Schedule1F1B``, ``ScheduleInterleavedZeroBubble`` and
 ``ScheduleZBVZeroBubble`` over ``PipelineStage`` objects built from the very
 same layers and the same cut (equal transformer blocks per stage). Each entry is
@@ -10,6 +10,13 @@ between two barriers; configurations take turns step by step. ``cpu_ms`` is
 each rank's median process CPU time per step (compute plus communication
 threads): on a machine whose cores are shared, wall time also counts waiting
 for a core, and only a quiet machine shows the schedules' bubbles.
+
+``cpu_ratio`` divides per-rank CPU medians: each zero-bubble kind by the kind
+without B/W split on the same placement and cut (zb-h1, zb-h2 by 1f1b; zbv by
+``1f1b-v``, 1F1B on zbv's V placement), which is the split's cost, and 1f1b-v by
+1f1b, which is the V cut's: four stages of one block each instead of two of two,
+run interleaved, cost more on the same machine with no split at all (each stage's
+ops start on colder caches, and there are twice as many ops and messages).
 
 Ours run with the executor's defaults: a B immediately followed by its own W
 where no other device waits for it runs as one BW (stage 0 of zb-h1/zb-h2, the
@@ -60,7 +67,9 @@ P, M = 2, 8
 BATCH = 32
 SEQ_LEN = 128
 StepFn = Callable[[torch.Tensor, torch.Tensor], object]
-OURS = ("1f1b", "zb-h1", "zb-h2", "zbv")
+OURS = ("1f1b", "1f1b-v", "zb-h1", "zb-h2", "zbv")
+# Each zero-bubble kind -> the kind without B/W split on the same placement and cut.
+SAME_PLACEMENT = {"zb-h1": "1f1b", "zb-h2": "1f1b", "zbv": "1f1b-v"}
 # PyTorch class -> our kind with the same placement (for the layer cut).
 THEIRS = {
     "Schedule1F1B": "1f1b",
@@ -169,6 +178,7 @@ def main() -> None:
     for row, *others in zip(rows, *per_rank[1:], strict=True):
         row["cpu_ms"] = [row["cpu_ms"], *(o["cpu_ms"] for o in others)]
     med = {r["schedule"]: r["median_ms"] for r in rows}
+    cpu = {r["schedule"]: r["cpu_ms"] for r in rows if r["runtime"] == "zerobubble"}
     ours_zb = [med[k] for k in ("zb-h1", "zb-h2", "zbv")]
     torch_zb = [med["ScheduleInterleavedZeroBubble"], med["ScheduleZBVZeroBubble"]]
     cfg = gpt_config(args.seq_len)
@@ -183,6 +193,10 @@ def main() -> None:
             "warmup_steps": args.warmup,
         },
         "results": rows,
+        "cpu_ratio": {
+            f"{k}/{base}": [round(a / b, 3) for a, b in zip(cpu[k], cpu[base], strict=True)]
+            for k, base in (("1f1b-v", "1f1b"), *SAME_PLACEMENT.items())
+        },
         "goals": {
             "our_zb_faster_than_torch_zb": max(ours_zb) < min(torch_zb),
             "our_zb_not_slower_than_our_1f1b": max(ours_zb) <= med["1f1b"],
