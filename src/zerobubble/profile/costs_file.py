@@ -184,6 +184,7 @@ class Profile:
             f.append(run.f[s].median + (run.host["F"][s] or 0.0))
             host["F"].append(run.host["F"][s] or 0.0)
             rb, rw, rbw = run.b[s], run.w[s], run.bw[s]
+            parts: tuple[tuple[str, OpStats], ...]
             if rb is not None and rw is not None:
                 parts = (("B", rb), ("W", rw))
             elif rbw is not None:
