@@ -36,7 +36,8 @@ after every step. Each phase's executor seeds its stages' random ops (dropout) p
 (step, stage, microbatch) from its own seed; ``losses.json`` records, per step,
 the phase, the executor's step number, that seed and the exact loss, which is what
 a single-process reference needs to reproduce the run.
-Warm-up steps are excluded from every figure.
+Warm-up steps are excluded from every figure. Python's cyclic garbage collector runs
+between steps, never inside one (:mod:`zerobubble.train.collect`).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ from zerobubble.schedule.simulate import SimResult, simulate
 from zerobubble.schedule.trace_check import TraceReport, check_trace
 from zerobubble.schedule.trace_format import TraceEvent, write_chrome_trace, write_jsonl
 from zerobubble.schedule.validate import validate
+from zerobubble.train.collect import StepCollector, collect_between_steps
 from zerobubble.train.config import TORCH_PROFILE_ACTIVE, TORCH_PROFILE_WARMUP, TrainConfig
 from zerobubble.train.models import JobModel, build_job_model
 from zerobubble.train.trials import (
@@ -287,6 +289,8 @@ class _Ctx:
     step_index: int = 0
     phases_made: int = 0
     steps: list[StepRecord] = field(default_factory=list)
+    collector: StepCollector = field(default_factory=StepCollector)
+    """Collects Python's garbage before each step (see :mod:`zerobubble.train.collect`)."""
 
     @property
     def lead(self) -> bool:
@@ -334,7 +338,8 @@ def run_job(cfg: TrainConfig, reporter: Reporter | None = None) -> JobResult | N
         reporter,
     )
     try:
-        return _run(ctx, began)
+        with collect_between_steps() as ctx.collector:
+            return _run(ctx, began)
     finally:
         if ctx.lead and reporter is not None:
             reporter.close()
@@ -564,6 +569,7 @@ def _measure_cut(ctx: _Ctx, layers: list[nn.Module], cut: tuple[int, ...]) -> tu
     gen = torch.Generator().manual_seed(cfg.job.seed + 2)
     for _ in range(cfg.job.warmup + 2):
         args, y = model.batch(cfg.batch_size, gen, False)
+        ctx.collector.boundary()
         pipe.step(*args, target=y)  # no optimizer: gradients accumulate on the copy
     events = gather_traces(pipe.executor.trace)
     if events is None:
@@ -654,6 +660,7 @@ def _step(ctx: _Ctx, ph: _Phase, *, record: bool, note: str, longest: bool = Fal
     pipe = ph.pipe.executor
     args, y = ctx.batch(longest)
     iteration = pipe.iteration
+    ctx.collector.boundary()  # outside the step, and on every rank before the barrier
     dist.barrier()
     t0, t0_ns = time.perf_counter(), pipe.trace.now()
     losses = ph.pipe.step(*args, target=y)  # the pipeline, then the optimizer step
