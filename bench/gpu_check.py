@@ -185,12 +185,7 @@ def cost(d: int, seq: int, repeats: int, device: torch.device) -> dict[str, obje
     tracked.backward_input(0, gy)
     held_b = tracked.held_bytes()
     tracked.backward_weight(0)
-    runs: dict[str, list[float]] = {"F": [], "fused": [], "B": [], "W": [], "BW": []}
-
-    def b_then_w(mb: int) -> None:
-        chunk.backward_input(mb, gy)
-        chunk.backward_weight(mb)
-
+    runs: dict[str, list[float]] = {"F": [], "fused": [], "B": [], "W": []}
     for i in range(repeats + 1):
         xi = x.detach().requires_grad_(True)
         out = plain(xi)
@@ -198,13 +193,10 @@ def cost(d: int, seq: int, repeats: int, device: torch.device) -> dict[str, obje
         t_f = _timed(device, lambda: chunk.forward(i, x))  # noqa: B023
         t_b = _timed(device, lambda: chunk.backward_input(i, gy))  # noqa: B023
         t_w = _timed(device, lambda: chunk.backward_weight(i))  # noqa: B023
-        chunk.forward(i, x)
-        t_bw = _timed(device, lambda: b_then_w(i))  # noqa: B023
         for p in (*plain.parameters(), *chunk.module.parameters()):
             p.grad = None
         if i:  # the first run warms up
-            times = (t_f, t_fused, t_b, t_w, t_bw)
-            for key, t in zip(("F", "fused", "B", "W", "BW"), times, strict=True):
+            for key, t in zip(("F", "fused", "B", "W"), (t_f, t_fused, t_b, t_w), strict=True):
                 runs[key].append(1e3 * t)
     med = {k: statistics.median(v) for k, v in runs.items()}
     return {
@@ -215,11 +207,6 @@ def cost(d: int, seq: int, repeats: int, device: torch.device) -> dict[str, obje
         "t_B_ms": round(med["B"], 3),
         "t_W_ms": round(med["W"], 3),
         "time_ratio": round((med["B"] + med["W"]) / med["fused"], 3),
-        # B then W with no synchronisation between them, as a schedule issues them when
-        # W directly follows B: on a launch-bound device, time_ratio also counts the
-        # idle device at the start of W that one synchronisation more causes.
-        "t_BW_ms": round(med["BW"], 3),
-        "bw_ratio": round(med["BW"] / med["fused"], 3),
         "held_after_F_bytes": held_f,
         "held_after_B_bytes": held_b,
         "memory_ratio": round(held_b / held_f, 3),
