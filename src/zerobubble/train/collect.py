@@ -15,37 +15,38 @@ garbage waits for the next boundary.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-from collections.abc import Iterator
 
 FULL_EVERY = 50
 """Steps between full collections (a young-generation one before every other step):
 cycles that survive into the oldest generation are freed this often."""
 
 
-@contextlib.contextmanager
-def collect_between_steps() -> Iterator[StepCollector]:
-    """Automatic collection off (and what exists now frozen) until the block ends, when
-    both are restored as they were; the block calls :meth:`StepCollector.boundary` before
-    each step."""
-    was_enabled = gc.isenabled()
-    gc.collect()
-    gc.freeze()
-    gc.disable()
-    try:
-        yield StepCollector()
-    finally:
-        gc.unfreeze()
-        if was_enabled:
-            gc.enable()
-
-
 class StepCollector:
-    """Counts the steps of one :func:`collect_between_steps` block."""
+    """A context manager: automatic collection off (and what exists on entry frozen)
+    inside the block, as it was after it; the block calls :meth:`boundary` before each
+    step. Objects someone else froze stay frozen (then this one freezes nothing)."""
 
     def __init__(self) -> None:
         self.steps = 0
+        """Boundaries collected so far: one per step run inside the block."""
+        self._was_enabled = True
+        self._froze = False
+
+    def __enter__(self) -> StepCollector:
+        self._was_enabled = gc.isenabled()
+        self._froze = gc.get_freeze_count() == 0
+        if self._froze:
+            gc.collect()
+            gc.freeze()
+        gc.disable()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._froze:
+            gc.unfreeze()
+        if self._was_enabled:
+            gc.enable()
 
     def boundary(self) -> int:
         """Collect before the next step: the young generations, or every

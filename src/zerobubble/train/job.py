@@ -86,7 +86,7 @@ from zerobubble.schedule.simulate import SimResult, simulate
 from zerobubble.schedule.trace_check import TraceReport, check_trace
 from zerobubble.schedule.trace_format import TraceEvent, write_chrome_trace, write_jsonl
 from zerobubble.schedule.validate import validate
-from zerobubble.train.collect import StepCollector, collect_between_steps
+from zerobubble.train.collect import StepCollector
 from zerobubble.train.config import TORCH_PROFILE_ACTIVE, TORCH_PROFILE_WARMUP, TrainConfig
 from zerobubble.train.models import JobModel, build_job_model
 from zerobubble.train.trials import (
@@ -249,6 +249,9 @@ class JobResult:
     trials: tuple[TrialResult, ...] = ()
     """The candidates tried before training, best prediction first (empty: the plan was
     taken on its prediction)."""
+    collections: int = 0
+    """Garbage collections rank 0 made between steps: one before every step it ran,
+    the layer cut's measuring steps included (none inside a step)."""
 
 
 def plan_schedule(
@@ -338,7 +341,7 @@ def run_job(cfg: TrainConfig, reporter: Reporter | None = None) -> JobResult | N
         reporter,
     )
     try:
-        with collect_between_steps() as ctx.collector:
+        with ctx.collector:
             return _run(ctx, began)
     finally:
         if ctx.lead and reporter is not None:
@@ -875,6 +878,7 @@ def _report(
         steps=steps,
         tied=ctx.tied_names,
         trials=trials,
+        collections=ctx.collector.steps,
     )
 
 
