@@ -194,6 +194,42 @@ def test_ranks_exit_when_the_launcher_is_killed(tmp_path, method):
     assert all(map(gone, pids)), f"ranks {pids} outlived their launcher"
 
 
+def abort_in_native_code_on_rank_one() -> None:
+    """Rank 1 dies of SIGABRT, as a heap check in native code kills a process."""
+    if int(os.environ["RANK"]) == 1:
+        os.abort()
+
+
+def test_a_rank_killed_by_a_fatal_signal_reports_its_python_stack():
+    with pytest.raises(LaunchError) as err:
+        launch(abort_in_native_code_on_rank_one, 2, timeout=60, grace=2.0)
+    (failure,) = [f for f in err.value.failures if f.rank == 1]
+    assert failure.exitcode == -6, str(err.value)
+    head, _, stack = failure.error.partition("\n")
+    assert head == "killed by signal SIGABRT; its Python stack when the signal arrived:"
+    assert "in abort_in_native_code_on_rank_one" in stack, stack
+    assert "Fatal Python error: Aborted" in stack, stack
+
+
+ABORT = """
+import os
+if os.environ["RANK"] == "1":
+    os.abort()
+"""
+
+
+def test_script_ranks_print_their_python_stack_on_a_fatal_signal(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(ABORT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env.pop("PYTHONFAULTHANDLER", None)
+    cmd = [sys.executable, "-m", "zerobubble.launch", "-n", "2", "--grace", "1", str(script)]
+    proc = subprocess.run(cmd, env=env, timeout=60, capture_output=True, text=True)
+    assert proc.returncode == 134, proc.stderr
+    assert "Fatal Python error: Aborted" in proc.stderr, proc.stderr
+    assert f'File "{script}", line 4 in <module>' in proc.stderr, proc.stderr
+
+
 def test_init_distributed_explains_a_missing_launcher(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(RuntimeError, match=r"RANK.*python -m zerobubble.launch -n P"):

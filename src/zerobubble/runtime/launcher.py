@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import functools
 import math
 import os
@@ -204,6 +205,8 @@ def _worker(
     progress_dir: str | None = None,
 ) -> None:
     os.environ.update(rank_env(rank, nprocs, port, progress_dir, agent_store=True))
+    if progress_dir is not None:  # a crash in native code leaves its Python stack here
+        faulthandler.enable(open(_fault_path(progress_dir, rank), "w"), all_threads=True)  # noqa: SIM115
     if "torch" in sys.modules:  # imported while unpickling fn, before OMP_NUM_THREADS was set
         sys.modules["torch"].set_num_threads(1)
     threading.Thread(target=_watch_parent, daemon=True).start()
@@ -327,7 +330,11 @@ def _launch(
     deaths.settle(failed, 1.0)  # the ranks that ended by themselves get their time stamped
     failed = _blame_order(failed, {r: procs[r].exitcode for r in failed}, deaths.at)
     failures = [
-        RankFailure(r, procs[r].exitcode, errors.get(r, _exit_text(procs[r].exitcode)))
+        RankFailure(
+            r,
+            procs[r].exitcode,
+            errors.get(r, _exit_text(procs[r].exitcode, _fault_path(marks, r))),
+        )
         for r in failed
     ]
     alive = [r for r, p in enumerate(procs) if p.exitcode is None]
@@ -408,10 +415,29 @@ def _stalled(
     )
 
 
-def _exit_text(code: int | None) -> str:
-    if code is not None and code < 0:
-        return f"killed by signal {signal.Signals(-code).name}"
-    return f"exited with code {code} without reporting an error"
+def _fault_path(progress_dir: str, rank: int) -> str:
+    """Where rank ``rank``'s :mod:`faulthandler` writes the Python stack of a fatal signal."""
+    return os.path.join(progress_dir, f"fault-{rank}.txt")
+
+
+_FAULT_CHARS = 6000
+"""At most this much of a rank's faulthandler output (its start) goes into its failure text."""
+
+
+def _exit_text(code: int | None, fault_path: str | None = None) -> str:
+    """How a rank that reported nothing ended; for a fatal signal (an abort or a segfault
+    in native code), with the Python stack :mod:`faulthandler` wrote when it arrived."""
+    if code is None or code >= 0:
+        return f"exited with code {code} without reporting an error"
+    text = f"killed by signal {signal.Signals(-code).name}"
+    stack = ""
+    if fault_path is not None:
+        with contextlib.suppress(OSError), open(fault_path, errors="replace") as f:
+            stack = f.read().strip()
+    if stack:
+        cut = "\n[...]" if len(stack) > _FAULT_CHARS else ""
+        text += f"; its Python stack when the signal arrived:\n{stack[:_FAULT_CHARS]}{cut}"
+    return text
 
 
 def _status_text(code: int) -> str:
@@ -464,6 +490,7 @@ def _run_script(
     procs = []
     for r in range(nprocs):
         env = {**os.environ, **rank_env(r, nprocs, port, marks, agent_store=True)}
+        env.setdefault("PYTHONFAULTHANDLER", "1")  # a crash in native code prints its stack
         procs.append(
             subprocess.Popen(
                 [sys.executable, script, *script_args],
