@@ -44,8 +44,10 @@ from zerobubble.schedule.trace_format import COMPUTE_OPS, TraceEvent, write_json
 from zerobubble.schedule.validate import validate
 from zerobubble.train.job import plan_schedule
 from zerobubble.train.trials import (
+    TrialResult,
     executed_costs,
     fastest,
+    overlapping,
     plan_candidates,
     predict_ms,
     segment_counts,
@@ -412,6 +414,19 @@ def test_profile_json_loads_as_costs_and_drives_the_planner(job, tmp_path):
     # Measured medians decide; equal medians go to the better prediction, then the earlier.
     assert fastest([(0.30, 10.0), (0.25, 12.0), (0.25, 11.0)]) == 2
     assert fastest([(0.25, 11.0), (0.25, 11.0)]) == 0
+
+
+def test_the_trial_names_candidates_it_could_not_tell_from_the_winner():
+    def tried(kind: str, steps: tuple[float, ...], chosen: bool = False) -> TrialResult:
+        return TrialResult(kind, 0.0, steps, steps, chosen)
+
+    won = tried("zb-h2", (0.20, 0.22), chosen=True)
+    apart = tried("zb-h1", (0.23, 0.25))  # slower on every step: told apart
+    inside = tried("auto", (0.19, 0.30))  # its range covers the winner's
+    touching = tried("1f1b", (0.22, 0.26))  # shares the winner's slowest step time
+    assert overlapping([won, apart, inside, touching]) == ("auto", "1f1b")
+    assert overlapping([apart, won]) == ()
+    assert overlapping([apart, inside]) == ()  # nothing chosen: nothing to compare with
 
 
 # ---- optimizer commits -----------------------------------------------------------------------

@@ -95,6 +95,7 @@ from zerobubble.train.trials import (
     TrialResult,
     executed_costs,
     fastest,
+    overlapping,
     plan_candidates,
     predict_ms,
 )
@@ -513,10 +514,17 @@ def _verify(
 
     results = _from_lead(ctx, measured)
     best = next(i for i, r in enumerate(results) if r.chosen)
+    close = overlapping(results)
     ctx.say(
         f"chose {candidates[best].kind} by measurement (median step: "
         + ", ".join(f"{r.kind} {r.step_time * 1e3:.0f} ms" for r in results)
         + ")"
+        + (
+            f"; its step range overlaps {', '.join(close)}'s: within the trial's noise at "
+            f"{cfg.job.trial_steps} steps each (more job.trial_steps would separate them)"
+            if close
+            else ""
+        )
     )
     winner = tried[best]
     return _Phase(candidates[best].kind, True, winner.pipe), results, candidates[best]

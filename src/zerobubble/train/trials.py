@@ -18,6 +18,7 @@ choice of k is made by measurement too.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from zerobubble.profile.costs_file import Profile
@@ -186,3 +187,15 @@ def fastest(trials: list[tuple[float, float]]) -> int:
     if not trials:
         raise ValueError("no trial to choose from")
     return min(range(len(trials)), key=lambda i: (trials[i][0], trials[i][1], i))
+
+
+def overlapping(results: Sequence[TrialResult]) -> tuple[str, ...]:
+    """The tried candidates whose measured step range (min to max) overlaps the chosen
+    one's: what the trial could not tell apart from the winner, at its number of steps."""
+    won = next((r for r in results if r.chosen), None)
+    if won is None:
+        return ()
+    lo, hi = min(won.step_s), max(won.step_s)
+    return tuple(
+        r.kind for r in results if not r.chosen and min(r.step_s) <= hi and max(r.step_s) >= lo
+    )
