@@ -46,7 +46,7 @@ import contextlib
 import json
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, TypeVar
@@ -520,7 +520,8 @@ def _verify(
         + ", ".join(f"{r.kind} {r.step_time * 1e3:.0f} ms" for r in results)
         + ")"
         + (
-            f"; its step range overlaps {', '.join(close)}'s: within the trial's noise at "
+            f"; the step range{'s' * (len(close) > 1)} of {_and(close)} overlap"
+            f"{'s' * (len(close) == 1)} its: within the trial's noise at "
             f"{cfg.job.trial_steps} steps each (more job.trial_steps would separate them)"
             if close
             else ""
@@ -528,6 +529,11 @@ def _verify(
     )
     winner = tried[best]
     return _Phase(candidates[best].kind, True, winner.pipe), results, candidates[best]
+
+
+def _and(names: Sequence[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 def _from_lead(ctx: _Ctx, make: Callable[[], T]) -> T:
