@@ -514,26 +514,28 @@ def _verify(
 
     results = _from_lead(ctx, measured)
     best = next(i for i, r in enumerate(results) if r.chosen)
-    close = overlapping(results)
     ctx.say(
         f"chose {candidates[best].kind} by measurement (median step: "
         + ", ".join(f"{r.kind} {r.step_time * 1e3:.0f} ms" for r in results)
         + ")"
-        + (
-            f"; the step range{'s' * (len(close) > 1)} of {_and(close)} overlap"
-            f"{'s' * (len(close) == 1)} its: within the trial's noise at "
-            f"{cfg.job.trial_steps} steps each (more job.trial_steps would separate them)"
-            if close
-            else ""
-        )
+        + _within_noise(overlapping(results), cfg.job.trial_steps)
     )
     winner = tried[best]
     return _Phase(candidates[best].kind, True, winner.pipe), results, candidates[best]
 
 
-def _and(names: Sequence[str]) -> str:
-    """``a``, ``a and b``, ``a, b and c``."""
-    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+def _within_noise(close: Sequence[str], steps: int) -> str:
+    """The "chose" line's note on the candidates the trial could not tell from the winner
+    (:func:`~zerobubble.train.trials.overlapping`); empty without any."""
+    if not close:
+        return ""
+    names = " and ".join([", ".join(close[:-1]), close[-1]] if len(close) > 1 else close)
+    ranges = "ranges" if len(close) > 1 else "range"
+    verb = "overlap" if len(close) > 1 else "overlaps"
+    return (
+        f"; the step {ranges} of {names} {verb} its: within the trial's noise at {steps} "
+        "steps each (more job.trial_steps would separate them)"
+    )
 
 
 def _from_lead(ctx: _Ctx, make: Callable[[], T]) -> T:
