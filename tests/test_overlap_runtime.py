@@ -61,15 +61,17 @@ def test_every_pair_becomes_one_instruction_with_its_receives_before_and_sends_a
 
 
 def test_a_replay_gate_inside_a_pair_is_refused_naming_the_pair():
-    """One stage, F0 F1 BW0 BW1 with F1 & BW0: the gate goes before the first backward,
-    which is the pair's."""
-    acts = (Action(F, 0, 0), Action(F, 0, 1), Action(BW, 0, 0), Action(BW, 0, 1))
-    sched = Schedule("gate", 1, 1, 2, (0,), (acts,), overlaps=((acts[1], acts[2]),))
+    """Two stages on one device, F(s0,mb1) & BW(s1,mb0): the gate goes before the first
+    backward, which is the pair's."""
+    a = Action
+    acts = (a(F, 0, 0), a(F, 1, 0), a(F, 0, 1), a(BW, 1, 0), a(BW, 0, 0), a(F, 1, 1))
+    acts += (a(BW, 1, 1), a(BW, 0, 1))
+    sched = Schedule("gate", 1, 2, 2, (0, 0), (acts,), overlaps=((acts[2], acts[3]),))
     assert build_programs(sched, ProgramPlan(protocol="checked"))
     with pytest.raises(ScheduleError) as err:
         build_programs(sched, ProgramPlan(protocol="speculative"))
     assert err.value.reason is Reason.OVERLAP
-    assert "F(s0,mb1) & BW(s0,mb0) on device 0 has 'replay gate" in str(err.value)
+    assert "F(s0,mb1) & BW(s1,mb0) on device 0 has 'replay gate" in str(err.value)
 
 
 # ---- bitwise as in sequence ---------------------------------------------------------------------

@@ -210,6 +210,8 @@ class PipelineExecutor:
         self.chunks: dict[int, StageChunk] = {}
         self.sharding: ShardedStages | None = None
         self._prepare(stages, loss_fn, tp_plan)
+        for chunk in self.chunks.values():  # a W's replayed draws wait for a running forward
+            chunk.store.rng_lock = self.rng.lock
         self.has_first = 0 in self.chunks
         self.has_last = self.schedule.num_stages - 1 in self.chunks
         self.reducer: GradReducer | None = None

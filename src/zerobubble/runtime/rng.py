@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -120,6 +121,10 @@ class StageRng:
         derive_seed(seed, 0, 0, 0)  # refuse a bad seed here, not at the first forward
         self._cpu = torch.Generator()
         self._acc = None if self.device.type == "cpu" else torch.Generator(self.device)
+        self.lock = threading.RLock()
+        """Held for a whole forward (:meth:`scope`): the default generators are the
+        process's, and an overlapped pair runs a forward beside a backward whose W may
+        replay a forward's draws (``WeightGradStore.rng_lock``)."""
 
     @contextmanager
     def scope(self, step: int, stage: int, mb: int) -> Iterator[None]:
@@ -128,5 +133,6 @@ class StageRng:
         The states they had before are restored on exit, so the caller's own random
         stream is not advanced by the stage's draws.
         """
-        with _seeded(derive_seed(self.seed, step, stage, mb), self.device, self._cpu, self._acc):
+        seed = derive_seed(self.seed, step, stage, mb)
+        with self.lock, _seeded(seed, self.device, self._cpu, self._acc):
             yield

@@ -207,3 +207,24 @@ def dependencies(
         producer(k, backward_op)
         for k in needs(action.op, action.stage, action.mb, num_stages, segments)
     )
+
+
+def pair_conflict(forward: Action, backward: Action) -> str | None:
+    """Why ``forward`` and ``backward`` may never run at once as an overlapped pair, or None.
+
+    The rule is the stage: a runtime runs a pair's halves on two threads, and the two
+    actions of one stage would share its module (a graph-level B/W split swaps the
+    module's parameters for the duration of a forward, and W re-runs that forward), its
+    weight-gradient store and its per-microbatch state. Two stages on one device (a V
+    placement's two chunks, an interleaved rank's chunks) share none of these, so such a
+    pair cannot race by construction. The other condition, that the backward not need
+    the forward, depends on the whole schedule (the validator's graph checks it).
+    """
+    if forward.stage == backward.stage:
+        return (
+            f"{forward} and {backward} are actions of one stage, whose module, "
+            "weight-gradient store and per-microbatch state two threads would then use at "
+            "once; pair an F with a backward of another stage on its device (a V "
+            "placement's other chunk), or run the two in sequence"
+        )
+    return None

@@ -29,7 +29,7 @@ class Reason(enum.StrEnum):
     COMM_ORDER = "comm_order"
     """Lowered programs disagree on the order of messages between two devices."""
     OVERLAP = "overlap"
-    """An overlapped F&B pair whose backward needs its forward's result."""
+    """An overlapped F&B pair of one stage, or whose backward needs its forward's result."""
 
 
 class ScheduleError(ValueError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from zerobubble.schedule.costs import CostModel, Number
+from zerobubble.schedule.deps import pair_conflict
 from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.graph import CODE, Columns, Graph, build_graph
 from zerobubble.schedule.ir import Action, Op, Schedule
@@ -68,10 +69,15 @@ def check_structure(schedule: Schedule) -> Graph:
 
 
 def _check_overlaps(schedule: Schedule, graph: Graph) -> None:
-    """An overlapped pair runs as one block: its backward may not need its forward (a need
-    through another device shows as a deadlock)."""
+    """An overlapped pair runs as one block, its halves at once: they are of two stages
+    (:func:`~zerobubble.schedule.deps.pair_conflict`) and its backward may not need its
+    forward (a need through another device shows as a deadlock)."""
     for f, b in schedule.overlaps:
         g, h = graph.index[f], graph.index[b]
+        conflict = None if g in graph.preds[h] else pair_conflict(f, b)
+        if conflict is not None:
+            d, i = graph.location(h)
+            raise ScheduleError(Reason.OVERLAP, conflict, device=d, position=i, action=b)
         if g in graph.preds[h]:
             d, i = graph.location(h)
             raise ScheduleError(

@@ -53,6 +53,24 @@ class _Replay(NamedTuple):
     rng: tuple[Tensor, Tensor | None]
     autocast: tuple[bool, torch.dtype, bool]
     """Enabled, dtype, cast cache enabled."""
+    device: torch.device
+    """Whose generator ``rng`` holds besides the CPU's."""
+    drew: bool = True
+    """Whether the forward drew from the default generators (known after it ran). A
+    replay of a forward that drew nothing leaves them alone: it draws nothing either."""
+
+
+def _rng_states(dev: torch.device) -> tuple[Tensor, Tensor | None]:
+    """The CPU's and ``dev``'s default generator states (None: ``dev`` is the CPU)."""
+    acc = None if dev.type == "cpu" else torch.get_device_module(dev.type).get_rng_state(dev)
+    return torch.get_rng_state(), acc
+
+
+def _set_rng_states(states: tuple[Tensor, Tensor | None], dev: torch.device) -> None:
+    cpu, acc = states
+    torch.set_rng_state(cpu)
+    if acc is not None:
+        torch.get_device_module(dev.type).set_rng_state(acc, dev)
 
 
 class GraphSplit:
@@ -118,20 +136,18 @@ class GraphSplit:
                 swapped.append((owner, name, original))
         flat = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
         dev = flat[0].device if flat else params[0].device
-        acc = None
-        if dev.type != "cpu":
-            acc = torch.get_device_module(dev.type).get_rng_state(dev)
         held_args, held_kwargs = _held_inputs(args, kwargs)
         replay = _Replay(
             held_args,
             held_kwargs,
             tuple((t, t._version) for t in flat),
-            (torch.get_rng_state(), acc),
+            _rng_states(dev),
             (
                 torch.is_autocast_enabled(dev.type),
                 torch.get_autocast_dtype(dev.type),
                 torch.is_autocast_cache_enabled(),
             ),
+            dev,
         )
         self._open.append((swapped, replay))
 
@@ -148,13 +164,21 @@ class GraphSplit:
         calls = self.store.recording
         if calls is not None:
             self.outputs_seen = max(self.outputs_seen, len(outs))
+        dev = replay.device
         if len(outs) != 1 or calls is None:
             self._rerun = True  # several outputs: plain autograd for this call
             try:
+                _set_rng_states(replay.rng, dev)  # the same draws again, as one call makes
                 with restored(module):
                     return module(*args, **kwargs)
             finally:
                 self._rerun = False
+        after = _rng_states(dev)
+        drew = not all(
+            a is b or (a is not None and b is not None and torch.equal(a, b))
+            for a, b in zip(replay.rng, after, strict=True)
+        )
+        replay = replay._replace(drew=drew)
         held = tuple(t for t, _ in replay.versions)
         calls.append(Call(held, output_node(outs[0]), _RECOMPUTE, (self, module, replay)))
         return None
@@ -221,12 +245,15 @@ def _recompute_calls(
         restored(module),
     ):
         for replay, _ in calls:
-            cpu_rng, acc_rng = replay.rng
-            devices = [] if acc_rng is None else [dev]
-            with torch.random.fork_rng(devices=devices, device_type=dev.type):
-                torch.set_rng_state(cpu_rng)
-                if acc_rng is not None:
-                    torch.get_device_module(dev.type).set_rng_state(acc_rng, dev)
+            if replay.drew:  # the generators are the rank's: see WeightGradStore.rng_lock
+                devices = [] if replay.rng[1] is None else [dev]
+                with (
+                    split.store.rng_lock,
+                    torch.random.fork_rng(devices=devices, device_type=dev.type),
+                ):
+                    _set_rng_states(replay.rng, dev)
+                    out = module(*replay.args, **replay.kwargs)
+            else:
                 out = module(*replay.args, **replay.kwargs)
             (y,) = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
             outs.append(y)

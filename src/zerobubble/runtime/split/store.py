@@ -21,10 +21,10 @@ out of order.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -264,6 +264,12 @@ class WeightGradStore:
         """Autocast's casts of grad-requiring leaves, shared by the split layers of the
         forward being recorded as autocast's cast cache shares them: ``id(source) ->
         (source, cast)`` (an entry keeps its source alive); None outside :meth:`record`."""
+        self.rng_lock: AbstractContextManager[Any] = nullcontext()
+        """Held while W replays a forward that drew from the default generators (the
+        graph-level split), which are the process's: the executor gives every store of a
+        rank the lock its forwards hold (:class:`~zerobubble.runtime.rng.StageRng`), so a
+        replay never moves a generator under a forward running at once (an overlapped pair's
+        other half). A reusable no-op outside an executor."""
         self._key: Key | None = None
         self._micro: dict[Key, _Micro] = {}
 

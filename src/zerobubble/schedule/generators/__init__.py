@@ -7,6 +7,7 @@ option a kind ignores gets an error instead of a silently different schedule.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import import_module
@@ -24,6 +25,7 @@ from zerobubble.schedule.passes import overlap_where_it_pays
 __all__ = [
     "GENERATORS",
     "Generator",
+    "NoPairWarning",
     "dualpipev",
     "generate",
     "gpipe",
@@ -233,6 +235,8 @@ def generate(
                 continue
             if key in ("max_stages", "overlap"):  # both applied to the result below
                 continue
+            if key == "mem_limit" and overlap:  # bounds the pairs the pass forms
+                continue
             raise ValueError(
                 f"schedule kind {kind!r} does not take option {key!r} "
                 f"(it takes: {', '.join(sorted(gen.options)) or 'no options'})"
@@ -241,7 +245,9 @@ def generate(
     sched = gen.fn(num_devices, num_microbatches, **kwargs)
     if overlap and "overlap" not in gen.options:  # pairs where they pay under the costs
         model = None if costs is None else costs.resolve(sched.placement, sched.segments)
-        sched = overlap_where_it_pays(sched, model)
+        sched = overlap_where_it_pays(sched, model, None if mem_limit is None else float(mem_limit))
+    if overlap and not sched.overlaps:
+        _no_pair(kind, sched, costs)
     if max_stages is not None and sched.num_stages > max_stages:
         raise ValueError(
             f"schedule kind {kind!r} makes {sched.num_stages} stages, more than "
@@ -249,3 +255,29 @@ def generate(
             "one stage per device, or 'auto' (which keeps within max_stages)"
         )
     return sched
+
+
+class NoPairWarning(UserWarning):
+    """``overlap=True`` formed no overlapped pair: the schedule runs every action alone."""
+
+
+def _no_pair(kind: str, sched: Schedule, costs: CostSpec | None) -> None:
+    """Say why ``overlap=True`` gave no pair: a ValueError where none can exist (one stage
+    per device: a pair needs two stages on a device), else a :class:`NoPairWarning`."""
+    if len(set(sched.placement)) == sched.num_stages:
+        raise ValueError(
+            f"schedule kind {kind!r} places one stage per device, and an overlapped pair is "
+            "an F and a backward of two different stages on one device; choose a kind with "
+            "several stages per device (dualpipev, zbv, interleaved-1f1b, auto) or drop overlap"
+        )
+    why = (
+        "no all-to-all cost was given (costs=..., a2a=X)"
+        if costs is None or not any(costs.resolve(sched.placement, sched.segments).a2a)
+        else "no candidate hid all-to-all without lengthening the step"
+    )
+    warnings.warn(
+        f"schedule kind {kind!r} with overlap=True formed no overlapped F&B pair: {why}; "
+        "every action runs alone",
+        NoPairWarning,
+        stacklevel=3,
+    )

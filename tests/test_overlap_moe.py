@@ -1,0 +1,206 @@
+"""Overlapped F&B pairs on every kind that takes them, under mixture-of-experts blocks, at P = 3.
+
+A pair's halves run at once on two threads. They are always of two stages (the validator
+refuses a pair of one stage: its module and weight-gradient store would be shared), so
+nothing of a stage is touched by two threads; the process's default random generators,
+which a forward seeds and a graph-level split's W replays, are held by one half at a time.
+
+Each case runs its paired step ``REPEATS`` times in one launch (a race shows only
+sometimes), once more with the pairs run in sequence by a hook, and is compared bitwise
+with :func:`~zerobubble.runtime.reference.reference_step` over the same microbatches:
+losses, loss terms and every gradient. Kinds with one stage per device refuse pairs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zerobubble
+from ranks import launch
+from zerobubble.models import mlp_loss
+from zerobubble.models.moe import build_moe_mlp
+from zerobubble.runtime.executor import ExecutorOptions
+from zerobubble.runtime.launcher import init_distributed
+from zerobubble.runtime.overlap import OverlapPair
+from zerobubble.runtime.reference import reference_step
+from zerobubble.schedule.costs import CostSpec
+from zerobubble.schedule.generators import generate
+from zerobubble.schedule.ir import Schedule
+
+P, M, REPEATS = 3, 6, 5
+A2A = CostSpec(a2a=1)  # the pass pairs where an all-to-all would hide
+
+
+def paired(kind: str) -> Schedule:
+    options = {"chunks": 2} if kind == "interleaved-1f1b" else {}
+    sched = generate(kind, P, M, overlap=True, costs=A2A, **options)
+    assert sched.overlaps and all(f.stage != b.stage for f, b in sched.overlaps)
+    return sched
+
+
+def in_sequence(pair: OverlapPair) -> None:
+    pair.run_forward()
+    pair.run_backward()
+
+
+# ---- the models ---------------------------------------------------------------------------------
+
+SIZES, E, K, T = (6, 8, 3), 4, 2, 3
+
+
+def our_moe(stages: int) -> nn.Sequential:
+    """A MoE block (with its balance term) on every stage but the two ends."""
+    return build_moe_mlp(
+        SIZES, hidden=16, num_experts=E, top_k=K, blocks=stages - 2, seed=0, balance=0.05
+    )
+
+
+def our_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(12, T, SIZES[0], generator=g), torch.randn(12, T, SIZES[2], generator=g)
+
+
+def hf_batch() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 256, (6, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0
+    return {"input_ids": ids, "attention_mask": mask}, ids.masked_fill(mask == 0, -100)
+
+
+def build(name: str, stages: int) -> tuple[list[nn.Module], object, tuple]:
+    """``(layers, loss_fn, (inputs, target))`` of model ``name`` cut for ``stages`` stages."""
+    if name == "ours":
+        return list(our_moe(stages)), mlp_loss, our_batch()
+    from zerobubble.interop import hf
+
+    model = hf.tiny_model(name, num_hidden_layers=stages - 2)
+    return hf.causal_lm_layers(model), hf.CausalLMLoss(model), hf_batch()
+
+
+# kind x model: a covering design (every kind, every model, each kind with two models)
+CASES = [
+    ("zbv", "hf-mixtral"),
+    ("zbv", "ours"),
+    ("dualpipev", "hf-deepseek-v3"),
+    ("dualpipev", "hf-qwen3-moe"),
+    ("interleaved-1f1b", "hf-mixtral"),
+    ("interleaved-1f1b", "hf-deepseek-v3"),
+]
+
+
+def run_cases(cases: list[tuple[str, str]]) -> dict:
+    init_distributed(timeout_s=120)
+    out: dict = {}
+    for kind, name in cases:
+        sched = paired(kind)
+        runs = []
+        for hook in [None] * REPEATS + [in_sequence]:
+            layers, loss_fn, (x, y) = build(name, sched.num_stages)
+            pipe = zerobubble.Pipeline(
+                layers, loss_fn, sched, options=ExecutorOptions(overlap_fn=hook)
+            )
+            terms: dict = {}
+            losses = pipe.step(x, target=y, terms=terms)
+            grads = {n: q.grad.clone() for n, q in pipe.named_parameters() if q.grad is not None}
+            runs.append((losses, terms, grads))
+        out[kind, name] = runs
+    torch.distributed.destroy_process_group()
+    return out
+
+
+@pytest.mark.bitwise
+def test_pairs_on_every_kind_are_bitwise_the_reference_every_time():
+    results = launch(run_cases, P, CASES, timeout=600)
+    for kind, name in CASES:
+        stages = paired(kind).num_stages
+        layers, loss_fn, (x, y) = build(name, stages)
+        want_terms: dict = {}
+        want_losses, want_grads = reference_step(layers, loss_fn, x, y, M, terms=want_terms)
+        for i in range(REPEATS + 1):
+            runs = [r[kind, name][i] for r in results]
+            last = [(losses, terms) for losses, terms, _ in runs if losses is not None]
+            assert len(last) == 1, (kind, name)
+            losses, terms = last[0]
+            assert all(map(torch.equal, losses, want_losses)), (kind, name, i)
+            assert terms.keys() == want_terms.keys()
+            for term, values in terms.items():
+                assert all(map(torch.equal, values, want_terms[term])), (kind, name, i, term)
+            grads = {n: g for _, _, gr in runs for n, g in gr.items()}
+            assert grads.keys() == {n for n, g in want_grads.items() if g is not None}
+            bad = [n for n, g in grads.items() if not torch.equal(g, want_grads[n])]
+            assert not bad, (kind, name, i, bad)
+
+
+@pytest.mark.parametrize("kind", ["zb-h1", "zb-h2", "1f1b"])
+def test_kinds_with_one_stage_per_device_refuse_pairs(kind):
+    with pytest.raises(ValueError, match="places one stage per device"):
+        generate(kind, P, M, overlap=True, costs=A2A)
+
+
+# ---- a forward's draws beside a W that replays draws -------------------------------------------
+
+
+class NoisyScale(nn.Module):
+    """A per-feature gain (a bare parameter: the B/W split gives the module its graph-level
+    split, whose W replays the forward) between two dropouts, with a long computation (which
+    releases the GIL) between the draws: a race on the generator would land there."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+        self.drop = nn.Dropout(0.5)
+        self.register_buffer("work", torch.ones(160, 160) / 160, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(x * self.gain)
+        w = self.work
+        for _ in range(6):
+            w = w @ self.work  # no effect on the output; the other thread runs meanwhile
+        return self.drop(h) + 0 * w.sum()
+
+
+def noisy_layers() -> list[nn.Module]:
+    torch.manual_seed(0)
+    out: list[nn.Module] = []
+    for _ in range(2 * P):
+        out += [nn.Linear(8, 8), NoisyScale(8)]
+    return out
+
+
+def noisy_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(12, 8, generator=g), torch.randn(12, 8, generator=g)
+
+
+def noisy_steps() -> list:
+    init_distributed(timeout_s=120)
+    sched = generate("dualpipev", P, M, overlap=True)
+    out = []
+    for _ in range(REPEATS):
+        pipe = zerobubble.Pipeline(noisy_layers(), mlp_loss, sched)
+        x, y = noisy_batch()
+        losses = pipe.step(x, target=y)
+        out.append((losses, {n: q.grad.clone() for n, q in pipe.named_parameters()}))
+    torch.distributed.destroy_process_group()
+    return out
+
+
+@pytest.mark.bitwise
+def test_a_forward_that_draws_beside_a_w_that_replays_draws_is_bitwise_the_reference():
+    """dualpipev's pairs put F (dropout) beside BW, whose W replays a graph-split module's
+    forward from its generator state: both use the process's default generator, which the
+    rank's forward holds, so the replay waits. Bitwise the reference, every run."""
+    results = launch(noisy_steps, P, timeout=300)
+    x, y = noisy_batch()
+    want_losses, want_grads = reference_step(
+        noisy_layers(), mlp_loss, x, target=y, microbatches=M, seed=0, num_stages=2 * P
+    )
+    for i in range(REPEATS):
+        losses = next(r[i][0] for r in results if r[i][0] is not None)
+        assert all(map(torch.equal, losses, want_losses)), i
+        grads = {n: g for r in results for n, g in r[i][1].items()}
+        assert grads.keys() == want_grads.keys()
+        assert all(torch.equal(g, want_grads[n]) for n, g in grads.items()), i
