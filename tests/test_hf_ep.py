@@ -1,17 +1,25 @@
-"""Hugging Face MoE experts (Mixtral, Qwen3-MoE) sharded over ep, as our MoE's are.
+"""Hugging Face MoE experts sharded over ep, as our MoE's are: every family of transformers'
+experts layout (use_experts_implementation), one grouped matmul per projection.
 
-In one process: at ep=1 :class:`ShardedExperts` is HF's experts module bitwise in the
-forward; the threaded reference (:func:`threaded_ep_reference_step`) is
-:func:`ep_reference_step` bitwise on our MoE. On 4 gloo ranks (pp=2 x dp=2 x ep=2) the
-tiny Mixtral (with its router loss) runs one step under zb-h1 and zbv and Qwen3-MoE under
-zbv; 2 ranks run pp=1 x ep=2 (1f1b). Losses and every gradient after the reduction are
+In one process: at ep=1 :class:`ShardedExperts` is HF's default grouped_mm experts bitwise
+(forward and every gradient) for nine families and the flags none of them has, and HF's
+eager loop within 1e-6; its B/W split is plain autograd bitwise with no graph-level split
+and the expert gradients deferred to W; what it cannot reproduce is refused, and experts
+outside the contract are found; the threaded reference (:func:`threaded_ep_reference_step`)
+is :func:`ep_reference_step` bitwise on our MoE. On 6 gloo ranks (pp=3 x dp=2 x ep=2)
+Mixtral, DeepSeek-V3, Qwen2-MoE, OLMoE and GPT-OSS run under dualpipev with overlapped
+pairs (5 times) and zb-h1: bitwise the threaded reference, 5 all-to-alls per microbatch and
+MoE layer (3 in F, 2 in B, none in W), and ep>1 refused for JetMoe's experts and for a
+model without experts. On 4 gloo ranks (pp=2 x dp=2 x ep=2) the tiny Mixtral (with its
+router loss) runs one step under zb-h1 and zbv, Qwen3-MoE under zbv and GPT-OSS under
+zb-h1; 2 ranks run pp=1 x ep=2 (1f1b). Losses and every gradient after the reduction are
 bitwise the threaded reference and equal between those runs (the schedule and the stage
 cuts do not change the arithmetic), and within 1e-5 of each tensor's largest magnitude
 of HF's own model run per replica on the same microbatches with the replicas' gradients
 summed (an expert's matmuls see both replicas' rows under ep, so that comparison is not
-bitwise). The clipping norm counts every expert row block once, bitwise
+bitwise). The clipping norm counts every expert row block once (biases included), bitwise
 ``get_total_norm`` of the layout's tensors; the whole HF state dict loads strictly and
-:func:`gather_hf_experts` gives it back; a checkpoint round-trips."""
+:func:`gather_hf_experts` gives it back; a checkpoint round-trips, one entry per row block."""
 
 from __future__ import annotations
 
@@ -42,7 +50,14 @@ from zerobubble.runtime.mesh import build_mesh
 
 M, LOCAL, LENGTH = 2, 4, 6
 TIMEOUT = 240.0
-CASES = [("hf-mixtral", "zb-h1"), ("hf-mixtral", "zbv"), ("hf-qwen3-moe", "zbv")]
+CASES = [
+    ("hf-mixtral", "zb-h1"),
+    ("hf-mixtral", "zbv"),
+    ("hf-qwen3-moe", "zbv"),
+    ("hf-gpt-oss", "zb-h1"),  # expert biases: deferred to W, summed over edp, normed in rows
+]
+#: The models whose norm, state dict and checkpoint ep_ranks checks, and in which step modes.
+STATE_CASES = {"hf-mixtral": ("sync", "conservative", "speculative"), "hf-gpt-oss": ("sync",)}
 
 
 def batch(dp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,9 +158,7 @@ def test_sharded_experts_at_ep1_are_hf_grouped_mm_bitwise_and_eager_within_round
     eager.experts.config._experts_implementation = "eager"
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 40, 32, generator=g)  # 240 (token, k) rows: torch.sort's own order
-    got, want, loop = (
-        run_block(m, x.clone().requires_grad_()) for m in (mine, block, eager)
-    )
+    got, want, loop = (run_block(m, x.clone().requires_grad_()) for m in (mine, block, eager))
     for out in (got, want, loop):
         out.square().sum().backward()
     assert torch.equal(got, want)
@@ -171,7 +184,9 @@ def split_step(module, x, store, recorded: bool):
             out = run_block(module, x)
         grads = store.backward(0, 0, out, torch.ones_like(out), [x, *params])
         gx = grads[0]
-        store.add_grads(0, 0, [(p, g) for p, g in zip(params, grads[1:], strict=True) if g is not None])
+        store.add_grads(
+            0, 0, [(p, g) for p, g in zip(params, grads[1:], strict=True) if g is not None]
+        )
     else:
         out = run_block(module, x)
         with store.capture(0, 0):
@@ -186,9 +201,7 @@ def split_step(module, x, store, recorded: bool):
 @pytest.mark.bitwise
 @pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "captured"])
 @pytest.mark.parametrize("name", ["hf-mixtral", "hf-gpt-oss", "hf-qwen2-moe"])
-def test_the_bw_split_of_sharded_experts_is_plain_autograd_bitwise_with_w_deferred(
-    name, recorded
-):
+def test_the_bw_split_of_sharded_experts_is_plain_autograd_bitwise_with_w_deferred(name, recorded):
     """A split ShardedExperts has no graph-level split (W would re-run its forward and its
     all-to-alls): its grouped matmuls record their calls, B computes the input gradients
     and W the expert weight (and GPT-OSS's bias) gradients, bitwise plain autograd."""
@@ -213,6 +226,57 @@ def test_the_bw_split_of_sharded_experts_is_plain_autograd_bitwise_with_w_deferr
     for (n, p), (_, q) in zip(block.named_parameters(), plain.named_parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), n
     assert store.in_flight() == {} and store.held_tensors() == []
+
+
+def with_flags(variant: str):
+    """OLMoE's experts module rebuilt with the layouts no shipped family has: a post-expert
+    norm (MuseSpark's flag), no gate (``up_proj`` and ``act_fn``, Nemotron-H's), and no gate
+    with transposed stacks and biases. HF's own grouped_mm reads the flags at run time."""
+    experts = hf.tiny_model("hf-olmoe").model.layers[0].mlp.experts
+    g = torch.Generator().manual_seed(7)
+    if variant == "post_norm":
+        experts.has_post_expert_norm = True
+        experts.post_expert_norm = torch.nn.RMSNorm(32)
+        with torch.no_grad():
+            experts.post_expert_norm.weight.copy_(torch.rand(32, generator=g) + 0.5)
+        return experts
+    transposed = variant == "no_gate_transposed_bias"
+    del experts.gate_up_proj
+    experts.has_gate, experts.is_transposed = False, transposed
+    shapes = ((4, 32, 16), (4, 16, 32)) if transposed else ((4, 16, 32), (4, 32, 16))
+    experts.up_proj = torch.nn.Parameter(torch.randn(shapes[0], generator=g) * 0.2)
+    experts.down_proj = torch.nn.Parameter(torch.randn(shapes[1], generator=g) * 0.2)
+    if transposed:
+        experts.has_bias = True
+        experts.up_proj_bias = torch.nn.Parameter(torch.randn(4, 16, generator=g))
+        experts.down_proj_bias = torch.nn.Parameter(torch.randn(4, 32, generator=g))
+    return experts
+
+
+@pytest.mark.bitwise
+@pytest.mark.parametrize("variant", ["post_norm", "no_gate", "no_gate_transposed_bias"])
+def test_sharded_experts_follow_the_other_layout_flags_bitwise(variant):
+    """The post-expert norm runs on the returned rows (row-wise, its weight dense); without
+    a gate ``act_fn`` follows ``up_proj``; transposed stacks and biases as GPT-OSS's."""
+    experts = with_flags(variant)
+    mine = ShardedExperts(experts, ExpertGroup())
+    assert [n for n, _ in mine.named_parameters()] == [n for n, _ in experts.named_parameters()]
+    assert [is_expert(p) for p in mine.parameters()] == [
+        not n.startswith("post_expert_norm") for n, _ in mine.named_parameters()
+    ]
+    g = torch.Generator().manual_seed(8)
+    hidden = torch.randn(60, 32, generator=g)
+    index = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(60)])
+    weights = torch.rand(60, 2, generator=g)
+    outs, grads = [], []
+    for m in (experts, mine):
+        h, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = m(h, index, w)
+        out.square().sum().backward()
+        outs.append(out)
+        grads.append([h.grad, w.grad, *(p.grad for p in m.parameters())])
+    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
 def test_sharded_experts_refuse_what_they_cannot_reproduce():
@@ -333,17 +397,13 @@ def one_step(mesh, name: str, kind: str) -> dict:
     }
 
 
-def ep_ranks(tmp: str) -> dict:
-    init_distributed(timeout_s=120)
-    mesh = build_mesh(2, 2, ep=2)
-    out: dict = {"ep_rank": mesh.ep_rank, "dp_rank": mesh.dp_rank, "pp_rank": mesh.pp_rank}
-    for name, kind in CASES:
-        out[(name, kind)] = one_step(mesh, name, kind)
-    # The clipping norm: one step of a trainer (plain SGD, lr 0) on the zb-h1 pipeline, in
-    # each step mode (post-validation passes the norm slots along the pipeline).
-    out["norm"] = []
-    for mode in ("sync", "conservative", "speculative"):
-        model = hf.tiny_model("hf-mixtral")
+def state_checks(mesh, name: str, modes: tuple[str, ...], tmp: str) -> dict:
+    """The clipping norm of one trainer step (plain SGD, lr 0) on the zb-h1 pipeline in each
+    step mode (post-validation passes the norm slots along the pipeline); the whole HF state
+    dict loaded strictly, gathered back, and a checkpoint round trip: the names that differ."""
+    out: dict = {"norm": []}
+    for mode in modes:
+        model = hf.tiny_model(name)
         pipe = zerobubble.Pipeline(
             hf.causal_lm_layers(model), hf.CausalLMLoss(model), "zb-h1", microbatches=M, mesh=mesh
         )
@@ -357,7 +417,7 @@ def ep_ranks(tmp: str) -> dict:
         assert trainer.last_commit is not None
         out["norm"].append(float(trainer.last_commit.total_norm))
     # The whole HF state dict loads strictly (each rank keeps its rows of the experts).
-    other = hf.tiny_model("hf-mixtral", seed=1)
+    other = hf.tiny_model(name, seed=1)
     pipe.load_state_dict(other.state_dict())
     whole = other.state_dict()
     bad = []
@@ -379,6 +439,30 @@ def ep_ranks(tmp: str) -> dict:
             p.zero_()
     load_checkpoint(trainer, tmp, mesh=mesh)
     out["restored"] = [n for n, p in pipe.named_parameters() if not torch.equal(p, saved[n])]
+    return out
+
+
+def checkpoint_keys(path: str) -> list[str]:
+    """Every entry of the distributed checkpoints saved under ``path``."""
+    from pathlib import Path
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return [
+        k
+        for meta in Path(path).rglob(".metadata")
+        for k in FileSystemReader(str(meta.parent)).read_metadata().state_dict_metadata
+    ]
+
+
+def ep_ranks(tmp: str) -> dict:
+    init_distributed(timeout_s=120)
+    mesh = build_mesh(2, 2, ep=2)
+    out: dict = {"ep_rank": mesh.ep_rank, "dp_rank": mesh.dp_rank, "pp_rank": mesh.pp_rank}
+    for name, kind in CASES:
+        out[(name, kind)] = one_step(mesh, name, kind)
+    for name, modes in STATE_CASES.items():
+        out[("state", name)] = state_checks(mesh, name, modes, f"{tmp}/{name}")
     dist.destroy_process_group()
     return out
 
@@ -509,7 +593,19 @@ def test_hf_experts_on_pp2_ep2_are_bitwise_the_threaded_reference_and_close_to_h
         if r[("hf-mixtral", "zb-h1")]["losses"] is not None
     }
     for r in results:
-        assert r["loaded"] == [] and r["restored"] == [] and r["gathered"] == []
+        for name in STATE_CASES:
+            state = r[("state", name)]
+            assert state["loaded"] == [] and state["restored"] == [] and state["gathered"] == []
+        # the sharded tensors, biases included, are stored once per ep row block
+        keys = [k for k in checkpoint_keys(f"{tmp_path}/{name}") if ".experts." in k]
+        tensors = [n for n, _ in hf.tiny_model(name).model.layers[0].mlp.experts.named_parameters()]
+        blocks = {
+            (k.partition("@")[0].rpartition(".")[2], k.partition("@")[2])
+            for k in keys
+            if k.startswith("model.")
+        }
+        assert blocks == {(n, rows) for n in tensors for rows in ("rows0-2", "rows2-4")}, keys
+        assert all("@rows" in k for k in keys), keys
     for case in CASES:
         name, kind = case
         want_losses, want = refs[name]
@@ -533,7 +629,7 @@ def test_hf_experts_on_pp2_ep2_are_bitwise_the_threaded_reference_and_close_to_h
                 assert all(close(torch.from_numpy(a), b) for a, b in pairs)
                 losses = map(torch.from_numpy, got["losses"])
                 assert all(map(torch.equal, losses, exact_losses[r["dp_rank"]])), case
-                assert list(got["terms"]) == ["router_aux"]
+                assert list(got["terms"]) == (["router_aux"] if name != "hf-gpt-oss" else [])
                 if kind == "zbv" and name == "hf-mixtral":
                     assert all(
                         map(
@@ -559,16 +655,17 @@ def test_hf_experts_on_pp2_ep2_are_bitwise_the_threaded_reference_and_close_to_h
             assert torch.equal(torch.from_numpy(array), h1[(replica, n)]), n
         assert all(map(torch.equal, map(torch.from_numpy, step["losses"]), h1_losses[replica]))
     # the clipping norm: every expert row block once, in the unsharded model's order
-    grads = {}
-    for r in results:
-        for n, array in r[("hf-mixtral", "zb-h1")]["grads"].items():
-            shard = r[("hf-mixtral", "zb-h1")]["shard"][n]
-            grads[(n, None if shard is None else shard[0])] = torch.from_numpy(array)
-    order = []
-    for n, _ in hf.tiny_model("hf-mixtral").named_parameters():
-        order += [grads[(n, 0)], grads[(n, 2)]] if ".experts." in n else [grads[(n, None)]]
-    norm = float(torch.nn.utils.get_total_norm(order))
-    assert [r["norm"] for r in results] == [[norm] * 3] * 4
+    for name, modes in STATE_CASES.items():
+        grads = {}
+        for r in results:
+            for n, array in r[(name, "zb-h1")]["grads"].items():
+                shard = r[(name, "zb-h1")]["shard"][n]
+                grads[(n, None if shard is None else shard[0])] = torch.from_numpy(array)
+        order = []
+        for n, _ in hf.tiny_model(name).named_parameters():
+            order += [grads[(n, 0)], grads[(n, 2)]] if ".experts." in n else [grads[(n, None)]]
+        norm = float(torch.nn.utils.get_total_norm(order))
+        assert [r[("state", name)]["norm"] for r in results] == [[norm] * len(modes)] * 4, name
 
 
 # ---- pp3 x dp2 x ep2: every family, overlapped pairs, all-to-all counts ---------------------
@@ -753,6 +850,9 @@ def test_every_family_at_pp3_dp2_ep2_with_pairs_is_bitwise_the_threaded_referenc
             for n, shards in held.items():
                 assert shards == ({None} if ".experts." not in n else {(0, 2, 4), (2, 4, 4)}), n
     for r in results:
-        assert "stage 1: model.layers.0.mlp.input_linear (JetMoeParallelExperts) holds experts" in r["jetmoe"]
+        assert (
+            "stage 1: model.layers.0.mlp.input_linear (JetMoeParallelExperts) holds experts"
+            in r["jetmoe"]
+        )
         assert "model.layers.0.self_attention.experts (JetMoeMoA)" in r["jetmoe"]
         assert r["dense"].startswith("ep=2 but no stage of the model holds experts to shard")

@@ -96,9 +96,12 @@ class Pipeline:
             instead of the reduction of whole gradients. A mesh with ``ep > 1`` shards
             every :class:`~zerobubble.models.moe.MoE` layer's experts over its ep group
             (:func:`~zerobubble.models.moe.shard_experts`), and every Hugging Face
-            Mixtral / Qwen3-MoE experts module
-            (:func:`~zerobubble.interop.hf_experts.shard_hf_experts`): this rank keeps its
-            experts, whose gradients are summed over ``mesh.edp_group``. A mesh with
+            experts module of transformers' experts layout (Mixtral, DeepSeek-V3,
+            Qwen2/3-MoE, OLMoE, GPT-OSS, ...:
+            :func:`~zerobubble.interop.hf_experts.shard_hf_experts`): this rank keeps its
+            experts, whose gradients are summed over ``mesh.edp_group``. Experts it cannot
+            shard, or a model without experts, raise ValueError on every rank (``ep > 1``
+            never runs as plain data parallelism). A mesh with
             ``tp > 1`` (``build_mesh(pp, dp, tp=, sequence_parallel=)``) parallelizes every
             stage over its ``tp_mesh`` with ``tp_plan`` before the B/W split
             (:mod:`~zerobubble.runtime.tp`): the parameters, their gradients and the
@@ -190,8 +193,8 @@ class Pipeline:
         bounds = stage_bounds(len(keys), schedule.num_stages, boundaries)
         if mesh is not None and mesh.ep_size > 1:  # this rank keeps its experts
             timeout_s = (options or ExecutorOptions()).comm_timeout_s
-            names = {s: keys[bounds[s].start : bounds[s].stop] for s in stages}
-            _shard_experts(stages, names, ExpertGroup.of(mesh, timeout_s), group)
+            stage_keys = {s: keys[bounds[s].start : bounds[s].stop] for s in stages}
+            _shard_experts(stages, stage_keys, ExpertGroup.of(mesh, timeout_s), group)
         shared = self.shared = find_shared(layers, keys, bounds)
         tied = [tp.name for tp in shared if len(tp.local) > 1]
         if fsdp and tied:
@@ -439,7 +442,8 @@ class Pipeline:
         """This rank's part of the model's state dict, keyed as ``model.state_dict()`` is.
 
         A Hugging Face experts tensor sharded over ep (``...experts.gate_up_proj``,
-        ``down_proj``; :mod:`~zerobubble.interop.hf_experts`) keeps HF's name but holds only
+        ``down_proj``, their biases; :mod:`~zerobubble.interop.hf_experts`) keeps HF's name
+        but holds only
         this rank's rows ``(E / ep, ...)``
         (:func:`~zerobubble.interop.hf_experts.expert_shard` tells which): the whole tensor
         is the ep ranks' blocks concatenated in ep-rank order. With tensor parallelism
@@ -578,4 +582,3 @@ def _shard_experts(
             "transformers' experts modules): expert parallelism would run as plain data "
             "parallelism. Fix: build the mesh with ep=1"
         )
-

@@ -190,7 +190,10 @@ class ShardedExperts(SplitGrouped):
         self.local = num_experts // ep.size
         self.start = ep.rank * self.local
         self.is_transposed, self.has_bias = layout["is_transposed"], layout["has_bias"]
-        self.has_gate, self.has_post_expert_norm = layout["has_gate"], layout["has_post_expert_norm"]
+        self.has_gate, self.has_post_expert_norm = (
+            layout["has_gate"],
+            layout["has_post_expert_norm"],
+        )
         self.first = "gate_up_proj" if self.has_gate else "up_proj"
         rows = slice(self.start, self.start + self.local)
         for i, n in enumerate(names):
@@ -202,8 +205,8 @@ class ShardedExperts(SplitGrouped):
             self.register_parameter(n, p)
         if isinstance(act_fn, nn.Module):
             self.act_fn = act_fn
-        if self.has_post_expert_norm:
-            self.post_expert_norm = copy.deepcopy(norm)
+        if norm is not None and self.has_post_expert_norm:
+            self.post_expert_norm: nn.Module = copy.deepcopy(norm)
         # The class's own gate (``_apply_gate``, GPT-OSS's interleaved clamp among them) on a
         # copy of the module without its tensors: what the gate reads (alpha, limit, act_fn).
         gate = copy.copy(experts)
@@ -284,7 +287,8 @@ def unsharded_experts(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """Submodules that look like a MoE layer's experts yet hold no expert shard: named
     ``experts`` (what transformers and our MoE call them) or of a class named ``...Experts``,
     with parameters of which none is marked (:func:`~zerobubble.runtime.ep.is_expert`); the
-    outermost such module only. Under ``ep > 1`` such a module would silently run as plain data parallelism."""
+    outermost such module only. Under ``ep > 1`` such a module would silently run as plain
+    data parallelism."""
     out: list[tuple[str, nn.Module]] = []
     for name, m in module.named_modules():
         if any(name.startswith(f"{outer}.") for outer, _ in out):

@@ -43,9 +43,9 @@ def compile_between_splits(module: nn.Module, **compile_kwargs: Any) -> list[str
     Split layers stay eager and break the compiled graphs (their gradients keep
     the B/W split); a module holding a graph-level split is not compiled
     itself, its children are considered instead (so is one holding grouped experts);
-    split layers, graph-split modules and grouped experts are left as they are. ``compile_kwargs`` go to
-    ``torch.compile`` (``backend``, ``mode``, ``dynamic``, ...). Parameters and
-    state_dict keys are unchanged. Apply it after the split (e.g. to
+    split layers, graph-split modules and grouped experts are left as they are.
+    ``compile_kwargs`` go to ``torch.compile`` (``backend``, ``mode``, ``dynamic``, ...).
+    Parameters and state_dict keys are unchanged. Apply it after the split (e.g. to
     ``StageChunk.module``, or to blocks shared with the chunks): it needs to see
     which modules carry a graph-level split. Returns the names of the
     compiled modules (``""`` for ``module`` itself).

@@ -243,7 +243,7 @@ class _CapturedGrouped(torch.autograd.Function):
         ids: Tensor | None,
         how: tuple[WeightGradStore, tuple[Tensor, Tensor | None], bool, bool],
     ) -> Tensor:
-        store, params, transposed, native = how
+        transposed, native = how[2:]
         ctx.save_for_backward(x, weight, offs, ids)
         ctx.how = how
         out = _matmul(x, _operand(weight, transposed), offs, native)
@@ -326,4 +326,3 @@ class SplitGrouped(nn.Module):
         if not _current(alias, p):
             alias = self._aliases[name] = _alias(p)
         return alias
-
