@@ -256,7 +256,7 @@ def test_the_hf_llama_example_is_a_job_of_the_shipped_model():
     cfg = build_config(load_toml(example), devices=2)
     assert (cfg.model.name, cfg.model.num_hidden_layers, cfg.schedule.devices) == ("hf-llama", 4, 3)
     # Every shipped tiny config is a job model, but the mixtures of experts (docs/moe.md).
-    moe = {*hf.TINY_MOE_CONFIGS, *hf.TINY_BIAS_MOE_CONFIGS}
+    moe = {*hf.TINY_MOE_CONFIGS, *hf.TINY_BIAS_MOE_CONFIGS, *hf.TINY_CE_MOE_CONFIGS}
     assert tuple(n for n in hf_tiny_names() if n not in moe) == HF_MODELS
     assert moe <= set(hf_tiny_names())
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from zerobubble.interop.hf_experts import expert_shard, shard_hf_experts
+from zerobubble.interop.hf_experts import expert_shard, shard_hf_experts, unsharded_experts
 from zerobubble.models.moe import shard_experts
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.faults import FaultPlan
@@ -96,9 +96,12 @@ class Pipeline:
             instead of the reduction of whole gradients. A mesh with ``ep > 1`` shards
             every :class:`~zerobubble.models.moe.MoE` layer's experts over its ep group
             (:func:`~zerobubble.models.moe.shard_experts`), and every Hugging Face
-            Mixtral / Qwen3-MoE experts module
-            (:func:`~zerobubble.interop.hf_experts.shard_hf_experts`): this rank keeps its
-            experts, whose gradients are summed over ``mesh.edp_group``. A mesh with
+            experts module of transformers' experts layout (Mixtral, DeepSeek-V3,
+            Qwen2/3-MoE, OLMoE, GPT-OSS, ...:
+            :func:`~zerobubble.interop.hf_experts.shard_hf_experts`): this rank keeps its
+            experts, whose gradients are summed over ``mesh.edp_group``. Experts it cannot
+            shard, or a model without experts, raise ValueError on every rank (``ep > 1``
+            never runs as plain data parallelism). A mesh with
             ``tp > 1`` (``build_mesh(pp, dp, tp=, sequence_parallel=)``) parallelizes every
             stage over its ``tp_mesh`` with ``tp_plan`` before the B/W split
             (:mod:`~zerobubble.runtime.tp`): the parameters, their gradients and the
@@ -187,12 +190,11 @@ class Pipeline:
             device=device,
             copy_layers=copy_layers,
         )
+        bounds = stage_bounds(len(keys), schedule.num_stages, boundaries)
         if mesh is not None and mesh.ep_size > 1:  # this rank keeps its experts
             timeout_s = (options or ExecutorOptions()).comm_timeout_s
-            for m in stages.values():
-                ep = ExpertGroup.of(mesh, timeout_s)
-                shard_hf_experts(m, ep, first_run=shard_experts(m, ep))
-        bounds = stage_bounds(len(keys), schedule.num_stages, boundaries)
+            stage_keys = {s: keys[bounds[s].start : bounds[s].stop] for s in stages}
+            _shard_experts(stages, stage_keys, ExpertGroup.of(mesh, timeout_s), group)
         shared = self.shared = find_shared(layers, keys, bounds)
         tied = [tp.name for tp in shared if len(tp.local) > 1]
         if fsdp and tied:
@@ -440,7 +442,8 @@ class Pipeline:
         """This rank's part of the model's state dict, keyed as ``model.state_dict()`` is.
 
         A Hugging Face experts tensor sharded over ep (``...experts.gate_up_proj``,
-        ``down_proj``; :mod:`~zerobubble.interop.hf_experts`) keeps HF's name but holds only
+        ``down_proj``, their biases; :mod:`~zerobubble.interop.hf_experts`) keeps HF's name
+        but holds only
         this rank's rows ``(E / ep, ...)``
         (:func:`~zerobubble.interop.hf_experts.expert_shard` tells which): the whole tensor
         is the ep ranks' blocks concatenated in ep-rank order. With tensor parallelism
@@ -529,4 +532,53 @@ class Pipeline:
             + "; ".join(parts)
             + " (keys are the user's model's state_dict keys, e.g. '0.weight'; pass strict=False "
             "to load a partial state dict)"
+        )
+
+
+def _module_name(name: str, keys: Sequence[str], stage: nn.Module) -> str:
+    """A stage submodule's name in the user's model (as :func:`model_name` names its
+    parameters), else its name in the stage."""
+    try:  # model_name names tensors: name a stand-in one inside the module, then drop it
+        return model_name(f"{name}._", keys, stage if isinstance(stage, nn.Sequential) else ())[:-2]
+    except ValueError:
+        return name
+
+
+def _shard_experts(
+    stages: Mapping[int, nn.Module],
+    keys: Mapping[int, Sequence[str]],
+    ep: ExpertGroup,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Shard every stage's experts over ``ep`` (our :class:`~zerobubble.models.moe.MoE`
+    layers, then Hugging Face experts modules), or raise on every rank of the pipeline
+    ``group`` (a collective): ``ep > 1`` never runs as plain data parallelism. Refused: a
+    stage with an experts module that cannot be sharded or that nothing sharded (named with
+    its stage and its model name), and a pipeline whose stages hold no experts at all."""
+    problems: list[str] = []
+    sharded = 0
+    for s, m in stages.items():
+        try:
+            ours = shard_experts(m, ep)
+            sharded += ours + shard_hf_experts(m, ep, first_run=ours)
+        except ValueError as e:
+            problems.append(f"stage {s}: {e}")
+            continue
+        for name, left in unsharded_experts(m):
+            problems.append(
+                f"stage {s}: {_module_name(name, keys[s], m)} ({type(left).__name__}) holds "
+                "experts in neither our MoE's nor transformers' experts layout "
+                "(use_experts_implementation), so ep cannot shard them; build the mesh with ep=1 "
+                "(experts then stay whole, their gradients dp-reduced) or shard them by hand"
+            )
+    found: list[tuple[list[str], int] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(found, (problems, sharded), group=group)
+    everyone = [p for f in found if f is not None for p in f[0]]
+    if everyone:
+        raise ValueError(f"ep={ep.size}: " + "; ".join(everyone))
+    if not sum(f[1] for f in found if f is not None):
+        raise ValueError(
+            f"ep={ep.size} but no stage of the model holds experts to shard (our MoE layers or "
+            "transformers' experts modules): expert parallelism would run as plain data "
+            "parallelism. Fix: build the mesh with ep=1"
         )

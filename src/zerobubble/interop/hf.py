@@ -29,6 +29,7 @@ from zerobubble.runtime.loss_terms import collect_loss_terms
 
 __all__ = [
     "TINY_BIAS_MOE_CONFIGS",
+    "TINY_CE_MOE_CONFIGS",
     "TINY_CONFIGS",
     "TINY_MOE_CONFIGS",
     "CausalLMLoss",
@@ -49,6 +50,12 @@ TINY_MOE_CONFIGS = ("hf-mixtral", "hf-qwen3-moe")
 #: A tiny DeepSeek-V3 (shared and routed experts, sigmoid routing balanced by a bias, not a
 #: loss): its loss is cross-entropy alone.
 TINY_BIAS_MOE_CONFIGS = ("hf-deepseek-v3",)
+
+#: Tiny mixtures of experts built with ``output_router_logits=False`` (their loss is
+#: cross-entropy alone), for expert parallelism across families: OLMoE, Qwen2-MoE (a gated
+#: shared expert) and GPT-OSS (transposed expert weights with biases, an interleaved clamped
+#: gate, sliding-window layers, attention sinks).
+TINY_CE_MOE_CONFIGS = ("hf-olmoe", "hf-qwen2-moe", "hf-gpt-oss")
 
 _PROBE_BATCH, _PROBE_LENGTH, _PROBE_PADS, _PROBE_WINDOW = 2, 7, 2, 3
 
@@ -378,12 +385,12 @@ class CausalLMLoss:
 
 def tiny_config(name: str, **overrides: Any) -> Any:
     """The ``transformers`` config of a shipped tiny model (one of :data:`TINY_CONFIGS`,
-    :data:`TINY_MOE_CONFIGS` or :data:`TINY_BIAS_MOE_CONFIGS`).
+    :data:`TINY_MOE_CONFIGS`, :data:`TINY_BIAS_MOE_CONFIGS` or :data:`TINY_CE_MOE_CONFIGS`).
 
     ``overrides`` replace config fields (e.g. ``attn_implementation="eager"``,
     ``num_hidden_layers=6``).
     """
-    names = TINY_CONFIGS + TINY_MOE_CONFIGS + TINY_BIAS_MOE_CONFIGS
+    names = TINY_CONFIGS + TINY_MOE_CONFIGS + TINY_BIAS_MOE_CONFIGS + TINY_CE_MOE_CONFIGS
     if name not in names:
         raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(names)}")
     text = resources.files("zerobubble.models").joinpath(f"configs/{name}-tiny.json").read_text()

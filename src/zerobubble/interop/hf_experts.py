@@ -1,93 +1,99 @@
-"""Hugging Face MoE experts (Mixtral, Qwen3-MoE) sharded over an ep group, as our MoE's are.
+"""Hugging Face MoE experts sharded over an ep group, as our MoE's are: every family whose
+experts follow transformers' experts contract.
 
-transformers 5 keeps a MoE block's experts in one module (``MixtralExperts``,
-``Qwen3MoeExperts``) of two 3-D parameters, ``gate_up_proj`` ``(E, 2I, H)`` and
-``down_proj`` ``(E, H, I)``, called as ``experts(hidden_states, top_k_index,
-top_k_weights)`` by the block after its router. :func:`shard_hf_experts` replaces each
-such module by a :class:`ShardedExperts` holding rank ``r``'s experts
-``[r * E / ep, (r + 1) * E / ep)`` as local 3-D parameters of the **same names**
-(``gate_up_proj`` ``(E / ep, 2I, H)``, ``down_proj`` ``(E / ep, H, I)``), marked with
-:func:`~zerobubble.runtime.ep.mark_expert` (gradients summed over ``edp``; each tensor
-its own run, so the norm layout of :mod:`~zerobubble.optim.ep_norms` counts every
-row block once, ep rank 0's first: the unsharded tensor cut into its ep row blocks).
+transformers 5 builds a MoE block's experts as one module of stacked per-expert tensors,
+decorated with ``transformers.integrations.moe.use_experts_implementation``, which sets five
+layout flags on it (``is_concatenated``, ``is_transposed``, ``has_bias``, ``has_gate``,
+``has_post_expert_norm``) and dispatches its forward by ``config._experts_implementation``
+(default ``"grouped_mm"``: ``grouped_mm_experts_forward``). The block calls it as
+``experts(hidden_states, top_k_index, top_k_weights)`` after its router. That contract
+(:func:`is_hf_experts`: the five flags), not a class list, is what
+:func:`shard_hf_experts` recognises: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, GPT-OSS,
+PhiMoE, FlexOlmo, GLM4-MoE and the rest of the ~70 families built so. It replaces each such
+module by a :class:`ShardedExperts` holding rank ``r``'s rows ``[r * E / ep, (r + 1) * E /
+ep)`` of every per-expert tensor (the ``gate_up_proj`` or ``up_proj`` and ``down_proj``
+stacks, and their ``*_bias``) as local parameters of the **same names**, each marked with
+:func:`~zerobubble.runtime.ep.mark_expert` as its own run (gradients summed over ``edp``;
+the norm layout of :mod:`~zerobubble.optim.ep_norms` counts every row block once, ep rank
+0's first: the unsharded tensor cut into its ep row blocks).
 
-Its forward is our MoE's three phases with HF's per-expert math:
+Its forward is ``grouped_mm_experts_forward`` with our exchange in the middle:
 
-* dispatch: the (token, k) pairs sorted by expert, stable over HF's own visiting order
-  (k position major, then token: ``torch.where(expert_mask[e])`` on the ``(k, N)``
-  mask), so each expert sees its rows in HF's order; per-expert counts;
+* dispatch: the (token, k) pairs sorted by expert with HF's own ``torch.sort`` of the
+  flattened ``top_k_index`` (so each expert sees its rows in HF's order), the rows
+  gathered, per-expert counts;
 * exchange: counts, then rows, all-to-all to the experts' owners
-  (:func:`~zerobubble.runtime.ep.exchange_counts`, :func:`~zerobubble.runtime.ep.all_to_all`,
-  whose backward runs on :attr:`~zerobubble.runtime.ep.ExpertGroup.backward_group`);
-  each local expert runs once on its rows of all sources concatenated in source-rank
-  order (:func:`~zerobubble.models.moe.run_experts`) with HF's math
-  ``linear(act(gate) * up, down_proj[e])``, ``gate, up = linear(x, gate_up_proj[e]).chunk(2)``;
-  the reverse all-to-all brings the outputs back. With ``ep == 1`` nothing is sent;
-* combine: each row times its routing weight, then one ``index_add_`` per hit expert in
-  ascending expert order into zeros: HF's loop, op for op.
+  (:func:`~zerobubble.models.moe.exchange_grouped`); the local experts run on their rows of
+  all sources, regrouped expert-major in source-rank order
+  (:func:`~zerobubble.models.moe.run_grouped`), as **one grouped matmul per projection**
+  (:meth:`~zerobubble.runtime.split.grouped.SplitGrouped.grouped_linear`:
+  ``torch._grouped_mm`` with the int32 cumulative row counts, the layout per
+  ``is_transposed``, ``bias[ids]`` added in place per ``has_bias``), the class's own
+  ``_apply_gate`` between them (GPT-OSS's interleaved, clamped gate included) or its
+  ``act_fn`` without a gate; the reverse all-to-all brings the outputs back. With
+  ``ep == 1`` nothing is sent;
+* combine: the post-expert norm (``has_post_expert_norm``; row-wise, so on the source
+  rank, its weights dense), each row times its routing weight, HF's inverse permutation and
+  its sum over the k picks.
 
-At ``ep == 1`` the module is therefore HF's eager experts (``experts_implementation=
-"eager"``) bitwise, forward and every gradient: the same rows in the same order through
-the same ops. transformers' default on this version, ``"grouped_mm"``, gives the same
-forward bitwise and weight gradients within rounding (another backward kernel). With
-``ep > 1`` an expert's matmuls see the rows of every source, so a replica's result is
-HF's within rounding, not bitwise.
+At ``ep == 1`` the module is therefore HF's ``"grouped_mm"`` experts bitwise, forward and
+every gradient: the same rows in the same order through the same ops. Against HF's eager
+loop (``experts_implementation="eager"``) it agrees within rounding (another kernel, and
+another row order per expert). With ``ep > 1`` an expert's matmul sees the rows of every
+source, so a replica's result is HF's within rounding, not bitwise.
 
-Only HF's eager expert math is reproduced: whatever ``config._experts_implementation``
-says, a sharded block runs it. Expert modules of another layout (transposed, interleaved
-gate/up, biases, a post-expert norm: the flags of HF's ``use_experts_implementation``)
-are refused with a ValueError.
+B/W split: :class:`ShardedExperts` is a :class:`~zerobubble.runtime.split.grouped.SplitGrouped`
+module, so the split defers its weight gradients with a kernel-level split of the grouped
+matmul (no graph-level split: W does not re-run the forward, whose all-to-alls would be
+issued again from W).
+
+Refused (ValueError naming the class, what is missing and the fix): an experts module whose
+forward is not the one the decorator dispatches (a subclass overriding it, e.g. Ergo's
+per-expert norm), a parameter, buffer or submodule with parameters the contract does not
+have, a tensor that is not ``(E, ...)``, an ``ep`` that does not divide ``E``.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
+import copy
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from zerobubble.models.moe import dispatch_order, exchange_rows
-from zerobubble.runtime.ep import ExpertGroup, mark_expert
+from zerobubble.models.moe import exchange_grouped, run_grouped
+from zerobubble.runtime.ep import ExpertGroup, is_expert, mark_expert
+from zerobubble.runtime.split.grouped import SplitGrouped
 
 if TYPE_CHECKING:
     from zerobubble.pipeline import Pipeline
     from zerobubble.runtime.mesh import PipelineMesh
 
 __all__ = [
-    "HF_EXPERT_CLASSES",
+    "LAYOUT_FLAGS",
     "ShardedExperts",
     "expert_shard",
     "gather_hf_experts",
-    "hf_expert_classes",
+    "is_hf_experts",
     "shard_hf_experts",
+    "unsharded_experts",
 ]
 
-#: The HF expert modules :func:`shard_hf_experts` recognises (module, class name).
-HF_EXPERT_CLASSES = (
-    ("transformers.models.mixtral.modeling_mixtral", "MixtralExperts"),
-    ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeExperts"),
-)
+#: The layout flags ``use_experts_implementation`` sets on an experts module.
+LAYOUT_FLAGS = ("is_concatenated", "is_transposed", "has_bias", "has_gate", "has_post_expert_norm")
 
 _SHARD_ATTR = "_zb_hf_expert_shard"
 
 
-def hf_expert_classes() -> tuple[type[nn.Module], ...]:
-    """The classes of :data:`HF_EXPERT_CLASSES` that import; none while ``transformers`` is
-    not imported (a model holding HF modules has imported it: nothing else needs it)."""
-    found: list[type[nn.Module]] = []
-    if "transformers" not in sys.modules:
-        return ()
-    for module, name in HF_EXPERT_CLASSES:
-        try:
-            found.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            continue
-    return tuple(found)
+def is_hf_experts(module: nn.Module) -> bool:
+    """Whether ``module`` carries transformers' experts contract: the five
+    :data:`LAYOUT_FLAGS` that ``use_experts_implementation`` sets (a :class:`ShardedExperts`
+    does not: it is sharded already)."""
+    return not isinstance(module, ShardedExperts) and all(
+        isinstance(getattr(module, f, None), bool) for f in LAYOUT_FLAGS
+    )
 
 
 def expert_shard(param: Tensor) -> tuple[int, int, int] | None:
@@ -97,110 +103,201 @@ def expert_shard(param: Tensor) -> tuple[int, int, int] | None:
     return None if shard is None else (int(shard[0]), int(shard[1]), int(shard[2]))
 
 
-class ShardedExperts(nn.Module):
+def _refuse(name: str, what: str) -> ValueError:
+    return ValueError(
+        f"{name} {what}, so ShardedExperts cannot reproduce it; build the mesh with ep=1 "
+        "(its experts then stay whole and dp-reduced) or give the family transformers' "
+        "experts layout (use_experts_implementation)"
+    )
+
+
+def _tensors(experts: nn.Module, flags: dict[str, bool]) -> list[str]:
+    """The per-expert tensors the flags call for, in the order transformers declares them."""
+    first = "gate_up_proj" if flags["has_gate"] else "up_proj"
+    names = [first, "down_proj"]
+    if flags["has_bias"]:
+        names += [f"{first}_bias", "down_proj_bias"]
+    declared = list(experts._parameters)
+    return sorted(names, key=lambda n: declared.index(n) if n in declared else len(declared))
+
+
+class ShardedExperts(SplitGrouped):
     """A HF experts module's experts ``[r * E / ep, (r + 1) * E / ep)`` (see the module
     docstring); called as the HF module is, ``(hidden_states, top_k_index, top_k_weights)``.
 
     Args:
-        experts: The whole HF experts module (``gate_up_proj``, ``down_proj``, ``act_fn``,
-            ``num_experts``); its parameters are copied (sliced), not shared.
+        experts: The whole HF experts module (:func:`is_hf_experts`); its per-expert tensors
+            are copied (sliced), not shared, and so is its post-expert norm.
         ep: The ep group (``ExpertGroup()``: one rank, every expert).
-        run: The :func:`~zerobubble.runtime.ep.mark_expert` run of ``gate_up_proj``;
-            ``down_proj`` gets ``run + 1``.
+        run: The :func:`~zerobubble.runtime.ep.mark_expert` run of the first tensor; the
+            next ones get ``run + 1``, ... (:attr:`runs` in all).
     """
 
-    act_fn: nn.Module
-
-    def __init__(self, experts: nn.Module, ep: ExpertGroup, run: int = 0) -> None:
+    def __init__(self, experts: nn.Module, ep: ExpertGroup | None = None, run: int = 0) -> None:
         super().__init__()
+        ep = ExpertGroup() if ep is None else ep
+        cls = type(experts).__name__
         hf: Any = experts  # HF's attributes, untyped
-        num_experts = int(hf.num_experts)
+        flags = {f: getattr(hf, f, None) for f in LAYOUT_FLAGS}
+        missing = [f for f, v in flags.items() if not isinstance(v, bool)]
+        if missing:
+            raise _refuse(cls, f"lacks the layout flags {missing} of transformers' experts")
+        layout: dict[str, bool] = {f: bool(v) for f, v in flags.items()}
+        forward = getattr(type(experts), "forward", None)
+        if getattr(forward, "__wrapped__", None) is None:
+            raise _refuse(
+                cls,
+                "overrides the forward that use_experts_implementation dispatches (its own "
+                "math around the experts)",
+            )
+        num_experts = getattr(hf, "num_experts", None)
+        if not isinstance(num_experts, int):
+            raise _refuse(cls, "has no integer num_experts (transformers' grouped_mm reads it)")
         if num_experts % ep.size:
             raise ValueError(
                 f"ep={ep.size} must divide the HF experts' num_experts={num_experts} "
-                f"({type(experts).__name__}); choose ep among the divisors of the expert count"
+                f"({cls}); choose ep among the divisors of the expert count"
             )
-        layout = {
-            "is_transposed": False,
-            "is_concatenated": True,
-            "has_bias": False,
-            "has_gate": True,
-            "has_post_expert_norm": False,
-        }
-        other = {k: getattr(hf, k) for k, v in layout.items() if getattr(hf, k, v) != v}
-        if other:
-            raise ValueError(
-                f"{type(experts).__name__} has {other}: ShardedExperts reproduces HF's "
-                f"concatenated [gate; up] layout without bias or post norm only ({layout})"
-            )
-        gate_up, down = hf.gate_up_proj, hf.down_proj
-        for name, p in (("gate_up_proj", gate_up), ("down_proj", down)):
-            if not isinstance(p, Tensor) or p.dim() != 3 or p.shape[0] != num_experts:
+        names = _tensors(experts, layout)
+        own = [n for n, p in experts._parameters.items() if p is not None]
+        for n in own:
+            if n not in names:
+                raise _refuse(cls, f"has the parameter {n!r}, which {layout} does not name")
+        for n in names:
+            if n not in own:
+                raise _refuse(cls, f"has no {n!r}, which {layout} calls for")
+            p = experts._parameters[n]
+            assert p is not None
+            dims = 2 if n.endswith("_bias") else 3
+            if p.dim() != dims or p.shape[0] != num_experts:
                 raise ValueError(
-                    f"{type(experts).__name__}.{name} is not a ({num_experts}, ., .) tensor: "
+                    f"{cls}.{n} is not a ({num_experts}, {', '.join('.' * (dims - 1))}) tensor: "
                     "already sharded, or not HF's layout"
                 )
-        self.num_experts, self.ep = num_experts, ep
+        if experts._buffers:
+            raise _refuse(cls, f"has the buffers {sorted(experts._buffers)}")
+        norm = experts._modules.get("post_expert_norm")
+        if layout["has_post_expert_norm"] and norm is None:
+            raise _refuse(cls, "has has_post_expert_norm=True but no post_expert_norm module")
+        for n, m in experts._modules.items():
+            if m is not None and n != "post_expert_norm" and any(True for _ in m.parameters()):
+                raise _refuse(cls, f"has the submodule {n!r} with parameters")
+        act_fn = getattr(hf, "act_fn", None)
+        if not layout["has_gate"] and not callable(act_fn):
+            raise _refuse(cls, "has has_gate=False but no act_fn")
+
+        self.num_experts, self.ep, self.runs = num_experts, ep, len(names)
         self.local = num_experts // ep.size
         self.start = ep.rank * self.local
+        self.is_transposed, self.has_bias = layout["is_transposed"], layout["has_bias"]
+        self.has_gate, self.has_post_expert_norm = (
+            layout["has_gate"],
+            layout["has_post_expert_norm"],
+        )
+        self.first = "gate_up_proj" if self.has_gate else "up_proj"
         rows = slice(self.start, self.start + self.local)
-        self.gate_up_proj = nn.Parameter(gate_up.detach()[rows].clone(), gate_up.requires_grad)
-        self.down_proj = nn.Parameter(down.detach()[rows].clone(), down.requires_grad)
-        self.act_fn = hf.act_fn
-        for i, p in enumerate((self.gate_up_proj, self.down_proj)):
+        for i, n in enumerate(names):
+            whole = experts._parameters[n]
+            assert whole is not None
+            p = nn.Parameter(whole.detach()[rows].clone(), whole.requires_grad)
             mark_expert(p, run + i)
             setattr(p, _SHARD_ATTR, (self.start, self.start + self.local, num_experts))
+            self.register_parameter(n, p)
+        if isinstance(act_fn, nn.Module):
+            self.act_fn = act_fn
+        if norm is not None and self.has_post_expert_norm:
+            self.post_expert_norm: nn.Module = copy.deepcopy(norm)
+        # The class's own gate (``_apply_gate``, GPT-OSS's interleaved clamp among them) on a
+        # copy of the module without its tensors: what the gate reads (alpha, limit, act_fn).
+        gate = copy.copy(experts)
+        gate.__dict__.update(
+            _parameters={},
+            _buffers={},
+            _modules={k: m for k, m in experts._modules.items() if k != "post_expert_norm"},
+        )
+        self.__dict__["_hf"] = gate  # not a submodule: it holds nothing to train or save
 
     def extra_repr(self) -> str:
         stop = self.start + self.local
         return f"experts [{self.start}, {stop}) of {self.num_experts}, ep={self.ep.size}"
 
-    def expert(self, local: int, x: Tensor) -> Tensor:
-        """HF's math for local expert ``local`` on rows ``x``."""
-        gate, up = F.linear(x, self.gate_up_proj[local]).chunk(2, dim=-1)
-        return F.linear(self.act_fn(gate) * up, self.down_proj[local])
-
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        n = top_k_index.shape[0]
-        # HF visits expert e's pairs k-position major, then token: sort the (k, N) layout.
-        order, _, counts = dispatch_order(top_k_index.t(), self.num_experts)
-        token, position = order % n, order // n
-        out = self.exchange(hidden_states[token], counts)
-        out = out * top_k_weights[token, position, None]
-        final = torch.zeros_like(hidden_states)
-        start = 0
-        for c in counts.tolist():  # HF's loop: one index_add_ per hit expert, in order
-            if c:
-                stop = start + c
-                final.index_add_(0, token[start:stop], out[start:stop].to(final.dtype))
-                start = stop
-        return final
+        # grouped_mm_experts_forward, op for op, with the exchange around the expert math
+        num_top_k = top_k_index.size(-1)
+        num_tokens = hidden_states.size(0)
+        hidden_dim = hidden_states.size(-1)
+        sample_weights = top_k_weights.reshape(-1)
+        expert_ids = top_k_index.reshape(-1)
+        expert_ids_g, perm = torch.sort(expert_ids)
+        rows = hidden_states[perm // num_top_k]
+        sample_weights_g = sample_weights[perm]
+        counts = torch.bincount(expert_ids_g, minlength=self.num_experts)
+        out = exchange_grouped(self._run, rows, counts, self.ep)
+        if self.has_post_expert_norm:
+            out = self.post_expert_norm(out)
+        weighted = out * sample_weights_g.unsqueeze(-1)
+        inv_perm = torch.empty_like(perm)
+        inv_perm[perm] = torch.arange(perm.size(0), device=perm.device)
+        weighted = weighted[inv_perm]
+        final = weighted.view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
+        return final.to(hidden_states.dtype)
 
-    def exchange(self, rows: Tensor, counts: Tensor) -> Tensor:
-        """Outputs of the rows' experts, in the rows' order (communicating over ep)."""
-        experts = [(lambda x, i=i: self.expert(i, x)) for i in range(self.local)]
-        return exchange_rows(experts, rows, counts, self.ep)
+    def _run(self, rows: Tensor, counts: Tensor) -> Tensor:
+        """The local experts on the received rows (``counts``: ``(sources, E / ep)``)."""
+        return run_grouped(self.local_experts, rows, counts)
+
+    def local_experts(self, x: Tensor, counts: Tensor) -> Tensor:
+        """The local experts' math on rows ``x`` grouped by local expert (``counts`` each):
+        one grouped matmul per projection, the class's gate or activation between them."""
+        offs = counts.cumsum(0, dtype=torch.int32)
+        ids = None
+        if self.has_bias:
+            local = torch.arange(self.local, device=counts.device)
+            ids = torch.repeat_interleave(local, counts).to(x.device)
+        bias = f"{self.first}_bias" if self.has_bias else None
+        h = self.grouped_linear(x, self.first, offs, bias, ids, transposed=self.is_transposed)
+        hf: Any = self.__dict__["_hf"]
+        h = hf._apply_gate(h) if self.has_gate else hf.act_fn(h)
+        bias = "down_proj_bias" if self.has_bias else None
+        return self.grouped_linear(h, "down_proj", offs, bias, ids, transposed=self.is_transposed)
 
 
 def shard_hf_experts(module: nn.Module, ep: ExpertGroup, first_run: int = 0) -> int:
-    """Replace every HF experts module in ``module`` (:data:`HF_EXPERT_CLASSES`) by a
-    :class:`ShardedExperts` over ``ep``; returns how many. Layer ``i``'s tensors get the
-    runs ``first_run + 2i`` and ``first_run + 2i + 1``."""
-    classes = hf_expert_classes()
-    if not classes:
-        return 0
-    found = [
-        (name, m)
-        for name, m in module.named_modules()
-        if isinstance(m, classes) and not isinstance(m, ShardedExperts)
-    ]
-    for i, (name, m) in enumerate(found):
+    """Replace every HF experts module in ``module`` (:func:`is_hf_experts`) by a
+    :class:`ShardedExperts` over ``ep``; returns how many. Their tensors get the runs
+    ``first_run``, ``first_run + 1``, ... in module order. A module the contract names but
+    :class:`ShardedExperts` cannot reproduce is refused (ValueError naming it)."""
+    found = [(name, m) for name, m in module.named_modules() if is_hf_experts(m)]
+    run = first_run
+    for name, m in found:
         if not name:
             raise ValueError("shard_hf_experts: pass the module holding the experts module")
+        try:
+            sharded = ShardedExperts(m, ep, run)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        run += sharded.runs
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, attr, ShardedExperts(m, ep, first_run + 2 * i))
+        setattr(parent, attr, sharded)
     return len(found)
+
+
+def unsharded_experts(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Submodules that look like a MoE layer's experts yet hold no expert shard: named
+    ``experts`` (what transformers and our MoE call them) or of a class named ``...Experts``,
+    with parameters of which none is marked (:func:`~zerobubble.runtime.ep.is_expert`); the
+    outermost such module only. Under ``ep > 1`` such a module would silently run as plain
+    data parallelism."""
+    out: list[tuple[str, nn.Module]] = []
+    for name, m in module.named_modules():
+        if any(name.startswith(f"{outer}.") for outer, _ in out):
+            continue  # inside one already named
+        looks = name.rpartition(".")[2] == "experts" or type(m).__name__.endswith("Experts")
+        params = list(m.parameters())
+        if looks and params and not any(is_expert(p) for p in params):
+            out.append((name, m))
+    return out
 
 
 def gather_hf_experts(pipe: Pipeline, mesh: PipelineMesh) -> OrderedDict[str, Tensor]:

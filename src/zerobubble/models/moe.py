@@ -25,7 +25,7 @@ their global index, and marks them for the expert gradient reduction.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -45,8 +45,10 @@ __all__ = [
     "build_moe_gpt",
     "build_moe_mlp",
     "dispatch_order",
+    "exchange_grouped",
     "exchange_rows",
     "run_experts",
+    "run_grouped",
     "shard_experts",
 ]
 
@@ -81,10 +83,22 @@ def run_experts(experts: Sequence[Any], rows: Tensor, counts: Tensor) -> Tensor:
     1, ...; ``counts[src, l]`` how many. Expert ``l`` runs once on its rows of all
     sources concatenated in source order.
     """
+
+    def each(grouped: Tensor, per_expert: Tensor) -> Tensor:
+        outs = [e(x) for e, x in zip(experts, grouped.split(per_expert.tolist()), strict=True)]
+        return torch.cat(outs) if outs else grouped
+
+    return run_grouped(each, rows, counts)
+
+
+def run_grouped(fn: Callable[[Tensor, Tensor], Tensor], rows: Tensor, counts: Tensor) -> Tensor:
+    """:func:`run_experts` with every local expert in one call: ``fn(grouped, per_expert)``
+    gets the received rows regrouped expert-major (source order inside an expert) and the
+    rows per local expert ``(E / ep,)``, and returns their outputs in that order (one
+    grouped matmul per projection, say); the outputs come back in the received layout."""
     sources, local = counts.shape
     if sources == 1:  # already grouped by expert
-        outs = [e(x) for e, x in zip(experts, rows.split(counts[0].tolist()), strict=True)]
-        return torch.cat(outs) if outs else rows
+        return fn(rows, counts[0])
     # perm: the received rows regrouped expert-major (source order inside an expert)
     flat = counts.reshape(-1)
     starts = flat.cumsum(0) - flat  # of each (source, expert) block in the received rows
@@ -92,9 +106,7 @@ def run_experts(experts: Sequence[Any], rows: Tensor, counts: Tensor) -> Tensor:
     moved = starts.view(sources, local).t().reshape(-1) - (lengths.cumsum(0) - lengths)
     perm = torch.arange(len(rows), device=counts.device)
     perm = (perm + moved.repeat_interleave(lengths)).to(rows.device)
-    per_expert = counts.sum(0).tolist()
-    grouped = rows[perm].split(per_expert)
-    out = torch.cat([e(x) for e, x in zip(experts, grouped, strict=True)])
+    out = fn(rows[perm], counts.sum(0))
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(len(perm), device=perm.device)
     return out[inverse]
@@ -105,13 +117,22 @@ def exchange_rows(experts: Sequence[Any], rows: Tensor, counts: Tensor, ep: Expe
     the rows' order: counts then rows all-to-all to the experts' owners, :func:`run_experts`
     over this rank's ``experts`` (callables), the reverse all-to-all. No communication at
     ``ep.size == 1``."""
+    return exchange_grouped(lambda x, c: run_experts(experts, x, c), rows, counts, ep)
+
+
+def exchange_grouped(
+    run: Callable[[Tensor, Tensor], Tensor], rows: Tensor, counts: Tensor, ep: ExpertGroup
+) -> Tensor:
+    """:func:`exchange_rows` with ``run(received, received_counts)`` (``(sources, E / ep)``)
+    in place of :func:`run_experts`: three all-to-alls in the forward (the counts, the rows,
+    the outputs back) and, for the two of rows, their reverse in the backward."""
     if ep.size == 1:
-        return run_experts(experts, rows, counts.view(1, -1))
+        return run(rows, counts.view(1, -1))
     received = exchange_counts(counts, ep)
     send = counts.view(ep.size, -1).sum(1).tolist()
     recv = received.sum(1).tolist()
     got = all_to_all(rows, recv, send, ep)
-    return all_to_all(run_experts(experts, got, received), send, recv, ep)
+    return all_to_all(run(got, received), send, recv, ep)
 
 
 class ExpertLayer(nn.Module):

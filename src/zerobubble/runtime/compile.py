@@ -10,9 +10,10 @@ joined by eager split matmuls whose ``dW`` still waits for W.
 
 Graph-level splits (:mod:`zerobubble.runtime.split.fallback`) work by forward
 hooks that swap parameters and record the call; a compiled frame would trace
-them once. :func:`compile_between_splits` therefore keeps a graph-split module
-and all its ancestors uncompiled, and compiles the outermost modules below them
-that hold none.
+them once. Grouped experts (:class:`~zerobubble.runtime.split.grouped.SplitGrouped`)
+record their calls and exchange rows with their ep peers in their forward.
+:func:`compile_between_splits` therefore keeps such a module and all its ancestors
+uncompiled, and compiles the outermost modules below them that hold none.
 """
 
 from __future__ import annotations
@@ -22,13 +23,18 @@ from typing import Any
 from torch import nn
 
 from zerobubble.runtime.split.fallback import GraphSplit
+from zerobubble.runtime.split.grouped import SplitGrouped
 from zerobubble.runtime.split.kernels import SplitEmbedding, SplitLinear, SplitOp
 
 __all__ = ["compile_between_splits"]
 
 
-def _holds_graph_split(module: nn.Module) -> bool:
-    return any(GraphSplit.of(m) is not None for m in module.modules())
+def _stays_eager(m: nn.Module) -> bool:
+    return GraphSplit.of(m) is not None or isinstance(m, SplitGrouped)
+
+
+def _holds_eager(module: nn.Module) -> bool:
+    return any(_stays_eager(m) for m in module.modules())
 
 
 def compile_between_splits(module: nn.Module, **compile_kwargs: Any) -> list[str]:
@@ -36,10 +42,10 @@ def compile_between_splits(module: nn.Module, **compile_kwargs: Any) -> list[str
 
     Split layers stay eager and break the compiled graphs (their gradients keep
     the B/W split); a module holding a graph-level split is not compiled
-    itself, its children are considered instead; split layers and
-    graph-split modules are left as they are. ``compile_kwargs`` go to
-    ``torch.compile`` (``backend``, ``mode``, ``dynamic``, ...). Parameters and
-    state_dict keys are unchanged. Apply it after the split (e.g. to
+    itself, its children are considered instead (so is one holding grouped experts);
+    split layers, graph-split modules and grouped experts are left as they are.
+    ``compile_kwargs`` go to ``torch.compile`` (``backend``, ``mode``, ``dynamic``, ...).
+    Parameters and state_dict keys are unchanged. Apply it after the split (e.g. to
     ``StageChunk.module``, or to blocks shared with the chunks): it needs to see
     which modules carry a graph-level split. Returns the names of the
     compiled modules (``""`` for ``module`` itself).
@@ -47,9 +53,9 @@ def compile_between_splits(module: nn.Module, **compile_kwargs: Any) -> list[str
     compiled: list[str] = []
 
     def visit(name: str, m: nn.Module) -> None:
-        if GraphSplit.of(m) is not None or isinstance(m, (SplitLinear, SplitEmbedding, SplitOp)):
+        if _stays_eager(m) or isinstance(m, (SplitLinear, SplitEmbedding, SplitOp)):
             return  # eager by design (a split layer's forward is compiler-disabled anyway)
-        if not _holds_graph_split(m):
+        if not _holds_eager(m):
             m.compile(**compile_kwargs)
             compiled.append(name)
             return

@@ -3,7 +3,9 @@
 A :class:`SplitRules` is an ordered, immutable list of :class:`SplitRule`; the
 first rule whose ``matches`` accepts a module decides its split. The default
 rules cover ``nn.Linear``, ``nn.Embedding``, ``nn.Conv1d/2d/3d``,
-``nn.LayerNorm`` and ``transformers``' ``Conv1D``. A user gives their own
+``nn.LayerNorm`` and ``transformers``' ``Conv1D``. A
+:class:`~zerobubble.runtime.split.grouped.SplitGrouped` module (grouped experts) splits
+itself: it is only bound to the store. A user gives their own
 one-op layer a split with :meth:`SplitRules.with_rule` and a
 :class:`~zerobubble.runtime.split.kernels.Kernel`, and passes the rules to
 :func:`enable_bw_split` (or ``StageChunk(split_rules=...)``); nothing is
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from zerobubble.runtime.split.fallback import GraphSplit, install_graph_split
+from zerobubble.runtime.split.grouped import SplitGrouped
 from zerobubble.runtime.split.kernels import (
     CONV,
     HF_CONV1D,
@@ -149,7 +152,9 @@ class SplitRules:
         return next((r for r in self.rules if r.matches(module)), None)
 
 
-_SPLIT_TYPES = (SplitLinear, SplitEmbedding, SplitOp)
+_SPLIT_TYPES = (SplitLinear, SplitEmbedding, SplitOp, SplitGrouped)
+"""Modules that defer their weight gradients themselves; a :class:`SplitGrouped` (grouped
+experts) is one by construction, and :func:`enable_bw_split` only binds it to the store."""
 
 
 def is_split(module: nn.Module) -> bool:
