@@ -41,6 +41,9 @@ from zerobubble.runtime.mesh import build_mesh
 M, LOCAL, LENGTH = 2, 4, 6
 TIMEOUT = 240.0
 CASES = [("hf-mixtral", "zb-h1"), ("hf-mixtral", "zbv"), ("hf-qwen3-moe", "zbv")]
+PER_CALL = zerobubble.ExecutorOptions(term_weight="per_call")
+"""Hugging Face's model adds its whole router loss per call: the runs compared with it weigh
+the ``router_aux`` term so (docs/moe.md, "How a step weighs the router terms")."""
 
 
 def batch(dp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +147,12 @@ def test_a_failing_replica_of_the_threaded_reference_raises_instead_of_hanging()
 def one_step(mesh, name: str, kind: str) -> dict:
     model = hf.tiny_model(name)
     pipe = zerobubble.Pipeline(
-        hf.causal_lm_layers(model), hf.CausalLMLoss(model), kind, microbatches=M, mesh=mesh
+        hf.causal_lm_layers(model),
+        hf.CausalLMLoss(model),
+        kind,
+        microbatches=M,
+        mesh=mesh,
+        options=PER_CALL,
     )
     x, y = part(mesh.dp_size, mesh.dp_rank)
     terms: dict[str, list[torch.Tensor]] = {}
@@ -173,7 +181,12 @@ def ep_ranks(tmp: str) -> dict:
     for mode in ("sync", "conservative", "speculative"):
         model = hf.tiny_model("hf-mixtral")
         pipe = zerobubble.Pipeline(
-            hf.causal_lm_layers(model), hf.CausalLMLoss(model), "zb-h1", microbatches=M, mesh=mesh
+            hf.causal_lm_layers(model),
+            hf.CausalLMLoss(model),
+            "zb-h1",
+            microbatches=M,
+            mesh=mesh,
+            options=PER_CALL,
         )
         trainer = pipe.set_optimizer(
             torch.optim.SGD(pipe.parameters(), lr=0.0),
@@ -288,7 +301,7 @@ def threaded_reference(name: str, dp: int, ep: int, skewed: bool = False):
     model = skew(hf.tiny_model(name)) if skewed else hf.tiny_model(name)
     parts = [part(dp, r) for r in range(dp)]
     return threaded_ep_reference_step(
-        hf.causal_lm_layers(model), hf.CausalLMLoss(model), parts, M, ep
+        hf.causal_lm_layers(model), hf.CausalLMLoss(model), parts, M, ep, term_weight="per_call"
     )
 
 
