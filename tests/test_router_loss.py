@@ -521,3 +521,12 @@ def test_deepseek_bias_moves_once_per_applied_step_from_every_replicas_loads(tmp
             r"speculative .*; use OptimConfig\(mode='sync'\) or mode='conservative'",
             r["speculative"],
         )
+
+
+def test_the_docs_weighting_block_runs_as_written():
+    """docs/moe.md, "How a step weighs the router terms": its python block, as written."""
+    text = (ROOT / "docs" / "moe.md").read_text()
+    section = text.split("### How a step weighs the router terms\n", 1)[1].split("\n### ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 1
+    exec(compile(blocks[0], "docs/moe.md", "exec"), {})
