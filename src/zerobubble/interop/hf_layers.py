@@ -580,7 +580,8 @@ class BiasBalancedBlock(DecoderBlock):
                 f"{BIAS} buffer (DeepSeek-V3's balancing), but it has no such router; build "
                 "the layers without bias_update"
             )
-        self.balance = BiasBalance(int(gate.get_buffer(BIAS).numel()), bias_update)
+        where = f"decoder layer {self.index}'s {type(gate).__name__}"
+        self.balance = BiasBalance(int(gate.get_buffer(BIAS).numel()), bias_update, where)
 
     def _bias(self) -> Tensor:
         assert self._router_path is not None  # checked at construction

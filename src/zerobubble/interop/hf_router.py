@@ -216,10 +216,12 @@ class BiasBalance:
     once; an evaluation under ``torch.no_grad`` counts nothing.
     """
 
-    def __init__(self, num_experts: int, rate: float) -> None:
+    def __init__(self, num_experts: int, rate: float, name: str) -> None:
         if not rate > 0:
             raise ValueError(f"bias_update={rate} must be > 0 (the bias moves by it per step)")
         self.num_experts, self.rate = num_experts, rate
+        self.name = name
+        """The router, for messages (``"decoder layer 1's DeepseekV3TopkRouter"``)."""
         self.loads: Tensor | None = None
         """This step's assignments per expert, on this rank (int64)."""
         self.pending: Tensor | None = None
@@ -230,8 +232,9 @@ class BiasBalance:
         e = self.num_experts
         if chosen.is_floating_point() or chosen.ndim != 2:
             raise ValueError(
-                f"the bias update counts the chosen experts, a (tokens, k) integer tensor the "
-                f"router returns last; got {chosen.dtype} of shape {tuple(chosen.shape)}"
+                f"{self.name}: the bias update counts the chosen experts, a (tokens, k) integer "
+                f"tensor the router returns last (as DeepSeek-V3's); it returned {chosen.dtype} "
+                f"of shape {tuple(chosen.shape)} last: build the layers without bias_update"
             )
         counts = torch.bincount(chosen.reshape(-1), minlength=e)
         self.loads = counts if self.loads is None else self.loads + counts
