@@ -139,6 +139,19 @@ def test_term_weight_is_one_over_m_dp_or_none_and_bad_modes_are_refused():
         term_weight("mean", 0)
 
 
+def test_the_train_jobs_executor_section_takes_the_term_weight():
+    from zerobubble.train.config import ExecutorSection
+
+    assert ExecutorSection().term_weight == "mean"
+    assert ExecutorSection(term_weight="per_call").term_weight == "per_call"
+    with pytest.raises(
+        ValueError,
+        match=r"executor.term_weight must be one of mean, per_call, got 'sum'; pass "
+        r"--executor.term-weight mean or per_call",
+    ):
+        ExecutorSection(term_weight="sum")
+
+
 def test_a_terms_gradient_is_exactly_its_weight():
     """``weighted_objective``: d root / d term is ``w`` ("mean") or the loss scale
     ("per_call"), bitwise, whatever the loss scale."""

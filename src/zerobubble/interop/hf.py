@@ -164,11 +164,15 @@ def _build(model: nn.Module, z_loss: float = 0.0, bias_update: float = 0.0) -> l
         try:
             for i, b in enumerate(blocks):
                 args = (config, b, rotary_emb, i, _attention_type(config, i))
-                kw: dict[str, Any] = {"router": router, "routers": routers, "z_loss": z_loss}
+                kw: dict[str, Any] = {"router": router, "z_loss": z_loss}
+                block: hf_layers.DecoderBlock
                 if bias_update and _has_bias(b):
-                    layers.append(hf_layers.BiasBalancedBlock(*args, bias_update=bias_update, **kw))
-                else:
-                    layers.append(hf_layers.DecoderBlock(*args, **kw))
+                    block = hf_layers.BiasBalancedBlock(
+                        *args, bias_update=bias_update, routers=routers, **kw
+                    )
+                else:  # the routers only where a z-loss needs their logits
+                    block = hf_layers.DecoderBlock(*args, routers=routers if z_loss else None, **kw)
+                layers.append(block)
         except ValueError as e:
             raise ValueError(f"{family(model)}: {e}") from None
         return [

@@ -418,6 +418,12 @@ class DecoderBlock(SegmentAware, HFLayer):
     In a segment scope it attends over the earlier segments' keys and values too, its
     rotary positions offset by the segment's start (see :func:`_attention_inputs`); full
     attention only.
+
+    ``router``: the model's router loss (the block adds its router's statistics);
+    ``routers``: where the model's routers are, for ``z_loss``, the coefficient of the
+    router z-loss the block adds as the term ``"router_z"``
+    (:func:`~zerobubble.interop.hf_router.router_z_term`). Both hook the block's router
+    for the duration of its forward only.
     """
 
     holds_kv = True
@@ -610,7 +616,7 @@ def _router_path(layer: nn.Module, routers: Routers, index: int) -> str | None:
     if len(found) > 1:
         raise ValueError(
             f"decoder layer {index} holds {len(found)} routers ({', '.join(found)}); the "
-            "adapter carries the router loss of one router per layer"
+            "adapter's router loss, z-loss and bias update take one router per layer"
         )
     return found[0] if found else None
 

@@ -456,7 +456,12 @@ class StageChunk:
             warnings.warn(message, SplitShareWarning, stacklevel=3)
 
     def _copied_value(
-        self, args: tuple, kw: dict, target: Any, num_items: Any, last: tuple[float, Any]
+        self,
+        args: tuple,
+        kw: dict,
+        target: Any,
+        num_items: Any,
+        last: tuple[float, float | None],
     ) -> Any:
         """:meth:`_value` on copies of the module's input tensors (what "stage" replays)."""
         args, kw = map_tensors((args, kw), Tensor.clone)

@@ -6,8 +6,9 @@ modules for the duration of one forward (:func:`term_scope`, the pattern of
 :func:`~zerobubble.runtime.kv_segments.segment_scope`: nothing lives on the modules
 between calls). A stage that received or produced terms sends, with its output, the
 running per-name sums of the terms so far (:func:`with_terms`): differentiable scalars,
-so the last stage roots the weighted objective (:func:`weighted_objective`) and each term's gradient
-reaches the stage that produced it through the ordinary boundary gradient. The sums are
+so the last stage roots the weighted objective (:func:`weighted_objective`) and each
+term's gradient reaches the stage that produced it through the ordinary boundary
+gradient. The sums are
 built as one process summing the terms in layer order builds them (the first term
 itself, then ``acc + t``), so :func:`collect_loss_terms` around the whole model gives the
 same bits.
