@@ -58,6 +58,9 @@ CASES = [
 ]
 #: The models whose norm, state dict and checkpoint ep_ranks checks, and in which step modes.
 STATE_CASES = {"hf-mixtral": ("sync", "conservative", "speculative"), "hf-gpt-oss": ("sync",)}
+PER_CALL = zerobubble.ExecutorOptions(term_weight="per_call")
+"""Hugging Face's model adds its whole router loss per call: the runs compared with it weigh
+the ``router_aux`` term so (docs/moe.md, "How a step weighs the router terms")."""
 
 
 def batch(dp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -380,7 +383,12 @@ def test_a_failing_replica_of_the_threaded_reference_raises_instead_of_hanging()
 def one_step(mesh, name: str, kind: str) -> dict:
     model = hf.tiny_model(name)
     pipe = zerobubble.Pipeline(
-        hf.causal_lm_layers(model), hf.CausalLMLoss(model), kind, microbatches=M, mesh=mesh
+        hf.causal_lm_layers(model),
+        hf.CausalLMLoss(model),
+        kind,
+        microbatches=M,
+        mesh=mesh,
+        options=PER_CALL,
     )
     x, y = part(mesh.dp_size, mesh.dp_rank)
     terms: dict[str, list[torch.Tensor]] = {}
@@ -405,7 +413,12 @@ def state_checks(mesh, name: str, modes: tuple[str, ...], tmp: str) -> dict:
     for mode in modes:
         model = hf.tiny_model(name)
         pipe = zerobubble.Pipeline(
-            hf.causal_lm_layers(model), hf.CausalLMLoss(model), "zb-h1", microbatches=M, mesh=mesh
+            hf.causal_lm_layers(model),
+            hf.CausalLMLoss(model),
+            "zb-h1",
+            microbatches=M,
+            mesh=mesh,
+            options=PER_CALL,
         )
         trainer = pipe.set_optimizer(
             torch.optim.SGD(pipe.parameters(), lr=0.0),
@@ -544,7 +557,7 @@ def threaded_reference(name: str, dp: int, ep: int, skewed: bool = False):
     model = skew(hf.tiny_model(name)) if skewed else hf.tiny_model(name)
     parts = [part(dp, r) for r in range(dp)]
     return threaded_ep_reference_step(
-        hf.causal_lm_layers(model), hf.CausalLMLoss(model), parts, M, ep
+        hf.causal_lm_layers(model), hf.CausalLMLoss(model), parts, M, ep, term_weight="per_call"
     )
 
 
