@@ -66,8 +66,9 @@ def run_together(pair: OverlapPair, timeout_s: float | None = None) -> None:
     """The default: the F on a helper thread, the backward on this one; then join.
 
     An exception of either half is raised here (the backward's first, as it ran on the
-    caller's thread). ``timeout_s`` bounds the wait for the F after the backward ended
-    (its own collectives are bounded by their groups' timeouts).
+    caller's thread, without waiting for the F: the rank fails now). ``timeout_s`` bounds
+    the wait for the F after the backward ended (its own collectives are bounded by the
+    comm timeout too).
     """
     failed: list[BaseException] = []
 
@@ -79,10 +80,8 @@ def run_together(pair: OverlapPair, timeout_s: float | None = None) -> None:
 
     helper = threading.Thread(target=forward, name=f"zerobubble {pair.forward}", daemon=True)
     helper.start()
-    try:
-        pair.run_backward()
-    finally:
-        helper.join(timeout_s)
+    pair.run_backward()  # a failure here is this rank's: the F is not waited for
+    helper.join(timeout_s)
     if helper.is_alive():
         raise TimeoutError(
             f"the overlapped {pair.forward} did not finish within {timeout_s} s after "
