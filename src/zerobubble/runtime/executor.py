@@ -546,7 +546,7 @@ class _Run:
                     term_weight=pipe.term_weight if last else None,
                     **kwargs,
                 )
-        except StageChunkError:
+        except (StageChunkError, PeerError):  # a peer's failure is not this stage's input's
             raise
         except Exception as e:
             if a.stage == 0:
