@@ -78,9 +78,9 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import empty as dtensor_empty
+from torch.futures import Future
 
 from zerobubble.interop.hf_experts import expert_shard
 from zerobubble.optim.faults import CrashPoint
@@ -170,13 +170,14 @@ def save_checkpoint(
         action=f"start of the {where}: nothing written yet",
         key=f"save/{root}/{name}/start",
     )
-    faults, me = trainer.faults, trainer.rank
+
+    def before_write() -> None:
+        trainer.faults.crash(trainer.rank, step, CrashPoint.IN_WRITE)
+        trainer.faults.stall(trainer.rank, step, CrashPoint.IN_WRITE)
+
     writer = _BoundedWriter(
         root / name,
-        before=lambda: (
-            faults.crash(me, step, CrashPoint.IN_WRITE),
-            faults.stall(me, step, CrashPoint.IN_WRITE),
-        ),
+        before=before_write,
         after=lambda took: set_timeout(_pg(group), timedelta(seconds=timeout + took)),
     )
     with _dcp_bounded(trainer, group, f"torch.distributed.checkpoint's save of the {where}"):

@@ -476,22 +476,18 @@ class P2P:
         self.progress.running()
 
     def wait_collective(
-        self, work: dist.Work, action: object, pg: dist.ProcessGroup | None | str = "own"
+        self, work: dist.Work, action: object, pg: dist.ProcessGroup | str | None = "own"
     ) -> None:
         """Wait for ``work``, a collective over ``pg`` (default: this P2P's group), at most
         ``timeout_s`` seconds; a failure names the ranks that never arrived
         (:class:`Arrivals`)."""
         group = self.group if isinstance(pg, str) else pg
-        ranks = tuple(
-            dist.get_process_group_ranks(group) if group is not None else _world()
-        )
+        ranks = tuple(dist.get_process_group_ranks(group) if group is not None else _world())
 
         def error(why: str, missing: tuple[int, ...]) -> PeerError:
             return self.error(None, action, why, group=ranks, missing=missing)
 
-        self.arrivals.wait(
-            work, group=group, ranks=ranks, timeout_s=self.timeout_s, error=error
-        )
+        self.arrivals.wait(work, group=group, ranks=ranks, timeout_s=self.timeout_s, error=error)
 
     def name(self, rank: int) -> str:
         """Rank ``rank`` of the group as messages name it: its global rank, and on a mesh

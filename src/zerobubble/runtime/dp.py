@@ -114,7 +114,9 @@ class GradReducer:
             what = self._what(b.stage, iteration, b.expert)
             ranks = self.expert_ranks if b.expert else self.ranks
 
-            def blame(why: str, missing: tuple[int, ...], what: str = what) -> PeerError:
+            def blame(
+                why: str, missing: tuple[int, ...], what: str = what, ranks: tuple = ranks
+            ) -> PeerError:
                 return PeerError(self.rank, None, what, why, group=ranks, missing=missing)
 
             group = self.expert_group if b.expert else self.group

@@ -418,22 +418,30 @@ def _stalled(
 def _waited_on(
     failed: Sequence[int], codes: dict[int, int | None], marks: dict[int, progress.Mark]
 ) -> int | None:
-    """A rank that failed later, on its own and outside any wait, that the rank which failed
-    first was waiting on (directly or through ranks that waited on it), or None.
+    """The rank that the rank which failed first was waiting on and that failed later in its
+    own code, outside any wait (a stall that its own watchdog ended, e.g. an overlapped
+    pair's helper thread that its main thread gave up on), or None.
 
-    The first to die died waiting (its peer sent nothing within the comm timeout); the peer
-    it waited on, running its own code (a stall that its own watchdog ended, e.g. an
-    overlapped pair's helper thread), raised only after it: that peer is the cause."""
+    The first to die died waiting (its peer, or a collective, gave nothing within the comm
+    timeout). Followed through the ranks that waited on each other, the peer it ends at is
+    the cause if it raised while running; a wait that ends in a collective names no peer,
+    and then the one rank that raised while running, if exactly one did."""
     if len(failed) < 2 or (codes.get(failed[0]) or 0) < 0 or failed[0] not in marks:
         return None
+    if marks[failed[0]].state == progress.RUNNING:
+        return None  # it failed in its own code: the cause itself
+
+    def own(r: int) -> bool:
+        return r in marks and marks[r].state == progress.RUNNING and (codes.get(r) or 0) > 0
+
     peer, seen = marks[failed[0]].state, {failed[0]}
     while peer >= 0 and peer in marks and marks[peer].state >= 0 and peer not in seen:
         seen.add(peer)
         peer = marks[peer].state
-    if peer < 0 or peer not in marks or peer not in failed[1:]:
-        return None
-    own = marks[peer].state == progress.RUNNING and (codes.get(peer) or 0) > 0
-    return peer if own else None
+    if peer >= 0 and peer in failed[1:] and own(peer):
+        return peer
+    running = [r for r in failed[1:] if own(r)]
+    return running[0] if len(running) == 1 else None
 
 
 def _fault_path(progress_dir: str, rank: int) -> str:
@@ -557,8 +565,8 @@ def _run_script(
     failed = [r for r in list(deaths.at) if r not in stopped and procs[r].returncode != 0]
     failed = _blame_order(failed, {r: procs[r].returncode for r in failed}, deaths.at)
     if stall is None:  # the rank waited on, if it failed later in its own code, goes first
-        ended = {r: procs[r].returncode for r in failed}
-        cause = _waited_on(failed, ended, progress.read(marks, nprocs))
+        exits = {r: procs[r].returncode for r in failed}
+        cause = _waited_on(failed, exits, progress.read(marks, nprocs))
         if cause is not None:
             failed.insert(0, failed.pop(failed.index(cause)))
     if not failed:

@@ -134,8 +134,10 @@ class ParallelSpec:
     def coordinates(self, rank: int) -> dict[str, int]:
         """Global rank ``rank``'s coordinates: ``pp``, ``dp``, ``tp`` and ``ep`` (the dims
         of size > 1 and always ``pp``; the layout of the module docstring)."""
-        tp_rank, dp_rank, pp_rank = rank % self.tp, rank // self.tp % self.dp, rank // (
-            self.dp * self.tp
+        tp_rank, dp_rank, pp_rank = (
+            rank % self.tp,
+            rank // self.tp % self.dp,
+            rank // (self.dp * self.tp),
         )
         out = {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank, "ep": dp_rank % self.ep}
         return {k: v for k, v in out.items() if k == "pp" or getattr(self, k) > 1}
@@ -295,8 +297,9 @@ def build_mesh(
     # DeviceMesh makes its subgroups with torch's default timeout (30 minutes), not the one
     # given to init_distributed: each of this rank's groups gets the user's.
     for sub in (mesh, ep_mesh):
-        for name in () if sub is None else sub.mesh_dim_names or ():
-            set_timeout(sub.get_group(name), timeout)
+        if sub is not None:
+            for name in sub.mesh_dim_names or ():
+                set_timeout(sub.get_group(name), timeout)
     return PipelineMesh(
         mesh=mesh,
         pp_group=mesh.get_group("pp"),

@@ -35,8 +35,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from zerobubble.runtime.comm import RankName, plain_name
 from zerobubble.runtime.chunk import LossFn, StageChunk
+from zerobubble.runtime.comm import RankName, plain_name
 from zerobubble.runtime.compile import compile_between_splits
 from zerobubble.runtime.fsdp import ShardedStages
 from zerobubble.runtime.recompute import Recompute, recompute_plan

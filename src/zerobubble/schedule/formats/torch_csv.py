@@ -124,7 +124,7 @@ def from_rows(
     seen_stages = max(where) + 1
     S = num_stages if num_stages is not None else seen_stages
     total = sum(len(acts) for acts in actions)
-    if S > total:  # a stage needs an action: no range of S is walked before this check
+    if total < S:  # a stage needs an action: no range of S is walked before this check
         what = f"num_stages={S}" if num_stages is not None else f"a cell names stage {S - 1}"
         raise ValueError(
             f"{what}, but the CSV holds {total} compute actions and every stage needs at "
