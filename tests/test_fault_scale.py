@@ -16,7 +16,7 @@ stalled: ``stalled=True``), every survivor exits 1 on its own with a ``PeerError
 survivor that waited on the faulty rank in the role's collective names it with its mesh
 coordinates ("rank 1 (pp 0, dp 1, ep 1) never arrived"). The process group's timeout (so,
 every mesh subgroup's) is 60 s and each launch's 45 s: a wait bounded only by the former
-would end the launch as a timeout, not as these errors; the comm timeout is 3 s.
+would end the launch as a timeout, not as these errors; the comm timeout is 2.5 s.
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ from zerobubble.schedule.generators import generate
 
 pytestmark = pytest.mark.slow
 
-COMM_TIMEOUT_S = 3.0
+COMM_TIMEOUT_S = 2.5
 PG_TIMEOUT_S = 60.0  # init_distributed's: every mesh subgroup's too (never reached here)
 LAUNCH_TIMEOUT_S = 45.0  # below PG_TIMEOUT_S: a wait bounded by it ends as a launch timeout
-GRACE_S = 5.0  # after the first survivor gives up, the others fail within it
+GRACE_S = 4.5  # after the first survivor gives up, the others fail within it
 ITERATION = 1
 
 

@@ -134,13 +134,16 @@ def test_a_nan_on_one_replica_after_the_reduction_makes_every_replica_skip():
         assert f"but {spec.name(bad)} holds" in r["check"], r["check"]
 
 
-def test_the_checksum_sees_one_ulp_and_two_bytes_trading_places():
+def test_the_checksum_sees_one_ulp_and_two_words_trading_places():
     t = torch.arange(6, dtype=torch.float32)
     base = checksum([t])
     nudged = t.clone()
     nudged[3] = torch.nextafter(nudged[3], torch.tensor(10.0))
     assert checksum([nudged]) != base
-    swapped = t.clone().view(torch.uint8)  # 1.0's bytes 0x80, 0x3f at offsets 6, 7
-    swapped[[6, 7]] = swapped[[7, 6]]
+    swapped = t.clone().view(torch.int64)  # the 64-bit words (0, 1), (2, 3) trade places
+    swapped[[0, 1]] = swapped[[1, 0]]
     assert checksum([swapped.view(torch.float32)]) != base
+    assert checksum([swapped.view(torch.float32)])[0] == base[0]  # the sum of all alone: no
+    odd = torch.arange(7, dtype=torch.uint8)  # 7 bytes: no whole 64-bit word
+    assert checksum([odd]) == (21, 0) != checksum([odd + 1])
     assert checksum([t.clone()]) == base

@@ -5,9 +5,8 @@ every step (:meth:`~zerobubble.optim.trainer.PipelineTrainer._agree`). What bypa
 parameter written on one rank, memory that flips a bit) would go unnoticed for the rest of
 the run, so :class:`ReplicaCheck` compares a checksum of each stage's parameters over the
 dp replicas every ``OptimConfig.replica_check_every`` steps: two sums of the parameters'
-bytes (all of them, and every other one, so that a change of one byte, or two bytes
-trading places, shows), taken with an int64 accumulator over the tensors' own storage (no
-copy), then one bounded all-gather of those integers. Dense parameters are compared over
+bytes read as 64-bit words (:func:`checksum`, over the tensors' own storage, no copy), then
+one bounded all-gather of those integers. Dense parameters are compared over
 the whole dp group, expert shards among the replicas of the same ep rank.
 """
 
@@ -44,16 +43,26 @@ class ReplicaDivergence(RuntimeError):
 
 
 def checksum(params: Sequence[Tensor]) -> tuple[int, int]:
-    """Two sums of the parameters' bytes (this rank's shard of a DTensor): all bytes, and the
-    bytes at even offsets. Exact integers: any change of one byte changes the first."""
+    """Two sums, modulo 2**64 (as int64), of the parameters' bytes read as 64-bit words (this rank's
+    shard of a DTensor; a last partial word byte by byte): of all words, and of every other
+    word. A change of any byte changes the first; two words trading places the second."""
     total = even = 0
     with torch.no_grad():
         for p in params:
             t = p.to_local() if isinstance(p, DTensor) else p
             b = t.detach().contiguous().reshape(-1).view(torch.uint8)
-            total += int(torch.sum(b, dtype=torch.int64))
-            even += int(torch.sum(b[::2], dtype=torch.int64))
-    return total, even
+            if b.data_ptr() % 8:  # a view at an offset that 64-bit words cannot start at
+                b = b.clone()
+            whole = b.numel() // 8 * 8
+            words = b[:whole].view(torch.int64)
+            total += int(words.sum()) + int(torch.sum(b[whole:], dtype=torch.int64))
+            even += int(words[::2].sum())
+    return _int64(total), _int64(even)
+
+
+def _int64(x: int) -> int:
+    """``x`` modulo 2**64 as a signed 64-bit integer (what an int64 tensor holds)."""
+    return (x + 2**63) % 2**64 - 2**63
 
 
 class ReplicaCheck:

@@ -19,10 +19,16 @@ Channels: the pipeline's messages, the announcements of changed layouts and the
 optimizer's state messages travel on separate :class:`Channel` streams (a gloo
 tag; with ``directed`` their own subgroups), so a receive posted on one can never
 match a message of another.
-Collectives (:meth:`P2P.all_reduce`, :meth:`P2P.all_gather_ints`) are bounded by
-the same timeout and fail with a :class:`PeerError` naming the group;
-:func:`exchange_bytes` is a bounded all-gather over any group that names the ranks
-that never arrived (the checkpoint's save uses it).
+Collectives (:meth:`P2P.all_reduce`, :meth:`P2P.all_gather_ints`,
+:meth:`P2P.wait_collective` for any group) are bounded by the same timeout and fail with a
+:class:`PeerError` naming the group and the ranks that never arrived (:class:`Arrivals`:
+a wait longer than :data:`PUBLISH_AFTER_S` says so in the job's store; a rank that gives
+up reads the members' entries for up to :data:`SETTLE_S`, and those without one never
+reached the collective). Collectives that run inside torch (DTensor's, FSDP's, DCP's)
+have no handle to wait on: their owner sets the group's transport timeout
+(:func:`set_timeout`, :func:`transport_timeout`) and :meth:`Arrivals.watch` turns the
+transport's error into the same message. :func:`exchange_bytes` is a bounded all-gather
+over any group whose ranks say they arrived first (the checkpoint's save uses it).
 
 Ranks in messages are global ranks (the job's); on a mesh, whose pipeline is a
 subgroup, the pipeline rank follows in parentheses. Every wait marks this rank's
@@ -84,7 +90,7 @@ class PeerError(RuntimeError):
             job (a mesh's pipeline): the message gives both; empty otherwise.
         dim: What the subgroup is, for the message ("pipeline", or "dp").
         missing: For a collective: the global ranks that never arrived (stalled or dead),
-            as far as the job's store tells (:mod:`~zerobubble.runtime.arrivals`).
+            as far as the job's store tells (:class:`Arrivals`).
     """
 
     def __init__(
@@ -170,7 +176,7 @@ def wait_or_raise(
 
 PUBLISH_AFTER_S = 0.2
 """A collective wait longer than this says so in the job's store (two store writes)."""
-SETTLE_S = 1.0
+SETTLE_S = 0.6
 """After a failure, how long a rank reads the others' entries before naming the missing."""
 _POLL_S = 0.05
 
@@ -476,12 +482,12 @@ class P2P:
         self.progress.running()
 
     def wait_collective(
-        self, work: dist.Work, action: object, pg: dist.ProcessGroup | str | None = "own"
+        self, work: dist.Work, action: object, pg: dist.ProcessGroup | None = None
     ) -> None:
-        """Wait for ``work``, a collective over ``pg`` (default: this P2P's group), at most
+        """Wait for ``work``, a collective over ``pg`` (None: this P2P's group), at most
         ``timeout_s`` seconds; a failure names the ranks that never arrived
         (:class:`Arrivals`)."""
-        group = self.group if isinstance(pg, str) else pg
+        group = self.group if pg is None else pg
         ranks = tuple(dist.get_process_group_ranks(group) if group is not None else _world())
 
         def error(why: str, missing: tuple[int, ...]) -> PeerError:
