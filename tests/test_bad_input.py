@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -384,3 +385,119 @@ def test_api_refuses_absurd_costs_and_files_that_are_not_utf8(tmp_path):
         for load in loads:
             with pytest.raises(ValueError, match=rf"^{path}: the {what} is not UTF-8 text "):
                 load(path)
+
+
+# ---- sizes from outside: refused before anything is sized by them, under a memory limit ----
+
+MEMORY_LIMIT = 512 * 2**20
+"""Address space of the process that runs the cases below (Python and the torch-free command
+line need about 30 MB resident): MemoryError, or being killed, fails the test."""
+
+
+def _mutated(path, out, where: str, field: str, value: int, index: int = 1) -> None:
+    """``path``'s trace with ``field`` of its first compute (``where="compute"``) or message
+    (``"message"``) event set to ``value`` (``msg`` takes ``index`` of the message id)."""
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        d = json.loads(line)
+        if (d["msg"] is None) == (where == "compute"):
+            if field == "msg":
+                d["msg"][index] = value
+            else:
+                d[field] = value
+            lines[i] = json.dumps(d)
+            break
+    out.write_text("\n".join(lines) + "\n")
+
+
+def test_sizes_from_outside_exit_2_naming_the_field_and_the_limit_in_bounded_memory(tmp_path):
+    """Each case was a MemoryError under a 3 GB cap, or ran without end (the trace checker
+    walked every (stage, microbatch) pair up to a mutated index; seq-zb built 2e9 units)."""
+    import subprocess
+    import sys
+
+    from synthetic_trace import synthetic_trace
+    from zerobubble.schedule.trace_format import write_jsonl
+
+    files = {}
+    for name, sched in (
+        ("seg", generate("seq-zb", 2, 4, segments=2)),
+        ("ov", generate("dualpipev", 2, 4, overlap=True)),
+    ):
+        files[f"{name}.json"] = tmp_path / f"{name}.json"
+        files[f"{name}.json"].write_text(json_format.dumps(sched))
+        trace = tmp_path / f"{name}.jsonl"
+        write_jsonl(synthetic_trace(sched), trace)
+        for where, field, value, index in (
+            ("compute", "mb", 10**7, 1),
+            ("compute", "mb", 10**30, 1),
+            ("compute", "stage", 10**7, 1),
+            ("compute", "stage", 10**30, 1),
+            ("compute", "rank", 10**7, 1),
+            ("message", "msg", 10**30, 3),
+            ("message", "msg", 10**7, 2),
+        ):
+            key = f"{name}-{field}{index if field == 'msg' else ''}-{value:.0e}"
+            files[key] = tmp_path / f"{key}.jsonl"
+            _mutated(trace, files[key], where, field, value, index)
+    files["sched-mb"] = tmp_path / "sched-mb.json"
+    files["sched-mb"].write_text(schedule_with_mb(10**30))
+    files["csv-stage"] = tmp_path / "stage.csv"
+    files["csv-stage"].write_text("10000000F0,0I0,0W0\n")
+    big = f"{10**30}"
+    cases = [  # argv ({name} is files[name]), message fragments
+        ("schedule seq-zb -p 2 -m 2 --segments 1000000000", ["--segments 1000000000", "(4e+06)"]),
+        ("schedule seq1f1b -p 2 -m 2 --segments 1000000000", ["pick fewer --segments"]),
+        ("schedule zb-h1 -p 10000000 -m 1", ["-p 10000000 -m 1 means about", "4e+06"]),
+        ("check-trace {seg-mb-1e+07}", ["field 'mb' = 10000000", "must be in [0, 98)"]),
+        ("check-trace {seg-mb-1e+30} --segments 2", [f"field 'mb' = {big}", "[0, 98)"]),
+        ("check-trace {seg-mb-1e+07} --schedule {seg.json}", ["'mb' = 10000000", "8 units"]),
+        ("check-trace {seg-mb-1e+30} --segments 2 --schedule {seg.json}", ["[0, 8)"]),
+        ("check-trace {ov-mb-1e+30}", [f"field 'mb' = {big}", "[0, 87)"]),
+        ("check-trace {ov-mb-1e+07} --schedule {ov.json}", ["'mb' = 10000000", "[0, 4)"]),
+        ("check-trace {seg-stage-1e+07}", ["field 'stage' = 10000000", "[0, 98)"]),
+        ("check-trace {ov-stage-1e+30} --schedule {ov.json}", ["'stage'", "4 stages"]),
+        ("check-trace {seg-msg3-1e+30}", [f"field 'msg[3]' = {big}"]),
+        ("check-trace {ov-msg2-1e+07} --schedule {ov.json}", ["field 'msg[2]' = 10000000"]),
+        ("check-trace {seg-rank-1e+07} --schedule {seg.json}", ["'rank' = 10000000", "2 devices"]),
+        ("simulate {sched-mb}", ["[out_of_range]", f"microbatch {big} is outside [0, 4)"]),
+        ("simulate {csv-stage}", ["a cell names stage 10000000", "must be < 3"]),
+    ]
+    argvs = [
+        [str(files[a[1:-1]]) if a.startswith("{") else a for a in argv.split()] for argv, _ in cases
+    ]
+    script = (
+        "import contextlib, io, json, sys\n"
+        "from zerobubble.cli import main\n"
+        "out = []\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        "        try:\n"
+        "            code = main(argv)\n"
+        "        except SystemExit as e:\n"
+        "            code = e.code\n"
+        "    out.append((code, err.getvalue()))\n"
+        "print(json.dumps(out))\n"
+    )
+
+    def limit() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+    done = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(argvs)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=limit,
+        env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    for (argv, fragments), (code, err) in zip(cases, got, strict=True):
+        assert code == 2, (argv, code, err)
+        assert "Traceback" not in err and "MemoryError" not in err, (argv, err)
+        for fragment in fragments:
+            assert fragment in err, (argv, fragment, err)

@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 
 from zerobubble.runtime import progress
-from zerobubble.runtime.launcher import LaunchError, _stalled, init_distributed, launch
+from zerobubble.runtime.launcher import (
+    LaunchError,
+    _stalled,
+    _waited_on,
+    init_distributed,
+    launch,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -391,3 +397,30 @@ def test_progress_marks_name_the_running_rank_the_first_failure_waited_on(tmp_pa
     assert _stalled(0, {0: 1}, [1, 2], progress.read(tmp_path, 3)) is None
     marks[0].waiting(None)  # a collective names no peer: the running rank is named
     assert _stalled(0, {0: 1}, [1, 2], progress.read(tmp_path, 3))[0] == 2
+
+
+def test_a_rank_waited_on_that_failed_later_in_its_own_code_is_named_first(tmp_path):
+    """Rank 0 died first, waiting on rank 1, which waited on rank 2; rank 2 died later,
+    running (not waiting) with its own error: it is the cause (an overlapped pair's main
+    thread that gave up on its stuck helper). Not so when it was killed by a signal (the
+    signal rule orders it), or when it waited itself; a chain that ends in a collective
+    names the one rank that raised while running, if only one did."""
+    marks = {r: progress.Progress(tmp_path / str(r)) for r in range(3)}
+    marks[0].waiting(1)
+    marks[1].waiting(2)
+    got = progress.read(tmp_path, 3)
+    assert _waited_on([0, 1, 2], {0: 1, 1: 1, 2: 1}, got) == 2
+    assert _waited_on([0, 2, 1], {0: 1, 1: 1, 2: 1}, got) == 2
+    assert _waited_on([0, 1], {0: 1, 1: 1}, got) is None  # rank 2 did not fail
+    assert _waited_on([0, 1, 2], {0: 1, 1: 1, 2: -9}, got) is None
+    marks[2].waiting(None)
+    assert _waited_on([0, 1, 2], {0: 1, 1: 1, 2: 1}, progress.read(tmp_path, 3)) is None
+    marks[2].running()
+    marks[1].waiting(None)  # rank 0 waited on rank 1, which waited in a collective
+    assert _waited_on([0, 1, 2], {0: 1, 1: 1, 2: 1}, progress.read(tmp_path, 3)) == 2
+    marks[1].running()  # the one rank 0 waited on raised while running
+    assert _waited_on([0, 1, 2], {0: 1, 1: 1, 2: 1}, progress.read(tmp_path, 3)) == 1
+    marks[0].waiting(None)  # in a collective, and two ranks raised while running: no cause
+    assert _waited_on([0, 1, 2], {0: 1, 1: 1, 2: 1}, progress.read(tmp_path, 3)) is None
+    marks[0].running()  # the first failed in its own code: the cause itself
+    assert _waited_on([0, 1, 2], {0: 1, 1: 1, 2: 1}, progress.read(tmp_path, 3)) is None

@@ -348,6 +348,31 @@ def test_parallel_spec_refuses_bad_tp() -> None:
     assert ParallelSpec(2, 2, tp=2, sequence_parallel=True).world_size == 8
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "field", "shown"),
+    [
+        ({"pp": "2"}, "pp", "'2' (str)"),  # was a TypeError from inside the comparisons
+        ({"pp": 2, "dp": 2.0}, "dp", "2.0 (float)"),
+        ({"pp": 2, "ep": True}, "ep", "True (bool)"),
+        ({"pp": 2, "tp": None}, "tp", "None (NoneType)"),
+        ({"pp": 2, "fsdp": 1}, "fsdp", "1 (int)"),
+        ({"pp": 2, "tp": 2, "sequence_parallel": "yes"}, "sequence_parallel", "'yes' (str)"),
+    ],
+)
+def test_parallel_spec_fields_are_type_checked_naming_the_field(kwargs, field, shown) -> None:
+    with pytest.raises(ValueError) as e:
+        ParallelSpec(**kwargs)
+    assert str(e.value).startswith(f"ParallelSpec.{field} must be "), str(e.value)
+    assert f"got {shown}" in str(e.value)
+    with pytest.raises(ValueError, match=r"^ParallelSpec\.pp must be an integer >= 1, got '2'"):
+        build_mesh("2")  # checked before the process group is needed
+    with pytest.raises(ValueError, match=r"^build_mesh: device_type must be a device type name"):
+        build_mesh(2, device_type=0)  # type: ignore[arg-type]
+    assert ParallelSpec(2, 2).name(3) == "rank 3 (pp 1, dp 1)"
+    assert ParallelSpec(2, 2, ep=2).name(1) == "rank 1 (pp 0, dp 1, ep 1)"
+    assert ParallelSpec(2, 2, tp=2).name(5) == "rank 5 (pp 1, dp 0, tp 1)"
+
+
 def test_pipelines_are_the_pp_ranks_of_each_dp_tp_coordinate() -> None:
     """rank = (pp_rank * dp + dp_rank) * tp + tp_rank; tp == 1 keeps the old layout."""
     assert pipeline_ranks(2, 2, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]

@@ -42,8 +42,10 @@ if TYPE_CHECKING:
     from zerobubble.train.job import JobResult, PlanError, Reporter
 
 EXIT_BAD_INPUT = 2
-MAX_ACTIONS = 10**8
-"""Largest schedule the CLI builds (3 P M V actions): bigger ones would not finish."""
+MAX_ACTIONS = 4 * 10**6
+"""Largest schedule the CLI builds (3 P M V k actions, V >= 2): building, validating and
+writing one takes about 600 bytes per action (0.71 GB measured for zb-h1 -p 4 -m 100000,
+1.2e6 actions), so at most about 2.4 GB."""
 
 
 def _number(text: str) -> Number:
@@ -105,13 +107,17 @@ def _add_cost_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _check_size(p: int, m: int, chunks: int | None) -> None:
-    """Refuse what no generator finishes: they build every action in memory."""
-    actions = 3 * p * m * max(chunks or 1, 2)  # F, B, W per stage; V kinds hold 2 chunks
+def _check_size(p: int, m: int, chunks: int | None, segments: int | None = None) -> None:
+    """Refuse what no generator finishes: they build every action in memory (F, B, W per
+    stage and unit; V kinds hold 2 chunks; each of k segments is a unit of its own)."""
+    actions = 3 * p * m * max(chunks or 1, 2) * (segments or 1)
     if actions > MAX_ACTIONS:
+        given = f"-p {p} -m {m}" + (f" --chunks {chunks}" if chunks else "")
+        given += f" --segments {segments}" if segments else ""
+        fix = "fewer --segments" if segments else "a smaller P or M"
         raise ValueError(
-            f"-p {p} -m {m} means about {actions:.3g} actions, more than the command line "
-            f"builds ({MAX_ACTIONS:.0e}); pick a smaller P or M"
+            f"{given} means about {actions:.3g} actions, more than the command line "
+            f"builds ({MAX_ACTIONS:.0e}); pick {fix}"
         )
 
 
@@ -133,7 +139,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     from zerobubble.schedule.generators import GENERATORS, generate
     from zerobubble.schedule.validate import validate
 
-    _check_size(args.p, args.m, args.chunks)
+    _check_size(args.p, args.m, args.chunks, args.segments)
     exact = args.kind in ("optimal", "optimal-v")
     if args.node_limit is not None and not exact:
         raise ValueError(
@@ -329,10 +335,19 @@ def _make_out(out: Path, flag: str) -> None:
 
 def cmd_check_trace(args: argparse.Namespace) -> int:
     from zerobubble.schedule.formats import load_schedule
-    from zerobubble.schedule.trace_check import DEFAULT_OPT_OPS, check_trace, load_trace
+    from zerobubble.schedule.trace_check import (
+        DEFAULT_OPT_OPS,
+        check_sizes,
+        check_trace,
+        load_trace,
+    )
 
     events, lines = load_trace(args.trace)
-    overlaps = () if args.schedule is None else load_schedule(args.schedule).overlaps
+    schedule = None if args.schedule is None else load_schedule(args.schedule)
+    try:
+        check_sizes(events, lines=lines, schedule=schedule)
+    except ValueError as exc:  # an index out of any run's range: named with the file
+        raise ValueError(f"{args.trace}: {exc}") from None
     report = check_trace(
         events,
         lines=lines,
@@ -341,7 +356,7 @@ def cmd_check_trace(args: argparse.Namespace) -> int:
         opt_ops=args.opt_op or DEFAULT_OPT_OPS,
         conservative=args.conservative,
         segments=args.segments,
-        overlaps=overlaps,
+        schedule=schedule,
     )
     for note in report.notes:
         print(f"note: {note}")

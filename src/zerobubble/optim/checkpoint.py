@@ -54,6 +54,7 @@ tp size raises ValueError (resharding across tp sizes is not supported).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -63,7 +64,8 @@ import pickle
 import re
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -72,15 +74,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import empty as dtensor_empty
+from torch.futures import Future
 
 from zerobubble.interop.hf_experts import expert_shard
 from zerobubble.optim.faults import CrashPoint
 from zerobubble.optim.trainer import PipelineTrainer, group_settings
-from zerobubble.runtime.comm import exchange_bytes
+from zerobubble.runtime.comm import exchange_bytes, set_timeout, transport_timeout
 from zerobubble.runtime.mesh import PipelineMesh
 
 __all__ = [
@@ -137,8 +142,10 @@ def save_checkpoint(
     Waits are bounded by the executor's ``comm_timeout_s`` (the confirmation's by that
     plus this rank's time hashing its shards) and a rank that does not arrive, stalled or
     dead, is named in the :class:`~zerobubble.runtime.comm.PeerError`: at the start, at
-    the confirmation and at the commit. ``torch.distributed.checkpoint``'s own collectives,
-    which wait for the slowest writer, keep the process group's timeout.
+    the confirmation and at the commit. ``torch.distributed.checkpoint``'s own collectives
+    run inside torch: they get the group's transport timeout, ``comm_timeout_s`` while DCP
+    plans and ``comm_timeout_s`` plus this rank's own write time once it wrote its shards
+    (the wait for the slowest writer), and a rank that never arrives is named the same way.
     """
     trainer.drain()
     group = _group(trainer, mesh)
@@ -163,7 +170,18 @@ def save_checkpoint(
         action=f"start of the {where}: nothing written yet",
         key=f"save/{root}/{name}/start",
     )
-    dcp.save(state, checkpoint_id=root / name, process_group=group)
+
+    def before_write() -> None:
+        trainer.faults.crash(trainer.rank, step, CrashPoint.IN_WRITE)
+        trainer.faults.stall(trainer.rank, step, CrashPoint.IN_WRITE)
+
+    writer = _BoundedWriter(
+        root / name,
+        before=before_write,
+        after=lambda took: set_timeout(_pg(group), timedelta(seconds=timeout + took)),
+    )
+    with _dcp_bounded(trainer, group, f"torch.distributed.checkpoint's save of the {where}"):
+        dcp.save(state, storage_writer=writer, process_group=group)
     trainer.faults.crash(trainer.rank, step, CrashPoint.DURING_SAVE)
     trainer.faults.stall(trainer.rank, step, CrashPoint.DURING_SAVE)
     v = trainer.versions
@@ -369,7 +387,14 @@ def load_checkpoint(
             if p is not None:
                 assert isinstance(md, TensorStorageMetadata)
                 state[key] = _target(md, p)
-    dcp.load(state, checkpoint_id=path, process_group=group)
+    timeout = trainer.pipe.p2p.timeout_s
+    reader = _BoundedReader(
+        path,
+        after=lambda took: set_timeout(_pg(group), timedelta(seconds=timeout + took)),
+    )
+    where = f"torch.distributed.checkpoint's load of checkpoint {manifest['path']} under {root}"
+    with _dcp_bounded(trainer, group, where):
+        dcp.load(state, storage_reader=reader, process_group=group)
     opt_state: dict[Tensor, dict[str, Any]] = {}
     for key, value in state.items():
         if key.startswith("optim."):
@@ -409,6 +434,60 @@ def _group(trainer: PipelineTrainer, mesh: PipelineMesh | None) -> dist.ProcessG
             f"{mesh.pp_size}: pass the mesh the pipeline was built with"
         )
     return None
+
+
+def _pg(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    return group if group is not None else dist.distributed_c10d._get_default_group()
+
+
+@contextlib.contextmanager
+def _dcp_bounded(
+    trainer: PipelineTrainer, group: dist.ProcessGroup | None, what: str
+) -> Iterator[None]:
+    """DCP's collectives over ``group`` bounded by the comm timeout through the group's
+    transport timeout (restored afterwards), a failure naming who never arrived."""
+    p2p = trainer.pipe.p2p
+    with (
+        transport_timeout(group, p2p.timeout_s),
+        p2p.arrivals.watch(group, lambda: what, timeout_s=p2p.timeout_s),
+    ):
+        yield
+
+
+class _BoundedWriter(FileSystemWriter):
+    """DCP's file writer, with this rank's fault points before its write and, after it, the
+    group's transport timeout raised by the write's duration: the collective that follows
+    waits for the slowest writer, whose shards take about as long as this rank's."""
+
+    def __init__(
+        self, path: Path, *, before: Callable[[], object], after: Callable[[float], None]
+    ) -> None:
+        super().__init__(path)
+        self._before, self._after = before, after
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self._before()
+        t0 = time.monotonic()
+        done = super().write_data(plan, planner)
+        done.wait()
+        self._after(time.monotonic() - t0)
+        return done
+
+
+class _BoundedReader(FileSystemReader):
+    """DCP's file reader, raising the group's transport timeout by this rank's read time
+    for the collective that waits for the slowest reader."""
+
+    def __init__(self, path: Path, *, after: Callable[[float], None]) -> None:
+        super().__init__(path)
+        self._after = after
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        t0 = time.monotonic()
+        done = super().read_data(plan, planner)
+        done.wait()
+        self._after(time.monotonic() - t0)
+        return done
 
 
 def _own_key(trainer: PipelineTrainer, mesh: PipelineMesh | None) -> str:

@@ -53,6 +53,17 @@ class OptimConfig:
     rollback: Rollback = Rollback.SNAPSHOT
     """Post-validation only: how a rejected provisional step is undone; see :class:`Rollback`."""
 
+    replica_check_every: int | None = None
+    """Every this many committed steps, compare a checksum of every stage's parameters over
+    the data-parallel replicas (dense parameters over ``dp``, experts over the replicas
+    holding the same experts) and raise :class:`~zerobubble.optim.replicas.ReplicaDivergence`
+    naming the replica that differs. Cost: one read of the rank's parameters and an
+    all-gather of two integers per stage (docs/reliability.md has the measured figure).
+    None (the default): off, as replicas that run the library's reduction and agree on every
+    step cannot drift apart on their own; turn it on to catch what bypasses it (a fault in
+    memory, a parameter written by hand on one rank). Ignored without dp replicas and under
+    FSDP (whose replicas hold different shards)."""
+
     def __post_init__(self) -> None:
         if self.mode == "post_validation":
             raise ValueError(
@@ -65,6 +76,11 @@ class OptimConfig:
             raise ValueError(f"max_norm must be > 0 (or None for no clipping), got {self.max_norm}")
         if not (self.norm_type > 0 or math.isinf(self.norm_type)):
             raise ValueError(f"norm_type must be > 0 or inf, got {self.norm_type}")
+        every = self.replica_check_every
+        if every is not None and (type(every) is not int or every < 1):
+            raise ValueError(
+                f"replica_check_every must be an integer >= 1 (or None: off), got {every!r}"
+            )
 
     @property
     def post_validation(self) -> bool:

@@ -84,7 +84,6 @@ class ExpertNorms:
         index = torch.tensor(dense, dtype=torch.long)
         self._zero = torch.cat([index, index + layout.size]) if ep_rank else None
         self.group, self.p2p = group, p2p
-        self.ranks = tuple(dist.get_process_group_ranks(group))
 
     def merge(self, vec: Tensor, iteration: int) -> None:
         """Sum ``vec`` (filled by this rank) over the ep ranks, dense slots from ep rank 0."""
@@ -93,4 +92,4 @@ class ExpertNorms:
         what = f"all-reduce over dim 'ep' of iteration {iteration}'s expert gradient norms"
         work = dist.all_reduce(vec, group=self.group, async_op=True)
         assert work is not None
-        self.p2p.wait(work, None, what, group=self.ranks)
+        self.p2p.wait_collective(work, what, self.group)

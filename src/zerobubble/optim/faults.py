@@ -86,6 +86,9 @@ class CrashPoint(enum.StrEnum):
     """After the rank's provisional step (and its prefix message), before validation."""
     DURING_SAVE = "during_save"
     """After the rank wrote its checkpoint shard, before it confirmed the save."""
+    IN_WRITE = "in_write"
+    """Inside ``torch.distributed.checkpoint``'s save, where this rank writes its shards:
+    its peers wait for it in DCP's own collectives."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,8 @@ _PHASE_OPS = {Op.F: Phase.FORWARD, Op.B: Phase.BACKWARD, Op.BW: Phase.BACKWARD}
 @dataclass(frozen=True)
 class Stall:
     """Make one rank sleep at a protocol point of one iteration: by default the tail,
-    before the optimizer's messages; ``during_save``: after writing its checkpoint shard.
+    before the optimizer's messages; ``during_save``: after writing its checkpoint shard;
+    ``in_write``: inside DCP's save, before writing it.
 
     Attributes:
         rank: The rank that stalls.

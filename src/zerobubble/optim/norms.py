@@ -53,7 +53,14 @@ FLAG_DEFERRED = 0
 """Flag slot: 1 if some rank deferred its step (post-validation prefix)."""
 FLAG_REPLAY = 1
 """Flag slot: 1 if the next iteration's speculative work must be replayed (set by the last rank)."""
-NUM_FLAGS = 2
+FLAG_NONFINITE = 2
+"""Flag slot: > 0 if some rank saw a non-finite norm among its own gradients (before the ep
+merge drops its copy of dense norms, or where a replicated DTensor's local value is its own)."""
+FLAG_AGREED = 3
+"""Flag slot: 1 once the last rank wrote the total agreed over the replicas (:data:`FLAG_TOTAL`)."""
+FLAG_TOTAL = 4
+"""Flag slot: the global norm agreed over every replica (NaN when any saw a non-finite one)."""
+NUM_FLAGS = 5
 HEADER_LEN = 3
 """Header slots after the flags: message kind, iteration, vector length."""
 
@@ -197,7 +204,8 @@ class ParamLayout:
         plain gradient as a replicated one) and their local values written, partial
         ones marked :data:`PARTIAL`.
         """
-        grads, slots = [], []
+        grads: list[Tensor] = []
+        slots: list[int] = []
         for s, params in stage_params.items():
             for i, p in enumerate(params):
                 slot = self.first[s] + i
@@ -220,9 +228,12 @@ class ParamLayout:
             norms = per_tensor_norms(grads, norm_type)
             partial = [_is_partial(n) for n in norms]
         index = torch.tensor(slots)
-        vec[index] = torch.stack([_local(n).detach().to("cpu", torch.float64) for n in norms])
+        values = torch.stack([_local(n).detach().to("cpu", torch.float64) for n in norms])
+        vec[index] = values
         status = [PARTIAL if p else PRESENT for p in partial]
         vec[index + self.size] = torch.tensor(status, dtype=torch.float64)
+        if not bool(torch.isfinite(values).all()):
+            vec[self.flags + FLAG_NONFINITE] += 1.0
 
     def total(
         self, vec: Tensor, norm_type: float, device: torch.device, *, prefix: bool = False

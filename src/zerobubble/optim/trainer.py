@@ -54,8 +54,11 @@ from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.ep_norms import ExpertNorms, expert_slots
 from zerobubble.optim.faults import CrashPoint, FaultPlan
 from zerobubble.optim.norms import (
+    FLAG_AGREED,
     FLAG_DEFERRED,
+    FLAG_NONFINITE,
     FLAG_REPLAY,
+    FLAG_TOTAL,
     Decision,
     ParamLayout,
     Remote,
@@ -64,6 +67,7 @@ from zerobubble.optim.norms import (
     decide,
     may_step_early,
 )
+from zerobubble.optim.replicas import ReplicaCheck
 from zerobubble.optim.rollback import make_undo
 from zerobubble.optim.speculation import VersionGuard
 from zerobubble.optim.step_state import StepState
@@ -227,6 +231,14 @@ class PipelineTrainer:
             self._experts = ExpertNorms(
                 self.layout, self.norm_params, mesh.ep_rank, mesh.ep_group, executor.p2p
             )
+        self._replica_groups: list[tuple[dist.ProcessGroup, str]] = []
+        """The groups over which the replicas of a pipeline rank agree on the step (dp, then
+        tp): with the pipeline's own reduction, the whole job decides as one."""
+        if mesh is not None and mesh.dp_group is not None:
+            self._replica_groups.append((mesh.dp_group, "dp"))
+        if self.layout.tp_mesh is not None:
+            self._replica_groups.append((self.layout.tp_mesh.get_group(), "tp"))
+        self.replicas = ReplicaCheck.of(executor, self.stage_params)
         self.versions = RankVersions(speculative=self.config.speculative)
         self.rank, self.world = executor.rank, executor.schedule.num_devices
         self.last_commit: Commit | None = None
@@ -301,10 +313,50 @@ class PipelineTrainer:
             vec = self.layout.new_vector()
             self._fill(vec, k)
             self.pipe.p2p.all_reduce(vec, f"all-reduce of iteration {k}'s gradient-norm state")
-            total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
+            total = self._agree(vec, self._total(vec, k), k)
             action = decide(total, self.config)
         self._apply(action, total, k)
         self._commit(k, action, total)
+
+    def _agree(self, vec: Tensor, total: Tensor, k: int) -> Tensor:
+        """The global norm every replica of the job decides on: the largest over the dp and
+        the tp replicas (each pipeline's is the same unless gradients differ after the
+        reduction), NaN when any rank saw a non-finite norm. A NaN that reaches one
+        replica's gradients after the dp reduction then makes every replica skip, instead
+        of one skipping and the others stepping (their parameters would differ from then
+        on). One small all-reduce per replica dim; ``total`` unchanged without replicas."""
+        if not self._replica_groups:
+            return total
+        nonfinite = vec[self.layout.flags + FLAG_NONFINITE] > 0 or not torch.isfinite(total)
+        t = torch.tensor(
+            [float(nonfinite), 0.0 if nonfinite else float(total)],
+            dtype=torch.float64,
+            device=self.pipe.device,
+        )
+        for group, dim in self._replica_groups:
+            what = f"all-reduce over dim '{dim}' of iteration {k}'s skip decision and norm"
+            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
+            assert work is not None
+            self.pipe.p2p.wait_collective(work, what, group)
+        if t[0] > 0:
+            return total if not torch.isfinite(total) else torch.full_like(total, float("nan"))
+        return torch.tensor(float(t[1]), dtype=total.dtype, device=total.device)
+
+    def _total(self, vec: Tensor, k: int, *, prefix: bool = False) -> Tensor:
+        """The norm of ``vec`` (with tp: DTensor's reduction over the tp group, bounded by
+        its transport timeout and named like every other collective)."""
+        with self._tp_collectives(f"iteration {k}'s gradient norm"):
+            return self.layout.total(vec, self.config.norm_type, self.pipe.device, prefix=prefix)
+
+    def _tp_collectives(self, what: str) -> contextlib.AbstractContextManager[None]:
+        tp = self.layout.tp_mesh
+        if tp is None:
+            return contextlib.nullcontext()
+        return self.pipe.p2p.arrivals.watch(
+            tp.get_group(),
+            lambda: f"{what} (DTensor's reduction over dim 'tp')",
+            timeout_s=self.pipe.p2p.timeout_s,
+        )
 
     # ---- post-validation ----------------------------------------------------------------
 
@@ -320,17 +372,18 @@ class PipelineTrainer:
             self._fill(vec, k)
             flags = self.layout.flags
             if last:
-                total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
+                total = self._agree(vec, self._total(vec, k), k)
                 action = decide(total, self.config)
                 replay = not (action is Decision.STEP and vec[flags + FLAG_DEFERRED] == 0)
                 vec[flags + FLAG_REPLAY] = float(replay)
+                if self._replica_groups:  # the others decide on the agreed norm too
+                    vec[flags + FLAG_AGREED] = 1.0
+                    vec[flags + FLAG_TOTAL] = float(total)
                 self.layout.stamp(vec, StateKind.FULL, k)
                 if d > 0:  # send the full state back first: the others' validation waits on it
                     self._send(vec, d - 1, f"send of iteration {k}'s validated optimizer state")
             else:
-                prefix = self.layout.total(
-                    vec, self.config.norm_type, self.pipe.device, prefix=True
-                )
+                prefix = self._total(vec, k, prefix=True)
                 stepped = may_step_early(prefix, self.config)
                 if not stepped:
                     vec[flags + FLAG_DEFERRED] = 1.0
@@ -378,7 +431,10 @@ class PipelineTrainer:
             if d > 0:
                 self._send(vec, d - 1, f"send of iteration {k}'s validated optimizer state")
             self._flush_sends(keep_last=d > 0)
-            total = self.layout.total(vec, self.config.norm_type, self.pipe.device)
+            total = self._total(vec, k)
+            if vec[self.layout.flags + FLAG_AGREED] > 0:
+                agreed = float(vec[self.layout.flags + FLAG_TOTAL])
+                total = torch.tensor(agreed, dtype=total.dtype, device=total.device)
             action = decide(total, self.config)
             replay = bool(vec[self.layout.flags + FLAG_REPLAY])
         rolled_back = False
@@ -402,11 +458,12 @@ class PipelineTrainer:
     def _fill(self, vec: Tensor, k: int) -> None:
         """Add the norms of this rank's gradients (with ep: and of its ep peers' experts, a
         collective over ep) into their slots of ``vec``, which holds none of them yet."""
-        if self._experts is None:
-            self.layout.fill(vec, self.norm_params, self.config.norm_type, self._combine)
-            return
-        own = self.layout.new_vector()
-        self.layout.fill(own, self.norm_params, self.config.norm_type, self._combine)
+        with self._tp_collectives(f"iteration {k}'s gradient norms"):
+            if self._experts is None:
+                self.layout.fill(vec, self.norm_params, self.config.norm_type, self._combine)
+                return
+            own = self.layout.new_vector()
+            self.layout.fill(own, self.norm_params, self.config.norm_type, self._combine)
         self._experts.merge(own, k)
         vec.add_(own)  # exact: the slots are disjoint (zeros on one side)
 
@@ -448,6 +505,9 @@ class PipelineTrainer:
             self.pipe.param_version = self.versions.param_version
             for state in self.step_states:
                 state.commit_step(action is not Decision.SKIP)
+        every = self.config.replica_check_every
+        if self.replicas is not None and every is not None and (k + 1) % every == 0:
+            self.replicas.check(k)
         info = Commit(
             k, self.versions.committed, action, float(total), provisional, rolled_back, replay
         )

@@ -19,10 +19,16 @@ Channels: the pipeline's messages, the announcements of changed layouts and the
 optimizer's state messages travel on separate :class:`Channel` streams (a gloo
 tag; with ``directed`` their own subgroups), so a receive posted on one can never
 match a message of another.
-Collectives (:meth:`P2P.all_reduce`, :meth:`P2P.all_gather_ints`) are bounded by
-the same timeout and fail with a :class:`PeerError` naming the group;
-:func:`exchange_bytes` is a bounded all-gather over any group that names the ranks
-that never arrived (the checkpoint's save uses it).
+Collectives (:meth:`P2P.all_reduce`, :meth:`P2P.all_gather_ints`,
+:meth:`P2P.wait_collective` for any group) are bounded by the same timeout and fail with a
+:class:`PeerError` naming the group and the ranks that never arrived (:class:`Arrivals`:
+a wait longer than :data:`PUBLISH_AFTER_S` says so in the job's store; a rank that gives
+up reads the members' entries for up to :data:`SETTLE_S`, and those without one never
+reached the collective). Collectives that run inside torch (DTensor's, FSDP's, DCP's)
+have no handle to wait on: their owner sets the group's transport timeout
+(:func:`set_timeout`, :func:`transport_timeout`) and :meth:`Arrivals.watch` turns the
+transport's error into the same message. :func:`exchange_bytes` is a bounded all-gather
+over any group whose ranks say they arrived first (the checkpoint's save uses it).
 
 Ranks in messages are global ranks (the job's); on a mesh, whose pipeline is a
 subgroup, the pipeline rank follows in parentheses. Every wait marks this rank's
@@ -32,9 +38,10 @@ that stalls.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -82,6 +89,8 @@ class PeerError(RuntimeError):
         local: ``global rank -> rank in the subgroup`` when the group is a subgroup of the
             job (a mesh's pipeline): the message gives both; empty otherwise.
         dim: What the subgroup is, for the message ("pipeline", or "dp").
+        missing: For a collective: the global ranks that never arrived (stalled or dead),
+            as far as the job's store tells (:class:`Arrivals`).
     """
 
     def __init__(
@@ -94,6 +103,7 @@ class PeerError(RuntimeError):
         group: tuple[int, ...] = (),
         local: Mapping[int, int] | None = None,
         dim: str = "pipeline",
+        missing: tuple[int, ...] = (),
     ) -> None:
         local = dict(local or {})
         if peer is None:
@@ -109,6 +119,42 @@ class PeerError(RuntimeError):
         self.action = action
         self.group = group
         self.local = local
+        self.missing = missing
+
+
+def default_timeout() -> timedelta | None:
+    """The timeout the default process group was created with (``init_distributed``'s
+    ``timeout_s``); None before it exists."""
+    if not dist.is_initialized():
+        return None
+    return group_timeout(dist.distributed_c10d._get_default_group())
+
+
+def group_timeout(group: dist.ProcessGroup) -> timedelta:
+    """The transport timeout of ``group``'s backend (gloo or NCCL): how long one of its
+    operations may block before it raises."""
+    device = torch.device(group._device_types[0])
+    return group._get_backend(device).options._timeout
+
+
+def set_timeout(group: dist.ProcessGroup | None, timeout: timedelta | None) -> None:
+    """Give ``group``'s later operations the transport timeout ``timeout`` (None: keep)."""
+    if group is not None and timeout is not None:
+        group.set_timeout(timeout)
+
+
+@contextlib.contextmanager
+def transport_timeout(group: dist.ProcessGroup | None, seconds: float) -> Iterator[None]:
+    """Operations started in the block on ``group`` (None: the world) raise after
+    ``seconds`` without progress; the group's timeout is restored afterwards. For the
+    collectives torch runs inside a call that has no handle to wait on (DCP's)."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    before = group_timeout(pg)
+    set_timeout(pg, timedelta(seconds=seconds))
+    try:
+        yield
+    finally:
+        set_timeout(pg, before)
 
 
 def wait_or_raise(
@@ -126,6 +172,192 @@ def wait_or_raise(
         else:
             why = f"the transport failed after {took:.1f}s ({who} died?)"
         raise blame(f"{why}: {e}") from e
+
+
+PUBLISH_AFTER_S = 0.2
+"""A collective wait longer than this says so in the job's store (two store writes)."""
+SETTLE_S = 0.6
+"""After a failure, how long a rank reads the others' entries before naming the missing."""
+_POLL_S = 0.05
+
+RankName = Callable[[int], str]
+"""How a message names a global rank: ``"rank 5 (pp 1, dp 0, tp 1)"`` on a mesh."""
+
+
+def plain_name(rank: int) -> str:
+    return f"rank {rank}"
+
+
+def group_key(group: dist.ProcessGroup | None) -> str:
+    """A name of ``group`` that is the same on every member (torch numbers groups in their
+    collective creation order); the world is ``"world"``."""
+    return "world" if group is None else f"pg{group.group_name}"
+
+
+def transport_failure(e: BaseException) -> BaseException | None:
+    """The communication error in ``e``'s chain (a torch distributed error, or gloo's
+    transport timeout or closed connection raised as a RuntimeError), or None."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, PeerError):
+            return None  # already named
+        if isinstance(cur, dist.DistError) or "gloo/transport" in str(cur):
+            return cur
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+class Arrivals:
+    """This rank's entries in the job's store, and the reading of the others'.
+
+    Args:
+        rank: This process's global rank.
+        name: How messages name a global rank (its mesh coordinates).
+        progress: This rank's progress mark (a rank that gives up dies waiting).
+    """
+
+    def __init__(
+        self, rank: int, name: RankName = plain_name, progress: Progress | None = None
+    ) -> None:
+        self.rank = rank
+        self.name = name
+        self.progress = progress or Progress.from_env(rank)
+        self._store: dist.Store | None = None
+
+    def _key(self, group: str, rank: int) -> str:
+        return f"zerobubble/waiting/{group}/{rank}"
+
+    def store(self) -> dist.Store | None:
+        if self._store is None and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                self._store = dist.distributed_c10d._get_default_store()
+        return self._store
+
+    def _set(self, group: str, value: str) -> None:
+        store = self.store()
+        if store is not None:
+            with contextlib.suppress(Exception):  # naming is best effort, the bound is not
+                store.set(self._key(group, self.rank), value)
+
+    def missing(self, group: str, ranks: Sequence[int]) -> list[int] | None:
+        """Set this rank's entry (it gave up waiting in ``group``), then read the members'
+        for up to :data:`SETTLE_S`: the global ranks that never said they wait there;
+        None when the store cannot be read."""
+        self._set(group, "1")
+        store = self.store()
+        if store is None:
+            return None
+        others = [r for r in ranks if r != self.rank]
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            try:
+                absent = [r for r in others if not _present(store, self._key(group, r))]
+            except Exception:
+                return None
+            if not absent or time.monotonic() >= deadline:
+                return absent
+            time.sleep(_POLL_S)
+
+    def wait(
+        self,
+        work: dist.Work,
+        *,
+        group: dist.ProcessGroup | None,
+        ranks: Sequence[int],
+        timeout_s: float,
+        error: Callable[[str, tuple[int, ...]], PeerError],
+    ) -> None:
+        """Wait for ``work`` (a collective over ``group``, global ranks ``ranks``) at most
+        ``timeout_s``; on a timeout or a broken transport raise ``error(why, missing)``,
+        ``why`` naming the ranks that never arrived."""
+        self.progress.waiting(None)
+        key = group_key(group)
+        start = time.monotonic()
+        first = min(timeout_s, PUBLISH_AFTER_S)
+        published = False
+        try:
+            try:
+                work.wait(timeout=timedelta(seconds=first))
+            except Exception:
+                if time.monotonic() - start < 0.99 * first:
+                    raise  # the transport failed: not a slow peer
+                self._set(key, "1")
+                published = True
+                work.wait(timeout=timedelta(seconds=max(timeout_s - first, 0.001)))
+        except Exception as e:
+            took = time.monotonic() - start
+            why = (
+                f"no completion within the comm timeout of {timeout_s:g}s (a rank of the "
+                "group stuck?)"
+                if took >= 0.99 * timeout_s
+                else f"the transport failed after {took:.1f}s (a rank of the group died?)"
+            )
+            absent = self.missing(key, ranks)
+            raise error(f"{why}{self.naming(absent)}: {e}", tuple(absent or ())) from e
+        if published:
+            self._set(key, "0")
+        self.progress.running()
+
+    def naming(self, absent: Sequence[int] | None) -> str:
+        """The clause of a message that names who never arrived (empty when unknown)."""
+        if absent is None:
+            return "; cannot tell which ranks arrived (the job's store is unreachable)"
+        if not absent:
+            return "; every rank of the group arrived"
+        names = ", ".join(self.name(r) for r in absent)
+        verb = "never arrived" if len(absent) == 1 else "never arrived (each)"
+        return f"; {names} {verb} (stalled or dead)"
+
+    @contextlib.contextmanager
+    def watch(
+        self,
+        group: dist.ProcessGroup | None,
+        action: Callable[[], str],
+        *,
+        timeout_s: float,
+        local: dict[int, int] | None = None,
+        dim: str = "pipeline",
+    ) -> Iterator[None]:
+        """A block whose collectives run inside torch over ``group`` (DTensor's, FSDP's,
+        DCP's), bounded by the group's transport timeout (``timeout_s``, set by the
+        caller): a communication error raised in it becomes a :class:`PeerError` naming
+        the ranks that never arrived; any other error passes unchanged. ``action`` is
+        called only then (it describes what was running)."""
+        try:
+            yield
+        except Exception as e:
+            cause = transport_failure(e)
+            if cause is None:
+                raise
+            self.progress.waiting(None)
+            ranks = tuple(dist.get_process_group_ranks(group) if group else _world())
+            absent = self.missing(group_key(group), ranks)
+            text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause)
+            why = (
+                f"no completion within the group's transport timeout of {timeout_s:g}s or a "
+                f"broken connection{self.naming(absent)}: {text}"
+            )
+            raise PeerError(
+                self.rank,
+                None,
+                action(),
+                why,
+                group=ranks,
+                local=local,
+                dim=dim,
+                missing=tuple(absent or ()),
+            ) from e
+
+
+def _present(store: dist.Store, key: str) -> bool:
+    """Whether ``key`` is set to "1" (``check`` first: ``get`` of a missing key blocks)."""
+    return bool(store.check([key])) and store.get(key) == b"1"
+
+
+def _world() -> range:
+    return range(dist.get_world_size())
 
 
 def _named(rank: int, local: Mapping[int, int], dim: str = "pipeline") -> str:
@@ -160,6 +392,7 @@ class P2P:
         pairs: Iterable[tuple[int, int, Channel]] = (),
         pipelines: Sequence[Sequence[int]] | None = None,
         dim: str = "pipeline",
+        name: RankName = plain_name,
     ) -> None:
         """``pairs`` are the (src, dst, channel) streams that carry messages; with
         ``directed`` every rank of the default group must pass the same ones
@@ -167,7 +400,8 @@ class P2P:
         pipeline running the same program (a mesh's dp replicas, see
         :meth:`~zerobubble.runtime.mesh.PipelineMesh.pipelines`); every rank creates
         the lanes of all of them, in that order, and keeps its own. None: ``group`` is
-        the only pipeline. ``dim``: what ``group`` is, as messages name its ranks."""
+        the only pipeline. ``dim``: what ``group`` is, as messages name its ranks; ``name``:
+        how they name a rank that never arrived at a collective (its mesh coordinates)."""
         self.group = group
         self.device = device
         self.timeout_s = timeout_s
@@ -184,6 +418,7 @@ class P2P:
         )
         self.dim = dim
         self.progress = Progress.from_env(self.global_ranks[self.rank])
+        self.arrivals = Arrivals(self.global_ranks[self.rank], name, self.progress)
         self._lanes: dict[tuple[int, int, Channel], tuple[dist.ProcessGroup | None, int]] = {}
         if directed:
             mine = [dist.get_global_rank(group, r) if group else r for r in range(self.world)]
@@ -191,7 +426,7 @@ class P2P:
             for ranks_of in pipelines or [mine]:
                 for src, dst, channel in streams:
                     ranks = [ranks_of[src], ranks_of[dst]]
-                    sub = dist.new_group(ranks)
+                    sub = dist.new_group(ranks, timeout=default_timeout())
                     if list(ranks_of) == mine and self.rank in (src, dst):
                         peer = ranks[1] if self.rank == src else ranks[0]
                         lane = (sub, dist.get_group_rank(sub, peer))
@@ -240,22 +475,25 @@ class P2P:
             raise self.error(peer, action, "not in the recv lane's group")
         return work
 
-    def wait(
-        self,
-        work: dist.Work,
-        peer: int | None,
-        action: object,
-        *,
-        group: tuple[int, ...] | None = None,
-    ) -> None:
-        """Wait for ``work`` at most ``timeout_s`` seconds (``peer`` None: a collective, over
-        this group or, when given, the global ranks ``group``)."""
-        self.progress.waiting(None if peer is None else self.global_ranks[peer])
-        who = "peer" if peer is not None else "a rank of the group"
-        wait_or_raise(
-            work, self.timeout_s, who, lambda why: self.error(peer, action, why, group=group)
-        )
+    def wait(self, work: dist.Work, peer: int, action: object) -> None:
+        """Wait for ``work``, a message with ``peer``, at most ``timeout_s`` seconds."""
+        self.progress.waiting(self.global_ranks[peer])
+        wait_or_raise(work, self.timeout_s, "peer", lambda why: self.error(peer, action, why))
         self.progress.running()
+
+    def wait_collective(
+        self, work: dist.Work, action: object, pg: dist.ProcessGroup | None = None
+    ) -> None:
+        """Wait for ``work``, a collective over ``pg`` (None: this P2P's group), at most
+        ``timeout_s`` seconds; a failure names the ranks that never arrived
+        (:class:`Arrivals`)."""
+        group = self.group if pg is None else pg
+        ranks = tuple(dist.get_process_group_ranks(group) if group is not None else _world())
+
+        def error(why: str, missing: tuple[int, ...]) -> PeerError:
+            return self.error(None, action, why, group=ranks, missing=missing)
+
+        self.arrivals.wait(work, group=group, ranks=ranks, timeout_s=self.timeout_s, error=error)
 
     def name(self, rank: int) -> str:
         """Rank ``rank`` of the group as messages name it: its global rank, and on a mesh
@@ -263,7 +501,13 @@ class P2P:
         return _named(self.global_ranks[rank], self._local, self.dim)
 
     def error(
-        self, peer: int | None, action: object, cause: str, *, group: tuple[int, ...] | None = None
+        self,
+        peer: int | None,
+        action: object,
+        cause: str,
+        *,
+        group: tuple[int, ...] | None = None,
+        missing: tuple[int, ...] = (),
     ) -> PeerError:
         """A :class:`PeerError` of this rank with ``peer`` (a rank of the group; None: a
         collective over the group, or over the global ranks ``group``), in global ranks."""
@@ -275,6 +519,7 @@ class P2P:
             group=self.global_ranks if group is None else group,
             local=self._local,
             dim=self.dim,
+            missing=missing,
         )
 
     def all_reduce(self, tensor: torch.Tensor, action: str) -> None:
@@ -287,7 +532,7 @@ class P2P:
         except Exception as e:
             raise self.error(None, action, str(e)) from e
         assert work is not None
-        self.wait(work, None, action)
+        self.wait_collective(work, action)
         if on_device is not tensor:
             tensor.copy_(on_device)
 
@@ -309,7 +554,7 @@ class P2P:
         except Exception as e:
             raise self.error(None, action, str(e)) from e
         assert work is not None
-        self.wait(work, None, action)
+        self.wait_collective(work, action)
 
 
 def exchange_bytes(

@@ -32,16 +32,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from zerobubble.runtime.comm import P2P, PeerError, wait_or_raise
+from zerobubble.runtime.comm import P2P, Arrivals, PeerError, RankName, plain_name
 from zerobubble.runtime.ep import is_expert
-from zerobubble.runtime.progress import Progress
 
 __all__ = ["GradReducer", "sum_over_dp"]
 
@@ -64,6 +62,7 @@ class GradReducer:
         timeout_s: Longest the wait for one stage's reduction may block.
         expert_group: The group expert parameters are summed over (the mesh's
             ``edp_group``); None: they are not reduced (each rank holds its experts alone).
+        name: How a message names a rank that never arrived (its mesh coordinates).
     """
 
     def __init__(
@@ -72,6 +71,7 @@ class GradReducer:
         stage_params: Mapping[int, Sequence[nn.Parameter]],
         timeout_s: float,
         expert_group: dist.ProcessGroup | None = None,
+        name: RankName = plain_name,
     ) -> None:
         self.group = group
         self.expert_group = expert_group
@@ -82,7 +82,7 @@ class GradReducer:
         self.expert_ranks = (
             () if expert_group is None else tuple(dist.get_process_group_ranks(expert_group))
         )
-        self.progress = Progress.from_env(self.rank)
+        self.arrivals = Arrivals(self.rank, name)
         self._in_flight: list[_Bucket] = []
 
     def launch(self, stage: int, iteration: int) -> None:
@@ -113,10 +113,16 @@ class GradReducer:
         for b in buckets:
             what = self._what(b.stage, iteration, b.expert)
             ranks = self.expert_ranks if b.expert else self.ranks
-            self.progress.waiting(None)
-            blame = partial(PeerError, self.rank, None, what, group=ranks)
-            wait_or_raise(b.work, self.timeout_s, "a dp replica", blame)
-            self.progress.running()
+
+            def blame(
+                why: str, missing: tuple[int, ...], what: str = what, ranks: tuple = ranks
+            ) -> PeerError:
+                return PeerError(self.rank, None, what, why, group=ranks, missing=missing)
+
+            group = self.expert_group if b.expert else self.group
+            self.arrivals.wait(
+                b.work, group=group, ranks=ranks, timeout_s=self.timeout_s, error=blame
+            )
             offset = 0
             for g in b.grads:
                 n = g.numel()
@@ -161,5 +167,5 @@ def sum_over_dp(
     what = f"all-reduce over dim 'dp' of iteration {iteration}'s {of}"
     work = dist.all_reduce(t, group=dp_group, async_op=True)
     assert work is not None
-    p2p.wait(work, None, what, group=tuple(dist.get_process_group_ranks(dp_group)))
+    p2p.wait_collective(work, what, dp_group)
     return t if isinstance(n, Tensor) else int(t.item())

@@ -20,14 +20,14 @@ experts), every other parameter over ``dp_group``.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from zerobubble.runtime.comm import PeerError, wait_or_raise
+from zerobubble.runtime.comm import Arrivals, PeerError
 
 if TYPE_CHECKING:
     from zerobubble.runtime.mesh import PipelineMesh
@@ -95,6 +95,8 @@ class ExpertGroup:
     Under an overlapped schedule a forward (on a helper thread) and a backward run at once
     (:mod:`~zerobubble.runtime.overlap`): each group then sees one thread's calls, in the
     same order on every ep rank."""
+    arrivals: Arrivals | None = field(default=None, compare=False, repr=False)
+    """Names the ep rank that never arrived when a wait fails (None: the group only)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size or (self.size > 1 and self.group is None):
@@ -106,7 +108,10 @@ class ExpertGroup:
     @classmethod
     def of(cls, mesh: PipelineMesh, timeout_s: float | None = None) -> ExpertGroup:
         """The ep group of a :class:`~zerobubble.runtime.mesh.PipelineMesh`."""
-        return cls(mesh.ep_group, mesh.ep_rank, mesh.ep_size, timeout_s, mesh.ep_backward_group)
+        arrivals = Arrivals(dist.get_rank(), mesh.spec.name)
+        return cls(
+            mesh.ep_group, mesh.ep_rank, mesh.ep_size, timeout_s, mesh.ep_backward_group, arrivals
+        )
 
     @property
     def backward_group(self) -> dist.ProcessGroup | LocalGroup | None:
@@ -120,12 +125,13 @@ class ExpertGroup:
             return
         pg = group or self.group
         assert not isinstance(pg, LocalGroup)
+        ranks = tuple(dist.get_process_group_ranks(pg))
+        arrivals = self.arrivals or Arrivals(dist.get_rank())
 
-        def blame(why: str) -> PeerError:
-            ranks = tuple(dist.get_process_group_ranks(pg))
-            return PeerError(dist.get_rank(), None, what, why, group=ranks)
+        def blame(why: str, missing: tuple[int, ...]) -> PeerError:
+            return PeerError(arrivals.rank, None, what, why, group=ranks, missing=missing)
 
-        wait_or_raise(work, self.timeout_s, "an ep peer", blame)
+        arrivals.wait(work, group=pg, ranks=ranks, timeout_s=self.timeout_s, error=blame)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ExpertGroup:
         return self

@@ -21,9 +21,11 @@ messages the gate names, discards the step's work and restarts the program.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -34,6 +36,7 @@ from torch.profiler import record_function
 
 from zerobubble.runtime.blame import forward_failure
 from zerobubble.runtime.chunk import LossFn, StageChunk, StageChunkError
+from zerobubble.runtime.comm import PeerError, exchange_bytes, plain_name, set_timeout
 from zerobubble.runtime.dp import GradReducer, sum_over_dp
 from zerobubble.runtime.executor_options import ExecutorOptions
 from zerobubble.runtime.fsdp import ShardedStages
@@ -219,12 +222,21 @@ class PipelineExecutor:
             chunk.store.rng_lock = self.rng.lock
         self.has_first = 0 in self.chunks
         self.has_last = self.schedule.num_stages - 1 in self.chunks
+        self.tp_group = None if mesh is None else mesh.tp_group
+        """The group of the stages' tensor-parallel collectives, which DTensor runs inside
+        torch: its transport timeout is the comm timeout, and a compute that fails in one
+        names the tp rank that never arrived (:meth:`~zerobubble.runtime.comm.Arrivals.watch`)."""
+        set_timeout(self.tp_group, timedelta(seconds=opts.comm_timeout_s))
         self.reducer: GradReducer | None = None
         if mesh is not None and self.plan.grad_sync.reduces:
             assert mesh.dp_group is not None  # a ParallelSpec with dp > 1
             params = {s: list(c.module.parameters()) for s, c in self.chunks.items()}
             self.reducer = GradReducer(
-                mesh.dp_group, params, opts.comm_timeout_s, expert_group=mesh.edp_group
+                mesh.dp_group,
+                params,
+                opts.comm_timeout_s,
+                expert_group=mesh.edp_group,
+                name=mesh.spec.name,
             )
         self.p2p = pipeline_p2p(
             self.programs,
@@ -233,10 +245,13 @@ class PipelineExecutor:
             opts.comm_timeout_s,
             directed=opts.directed_groups,
             pipelines=None if mesh is None else mesh.pipelines(),
+            name=plain_name if mesh is None else mesh.spec.name,
         )
         self.links = Links(self.p2p, self.device, self.rank)
         # The trace's epoch: every rank leaves this (bounded) barrier at nearly one instant.
         self.p2p.all_reduce(torch.zeros(1, device=self.device), "start-up barrier (trace epoch)")
+        if self.cuts is not None:
+            self._agree_on_cuts()
         self.trace = Trace(self.rank, time.perf_counter_ns())
         self.param_version = 0
         self.iteration = 0
@@ -280,7 +295,37 @@ class PipelineExecutor:
             device=self.device,
             timeout_s=opts.comm_timeout_s,
             tp=tp,
+            name=plain_name if mesh is None else mesh.spec.name,
         )
+
+    def _agree_on_cuts(self) -> None:
+        """Every rank of the job must cut the sequences at the same tokens (a pipeline whose
+        ranks slice differently would exchange boundary values of other lengths, or hang):
+        one bounded all-gather of the cuts at start-up, over the job with a mesh (the dp and
+        tp replicas too), else over the pipeline."""
+        assert self.cuts is not None
+        group = None if self.mesh is not None else self.group
+        mine = json.dumps(self.cuts).encode()
+        theirs = exchange_bytes(
+            mine,
+            group=group,
+            device=self.device,
+            timeout_s=self.options.comm_timeout_s,
+            action="exchange of the sequence segments' cuts at start-up",
+            key="executor/cuts",
+            progress=self.p2p.progress,
+        )
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(len(theirs))
+        differ = {r: json.loads(t) for r, t in zip(ranks, theirs, strict=True) if t != mine}
+        if differ:
+            name = plain_name if self.mesh is None else self.mesh.spec.name
+            me = dist.get_rank()
+            seen = "; ".join(f"{name(r)} cuts={list(c)}" for r, c in sorted(differ.items()))
+            raise ValueError(
+                f"{name(me)} cuts the sequences at {list(self.cuts)} but {seen}: every rank "
+                "must pass the same ExecutorOptions(cuts=...) (a pipeline's ranks exchange "
+                "each segment's boundary values, the replicas sum the same segments' gradients)"
+            )
 
     def set_protocol(self, protocol: Protocol | str) -> None:
         """Build the programs again with the optimizer protocol's instructions (version
@@ -439,6 +484,18 @@ class _Run:
     # ---- the interpreter's entries (one per instruction kind, see _RUN) ---------------------
 
     def compute(self, ins: Compute) -> None:
+        pipe = self.pipe
+        if pipe.tp_group is None:
+            self.run_compute(ins)
+            return
+        with pipe.p2p.arrivals.watch(
+            pipe.tp_group,
+            lambda: f"{ins.action} of iteration {pipe.iteration} (its collectives over dim 'tp')",
+            timeout_s=pipe.options.comm_timeout_s,
+        ):
+            self.run_compute(ins)
+
+    def run_compute(self, ins: Compute) -> None:
         a = ins.action
         chunk = self.pipe.chunks[a.stage]
         if a.op is Op.W:
@@ -489,7 +546,7 @@ class _Run:
                     term_weight=pipe.term_weight if last else None,
                     **kwargs,
                 )
-        except StageChunkError:
+        except (StageChunkError, PeerError):  # a peer's failure is not this stage's input's
             raise
         except Exception as e:
             if a.stage == 0:
@@ -522,7 +579,11 @@ class _Run:
             return run
 
         pair = OverlapPair(f.action, b.action, half(f), half(b))
-        run_pair(pair, pipe.options.overlap_fn, pipe.options.comm_timeout_s)
+        try:
+            run_pair(pair, pipe.options.overlap_fn, pipe.options.comm_timeout_s)
+        except PeerError:  # the other half may have marked this rank running since: it
+            pipe.p2p.progress.waiting(None)  # dies waiting (the launcher's blame reads it)
+            raise
         if tracing:
             self.held = pipe.held_bytes()
             for c in sorted(times, key=lambda c: times[c]):

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -52,7 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from zerobubble.runtime.chunk import StageChunk
-from zerobubble.runtime.comm import P2P
+from zerobubble.runtime.comm import P2P, RankName, plain_name, set_timeout
 from zerobubble.schedule.program import ShardAction, ShardOp
 
 __all__ = ["ShardedStages"]
@@ -65,8 +66,10 @@ class ShardedStages:
         chunks: ``stage -> StageChunk`` of this rank (their modules are wrapped in place).
         dp_mesh: The data-parallel dimension of the job's mesh (``mesh.mesh["dp"]``).
         device: Where the stages live (default: CPU); the norm all-reduce runs there.
-        timeout_s: Bound on the norm all-reduce over dp (FSDP's own collectives are
-            bounded by the process group's timeout).
+        timeout_s: Bound on every collective over dp: the norm all-reduce's wait, and
+            FSDP's own all-gathers and reduce-scatters, which run inside torch, through the
+            dp group's transport timeout (set to it here).
+        name: How a message names a rank that never arrived (its mesh coordinates).
 
     Attributes:
         modules: ``stage -> FSDPModule`` (the chunks' modules).
@@ -82,6 +85,7 @@ class ShardedStages:
         *,
         device: torch.device | str | None = None,
         timeout_s: float = 60.0,
+        name: RankName = plain_name,
     ) -> None:
         if dp_mesh.ndim != 1:
             raise ValueError(
@@ -107,7 +111,9 @@ class ShardedStages:
             self.units[s] = [*units, self.modules[s]]
         group = dp_mesh.get_group()
         self.device = torch.device(device or "cpu")
-        self._p2p = P2P(group, self.device, timeout_s, dim="dp")
+        self.timeout_s = timeout_s
+        self._p2p = P2P(group, self.device, timeout_s, dim="dp", name=name)
+        set_timeout(group, timedelta(seconds=timeout_s))
 
     @staticmethod
     def _wrap(module: nn.Module, dp_mesh: DeviceMesh) -> FSDPModule:
@@ -120,6 +126,15 @@ class ShardedStages:
 
     def run(self, action: ShardAction) -> None:
         """Carry out one instruction of :func:`~zerobubble.schedule.sharding.insert_sharding`."""
+        p2p = self._p2p
+        with p2p.arrivals.watch(
+            p2p.group,
+            lambda: f"{action} (FSDP's collectives over dim 'dp')",
+            timeout_s=self.timeout_s,
+        ):
+            self._run(action)
+
+    def _run(self, action: ShardAction) -> None:
         units, chunk = self.units[action.stage], self.chunks[action.stage]
         if action.op is ShardOp.UNSHARD:
             for m in units:
@@ -154,7 +169,7 @@ class ShardedStages:
             what = "all-gather of the gradient-shard norms over dp"
             work = dist.all_gather(parts, t, group=self._p2p.group, async_op=True)
             assert work is not None
-            self._p2p.wait(work, None, what)
+            self._p2p.wait_collective(work, what)
             both = torch.stack(parts)
             return list((both.amax(0) if p > 0 else both.amin(0)).unbind())
         if p != 0:  # the 0-"norm" counts non-zeros: the counts add up

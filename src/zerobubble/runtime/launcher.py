@@ -338,12 +338,12 @@ def _launch(
         for r in failed
     ]
     alive = [r for r, p in enumerate(procs) if p.exitcode is None]
-    stall = _stalled(
-        failed[0] if failed else None,
-        {r: procs[r].exitcode for r in failed},
-        alive,
-        progress.read(marks, nprocs),
-    )
+    codes = {r: procs[r].exitcode for r in failed}
+    state = progress.read(marks, nprocs)
+    stall = _stalled(failed[0] if failed else None, codes, alive, state)
+    cause = _waited_on(failed, codes, state) if stall is None else None
+    if cause is not None:  # it failed in its own code while the first one waited on it
+        failures.insert(0, failures.pop(failed.index(cause)))
     for rank, p in enumerate(procs):
         if p.exitcode is None:
             p.terminate()
@@ -413,6 +413,35 @@ def _stalled(
     return peer, (
         f"stalled: no progress for {idle:.1f}s (running outside any communication wait) while {how}"
     )
+
+
+def _waited_on(
+    failed: Sequence[int], codes: dict[int, int | None], marks: dict[int, progress.Mark]
+) -> int | None:
+    """The rank that the rank which failed first was waiting on and that failed later in its
+    own code, outside any wait (a stall that its own watchdog ended, e.g. an overlapped
+    pair's helper thread that its main thread gave up on), or None.
+
+    The first to die died waiting (its peer, or a collective, gave nothing within the comm
+    timeout). Followed through the ranks that waited on each other, the peer it ends at is
+    the cause if it raised while running; a wait that ends in a collective names no peer,
+    and then the one rank that raised while running, if exactly one did."""
+    if len(failed) < 2 or (codes.get(failed[0]) or 0) < 0 or failed[0] not in marks:
+        return None
+    if marks[failed[0]].state == progress.RUNNING:
+        return None  # it failed in its own code: the cause itself
+
+    def own(r: int) -> bool:
+        return r in marks and marks[r].state == progress.RUNNING and (codes.get(r) or 0) > 0
+
+    peer, seen = marks[failed[0]].state, {failed[0]}
+    while peer >= 0 and peer in marks and marks[peer].state >= 0 and peer not in seen:
+        seen.add(peer)
+        peer = marks[peer].state
+    if peer >= 0 and peer in failed[1:] and own(peer):
+        return peer
+    running = [r for r in failed[1:] if own(r)]
+    return running[0] if len(running) == 1 else None
 
 
 def _fault_path(progress_dir: str, rank: int) -> str:
@@ -535,6 +564,11 @@ def _run_script(
         print(f"zerobubble.launch: rank {stall[0]} {stall[1]}; it was stopped", file=sys.stderr)
     failed = [r for r in list(deaths.at) if r not in stopped and procs[r].returncode != 0]
     failed = _blame_order(failed, {r: procs[r].returncode for r in failed}, deaths.at)
+    if stall is None:  # the rank waited on, if it failed later in its own code, goes first
+        exits = {r: procs[r].returncode for r in failed}
+        cause = _waited_on(failed, exits, progress.read(marks, nprocs))
+        if cause is not None:
+            failed.insert(0, failed.pop(failed.index(cause)))
     if not failed:
         if stopped:
             print(f"zerobubble.launch: timed out after {timeout:g}s", file=sys.stderr)
@@ -544,7 +578,8 @@ def _run_script(
     code = procs[first].returncode
     later = "".join(
         f", rank {r} {_status_text(procs[r].returncode)} "
-        f"{deaths.at[r] - deaths.at[first]:.3f}s later"
+        f"{abs(deaths.at[r] - deaths.at[first]):.3f}s "
+        + ("later" if deaths.at[r] >= deaths.at[first] else "earlier, waiting on it")
         for r in failed[1:]
     )
     status = code if code > 0 else 128 - code

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerobubble.runtime.comm import P2P, Channel, TensorMeta
+from zerobubble.runtime.comm import P2P, Channel, RankName, TensorMeta, plain_name
 from zerobubble.runtime.hooks import StepHooks
 from zerobubble.runtime.shapes import Layout, flatten, unflatten
 from zerobubble.runtime.wire import (
@@ -243,6 +243,7 @@ def pipeline_p2p(
     *,
     directed: bool | None,
     pipelines: list[list[int]] | None,
+    name: RankName = plain_name,
 ) -> P2P:
     """The point-to-point lanes every rank's program uses, and the optimizer's.
 
@@ -261,4 +262,6 @@ def pipeline_p2p(
     # The optimizer's state messages travel between neighbours, both ways.
     world = programs.schedule.num_devices
     pairs += [(a, b, Channel.OPTIM) for d in range(world - 1) for a, b in ((d, d + 1), (d + 1, d))]
-    return P2P(group, device, timeout_s, directed=directed, pairs=pairs, pipelines=pipelines)
+    return P2P(
+        group, device, timeout_s, directed=directed, pairs=pairs, pipelines=pipelines, name=name
+    )

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from zerobubble.runtime.comm import default_timeout, set_timeout
 from zerobubble.schedule.build import GradSync
 from zerobubble.schedule.ir import Schedule
 
@@ -77,6 +78,22 @@ class ParallelSpec:
     boundaries) over the sequence dim of the ``tp`` ranks. Needs ``tp >= 2``."""
 
     def __post_init__(self) -> None:
+        # Types first: a string size would otherwise fail deep inside the comparisons below
+        # (or, worse, multiply into a repeated string), naming no field.
+        for name in ("pp", "dp", "ep", "tp"):
+            value = getattr(self, name)
+            if type(value) is not int:
+                raise ValueError(
+                    f"ParallelSpec.{name} must be an integer >= 1, got {value!r} "
+                    f"({type(value).__name__}); pass e.g. {name}=2"
+                )
+        for name in ("fsdp", "sequence_parallel"):
+            value = getattr(self, name)
+            if type(value) is not bool:
+                raise ValueError(
+                    f"ParallelSpec.{name} must be True or False, got {value!r} "
+                    f"({type(value).__name__})"
+                )
         if self.pp < 1 or self.dp < 1 or self.ep < 1 or self.tp < 1:
             sizes = f"pp={self.pp}, dp={self.dp}, ep={self.ep}"
             raise ValueError(
@@ -113,6 +130,22 @@ class ParallelSpec:
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.tp
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Global rank ``rank``'s coordinates: ``pp``, ``dp``, ``tp`` and ``ep`` (the dims
+        of size > 1 and always ``pp``; the layout of the module docstring)."""
+        tp_rank, dp_rank, pp_rank = (
+            rank % self.tp,
+            rank // self.tp % self.dp,
+            rank // (self.dp * self.tp),
+        )
+        out = {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank, "ep": dp_rank % self.ep}
+        return {k: v for k, v in out.items() if k == "pp" or getattr(self, k) > 1}
+
+    def name(self, rank: int) -> str:
+        """Global rank ``rank`` as failure messages name it: ``rank 5 (pp 1, dp 0, tp 1)``."""
+        coords = ", ".join(f"{k} {v}" for k, v in self.coordinates(rank).items())
+        return f"rank {rank} ({coords})"
 
     @property
     def edp(self) -> int:
@@ -224,12 +257,17 @@ def build_mesh(
     gloo, the accelerator's type otherwise). Raises ValueError when the world size
     is not ``pp * dp * tp``.
     """
+    spec = ParallelSpec(pp, dp, fsdp, ep, tp, sequence_parallel)  # its fields checked first
+    if device_type is not None and not isinstance(device_type, str):
+        raise ValueError(
+            f"build_mesh: device_type must be a device type name such as 'cpu' or 'cuda' (or "
+            f"None), got {device_type!r} ({type(device_type).__name__})"
+        )
     if not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialised: call zerobubble.init_distributed() before "
             "build_mesh"
         )
-    spec = ParallelSpec(pp, dp, fsdp, ep, tp, sequence_parallel)
     world = dist.get_world_size()
     if world != spec.world_size:
         if tp == 1:
@@ -247,14 +285,21 @@ def build_mesh(
     dims, names = ((pp, dp), ("pp", "dp")) if tp == 1 else ((pp, dp, tp), ("pp", "dp", "tp"))
     mesh = init_device_mesh(device_type, dims, mesh_dim_names=names)
     rank = dist.get_rank()
+    timeout = default_timeout()
     ep_mesh = backward = None
     if ep > 1:
         layout = torch.arange(pp * dp).view(pp, dp // ep, ep)
         ep_mesh = DeviceMesh(device_type, layout, mesh_dim_names=("pp", "edp", "ep"))
         for ranks in layout.reshape(-1, ep).tolist():  # new_group is collective: every rank
-            group = dist.new_group(ranks)  # makes every group, in one order, keeps its own
-            if rank in ranks:
+            group = dist.new_group(ranks, timeout=timeout)  # makes every group, in one
+            if rank in ranks:  # order, and keeps its own
                 backward = group
+    # DeviceMesh makes its subgroups with torch's default timeout (30 minutes), not the one
+    # given to init_distributed: each of this rank's groups gets the user's.
+    for sub in (mesh, ep_mesh):
+        if sub is not None:
+            for name in sub.mesh_dim_names or ():
+                set_timeout(sub.get_group(name), timeout)
     return PipelineMesh(
         mesh=mesh,
         pp_group=mesh.get_group("pp"),

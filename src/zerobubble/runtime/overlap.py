@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from zerobubble.runtime.comm import SETTLE_S
 from zerobubble.schedule.ir import Action
 
 __all__ = ["LaneGroups", "OverlapFn", "OverlapPair", "run_pair", "run_together"]
@@ -66,8 +67,9 @@ def run_together(pair: OverlapPair, timeout_s: float | None = None) -> None:
     """The default: the F on a helper thread, the backward on this one; then join.
 
     An exception of either half is raised here (the backward's first, as it ran on the
-    caller's thread). ``timeout_s`` bounds the wait for the F after the backward ended
-    (its own collectives are bounded by their groups' timeouts).
+    caller's thread, without waiting for the F: the rank fails now). ``timeout_s`` bounds
+    the wait for the F after the backward ended (its own collectives are bounded by the
+    comm timeout too, so that a peer's failure shows as theirs, not as this timeout).
     """
     failed: list[BaseException] = []
 
@@ -79,10 +81,8 @@ def run_together(pair: OverlapPair, timeout_s: float | None = None) -> None:
 
     helper = threading.Thread(target=forward, name=f"zerobubble {pair.forward}", daemon=True)
     helper.start()
-    try:
-        pair.run_backward()
-    finally:
-        helper.join(timeout_s)
+    pair.run_backward()  # a failure here is this rank's: the F is not waited for
+    helper.join(timeout_s)
     if helper.is_alive():
         raise TimeoutError(
             f"the overlapped {pair.forward} did not finish within {timeout_s} s after "
@@ -113,7 +113,9 @@ def run_pair(pair: OverlapPair, hook: OverlapFn | None, timeout_s: float) -> Non
         once(str(pair.backward), backward),
     )
     if hook is None:
-        run_together(counted, timeout_s)
+        # The F's own waits end within the comm timeout and the time it takes to name who
+        # never arrived (comm.SETTLE_S); an F past twice that is stuck in its own code.
+        run_together(counted, 2 * timeout_s + SETTLE_S)
     else:
         hook(counted)
     missing = [str(a) for a in (pair.forward, pair.backward) if str(a) not in ran]

@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from zerobubble.runtime.chunk import LossFn, StageChunk
+from zerobubble.runtime.comm import RankName, plain_name
 from zerobubble.runtime.compile import compile_between_splits
 from zerobubble.runtime.fsdp import ShardedStages
 from zerobubble.runtime.recompute import Recompute, recompute_plan
@@ -126,6 +127,7 @@ def prepare_chunks(
     device: torch.device | str | None = None,
     timeout_s: float = 60.0,
     tp: TensorParallel | None = None,
+    name: RankName = plain_name,
 ) -> tuple[dict[int, StageChunk], ShardedStages | None]:
     """This rank's stages as chunks with their transforms applied, in the documented order.
 
@@ -137,7 +139,7 @@ def prepare_chunks(
         loss_fn: The loss, given to the last stage only (required if this rank holds it).
         transforms: ``stage -> ChunkTransforms``, one per stage in ``modules``.
         fsdp_mesh: The ``dp`` dimension to shard every chunk over (FSDP2), or None.
-        device, timeout_s: For :class:`~zerobubble.runtime.fsdp.ShardedStages`.
+        device, timeout_s, name: For :class:`~zerobubble.runtime.fsdp.ShardedStages`.
         tp: The tensor parallelism of every module (None: none).
 
     Returns the chunks by stage and, with ``fsdp_mesh``, their sharding.
@@ -173,7 +175,7 @@ def prepare_chunks(
     sharding = (
         None
         if fsdp_mesh is None
-        else ShardedStages(chunks, fsdp_mesh, device=device, timeout_s=timeout_s)
+        else ShardedStages(chunks, fsdp_mesh, device=device, timeout_s=timeout_s, name=name)
     )
     return chunks, sharding
 

@@ -134,10 +134,11 @@ def _columns(
     ops, stages, mbs = zip(*flat, strict=True)
     if set(map(type, ops)) != {Op} or set(map(type, stages)) | set(map(type, mbs)) != {int}:
         return None
+    # In range before any array: an index from a file may not fit an int64.
+    if min(stages) < 0 or max(stages) >= num_stages or min(mbs) < 0 or max(mbs) >= num_microbatches:
+        return None
     stage = np.array(stages, dtype=np.int64)
     mb = np.array(mbs, dtype=np.int64)
-    if stage.min() < 0 or stage.max() >= num_stages or mb.min() < 0 or mb.max() >= num_microbatches:
-        return None
     op = np.fromiter(map(CODE.__getitem__, ops), dtype=np.int64, count=len(ops))
     keys = action_code(op, stage, mb, num_stages, num_microbatches)
     order = np.argsort(keys, kind="stable")

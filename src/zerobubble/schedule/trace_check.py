@@ -54,11 +54,12 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 from zerobubble.schedule.clocks import pair_bounds
 from zerobubble.schedule.deps import LOCAL_PRODUCER, Key, needs, produces
-from zerobubble.schedule.ir import Action, Op
+from zerobubble.schedule.ir import Action, Op, Schedule
 from zerobubble.schedule.program import MsgKind
 from zerobubble.schedule.trace_format import (
     COMPUTE_OPS,
@@ -208,13 +209,21 @@ def check_trace(
     conservative: bool = False,
     segments: int = 1,
     overlaps: Iterable[tuple[Action, Action]] = (),
+    schedule: Schedule | None = None,
 ) -> TraceReport:
     """Check a trace of every rank; see the module docstring for the rules.
 
     ``overlaps``: the schedule's overlapped F&B pairs, whose two events may overlap in time
-    (the runtime runs them at once)."""
+    (the runtime runs them at once). ``schedule``: the run's schedule; its pairs are
+    ``overlaps`` too, and every index of the trace must fit its sizes.
+
+    Raises ValueError (:func:`check_sizes`) for an index no run of the trace can have.
+    """
     if type(segments) is not int or segments < 1:
         raise ValueError(f"segments must be an integer >= 1, got {segments!r}")
+    check_sizes(events, lines=lines, schedule=schedule)
+    if schedule is not None:
+        overlaps = (*overlaps, *schedule.overlaps)
     opt_ops = tuple(opt_ops)
     counters: Counter[int] = Counter()
     evs: list[_Ev] = []
@@ -252,6 +261,50 @@ def check_trace(
         tuple(sorted(counters)),
         tuple(sorted({e.iteration for e in events})),
     )
+
+
+def check_sizes(
+    events: Sequence[TraceEvent],
+    *,
+    lines: Sequence[int] | None = None,
+    schedule: Schedule | None = None,
+) -> None:
+    """Refuse an index that no run of this trace can have, before any check sizes its work
+    by one: against ``schedule``'s sizes when given (stages, units, devices), else against
+    the trace's own size (a run's stage and microbatch indices are below its number of
+    events: every one of them has an event). Raises ValueError naming the line, the field,
+    the value and the limit. Ranks name no size without a schedule and are not bounded."""
+    n = len(events)
+    if schedule is not None:
+        of = f"the schedule {schedule.name!r}"
+        limits = {
+            "stage": (schedule.num_stages, f"{of} has {schedule.num_stages} stages"),
+            "mb": (schedule.num_units, f"{of} has {schedule.num_units} units per step"),
+            "rank": (schedule.num_devices, f"{of} has {schedule.num_devices} devices"),
+        }
+    else:
+        own = f"a trace of {n} events has fewer stages and microbatches than events"
+        limits = {"stage": (n, own), "mb": (n, own)}
+    for i, e in enumerate(events):
+        fields: list[tuple[str, str, object]] = [
+            ("stage", "stage", e.stage),
+            ("mb", "mb", e.mb),
+            ("rank", "rank", e.rank),
+            ("rank", "peer", e.peer),
+        ]
+        if e.msg is not None and len(e.msg) == 4:
+            kinds = ("stage", "stage", "mb")
+            fields += [(k, f"msg[{j}]", e.msg[j]) for j, k in zip((1, 2, 3), kinds, strict=True)]
+        for kind, field, value in fields:
+            if kind not in limits or type(value) is not int:
+                continue
+            limit, why = limits[kind]
+            if value >= limit:
+                where = f"line {lines[i]}" if lines is not None else f"event #{i}"
+                raise ValueError(
+                    f"{where}: field {field!r} = {value} is out of range: it must be in "
+                    f"[0, {limit}) ({why}); fix the trace, or pass the run's own --schedule"
+                )
 
 
 _Found = list[tuple[tuple[int, int, int, int], Violation]]
@@ -436,25 +489,30 @@ def _check_backward(evs: Sequence[_Ev]) -> _Found:
         stages = sorted({a.stage for a in actions})
         mbs = sorted({a.mb for a in actions})
         if stages and mbs:
-            for s in range(stages[-1] + 1):
-                for j in range(mbs[-1] + 1):
-                    if (s, j) not in state:
-                        out.append(
-                            (
-                                (it, 1 << 62, -1, 0),
-                                Violation(
-                                    "backward",
-                                    it,
-                                    owner.get(s),
-                                    None,
-                                    None,
-                                    f"F(s{s},mb{j})",
-                                    f"missing: iteration {it} has stages 0..{stages[-1]} and "
-                                    f"microbatches 0..{mbs[-1]} but never runs this F",
-                                ),
-                            )
-                        )
+            # The first few missing only: walking every pair would be the product of two
+            # indices (at most len(state) + _MAX_MISSING pairs are visited this way).
+            pairs = ((s, j) for s in range(stages[-1] + 1) for j in range(mbs[-1] + 1))
+            for s, j in islice((p for p in pairs if p not in state), _MAX_MISSING):
+                out.append(
+                    (
+                        (it, 1 << 62, -1, 0),
+                        Violation(
+                            "backward",
+                            it,
+                            owner.get(s),
+                            None,
+                            None,
+                            f"F(s{s},mb{j})",
+                            f"missing: iteration {it} has stages 0..{stages[-1]} and "
+                            f"microbatches 0..{mbs[-1]} but never runs this F",
+                        ),
+                    )
+                )
     return out
+
+
+_MAX_MISSING = 100
+"""Missing forwards reported per iteration (the first ones, in stage and microbatch order)."""
 
 
 def _order_problem(op: Op, have: Op | None, cur: tuple[Op, _Ev] | None) -> str:

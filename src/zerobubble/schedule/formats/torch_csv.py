@@ -123,6 +123,13 @@ def from_rows(
         raise ValueError("the CSV holds no compute actions")
     seen_stages = max(where) + 1
     S = num_stages if num_stages is not None else seen_stages
+    total = sum(len(acts) for acts in actions)
+    if total < S:  # a stage needs an action: no range of S is walked before this check
+        what = f"num_stages={S}" if num_stages is not None else f"a cell names stage {S - 1}"
+        raise ValueError(
+            f"{what}, but the CSV holds {total} compute actions and every stage needs at "
+            f"least one: a stage (the number before F, I, W or B in a cell) must be < {total}"
+        )
     absent = [s for s in range(S) if s not in where]
     if absent:
         raise ScheduleError(
@@ -133,7 +140,6 @@ def from_rows(
     M = num_microbatches
     if M is None:
         M = max(a.mb for acts in actions for a in acts) + 1
-    total = sum(len(acts) for acts in actions)
     if total < M:  # and beyond any simulation's reach
         raise ValueError(
             f"{M} microbatches but the CSV holds {total} compute actions, and every "
