@@ -1,5 +1,6 @@
 """The profile's all-to-all: each op charged the expert all-to-all waits inside it, the cost
-model taking them out of compute, and a pp = 2 x ep = 2 run measured."""
+model taking them out of compute, a pp = 2 x ep = 2 run measured, and the trial's paired
+candidates."""
 
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ from zerobubble.runtime.executor import ExecutorOptions
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.mesh import build_mesh
 from zerobubble.schedule.generators import generate
+from zerobubble.schedule.passes import fuse_local_backward
 from zerobubble.schedule.trace_format import TraceEvent
+from zerobubble.train.job import plan_schedule
+from zerobubble.train.trials import plan_candidates, predict_ms
 
 
 def _event(rank: int, op: str, stage: int, mb: int, start: int, end: int, it: int = 1):
@@ -160,3 +164,51 @@ def test_a_pp2_ep2_run_charges_each_moe_op_its_five_all_to_alls():
         else:
             assert r["counts"] == {("F", 1): {0}, ("B", 1): {0}, ("W", 1): {0}}
             assert r["f"] == r["b"] == (0.0, 0.0)
+
+
+def test_the_trial_tries_the_plan_with_and_without_its_pairs_and_dualpipev_with_its():
+    """A profile of a V placement (P=2, four stages) that measured an all-to-all: the plan
+    pairs, and the trial's candidates are the plan with its pairs, the plan without them and
+    DualPipeV with its own, each predicted as it runs; none of them where the executor may
+    not overlap (recomputation), and the plan alone without an all-to-all."""
+    s4 = tuple(_stats(x) for x in (3.0, 4.0, 4.0, 3.0))
+    none4 = (None,) * 4
+    split = StageProfile(
+        f=s4,
+        b=s4,
+        w=tuple(_stats(2.0) for _ in range(4)),
+        bw=none4,
+        mem_b=(10,) * 4,
+        mem_w=(4,) * 4,
+        host={"F": (0.0,) * 4, "B": (0.0,) * 4, "W": (0.0,) * 4, "BW": none4},
+        a2a_f=(2.0,) * 4,
+        a2a_b=(2.0,) * 4,
+    )
+    fused = StageProfile(
+        f=s4,
+        b=none4,
+        w=none4,
+        bw=tuple(_stats(6.0) for _ in range(4)),
+        mem_b=(10,) * 4,
+        mem_w=none4,
+        host={"F": (0.0,) * 4, "B": none4, "W": none4, "BW": (0.0,) * 4},
+    )
+    prof = Profile(split, (0, 1, 1, 0), fused=fused)
+    model = prof.cost_model()
+    planned, kind = plan_schedule(2, 8, model, 100, num_layers=4, overlap=True)
+    assert planned.overlaps and planned.num_stages == 4
+    found = plan_candidates(prof, (kind, planned), 8, 100, top=10)
+    pairs = {c.kind: c.pairs for c in found}
+    assert pairs["auto"] == len(planned.overlaps) and pairs["auto without pairs"] == 0
+    assert pairs["dualpipev with pairs"] > 0 and len(pairs) == 3  # the rest: two stages
+    for c in found:
+        assert c.predicted_ms == predict_ms(prof, fuse_local_backward(c.schedule))
+    by_kind = {c.kind: c.predicted_ms for c in found}
+    assert by_kind["auto"] < by_kind["auto without pairs"]
+    assert [
+        c.kind for c in plan_candidates(prof, (kind, planned), 8, 100, top=10, pairs=False)
+    ] == ["auto"]
+    unmeasured = StageProfile(**{**split.__dict__, "a2a_f": (), "a2a_b": ()})
+    plain = Profile(unmeasured, (0, 1, 1, 0), fused=fused)
+    unpaired, _ = plan_schedule(2, 8, plain.cost_model(), 100, num_layers=4, overlap=True)
+    assert not unpaired.overlaps  # no all-to-all: no pair pays (and the job is not warned)

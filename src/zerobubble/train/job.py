@@ -46,6 +46,7 @@ import contextlib
 import json
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -81,7 +82,7 @@ from zerobubble.runtime.rng import derive_seed
 from zerobubble.runtime.segment_check import check_segments
 from zerobubble.runtime.trace import gather_traces
 from zerobubble.schedule.costs import CostModel, CostSpec
-from zerobubble.schedule.generators import generate, one_f_one_b
+from zerobubble.schedule.generators import NoPairWarning, generate, one_f_one_b
 from zerobubble.schedule.ir import Schedule
 from zerobubble.schedule.search.graph import min_feasible_limit
 from zerobubble.schedule.segments import SegmentCost, balanced_cuts
@@ -259,19 +260,30 @@ class JobResult:
 
 
 def plan_schedule(
-    num_devices: int, num_microbatches: int, costs: CostModel, mem_limit: int, *, num_layers: int
+    num_devices: int,
+    num_microbatches: int,
+    costs: CostModel,
+    mem_limit: int,
+    *,
+    num_layers: int,
+    overlap: bool = False,
 ) -> tuple[Schedule, str]:
     """The :data:`PLANNER` schedule for ``costs`` within ``mem_limit`` and at most one
-    stage per layer of ``num_layers``, validated, and its kind."""
+    stage per layer of ``num_layers``, validated, and its kind. ``overlap``: the planner may
+    pair F&B where that pays (none pays without an all-to-all cost; a placement of one stage
+    per device, the job's profile, has none: then it says nothing)."""
     spec = CostSpec(stage_costs=costs)
-    sched = generate(
-        PLANNER,
-        num_devices,
-        num_microbatches,
-        costs=spec,
-        mem_limit=mem_limit,
-        max_stages=num_layers,
-    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoPairWarning)
+        sched = generate(
+            PLANNER,
+            num_devices,
+            num_microbatches,
+            costs=spec,
+            mem_limit=mem_limit,
+            max_stages=num_layers,
+            overlap=overlap,
+        )
     validate(sched, mem_limit=mem_limit, costs=costs)
     return sched, PLANNER
 
@@ -460,9 +472,10 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     if isinstance(plan, PlanError):
         raise plan
     ctx.say(_a2a_line(a2a, plan.profile.stages))
+    paired = len(plan.schedule.overlaps)
     ctx.say(
-        f"planned with {plan.kind} under a memory limit of {plan.mem_limit / 2**20:.2f} MiB "
-        "per device"
+        f"planned with {plan.kind}{f' ({paired} overlapped pairs)' if paired else ''} under a "
+        f"memory limit of {plan.mem_limit / 2**20:.2f} MiB per device"
     )
     trials: tuple[TrialResult, ...] = ()
 
@@ -551,7 +564,10 @@ def _verify(
         return _phase(ctx, pipe(only), opt, name=only.kind, planned=True), (), only
     ctx.say(
         "trying the plan's candidates, best prediction first: "
-        + ", ".join(f"{c.kind} ({c.predicted_ms:.0f} ms)" for c in candidates)
+        + ", ".join(
+            f"{c.kind} ({c.predicted_ms:.0f} ms{f', {c.pairs} pairs' if c.pairs else ''})"
+            for c in candidates
+        )
     )
     if ctx.lead and ctx.reporter is not None:
         ctx.reporter.extend(len(candidates) * (cfg.job.warmup + cfg.job.trial_steps))
@@ -566,14 +582,18 @@ def _verify(
             ]
         )
         return tuple(
-            TrialResult(c.kind, c.predicted_ms, tuple(t.step_s), tuple(t.pipe_s), i == best)
+            TrialResult(
+                c.kind, c.predicted_ms, tuple(t.step_s), tuple(t.pipe_s), i == best, c.pairs
+            )
             for i, (t, c) in enumerate(zip(tried, candidates, strict=True))
         )
 
     results = _from_lead(ctx, measured)
     best = next(i for i, r in enumerate(results) if r.chosen)
+    won = candidates[best]
     ctx.say(
-        f"chose {candidates[best].kind} by measurement (median step: "
+        f"chose {won.kind}{f' ({won.pairs} overlapped pairs)' if won.pairs else ''} by "
+        "measurement (median step: "
         + ", ".join(f"{r.kind} {r.step_time * 1e3:.0f} ms" for r in results)
         + ")"
         + _within_noise(overlapping(results), cfg.job.trial_steps)
@@ -854,7 +874,12 @@ def _plan(
     prof = replace(prof, mem_limit=limit)
     try:
         planned, kind = plan_schedule(
-            ctx.world, cfg.schedule.microbatches, costs, limit, num_layers=lp.num_layers
+            ctx.world,
+            cfg.schedule.microbatches,
+            costs,
+            limit,
+            num_layers=lp.num_layers,
+            overlap=any(costs.a2a) and not rc,  # the executor overlaps without recompute
         )
     except ValueError as exc:  # ScheduleError too
         given = (
@@ -871,6 +896,7 @@ def _plan(
         limit,
         top=top,
         segments=cfg.schedule.segments,
+        pairs=not rc,
     )
     return _Plan(prof, limit, planned, kind, found)
 
