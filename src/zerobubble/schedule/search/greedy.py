@@ -83,9 +83,10 @@ class Policy:
     with the B's W inside it when the block does not grow; the orders then hold pair
     codes. Only for devices with several stages."""
     pair_then_w: bool = False
-    """With :attr:`pair`: after a block whose B left its W pending, run that W before the
-    next choice (the steady state then alternates a block and a W, as DualPipe's does,
-    instead of deferring every W to the end)."""
+    """With :attr:`pair`: after a block whose B left its W pending, run the device's next
+    pending W before the next choice when it is of that B's stage (the steady state then
+    alternates a block and a W, as DualPipe's does, instead of deferring every W to the
+    end)."""
 
 
 @dataclass(frozen=True)

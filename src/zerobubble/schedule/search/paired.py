@@ -116,6 +116,7 @@ def paired_candidates(
         pairs=True,
         evaluator=ev,
         deadline=deadline,
+        beat=beat,  # unpolished (large instances), passes that cannot beat it stop early
     )
     if found is not None:
         out.append((found, simulate(found, costs)))

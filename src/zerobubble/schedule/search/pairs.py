@@ -22,6 +22,7 @@ import random
 import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
+from itertools import chain
 
 from zerobubble.schedule.costs import CostModel
 from zerobubble.schedule.ir import Action, Op, Schedule
@@ -427,7 +428,7 @@ def refine_pairs(
                     i -= 1
                     continue
                 moved = False
-                for new, at in (*_toggles(ev, lst, i), *_shifts(ev, lst, i, window)):
+                for new, at in chain(_toggles(ev, lst, i), _shifts(ev, lst, i, window)):
                     if not ev.fits(new, limit):
                         continue
                     orders[d] = new
