@@ -22,6 +22,12 @@ per P, the planner's choice on an uneven mix with an all-to-all term (F=1, B=2, 
 comm=0.05, a2a=1): what ``auto --overlap`` picked (placement, pairs, cost) beside the fixed
 kinds it could have chosen, with and without their pairs.
 
+``--pair-passes``: per P, the best of the search's pairing list-scheduling passes on the
+V (unpolished, as ``auto --overlap`` has them on instances too large to polish) beside
+DualPipeV with its pairs, at F = B = W = 1, a2a = 1 per device and the limit P + 1/2.
+
+    PYTHONPATH=src python bench/bench_moe.py --pair-passes --p 8 16 32 --m-per-p 8
+
 ``--measure``: 4 CPU ranks, pp = 2 x dp = 2 with the experts sharded over ep = 2, a MoE
 GPT under dualpipev with its pairs run at once and in sequence, taking turns step by
 step. Per rank and step: the wall time, the time spent waiting for all-to-alls, and the
@@ -146,6 +152,30 @@ def planner_choice(p: int, m: int, auto_chunks: int = 2) -> dict[str, object]:
     }
 
 
+def pair_passes(p: int, m: int) -> dict[str, object]:
+    """The best unpolished pairing pass on the V against DualPipeV's pairs (see above)."""
+    from zerobubble.schedule.ir import v_placement
+    from zerobubble.schedule.search.auto import resolve_costs
+    from zerobubble.schedule.search.greedy import run_pass
+    from zerobubble.schedule.search.paired import pair_grid
+
+    spec = CostSpec(a2a=1)
+    model, limit = resolve_costs(v_placement(p), spec, p + 0.5, default=p)
+    costs = []
+    for pol in pair_grid(p, looped=False, chunks=2):
+        got = run_pass(v_placement(p), m, model, limit, pol)
+        if got is not None:
+            costs.append(got.cost)
+    dual = generate("dualpipev", p, m, overlap=True)
+    return {
+        "pair_passes": "V",
+        "p": p,
+        "m": m,
+        "best_pass": round(min(costs), 4),
+        "dualpipev_overlap": round(float(simulate(dual, model).cost), 4),
+    }
+
+
 def _covered(span: tuple[int, int], busy: list[tuple[int, int]]) -> int:
     """Nanoseconds of ``span`` inside the (disjoint) ``busy`` intervals."""
     a, b = span
@@ -264,7 +294,14 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=8, help="timed steps (--measure)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (--measure)")
+    parser.add_argument(
+        "--pair-passes", action="store_true", help="the pairing passes on the V (see above)"
+    )
     args = parser.parse_args()
+    if args.pair_passes:
+        for p in args.p:
+            print(json.dumps(pair_passes(p, args.m_per_p * p)), flush=True)
+        return
     if args.measure:
         for row in measure(args.steps, args.warmup):
             print(json.dumps(row))

@@ -108,7 +108,7 @@ KICK_STEPS = 3_000_000
 PLATEAU_STEPS = 3_000_000
 #: The search with pairs (``pairs=True``) is a second search of a placement beside the
 #: plain one: each of its three budgets (polish, kicks, walk) is this many actions, a third
-#: of the plain ones (auto --overlap at P=4, M=16: 48 s of CPU against auto's 28 s).
+#: of the plain ones (auto --overlap at P=4, M=16: 38 s of CPU against auto's 28 s).
 PAIR_STEPS = 1_000_000
 
 

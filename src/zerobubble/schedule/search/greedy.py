@@ -446,8 +446,9 @@ class _PairBuilder(_Builder):
     among the other stages). The block starts once both inputs are in, so both are taken
     ready now; it ends both, and its B's W joins it when that does not lengthen it and no
     earlier W of that stage is pending. A block's members are emitted as the F's index and
-    the others' plus N (:mod:`.pairs`). The span pruning charges what remains no more than
-    its compute (a block may hide the rest), so it stays a bound."""
+    the others' plus N (:mod:`.pairs`). The span pruning charges what remains on a device
+    the larger of its compute and its all-to-all (a block may hide the smaller), so it
+    stays a bound."""
 
     def __init__(
         self,
@@ -466,8 +467,18 @@ class _PairBuilder(_Builder):
             [d - x for d, x in zip(row, xs, strict=True)]
             for row, xs in zip(self.dur, self.a2a, strict=True)
         ]
-        self.rem = [sum(c[s] for c in self.comp for s in h) * m for h in self.stages]
+        # What remains on a device takes at least its compute and at least its all-to-all.
+        self.rem_c = [sum(c[s] for c in self.comp for s in h) * m for h in self.stages]
+        self.rem_a = [sum(x[s] for x in self.a2a for s in h) * m for h in self.stages]
+        self.rem = [max(c, x) for c, x in zip(self.rem_c, self.rem_a, strict=True)]
         self.w_next = [False] * self.P  # pair_then_w: the block just run left its W
+
+    def _put(self, d: int, k: int, s: int, start: float) -> None:
+        self.rem_c[d] -= self.comp[k][s]
+        self.rem_a[d] -= self.a2a[k][s]
+        # The plain put takes the action's whole duration off what remains: add it first.
+        self.rem[d] = max(self.rem_c[d], self.rem_a[d]) + self.dur[k][s]
+        super()._put(d, k, s, start)
 
     def _decide(self, d: int, now: float) -> None:
         if self.w_next[d]:
@@ -558,7 +569,9 @@ class _PairBuilder(_Builder):
             self.w_next[d] = self.policy.pair_then_w
         self.free[d] = end
         self.left[d] -= len(members)
-        self.rem[d] -= sum(self.comp[k][s] for k, s in members)
+        self.rem_c[d] -= sum(self.comp[k][s] for k, s in members)
+        self.rem_a[d] -= sum(self.a2a[k][s] for k, s in members)
+        self.rem[d] = max(self.rem_c[d], self.rem_a[d])
         if end - self.first[d] + self.rem[d] >= self.cutoff:
             raise _Cutoff
         self._wake(d, end)

@@ -12,7 +12,9 @@ search's schedule (which the caller keeps: pairs are formed only where they pay)
 * the search of :func:`~.auto.search_beating` with ``pairs=True``: list-scheduling passes
   that pair (:attr:`~.greedy.Policy.pair`), those fixed kinds and the plain schedule (with
   and without the pass's pairs) as seeds, and the local search that forms, undoes and
-  moves pairs (:mod:`.pairs`).
+  moves pairs (:mod:`.pairs`); on instances too large for that local search (more than
+  ``PAIR_STEPS / REFINE_MIN_RUNS`` = 5,000 actions) only where no paired schedule exists
+  yet (no fixed kind of the placement fits, and the best so far has no pairs).
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ from zerobubble.schedule.generators.v_family import one_f_one_b_v, v_half, v_min
 from zerobubble.schedule.generators.zero_bubble import zbv
 from zerobubble.schedule.ir import Schedule
 from zerobubble.schedule.passes import overlap_where_it_pays
-from zerobubble.schedule.search.auto import GRID_V, round_grid, search_beating
+from zerobubble.schedule.search.auto import (
+    GRID_V,
+    PAIR_STEPS,
+    polishes,
+    round_grid,
+    search_beating,
+)
 from zerobubble.schedule.search.graph import ActionGraph
 from zerobubble.schedule.search.greedy import Policy
 from zerobubble.schedule.search.pairs import PairEvaluator, can_pair
@@ -74,12 +82,15 @@ def paired_candidates(
     chunks: int,
     deadline: float | None = None,
     beat: float = math.inf,
+    paired_before: bool = False,
 ) -> list[tuple[Schedule, SimResult]]:
     """The paired schedules of one placement within ``mem_limit``, named ``name``, each with
     its simulation (see the module docstring); none where no pair can hide anything, or
     where no order of the placement, paired or not, can cost less than ``beat`` (the best
     cost so far: its floor, :meth:`~.pairs.PairEvaluator.floor`, is above it).
-    ``plain`` is the plain search's schedule of the placement (None if it had none)."""
+    ``plain`` is the plain search's schedule of the placement (None if it had none);
+    ``paired_before``: the best so far has pairs (then, on an instance too large to polish,
+    no pairing pass runs)."""
     if not can_pair(placement, costs):
         return []
     ev = PairEvaluator(ActionGraph(placement, num_microbatches), costs)
@@ -101,6 +112,11 @@ def paired_candidates(
             named = sched.with_actions(sched.actions, name=name, overlaps=sched.overlaps)
             out.append((named, res))
             seeds.append(sched)
+    if (out or paired_before) and not polishes(len(ev.graph), PAIR_STEPS):
+        # Too large for the pairing polish: unpolished, the pairing passes lose to the
+        # fixed kinds' pairs (docs/search.md), so they run only where no paired schedule
+        # exists yet.
+        return out
     if plain is not None:
         seeds.append(plain)
         if len(plain) <= PASS_MAX_ACTIONS:
@@ -116,7 +132,8 @@ def paired_candidates(
         pairs=True,
         evaluator=ev,
         deadline=deadline,
-        beat=beat,  # unpolished (large instances), passes that cannot beat it stop early
+        # Unpolished (large instances), passes that cannot beat the best so far stop early.
+        beat=min([beat, *(float(res.cost) for _, res in out)]),
     )
     if found is not None:
         out.append((found, simulate(found, costs)))

@@ -236,6 +236,7 @@ def search_placements(
         )
     best: Best | None = None
     refusals: list[str] = []
+    searched: list[tuple[Candidate, CostModel, float, Schedule | None]] = []
     for cand in candidates(p, max_chunks):
         if best is not None and expired(deadline):
             break
@@ -267,20 +268,27 @@ def search_placements(
             got = _fixed(fn, p, m, model, limit, ev, math.inf if best is None else best[0][0])
             if got is not None:
                 best = _keep(best, *got, cand)
-        if overlap and not (best is not None and expired(deadline)):
-            for got in paired_candidates(
-                "auto",
-                cand.placement,
-                m,
-                model,
-                limit,
-                sched,
-                looped=cand.looped,
-                chunks=cand.chunks,
-                deadline=deadline,
-                beat=math.inf if best is None else best[0][0],
-            ):
-                best = _keep(best, *got, cand)
+        searched.append((cand, model, limit, sched))
+    # With pairs, each placement's paired candidates after every plain search (which runs
+    # as without pairs), the zig-zags first: DualPipeV's own pairs there set the bar that
+    # prunes the other placements' pairing passes when they are too large to polish.
+    for cand, model, limit, sched in sorted(searched, key=lambda t: t[0].looped):
+        if not overlap or (best is not None and expired(deadline)):
+            break
+        for got in paired_candidates(
+            "auto",
+            cand.placement,
+            m,
+            model,
+            limit,
+            sched,
+            looped=cand.looped,
+            chunks=cand.chunks,
+            deadline=deadline,
+            beat=math.inf if best is None else best[0][0],
+            paired_before=best is not None and bool(best[1].overlaps),
+        ):
+            best = _keep(best, *got, cand)
     if best is None:
         raise ScheduleError(
             Reason.MEMORY, "no placement fits the memory limit: " + "; ".join(refusals)
