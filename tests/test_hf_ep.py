@@ -47,6 +47,7 @@ from zerobubble.runtime.ep import ExpertGroup, expert_run, is_expert
 from zerobubble.runtime.ep_reference import ep_reference_step, threaded_ep_reference_step
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.mesh import build_mesh
+from zerobubble.schedule.costs import CostSpec
 
 M, LOCAL, LENGTH = 2, 4, 6
 TIMEOUT = 240.0
@@ -58,6 +59,9 @@ CASES = [
 ]
 #: The models whose norm, state dict and checkpoint ep_ranks checks, and in which step modes.
 STATE_CASES = {"hf-mixtral": ("sync", "conservative", "speculative"), "hf-gpt-oss": ("sync",)}
+PER_CALL = zerobubble.ExecutorOptions(term_weight="per_call")
+"""Hugging Face's model adds its whole router loss per call: the runs compared with it weigh
+the ``router_aux`` term so (docs/moe.md, "How a step weighs the router terms")."""
 
 
 def batch(dp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -380,7 +384,12 @@ def test_a_failing_replica_of_the_threaded_reference_raises_instead_of_hanging()
 def one_step(mesh, name: str, kind: str) -> dict:
     model = hf.tiny_model(name)
     pipe = zerobubble.Pipeline(
-        hf.causal_lm_layers(model), hf.CausalLMLoss(model), kind, microbatches=M, mesh=mesh
+        hf.causal_lm_layers(model),
+        hf.CausalLMLoss(model),
+        kind,
+        microbatches=M,
+        mesh=mesh,
+        options=PER_CALL,
     )
     x, y = part(mesh.dp_size, mesh.dp_rank)
     terms: dict[str, list[torch.Tensor]] = {}
@@ -405,7 +414,12 @@ def state_checks(mesh, name: str, modes: tuple[str, ...], tmp: str) -> dict:
     for mode in modes:
         model = hf.tiny_model(name)
         pipe = zerobubble.Pipeline(
-            hf.causal_lm_layers(model), hf.CausalLMLoss(model), "zb-h1", microbatches=M, mesh=mesh
+            hf.causal_lm_layers(model),
+            hf.CausalLMLoss(model),
+            "zb-h1",
+            microbatches=M,
+            mesh=mesh,
+            options=PER_CALL,
         )
         trainer = pipe.set_optimizer(
             torch.optim.SGD(pipe.parameters(), lr=0.0),
@@ -544,7 +558,7 @@ def threaded_reference(name: str, dp: int, ep: int, skewed: bool = False):
     model = skew(hf.tiny_model(name)) if skewed else hf.tiny_model(name)
     parts = [part(dp, r) for r in range(dp)]
     return threaded_ep_reference_step(
-        hf.causal_lm_layers(model), hf.CausalLMLoss(model), parts, M, ep
+        hf.causal_lm_layers(model), hf.CausalLMLoss(model), parts, M, ep, term_weight="per_call"
     )
 
 
@@ -673,6 +687,16 @@ def test_hf_experts_on_pp2_ep2_are_bitwise_the_threaded_reference_and_close_to_h
 #: The families run at P=3 (4 decoder layers each: dualpipev's 6 stages hold one layer each).
 FAMILIES = ("hf-mixtral", "hf-deepseek-v3", "hf-qwen2-moe", "hf-olmoe", "hf-gpt-oss")
 P3, M3, REPEATS = 3, 4, 5
+#: Per family, the kinds it runs and whether with pairs (a covering design: every family
+#: under dualpipev's pairs; zbv's pairs, formed across its two chunks by the pass, on two
+#: families; a kind without pairs on each).
+KINDS = {
+    "hf-mixtral": (("dualpipev", True), ("zbv", True), ("zb-h1", False)),
+    "hf-deepseek-v3": (("dualpipev", True), ("zb-h2", False)),
+    "hf-qwen2-moe": (("dualpipev", True), ("zbv", True)),
+    "hf-olmoe": (("dualpipev", True), ("zbv", False)),
+    "hf-gpt-oss": (("dualpipev", True), ("zb-h1", False)),
+}
 
 
 def family(name: str):
@@ -752,10 +776,11 @@ def p3_ranks() -> dict:
     for name in FAMILIES:
         model = family(name)
         layers, loss_fn = hf.causal_lm_layers(model), hf.CausalLMLoss(model)
-        for kind, overlap, repeats in (("dualpipev", True, REPEATS), ("zb-h1", False, 1)):
-            pipe = zerobubble.Pipeline(
-                layers, loss_fn, generate(kind, P3, M3, overlap=overlap), mesh=mesh
-            )
+        for kind, overlap in KINDS[name]:
+            costs = CostSpec(a2a=1) if overlap else None  # zbv pairs where an a2a would hide
+            sched = generate(kind, P3, M3, overlap=overlap, costs=costs)
+            pipe = zerobubble.Pipeline(layers, loss_fn, sched, mesh=mesh)
+            repeats = REPEATS if overlap else 1
             counter.counts.clear()
             counter.watch(pipe)
             runs, counted = [], {}
@@ -773,7 +798,7 @@ def p3_ranks() -> dict:
                 and all(torch.equal(g[n], grads[n]) for n in grads)
                 for ls, g in runs[1:]
             )
-            out[(name, kind)] = {
+            out[(name, kind, overlap)] = {
                 "losses": None if losses is None else [t.numpy() for t in losses],
                 "grads": {n: g.numpy() for n, g in grads.items()},
                 "shard": {n: expert_shard(p) for n, p in pipe.named_parameters()},
@@ -812,8 +837,9 @@ def p3_ranks() -> dict:
 @pytest.mark.bitwise
 def test_every_family_at_pp3_dp2_ep2_with_pairs_is_bitwise_the_threaded_reference():
     """6 gloo ranks, pp=3 x dp=2 x ep=2, each family's experts sharded over the 2 replicas:
-    dualpipev with its overlapped pairs (run 5 times: a race shows only sometimes) and zb-h1
-    without pairs give losses and every reduced gradient bitwise the threaded reference.
+    dualpipev with its overlapped pairs, zbv with the pass's pairs (each run 5 times: a race
+    shows only sometimes) and zb-h1, zb-h2 or zbv without pairs (:data:`KINDS`) give losses
+    and every reduced gradient bitwise the threaded reference.
     Every microbatch's MoE layer issues 5 all-to-alls: 3 in F on the ep group (counts, rows,
     outputs back), 2 in its backward on the second group, none in W. A family whose experts
     ep cannot shard, and a model without experts, are refused on every rank."""
@@ -824,13 +850,13 @@ def test_every_family_at_pp3_dp2_ep2_with_pairs_is_bitwise_the_threaded_referenc
         want_losses, want = threaded_ep_reference_step(
             hf.causal_lm_layers(model), hf.CausalLMLoss(model), parts, M3, 2
         )
-        for kind in ("dualpipev", "zb-h1"):
-            case = (name, kind)
+        for kind, overlap in KINDS[name]:
+            case = (name, kind, overlap)
             held: dict[str, set] = {}
             for r in results:
                 got = r[case]
                 assert got["repeats_equal"], case
-                assert (got["paired"] > 0) == (kind == "dualpipev"), case
+                assert (got["paired"] > 0) == overlap, case
                 for n, array in got["grads"].items():
                     shard = got["shard"][n]
                     held.setdefault(n, set()).add(shard)

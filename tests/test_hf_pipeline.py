@@ -557,16 +557,90 @@ def test_a_moe_model_with_a_router_loss_is_bitwise_its_own_loss_through_the_head
 @pytest.mark.parametrize("family", MOE)
 def test_a_router_loss_of_another_form_is_refused_naming_the_option(family, monkeypatch):
     model = moe_model(family, output_router_logits=True)
-    monkeypatch.delattr(sys.modules[type(model).__module__], "load_balancing_loss_func")
+    monkeypatch.setattr(model, "num_experts", None)  # the formula's constants are not found
     why = (
-        f"{type(model).__name__} is built with config.output_router_logits=True: its loss adds "
-        "router_aux_loss_coef=0.001 times the routers' load-balancing loss"
+        f"{type(model).__name__} \\({family}\\) is built with config.output_router_logits=True: "
+        "its loss adds router_aux_loss_coef=0.001 times the routers' load-balancing loss"
     )
     for check in (True, False):
         with pytest.raises(ValueError, match=why + r".*build the model with output_router_logits"):
             hf.causal_lm_layers(model, check=check)
     with pytest.raises(ValueError, match=why):
         hf.CausalLMLoss(model)
+
+
+def test_router_logits_on_a_family_whose_loss_adds_no_router_loss_say_so(monkeypatch):
+    """A family without load_balancing_loss_func only returns the logits: the refusal says
+    its loss adds none, names the family and the fix (and the bias update where the
+    routers have a bias: DeepSeek-V3)."""
+    model = moe_model("mixtral", output_router_logits=True)
+    monkeypatch.delattr(sys.modules[type(model).__module__], "load_balancing_loss_func")
+    with pytest.raises(
+        ValueError,
+        match=r"^MixtralForCausalLM \(mixtral\) is built with config.output_router_logits=True, "
+        r"but its loss adds no auxiliary router loss: .*build the model with "
+        r"output_router_logits=False$",
+    ):
+        hf.causal_lm_layers(model)
+    deepseek = hf.tiny_model("hf-deepseek-v3", output_router_logits=True)
+    for build in (hf.causal_lm_layers, hf.CausalLMLoss):
+        with pytest.raises(
+            ValueError,
+            match=r"^DeepseekV3ForCausalLM \(deepseek_v3\) .* adds no auxiliary router loss: the "
+            r"flag only makes its forward return the routers' logits.*output_router_logits=False "
+            r"\(its routers balance by a bias.*bias_update=rate",
+        ):
+            build(deepseek)
+
+
+def test_llama4_with_router_logits_and_granite_moe_hybrid_are_refused_naming_the_family():
+    """Both died on a raw AttributeError: Llama4 records its router logits on the text model
+    only (and adds no router loss), GraniteMoeHybrid has no rotary embedding by default and
+    Mamba layers beside attention."""
+    fields = {**TINY, "num_hidden_layers": 2}
+    llama4 = transformers.Llama4TextConfig(
+        **fields,
+        intermediate_size_mlp=64,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        output_router_logits=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        model = transformers.Llama4ForCausalLM(llama4)
+    with pytest.raises(
+        ValueError,
+        match=r"^Llama4ForCausalLM \(llama4_text\) is built with config.output_router_logits="
+        r"True, but its loss adds no auxiliary router loss.*output_router_logits=False$",
+    ):
+        hf.causal_lm_layers(model)
+    granite = {
+        **{k: v for k, v in fields.items() if k != "head_dim"},
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "mamba_n_heads": 4,
+        "mamba_d_state": 8,
+        "mamba_chunk_size": 8,
+    }
+    for logits in (True, False):
+        config = transformers.GraniteMoeHybridConfig(**granite, output_router_logits=logits)
+        with torch.random.fork_rng(devices=[]):
+            model = transformers.GraniteMoeHybridForCausalLM(config)
+        with pytest.raises(
+            ValueError,
+            match=r"^GraniteMoeHybridForCausalLM \(granitemoehybrid\) has no rotary embedding "
+            r"\(model.rotary_emb is None, config.position_embedding_type=None\).*"
+            r"position_embedding_type='rope'\), or cut it into layers by hand$",
+        ):
+            hf.causal_lm_layers(model)
+    config = transformers.GraniteMoeHybridConfig(**granite, position_embedding_type="rope")
+    with torch.random.fork_rng(devices=[]):
+        model = transformers.GraniteMoeHybridForCausalLM(config)  # Mamba layers by default
+    with pytest.raises(
+        ValueError,
+        match=r"^GraniteMoeHybridForCausalLM \(granitemoehybrid\): decoder layer 0 uses "
+        r"'linear_attention' attention; .*cut the model into layers by hand$",
+    ):
+        hf.causal_lm_layers(model)
 
 
 @pytest.mark.parametrize("family", MOE)

@@ -218,6 +218,15 @@ def test_the_command_line_overlaps_dualpipev(capsys):
     assert "cost=61" in out and "&B" in out  # 83 without pairs
     assert main(["schedule", "seq-zb", "-p", "2", "-m", "4", "--overlap"]) == 2
     assert "with sequence segments are not built" in capsys.readouterr().err
+    assert main(["schedule", "zb-h1", "-p", "3", "-m", "6", "--overlap"]) == 2
+    assert "error: schedule kind 'zb-h1' places one stage per device" in capsys.readouterr().err
+    assert main(["schedule", "zbv", "-p", "3", "-m", "6", "--overlap"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "zerobubble schedule: warning: schedule kind 'zbv' with overlap=True formed no "
+        "overlapped F&B pair: no all-to-all cost was given (costs=..., a2a=X); every action "
+        "runs alone"
+    ]
 
 
 def test_the_documented_costs():

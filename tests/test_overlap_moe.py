@@ -5,10 +5,12 @@ refuses a pair of one stage: its module and weight-gradient store would be share
 nothing of a stage is touched by two threads; the process's default random generators,
 which a forward seeds and a graph-level split's W replays, are held by one half at a time.
 
-Each case runs its paired step ``REPEATS`` times in one launch (a race shows only
+Each paired case runs its step ``REPEATS`` times in one launch (a race shows only
 sometimes), once more with the pairs run in sequence by a hook, and is compared bitwise
 with :func:`~zerobubble.runtime.reference.reference_step` over the same microbatches:
-losses, loss terms and every gradient. Kinds with one stage per device refuse pairs.
+losses, loss terms and every gradient; so are cases without pairs (zb-h1, zb-h2, zbv).
+Kinds with one stage per device refuse pairs. Expert parallelism (ep = 2) over the same
+kinds and families: ``tests/test_hf_ep.py`` (pp = 3 x dp = 2 x ep = 2).
 """
 
 from __future__ import annotations
@@ -80,24 +82,35 @@ def build(name: str, stages: int) -> tuple[list[nn.Module], object, tuple]:
     return hf.causal_lm_layers(model), hf.CausalLMLoss(model), hf_batch()
 
 
-# kind x model: a covering design (every kind, every model, each kind with two models)
+# (kind, model, pairs): a covering design over the kinds, the models and pairs on/off (every
+# kind that pairs with three models, every model with pairs, the kinds that cannot pair too)
 CASES = [
-    ("zbv", "hf-mixtral"),
-    ("zbv", "ours"),
-    ("dualpipev", "hf-deepseek-v3"),
-    ("dualpipev", "hf-qwen3-moe"),
-    ("interleaved-1f1b", "hf-mixtral"),
-    ("interleaved-1f1b", "hf-deepseek-v3"),
+    ("zbv", "hf-mixtral", True),
+    ("zbv", "ours", True),
+    ("zbv", "hf-qwen2-moe", True),
+    ("dualpipev", "hf-deepseek-v3", True),
+    ("dualpipev", "hf-qwen3-moe", True),
+    ("dualpipev", "hf-olmoe", True),
+    ("interleaved-1f1b", "hf-mixtral", True),
+    ("interleaved-1f1b", "hf-deepseek-v3", True),
+    ("interleaved-1f1b", "ours", True),
+    ("zb-h1", "hf-olmoe", False),
+    ("zb-h2", "hf-qwen2-moe", False),
+    ("zbv", "hf-deepseek-v3", False),
 ]
 
 
-def run_cases(cases: list[tuple[str, str]]) -> dict:
+def schedule(kind: str, pairs: bool) -> Schedule:
+    return paired(kind) if pairs else generate(kind, P, M)
+
+
+def run_cases(cases: list[tuple[str, str, bool]]) -> dict:
     init_distributed(timeout_s=120)
     out: dict = {}
-    for kind, name in cases:
-        sched = paired(kind)
+    for kind, name, pairs in cases:
+        sched = schedule(kind, pairs)
         runs = []
-        for hook in [None] * REPEATS + [in_sequence]:
+        for hook in [None] * REPEATS + [in_sequence] if pairs else [None]:
             layers, loss_fn, (x, y) = build(name, sched.num_stages)
             pipe = zerobubble.Pipeline(
                 layers, loss_fn, sched, options=ExecutorOptions(overlap_fn=hook)
@@ -106,7 +119,7 @@ def run_cases(cases: list[tuple[str, str]]) -> dict:
             losses = pipe.step(x, target=y, terms=terms)
             grads = {n: q.grad.clone() for n, q in pipe.named_parameters() if q.grad is not None}
             runs.append((losses, terms, grads))
-        out[kind, name] = runs
+        out[kind, name, pairs] = runs
     torch.distributed.destroy_process_group()
     return out
 
@@ -114,24 +127,25 @@ def run_cases(cases: list[tuple[str, str]]) -> dict:
 @pytest.mark.bitwise
 def test_pairs_on_every_kind_are_bitwise_the_reference_every_time():
     results = launch(run_cases, P, CASES, timeout=600)
-    for kind, name in CASES:
-        stages = paired(kind).num_stages
+    for kind, name, pairs in CASES:
+        stages = schedule(kind, pairs).num_stages
         layers, loss_fn, (x, y) = build(name, stages)
         want_terms: dict = {}
         want_losses, want_grads = reference_step(layers, loss_fn, x, y, M, terms=want_terms)
-        for i in range(REPEATS + 1):
-            runs = [r[kind, name][i] for r in results]
+        case = (kind, name, pairs)
+        for i in range(len(results[0][case])):
+            runs = [r[case][i] for r in results]
             last = [(losses, terms) for losses, terms, _ in runs if losses is not None]
-            assert len(last) == 1, (kind, name)
+            assert len(last) == 1, case
             losses, terms = last[0]
-            assert all(map(torch.equal, losses, want_losses)), (kind, name, i)
+            assert all(map(torch.equal, losses, want_losses)), (case, i)
             assert terms.keys() == want_terms.keys()
             for term, values in terms.items():
-                assert all(map(torch.equal, values, want_terms[term])), (kind, name, i, term)
+                assert all(map(torch.equal, values, want_terms[term])), (case, i, term)
             grads = {n: g for _, _, gr in runs for n, g in gr.items()}
             assert grads.keys() == {n for n, g in want_grads.items() if g is not None}
             bad = [n for n, g in grads.items() if not torch.equal(g, want_grads[n])]
-            assert not bad, (kind, name, i, bad)
+            assert not bad, (case, i, bad)
 
 
 @pytest.mark.parametrize("kind", ["zb-h1", "zb-h2", "1f1b"])

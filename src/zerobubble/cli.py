@@ -27,12 +27,14 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from zerobubble.schedule.costs import CostSpec, Number, load_costs_file, parse_costs
+from zerobubble.schedule.generators import NoPairWarning
 
 if TYPE_CHECKING:
     from zerobubble.schedule.ir import Schedule
@@ -585,10 +587,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():  # restores the handler below on the way out
+            warnings.showwarning = _warning_line(args.command, warnings.showwarning)
+            return int(args.func(args) or 0)
     except (ValueError, OSError) as exc:  # ScheduleError is a ValueError
         print(f"zerobubble {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def _warning_line(command: str, other: Callable[..., None]) -> Callable[..., None]:
+    """A warning handler that prints what the schedule layer says to its caller (no pair
+    formed) as one line of the command's, and hands every other warning to ``other``."""
+
+    def show(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+        if issubclass(category, NoPairWarning):
+            print(f"zerobubble {command}: warning: {message}", file=sys.stderr)
+        else:
+            other(message, category, *args, **kwargs)
+
+    return show
 
 
 if __name__ == "__main__":

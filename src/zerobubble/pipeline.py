@@ -387,12 +387,18 @@ class Pipeline:
 
         Layers may add loss terms in their forward
         (:func:`~zerobubble.runtime.loss_terms.add_loss_term`, e.g. a router's
-        load-balancing loss). A microbatch's objective is then ``loss_fn``'s loss plus the
-        sum of every term (added in name order), weighted or normalised as the loss is, and
-        that is what is trained: the returned ``losses`` are these objectives, not
-        ``loss_fn``'s loss alone. On the last stage's rank ``terms``, if given, gets per
-        term name the microbatches' values (detached, unscaled; ``losses[j]`` is
-        ``loss_fn``'s loss plus ``terms[name][j]`` over the names).
+        load-balancing loss). A microbatch's objective is then ``loss_fn``'s loss plus every
+        term (added in name order), each weighted as
+        :attr:`~zerobubble.runtime.executor_options.ExecutorOptions.term_weight` says: by
+        default ``1 / (M * dp)`` in the step's objective, so the step's term is the mean
+        over the global batch's microbatches. That is what is trained, and the returned
+        ``losses`` are these objectives, unscaled: ``loss_fn``'s loss plus each term times
+        ``w / s_j`` (``w`` the term weight, ``s_j`` the loss's weight ``n_j / N``, or 1 with
+        a ``count_fn``), so that the ``s_j``-weighted sum of ``losses`` over the replicas is
+        the step's objective. On the last stage's rank ``terms``, if given, gets per term
+        name the microbatches' raw values (detached, unweighted: what the layers added).
+        With ``term_weight="per_call"`` a term is part of its microbatch's loss, weighted as
+        it is, and ``losses[j]`` is ``loss_fn``'s loss plus ``terms[name][j]`` over the names.
         """
         stage_kw = stage_kwargs(kwargs, "Pipeline.step")
         if self.trainer is None:

@@ -24,7 +24,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from zerobubble.interop.hf_router import ROUTER_TERM, router_loss_of
+from zerobubble.interop.hf_router import (
+    BIAS,
+    ROUTER_TERM,
+    Z_TERM,
+    family,
+    router_loss_of,
+    router_z_term,
+    routers_of,
+)
 from zerobubble.runtime.loss_terms import collect_loss_terms
 
 __all__ = [
@@ -117,7 +125,7 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
-def _build(model: nn.Module) -> list[nn.Module]:
+def _build(model: nn.Module, z_loss: float = 0.0, bias_update: float = 0.0) -> list[nn.Module]:
     from zerobubble.interop import hf_layers
 
     name = type(model).__name__
@@ -133,23 +141,50 @@ def _build(model: nn.Module) -> list[nn.Module]:
                 f"{name} has cross-attention (config.add_cross_attention): the adapter takes "
                 "decoder-only causal LMs; build the model without it"
             )
+        if z_loss or bias_update:
+            raise ValueError(f"{name}: router_z_loss / bias_update need a mixture of experts")
         return [
             hf_layers.GPT2Embedding(transformer),
             *(hf_layers.GPT2Block(config, b, i) for i, b in enumerate(_blocks(transformer, "h"))),
             hf_layers.GPT2Head(transformer, head),
         ]
     if isinstance(head, nn.Module) and decoder is not None:
+        rotary_emb = getattr(decoder, "rotary_emb", None)
+        if not isinstance(rotary_emb, nn.Module):
+            raise ValueError(
+                f"{family(model)} has no rotary embedding (model.rotary_emb is "
+                f"{rotary_emb!r}, config.position_embedding_type="
+                f"{getattr(config, 'position_embedding_type', None)!r}): the adapter's Llama "
+                "layout gives every block its rotary positions; build the model with rotary "
+                "positions (e.g. position_embedding_type='rope'), or cut it into layers by hand"
+            )
         blocks = _blocks(decoder, "layers")[: config.num_hidden_layers]
-        rotary_emb = decoder.get_submodule("rotary_emb")
         router = router_loss_of(model)
+        routers = routers_of(model)
+        if bias_update and not any(_has_bias(b) for b in blocks):
+            raise ValueError(
+                f"{family(model)}: bias_update={bias_update} moves the routers' "
+                f"{BIAS} (DeepSeek-V3's balancing), but no block has a router with one; build "
+                "the layers without bias_update"
+            )
+        layers: list[nn.Module] = []
+        try:
+            for i, b in enumerate(blocks):
+                args = (config, b, rotary_emb, i, _attention_type(config, i))
+                kw: dict[str, Any] = {"router": router, "z_loss": z_loss}
+                block: hf_layers.DecoderBlock
+                if bias_update and _has_bias(b):
+                    block = hf_layers.BiasBalancedBlock(
+                        *args, bias_update=bias_update, routers=routers, **kw
+                    )
+                else:  # the routers only where a z-loss needs their logits
+                    block = hf_layers.DecoderBlock(*args, routers=routers if z_loss else None, **kw)
+                layers.append(block)
+        except ValueError as e:
+            raise ValueError(f"{family(model)}: {e}") from None
         return [
             hf_layers.DecoderEmbedding(decoder.get_submodule("embed_tokens")),
-            *(
-                hf_layers.DecoderBlock(
-                    config, b, rotary_emb, i, _attention_type(config, i), router=router
-                )
-                for i, b in enumerate(blocks)
-            ),
+            *layers,
             hf_layers.DecoderHead(
                 decoder.get_submodule("norm"),
                 head,
@@ -164,6 +199,11 @@ def _build(model: nn.Module) -> list[nn.Module]:
         "LM of one of them (e.g. AutoModelForCausalLM.from_config), or cut the model into layers "
         "by hand"
     )
+
+
+def _has_bias(block: nn.Module) -> bool:
+    """Whether a decoder block holds a bias-balanced router (DeepSeek-V3's)."""
+    return any(BIAS in m._buffers for m in block.modules())
 
 
 @contextmanager
@@ -231,11 +271,14 @@ def check_layers(model: nn.Module, layers: list[nn.Module]) -> None:
     batch = _probe(model)
     name = type(model).__name__
     rng = _forked_rng(batch["input_ids"].device)
+    coefs = [getattr(b, "z_loss", 0.0) for b in layers]  # the blocks' router z-loss
+    z_loss = next((c for c in coefs if isinstance(c, float) and c), 0.0)
     with _kept_modes(model), _short_window(_hf_attr(model, "config")), torch.no_grad(), rng:
         for training in (False, True):
             model.train(training)
             torch.manual_seed(0)
-            own = model(**batch)  # as training calls it: the config's use_cache
+            with _router_logits(model, z_loss) as logits:
+                own = model(**batch)  # as training calls it: the config's use_cache
             expected = own.logits
             torch.manual_seed(0)
             try:
@@ -264,13 +307,46 @@ def check_layers(model: nn.Module, layers: list[nn.Module]) -> None:
                     "scaled embeddings or logits, another dropout, extra inputs); cut this model "
                     "into layers by hand"
                 )
-            _check_terms(name, model, getattr(own, "aux_loss", None), terms)
+            _check_terms(name, _own_terms(model, own, logits, batch, z_loss), terms)
 
 
-def _check_terms(name: str, model: nn.Module, aux: Any, terms: dict[str, Tensor]) -> None:
-    """The layers' loss terms are the model's own: its router loss, bitwise, or none."""
+@contextmanager
+def _router_logits(model: nn.Module, z_loss: float) -> Iterator[list[Tensor]]:
+    """The logits of every router call of ``model``'s forward in the block, in call order
+    (nothing without a z-loss)."""
+    kept: list[Tensor] = []
+    routers = routers_of(model) if z_loss else None
+    handles = []
+    if routers is not None:
+        index = routers.index
+        for m in model.modules():
+            if isinstance(m, routers.router_class):
+                handles.append(m.register_forward_hook(lambda _m, _a, out: kept.append(out[index])))
+    try:
+        yield kept
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _own_terms(
+    model: nn.Module, own: Any, logits: list[Tensor], batch: dict[str, Tensor], z_loss: float
+) -> dict[str, Tensor]:
+    """The terms the layers must add: the router loss the model's forward added (its
+    coefficient times ``aux_loss``), and the z-loss of its routers' ``logits`` (summed in
+    layer order, as the layers' terms are)."""
     router = router_loss_of(model)
-    expected = {} if router is None else {ROUTER_TERM: router.coef * aux}
+    out = {} if router is None else {ROUTER_TERM: router.coef * own.aux_loss}
+    if z_loss and logits:
+        mask = batch["attention_mask"].to(torch.bool)
+        parts = [router_z_term(t, mask, z_loss) for t in logits]
+        out[Z_TERM] = sum(parts[1:], parts[0])
+    return out
+
+
+def _check_terms(name: str, expected: dict[str, Tensor], terms: dict[str, Tensor]) -> None:
+    """The layers' loss terms are the model's own (its router loss, bitwise, or none) and the
+    adapter's z-loss of the model's router logits."""
     if terms.keys() != expected.keys():
         raise ValueError(
             f"{name}: the layers add the loss terms {sorted(terms)} but the model's loss adds "
@@ -284,7 +360,13 @@ def _check_terms(name: str, model: nn.Module, aux: Any, terms: dict[str, Tensor]
             )
 
 
-def causal_lm_layers(model: nn.Module, *, check: bool = True) -> list[nn.Module]:
+def causal_lm_layers(
+    model: nn.Module,
+    *,
+    check: bool = True,
+    router_z_loss: float = 0.0,
+    bias_update: float = 0.0,
+) -> list[nn.Module]:
     """The ordered pipeline layers of a Hugging Face causal LM.
 
     ``[embedding, block_0, ..., block_{L-1}, head]``. The layers hold the model's own
@@ -301,15 +383,27 @@ def causal_lm_layers(model: nn.Module, *, check: bool = True) -> list[nn.Module]
     the blocks carry the routers' statistics and the head adds ``router_aux_loss_coef``
     times the load-balancing loss as the loss term ``"router_aux"``
     (:mod:`~zerobubble.interop.hf_router`), so a pipeline trains the model's own loss; a
-    router loss of another form is refused, with or without the check.
+    router loss of another form is refused, with or without the check, and so is
+    ``output_router_logits=True`` on a family whose loss adds none (DeepSeek-V3, Llama4).
+
+    Two options of the adapter's own for mixtures of experts (the routers the model records
+    ``router_logits`` of): ``router_z_loss`` adds, per MoE block, ST-MoE's router z-loss
+    ``router_z_loss * mean over tokens of logsumexp(logits) ** 2`` as the term
+    ``"router_z"``; ``bias_update`` (a rate ``u > 0``) updates every router's
+    ``e_score_correction_bias`` after each applied optimizer step by DeepSeek-V3's rule,
+    ``+= u * sign(mean load - load_e)`` over the step's expert loads (all microbatches, all
+    dp replicas), through :class:`~zerobubble.optim.step_state.StepState` (docs/moe.md).
     """
     _transformers()
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise ValueError(
             f"expected a transformers PreTrainedModel (a causal LM), got {type(model).__name__}"
         )
+    for what, value in (("router_z_loss", router_z_loss), ("bias_update", bias_update)):
+        if not value >= 0:
+            raise ValueError(f"{what}={value} must be >= 0 (0: off)")
     router_loss_of(model)  # refuses a router loss the layers cannot carry
-    layers = _build(model)
+    layers = _build(model, router_z_loss, bias_update)
     if check:
         check_layers(model, layers)
     return layers

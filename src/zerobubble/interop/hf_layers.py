@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import threading
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -30,11 +31,16 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from zerobubble.interop.hf_router import (
+    BIAS,
     ROUTER_TERM,
+    Z_TERM,
+    BiasBalance,
     RouterLoss,
+    Routers,
     RouterStats,
     add_routing,
     router_term,
+    router_z_term,
 )
 from zerobubble.runtime.kv_segments import SegmentAware, SegmentSlot
 from zerobubble.runtime.loss_terms import add_loss_term
@@ -412,6 +418,12 @@ class DecoderBlock(SegmentAware, HFLayer):
     In a segment scope it attends over the earlier segments' keys and values too, its
     rotary positions offset by the segment's start (see :func:`_attention_inputs`); full
     attention only.
+
+    ``router``: the model's router loss (the block adds its router's statistics);
+    ``routers``: where the model's routers are, for ``z_loss``, the coefficient of the
+    router z-loss the block adds as the term ``"router_z"``
+    (:func:`~zerobubble.interop.hf_router.router_z_term`). Both hook the block's router
+    for the duration of its forward only.
     """
 
     holds_kv = True
@@ -426,6 +438,9 @@ class DecoderBlock(SegmentAware, HFLayer):
         index: int,
         attention_type: str,
         router: RouterLoss | None = None,
+        *,
+        routers: Routers | None = None,
+        z_loss: float = 0.0,
     ) -> None:
         super().__init__(
             {
@@ -436,7 +451,7 @@ class DecoderBlock(SegmentAware, HFLayer):
         if attention_type not in _MASKS:
             raise ValueError(
                 f"decoder layer {index} uses {attention_type!r} attention; the adapter builds "
-                f"masks for {', '.join(_MASKS)} only"
+                f"masks for {', '.join(_MASKS)} only: cut the model into layers by hand"
             )
         self.config = config
         self.index = index
@@ -446,15 +461,30 @@ class DecoderBlock(SegmentAware, HFLayer):
         :mod:`~zerobubble.runtime.tp`): the mask and positions are of the whole sequence."""
         self.router = router
         """The model's router loss (None: none); then the block adds its router's statistics."""
-        self._router_path = None if router is None else _router_path(layer, router, index)
+        self.z_loss = float(z_loss)
+        """The router z-loss coefficient (0: none); the block adds the term ``"router_z"``."""
+        if router is not None:
+            routers = Routers(router.router_class, router.index)
+        self._routers = routers
+        self._router_path = None if routers is None else _router_path(layer, routers, index)
+        if z_loss and routers is None:
+            raise ValueError(
+                f"decoder layer {index}: router_z_loss needs the model's routers, but it "
+                "records no router_logits (no mixture of experts the adapter knows)"
+            )
+        self.balance: BiasBalance | None = None
+        """DeepSeek-V3's bias balancing of this block's router (None: off; see
+        :class:`BiasBalancedBlock`)."""
         # Models with per-type rotary tables (local/global) take the layer type too.
         self._rotary_by_type = "layer_type" in inspect.signature(rotary_emb.forward).parameters
 
     def unsplit_submodules(self) -> list[nn.Module]:
-        """The router, whose logits the router loss reads outside its MoE block: the B/W
-        split's graph-level fallback must leave it (and that block) on plain autograd
-        (:mod:`~zerobubble.runtime.split.swap`)."""
-        return [] if self._router_path is None else [self.layer.get_submodule(self._router_path)]
+        """The router, whose logits the router loss or z-loss reads outside its MoE block:
+        the B/W split's graph-level fallback must leave it (and that block) on plain
+        autograd (:mod:`~zerobubble.runtime.split.swap`)."""
+        if self._router_path is None or (self.router is None and not self.z_loss):
+            return []
+        return [self.layer.get_submodule(self._router_path)]
 
     def tp_kinds(self, layout: LayerLayout) -> dict[str, str]:
         """Tensor parallelism (:mod:`~zerobubble.runtime.tp`): the config's
@@ -493,12 +523,12 @@ class DecoderBlock(SegmentAware, HFLayer):
             rotary = self.rotary_emb(hidden, positions, self.attention_type)
         else:
             rotary = self.rotary_emb(hidden, positions)
-        logits: list[Tensor] = []
+        calls: list[Any] = []  # the router's outputs in this call, once each
         handle = None
-        if self.router is not None and self._router_path is not None:
-            index = self.router.index
+        if self._routers is not None and self._router_path is not None:
             gate = self.layer.get_submodule(self._router_path)
-            handle = gate.register_forward_hook(partial(_keep_logits, logits, index))
+            keep = partial(_keep_call, calls, self._routers.index, threading.get_ident())
+            handle = gate.register_forward_hook(keep)
         try:
             out = self.layer(
                 hidden,
@@ -513,28 +543,80 @@ class DecoderBlock(SegmentAware, HFLayer):
         if slot is not None:
             _record_kv(slot, cache, self.index)
         stats = x.get("router")
-        for gate_logits in logits:  # the padding mask as the model's forward was given it
-            assert self.router is not None
-            stats = add_routing(stats, gate_logits, x.get("attention_mask"), self.router)
+        given = x.get("attention_mask")  # the padding mask as the model's forward was given it
+        counting = self.balance is not None and torch.is_grad_enabled()
+        for call in calls:
+            assert self._routers is not None
+            logits = call[self._routers.index]
+            if self.router is not None:
+                stats = add_routing(stats, logits, given, self.router)
+            if self.z_loss:
+                add_loss_term(self, Z_TERM, router_z_term(logits, given, self.z_loss))
+            if counting:
+                assert self.balance is not None
+                self.balance.count(call[-1])
         return _boundary(out[0] if isinstance(out, tuple) else out, mask, position_ids, stats)
 
 
-def _keep_logits(kept: list[Tensor], index: int, _module: nn.Module, _args: Any, out: Any) -> None:
-    """A router's forward hook: keep its logits once per call. A module re-run inside its own
-    call (the graph-level B/W split re-runs a router with two differentiable outputs) hands
-    the inner call's output to the outer call's hooks as well."""
-    logits = out[index]
-    if not any(t is logits for t in kept):
-        kept.append(logits)
+def _keep_call(
+    kept: list[Any], index: int, thread: int, _module: nn.Module, _args: Any, out: Any
+) -> None:
+    """A router's forward hook: keep its output once per call, of calls on the forward's own
+    thread. A module re-run inside its own call (the graph-level B/W split re-runs a router
+    with two differentiable outputs) hands the inner call's output to the outer call's hooks
+    as well; a W that re-runs the router on another thread meanwhile is not this forward's."""
+    if threading.get_ident() == thread and not any(k[index] is out[index] for k in kept):
+        kept.append(out)
 
 
-def _router_path(layer: nn.Module, router: RouterLoss, index: int) -> str | None:
+class BiasBalancedBlock(DecoderBlock):
+    """A :class:`DecoderBlock` whose router's ``e_score_correction_bias`` follows
+    DeepSeek-V3's auxiliary-loss-free balancing (``causal_lm_layers(..., bias_update=u)``):
+    its forwards count the expert loads (:class:`~zerobubble.interop.hf_router.BiasBalance`),
+    and after each applied optimizer step the bias moves by ``u * sign(mean load - load)``.
+    The trainer drives it as a :class:`~zerobubble.optim.step_state.StepState`.
+    """
+
+    def __init__(self, *args: Any, bias_update: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        gate = None if self._router_path is None else self.layer.get_submodule(self._router_path)
+        if gate is None or BIAS not in gate._buffers:
+            raise ValueError(
+                f"decoder layer {self.index}: bias_update={bias_update} moves its router's "
+                f"{BIAS} buffer (DeepSeek-V3's balancing), but it has no such router; build "
+                "the layers without bias_update"
+            )
+        where = f"decoder layer {self.index}'s {type(gate).__name__}"
+        self.balance = BiasBalance(int(gate.get_buffer(BIAS).numel()), bias_update, where)
+
+    def _bias(self) -> Tensor:
+        assert self._router_path is not None  # checked at construction
+        return self.layer.get_submodule(self._router_path).get_buffer(BIAS)
+
+    def begin_step(self) -> None:
+        """A training step begins: its forwards count the router's expert loads afresh."""
+        assert self.balance is not None
+        self.balance.begin()
+
+    def end_step(self, reduce: Callable[[Tensor], Tensor]) -> None:
+        """The step's loads summed over the dp replicas (``reduce``), kept until committed."""
+        assert self.balance is not None
+        self.balance.end(reduce)
+
+    def commit_step(self, applied: bool) -> None:
+        """The optimizer's step was applied: move the router's bias by DeepSeek-V3's rule;
+        skipped: leave it."""
+        assert self.balance is not None
+        self.balance.commit(self._bias(), applied)
+
+
+def _router_path(layer: nn.Module, routers: Routers, index: int) -> str | None:
     """Where ``layer``'s router is (None for a dense layer); ValueError for several."""
-    found = [n for n, m in layer.named_modules() if isinstance(m, router.router_class)]
+    found = [n for n, m in layer.named_modules() if isinstance(m, routers.router_class)]
     if len(found) > 1:
         raise ValueError(
             f"decoder layer {index} holds {len(found)} routers ({', '.join(found)}); the "
-            "adapter carries the router loss of one router per layer"
+            "adapter's router loss, z-loss and bias update take one router per layer"
         )
     return found[0] if found else None
 

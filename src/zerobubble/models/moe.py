@@ -166,6 +166,9 @@ class MoE(ExpertLayer):
             ``E * sum_e f_e * P_e`` over this layer's tokens (Switch Transformer's), with
             ``f_e`` the share of (token, k) picks that chose expert ``e`` (no gradient) and
             ``P_e`` the mean router probability of ``e``. 0: no term.
+        z_loss: Coefficient of ST-MoE's router z-loss, added as the loss term
+            ``"router_z"``: ``z_loss`` times the mean over this layer's tokens of
+            ``logsumexp(router logits) ** 2`` (it keeps the logits small). 0: no term.
     """
 
     def __init__(
@@ -177,14 +180,17 @@ class MoE(ExpertLayer):
         *,
         normalize: bool = True,
         balance: float = 0.0,
+        z_loss: float = 0.0,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
         if not balance >= 0:
             raise ValueError(f"balance={balance} must be >= 0 (0: no load-balancing term)")
+        if not z_loss >= 0:
+            raise ValueError(f"z_loss={z_loss} must be >= 0 (0: no router z-loss term)")
         self.num_experts, self.top_k, self.normalize = num_experts, top_k, normalize
-        self.balance = balance
+        self.balance, self.z_loss = balance, z_loss
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = nn.ModuleDict({str(e): Expert(dim, hidden) for e in range(num_experts)})
         self.ep = ExpertGroup()
@@ -223,13 +229,17 @@ class MoE(ExpertLayer):
 
     def dispatch(self, x: Tensor) -> tuple[Any, Tensor, Tensor]:
         tokens = x.reshape(-1, x.shape[-1])
-        probs = self.router(tokens).softmax(-1)
+        logits = self.router(tokens)
+        probs = logits.softmax(-1)
         weights, chosen = self.select(probs)
         order, token_of, counts = dispatch_order(chosen, self.num_experts)
         if self.balance:
             share = counts.to(probs.dtype) / chosen.numel()
             term = (share * probs.mean(0)).sum() * (self.balance * self.num_experts)
             add_loss_term(self, "router_balance", term)
+        if self.z_loss:
+            z = torch.logsumexp(logits, dim=-1).square().mean() * self.z_loss
+            add_loss_term(self, "router_z", z)
         return (x.shape, weights, order), tokens[token_of], counts
 
     def exchange(self, rows: Tensor, counts: Tensor) -> Tensor:
@@ -248,11 +258,18 @@ class MoEBlock(ExpertLayer):
     """``x + moe(norm(x))``, a pre-norm residual MoE block."""
 
     def __init__(
-        self, dim: int, hidden: int, num_experts: int, top_k: int, *, balance: float = 0.0
+        self,
+        dim: int,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        balance: float = 0.0,
+        z_loss: float = 0.0,
     ) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim)
-        self.moe = MoE(dim, hidden, num_experts, top_k, balance=balance)
+        self.moe = MoE(dim, hidden, num_experts, top_k, balance=balance, z_loss=z_loss)
 
     def dispatch(self, x: Tensor) -> tuple[Any, Tensor, Tensor]:
         ctx, rows, counts = self.moe.dispatch(self.norm(x))
@@ -267,14 +284,20 @@ class MoEGPTBlock(ExpertLayer):
     """A GPT block whose MLP is a :class:`MoE`: ``x + attn(ln1(x))``, then ``+ moe(ln2(.))``."""
 
     def __init__(
-        self, cfg: GPTConfig, num_experts: int, top_k: int, *, balance: float = 0.0
+        self,
+        cfg: GPTConfig,
+        num_experts: int,
+        top_k: int,
+        *,
+        balance: float = 0.0,
+        z_loss: float = 0.0,
     ) -> None:
         super().__init__()
         d = cfg.d_model
         self.ln1 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
-        self.moe = MoE(d, cfg.mlp_ratio * d, num_experts, top_k, balance=balance)
+        self.moe = MoE(d, cfg.mlp_ratio * d, num_experts, top_k, balance=balance, z_loss=z_loss)
 
     def dispatch(self, x: Tensor) -> tuple[Any, Tensor, Tensor]:
         x = x + self.attn(self.ln1(x))
@@ -287,18 +310,19 @@ class MoEGPTBlock(ExpertLayer):
 
 
 def build_moe_gpt(
-    cfg: GPTConfig, *, num_experts: int, top_k: int, balance: float = 0.0
+    cfg: GPTConfig, *, num_experts: int, top_k: int, balance: float = 0.0, z_loss: float = 0.0
 ) -> nn.Sequential:
     """:func:`~zerobubble.models.gpt.build_gpt`'s model with :class:`MoEGPTBlock` s:
     ``[GPTEmbedding, MoEGPTBlock x n_layers, LayerNorm, Linear head]``, initialised as
-    it is (seeded by ``cfg.seed``); ``cfg.tie_embeddings`` is not supported. ``balance``:
-    each MoE's load-balancing term (:class:`MoE`)."""
+    it is (seeded by ``cfg.seed``); ``cfg.tie_embeddings`` is not supported. ``balance``,
+    ``z_loss``: each MoE's load-balancing and router z-loss terms (:class:`MoE`)."""
     if cfg.tie_embeddings:
         raise ValueError("build_moe_gpt: tie_embeddings=True is not supported; leave it False")
     with torch.random.fork_rng(devices=[]):
         embedding = GPTEmbedding(cfg)
         blocks = [
-            MoEGPTBlock(cfg, num_experts, top_k, balance=balance) for _ in range(cfg.n_layers)
+            MoEGPTBlock(cfg, num_experts, top_k, balance=balance, z_loss=z_loss)
+            for _ in range(cfg.n_layers)
         ]
         norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -325,16 +349,19 @@ def build_moe_mlp(
     blocks: int,
     seed: int = 0,
     balance: float = 0.0,
+    z_loss: float = 0.0,
 ) -> nn.Sequential:
     """``Linear(sizes[0], dim)``, ``blocks`` :class:`MoEBlock` s, ``Linear(dim, sizes[2])``
     with ``dim = sizes[1]``: a tiny MoE model for tests. Parameters come from ``seed``;
-    the global RNG is left untouched. ``balance``: each MoE's load-balancing term."""
+    the global RNG is left untouched. ``balance``, ``z_loss``: each MoE's load-balancing
+    and router z-loss terms."""
     d_in, dim, d_out = sizes
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         layers: list[nn.Module] = [nn.Linear(d_in, dim)]
         layers += [
-            MoEBlock(dim, hidden, num_experts, top_k, balance=balance) for _ in range(blocks)
+            MoEBlock(dim, hidden, num_experts, top_k, balance=balance, z_loss=z_loss)
+            for _ in range(blocks)
         ]
         layers.append(nn.Linear(dim, d_out))
     return nn.Sequential(*layers)

@@ -41,6 +41,7 @@ import contextlib
 import copy
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -65,8 +66,10 @@ from zerobubble.optim.norms import (
 )
 from zerobubble.optim.rollback import make_undo
 from zerobubble.optim.speculation import VersionGuard
+from zerobubble.optim.step_state import StepState
 from zerobubble.optim.versions import OptState, ProtocolError, RankVersions
 from zerobubble.runtime.comm import Channel
+from zerobubble.runtime.dp import sum_over_dp
 from zerobubble.runtime.executor import PipelineExecutor
 from zerobubble.runtime.mesh import PipelineMesh
 from zerobubble.runtime.tied import TiedGroups
@@ -147,6 +150,10 @@ class PipelineTrainer:
             over the holder stages at the tail, before the norm, clipping, the
             NaN/Inf check and the step; the norm counts each once.
 
+    The stages' modules that implement :class:`~zerobubble.optim.step_state.StepState`
+    (state moved once per applied step, e.g. DeepSeek-V3's expert biases) are told when a
+    step begins, ends (to reduce over dp) and is committed (applied or skipped).
+
     The constructor is collective (ranks agree on the parameter layout).
 
     Attributes:
@@ -174,6 +181,13 @@ class PipelineTrainer:
         self.on_commit = on_commit
         self.stage_params = {s: list(c.module.parameters()) for s, c in executor.chunks.items()}
         self.params = [p for s in sorted(self.stage_params) for p in self.stage_params[s]]
+        self.step_states: list[StepState] = [
+            m
+            for s in sorted(executor.chunks)
+            for m in executor.chunks[s].module.modules()
+            if isinstance(m, StepState)
+        ]
+        """The stages' modules with per-step state, in stage and module order."""
         mine = {id(p) for p in self.params}
         foreign = sum(id(p) not in mine for g in optimizer.param_groups for p in g["params"])
         if foreign:
@@ -183,6 +197,13 @@ class PipelineTrainer:
                 "stage parameters), not from the original model"
             )
         pv = self.config.post_validation
+        if self.config.speculative and self.step_states:
+            raise ValueError(
+                f"rank {executor.rank}: {type(self.step_states[0]).__name__} updates its state "
+                "once per applied optimizer step, but speculative post-validation runs the next "
+                "step's first forwards before this step is validated (with the state of before "
+                "the update); use OptimConfig(mode='sync') or mode='conservative'"
+            )
         sharding = executor.sharding
         if pv and sharding is not None:
             raise ValueError(
@@ -232,7 +253,10 @@ class PipelineTrainer:
         self.versions.begin_compute(k)
         if not cfg.speculative:
             self._zero_grad()
+        for state in self.step_states:
+            state.begin_step()
         losses = self.pipe.step(*args, target=target, hooks=_Hooks(self, k), **stage_kw)
+        self._end_states(k)
         in_flight = sum(len(c.pending()) for c in self.pipe.chunks.values())
         self.versions.end_compute(k, in_flight)
         self.faults.at_tail(k, self.stage_params)
@@ -386,6 +410,21 @@ class PipelineTrainer:
         self._experts.merge(own, k)
         vec.add_(own)  # exact: the slots are disjoint (zeros on one side)
 
+    def _end_states(self, k: int) -> None:
+        """The step's :class:`StepState` s combine what they saw over dp (collective)."""
+        if not self.step_states:
+            return
+        mesh = self.pipe.mesh
+        reduce = partial(
+            sum_over_dp,
+            None if mesh is None else mesh.dp_group,
+            self.pipe.p2p,
+            k,
+            of="per-step module state (StepState)",
+        )
+        for state in self.step_states:
+            state.end_step(reduce)  # type: ignore[arg-type]  # a tensor in, a tensor out
+
     def _apply(self, action: Decision, total: Tensor, k: int) -> None:
         """The final action: skip, or (clip and) step."""
         with self._span("opt_skip" if action is Decision.SKIP else "opt_step", k):
@@ -407,6 +446,8 @@ class PipelineTrainer:
         with self._span("opt_commit", k):
             self.versions.commit(k)
             self.pipe.param_version = self.versions.param_version
+            for state in self.step_states:
+                state.commit_step(action is not Decision.SKIP)
         info = Commit(
             k, self.versions.committed, action, float(total), provisional, rolled_back, replay
         )

@@ -38,7 +38,12 @@ from zerobubble.runtime.kv_segments import (
     segment_scope,
     unaware_attention,
 )
-from zerobubble.runtime.loss_terms import objective, split_terms, term_scope, with_terms
+from zerobubble.runtime.loss_terms import (
+    split_terms,
+    term_scope,
+    weighted_objective,
+    with_terms,
+)
 from zerobubble.runtime.recompute import (
     Recompute,
     install_layer_recompute,
@@ -234,6 +239,9 @@ class StageChunk:
         """The last stage's term sums of the forward that just ran (set by :meth:`_value`)."""
         self._terms: dict[int, dict[str, Tensor]] = {}
         """Per microbatch forwarded on the last stage, its terms (detached), until taken."""
+        self._objective: Tensor | None = None
+        """The last stage's unscaled objective of the forward that just ran (set by
+        :meth:`_value`, taken by :meth:`forward`)."""
 
     # ---- ops ----------------------------------------------------------------------------
 
@@ -245,6 +253,7 @@ class StageChunk:
         loss_scale: float = 1.0,
         num_items: Tensor | int | None = None,
         segment: SegmentOf | None = None,
+        term_weight: float | None = None,
         **kwargs: Any,
     ) -> Any:
         """F. Returns the stage output, detached, or on the last stage the unscaled loss.
@@ -264,7 +273,9 @@ class StageChunk:
         travel with the output as their running sums (an extra part of the pytree that the
         next stage takes off before calling its module); on the last stage the loss
         becomes the objective, the loss plus every term, and :meth:`take_terms` gives the
-        terms. Not with ``segment``.
+        terms. ``term_weight``: each term's weight in the root
+        (:func:`~zerobubble.runtime.loss_terms.weighted_objective`; None: the terms are
+        weighted as the loss, ``loss_scale``). Not with ``segment``.
 
         With ``segment``, ``mb`` is a unit of a segment schedule and the input is that
         segment of the microbatch's sequence: the stage's attention reads the keys and
@@ -303,14 +314,15 @@ class StageChunk:
             return alias
 
         self._held = None
-        self._reported = {}
+        self._reported, self._objective = {}, None
+        last = (loss_scale, term_weight)
         hooks = saved_tensors_hooks(pack, _identity) if self.track_memory else nullcontext()
         scope = nullcontext() if context is None else segment_scope([self.module], context)
         with torch.enable_grad(), hooks, scope, self.store.record(self.stage, mb):
             if self.recompute == "stage":
                 # The region keeps its inputs for B: the module gets copies, which it
                 # may modify in place (F and B each copy; F's copy dies with F).
-                call = (args, kw, target, num_items)
+                call = (args, kw, target, num_items, last)
                 name = f"stage {self.stage}"
                 out = run_checkpointed(
                     self._copied_value, call, {}, self._params, self.store, self.module, name
@@ -319,16 +331,16 @@ class StageChunk:
                 # A received leaf would refuse in-place ops, which plain autograd allows
                 # on the activation it stands for: the module gets a non-leaf alias.
                 inner = args if self.is_first else map_tensors(args, _entry)
-                out = self._value(inner, kw, target, num_items)
+                out = self._value(inner, kw, target, num_items, last)
             result = out
             if self.is_last:
-                if not isinstance(out, Tensor) or out.dim() != 0:
+                if self._objective is None:  # _value found no scalar loss
                     shape = tuple(out.shape) if isinstance(out, Tensor) else type(out)
                     raise StageChunkError(
                         self.stage, mb, f"loss_fn must return a scalar tensor, got {shape}"
                     )
-                out = out * loss_scale
-        reported, self._reported = self._reported, {}
+                result = self._objective  # out is the root, loss_scale and weights applied
+        reported, self._reported, self._objective = self._reported, {}, None
         if segment is not None and (reported or _carries_terms(out)):
             raise ValueError(
                 f"stage {self.stage}: loss terms (add_loss_term) with sequence segments are "
@@ -443,18 +455,34 @@ class StageChunk:
             self._warned = True
             warnings.warn(message, SplitShareWarning, stacklevel=3)
 
-    def _copied_value(self, args: tuple, kw: dict, target: Any, num_items: Any) -> Any:
+    def _copied_value(
+        self,
+        args: tuple,
+        kw: dict,
+        target: Any,
+        num_items: Any,
+        last: tuple[float, float | None],
+    ) -> Any:
         """:meth:`_value` on copies of the module's input tensors (what "stage" replays)."""
         args, kw = map_tensors((args, kw), Tensor.clone)
-        return self._value(args, kw, target, num_items)
+        return self._value(args, kw, target, num_items, last)
 
-    def _value(self, args: tuple, kw: dict, target: Any, num_items: Any) -> Any:
-        """The stage's output, or on the last stage its objective (what "stage" recompute
-        replays).
+    def _value(
+        self,
+        args: tuple,
+        kw: dict,
+        target: Any,
+        num_items: Any,
+        last: tuple[float, float | None],
+    ) -> Any:
+        """The stage's output, or on the last stage the root of its backward (what "stage"
+        recompute replays): the objective weighted by ``last``, ``(loss_scale,
+        term_weight)``.
 
         The layers' loss terms (:mod:`~zerobubble.runtime.loss_terms`) continue the sums a
         later stage received: an output carries them on; the last stage adds them to its
-        loss and leaves them in ``_reported`` for :meth:`forward` (a replay's are ignored).
+        loss and leaves them in ``_reported``, the unscaled objective in ``_objective``, for
+        :meth:`forward` (a replay's are ignored).
         """
         carried: dict[str, Tensor] = {}
         if not self.is_first:
@@ -470,9 +498,10 @@ class StageChunk:
         else:
             loss = self.loss_fn(out, target, num_items)
         self._reported = sink.sums
-        if not sink.sums or not isinstance(loss, Tensor) or loss.dim() != 0:
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
             return loss  # forward refuses a loss that is no scalar, naming the stage
-        return objective(loss, sink.sums)
+        root, self._objective = weighted_objective(loss, sink.sums, *last)
+        return root
 
     def take_terms(self, mb: int) -> dict[str, Tensor]:
         """The loss terms of microbatch ``mb``'s forward on the last stage, by name (their

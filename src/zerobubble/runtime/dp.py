@@ -145,15 +145,20 @@ def _local(g: Tensor) -> Tensor:
 
 
 def sum_over_dp(
-    dp_group: dist.ProcessGroup | None, p2p: P2P, iteration: int, n: Tensor | int
+    dp_group: dist.ProcessGroup | None,
+    p2p: P2P,
+    iteration: int,
+    n: Tensor | int,
+    of: str = "batch size or count",
 ) -> Tensor | int:
     """``n`` summed over the dp replicas (a step's global batch size or count, which the
-    losses are weighted by); the last stage's ranks of all replicas call it together.
-    The wait is bounded by ``p2p``'s timeout, and its message names the dp ranks."""
+    losses are weighted by, or what ``of`` names); the ranks of all replicas call it
+    together. The wait is bounded by ``p2p``'s timeout, and its message names the dp ranks
+    and ``of``."""
     if dp_group is None:
         return n
     t = torch.as_tensor(n, device=p2p.device).clone()
-    what = f"all-reduce over dim 'dp' of iteration {iteration}'s batch size or count"
+    what = f"all-reduce over dim 'dp' of iteration {iteration}'s {of}"
     work = dist.all_reduce(t, group=dp_group, async_op=True)
     assert work is not None
     p2p.wait(work, None, what, group=tuple(dist.get_process_group_ranks(dp_group)))

@@ -3,9 +3,10 @@ token all-to-all, and the mark that routes expert gradients to the right reducti
 
 The all-to-all is one function, :func:`start_all_to_all`, returning the output and
 its :class:`torch.distributed.Work`; :class:`AllToAll` (the autograd-aware,
-synchronous form) waits on it at once. An overlapping runtime would start the
-dispatch of one microbatch and wait for it while another computes: the split is
-already there.
+synchronous form) waits on it at once. Communication hides behind computation one level
+up: an overlapped F&B pair (:mod:`~zerobubble.runtime.overlap`) runs one microbatch's
+forward beside another's backward, each waiting for its own all-to-all on its own lane
+(:attr:`ExpertGroup.group`, :attr:`ExpertGroup.backward`) while the other computes.
 
 Every wait is bounded by the pipeline's comm timeout (:meth:`ExpertGroup.wait`): an ep
 peer that dies or stalls becomes a :class:`~zerobubble.runtime.comm.PeerError` naming

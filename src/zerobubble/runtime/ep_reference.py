@@ -25,7 +25,8 @@ from torch import Tensor, nn
 
 from zerobubble.models.moe import ExpertLayer, MoE, run_experts
 from zerobubble.runtime.ep import ExpertGroup, LocalGroup, is_expert
-from zerobubble.runtime.loss_terms import collect_loss_terms, objective
+from zerobubble.runtime.loss_terms import TermWeight, collect_loss_terms, weighted_objective
+from zerobubble.runtime.loss_terms import term_weight as weight_of
 from zerobubble.runtime.microbatch import (
     CountFn,
     batch_count,
@@ -46,6 +47,8 @@ def ep_reference_step(
     parts: Sequence[tuple[Tensor, Tensor]],
     m: int,
     ep: int,
+    *,
+    term_weight: TermWeight = "mean",
 ) -> tuple[list[list[Tensor]], dict[str, Tensor]]:
     """One step of a ``(pp, dp = len(parts), ep)`` mesh, in one process (no random ops).
 
@@ -64,7 +67,9 @@ def ep_reference_step(
 
     Loss terms a layer adds (a router's balance loss) are collected per replica in layer
     order; each replica's loss is then its objective, ``loss_fn``'s loss plus every term
-    (:func:`~zerobubble.runtime.loss_terms.objective`), as a pipeline's last stage roots it.
+    weighted as ``term_weight`` says for ``M = m`` and ``dp = len(parts)``
+    (:func:`~zerobubble.runtime.loss_terms.weighted_objective`), as a pipeline's last stage
+    roots it.
 
     Returns:
         Each replica's unscaled per-microbatch losses (objectives), and a copy of every
@@ -86,6 +91,7 @@ def ep_reference_step(
         for p in rep.parameters():
             p.grad = None
     total = sum(len(x) for x, _ in parts)
+    weight = weight_of(term_weight, m, dp)
     xs = [split_batch(x, m) for x, _ in parts]
     ts = [split_batch(t, m) for _, t in parts]
     losses: list[list[Tensor]] = [[] for _ in range(dp)]
@@ -98,13 +104,16 @@ def ep_reference_step(
                     hs = _expert_layer([rep[i] for rep in replicas], hs, ep)
                 else:
                     hs = [rep[i](h) for rep, h in zip(replicas, hs, strict=True)]
-        mine = [objective(loss_fn(h, ts[r][j]), found[r]) for r, h in enumerate(hs)]
-        root = mine[0] * (len(xs[0][j]) / total)
+        mine = [
+            weighted_objective(loss_fn(h, ts[r][j]), found[r], len(xs[r][j]) / total, weight)
+            for r, h in enumerate(hs)
+        ]
+        root = mine[0][0]
         for r in range(1, dp):
-            root = root + mine[r] * (len(xs[r][j]) / total)
+            root = root + mine[r][0]
         root.backward()
         for r in range(dp):
-            losses[r].append(mine[r].detach())
+            losses[r].append(mine[r][1])
     summed: dict[str, Tensor] = {}
     for rep in replicas:  # rank order; a replica's unused expert copies have no gradient
         for n, p in rep.named_parameters():
@@ -150,6 +159,7 @@ def threaded_ep_reference_step(
     ep: int,
     *,
     count_fn: CountFn | None = None,
+    term_weight: TermWeight = "mean",
 ) -> tuple[list[list[Tensor]], dict[str, Tensor]]:
     """:func:`ep_reference_step` for expert layers anywhere in the model (a Hugging Face
     decoder layer's experts, :mod:`~zerobubble.interop.hf_experts`): one thread per dp
@@ -161,12 +171,14 @@ def threaded_ep_reference_step(
     the process group hands between ep ranks, so every op sees the rows it sees there.
 
     Per replica, in microbatch order, the objective is back-propagated: ``loss_fn``'s
-    loss plus the replica's loss terms, scaled by ``n_j / N`` (``N`` the global batch),
-    or with ``count_fn`` (default: ``loss_fn.count_fn``, as the pipeline does) computed
-    as ``loss_fn(output, target_j, count)`` with ``count`` summed over the replicas and
-    unscaled. The replicas' gradients are then summed in rank order: dense ones over all
-    replicas, expert ones over the replicas with the same ep rank (edp). ``parts[r]`` is
-    replica ``r``'s ``(x, target)``, ``x`` what the first layer takes (split along dim 0).
+    loss scaled by ``n_j / N`` (``N`` the global batch), or with ``count_fn`` (default:
+    ``loss_fn.count_fn``, as the pipeline does) computed as ``loss_fn(output, target_j,
+    count)`` with ``count`` summed over the replicas and unscaled, plus the replica's loss
+    terms weighted as ``term_weight`` says for ``M = m`` and ``dp = len(parts)``
+    (:func:`~zerobubble.runtime.loss_terms.weighted_objective`). The replicas' gradients
+    are then summed in rank order: dense ones over all replicas, expert ones over the
+    replicas with the same ep rank (edp). ``parts[r]`` is replica ``r``'s ``(x, target)``,
+    ``x`` what the first layer takes (split along dim 0).
 
     Returns:
         Each replica's unscaled per-microbatch objectives, and every summed gradient
@@ -190,6 +202,7 @@ def threaded_ep_reference_step(
             p.grad = None
         replicas.append(rep)
     count_fn = default_count_fn(loss_fn, count_fn)
+    weight = weight_of(term_weight, m, dp)
     total = sum(batch_size(x, "x") for x, _ in parts)
     count: Tensor | int | None = None
     if count_fn is not None:
@@ -208,12 +221,13 @@ def threaded_ep_reference_step(
                 with collect_loss_terms(rep) as found:
                     out = rep(xj)
                     if count is None:
-                        loss = objective(loss_fn(out, tj), found)
-                        scaled = loss * (batch_size(xj, "x") / total)
+                        scale = batch_size(xj, "x") / total
+                        root, loss = weighted_objective(loss_fn(out, tj), found, scale, weight)
                     else:
-                        loss = scaled = objective(loss_fn(out, tj, count), found)
-                scaled.backward()
-                losses[r].append(loss.detach())
+                        main = loss_fn(out, tj, count)
+                        root, loss = weighted_objective(main, found, 1.0, weight)
+                root.backward()
+                losses[r].append(loss)
         except BaseException as e:
             failed.append(e)
             for g in groups:

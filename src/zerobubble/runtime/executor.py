@@ -40,7 +40,7 @@ from zerobubble.runtime.fsdp import ShardedStages
 from zerobubble.runtime.hooks import StepHooks
 from zerobubble.runtime.host_memory import retain_freed_memory
 from zerobubble.runtime.links import Described, Links, pipeline_p2p
-from zerobubble.runtime.loss_terms import gather_terms
+from zerobubble.runtime.loss_terms import gather_terms, term_weight
 from zerobubble.runtime.mesh import PipelineMesh, pipeline_group
 from zerobubble.runtime.microbatch import CountFn, default_count_fn
 from zerobubble.runtime.overlap import OverlapPair, run_pair
@@ -200,6 +200,11 @@ class PipelineExecutor:
         if retain or (retain is None and self.device.type == "cpu"):
             retain_freed_memory()
         self.rank = dist.get_rank(group)
+        self.term_weight = term_weight(
+            opts.term_weight, schedule.num_microbatches, 1 if mesh is None else mesh.spec.dp
+        )
+        """Each microbatch's loss terms' weight in the step's objective (None: as its loss;
+        :attr:`ExecutorOptions.term_weight`)."""
         self._load_program()
         mine = self.schedule.stages_of_device[self.rank]
         if sorted(stages) != list(mine):
@@ -319,13 +324,16 @@ class PipelineExecutor:
         output and ``target_j`` go to ``loss_fn``. Others may pass them too; they
         are ignored. They are split into the schedule's M microbatches by the rule of
         :func:`~zerobubble.runtime.step_batch.split_step`; ``kwargs`` cannot be named
-        ``target``, ``losses``, ``hooks``, ``terms``, ``mb``, ``loss_scale`` or
-        ``num_items``. On the last stage's rank, returns the M unscaled per-microbatch
-        losses and appends them to ``losses`` if given; elsewhere returns None. Where the
+        ``target``, ``losses``, ``hooks``, ``terms``, ``mb``, ``loss_scale``,
+        ``num_items``, ``segment`` or ``term_weight``. On the last stage's rank, returns the
+        M unscaled per-microbatch losses and appends them to ``losses`` if given; elsewhere
+        returns None. Where the
         layers add loss terms (:func:`~zerobubble.runtime.loss_terms.add_loss_term`) a
-        microbatch's loss is its objective, ``loss_fn``'s loss plus every term, and on the
+        microbatch's loss is its objective, ``loss_fn``'s loss plus every term weighted as
+        :attr:`ExecutorOptions.term_weight` says
+        (:func:`~zerobubble.runtime.loss_terms.weighted_objective`), and on the
         last stage's rank ``terms`` (and :attr:`last_terms`) gets, per term name, its M
-        per-microbatch values (detached, unscaled). ``hooks``
+        per-microbatch values (raw: detached, unweighted, unscaled). ``hooks``
         are called after every compute, at the protocol instructions of the program
         and on every message; if a gate asks for a replay, the step's
         work so far is discarded and the step runs again from its start (its
@@ -478,6 +486,7 @@ class _Run:
                     loss_scale=scale,
                     num_items=batch.num_items if last else None,
                     segment=None if pipe.cuts is None else segment_of(a.mb, pipe.cuts),
+                    term_weight=pipe.term_weight if last else None,
                     **kwargs,
                 )
         except StageChunkError:

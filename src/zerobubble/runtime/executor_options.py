@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zerobubble.runtime.loss_terms import TermWeight, term_weight
 from zerobubble.runtime.overlap import OverlapFn
 from zerobubble.runtime.recompute import Recompute, recompute_plan
 from zerobubble.runtime.rng import StageRng
@@ -93,7 +94,17 @@ class ExecutorOptions:
     :func:`~zerobubble.runtime.overlap.run_together` (the F on a helper thread while the
     backward runs, so one's all-to-all is in flight while the other computes)."""
 
+    term_weight: TermWeight = "mean"
+    """How each microbatch's loss terms (:func:`~zerobubble.runtime.loss_terms.add_loss_term`:
+    a router's balancing or z-loss) weigh in the step's objective. ``"mean"`` (Megatron's
+    convention): ``1 / (M * dp)`` each, so the step's term is the mean of the per-microbatch
+    terms over the global batch's M * dp microbatches and the balance coefficient means
+    the same at any M and dp. ``"per_call"`` (Hugging Face's): each microbatch's term is
+    part of its loss and weighted as it is (``n_j / N``; 1 with a count-normalised loss,
+    so each microbatch adds its whole term). See docs/moe.md."""
+
     def __post_init__(self) -> None:
+        term_weight(self.term_weight, 1)  # a mode that is not one is refused here
         if self.cuts is not None:
             object.__setattr__(self, "cuts", tuple(self.cuts))
         if not self.comm_timeout_s > 0:

@@ -6,32 +6,50 @@ modules for the duration of one forward (:func:`term_scope`, the pattern of
 :func:`~zerobubble.runtime.kv_segments.segment_scope`: nothing lives on the modules
 between calls). A stage that received or produced terms sends, with its output, the
 running per-name sums of the terms so far (:func:`with_terms`): differentiable scalars,
-so the last stage roots ``objective(loss, sums) * loss_scale`` and each term's gradient
-reaches the stage that produced it through the ordinary boundary gradient. The sums are
+so the last stage roots the weighted objective (:func:`weighted_objective`) and each
+term's gradient reaches the stage that produced it through the ordinary boundary
+gradient. The sums are
 built as one process summing the terms in layer order builds them (the first term
 itself, then ``acc + t``), so :func:`collect_loss_terms` around the whole model gives the
 same bits.
+
+How a microbatch's terms weigh in the step's objective is :data:`TermWeight`:
+``"mean"`` (default, Megatron's convention) weighs each microbatch's term by
+``1 / (M * dp)``, so that the step's term is the mean over the global batch's
+microbatches and does not change with M or dp; ``"per_call"`` keeps Hugging Face's
+convention, the term being part of each call's loss and weighted as that loss is.
+:func:`term_weight` gives the weight and :func:`weighted_objective` forms the root of
+one microbatch's backward; the pipeline's last stage and every reference use both.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "TERM_WEIGHTS",
     "TermSink",
+    "TermWeight",
     "add_loss_term",
     "collect_loss_terms",
     "gather_terms",
     "objective",
     "split_terms",
     "term_scope",
+    "term_weight",
+    "weighted_objective",
     "with_terms",
 ]
+
+TermWeight: TypeAlias = Literal["mean", "per_call"]
+"""How each microbatch's loss terms weigh in a step's objective (see :func:`term_weight`)."""
+
+TERM_WEIGHTS: tuple[TermWeight, ...] = ("mean", "per_call")
 
 _SINK = "_zerobubble_loss_sink"
 _VALUE, _TERMS = "zerobubble.value", "zerobubble.loss_terms"
@@ -133,6 +151,51 @@ def objective(loss: Tensor, sums: Mapping[str, Tensor]) -> Tensor:
     for name in sorted(sums):
         loss = loss + sums[name]
     return loss
+
+
+def term_weight(mode: str, microbatches: int, replicas: int = 1) -> float | None:
+    """The weight ``w`` of every microbatch's terms in the step's objective under ``mode``.
+
+    ``"mean"``: ``1 / (microbatches * replicas)``, the step's term being the mean of the
+    per-microbatch terms over all M microbatches of all dp replicas (the dp reduction
+    sums gradients of objectives normalised over the global batch, so each replica's
+    share enters once). ``"per_call"``: None, the terms are part of each microbatch's loss
+    and weighted as it is (``n_j / N``, or 1 with a count-normalised loss: then each
+    microbatch adds its whole term, as Hugging Face's model does per call).
+    """
+    if mode not in TERM_WEIGHTS:
+        raise ValueError(
+            f"term_weight={mode!r} is not one of {', '.join(map(repr, TERM_WEIGHTS))}: 'mean' "
+            "weighs each microbatch's loss terms 1 / (M * dp), 'per_call' as its loss"
+        )
+    if microbatches < 1 or replicas < 1:
+        raise ValueError(
+            f"term_weight needs microbatches >= 1 and replicas >= 1, got {microbatches} "
+            f"and {replicas}"
+        )
+    return None if mode == "per_call" else 1.0 / (microbatches * replicas)
+
+
+def weighted_objective(
+    loss: Tensor, sums: Mapping[str, Tensor], loss_scale: float, weight: float | None
+) -> tuple[Tensor, Tensor]:
+    """One microbatch's backward root and its objective as reported (detached, unscaled).
+
+    ``weight`` None (``"per_call"``): the root is ``objective(loss, sums) * loss_scale``,
+    reported ``objective(loss, sums)``. A weight ``w`` (``"mean"``): the root is
+    ``loss * loss_scale`` plus each term times ``w`` (so every term's gradient is exactly
+    ``w``), reported ``loss`` plus each term times ``w / loss_scale``: the objective whose
+    ``loss_scale``-weighted sum over the step is the step's (with equal microbatches and a
+    per-sample mean loss ``w / loss_scale`` is 1, with a count-normalised loss ``w``).
+    """
+    if weight is None:
+        value = objective(loss, sums)
+        return value * loss_scale, value.detach()
+    root = objective(loss * loss_scale, {n: t * weight for n, t in sums.items()})
+    with torch.no_grad():
+        share = weight / loss_scale
+        value = objective(loss, {n: t * share for n, t in sums.items()})
+    return root, value.detach()
 
 
 def with_terms(value: Any, sums: Mapping[str, Tensor]) -> Any:

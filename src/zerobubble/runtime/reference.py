@@ -26,7 +26,13 @@ from zerobubble.runtime.kv_segments import (
     segment_inputs,
     segment_scope,
 )
-from zerobubble.runtime.loss_terms import collect_loss_terms, gather_terms, objective
+from zerobubble.runtime.loss_terms import (
+    TermWeight,
+    collect_loss_terms,
+    gather_terms,
+    weighted_objective,
+)
+from zerobubble.runtime.loss_terms import term_weight as weight_of
 from zerobubble.runtime.microbatch import (
     CountFn,
     batch_count,
@@ -64,6 +70,7 @@ def reference_step(
     boundaries: Sequence[int] | None = None,
     count_fn: CountFn | None = None,
     terms: dict[str, list[Tensor]] | None = None,
+    term_weight: TermWeight = "mean",
     **kwargs: Any,
 ) -> tuple[list[Tensor], dict[str, Tensor]]:
     """One step of plain autograd over the microbatches, in microbatch order.
@@ -95,8 +102,11 @@ def reference_step(
     Loss terms the layers add (:func:`~zerobubble.runtime.loss_terms.add_loss_term`) are
     collected over the microbatch's forward in layer order, and what is back-propagated
     (and returned) is the objective, ``loss_fn``'s loss plus every term in name order,
-    as a pipeline's last stage roots it; ``terms``, if given, gets each term's
-    per-microbatch values (detached), as :meth:`~zerobubble.pipeline.Pipeline.step` does.
+    weighted as ``term_weight`` says (as
+    :attr:`~zerobubble.runtime.executor_options.ExecutorOptions.term_weight`, one replica:
+    :func:`~zerobubble.runtime.loss_terms.weighted_objective`), as a pipeline's last stage
+    roots it; ``terms``, if given, gets each term's per-microbatch values (raw, detached),
+    as :meth:`~zerobubble.pipeline.Pipeline.step` does.
 
     Returns:
         The unscaled per-microbatch losses (detached 0-dim tensors) and a copy
@@ -135,6 +145,7 @@ def reference_step(
     fallback = leaves[0].device if leaves else torch.device("cpu")
     device = next((p.device for p in model.parameters()), fallback)
     rng = None if seed is None else StageRng(seed, device)
+    weight = weight_of(term_weight, m, 1)
     count_fn = default_count_fn(loss_fn, count_fn)
     extra: tuple[Tensor | int, ...]
     if count_fn is None:
@@ -155,10 +166,9 @@ def reference_step(
                         h = model[i](*aj, **kj) if i == 0 else model[i](h)
                     if s == num_stages - 1:
                         h = loss_fn(h, tj, *extra)  # the last stage's forward holds the loss
-                        h = objective(h, found)
-        loss = h
-        (loss * scale).backward()
-        losses.append(loss.detach())
+                        root, loss = weighted_objective(h, found, scale, weight)
+        root.backward()
+        losses.append(loss)
         per_mb.append({n: t.detach() for n, t in found.items()})
     if terms is not None:
         gather_terms(per_mb, terms)
@@ -186,6 +196,8 @@ def dp_reference_step(
     loss_fn: Callable[..., Tensor],
     parts: Sequence[tuple[Tensor, Tensor]],
     m: int,
+    *,
+    term_weight: TermWeight = "mean",
 ) -> tuple[list[list[Tensor]], dict[str, Tensor]]:
     """One data-parallel step in the order a ``(pp, dp)`` mesh computes it (no random ops).
 
@@ -195,13 +207,14 @@ def dp_reference_step(
     order, ``((g_0 + g_1) + g_2) + ...``, which is what the dp all-reduce gives
     bitwise for two replicas (see :mod:`zerobubble.runtime.dp` for more). The sums
     are left in ``.grad``. A microbatch's loss is its objective: ``loss_fn``'s plus the
-    layers' loss terms, as in :func:`reference_step`.
+    layers' loss terms, weighted as in :func:`reference_step` with ``dp = len(parts)``.
 
     Returns:
         Each replica's unscaled per-microbatch losses, and a copy of every summed gradient.
     """
     model = as_sequential(layers)
     total = sum(len(x) for x, _ in parts)
+    weight = weight_of(term_weight, m, len(parts))
     summed: dict[str, Tensor] = {}
     losses: list[list[Tensor]] = []
     for x, target in parts:
@@ -210,9 +223,11 @@ def dp_reference_step(
         mine = []
         for xj, tj in zip(split_batch(x, m), split_batch(target, m), strict=True):
             with collect_loss_terms(model) as found:
-                loss = objective(loss_fn(model(xj), tj), found)
-            (loss * (len(xj) / total)).backward()
-            mine.append(loss.detach())
+                root, loss = weighted_objective(
+                    loss_fn(model(xj), tj), found, len(xj) / total, weight
+                )
+            root.backward()
+            mine.append(loss)
         losses.append(mine)
         for n, p in model.named_parameters():
             if p.grad is not None:

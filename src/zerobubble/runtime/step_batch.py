@@ -14,7 +14,7 @@ from zerobubble.runtime.shapes import to_device
 
 __all__ = ["RESERVED", "StepBatch", "split_step"]
 
-RESERVED = frozenset({"mb", "loss_scale", "num_items", "segment"})
+RESERVED = frozenset({"mb", "loss_scale", "num_items", "segment", "term_weight"})
 """Keyword names of :meth:`StageChunk.forward` that stage-0 keyword arguments cannot take."""
 
 

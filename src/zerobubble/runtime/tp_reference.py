@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from zerobubble.runtime.loss_terms import TermWeight
 from zerobubble.runtime.microbatch import CountFn
 from zerobubble.runtime.partition import layer_keys, model_name, stage_bounds
 from zerobubble.runtime.reference import as_sequential, reference_step
@@ -45,6 +46,7 @@ def tp_reference_step(
     step: int = 0,
     count_fn: CountFn | None = None,
     terms: dict[str, list[Tensor]] | None = None,
+    term_weight: TermWeight = "mean",
     **kwargs: Any,
 ) -> tuple[list[Tensor], dict[str, Tensor]]:
     """One step of ``layers`` in ``num_stages`` stages parallelized over ``tp_mesh``, unpipelined.
@@ -100,6 +102,7 @@ def tp_reference_step(
         boundaries=list(range(num_stages + 1)),
         count_fn=count_fn,
         terms=terms,
+        term_weight=term_weight,
         **kwargs,
     )
     grads: dict[str, Tensor] = {}

@@ -23,6 +23,10 @@ RECOMPUTE = ("none", "stage", "layers")
 """The activation-checkpointing settings of :class:`ExecutorSection` (see
 :mod:`zerobubble.runtime.recompute`)."""
 
+TERM_WEIGHTS = ("mean", "per_call")
+"""How :class:`ExecutorSection` weighs the layers' loss terms (see
+:data:`zerobubble.runtime.loss_terms.TERM_WEIGHTS`, which this torch-free module repeats)."""
+
 
 TORCH_PROFILE_WARMUP, TORCH_PROFILE_ACTIVE = 1, 2
 """``job.torch_profile``: rounds of profiler warm-up (the job's own warm-up round by
@@ -194,6 +198,11 @@ class ExecutorSection:
     stage's input, B recomputes the stage); layers (F keeps each layer's input, B
     recomputes the layers). W is unchanged; the plan costs B one forward more and M_B
     the kept inputs (measured)."""
+    term_weight: str = "mean"
+    """How each microbatch's loss terms (a mixture of experts' router losses) weigh in the
+    step's objective: mean (1 / (M * dp) each: the step's term is the mean over the global
+    batch's microbatches, whatever M and dp) or per_call (Hugging Face's: each term is part
+    of its microbatch's loss and weighted as it is). See docs/moe.md."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.comm_timeout_s) and self.comm_timeout_s > 0):
@@ -206,6 +215,11 @@ class ExecutorSection:
             raise ValueError(
                 f"executor.recompute must be one of {', '.join(RECOMPUTE)}, got "
                 f"{self.recompute!r}; pass --recompute none, stage or layers"
+            )
+        if self.term_weight not in TERM_WEIGHTS:
+            raise ValueError(
+                f"executor.term_weight must be one of {', '.join(TERM_WEIGHTS)}, got "
+                f"{self.term_weight!r}; pass --executor.term-weight mean or per_call"
             )
 
 

@@ -635,6 +635,7 @@ def _options(
         seed=seed,
         recompute=ex.recompute,  # type: ignore[arg-type]  # checked by ExecutorSection
         cuts=cuts,
+        term_weight=ex.term_weight,  # type: ignore[arg-type]  # checked by ExecutorSection
     )
 
 
