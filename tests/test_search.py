@@ -339,14 +339,15 @@ def test_smallest_feasible_limit_is_schedulable(v_shape):
 
 
 def test_registered_kinds_take_costs_and_mem_limit():
-    for kind in ("zb-auto", "optimal"):  # chunks: interleaved
-        assert GENERATORS[kind].options == frozenset({"costs", "mem_limit", "chunks"})
+    # chunks: interleaved; overlap: the searches pair where it pays
+    assert GENERATORS["zb-auto"].options == frozenset({"costs", "mem_limit", "chunks", "overlap"})
+    assert GENERATORS["optimal"].options == frozenset({"costs", "mem_limit", "chunks"})
     # chunks: at most v; max_stages: the layer count
     assert GENERATORS["auto"].options == frozenset(
-        {"costs", "mem_limit", "chunks", "max_stages", "time_budget_s"}  # and the anytime budget
+        {"costs", "mem_limit", "chunks", "max_stages", "time_budget_s", "overlap"}
     )
-    for kind in ("zbv-auto", "optimal-v"):
-        assert GENERATORS[kind].options == frozenset({"costs", "mem_limit"})
+    assert GENERATORS["zbv-auto"].options == frozenset({"costs", "mem_limit", "overlap"})
+    assert GENERATORS["optimal-v"].options == frozenset({"costs", "mem_limit"})
     with pytest.raises(ValueError, match="does not take option 'chunks'"):
         generate("zbv-auto", 4, 8, chunks=2)
 

@@ -488,8 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--overlap",
         action="store_true",
         help="overlapped F&B pairs, one's all-to-all hidden behind the other's compute "
-        "(--costs a2a=...): dualpipev's own, as DualPipe pairs them; other kinds where a "
-        "pair pays under --costs",
+        "(--costs a2a=...): dualpipev's own, as DualPipe pairs them; auto, zb-auto and "
+        "zbv-auto may pair inside their search; other kinds where a pair pays under --costs",
     )
     _add_cost_args(p)
     p.add_argument(

@@ -122,21 +122,31 @@ class Profile:
         host work after it, see :mod:`zerobubble.profile.stages`). ``fused=True``
         predicts schedules without B/W split: F and M_B come from the unsplit
         run and B is set to BW - W, so that a BW costs the measured BW.
+
+        A stage's measured all-to-all (:attr:`~zerobubble.profile.stages.StageProfile.a2a`,
+        0 without one) becomes its ``a2a`` and is taken out of F's and B's compute, so that
+        each still costs what was measured alone and an overlapped pair hides it.
         """
         st = self.stages
         split_b, split_w = self._split()
         w = _costs(st, "W", split_w)
         host_w = _host(st, "W")
+        a2a = list(st.a2a)  # measured inside F and B: taken out of their compute
+
+        def less(xs: list[float]) -> list[float]:
+            return [x - y for x, y in zip(xs, a2a, strict=True)]
+
         if not fused:
             return CostModel.per_stage(
-                f=_costs(st, "F", st.f),
-                b=_costs(st, "B", split_b),
+                f=less(_costs(st, "F", st.f)),
+                b=less(_costs(st, "B", split_b)),
                 w=w,
                 comm=self.comm,
                 mem_f=list(st.mem_b),
                 mem_w=[m if m is not None else 0 for m in st.mem_w],
                 recompute=st.recompute,
                 host={"F": _host(st, "F"), "B": _host(st, "B"), "W": host_w},
+                a2a=a2a,
             )
         fu = self.fused
         fused_bw = None if fu is None else _every_stage(fu.bw)
@@ -148,11 +158,15 @@ class Profile:
             min(max(h - hw, 0.0), x) for h, hw, x in zip(_host(fu, "BW"), host_w, b, strict=True)
         ]
         return CostModel.per_stage(
-            f=_costs(fu, "F", fu.f),
-            b=b,
+            f=[
+                max(x - y, h)
+                for x, y, h in zip(_costs(fu, "F", fu.f), a2a, _host(fu, "F"), strict=True)
+            ],
+            b=[max(x - y, h) for x, y, h in zip(b, a2a, host_b, strict=True)],
             w=w,
             comm=self.comm,
             host={"F": _host(fu, "F"), "B": host_b, "W": host_w},
+            a2a=a2a,
             mem_f=list(fu.mem_b),
             mem_w=[
                 (m or 0) if st.recompute else min(m or 0, mb)

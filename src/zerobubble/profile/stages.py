@@ -19,6 +19,15 @@ That **host tail** (everything from the op's end to the next compute's start
 except waiting for a message) is measured per op too; a planner should count
 it, since the device cannot compute meanwhile.
 
+A stage that holds expert layers under expert parallelism also waits for their token
+all-to-alls inside its F and its backward. With the ep groups' waits recorded
+(:func:`~zerobubble.runtime.ep.timing_waits`), :func:`all_to_all_ms` charges each compute
+event the part of the waits of its rank that fall inside it; per stage the median over F
+and over backward events is its all-to-all time (:attr:`StageProfile.a2a_f`,
+:attr:`StageProfile.a2a_b`), which the cost model takes apart from compute
+(:meth:`~zerobubble.profile.costs_file.Profile.cost_model`). Without an all-to-all (no
+expert layer, or every expert on one process: ep = 1) both are 0.
+
 Latency is a ping-pong between the two ranks of each stage boundary with a
 message of the boundary's size: one-way latency = round trip / 2. The traced
 messages measure it as the schedule pays it (:func:`message_latency`): from the
@@ -33,7 +42,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,10 +82,30 @@ class StageProfile:
     recompute: bool = False
     """The stages checkpointed activations: F kept only their inputs and B rebuilt the
     state W needs, so M_W may exceed M_B."""
+    a2a_f: tuple[float, ...] = ()
+    """Median ms each stage's F waited for expert all-to-alls (:func:`all_to_all_ms`);
+    empty: not measured (none, as 0)."""
+    a2a_b: tuple[float, ...] = ()
+    """The same of each stage's backward (B, or BW)."""
 
     @property
     def num_stages(self) -> int:
         return len(self.f)
+
+    @property
+    def a2a(self) -> tuple[float, ...]:
+        """Per stage, the all-to-all time the cost model charges each F and each backward
+        (:attr:`~zerobubble.schedule.costs.CostModel.a2a`, one figure for both): the smaller
+        of the two medians, so a pair never hides more than either side waited, and never
+        more than the op's own median compute (0 where not measured)."""
+        if not self.a2a_f:
+            return (0.0,) * self.num_stages
+        out = []
+        for s in range(self.num_stages):
+            back = self.b[s] if self.b[s] is not None else self.bw[s]
+            cap = min(self.f[s].median, back.median if back is not None else 0.0)
+            out.append(min(self.a2a_f[s], self.a2a_b[s], cap))
+        return tuple(out)
 
     def stage_time(self, s: int) -> float:
         """Median F + B + W (or F + BW) of stage ``s``: the per-microbatch work to balance."""
@@ -150,6 +179,42 @@ def stage_profile(
             for op in COMPUTE_OPS
         },
         recompute=recompute,
+    )
+
+
+def all_to_all_ms(
+    events: Sequence[TraceEvent],
+    waits: Mapping[int, Sequence[tuple[int, int]]],
+    num_stages: int,
+    *,
+    skip_iterations: int = 1,
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per stage, the median ms its F events and its backward (B or BW) events spent in
+    all-to-all waits: ``waits[rank]`` are that rank's waits (``(start_ns, end_ns)`` on the
+    events' clock: ``perf_counter_ns`` less the rank's trace epoch), and each event is
+    charged the part of them inside it. An op that never waited counts 0; a stage that ran
+    no such event gets 0. The profiled runs have no overlapped pairs, so a rank's waits
+    belong to the one compute they fall in."""
+    got: dict[tuple[bool, int], list[float]] = defaultdict(list)
+    spans: dict[int, list[tuple[int, int]]] = {r: sorted(w) for r, w in waits.items()}
+    for e in events:
+        a = e.action
+        if a is None or e.iteration < skip_iterations or a.op is Op.W:
+            continue
+        inside = 0
+        for lo, hi in spans.get(e.rank, ()):
+            if lo >= e.end_ns:
+                break
+            inside += max(0, min(hi, e.end_ns) - max(lo, e.start_ns))
+        got[a.op is Op.F, a.stage].append(inside / 1e6)
+
+    def median(forward: bool, s: int) -> float:
+        xs = got.get((forward, s))
+        return statistics.median(xs) if xs else 0.0
+
+    return (
+        tuple(median(True, s) for s in range(num_stages)),
+        tuple(median(False, s) for s in range(num_stages)),
     )
 
 

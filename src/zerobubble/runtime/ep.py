@@ -15,11 +15,19 @@ the all-to-all, dim ``ep`` and the group's ranks.
 Which group a gradient is summed over is decided here, once (:func:`is_expert`):
 expert parameters over the mesh's ``edp_group`` (the dp ranks holding the same
 experts), every other parameter over ``dp_group``.
+
+What the profiler may know of a stage's experts is here too, so that it imports no model:
+a module that exchanges tokens for its experts holds its :class:`ExpertGroup` as attribute
+``ep`` (:func:`expert_groups` finds them), and each group times its waits while asked to
+(:class:`WaitLog`, :func:`timing_waits`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,12 +44,15 @@ __all__ = [
     "AllToAll",
     "ExpertGroup",
     "LocalGroup",
+    "WaitLog",
     "all_to_all",
     "exchange_counts",
+    "expert_groups",
     "expert_run",
     "is_expert",
     "mark_expert",
     "start_all_to_all",
+    "timing_waits",
 ]
 
 _EXPERT_ATTR = "_zb_expert_run"
@@ -76,6 +87,53 @@ class LocalGroup:
         self._barrier.abort()
 
 
+class WaitLog:
+    """While :attr:`active`, the ``(start, end)`` (``time.perf_counter_ns``) of every wait of
+    an :class:`ExpertGroup` for its all-to-alls: how long the waiting thread was blocked on
+    the exchange. Off by default (a wait then costs one attribute test); the profiler turns
+    it on around the steps it measures (:func:`timing_waits`)."""
+
+    def __init__(self) -> None:
+        self.active: list[tuple[int, int]] | None = None
+        """Where the waits go while recording; None when off."""
+
+    def record(self, start_ns: int, end_ns: int) -> None:
+        got = self.active
+        if got is not None:
+            got.append((start_ns, end_ns))  # list.append is atomic: pairs' two threads may wait
+
+
+@contextlib.contextmanager
+def timing_waits(groups: Iterable[ExpertGroup]) -> Iterator[list[tuple[int, int]]]:
+    """Record every wait of ``groups`` for their all-to-alls while the block runs, into the
+    list it yields (``(start, end)`` in ``time.perf_counter_ns``, in the order they ended);
+    the logs are off again afterwards."""
+    logs = list({id(g.log): g.log for g in groups}.values())
+    got: list[tuple[int, int]] = []
+    if any(log.active is not None for log in logs):
+        raise RuntimeError("timing_waits: these ep groups' waits are already being recorded")
+    for log in logs:
+        log.active = got
+    try:
+        yield got
+    finally:
+        for log in logs:
+            log.active = None
+
+
+def expert_groups(module: nn.Module) -> tuple[ExpertGroup, ...]:
+    """The ep groups of the expert layers in ``module``: each module's attribute ``ep`` that
+    is an :class:`ExpertGroup` (our ``MoE``/``ExpertLayer`` and the HF experts replaced by
+    ``ShardedExperts`` hold theirs there), each group once, in module order. Empty: the
+    module holds no expert layer."""
+    found: dict[int, ExpertGroup] = {}
+    for m in module.modules():
+        g = getattr(m, "ep", None)
+        if isinstance(g, ExpertGroup):
+            found.setdefault(id(g), g)
+    return tuple(found.values())
+
+
 @dataclass(frozen=True)
 class ExpertGroup:
     """The ep ranks one MoE layer's experts are sharded over, and this rank's place.
@@ -97,6 +155,8 @@ class ExpertGroup:
     same order on every ep rank."""
     arrivals: Arrivals | None = field(default=None, compare=False, repr=False)
     """Names the ep rank that never arrived when a wait fails (None: the group only)."""
+    log: WaitLog = field(default_factory=WaitLog, compare=False, repr=False)
+    """Times the waits while the profiler asks (:func:`timing_waits`); shared by the copies."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size or (self.size > 1 and self.group is None):
@@ -119,19 +179,24 @@ class ExpertGroup:
         return self.group if self.backward is None else self.backward
 
     def wait(self, work: dist.Work, what: str, group: dist.ProcessGroup | None = None) -> None:
-        """Wait for ``work`` (a collective over this group), bounded by ``timeout_s``."""
-        if self.timeout_s is None:
-            work.wait()
-            return
-        pg = group or self.group
-        assert not isinstance(pg, LocalGroup)
-        ranks = tuple(dist.get_process_group_ranks(pg))
-        arrivals = self.arrivals or Arrivals(dist.get_rank())
+        """Wait for ``work`` (a collective over this group), bounded by ``timeout_s``; the
+        wait goes to :attr:`log` while it records."""
+        t0 = time.perf_counter_ns()
+        try:
+            if self.timeout_s is None:
+                work.wait()
+                return
+            pg = group or self.group
+            assert not isinstance(pg, LocalGroup)
+            ranks = tuple(dist.get_process_group_ranks(pg))
+            arrivals = self.arrivals or Arrivals(dist.get_rank())
 
-        def blame(why: str, missing: tuple[int, ...]) -> PeerError:
-            return PeerError(arrivals.rank, None, what, why, group=ranks, missing=missing)
+            def blame(why: str, missing: tuple[int, ...]) -> PeerError:
+                return PeerError(arrivals.rank, None, what, why, group=ranks, missing=missing)
 
-        arrivals.wait(work, group=pg, ranks=ranks, timeout_s=self.timeout_s, error=blame)
+            arrivals.wait(work, group=pg, ranks=ranks, timeout_s=self.timeout_s, error=blame)
+        finally:
+            self.log.record(t0, time.perf_counter_ns())
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ExpertGroup:
         return self

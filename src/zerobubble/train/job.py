@@ -46,6 +46,7 @@ import contextlib
 import json
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -65,12 +66,15 @@ from zerobubble.profile.costs_file import Profile
 from zerobubble.profile.layers import LayerProfile, profile_layers
 from zerobubble.profile.segments import profile_segment_cost
 from zerobubble.profile.stages import (
+    StageProfile,
+    all_to_all_ms,
     boundary_pairs,
     message_latency,
     p2p_latency,
     stage_profile,
 )
 from zerobubble.profile.stats import OpStats
+from zerobubble.runtime.ep import ExpertGroup, expert_groups, timing_waits
 from zerobubble.runtime.executor import ExecutorOptions
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.partition import stage_bounds
@@ -78,7 +82,7 @@ from zerobubble.runtime.rng import derive_seed
 from zerobubble.runtime.segment_check import check_segments
 from zerobubble.runtime.trace import gather_traces
 from zerobubble.schedule.costs import CostModel, CostSpec
-from zerobubble.schedule.generators import generate, one_f_one_b
+from zerobubble.schedule.generators import NoPairWarning, generate, one_f_one_b
 from zerobubble.schedule.ir import Schedule
 from zerobubble.schedule.search.graph import min_feasible_limit
 from zerobubble.schedule.segments import SegmentCost, balanced_cuts
@@ -256,19 +260,30 @@ class JobResult:
 
 
 def plan_schedule(
-    num_devices: int, num_microbatches: int, costs: CostModel, mem_limit: int, *, num_layers: int
+    num_devices: int,
+    num_microbatches: int,
+    costs: CostModel,
+    mem_limit: int,
+    *,
+    num_layers: int,
+    overlap: bool = False,
 ) -> tuple[Schedule, str]:
     """The :data:`PLANNER` schedule for ``costs`` within ``mem_limit`` and at most one
-    stage per layer of ``num_layers``, validated, and its kind."""
+    stage per layer of ``num_layers``, validated, and its kind. ``overlap``: the planner may
+    pair F&B where that pays (none pays without an all-to-all cost; a placement of one stage
+    per device, the job's profile, has none: then it says nothing)."""
     spec = CostSpec(stage_costs=costs)
-    sched = generate(
-        PLANNER,
-        num_devices,
-        num_microbatches,
-        costs=spec,
-        mem_limit=mem_limit,
-        max_stages=num_layers,
-    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoPairWarning)
+        sched = generate(
+            PLANNER,
+            num_devices,
+            num_microbatches,
+            costs=spec,
+            mem_limit=mem_limit,
+            max_stages=num_layers,
+            overlap=overlap,
+        )
     validate(sched, mem_limit=mem_limit, costs=costs)
     return sched, PLANNER
 
@@ -432,9 +447,14 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     if ctx.lead and ctx.reporter is not None:
         ctx.reporter.start(total)  # the trials' steps are added once their count is known
     rounds = cfg.job.warmup + cfg.job.baseline_steps
-    with _torch_profile(ctx, rounds if cfg.job.profile_only else 0) as prof:
+    groups = [g for c in root.executor.chunks.values() for g in expert_groups(c.module)]
+    with (
+        _torch_profile(ctx, rounds if cfg.job.profile_only else 0) as prof,
+        timing_waits(groups) as waited,
+    ):
         _rotate(ctx, phases, rounds, measure=False, longest=True, profiler=prof)
     profiled = [gather_traces(ph.pipe.executor.trace) or [] for ph in phases]
+    a2a = _expert_waits(ctx, groups, waited, phases[1].pipe.executor.trace.epoch_ns)
     boundary = cfg.job.microbatch_size * cfg.job.seq_len * model.hidden * 4  # float32
     pairs = [(a, b) for _, a, b in boundary_pairs(base.placement)]
     latency = p2p_latency(pairs, boundary, device=ctx.device)
@@ -444,16 +464,18 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
         try:
             fixed = [x for ph in phases for x in ph.fixed_s]
             steps = [(ph.pipe.schedule, statistics.median(ph.settled_s) * 1e3) for ph in phases]
-            return _plan(ctx, profiled, lp, balanced, latency, base, fixed, seg_cost, steps)
+            return _plan(ctx, profiled, lp, balanced, latency, base, fixed, seg_cost, steps, a2a)
         except PlanError as exc:
             return exc
 
     plan = _from_lead(ctx, plan_or_refusal)
     if isinstance(plan, PlanError):
         raise plan
+    ctx.say(_a2a_line(a2a, plan.profile.stages))
+    paired = len(plan.schedule.overlaps)
     ctx.say(
-        f"planned with {plan.kind} under a memory limit of {plan.mem_limit / 2**20:.2f} MiB "
-        "per device"
+        f"planned with {plan.kind}{f' ({paired} overlapped pairs)' if paired else ''} under a "
+        f"memory limit of {plan.mem_limit / 2**20:.2f} MiB per device"
     )
     trials: tuple[TrialResult, ...] = ()
 
@@ -476,6 +498,55 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     return _report(ctx, phases, cut, plan, trials, began=began)
 
 
+class _ExpertWaits(NamedTuple):
+    """What the profiling steps saw of expert all-to-alls, on every rank."""
+
+    groups: int
+    """Expert layers' ep groups over all ranks (0: no stage holds expert layers)."""
+    exchanging: int
+    """Of them, those over more than one rank (the others run every expert locally)."""
+    waits: dict[int, list[tuple[int, int]]]
+    """Per rank, its waits for all-to-alls, on the ZB-H1 phase's trace clock."""
+
+
+def _expert_waits(
+    ctx: _Ctx, groups: Sequence[ExpertGroup], waited: list[tuple[int, int]], epoch_ns: int
+) -> _ExpertWaits:
+    """Every rank's recorded all-to-all waits, on the clock of the traces they are charged
+    to (a collective)."""
+    mine = (
+        len(groups),
+        sum(g.size > 1 for g in groups),
+        [(a - epoch_ns, b - epoch_ns) for a, b in waited],
+    )
+    every: list[Any] = [None] * ctx.world
+    dist.all_gather_object(every, mine)
+    return _ExpertWaits(
+        sum(x[0] for x in every),
+        sum(x[1] for x in every),
+        {rank: x[2] for rank, x in enumerate(every)},
+    )
+
+
+def _a2a_line(seen: _ExpertWaits, stages: StageProfile) -> str:
+    """The job's line on the all-to-all its plan prices."""
+    if not seen.groups:
+        return "all-to-all: none (no stage holds expert layers); the plan prices none"
+    if not seen.exchanging:
+        return (
+            "all-to-all: none (every stage's experts run on its own process, ep=1); the plan "
+            "prices none"
+        )
+    per = ", ".join(
+        f"s{s} {f:.3g}/{b:.3g}"
+        for s, (f, b) in enumerate(zip(stages.a2a_f, stages.a2a_b, strict=True))
+    )
+    return (
+        f"all-to-all waits per F/backward (median ms): {per}; the plan prices "
+        f"{[round(x, 3) for x in stages.a2a]} ms each, beside compute"
+    )
+
+
 def _verify(
     ctx: _Ctx, root: Pipeline, opt: torch.optim.Optimizer, candidates: tuple[Candidate, ...]
 ) -> tuple[_Phase, tuple[TrialResult, ...], Candidate]:
@@ -493,7 +564,10 @@ def _verify(
         return _phase(ctx, pipe(only), opt, name=only.kind, planned=True), (), only
     ctx.say(
         "trying the plan's candidates, best prediction first: "
-        + ", ".join(f"{c.kind} ({c.predicted_ms:.0f} ms)" for c in candidates)
+        + ", ".join(
+            f"{c.kind} ({c.predicted_ms:.0f} ms{f', {c.pairs} pairs' if c.pairs else ''})"
+            for c in candidates
+        )
     )
     if ctx.lead and ctx.reporter is not None:
         ctx.reporter.extend(len(candidates) * (cfg.job.warmup + cfg.job.trial_steps))
@@ -508,14 +582,18 @@ def _verify(
             ]
         )
         return tuple(
-            TrialResult(c.kind, c.predicted_ms, tuple(t.step_s), tuple(t.pipe_s), i == best)
+            TrialResult(
+                c.kind, c.predicted_ms, tuple(t.step_s), tuple(t.pipe_s), i == best, c.pairs
+            )
             for i, (t, c) in enumerate(zip(tried, candidates, strict=True))
         )
 
     results = _from_lead(ctx, measured)
     best = next(i for i, r in enumerate(results) if r.chosen)
+    won = candidates[best]
     ctx.say(
-        f"chose {candidates[best].kind} by measurement (median step: "
+        f"chose {won.kind}{f' ({won.pairs} overlapped pairs)' if won.pairs else ''} by "
+        "measurement (median step: "
         + ", ".join(f"{r.kind} {r.step_time * 1e3:.0f} ms" for r in results)
         + ")"
         + _within_noise(overlapping(results), cfg.job.trial_steps)
@@ -758,12 +836,16 @@ def _plan(
     fixed_s: list[float],
     seg_cost: SegmentCost | None,
     steps: list[tuple[Schedule, float]],
+    a2a: _ExpertWaits,
 ) -> _Plan:
     cfg = ctx.cfg
     f1b, zbh1 = profiled
     S = base.num_stages
     rc = cfg.executor.recompute != "none"  # measured: B includes the recomputation
     split = stage_profile(zbh1, S, skip_iterations=cfg.job.warmup, recompute=rc)
+    if a2a.exchanging:
+        waited = all_to_all_ms(zbh1, a2a.waits, S, skip_iterations=cfg.job.warmup)
+        split = replace(split, a2a_f=waited[0], a2a_b=waited[1])
     full = stage_profile(f1b, S, skip_iterations=cfg.job.warmup, recompute=rc)
     # The latency the schedules paid (both profiled runs' messages), else the ping-pong's.
     paid = message_latency(f1b, zbh1, skip_iterations=cfg.job.warmup)
@@ -793,7 +875,12 @@ def _plan(
     prof = replace(prof, mem_limit=limit)
     try:
         planned, kind = plan_schedule(
-            ctx.world, cfg.schedule.microbatches, costs, limit, num_layers=lp.num_layers
+            ctx.world,
+            cfg.schedule.microbatches,
+            costs,
+            limit,
+            num_layers=lp.num_layers,
+            overlap=any(costs.a2a) and not rc,  # the executor overlaps without recompute
         )
     except ValueError as exc:  # ScheduleError too
         given = (
@@ -810,6 +897,7 @@ def _plan(
         limit,
         top=top,
         segments=cfg.schedule.segments,
+        pairs=not rc,
     )
     return _Plan(prof, limit, planned, kind, found)
 

@@ -13,6 +13,11 @@ With sequence segments (``segments`` > 1 and a profile that measured the segment
 the segment kinds join them (:data:`SEGMENT_KINDS`, at k and at the powers of two below
 it, cut by :meth:`Profile.cuts`), and the best-predicted of them is always tried: so the
 choice of k is made by measurement too.
+
+Overlapped F&B pairs (where the executor may run them, ``pairs=True``): a plan that paired
+is tried with its pairs and without them, so the pairs are kept by measurement too; and
+where the profile measured an all-to-all, the :data:`PAIRED_KINDS` join with their pairs
+(kept, like every candidate, only if the profile's stage count prices them).
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ ALTERNATIVES = ("zb-auto", "zb-h2", "zb-h1")
 per-stage costs price them (the searching ``zb-auto`` under the plan's memory limit)."""
 SEGMENT_KINDS = ("seq-zb", "seq1f1b")
 """Kinds that cut each sequence into segments, tried beside the plan when segments > 1."""
+PAIRED_KINDS = ("dualpipev",)
+"""Kinds tried with their overlapped pairs beside the plan when the profile measured an
+all-to-all (DualPipeV's own pairs: two stages per device)."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,11 @@ class Candidate:
     (:func:`predict_ms`)."""
     cuts: tuple[int, ...] | None = None
     """The token boundaries of a segment schedule's segments (None without segments)."""
+
+    @property
+    def pairs(self) -> int:
+        """The schedule's overlapped F&B pairs (0: every action runs alone)."""
+        return len(self.schedule.overlaps)
 
 
 class MeasuredSteps:
@@ -75,6 +88,8 @@ class TrialResult(MeasuredSteps):
     step_s: tuple[float, ...]
     pipe_s: tuple[float, ...]
     chosen: bool
+    pairs: int = 0
+    """The candidate's overlapped F&B pairs."""
 
 
 def executed_costs(profile: Profile, sched: Schedule) -> CostModel:
@@ -109,12 +124,16 @@ def plan_candidates(
     *,
     top: int,
     segments: int = 1,
+    pairs: bool = True,
 ) -> tuple[Candidate, ...]:
     """At most ``top`` candidates, best prediction first: ``plan`` (kind, schedule), the
     :data:`ALTERNATIVES` and, with ``segments`` > 1, the :data:`SEGMENT_KINDS` at
     :func:`segment_counts` that fit ``mem_limit``; no two that would run alike (the plan
     keeps its name when an alternative is the same schedule). With segments the best
-    segment candidate is among them, in place of the last if it has to be."""
+    segment candidate is among them, in place of the last if it has to be. With ``pairs``
+    (the executor may overlap: no recomputation), a paired plan also without its pairs
+    (``KIND without pairs``) and, where the profile measured an all-to-all, the
+    :data:`PAIRED_KINDS` with theirs (``KIND with pairs``) that fit."""
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top}")
     if segments > 1:
@@ -122,6 +141,18 @@ def plan_candidates(
     costs = profile.cost_model()
     num_devices = plan[1].num_devices
     found = [plan]
+    if pairs and plan[1].overlaps:  # measured with and without its pairs
+        found.append(
+            (f"{plan[0]} without pairs", plan[1].with_actions(plan[1].actions, overlaps=()))
+        )
+    for kind in PAIRED_KINDS if pairs and any(costs.a2a) else ():
+        sched = generate(kind, num_devices, num_microbatches, overlap=True)
+        if sched.num_stages == costs.num_stages:
+            try:
+                validate(sched, mem_limit=mem_limit, costs=costs)
+            except ValueError:  # does not fit the limit
+                continue
+            found.append((f"{kind} with pairs", sched))
     for kind in ALTERNATIVES:
         searches = "mem_limit" in GENERATORS[kind].options
         try:
@@ -147,7 +178,7 @@ def plan_candidates(
     seen: set[tuple[object, ...]] = set()
     for kind, sched in found:
         ran = fuse_local_backward(sched)
-        key = (sched.segments, *(tuple(acts) for acts in ran.actions))
+        key = (sched.segments, ran.overlaps, *(tuple(acts) for acts in ran.actions))
         if sched.num_stages != plan[1].num_stages or key in seen:
             continue
         seen.add(key)

@@ -151,20 +151,20 @@ _KINDS = (
         _auto,
         "best placement (1..4 chunks per device, looped or V) and schedule for the given "
         "costs and memory limit (default P); chunks caps the chunks per device",
-        _SEARCH_OPTIONS | {"chunks", "max_stages", "time_budget_s"},
+        _SEARCH_OPTIONS | {"chunks", "max_stages", "time_budget_s", "overlap"},
     ),
     Generator(
         "zb-auto",
         _zb_auto,
         "automatic zero bubble for the given costs and memory limit (default P: ZB-1p); "
         "chunks > 1 interleaves",
-        _SEARCH_OPTIONS | {"chunks"},
+        _SEARCH_OPTIONS | {"chunks", "overlap"},
     ),
     Generator(
         "zbv-auto",
         _zbv_auto,
         "automatic ZB-V for the given costs and memory limit (default P)",
-        _SEARCH_OPTIONS,
+        _SEARCH_OPTIONS | {"overlap"},
     ),
     Generator(
         "optimal",
@@ -247,7 +247,7 @@ def generate(
         model = None if costs is None else costs.resolve(sched.placement, sched.segments)
         sched = overlap_where_it_pays(sched, model, None if mem_limit is None else float(mem_limit))
     if overlap and not sched.overlaps:
-        _no_pair(kind, sched, costs)
+        _no_pair(kind, sched, costs, searched=kind == "auto" and (chunks is None or chunks > 1))
     if max_stages is not None and sched.num_stages > max_stages:
         raise ValueError(
             f"schedule kind {kind!r} makes {sched.num_stages} stages, more than "
@@ -261,20 +261,22 @@ class NoPairWarning(UserWarning):
     """``overlap=True`` formed no overlapped pair: the schedule runs every action alone."""
 
 
-def _no_pair(kind: str, sched: Schedule, costs: CostSpec | None) -> None:
+def _no_pair(kind: str, sched: Schedule, costs: CostSpec | None, *, searched: bool) -> None:
     """Say why ``overlap=True`` gave no pair: a ValueError where none can exist (one stage
-    per device: a pair needs two stages on a device), else a :class:`NoPairWarning`."""
-    if len(set(sched.placement)) == sched.num_stages:
+    per device: a pair needs two stages on a device), else a :class:`NoPairWarning`.
+    ``searched``: the kind chose among placements, some of which can pair (``auto``)."""
+    if len(set(sched.placement)) == sched.num_stages and not searched:
         raise ValueError(
             f"schedule kind {kind!r} places one stage per device, and an overlapped pair is "
             "an F and a backward of two different stages on one device; choose a kind with "
             "several stages per device (dualpipev, zbv, interleaved-1f1b, auto) or drop overlap"
         )
-    why = (
-        "no all-to-all cost was given (costs=..., a2a=X)"
-        if costs is None or not any(costs.resolve(sched.placement, sched.segments).a2a)
-        else "no candidate hid all-to-all without lengthening the step"
-    )
+    if costs is None or not any(costs.resolve(sched.placement, sched.segments).a2a):
+        why = "no all-to-all cost was given (costs=..., a2a=X)"
+    elif "overlap" in GENERATORS[kind].options and kind != "dualpipev":
+        why = "no paired schedule the search found was cheaper than its best unpaired one"
+    else:
+        why = "no candidate hid all-to-all without lengthening the step"
     warnings.warn(
         f"schedule kind {kind!r} with overlap=True formed no overlapped F&B pair: {why}; "
         "every action runs alone",

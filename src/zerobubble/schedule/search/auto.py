@@ -44,8 +44,16 @@ from zerobubble.schedule.generators.zero_bubble import zb_h1, zb_h2, zbv
 from zerobubble.schedule.ir import Action, Op, Schedule, looped_placement, v_placement
 from zerobubble.schedule.search.graph import ActionGraph, min_feasible_limit
 from zerobubble.schedule.search.greedy import Policy, run_pass
+from zerobubble.schedule.search.pairs import (
+    PairEvaluator,
+    decode,
+    encode,
+    perturb_pairs,
+    refine_pairs,
+)
 from zerobubble.schedule.search.refine import Evaluator, perturb, refine
 from zerobubble.schedule.search.templates import interleaved_family
+from zerobubble.schedule.simulate import simulate
 
 #: Grid for one stage per device. Chosen from every combination of the choices
 #: (f_first x f_overrun x w_overrun x inflight in {0, 1, 2}) as the smallest set
@@ -98,6 +106,10 @@ KICKS = 400
 KICK_STEPS = 3_000_000
 #: Simulated actions for the plateau walk on the winner (and for its polish after).
 PLATEAU_STEPS = 3_000_000
+#: The search with pairs (``pairs=True``) is a second search of a placement beside the
+#: plain one: each of its three budgets (polish, kicks, walk) is this many actions, a third
+#: of the plain ones (auto --overlap at P=4, M=16: 38 s of CPU against auto's 28 s).
+PAIR_STEPS = 1_000_000
 
 
 def search_inputs(
@@ -138,9 +150,10 @@ def split_backward(sched: Schedule) -> Schedule:
     return sched.with_actions(acts)
 
 
-def polishes(num_actions: int) -> bool:
-    """Whether the local search runs on an instance of this many F/B/W actions."""
-    return REFINE_STEPS // num_actions >= REFINE_MIN_RUNS
+def polishes(num_actions: int, steps: int = REFINE_STEPS) -> bool:
+    """Whether the local search, given ``steps`` simulated actions, runs on an instance of
+    this many F/B/W actions."""
+    return steps // num_actions >= REFINE_MIN_RUNS
 
 
 def resolve_costs(
@@ -225,6 +238,7 @@ def search_beating(
     beat: float = math.inf,
     evaluator: Evaluator | None = None,
     deadline: float | None = None,
+    pairs: bool = False,
 ) -> Schedule | None:
     """:func:`auto_schedule`, except that without polishing passes that cannot beat
     ``beat`` stop early; None when no pass or seed was kept (nothing beat ``beat``).
@@ -235,12 +249,20 @@ def search_beating(
     Past ``deadline`` (a :func:`time.monotonic` time) it stops once it has a
     schedule and returns the best so far: the anytime mode, the only one whose
     result depends on the clock.
+
+    ``pairs``: the search of overlapped F&B pairs (:mod:`.pairs`): orders carry pair
+    codes (the grid's :attr:`~.greedy.Policy.pair` passes make them, seeds keep their
+    pairs, a paired BW as a block of B and its W), are timed with each block as
+    ``max(compute, all-to-all)``, and the local search forms and undoes pairs too; the
+    schedule returned lists its pairs in :attr:`~zerobubble.schedule.ir.Schedule.overlaps`.
     """
-    ev = evaluator or Evaluator(ActionGraph(placement, num_microbatches), costs)
+    kind = PairEvaluator if pairs else Evaluator
+    ev = evaluator or kind(ActionGraph(placement, num_microbatches), costs)
+    polish_fn, kick_fn = (refine_pairs, perturb_pairs) if pairs else (refine, perturb)
     graph = ev.graph
     limit = mem_limit + 1e-10 * max(1.0, abs(mem_limit))
-    budget = REFINE_STEPS
-    polish = polish and polishes(len(graph))
+    budget = PAIR_STEPS if pairs else REFINE_STEPS
+    polish = polish and polishes(len(graph), budget)
     # Candidates by cost; without polishing only the best matters, so passes prune.
     found: dict[tuple[tuple[int, ...], ...], float] = {}
     best = beat
@@ -252,7 +274,7 @@ def search_beating(
         if cand is not None:
             found.setdefault(cand.orders, cand.cost)
             best = min(best, cand.cost)
-    converted = [graph.orders_of(seed.actions) for seed in seeds]
+    converted = [encode(graph, seed) if pairs else graph.orders_of(seed.actions) for seed in seeds]
     for orders in chain(converted, seed_orders):
         if found and expired(deadline):
             break
@@ -278,11 +300,11 @@ def search_beating(
     # No order runs faster than its busiest device's work back to back: a winner at that
     # floor is optimal, and as steps 3 to 5 keep only strictly cheaper orders they would
     # return this very winner after spending their whole budget, so each stops there.
-    floor = work_floor(ev)
+    floor = ev.floor() if isinstance(ev, PairEvaluator) else work_floor(ev)
     for orders, _ in ranked if polish else ():  # cheapest first; each may use what is left
         if budget <= 0 or expired(deadline) or at_floor(cost, floor):
             break
-        polished, c, spent = refine(
+        polished, c, spent = polish_fn(
             graph, costs, mem_limit, [list(o) for o in orders], max_steps=budget, deadline=deadline
         )
         budget -= spent
@@ -292,23 +314,23 @@ def search_beating(
     # few random moves (seeded: the result stays a pure function) and polish again.
     rng = random.Random(0)
     kicks = 0
-    budget = min(budget, KICK_STEPS)
+    budget = min(budget, PAIR_STEPS if pairs else KICK_STEPS)
     while polish and budget > 0 and kicks < KICKS and not expired(deadline):
         if at_floor(cost, floor):
             break
         kicks += 1
-        start = perturb(graph, costs, mem_limit, winner, rng, moves=1 + kicks % 4)
+        start = kick_fn(graph, costs, mem_limit, winner, rng, moves=1 + kicks % 4)
         if start is None:
             break
-        polished, c, spent = refine(
+        polished, c, spent = polish_fn(
             graph, costs, mem_limit, start, max_steps=budget, deadline=deadline
         )
         budget -= spent
         if c < cost - 1e-12:
             winner, cost = polished, c
     if polish and walk and not expired(deadline) and not at_floor(cost, floor):
-        winner, cost = _walk(graph, costs, mem_limit, winner, cost, deadline)
-    return _schedule(name, graph, winner)
+        winner, cost = _walk(graph, costs, mem_limit, winner, cost, deadline, pairs=pairs)
+    return decode(name, graph, winner) if pairs else _schedule(name, graph, winner)
 
 
 def work_floor(ev: Evaluator) -> float:
@@ -358,15 +380,17 @@ def _walk(
     orders: list[list[int]],
     cost: float,
     deadline: float | None = None,
+    *,
+    pairs: bool = False,
 ) -> tuple[list[list[int]], float]:
     """Plateau walk: moves that keep the cost but end the Bs sooner in sum, which
     shortens a critical backward chain one device at a time; then polish again."""
-    walked, _, _ = refine(
-        graph, costs, mem_limit, orders, max_steps=PLATEAU_STEPS, plateau=True, deadline=deadline
+    polish_fn = refine_pairs if pairs else refine
+    steps = PAIR_STEPS if pairs else PLATEAU_STEPS
+    walked, _, _ = polish_fn(
+        graph, costs, mem_limit, orders, max_steps=steps, plateau=True, deadline=deadline
     )
-    walked, c, _ = refine(
-        graph, costs, mem_limit, walked, max_steps=PLATEAU_STEPS, deadline=deadline
-    )
+    walked, c, _ = polish_fn(graph, costs, mem_limit, walked, max_steps=steps, deadline=deadline)
     return (walked, c) if c < cost - 1e-12 else (orders, cost)
 
 
@@ -391,6 +415,7 @@ def zb_auto(
     chunks: int = 1,
     costs: CostSpec | None = None,
     mem_limit: Number | None = None,
+    overlap: bool = False,
 ) -> Schedule:
     """Automatic zero-bubble schedule under a memory limit.
 
@@ -398,7 +423,8 @@ def zb_auto(
     uses the interleaved (looped) placement, stage s on device s % P, like
     PyTorch's InterleavedZeroBubble. Without ``mem_limit`` (here or in the costs
     file) the limit is P microbatches' M_B, 1F1B's and ZB-H1's peak: ZB-1p.
-    Pass 2P for ZB-2p.
+    Pass 2P for ZB-2p. ``overlap`` allows overlapped F&B pairs where they pay (with
+    ``chunks`` > 1 and an all-to-all cost; see ``auto``).
     """
     p, m = check_counts(num_devices, num_microbatches)
     if not isinstance(chunks, int) or chunks < 1:
@@ -406,7 +432,8 @@ def zb_auto(
     placement = looped_placement(p, chunks)
     model, limit = resolve_costs(placement, costs, mem_limit, default=p)
     grid, seeds, family = search_inputs(p, m, chunks, looped=True)
-    return auto_schedule("zb-auto", placement, m, model, limit, grid, seeds, seed_orders=family)
+    sched = auto_schedule("zb-auto", placement, m, model, limit, grid, seeds, seed_orders=family)
+    return _with_pairs(sched, model, limit, looped=True, chunks=chunks) if overlap else sched
 
 
 def zbv_auto(
@@ -415,13 +442,41 @@ def zbv_auto(
     *,
     costs: CostSpec | None = None,
     mem_limit: Number | None = None,
+    overlap: bool = False,
 ) -> Schedule:
     """Automatic ZB-V: V placement (device d holds stages d and 2P-1-d) under a memory limit.
 
     Without ``mem_limit`` the limit is P microbatches' M_B per device, ZB-V's own peak.
+    ``overlap`` allows overlapped F&B pairs where they pay (an all-to-all cost; see ``auto``).
     """
     p, m = check_counts(num_devices, num_microbatches)
     placement = v_placement(p)
     model, limit = resolve_costs(placement, costs, mem_limit, default=p)
     grid, seeds, _ = search_inputs(p, m, 2, looped=False)
-    return auto_schedule("zbv-auto", placement, m, model, limit, grid, seeds)
+    sched = auto_schedule("zbv-auto", placement, m, model, limit, grid, seeds)
+    return _with_pairs(sched, model, limit, looped=False, chunks=2) if overlap else sched
+
+
+def _with_pairs(
+    plain: Schedule, costs: CostModel, mem_limit: float, *, looped: bool, chunks: int
+) -> Schedule:
+    """The cheapest of ``plain`` and the paired candidates of its placement
+    (:func:`.paired.paired_candidates`); ``plain`` on ties (cost, then peak memory)."""
+    from zerobubble.schedule.search.paired import paired_candidates  # it builds on this module
+
+    res = simulate(plain, costs)
+    best = (float(res.cost), float(max(res.peak_memory))), plain
+    for sched, got in paired_candidates(
+        plain.name,
+        plain.placement,
+        plain.num_microbatches,
+        costs,
+        mem_limit,
+        plain,
+        looped=looped,
+        chunks=chunks,
+    ):
+        key = float(got.cost), float(max(got.peak_memory))
+        if key < best[0]:
+            best = key, sched
+    return best[1]

@@ -77,6 +77,16 @@ class Policy:
     rather than taking whichever arrived first. Keeps every stage of a device fed
     evenly, which first-come order does not when comm delays the later stages'
     inputs; smaller rounds need less memory to fill the pipeline."""
+    pair: bool = False
+    """Run a ready F and a ready B of another stage of the device as one overlapped block
+    (:mod:`.pairs`) whenever that is shorter than the two in turn (an all-to-all cost),
+    with the B's W inside it when the block does not grow; the orders then hold pair
+    codes. Only for devices with several stages."""
+    pair_then_w: bool = False
+    """With :attr:`pair`: after a block whose B left its W pending, run the device's next
+    pending W before the next choice when it is of that B's stage (the steady state then
+    alternates a block and a W, as DualPipe's does, instead of deferring every W to the
+    end)."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +121,8 @@ def run_pass(
     The limit must be at least ``min_feasible_limit``; with ``policy.rounds`` a
     pass whose fixed order the limit cannot honour also returns None.
     """
-    builder = _Builder(placement, num_microbatches, costs, float(mem_limit), policy, cutoff)
+    kind = _PairBuilder if policy.pair else _Builder
+    builder = kind(placement, num_microbatches, costs, float(mem_limit), policy, cutoff)
     try:
         return builder.run()
     except _Cutoff:
@@ -423,6 +434,144 @@ class _Builder:
         self.free[d] = end
         self.left[d] -= 1
         self.rem[d] -= end - start
+        if end - self.first[d] + self.rem[d] >= self.cutoff:
+            raise _Cutoff
+        self._wake(d, end)
+
+
+class _PairBuilder(_Builder):
+    """The pass with :attr:`Policy.pair`: before the usual choice, a free device runs a
+    ready F and a ready B of another of its stages as one block when that is shorter than
+    the two in turn (the F as admitted by memory as alone; the B chosen as alone, the F
+    among the other stages). The block starts once both inputs are in, so both are taken
+    ready now; it ends both, and its B's W joins it when that does not lengthen it and no
+    earlier W of that stage is pending. A block's members are emitted as the F's index and
+    the others' plus N (:mod:`.pairs`). The span pruning charges what remains on a device
+    the larger of its compute and its all-to-all (a block may hide the smaller), so it
+    stays a bound."""
+
+    def __init__(
+        self,
+        placement: tuple[int, ...],
+        m: int,
+        costs: CostModel,
+        limit: float,
+        policy: Policy,
+        cutoff: float,
+    ) -> None:
+        super().__init__(placement, m, costs, limit, policy, cutoff)
+        S = self.S
+        self.code_n = len(OPS) * S * m
+        self.a2a = [[float(costs.a2a_time(op, s)) for s in range(S)] for op in OPS]
+        self.comp = [
+            [d - x for d, x in zip(row, xs, strict=True)]
+            for row, xs in zip(self.dur, self.a2a, strict=True)
+        ]
+        # What remains on a device takes at least its compute and at least its all-to-all.
+        self.rem_c = [sum(c[s] for c in self.comp for s in h) * m for h in self.stages]
+        self.rem_a = [sum(x[s] for x in self.a2a for s in h) * m for h in self.stages]
+        self.rem = [max(c, x) for c, x in zip(self.rem_c, self.rem_a, strict=True)]
+        self.w_next = [False] * self.P  # pair_then_w: the block just run left its W
+
+    def _put(self, d: int, k: int, s: int, start: float) -> None:
+        self.rem_c[d] -= self.comp[k][s]
+        self.rem_a[d] -= self.a2a[k][s]
+        # The plain put takes the action's whole duration off what remains: add it first.
+        self.rem[d] = max(self.rem_c[d], self.rem_a[d]) + self.dur[k][s]
+        super()._put(d, k, s, start)
+
+    def _decide(self, d: int, now: float) -> None:
+        if self.w_next[d]:
+            self.w_next[d] = False
+            s = self.pending_w[d][-1]
+            if self.pending_w[d][0] == s:  # the block's W is the next one of the queue
+                r = self._ready(_W, s)
+                self._put(d, _W, s, r if r > self.free[d] else self.free[d])
+                return
+        if not self._pair(d, now):
+            super()._decide(d, now)
+
+    def _pair(self, d: int, now: float) -> bool:
+        """Run a block on ``d`` at ``now`` if a pair that pays is ready; whether it did."""
+        pol = self.policy
+        held = self.rev_stages[d]
+        if len(held) < 2:
+            return False
+        held_b: Sequence[int] = held
+        held_f: Sequence[int] = held
+        if pol.rounds:
+            if self.pos_b[d] < len(self.seq_b[d]):
+                held_b = (self.seq_b[d][self.pos_b[d]],)
+            if self.pos_f[d] < len(self.seq_f[d]):
+                held_f = (self.seq_f[d][self.pos_f[d]],)
+        nf, nb = self.nf, self.nb
+        upto_f, upto_b = self.upto[_F], self.upto[_B]
+        ready = self._ready
+        bs = []
+        for s in held_b:
+            if nb[s] < upto_b[s] and (r := ready(_B, s)) <= now:
+                bs.append((r, s))
+        if not bs:
+            return False
+        room = self.limit - self.mem[d]
+        fs = []
+        for s in held_f:
+            if (
+                nf[s] < upto_f[s]
+                and self.mem_f[s] + self.reserve[s] <= room
+                and nf[s] - nb[s] < self.cap[s]
+                and (r := ready(_F, s)) <= now
+            ):
+                fs.append((r, s))
+        if not fs:
+            return False
+        if not pol.later_first:  # first come first (held lists the later stages first)
+            bs.sort()
+            fs.sort()
+        comp, a2a = self.comp, self.a2a
+        for rb, sb in bs:
+            for rf, sf in fs:
+                if sf == sb:
+                    continue
+                c = comp[_F][sf] + comp[_B][sb]
+                x = a2a[_F][sf] + a2a[_B][sb]
+                took = c if c > x else x
+                if took >= self.f[sf] + self.b[sb]:
+                    continue  # hides nothing
+                free = self.free[d]
+                start = max(free, rf, rb)
+                w = sb not in self.pending_w[d] and c + comp[_W][sb] <= took
+                self._put_block(d, sf, sb, w, start, took)
+                return True
+        return False
+
+    def _put_block(self, d: int, sf: int, sb: int, with_w: bool, start: float, took: float) -> None:
+        m, S, n = self.m, self.S, self.code_n
+        end = start + took
+        if self.first[d] < 0:
+            self.first[d] = start
+        members = [(_F, sf), (_B, sb)] + ([(_W, sb)] if with_w else [])
+        for pos, (k, s) in enumerate(members):
+            count = self.n[k]
+            j = count[s]
+            self.end[k][s][j] = end
+            count[s] = j + 1
+            self.mem[d] += self.mem_delta[k][s]
+            if self.mem[d] > self.peak[d]:
+                self.peak[d] = self.mem[d]
+            for e in self.tell[k][s]:
+                self._wake(e, self.free[e])
+            self.out[d].append((k * S + s) * m + j + (n if pos else 0))
+        self.pos_f[d] += 1
+        self.pos_b[d] += 1
+        if not with_w:
+            self.pending_w[d].append(sb)
+            self.w_next[d] = self.policy.pair_then_w
+        self.free[d] = end
+        self.left[d] -= len(members)
+        self.rem_c[d] -= sum(self.comp[k][s] for k, s in members)
+        self.rem_a[d] -= sum(self.a2a[k][s] for k, s in members)
+        self.rem[d] = max(self.rem_c[d], self.rem_a[d])
         if end - self.first[d] + self.rem[d] >= self.cutoff:
             raise _Cutoff
         self._wake(d, end)

@@ -49,6 +49,7 @@ from zerobubble.schedule.search.auto import (
     split_backward,
 )
 from zerobubble.schedule.search.graph import ActionGraph
+from zerobubble.schedule.search.paired import paired_candidates
 from zerobubble.schedule.search.refine import Evaluator
 from zerobubble.schedule.simulate import SimResult, simulate
 
@@ -159,6 +160,7 @@ def auto(
     max_chunks: int = MAX_CHUNKS,
     max_stages: int | None = None,
     time_budget_s: float | None = None,
+    overlap: bool = False,
 ) -> Schedule:
     """The cheapest schedule over placements (v = 1..``max_chunks``, looped or zig-zag).
 
@@ -172,6 +174,10 @@ def auto(
     returns the best schedule found so far (the first placement's first pass at least,
     so even a budget of 0 gives a valid schedule). Without it the search is a
     deterministic function of its inputs.
+
+    ``overlap`` allows overlapped F&B pairs (:mod:`.paired`): on every placement with
+    several stages per device and an all-to-all cost, the paired candidates compete with
+    the plain schedule, which wins ties (a pair is formed only where it pays).
     """
     deadline = deadline_after(time_budget_s)
     p, m = check_counts(num_devices, num_microbatches)
@@ -195,6 +201,7 @@ def auto(
         stages=(None if spec.stage_costs is None else spec.stage_costs.num_stages),
         max_stages=max_stages,
         deadline=deadline,
+        overlap=overlap,
     )
 
 
@@ -208,6 +215,7 @@ def search_placements(
     stages: int | None = None,
     max_stages: int | None = None,
     deadline: float | None = None,
+    overlap: bool = False,
 ) -> Schedule:
     """The placement search behind ``auto``, with costs from ``cost_of(placement)``.
 
@@ -215,6 +223,7 @@ def search_placements(
     stages itself; ``stages`` keeps only placements with that many stages,
     ``max_stages`` only those with at most that many. Past ``deadline`` (a
     :func:`time.monotonic` time) it returns the best schedule found so far.
+    ``overlap``: each placement's paired candidates too (:func:`.paired.paired_candidates`).
     """
     p, m = check_counts(num_devices, num_microbatches)
     if max_stages is not None and (
@@ -227,6 +236,7 @@ def search_placements(
         )
     best: Best | None = None
     refusals: list[str] = []
+    searched: list[tuple[Candidate, CostModel, float, Schedule | None]] = []
     for cand in candidates(p, max_chunks):
         if best is not None and expired(deadline):
             break
@@ -258,6 +268,27 @@ def search_placements(
             got = _fixed(fn, p, m, model, limit, ev, math.inf if best is None else best[0][0])
             if got is not None:
                 best = _keep(best, *got, cand)
+        searched.append((cand, model, limit, sched))
+    # With pairs, each placement's paired candidates after every plain search (which runs
+    # as without pairs), the zig-zags first: DualPipeV's own pairs there set the bar that
+    # prunes the other placements' pairing passes when they are too large to polish.
+    for cand, model, limit, sched in sorted(searched, key=lambda t: t[0].looped):
+        if not overlap or (best is not None and expired(deadline)):
+            break
+        for got in paired_candidates(
+            "auto",
+            cand.placement,
+            m,
+            model,
+            limit,
+            sched,
+            looped=cand.looped,
+            chunks=cand.chunks,
+            deadline=deadline,
+            beat=math.inf if best is None else best[0][0],
+            paired_before=best is not None and bool(best[1].overlaps),
+        ):
+            best = _keep(best, *got, cand)
     if best is None:
         raise ScheduleError(
             Reason.MEMORY, "no placement fits the memory limit: " + "; ".join(refusals)
