@@ -34,8 +34,8 @@ test: $(STAMP)  ## the whole suite (slow tests included), the bitwise tests on o
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(XDIST)
 	$(MAKE) --no-print-directory test-kernels check
 
-test-kernels: $(STAMP)  ## the bitwise subset again, on other kernel paths
-	$(OTHER_KERNELS) OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(XDIST) -m bitwise
+test-kernels: $(STAMP)  ## the kernel-resting bitwise claims again, on other kernel paths
+	$(OTHER_KERNELS) OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(XDIST) -m kernels
 
 check: lint typecheck  ## what CI enforces besides the tests
 

@@ -29,10 +29,11 @@ DualPipeV with its pairs, at F = B = W = 1, a2a = 1 per device and the limit P +
     PYTHONPATH=src python bench/bench_moe.py --pair-passes --p 8 16 32 --m-per-p 8
 
 ``--measure``: 4 CPU ranks, pp = 2 x dp = 2 with the experts sharded over ep = 2, a MoE
-GPT under dualpipev with its pairs run at once and in sequence, taking turns step by
-step. Per rank and step: the wall time, the time spent waiting for all-to-alls, and the
-part of it that is *exposed*: a wait on one thread during which the other thread (an
-overlapped pair's other half) was not computing. In sequence every wait is exposed.
+GPT under dualpipev with its pairs and zbv with the pairs the pass forms (``a2a=1``), each
+with the pairs run at once and without pairs, taking turns step by step. Per rank and
+step: the wall time, the time spent waiting for all-to-alls, and the part of it that is
+*exposed*: a wait on one thread during which the other thread (an
+overlapped pair's other half) was not computing. Without pairs every wait is exposed.
 Medians over the timed steps, per rank, then the mean over ranks.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python bench/bench_moe.py --measure [--steps 8]
@@ -197,7 +198,11 @@ def _minus(intervals: list[tuple[int, int]], holes: list[tuple[int, int]]) -> li
     return out
 
 
-def _measure_rank(steps: int, warmup: int) -> dict[str, Any]:
+#: The measured runs: (kind, pairs run at once). Without pairs every wait is exposed.
+MEASURED = (("dualpipev", True), ("dualpipev", False), ("zbv", True), ("zbv", False))
+
+
+def _measure_rank(steps: int, warmup: int) -> dict[tuple[str, str], Any]:
     import torch
 
     import zerobubble
@@ -221,17 +226,18 @@ def _measure_rank(steps: int, warmup: int) -> dict[str, Any]:
     ep.ExpertGroup.wait = timed_wait  # type: ignore[method-assign]  # this bench's probe
     cfg = GPTConfig(vocab_size=256, max_seq_len=64, d_model=64, n_heads=4, n_layers=4)
     pipes = {}
-    for overlap in (True, False):
+    for kind, overlap in MEASURED:
         model = build_moe_gpt(cfg, num_experts=4, top_k=2, balance=0.01)
-        sched = generate("dualpipev", 2, 8, overlap=overlap)
-        pipes[overlap] = zerobubble.Pipeline(
+        costs = CostSpec(a2a=1) if overlap else None  # zbv: the pairs the pass forms there
+        sched = generate(kind, 2, 8, overlap=overlap, costs=costs)
+        pipes[kind, overlap] = zerobubble.Pipeline(
             model, gpt_loss, sched, mesh=mesh, boundaries=[0, 2, 3, 4, 7]
         )
-    rows: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
+    rows: dict[tuple[str, bool], list[tuple[float, float, float]]] = {k: [] for k in pipes}
     g = torch.Generator().manual_seed(mesh.dp_rank)
     for i in range(warmup + steps):
         ids = torch.randint(0, cfg.vocab_size, (16, cfg.max_seq_len + 1), generator=g)
-        for overlap, pipe in pipes.items():
+        for key, pipe in pipes.items():
             trace = pipe.executor.trace
             trace.clear()
             waits.clear()
@@ -253,14 +259,14 @@ def _measure_rank(steps: int, warmup: int) -> dict[str, Any]:
             waited = sum(b - a for _, a, b in waits)
             exposed = sum(b - a - _covered((a, b), busy[not m]) for m, a, b in waits)
             if i >= warmup:
-                rows[overlap].append((wall / 1e6, waited / 1e6, exposed / 1e6))
+                rows[key].append((wall / 1e6, waited / 1e6, exposed / 1e6))
     torch.distributed.destroy_process_group()
     return {
-        ("overlap" if o else "sequence"): {
+        (kind, "overlap" if o else "sequence"): {
             key: statistics.median(r[k] for r in rs)
             for k, key in enumerate(("step_ms", "a2a_wait_ms", "exposed_a2a_ms"))
         }
-        for o, rs in rows.items()
+        for (kind, o), rs in rows.items()
     }
 
 
@@ -270,12 +276,13 @@ def measure(steps: int, warmup: int) -> list[dict[str, object]]:
 
     per_rank = launch(_measure_rank, 4, steps, warmup, timeout=1800)
     out: list[dict[str, object]] = []
-    for mode in ("overlap", "sequence"):
+    for kind, overlap in MEASURED:
+        mode = "overlap" if overlap else "sequence"
         mean = {
-            key: round(statistics.fmean(r[mode][key] for r in per_rank), 2)
+            key: round(statistics.fmean(r[kind, mode][key] for r in per_rank), 2)
             for key in ("step_ms", "a2a_wait_ms", "exposed_a2a_ms")
         }
-        out.append({"measured": "pp2 x ep2 dualpipev", "pairs": mode, **mean})
+        out.append({"measured": f"pp2 x ep2 {kind}", "pairs": mode, **mean})
     return out
 
 

@@ -19,7 +19,7 @@ from zerobubble.runtime.split import (
 from zerobubble.runtime.split.fallback import GraphSplit, install_graph_split
 from zerobubble.runtime.split.store import WeightGradFn
 
-pytestmark = pytest.mark.bitwise  # also run under other kernel paths (Makefile)
+pytestmark = [pytest.mark.bitwise, pytest.mark.kernels]  # kernels: rerun on other kernel paths
 
 
 def _gen(seed: int = 0) -> torch.Generator:

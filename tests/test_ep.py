@@ -117,6 +117,7 @@ def test_expert_group_and_shard_refuse_bad_sizes():
 
 
 @pytest.mark.bitwise
+@pytest.mark.kernels
 @pytest.mark.parametrize("skewed", [False, True])
 def test_moe_at_ep1_is_a_dense_loop_over_experts_bitwise(skewed):
     """The block equals, bitwise, each expert run on its tokens' rows (token order, the
@@ -170,6 +171,7 @@ def test_run_experts_groups_rows_by_expert_in_source_order(counts, want):
 
 
 @pytest.mark.bitwise
+@pytest.mark.kernels
 def test_ep_reference_at_ep1_is_the_dp_reference_order():
     """With ep=1 and one replica the reference is plain per-microbatch autograd."""
     ref = model()
@@ -296,6 +298,7 @@ def reference_train() -> tuple[dict[str, torch.Tensor], float]:
 
 
 @pytest.mark.bitwise
+@pytest.mark.kernels
 def test_pp2_ep2_matches_the_single_process_reference_bitwise():
     results = launch(run_ranks, 4, timeout=TIMEOUT)
     narrow = [r["groups"][0] for r in results]

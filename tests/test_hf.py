@@ -29,7 +29,7 @@ from zerobubble.runtime.partition import (  # noqa: E402
 )
 from zerobubble.schedule.generators import generate  # noqa: E402
 
-pytestmark = pytest.mark.bitwise  # also run under other kernel paths (Makefile)
+pytestmark = [pytest.mark.bitwise, pytest.mark.kernels]  # kernels: rerun on other kernel paths
 
 #: Dropout on everywhere it exists: GPT-2's tiny config has 0.1 on embeddings, attention and
 #: residuals; the Llama family gets attention dropout 0.1.

@@ -137,6 +137,7 @@ def run_block(block, x, seed=5):
 
 
 @pytest.mark.bitwise
+@pytest.mark.kernels
 @pytest.mark.parametrize("name", [*SHIPPED, *FAMILY_CONFIGS])
 def test_sharded_experts_at_ep1_are_hf_grouped_mm_bitwise_and_eager_within_rounding(name):
     """transformers' default experts, grouped_mm: forward, input, router and every expert

@@ -180,6 +180,7 @@ def _equal(actual, expected, scale, msg=""):
 
 
 @pytest.mark.bitwise
+@pytest.mark.kernels
 @pytest.mark.parametrize(("name", "padded"), INPUTS, ids=INPUT_IDS)
 def test_one_segment_is_the_whole_pass_bitwise(name, padded):
     """k=1 issues one pass's ops on one pass's shapes (the attention gets its own keys

@@ -156,6 +156,7 @@ def overlapped_step(rank: int, p: int, m: int, hook: bool) -> tuple[list | None,
 
 
 @pytest.mark.bitwise
+@pytest.mark.kernels
 def test_overlapped_pairs_run_at_once_bitwise_as_the_reference(tmp_path):
     """P = 3 (V placement, 6 stages), dualpipev's pairs: each pair's F ran on a helper
     thread; losses and gradients are bitwise those of one process over the same

@@ -301,6 +301,7 @@ FAST_P3 = ["zb-h1", "zbv"]
 
 
 @pytest.mark.bitwise
+@pytest.mark.kernels
 def test_dropout_token_loss_and_replay_are_bitwise_at_p3():
     check(run_job(3, FAST_P3, FAST_P3, ["zbv"]))
 

@@ -24,7 +24,7 @@ from zerobubble.runtime.split import (
     unsplit_modules,
 )
 
-pytestmark = pytest.mark.bitwise  # also run under other kernel paths (Makefile)
+pytestmark = [pytest.mark.bitwise, pytest.mark.kernels]  # kernels: rerun on other kernel paths
 
 
 class Conv1D(nn.Module):

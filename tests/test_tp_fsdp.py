@@ -263,6 +263,7 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.bitwise
+@pytest.mark.kernels
 def test_fsdp_with_tp_against_the_ddp_path_and_the_tp_reference(results):
     want = ["step", "skip", "step", "clip"]
     norms = results[0]["ref norms"]
