@@ -221,7 +221,9 @@ def generate(
     schedule has more stages is refused, naming both counts. ``overlap`` pairs F&B as
     DualPipe does for ``dualpipev`` (its own pairs), and for any other kind where a pair
     pays under ``costs`` (:func:`~zerobubble.schedule.passes.overlap_where_it_pays`; none
-    without an all-to-all cost). ``time_budget_s`` (``auto``)
+    without an all-to-all cost). ``segments`` is k, the sequence segments per microbatch, for
+    the seq kinds, and for ``auto`` the most it tries (the schedule's ``segments`` says which
+    k it chose). ``time_budget_s`` (``auto``)
     returns the best schedule found within that many seconds; without it every kind is
     a pure function of its arguments.
     """

@@ -13,6 +13,10 @@ Why it pays: the pipeline fills and drains in units of a segment, 1/k of a micro
 so at uniform costs the bubble shrinks k-fold, and device d holds ``P - d + k - 1``
 segments in flight, ``(P - d + k - 1) / k`` microbatches' activations (plus the keys
 and values the later segments read), where 1F1B holds ``P - d`` microbatches.
+
+Three kinds: ``seq1f1b`` (1F1B over segments), ``seq-zb`` (ZB-H1 over segments) and
+``seq-zbv`` (ZB-V over segments on the V placement: no bubble at seq-zb's peak once there
+are enough units).
 """
 
 from __future__ import annotations

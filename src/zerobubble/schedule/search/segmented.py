@@ -13,9 +13,11 @@ placement. For each k and placement it builds candidates within the memory limit
   (:class:`~zerobubble.schedule.generators.segment_list.SegmentPass`) per point of
   :data:`GRID`, under the limit;
 
-and polishes the cheapest with the searches' local search and seeded restarts
-(:func:`.refine.refine`, :func:`.refine.perturb`) on :class:`SegmentGraph`, the searches'
-graph over units, unless it already costs the work floor. The cheapest over every k (the
+and keeps the cheapest that fits. Those of every k and placement, cheapest first, are then
+polished with the searches' local search and seeded restarts (:func:`.refine.refine`,
+:func:`.refine.perturb`, unchanged) on :class:`SegmentGraph`, the searches' graph over
+units, within one budget of simulated actions, each only while its work floor is below the
+best cost so far (no order beats the floor). The cheapest over every k (the
 plain search's schedule is k = 1) wins; ties go to the lower peak memory, then to fewer
 segments (fewer actions, less host work), then to fewer chunks. So ``auto`` with
 ``segments=K`` is never worse than a segment kind it could have chosen at k <= K under the
