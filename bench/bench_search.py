@@ -26,6 +26,14 @@ shows progress), then a summary line. Filters pick a part of the grid, e.g.
 instead of one). The full grid is 120 comparisons, 72 searches (peers with equal peaks share one).
 
 Run: ``PYTHONPATH=src .venv/bin/python bench/bench_search.py [--jobs 2] [filters]``.
+
+``--segments``: segment rows instead (:mod:`zerobubble.schedule.search.segmented`). For P in
+``--p``, k in ``--k`` (2, 4, 8), M in ``--m-per-p`` x P (default 1 and 2) and the mixes of
+``--seg-mix`` (per-device totals; default ``equal``, F = B = W = 1), the three segment kinds
+(seq1f1b, seq-zb, seq-zbv) at k, and ``auto --segments k`` (k' = 1..k: the whole search)
+under seq-zb's peak as the limit; each with cost and peak (M_B), beside the work floor
+(3M at equal costs). One JSON line per row, then a summary (``--segment-search-only``:
+only the k' >= 2 part of auto, seconds instead of minutes at P = 8).
 """
 
 from __future__ import annotations
@@ -40,9 +48,16 @@ from concurrent.futures import ProcessPoolExecutor
 from zerobubble.interop.torch_pipelining import torch_schedule
 from zerobubble.schedule.costs import CostModel, CostSpec
 from zerobubble.schedule.generators import generate
-from zerobubble.schedule.search.placement import search_placements
+from zerobubble.schedule.search.placement import auto, search_placements
+from zerobubble.schedule.search.segmented import search_segments
 from zerobubble.schedule.simulate import simulate
 
+SEGMENT_KINDS = ("seq1f1b", "seq-zb", "seq-zbv")
+SEGMENT_MIXES = {
+    "equal": CostSpec(),
+    "fbw": CostSpec(F=1, B=2, W=0.6),
+    "fbw-comm": CostSpec(F=1, B=2, W=0.6, comm=0.1),
+}
 PEERS = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 MIXES = ("equal", "fbw", "layers")
 LAYERS_PER_DEVICE = 12
@@ -139,16 +154,99 @@ def peer_rows(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def segment_row(p: int, m: int, k: int, mix: str, search_only: bool) -> dict:
+    """The segment kinds at k and auto --segments k under seq-zb's peak (one row)."""
+    spec = SEGMENT_MIXES[mix]
+    row: dict = {"P": p, "M": m, "k": k, "mix": mix}
+    for kind in SEGMENT_KINDS:
+        sched = generate(kind, p, m, segments=k)
+        res = simulate(sched, spec.resolve(sched.placement, k))
+        peak = round(float(max(res.peak_memory)), 6)
+        row[kind] = {"cost": round(float(res.cost), 4), "peak": peak}
+        if kind == "seq-zb":
+            limit = float(max(res.peak_memory))
+            row["floor"] = round(max(float(x) for x in res.busy), 4)
+    t0 = time.process_time()
+    if search_only:
+        got = search_segments(p, m, k, spec, limit)
+        assert got is not None
+        sched = got[1]
+    else:
+        sched = auto(p, m, costs=spec, mem_limit=limit, segments=k)
+    secs = time.process_time() - t0
+    res = simulate(sched, spec.resolve(sched.placement, sched.segments))
+    row["limit"] = round(limit, 6)
+    row["auto"] = {
+        "cost": round(float(res.cost), 4),
+        "peak": round(float(max(res.peak_memory)), 6),
+        "segments": sched.segments,
+        "chunks": sched.num_stages // p,
+        "cpu_s": round(secs, 2),
+    }
+    best = min(row[kind]["cost"] for kind in SEGMENT_KINDS)
+    row["auto_vs_best_kind"] = round(row["auto"]["cost"] / best, 4)
+    row["auto_vs_seq_zb"] = round(row["auto"]["cost"] / row["seq-zb"]["cost"], 4)
+    return row
+
+
+def segment_main(args: argparse.Namespace) -> None:
+    rows = []
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        futures = [
+            pool.submit(segment_row, p, q * p, k, mix, args.segment_search_only)
+            for p in args.p
+            for q in args.m_per_p or (1, 2)
+            for k in args.k
+            for mix in args.seg_mix
+        ]
+        for fut in futures:
+            row = fut.result()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    tol = 1e-9
+    worse = [
+        (r["P"], r["M"], r["k"], r["mix"], kind)
+        for r in rows
+        for kind in SEGMENT_KINDS
+        if r[kind]["peak"] <= r["limit"] + tol
+        and (r["auto"]["cost"] > r[kind]["cost"] + tol or r["auto"]["peak"] > r["limit"] + tol)
+    ]
+    summary = {
+        "benchmark": "segments_in_search",
+        "rows": len(rows),
+        "never_worse_than_a_segment_kind_at_its_peak": not worse,
+        "worse": worse,
+        "auto_at_floor": sum(1 for r in rows if r["auto"]["cost"] <= r["floor"] + tol),
+        "seq_zbv_at_floor": sum(1 for r in rows if r["seq-zbv"]["cost"] <= r["floor"] + tol),
+        "seq_zb_at_floor": sum(1 for r in rows if r["seq-zb"]["cost"] <= r["floor"] + tol),
+        "best_vs_seq_zb": min(r["auto_vs_seq_zb"] for r in rows),
+        "cases": " ".join(sys.argv[1:]),
+    }
+    print(json.dumps({"summary": summary}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--p", type=int, nargs="+", default=[4, 8], help="device counts")
-    ap.add_argument("--m-per-p", type=int, nargs="+", default=[2, 4], help="M as multiples of P")
+    ap.add_argument(
+        "--m-per-p", type=int, nargs="+", help="M as multiples of P (2 4; with --segments 1 2)"
+    )
     ap.add_argument("--mix", nargs="+", choices=MIXES, default=list(MIXES))
     ap.add_argument("--comm", type=float, nargs="+", default=[0.0, 0.1], help="fractions of F")
     ap.add_argument("--peer", nargs="+", choices=PEERS, default=list(PEERS))
     ap.add_argument("--fixed", action="store_true", help="also zb-auto and zbv-auto")
     ap.add_argument("--jobs", type=int, default=1, help="searches run at once")
+    ap.add_argument("--segments", action="store_true", help="segment rows (see above)")
+    ap.add_argument("--k", type=int, nargs="+", default=[2, 4, 8], help="segments per microbatch")
+    ap.add_argument("--seg-mix", nargs="+", choices=list(SEGMENT_MIXES), default=["equal"])
+    ap.add_argument(
+        "--segment-search-only", action="store_true", help="segment rows: only auto's k >= 2 part"
+    )
     args = ap.parse_args()
+    if args.segments:
+        segment_main(args)
+        return
+    args.m_per_p = args.m_per_p or [2, 4]
     rows = peer_rows(args)
     # One search per distinct (instance, limit): peers with the same peak share it.
     keys: dict[tuple, list[dict]] = {}

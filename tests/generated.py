@@ -27,9 +27,10 @@ from filelock import FileLock
 from zerobubble.schedule.generators import GENERATORS, generate
 from zerobubble.schedule.ir import Schedule
 
-RUNTIME_KINDS = tuple(k for k, g in GENERATORS.items() if "segments" not in g.options)
-"""The kinds the executor runs: all but those that cut sequences into segments (the
-executor refuses them until it runs attention over cached keys and values)."""
+RUNTIME_KINDS = tuple(k for k, g in GENERATORS.items() if not g.segmented)
+"""The kinds the every-kind executor sweeps run: all but those that always cut sequences into
+segments, which need the segment cuts and a token-counted loss (tests/test_seq_runtime.py
+runs them)."""
 
 SLOW_SOLVES = frozenset({("optimal", 4, 9), ("optimal-v", 4, 9)})
 """(kind, P, M) the every-kind sweeps skip: the MILPs at P=4, M=2P+1 with two chunks take

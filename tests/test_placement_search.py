@@ -259,8 +259,8 @@ def test_optimal_generators_take_placements():
 def _kinds_it_could_choose(max_chunks: int) -> list[tuple[str, int | None]]:
     out: list[tuple[str, int | None]] = []
     for name, gen in GENERATORS.items():
-        if name in ("auto", "optimal", "optimal-v") or "segments" in gen.options:
-            continue  # the exact searches; and auto does not cut sequences
+        if name in ("auto", "optimal", "optimal-v") or gen.segmented:
+            continue  # the exact searches; and auto cuts sequences only given segments
         if "chunks" in gen.options:
             out += [(name, v) for v in range(1, max_chunks + 1)]
         else:

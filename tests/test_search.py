@@ -342,9 +342,9 @@ def test_registered_kinds_take_costs_and_mem_limit():
     # chunks: interleaved; overlap: the searches pair where it pays
     assert GENERATORS["zb-auto"].options == frozenset({"costs", "mem_limit", "chunks", "overlap"})
     assert GENERATORS["optimal"].options == frozenset({"costs", "mem_limit", "chunks"})
-    # chunks: at most v; max_stages: the layer count
+    # chunks: at most v; max_stages: the layer count; segments: at most K per microbatch
     assert GENERATORS["auto"].options == frozenset(
-        {"costs", "mem_limit", "chunks", "max_stages", "time_budget_s", "overlap"}
+        {"costs", "mem_limit", "chunks", "max_stages", "time_budget_s", "overlap", "segments"}
     )
     assert GENERATORS["zbv-auto"].options == frozenset({"costs", "mem_limit", "overlap"})
     assert GENERATORS["optimal-v"].options == frozenset({"costs", "mem_limit"})

@@ -110,7 +110,7 @@ def _candidates(max_chunks: int) -> list[tuple[str, int | None, bool]]:
     without their pairs; the MILP kinds and segment kinds are not among its choices."""
     out: list[tuple[str, int | None, bool]] = []
     for name, gen in GENERATORS.items():
-        if name in ("auto", "optimal", "optimal-v") or "segments" in gen.options:
+        if name in ("auto", "optimal", "optimal-v") or gen.segmented:
             continue
         for v in range(1, max_chunks + 1) if "chunks" in gen.options else (None,):
             out.append((name, v, False))

@@ -2,7 +2,8 @@
 
 Closed forms at uniform unit costs (F = B = W = 1 per segment): Seq1F1B costs
 3Mk + 3(P - 1) and holds min(P - d + k - 1, Mk) segments on device d; the zero-bubble
-variant costs 3Mk + P - 1 once Mk >= P + k - 1.
+variant costs 3Mk + P - 1 once Mk >= P + k - 1; the V (seq-zbv) costs 3Mk once
+Mk >= 2P + k - 2 and holds min(Mk, P + k - 1) segments' worth (of a microbatch's k).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from zerobubble.schedule.deps import LOCAL_PRODUCER, Key, Kind, dependencies, ne
 from zerobubble.schedule.deps import backward_ops as backward_op_map
 from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.formats import json_format, text, torch_csv
-from zerobubble.schedule.generators import generate, seq1f1b, seq_zb
+from zerobubble.schedule.generators import generate, seq1f1b, seq_zb, seq_zbv
 from zerobubble.schedule.graph import _deps_by_dict, build_graph
 from zerobubble.schedule.ir import Action, Op, Schedule
 from zerobubble.schedule.segments import SegmentCost, balanced_cuts, equal_token_cuts, time_factors
@@ -63,7 +64,7 @@ def test_one_segment_is_the_plain_rule() -> None:
     assert LOCAL_PRODUCER == {F: None, B: F, W: B, BW: F}
 
 
-@pytest.mark.parametrize("kind", ["seq1f1b", "seq-zb"])
+@pytest.mark.parametrize("kind", ["seq1f1b", "seq-zb", "seq-zbv"])
 @pytest.mark.parametrize(("p", "m", "k"), [(2, 3, 2), (3, 2, 4), (3, 4, 2), (4, 3, 3)])
 def test_graph_paths_agree_with_the_rule(kind: str, p: int, m: int, k: int) -> None:
     sched = generate(kind, p, m, segments=k)
@@ -72,7 +73,7 @@ def test_graph_paths_agree_with_the_rule(kind: str, p: int, m: int, k: int) -> N
     assert g.deps == _deps_by_dict(g.flat, sched.num_stages, k)
     bops = backward_op_map(sched)
     for i, a in enumerate(g.flat):
-        assert tuple(g.flat[x] for x in g.preds[i]) == dependencies(a, p, bops, k)
+        assert tuple(g.flat[x] for x in g.preds[i]) == dependencies(a, sched.num_stages, bops, k)
 
 
 # ---- generators and their closed forms --------------------------------------------------------
@@ -107,6 +108,47 @@ def test_seq_zb_closed_form_and_memory(p: int, m: int, k: int) -> None:
     assert res.cost == 3 * m * k + p - 1
     one_f_one_b = validate(seq1f1b(p, m, segments=k), costs=unit_costs(p))
     assert max(res.peak_memory) == max(one_f_one_b.peak_memory) == min(p + k - 1, m * k)
+
+
+def _exact(sched: Schedule) -> CostModel:
+    """Per-microbatch totals F = B = W = 1, each segment 1/k of them (exact)."""
+    one = Fraction(1)
+    return CostModel.from_device_totals(
+        sched.placement, one, one, one, 0, one / 2, segments=sched.segments
+    )
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_seq_zbv_closed_forms(p: int, k: int) -> None:
+    """No bubble once Mk >= 2P + k - 2 (at k = 1 ZB-V's M >= 2P - 1 with its cool-down
+    list-scheduled), at seq-zb's peak (P + k - 1) / k, reached on every device of the V."""
+    for m in (1, 2, 3, 5):
+        sched = seq_zbv(p, m, segments=k)
+        assert sched.placement == tuple(range(p)) + tuple(reversed(range(p)))
+        res = validate(sched, costs=_exact(sched))
+        peak = min(Fraction(m), Fraction(p + k - 1, k))
+        assert max(res.peak_memory) == peak, (p, m, k)
+        if m * k >= 2 * p + k - 2:
+            assert res.cost == 3 * m == res.ideal, (p, m, k)
+        else:  # too few units to fill the V: a bubble, but never more than seq-zb's
+            zb = seq_zb(p, m, segments=k)
+            assert 3 * m < res.cost <= simulate(zb, _exact(zb)).cost
+
+
+#: The outside check's 12 uniform-cost cases: P in {4, 8}, k in {2, 4, 8}, M in {P, 2P}.
+TWELVE = [(p, k, m) for p in (4, 8) for k in (2, 4, 8) for m in (p, 2 * p)]
+
+
+def test_seq_zbv_reaches_the_work_floor_at_seq_zbs_peak_where_seq_zb_does_not() -> None:
+    # Powers of two: every figure is exact in floats (Fractions take 5x longer here).
+    for p, k, m in TWELVE:
+        v, zb = seq_zbv(p, m, segments=k), seq_zb(p, m, segments=k)
+        rv = simulate(v, CostModel.from_device_totals(v.placement, segments=k))
+        rz = simulate(zb, CostModel.from_device_totals(zb.placement, segments=k))
+        assert rv.cost == 3 * m < rz.cost == 3 * m + (p - 1) / k, (p, k, m)
+        assert max(rv.peak_memory) == max(rz.peak_memory) == (p + k - 1) / k
+        assert (p, k, m) != (8, 2, 8) or (rv.cost, rz.cost) == (24.0, 27.5)  # 12.7% faster
 
 
 def test_segments_shrink_the_bubble_k_fold_at_equal_work() -> None:

@@ -476,8 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--segments",
         type=_positive_int,
         metavar="K",
-        help="seq1f1b, seq-zb: sequence segments per microbatch (default 2); --costs "
-        "are per microbatch, each segment costs 1/K",
+        help="seq1f1b, seq-zb, seq-zbv: sequence segments per microbatch (default 2); auto: "
+        "also try 2..K segments; --costs are per microbatch, each segment costs 1/K",
     )
     p.add_argument(
         "--split-backward",

@@ -16,7 +16,7 @@ from types import MappingProxyType
 from zerobubble.schedule.costs import CostSpec, Number
 from zerobubble.schedule.generators.classic import gpipe, interleaved_1f1b, one_f_one_b
 from zerobubble.schedule.generators.dualpipe import dualpipev
-from zerobubble.schedule.generators.sequence import seq1f1b, seq_zb
+from zerobubble.schedule.generators.sequence import seq1f1b, seq_zb, seq_zbv
 from zerobubble.schedule.generators.v_family import one_f_one_b_v, v_half, v_min
 from zerobubble.schedule.generators.zero_bubble import zb_h1, zb_h2, zbv
 from zerobubble.schedule.ir import Schedule
@@ -34,6 +34,7 @@ __all__ = [
     "one_f_one_b_v",
     "seq1f1b",
     "seq_zb",
+    "seq_zbv",
     "v_half",
     "v_min",
     "zb_h1",
@@ -56,6 +57,9 @@ class Generator:
             (seconds after which the search returns its best so far), ``segments``
             (sequence segments per microbatch) and ``overlap`` (overlapped F&B pairs).
         baseline: True for schedules without a B/W split (kept for comparison).
+        segmented: True for the kinds that always cut sequences into segments (``seq*``,
+            k = 2 by default), whose schedules need the runtime's ``cuts``; ``auto`` takes
+            ``segments`` too, as a bound, and cuts only where that pays.
     """
 
     name: str
@@ -63,6 +67,7 @@ class Generator:
     summary: str
     options: frozenset[str] = frozenset()
     baseline: bool = False
+    segmented: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,12 +138,21 @@ _KINDS = (
         "Seq1F1B: 1F1B over k sequence segments per microbatch (default k=2)",
         frozenset({"segments", "split_backward"}),
         True,
+        segmented=True,
     ),
     Generator(
         "seq-zb",
         seq_zb,
         "ZB-H1 over k sequence segments per microbatch: Seq1F1B's memory, a third of its bubble",
         frozenset({"segments"}),
+        segmented=True,
+    ),
+    Generator(
+        "seq-zbv",
+        seq_zbv,
+        "ZB-V over k sequence segments per microbatch: seq-zb's peak memory, no bubble",
+        frozenset({"segments"}),
+        segmented=True,
     ),
     Generator(
         "dualpipev",
@@ -150,8 +164,9 @@ _KINDS = (
         "auto",
         _auto,
         "best placement (1..4 chunks per device, looped or V) and schedule for the given "
-        "costs and memory limit (default P); chunks caps the chunks per device",
-        _SEARCH_OPTIONS | {"chunks", "max_stages", "time_budget_s", "overlap"},
+        "costs and memory limit (default P); chunks caps the chunks per device, segments K "
+        "also tries 2..K sequence segments per microbatch",
+        _SEARCH_OPTIONS | {"chunks", "max_stages", "time_budget_s", "overlap", "segments"},
     ),
     Generator(
         "zb-auto",
@@ -206,7 +221,9 @@ def generate(
     schedule has more stages is refused, naming both counts. ``overlap`` pairs F&B as
     DualPipe does for ``dualpipev`` (its own pairs), and for any other kind where a pair
     pays under ``costs`` (:func:`~zerobubble.schedule.passes.overlap_where_it_pays`; none
-    without an all-to-all cost). ``time_budget_s`` (``auto``)
+    without an all-to-all cost). ``segments`` is k, the sequence segments per microbatch, for
+    the seq kinds, and for ``auto`` the most it tries (the schedule's ``segments`` says which
+    k it chose). ``time_budget_s`` (``auto``)
     returns the best schedule found within that many seconds; without it every kind is
     a pure function of its arguments.
     """

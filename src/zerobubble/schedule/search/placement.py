@@ -37,6 +37,7 @@ from zerobubble.schedule.costs import CostModel, CostSpec, Number
 from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.generators.classic import gpipe, one_f_one_b
 from zerobubble.schedule.generators.common import check_counts
+from zerobubble.schedule.generators.sequence import check_segments
 from zerobubble.schedule.generators.v_family import one_f_one_b_v, v_half, v_min
 from zerobubble.schedule.ir import Schedule, looped_placement
 from zerobubble.schedule.search.auto import (
@@ -51,6 +52,7 @@ from zerobubble.schedule.search.auto import (
 from zerobubble.schedule.search.graph import ActionGraph
 from zerobubble.schedule.search.paired import paired_candidates
 from zerobubble.schedule.search.refine import Evaluator
+from zerobubble.schedule.search.segmented import key_of, search_segments
 from zerobubble.schedule.simulate import SimResult, simulate
 
 #: Chunks per device the planner tries by default.
@@ -161,6 +163,7 @@ def auto(
     max_stages: int | None = None,
     time_budget_s: float | None = None,
     overlap: bool = False,
+    segments: int | None = None,
 ) -> Schedule:
     """The cheapest schedule over placements (v = 1..``max_chunks``, looped or zig-zag).
 
@@ -178,31 +181,58 @@ def auto(
     ``overlap`` allows overlapped F&B pairs (:mod:`.paired`): on every placement with
     several stages per device and an all-to-all cost, the paired candidates compete with
     the plain schedule, which wins ties (a pair is formed only where it pays).
+
+    ``segments`` (K) also considers cutting each microbatch's sequence into k = 2..K
+    segments, on one stage per device and the V (:mod:`.segmented`); the schedule's
+    :attr:`~zerobubble.schedule.ir.Schedule.segments` says which k won (1: none). Ties go
+    to fewer segments.
     """
     deadline = deadline_after(time_budget_s)
     p, m = check_counts(num_devices, num_microbatches)
+    if segments is not None:
+        check_segments(segments)
+        if overlap and segments > 1:
+            raise ValueError(
+                "auto: overlapped F&B pairs with sequence segments are not built; pass "
+                "overlap or segments, not both"
+            )
     spec = costs if costs is not None else CostSpec()
     if mem_limit is None:
         mem_limit = spec.mem_limit
-    if spec.stage_costs is not None:
-        stages = spec.stage_costs.num_stages
-        if not any(len(c.placement) == stages for c in candidates(p, max_chunks)):
-            raise ValueError(
-                f"the costs file describes {stages} virtual stages, which is no placement of "
-                f"{p} devices with 1..{max_chunks} chunks each; regenerate the profile for "
-                f"a multiple of {p} stages (at most {max_chunks * p})"
-            )
-    return search_placements(
+    stages = None if spec.stage_costs is None else spec.stage_costs.num_stages
+    counts = {len(c.placement) for c in candidates(p, max_chunks)}
+    if stages is not None and stages not in counts:
+        raise ValueError(
+            f"the costs file describes {stages} virtual stages, which is no placement of "
+            f"{p} devices with 1..{max_chunks} chunks each; regenerate the profile for "
+            f"a multiple of {p} stages (at most {max_chunks * p})"
+        )
+    plain = search_placements(
         p,
         m,
         spec.resolve,
         mem_limit,
         max_chunks=max_chunks,
-        stages=(None if spec.stage_costs is None else spec.stage_costs.num_stages),
+        stages=stages,
         max_stages=max_stages,
         deadline=deadline,
         overlap=overlap,
     )
+    if segments is None or segments < 2 or expired(deadline):
+        return plain
+    got = search_segments(
+        p,
+        m,
+        segments,
+        spec,
+        mem_limit,
+        max_chunks=max_chunks,
+        stages=stages,
+        max_stages=max_stages,
+        deadline=deadline,
+        beat=key_of(plain, spec.resolve(plain.placement)),
+    )
+    return plain if got is None else got[1]
 
 
 def search_placements(
