@@ -45,6 +45,7 @@ from zerobubble.models import mlp_loss
 from zerobubble.models.moe import build_moe_mlp
 from zerobubble.runtime.ep import ExpertGroup, expert_run, is_expert
 from zerobubble.runtime.ep_reference import ep_reference_step, threaded_ep_reference_step
+from zerobubble.runtime.experts import shard_all_experts
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.mesh import build_mesh
 from zerobubble.schedule.costs import CostSpec
@@ -344,6 +345,36 @@ def test_experts_outside_the_contract_are_found_unsharded():
     mixtral = hf.tiny_model("hf-mixtral")
     shard_hf_experts(mixtral.model, ExpertGroup())
     assert unsharded_experts(mixtral.model) == []
+
+
+def test_the_adapters_layers_shard_their_experts_through_the_layer_contract():
+    """The pipeline and the threaded reference shard through each module's hook
+    ``shard_experts`` (:func:`shard_all_experts`): on the adapter's layers that is
+    :func:`shard_hf_experts` over the model, runs and rows alike; a refusal names the experts
+    module as the model does; our MoE's hook is :meth:`MoE.shard` with one run each."""
+    model = hf.tiny_model("hf-mixtral")
+    whole = copy.deepcopy(model)
+    layers = torch.nn.Sequential(*hf.causal_lm_layers(model))
+    runs = shard_all_experts(layers, ExpertGroup(), first_run=2)
+    found = shard_hf_experts(whole.model, ExpertGroup(), first_run=2)
+    assert found == 4 and runs == 2 * found  # gate_up_proj and down_proj each
+    mine = [(expert_run(p), expert_shard(p)) for p in layers.parameters() if is_expert(p)]
+    theirs = [(expert_run(p), expert_shard(p)) for p in whole.parameters() if is_expert(p)]
+    assert mine == theirs and [run for run, _ in mine] == list(range(2, 2 + runs))
+    assert unsharded_experts(layers) == []
+
+    broken = hf.tiny_model("hf-mixtral")
+    broken.model.layers[1].mlp.experts.scale = torch.nn.Parameter(torch.ones(4))
+    with pytest.raises(
+        ValueError,
+        match=r"^model\.layers\.1\.mlp\.experts: MixtralExperts has the parameter 'scale'",
+    ):
+        shard_all_experts(torch.nn.Sequential(*hf.causal_lm_layers(broken)), ExpertGroup())
+
+    moe = build_moe_mlp((6, 8, 3), hidden=16, num_experts=4, top_k=2, blocks=2)
+    assert shard_all_experts(moe, ExpertGroup()) == 2
+    assert [expert_run(p) for p in moe[1].moe.experts.parameters()][:1] == [0]
+    assert [expert_run(p) for p in moe[2].moe.experts.parameters()][:1] == [1]
 
 
 @pytest.mark.parametrize(("dp", "ep"), [(2, 2), (4, 2)])

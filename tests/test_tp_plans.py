@@ -38,11 +38,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ranks import launch
 from zerobubble.interop.hf import causal_lm_layers, tiny_model
 from zerobubble.interop.hf_layers import DecoderBlock
+from zerobubble.interop.hf_tp import hf_block_plan
 from zerobubble.models.gpt import GPTConfig, build_gpt, gpt_loss
 from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.split import SplitRules, unsplit_modules
-from zerobubble.runtime.tp import default_plan, hf_block_plan, parallelize_stage
+from zerobubble.runtime.tp import default_plan, parallelize_stage
 
 TP, B, T = 2, 2, 8
 REL = 1e-5

@@ -22,14 +22,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from zerobubble.interop.hf_experts import expert_shard, shard_hf_experts, unsharded_experts
-from zerobubble.models.moe import shard_experts
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.faults import FaultPlan
 from zerobubble.optim.trainer import Commit, PipelineTrainer, stage_kwargs
 from zerobubble.runtime.chunk import LossFn, StageChunk
 from zerobubble.runtime.ep import ExpertGroup
 from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.runtime.experts import expert_shard, shard_all_experts, unsharded_experts
 from zerobubble.runtime.mesh import PipelineMesh, pipeline_group
 from zerobubble.runtime.microbatch import CountFn
 from zerobubble.runtime.partition import (
@@ -94,10 +93,12 @@ class Pipeline:
             (:mod:`~zerobubble.runtime.fsdp`): gathered from the stage's first F to its
             last W of each step, gradients reduce-scattered (summed) after that W,
             instead of the reduction of whole gradients. A mesh with ``ep > 1`` shards
-            every :class:`~zerobubble.models.moe.MoE` layer's experts over its ep group
-            (:func:`~zerobubble.models.moe.shard_experts`), and every Hugging Face
+            the experts of every module of the stages with the layer contract's sharding
+            hook ``shard_experts`` (:func:`~zerobubble.runtime.experts.shard_all_experts`):
+            every :class:`~zerobubble.models.moe.MoE` layer, and every Hugging Face
             experts module of transformers' experts layout (Mixtral, DeepSeek-V3,
-            Qwen2/3-MoE, OLMoE, GPT-OSS, ...:
+            Qwen2/3-MoE, OLMoE, GPT-OSS, ...) in a layer of the adapter
+            (:func:`~zerobubble.interop.hf.causal_lm_layers`,
             :func:`~zerobubble.interop.hf_experts.shard_hf_experts`): this rank keeps its
             experts, whose gradients are summed over ``mesh.edp_group``. Experts it cannot
             shard, or a model without experts, raise ValueError on every rank (``ep > 1``
@@ -451,7 +452,7 @@ class Pipeline:
         ``down_proj``, their biases; :mod:`~zerobubble.interop.hf_experts`) keeps HF's name
         but holds only
         this rank's rows ``(E / ep, ...)``
-        (:func:`~zerobubble.interop.hf_experts.expert_shard` tells which): the whole tensor
+        (:func:`~zerobubble.runtime.experts.expert_shard` tells which): the whole tensor
         is the ep ranks' blocks concatenated in ep-rank order. With tensor parallelism
         (a mesh with ``tp > 1``) a parallelized entry is the stage's DTensor, this rank's
         shard of it (``full_tensor()``, collective over the tp ranks, gives the whole).
@@ -556,8 +557,8 @@ def _shard_experts(
     ep: ExpertGroup,
     group: dist.ProcessGroup | None,
 ) -> None:
-    """Shard every stage's experts over ``ep`` (our :class:`~zerobubble.models.moe.MoE`
-    layers, then Hugging Face experts modules), or raise on every rank of the pipeline
+    """Shard every stage's experts over ``ep`` (each module's sharding hook, in module order:
+    :func:`~zerobubble.runtime.experts.shard_all_experts`), or raise on every rank of the pipeline
     ``group`` (a collective): ``ep > 1`` never runs as plain data parallelism. Refused: a
     stage with an experts module that cannot be sharded or that nothing sharded (named with
     its stage and its model name), and a pipeline whose stages hold no experts at all."""
@@ -565,8 +566,7 @@ def _shard_experts(
     sharded = 0
     for s, m in stages.items():
         try:
-            ours = shard_experts(m, ep)
-            sharded += ours + shard_hf_experts(m, ep, first_run=ours)
+            sharded += shard_all_experts(m, ep)
         except ValueError as e:
             problems.append(f"stage {s}: {e}")
             continue
@@ -575,7 +575,8 @@ def _shard_experts(
                 f"stage {s}: {_module_name(name, keys[s], m)} ({type(left).__name__}) holds "
                 "experts in neither our MoE's nor transformers' experts layout "
                 "(use_experts_implementation), so ep cannot shard them; build the mesh with ep=1 "
-                "(experts then stay whole, their gradients dp-reduced) or shard them by hand"
+                "(experts then stay whole, their gradients dp-reduced) or shard them by hand "
+                "(a layer's sharding hook shard_experts: docs/layer-contract.md)"
             )
     found: list[tuple[list[str], int] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(found, (problems, sharded), group=group)

@@ -487,7 +487,10 @@ def tiny_config(name: str, **overrides: Any) -> Any:
     names = TINY_CONFIGS + TINY_MOE_CONFIGS + TINY_BIAS_MOE_CONFIGS + TINY_CE_MOE_CONFIGS
     if name not in names:
         raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(names)}")
-    text = resources.files("zerobubble.models").joinpath(f"configs/{name}-tiny.json").read_text()
+    # The package data of zerobubble/models, read as files (importing that package, a room of
+    # its own, is no business of the adapter's).
+    shipped = resources.files("zerobubble").joinpath(f"models/configs/{name}-tiny.json")
+    text = shipped.read_text()
     fields: dict[str, Any] = {**json.loads(text), **overrides}
     model_type = fields.pop("model_type")
     return _transformers().AutoConfig.for_model(model_type, **fields)

@@ -15,7 +15,13 @@ ep)`` of every per-expert tensor (the ``gate_up_proj`` or ``up_proj`` and ``down
 stacks, and their ``*_bias``) as local parameters of the **same names**, each marked with
 :func:`~zerobubble.runtime.ep.mark_expert` as its own run (gradients summed over ``edp``;
 the norm layout of :mod:`~zerobubble.optim.ep_norms` counts every row block once, ep rank
-0's first: the unsharded tensor cut into its ep row blocks).
+0's first: the unsharded tensor cut into its ep row blocks) and with
+:func:`~zerobubble.runtime.experts.mark_expert_rows` (its rows of the whole tensor, which
+the pipeline's state dict and the checkpoints read: :func:`expert_shard`).
+
+The pipeline reaches this module through the layer contract: every layer of the adapter
+(:class:`~zerobubble.interop.hf_layers.HFLayer`) has the sharding hook ``shard_experts``,
+which calls :func:`shard_layer_experts` on itself.
 
 Its forward is ``grouped_mm_experts_forward`` with our exchange in the middle:
 
@@ -23,9 +29,9 @@ Its forward is ``grouped_mm_experts_forward`` with our exchange in the middle:
   flattened ``top_k_index`` (so each expert sees its rows in HF's order), the rows
   gathered, per-expert counts;
 * exchange: counts, then rows, all-to-all to the experts' owners
-  (:func:`~zerobubble.models.moe.exchange_grouped`); the local experts run on their rows of
-  all sources, regrouped expert-major in source-rank order
-  (:func:`~zerobubble.models.moe.run_grouped`), as **one grouped matmul per projection**
+  (:func:`~zerobubble.runtime.experts.exchange_grouped`); the local experts run on their rows
+  of all sources, regrouped expert-major in source-rank order
+  (:func:`~zerobubble.runtime.experts.run_grouped`), as **one grouped matmul per projection**
   (:meth:`~zerobubble.runtime.split.grouped.SplitGrouped.grouped_linear`:
   ``torch._grouped_mm`` with the int32 cumulative row counts, the layout per
   ``is_transposed``, ``bias[ids]`` added in place per ``has_bias``), the class's own
@@ -57,14 +63,21 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from zerobubble.models.moe import exchange_grouped, run_grouped
-from zerobubble.runtime.ep import ExpertGroup, is_expert, mark_expert
+from zerobubble.runtime.ep import ExpertGroup, mark_expert
+from zerobubble.runtime.experts import (
+    exchange_grouped,
+    expert_shard,
+    mark_expert_rows,
+    run_grouped,
+    unsharded_experts,
+)
 from zerobubble.runtime.split.grouped import SplitGrouped
 
 if TYPE_CHECKING:
@@ -78,13 +91,12 @@ __all__ = [
     "gather_hf_experts",
     "is_hf_experts",
     "shard_hf_experts",
+    "shard_layer_experts",
     "unsharded_experts",
 ]
 
 #: The layout flags ``use_experts_implementation`` sets on an experts module.
 LAYOUT_FLAGS = ("is_concatenated", "is_transposed", "has_bias", "has_gate", "has_post_expert_norm")
-
-_SHARD_ATTR = "_zb_hf_expert_shard"
 
 
 def is_hf_experts(module: nn.Module) -> bool:
@@ -94,13 +106,6 @@ def is_hf_experts(module: nn.Module) -> bool:
     return not isinstance(module, ShardedExperts) and all(
         isinstance(getattr(module, f, None), bool) for f in LAYOUT_FLAGS
     )
-
-
-def expert_shard(param: Tensor) -> tuple[int, int, int] | None:
-    """``(start, stop, num_experts)``: the rows of the whole ``(E, ...)`` HF tensor that
-    ``param`` (a :class:`ShardedExperts` parameter) holds; None for any other tensor."""
-    shard = getattr(param, _SHARD_ATTR, None)
-    return None if shard is None else (int(shard[0]), int(shard[1]), int(shard[2]))
 
 
 def _refuse(name: str, what: str) -> ValueError:
@@ -201,7 +206,7 @@ class ShardedExperts(SplitGrouped):
             assert whole is not None
             p = nn.Parameter(whole.detach()[rows].clone(), whole.requires_grad)
             mark_expert(p, run + i)
-            setattr(p, _SHARD_ATTR, (self.start, self.start + self.local, num_experts))
+            mark_expert_rows(p, self.start, self.start + self.local, num_experts)
             self.register_parameter(n, p)
         if isinstance(act_fn, nn.Module):
             self.act_fn = act_fn
@@ -267,6 +272,22 @@ def shard_hf_experts(module: nn.Module, ep: ExpertGroup, first_run: int = 0) -> 
     :class:`ShardedExperts` over ``ep``; returns how many. Their tensors get the runs
     ``first_run``, ``first_run + 1``, ... in module order. A module the contract names but
     :class:`ShardedExperts` cannot reproduce is refused (ValueError naming it)."""
+    return _shard(module, ep, first_run, str)[0]
+
+
+def shard_layer_experts(
+    module: nn.Module, ep: ExpertGroup, first_run: int, name: Callable[[str], str] = str
+) -> int:
+    """:func:`shard_hf_experts` as the layer contract's sharding hook
+    (:class:`~zerobubble.runtime.experts.ShardsExperts`) does it: returns the runs used, and
+    a refusal names the module by ``name(its name in module)``, e.g. the model's name."""
+    return _shard(module, ep, first_run, name)[1]
+
+
+def _shard(
+    module: nn.Module, ep: ExpertGroup, first_run: int, name_of: Callable[[str], str]
+) -> tuple[int, int]:
+    """Shard ``module``'s HF experts modules: how many, and the runs they used."""
     found = [(name, m) for name, m in module.named_modules() if is_hf_experts(m)]
     run = first_run
     for name, m in found:
@@ -275,29 +296,12 @@ def shard_hf_experts(module: nn.Module, ep: ExpertGroup, first_run: int = 0) -> 
         try:
             sharded = ShardedExperts(m, ep, run)
         except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
+            raise ValueError(f"{name_of(name)}: {e}") from None
         run += sharded.runs
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         setattr(parent, attr, sharded)
-    return len(found)
-
-
-def unsharded_experts(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Submodules that look like a MoE layer's experts yet hold no expert shard: named
-    ``experts`` (what transformers and our MoE call them) or of a class named ``...Experts``,
-    with parameters of which none is marked (:func:`~zerobubble.runtime.ep.is_expert`); the
-    outermost such module only. Under ``ep > 1`` such a module would silently run as plain
-    data parallelism."""
-    out: list[tuple[str, nn.Module]] = []
-    for name, m in module.named_modules():
-        if any(name.startswith(f"{outer}.") for outer, _ in out):
-            continue  # inside one already named
-        looks = name.rpartition(".")[2] == "experts" or type(m).__name__.endswith("Experts")
-        params = list(m.parameters())
-        if looks and params and not any(is_expert(p) for p in params):
-            out.append((name, m))
-    return out
+    return len(found), run - first_run
 
 
 def gather_hf_experts(pipe: Pipeline, mesh: PipelineMesh) -> OrderedDict[str, Tensor]:

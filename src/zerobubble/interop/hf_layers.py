@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from zerobubble.interop.hf_experts import shard_layer_experts
 from zerobubble.interop.hf_router import (
     BIAS,
     ROUTER_TERM,
@@ -42,9 +43,11 @@ from zerobubble.interop.hf_router import (
     router_term,
     router_z_term,
 )
+from zerobubble.interop.hf_tp import hf_block_plan
+from zerobubble.runtime.ep import ExpertGroup
 from zerobubble.runtime.kv_segments import SegmentAware, SegmentSlot
 from zerobubble.runtime.loss_terms import add_loss_term
-from zerobubble.runtime.tp import LayerLayout, hf_block_plan, share_column_inputs
+from zerobubble.runtime.tp import LayerLayout, share_column_inputs
 
 Boundary = dict[str, Any]
 """What travels between layers: ``hidden``, ``attention_mask``, ``position_ids``."""
@@ -81,6 +84,15 @@ class HFLayer(nn.Module):
                 f"{', '.join(sorted(self._paths))})"
             )
         return f"{self._paths[attr]}.{rest}"
+
+    def shard_experts(self, ep: ExpertGroup, first_run: int) -> int:
+        """The layer contract's sharding hook
+        (:class:`~zerobubble.runtime.experts.ShardsExperts`): every experts module of
+        transformers' layout in this layer becomes its
+        :class:`~zerobubble.interop.hf_experts.ShardedExperts` over ``ep``
+        (:func:`~zerobubble.interop.hf_experts.shard_layer_experts`); a refusal names the
+        module as the model does."""
+        return shard_layer_experts(self, ep, first_run, self.source_name)
 
 
 def _batch_inputs(layer: str, inputs: Tensor | Mapping[str, Any], extra: dict[str, Any]) -> dict:
@@ -357,7 +369,7 @@ TP_TABLE = {
 }
 """The tensor-parallel table of a Llama-layout block whose config has no
 ``base_model_tp_plan`` (the same names and style strings, see
-:func:`~zerobubble.runtime.tp.hf_block_plan`)."""
+:func:`~zerobubble.interop.hf_tp.hf_block_plan`)."""
 
 
 def _attention_dropout(m: nn.Module) -> float:

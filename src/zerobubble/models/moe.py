@@ -15,17 +15,21 @@ in one process with the very same ops:
   in that order); the reverse all-to-all. With ``ep == 1`` no communication;
 * :meth:`ExpertLayer.combine`: unsort, weight by the routing probabilities, sum.
 
+The phases' contract (:class:`ExpertLayer`) and the exchange (:func:`exchange_rows`,
+:func:`run_experts`, ...) are the runtime's (:mod:`~zerobubble.runtime.experts`, imported
+here under the same names), so that the runtime imports no model.
+
 Experts are :class:`Expert` MLPs of ``nn.Linear`` layers, so the B/W split defers
 their weight gradients to W like any other weight. A model is built whole (all
-experts, identical on every rank); :func:`shard_experts` (which
-:class:`~zerobubble.pipeline.Pipeline` applies to its stages on a mesh with
-``ep > 1``) keeps a rank's experts ``[r * E / ep, (r + 1) * E / ep)``, named by
-their global index, and marks them for the expert gradient reduction.
+experts, identical on every rank); on a mesh with ``ep > 1``
+:class:`~zerobubble.pipeline.Pipeline` calls every MoE's hook
+:meth:`MoE.shard_experts` in its stages (:func:`shard_experts` does it for a module), which
+keeps a rank's experts ``[r * E / ep, (r + 1) * E / ep)``, named by their global index,
+and marks them for the expert gradient reduction.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,7 +37,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zerobubble.models.gpt import CausalSelfAttention, GPTConfig, GPTEmbedding, _init
-from zerobubble.runtime.ep import ExpertGroup, all_to_all, exchange_counts, mark_expert
+from zerobubble.runtime.ep import ExpertGroup, mark_expert
+from zerobubble.runtime.experts import (
+    ExpertLayer,
+    dispatch_order,
+    exchange_grouped,
+    exchange_rows,
+    run_experts,
+    run_grouped,
+)
 from zerobubble.runtime.loss_terms import add_loss_term
 
 __all__ = [
@@ -64,93 +76,6 @@ class Expert(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-def dispatch_order(chosen: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
-    """For ``chosen`` ``(N, k)`` expert indices: the (token, k) pairs sorted by expert
-    (stable: token order within an expert), the token of each sorted pair, and the
-    per-expert counts ``(E,)``."""
-    flat = chosen.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    return order, order // chosen.shape[1], counts
-
-
-def run_experts(experts: Sequence[Any], rows: Tensor, counts: Tensor) -> Tensor:
-    """Run local experts on received rows, returning outputs in the received layout.
-
-    ``rows`` holds, for source rank 0, 1, ... in turn, its rows for local expert 0,
-    1, ...; ``counts[src, l]`` how many. Expert ``l`` runs once on its rows of all
-    sources concatenated in source order.
-    """
-
-    def each(grouped: Tensor, per_expert: Tensor) -> Tensor:
-        outs = [e(x) for e, x in zip(experts, grouped.split(per_expert.tolist()), strict=True)]
-        return torch.cat(outs) if outs else grouped
-
-    return run_grouped(each, rows, counts)
-
-
-def run_grouped(fn: Callable[[Tensor, Tensor], Tensor], rows: Tensor, counts: Tensor) -> Tensor:
-    """:func:`run_experts` with every local expert in one call: ``fn(grouped, per_expert)``
-    gets the received rows regrouped expert-major (source order inside an expert) and the
-    rows per local expert ``(E / ep,)``, and returns their outputs in that order (one
-    grouped matmul per projection, say); the outputs come back in the received layout."""
-    sources, local = counts.shape
-    if sources == 1:  # already grouped by expert
-        return fn(rows, counts[0])
-    # perm: the received rows regrouped expert-major (source order inside an expert)
-    flat = counts.reshape(-1)
-    starts = flat.cumsum(0) - flat  # of each (source, expert) block in the received rows
-    lengths = counts.t().reshape(-1)  # the blocks in expert-major order
-    moved = starts.view(sources, local).t().reshape(-1) - (lengths.cumsum(0) - lengths)
-    perm = torch.arange(len(rows), device=counts.device)
-    perm = (perm + moved.repeat_interleave(lengths)).to(rows.device)
-    out = fn(rows[perm], counts.sum(0))
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(len(perm), device=perm.device)
-    return out[inverse]
-
-
-def exchange_rows(experts: Sequence[Any], rows: Tensor, counts: Tensor, ep: ExpertGroup) -> Tensor:
-    """Outputs of dispatched ``rows`` (sorted by global expert, ``counts`` per expert), in
-    the rows' order: counts then rows all-to-all to the experts' owners, :func:`run_experts`
-    over this rank's ``experts`` (callables), the reverse all-to-all. No communication at
-    ``ep.size == 1``."""
-    return exchange_grouped(lambda x, c: run_experts(experts, x, c), rows, counts, ep)
-
-
-def exchange_grouped(
-    run: Callable[[Tensor, Tensor], Tensor], rows: Tensor, counts: Tensor, ep: ExpertGroup
-) -> Tensor:
-    """:func:`exchange_rows` with ``run(received, received_counts)`` (``(sources, E / ep)``)
-    in place of :func:`run_experts`: three all-to-alls in the forward (the counts, the rows,
-    the outputs back) and, for the two of rows, their reverse in the backward."""
-    if ep.size == 1:
-        return run(rows, counts.view(1, -1))
-    received = exchange_counts(counts, ep)
-    send = counts.view(ep.size, -1).sum(1).tolist()
-    recv = received.sum(1).tolist()
-    got = all_to_all(rows, recv, send, ep)
-    return all_to_all(run(got, received), send, recv, ep)
-
-
-class ExpertLayer(nn.Module):
-    """A layer whose forward is ``combine(ctx, moe.exchange(rows, counts))`` after
-    ``ctx, rows, counts = dispatch(x)``: the phases the single-process reference
-    drives for every ep rank at once."""
-
-    moe: MoE
-
-    def dispatch(self, x: Tensor) -> tuple[Any, Tensor, Tensor]:
-        raise NotImplementedError
-
-    def combine(self, ctx: Any, out: Tensor) -> Tensor:
-        raise NotImplementedError
-
-    def forward(self, x: Tensor) -> Tensor:
-        ctx, rows, counts = self.dispatch(x)
-        return self.combine(ctx, self.moe.exchange(rows, counts))
 
 
 class MoE(ExpertLayer):
@@ -196,7 +121,7 @@ class MoE(ExpertLayer):
         self.ep = ExpertGroup()
 
     @property
-    def moe(self) -> MoE:  # type: ignore[override]  # a MoE is its own expert layer
+    def moe(self) -> MoE:  # a MoE is its own expert layer
         return self
 
     def shard(self, ep: ExpertGroup, run: int = 0) -> None:
@@ -214,6 +139,13 @@ class MoE(ExpertLayer):
         self.ep = ep
         for p in self.experts.parameters():
             mark_expert(p, run)
+
+    def shard_experts(self, ep: ExpertGroup, first_run: int) -> int:
+        """The layer contract's sharding hook
+        (:class:`~zerobubble.runtime.experts.ShardsExperts`): :meth:`shard` with run
+        ``first_run``; one run used."""
+        self.shard(ep, first_run)
+        return 1
 
     def route(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """Routing weights and chosen experts, both ``(N, k)``."""
@@ -257,6 +189,8 @@ class MoE(ExpertLayer):
 class MoEBlock(ExpertLayer):
     """``x + moe(norm(x))``, a pre-norm residual MoE block."""
 
+    moe: MoE
+
     def __init__(
         self,
         dim: int,
@@ -282,6 +216,8 @@ class MoEBlock(ExpertLayer):
 
 class MoEGPTBlock(ExpertLayer):
     """A GPT block whose MLP is a :class:`MoE`: ``x + attn(ln1(x))``, then ``+ moe(ln2(.))``."""
+
+    moe: MoE
 
     def __init__(
         self,

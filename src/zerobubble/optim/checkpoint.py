@@ -82,10 +82,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import empty as dtensor_empty
 from torch.futures import Future
 
-from zerobubble.interop.hf_experts import expert_shard
 from zerobubble.optim.faults import CrashPoint
 from zerobubble.optim.trainer import PipelineTrainer, group_settings
 from zerobubble.runtime.comm import exchange_bytes, set_timeout, transport_timeout
+from zerobubble.runtime.experts import expert_shard
 from zerobubble.runtime.mesh import PipelineMesh
 
 __all__ = [
@@ -634,9 +634,9 @@ def _param_names(trainer: PipelineTrainer) -> dict[int, str]:
 
 
 def _param_key(stage: int, name: str, param: Tensor) -> str:
-    """``s<stage>.<name>``; a Hugging Face experts tensor sharded over ep
-    (:func:`~zerobubble.interop.hf_experts.expert_shard`) adds its rows, ``@rows<a>-<b>``:
-    its ep peers hold other rows under the same name."""
+    """``s<stage>.<name>``; a tensor that is a row block of a whole experts tensor (a Hugging
+    Face experts tensor sharded over ep: :func:`~zerobubble.runtime.experts.expert_shard`)
+    adds its rows, ``@rows<a>-<b>``: its ep peers hold other rows under the same name."""
     shard = expert_shard(param)
     return f"s{stage}.{name}" + ("" if shard is None else f"@rows{shard[0]}-{shard[1]}")
 

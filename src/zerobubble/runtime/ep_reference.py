@@ -1,15 +1,19 @@
 """The single-process ground truth of pipeline x expert parallelism.
 
 One process plays every dp rank of a ``(pp, dp, ep)`` mesh: each replica has its own
-copy of the model, and at an :class:`~zerobubble.models.moe.ExpertLayer` the
+copy of the model, and at an :class:`~zerobubble.runtime.experts.ExpertLayer` the
 replicas of one ep group meet as the all-to-all makes them meet. Each replica
 dispatches its tokens; the rows bound for expert owner ``o`` are concatenated in
 source-rank order (what ``all_to_all_single`` delivers), owner ``o``'s copy of its
-experts runs on them with :func:`~zerobubble.models.moe.run_experts` (the same ops
+experts runs on them with :func:`~zerobubble.runtime.experts.run_experts` (the same ops
 on the same rows, in the same order, as the ep rank runs them), and the outputs go
 back split by source. Stage cuts do not change what is computed, so the model runs
 whole. Bitwise equality with a pipeline run holds by construction, not by a
 kernel's luck.
+
+The model is reached through the layer contract only (docs/layer-contract.md): the expert
+layers' phases (:class:`~zerobubble.runtime.experts.ExpertLayer`) and, for the threaded
+reference, each module's sharding hook ``shard_experts``; this module imports no model.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from zerobubble.models.moe import ExpertLayer, MoE, run_experts
 from zerobubble.runtime.ep import ExpertGroup, LocalGroup, is_expert
+from zerobubble.runtime.experts import ExpertLayer, expert_shard, run_experts, shard_all_experts
 from zerobubble.runtime.loss_terms import TermWeight, collect_loss_terms, weighted_objective
 from zerobubble.runtime.loss_terms import term_weight as weight_of
 from zerobubble.runtime.microbatch import (
@@ -53,7 +57,7 @@ def ep_reference_step(
     """One step of a ``(pp, dp = len(parts), ep)`` mesh, in one process (no random ops).
 
     ``layers`` is the whole (unsharded) model, whose MoE layers must be top-level
-    :class:`~zerobubble.models.moe.ExpertLayer` s. ``parts[r]`` is dp replica ``r``'s
+    :class:`~zerobubble.runtime.experts.ExpertLayer` s. ``parts[r]`` is dp replica ``r``'s
     ``(x, target)``. For j = 0..m-1 every replica runs microbatch j (ep groups meeting
     at the expert layers) and ``sum_r loss_rj * n_rj / N`` is back-propagated once
     (``N`` the global batch): each replica's dense copy gets exactly its own
@@ -80,7 +84,8 @@ def ep_reference_step(
     if ep < 1 or dp % ep:
         raise ValueError(f"ep={ep} must divide the {dp} replicas (parts); pass one per dp rank")
     for i, layer in enumerate(model):
-        if not isinstance(layer, ExpertLayer) and any(isinstance(x, MoE) for x in layer.modules()):
+        inside = any(isinstance(x, ExpertLayer) for x in layer.modules())  # a MoE is one too
+        if not isinstance(layer, ExpertLayer) and inside:
             raise ValueError(
                 f"layer {i} ({type(layer).__name__}) holds a MoE inside: ep_reference_step "
                 "needs the MoE layers at the top level (a MoE, a MoEBlock or another "
@@ -163,9 +168,9 @@ def threaded_ep_reference_step(
 ) -> tuple[list[list[Tensor]], dict[str, Tensor]]:
     """:func:`ep_reference_step` for expert layers anywhere in the model (a Hugging Face
     decoder layer's experts, :mod:`~zerobubble.interop.hf_experts`): one thread per dp
-    replica, each with its own copy of the model sharded as the pipeline shards it
-    (:func:`~zerobubble.models.moe.shard_experts`, then
-    :func:`~zerobubble.interop.hf_experts.shard_hf_experts`) over an :class:`ExpertGroup`
+    replica, each with its own copy of the model sharded as the pipeline shards it (every
+    module's sharding hook: :func:`~zerobubble.runtime.experts.shard_all_experts`, e.g. our
+    MoE's and the Hugging Face adapter's layers') over an :class:`ExpertGroup`
     of a :class:`~zerobubble.runtime.ep.LocalGroup`: the ep group's all-to-alls (forward
     and backward) hand the same blocks between the threads, in source-rank order, that
     the process group hands between ep ranks, so every op sees the rows it sees there.
@@ -185,9 +190,6 @@ def threaded_ep_reference_step(
         keyed by the user's parameter names; a sharded HF experts tensor whole again
         (its ep ranks' row blocks concatenated in ep-rank order).
     """
-    from zerobubble.interop.hf_experts import expert_shard, shard_hf_experts
-    from zerobubble.models.moe import shard_experts
-
     model = as_sequential(layers)
     dp = len(parts)
     if ep < 1 or dp % ep:
@@ -197,7 +199,7 @@ def threaded_ep_reference_step(
     for r in range(dp):
         rep = copy.deepcopy(model)
         group = ExpertGroup(groups[r // ep] if ep > 1 else None, r % ep, ep)
-        shard_hf_experts(rep, group, first_run=shard_experts(rep, group))
+        shard_all_experts(rep, group)
         for p in rep.parameters():
             p.grad = None
         replicas.append(rep)

@@ -17,7 +17,9 @@ method; any other layer with parameters and no method is refused. Our GPT
 * attention's q/k/v and the MLP's up projections column-wise (each rank holds
   ``heads / tp`` heads and ``d_ff / tp`` hidden units), the output and down projections
   row-wise (one all-reduce, or reduce-scatter, per block half). A Hugging Face block takes
-  its config's ``base_model_tp_plan`` where it has one;
+  its config's ``base_model_tp_plan`` where it has one, its strings mapped onto
+  :data:`KINDS` by the adapter (:mod:`~zerobubble.interop.hf_tp`): this module reads kinds,
+  plain data, and no other library's plan format;
 * the token embedding row-wise (vocabulary-sharded: each rank holds ``vocab / tp`` rows,
   the lookup's partial sums are reduced), not replicated, so that no rank keeps the
   largest matrix whole; our GPT's position embedding is replicated (a DTensor, so its
@@ -51,7 +53,6 @@ dropout > 0 that no :class:`TPRandom` covers is refused.
 from __future__ import annotations
 
 import inspect
-import re
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -75,14 +76,12 @@ from torch.distributed.tensor.parallel import (
 from zerobubble.runtime.rng import rank_stream
 
 __all__ = [
-    "HF_STYLES",
     "KINDS",
     "LayerLayout",
     "TPPlan",
     "TPRandom",
     "default_plan",
     "dropout_kinds",
-    "hf_block_plan",
     "norm_names",
     "parallelize_stage",
     "share_column_inputs",
@@ -91,12 +90,6 @@ __all__ = [
 TPPlan = Mapping[str, ParallelStyle]
 """``parallelize_module``'s plan: submodule name (relative to the stage module, ``*``
 wildcards allowed) -> parallel style."""
-
-HF_STYLES = ("colwise", "rowwise", "colwise_gather_output", "sequence_parallel")
-"""The ``base_model_tp_plan`` strings of ``transformers`` that :func:`hf_block_plan` maps
-(``colwise_rep`` is read as ``colwise_gather_output``); any other raises ValueError."""
-
-_KINDS = {**{k: k for k in HF_STYLES}, "colwise_rep": "colwise_gather_output"}
 
 KINDS = (
     "colwise",
@@ -317,36 +310,6 @@ def _dropout_p(m: nn.Module) -> float:
     p = m.p if isinstance(m, nn.modules.dropout._DropoutNd) else None
     p = getattr(m, "attention_dropout", p)
     return p if isinstance(p, float) else 0.0
-
-
-def hf_block_plan(
-    base_model_tp_plan: Mapping[str, str], paths: Mapping[str, str], layer: nn.Module
-) -> dict[str, str]:
-    """Map a ``transformers`` config's ``base_model_tp_plan`` onto one adapter layer.
-
-    ``base_model_tp_plan`` names submodules of the base model (``"layers.*.mlp.up_proj"``,
-    ``*`` one name component) with a style string (:data:`HF_STYLES`); ``paths`` maps each
-    attribute of the adapter layer to its path in the causal LM (``HFLayer._paths``, e.g.
-    ``{"layer": "model.layers.3"}``). Returns ``{name in layer: style kind}`` for every
-    submodule the plan names.
-    """
-    rules = []
-    for fqn, kind in base_model_tp_plan.items():
-        if kind not in _KINDS:
-            raise ValueError(
-                f"base_model_tp_plan[{fqn!r}] = {kind!r}: no mapping to a parallel style (the "
-                f"default plan maps {', '.join(sorted(_KINDS))}); pass tp_plan= instead"
-            )
-        regex = r"[^.]+".join(re.escape(part) for part in f"model.{fqn}".split("*"))
-        rules.append((re.compile(regex), _KINDS[kind]))
-    out: dict[str, str] = {}
-    for attr, path in paths.items():
-        for rest, _ in layer.get_submodule(attr).named_modules():
-            full = f"{path}.{rest}" if rest else path
-            for pattern, kind in rules:
-                if pattern.fullmatch(full):
-                    out[f"{attr}.{rest}" if rest else attr] = kind
-    return out
 
 
 def share_column_inputs(kinds: dict[str, str]) -> dict[str, str]:

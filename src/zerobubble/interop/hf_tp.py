@@ -1,0 +1,51 @@
+"""Hugging Face's tensor-parallel plans in the runtime's terms: a ``transformers`` config's
+``base_model_tp_plan`` (submodule patterns -> style strings) mapped onto one adapter layer as
+the kinds of :mod:`~zerobubble.runtime.tp` (:data:`~zerobubble.runtime.tp.KINDS`), the plain
+``{submodule name: kind}`` a layer's ``tp_kinds`` hook returns (docs/layer-contract.md).
+The runtime reads kinds only; the strings of ``transformers`` stay here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from torch import nn
+
+__all__ = ["HF_STYLES", "hf_block_plan"]
+
+HF_STYLES = ("colwise", "rowwise", "colwise_gather_output", "sequence_parallel")
+"""The ``base_model_tp_plan`` strings of ``transformers`` that :func:`hf_block_plan` maps
+(``colwise_rep`` is read as ``colwise_gather_output``); any other raises ValueError."""
+
+_KINDS = {**{k: k for k in HF_STYLES}, "colwise_rep": "colwise_gather_output"}
+
+
+def hf_block_plan(
+    base_model_tp_plan: Mapping[str, str], paths: Mapping[str, str], layer: nn.Module
+) -> dict[str, str]:
+    """Map a ``transformers`` config's ``base_model_tp_plan`` onto one adapter layer.
+
+    ``base_model_tp_plan`` names submodules of the base model (``"layers.*.mlp.up_proj"``,
+    ``*`` one name component) with a style string (:data:`HF_STYLES`); ``paths`` maps each
+    attribute of the adapter layer to its path in the causal LM (``HFLayer._paths``, e.g.
+    ``{"layer": "model.layers.3"}``). Returns ``{name in layer: style kind}`` for every
+    submodule the plan names.
+    """
+    rules = []
+    for fqn, kind in base_model_tp_plan.items():
+        if kind not in _KINDS:
+            raise ValueError(
+                f"base_model_tp_plan[{fqn!r}] = {kind!r}: no mapping to a parallel style (the "
+                f"default plan maps {', '.join(sorted(_KINDS))}); pass tp_plan= instead"
+            )
+        regex = r"[^.]+".join(re.escape(part) for part in f"model.{fqn}".split("*"))
+        rules.append((re.compile(regex), _KINDS[kind]))
+    out: dict[str, str] = {}
+    for attr, path in paths.items():
+        for rest, _ in layer.get_submodule(attr).named_modules():
+            full = f"{path}.{rest}" if rest else path
+            for pattern, kind in rules:
+                if pattern.fullmatch(full):
+                    out[f"{attr}.{rest}" if rest else attr] = kind
+    return out
