@@ -200,8 +200,7 @@ def auto(
     if mem_limit is None:
         mem_limit = spec.mem_limit
     stages = None if spec.stage_costs is None else spec.stage_costs.num_stages
-    counts = {len(c.placement) for c in candidates(p, max_chunks)}
-    if stages is not None and stages not in counts:
+    if stages is not None and all(len(c.placement) != stages for c in candidates(p, max_chunks)):
         raise ValueError(
             f"the costs file describes {stages} virtual stages, which is no placement of "
             f"{p} devices with 1..{max_chunks} chunks each; regenerate the profile for "

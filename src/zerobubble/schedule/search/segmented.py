@@ -50,7 +50,13 @@ from zerobubble.schedule.generators.sequence import (
     zbv_warm_steady,
 )
 from zerobubble.schedule.ir import Op, Schedule, looped_placement, v_placement
-from zerobubble.schedule.search.auto import expired, resolve_costs, split_backward
+from zerobubble.schedule.search.auto import (
+    at_floor,
+    expired,
+    resolve_costs,
+    split_backward,
+)
+from zerobubble.schedule.search.auto import work_floor as evaluator_floor
 from zerobubble.schedule.search.graph import ActionGraph
 from zerobubble.schedule.search.refine import Evaluator, perturb, refine
 from zerobubble.schedule.simulate import simulate
@@ -143,12 +149,6 @@ def work_floor(schedule: Schedule, costs: CostModel) -> float:
     )
 
 
-def at_floor(schedule: Schedule, costs: CostModel) -> bool:
-    """Whether ``schedule`` costs its :func:`work_floor` (within rounding): nothing is cheaper."""
-    floor = work_floor(schedule, costs)
-    return float(simulate(schedule, costs).cost) <= floor + 1e-12 * max(1.0, floor)
-
-
 def polish(
     schedule: Schedule,
     costs: CostModel,
@@ -165,25 +165,21 @@ def polish(
         return schedule, 0
     graph = SegmentGraph(schedule.placement, schedule.num_units, schedule.segments)
     ev = Evaluator(graph, costs)
-    floor = max(sum(ev.dur[a] for a in held) for held in graph.by_device)
+    floor = evaluator_floor(ev)
     orders = [list(o) for o in graph.orders_of(schedule.actions)]
     spans = ev.spans(orders)
     if spans is None:
         raise ValueError(f"{schedule.name}: the orders to polish deadlock")
     cost = max(spans)
     budget = steps
-
-    def done(c: float) -> bool:
-        return c <= floor + 1e-12 * max(1.0, floor)
-
-    if not done(cost) and steps > 0:
+    if not at_floor(cost, floor) and steps > 0:
         orders, cost, spent = refine(
             graph, costs, mem_limit, orders, max_steps=steps, deadline=deadline
         )
         steps -= spent
     rng = random.Random(0)
     kicks = 0
-    while not done(cost) and steps > 0 and kicks < KICKS and not expired(deadline):
+    while not at_floor(cost, floor) and steps > 0 and kicks < KICKS and not expired(deadline):
         kicks += 1
         start = perturb(graph, costs, mem_limit, orders, rng, moves=1 + kicks % 4)
         if start is None:
@@ -297,7 +293,7 @@ def search_segments(
     found.sort(key=lambda item: item[0])
     if found and (beat is None or found[0][0] < beat):
         best = found[0][0], found[0][1]
-    bar = min([found[0][0][0]] if found else [], default=math.inf)  # the cheapest so far
+    bar = found[0][0][0] if found else math.inf  # the cheapest so far
     if beat is not None:
         bar = min(bar, beat[0])
     for key, sched, costs, limit in found:
@@ -317,7 +313,6 @@ def search_segments(
 __all__ = [
     "GRID",
     "SegmentGraph",
-    "at_floor",
     "candidates",
     "key_of",
     "polish",
