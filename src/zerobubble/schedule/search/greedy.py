@@ -438,10 +438,7 @@ class _Builder:
                 or pol.w_overrun
                 or (
                     self._none_before(start + self.w[s], next_b, _B, unknown_b)
-                    and (
-                        best_f >= 0
-                        or self._none_before(start + self.w[s], next_f, _F, unknown_f)
-                    )
+                    and (best_f >= 0 or self._none_before(start + self.w[s], next_f, _F, unknown_f))
                 )
             ):
                 self._put(d, _W, s, start)
