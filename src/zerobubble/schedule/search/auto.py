@@ -104,6 +104,10 @@ REFINE_MIN_RUNS = 200
 #: they may spend (so they matter on small instances and cost little on large ones).
 KICKS = 400
 KICK_STEPS = 3_000_000
+#: The share of a kick's moves that are translated (:func:`.refine.perturb`: one move made
+#: for every microbatch of an op and stage; a single move where that cannot be). Not in
+#: the search with pairs, whose kicks move units.
+KICK_TRANSLATE = 1.0
 #: Simulated actions for the plateau walk on the winner (and for its polish after).
 PLATEAU_STEPS = 3_000_000
 #: The search with pairs (``pairs=True``) is a second search of a placement beside the
@@ -258,7 +262,7 @@ def search_beating(
     """
     kind = PairEvaluator if pairs else Evaluator
     ev = evaluator or kind(ActionGraph(placement, num_microbatches), costs)
-    polish_fn, kick_fn = (refine_pairs, perturb_pairs) if pairs else (refine, perturb)
+    polish_fn = refine_pairs if pairs else refine
     graph = ev.graph
     limit = mem_limit + 1e-10 * max(1.0, abs(mem_limit))
     budget = PAIR_STEPS if pairs else REFINE_STEPS
@@ -327,16 +331,25 @@ def search_beating(
         budget -= spent
         if c < cost:
             winner, cost = polished, c
-    # Iterated local search: kick the best orders out of their local optimum with a
-    # few random moves (seeded: the result stays a pure function) and polish again.
+    # Iterated local search: kick the current orders out of their local optimum with a
+    # few random moves (seeded: the result stays a pure function) and polish again. The
+    # plain search's kicks are translated moves (each moves every microbatch of one op and
+    # stage at once, see refine.perturb) and it goes on from any polished kick that costs
+    # no more than the current orders, so it walks plateaus of equal cost; the best orders
+    # are kept. (The search with pairs kicks the best orders, and keeps only cheaper ones.)
     rng = random.Random(0)
     kicks = 0
     budget = min(budget, PAIR_STEPS if pairs else KICK_STEPS)
+    current, current_cost = winner, cost
     while polish and budget > 0 and kicks < KICKS and not expired(deadline):
         if at_floor(cost, floor):
             break
         kicks += 1
-        start = kick_fn(graph, costs, mem_limit, winner, rng, moves=1 + kicks % 4)
+        moves = 1 + kicks % 4
+        if pairs:
+            start = perturb_pairs(graph, costs, mem_limit, winner, rng, moves=moves)
+        else:
+            start = perturb(graph, costs, mem_limit, current, rng, moves, KICK_TRANSLATE)
         if start is None:
             break
         polished, c, spent = polish_fn(
@@ -345,6 +358,8 @@ def search_beating(
         budget -= spent
         if c < cost - 1e-12:
             winner, cost = polished, c
+        if not pairs and c <= current_cost + 1e-12 * max(1.0, abs(current_cost)):
+            current, current_cost = polished, c
     if polish and walk and not expired(deadline) and not at_floor(cost, floor):
         winner, cost = _walk(graph, costs, mem_limit, winner, cost, deadline, pairs=pairs)
     return decode(name, graph, winner) if pairs else _schedule(name, graph, winner)
