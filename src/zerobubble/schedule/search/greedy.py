@@ -236,12 +236,12 @@ class _Builder:
 
     @staticmethod
     def _rounds(held: list[int], m: int, group: int) -> list[int]:
-        """Stages in interleaved order: ``group`` microbatches of each stage in turn."""
-        out: list[int] = []
-        for g in range(0, m, group):
-            for s in held:
-                out.extend([s] * (min(m, g + group) - g))
-        return out
+        """Stages in interleaved order: ``group`` microbatches of each stage in turn (whole
+        rounds repeat one pattern; the last, shorter one has what is left)."""
+        whole, rest = divmod(m, group)
+        return [s for s in held for _ in range(group)] * whole + [
+            s for s in held for _ in range(rest)
+        ]
 
     # ---- arrivals ------------------------------------------------------------------------
 
