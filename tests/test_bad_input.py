@@ -267,6 +267,20 @@ CASES = [
         2,
         ["argument --node-limit: expected an integer >= 1, got '0'"],
     ),
+    (
+        "root-time-limit-not-exact",
+        "schedule zb-auto -p 3 -m 4 --root-time-limit 5",
+        None,
+        2,
+        ["--root-time-limit is for the exact searches optimal and optimal-v, not 'zb-auto'"],
+    ),
+    (
+        "root-time-limit-nan",
+        "schedule optimal -p 2 -m 2 --root-time-limit nan",
+        None,
+        2,
+        ["argument --root-time-limit: expected a number of seconds > 0, got 'nan'"],
+    ),
     # Files that are not UTF-8: each message names the file and the line.
     (
         "costs-file-not-utf8",

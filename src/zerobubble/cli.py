@@ -5,7 +5,8 @@ Subcommand names and flags are fixed (scripts depend on them)::
     zerobubble schedule KIND -p P -m M [--chunks V] [--segments K] [--overlap]
                          [--costs F=1,B=1,W=1,comm=0,a2a=0] [--costs-file F]
                          [--mem-limit X] [--mem-w R] [--split-backward]
-                         [--node-limit N] [--time-budget S] [--format text|json|csv|program]
+                         [--node-limit N] [--root-time-limit S] [--time-budget S]
+                         [--format text|json|csv|program]
                          [--rank R] [--dp N] [--fsdp] [--protocol P] [-o FILE]
     zerobubble simulate FILE [--costs ...] [--costs-file F] [--mem-w R] [--mem-limit X] [--json]
     zerobubble compare -p P -m M [--costs ...] [--costs-file F] [--mem-limit X] [--plot FILE.png]
@@ -65,6 +66,16 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
     return value
 
 
@@ -141,16 +152,21 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
     _check_size(args.p, args.m, args.chunks, args.segments)
     exact = args.kind in ("optimal", "optimal-v")
-    if args.node_limit is not None and not exact:
-        raise ValueError(
-            f"--node-limit is for the exact searches optimal and optimal-v, not {args.kind!r}"
-        )
+    for flag, given in (("--node-limit", args.node_limit), ("--root-time-limit", args.root_time)):
+        if given is not None and not exact:
+            raise ValueError(
+                f"{flag} is for the exact searches optimal and optimal-v, not {args.kind!r}"
+            )
     spec = _cost_spec(args)
     limit = _mem_limit(args, spec)
     gen = GENERATORS.get(args.kind)
     proof = None
     if exact:  # the search's result says whether it proved its schedule optimal
-        from zerobubble.schedule.search.milp import DEFAULT_NODE_LIMIT, optimal_search
+        from zerobubble.schedule.search.milp import (
+            DEFAULT_NODE_LIMIT,
+            DEFAULT_ROOT_TIME_LIMIT,
+            optimal_search,
+        )
 
         assert gen is not None
         for option, given in (
@@ -173,6 +189,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
             costs=spec,
             mem_limit=limit,
             node_limit=args.node_limit or DEFAULT_NODE_LIMIT,
+            root_time_limit=args.root_time or DEFAULT_ROOT_TIME_LIMIT,
         )
         sched = proof.schedule
     else:
@@ -497,6 +514,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         help="optimal, optimal-v: branch-and-bound nodes HiGHS may solve (default 1000); "
         "a work limit, so a run gives the same schedule and gap on any machine",
+    )
+    p.add_argument(
+        "--root-time-limit",
+        dest="root_time",
+        type=_positive_float,
+        metavar="S",
+        help="optimal, optimal-v: seconds HiGHS may spend on the root node, which no node "
+        "limit bounds (default 60); a root that finishes in time leaves the result a "
+        "function of the input, one that does not returns the heuristic's schedule and "
+        "the gap to the best bound",
     )
     p.add_argument(
         "--time-budget",

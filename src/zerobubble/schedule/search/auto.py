@@ -104,6 +104,14 @@ REFINE_MIN_RUNS = 200
 #: they may spend (so they matter on small instances and cost little on large ones).
 KICKS = 400
 KICK_STEPS = 3_000_000
+#: The share of a kick's moves that are translated (:func:`.refine.perturb`: one move made
+#: for every microbatch of an op and stage; a single move where that cannot be). Not in
+#: the search with pairs, whose kicks move units.
+KICK_TRANSLATE = 1.0
+#: The plain search's kicks stop after this many kicks in a row found nothing cheaper (on
+#: 54 small V instances and 24 with one stage per device, the longest such run before a
+#: gain was 70 kicks). A kick that cannot be made (no legal move found) stops them too.
+KICK_STALL = 100
 #: Simulated actions for the plateau walk on the winner (and for its polish after).
 PLATEAU_STEPS = 3_000_000
 #: The search with pairs (``pairs=True``) is a second search of a placement beside the
@@ -258,7 +266,7 @@ def search_beating(
     """
     kind = PairEvaluator if pairs else Evaluator
     ev = evaluator or kind(ActionGraph(placement, num_microbatches), costs)
-    polish_fn, kick_fn = (refine_pairs, perturb_pairs) if pairs else (refine, perturb)
+    polish_fn = refine_pairs if pairs else refine
     graph = ev.graph
     limit = mem_limit + 1e-10 * max(1.0, abs(mem_limit))
     budget = PAIR_STEPS if pairs else REFINE_STEPS
@@ -266,16 +274,27 @@ def search_beating(
     # Candidates by cost; without polishing only the best matters, so passes prune.
     found: dict[tuple[tuple[int, ...], ...], float] = {}
     best = beat
+    converted = (encode(graph, seed) if pairs else graph.orders_of(seed.actions) for seed in seeds)
+    candidates: Iterable[tuple[tuple[int, ...], ...]] = chain(converted, seed_orders)
+    # Unpolished (and without a deadline), the seeds run first: the passes are the costlier
+    # part, and the seeds' best cost (a little above it: the pass's own bound, which must
+    # let through any pass at or below it) cuts them early; see _cheapest_seed for why the
+    # winner is the very one of passes first.
+    seeded = None if polish or deadline is not None else _cheapest_seed(ev, candidates, limit, beat)
+    cap = math.inf if seeded is None else seeded[1] * (1 + 1e-6)
     for policy in grid:
         if found and expired(deadline):
             break
-        cutoff = math.inf if polish else best
+        cutoff = math.inf if polish else min(best, cap)
         cand = run_pass(placement, num_microbatches, costs, mem_limit, policy, cutoff)
         if cand is not None:
             found.setdefault(cand.orders, cand.cost)
             best = min(best, cand.cost)
-    converted = [encode(graph, seed) if pairs else graph.orders_of(seed.actions) for seed in seeds]
-    for orders in chain(converted, seed_orders):
+    if seeded is not None:
+        candidates = ()
+        if not found or seeded[1] < min(found.values()):
+            found[seeded[0]] = seeded[1]
+    for orders in candidates:
         if found and expired(deadline):
             break
         if orders in found or not all(ev.fits(o, limit) for o in orders):
@@ -300,7 +319,13 @@ def search_beating(
     # No order runs faster than its busiest device's work back to back: a winner at that
     # floor is optimal, and as steps 3 to 5 keep only strictly cheaper orders they would
     # return this very winner after spending their whole budget, so each stops there.
-    floor = ev.floor() if isinstance(ev, PairEvaluator) else work_floor(ev)
+    # (Only the polishing steps use it: not computed for an instance too large to polish.)
+    if not polish:
+        floor = -math.inf
+    elif isinstance(ev, PairEvaluator):
+        floor = ev.floor()
+    else:
+        floor = work_floor(ev)
     for orders, _ in ranked if polish else ():  # cheapest first; each may use what is left
         if budget <= 0 or expired(deadline) or at_floor(cost, floor):
             break
@@ -310,16 +335,26 @@ def search_beating(
         budget -= spent
         if c < cost:
             winner, cost = polished, c
-    # Iterated local search: kick the best orders out of their local optimum with a
-    # few random moves (seeded: the result stays a pure function) and polish again.
+    # Iterated local search: kick the current orders out of their local optimum with a
+    # few random moves (seeded: the result stays a pure function) and polish again. The
+    # plain search's kicks are translated moves (each moves every microbatch of one op and
+    # stage at once, see refine.perturb) and it goes on from any polished kick that costs
+    # no more than the current orders, so it walks plateaus of equal cost; the best orders
+    # are kept. (The search with pairs kicks the best orders, and keeps only cheaper ones.)
     rng = random.Random(0)
     kicks = 0
     budget = min(budget, PAIR_STEPS if pairs else KICK_STEPS)
+    current, current_cost = winner, cost
+    last_gain = 0  # the kick that last found cheaper orders (0: none yet)
     while polish and budget > 0 and kicks < KICKS and not expired(deadline):
-        if at_floor(cost, floor):
+        if at_floor(cost, floor) or (not pairs and kicks - last_gain >= KICK_STALL):
             break
         kicks += 1
-        start = kick_fn(graph, costs, mem_limit, winner, rng, moves=1 + kicks % 4)
+        moves = 1 + kicks % 4
+        if pairs:
+            start = perturb_pairs(graph, costs, mem_limit, winner, rng, moves=moves)
+        else:
+            start = perturb(graph, costs, mem_limit, current, rng, moves, KICK_TRANSLATE)
         if start is None:
             break
         polished, c, spent = polish_fn(
@@ -327,16 +362,52 @@ def search_beating(
         )
         budget -= spent
         if c < cost - 1e-12:
-            winner, cost = polished, c
+            winner, cost, last_gain = polished, c, kicks
+        if not pairs and c <= current_cost + 1e-12 * max(1.0, abs(current_cost)):
+            current, current_cost = polished, c
     if polish and walk and not expired(deadline) and not at_floor(cost, floor):
         winner, cost = _walk(graph, costs, mem_limit, winner, cost, deadline, pairs=pairs)
     return decode(name, graph, winner) if pairs else _schedule(name, graph, winner)
 
 
+def _cheapest_seed(
+    ev: Evaluator,
+    candidates: Iterable[tuple[tuple[int, ...], ...]],
+    limit: float,
+    beat: float,
+) -> tuple[tuple[tuple[int, ...], ...], float] | None:
+    """The first of the cheapest seeds within ``limit`` that costs at most ``beat``, with
+    its cost (None: none does), each seed simulated only while it can still win.
+
+    :func:`search_beating` unpolished runs the grid's passes first and then each seed that
+    beats every order so far, and returns the first of the cheapest: the last order kept.
+    Each pass runs with the best cost so far as its cutoff and finishes only below it
+    (its cutoff check is the device's span so far plus its work left, a lower bound on the
+    span, which it reaches at the end), so kept passes cost less and less. A seed is kept
+    if it costs less than every pass kept and every seed kept before it, so the winner is
+    this function's seed if it costs less than the cheapest pass, else that pass. Running
+    the passes after the seeds with the cutoff also capped at a little above this seed's
+    cost S (a relative 1e-6, far above rounding) keeps that outcome: a pass at or below S
+    meets only cutoffs it met before (a kept pass between S and the cap has a cost above
+    S, and one cut by the cap costs more than S too), so it is kept exactly when it was,
+    and one above S cannot win either way.
+    """
+    kept: tuple[tuple[tuple[int, ...], ...], float] | None = None
+    for orders in candidates:
+        if not all(ev.fits(o, limit) for o in orders):
+            continue
+        bar = beat * (1 + 1e-9) if kept is None else kept[1]
+        cost = ev.cost_within(orders, bar)
+        if cost is not None and (cost <= bar if kept is None else cost < bar):
+            kept = orders, cost
+    return kept
+
+
 def work_floor(ev: Evaluator) -> float:
     """A lower bound on any order's cost: the busiest device's actions back to back (a
     device runs one action at a time, and its span covers every action it runs)."""
-    return max((sum(ev.dur[a] for a in held) for held in ev.graph.by_device), default=0.0)
+    dur = ev.dur
+    return max((sum(map(dur.__getitem__, held)) for held in ev.graph.by_device), default=0.0)
 
 
 def at_floor(cost: float, floor: float) -> bool:

@@ -202,9 +202,12 @@ class ActionGraph:
 
     @cached_property
     def by_device(self) -> tuple[tuple[int, ...], ...]:
+        """Each device's actions in index order (by arithmetic: index ``(k * S + s) * M + j``,
+        so each (op, stage) is a run of M indices)."""
+        S, M = self.num_stages, self.num_microbatches
         held: list[list[int]] = [[] for _ in range(self.num_devices)]
-        for i in range(len(self)):
-            held[self.device(i)].append(i)
+        for key in range(len(OPS) * S):
+            held[self.placement[key % S]].extend(range(key * M, key * M + M))
         return tuple(tuple(h) for h in held)
 
 

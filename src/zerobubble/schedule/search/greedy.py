@@ -211,6 +211,10 @@ class _Builder:
         # and so how far each (k, s) may go: its local producer's count, else M.
         self.local = [None if (p := LOCAL_PRODUCER[op]) is None else OPS.index(p) for op in OPS]
         self.upto = [[m] * S if p is None else self.n[p] for p in self.local]
+        # Per (k, s): (j, a lower bound on when action j of (k, s) can start) from an earlier
+        # ``_bound``; still a lower bound while j is unscheduled (see ``_none_before``).
+        self.seen = [[(-1, 0.0)] * S for _ in OPS]
+        self.reuse_bounds = True
         self.free = [0.0] * P
         self.first = [-1.0] * P
         self.mem = [0.0] * P
@@ -219,10 +223,12 @@ class _Builder:
         self.pending_w: list[deque[int]] = [deque() for _ in range(P)]
         self.out: list[list[int]] = [[] for _ in range(P)]
         self.left = [len(OPS) * m * len(h) for h in self.stages]
-        # With rounds: the fixed F and B stage sequence of each device, and where it stands.
+        # With rounds: the fixed F and B stage sequence of each device, and where it stands
+        # (built only for passes in rounds: no other reads them).
         group = policy.rounds or P
-        self.seq_f = [self._rounds(held, m, group) for held in self.stages]
-        self.seq_b = [self._rounds(held[::-1], m, group) for held in self.stages]
+        rounds = policy.rounds > 0
+        self.seq_f = [self._rounds(held, m, group) if rounds else [] for held in self.stages]
+        self.seq_b = [self._rounds(held[::-1], m, group) if rounds else [] for held in self.stages]
         self.pos_f = [0] * P
         self.pos_b = [0] * P
         self.heap: list[tuple[float, int]] = [(0.0, d) for d in range(P)]
@@ -230,12 +236,12 @@ class _Builder:
 
     @staticmethod
     def _rounds(held: list[int], m: int, group: int) -> list[int]:
-        """Stages in interleaved order: ``group`` microbatches of each stage in turn."""
-        out: list[int] = []
-        for g in range(0, m, group):
-            for s in held:
-                out.extend([s] * (min(m, g + group) - g))
-        return out
+        """Stages in interleaved order: ``group`` microbatches of each stage in turn (whole
+        rounds repeat one pattern; the last, shorter one has what is left)."""
+        whole, rest = divmod(m, group)
+        return [s for s in held for _ in range(group)] * whole + [
+            s for s in held for _ in range(rest)
+        ]
 
     # ---- arrivals ------------------------------------------------------------------------
 
@@ -339,75 +345,141 @@ class _Builder:
         later = pol.later_first
         free = self.free[d]
         nf, nb = self.nf, self.nb
-        ready, bound = self._ready, self._bound
         upto_f, upto_b = self.upto[_F], self.upto[_B]
         held = self.rev_stages[d]
         held_b: Sequence[int] = held
         held_f: Sequence[int] = held
+        whole = True  # both loops below see every stage held here
         if pol.rounds and len(held) > 1:
+            whole = False
             if self.pos_b[d] < len(self.seq_b[d]):
                 held_b = (self.seq_b[d][self.pos_b[d]],)
             if self.pos_f[d] < len(self.seq_f[d]):
                 held_f = (self.seq_f[d][self.pos_f[d]],)
-        # The next B and F of each stage held here: ready now, or when they will arrive.
+        # The next B and F of each stage held here: ready now, or when they will arrive
+        # (``_ready``, written out: this is the pass's hottest loop). An arrival not
+        # scheduled yet is bounded below (``_bound``, a walk up its unscheduled ancestors)
+        # only if a choice needs it: ``unknown_b`` / ``unknown_f`` hold those stages,
+        # ``next_b`` / ``next_f`` the earliest of the known arrivals (``soon_f``: of every F,
+        # admitted by memory or not).
         best_b, b_at, next_b = -1, _INF, _INF
+        unknown_b: list[int] = []
+        need = self.need[_B]
         for s in held_b:
-            if nb[s] < upto_b[s]:
-                r = ready(_B, s)
+            j = nb[s]
+            if j < upto_b[s]:
+                r = 0.0
+                for _, n, u, end, lat in need[s]:
+                    if n[u] <= j:
+                        r = _INF
+                        break
+                    x = end[j] + lat
+                    if x > r:
+                        r = x
                 if r <= now:
                     if r < b_at and not (later and best_b >= 0):
                         best_b, b_at = s, r
-                else:
-                    if r == _INF:
-                        r = bound(_B, s)
-                    if r < next_b:
-                        next_b = r
-        best_f, f_at, next_f = -1, _INF, _INF
+                elif r == _INF:
+                    unknown_b.append(s)
+                elif r < next_b:
+                    next_b = r
+        best_f, f_at, next_f, soon_f = -1, _INF, _INF, _INF
+        unknown_f: list[int] = []
         blocked = False
         room = self.limit - self.mem[d]
+        mem_f, reserve, cap = self.mem_f, self.reserve, self.cap
+        need = self.need[_F]
         for s in held_f:
-            if nf[s] < upto_f[s]:
-                fits = self.mem_f[s] + self.reserve[s] <= room and nf[s] - nb[s] < self.cap[s]
-                r = ready(_F, s)
+            j = nf[s]
+            if j < upto_f[s]:
+                fits = mem_f[s] + reserve[s] <= room and j - nb[s] < cap[s]
+                r = 0.0
+                for _, n, u, end, lat in need[s]:
+                    if n[u] <= j:
+                        r = _INF
+                        break
+                    x = end[j] + lat
+                    if x > r:
+                        r = x
                 if r <= now:
                     if not fits:
                         blocked = True
                     elif r < f_at and not (later and best_f >= 0):
                         best_f, f_at = s, r
-                elif fits:
-                    if r == _INF:
-                        r = bound(_F, s)
-                    if r < next_f:
-                        next_f = r
+                else:
+                    if r < soon_f:
+                        soon_f = r
+                    if fits:
+                        if r == _INF:
+                            unknown_f.append(s)
+                        elif r < next_f:
+                            next_f = r
 
         if best_b >= 0 and not (pol.f_first and best_f >= 0):
             self._put(d, _B, best_b, b_at if b_at > free else free)
             return
         if best_f >= 0:
             start = f_at if f_at > free else free
-            if best_b >= 0 or pol.f_overrun or start + self.f[best_f] <= next_b:
+            if (
+                best_b >= 0
+                or pol.f_overrun
+                or self._none_before(start + self.f[best_f], next_b, _B, unknown_b)
+            ):
                 self._put(d, _F, best_f, start)
                 return
         if self.pending_w[d]:
             s = self.pending_w[d][0]
-            r = ready(_W, s)
+            r = self._ready(_W, s)
             start = r if r > free else free
             # The gap lasts until the next B (if a ready F is held back for it) or until
             # the next F or B arrives; with nothing (admissible) to come it stays open.
-            gap_end = next_b if best_f >= 0 else min(next_b, next_f)
-            if r < _INF and (blocked or pol.w_overrun or start + self.w[s] <= gap_end):
+            if r < _INF and (
+                blocked
+                or pol.w_overrun
+                or (
+                    self._none_before(start + self.w[s], next_b, _B, unknown_b)
+                    and (best_f >= 0 or self._none_before(start + self.w[s], next_f, _F, unknown_f))
+                )
+            ):
                 self._put(d, _W, s, start)
                 return
         # Wait for the next known arrival; unknown ones send news when scheduled.
-        soon = _INF
-        for s in held:
-            for k in (_F, _B):
-                if self.n[k][s] < self.upto[k][s]:
-                    r = ready(k, s)
-                    if now < r < soon:
-                        soon = r
+        if whole:
+            soon = soon_f if soon_f < next_b else next_b
+        else:
+            soon = _INF
+            for s in held:
+                for k in (_F, _B):
+                    if self.n[k][s] < self.upto[k][s]:
+                        r = self._ready(k, s)
+                        if now < r < soon:
+                            soon = r
         if soon < _INF:
             self._wake(d, soon)
+
+    def _none_before(self, t: float, known: float, k: int, unknown: list[int]) -> bool:
+        """Whether no next action of ``k`` arrives before ``t``: ``known`` is the earliest
+        scheduled arrival, ``unknown`` the stages whose next one is not scheduled yet
+        (bounded one by one, only until one comes sooner).
+
+        A bound found earlier for the same action is still a lower bound of today's: free
+        times only grow, and every action scheduled since ends no sooner than the bound
+        the walk gave it then (the same operations on larger inputs, so in floating point
+        too). So where the old bound already clears ``t`` the walk is skipped: the answer
+        is the one the walk would give. (Not in the pass with pairs, whose blocks may end
+        before their F alone would: there every query walks.)"""
+        if t > known:
+            return False
+        n, seen, reuse = self.n[k], self.seen[k], self.reuse_bounds
+        for s in unknown:
+            j, low = seen[s]
+            if reuse and j == n[s] and t <= low:
+                continue
+            low = self._bound(k, s)
+            seen[s] = n[s], low
+            if t > low:
+                return False
+        return True
 
     def _put(self, d: int, k: int, s: int, start: float) -> None:
         m, n = self.m, self.n[k]
@@ -426,8 +498,12 @@ class _Builder:
             self.pending_w[d].popleft()
         if k == self.local[_W]:  # W runs from the queue once its own stage's input exists
             self.pending_w[d].append(s)
-        for e in self.tell[k][s]:
-            self._wake(e, self.free[e])
+        free, queued, heap = self.free, self.queued, self.heap
+        for e in self.tell[k][s]:  # _wake(e, free[e]), written out
+            t = free[e]
+            if t not in (q := queued[e]):
+                q.add(t)
+                heapq.heappush(heap, (t, e))
         if self.first[d] < 0:
             self.first[d] = start
         self.out[d].append((k * self.S + s) * m + j)
@@ -472,6 +548,7 @@ class _PairBuilder(_Builder):
         self.rem_a = [sum(x[s] for x in self.a2a for s in h) * m for h in self.stages]
         self.rem = [max(c, x) for c, x in zip(self.rem_c, self.rem_a, strict=True)]
         self.w_next = [False] * self.P  # pair_then_w: the block just run left its W
+        self.reuse_bounds = False  # a block may end before its F alone would
 
     def _put(self, d: int, k: int, s: int, start: float) -> None:
         self.rem_c[d] -= self.comp[k][s]

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -58,6 +59,12 @@ log = logging.getLogger(__name__)
 #: so the same input gives the same schedule and gap on any machine at any load (a
 #: wall-clock limit of 60 s proved 2 of 8 small V instances, depending on the load).
 DEFAULT_NODE_LIMIT = 1000
+#: Seconds HiGHS may spend on the root node (presolve, the root LP, its cuts and
+#: heuristics), which no node limit covers: a solve first runs with a node limit of 1 and
+#: this time limit, and only a root that finished in time goes on to the node limit,
+#: repeated without a time limit (so the result stays a function of the input). HiGHS's
+#: clock is the wall clock.
+DEFAULT_ROOT_TIME_LIMIT = 60.0
 #: Largest instance (F/B/W actions) the exact search accepts.
 MAX_ACTIONS = 600
 
@@ -76,7 +83,8 @@ class OptimalResult:
         proven: True if HiGHS closed the gap to its tolerance.
         nodes: Branch-and-bound nodes HiGHS solved (None when it does not say: it
             found no schedule of its own before a limit).
-        stopped: Why the search ended unproven (``"node limit"``, ``"time limit"``
+        stopped: Why the search ended unproven (``"node limit"``, ``"root time limit"``
+            (the root node did not finish within ``root_time_limit``), ``"time limit"``
             or HiGHS's message); None when proven.
     """
 
@@ -96,10 +104,11 @@ class OptimalResult:
                 f"{self.schedule.name}: cost {self.cost:g}, proven optimal (gap {self.gap:.2g}, "
                 f"the tolerance){nodes}"
             )
+        limit = "node limit" if self.stopped == "node limit" else "time limit"
         return (
             f"{self.schedule.name}: cost {self.cost:g}, not proven optimal: lower bound "
             f"{self.lower_bound:g}, gap {self.gap:.2%} (stopped at the {self.stopped}{nodes}; "
-            "a larger node limit may close it)"
+            f"a larger {limit} may close it)"
         )
 
 
@@ -170,6 +179,7 @@ def solve_optimal(
     *,
     node_limit: int = DEFAULT_NODE_LIMIT,
     time_limit: float | None = None,
+    root_time_limit: float | None = DEFAULT_ROOT_TIME_LIMIT,
     rel_gap: float = 1e-6,
     name: str = "optimal",
 ) -> OptimalResult:
@@ -185,6 +195,14 @@ def solve_optimal(
             gap it proved. A work limit: the result is the same on every run.
         time_limit: Seconds HiGHS may spend, on top of the node limit (None: none).
             Reaching it makes the result depend on the machine's speed and load.
+        root_time_limit: Seconds HiGHS may spend on the root node, which the node limit
+            does not bound (None: unbounded). The solve first stops after the root (a node
+            limit of 1) within this time; a root that finished is solved again with
+            ``node_limit`` and no time limit, so wherever the root finishes in time the
+            result is the same on every run (it costs the root twice when the node limit
+            is more than 1 and the root proves nothing). A root that did not finish
+            returns the incumbent with the best bound known (HiGHS's, else the LP
+            relaxation's within the same time, else the busiest device's work).
         rel_gap: Relative optimality tolerance.
         name: Name of the returned schedule.
     """
@@ -205,17 +223,23 @@ def solve_optimal(
     inc_cost = float(simulate(incumbent, costs).cost)
     if not isinstance(node_limit, int) or isinstance(node_limit, bool) or node_limit < 1:
         raise ValueError(f"node_limit must be an integer >= 1, got {node_limit!r}")
+    for what, x in (("time_limit", time_limit), ("root_time_limit", root_time_limit)):
+        if x is not None and not (isinstance(x, (int, float)) and x > 0 and not math.isnan(x)):
+            raise ValueError(f"{what} must be a number of seconds > 0 (or None), got {x!r}")
     model = _build(graph, costs, dur, mem_limit, inc_cost)
-    options: dict[str, object] = {"node_limit": node_limit, "mip_rel_gap": rel_gap}
-    if time_limit is not None:
-        options["time_limit"] = time_limit
-    res = milp(
-        model.objective,
-        constraints=model.rows.constraint(model.ncols),
-        integrality=model.integrality,
-        bounds=Bounds(model.lo, model.hi),
-        options={**options, "disp": False},
+    root_limit = min(
+        math.inf if time_limit is None else time_limit,
+        math.inf if root_time_limit is None else root_time_limit,
     )
+    # The root first, within its time (a node limit of 1: HiGHS stops after the root).
+    res = _solve(model, 1, root_limit, rel_gap)
+    stopped_early = None  # "root time limit" / "time limit" when the clock stopped it
+    if _timed_out(res):
+        stopped_early = "time limit" if root_limit == time_limit else "root time limit"
+    elif res.status not in (0, 2) and node_limit > 1:  # the root finished and proved nothing
+        res = _solve(model, node_limit, time_limit, rel_gap)
+        if _timed_out(res):
+            stopped_early = "time limit"
     best, best_cost = incumbent, inc_cost
     if res.x is not None:
         cand = _extract(graph, dur, res.x, incumbent)
@@ -226,16 +250,19 @@ def solve_optimal(
         bound = float(res.fun) * (1 - rel_gap)
     elif res.status == 2:  # nothing beats the cut: the incumbent is optimal
         bound = best_cost
-    elif res.get("mip_dual_bound") is not None:
+    elif res.get("mip_dual_bound") is not None and math.isfinite(res.mip_dual_bound):
         bound = float(res.mip_dual_bound)
     else:  # stopped before HiGHS found a schedule of its own: it reports no bound
-        bound = _relaxation_bound(model)
+        # The LP relaxation's, or the busiest device's work (a span covers the device's
+        # work), which needs no solver: a root stopped in presolve has no LP either.
+        bound = max(_relaxation_bound(model, root_limit), _work_bound(graph, dur))
     bound = min(bound, best_cost)
     gap = (best_cost - bound) / best_cost if best_cost > 0 else 0.0
-    proven = res.status in (0, 2)
-    stopped = None if proven else _why_stopped(str(res.message))
+    # Stopped early with a bound that meets the schedule's cost, it is proven all the same.
+    proven = res.status in (0, 2) or gap <= rel_gap
+    stopped = None if proven else stopped_early or _why_stopped(str(res.message))
     if not proven:
-        log.warning("exact search stopped (%s) with a gap of %.2f%%", res.message, 100 * gap)
+        log.warning("exact search stopped (%s) with a gap of %.2f%%", stopped, 100 * gap)
     nodes = res.get("mip_node_count")
     return OptimalResult(
         best, best_cost, bound, gap, proven, None if nodes is None else int(nodes), stopped
@@ -251,17 +278,44 @@ def _why_stopped(message: str) -> str:
     return message
 
 
-def _relaxation_bound(model: _Model) -> float:
+def _solve(model: _Model, node_limit: int, time_limit: float | None, rel_gap: float) -> Any:
+    """HiGHS on ``model`` (scipy's ``milp``) with a node limit and, if finite, a time limit."""
+    options: dict[str, object] = {"node_limit": node_limit, "mip_rel_gap": rel_gap, "disp": False}
+    if time_limit is not None and math.isfinite(time_limit):
+        options["time_limit"] = time_limit
+    return milp(
+        model.objective,
+        constraints=model.rows.constraint(model.ncols),
+        integrality=model.integrality,
+        bounds=Bounds(model.lo, model.hi),
+        options=options,
+    )
+
+
+def _timed_out(res: Any) -> bool:
+    return _why_stopped(str(res.message)) == "time limit"
+
+
+def _relaxation_bound(model: _Model, time_limit: float = math.inf) -> float:
     """The LP relaxation's optimum: a lower bound on every schedule (weaker than the
-    one HiGHS proved, which it does not report when it found no solution itself)."""
+    one HiGHS proved, which it does not report when it found no solution itself); 0 if
+    the LP did not finish within ``time_limit``."""
+    options: dict[str, object] = {"disp": False}
+    if math.isfinite(time_limit):
+        options["time_limit"] = time_limit
     res = milp(
         model.objective,
         constraints=model.rows.constraint(model.ncols),
         integrality=np.zeros(model.ncols),
         bounds=Bounds(model.lo, model.hi),
-        options={"disp": False},
+        options=options,
     )
     return float(res.fun) if res.status == 0 else 0.0
+
+
+def _work_bound(graph: ActionGraph, dur: list[float]) -> float:
+    """The busiest device's work: no schedule's cost (a device's span) is below it."""
+    return max(sum(dur[a] for a in held) for held in graph.by_device)
 
 
 def optimal(
@@ -297,15 +351,18 @@ def optimal_search(
     costs: CostSpec | None = None,
     mem_limit: Number | None = None,
     node_limit: int = DEFAULT_NODE_LIMIT,
+    root_time_limit: float | None = DEFAULT_ROOT_TIME_LIMIT,
 ) -> OptimalResult:
     """The exact optimum of one placement under a memory limit, by MILP, with its proof.
 
     The placement is looped with ``chunks`` per device (one stage per device by
     default), or the V with ``v_shape`` (two chunks). Without ``mem_limit`` the
     limit is 2P microbatches' M_B (ZB-2p's budget). Small instances only
-    (3·S·M <= MAX_ACTIONS); HiGHS may solve ``node_limit`` branch-and-bound nodes
-    (a work limit: the same input gives the same result on every run) and the best
-    schedule found is returned (the heuristic's if nothing better) with the gap proven.
+    (3·S·M <= MAX_ACTIONS); HiGHS may spend ``root_time_limit`` seconds on the root
+    node and then solve ``node_limit`` branch-and-bound nodes (a work limit: where the
+    root finishes in time, the same input gives the same result on every run) and the
+    best schedule found is returned (the heuristic's if nothing better) with the gap
+    proven (:func:`solve_optimal`).
     """
     p, m = check_counts(num_devices, num_microbatches)
     if not isinstance(chunks, int) or chunks < 1:
@@ -319,7 +376,9 @@ def optimal_search(
     grid, seeds, family = search_inputs(p, m, v, looped=not v_shape)
     incumbent = auto_schedule("auto", placement, m, model, limit, grid, seeds, seed_orders=family)
     name = "optimal-v" if v_shape else "optimal"
-    return solve_optimal(incumbent, model, limit, node_limit=node_limit, name=name)
+    return solve_optimal(
+        incumbent, model, limit, node_limit=node_limit, root_time_limit=root_time_limit, name=name
+    )
 
 
 def _check_size(actions: int) -> None:

@@ -294,11 +294,20 @@ def perturb(
     orders: list[list[int]],
     rng: random.Random,
     moves: int,
+    translate: float = 0.0,
 ) -> list[list[int]] | None:
     """``moves`` random legal single-action moves (a kick out of a local optimum).
 
+    With ``translate`` > 0, that share of the moves are *translated*: the same move made
+    for every microbatch of the action's op and stage (each of those actions moved by the
+    same number of places, where it can be; a single move where fewer than two can), the
+    one change to every period of a steady state at once. Two schedules whose steady
+    states differ on every device are many single moves apart, each of which may cost
+    more by itself (P=3, M=6, F=1, B=2, W=1, comm=1, limit 1.5 on the V: 66.5 and the
+    optimum 64.5 differ so); a translated move changes all periods of a device at once.
+
     Returns None when no runnable perturbation was found; the caller's ``rng``
-    makes the sequence deterministic.
+    makes the sequence deterministic (``translate`` = 0 draws what it always drew).
     """
     ev = Evaluator(graph, costs)
     limit = mem_limit + 1e-10 * max(1.0, abs(mem_limit))
@@ -313,14 +322,12 @@ def perturb(
             continue
         i = rng.randrange(len(lst))
         k = min(max(i + rng.choice((-3, -2, -1, 1, 2, 3)), 0), len(lst) - 1)
-        a = lst[i]
-        if k < i and ev.local_pred[a].isdisjoint(lst[k:i]):
-            new = [*lst[:k], a, *lst[k:i], *lst[i + 1 :]]
-        elif k > i and ev.local_succ[a].isdisjoint(lst[i + 1 : k + 1]):
-            new = [*lst[:i], *lst[i + 1 : k + 1], a, *lst[k + 1 :]]
-        else:
-            continue
-        if not ev.fits(new, limit):
+        new = None
+        if translate > 0 and rng.random() < translate:
+            new = _translated(ev, lst, lst[i], k - i)
+        if new is None:  # (also a chain too short to translate: one microbatch)
+            new = _moved(ev, lst, i, k)
+        if new is None or not ev.fits(new, limit):
             continue
         out[d] = new
         if ev.spans(out) is None:
@@ -328,3 +335,34 @@ def perturb(
             continue
         done += 1
     return out if done else None
+
+
+def _moved(ev: Evaluator, lst: list[int], i: int, k: int) -> list[int] | None:
+    """``lst`` with its action at ``i`` moved to ``k``; None where that crosses one of the
+    action's same-device predecessors or successors (or ``k == i``)."""
+    a = lst[i]
+    if k < i and ev.local_pred[a].isdisjoint(lst[k:i]):
+        return [*lst[:k], a, *lst[k:i], *lst[i + 1 :]]
+    if k > i and ev.local_succ[a].isdisjoint(lst[i + 1 : k + 1]):
+        return [*lst[:i], *lst[i + 1 : k + 1], a, *lst[k + 1 :]]
+    return None
+
+
+def _translated(ev: Evaluator, lst: list[int], a: int, step: int) -> list[int] | None:
+    """``lst`` with every action of ``a``'s op and stage (its microbatches: indices
+    ``(k * S + s) * M + j`` for every j) moved ``step`` places, the earliest first when
+    moving up (the latest first when moving down, so none crosses another of the chain);
+    one that cannot move stays. None unless two of them moved."""
+    if step == 0:
+        return None
+    m = ev.graph.num_microbatches
+    base = a - a % m
+    where = {x: pos for pos, x in enumerate(lst) if base <= x < base + m}
+    members = sorted(where, key=where.__getitem__, reverse=step > 0)
+    cur, moved = lst, 0
+    for x in members:
+        i = cur.index(x)
+        k = i + step
+        if 0 <= k < len(cur) and (new := _moved(ev, cur, i, k)) is not None:
+            cur, moved = new, moved + 1
+    return cur if moved > 1 else None
