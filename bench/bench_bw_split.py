@@ -21,7 +21,7 @@ gradient, output gradient given):
 Each is run three ways on identical weights:
 
 * ``fused``: the unmodified layers, one ``torch.autograd.backward`` call.
-* ``ours``: :class:`~zerobubble.runtime.chunk.StageChunk` with split Linear and
+* ``ours``: :class:`~zerobubble.runtime.stage.StageChunk` with split Linear and
   Embedding layers: ``backward_input`` (B), ``backward_weight`` (W), and
   ``backward_full`` (BW) for reference. Timed without memory tracking (as the
   executor runs untraced); the held bytes come from a tracking twin.
@@ -97,7 +97,7 @@ from torch.distributed.pipelining._backward import (
 )
 
 from zerobubble.models import GPTConfig, build_gpt, gpt_loss
-from zerobubble.runtime.chunk import StageChunk, storage_bytes
+from zerobubble.runtime.stage import StageChunk, storage_bytes
 
 # ---- blocks with the layers of Hugging Face GPT-2 and Llama (without importing transformers) --
 

@@ -4,7 +4,7 @@ Run: ``OMP_NUM_THREADS=1 PYTHONPATH=src python bench/bench_compile.py [--repeats
 [--backend inductor]``. Prints one JSON object.
 
 Each workload (the GPT-2-like and Llama-like blocks of ``bench_bw_split``, as
-a middle stage) runs in two :class:`~zerobubble.runtime.chunk.StageChunk` on
+a middle stage) runs in two :class:`~zerobubble.runtime.stage.StageChunk` on
 identical weights: ``eager``, and ``compiled`` with
 :func:`~zerobubble.runtime.compile.compile_between_splits` applied to the
 chunk's module (split layers eager, everything between them compiled). For
@@ -41,8 +41,8 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_bw_split import GPT2Block, LlamaBlock
 
-from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.compile import compile_between_splits
+from zerobubble.runtime.stage import StageChunk
 
 
 def _timed(fn: Callable[[], object]) -> float:

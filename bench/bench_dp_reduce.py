@@ -32,9 +32,9 @@ import torch.distributed as dist
 
 import zerobubble
 from zerobubble.models import build_mlp, mlp_loss
-from zerobubble.runtime.dp import GradReducer
+from zerobubble.parallel.dp import GradReducer
+from zerobubble.parallel.mesh import build_mesh
 from zerobubble.runtime.launcher import init_distributed, launch
-from zerobubble.runtime.mesh import build_mesh
 
 PP, DP, M, LAYERS, LOCAL = 2, 2, 8, 8, 32
 KINDS = ("zb-h1", "zbv")

@@ -34,11 +34,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from zerobubble.executor import ExecutorOptions
 from zerobubble.optim.config import OptimConfig
+from zerobubble.parallel.mesh import build_mesh
 from zerobubble.pipeline import Pipeline
-from zerobubble.runtime.executor import ExecutorOptions
 from zerobubble.runtime.launcher import init_distributed, launch
-from zerobubble.runtime.mesh import build_mesh
 
 PP, DP, M = 2, 2, 4
 

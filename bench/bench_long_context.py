@@ -41,10 +41,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from zerobubble.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.models import GPTConfig, build_gpt
-from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.parallel.partition import build_stage_modules
 from zerobubble.runtime.launcher import init_distributed, launch
-from zerobubble.runtime.partition import build_stage_modules
 from zerobubble.schedule.costs import CostModel
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.segments import (

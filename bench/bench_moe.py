@@ -212,9 +212,9 @@ def _measure_rank(steps: int, warmup: int) -> dict[tuple[str, str], Any]:
     import zerobubble
     from zerobubble.models import GPTConfig, gpt_loss
     from zerobubble.models.moe import build_moe_gpt
-    from zerobubble.runtime import ep
+    from zerobubble.parallel import ep
+    from zerobubble.parallel.mesh import build_mesh
     from zerobubble.runtime.launcher import init_distributed
-    from zerobubble.runtime.mesh import build_mesh
 
     init_distributed()
     mesh = build_mesh(2, 2, ep=2)

@@ -34,14 +34,14 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from zerobubble.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.rollback import Snapshot
 from zerobubble.optim.trainer import PipelineTrainer
-from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.parallel.partition import build_stage_modules
 from zerobubble.runtime.launcher import init_distributed, launch
-from zerobubble.runtime.partition import build_stage_modules
-from zerobubble.runtime.trace import gather_traces
+from zerobubble.runtime.recorder import gather_traces
 from zerobubble.schedule.costs import CostModel
 from zerobubble.schedule.generators import GENERATORS, generate
 from zerobubble.schedule.step_sim import StepCosts, simulate_steps

@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.parallel.partition import build_stage_modules
 from zerobubble.runtime.launcher import init_distributed, launch
-from zerobubble.runtime.partition import build_stage_modules
+from zerobubble.runtime.p2p.wire import FRAME_HEADER, frame_header, pack_frame, unpack_frame
 from zerobubble.runtime.shapes import Layout, flatten, unflatten
-from zerobubble.runtime.wire import FRAME_HEADER, frame_header, pack_frame, unpack_frame
 from zerobubble.schedule.generators import generate
 
 P, M, D, LAYERS = 2, 8, 256, 6

@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from zerobubble.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.models import GPTConfig, build_gpt, gpt_loss
-from zerobubble.runtime.chunk import StageChunk, storage_bytes
-from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.parallel.partition import build_stage_modules
 from zerobubble.runtime.launcher import init_distributed, launch
-from zerobubble.runtime.partition import build_stage_modules
+from zerobubble.runtime.stage import StageChunk, storage_bytes
 from zerobubble.schedule.generators import generate
 
 P, M = 2, 8

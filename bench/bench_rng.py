@@ -5,7 +5,7 @@ Prints one JSON object.
 
 The executor enters ``StageRng.scope`` around every F (derive a seed, save the
 caller's generator states, seed, restore). This times the scope alone and one
-stage's F (:class:`~zerobubble.runtime.chunk.StageChunk`, a 4-layer MLP block of
+stage's F (:class:`~zerobubble.runtime.stage.StageChunk`, a 4-layer MLP block of
 width 256 on 8 x 128 tokens, with dropout), in thread CPU time (medians over
 ``--rounds``), on the CPU; ``scope_share`` is the scope's time over the F's. (The
 difference of two timed F, with and without the scope, is below this machine's
@@ -26,8 +26,8 @@ import time
 import torch
 from torch import nn
 
-from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.rng import StageRng
+from zerobubble.runtime.stage import StageChunk
 
 
 def _median_us(fn, rounds: int) -> float:

@@ -11,7 +11,7 @@ every stage of bench_runtime's model and cut (2 stages for 1f1b/zb-h1/zb-h2, 4
 virtual stages for zbv) it times each op three ways on identical weights:
 
 * ``plain``: the unmodified layers, ``torch.autograd.backward`` (the floor);
-* ``unsplit``: :class:`~zerobubble.runtime.chunk.StageChunk` without the B/W
+* ``unsplit``: :class:`~zerobubble.runtime.stage.StageChunk` without the B/W
   split, F and BW (what our 1f1b runs);
 * ``split``: StageChunk with split layers, F, B and W (what our ZB kinds run).
 
@@ -52,8 +52,8 @@ from bench_runtime import BATCH, OURS, SEQ_LEN, M, P, cut, gpt_config
 from torch import Tensor, nn
 
 from zerobubble.models import GPTConfig, build_gpt, gpt_loss
-from zerobubble.runtime.chunk import StageChunk
-from zerobubble.runtime.partition import stage_bounds
+from zerobubble.parallel.partition import stage_bounds
+from zerobubble.runtime.stage import StageChunk
 from zerobubble.schedule.costs import CostModel
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.ir import Op

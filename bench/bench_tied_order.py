@@ -4,7 +4,7 @@ Run: ``OMP_NUM_THREADS=1 PYTHONPATH=src python bench/bench_tied_order.py [--step
 Prints one JSON object.
 
 A pipeline sums a tied parameter's gradient per holder stage (microbatch order),
-then over the stages in stage order (:mod:`zerobubble.runtime.tied`); plain
+then over the stages in stage order (:mod:`zerobubble.parallel.tied`); plain
 autograd on the whole model adds the embedding's and the head's contributions
 inside every microbatch. Both are computed here on identical weights and
 batches, for each stage count (the tie spans the first and the last stage), and
@@ -22,9 +22,9 @@ import json
 import torch
 
 from zerobubble.models import GPTConfig, build_gpt, gpt_loss
-from zerobubble.runtime.partition import stage_bounds
-from zerobubble.runtime.reference import reference_step
-from zerobubble.runtime.tied import tied_reference_step
+from zerobubble.parallel.partition import stage_bounds
+from zerobubble.parallel.tied import tied_reference_step
+from zerobubble.reference.step import reference_step
 
 
 def main() -> None:

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 from zerobubble.models import GPTConfig, build_gpt, gpt_loss
+from zerobubble.program.instructions import Message, MsgKind
 from zerobubble.runtime.hooks import StepHooks
 from zerobubble.runtime.launcher import init_distributed, launch
-from zerobubble.runtime.wire import FRAME_HEADER
-from zerobubble.schedule.program import Message, MsgKind
+from zerobubble.runtime.p2p.wire import FRAME_HEADER
 
 PP, BATCH, M, STEPS = 2, 8, 4, 2
 CONFIGS = ((1, False), (2, False), (2, True))
@@ -56,8 +56,8 @@ def _local_bytes(p: torch.Tensor) -> int:
 
 
 def _rank(cfg: GPTConfig, seq_len: int, tp: int, sp: bool) -> dict[str, Any]:
+    from zerobubble.parallel.mesh import build_mesh
     from zerobubble.pipeline import Pipeline
-    from zerobubble.runtime.mesh import build_mesh
 
     init_distributed()
     mesh = build_mesh(PP, tp=tp, sequence_parallel=sp)

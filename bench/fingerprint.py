@@ -37,7 +37,7 @@ KINDS_SKIPPED = {"optimal", "optimal-v"}  # MILP: minutes of CPU, covered by the
 PLANS = (
     {},
     {"grad_sync": "reduce"},
-    {"grad_sync": "shard"},
+    {"grad_sync": "fsdp"},
     {"protocol": "speculative"},
 )
 
@@ -47,14 +47,18 @@ def _digest(data: bytes | str) -> str:
     return hashlib.sha256(raw).hexdigest()[:16]
 
 
-def _builder() -> Any:
-    """The module with ``build_programs``/``format_programs``/``ProgramPlan`` (it may move)."""
-    for name in ("zerobubble.program.builder", "zerobubble.schedule.build"):
+def _module(*names: str) -> Any:
+    """The first of ``names`` that imports (a module may have moved; see ``BEFORE``)."""
+    for name in names:
         try:
             return importlib.import_module(name)
         except ModuleNotFoundError:
             continue
-    raise SystemExit("no program builder module found")
+    raise SystemExit(f"none of {names} found")
+
+
+#: Where the builder lived before the program layer had its own package.
+BEFORE = "zerobubble" + ".schedule.build"
 
 
 def schedules() -> dict[str, Any]:
@@ -87,7 +91,8 @@ def schedule_hashes(found: dict[str, Any]) -> dict[str, str]:
 
 
 def program_hashes(found: dict[str, Any]) -> dict[str, str]:
-    build = _builder()
+    build = _module("zerobubble.program.builder", BEFORE)
+    plan = _module("zerobubble.program.plan", BEFORE).ProgramPlan
     hashes = {}
     for name, sched in found.items():
         if isinstance(sched, str):
@@ -95,7 +100,7 @@ def program_hashes(found: dict[str, Any]) -> dict[str, str]:
         for fields in PLANS:
             label = f"{name} {','.join(f'{k}={v}' for k, v in fields.items()) or 'plain'}"
             try:
-                lowered = build.build_programs(sched, build.ProgramPlan(**fields))
+                lowered = build.build_programs(sched, plan(**fields))
                 hashes[label] = _digest(build.format_programs(lowered))
             except ValueError as exc:
                 hashes[label] = _digest(f"refused: {exc}")

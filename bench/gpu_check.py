@@ -7,7 +7,7 @@ Prints one JSON object; exits with status 1 if a split is not bitwise plain auto
 a host-side collective fails.
 
 1. **Exactness.** GPT-2 (Conv1D) and Llama blocks from ``bench_bw_split`` run
-   as a middle stage through :class:`~zerobubble.runtime.chunk.StageChunk`
+   as a middle stage through :class:`~zerobubble.runtime.stage.StageChunk`
    (F, B, W) and through plain autograd, in fp32 and under ``torch.autocast``
    (bf16, and fp16 on CUDA); reports whether the input gradient and every
    parameter gradient are bitwise equal. The same for a first stage that takes
@@ -26,7 +26,7 @@ a host-side collective fails.
    W and memory of each width: makespan, cost (longest device span) and
    bubble rate.
 4. **Host-side collectives.** The optimizer's gradient-norm state is a CPU
-   vector; it is summed through :class:`~zerobubble.runtime.comm.P2P` on a
+   vector; it is summed through :class:`~zerobubble.runtime.p2p.comm.P2P` on a
    one-rank group of the device's default backend (NCCL on CUDA, which takes
    device tensors only) and must come back unchanged, on the CPU.
 """
@@ -52,8 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_bw_split import GPT2Block, LlamaBlock
 
 from zerobubble.models import GPTConfig, build_gpt
-from zerobubble.runtime.chunk import StageChunk
-from zerobubble.runtime.comm import P2P
+from zerobubble.runtime.p2p.comm import P2P
+from zerobubble.runtime.stage import StageChunk
 from zerobubble.schedule.costs import CostSpec
 from zerobubble.schedule.generators import GENERATORS, generate
 from zerobubble.schedule.simulate import simulate

@@ -13,7 +13,7 @@ from typing import Any
 
 from zerobubble.runtime.launcher import launch as _launch
 
-PRELOAD = ["torch", "torch.distributed", "zerobubble.runtime.executor", "zerobubble.optim.trainer"]
+PRELOAD = ["torch", "torch.distributed", "zerobubble.executor", "zerobubble.optim.trainer"]
 
 
 def launch(fn: Any, nprocs: int, *args: Any, **kwargs: Any) -> list[Any]:

@@ -6,10 +6,10 @@ its send ended. Torch-free, so check-trace tests need no processes.
 
 from __future__ import annotations
 
+from zerobubble.program.instructions import Compute, PostRecv, Send, WaitRecv
+from zerobubble.program.lowering import lower
 from zerobubble.schedule.ir import Schedule
-from zerobubble.schedule.lowering import lower
-from zerobubble.schedule.program import Compute, PostRecv, Send, WaitRecv
-from zerobubble.schedule.trace_format import EventOp, TraceEvent
+from zerobubble.trace.format import EventOp, TraceEvent
 
 _OP = {PostRecv: EventOp.POST_RECV, WaitRecv: EventOp.WAIT_RECV, Send: EventOp.SEND}
 

@@ -17,8 +17,8 @@ from zerobubble.cli import main
 from zerobubble.schedule.costs import CostModel, load_costs_file
 from zerobubble.schedule.formats import json_format, load_schedule, torch_csv
 from zerobubble.schedule.generators import generate
-from zerobubble.schedule.trace_format import read_jsonl
 from zerobubble.schedule.validate import validate
+from zerobubble.trace.format import read_jsonl
 from zerobubble.train.options import load_toml
 
 SCHEDULE = json.loads(json_format.dumps(generate("zb-h1", 2, 4)))
@@ -431,7 +431,7 @@ def test_sizes_from_outside_exit_2_naming_the_field_and_the_limit_in_bounded_mem
     import sys
 
     from synthetic_trace import synthetic_trace
-    from zerobubble.schedule.trace_format import write_jsonl
+    from zerobubble.trace.format import write_jsonl
 
     files = {}
     for name, sched in (

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from zerobubble.profile.bubbles import CATEGORIES, analyze_iteration
-from zerobubble.schedule.clocks import clock_offsets, pair_bounds
 from zerobubble.schedule.ir import Action, Op
-from zerobubble.schedule.trace_format import TraceEvent
+from zerobubble.trace.clocks import clock_offsets, pair_bounds
+from zerobubble.trace.format import TraceEvent
 
 
 def ev(rank, op, stage, mb, start, end, mem0=0, mem1=0, msg=None, peer=None) -> TraceEvent:

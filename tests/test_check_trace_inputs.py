@@ -13,10 +13,10 @@ import pytest
 
 from synthetic_trace import synthetic_trace
 from zerobubble.cli import main
+from zerobubble.program.instructions import MsgKind
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.ir import Op
-from zerobubble.schedule.program import MsgKind
-from zerobubble.schedule.trace_format import EventOp, TraceEvent, read_jsonl, write_jsonl
+from zerobubble.trace.format import EventOp, TraceEvent, read_jsonl, write_jsonl
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

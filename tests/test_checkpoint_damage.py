@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ranks import launch
+from zerobubble.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.optim.checkpoint import (
     CheckpointError,
@@ -30,9 +31,8 @@ from zerobubble.optim.checkpoint import (
 )
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.trainer import PipelineTrainer
-from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.parallel.partition import build_stage_modules
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.partition import build_stage_modules
 from zerobubble.schedule.generators import generate
 
 pytestmark = pytest.mark.slow

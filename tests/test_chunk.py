@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from zerobubble.models import GPTConfig, build_gpt, build_mlp, gpt_loss, mlp_loss
-from zerobubble.runtime.chunk import StageChunk, StageChunkError, storage_bytes
+from zerobubble.reference.step import reference_step
 from zerobubble.runtime.microbatch import loss_scales, split_batch
-from zerobubble.runtime.reference import reference_step
 from zerobubble.runtime.split import WeightGradStore
+from zerobubble.runtime.stage import StageChunk, StageChunkError, storage_bytes
 from zerobubble.schedule.deps import backward_ops, dependencies
 from zerobubble.schedule.generators import gpipe, one_f_one_b, zb_h1, zbv
 from zerobubble.schedule.ir import Action, Op, Schedule

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from generated import generated
 from synthetic_trace import synthetic_trace
 from zerobubble.profile.bubbles import analyze_iteration
-from zerobubble.schedule.clocks import clock_offsets
+from zerobubble.program.instructions import Compute, MsgKind, Send, WaitRecv
+from zerobubble.program.lowering import lower
 from zerobubble.schedule.deps import (
     LOCAL_PRODUCER,
     PRODUCERS,
@@ -30,13 +31,12 @@ from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.generators import GENERATORS
 from zerobubble.schedule.graph import CODE, _deps_by_dict, action_code, build_graph
 from zerobubble.schedule.ir import Action, Op, Schedule
-from zerobubble.schedule.lowering import lower
 from zerobubble.schedule.passes import fuse_local_backward
-from zerobubble.schedule.program import Compute, MsgKind, Send, WaitRecv
 from zerobubble.schedule.search.graph import OPS, ActionGraph
-from zerobubble.schedule.trace_check import check_trace
-from zerobubble.schedule.trace_format import EventOp
 from zerobubble.schedule.validate import validate
+from zerobubble.trace.check import check_trace
+from zerobubble.trace.clocks import clock_offsets
+from zerobubble.trace.format import EventOp
 
 KINDS = sorted(k for k in GENERATORS if k != "optimal")  # the MILP is too slow for a fuzz
 

@@ -22,21 +22,21 @@ import torch
 import zerobubble
 from ranks import launch
 from zerobubble.models import build_mlp, mlp_loss
+from zerobubble.parallel.mesh import build_mesh, pipeline_ranks
 from zerobubble.profile.bubbles import analyze_iteration
+from zerobubble.program.check import validate_lowered
+from zerobubble.program.instructions import Compute, ReduceGrads, WaitReduce
+from zerobubble.program.lowering import lower
+from zerobubble.program.passes.grad_sync import insert_grad_reduce
+from zerobubble.reference.step import dp_reference_step
 from zerobubble.runtime.launcher import LaunchError, init_distributed
-from zerobubble.runtime.mesh import build_mesh, pipeline_ranks
-from zerobubble.runtime.reference import dp_reference_step
 from zerobubble.schedule.costs import CostModel
-from zerobubble.schedule.dp import insert_grad_reduce
 from zerobubble.schedule.errors import ScheduleError
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.ir import Op
-from zerobubble.schedule.lowering import lower
 from zerobubble.schedule.passes import fuse_local_backward
-from zerobubble.schedule.program import Compute, ReduceGrads, WaitReduce
-from zerobubble.schedule.program_check import validate_lowered
 from zerobubble.schedule.simulate import simulate
-from zerobubble.schedule.trace_check import check_trace
+from zerobubble.trace.check import check_trace
 
 KINDS = ("1f1b", "zb-h1", "zbv", "zb-auto")
 SIZES = (5, 7, 7, 7, 7, 7, 7, 7, 3)  # 8 layers: 4 stages of zbv at P=2

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ranks import launch
+from zerobubble.executor import ExecutorOptions
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.optim.checkpoint import (
     CheckpointError,
@@ -27,10 +28,9 @@ from zerobubble.optim.checkpoint import (
     verify_checkpoint,
 )
 from zerobubble.optim.config import OptimConfig
+from zerobubble.parallel.mesh import build_mesh
 from zerobubble.pipeline import Pipeline
-from zerobubble.runtime.executor import ExecutorOptions
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.mesh import build_mesh
 
 PP, DP, M = 2, 2, 4
 SIZES = [5, 7, 6, 5, 3]

@@ -27,11 +27,11 @@ from zerobubble.models.moe import (
     run_experts,
 )
 from zerobubble.optim.checkpoint import load_checkpoint, save_checkpoint
-from zerobubble.runtime.ep import ExpertGroup, is_expert
-from zerobubble.runtime.ep_reference import ep_reference_step
+from zerobubble.parallel.ep import ExpertGroup, is_expert
+from zerobubble.parallel.mesh import ParallelSpec, build_mesh
+from zerobubble.reference.ep import ep_reference_step
 from zerobubble.runtime.hooks import StepHooks
 from zerobubble.runtime.launcher import LaunchError, init_distributed
-from zerobubble.runtime.mesh import ParallelSpec, build_mesh
 from zerobubble.runtime.split import split_share
 from zerobubble.schedule.ir import Action, Op
 
@@ -328,7 +328,7 @@ def test_pp2_ep2_matches_the_single_process_reference_bitwise():
                 held[n] = held.get(n, 0) + 1
                 grad = torch.from_numpy(array)
                 if key == "wide" and ".experts." not in n:
-                    # 4 replicas: gloo's ring adds in its own order (runtime/dp.py); every
+                    # 4 replicas: gloo's ring adds in its own order (parallel/dp.py); every
                     # replica gets the same sum, within (dp - 1) eps sum|g_r| of rank order
                     assert torch.equal(grad, torch.from_numpy(results[0][key]["grads"][n]))
                     assert torch.allclose(grad, want[n], rtol=0, atol=1e-7), (key, g, n)

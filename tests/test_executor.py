@@ -19,21 +19,21 @@ from torch import nn
 
 from generated import RUNTIME_KINDS, generated
 from ranks import launch
+from zerobubble.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.interop.torch_pipelining import torch_rows
 from zerobubble.models import GPTConfig, build_gpt, build_mlp, gpt_loss, mlp_loss
-from zerobubble.runtime.chunk import StageChunk
-from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.parallel.partition import build_stage_modules, stage_bounds
+from zerobubble.reference.step import reference_step
 from zerobubble.runtime.launcher import LaunchError, init_distributed
-from zerobubble.runtime.partition import build_stage_modules, stage_bounds
-from zerobubble.runtime.reference import reference_step
-from zerobubble.runtime.trace import gather_traces
+from zerobubble.runtime.recorder import gather_traces
+from zerobubble.runtime.stage import StageChunk
 from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.formats import torch_csv
 from zerobubble.schedule.generators import GENERATORS, generate
 from zerobubble.schedule.ir import Op, Schedule
 from zerobubble.schedule.passes import fuse_local_backward
-from zerobubble.schedule.trace_format import TRACKS, chrome_trace, read_jsonl, write_jsonl
 from zerobubble.schedule.validate import validate
+from zerobubble.trace.format import TRACKS, chrome_trace, read_jsonl, write_jsonl
 
 pytestmark = pytest.mark.slow
 

@@ -26,13 +26,13 @@ import pytest
 import torch
 
 from ranks import launch
+from zerobubble.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.faults import FaultPlan, RankFault
 from zerobubble.optim.trainer import PipelineTrainer
-from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.parallel.partition import build_stage_modules
 from zerobubble.runtime.launcher import LaunchError, init_distributed
-from zerobubble.runtime.partition import build_stage_modules
 from zerobubble.schedule.generators import generate
 
 pytestmark = pytest.mark.slow
@@ -128,7 +128,7 @@ def test_a_killed_or_stalled_rank_is_reported_and_every_survivor_names_it(tmp_pa
         text = by_rank[r].error
         assert by_rank[r].exitcode == 1, text  # failed on its own, not killed
         last = text.strip().splitlines()[-1]
-        assert last.startswith(f"zerobubble.runtime.comm.PeerError: rank {r}: "), text
+        assert last.startswith(f"zerobubble.runtime.p2p.comm.PeerError: rank {r}: "), text
         assert f"iteration {ITERATION}" in last, text
         if phase == "optimizer_step":  # the step's all-reduce: the group stands for the peer
             assert re.search(r"all-reduce .* in the collective over ranks \[[\d, ]+\] failed", last)

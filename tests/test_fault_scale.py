@@ -39,16 +39,16 @@ from test_tp import layers as tp_layers
 from test_tp import loss_fn as tp_loss
 from test_tp import mlp_plan
 from zerobubble import Pipeline
+from zerobubble.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.models.moe import MoE, build_moe_mlp
 from zerobubble.optim.checkpoint import save_checkpoint
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.faults import Crash, FaultPlan, RankFault, Stall
 from zerobubble.optim.trainer import PipelineTrainer
-from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.parallel.mesh import ParallelSpec, build_mesh
+from zerobubble.parallel.partition import build_stage_modules
 from zerobubble.runtime.launcher import LaunchError, init_distributed
-from zerobubble.runtime.mesh import ParallelSpec, build_mesh
-from zerobubble.runtime.partition import build_stage_modules
 from zerobubble.schedule.generators import generate
 
 pytestmark = pytest.mark.slow
@@ -323,7 +323,7 @@ def test_a_killed_or_stalled_rank_in_a_collective_is_named_first_and_by_its_peer
         text = by_rank[r].error
         assert by_rank[r].exitcode == 1, text  # failed on its own, not killed
         last = text.strip().splitlines()[-1]
-        assert last.startswith(f"zerobubble.runtime.comm.PeerError: rank {r}"), text
+        assert last.startswith(f"zerobubble.runtime.p2p.comm.PeerError: rank {r}"), text
     text = by_rank[row.named_by].error.strip().splitlines()[-1]
     assert re.search(row.what, text), text
     if row.role == "segments":  # the pipeline's own messages name their peer

@@ -24,20 +24,20 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ranks import launch
+from zerobubble.executor import ExecutorOptions
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.norms import per_tensor_norms
+from zerobubble.parallel.mesh import PipelineMesh, build_mesh
 from zerobubble.pipeline import Pipeline
-from zerobubble.runtime.executor import ExecutorOptions
+from zerobubble.program.instructions import Compute, ShardAction, ShardOp
+from zerobubble.program.lowering import lower
+from zerobubble.program.passes.sharding import insert_sharding
+from zerobubble.reference.step import reference_step
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.mesh import PipelineMesh, build_mesh
-from zerobubble.runtime.reference import reference_step
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.ir import Op
-from zerobubble.schedule.lowering import lower
 from zerobubble.schedule.passes import fuse_local_backward
-from zerobubble.schedule.program import Compute, ShardAction, ShardOp
-from zerobubble.schedule.sharding import insert_sharding
 
 PP, DP, M, STEPS = 2, 2, 4, 3
 SIZES = [5, 7, 6, 5, 3]  # odd dim-0 sizes: FSDP pads the last shard

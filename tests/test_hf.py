@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 
 from zerobubble.interop import hf  # noqa: E402
-from zerobubble.runtime.partition import (  # noqa: E402
+from zerobubble.parallel.partition import (  # noqa: E402
     build_stage_modules,
     layer_keys,
     model_name,
@@ -356,7 +356,7 @@ def test_reference_step_takes_a_padded_mapping_and_names_as_the_pipeline(tmp_pat
     import torch.distributed as dist
 
     from zerobubble.pipeline import Pipeline
-    from zerobubble.runtime.reference import reference_step
+    from zerobubble.reference.step import reference_step
 
     model = hf.tiny_model("hf-llama", seed=5)
     ids, mask, labels = padded_batch(4, 7)

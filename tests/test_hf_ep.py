@@ -43,11 +43,11 @@ from zerobubble.interop.hf_experts import (
 )
 from zerobubble.models import mlp_loss
 from zerobubble.models.moe import build_moe_mlp
-from zerobubble.runtime.ep import ExpertGroup, expert_run, is_expert
-from zerobubble.runtime.ep_reference import ep_reference_step, threaded_ep_reference_step
-from zerobubble.runtime.experts import shard_all_experts
+from zerobubble.parallel.ep import ExpertGroup, expert_run, is_expert
+from zerobubble.parallel.experts import shard_all_experts
+from zerobubble.parallel.mesh import build_mesh
+from zerobubble.reference.ep import ep_reference_step, threaded_ep_reference_step
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.mesh import build_mesh
 from zerobubble.schedule.costs import CostSpec
 
 M, LOCAL, LENGTH = 2, 4, 6

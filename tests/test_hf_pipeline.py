@@ -8,7 +8,7 @@ microbatch by microbatch, with dropout seeded as the pipeline seeds it: the stag
 stage resets the generator). A tied parameter (GPT-2's ``wte``/``lm_head``) gets
 the documented tied order: the reference unties it during the step and adds the
 head's gradient to the embedding's afterwards (stage order, as
-:func:`~zerobubble.runtime.tied.tied_reference_step`). Then clipping and AdamW on
+:func:`~zerobubble.parallel.tied.tied_reference_step`). Then clipping and AdamW on
 both sides.
 
 Checked for GPT-2 (tied, dropout 0.1, padding; ``sdpa`` and ``eager``) and Llama
@@ -38,8 +38,8 @@ import zerobubble  # noqa: E402
 from generated import RUNTIME_KINDS, SLOW_SOLVES, generated  # noqa: E402
 from ranks import launch  # noqa: E402
 from zerobubble.interop import hf  # noqa: E402
+from zerobubble.parallel.partition import build_stage_modules, stage_bounds  # noqa: E402
 from zerobubble.runtime.loss_terms import collect_loss_terms, objective  # noqa: E402
-from zerobubble.runtime.partition import build_stage_modules, stage_bounds  # noqa: E402
 from zerobubble.runtime.rng import derive_seed  # noqa: E402
 from zerobubble.runtime.shapes import BoundaryError, flatten  # noqa: E402
 from zerobubble.schedule.generators import GENERATORS  # noqa: E402

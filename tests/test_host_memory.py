@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ranks import launch
+from zerobubble.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.models import mlp_loss
-from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.host_memory import MMAP_THRESHOLD, retain_freed_memory
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.schedule.generators import generate

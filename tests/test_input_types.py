@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from zerobubble.runtime.trace import TraceEvent
+from zerobubble.runtime.recorder import TraceEvent
 from zerobubble.schedule.costs import CostModel, costs_from_mapping
 from zerobubble.schedule.formats import json_format, torch_csv
 from zerobubble.schedule.generators import generate

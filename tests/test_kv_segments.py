@@ -1,4 +1,4 @@
-"""Sequence segments over earlier keys and values (``zerobubble.runtime.kv_segments``).
+"""Sequence segments over earlier keys and values (``zerobubble.runtime.sequence.kv``).
 
 ``run_segments`` runs a stage's layers on k segments of the sequence by the executor's
 protocol (forward in order with the earlier segments' keys and values as detached leaves,
@@ -31,14 +31,14 @@ import torch
 from torch import nn
 
 from zerobubble.models.gpt import GPTConfig, build_gpt, gpt_loss
-from zerobubble.runtime.kv_segments import (
+from zerobubble.runtime.sequence.check import check_segments
+from zerobubble.runtime.sequence.kv import (
     SegmentAware,
     SegmentContext,
     run_segments,
     segment_inputs,
     segment_scope,
 )
-from zerobubble.runtime.segment_check import check_segments
 
 transformers = pytest.importorskip("transformers")
 

@@ -132,8 +132,8 @@ def test_overall_timeout_kills_everything(tmp_path):
 def rank_zero_dies_before_an_exchange() -> None:
     import torch
 
-    from zerobubble.runtime.comm import exchange_bytes
     from zerobubble.runtime.launcher import init_distributed
+    from zerobubble.runtime.p2p.comm import exchange_bytes
 
     info = init_distributed(timeout_s=60)
     if info.rank == 0:

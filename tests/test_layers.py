@@ -62,7 +62,7 @@ KNOWN_CIRCLES: set[frozenset[str]] = {
 @dataclass(frozen=True)
 class Arrow:
     source: str
-    """The importing module, ``zerobubble.runtime.tp``."""
+    """The importing module, ``zerobubble.parallel.tp``."""
     target: str
     """The imported module (or ``torch``, ``torch.nn``, ... for torch)."""
     path: Path
@@ -71,7 +71,7 @@ class Arrow:
     """``module``, ``function`` or ``type`` (see the module docstring)."""
 
     def where(self, src: Path) -> str:
-        """``zerobubble/runtime/tp.py:12``: the file (under ``src``) and the line."""
+        """``zerobubble/parallel/tp.py:12``: the file (under ``src``) and the line."""
         return f"{self.path.relative_to(src)}:{self.line}"
 
 
@@ -142,7 +142,7 @@ def arrows(src: Path, package: str = PACKAGE) -> list[Arrow]:
 
 
 def room(module: str) -> str:
-    """``zerobubble.runtime.tp`` -> ``runtime``; ``zerobubble`` -> ``__init__``."""
+    """``zerobubble.parallel.tp`` -> ``runtime``; ``zerobubble`` -> ``__init__``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 

@@ -16,10 +16,10 @@ import zerobubble
 from generated import generated
 from ranks import launch
 from test_chunk import run_order, sequential_order
-from zerobubble.runtime.chunk import StageChunk
+from zerobubble.reference.step import reference_step
 from zerobubble.runtime.loss_terms import add_loss_term, collect_loss_terms, objective
-from zerobubble.runtime.reference import reference_step
 from zerobubble.runtime.split import WeightGradStore
+from zerobubble.runtime.stage import StageChunk
 
 
 class Termed(nn.Module):
@@ -162,7 +162,7 @@ def test_a_term_in_a_checkpointed_layer_is_refused_naming_the_fix():
 
 
 def test_terms_with_sequence_segments_are_refused():
-    from zerobubble.runtime.kv_segments import SegmentOf
+    from zerobubble.runtime.sequence.kv import SegmentOf
 
     chunk = StageChunk(toy(["a"]), 0, 2)
     with pytest.raises(ValueError, match=r"loss terms .* with sequence segments are not supported"):

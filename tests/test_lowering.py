@@ -6,11 +6,8 @@ import pytest
 
 from generated import SLOW_SOLVES, generated
 from zerobubble.interop.torch_pipelining import torch_schedule
-from zerobubble.schedule.errors import Reason, ScheduleError
-from zerobubble.schedule.generators import GENERATORS, generate
-from zerobubble.schedule.ir import BW, F, Schedule
-from zerobubble.schedule.lowering import check_comm_order, lower
-from zerobubble.schedule.program import (
+from zerobubble.program.check import validate_lowered
+from zerobubble.program.instructions import (
     Compute,
     LoweredSchedule,
     Message,
@@ -20,7 +17,10 @@ from zerobubble.schedule.program import (
     WaitRecv,
     WaitSends,
 )
-from zerobubble.schedule.program_check import validate_lowered
+from zerobubble.program.lowering import check_comm_order, lower
+from zerobubble.schedule.errors import Reason, ScheduleError
+from zerobubble.schedule.generators import GENERATORS, generate
+from zerobubble.schedule.ir import BW, F, Schedule
 
 
 def options(kind: str) -> dict:

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from zerobubble.models import build_mlp, mlp_loss
+from zerobubble.reference.step import reference_step
 from zerobubble.runtime.microbatch import loss_scales, split_batch
-from zerobubble.runtime.reference import reference_step
 
 
 def test_split_batch_follows_tensor_split() -> None:

@@ -12,11 +12,11 @@ import zerobubble
 from ranks import launch
 from zerobubble.models import mlp_loss
 from zerobubble.models.moe import build_moe_mlp
-from zerobubble.runtime.ep_reference import ep_reference_step
+from zerobubble.parallel.mesh import build_mesh
+from zerobubble.reference.ep import ep_reference_step
+from zerobubble.reference.step import reference_step
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.loss_terms import collect_loss_terms
-from zerobubble.runtime.mesh import build_mesh
-from zerobubble.runtime.reference import reference_step
 from zerobubble.schedule.generators import generate
 
 SIZES, E, K, M, LOCAL, T = (6, 8, 3), 4, 2, 6, 12, 3

@@ -4,7 +4,7 @@ Two torchrun agents (2 ranks each) rendezvous on a local c10d endpoint and run
 examples/train_dp.py as one dp=2 x pp=2 job under zbv (V-shaped: two stages per
 rank). Its parameters and losses must be bitwise those of the single-process
 reference in the mesh's reduction order
-(:func:`~zerobubble.runtime.reference.dp_reference_step`), which the single-node
+(:func:`~zerobubble.reference.step.dp_reference_step`), which the single-node
 launch of the same mesh reproduces bitwise (tests/test_dp.py); so the two-node run
 equals the single-node one.
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from zerobubble.models import build_mlp, mlp_loss
+from zerobubble.reference.step import dp_reference_step
 from zerobubble.runtime.launcher import free_port
-from zerobubble.runtime.reference import dp_reference_step
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_dp.py"

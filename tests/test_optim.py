@@ -17,19 +17,19 @@ import torch.distributed as dist
 from torch import nn
 
 from ranks import launch
+from zerobubble.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.optim.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.faults import Crash, FaultPlan, GradFault
 from zerobubble.optim.rollback import UnsupportedRollbackError
 from zerobubble.optim.trainer import PipelineTrainer
-from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.parallel.partition import build_stage_modules, stage_bounds
+from zerobubble.reference.step import reference_step
 from zerobubble.runtime.launcher import LaunchError, init_distributed
-from zerobubble.runtime.partition import build_stage_modules, stage_bounds
-from zerobubble.runtime.reference import reference_step
-from zerobubble.runtime.trace import gather_traces
+from zerobubble.runtime.recorder import gather_traces
 from zerobubble.schedule.generators import generate
-from zerobubble.schedule.trace_check import check_trace
+from zerobubble.trace.check import check_trace
 
 pytestmark = pytest.mark.slow
 

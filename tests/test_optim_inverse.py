@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 
 from ranks import launch
+from zerobubble.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.models import GPTConfig, build_gpt, build_mlp, gpt_loss, mlp_loss
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.faults import FaultPlan, GradFault
 from zerobubble.optim.trainer import PipelineTrainer
-from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.parallel.partition import build_stage_modules
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.partition import build_stage_modules
 from zerobubble.schedule.generators import generate
 
 pytestmark = pytest.mark.slow

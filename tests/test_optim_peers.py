@@ -14,15 +14,15 @@ import torch
 
 from ranks import launch
 from zerobubble import Pipeline
+from zerobubble.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.optim.checkpoint import save_checkpoint
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.faults import Crash, FaultPlan, Stall
 from zerobubble.optim.trainer import PipelineTrainer
-from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.parallel.mesh import build_mesh
+from zerobubble.parallel.partition import build_stage_modules
 from zerobubble.runtime.launcher import LaunchError, init_distributed
-from zerobubble.runtime.mesh import build_mesh
-from zerobubble.runtime.partition import build_stage_modules
 from zerobubble.schedule.generators import generate
 
 pytestmark = pytest.mark.slow

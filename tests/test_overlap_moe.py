@@ -7,7 +7,7 @@ which a forward seeds and a graph-level split's W replays, are held by one half 
 
 Each paired case runs its step ``REPEATS`` times in one launch (a race shows only
 sometimes), once more with the pairs run in sequence by a hook, and is compared bitwise
-with :func:`~zerobubble.runtime.reference.reference_step` over the same microbatches:
+with :func:`~zerobubble.reference.step.reference_step` over the same microbatches:
 losses, loss terms and every gradient; so are cases without pairs (zb-h1, zb-h2, zbv).
 Kinds with one stage per device refuse pairs. Expert parallelism (ep = 2) over the same
 kinds and families: ``tests/test_hf_ep.py`` (pp = 3 x dp = 2 x ep = 2).
@@ -21,12 +21,12 @@ from torch import nn
 
 import zerobubble
 from ranks import launch
+from zerobubble.executor import ExecutorOptions
 from zerobubble.models import mlp_loss
 from zerobubble.models.moe import build_moe_mlp
-from zerobubble.runtime.executor import ExecutorOptions
+from zerobubble.reference.step import reference_step
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.overlap import OverlapPair
-from zerobubble.runtime.reference import reference_step
 from zerobubble.schedule.costs import CostSpec
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.ir import Schedule

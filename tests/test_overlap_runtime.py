@@ -14,22 +14,23 @@ from torch import nn
 
 from ranks import launch
 from zerobubble.cli import main
+from zerobubble.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.models import GPTConfig, build_gpt, gpt_loss
+from zerobubble.parallel.mesh import PipelineMesh, build_mesh
+from zerobubble.parallel.partition import build_stage_modules, stage_bounds
 from zerobubble.profile.bubbles import analyze_iteration
-from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.program.builder import build_programs
+from zerobubble.program.instructions import Compute, Overlap, Send, VersionCheck, output_message
+from zerobubble.program.plan import ProgramPlan
+from zerobubble.reference.step import reference_step
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.mesh import PipelineMesh, build_mesh
 from zerobubble.runtime.overlap import LaneGroups, OverlapPair, run_pair
-from zerobubble.runtime.partition import build_stage_modules, stage_bounds
-from zerobubble.runtime.reference import reference_step
-from zerobubble.schedule.build import ProgramPlan, build_programs
 from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.formats import json_format
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.ir import Action, Op, Schedule
-from zerobubble.schedule.program import Compute, Overlap, Send, VersionCheck, output_message
-from zerobubble.schedule.trace_check import check_trace
-from zerobubble.schedule.trace_format import write_jsonl
+from zerobubble.trace.check import check_trace
+from zerobubble.trace.format import write_jsonl
 
 F, BW = Op.F, Op.BW
 
@@ -350,7 +351,7 @@ def test_overlap_with_recompute_is_refused_before_any_process_group():
 def test_overlap_with_fsdp_is_refused():
     from types import SimpleNamespace
 
-    from zerobubble.runtime.executor import _check_overlap
+    from zerobubble.executor import _check_overlap
 
     sched = generate("dualpipev", 2, 6, overlap=True)
     mesh = SimpleNamespace(spec=SimpleNamespace(fsdp=True), tp_size=1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from zerobubble.runtime.partition import build_stage_modules, layer_keys, model_name, stage_bounds
+from zerobubble.parallel.partition import build_stage_modules, layer_keys, model_name, stage_bounds
 from zerobubble.schedule.generators import generate
 
 

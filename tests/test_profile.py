@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from zerobubble.models import build_mlp, mlp_loss
+from zerobubble.parallel.partition import stage_bounds
 from zerobubble.profile.balance import (
     balanced_boundaries,
     boundaries_of,
@@ -17,12 +18,11 @@ from zerobubble.profile.costs_file import Profile
 from zerobubble.profile.layers import profile_layers
 from zerobubble.profile.stages import StageProfile, message_latency, stage_profile
 from zerobubble.profile.stats import OpStats
-from zerobubble.runtime.partition import stage_bounds
+from zerobubble.program.instructions import MsgKind
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.ir import Op
-from zerobubble.schedule.program import MsgKind
 from zerobubble.schedule.simulate import simulate
-from zerobubble.schedule.trace_format import EventOp, TraceEvent
+from zerobubble.trace.format import EventOp, TraceEvent
 
 
 def test_opstats_median_and_nearest_rank_p95():

@@ -11,18 +11,18 @@ import torch
 
 import zerobubble
 from ranks import launch
+from zerobubble.executor import ExecutorOptions
 from zerobubble.models import mlp_loss
 from zerobubble.models.moe import MoE, build_moe_mlp
+from zerobubble.parallel.ep import ExpertGroup, expert_groups, timing_waits
+from zerobubble.parallel.mesh import build_mesh
 from zerobubble.profile.costs_file import Profile
 from zerobubble.profile.stages import StageProfile, all_to_all_ms
 from zerobubble.profile.stats import OpStats
-from zerobubble.runtime.ep import ExpertGroup, expert_groups, timing_waits
-from zerobubble.runtime.executor import ExecutorOptions
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.mesh import build_mesh
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.passes import fuse_local_backward
-from zerobubble.schedule.trace_format import TraceEvent
+from zerobubble.trace.format import TraceEvent
 from zerobubble.train.job import plan_schedule
 from zerobubble.train.trials import plan_candidates, predict_ms
 

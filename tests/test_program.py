@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 
 from generated import SLOW_SOLVES, generated
-from zerobubble.schedule.build import GradSync, ProgramPlan, Protocol, build_programs
-from zerobubble.schedule.errors import Reason, ScheduleError
-from zerobubble.schedule.generators import GENERATORS, generate
-from zerobubble.schedule.program import (
+from zerobubble.program.builder import build_programs
+from zerobubble.program.check import validate_program
+from zerobubble.program.instructions import (
     Compute,
     Gate,
     LoweredSchedule,
@@ -18,7 +17,9 @@ from zerobubble.schedule.program import (
     VersionCheck,
     WaitReduce,
 )
-from zerobubble.schedule.program_check import validate_program
+from zerobubble.program.plan import GradSync, ProgramPlan, Protocol
+from zerobubble.schedule.errors import Reason, ScheduleError
+from zerobubble.schedule.generators import GENERATORS, generate
 
 PLANS = [
     ProgramPlan(),

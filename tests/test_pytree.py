@@ -262,7 +262,7 @@ def test_layouts_round_trip_and_describe_every_leaf_kind():
 
 
 def test_frames_carry_values_and_gradient_flags():
-    from zerobubble.runtime.wire import (
+    from zerobubble.runtime.p2p.wire import (
         FRAME_HEADER,
         NEW_LAYOUT,
         FrameHeader,

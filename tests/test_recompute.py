@@ -23,14 +23,14 @@ from zerobubble.cli import main
 from zerobubble.models.gpt import Block, GPTConfig, build_gpt, gpt_loss
 from zerobubble.profile.costs_file import Profile
 from zerobubble.profile.stages import stage_profile
-from zerobubble.runtime.chunk import StageChunk, storage_bytes
+from zerobubble.reference.step import reference_step
 from zerobubble.runtime.recompute import recompute_plan
-from zerobubble.runtime.reference import reference_step
 from zerobubble.runtime.rng import StageRng
+from zerobubble.runtime.stage import StageChunk, storage_bytes
 from zerobubble.schedule.costs import CostModel, CostSpec, costs_from_mapping, parse_costs
 from zerobubble.schedule.simulate import simulate
-from zerobubble.schedule.trace_format import TraceEvent
 from zerobubble.schedule.validate import validate
+from zerobubble.trace.format import TraceEvent
 from zerobubble.train.config import ExecutorSection
 
 TIMEOUT = 600.0

@@ -9,14 +9,7 @@ import torch
 
 from generated import SLOW_SOLVES, generated
 from zerobubble.models import build_mlp, mlp_loss
-from zerobubble.runtime.chunk import StageChunk
-from zerobubble.runtime.comm import TensorMeta
-from zerobubble.runtime.wire import HEADER_BYTES, Header, pack, packed_meta, unpack
-from zerobubble.schedule.errors import Reason, ScheduleError
-from zerobubble.schedule.generators import GENERATORS, generate
-from zerobubble.schedule.ir import Op
-from zerobubble.schedule.lowering import lower
-from zerobubble.schedule.program import (
+from zerobubble.program.instructions import (
     Compute,
     Gate,
     Message,
@@ -26,7 +19,14 @@ from zerobubble.schedule.program import (
     VersionCheck,
     WaitRecv,
 )
-from zerobubble.schedule.replay import gate_position, insert_protocol, plan_gates
+from zerobubble.program.lowering import lower
+from zerobubble.program.passes.protocol import gate_position, insert_protocol, plan_gates
+from zerobubble.runtime.p2p.comm import TensorMeta
+from zerobubble.runtime.p2p.wire import HEADER_BYTES, Header, pack, packed_meta, unpack
+from zerobubble.runtime.stage import StageChunk
+from zerobubble.schedule.errors import Reason, ScheduleError
+from zerobubble.schedule.generators import GENERATORS, generate
+from zerobubble.schedule.ir import Op
 
 
 def protocol_program(lowered, rank, *, speculative):

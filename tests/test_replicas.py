@@ -19,15 +19,15 @@ import torch
 
 from ranks import launch
 from zerobubble import Pipeline
+from zerobubble.executor import ExecutorOptions
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.models.moe import build_moe_mlp
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.faults import FaultPlan, GradFault
 from zerobubble.optim.replicas import ReplicaDivergence, checksum
-from zerobubble.runtime.comm import group_timeout
-from zerobubble.runtime.executor import ExecutorOptions
+from zerobubble.parallel.mesh import ParallelSpec, build_mesh
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.mesh import ParallelSpec, build_mesh
+from zerobubble.runtime.p2p.comm import group_timeout
 
 pytestmark = pytest.mark.slow
 

@@ -18,11 +18,11 @@ import zerobubble
 from ranks import launch
 from zerobubble.models import mlp_loss
 from zerobubble.models.moe import build_moe_mlp
+from zerobubble.parallel.mesh import build_mesh
+from zerobubble.reference.step import dp_reference_step, reference_step
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.loss_terms import collect_loss_terms, term_weight, weighted_objective
-from zerobubble.runtime.mesh import build_mesh
 from zerobubble.runtime.microbatch import split_batch
-from zerobubble.runtime.reference import dp_reference_step, reference_step
 
 transformers = pytest.importorskip("transformers")
 from zerobubble.interop import hf  # noqa: E402

@@ -25,21 +25,21 @@ from torch import nn
 import zerobubble
 from generated import generated
 from ranks import launch
+from zerobubble.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.interop import hf
 from zerobubble.models import GPTConfig, build_gpt
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.faults import FaultPlan, GradFault
 from zerobubble.optim.trainer import PipelineTrainer
-from zerobubble.runtime.chunk import StageChunk, StageChunkError
-from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
-from zerobubble.runtime.kv_segments import SegmentOf
+from zerobubble.parallel.mesh import build_mesh
+from zerobubble.parallel.partition import build_stage_modules, model_name, stage_bounds
+from zerobubble.reference.step import reference_step
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.mesh import build_mesh
-from zerobubble.runtime.partition import build_stage_modules, model_name, stage_bounds
-from zerobubble.runtime.reference import reference_step
-from zerobubble.runtime.segment_batch import segment_step
+from zerobubble.runtime.sequence.batch import segment_step
+from zerobubble.runtime.sequence.kv import SegmentOf
+from zerobubble.runtime.stage import StageChunk, StageChunkError
 from zerobubble.runtime.step_batch import StepBatch
-from zerobubble.schedule.trace_check import check_trace
+from zerobubble.trace.check import check_trace
 
 IGNORE = -100
 T = 16

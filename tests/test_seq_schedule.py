@@ -16,7 +16,8 @@ from fractions import Fraction
 
 import pytest
 
-from zerobubble.schedule.build import ProgramPlan, build_programs
+from zerobubble.program.builder import build_programs
+from zerobubble.program.plan import ProgramPlan
 from zerobubble.schedule.costs import CostModel, CostSpec
 from zerobubble.schedule.deps import LOCAL_PRODUCER, Key, Kind, dependencies, needs, produces
 from zerobubble.schedule.deps import backward_ops as backward_op_map

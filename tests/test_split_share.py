@@ -12,13 +12,13 @@ from torch import nn
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.profile.layers import LayerProfile, profile_layers
 from zerobubble.profile.stats import OpStats
-from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.split import (
     SplitShareWarning,
     WeightGradStore,
     enable_bw_split,
     split_share,
 )
+from zerobubble.runtime.stage import StageChunk
 
 
 class _BigOwnWeight(nn.Module):

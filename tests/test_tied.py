@@ -24,10 +24,10 @@ import zerobubble
 from generated import RUNTIME_KINDS, generated
 from ranks import launch
 from zerobubble.models import GPTConfig, build_gpt, gpt_loss, mlp_loss
-from zerobubble.runtime.comm import PeerError
-from zerobubble.runtime.partition import build_stage_modules, stage_bounds
-from zerobubble.runtime.reference import reference_step
-from zerobubble.runtime.tied import find_shared, tie_local_replicas, tied_reference_step
+from zerobubble.parallel.partition import build_stage_modules, stage_bounds
+from zerobubble.parallel.tied import find_shared, tie_local_replicas, tied_reference_step
+from zerobubble.reference.step import reference_step
+from zerobubble.runtime.p2p.comm import PeerError
 
 TIMEOUT = 600.0
 P = 3

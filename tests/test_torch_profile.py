@@ -19,8 +19,8 @@ import zerobubble
 from ranks import launch
 from zerobubble.cli import main
 from zerobubble.models import build_mlp, mlp_loss
+from zerobubble.parallel.mesh import build_mesh
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.mesh import build_mesh
 
 pytestmark = pytest.mark.slow
 

@@ -39,18 +39,18 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ranks import launch
+from zerobubble.executor import ExecutorOptions
 from zerobubble.interop.hf import CausalLMLoss, causal_lm_layers, tiny_model
 from zerobubble.models.gpt import GPTConfig, build_gpt, gpt_loss
+from zerobubble.parallel.mesh import ParallelSpec, build_mesh, pipeline_ranks
 from zerobubble.pipeline import Pipeline
-from zerobubble.runtime.executor import ExecutorOptions
+from zerobubble.program.instructions import Message, MsgKind
+from zerobubble.reference.step import reference_step
+from zerobubble.reference.tp import tp_reference_step
 from zerobubble.runtime.hooks import StepHooks
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.mesh import ParallelSpec, build_mesh, pipeline_ranks
-from zerobubble.runtime.reference import reference_step
-from zerobubble.runtime.tp_reference import tp_reference_step
-from zerobubble.runtime.wire import FRAME_HEADER
+from zerobubble.runtime.p2p.wire import FRAME_HEADER
 from zerobubble.schedule.generators import generate
-from zerobubble.schedule.program import Message, MsgKind
 
 PP, TP = 2, 2
 IN, D, H, OUT = 6, 8, 16, 5

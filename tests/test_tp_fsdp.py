@@ -40,14 +40,14 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from ranks import launch
+from zerobubble.executor import ExecutorOptions
 from zerobubble.optim.checkpoint import load_checkpoint, save_checkpoint
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.faults import FaultPlan, GradFault
+from zerobubble.parallel.mesh import PipelineMesh, build_mesh
 from zerobubble.pipeline import Pipeline
-from zerobubble.runtime.executor import ExecutorOptions
+from zerobubble.reference.tp import tp_reference_step
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.mesh import PipelineMesh, build_mesh
-from zerobubble.runtime.tp_reference import tp_reference_step
 from zerobubble.schedule.generators import generate
 
 pytestmark = pytest.mark.slow

@@ -45,16 +45,16 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ranks import launch
+from zerobubble.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.optim.checkpoint import load_checkpoint, save_checkpoint
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.faults import FaultPlan, GradFault
 from zerobubble.optim.trainer import PipelineTrainer, tp_mesh_of
+from zerobubble.parallel.mesh import PipelineMesh, build_mesh
+from zerobubble.parallel.partition import build_stage_modules
 from zerobubble.pipeline import Pipeline
-from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.reference.step import reference_step
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.mesh import PipelineMesh, build_mesh
-from zerobubble.runtime.partition import build_stage_modules
-from zerobubble.runtime.reference import reference_step
 from zerobubble.schedule.generators import generate
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Tensor-parallel plans of stage modules (runtime/tp.py) at tp=2 (gloo, one 2-rank launch).
+"""Tensor-parallel plans of stage modules (parallel/tp.py) at tp=2 (gloo, one 2-rank launch).
 
 For our GPT and a tiny HF Llama, cut into a first, a middle and a last stage module, with
 sequence parallelism off and on, each stage is parallelized by the default plan twice:
@@ -40,10 +40,10 @@ from zerobubble.interop.hf import causal_lm_layers, tiny_model
 from zerobubble.interop.hf_layers import DecoderBlock
 from zerobubble.interop.hf_tp import hf_block_plan
 from zerobubble.models.gpt import GPTConfig, build_gpt, gpt_loss
-from zerobubble.runtime.chunk import StageChunk
+from zerobubble.parallel.tp import default_plan, parallelize_stage
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.split import SplitRules, unsplit_modules
-from zerobubble.runtime.tp import default_plan, parallelize_stage
+from zerobubble.runtime.stage import StageChunk
 
 TP, B, T = 2, 2, 8
 REL = 1e-5

@@ -32,15 +32,15 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from ranks import launch
+from zerobubble.executor import ExecutorOptions
 from zerobubble.interop.hf import CausalLMLoss, causal_lm_layers, tiny_model
 from zerobubble.models.gpt import GPTConfig, build_gpt, gpt_loss
+from zerobubble.parallel.mesh import build_mesh
+from zerobubble.parallel.tp import parallelize_stage
 from zerobubble.pipeline import Pipeline
-from zerobubble.runtime.executor import ExecutorOptions
+from zerobubble.reference.tp import tp_reference_step
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.mesh import build_mesh
 from zerobubble.runtime.rng import derive_rank_seed, rank_stream
-from zerobubble.runtime.tp import parallelize_stage
-from zerobubble.runtime.tp_reference import tp_reference_step
 
 PP, TP, M, B, T = 2, 2, 4, 8, 8
 SEED = 7

@@ -17,17 +17,16 @@ import torch.distributed as dist
 from generated import RUNTIME_KINDS, generated
 from ranks import launch
 from zerobubble.cli import main
+from zerobubble.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.models import build_mlp, mlp_loss
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.trainer import PipelineTrainer
+from zerobubble.parallel.partition import build_stage_modules
 from zerobubble.profile.bubbles import analyze_iteration
 from zerobubble.profile.costs_file import Profile
 from zerobubble.profile.stages import boundary_pairs, p2p_latency, stage_profile
-from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.partition import build_stage_modules
-from zerobubble.runtime.trace import gather_traces
-from zerobubble.schedule.clocks import clock_offsets
+from zerobubble.runtime.recorder import gather_traces
 from zerobubble.schedule.costs import load_costs_file
 from zerobubble.schedule.generators import GENERATORS, generate
 from zerobubble.schedule.ir import Schedule
@@ -39,9 +38,10 @@ from zerobubble.schedule.segments import (
     segment_model,
 )
 from zerobubble.schedule.simulate import simulate
-from zerobubble.schedule.trace_check import check_trace, load_trace
-from zerobubble.schedule.trace_format import COMPUTE_OPS, TraceEvent, write_jsonl
 from zerobubble.schedule.validate import validate
+from zerobubble.trace.check import check_trace, load_trace
+from zerobubble.trace.clocks import clock_offsets
+from zerobubble.trace.format import COMPUTE_OPS, TraceEvent, write_jsonl
 from zerobubble.train.job import plan_schedule
 from zerobubble.train.trials import (
     TrialResult,

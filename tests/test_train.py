@@ -15,13 +15,13 @@ from torch import nn
 from zerobubble.cli import build_parser, main
 from zerobubble.interop import hf
 from zerobubble.models.corpus import stdlib_corpus
+from zerobubble.parallel.partition import layer_keys, stage_bounds
+from zerobubble.parallel.tied import find_shared
+from zerobubble.reference.step import segment_reference_step
 from zerobubble.runtime.microbatch import batch_count, loss_scales, split_batch, split_tree
-from zerobubble.runtime.partition import layer_keys, stage_bounds
-from zerobubble.runtime.reference import segment_reference_step
 from zerobubble.runtime.rng import StageRng
-from zerobubble.runtime.tied import find_shared
 from zerobubble.schedule.costs import load_costs_file
-from zerobubble.schedule.trace_check import check_trace, load_trace
+from zerobubble.trace.check import check_trace, load_trace
 from zerobubble.train.config import (
     HF_MODELS,
     ExecutorSection,

@@ -15,9 +15,9 @@ from test_chunk import assert_matches_reference, sequential_order
 from test_compile import _compile_each, _eager_like_split
 from test_split_coverage import VOCAB, T, _pipeline_model, _without_norm_rule
 from zerobubble.models import gpt_loss
-from zerobubble.runtime.chunk import StageChunk
+from zerobubble.parallel.transforms import ChunkTransforms, prepare_chunks
 from zerobubble.runtime.split import SplitEmbedding, SplitLinear, SplitOp
-from zerobubble.runtime.transforms import ChunkTransforms, prepare_chunks
+from zerobubble.runtime.stage import StageChunk
 from zerobubble.schedule.generators import zbv
 
 _SPLIT = (SplitLinear, SplitEmbedding, SplitOp)

@@ -9,9 +9,9 @@ import torch
 from zerobubble.optim.norms import per_tensor_norms
 from zerobubble.profile.bubbles import analyze_iteration
 from zerobubble.profile.stages import stage_profile
+from zerobubble.program.instructions import MsgKind
 from zerobubble.schedule.ir import Action, Op
-from zerobubble.schedule.program import MsgKind
-from zerobubble.schedule.trace_format import TraceEvent
+from zerobubble.trace.format import TraceEvent
 
 
 def ev(rank, op, stage, mb, start=0, end=1, msg=None, peer=None) -> TraceEvent:

@@ -43,16 +43,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from zerobubble import models
+    from zerobubble.executor import ExecutorOptions, PipelineExecutor
     from zerobubble.optim.checkpoint import load_checkpoint, save_checkpoint
     from zerobubble.optim.config import OptimConfig, Rollback, StepMode
     from zerobubble.optim.trainer import PipelineTrainer
+    from zerobubble.parallel.mesh import PipelineMesh, build_mesh
+    from zerobubble.parallel.partition import build_stage_modules, stage_bounds
     from zerobubble.pipeline import Pipeline
-    from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
+    from zerobubble.reference.step import reference_step, segment_reference_step
     from zerobubble.runtime.launcher import DistInfo, init_distributed
     from zerobubble.runtime.launcher import launch as launch_local
-    from zerobubble.runtime.mesh import PipelineMesh, build_mesh
-    from zerobubble.runtime.partition import build_stage_modules, stage_bounds
-    from zerobubble.runtime.reference import reference_step, segment_reference_step
     from zerobubble.schedule.costs import CostModel
     from zerobubble.schedule.errors import ScheduleError
     from zerobubble.schedule.formats import load_schedule, save_schedule
@@ -84,29 +84,29 @@ _WHERE: dict[str, tuple[str, str | None]] = {
     "init_distributed": ("zerobubble.runtime.launcher", "init_distributed"),
     "launch_local": ("zerobubble.runtime.launcher", "launch"),
     # torch-backed
-    "ExecutorOptions": ("zerobubble.runtime.executor", "ExecutorOptions"),
-    "ExpertGroup": ("zerobubble.runtime.ep", "ExpertGroup"),
+    "ExecutorOptions": ("zerobubble.executor", "ExecutorOptions"),
+    "ExpertGroup": ("zerobubble.parallel.ep", "ExpertGroup"),
     "LaneGroups": ("zerobubble.runtime.overlap", "LaneGroups"),
     "OverlapPair": ("zerobubble.runtime.overlap", "OverlapPair"),
     "add_loss_term": ("zerobubble.runtime.loss_terms", "add_loss_term"),
     "collect_loss_terms": ("zerobubble.runtime.loss_terms", "collect_loss_terms"),
-    "ep_reference_step": ("zerobubble.runtime.ep_reference", "ep_reference_step"),
-    "tp_reference_step": ("zerobubble.runtime.tp_reference", "tp_reference_step"),
+    "ep_reference_step": ("zerobubble.reference.ep", "ep_reference_step"),
+    "tp_reference_step": ("zerobubble.reference.tp", "tp_reference_step"),
     "OptimConfig": ("zerobubble.optim.config", "OptimConfig"),
     "Pipeline": ("zerobubble.pipeline", "Pipeline"),
-    "PipelineExecutor": ("zerobubble.runtime.executor", "PipelineExecutor"),
-    "PipelineMesh": ("zerobubble.runtime.mesh", "PipelineMesh"),
+    "PipelineExecutor": ("zerobubble.executor", "PipelineExecutor"),
+    "PipelineMesh": ("zerobubble.parallel.mesh", "PipelineMesh"),
     "PipelineTrainer": ("zerobubble.optim.trainer", "PipelineTrainer"),
     "Rollback": ("zerobubble.optim.config", "Rollback"),
     "StepMode": ("zerobubble.optim.config", "StepMode"),
-    "build_mesh": ("zerobubble.runtime.mesh", "build_mesh"),
-    "build_stage_modules": ("zerobubble.runtime.partition", "build_stage_modules"),
+    "build_mesh": ("zerobubble.parallel.mesh", "build_mesh"),
+    "build_stage_modules": ("zerobubble.parallel.partition", "build_stage_modules"),
     "load_checkpoint": ("zerobubble.optim.checkpoint", "load_checkpoint"),
     "models": ("zerobubble.models", None),
-    "reference_step": ("zerobubble.runtime.reference", "reference_step"),
+    "reference_step": ("zerobubble.reference.step", "reference_step"),
     "save_checkpoint": ("zerobubble.optim.checkpoint", "save_checkpoint"),
-    "segment_reference_step": ("zerobubble.runtime.reference", "segment_reference_step"),
-    "stage_bounds": ("zerobubble.runtime.partition", "stage_bounds"),
+    "segment_reference_step": ("zerobubble.reference.step", "segment_reference_step"),
+    "stage_bounds": ("zerobubble.parallel.partition", "stage_bounds"),
 }
 
 __all__ = [

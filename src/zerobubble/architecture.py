@@ -19,7 +19,11 @@ __all__ = ["LAYERS", "MODEL_SIDE", "TORCH_FREE"]
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("architecture", "schedule"),  # what to run, in which order (no torch); this table
-    ("runtime",),  # how to run it on torch.distributed: split, executor, tp/ep/dp/fsdp, mesh
+    ("program",),  # each rank's instructions: the builder, its passes, the final check (no torch)
+    ("trace",),  # the trace format, its offline check and clock alignment (no torch)
+    ("runtime",),  # how to run one stage and one instruction: split, stage, p2p, interpreter
+    ("parallel",),  # mesh, dp, FSDP, tp, ep, ties: transforms applied per stage
+    ("executor", "reference"),  # one rank set up and run; the single-process ground truth
     ("optim",),  # synchronous optimizer semantics, post-validation, checkpoints
     ("profile",),  # costs and memory measured, idle time broken down
     ("viz",),  # pictures of schedules and of measured iterations
@@ -33,5 +37,5 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 MODEL_SIDE: tuple[str, ...] = ("models", "interop")
 """The rooms that implement the layer contract: no room below them imports them."""
 
-TORCH_FREE: tuple[str, ...] = ("architecture", "schedule")
+TORCH_FREE: tuple[str, ...] = ("architecture", "schedule", "program", "trace")
 """The rooms that never import torch (the schedule commands stay fast and torch-less)."""

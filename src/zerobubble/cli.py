@@ -227,7 +227,8 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 def _programs(sched: Schedule, args: argparse.Namespace) -> str:
     """Each rank's finished program (every pass applied) as text."""
-    from zerobubble.schedule.build import GradSync, ProgramPlan, build_programs, format_programs
+    from zerobubble.program.builder import build_programs, format_programs
+    from zerobubble.program.plan import GradSync, ProgramPlan
 
     if args.rank is not None and not 0 <= args.rank < sched.num_devices:
         raise ValueError(f"--rank {args.rank} is not in [0, {sched.num_devices})")
@@ -352,7 +353,7 @@ def _make_out(out: Path, flag: str) -> None:
 
 def cmd_check_trace(args: argparse.Namespace) -> int:
     from zerobubble.schedule.formats import load_schedule
-    from zerobubble.schedule.trace_check import (
+    from zerobubble.trace.check import (
         DEFAULT_OPT_OPS,
         check_sizes,
         check_trace,

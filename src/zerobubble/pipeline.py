@@ -2,7 +2,7 @@
 
 ``Pipeline(layers, loss_fn, schedule)`` cuts the layers into the schedule's
 stages, keeps this rank's, and runs them with a
-:class:`~zerobubble.runtime.executor.PipelineExecutor`; after
+:class:`~zerobubble.executor.PipelineExecutor`; after
 :meth:`Pipeline.set_optimizer` every :meth:`Pipeline.step` is a whole training
 iteration through a :class:`~zerobubble.optim.trainer.PipelineTrainer`, which
 owns zero_grad, clipping, NaN/Inf skipping, the optimizer step and the
@@ -22,25 +22,25 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from zerobubble.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.faults import FaultPlan
 from zerobubble.optim.trainer import Commit, PipelineTrainer, stage_kwargs
-from zerobubble.runtime.chunk import LossFn, StageChunk
-from zerobubble.runtime.ep import ExpertGroup
-from zerobubble.runtime.executor import ExecutorOptions, PipelineExecutor
-from zerobubble.runtime.experts import expert_shard, shard_all_experts, unsharded_experts
-from zerobubble.runtime.mesh import PipelineMesh, pipeline_group
-from zerobubble.runtime.microbatch import CountFn
-from zerobubble.runtime.partition import (
+from zerobubble.parallel.ep import ExpertGroup
+from zerobubble.parallel.experts import expert_shard, shard_all_experts, unsharded_experts
+from zerobubble.parallel.mesh import PipelineMesh, pipeline_group
+from zerobubble.parallel.partition import (
     LayerSource,
     build_stage_modules,
     layer_keys,
     model_name,
     stage_bounds,
 )
-from zerobubble.runtime.tied import TiedGroups, find_shared
-from zerobubble.runtime.transforms import StagePlan
-from zerobubble.schedule.build import ProgramPlan
+from zerobubble.parallel.tied import TiedGroups, find_shared
+from zerobubble.parallel.transforms import StagePlan
+from zerobubble.program.plan import ProgramPlan
+from zerobubble.runtime.microbatch import CountFn
+from zerobubble.runtime.stage import LossFn, StageChunk
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.ir import Schedule
 
@@ -56,7 +56,7 @@ class Pipeline:
             untouched), or a factory ``i -> layer i`` (with ``num_layers``) that
             builds layer ``i`` identically on every rank. A layer with a
             ``source_name(name)`` method names its own state (see
-            :mod:`~zerobubble.runtime.partition`; :mod:`zerobubble.interop.hf`).
+            :mod:`~zerobubble.parallel.partition`; :mod:`zerobubble.interop.hf`).
         loss_fn: ``loss_fn(output, target) -> scalar`` of one microbatch; the
             batch loss is the microbatches' losses weighted by their sizes. With
             ``count_fn``: ``loss_fn(output, target, num_items)``, a sum over the
@@ -67,34 +67,34 @@ class Pipeline:
         microbatches: Microbatches per step; only with a kind.
         num_layers: Layer count; only with a factory.
         boundaries: Cut points ``[0, b_1, ..., num_layers]`` (default: equal counts;
-            see :func:`~zerobubble.runtime.partition.stage_bounds`).
+            see :func:`~zerobubble.parallel.partition.stage_bounds`).
         group: Process group whose rank ``d`` runs device ``d`` (default: the world).
         device: Where the stages and microbatches live (default: CPU), e.g.
             :attr:`~zerobubble.runtime.launcher.DistInfo.device`.
-        options: :class:`~zerobubble.runtime.executor.ExecutorOptions` (its ``seed``
+        options: :class:`~zerobubble.executor.ExecutorOptions` (its ``seed``
             seeds the stages' random ops per step, stage and microbatch).
         count_fn: ``count_fn(target)``: the count (e.g. non-ignored tokens) of the
             whole batch that normalises the loss (default: ``loss_fn.count_fn`` if the
             loss declares one, as :class:`~zerobubble.interop.hf.CausalLMLoss` does); see
-            :class:`~zerobubble.runtime.executor.PipelineExecutor`.
+            :class:`~zerobubble.executor.PipelineExecutor`.
         copy_layers: False: build the stages from the layer objects themselves
-            (see :func:`~zerobubble.runtime.partition.build_stage_modules`).
+            (see :func:`~zerobubble.parallel.partition.build_stage_modules`).
         tied_check_every: Compare the replicas of parameters tied across ranks
             (a checksum each) every this many iterations; 0: never.
-        mesh: A :class:`~zerobubble.runtime.mesh.PipelineMesh` from
-            :func:`~zerobubble.runtime.mesh.build_mesh` (instead of ``group``): the
+        mesh: A :class:`~zerobubble.parallel.mesh.PipelineMesh` from
+            :func:`~zerobubble.parallel.mesh.build_mesh` (instead of ``group``): the
             pipeline runs on ``mesh.pp_group`` and, with ``dp > 1``, each stage's
             gradients are summed over ``mesh.dp_group`` (see
-            :class:`~zerobubble.runtime.executor.PipelineExecutor`). Each replica's
+            :class:`~zerobubble.executor.PipelineExecutor`). Each replica's
             :meth:`step` gets that replica's part of the global batch. A mesh built with
             ``build_mesh(pp, dp, fsdp=True)`` (its
-            :class:`~zerobubble.runtime.mesh.ParallelSpec`) shards every stage's
+            :class:`~zerobubble.parallel.mesh.ParallelSpec`) shards every stage's
             parameters, gradients and optimizer state over ``dp`` with FSDP2
-            (:mod:`~zerobubble.runtime.fsdp`): gathered from the stage's first F to its
+            (:mod:`~zerobubble.parallel.fsdp`): gathered from the stage's first F to its
             last W of each step, gradients reduce-scattered (summed) after that W,
             instead of the reduction of whole gradients. A mesh with ``ep > 1`` shards
             the experts of every module of the stages with the layer contract's sharding
-            hook ``shard_experts`` (:func:`~zerobubble.runtime.experts.shard_all_experts`):
+            hook ``shard_experts`` (:func:`~zerobubble.parallel.experts.shard_all_experts`):
             every :class:`~zerobubble.models.moe.MoE` layer, and every Hugging Face
             experts module of transformers' experts layout (Mixtral, DeepSeek-V3,
             Qwen2/3-MoE, OLMoE, GPT-OSS, ...) in a layer of the adapter
@@ -105,7 +105,7 @@ class Pipeline:
             never runs as plain data parallelism). A mesh with
             ``tp > 1`` (``build_mesh(pp, dp, tp=, sequence_parallel=)``) parallelizes every
             stage over its ``tp_mesh`` with ``tp_plan`` before the B/W split
-            (:mod:`~zerobubble.runtime.tp`): the parameters, their gradients and the
+            (:mod:`~zerobubble.parallel.tp`): the parameters, their gradients and the
             entries of :meth:`state_dict` are DTensors (this rank's shards), and
             :meth:`load_state_dict` takes DTensors of the same layout.
         tp_plan: The tensor-parallel plan of a ``tp > 1`` mesh: one plan for every stage
@@ -115,7 +115,7 @@ class Pipeline:
 
     A parameter the model uses in several layers stays one parameter: layers of
     a stage share it; stages share it as a tie whose replicas take one summed
-    gradient (:mod:`~zerobubble.runtime.tied`). :meth:`named_parameters` and
+    gradient (:mod:`~zerobubble.parallel.tied`). :meth:`named_parameters` and
     :meth:`state_dict` list it once, under its first name in the model.
 
     The constructor is collective: every rank of the group builds its Pipeline.
@@ -127,9 +127,9 @@ class Pipeline:
         trainer: The :class:`PipelineTrainer` once :meth:`set_optimizer` was called.
         rank: This process's pipeline rank.
         schedule: The schedule that runs (after the executor's passes).
-        tied: The :class:`~zerobubble.runtime.tied.TiedGroups` of this rank's ties.
+        tied: The :class:`~zerobubble.parallel.tied.TiedGroups` of this rank's ties.
         shared: Every parameter the model's layers share
-            (:func:`~zerobubble.runtime.tied.find_shared`), the same on every rank.
+            (:func:`~zerobubble.parallel.tied.find_shared`), the same on every rank.
     """
 
     def __init__(
@@ -390,7 +390,7 @@ class Pipeline:
         (:func:`~zerobubble.runtime.loss_terms.add_loss_term`, e.g. a router's
         load-balancing loss). A microbatch's objective is then ``loss_fn``'s loss plus every
         term (added in name order), each weighted as
-        :attr:`~zerobubble.runtime.executor_options.ExecutorOptions.term_weight` says: by
+        :attr:`~zerobubble.runtime.options.ExecutorOptions.term_weight` says: by
         default ``1 / (M * dp)`` in the step's objective, so the step's term is the mean
         over the global batch's microbatches. That is what is trained, and the returned
         ``losses`` are these objectives, unscaled: ``loss_fn``'s loss plus each term times
@@ -452,7 +452,7 @@ class Pipeline:
         ``down_proj``, their biases; :mod:`~zerobubble.interop.hf_experts`) keeps HF's name
         but holds only
         this rank's rows ``(E / ep, ...)``
-        (:func:`~zerobubble.runtime.experts.expert_shard` tells which): the whole tensor
+        (:func:`~zerobubble.parallel.experts.expert_shard` tells which): the whole tensor
         is the ep ranks' blocks concatenated in ep-rank order. With tensor parallelism
         (a mesh with ``tp > 1``) a parallelized entry is the stage's DTensor, this rank's
         shard of it (``full_tensor()``, collective over the tp ranks, gives the whole).
@@ -558,7 +558,7 @@ def _shard_experts(
     group: dist.ProcessGroup | None,
 ) -> None:
     """Shard every stage's experts over ``ep`` (each module's sharding hook, in module order:
-    :func:`~zerobubble.runtime.experts.shard_all_experts`), or raise on every rank of the pipeline
+    :func:`~zerobubble.parallel.experts.shard_all_experts`), or raise on every rank of the pipeline
     ``group`` (a collective): ``ep > 1`` never runs as plain data parallelism. Refused: a
     stage with an experts module that cannot be sharded or that nothing sharded (named with
     its stage and its model name), and a pipeline whose stages hold no experts at all."""

@@ -13,10 +13,10 @@ PhiMoE, FlexOlmo, GLM4-MoE and the rest of the ~70 families built so. It replace
 module by a :class:`ShardedExperts` holding rank ``r``'s rows ``[r * E / ep, (r + 1) * E /
 ep)`` of every per-expert tensor (the ``gate_up_proj`` or ``up_proj`` and ``down_proj``
 stacks, and their ``*_bias``) as local parameters of the **same names**, each marked with
-:func:`~zerobubble.runtime.ep.mark_expert` as its own run (gradients summed over ``edp``;
+:func:`~zerobubble.parallel.ep.mark_expert` as its own run (gradients summed over ``edp``;
 the norm layout of :mod:`~zerobubble.optim.ep_norms` counts every row block once, ep rank
 0's first: the unsharded tensor cut into its ep row blocks) and with
-:func:`~zerobubble.runtime.experts.mark_expert_rows` (its rows of the whole tensor, which
+:func:`~zerobubble.parallel.experts.mark_expert_rows` (its rows of the whole tensor, which
 the pipeline's state dict and the checkpoints read: :func:`expert_shard`).
 
 The pipeline reaches this module through the layer contract: every layer of the adapter
@@ -29,9 +29,9 @@ Its forward is ``grouped_mm_experts_forward`` with our exchange in the middle:
   flattened ``top_k_index`` (so each expert sees its rows in HF's order), the rows
   gathered, per-expert counts;
 * exchange: counts, then rows, all-to-all to the experts' owners
-  (:func:`~zerobubble.runtime.experts.exchange_grouped`); the local experts run on their rows
+  (:func:`~zerobubble.parallel.experts.exchange_grouped`); the local experts run on their rows
   of all sources, regrouped expert-major in source-rank order
-  (:func:`~zerobubble.runtime.experts.run_grouped`), as **one grouped matmul per projection**
+  (:func:`~zerobubble.parallel.experts.run_grouped`), as **one grouped matmul per projection**
   (:meth:`~zerobubble.runtime.split.grouped.SplitGrouped.grouped_linear`:
   ``torch._grouped_mm`` with the int32 cumulative row counts, the layout per
   ``is_transposed``, ``bias[ids]`` added in place per ``has_bias``), the class's own
@@ -70,8 +70,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from zerobubble.runtime.ep import ExpertGroup, mark_expert
-from zerobubble.runtime.experts import (
+from zerobubble.parallel.ep import ExpertGroup, mark_expert
+from zerobubble.parallel.experts import (
     exchange_grouped,
     expert_shard,
     mark_expert_rows,
@@ -81,8 +81,8 @@ from zerobubble.runtime.experts import (
 from zerobubble.runtime.split.grouped import SplitGrouped
 
 if TYPE_CHECKING:
+    from zerobubble.parallel.mesh import PipelineMesh
     from zerobubble.pipeline import Pipeline
-    from zerobubble.runtime.mesh import PipelineMesh
 
 __all__ = [
     "LAYOUT_FLAGS",
@@ -134,7 +134,7 @@ class ShardedExperts(SplitGrouped):
         experts: The whole HF experts module (:func:`is_hf_experts`); its per-expert tensors
             are copied (sliced), not shared, and so is its post-expert norm.
         ep: The ep group (``ExpertGroup()``: one rank, every expert).
-        run: The :func:`~zerobubble.runtime.ep.mark_expert` run of the first tensor; the
+        run: The :func:`~zerobubble.parallel.ep.mark_expert` run of the first tensor; the
             next ones get ``run + 1``, ... (:attr:`runs` in all).
     """
 
@@ -279,7 +279,7 @@ def shard_layer_experts(
     module: nn.Module, ep: ExpertGroup, first_run: int, name: Callable[[str], str] = str
 ) -> int:
     """:func:`shard_hf_experts` as the layer contract's sharding hook
-    (:class:`~zerobubble.runtime.experts.ShardsExperts`) does it: returns the runs used, and
+    (:class:`~zerobubble.parallel.experts.ShardsExperts`) does it: returns the runs used, and
     a refusal names the module by ``name(its name in module)``, e.g. the model's name."""
     return _shard(module, ep, first_run, name)[1]
 

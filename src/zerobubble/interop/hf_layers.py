@@ -44,10 +44,10 @@ from zerobubble.interop.hf_router import (
     router_z_term,
 )
 from zerobubble.interop.hf_tp import hf_block_plan
-from zerobubble.runtime.ep import ExpertGroup
-from zerobubble.runtime.kv_segments import SegmentAware, SegmentSlot
+from zerobubble.parallel.ep import ExpertGroup
+from zerobubble.parallel.tp import LayerLayout, share_column_inputs
 from zerobubble.runtime.loss_terms import add_loss_term
-from zerobubble.runtime.tp import LayerLayout, share_column_inputs
+from zerobubble.runtime.sequence.kv import SegmentAware, SegmentSlot
 
 Boundary = dict[str, Any]
 """What travels between layers: ``hidden``, ``attention_mask``, ``position_ids``."""
@@ -87,7 +87,7 @@ class HFLayer(nn.Module):
 
     def shard_experts(self, ep: ExpertGroup, first_run: int) -> int:
         """The layer contract's sharding hook
-        (:class:`~zerobubble.runtime.experts.ShardsExperts`): every experts module of
+        (:class:`~zerobubble.parallel.experts.ShardsExperts`): every experts module of
         transformers' layout in this layer becomes its
         :class:`~zerobubble.interop.hf_experts.ShardedExperts` over ``ep``
         (:func:`~zerobubble.interop.hf_experts.shard_layer_experts`); a refusal names the
@@ -170,7 +170,7 @@ def _attention_inputs(
     """The cache, padding mask, positions and causal mask of one block's call.
 
     Without a segment, what the model's forward gives the block. In a segment of tokens
-    ``[start, end)`` (:mod:`zerobubble.runtime.kv_segments`) the cache holds the earlier
+    ``[start, end)`` (:mod:`zerobubble.runtime.sequence.kv`) the cache holds the earlier
     segments' keys and values (empty for the first, as :func:`_forward_cache`'s), so the
     model's own code attends over them and the mask utilities take the query offset and
     key length from it; the padding mask keeps the columns of keys ``[0, end)``.
@@ -390,7 +390,7 @@ class DecoderEmbedding(HFLayer):
     """Takes the token ids, whose length sequence parallelism shards (checked)."""
 
     def tp_kinds(self, layout: LayerLayout) -> dict[str, str]:
-        """Tensor parallelism (:mod:`~zerobubble.runtime.tp`): the table
+        """Tensor parallelism (:mod:`~zerobubble.parallel.tp`): the table
         vocabulary-sharded, its output ``seq`` (sequence shards with sequence parallelism)."""
         return {"embed_tokens": "embedding"}
 
@@ -470,7 +470,7 @@ class DecoderBlock(SegmentAware, HFLayer):
         self.attention_type = attention_type
         self.sequence_shards = 1
         """Over how many ranks the hidden states' sequence is sharded (sequence parallelism,
-        :mod:`~zerobubble.runtime.tp`): the mask and positions are of the whole sequence."""
+        :mod:`~zerobubble.parallel.tp`): the mask and positions are of the whole sequence."""
         self.router = router
         """The model's router loss (None: none); then the block adds its router's statistics."""
         self.z_loss = float(z_loss)
@@ -499,12 +499,12 @@ class DecoderBlock(SegmentAware, HFLayer):
         return [self.layer.get_submodule(self._router_path)]
 
     def tp_kinds(self, layout: LayerLayout) -> dict[str, str]:
-        """Tensor parallelism (:mod:`~zerobubble.runtime.tp`): the config's
+        """Tensor parallelism (:mod:`~zerobubble.parallel.tp`): the config's
         ``base_model_tp_plan`` where it has one, else Megatron's Llama layout
         (:data:`TP_TABLE`); column-wise siblings share one prepared input, the norms run on
         sequence shards with sequence parallelism. When only ``attention_dropout`` draws (on
         this rank's heads) the block draws from the rank's own stream; a dropout module is
-        left uncovered, so that :func:`~zerobubble.runtime.tp.parallelize_stage` refuses it
+        left uncovered, so that :func:`~zerobubble.parallel.tp.parallelize_stage` refuses it
         (it may act on replicated activations)."""
         config = self.config
         for what in ("num_attention_heads", "num_key_value_heads"):
@@ -665,7 +665,7 @@ class DecoderHead(HFLayer):
         """The model's router loss: added as the loss term ``"router_aux"`` (None: none)."""
 
     def tp_kinds(self, layout: LayerLayout) -> dict[str, str]:
-        """Tensor parallelism (:mod:`~zerobubble.runtime.tp`): the LM head column-wise with
+        """Tensor parallelism (:mod:`~zerobubble.parallel.tp`): the LM head column-wise with
         the logits gathered, so the loss runs unchanged; the norm on sequence shards with
         sequence parallelism."""
         norm = {"norm": "sequence_parallel"} if layout.sequence_parallel else {}

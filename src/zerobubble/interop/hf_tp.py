@@ -1,6 +1,6 @@
 """Hugging Face's tensor-parallel plans in the runtime's terms: a ``transformers`` config's
 ``base_model_tp_plan`` (submodule patterns -> style strings) mapped onto one adapter layer as
-the kinds of :mod:`~zerobubble.runtime.tp` (:data:`~zerobubble.runtime.tp.KINDS`), the plain
+the kinds of :mod:`~zerobubble.parallel.tp` (:data:`~zerobubble.parallel.tp.KINDS`), the plain
 ``{submodule name: kind}`` a layer's ``tp_kinds`` hook returns (docs/layer-contract.md).
 The runtime reads kinds only; the strings of ``transformers`` stay here.
 """

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from zerobubble.runtime.kv_segments import SegmentAware
-from zerobubble.runtime.tp import LayerLayout, dropout_kinds
+from zerobubble.parallel.tp import LayerLayout, dropout_kinds
+from zerobubble.runtime.sequence.kv import SegmentAware
 
 __all__ = ["Block", "CausalSelfAttention", "GPTConfig", "GPTEmbedding", "build_gpt", "gpt_loss"]
 
@@ -76,7 +76,7 @@ class GPTConfig:
 class GPTEmbedding(SegmentAware, nn.Module):
     """Token plus learned position embedding: (B, T) ids -> (B, T, d_model).
 
-    In a segment scope (:mod:`zerobubble.runtime.kv_segments`) the ids are tokens
+    In a segment scope (:mod:`zerobubble.runtime.sequence.kv`) the ids are tokens
     ``[start, start + T)`` of the sequence and take those positions.
     """
 
@@ -91,7 +91,7 @@ class GPTEmbedding(SegmentAware, nn.Module):
     """Takes the token ids, whose length sequence parallelism shards (checked)."""
 
     def tp_kinds(self, layout: LayerLayout) -> dict[str, str]:
-        """Tensor parallelism (:mod:`~zerobubble.runtime.tp`): the token table
+        """Tensor parallelism (:mod:`~zerobubble.parallel.tp`): the token table
         vocabulary-sharded, its output left a DTensor to meet the position table's, which
         is replicated (as a DTensor, so its gradient is exact on sequence shards); the sum
         handed on as local ``seq`` tensors, where the dropout draws sharded with sequence
@@ -181,7 +181,7 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def tp_kinds(self, layout: LayerLayout) -> dict[str, str]:
-        """Tensor parallelism (:mod:`~zerobubble.runtime.tp`), Megatron's layout: q/k/v
+        """Tensor parallelism (:mod:`~zerobubble.parallel.tp`), Megatron's layout: q/k/v
         column-wise on one prepared input (our MLP has one column-wise ``fc``), the
         attention's output and ``proj`` row-wise, the norms on sequence shards with sequence
         parallelism. Attention probabilities are this rank's heads (their dropout draws

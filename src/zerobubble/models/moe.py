@@ -4,19 +4,19 @@
 softmax, top-k, optionally renormalised as Mixtral does). Dropless: every (token, k)
 pair is computed, whatever the load. Its forward is three phases, so that the
 all-to-all can later be overlapped and so that
-:func:`~zerobubble.runtime.ep_reference.ep_reference_step` can play every ep rank
+:func:`~zerobubble.reference.ep.ep_reference_step` can play every ep rank
 in one process with the very same ops:
 
 * :meth:`ExpertLayer.dispatch`: route; the (token, k) rows sorted by expert
   (stable) and the per-expert counts;
 * :meth:`MoE.exchange`: counts, then rows, all-to-all to the experts' owners
-  (:mod:`~zerobubble.runtime.ep`); :func:`run_experts` on the received rows (rows
+  (:mod:`~zerobubble.parallel.ep`); :func:`run_experts` on the received rows (rows
   from source rank 0 first, then rank 1, ...; each local expert's rows concatenated
   in that order); the reverse all-to-all. With ``ep == 1`` no communication;
 * :meth:`ExpertLayer.combine`: unsort, weight by the routing probabilities, sum.
 
 The phases' contract (:class:`ExpertLayer`) and the exchange (:func:`exchange_rows`,
-:func:`run_experts`, ...) are the runtime's (:mod:`~zerobubble.runtime.experts`, imported
+:func:`run_experts`, ...) are the runtime's (:mod:`~zerobubble.parallel.experts`, imported
 here under the same names), so that the runtime imports no model.
 
 Experts are :class:`Expert` MLPs of ``nn.Linear`` layers, so the B/W split defers
@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zerobubble.models.gpt import CausalSelfAttention, GPTConfig, GPTEmbedding, _init
-from zerobubble.runtime.ep import ExpertGroup, mark_expert
-from zerobubble.runtime.experts import (
+from zerobubble.parallel.ep import ExpertGroup, mark_expert
+from zerobubble.parallel.experts import (
     ExpertLayer,
     dispatch_order,
     exchange_grouped,
@@ -142,7 +142,7 @@ class MoE(ExpertLayer):
 
     def shard_experts(self, ep: ExpertGroup, first_run: int) -> int:
         """The layer contract's sharding hook
-        (:class:`~zerobubble.runtime.experts.ShardsExperts`): :meth:`shard` with run
+        (:class:`~zerobubble.parallel.experts.ShardsExperts`): :meth:`shard` with run
         ``first_run``; one run used."""
         self.shard(ep, first_run)
         return 1

@@ -34,7 +34,7 @@ tensor, keyed by stage and parameter name), param-group settings, the
 trainer's counters, the CPU RNG state and the caller's ``extra`` (e.g. the
 data position).
 
-Over dp x pp (``mesh=``, a :class:`~zerobubble.runtime.mesh.PipelineMesh`) the
+Over dp x pp (``mesh=``, a :class:`~zerobubble.parallel.mesh.PipelineMesh`) the
 save and the load are collectives over the whole job rather than one pipeline:
 the data-parallel replicas write one checkpoint. Model and optimizer entries keep
 their stage-keyed names, so ``torch.distributed.checkpoint`` stores a replicated
@@ -84,9 +84,9 @@ from torch.futures import Future
 
 from zerobubble.optim.faults import CrashPoint
 from zerobubble.optim.trainer import PipelineTrainer, group_settings
-from zerobubble.runtime.comm import exchange_bytes, set_timeout, transport_timeout
-from zerobubble.runtime.experts import expert_shard
-from zerobubble.runtime.mesh import PipelineMesh
+from zerobubble.parallel.experts import expert_shard
+from zerobubble.parallel.mesh import PipelineMesh
+from zerobubble.runtime.p2p.comm import exchange_bytes, set_timeout, transport_timeout
 
 __all__ = [
     "CheckpointError",
@@ -141,7 +141,7 @@ def save_checkpoint(
 
     Waits are bounded by the executor's ``comm_timeout_s`` (the confirmation's by that
     plus this rank's time hashing its shards) and a rank that does not arrive, stalled or
-    dead, is named in the :class:`~zerobubble.runtime.comm.PeerError`: at the start, at
+    dead, is named in the :class:`~zerobubble.runtime.p2p.comm.PeerError`: at the start, at
     the confirmation and at the commit. ``torch.distributed.checkpoint``'s own collectives
     run inside torch: they get the group's transport timeout, ``comm_timeout_s`` while DCP
     plans and ``comm_timeout_s`` plus this rank's own write time once it wrote its shards
@@ -635,7 +635,7 @@ def _param_names(trainer: PipelineTrainer) -> dict[int, str]:
 
 def _param_key(stage: int, name: str, param: Tensor) -> str:
     """``s<stage>.<name>``; a tensor that is a row block of a whole experts tensor (a Hugging
-    Face experts tensor sharded over ep: :func:`~zerobubble.runtime.experts.expert_shard`)
+    Face experts tensor sharded over ep: :func:`~zerobubble.parallel.experts.expert_shard`)
     adds its rows, ``@rows<a>-<b>``: its ep peers hold other rows under the same name."""
     shard = expert_shard(param)
     return f"s{stage}.{name}" + ("" if shard is None else f"@rows{shard[0]}-{shard[1]}")

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from zerobubble.optim.norms import ParamLayout, Remote
-from zerobubble.runtime.comm import P2P
-from zerobubble.runtime.ep import expert_run
+from zerobubble.parallel.ep import expert_run
+from zerobubble.runtime.p2p.comm import P2P
 
 __all__ = ["ExpertNorms", "expert_slots"]
 

@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
 from zerobubble.optim.config import OptimConfig
-from zerobubble.runtime.comm import P2P, dtype_code, dtype_of
+from zerobubble.runtime.p2p.comm import P2P, dtype_code, dtype_of
 
 UNSEEN, PRESENT, ABSENT, PARTIAL = 0.0, 1.0, 2.0, 3.0
 """Slot status: not filled yet; a norm; no gradient; this tp rank's part of a partial norm."""

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from zerobubble.runtime.ep import is_expert
-from zerobubble.runtime.executor import PipelineExecutor
-from zerobubble.runtime.mesh import PipelineMesh
+from zerobubble.executor import PipelineExecutor
+from zerobubble.parallel.ep import is_expert
+from zerobubble.parallel.mesh import PipelineMesh
 
 __all__ = ["ReplicaCheck", "ReplicaDivergence", "checksum"]
 

@@ -1,18 +1,18 @@
 """The optimizer's protocol as instructions and hooks for the plain executor.
 
-The executor (:mod:`zerobubble.runtime.executor`) only interprets a program. What
+The executor (:mod:`zerobubble.executor`) only interprets a program. What
 post-validation needs on top of the lowered schedule is inserted by the builder's
-protocol pass (:func:`~zerobubble.schedule.replay.insert_protocol`, asked for with
-:meth:`~zerobubble.runtime.executor.PipelineExecutor.set_protocol`): a
-:class:`~zerobubble.schedule.program.VersionCheck` before every compute and, for
-speculative mode, the :class:`~zerobubble.schedule.program.Gate` of
-:func:`~zerobubble.schedule.replay.plan_gates` (receive posts moved, what a replay
+protocol pass (:func:`~zerobubble.program.passes.protocol.insert_protocol`, asked for with
+:meth:`~zerobubble.executor.PipelineExecutor.set_protocol`): a
+:class:`~zerobubble.program.instructions.VersionCheck` before every compute and, for
+speculative mode, the :class:`~zerobubble.program.instructions.Gate` of
+:func:`~zerobubble.program.passes.protocol.plan_gates` (receive posts moved, what a replay
 drains named); a schedule whose ranks cannot reach their gates is refused there,
 before any message. Here:
 
 * :class:`VersionGuard`: the hooks behind those instructions. Every B/W runs on
   its F's parameter version; speculative messages carry a version header
-  (:mod:`~zerobubble.runtime.wire`) so stale ones are told from fresh ones, and
+  (:mod:`~zerobubble.runtime.p2p.wire`) so stale ones are told from fresh ones, and
   work kept at the gate must have seen one version.
 """
 
@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from zerobubble.runtime.comm import TensorMeta
-from zerobubble.runtime.executor import PipelineExecutor
+from zerobubble.executor import PipelineExecutor
+from zerobubble.program.instructions import Message
 from zerobubble.runtime.hooks import StepHooks
-from zerobubble.runtime.wire import Header, pack, packed_meta, unpack
+from zerobubble.runtime.p2p.comm import TensorMeta
+from zerobubble.runtime.p2p.wire import Header, pack, packed_meta, unpack
 from zerobubble.schedule.ir import Action, Op
-from zerobubble.schedule.program import Message
 
 __all__ = ["VersionGuard"]
 

@@ -31,8 +31,8 @@ owns the parameter version (``executor.param_version`` follows its
 :class:`~zerobubble.optim.versions.RankVersions`) and has the executor's programs
 built with the protocol's instructions (:mod:`zerobubble.optim.speculation`). Every
 wait is bounded by the executor's ``comm_timeout_s`` and fails with a
-:class:`~zerobubble.runtime.comm.PeerError`; the state messages travel on their
-own channel (:class:`~zerobubble.runtime.comm.Channel`) and are checked on receipt.
+:class:`~zerobubble.runtime.p2p.comm.PeerError`; the state messages travel on their
+own channel (:class:`~zerobubble.runtime.p2p.comm.Channel`) and are checked on receipt.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from zerobubble.executor import PipelineExecutor
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.ep_norms import ExpertNorms, expert_slots
 from zerobubble.optim.faults import CrashPoint, FaultPlan
@@ -72,16 +73,15 @@ from zerobubble.optim.rollback import make_undo
 from zerobubble.optim.speculation import VersionGuard
 from zerobubble.optim.step_state import StepState
 from zerobubble.optim.versions import OptState, ProtocolError, RankVersions
-from zerobubble.runtime.comm import Channel
-from zerobubble.runtime.dp import sum_over_dp
-from zerobubble.runtime.executor import PipelineExecutor
-from zerobubble.runtime.mesh import PipelineMesh
-from zerobubble.runtime.tied import TiedGroups
-from zerobubble.runtime.trace import profiled
-from zerobubble.schedule.build import Protocol
+from zerobubble.parallel.dp import sum_over_dp
+from zerobubble.parallel.mesh import PipelineMesh
+from zerobubble.parallel.tied import TiedGroups
+from zerobubble.program.plan import Protocol
+from zerobubble.runtime.p2p.comm import Channel
+from zerobubble.runtime.recorder import profiled
 from zerobubble.schedule.ir import Action as ComputeAction
 from zerobubble.schedule.step_sim import StepMode
-from zerobubble.schedule.trace_format import TraceEvent, event_name
+from zerobubble.trace.format import TraceEvent, event_name
 
 __all__ = ["Commit", "PipelineTrainer", "group_settings", "tp_mesh_of"]
 
@@ -150,7 +150,7 @@ class PipelineTrainer:
         on_commit: Called with each :class:`Commit`, right after the final action
             of an iteration is applied on this rank.
         tied: The parameters tied across stages
-            (:class:`~zerobubble.runtime.tied.TiedGroups`): their gradients are summed
+            (:class:`~zerobubble.parallel.tied.TiedGroups`): their gradients are summed
             over the holder stages at the tail, before the norm, clipping, the
             NaN/Inf check and the step; the norm counts each once.
 

@@ -15,7 +15,7 @@ bad user input) when the seed's invariants would break:
 
 (That a backward runs on its forward's version is checked per microbatch by
 the executor, and "one version per microbatch along the pipeline" by the
-message headers and the offline :mod:`zerobubble.schedule.trace_check`.)
+message headers and the offline :mod:`zerobubble.trace.check`.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Stage balancing: cut an ordered list of layers so that per-stage time is even.
 
-Equal layer counts (:func:`zerobubble.runtime.partition.stage_bounds`) are a
+Equal layer counts (:func:`zerobubble.parallel.partition.stage_bounds`) are a
 poor proxy when the first stage carries the embedding and the last the LM head
 and loss. Given measured per-layer costs,
 :func:`balanced_boundaries` finds the contiguous cut that minimises the most
@@ -23,7 +23,7 @@ def stage_costs(layer_costs: Sequence[float], boundaries: Sequence[int]) -> list
 
 def boundaries_of(bounds: Sequence[range]) -> list[int]:
     """Cut points ``[0, b1, ..., L]`` of stage layer ranges (e.g. from
-    :func:`zerobubble.runtime.partition.stage_bounds`, the one equal-count rule)."""
+    :func:`zerobubble.parallel.partition.stage_bounds`, the one equal-count rule)."""
     return [bounds[0].start, *(r.stop for r in bounds)]
 
 

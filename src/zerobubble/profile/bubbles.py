@@ -1,8 +1,8 @@
 """Where a measured pipeline iteration's idle time goes, per device, summing exactly.
 
-Input: the :class:`~zerobubble.schedule.trace_format.TraceEvent` list of every rank.
+Input: the :class:`~zerobubble.trace.format.TraceEvent` list of every rank.
 Ranks' times are first put on one clock using the messages between them
-(:func:`zerobubble.schedule.clocks.clock_offsets`). All quantities are integer
+(:func:`zerobubble.trace.clocks.clock_offsets`). All quantities are integer
 nanoseconds, so the parts add up exactly.
 
 Definitions (one iteration, device = rank ``d``):
@@ -55,11 +55,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from zerobubble.schedule.clocks import clock_offsets
+from zerobubble.program.instructions import MsgKind
 from zerobubble.schedule.deps import Key, needs, produces
 from zerobubble.schedule.ir import Action, Op
-from zerobubble.schedule.program import MsgKind
-from zerobubble.schedule.trace_format import EventOp, MessageId, TraceEvent
+from zerobubble.trace.clocks import clock_offsets
+from zerobubble.trace.format import EventOp, MessageId, TraceEvent
 
 CATEGORIES = ("dependency", "memory", "comm", "imbalance", "overhead")
 """The parts of a device's idle time, in the order pictures stack them."""

@@ -1,6 +1,6 @@
 """Per-layer costs: F, B, W and activation memory of every layer, for stage balancing.
 
-Each layer runs as its own one-layer :class:`~zerobubble.runtime.chunk.StageChunk`
+Each layer runs as its own one-layer :class:`~zerobubble.runtime.stage.StageChunk`
 (B/W split, exactly what a pipeline stage runs), on copies of the layers so
 the caller's modules are neither split nor trained. The microbatch flows
 forward through all layers, then the input gradients flow back (B), then
@@ -26,9 +26,9 @@ import torch
 from torch import Tensor, nn
 
 from zerobubble.profile.stats import OpStats
-from zerobubble.runtime.chunk import StageChunk
 from zerobubble.runtime.shapes import map_tensors, tensor_leaves
 from zerobubble.runtime.split import SplitShare, SplitShareWarning
+from zerobubble.runtime.stage import StageChunk
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ causal sequence as ``linear * (e - s) + attention * pairs``. The closed form
 (:meth:`SegmentCost.transformer`) counts flops; what a machine pays per token and per
 query-key pair differs (memory-bound softmax, small GEMMs, host work), so this times
 the layers' forward on a few spans of a real batch, each with the keys and values of
-the tokens before it (the segment-aware layers of :mod:`~zerobubble.runtime.kv_segments`),
+the tokens before it (the segment-aware layers of :mod:`~zerobubble.runtime.sequence.kv`),
 and fits the two terms (:meth:`SegmentCost.fit`). The backward scales both terms alike,
 so the forward is enough to cut.
 """
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerobubble.runtime.kv_segments import (
+from zerobubble.runtime.sequence.kv import (
     SegmentContext,
     segment_inputs,
     segment_scope,

@@ -1,7 +1,7 @@
 """Per-virtual-stage costs measured in a real pipeline run, and point-to-point latency.
 
 Stage costs come from the executor's trace: every F, B, W and BW event is
-one :class:`~zerobubble.runtime.chunk.StageChunk` op on real data, timed
+one :class:`~zerobubble.runtime.stage.StageChunk` op on real data, timed
 where it ran, so B and W are the real split passes and each stage runs next
 to the others' traffic. Activation memory comes from the same events: an F
 raises the rank's held bytes by its rise, and what is still held after B (F's
@@ -21,7 +21,7 @@ it, since the device cannot compute meanwhile.
 
 A stage that holds expert layers under expert parallelism also waits for their token
 all-to-alls inside its F and its backward. With the ep groups' waits recorded
-(:func:`~zerobubble.runtime.ep.timing_waits`), :func:`all_to_all_ms` charges each compute
+(:func:`~zerobubble.parallel.ep.timing_waits`), :func:`all_to_all_ms` charges each compute
 event the part of the waits of its rank that fall inside it; per stage the median over F
 and over backward events is its all-to-all time (:attr:`StageProfile.a2a_f`,
 :attr:`StageProfile.a2a_b`), which the cost model takes apart from compute
@@ -49,10 +49,10 @@ import torch
 import torch.distributed as dist
 
 from zerobubble.profile.stats import OpStats
-from zerobubble.schedule.clocks import clock_offsets
+from zerobubble.program.instructions import MsgKind
 from zerobubble.schedule.ir import Op
-from zerobubble.schedule.program import MsgKind
-from zerobubble.schedule.trace_format import COMPUTE_OPS, TraceEvent
+from zerobubble.trace.clocks import clock_offsets
+from zerobubble.trace.format import COMPUTE_OPS, TraceEvent
 
 HOST_OPS = ("send", "post_recv")
 """Events that are host work of the op before them (a wait_recv is waiting, not work:
@@ -249,7 +249,7 @@ def message_latency(*runs: Sequence[TraceEvent], skip_iterations: int = 0) -> di
     rank): ms from the end of a message's producing op to the return of the receiver's
     wait, over the messages the receiver waited for from before that end (so the return
     is the arrival). Each run's clocks are aligned first
-    (:func:`~zerobubble.schedule.clocks.clock_offsets`); iterations below
+    (:func:`~zerobubble.trace.clocks.clock_offsets`); iterations below
     ``skip_iterations`` are warm-up. Boundaries without such a message are absent."""
     samples: dict[int, list[float]] = defaultdict(list)
     for run in runs:

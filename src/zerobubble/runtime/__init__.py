@@ -1,1 +1,1 @@
-"""Running schedules on torch: B/W split, per-stage compute, lowering, executor."""
+"""Running one stage and one instruction on torch: B/W split, stages, p2p, the interpreter."""

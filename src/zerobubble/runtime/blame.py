@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerobubble.runtime.chunk import StageChunkError
 from zerobubble.runtime.shapes import ShapeMismatchError, describe, flatten, is_layout_error
+from zerobubble.runtime.stage import StageChunkError
 
 __all__ = ["forward_failure"]
 

@@ -1,8 +1,8 @@
 """What a caller plugs into a step: the optimizer protocol's and fault injection's hooks.
 
 The executor calls them at the protocol instructions a pass inserted
-(:class:`~zerobubble.schedule.program.VersionCheck`,
-:class:`~zerobubble.schedule.program.Gate`) and on every message; it never
+(:class:`~zerobubble.program.instructions.VersionCheck`,
+:class:`~zerobubble.program.instructions.Gate`) and on every message; it never
 interprets what they decide. The defaults do nothing.
 """
 
@@ -10,24 +10,24 @@ from __future__ import annotations
 
 import torch
 
-from zerobubble.runtime.comm import TensorMeta
+from zerobubble.program.instructions import Message
+from zerobubble.runtime.p2p.comm import TensorMeta
 from zerobubble.schedule.ir import Action
-from zerobubble.schedule.program import Message
 
 __all__ = ["StepHooks"]
 
 
 class StepHooks:
-    """Callbacks of one :meth:`~zerobubble.runtime.executor.PipelineExecutor.step`."""
+    """Callbacks of one :meth:`~zerobubble.executor.PipelineExecutor.step`."""
 
     def after_compute(self, action: Action) -> None:
         """Called after every compute action (fault injection uses it)."""
 
     def check_version(self, action: Action) -> None:
-        """At a :class:`~zerobubble.schedule.program.VersionCheck`, before ``action`` runs."""
+        """At a :class:`~zerobubble.program.instructions.VersionCheck`, before ``action`` runs."""
 
     def at_gate(self) -> bool:
-        """At a :class:`~zerobubble.schedule.program.Gate` (once per step). True: discard
+        """At a :class:`~zerobubble.program.instructions.Gate` (once per step). True: discard
         the step's work so far and replay it."""
         return False
 

@@ -150,7 +150,7 @@ def init_distributed(timeout_s: float = 60.0) -> DistInfo:
     ``LOCAL_RANK``) with its default backend (NCCL on CUDA), else CPU with gloo.
     Under ``torchrun`` on several nodes ``RANK`` and ``WORLD_SIZE`` are global and
     ``LOCAL_RANK`` is the node's; a pipeline x data(x tensor)-parallel job then builds its
-    mesh with :func:`~zerobubble.runtime.mesh.build_mesh` (world size ``pp * dp * tp``).
+    mesh with :func:`~zerobubble.parallel.mesh.build_mesh` (world size ``pp * dp * tp``).
     """
     import torch  # here, not at module level: launcher processes do not need torch
     import torch.distributed as dist

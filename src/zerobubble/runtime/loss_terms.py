@@ -3,7 +3,7 @@
 A layer calls :func:`add_loss_term` inside its forward; the per-microbatch objective is
 the main loss plus every term. The running stage installs a :class:`TermSink` on its
 modules for the duration of one forward (:func:`term_scope`, the pattern of
-:func:`~zerobubble.runtime.kv_segments.segment_scope`: nothing lives on the modules
+:func:`~zerobubble.runtime.sequence.kv.segment_scope`: nothing lives on the modules
 between calls). A stage that received or produced terms sends, with its output, the
 running per-name sums of the terms so far (:func:`with_terms`): differentiable scalars,
 so the last stage roots the weighted objective (:func:`weighted_objective`) and each

@@ -1,12 +1,12 @@
 """How an overlapped F&B pair runs: both halves at once, so one's communication hides.
 
-A pair (:class:`~zerobubble.schedule.program.Overlap`) is the F of one microbatch and
+A pair (:class:`~zerobubble.program.instructions.Overlap`) is the F of one microbatch and
 the backward of another on the same rank. Neither needs the other, so they may run
 concurrently. The default, :func:`run_together`, runs the F on a helper thread while
 the backward runs on the executor's thread: PyTorch kernels and a collective's wait
 release the GIL, so while one half waits for its all-to-all the other computes.
 
-A user hook (:attr:`~zerobubble.runtime.executor_options.ExecutorOptions.overlap_fn`)
+A user hook (:attr:`~zerobubble.runtime.options.ExecutorOptions.overlap_fn`)
 replaces it, as DualPipe's ``overlapped_forward_backward`` or PyTorch's custom
 ``OVERLAP_F_B`` function do: it gets an :class:`OverlapPair` and must run each half
 exactly once (in any order, on any thread).
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from zerobubble.runtime.comm import SETTLE_S
+from zerobubble.runtime.p2p.comm import SETTLE_S
 from zerobubble.schedule.ir import Action
 
 __all__ = ["LaneGroups", "OverlapFn", "OverlapPair", "run_pair", "run_together"]

@@ -5,7 +5,7 @@ drawing from one running generator would see different numbers under different
 schedules. Instead every forward of stage ``s`` on microbatch ``j`` in step ``k``
 starts from a generator state derived from ``(seed, k, s, j)`` alone, and the
 state the caller had is put back afterwards. The same derivation seeds
-:func:`~zerobubble.runtime.reference.reference_step`, which therefore draws
+:func:`~zerobubble.reference.step.reference_step`, which therefore draws
 exactly what any pipelined run draws; a replayed forward draws the same again.
 
 Backward ops draw nothing new: autograd keeps dropout's mask from the forward; the
@@ -23,7 +23,7 @@ attention heads) runs inside :func:`rank_stream`: one value is drawn from the sh
 stream is seeded from that value and the rank (:func:`derive_rank_seed`), a function of
 ``(seed, step, stage, microbatch, tp rank)`` and the op's place in the forward. A replayed
 or recomputed forward starts from the same shared state, so it draws the same again. The
-tensor-parallel plan says which region is which (:class:`~zerobubble.runtime.tp.TPRandom`).
+tensor-parallel plan says which region is which (:class:`~zerobubble.parallel.tp.TPRandom`).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class StageRng:
     """Seeds the default generators of the CPU and of ``device`` for one stage's forward.
 
     Args:
-        seed: The run's seed (:attr:`~zerobubble.runtime.executor.ExecutorOptions.seed`).
+        seed: The run's seed (:attr:`~zerobubble.executor.ExecutorOptions.seed`).
         device: The stage's device; for an accelerator its default generator is
             seeded too (``torch.get_device_module(device.type)``, so CUDA and others
             alike), the CPU's always (CPU-side random ops of a stage).

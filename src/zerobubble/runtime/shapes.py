@@ -7,7 +7,7 @@ and per tensor its dtype, whether it carries a gradient and its shape) and its
 tensor leaves; :func:`unflatten` is the inverse. A received value is rebuilt
 from the layout alone, so shapes, dtypes, structure and the non-tensor leaves
 may change from one message to the next: the executor sends a layout only when
-it differs from the one the receiver expects (see :mod:`zerobubble.runtime.wire`).
+it differs from the one the receiver expects (see :mod:`zerobubble.runtime.p2p.wire`).
 
 Only floating tensors that require grad (flag set in the layout) get a gradient
 sent back; integer and bool tensors, and float tensors that do not require
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from zerobubble.runtime.comm import DTYPES, TensorMeta, dtype_code, dtype_of
+from zerobubble.runtime.p2p.comm import DTYPES, TensorMeta, dtype_code, dtype_of
 
 _TENSOR, _NONE, _INT, _BOOL, _TUPLE, _LIST, _DICT = range(7)
 _INT64 = (-(2**63), 2**63 - 1)

@@ -187,7 +187,7 @@ class ScheduleSection:
 @dataclass(frozen=True)
 class ExecutorSection:
     """How every phase's executor runs (see
-    :class:`~zerobubble.runtime.executor.ExecutorOptions`; the job sets fusion per phase)."""
+    :class:`~zerobubble.executor.ExecutorOptions`; the job sets fusion per phase)."""
 
     comm_timeout_s: float = 120.0
     """Longest wait on a peer, in seconds, before failing with an error naming it."""

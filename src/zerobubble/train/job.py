@@ -30,7 +30,7 @@ optimizer behind :mod:`zerobubble.optim`'s synchronous step (global grad-norm
 clipping, non-finite steps skipped); gradients are bitwise the same whatever the
 schedule, so schedules only change the speed. A parameter the layers share across
 stages (a tied embedding and LM head) is a tied group
-(:class:`~zerobubble.runtime.tied.TiedGroups`): its replicas' gradients are summed
+(:class:`~zerobubble.parallel.tied.TiedGroups`): its replicas' gradients are summed
 in stage order before clipping, and the replicas are compared (a checksum each)
 after every step. Each phase's executor seeds its stages' random ops (dropout) per
 (step, stage, microbatch) from its own seed; ``losses.json`` records, per step,
@@ -56,8 +56,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerobubble.executor import ExecutorOptions
 from zerobubble.models.corpus import CharCorpus, stdlib_corpus
 from zerobubble.optim.config import OptimConfig
+from zerobubble.parallel.ep import ExpertGroup, expert_groups, timing_waits
+from zerobubble.parallel.partition import stage_bounds
 from zerobubble.pipeline import Pipeline
 from zerobubble.profile.balance import balanced_boundaries, boundaries_of, stage_costs
 from zerobubble.profile.bubbles import IterationBubbles, analyze_iteration
@@ -74,22 +77,19 @@ from zerobubble.profile.stages import (
     stage_profile,
 )
 from zerobubble.profile.stats import OpStats
-from zerobubble.runtime.ep import ExpertGroup, expert_groups, timing_waits
-from zerobubble.runtime.executor import ExecutorOptions
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.partition import stage_bounds
+from zerobubble.runtime.recorder import gather_traces
 from zerobubble.runtime.rng import derive_seed
-from zerobubble.runtime.segment_check import check_segments
-from zerobubble.runtime.trace import gather_traces
+from zerobubble.runtime.sequence.check import check_segments
 from zerobubble.schedule.costs import CostModel, CostSpec
 from zerobubble.schedule.generators import NoPairWarning, generate, one_f_one_b
 from zerobubble.schedule.ir import Schedule
 from zerobubble.schedule.search.graph import min_feasible_limit
 from zerobubble.schedule.segments import SegmentCost, balanced_cuts
 from zerobubble.schedule.simulate import SimResult, simulate
-from zerobubble.schedule.trace_check import TraceReport, check_trace
-from zerobubble.schedule.trace_format import TraceEvent, write_chrome_trace, write_jsonl
 from zerobubble.schedule.validate import validate
+from zerobubble.trace.check import TraceReport, check_trace
+from zerobubble.trace.format import TraceEvent, write_chrome_trace, write_jsonl
 from zerobubble.train.collect import StepCollector
 from zerobubble.train.config import TORCH_PROFILE_ACTIVE, TORCH_PROFILE_WARMUP, TrainConfig
 from zerobubble.train.models import JobModel, build_job_model
@@ -220,7 +220,7 @@ class StepRecord:
     iteration: int
     """The phase executor's step number (the ``k`` of its random ops' seed)."""
     seed: int
-    """The phase executor's :attr:`~zerobubble.runtime.executor.ExecutorOptions.seed`."""
+    """The phase executor's :attr:`~zerobubble.executor.ExecutorOptions.seed`."""
     loss: float
     """The batch loss: the microbatches' losses summed (token-normalised loss) or
     averaged (per-sample mean), as float32 computes it."""
@@ -229,7 +229,7 @@ class StepRecord:
     batch; see :func:`~zerobubble.train.models.padded_batch`)."""
     cuts: tuple[int, ...] | None = None
     """A segment schedule's token boundaries (see
-    :func:`~zerobubble.runtime.reference.segment_reference_step`); None without segments."""
+    :func:`~zerobubble.reference.step.segment_reference_step`); None without segments."""
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from torch import Tensor, nn
 
 from zerobubble.models import GPTConfig, build_gpt, gpt_loss
 from zerobubble.models.corpus import CharCorpus
-from zerobubble.runtime.chunk import LossFn
 from zerobubble.runtime.microbatch import CountFn
+from zerobubble.runtime.stage import LossFn
 from zerobubble.train.config import GPT_FIELDS, TrainConfig
 
 __all__ = [

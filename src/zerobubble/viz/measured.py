@@ -11,9 +11,9 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
 from zerobubble.profile.bubbles import CATEGORIES, IterationBubbles
-from zerobubble.schedule.clocks import clock_offsets
 from zerobubble.schedule.ir import Op
-from zerobubble.schedule.trace_format import COMPUTE_OPS, TraceEvent
+from zerobubble.trace.clocks import clock_offsets
+from zerobubble.trace.format import COMPUTE_OPS, TraceEvent
 from zerobubble.viz.timeline import Box, Row, draw_row, op_legend, row_heights, save
 
 #: One colour per idle cause.
@@ -28,7 +28,7 @@ CAUSE_COLORS = {
 
 def measured_row(events: Sequence[TraceEvent], iteration: int, title: str) -> Row:
     """The compute events of one iteration as boxes, in ms from its first compute start
-    (ranks' clocks aligned by :func:`~zerobubble.schedule.clocks.clock_offsets`)."""
+    (ranks' clocks aligned by :func:`~zerobubble.trace.clocks.clock_offsets`)."""
     off = clock_offsets(events)
     comp = [(e, _stage_mb(e)) for e in events if e.iteration == iteration and e.op in COMPUTE_OPS]
     if not comp:

@@ -2,7 +2,7 @@
 
 Two ways in, one store:
 
-* Recorded (the fast path, used by :class:`~zerobubble.runtime.chunk.StageChunk`):
+* Recorded (the fast path, used by :class:`~zerobubble.runtime.stage.StageChunk`):
   inside :meth:`WeightGradStore.record` a split layer runs the native kernel on
   a leaf alias of its weight and appends a :class:`Call` (its input, where its
   output sits in the graph, and W's function) to :attr:`WeightGradStore.recording`.

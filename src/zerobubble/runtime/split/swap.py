@@ -206,7 +206,7 @@ def enable_bw_split(
     swapped); a module with both (e.g. a model holding a positional-embedding
     Parameter next to Linear layers) keeps plain autograd for its own
     parameters: their gradients are produced during B, and
-    :class:`~zerobubble.runtime.chunk.StageChunk` still adds them to ``.grad``
+    :class:`~zerobubble.runtime.stage.StageChunk` still adds them to ``.grad``
     in microbatch order.
 
     Returns ``module``, or its split replacement if a rule matches ``module`` itself.

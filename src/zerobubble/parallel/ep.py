@@ -1,0 +1,280 @@
+"""Expert parallelism's communication: the ep group a MoE layer shards over, the
+token all-to-all, and the mark that routes expert gradients to the right reduction.
+
+The all-to-all is one function, :func:`start_all_to_all`, returning the output and
+its :class:`torch.distributed.Work`; :class:`AllToAll` (the autograd-aware,
+synchronous form) waits on it at once. Communication hides behind computation one level
+up: an overlapped F&B pair (:mod:`~zerobubble.runtime.overlap`) runs one microbatch's
+forward beside another's backward, each waiting for its own all-to-all on its own lane
+(:attr:`ExpertGroup.group`, :attr:`ExpertGroup.backward`) while the other computes.
+
+Every wait is bounded by the pipeline's comm timeout (:meth:`ExpertGroup.wait`): an ep
+peer that dies or stalls becomes a :class:`~zerobubble.runtime.p2p.comm.PeerError` naming
+the all-to-all, dim ``ep`` and the group's ranks.
+
+Which group a gradient is summed over is decided here, once (:func:`is_expert`):
+expert parameters over the mesh's ``edp_group`` (the dp ranks holding the same
+experts), every other parameter over ``dp_group``.
+
+What the profiler may know of a stage's experts is here too, so that it imports no model:
+a module that exchanges tokens for its experts holds its :class:`ExpertGroup` as attribute
+``ep`` (:func:`expert_groups` finds them), and each group times its waits while asked to
+(:class:`WaitLog`, :func:`timing_waits`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from zerobubble.runtime.p2p.comm import Arrivals, PeerError
+
+if TYPE_CHECKING:
+    from zerobubble.parallel.mesh import PipelineMesh
+
+__all__ = [
+    "AllToAll",
+    "ExpertGroup",
+    "LocalGroup",
+    "WaitLog",
+    "all_to_all",
+    "exchange_counts",
+    "expert_groups",
+    "expert_run",
+    "is_expert",
+    "mark_expert",
+    "start_all_to_all",
+    "timing_waits",
+]
+
+_EXPERT_ATTR = "_zb_expert_run"
+
+
+class LocalGroup:
+    """An in-process stand-in for an ep process group: one thread per ep rank, meeting at
+    a barrier (:func:`~zerobubble.reference.ep.threaded_ep_reference_step`).
+
+    :func:`exchange_counts` and :func:`all_to_all` over an :class:`ExpertGroup` whose
+    ``group`` is one hand the same blocks between threads that the process group hands
+    between processes: each rank receives its blocks in source-rank order.
+    """
+
+    def __init__(self, size: int, timeout_s: float = 120.0) -> None:
+        self.size = size
+        self._slots: list[list[Tensor] | None] = [None] * size
+        self._barrier = threading.Barrier(size, timeout=timeout_s)
+
+    def exchange(self, rank: int, blocks: list[Tensor]) -> list[Tensor]:
+        """Send ``blocks[d]`` to rank ``d``; returns what each source sent to ``rank``."""
+        if len(blocks) != self.size:
+            raise ValueError(f"LocalGroup.exchange: {len(blocks)} blocks for {self.size} ranks")
+        self._slots[rank] = blocks
+        self._barrier.wait()
+        got = [slot[rank] for slot in self._slots if slot is not None]
+        self._barrier.wait()  # every rank has read the slots before any writes them again
+        return got
+
+    def abort(self) -> None:
+        """Break the barrier: the other threads' waits raise instead of hanging."""
+        self._barrier.abort()
+
+
+class WaitLog:
+    """While :attr:`active`, the ``(start, end)`` (``time.perf_counter_ns``) of every wait of
+    an :class:`ExpertGroup` for its all-to-alls: how long the waiting thread was blocked on
+    the exchange. Off by default (a wait then costs one attribute test); the profiler turns
+    it on around the steps it measures (:func:`timing_waits`)."""
+
+    def __init__(self) -> None:
+        self.active: list[tuple[int, int]] | None = None
+        """Where the waits go while recording; None when off."""
+
+    def record(self, start_ns: int, end_ns: int) -> None:
+        got = self.active
+        if got is not None:
+            got.append((start_ns, end_ns))  # list.append is atomic: pairs' two threads may wait
+
+
+@contextlib.contextmanager
+def timing_waits(groups: Iterable[ExpertGroup]) -> Iterator[list[tuple[int, int]]]:
+    """Record every wait of ``groups`` for their all-to-alls while the block runs, into the
+    list it yields (``(start, end)`` in ``time.perf_counter_ns``, in the order they ended);
+    the logs are off again afterwards."""
+    logs = list({id(g.log): g.log for g in groups}.values())
+    got: list[tuple[int, int]] = []
+    if any(log.active is not None for log in logs):
+        raise RuntimeError("timing_waits: these ep groups' waits are already being recorded")
+    for log in logs:
+        log.active = got
+    try:
+        yield got
+    finally:
+        for log in logs:
+            log.active = None
+
+
+def expert_groups(module: nn.Module) -> tuple[ExpertGroup, ...]:
+    """The ep groups of the expert layers in ``module``: each module's attribute ``ep`` that
+    is an :class:`ExpertGroup` (our ``MoE``/``ExpertLayer`` and the HF experts replaced by
+    ``ShardedExperts`` hold theirs there), each group once, in module order. Empty: the
+    module holds no expert layer."""
+    found: dict[int, ExpertGroup] = {}
+    for m in module.modules():
+        g = getattr(m, "ep", None)
+        if isinstance(g, ExpertGroup):
+            found.setdefault(id(g), g)
+    return tuple(found.values())
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """The ep ranks one MoE layer's experts are sharded over, and this rank's place.
+
+    Deep copies return the same object: a process group is shared, not copied (the
+    pipeline deep-copies its layers per stage).
+    """
+
+    group: dist.ProcessGroup | LocalGroup | None = None
+    rank: int = 0
+    size: int = 1
+    timeout_s: float | None = None
+    """Longest an all-to-all may block (None: the process group's own timeout); past it,
+    or when a peer dies, a :class:`~zerobubble.runtime.p2p.comm.PeerError` names the ep ranks."""
+    backward: dist.ProcessGroup | LocalGroup | None = None
+    """The same ranks' second group, for the all-to-alls of backwards (None: ``group``).
+    Under an overlapped schedule a forward (on a helper thread) and a backward run at once
+    (:mod:`~zerobubble.runtime.overlap`): each group then sees one thread's calls, in the
+    same order on every ep rank."""
+    arrivals: Arrivals | None = field(default=None, compare=False, repr=False)
+    """Names the ep rank that never arrived when a wait fails (None: the group only)."""
+    log: WaitLog = field(default_factory=WaitLog, compare=False, repr=False)
+    """Times the waits while the profiler asks (:func:`timing_waits`); shared by the copies."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size or (self.size > 1 and self.group is None):
+            raise ValueError(
+                f"ExpertGroup(rank={self.rank}, size={self.size}) needs 0 <= rank < size and "
+                "a process group when size > 1; build it with ExpertGroup.of(mesh)"
+            )
+
+    @classmethod
+    def of(cls, mesh: PipelineMesh, timeout_s: float | None = None) -> ExpertGroup:
+        """The ep group of a :class:`~zerobubble.parallel.mesh.PipelineMesh`."""
+        arrivals = Arrivals(dist.get_rank(), mesh.spec.name)
+        return cls(
+            mesh.ep_group, mesh.ep_rank, mesh.ep_size, timeout_s, mesh.ep_backward_group, arrivals
+        )
+
+    @property
+    def backward_group(self) -> dist.ProcessGroup | LocalGroup | None:
+        """The group the backwards' all-to-alls run on."""
+        return self.group if self.backward is None else self.backward
+
+    def wait(self, work: dist.Work, what: str, group: dist.ProcessGroup | None = None) -> None:
+        """Wait for ``work`` (a collective over this group), bounded by ``timeout_s``; the
+        wait goes to :attr:`log` while it records."""
+        t0 = time.perf_counter_ns()
+        try:
+            if self.timeout_s is None:
+                work.wait()
+                return
+            pg = group or self.group
+            assert not isinstance(pg, LocalGroup)
+            ranks = tuple(dist.get_process_group_ranks(pg))
+            arrivals = self.arrivals or Arrivals(dist.get_rank())
+
+            def blame(why: str, missing: tuple[int, ...]) -> PeerError:
+                return PeerError(arrivals.rank, None, what, why, group=ranks, missing=missing)
+
+            arrivals.wait(work, group=pg, ranks=ranks, timeout_s=self.timeout_s, error=blame)
+        finally:
+            self.log.record(t0, time.perf_counter_ns())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ExpertGroup:
+        return self
+
+
+def mark_expert(param: nn.Parameter, run: int) -> None:
+    """Mark ``param`` as an expert shard; ``run`` tells apart the MoE layers of a stage
+    (the parameters of one layer's local experts are consecutive and share a run)."""
+    setattr(param, _EXPERT_ATTR, run)
+
+
+def is_expert(param: Tensor) -> bool:
+    """Whether ``param`` is an expert shard: summed over ``edp_group``, not ``dp_group``."""
+    return hasattr(param, _EXPERT_ATTR)
+
+
+def expert_run(param: Tensor) -> int | None:
+    """The run :func:`mark_expert` gave ``param`` (None: a dense parameter)."""
+    run = getattr(param, _EXPERT_ATTR, None)
+    return None if run is None else int(run)
+
+
+def exchange_counts(counts: Tensor, group: ExpertGroup) -> Tensor:
+    """Per-expert row counts (``E``, in global expert order) sent to the experts' owners:
+    returns ``(ep, E / ep)``, row ``src`` the counts rank ``src`` sends for each local expert."""
+    if isinstance(group.group, LocalGroup):
+        return torch.stack(group.group.exchange(group.rank, list(counts.view(group.size, -1))))
+    out = torch.empty_like(counts)
+    work = dist.all_to_all_single(out, counts.contiguous(), group=group.group, async_op=True)
+    assert work is not None
+    group.wait(work, "all-to-all of the per-expert token counts over dim 'ep'")
+    return out.view(group.size, -1)
+
+
+def start_all_to_all(
+    x: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None
+) -> tuple[Tensor, dist.Work]:
+    """Start sending ``x``'s row blocks (``in_splits`` rows to each rank, in rank order);
+    the output holds ``out_splits`` rows from each rank, in rank order, once the work is done."""
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    work = dist.all_to_all_single(
+        out, x.contiguous(), out_splits, in_splits, group=group, async_op=True
+    )
+    assert work is not None
+    return out, work
+
+
+class AllToAll(torch.autograd.Function):
+    """The row all-to-all with autograd: the backward is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int], group: ExpertGroup
+    ) -> Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        if isinstance(group.group, LocalGroup):
+            return torch.cat(group.group.exchange(group.rank, list(x.detach().split(in_splits))))
+        out, work = start_all_to_all(x, out_splits, in_splits, group.group)
+        group.wait(work, "all-to-all of the routed tokens over dim 'ep'")
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        out_splits, in_splits = ctx.splits
+        group = ctx.group.backward_group
+        if isinstance(group, LocalGroup):
+            back = torch.cat(group.exchange(ctx.group.rank, list(grad.split(out_splits))))
+            return back, None, None, None
+        back, work = start_all_to_all(grad, in_splits, out_splits, group)
+        what = "reverse all-to-all of the routed tokens' gradients over dim 'ep'"
+        ctx.group.wait(work, what, group)
+        return back, None, None, None
+
+
+def all_to_all(
+    x: Tensor, out_splits: list[int], in_splits: list[int], group: ExpertGroup
+) -> Tensor:
+    """:class:`AllToAll` applied (synchronous, differentiable)."""
+    out = AllToAll.apply(x, out_splits, in_splits, group)
+    assert isinstance(out, Tensor)
+    return out

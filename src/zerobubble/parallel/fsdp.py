@@ -1,0 +1,179 @@
+"""FSDP2 on stage chunks: parameters, gradients and optimizer state sharded over ``dp``.
+
+Each of this rank's stage chunks is wrapped with
+:func:`torch.distributed.fsdp.fully_shard` over the mesh's ``dp`` dimension
+(after the B/W split swapped its layers, so FSDP manages the split layers'
+parameters). FSDP's own hooks still fire inside autograd, but they are told
+never to reduce or reshard (``set_requires_gradient_sync(False)``,
+``set_reshard_after_backward(False)``, ``reshard_after_forward=False``): the
+split's W runs outside autograd's backward, after FSDP's post-backward hooks
+would have reduced an incomplete gradient. Instead two instructions that
+:func:`~zerobubble.program.passes.sharding.insert_sharding` places in the rank's
+program drive FSDP explicitly:
+
+* ``unshard(s)`` before stage ``s``'s first F of the step: FSDP's ``unshard()``
+  all-gathers the parameters; the chunk's split layers and B then see the
+  gathered parameters (and W adds its weight gradients to their ``.grad``).
+* ``reduce_scatter(s)`` after its last W (or BW): FSDP's post-backward of each
+  parameter group, with gradient sync and resharding switched on for that one
+  call, reduce-scatters the gathered gradients (a plain sum: the loss is
+  normalised over the global batch) into the sharded parameters' DTensor
+  ``.grad`` and frees the gathered parameters.
+
+Reshard policy: gathered from the first F to the last W of the step. Zero-bubble
+schedules run W late, so resharding between F and B would gather every
+parameter up to three times a step; the price is one gathered copy per stage
+during the step. Between steps only the shards are held, and the optimizer
+(built over :meth:`~zerobubble.pipeline.Pipeline.parameters`, the sharded
+DTensors) keeps sharded state.
+
+The gradient norm spans dp x pp: :meth:`ShardedStages.combine_norms` turns the
+norms of the local shards into the norm of each whole gradient (an all-reduce of
+``|shard|^p`` over dp), which then enters the pipeline's norm vector like any
+other.
+
+With tensor parallelism (a ``("pp", "dp", "tp")`` mesh) the stages' parameters are
+tp DTensors already (the "tp" transform step runs first); FSDP2 shards them over the dp
+dim of the same root mesh into ``("dp", "tp")`` DTensors, and reduces a gradient over
+tp to its tp layout before the reduce-scatter over dp. A combined norm is then this tp
+rank's part, which the trainer marks partial over tp where the gradient is tp-sharded
+(:meth:`~zerobubble.optim.norms.ParamLayout.fill`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from zerobubble.program.instructions import ShardAction, ShardOp
+from zerobubble.runtime.p2p.comm import P2P, RankName, plain_name, set_timeout
+from zerobubble.runtime.stage import StageChunk
+
+__all__ = ["ShardedStages"]
+
+
+class ShardedStages:
+    """This rank's stage chunks, sharded with FSDP2 over a 1-D ``dp`` mesh.
+
+    Args:
+        chunks: ``stage -> StageChunk`` of this rank (their modules are wrapped in place).
+        dp_mesh: The data-parallel dimension of the job's mesh (``mesh.mesh["dp"]``).
+        device: Where the stages live (default: CPU); the norm all-reduce runs there.
+        timeout_s: Bound on every collective over dp: the norm all-reduce's wait, and
+            FSDP's own all-gathers and reduce-scatters, which run inside torch, through the
+            dp group's transport timeout (set to it here).
+        name: How a message names a rank that never arrived (its mesh coordinates).
+
+    Attributes:
+        modules: ``stage -> FSDPModule`` (the chunks' modules).
+        units: ``stage -> FSDPModule`` of each layer holding parameters, then the stage.
+        dp_mesh: The dp mesh (whose dim leads the sharded parameters' meshes).
+        dp_size: Replicas sharing each parameter.
+    """
+
+    def __init__(
+        self,
+        chunks: Mapping[int, StageChunk],
+        dp_mesh: DeviceMesh,
+        *,
+        device: torch.device | str | None = None,
+        timeout_s: float = 60.0,
+        name: RankName = plain_name,
+    ) -> None:
+        if dp_mesh.ndim != 1:
+            raise ValueError(
+                f"FSDP shards over one mesh dimension, got a {dp_mesh.ndim}-D mesh "
+                f"{dp_mesh.mesh_dim_names}: pass mesh.mesh['dp']"
+            )
+        self.chunks = dict(chunks)
+        self.dp_mesh = dp_mesh
+        self.dp_size = dp_mesh.size()
+        self.modules: dict[int, FSDPModule] = {}
+        self.units: dict[int, list[FSDPModule]] = {}
+        for s, chunk in sorted(self.chunks.items()):
+            if not any(p.requires_grad for p in chunk.module.parameters()):
+                raise ValueError(
+                    f"stage {s} has no trainable parameters: there is nothing for FSDP to "
+                    "shard; leave fsdp off or give the stage parameters"
+                )
+            # One unit per layer, then the stage (whatever parameters remain): the
+            # gather and reduce-scatter buffers are a layer's, not the stage's.
+            layers = [c for c in chunk.module.children() if any(True for _ in c.parameters())]
+            units = [self._wrap(c, dp_mesh) for c in layers]
+            self.modules[s] = self._wrap(chunk.module, dp_mesh)
+            self.units[s] = [*units, self.modules[s]]
+        group = dp_mesh.get_group()
+        self.device = torch.device(device or "cpu")
+        self.timeout_s = timeout_s
+        self._p2p = P2P(group, self.device, timeout_s, dim="dp", name=name)
+        set_timeout(group, timedelta(seconds=timeout_s))
+
+    @staticmethod
+    def _wrap(module: nn.Module, dp_mesh: DeviceMesh) -> FSDPModule:
+        m = fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
+        m.set_requires_gradient_sync(False, recurse=False)
+        m.set_reshard_after_backward(False, recurse=False)
+        m.set_gradient_divide_factor(1.0)  # a sum: the loss is normalised globally
+        m.set_force_sum_reduction_for_comms(True)  # gloo has no AVG / PREMUL_SUM
+        return m
+
+    def run(self, action: ShardAction) -> None:
+        """Carry out one instruction of
+        :func:`~zerobubble.program.passes.sharding.insert_sharding`."""
+        p2p = self._p2p
+        with p2p.arrivals.watch(
+            p2p.group,
+            lambda: f"{action} (FSDP's collectives over dim 'dp')",
+            timeout_s=self.timeout_s,
+        ):
+            self._run(action)
+
+    def _run(self, action: ShardAction) -> None:
+        units, chunk = self.units[action.stage], self.chunks[action.stage]
+        if action.op is ShardOp.UNSHARD:
+            for m in units:
+                m.unshard()
+        else:
+            for m in reversed(units):  # backward order, as FSDP's own post-backward runs
+                for group in m._get_fsdp_state()._fsdp_param_groups:
+                    group.reduce_grads = group.reshard_after_backward = True
+                    try:
+                        group.post_backward()
+                        group.finalize_backward()
+                    finally:
+                        group.reduce_grads = group.reshard_after_backward = False
+            # Release the reduce-scatter inputs FSDP keeps for overlap (its root's
+            # end-of-backward callback does the same); the reduction has completed.
+            ctx = self.modules[action.stage]._get_fsdp_state()._comm_ctx
+            for rs in ctx.reduce_scatter_states:
+                if rs.event is not None:
+                    torch.accelerator.current_stream().wait_event(rs.event)
+            ctx.reduce_scatter_states.clear()
+        chunk.refresh_parameters()
+
+    def combine_norms(self, local: Sequence[Tensor], norm_type: float) -> list[Tensor]:
+        """The norms of whole gradients from the norms of this replica's shards (collective
+        over dp: every replica passes its shards' norms of the same parameters)."""
+        if not local:
+            return []
+        t = torch.stack([n.detach().to(self.device, torch.float64) for n in local])
+        p = float(norm_type)
+        if math.isinf(p):  # max (or min) over the replicas: gathered and reduced here, exact
+            parts = [torch.empty_like(t) for _ in range(self.dp_size)]
+            what = "all-gather of the gradient-shard norms over dp"
+            work = dist.all_gather(parts, t, group=self._p2p.group, async_op=True)
+            assert work is not None
+            self._p2p.wait_collective(work, what)
+            both = torch.stack(parts)
+            return list((both.amax(0) if p > 0 else both.amin(0)).unbind())
+        if p != 0:  # the 0-"norm" counts non-zeros: the counts add up
+            t = t.pow(p)
+        self._p2p.all_reduce(t, "all-reduce of the gradient-shard norms over dp")
+        return list((t.pow(1.0 / p) if p != 0 else t).unbind())

@@ -1,0 +1,195 @@
+"""The one place a rank's stage modules become :class:`StageChunk` objects, transformed.
+
+Each stage module goes through the same steps, in one fixed order (as torchtitan's
+``parallelize`` applies its transforms to each model part):
+
+1. **tp**: tensor parallelism over the mesh's ``tp`` dim
+   (:func:`~zerobubble.parallel.tp.parallelize_stage`: the plan's parallel styles turn the
+   layers' parameters into DTensors and install their input and output redistribution).
+   First, so that the split layers take over the parallelized layers' parameters and
+   hooks, and W computes the local shards' gradients;
+2. **split**: the B/W split swaps the layers a rule matches for split layers and gives
+   the rest the graph-level split (:func:`~zerobubble.runtime.split.enable_bw_split`);
+3. **recompute**: activation checkpointing of the stage or of its layers
+   (:mod:`~zerobubble.runtime.recompute`), around the split layers, whose W it leaves
+   as it is;
+4. **compile**: ``torch.compile`` of the regions between split layers
+   (:func:`~zerobubble.runtime.compile.compile_between_splits`). After the split, so
+   that it sees which layers are split and keeps them (and graph-split modules) eager:
+   compiled first, a layer's weight gradient would be computed in B inside the compiled
+   graph's one backward node;
+5. **FSDP** over all this rank's chunks (:class:`~zerobubble.parallel.fsdp.ShardedStages`).
+   Last, so that it shards the parameters the split layers hold and the chunks see.
+
+Steps 2 and 3 run inside :class:`StageChunk` (they need its store and stage index);
+:func:`prepare_chunks` is the caller that decides them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from zerobubble.parallel.fsdp import ShardedStages
+from zerobubble.parallel.tp import TPPlan, parallelize_stage
+from zerobubble.runtime.compile import compile_between_splits
+from zerobubble.runtime.p2p.comm import RankName, plain_name
+from zerobubble.runtime.recompute import Recompute, recompute_plan
+from zerobubble.runtime.split import SplitRules
+from zerobubble.runtime.stage import LossFn, StageChunk
+
+__all__ = ["ChunkTransforms", "StagePlan", "TensorParallel", "prepare_chunks"]
+
+StagePlan = TPPlan | Callable[[int, nn.Module], TPPlan] | None
+"""A tensor-parallel plan for every stage (its submodule names are relative to the stage
+module), a function ``(stage, stage module) -> plan``, or None: the default plan of each
+stage module (:func:`~zerobubble.parallel.tp.parallelize_stage`)."""
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """The "tp" step of :func:`prepare_chunks`: which mesh, which plan."""
+
+    mesh: DeviceMesh
+    """The 1-D ``tp`` mesh (:attr:`~zerobubble.parallel.mesh.PipelineMesh.tp_mesh`)."""
+    plan: StagePlan = None
+    sequence_parallel: bool = False
+
+    def apply(self, stage: int, module: nn.Module) -> None:
+        """Parallelize ``module`` (stage ``stage``) in place, unless it is already: a module
+        with a DTensor parameter keeps its layout (its caller parallelized it, or an earlier
+        executor on the same stage modules did, as :meth:`Pipeline.with_schedule
+        <zerobubble.pipeline.Pipeline.with_schedule>` makes)."""
+        if any(isinstance(p, DTensor) for p in module.parameters()):
+            return
+        plan = self.plan(stage, module) if callable(self.plan) else self.plan
+        parallelize_stage(
+            module, self.mesh, plan, stage=stage, sequence_parallel=self.sequence_parallel
+        )
+
+
+@dataclass(frozen=True)
+class ChunkTransforms:
+    """What :func:`prepare_chunks` does to one stage module (order: see the module docstring)."""
+
+    split: bool = True
+    """B/W split of the backward: W computes the weight gradients after B. A schedule
+    that runs a separate W for the stage needs it; with False, B computes every
+    gradient and W only adds them to ``.grad``."""
+    split_rules: SplitRules | None = None
+    """The rules deciding each layer's split (the defaults if None); unused without split."""
+    recompute: Recompute = "none"
+    """Activation checkpointing: "none", "stage", "layers" or a predicate
+    ``(layer name, module) -> bool`` (see :class:`StageChunk`)."""
+    compile: str | None = None
+    """A ``torch.compile`` backend ("inductor", "aot_eager", ...) for the regions between
+    split layers, or None for no compilation. Not with "layers" recompute (refused)."""
+    track_memory: bool = True
+    """Count what each microbatch's graph saves (:meth:`StageChunk.held_bytes`); costs a
+    Python call per saved tensor in F and B."""
+
+    def __post_init__(self) -> None:
+        plan = recompute_plan(self.recompute)  # a bad setting fails here, not at the first F
+        if self.compile is not None and plan.mode == "layers":
+            raise ValueError(
+                f"compile={self.compile!r} with recompute={self.recompute!r}: B recomputes a "
+                "checkpointed layer's forward eagerly, outside its compiled code, so its "
+                "gradients would round differently from what the compiled forward implies; "
+                "use recompute='stage' or 'none' with compile"
+            )
+
+
+def _compile(chunk: StageChunk, backend: str) -> None:
+    """Compile ``chunk``'s module around its split layers, each direct child on its own.
+
+    Per child (a block, as torchtitan compiles per block): stage cuts fall between
+    children, so the compiled regions, and with them the rounding, do not depend on
+    where the pipeline cuts the model, and identical blocks share one compiled code. A
+    module without children is considered whole.
+    """
+    children = list(chunk.module.children()) or [chunk.module]
+    for child in children:
+        compile_between_splits(child, backend=backend)
+
+
+def prepare_chunks(
+    modules: Mapping[int, nn.Module | StageChunk],
+    num_stages: int,
+    *,
+    loss_fn: LossFn | None,
+    transforms: Mapping[int, ChunkTransforms],
+    fsdp_mesh: DeviceMesh | None = None,
+    device: torch.device | str | None = None,
+    timeout_s: float = 60.0,
+    tp: TensorParallel | None = None,
+    name: RankName = plain_name,
+) -> tuple[dict[int, StageChunk], ShardedStages | None]:
+    """This rank's stages as chunks with their transforms applied, in the documented order.
+
+    Args:
+        modules: ``stage -> module`` of this rank; a ready :class:`StageChunk` has had its
+            tensor parallelism, split and recompute decided by whoever built it and only
+            gets compile and FSDP.
+        num_stages: Virtual stages of the whole pipeline.
+        loss_fn: The loss, given to the last stage only (required if this rank holds it).
+        transforms: ``stage -> ChunkTransforms``, one per stage in ``modules``.
+        fsdp_mesh: The ``dp`` dimension to shard every chunk over (FSDP2), or None.
+        device, timeout_s, name: For :class:`~zerobubble.parallel.fsdp.ShardedStages`.
+        tp: The tensor parallelism of every module (None: none).
+
+    Returns the chunks by stage and, with ``fsdp_mesh``, their sharding.
+    """
+    if transforms.keys() != modules.keys():
+        raise ValueError(
+            f"transforms are given for stages {sorted(transforms)} but the modules are "
+            f"stages {sorted(modules)}: give one ChunkTransforms per stage"
+        )
+    chunks: dict[int, StageChunk] = {}
+    for s, m in sorted(modules.items()):
+        t = transforms[s]
+        last = s == num_stages - 1
+        if isinstance(m, StageChunk):
+            _check_ready(m, s, num_stages, t)
+            chunk = m
+        else:
+            if tp is not None:
+                tp.apply(s, m)
+            chunk = StageChunk(  # split, then recompute
+                m,
+                s,
+                num_stages,
+                loss_fn=loss_fn if last else None,
+                split=t.split,
+                split_rules=t.split_rules,
+                track_memory=t.track_memory,
+                recompute=t.recompute,
+            )
+        if t.compile is not None:
+            _compile(chunk, t.compile)
+        chunks[s] = chunk
+    sharding = (
+        None
+        if fsdp_mesh is None
+        else ShardedStages(chunks, fsdp_mesh, device=device, timeout_s=timeout_s, name=name)
+    )
+    return chunks, sharding
+
+
+def _check_ready(chunk: StageChunk, s: int, num_stages: int, t: ChunkTransforms) -> None:
+    """A ready chunk must be the stage it is given for, and count memory if asked to."""
+    if chunk.stage != s or chunk.num_stages != num_stages:
+        raise ValueError(
+            f"the StageChunk given for stage {s} is stage {chunk.stage} of "
+            f"{chunk.num_stages}; the pipeline has {num_stages} stages"
+        )
+    if t.track_memory and not chunk.track_memory:
+        raise ValueError(
+            f"the StageChunk given for stage {s} has track_memory=False, but its transforms "
+            "ask for track_memory (a traced executor records held bytes): build it with "
+            "track_memory=True, or pass ExecutorOptions(trace=False)"
+        )

@@ -1,0 +1,1 @@
+"""The program passes, each a function from programs to programs (see ``builder.PASSES``)."""

@@ -1,0 +1,1 @@
+"""Single-process ground truths: what a pipelined step must reproduce bitwise."""

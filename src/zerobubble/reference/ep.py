@@ -1,0 +1,265 @@
+"""The single-process ground truth of pipeline x expert parallelism.
+
+One process plays every dp rank of a ``(pp, dp, ep)`` mesh: each replica has its own
+copy of the model, and at an :class:`~zerobubble.parallel.experts.ExpertLayer` the
+replicas of one ep group meet as the all-to-all makes them meet. Each replica
+dispatches its tokens; the rows bound for expert owner ``o`` are concatenated in
+source-rank order (what ``all_to_all_single`` delivers), owner ``o``'s copy of its
+experts runs on them with :func:`~zerobubble.parallel.experts.run_experts` (the same ops
+on the same rows, in the same order, as the ep rank runs them), and the outputs go
+back split by source. Stage cuts do not change what is computed, so the model runs
+whole. Bitwise equality with a pipeline run holds by construction, not by a
+kernel's luck.
+
+The model is reached through the layer contract only (docs/layer-contract.md): the expert
+layers' phases (:class:`~zerobubble.parallel.experts.ExpertLayer`) and, for the threaded
+reference, each module's sharding hook ``shard_experts``; this module imports no model.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from zerobubble.parallel.ep import ExpertGroup, LocalGroup, is_expert
+from zerobubble.parallel.experts import ExpertLayer, expert_shard, run_experts, shard_all_experts
+from zerobubble.parallel.partition import model_name
+from zerobubble.reference.step import as_sequential
+from zerobubble.runtime.loss_terms import TermWeight, collect_loss_terms, weighted_objective
+from zerobubble.runtime.loss_terms import term_weight as weight_of
+from zerobubble.runtime.microbatch import (
+    CountFn,
+    batch_count,
+    batch_size,
+    default_count_fn,
+    split_batch,
+    split_tree,
+)
+
+__all__ = ["ep_reference_step", "threaded_ep_reference_step"]
+
+
+def ep_reference_step(
+    layers: Sequence[nn.Module] | nn.Sequential,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    parts: Sequence[tuple[Tensor, Tensor]],
+    m: int,
+    ep: int,
+    *,
+    term_weight: TermWeight = "mean",
+) -> tuple[list[list[Tensor]], dict[str, Tensor]]:
+    """One step of a ``(pp, dp = len(parts), ep)`` mesh, in one process (no random ops).
+
+    ``layers`` is the whole (unsharded) model, whose MoE layers must be top-level
+    :class:`~zerobubble.parallel.experts.ExpertLayer` s. ``parts[r]`` is dp replica ``r``'s
+    ``(x, target)``. For j = 0..m-1 every replica runs microbatch j (ep groups meeting
+    at the expert layers) and ``sum_r loss_rj * n_rj / N`` is back-propagated once
+    (``N`` the global batch): each replica's dense copy gets exactly its own
+    gradients, accumulated in microbatch order, and expert ``e``'s copy on its owner
+    (ep rank ``e // (E / ep)`` of each ep group) the gradient of its one matmul over
+    all sources' rows. The replicas' gradients are then summed in rank order,
+    ``(g_0 + g_1) + ...``: dense ones over all replicas (the dp all-reduce), expert
+    ones over the replicas holding that expert (the edp all-reduce); with two terms
+    that is gloo's sum bitwise (see :mod:`~zerobubble.parallel.dp`). The sums are
+    left in ``layers``' ``.grad``.
+
+    Loss terms a layer adds (a router's balance loss) are collected per replica in layer
+    order; each replica's loss is then its objective, ``loss_fn``'s loss plus every term
+    weighted as ``term_weight`` says for ``M = m`` and ``dp = len(parts)``
+    (:func:`~zerobubble.runtime.loss_terms.weighted_objective`), as a pipeline's last stage
+    roots it.
+
+    Returns:
+        Each replica's unscaled per-microbatch losses (objectives), and a copy of every
+        summed gradient keyed by ``layers``' parameter names.
+    """
+    model = as_sequential(layers)
+    dp = len(parts)
+    if ep < 1 or dp % ep:
+        raise ValueError(f"ep={ep} must divide the {dp} replicas (parts); pass one per dp rank")
+    for i, layer in enumerate(model):
+        inside = any(isinstance(x, ExpertLayer) for x in layer.modules())  # a MoE is one too
+        if not isinstance(layer, ExpertLayer) and inside:
+            raise ValueError(
+                f"layer {i} ({type(layer).__name__}) holds a MoE inside: ep_reference_step "
+                "needs the MoE layers at the top level (a MoE, a MoEBlock or another "
+                "ExpertLayer)"
+            )
+    replicas = [copy.deepcopy(model) for _ in range(dp)]
+    for rep in replicas:
+        for p in rep.parameters():
+            p.grad = None
+    total = sum(len(x) for x, _ in parts)
+    weight = weight_of(term_weight, m, dp)
+    xs = [split_batch(x, m) for x, _ in parts]
+    ts = [split_batch(t, m) for _, t in parts]
+    losses: list[list[Tensor]] = [[] for _ in range(dp)]
+    for j in range(m):
+        hs: list[Tensor] = [xs[r][j] for r in range(dp)]
+        with ExitStack() as stack:
+            found = [stack.enter_context(collect_loss_terms(rep)) for rep in replicas]
+            for i, layer in enumerate(model):
+                if isinstance(layer, ExpertLayer):
+                    hs = _expert_layer([rep[i] for rep in replicas], hs, ep)
+                else:
+                    hs = [rep[i](h) for rep, h in zip(replicas, hs, strict=True)]
+        mine = [
+            weighted_objective(loss_fn(h, ts[r][j]), found[r], len(xs[r][j]) / total, weight)
+            for r, h in enumerate(hs)
+        ]
+        root = mine[0][0]
+        for r in range(1, dp):
+            root = root + mine[r][0]
+        root.backward()
+        for r in range(dp):
+            losses[r].append(mine[r][1])
+    summed: dict[str, Tensor] = {}
+    for rep in replicas:  # rank order; a replica's unused expert copies have no gradient
+        for n, p in rep.named_parameters():
+            if p.grad is not None:
+                summed[n] = p.grad.clone() if n not in summed else summed[n] + p.grad
+    for n, p in model.named_parameters():
+        p.grad = summed.get(n)
+    return losses, {n: g.clone() for n, g in summed.items()}
+
+
+def _expert_layer(layers: Sequence[Any], hs: list[Tensor], ep: int) -> list[Tensor]:
+    """Every replica's ``layers[r]`` on ``hs[r]``, each ep group's all-to-all played out."""
+    out: list[Tensor] = list(hs)
+    for first in range(0, len(hs), ep):
+        group = range(first, first + ep)
+        dispatched = [layers[r].dispatch(hs[r]) for r in group]
+        counts = [c.view(ep, -1) for _, _, c in dispatched]
+        local = counts[0].shape[1]
+        sends = [c.sum(1).tolist() for c in counts]  # sends[src][owner]: rows src sends
+        pieces = [rows.split(sends[s]) for s, (_, rows, _) in enumerate(dispatched)]
+        back: list[list[Tensor]] = [[] for _ in group]
+        for o in range(ep):
+            received = torch.cat([pieces[s][o] for s in range(ep)])  # source-rank order
+            recv_counts = torch.stack([counts[s][o] for s in range(ep)])
+            moe = layers[first + o].moe
+            experts = [moe.experts[str(e)] for e in range(o * local, (o + 1) * local)]
+            outs = run_experts(experts, received, recv_counts).split(
+                [sends[s][o] for s in range(ep)]
+            )
+            for s in range(ep):
+                back[s].append(outs[s])
+        for s, r in enumerate(group):
+            ctx = dispatched[s][0]
+            out[r] = layers[r].combine(ctx, torch.cat(back[s]))
+    return out
+
+
+def threaded_ep_reference_step(
+    layers: Sequence[nn.Module] | nn.Sequential,
+    loss_fn: Callable[..., Tensor],
+    parts: Sequence[tuple[Any, Any]],
+    m: int,
+    ep: int,
+    *,
+    count_fn: CountFn | None = None,
+    term_weight: TermWeight = "mean",
+) -> tuple[list[list[Tensor]], dict[str, Tensor]]:
+    """:func:`ep_reference_step` for expert layers anywhere in the model (a Hugging Face
+    decoder layer's experts, :mod:`~zerobubble.interop.hf_experts`): one thread per dp
+    replica, each with its own copy of the model sharded as the pipeline shards it (every
+    module's sharding hook: :func:`~zerobubble.parallel.experts.shard_all_experts`, e.g. our
+    MoE's and the Hugging Face adapter's layers') over an :class:`ExpertGroup`
+    of a :class:`~zerobubble.parallel.ep.LocalGroup`: the ep group's all-to-alls (forward
+    and backward) hand the same blocks between the threads, in source-rank order, that
+    the process group hands between ep ranks, so every op sees the rows it sees there.
+
+    Per replica, in microbatch order, the objective is back-propagated: ``loss_fn``'s
+    loss scaled by ``n_j / N`` (``N`` the global batch), or with ``count_fn`` (default:
+    ``loss_fn.count_fn``, as the pipeline does) computed as ``loss_fn(output, target_j,
+    count)`` with ``count`` summed over the replicas and unscaled, plus the replica's loss
+    terms weighted as ``term_weight`` says for ``M = m`` and ``dp = len(parts)``
+    (:func:`~zerobubble.runtime.loss_terms.weighted_objective`). The replicas' gradients
+    are then summed in rank order: dense ones over all replicas, expert ones over the
+    replicas with the same ep rank (edp). ``parts[r]`` is replica ``r``'s ``(x, target)``,
+    ``x`` what the first layer takes (split along dim 0).
+
+    Returns:
+        Each replica's unscaled per-microbatch objectives, and every summed gradient
+        keyed by the user's parameter names; a sharded HF experts tensor whole again
+        (its ep ranks' row blocks concatenated in ep-rank order).
+    """
+    model = as_sequential(layers)
+    dp = len(parts)
+    if ep < 1 or dp % ep:
+        raise ValueError(f"ep={ep} must divide the {dp} replicas (parts); pass one per dp rank")
+    groups = [LocalGroup(ep) for _ in range(dp // ep)]
+    replicas = []
+    for r in range(dp):
+        rep = copy.deepcopy(model)
+        group = ExpertGroup(groups[r // ep] if ep > 1 else None, r % ep, ep)
+        shard_all_experts(rep, group)
+        for p in rep.parameters():
+            p.grad = None
+        replicas.append(rep)
+    count_fn = default_count_fn(loss_fn, count_fn)
+    weight = weight_of(term_weight, m, dp)
+    total = sum(batch_size(x, "x") for x, _ in parts)
+    count: Tensor | int | None = None
+    if count_fn is not None:
+        counts = [batch_count(count_fn, t) for _, t in parts]
+        count = counts[0]
+        for c in counts[1:]:
+            count = count + c
+    losses: list[list[Tensor]] = [[] for _ in range(dp)]
+    failed: list[BaseException] = []
+
+    def run(r: int) -> None:
+        rep, (x, target) = replicas[r], parts[r]
+        try:
+            n = batch_size(x, "x")
+            for xj, tj in zip(split_tree(x, m, n), split_tree(target, m, n), strict=True):
+                with collect_loss_terms(rep) as found:
+                    out = rep(xj)
+                    if count is None:
+                        scale = batch_size(xj, "x") / total
+                        root, loss = weighted_objective(loss_fn(out, tj), found, scale, weight)
+                    else:
+                        main = loss_fn(out, tj, count)
+                        root, loss = weighted_objective(main, found, 1.0, weight)
+                root.backward()
+                losses[r].append(loss)
+        except BaseException as e:
+            failed.append(e)
+            for g in groups:
+                g.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(dp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failed:
+        raise failed[0]
+    keys = tuple(model._modules)
+    dense: dict[str, Tensor] = {}
+    experts: list[dict[str, Tensor]] = [{} for _ in range(ep)]
+    whole: dict[str, bool] = {}
+    for r, rep in enumerate(replicas):  # rank order
+        for name, p in rep.named_parameters():
+            if p.grad is None:
+                continue
+            key, _, rest = name.partition(".")
+            user = model_name(f"{keys.index(key)}.{rest}", keys, list(model))
+            into = experts[r % ep] if is_expert(p) else dense
+            into[user] = p.grad.clone() if user not in into else into[user] + p.grad
+            whole[user] = expert_shard(p) is not None
+    out = dict(dense)
+    for q in range(ep):
+        for user, g in experts[q].items():
+            if whole[user]:
+                out[user] = torch.cat([experts[k][user] for k in range(ep)])
+            else:
+                out[user] = g
+    return losses, out

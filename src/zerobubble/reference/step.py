@@ -1,0 +1,336 @@
+"""The single-process ground truth a pipeline run must reproduce bitwise.
+
+With random ops (dropout) the ground truth is the model run stage by stage on each
+microbatch, every stage's forward seeded as the executor seeds it
+(:class:`~zerobubble.runtime.rng.StageRng`): pass the executor's seed, its step
+number and the pipeline's cut (``num_stages``, ``boundaries``) to
+:func:`reference_step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from zerobubble.parallel.partition import model_name, stage_bounds
+from zerobubble.runtime.loss_terms import (
+    TermWeight,
+    collect_loss_terms,
+    gather_terms,
+    weighted_objective,
+)
+from zerobubble.runtime.loss_terms import term_weight as weight_of
+from zerobubble.runtime.microbatch import (
+    CountFn,
+    batch_count,
+    batch_size,
+    default_count_fn,
+    loss_scales,
+    split_batch,
+    split_tree,
+)
+from zerobubble.runtime.rng import StageRng
+from zerobubble.runtime.sequence.batch import cut_value, sequence_length
+from zerobubble.runtime.sequence.kv import (
+    KV,
+    SegmentContext,
+    add_past_grads,
+    cut_pairs,
+    flat_past,
+    past_leaves,
+    segment_inputs,
+    segment_scope,
+)
+from zerobubble.runtime.shapes import tensor_leaves
+
+__all__ = ["as_sequential", "dp_reference_step", "reference_step", "segment_reference_step"]
+
+
+def as_sequential(layers: Sequence[nn.Module] | nn.Sequential) -> nn.Sequential:
+    """``layers`` as one nn.Sequential; parameter names are ``"<layer index>.<name>"``.
+
+    An nn.Sequential is returned as is (slices of one keep the original indices).
+    """
+    return layers if isinstance(layers, nn.Sequential) else nn.Sequential(*layers)
+
+
+def reference_step(
+    layers: Sequence[nn.Module] | nn.Sequential,
+    loss_fn: Callable[..., Tensor],
+    *args: Any,
+    target: Any = None,
+    microbatches: int | None = None,
+    seed: int | None = None,
+    step: int = 0,
+    num_stages: int = 1,
+    boundaries: Sequence[int] | None = None,
+    count_fn: CountFn | None = None,
+    terms: dict[str, list[Tensor]] | None = None,
+    term_weight: TermWeight = "mean",
+    **kwargs: Any,
+) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """One step of plain autograd over the microbatches, in microbatch order.
+
+    Takes the batch as :meth:`~zerobubble.pipeline.Pipeline.step` does:
+    ``reference_step(layers, loss_fn, *args, target=..., microbatches=M, **kwargs)``,
+    ``args`` and ``kwargs`` tensors or pytrees (a tokenizer's mapping) for the first
+    layer, ``target`` a tensor or pytree for ``loss_fn``, split by the same rule
+    (:func:`~zerobubble.runtime.microbatch.split_tree`: every tensor whose dim 0 is the
+    batch is split, everything else goes to every microbatch). The short form
+    ``reference_step(layers, loss_fn, x, target, m)`` is the same call for one tensor ``x``.
+
+    Clears ``.grad`` (to None), then for j = 0..M-1 calls the first layer on
+    microbatch j's ``(*args_j, **kwargs_j)``, chains the others and back-propagates
+    ``loss_j * scale_j`` (scales from :func:`loss_scales` over the target's rows),
+    exactly what a pipeline computes. The gradients are left in ``.grad`` so an
+    optimizer can step.
+
+    With a ``seed``, the layers of each stage (``num_stages`` cut as
+    :func:`~zerobubble.parallel.partition.stage_bounds` cuts them, with
+    ``boundaries``) run under the generator state of ``(seed, step, stage, j)``,
+    as :attr:`~zerobubble.executor.ExecutorOptions.seed` makes the
+    pipeline do in its step number ``step``; without one they draw from the
+    process's generators as they are. With ``count_fn`` (default: ``loss_fn.count_fn``
+    where the loss declares one, as the pipeline does), every microbatch's loss is
+    ``loss_fn(output, target_j, count_fn(target))`` and is back-propagated
+    unscaled, as the executor does with the same ``count_fn``.
+
+    Loss terms the layers add (:func:`~zerobubble.runtime.loss_terms.add_loss_term`) are
+    collected over the microbatch's forward in layer order, and what is back-propagated
+    (and returned) is the objective, ``loss_fn``'s loss plus every term in name order,
+    weighted as ``term_weight`` says (as
+    :attr:`~zerobubble.runtime.options.ExecutorOptions.term_weight`, one replica:
+    :func:`~zerobubble.runtime.loss_terms.weighted_objective`), as a pipeline's last stage
+    roots it; ``terms``, if given, gets each term's per-microbatch values (raw, detached),
+    as :meth:`~zerobubble.pipeline.Pipeline.step` does.
+
+    Returns:
+        The unscaled per-microbatch losses (detached 0-dim tensors) and a copy
+        of every gradient, keyed by the user's parameter names, as
+        :meth:`~zerobubble.pipeline.Pipeline.named_parameters` names them (the layer's
+        key and name, or the layer's own ``source_name``; a shared parameter once,
+        under its first name).
+    """
+    if target is None:
+        if len(args) == 3 and isinstance(args[2], int) and microbatches is None and not kwargs:
+            x, target, microbatches = args
+            args = (x,)
+        else:
+            raise ValueError(
+                "reference_step takes the batch as Pipeline.step does: reference_step(layers, "
+                "loss_fn, *args, target=..., microbatches=M, **kwargs), or the short form "
+                "reference_step(layers, loss_fn, x, target, m); target= is missing"
+            )
+    if microbatches is None:
+        raise ValueError("reference_step needs microbatches= (how many per step, M)")
+    m = microbatches
+    n = batch_size((args, kwargs), "the input batch (reference_step's arguments)")
+    n_target = batch_size(target, "target")
+    if n_target != n:
+        if len(args) == 1 and not kwargs and isinstance(args[0], Tensor):
+            shapes = f"target has shape {_shape(target)} and x {tuple(args[0].shape)}"
+        else:
+            shapes = f"target has a batch of {n_target} and the inputs one of {n}"
+        raise ValueError(f"{shapes}: they must share the batch (first) dimension")
+    model = as_sequential(layers)
+    inputs = split_tree((args, kwargs), m, n)
+    targets = split_tree(target, m, n)
+    bounds = stage_bounds(len(model), num_stages, boundaries)
+    # Random ops draw on the device the layers live on, as on a pipeline's stages.
+    leaves = tensor_leaves((args, kwargs))
+    fallback = leaves[0].device if leaves else torch.device("cpu")
+    device = next((p.device for p in model.parameters()), fallback)
+    rng = None if seed is None else StageRng(seed, device)
+    weight = weight_of(term_weight, m, 1)
+    count_fn = default_count_fn(loss_fn, count_fn)
+    extra: tuple[Tensor | int, ...]
+    if count_fn is None:
+        sizes = [len(t) for t in torch.tensor_split(torch.empty(n), m)]
+        scales, extra = loss_scales(sizes), ()
+    else:
+        scales, extra = [1.0] * m, (batch_count(count_fn, target),)
+    for p in model.parameters():
+        p.grad = None
+    losses = []
+    per_mb: list[dict[str, Tensor]] = []
+    for j, ((aj, kj), tj, scale) in enumerate(zip(inputs, targets, scales, strict=True)):
+        h: Any = None
+        with collect_loss_terms(model) as found:
+            for s, layer_range in enumerate(bounds):
+                with nullcontext() if rng is None else rng.scope(step, s, j):
+                    for i in layer_range:
+                        h = model[i](*aj, **kj) if i == 0 else model[i](h)
+                    if s == num_stages - 1:
+                        h = loss_fn(h, tj, *extra)  # the last stage's forward holds the loss
+                        root, loss = weighted_objective(h, found, scale, weight)
+        root.backward()
+        losses.append(loss)
+        per_mb.append({n: t.detach() for n, t in found.items()})
+    if terms is not None:
+        gather_terms(per_mb, terms)
+    return losses, _user_grads(model)
+
+
+def _shape(t: Any) -> Any:
+    return tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+
+
+def _user_grads(model: nn.Sequential) -> dict[str, Tensor]:
+    """A copy of every gradient under the user's name of its parameter (:func:`model_name`)."""
+    keys = tuple(model._modules)
+    out: dict[str, Tensor] = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        key, _, rest = name.partition(".")
+        out[model_name(f"{keys.index(key)}.{rest}", keys, list(model))] = p.grad.clone()
+    return out
+
+
+def dp_reference_step(
+    layers: Sequence[nn.Module] | nn.Sequential,
+    loss_fn: Callable[..., Tensor],
+    parts: Sequence[tuple[Tensor, Tensor]],
+    m: int,
+    *,
+    term_weight: TermWeight = "mean",
+) -> tuple[list[list[Tensor]], dict[str, Tensor]]:
+    """One data-parallel step in the order a ``(pp, dp)`` mesh computes it (no random ops).
+
+    ``parts[r]`` is replica ``r``'s ``(x, target)``. Per replica, in microbatch order,
+    ``loss_j * n_j / N`` is back-propagated (``N`` the global batch: all parts
+    together) into fresh gradients; the replicas' gradients are then summed in rank
+    order, ``((g_0 + g_1) + g_2) + ...``, which is what the dp all-reduce gives
+    bitwise for two replicas (see :mod:`zerobubble.parallel.dp` for more). The sums
+    are left in ``.grad``. A microbatch's loss is its objective: ``loss_fn``'s plus the
+    layers' loss terms, weighted as in :func:`reference_step` with ``dp = len(parts)``.
+
+    Returns:
+        Each replica's unscaled per-microbatch losses, and a copy of every summed gradient.
+    """
+    model = as_sequential(layers)
+    total = sum(len(x) for x, _ in parts)
+    weight = weight_of(term_weight, m, len(parts))
+    summed: dict[str, Tensor] = {}
+    losses: list[list[Tensor]] = []
+    for x, target in parts:
+        for p in model.parameters():
+            p.grad = None
+        mine = []
+        for xj, tj in zip(split_batch(x, m), split_batch(target, m), strict=True):
+            with collect_loss_terms(model) as found:
+                root, loss = weighted_objective(
+                    loss_fn(model(xj), tj), found, len(xj) / total, weight
+                )
+            root.backward()
+            mine.append(loss)
+        losses.append(mine)
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                summed[n] = p.grad.clone() if n not in summed else summed[n] + p.grad
+    for n, p in model.named_parameters():
+        p.grad = summed.get(n)
+    return losses, {n: g.clone() for n, g in summed.items()}
+
+
+def segment_reference_step(
+    layers: Sequence[nn.Module] | nn.Sequential,
+    loss_fn: Callable[..., Tensor],
+    *args: Any,
+    target: Any,
+    microbatches: int,
+    cuts: Sequence[int],
+    count_fn: CountFn | None = None,
+    seed: int | None = None,
+    step: int = 0,
+    num_stages: int = 1,
+    boundaries: Sequence[int] | None = None,
+    **kwargs: Any,
+) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """One step of a segment schedule's arithmetic in one process (the ground truth of
+    :attr:`~zerobubble.runtime.options.ExecutorOptions.cuts`).
+
+    The batch is taken and split as :func:`reference_step` takes it; every sequence is
+    cut at ``cuts`` (``0 = b0 < ... < bk = T``) into unit ``u = j * k + i``, microbatch
+    j's tokens ``[b_i, b_i+1)``. Per microbatch the segments run forward in order, each
+    attending fresh leaves of the earlier segments' keys and values
+    (:mod:`~zerobubble.runtime.sequence.kv`), and its loss is
+    ``loss_fn(output, target_u, count_fn(target))``; backward runs last segment first,
+    each segment's roots its loss and its own keys and values with the gradients the
+    later segments sent back (summed, last segment first). A microbatch's loss is the sum
+    of its segments' in order, and every parameter's gradient is the per-unit gradients
+    added in unit order: what the pipeline's chunks compute, so a segment schedule
+    equals this bitwise. ``seed``, ``step``, ``num_stages`` and ``boundaries`` seed each
+    stage's random ops per unit, as the executor does.
+
+    Returns:
+        The per-microbatch losses (detached) and a copy of every gradient (left in
+        ``.grad`` too), keyed as :func:`reference_step` keys them.
+    """
+    count_fn = default_count_fn(loss_fn, count_fn)
+    if count_fn is None:
+        raise ValueError(
+            "segment_reference_step needs count_fn: a segment's loss is its tokens' share of "
+            "the batch loss, loss_fn(output, target, count_fn(target))"
+        )
+    model = as_sequential(layers)
+    k = len(cuts) - 1
+    pairs = cut_pairs(cuts, sequence_length(target, "target"))
+    n = batch_size((args, kwargs), "the input batch (segment_reference_step's arguments)")
+    inputs = split_tree((args, kwargs), microbatches, n)
+    targets = split_tree(target, microbatches, n)
+    total = batch_count(count_fn, target)
+    bounds = stage_bounds(len(model), num_stages, boundaries)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    rng = None if seed is None else StageRng(seed, device)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = None
+    losses: list[Tensor] = []
+    per_unit: list[tuple[Tensor | None, ...]] = []
+    for j, ((aj, kj), tj) in enumerate(zip(inputs, targets, strict=True)):
+        contexts: list[SegmentContext] = []
+        seg_losses: list[Tensor] = []
+        for i, (start, end) in enumerate(pairs):
+            context = SegmentContext(start, past_leaves([c.new_kv() for c in contexts]))
+            a_seg, k_seg = cut_value(aj, start, end), segment_inputs(kj, start, end)
+            with segment_scope([model], context), collect_loss_terms(model) as found:
+                h: Any = None
+                for s, layer_range in enumerate(bounds):
+                    scope = nullcontext() if rng is None else rng.scope(step, s, j * k + i)
+                    with scope:
+                        for x in layer_range:
+                            h = model[x](*a_seg, **k_seg) if x == 0 else model[x](h)
+                        if s == len(bounds) - 1:
+                            h = loss_fn(h, cut_value(tj, start, end), total)
+            if found:
+                raise ValueError(
+                    f"the layers added loss terms {sorted(found)}: loss terms with sequence "
+                    "segments are not supported (each segment would add its own); run without "
+                    "segments"
+                )
+            seg_losses.append(h)
+            contexts.append(context)
+        sent: dict[int, list[KV | None]] = {}  # gradients of earlier keys and values
+        grads_j: list[tuple[Tensor | None, ...]] = [() for _ in pairs]
+        for i in reversed(range(len(pairs))):
+            roots, root_grads = [seg_losses[i]], [torch.ones_like(seg_losses[i])]
+            for kv, kv_grad in zip(contexts[i].new_kv(), sent.get(i, []), strict=False):
+                if kv_grad is not None:
+                    roots.extend(kv)
+                    root_grads.extend(kv_grad)
+            leaves = flat_past(contexts[i].past)
+            got = torch.autograd.grad(roots, params + leaves, root_grads, allow_unused=True)
+            grads_j[i] = tuple(got[: len(params)])
+            add_past_grads(sent, got[len(params) :], i)
+        losses.append(sum(seg_losses[1:], seg_losses[0]).detach())
+        per_unit.extend(grads_j)
+    for unit in per_unit:  # added in unit order, as the weight-gradient store adds them
+        for p, g in zip(params, unit, strict=True):
+            if g is not None:
+                p.grad = g.clone() if p.grad is None else p.grad + g
+    return losses, _user_grads(model)

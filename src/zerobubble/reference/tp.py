@@ -1,0 +1,125 @@
+"""The ground truth of pipeline x tensor parallelism: the same layout without pipelining.
+
+What a ``(pp, tp)`` pipeline computes bitwise is not the single-process model (a row-wise
+parallel layer adds its ``tp`` partial sums after the matmul, which rounds otherwise), but
+the same tensor-parallel layout run without pipelining: the model cut into the pipeline's
+stages, each stage module parallelized with the same plan over a mesh of the ``tp`` ranks
+alone (:func:`~zerobubble.parallel.tp.parallelize_stage`), and plain autograd over the
+microbatches, in microbatch order. Its collectives are the pipeline's, on the same
+shapes, in the same order per microbatch; the B/W split only defers the weight
+gradients, whose local matmuls are the same.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from zerobubble.parallel.partition import layer_keys, model_name, stage_bounds
+from zerobubble.parallel.tied import find_shared
+from zerobubble.parallel.transforms import StagePlan, TensorParallel
+from zerobubble.reference.step import as_sequential, reference_step
+from zerobubble.runtime.loss_terms import TermWeight
+from zerobubble.runtime.microbatch import CountFn
+
+__all__ = ["tp_reference_step"]
+
+
+def tp_reference_step(
+    layers: Sequence[nn.Module] | nn.Sequential,
+    loss_fn: Callable[..., Tensor],
+    *args: Any,
+    target: Any,
+    microbatches: int,
+    tp_mesh: DeviceMesh,
+    tp_plan: StagePlan = None,
+    sequence_parallel: bool = False,
+    num_stages: int = 1,
+    boundaries: Sequence[int] | None = None,
+    copy_layers: bool = True,
+    seed: int | None = None,
+    step: int = 0,
+    count_fn: CountFn | None = None,
+    terms: dict[str, list[Tensor]] | None = None,
+    term_weight: TermWeight = "mean",
+    **kwargs: Any,
+) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """One step of ``layers`` in ``num_stages`` stages parallelized over ``tp_mesh``, unpipelined.
+
+    Collective over ``tp_mesh``: each of its ranks calls it with the same batch, as each
+    tp rank of a pipeline's first and last stage gets it. The layers are cut as a
+    :class:`~zerobubble.pipeline.Pipeline` cuts them (``num_stages``, ``boundaries``:
+    :func:`~zerobubble.parallel.partition.stage_bounds`), each stage is an
+    ``nn.Sequential`` of its layers parallelized with ``tp_plan`` (one plan, a function
+    ``(stage, stage module) -> plan``, or None: the default plan) and
+    ``sequence_parallel``, and :func:`~zerobubble.reference.step.reference_step` runs
+    the stages in order on the microbatches (``seed`` and ``step`` seed stage ``s``'s
+    random ops as the executor does). Give the pipeline's cut: a plan may differ per
+    stage, and the stage decides where its layers' layouts meet the boundary's.
+
+    ``copy_layers`` False parallelizes the caller's layers themselves (a layer with a
+    DTensor parameter is taken as parallelized already, as by an earlier call) and leaves
+    the gradients in their ``.grad``, so that an optimizer over them can step; True
+    (default) works on a deep copy. Parameters tied across stages are refused, as the
+    pipeline refuses them with tp.
+
+    Returns:
+        The unscaled per-microbatch losses and a copy of every gradient (a DTensor where
+        the parameter is one: this rank's shard), keyed by the user's parameter names as
+        :meth:`~zerobubble.pipeline.Pipeline.named_parameters` names them.
+    """
+    model = as_sequential(layers)
+    keys = layer_keys(model)
+    bounds = stage_bounds(len(model), num_stages, boundaries)
+    tied = [t.name for t in find_shared(model, keys, bounds) if len(t.local) > 1]
+    if tied:
+        raise ValueError(
+            f"parameters tied across stages ({', '.join(map(repr, tied))}) are not supported "
+            "with tensor parallelism (each stage would shard its replica on its own): untie "
+            "them, or cut the model so that their layers share a stage"
+        )
+    source = copy.deepcopy(list(model)) if copy_layers else list(model)
+    tp = TensorParallel(tp_mesh, tp_plan, sequence_parallel)
+    stages = []
+    for s, layer_range in enumerate(bounds):
+        stage = nn.Sequential(*(source[i] for i in layer_range))
+        tp.apply(s, stage)
+        stages.append(stage)
+    losses, _ = reference_step(
+        stages,
+        loss_fn,
+        *args,
+        target=target,
+        microbatches=microbatches,
+        seed=seed,
+        step=step,
+        num_stages=num_stages,
+        boundaries=list(range(num_stages + 1)),
+        count_fn=count_fn,
+        terms=terms,
+        term_weight=term_weight,
+        **kwargs,
+    )
+    grads: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    for s, stage in enumerate(stages):
+        stage_keys = keys[bounds[s].start : bounds[s].stop]
+        for name, p in stage.named_parameters():
+            if p.grad is not None and id(p) not in seen:
+                seen.add(id(p))
+                grads[model_name(name, stage_keys, stage)] = _copy(p.grad)
+    return losses, grads
+
+
+def _copy(g: Tensor) -> Tensor:
+    """A copy of ``g`` in its layout: a DTensor's ``clone()`` would reduce a ``Partial``
+    gradient (a sequence-parallel norm's) to ``Replicate``, which the pipeline's is not."""
+    if not isinstance(g, DTensor):
+        return g.clone()
+    local = g.to_local().clone()
+    return DTensor.from_local(local, g.device_mesh, g.placements, shape=g.shape, stride=g.stride())

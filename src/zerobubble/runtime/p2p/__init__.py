@@ -1,0 +1,1 @@
+"""Point-to-point transport between pipeline ranks: process groups, framed messages, links."""

@@ -1,0 +1,1 @@
+"""Sequence segments on the runtime: cutting a batch, the K/V kept between segments, the check."""

@@ -1,0 +1,1 @@
+"""Executed traces: the event format, the offline checker, cross-rank clock alignment (no torch)."""
