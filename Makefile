@@ -39,7 +39,7 @@ test-kernels: $(STAMP)  ## the kernel-resting bitwise claims again, on other ker
 
 check: lint typecheck  ## what CI enforces besides the tests
 
-typecheck: $(STAMP)  ## mypy: strict on the torch-free schedule layer (see pyproject.toml)
+typecheck: $(STAMP)  ## mypy: strict on the torch-free layers (schedule, program, trace; see pyproject.toml)
 	$(BIN)/mypy
 
 lint: $(STAMP)
