@@ -64,6 +64,18 @@ def test_every_public_name_resolves_and_unknown_names_fail():
         _ = zerobubble.Pipelin
 
 
+def test_version_and_typing_marker_ship_with_the_package():
+    from importlib.metadata import version
+    from pathlib import Path
+
+    assert zerobubble.__version__ == version("zerobubble")
+    out = subprocess.run(
+        [sys.executable, "-m", "zerobubble.cli", "--version"], capture_output=True, text=True
+    )
+    assert (out.returncode, out.stdout.strip()) == (0, f"zerobubble {zerobubble.__version__}")
+    assert (Path(zerobubble.__file__).parent / "py.typed").is_file()  # PEP 561
+
+
 def test_pipeline_needs_torch_distributed():
     assert not torch.distributed.is_initialized()
     with pytest.raises(RuntimeError, match=r"not initialised: call zerobubble.init_distributed"):

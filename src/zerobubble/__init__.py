@@ -39,7 +39,13 @@ do not import torch (the torch-free command-line paths stay fast).
 from __future__ import annotations
 
 import importlib
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
+
+try:
+    __version__ = version("zerobubble")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 if TYPE_CHECKING:
     from zerobubble import models

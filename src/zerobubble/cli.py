@@ -481,6 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zerobubble", description="Zero-bubble pipeline-parallel schedules for PyTorch."
     )
+    parser.add_argument("--version", action="version", version=f"zerobubble {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("schedule", help="generate, validate and print a schedule")
@@ -624,6 +625,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="out", help="folder for pictures and traces")
     p.set_defaults(func=cmd_demo)
     return parser
+
+
+def _version() -> str:
+    """The installed distribution's version (what ``zerobubble.__version__`` says)."""
+    from zerobubble import __version__
+
+    return __version__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
