@@ -628,10 +628,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    """The installed distribution's version (what ``zerobubble.__version__`` says)."""
-    from zerobubble import __version__
+    """The installed distribution's version (the command exists only once installed)."""
+    from importlib.metadata import version
 
-    return __version__
+    return version("zerobubble")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
