@@ -12,6 +12,10 @@ that autograd produces during B, reach ``.grad`` in microbatch order (through
 the store, or straight from autograd for a BW that is next in line), so a
 pipeline run matches :func:`~zerobubble.reference.step.reference_step`
 bitwise.
+
+What rides on the ops without changing them (loss terms, sequence segments) is a
+:class:`~zerobubble.runtime.extension.StageExtension` the chunk calls in a loop, so
+that this module keeps F/B/W/BW, the records and the store.
 """
 
 from __future__ import annotations
@@ -159,17 +163,10 @@ class StageChunk:
         self.store = WeightGradStore() if store is None else store
         self.split = split
         self.module = enable_bw_split(module, self.store, split_rules) if split else module
-        self.split_share: SplitShare | None = split_share(self.module) if split else None
+        self._share = _ShareWatch(self.module, stage, split)
+        self.split_share: SplitShare | None = self._share.share
         """How much weight-gradient work W holds (None without split); updated after a
         forward in which a graph-level split fell back to B (several outputs)."""
-        message = None if self.split_share is None else self.split_share.warning(stage)
-        self._warned = message is not None
-        if message is not None:
-            warnings.warn(message, SplitShareWarning, stacklevel=2)
-        self._graph_splits = [
-            g for m in self.module.modules() if (g := GraphSplit.of(m)) is not None
-        ]
-        self._fallen_back = 0  # how many of them fell back to B so far
         self.track_memory = track_memory
         plan = recompute_plan(recompute)
         self.recompute = plan.mode
@@ -231,7 +228,8 @@ class StageChunk:
         order) and keeps its own for the later ones
         (:mod:`~zerobubble.runtime.sequence.extension`).
         """
-        self._check_forward(mb, inputs, kwargs, target)
+        rec = self._records.get(mb)
+        _check_forward(self.stage, mb, self.is_first, self.is_last, rec, inputs, kwargs, target)
         unit = Unit(self.stage, mb, self.is_first, self.is_last, segment, loss_scale, term_weight)
         scopes = [ext.enter(unit) for ext in self.extensions]
         bare = len(inputs) == 1 and not kwargs and isinstance(inputs[0], Tensor)
@@ -241,12 +239,12 @@ class StageChunk:
             args, kw = (map_tensors(inputs[0], _receive_leaf(bare)),), {}
         saved: list[Tensor] = []  # held by the graph anyway until F returns
         self._held, self._objective = None, None
-        with torch.enable_grad(), self._saving(saved), ExitStack() as stack:
+        with torch.enable_grad(), _saving(self.track_memory, saved), ExitStack() as stack:
             for scope in scopes:
                 stack.enter_context(scope)
             stack.enter_context(self.store.record(self.stage, mb))
             out = self._run(unit, args, kw, target, num_items)
-            result = self._result(mb, out)
+            result = _objective(self.stage, mb, self._objective, out) if self.is_last else out
         self._objective = None
         extended = [ext for ext in self.extensions if ext.keep(unit, out)]
         grad_outs = [t for t in tensor_leaves(out) if t.requires_grad]
@@ -260,24 +258,11 @@ class StageChunk:
         saved.clear()  # every saved tensor's hooks keep `pack`, and with it this list, alive
         x = tensor_leaves(args if self.is_first else args[0])
         self._records[mb] = _Record("F", x, bare, roots, outs, unit, refs, extended)
-        if self._graph_splits:
-            self._recount_share()
+        if self._share.graph_splits:
+            self.split_share = self._share.recount()
         if self.is_last:
             return result.detach()
         return map_tensors(result, _send_leaf)
-
-    def _saving(self, saved: list[Tensor]) -> AbstractContextManager[object]:
-        """With ``track_memory``, F's graph hands each tensor it saves to ``saved`` (as an
-        alias), so that :meth:`held_bytes` can watch it for as long as it lives."""
-        if not self.track_memory:
-            return nullcontext()
-
-        def pack(t: Tensor) -> Tensor:
-            alias = t.detach()  # an alias, not t itself: t may own this very graph
-            saved.append(alias)
-            return alias
-
-        return saved_tensors_hooks(pack, _identity)
 
     def _run(self, unit: Unit, args: tuple, kw: dict, target: Any, num_items: Any) -> Any:
         """The value of F's run: :meth:`_value`, as a checkpointed region under "stage"."""
@@ -293,32 +278,6 @@ class StageChunk:
         # on the activation it stands for: the module gets a non-leaf alias.
         inner = args if self.is_first else map_tensors(args, _entry)
         return self._value(inner, kw, target, num_items, unit)
-
-    def _result(self, mb: int, out: Any) -> Any:
-        """What F returns (before detaching): the output, or on the last stage the
-        objective (``out`` is the root, loss_scale and weights applied)."""
-        if not self.is_last:
-            return out
-        if self._objective is None:  # _value found no scalar loss
-            shape = tuple(out.shape) if isinstance(out, Tensor) else type(out)
-            raise StageChunkError(
-                self.stage, mb, f"loss_fn must return a scalar tensor, got {shape}"
-            )
-        return self._objective
-
-    def _recount_share(self) -> None:
-        """Recount :attr:`split_share` once a graph-level split has fallen back to B (a call
-        with several differentiable outputs), and warn as at construction if it now defers
-        less than half (once per chunk)."""
-        fallen = sum(g.outputs_seen > 1 for g in self._graph_splits)
-        if fallen == self._fallen_back:
-            return
-        self._fallen_back = fallen
-        self.split_share = split_share(self.module)
-        message = self.split_share.warning(self.stage)
-        if message is not None and not self._warned:
-            self._warned = True
-            warnings.warn(message, SplitShareWarning, stacklevel=3)
 
     def _copied_value(self, args: tuple, kw: dict, target: Any, num_items: Any, unit: Unit) -> Any:
         """:meth:`_value` on copies of the module's input tensors (what "stage" replays)."""
@@ -366,7 +325,7 @@ class StageChunk:
         may be kept until W: do not overwrite it in place.
         """
         rec = self._require(mb, "F", "backward_input (B)")
-        grads = self._check_grad_output(mb, rec, grad_output)
+        grads = _grad_output(self.stage, mb, self.is_last, rec, grad_output)
         self._held = None
         assert rec.x is not None
         xs = [t for t in rec.x if t.requires_grad]
@@ -407,7 +366,7 @@ class StageChunk:
             self.backward_weight(mb)
             return gx
         rec = self._require(mb, "F", "backward_full (BW)")
-        grads = self._check_grad_output(mb, rec, grad_output)
+        grads = _grad_output(self.stage, mb, self.is_last, rec, grad_output)
         self._held = None
         assert rec.x is not None
         xs = [t for t in rec.x if t.requires_grad]
@@ -455,62 +414,21 @@ class StageChunk:
                 f"stage {self.stage}: held_bytes() needs StageChunk(track_memory=True)"
             )
         if self._held is None:
-            tensors: list[Tensor] = []
-            for rec in self._records.values():
-                if rec.x is not None:
-                    tensors.extend(rec.x)
-                tensors.extend(r for r in rec.roots if isinstance(r, Tensor))
-                tensors.extend(t for ref in rec.saved if (t := ref()) is not None)
-            tensors.extend(self.store.held_tensors(self.stage))
-            tensors.extend(t for ext in self.extensions for t in ext.held_tensors())
-            weights = [
-                t
-                for m in self._submodules
-                for t in (*m._parameters.values(), *m._buffers.values())
-                if t is not None
-            ]
-            self._held = storage_bytes(tensors, exclude=weights)
+            held = [*self.store.held_tensors(self.stage)]
+            held.extend(t for ext in self.extensions for t in ext.held_tensors())
+            self._held = _held_bytes(self._records.values(), held, self._submodules)
         return self._held
 
     def layer_of(self, error: BaseException) -> str | None:
         """The innermost layer of this stage whose forward is on ``error``'s traceback,
         as ``"layer 'blocks.0.attn' (Attention)"``; None if none is (for messages)."""
-        names = {id(m): n for n, m in self.module.named_modules() if n}
-        found = None
-        tb = error.__traceback__
-        while tb is not None:
-            m = tb.tb_frame.f_locals.get("self")
-            if isinstance(m, nn.Module) and id(m) in names:
-                found = f"layer {names[id(m)]!r} ({type(m).__name__})"
-            tb = tb.tb_next
-        return found
+        return _layer_of(self.module, error)
 
     def pending(self) -> dict[int, str]:
         """Microbatches in flight: "F" (awaiting B) or "B" (awaiting W)."""
         return {mb: rec.state for mb, rec in sorted(self._records.items())}
 
     # ---- checks -------------------------------------------------------------------------
-
-    def _check_forward(self, mb: int, inputs: tuple, kwargs: dict, target: Any) -> None:
-        """Refuse a forward out of protocol: twice in flight, a target off the last stage
-        (or none on it), several inputs after the first stage."""
-        if mb in self._records:
-            raise StageChunkError(
-                self.stage,
-                mb,
-                f"forwarded twice; its {'B' if self._records[mb].state == 'F' else 'W'} "
-                "has not run yet",
-            )
-        if self.is_last and target is None:
-            raise StageChunkError(self.stage, mb, "the last stage needs target= for the loss")
-        if not self.is_last and target is not None:
-            raise StageChunkError(
-                self.stage, mb, "target= is only used on the last stage; do not pass it here"
-            )
-        if not self.is_first and (len(inputs) != 1 or kwargs):
-            raise StageChunkError(
-                self.stage, mb, "a stage after the first takes one input, the received value"
-            )
 
     def _require(self, mb: int, state: str, op: str) -> _Record:
         rec = self._records.get(mb)
@@ -523,10 +441,118 @@ class StageChunk:
             raise StageChunkError(self.stage, mb, f"{op}: {why}")
         return rec
 
-    def _check_grad_output(self, mb: int, rec: _Record, grad: Any) -> list[Tensor] | None:
-        """``grad`` as one gradient per root (None on the last stage), checked against
-        the output tensors that carry a gradient."""
-        return _grad_output(self.stage, mb, self.is_last, rec, grad)
+
+class _ShareWatch:
+    """The chunk's :class:`SplitShare` and its warning: counted at construction, and
+    recounted once a graph-level split has fallen back to B (a call with several
+    differentiable outputs), warning if W now defers less than half (once per chunk)."""
+
+    def __init__(self, module: nn.Module, stage: int, split: bool) -> None:
+        self.module, self.stage = module, stage
+        self.share = split_share(module) if split else None
+        message = None if self.share is None else self.share.warning(stage)
+        self.warned = message is not None
+        if message is not None:
+            warnings.warn(message, SplitShareWarning, stacklevel=3)  # StageChunk's caller
+        self.graph_splits = [g for m in module.modules() if (g := GraphSplit.of(m)) is not None]
+        self.fallen_back = 0  # how many of them fell back to B so far
+
+    def recount(self) -> SplitShare | None:
+        fallen = sum(g.outputs_seen > 1 for g in self.graph_splits)
+        if fallen == self.fallen_back:
+            return self.share
+        self.fallen_back = fallen
+        self.share = split_share(self.module)
+        message = self.share.warning(self.stage)
+        if message is not None and not self.warned:
+            self.warned = True
+            warnings.warn(message, SplitShareWarning, stacklevel=3)  # forward's caller
+        return self.share
+
+
+def _saving(track_memory: bool, saved: list[Tensor]) -> AbstractContextManager[object]:
+    """With ``track_memory``, F's graph hands each tensor it saves to ``saved`` (as an
+    alias), so that :meth:`held_bytes` can watch it for as long as it lives."""
+    if not track_memory:
+        return nullcontext()
+
+    def pack(t: Tensor) -> Tensor:
+        alias = t.detach()  # an alias, not t itself: t may own this very graph
+        saved.append(alias)
+        return alias
+
+    return saved_tensors_hooks(pack, _identity)
+
+
+def _check_forward(
+    stage: int,
+    mb: int,
+    is_first: bool,
+    is_last: bool,
+    rec: _Record | None,
+    inputs: tuple,
+    kwargs: dict,
+    target: Any,
+) -> None:
+    """Refuse a forward out of protocol: of a unit still in flight (``rec``, its record),
+    with a target off the last stage (or none on it), with several inputs after the first."""
+    if rec is not None:
+        raise StageChunkError(
+            stage, mb, f"forwarded twice; its {'B' if rec.state == 'F' else 'W'} has not run yet"
+        )
+    if is_last and target is None:
+        raise StageChunkError(stage, mb, "the last stage needs target= for the loss")
+    if not is_last and target is not None:
+        raise StageChunkError(
+            stage, mb, "target= is only used on the last stage; do not pass it here"
+        )
+    if not is_first and (len(inputs) != 1 or kwargs):
+        raise StageChunkError(
+            stage, mb, "a stage after the first takes one input, the received value"
+        )
+
+
+def _objective(stage: int, mb: int, objective: Tensor | None, out: Any) -> Tensor:
+    """What the last stage's F returns: the objective (``out`` is the root, loss_scale and
+    weights applied), or a refusal if the loss was no scalar (then ``objective`` is None)."""
+    if objective is None:
+        shape = tuple(out.shape) if isinstance(out, Tensor) else type(out)
+        raise StageChunkError(stage, mb, f"loss_fn must return a scalar tensor, got {shape}")
+    return objective
+
+
+def _held_bytes(
+    records: Iterable[_Record], held: list[Tensor], submodules: Sequence[nn.Module]
+) -> int:
+    """:meth:`StageChunk.held_bytes` counted: the records' inputs, roots and live saved
+    tensors, and ``held`` (the store's and the extensions'), without parameters and buffers."""
+    tensors: list[Tensor] = []
+    for rec in records:
+        if rec.x is not None:
+            tensors.extend(rec.x)
+        tensors.extend(r for r in rec.roots if isinstance(r, Tensor))
+        tensors.extend(t for ref in rec.saved if (t := ref()) is not None)
+    tensors.extend(held)
+    weights = [
+        t
+        for m in submodules
+        for t in (*m._parameters.values(), *m._buffers.values())
+        if t is not None
+    ]
+    return storage_bytes(tensors, exclude=weights)
+
+
+def _layer_of(module: nn.Module, error: BaseException) -> str | None:
+    """:meth:`StageChunk.layer_of`: the innermost named layer on ``error``'s traceback."""
+    names = {id(m): n for n, m in module.named_modules() if n}
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        m = tb.tb_frame.f_locals.get("self")
+        if isinstance(m, nn.Module) and id(m) in names:
+            found = f"layer {names[id(m)]!r} ({type(m).__name__})"
+        tb = tb.tb_next
+    return found
 
 
 def _check_stage(stage: int, num_stages: int, loss_fn: LossFn | None) -> None:
