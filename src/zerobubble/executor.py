@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -144,21 +145,8 @@ class PipelineExecutor:
         self.cuts = check_cuts(opts.cuts, schedule.segments) if schedule.segments > 1 else None
         """The segments' token boundaries (None without segments)."""
         self.count_fn = default_count_fn(loss_fn, count_fn)
-        if self.cuts is not None and getattr(loss_fn, "shifts_labels", False):
-            raise ValueError(
-                f"schedule {schedule.name!r} cuts sequences into segments, but loss_fn "
-                f"{type(loss_fn).__name__} shifts the labels inside each call, so every "
-                "segment's last position would lose its target: shift the labels once for the "
-                "whole sequence (label t+1 at position t, the last -100) and pass a loss that "
-                "scores position t against label t"
-            )
-        if self.cuts is not None and self.count_fn is None:
-            raise ValueError(
-                f"schedule {schedule.name!r} runs sequence segments, whose losses must be "
-                "their tokens' shares of the batch loss: pass count_fn (the batch's token "
-                "count, e.g. non-ignored targets) and a loss_fn(output, target, num_items) "
-                "that sums over tokens and divides by it"
-            )
+        if self.cuts is not None:
+            _check_segment_loss(schedule, loss_fn, self.count_fn)
         self.plan = ProgramPlan(
             fuse_local_backward=opts.fuse_local_backward,
             recv_lookahead=opts.recv_lookahead,
@@ -183,12 +171,7 @@ class PipelineExecutor:
         """Each microbatch's loss terms' weight in the step's objective (None: as its loss;
         :attr:`ExecutorOptions.term_weight`)."""
         self._load_program()
-        mine = self.schedule.stages_of_device[self.rank]
-        if sorted(stages) != list(mine):
-            raise ValueError(
-                f"rank {self.rank} was given stages {sorted(stages)} but the schedule places "
-                f"stages {list(mine)} on it (build them with build_stage_modules)"
-            )
+        _check_stages(stages, self.schedule.stages_of_device[self.rank], self.rank)
         self.chunks: dict[int, StageChunk] = {}
         self.sharding: ShardedStages | None = None
         self._prepare(stages, loss_fn, tp_plan)
@@ -202,20 +185,38 @@ class PipelineExecutor:
         names the tp rank that never arrived
         (:meth:`~zerobubble.runtime.p2p.comm.Arrivals.watch`)."""
         set_timeout(self.tp_group, timedelta(seconds=opts.comm_timeout_s))
-        self.reducer: GradReducer | None = None
-        if mesh is not None and self.plan.grad_sync.reduces:
-            assert mesh.dp_group is not None  # a ParallelSpec with dp > 1
-            params = {s: list(c.module.parameters()) for s, c in self.chunks.items()}
-            self.reducer = GradReducer(
-                mesh.dp_group,
-                params,
-                opts.comm_timeout_s,
-                expert_group=mesh.edp_group,
-                name=mesh.spec.name,
-            )
+        self.reducer = self._reducer()
+        self._connect()
+        self.trace = Trace(self.rank, time.perf_counter_ns())
+        self.param_version = 0
+        self.iteration = 0
+        self.replays = 0
+        self.last_terms: dict[str, list[torch.Tensor]] = {}
+        """On the last stage's rank, the loss terms of the latest step (see :meth:`step`)."""
+
+    def _reducer(self) -> GradReducer | None:
+        """The reduction of the stages' gradients over the mesh's dp group (the experts'
+        over its edp group), where the plan's gradient sync reduces whole gradients."""
+        mesh = self.mesh
+        if mesh is None or not self.plan.grad_sync.reduces:
+            return None
+        assert mesh.dp_group is not None  # a ParallelSpec with dp > 1
+        params = {s: list(c.module.parameters()) for s, c in self.chunks.items()}
+        return GradReducer(
+            mesh.dp_group,
+            params,
+            self.options.comm_timeout_s,
+            expert_group=mesh.edp_group,
+            name=mesh.spec.name,
+        )
+
+    def _connect(self) -> None:
+        """The pipeline's point-to-point links, then one start-up barrier (every rank leaves
+        it at nearly one instant: the trace's epoch), then the agreement on the cuts."""
+        opts, mesh = self.options, self.mesh
         self.p2p = pipeline_p2p(
             self.programs,
-            group,
+            self.group,
             self.device,
             opts.comm_timeout_s,
             directed=opts.directed_groups,
@@ -223,16 +224,9 @@ class PipelineExecutor:
             name=plain_name if mesh is None else mesh.spec.name,
         )
         self.links = Links(self.p2p, self.device, self.rank)
-        # The trace's epoch: every rank leaves this (bounded) barrier at nearly one instant.
         self.p2p.all_reduce(torch.zeros(1, device=self.device), "start-up barrier (trace epoch)")
         if self.cuts is not None:
             self._agree_on_cuts()
-        self.trace = Trace(self.rank, time.perf_counter_ns())
-        self.param_version = 0
-        self.iteration = 0
-        self.replays = 0
-        self.last_terms: dict[str, list[torch.Tensor]] = {}
-        """On the last stage's rank, the loss terms of the latest step (see :meth:`step`)."""
 
     def _prepare(
         self,
@@ -415,4 +409,33 @@ def _check_overlap(schedule: Schedule, opts: ExecutorOptions, mesh: PipelineMesh
             f"{mesh.tp_size}) runs both halves' collectives on the one tp group, where the "
             "tp ranks could order them differently: build the mesh with tp=1 or a schedule "
             "without overlap"
+        )
+
+
+def _check_segment_loss(schedule: Schedule, loss_fn: LossFn | None, count_fn: Any) -> None:
+    """Refuse a loss that segments would compute wrongly: one that shifts the labels inside
+    each call, or one not normalised by a count over the whole batch (``count_fn``)."""
+    if getattr(loss_fn, "shifts_labels", False):
+        raise ValueError(
+            f"schedule {schedule.name!r} cuts sequences into segments, but loss_fn "
+            f"{type(loss_fn).__name__} shifts the labels inside each call, so every "
+            "segment's last position would lose its target: shift the labels once for the "
+            "whole sequence (label t+1 at position t, the last -100) and pass a loss that "
+            "scores position t against label t"
+        )
+    if count_fn is None:
+        raise ValueError(
+            f"schedule {schedule.name!r} runs sequence segments, whose losses must be "
+            "their tokens' shares of the batch loss: pass count_fn (the batch's token "
+            "count, e.g. non-ignored targets) and a loss_fn(output, target, num_items) "
+            "that sums over tokens and divides by it"
+        )
+
+
+def _check_stages(stages: Mapping[int, Any], mine: Sequence[int], rank: int) -> None:
+    """Refuse stages other than those the schedule places on this rank."""
+    if sorted(stages) != list(mine):
+        raise ValueError(
+            f"rank {rank} was given stages {sorted(stages)} but the schedule places "
+            f"stages {list(mine)} on it (build them with build_stage_modules)"
         )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from zerobubble.parallel.partition import (
     model_name,
     stage_bounds,
 )
-from zerobubble.parallel.tied import TiedGroups, find_shared
+from zerobubble.parallel.tied import TiedGroups, TiedParam, find_shared
 from zerobubble.parallel.transforms import StagePlan
 from zerobubble.program.plan import ProgramPlan
 from zerobubble.runtime.microbatch import CountFn
@@ -150,38 +150,10 @@ class Pipeline:
         mesh: PipelineMesh | None = None,
         tp_plan: StagePlan = None,
     ) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialised: call zerobubble.init_distributed() first "
-                "and start one process per device (python -m zerobubble.launch -n P script.py, "
-                "or torchrun)"
-            )
-        if mesh is not None:
-            if group is not None and group is not mesh.pp_group:
-                raise ValueError("pass either group= or mesh= (the pipeline runs on mesh.pp_group)")
-            group = mesh.pp_group
-        fsdp = mesh is not None and mesh.spec.fsdp
-        if isinstance(schedule, str):
-            if microbatches is None:
-                raise ValueError(
-                    f"schedule {schedule!r} is a kind: pass microbatches= (per step), or pass a "
-                    "Schedule from zerobubble.generate"
-                )
-            # Without the layer count, auto could pick more stages than there are layers.
-            schedule = generate(
-                schedule,
-                dist.get_world_size(group),
-                microbatches,
-                max_stages=len(layer_keys(layers, num_layers)),
-            )
-        elif microbatches is not None and microbatches != schedule.num_microbatches:
-            raise ValueError(
-                f"microbatches={microbatches} but schedule {schedule.name!r} has "
-                f"{schedule.num_microbatches}; drop microbatches= or generate the schedule for it"
-            )
-        group = pipeline_group(schedule, mesh, group)
-        world = dist.get_world_size(group)
+        group = _group_of(group, mesh)
         keys = layer_keys(layers, num_layers)
+        schedule = _schedule_of(schedule, microbatches, dist.get_world_size(group), len(keys))
+        group = pipeline_group(schedule, mesh, group)
         stages = build_stage_modules(
             layers,
             schedule,
@@ -197,21 +169,8 @@ class Pipeline:
             stage_keys = {s: keys[bounds[s].start : bounds[s].stop] for s in stages}
             _shard_experts(stages, stage_keys, ExpertGroup.of(mesh, timeout_s), group)
         shared = self.shared = find_shared(layers, keys, bounds)
-        tied = [tp.name for tp in shared if len(tp.local) > 1]
-        if fsdp and tied:
-            raise ValueError(
-                f"FSDP (a mesh with fsdp=True) with parameters tied across stages "
-                f"({', '.join(map(repr, tied))}) "
-                "is not supported: untie them or build the mesh with fsdp=False"
-            )
-        if mesh is not None and mesh.tp_size > 1 and tied:
-            raise ValueError(
-                f"tensor parallelism (a mesh with tp={mesh.tp_size}) with parameters tied "
-                f"across stages ({', '.join(map(repr, tied))}) is not supported (each stage "
-                "would shard its replica on its own): untie them or build the mesh with tp=1"
-            )
-        self._first_name = {n: tp.name for tp in shared for n in tp.names}
-        self._layer_keys = {s: keys[bounds[s].start : bounds[s].stop] for s in stages}
+        _refuse_ties(shared, mesh)
+        self._names = _Names(shared, {s: keys[bounds[s].start : bounds[s].stop] for s in stages})
         self._stages: dict[int, nn.Module] = dict(stages)
         # Every StageChunk made for the stages, by split-ness: shared by the Pipelines of
         # with_schedule, so executors of one split-ness share one weight-gradient store.
@@ -233,29 +192,7 @@ class Pipeline:
             pipelines=None if mesh is None else mesh.pipelines(),
         )
         self.trainer: PipelineTrainer | None = None
-        mine = {
-            s: [
-                model_name(k, self._layer_keys[s], self._layers(s))
-                for k in self._module(s).state_dict()
-            ]
-            for s in stages
-        }
-        gathered: list[dict[int, list[str]] | None] = [None] * world
-        dist.all_gather_object(gathered, mine, group=group)
-        self._holder: dict[str, tuple[int, int]] = {}  # state-dict key -> (stage, rank), all ranks
-        for d, part in enumerate(gathered):
-            assert part is not None
-            for s, names in part.items():
-                for name in names:
-                    self._holder.setdefault(name, (s, d))
-        if mesh is not None and mesh.ep_group is not None:
-            # The other ep ranks' experts belong to the model too (held there, same stages).
-            peers: list[dict[str, tuple[int, int]] | None] = [None] * mesh.ep_size
-            dist.all_gather_object(peers, self._holder, group=mesh.ep_group)
-            for held in peers:
-                assert held is not None
-                for name, where in held.items():
-                    self._holder.setdefault(name, where)
+        self._names.gather({s: self._module(s) for s in stages}, group, mesh)
 
     def _executor(self, schedule: Schedule, options: ExecutorOptions | None) -> PipelineExecutor:
         """An executor of ``schedule`` on the stages, on the chunks made so far where their
@@ -301,25 +238,8 @@ class Pipeline:
         in the shared modules) or if the stages are FSDP-sharded (sharding wraps them
         in place, once).
         """
-        if schedule.placement != self.schedule.placement:
-            raise ValueError(
-                f"schedule {schedule.name!r} places stages on devices {list(schedule.placement)} "
-                f"but this pipeline's {self.schedule.name!r} places them on "
-                f"{list(self.schedule.placement)}; with_schedule reuses this rank's stages: "
-                "generate the schedule for the same placement, or build a new Pipeline"
-            )
-        if self.executor.sharding is not None:
-            raise ValueError(
-                "with_schedule on FSDP-sharded stages is not supported (sharding wraps the "
-                "stage modules in place): build a new Pipeline for the other schedule"
-            )
         opts = options or self.executor.options
-        if opts.recompute != self.executor.options.recompute:
-            raise ValueError(
-                f"options recompute {opts.recompute!r} but the stages were built with "
-                f"{self.executor.options.recompute!r} (installed in the shared modules): "
-                "keep the recompute setting, or build a new Pipeline"
-            )
+        _check_reuse(self.executor, schedule, opts)
         other = copy.copy(self)  # shares the stages, chunks, names and tied groups
         other.executor = self._executor(schedule, opts)
         other.schedule = other.executor.schedule
@@ -328,12 +248,6 @@ class Pipeline:
 
     def _module(self, stage: int) -> nn.Module:
         return self.executor.chunks[stage].module
-
-    def _layers(self, stage: int) -> nn.Sequential | tuple[()]:
-        """The stage's layers for :func:`model_name` (none when B/W splitting replaced the
-        stage module itself: names then come from the layer keys)."""
-        m = self._module(stage)
-        return m if isinstance(m, nn.Sequential) else ()
 
     # ---- training -----------------------------------------------------------------------
 
@@ -352,13 +266,7 @@ class Pipeline:
         ``faults`` and ``on_commit`` go to the :class:`PipelineTrainer` (fault injection
         for tests, a callback per committed iteration).
         """
-        mine = {id(p) for p in self.parameters()}
-        foreign = sum(id(p) not in mine for g in optimizer.param_groups for p in g["params"])
-        if foreign:
-            raise ValueError(
-                f"the optimizer holds {foreign} parameters that rank {self.rank}'s stages do not: "
-                "build it from pipe.parameters() (the stages' own copies), not from the model"
-            )
+        _check_optimizer(optimizer, self.parameters(), self.rank)
         self.trainer = PipelineTrainer(
             self.executor, optimizer, config, faults=faults, on_commit=on_commit, tied=self.tied
         )
@@ -424,8 +332,7 @@ class Pipeline:
 
     def _name(self, stage: int, stage_name: str) -> str:
         """The user's model's name of a stage entry; a shared parameter's first name."""
-        name = model_name(stage_name, self._layer_keys[stage], self._layers(stage))
-        return self._first_name.get(name, name)
+        return self._names.name(stage, stage_name, self._module(stage))
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters, in model order, named as in the user's model.
@@ -478,68 +385,255 @@ class Pipeline:
         same layout (what :meth:`state_dict` gives) or the whole tensor (e.g. the
         unpipelined model's): this rank keeps its shard.
         """
-        unexpected = [k for k in state_dict if k not in self._holder]
+        modules = {s: self._module(s) for s in sorted(self.executor.chunks)}
+        local, missing = self._names.entries(state_dict, modules, self.rank)
+        unexpected = [k for k in state_dict if k not in self._names.holder]
+        if strict and (missing or unexpected):
+            raise ValueError(_mismatch(self.rank, missing, unexpected))
+        for s, entries in local.items():
+            self._module(s).load_state_dict(entries, strict=strict)
+
+
+class _Names:
+    """The user's model's names of this rank's stage entries, which :class:`Pipeline` keys
+    its parameters and state dicts by, and the stage and rank holding each entry of the
+    model (so a load can tell another rank's key from a stranger); shared by the
+    Pipelines of :meth:`Pipeline.with_schedule`.
+
+    Args:
+        shared: Every parameter the model's layers share (a shared one goes by its first
+            name in the model).
+        layer_keys: Per stage of this rank, the model's keys of its layers.
+    """
+
+    def __init__(self, shared: Sequence[TiedParam], layer_keys: dict[int, Sequence[str]]) -> None:
+        self.first = {n: tp.name for tp in shared for n in tp.names}
+        self.layer_keys = layer_keys
+        self.holder: dict[str, tuple[int, int]] = {}
+        """State-dict key -> (stage, rank) of every rank (:meth:`gather`)."""
+
+    def name(self, stage: int, stage_name: str, module: nn.Module) -> str:
+        """The user's model's name of entry ``stage_name`` of ``stage`` (run as ``module``)."""
+        name = model_name(stage_name, self.layer_keys[stage], _layers_of(module))
+        return self.first.get(name, name)
+
+    def gather(
+        self,
+        modules: Mapping[int, nn.Module],
+        group: dist.ProcessGroup | None,
+        mesh: PipelineMesh | None,
+    ) -> None:
+        """Learn every rank's keys (collective over the pipeline and the ep group)."""
+        mine = {
+            s: [model_name(k, self.layer_keys[s], _layers_of(m)) for k in m.state_dict()]
+            for s, m in modules.items()
+        }
+        self.holder = _holders(mine, group, mesh)
+
+    def entries(
+        self, state_dict: Mapping[str, Tensor], modules: Mapping[int, nn.Module], rank: int
+    ) -> tuple[dict[int, dict[str, Tensor]], list[tuple[int, str]]]:
+        """Per stage of ``modules``, its entries of ``state_dict`` as it takes them
+        (:func:`_entry`), and the ``(stage, key)`` it misses; a shared parameter is read
+        from its first name or, failing that, any other name the model gives it."""
+        aliases: dict[str, list[str]] = {}
+        for name, first in self.first.items():
+            aliases.setdefault(first, []).append(name)
         missing: list[tuple[int, str]] = []
         local: dict[int, dict[str, Tensor]] = {}
-        aliases: dict[str, list[str]] = {}
-        for name, first in self._first_name.items():
-            aliases.setdefault(first, []).append(name)
-        for s in sorted(self.executor.chunks):
-            own = self._module(s).state_dict()
-            shards = {n: expert_shard(p) for n, p in self._module(s).named_parameters()}
+        for s, module in modules.items():
+            shards = {n: expert_shard(p) for n, p in module.named_parameters()}
             local[s] = {}
-            for name, current in own.items():
-                key = self._name(s, name)
+            for name, current in module.state_dict().items():
+                key = self.name(s, name, module)
                 found = [k for k in aliases.get(key, [key]) if k in state_dict]
                 if not found:
                     if (s, key) not in missing:
                         missing.append((s, key))
                     continue
-                value = state_dict[found[0]]
-                shard = shards.get(name)
-                whole = shard is not None and value.dim() and value.shape[0] == shard[2]
-                if shard is not None and whole and value.shape[0] != current.shape[0]:
-                    value = value[shard[0] : shard[1]]  # the whole HF tensor: this rank's rows
-                if isinstance(current, DTensor) and not isinstance(value, DTensor):
-                    # the whole tensor: this rank keeps its shard (no message: src_data_rank)
-                    value = distribute_tensor(
-                        value.to(current.device),
-                        current.device_mesh,
-                        current.placements,
-                        src_data_rank=None,
-                    )
-                if value.shape != current.shape:
-                    raise ValueError(
-                        f"state dict entry {key!r} has shape {tuple(value.shape)} but stage {s} "
-                        f"(rank {self.rank}) holds it with shape {tuple(current.shape)}"
-                    )
-                local[s][name] = value
-        if strict and (missing or unexpected):
-            raise ValueError(self._mismatch(missing, unexpected))
-        for s, entries in local.items():
-            self._module(s).load_state_dict(entries, strict=strict)
+                where = f"stage {s} (rank {rank})"
+                local[s][name] = _entry(state_dict[found[0]], current, shards.get(name), key, where)
+        return local, missing
 
-    def _mismatch(self, missing: list[tuple[int, str]], unexpected: list[str]) -> str:
-        parts = []
-        if missing:
-            by_stage: dict[int, list[str]] = {}
-            for stage, key in missing:
-                by_stage.setdefault(stage, []).append(key)
-            listed = "; ".join(
-                f"stage {s} (rank {self.rank}): {', '.join(map(repr, keys))}"
-                for s, keys in sorted(by_stage.items())
-            )
-            parts.append(f"missing keys of {listed}")
-        if unexpected:
-            parts.append(
-                f"unexpected keys held by no stage of the model: {', '.join(map(repr, unexpected))}"
-            )
-        return (
-            "load_state_dict: "
-            + "; ".join(parts)
-            + " (keys are the user's model's state_dict keys, e.g. '0.weight'; pass strict=False "
-            "to load a partial state dict)"
+
+def _layers_of(module: nn.Module) -> nn.Sequential | tuple[()]:
+    """A stage module's layers for :func:`model_name` (none when B/W splitting replaced the
+    stage module itself: names then come from the layer keys)."""
+    return module if isinstance(module, nn.Sequential) else ()
+
+
+def _group_of(
+    group: dist.ProcessGroup | None, mesh: PipelineMesh | None
+) -> dist.ProcessGroup | None:
+    """The pipeline's process group (the mesh's ``pp_group`` with a mesh), once
+    torch.distributed is up: the constructor is collective."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: call zerobubble.init_distributed() first "
+            "and start one process per device (python -m zerobubble.launch -n P script.py, "
+            "or torchrun)"
         )
+    if mesh is None:
+        return group
+    if group is not None and group is not mesh.pp_group:
+        raise ValueError("pass either group= or mesh= (the pipeline runs on mesh.pp_group)")
+    return mesh.pp_group
+
+
+def _schedule_of(
+    schedule: Schedule | str, microbatches: int | None, world: int, num_layers: int
+) -> Schedule:
+    """``schedule``, or the schedule of kind ``schedule`` generated for ``world`` devices and
+    ``microbatches`` (at most one stage per layer); refuses a microbatch count that
+    disagrees with a given schedule's."""
+    if isinstance(schedule, str):
+        if microbatches is None:
+            raise ValueError(
+                f"schedule {schedule!r} is a kind: pass microbatches= (per step), or pass a "
+                "Schedule from zerobubble.generate"
+            )
+        # Without the layer count, auto could pick more stages than there are layers.
+        return generate(schedule, world, microbatches, max_stages=num_layers)
+    if microbatches is not None and microbatches != schedule.num_microbatches:
+        raise ValueError(
+            f"microbatches={microbatches} but schedule {schedule.name!r} has "
+            f"{schedule.num_microbatches}; drop microbatches= or generate the schedule for it"
+        )
+    return schedule
+
+
+def _refuse_ties(shared: Sequence[TiedParam], mesh: PipelineMesh | None) -> None:
+    """Refuse parameters tied across stages where the mesh shards each stage on its own
+    (FSDP, tensor parallelism): each stage would shard its replica alone."""
+    tied = [tp.name for tp in shared if len(tp.local) > 1]
+    if mesh is None or not tied:
+        return
+    if mesh.spec.fsdp:
+        raise ValueError(
+            f"FSDP (a mesh with fsdp=True) with parameters tied across stages "
+            f"({', '.join(map(repr, tied))}) "
+            "is not supported: untie them or build the mesh with fsdp=False"
+        )
+    if mesh.tp_size > 1:
+        raise ValueError(
+            f"tensor parallelism (a mesh with tp={mesh.tp_size}) with parameters tied "
+            f"across stages ({', '.join(map(repr, tied))}) is not supported (each stage "
+            "would shard its replica on its own): untie them or build the mesh with tp=1"
+        )
+
+
+def _holders(
+    mine: dict[int, list[str]], group: dist.ProcessGroup | None, mesh: PipelineMesh | None
+) -> dict[str, tuple[int, int]]:
+    """Every state-dict key of the model -> the (stage, rank) holding it, from each rank's
+    ``mine`` (its stages' keys; collective over the pipeline ``group``), so that
+    :meth:`Pipeline.load_state_dict` can tell a key of another rank from a stranger."""
+    gathered: list[dict[int, list[str]] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    holder: dict[str, tuple[int, int]] = {}
+    for d, part in enumerate(gathered):
+        assert part is not None
+        for s, names in part.items():
+            for name in names:
+                holder.setdefault(name, (s, d))
+    if mesh is not None and mesh.ep_group is not None:
+        # The other ep ranks' experts belong to the model too (held there, same stages).
+        peers: list[dict[str, tuple[int, int]] | None] = [None] * mesh.ep_size
+        dist.all_gather_object(peers, holder, group=mesh.ep_group)
+        for held in peers:
+            assert held is not None
+            for name, where in held.items():
+                holder.setdefault(name, where)
+    return holder
+
+
+def _check_reuse(executor: PipelineExecutor, schedule: Schedule, opts: ExecutorOptions) -> None:
+    """Refuse a :meth:`Pipeline.with_schedule` that cannot reuse ``executor``'s stages: another
+    placement, FSDP-sharded stages, another recompute setting."""
+    if schedule.placement != executor.schedule.placement:
+        raise ValueError(
+            f"schedule {schedule.name!r} places stages on devices {list(schedule.placement)} "
+            f"but this pipeline's {executor.schedule.name!r} places them on "
+            f"{list(executor.schedule.placement)}; with_schedule reuses this rank's stages: "
+            "generate the schedule for the same placement, or build a new Pipeline"
+        )
+    if executor.sharding is not None:
+        raise ValueError(
+            "with_schedule on FSDP-sharded stages is not supported (sharding wraps the "
+            "stage modules in place): build a new Pipeline for the other schedule"
+        )
+    if opts.recompute != executor.options.recompute:
+        raise ValueError(
+            f"options recompute {opts.recompute!r} but the stages were built with "
+            f"{executor.options.recompute!r} (installed in the shared modules): "
+            "keep the recompute setting, or build a new Pipeline"
+        )
+
+
+def _check_optimizer(
+    optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter], rank: int
+) -> None:
+    """Refuse an optimizer over parameters the stages do not hold (the model's own)."""
+    mine = {id(p) for p in params}
+    foreign = sum(id(p) not in mine for g in optimizer.param_groups for p in g["params"])
+    if foreign:
+        raise ValueError(
+            f"the optimizer holds {foreign} parameters that rank {rank}'s stages do not: "
+            "build it from pipe.parameters() (the stages' own copies), not from the model"
+        )
+
+
+def _entry(
+    value: Tensor,
+    current: Tensor,
+    shard: tuple[int, int, int] | None,
+    key: str,
+    where: str,
+) -> Tensor:
+    """``value`` as the stage entry ``current`` takes it: a whole HF experts tensor cut to this
+    rank's rows (``shard``), a whole tensor distributed as ``current``'s DTensor; checked
+    to have ``current``'s shape (``key``, ``where``: for the message)."""
+    whole = shard is not None and value.dim() and value.shape[0] == shard[2]
+    if shard is not None and whole and value.shape[0] != current.shape[0]:
+        value = value[shard[0] : shard[1]]  # the whole HF tensor: this rank's rows
+    if isinstance(current, DTensor) and not isinstance(value, DTensor):
+        # the whole tensor: this rank keeps its shard (no message: src_data_rank)
+        value = distribute_tensor(
+            value.to(current.device),
+            current.device_mesh,
+            current.placements,
+            src_data_rank=None,
+        )
+    if value.shape != current.shape:
+        raise ValueError(
+            f"state dict entry {key!r} has shape {tuple(value.shape)} but {where} "
+            f"holds it with shape {tuple(current.shape)}"
+        )
+    return value
+
+
+def _mismatch(rank: int, missing: list[tuple[int, str]], unexpected: list[str]) -> str:
+    """The message of a strict :meth:`Pipeline.load_state_dict` whose keys do not match."""
+    parts = []
+    if missing:
+        by_stage: dict[int, list[str]] = {}
+        for stage, key in missing:
+            by_stage.setdefault(stage, []).append(key)
+        listed = "; ".join(
+            f"stage {s} (rank {rank}): {', '.join(map(repr, keys))}"
+            for s, keys in sorted(by_stage.items())
+        )
+        parts.append(f"missing keys of {listed}")
+    if unexpected:
+        parts.append(
+            f"unexpected keys held by no stage of the model: {', '.join(map(repr, unexpected))}"
+        )
+    return (
+        "load_state_dict: "
+        + "; ".join(parts)
+        + " (keys are the user's model's state_dict keys, e.g. '0.weight'; pass strict=False "
+        "to load a partial state dict)"
+    )
 
 
 def _module_name(name: str, keys: Sequence[str], stage: nn.Module) -> str:

@@ -83,14 +83,7 @@ def ep_reference_step(
     dp = len(parts)
     if ep < 1 or dp % ep:
         raise ValueError(f"ep={ep} must divide the {dp} replicas (parts); pass one per dp rank")
-    for i, layer in enumerate(model):
-        inside = any(isinstance(x, ExpertLayer) for x in layer.modules())  # a MoE is one too
-        if not isinstance(layer, ExpertLayer) and inside:
-            raise ValueError(
-                f"layer {i} ({type(layer).__name__}) holds a MoE inside: ep_reference_step "
-                "needs the MoE layers at the top level (a MoE, a MoEBlock or another "
-                "ExpertLayer)"
-            )
+    _check_top_level(model)
     replicas = [copy.deepcopy(model) for _ in range(dp)]
     for rep in replicas:
         for p in rep.parameters():
@@ -119,14 +112,34 @@ def ep_reference_step(
         root.backward()
         for r in range(dp):
             losses[r].append(mine[r][1])
-    summed: dict[str, Tensor] = {}
-    for rep in replicas:  # rank order; a replica's unused expert copies have no gradient
-        for n, p in rep.named_parameters():
-            if p.grad is not None:
-                summed[n] = p.grad.clone() if n not in summed else summed[n] + p.grad
+    summed = _sum_in_rank_order(replicas)
     for n, p in model.named_parameters():
         p.grad = summed.get(n)
     return losses, {n: g.clone() for n, g in summed.items()}
+
+
+def _check_top_level(model: nn.Sequential) -> None:
+    """Refuse a MoE inside a layer: :func:`ep_reference_step` plays the all-to-all between
+    whole layers."""
+    for i, layer in enumerate(model):
+        inside = any(isinstance(x, ExpertLayer) for x in layer.modules())  # a MoE is one too
+        if not isinstance(layer, ExpertLayer) and inside:
+            raise ValueError(
+                f"layer {i} ({type(layer).__name__}) holds a MoE inside: ep_reference_step "
+                "needs the MoE layers at the top level (a MoE, a MoEBlock or another "
+                "ExpertLayer)"
+            )
+
+
+def _sum_in_rank_order(replicas: Sequence[nn.Module]) -> dict[str, Tensor]:
+    """Every parameter's gradient summed over the replicas in rank order, ``(g_0 + g_1) +
+    ...`` (a replica's unused expert copies have no gradient and add nothing)."""
+    summed: dict[str, Tensor] = {}
+    for rep in replicas:
+        for n, p in rep.named_parameters():
+            if p.grad is not None:
+                summed[n] = p.grad.clone() if n not in summed else summed[n] + p.grad
+    return summed
 
 
 def _expert_layer(layers: Sequence[Any], hs: list[Tensor], ep: int) -> list[Tensor]:
@@ -195,23 +208,10 @@ def threaded_ep_reference_step(
     if ep < 1 or dp % ep:
         raise ValueError(f"ep={ep} must divide the {dp} replicas (parts); pass one per dp rank")
     groups = [LocalGroup(ep) for _ in range(dp // ep)]
-    replicas = []
-    for r in range(dp):
-        rep = copy.deepcopy(model)
-        group = ExpertGroup(groups[r // ep] if ep > 1 else None, r % ep, ep)
-        shard_all_experts(rep, group)
-        for p in rep.parameters():
-            p.grad = None
-        replicas.append(rep)
-    count_fn = default_count_fn(loss_fn, count_fn)
+    replicas = [_sharded_replica(model, groups, r, ep) for r in range(dp)]
     weight = weight_of(term_weight, m, dp)
     total = sum(batch_size(x, "x") for x, _ in parts)
-    count: Tensor | int | None = None
-    if count_fn is not None:
-        counts = [batch_count(count_fn, t) for _, t in parts]
-        count = counts[0]
-        for c in counts[1:]:
-            count = count + c
+    count = _global_count(default_count_fn(loss_fn, count_fn), parts)
     losses: list[list[Tensor]] = [[] for _ in range(dp)]
     failed: list[BaseException] = []
 
@@ -242,6 +242,39 @@ def threaded_ep_reference_step(
         t.join()
     if failed:
         raise failed[0]
+    return losses, _user_sums(model, replicas, ep)
+
+
+def _sharded_replica(
+    model: nn.Sequential, groups: Sequence[LocalGroup], r: int, ep: int
+) -> nn.Sequential:
+    """Replica ``r``'s copy of ``model``, its experts sharded as ep rank ``r % ep`` of its
+    ep group shards them, its gradients cleared."""
+    rep = copy.deepcopy(model)
+    group = ExpertGroup(groups[r // ep] if ep > 1 else None, r % ep, ep)
+    shard_all_experts(rep, group)
+    for p in rep.parameters():
+        p.grad = None
+    return rep
+
+
+def _global_count(
+    count_fn: CountFn | None, parts: Sequence[tuple[Any, Any]]
+) -> Tensor | int | None:
+    """The count the loss is normalised by, summed over the replicas (None without one)."""
+    if count_fn is None:
+        return None
+    counts = [batch_count(count_fn, t) for _, t in parts]
+    count = counts[0]
+    for c in counts[1:]:
+        count = count + c
+    return count
+
+
+def _user_sums(model: nn.Sequential, replicas: Sequence[nn.Module], ep: int) -> dict[str, Tensor]:
+    """The replicas' gradients summed in rank order and keyed by the user's names: dense
+    ones over all replicas, expert ones over the replicas with the same ep rank (edp); a
+    sharded HF experts tensor whole again (its ep ranks' blocks in ep-rank order)."""
     keys = tuple(model._modules)
     dense: dict[str, Tensor] = {}
     experts: list[dict[str, Tensor]] = [{} for _ in range(ep)]
@@ -262,4 +295,4 @@ def threaded_ep_reference_step(
                 out[user] = torch.cat([experts[k][user] for k in range(ep)])
             else:
                 out[user] = g
-    return losses, out
+    return out

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -115,6 +116,36 @@ def reference_step(
         key and name, or the layer's own ``source_name``; a shared parameter once,
         under its first name).
     """
+    args, target, m, n = _batch(args, target, microbatches, kwargs)
+    model = as_sequential(layers)
+    inputs = split_tree((args, kwargs), m, n)
+    targets = split_tree(target, m, n)
+    bounds = stage_bounds(len(model), num_stages, boundaries)
+    stages = _Stages(model, bounds, _rng(model, (args, kwargs), seed), step)
+    weight = weight_of(term_weight, m, 1)
+    scales, extra = _scales(default_count_fn(loss_fn, count_fn), target, n, m)
+    for p in model.parameters():
+        p.grad = None
+    losses, per_mb = [], []
+    for j, ((aj, kj), tj, scale) in enumerate(zip(inputs, targets, scales, strict=True)):
+        with collect_loss_terms(model) as found:
+            # the last stage's forward holds the loss and the objective
+            last = partial(_objective, loss_fn, tj, extra, found, scale, weight)
+            root, loss = stages.run(j, aj, kj, last)
+        root.backward()
+        losses.append(loss)
+        per_mb.append({n: t.detach() for n, t in found.items()})
+    if terms is not None:
+        gather_terms(per_mb, terms)
+    return losses, _user_grads(model)
+
+
+def _batch(
+    args: tuple, target: Any, microbatches: int | None, kwargs: dict
+) -> tuple[tuple, Any, int, int]:
+    """:func:`reference_step`'s batch as ``(args, target, M, N)``: the short form
+    ``(x, target, m)`` read as the long one, and the inputs' and target's batch checked
+    to agree."""
     if target is None:
         if len(args) == 3 and isinstance(args[2], int) and microbatches is None and not kwargs:
             x, target, microbatches = args
@@ -127,7 +158,6 @@ def reference_step(
             )
     if microbatches is None:
         raise ValueError("reference_step needs microbatches= (how many per step, M)")
-    m = microbatches
     n = batch_size((args, kwargs), "the input batch (reference_step's arguments)")
     n_target = batch_size(target, "target")
     if n_target != n:
@@ -136,43 +166,42 @@ def reference_step(
         else:
             shapes = f"target has a batch of {n_target} and the inputs one of {n}"
         raise ValueError(f"{shapes}: they must share the batch (first) dimension")
-    model = as_sequential(layers)
-    inputs = split_tree((args, kwargs), m, n)
-    targets = split_tree(target, m, n)
-    bounds = stage_bounds(len(model), num_stages, boundaries)
-    # Random ops draw on the device the layers live on, as on a pipeline's stages.
-    leaves = tensor_leaves((args, kwargs))
+    return args, target, microbatches, n
+
+
+def _rng(model: nn.Sequential, batch: Any, seed: int | None) -> StageRng | None:
+    """The stages' seeding (None without a seed), drawing on the device the layers live on
+    (else the batch's), as on a pipeline's stages."""
+    if seed is None:
+        return None
+    leaves = tensor_leaves(batch)
     fallback = leaves[0].device if leaves else torch.device("cpu")
-    device = next((p.device for p in model.parameters()), fallback)
-    rng = None if seed is None else StageRng(seed, device)
-    weight = weight_of(term_weight, m, 1)
-    count_fn = default_count_fn(loss_fn, count_fn)
-    extra: tuple[Tensor | int, ...]
+    return StageRng(seed, next((p.device for p in model.parameters()), fallback))
+
+
+def _scales(
+    count_fn: CountFn | None, target: Any, n: int, m: int
+) -> tuple[list[float], tuple[Tensor | int, ...]]:
+    """Each microbatch's loss weight and ``loss_fn``'s extra arguments, as the executor has
+    them: ``n_j / N`` without a ``count_fn``; 1 and the batch's count with one."""
     if count_fn is None:
         sizes = [len(t) for t in torch.tensor_split(torch.empty(n), m)]
-        scales, extra = loss_scales(sizes), ()
-    else:
-        scales, extra = [1.0] * m, (batch_count(count_fn, target),)
-    for p in model.parameters():
-        p.grad = None
-    losses = []
-    per_mb: list[dict[str, Tensor]] = []
-    for j, ((aj, kj), tj, scale) in enumerate(zip(inputs, targets, scales, strict=True)):
-        h: Any = None
-        with collect_loss_terms(model) as found:
-            for s, layer_range in enumerate(bounds):
-                with nullcontext() if rng is None else rng.scope(step, s, j):
-                    for i in layer_range:
-                        h = model[i](*aj, **kj) if i == 0 else model[i](h)
-                    if s == num_stages - 1:
-                        h = loss_fn(h, tj, *extra)  # the last stage's forward holds the loss
-                        root, loss = weighted_objective(h, found, scale, weight)
-        root.backward()
-        losses.append(loss)
-        per_mb.append({n: t.detach() for n, t in found.items()})
-    if terms is not None:
-        gather_terms(per_mb, terms)
-    return losses, _user_grads(model)
+        return loss_scales(sizes), ()
+    return [1.0] * m, (batch_count(count_fn, target),)
+
+
+def _objective(
+    loss_fn: Callable[..., Tensor],
+    target: Any,
+    extra: tuple[Tensor | int, ...],
+    found: dict[str, Tensor],
+    scale: float,
+    weight: float | None,
+    out: Any,
+) -> tuple[Tensor, Tensor]:
+    """A microbatch's root and objective from the last stage's ``out``, as the last stage
+    forms them (:func:`~zerobubble.runtime.loss_terms.weighted_objective`)."""
+    return weighted_objective(loss_fn(out, target, *extra), found, scale, weight)
 
 
 def _shape(t: Any) -> Any:
@@ -286,51 +315,100 @@ def segment_reference_step(
     total = batch_count(count_fn, target)
     bounds = stage_bounds(len(model), num_stages, boundaries)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    rng = None if seed is None else StageRng(seed, device)
+    stages = _Stages(model, bounds, None if seed is None else StageRng(seed, device), step)
     params = list(model.parameters())
     for p in params:
         p.grad = None
     losses: list[Tensor] = []
     per_unit: list[tuple[Tensor | None, ...]] = []
     for j, ((aj, kj), tj) in enumerate(zip(inputs, targets, strict=True)):
-        contexts: list[SegmentContext] = []
-        seg_losses: list[Tensor] = []
-        for i, (start, end) in enumerate(pairs):
-            context = SegmentContext(start, past_leaves([c.new_kv() for c in contexts]))
-            a_seg, k_seg = cut_value(aj, start, end), segment_inputs(kj, start, end)
-            with segment_scope([model], context), collect_loss_terms(model) as found:
-                h: Any = None
-                for s, layer_range in enumerate(bounds):
-                    scope = nullcontext() if rng is None else rng.scope(step, s, j * k + i)
-                    with scope:
-                        for x in layer_range:
-                            h = model[x](*a_seg, **k_seg) if x == 0 else model[x](h)
-                        if s == len(bounds) - 1:
-                            h = loss_fn(h, cut_value(tj, start, end), total)
-            if found:
-                raise ValueError(
-                    f"the layers added loss terms {sorted(found)}: loss terms with sequence "
-                    "segments are not supported (each segment would add its own); run without "
-                    "segments"
-                )
-            seg_losses.append(h)
-            contexts.append(context)
-        sent: dict[int, list[KV | None]] = {}  # gradients of earlier keys and values
-        grads_j: list[tuple[Tensor | None, ...]] = [() for _ in pairs]
-        for i in reversed(range(len(pairs))):
-            roots, root_grads = [seg_losses[i]], [torch.ones_like(seg_losses[i])]
-            for kv, kv_grad in zip(contexts[i].new_kv(), sent.get(i, []), strict=False):
-                if kv_grad is not None:
-                    roots.extend(kv)
-                    root_grads.extend(kv_grad)
-            leaves = flat_past(contexts[i].past)
-            got = torch.autograd.grad(roots, params + leaves, root_grads, allow_unused=True)
-            grads_j[i] = tuple(got[: len(params)])
-            add_past_grads(sent, got[len(params) :], i)
+        units = [j * k + i for i in range(k)]
+        seg_losses, contexts = _segments_forward(stages, pairs, units, (aj, kj, tj), loss_fn, total)
+        per_unit.extend(_segments_backward(seg_losses, contexts, params))
         losses.append(sum(seg_losses[1:], seg_losses[0]).detach())
-        per_unit.extend(grads_j)
     for unit in per_unit:  # added in unit order, as the weight-gradient store adds them
         for p, g in zip(params, unit, strict=True):
             if g is not None:
                 p.grad = g.clone() if p.grad is None else p.grad + g
     return losses, _user_grads(model)
+
+
+T = TypeVar("T")
+
+
+class _Stages:
+    """The model cut at ``bounds`` into stages run in order, each stage's random ops seeded
+    per unit as the executor seeds them (``rng``, None: the process's generators)."""
+
+    def __init__(
+        self, model: nn.Sequential, bounds: Sequence[range], rng: StageRng | None, step: int
+    ) -> None:
+        self.model, self.bounds, self.rng, self.step = model, bounds, rng, step
+
+    def run(self, unit: int, args: Any, kwargs: Any, last: Callable[[Any], T]) -> T:
+        """The stages on one unit's ``(*args, **kwargs)``; the last stage's forward ends with
+        ``last`` (the loss), inside its seeding."""
+        h: Any = None
+        for s, layer_range in enumerate(self.bounds):
+            with nullcontext() if self.rng is None else self.rng.scope(self.step, s, unit):
+                for x in layer_range:
+                    h = self.model[x](*args, **kwargs) if x == 0 else self.model[x](h)
+                if s == len(self.bounds) - 1:
+                    return last(h)
+        raise AssertionError("no stage")  # bounds has num_stages >= 1 ranges
+
+
+def _segments_forward(
+    stages: _Stages,
+    pairs: Sequence[tuple[int, int]],
+    units: Sequence[int],
+    batch: tuple[Any, Any, Any],
+    loss_fn: Callable[..., Tensor],
+    total: Any,
+) -> tuple[list[Tensor], list[SegmentContext]]:
+    """One microbatch's segments forward in order (``batch``: its args, kwargs and target),
+    each attending fresh leaves of the earlier segments' keys and values: every segment's
+    loss and context. Loss terms are refused (each segment would add its own)."""
+    args, kwargs, target = batch
+    contexts: list[SegmentContext] = []
+    seg_losses: list[Tensor] = []
+    for (start, end), unit in zip(pairs, units, strict=True):
+        context = SegmentContext(start, past_leaves([c.new_kv() for c in contexts]))
+        a_seg, k_seg = cut_value(args, start, end), segment_inputs(kwargs, start, end)
+        last = partial(_segment_loss, loss_fn, cut_value(target, start, end), total)
+        with segment_scope([stages.model], context), collect_loss_terms(stages.model) as found:
+            h = stages.run(unit, a_seg, k_seg, last)
+        if found:
+            raise ValueError(
+                f"the layers added loss terms {sorted(found)}: loss terms with sequence "
+                "segments are not supported (each segment would add its own); run without "
+                "segments"
+            )
+        seg_losses.append(h)
+        contexts.append(context)
+    return seg_losses, contexts
+
+
+def _segment_loss(loss_fn: Callable[..., Tensor], target: Any, total: Any, out: Any) -> Tensor:
+    return loss_fn(out, target, total)
+
+
+def _segments_backward(
+    seg_losses: Sequence[Tensor], contexts: Sequence[SegmentContext], params: Sequence[Tensor]
+) -> list[tuple[Tensor | None, ...]]:
+    """One microbatch's backward, last segment first: each segment roots its loss and its
+    own keys and values with the gradients the later segments sent back (summed, last
+    segment first); returns each segment's parameter gradients, in segment order."""
+    sent: dict[int, list[KV | None]] = {}  # gradients of earlier keys and values
+    grads: list[tuple[Tensor | None, ...]] = [() for _ in seg_losses]
+    for i in reversed(range(len(seg_losses))):
+        roots, root_grads = [seg_losses[i]], [torch.ones_like(seg_losses[i])]
+        for kv, kv_grad in zip(contexts[i].new_kv(), sent.get(i, []), strict=False):
+            if kv_grad is not None:
+                roots.extend(kv)
+                root_grads.extend(kv_grad)
+        leaves = flat_past(contexts[i].past)
+        got = torch.autograd.grad(roots, [*params, *leaves], root_grads, allow_unused=True)
+        grads[i] = tuple(got[: len(params)])
+        add_past_grads(sent, got[len(params) :], i)
+    return grads

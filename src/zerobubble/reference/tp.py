@@ -76,13 +76,7 @@ def tp_reference_step(
     model = as_sequential(layers)
     keys = layer_keys(model)
     bounds = stage_bounds(len(model), num_stages, boundaries)
-    tied = [t.name for t in find_shared(model, keys, bounds) if len(t.local) > 1]
-    if tied:
-        raise ValueError(
-            f"parameters tied across stages ({', '.join(map(repr, tied))}) are not supported "
-            "with tensor parallelism (each stage would shard its replica on its own): untie "
-            "them, or cut the model so that their layers share a stage"
-        )
+    _refuse_tied(model, keys, bounds)
     source = copy.deepcopy(list(model)) if copy_layers else list(model)
     tp = TensorParallel(tp_mesh, tp_plan, sequence_parallel)
     stages = []
@@ -105,6 +99,25 @@ def tp_reference_step(
         term_weight=term_weight,
         **kwargs,
     )
+    return losses, _stage_grads(stages, keys, bounds)
+
+
+def _refuse_tied(model: nn.Sequential, keys: Sequence[str], bounds: Sequence[range]) -> None:
+    """Refuse parameters tied across stages, as the pipeline refuses them with tp."""
+    tied = [t.name for t in find_shared(model, keys, bounds) if len(t.local) > 1]
+    if tied:
+        raise ValueError(
+            f"parameters tied across stages ({', '.join(map(repr, tied))}) are not supported "
+            "with tensor parallelism (each stage would shard its replica on its own): untie "
+            "them, or cut the model so that their layers share a stage"
+        )
+
+
+def _stage_grads(
+    stages: Sequence[nn.Sequential], keys: Sequence[str], bounds: Sequence[range]
+) -> dict[str, Tensor]:
+    """A copy of every gradient in its layout, keyed by the user's parameter names (a
+    parameter two layers of a stage share, once)."""
     grads: dict[str, Tensor] = {}
     seen: set[int] = set()
     for s, stage in enumerate(stages):
@@ -113,7 +126,7 @@ def tp_reference_step(
             if p.grad is not None and id(p) not in seen:
                 seen.add(id(p))
                 grads[model_name(name, stage_keys, stage)] = _copy(p.grad)
-    return losses, grads
+    return grads
 
 
 def _copy(g: Tensor) -> Tensor:

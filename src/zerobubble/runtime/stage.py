@@ -12,44 +12,36 @@ that autograd produces during B, reach ``.grad`` in microbatch order (through
 the store, or straight from autograd for a BW that is next in line), so a
 pipeline run matches :func:`~zerobubble.reference.step.reference_step`
 bitwise.
+
+What rides on the ops without changing them (loss terms, sequence segments) is a
+:class:`~zerobubble.runtime.extension.StageExtension` the chunk calls in a loop, so
+that this module keeps F/B/W/BW, the records and the store.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge, saved_tensors_hooks
+from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from zerobubble.runtime.loss_terms import (
-    split_terms,
-    term_scope,
-    weighted_objective,
-    with_terms,
-)
+from zerobubble.runtime.extension import Call, Roots, StageChunkError, StageExtension, Unit
 from zerobubble.runtime.recompute import (
     Recompute,
     install_layer_recompute,
     recompute_plan,
     run_checkpointed,
 )
-from zerobubble.runtime.sequence.kv import (
-    KV,
-    SegmentContext,
-    SegmentOf,
-    add_past_grads,
-    flat_past,
-    past_leaves,
-    segment_scope,
-    unaware_attention,
-)
+from zerobubble.runtime.sequence.extension import SegmentExtension
+from zerobubble.runtime.sequence.kv import SegmentOf
 from zerobubble.runtime.shapes import map_tensors, tensor_leaves
 from zerobubble.runtime.split import (
     SplitRules,
@@ -61,21 +53,13 @@ from zerobubble.runtime.split import (
     split_share,
 )
 from zerobubble.runtime.split.fallback import GraphSplit
+from zerobubble.runtime.term_extension import LossTermExtension
 
 __all__ = ["StageChunk", "StageChunkError", "storage_bytes"]
 
 LossFn = Callable[..., Tensor]
 """``loss_fn(output, target)``, or ``loss_fn(output, target, num_items)`` (see
 :meth:`StageChunk.forward`); output and target may be pytrees."""
-
-
-class StageChunkError(RuntimeError):
-    """An op called out of protocol or with mismatched data; names the stage and microbatch."""
-
-    def __init__(self, stage: int, mb: int, message: str) -> None:
-        super().__init__(f"stage {stage}, microbatch {mb}: {message}")
-        self.stage = stage
-        self.mb = mb
 
 
 @dataclass
@@ -87,35 +71,13 @@ class _Record:
     """The input's tensors (None after B); those that require grad get a gradient."""
     bare: bool
     """The input was one tensor (B returns one gradient, not a list)."""
-    roots: list[Tensor | GradientEdge]
+    roots: Roots
     """One per output tensor that carries a gradient (the scaled loss on the last stage)."""
     outs: list[tuple[torch.Size, torch.dtype, torch.device]]
+    unit: Unit
     saved: list[weakref.ref[Tensor]] = field(default_factory=list)
-    segment: SegmentOf | None = None
-    """The unit's place in its microbatch's sequence (None: a whole sequence)."""
-    kv_roots: list[GradientEdge] = field(default_factory=list)
-    """The segment's own keys and values, per attention layer ``k`` then ``v``: extra
-    outputs whose gradients come from the later segments' backwards (none for the last)."""
-    past: list[Tensor] = field(default_factory=list)
-    """The leaves standing for the earlier segments' keys and values (per layer, per
-    earlier segment, ``k`` then ``v``); B hands their gradients back to those segments."""
-
-
-@dataclass
-class _Sequence:
-    """What the segments of one microbatch share on a stage, between their ops."""
-
-    forwarded: int = 0
-    """How many of its segments ran their forward here."""
-    kv: list[list[KV]] = field(default_factory=list)
-    """Per segment forwarded so far, its keys and values per attention layer (aliases
-    without a graph: the segment's own graph keeps the data anyway); dropped after the
-    last segment's forward, the backwards' leaves keep what they need."""
-    grads: dict[int, list[KV | None]] = field(default_factory=dict)
-    """Per segment, the gradients of its keys and values summed over the later segments'
-    backwards that ran so far (None for a layer none of them reached)."""
-    next_backward: int = -1
-    """The segment whose backward may run next (the last one first)."""
+    extended: list[StageExtension] = field(default_factory=list)
+    """The extensions B calls for this unit (those whose ``keep`` said so)."""
 
 
 def storage_bytes(tensors: Iterable[Tensor], exclude: Iterable[Tensor] = ()) -> int:
@@ -150,9 +112,11 @@ def _plain(t: Tensor) -> Iterator[Tensor]:
 class StageChunk:
     """F / B / W / BW of one virtual stage.
 
-    Under a segment schedule (``forward(..., segment=...)``) the ops run on units, one
-    segment of a microbatch's sequence each; the chunk keeps what the microbatch's
-    segments share on this stage (keys and values, their gradients) between them.
+    What rides on the ops without changing them is in :attr:`extensions`
+    (:mod:`~zerobubble.runtime.extension`): the loss terms that layers add, and, under a
+    segment schedule (``forward(..., segment=...)``, the ops then run on units, one
+    segment of a microbatch's sequence each), the keys and values the microbatch's
+    segments share on this stage.
 
     Args:
         module: The stage's layers (split in place when ``split``).
@@ -190,34 +154,19 @@ class StageChunk:
         track_memory: bool = True,
         recompute: Recompute = "none",
     ) -> None:
-        if not 0 <= stage < num_stages:
-            raise ValueError(f"stage {stage} is not in [0, num_stages={num_stages})")
+        _check_stage(stage, num_stages, loss_fn)
         self.stage = stage
         self.num_stages = num_stages
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
-        if self.is_last and loss_fn is None:
-            raise ValueError(f"stage {stage} is the last stage: pass loss_fn")
-        if not self.is_last and loss_fn is not None:
-            raise ValueError(
-                f"stage {stage} is not the last of {num_stages} stages: only the last "
-                "stage computes the loss, drop loss_fn"
-            )
         self.loss_fn = loss_fn
         self.store = WeightGradStore() if store is None else store
         self.split = split
         self.module = enable_bw_split(module, self.store, split_rules) if split else module
-        self.split_share: SplitShare | None = split_share(self.module) if split else None
+        self._share = _ShareWatch(self.module, stage, split)
+        self.split_share: SplitShare | None = self._share.share
         """How much weight-gradient work W holds (None without split); updated after a
         forward in which a graph-level split fell back to B (several outputs)."""
-        message = None if self.split_share is None else self.split_share.warning(stage)
-        self._warned = message is not None
-        if message is not None:
-            warnings.warn(message, SplitShareWarning, stacklevel=2)
-        self._graph_splits = [
-            g for m in self.module.modules() if (g := GraphSplit.of(m)) is not None
-        ]
-        self._fallen_back = 0  # how many of them fell back to B so far
         self.track_memory = track_memory
         plan = recompute_plan(recompute)
         self.recompute = plan.mode
@@ -230,18 +179,16 @@ class StageChunk:
         self._plain = not is_split(self.module)
         self._submodules = list(self.module.modules())
         self._records: dict[int, _Record] = {}
-        self._sequences: dict[int, _Sequence] = {}
-        """Per microbatch whose sequence runs in segments, what its segments share."""
-        self._unaware: str | None = None
-        """An attention layer that cannot run segments ("" if none), found at the first."""
         self._held: int | None = 0  # held_bytes() until the next op; None: recount
-        self._reported: dict[str, Tensor] = {}
-        """The last stage's term sums of the forward that just ran (set by :meth:`_value`)."""
-        self._terms: dict[int, dict[str, Tensor]] = {}
-        """Per microbatch forwarded on the last stage, its terms (detached), until taken."""
         self._objective: Tensor | None = None
-        """The last stage's unscaled objective of the forward that just ran (set by
-        :meth:`_value`, taken by :meth:`forward`)."""
+        """The last stage's unscaled objective of the run that just ran (set by
+        :meth:`_value`, taken by :meth:`forward`; a replay's is ignored)."""
+        self._loss_terms = LossTermExtension(self._submodules)
+        self.extensions: list[StageExtension] = [
+            self._loss_terms,
+            SegmentExtension(self.module, self.recompute),
+        ]
+        """Called in this order at each point of F and B; a new one is one more entry."""
 
     # ---- ops ----------------------------------------------------------------------------
 
@@ -269,244 +216,103 @@ class StageChunk:
         ``loss_fn(output, target)``, or ``loss_fn(output, target, num_items)`` when
         ``num_items`` (a count over the whole batch) is given.
 
-        Loss terms the layers add (:func:`~zerobubble.runtime.loss_terms.add_loss_term`)
-        travel with the output as their running sums (an extra part of the pytree that the
-        next stage takes off before calling its module); on the last stage the loss
-        becomes the objective, the loss plus every term, and :meth:`take_terms` gives the
-        terms. ``term_weight``: each term's weight in the root
-        (:func:`~zerobubble.runtime.loss_terms.weighted_objective`; None: the terms are
-        weighted as the loss, ``loss_scale``). Not with ``segment``.
+        Loss terms the layers add (:mod:`~zerobubble.runtime.term_extension`) travel
+        with the output as their running sums; on the last stage the loss becomes the
+        objective, the loss plus every term, and :meth:`take_terms` gives the terms.
+        ``term_weight``: each term's weight in the root (None: as the loss,
+        ``loss_scale``). Not with ``segment``.
 
         With ``segment``, ``mb`` is a unit of a segment schedule and the input is that
         segment of the microbatch's sequence: the stage's attention reads the keys and
-        values this chunk kept from the microbatch's earlier segments (which must have
-        run here, in order) and keeps its own for the later ones
-        (:mod:`~zerobubble.runtime.sequence.kv`).
+        values kept from the microbatch's earlier segments (which must have run here, in
+        order) and keeps its own for the later ones
+        (:mod:`~zerobubble.runtime.sequence.extension`).
         """
-        if mb in self._records:
-            raise StageChunkError(
-                self.stage,
-                mb,
-                f"forwarded twice; its {'B' if self._records[mb].state == 'F' else 'W'} "
-                "has not run yet",
-            )
-        if self.is_last and target is None:
-            raise StageChunkError(self.stage, mb, "the last stage needs target= for the loss")
-        if not self.is_last and target is not None:
-            raise StageChunkError(
-                self.stage, mb, "target= is only used on the last stage; do not pass it here"
-            )
-        if not self.is_first and (len(inputs) != 1 or kwargs):
-            raise StageChunkError(
-                self.stage, mb, "a stage after the first takes one input, the received value"
-            )
-        context = None if segment is None else self._segment_context(mb, segment)
+        rec = self._records.get(mb)
+        _check_forward(self.stage, mb, self.is_first, self.is_last, rec, inputs, kwargs, target)
+        unit = Unit(self.stage, mb, self.is_first, self.is_last, segment, loss_scale, term_weight)
+        scopes = [ext.enter(unit) for ext in self.extensions]
         bare = len(inputs) == 1 and not kwargs and isinstance(inputs[0], Tensor)
         if self.is_first:
             args, kw = map_tensors((inputs, kwargs), Tensor.detach)
         else:
             args, kw = (map_tensors(inputs[0], _receive_leaf(bare)),), {}
         saved: list[Tensor] = []  # held by the graph anyway until F returns
-
-        def pack(t: Tensor) -> Tensor:
-            alias = t.detach()  # an alias, not t itself: t may own this very graph
-            saved.append(alias)
-            return alias
-
-        self._held = None
-        self._reported, self._objective = {}, None
-        last = (loss_scale, term_weight)
-        hooks = saved_tensors_hooks(pack, _identity) if self.track_memory else nullcontext()
-        scope = nullcontext() if context is None else segment_scope([self.module], context)
-        with torch.enable_grad(), hooks, scope, self.store.record(self.stage, mb):
-            if self.recompute == "stage":
-                # The region keeps its inputs for B: the module gets copies, which it
-                # may modify in place (F and B each copy; F's copy dies with F).
-                call = (args, kw, target, num_items, last)
-                name = f"stage {self.stage}"
-                out = run_checkpointed(
-                    self._copied_value, call, {}, self._params, self.store, self.module, name
-                )
-            else:
-                # A received leaf would refuse in-place ops, which plain autograd allows
-                # on the activation it stands for: the module gets a non-leaf alias.
-                inner = args if self.is_first else map_tensors(args, _entry)
-                out = self._value(inner, kw, target, num_items, last)
-            result = out
-            if self.is_last:
-                if self._objective is None:  # _value found no scalar loss
-                    shape = tuple(out.shape) if isinstance(out, Tensor) else type(out)
-                    raise StageChunkError(
-                        self.stage, mb, f"loss_fn must return a scalar tensor, got {shape}"
-                    )
-                result = self._objective  # out is the root, loss_scale and weights applied
-        reported, self._reported, self._objective = self._reported, {}, None
-        if segment is not None and (reported or _carries_terms(out)):
-            raise ValueError(
-                f"stage {self.stage}: loss terms (add_loss_term) with sequence segments are "
-                "not supported (each segment would add its own term); run without segments"
-            )
-        if reported:
-            self._terms[mb] = {n: reported[n].detach() for n in sorted(reported)}
+        self._held, self._objective = None, None
+        with torch.enable_grad(), _saving(self.track_memory, saved), ExitStack() as stack:
+            for scope in scopes:
+                stack.enter_context(scope)
+            stack.enter_context(self.store.record(self.stage, mb))
+            out = self._run(unit, args, kw, target, num_items)
+            result = _objective(self.stage, mb, self._objective, out) if self.is_last else out
+        self._objective = None
+        extended = [ext for ext in self.extensions if ext.keep(unit, out)]
         grad_outs = [t for t in tensor_leaves(out) if t.requires_grad]
         # Keep each output's node, not its data, unless the loss (a scalar) or a
         # leaf that the stage passed through.
-        roots = [
+        roots: Roots = [
             t if self.is_last or t.grad_fn is None else get_gradient_edge(t) for t in grad_outs
         ]
         outs = [(t.shape, t.dtype, t.device) for t in grad_outs]
         refs = [weakref.ref(t) for t in saved]
         saved.clear()  # every saved tensor's hooks keep `pack`, and with it this list, alive
         x = tensor_leaves(args if self.is_first else args[0])
-        rec = _Record("F", x, bare, roots, outs, refs)
-        if context is not None and segment is not None:
-            self._keep_segment(rec, segment, context)
-        self._records[mb] = rec
-        if self._graph_splits:
-            self._recount_share()
+        self._records[mb] = _Record("F", x, bare, roots, outs, unit, refs, extended)
+        if self._share.graph_splits:
+            self.split_share = self._share.recount()
         if self.is_last:
             return result.detach()
         return map_tensors(result, _send_leaf)
 
-    def _segment_context(self, mb: int, segment: SegmentOf) -> SegmentContext:
-        """The context of ``segment``'s forward: one fresh leaf per earlier segment's keys
-        and values per attention layer, so that each leaf's gradient is this segment's
-        share for that earlier segment."""
-        if self.recompute != "none":
-            raise ValueError(
-                f"stage {self.stage}: recompute={self.recompute!r} with sequence segments is "
-                "not supported (the recomputed forward would not see the earlier segments' "
-                "keys and values); use recompute='none'"
+    def _run(self, unit: Unit, args: tuple, kw: dict, target: Any, num_items: Any) -> Any:
+        """The value of F's run: :meth:`_value`, as a checkpointed region under "stage"."""
+        if self.recompute == "stage":
+            # The region keeps its inputs for B: the module gets copies, which it
+            # may modify in place (F and B each copy; F's copy dies with F).
+            call = (args, kw, target, num_items, unit)
+            name = f"stage {self.stage}"
+            return run_checkpointed(
+                self._copied_value, call, {}, self._params, self.store, self.module, name
             )
-        if self._unaware is None:  # once: the module's layers do not change
-            self._unaware = unaware_attention(self.module) or ""
-        if layer := self._unaware:
-            raise ValueError(
-                f"stage {self.stage}: attention layer {layer} would see only its own segment "
-                "of the sequence, not the earlier ones; run it without segments, or make it "
-                "segment-aware (zerobubble.runtime.sequence.kv.SegmentAware)"
-            )
-        seq = self._sequences.setdefault(segment.microbatch, _Sequence())
-        if seq.forwarded != segment.index:
-            raise StageChunkError(
-                self.stage,
-                mb,
-                f"segment {segment.index} of microbatch {segment.microbatch} forwarded after "
-                f"{seq.forwarded} of its segments; the segments of a sequence go in order",
-            )
-        return SegmentContext(segment.start, past_leaves(seq.kv))
+        # A received leaf would refuse in-place ops, which plain autograd allows
+        # on the activation it stands for: the module gets a non-leaf alias.
+        inner = args if self.is_first else map_tensors(args, _entry)
+        return self._value(inner, kw, target, num_items, unit)
 
-    def _keep_segment(self, rec: _Record, segment: SegmentOf, context: SegmentContext) -> None:
-        """Record the segment on ``rec``: its past leaves as inputs of its backward, and, for
-        all but the last segment, its own keys and values (for the later segments, and as
-        extra outputs of its backward)."""
-        rec.segment = segment
-        rec.past = flat_past(context.past)
-        own = context.new_kv()
-        seq = self._sequences[segment.microbatch]
-        seq.forwarded += 1
-        if segment.index + 1 < segment.count:
-            seq.kv.append([(k.detach(), v.detach()) for k, v in own])
-            rec.kv_roots = [get_gradient_edge(t) for kv in own for t in kv]
-        else:
-            seq.kv.clear()  # no later segment reads them
-            seq.next_backward = segment.index
-
-    def _segment_grads(self, mb: int, rec: _Record) -> list[Tensor | None]:
-        """The summed gradients of the segment's own keys and values, after checking that
-        every later segment's backward ran."""
-        segment = rec.segment
-        assert segment is not None
-        seq = self._sequences[segment.microbatch]
-        if seq.next_backward != segment.index:
-            raise StageChunkError(
-                self.stage,
-                mb,
-                f"backward of segment {segment.index} of microbatch {segment.microbatch} "
-                f"before that of segment {seq.next_backward}; the segments of a sequence go "
-                "backward last first",
-            )
-        held = seq.grads.pop(segment.index, None)
-        if held is None:
-            return [None] * len(rec.kv_roots)
-        return [g for kv in held for g in (kv if kv is not None else (None, None))]
-
-    def _hand_back(self, rec: _Record, grads: Sequence[Tensor | None]) -> None:
-        """Add the past leaves' gradients to the earlier segments' sums."""
-        segment = rec.segment
-        assert segment is not None
-        seq = self._sequences[segment.microbatch]
-        add_past_grads(seq.grads, grads, segment.index)
-        seq.next_backward = segment.index - 1
-        if segment.index == 0:
-            del self._sequences[segment.microbatch]
-
-    def _recount_share(self) -> None:
-        """Recount :attr:`split_share` once a graph-level split has fallen back to B (a call
-        with several differentiable outputs), and warn as at construction if it now defers
-        less than half (once per chunk)."""
-        fallen = sum(g.outputs_seen > 1 for g in self._graph_splits)
-        if fallen == self._fallen_back:
-            return
-        self._fallen_back = fallen
-        self.split_share = split_share(self.module)
-        message = self.split_share.warning(self.stage)
-        if message is not None and not self._warned:
-            self._warned = True
-            warnings.warn(message, SplitShareWarning, stacklevel=3)
-
-    def _copied_value(
-        self,
-        args: tuple,
-        kw: dict,
-        target: Any,
-        num_items: Any,
-        last: tuple[float, float | None],
-    ) -> Any:
+    def _copied_value(self, args: tuple, kw: dict, target: Any, num_items: Any, unit: Unit) -> Any:
         """:meth:`_value` on copies of the module's input tensors (what "stage" replays)."""
         args, kw = map_tensors((args, kw), Tensor.clone)
-        return self._value(args, kw, target, num_items, last)
+        return self._value(args, kw, target, num_items, unit)
 
-    def _value(
-        self,
-        args: tuple,
-        kw: dict,
-        target: Any,
-        num_items: Any,
-        last: tuple[float, float | None],
-    ) -> Any:
+    def _value(self, args: tuple, kw: dict, target: Any, num_items: Any, unit: Unit) -> Any:
         """The stage's output, or on the last stage the root of its backward (what "stage"
-        recompute replays): the objective weighted by ``last``, ``(loss_scale,
-        term_weight)``.
-
-        The layers' loss terms (:mod:`~zerobubble.runtime.loss_terms`) continue the sums a
-        later stage received: an output carries them on; the last stage adds them to its
-        loss and leaves them in ``_reported``, the unscaled objective in ``_objective``, for
-        :meth:`forward` (a replay's are ignored).
+        recompute replays): the module's run as the extensions wrap it, then the loss, and
+        the root the first extension that forms one gives (else ``loss * loss_scale``);
+        the unscaled objective goes to ``_objective`` for :meth:`forward`.
         """
-        carried: dict[str, Tensor] = {}
-        if not self.is_first:
-            value, carried = split_terms(args[0])
-            args = (value,)
-        with term_scope(self._submodules, carried) as sink:
-            out = _call(self.module, args, kw)
+        fn: Call = functools.partial(_call, self.module)
+        for ext in reversed(self.extensions):
+            fn = ext.call(unit, fn)
+        out = fn(args, kw)
         if not self.is_last:
-            return with_terms(out, sink.sums)
+            return out
         assert self.loss_fn is not None and target is not None
         if num_items is None:
             loss = self.loss_fn(out, target)
         else:
             loss = self.loss_fn(out, target, num_items)
-        self._reported = sink.sums
         if not isinstance(loss, Tensor) or loss.dim() != 0:
             return loss  # forward refuses a loss that is no scalar, naming the stage
-        root, self._objective = weighted_objective(loss, sink.sums, *last)
+        formed = (ext.root(unit, loss) for ext in self.extensions)
+        root, self._objective = next(
+            (r for r in formed if r is not None), (loss * unit.loss_scale, loss.detach())
+        )
         return root
 
     def take_terms(self, mb: int) -> dict[str, Tensor]:
         """The loss terms of microbatch ``mb``'s forward on the last stage, by name (their
         per-microbatch sums, detached and unscaled; empty if its layers added none)."""
-        return self._terms.pop(mb, {})
+        return self._loss_terms.take(mb)
 
     def backward_input(self, mb: int, grad_output: Any) -> Any:
         """B. Returns the gradient of the stage input: for a bare tensor input that
@@ -519,39 +325,25 @@ class StageChunk:
         may be kept until W: do not overwrite it in place.
         """
         rec = self._require(mb, "F", "backward_input (B)")
-        grads = self._check_grad_output(mb, rec, grad_output)
+        grads = _grad_output(self.stage, mb, self.is_last, rec, grad_output)
         self._held = None
         assert rec.x is not None
         xs = [t for t in rec.x if t.requires_grad]
         params = [p for p in self._params if p.requires_grad]
-        roots = rec.roots
-        if rec.segment is not None:
-            roots, grads = self._segment_roots(mb, rec, grads)
-        got = self.store.backward(self.stage, mb, roots, grads, xs + rec.past, params)
-        if rec.segment is not None:
-            self._hand_back(rec, got[len(xs) :])
-            got = got[: len(xs)]
-            rec.past, rec.kv_roots = [], []
+        roots, extra = rec.roots, []
+        for ext in rec.extended:  # extra roots, their gradients and inputs
+            roots, grads, inputs = ext.backward(rec.unit, roots, grads)
+            extra.append(inputs)
+        inputs = xs + [t for more in extra for t in more]
+        got = self.store.backward(self.stage, mb, roots, grads, inputs, params)
+        at = len(xs)
+        for ext, more in zip(rec.extended, extra, strict=True):
+            ext.hand_back(rec.unit, got[at : at + len(more)])
+            at += len(more)
         # The weak references to saved tensors stay: held_bytes would expose a
         # graph that B failed to free.
         rec.state, rec.x, rec.roots = "B", None, []
-        return _input_grads(rec, xs, got)
-
-    def _segment_roots(
-        self, mb: int, rec: _Record, grads: list[Tensor] | None
-    ) -> tuple[list[Tensor | GradientEdge], list[Tensor] | None]:
-        """The roots and gradients of a segment's backward: its outputs', then those of its
-        own keys and values that a later segment's backward reached."""
-        kv_grads = self._segment_grads(mb, rec)
-        if not any(g is not None for g in kv_grads):
-            return rec.roots, grads
-        roots: list[Tensor | GradientEdge] = list(rec.roots)
-        out = list(grads) if grads is not None else [torch.ones_like(r) for r in rec.roots]  # type: ignore[arg-type]
-        for edge, g in zip(rec.kv_roots, kv_grads, strict=True):
-            if g is not None:
-                roots.append(edge)
-                out.append(g)
-        return roots, out
+        return _input_grads(rec, xs, got[: len(xs)])
 
     def backward_weight(self, mb: int) -> None:
         """W. Runs the deferred weight-gradient work and adds gradients in microbatch order."""
@@ -564,16 +356,17 @@ class StageChunk:
         """BW: B then W, for schedules that do not split the backward.
 
         Without split layers and in microbatch order, one ``torch.autograd.backward``
-        adds the parameter gradients as it goes, like plain autograd.
+        adds the parameter gradients as it goes, like plain autograd (not for a unit
+        an extension takes part in: B calls it).
         """
         rec0 = self._records.get(mb)
-        segmented = rec0 is not None and rec0.segment is not None
-        if segmented or not (self._plain and self.store.direct(self.stage, mb)):
+        extended = rec0 is not None and bool(rec0.extended)
+        if extended or not (self._plain and self.store.direct(self.stage, mb)):
             gx = self.backward_input(mb, grad_output)
             self.backward_weight(mb)
             return gx
         rec = self._require(mb, "F", "backward_full (BW)")
-        grads = self._check_grad_output(mb, rec, grad_output)
+        grads = _grad_output(self.stage, mb, self.is_last, rec, grad_output)
         self._held = None
         assert rec.x is not None
         xs = [t for t in rec.x if t.requires_grad]
@@ -600,8 +393,8 @@ class StageChunk:
         for mb in self._records:
             self.store.discard(self.stage, mb)
         self._records.clear()
-        self._sequences.clear()
-        self._terms.clear()
+        for ext in self.extensions:
+            ext.discard()
 
     # ---- inspection ---------------------------------------------------------------------
 
@@ -610,8 +403,9 @@ class StageChunk:
 
         Counts distinct storages (parameters and buffers excluded) among: each
         in-flight microbatch's input and the saved tensors of its graph that are
-        still alive, and everything the store keeps for this chunk (W's inputs
-        and output gradients, gradients waiting for an earlier microbatch).
+        still alive, everything the store keeps for this chunk (W's inputs
+        and output gradients, gradients waiting for an earlier microbatch), and what
+        the extensions keep between ops.
         Counted at the first call after each op of this chunk (only ops change
         it), so callers may ask around every instruction.
         """
@@ -620,39 +414,15 @@ class StageChunk:
                 f"stage {self.stage}: held_bytes() needs StageChunk(track_memory=True)"
             )
         if self._held is None:
-            tensors: list[Tensor] = []
-            for rec in self._records.values():
-                if rec.x is not None:
-                    tensors.extend(rec.x)
-                tensors.extend(r for r in rec.roots if isinstance(r, Tensor))
-                tensors.extend(t for ref in rec.saved if (t := ref()) is not None)
-            tensors.extend(self.store.held_tensors(self.stage))
-            for seq in self._sequences.values():
-                tensors.extend(t for kvs in seq.kv for kv in kvs for t in kv)
-                tensors.extend(
-                    t for sums in seq.grads.values() for kv in sums if kv is not None for t in kv
-                )
-            weights = [
-                t
-                for m in self._submodules
-                for t in (*m._parameters.values(), *m._buffers.values())
-                if t is not None
-            ]
-            self._held = storage_bytes(tensors, exclude=weights)
+            held = [*self.store.held_tensors(self.stage)]
+            held.extend(t for ext in self.extensions for t in ext.held_tensors())
+            self._held = _held_bytes(self._records.values(), held, self._submodules)
         return self._held
 
     def layer_of(self, error: BaseException) -> str | None:
         """The innermost layer of this stage whose forward is on ``error``'s traceback,
         as ``"layer 'blocks.0.attn' (Attention)"``; None if none is (for messages)."""
-        names = {id(m): n for n, m in self.module.named_modules() if n}
-        found = None
-        tb = error.__traceback__
-        while tb is not None:
-            m = tb.tb_frame.f_locals.get("self")
-            if isinstance(m, nn.Module) and id(m) in names:
-                found = f"layer {names[id(m)]!r} ({type(m).__name__})"
-            tb = tb.tb_next
-        return found
+        return _layer_of(self.module, error)
 
     def pending(self) -> dict[int, str]:
         """Microbatches in flight: "F" (awaiting B) or "B" (awaiting W)."""
@@ -671,48 +441,173 @@ class StageChunk:
             raise StageChunkError(self.stage, mb, f"{op}: {why}")
         return rec
 
-    def _check_grad_output(self, mb: int, rec: _Record, grad: Any) -> list[Tensor] | None:
-        """``grad`` as one gradient per root (None on the last stage), checked against
-        the output tensors that carry a gradient."""
-        if self.is_last:
-            if grad is not None:
-                raise StageChunkError(
-                    self.stage,
-                    mb,
-                    "the last stage's backward starts from its loss: pass grad_output=None",
-                )
-            return None
-        if grad is None and not rec.roots:
-            return []  # the output carries no gradient (e.g. integer ids passed along)
-        if grad is None:
+
+class _ShareWatch:
+    """The chunk's :class:`SplitShare` and its warning: counted at construction, and
+    recounted once a graph-level split has fallen back to B (a call with several
+    differentiable outputs), warning if W now defers less than half (once per chunk)."""
+
+    def __init__(self, module: nn.Module, stage: int, split: bool) -> None:
+        self.module, self.stage = module, stage
+        self.share = split_share(module) if split else None
+        message = None if self.share is None else self.share.warning(stage)
+        self.warned = message is not None
+        if message is not None:
+            warnings.warn(message, SplitShareWarning, stacklevel=3)  # StageChunk's caller
+        self.graph_splits = [g for m in module.modules() if (g := GraphSplit.of(m)) is not None]
+        self.fallen_back = 0  # how many of them fell back to B so far
+
+    def recount(self) -> SplitShare | None:
+        fallen = sum(g.outputs_seen > 1 for g in self.graph_splits)
+        if fallen == self.fallen_back:
+            return self.share
+        self.fallen_back = fallen
+        self.share = split_share(self.module)
+        message = self.share.warning(self.stage)
+        if message is not None and not self.warned:
+            self.warned = True
+            warnings.warn(message, SplitShareWarning, stacklevel=3)  # forward's caller
+        return self.share
+
+
+def _saving(track_memory: bool, saved: list[Tensor]) -> AbstractContextManager[object]:
+    """With ``track_memory``, F's graph hands each tensor it saves to ``saved`` (as an
+    alias), so that :meth:`held_bytes` can watch it for as long as it lives."""
+    if not track_memory:
+        return nullcontext()
+
+    def pack(t: Tensor) -> Tensor:
+        alias = t.detach()  # an alias, not t itself: t may own this very graph
+        saved.append(alias)
+        return alias
+
+    return saved_tensors_hooks(pack, _identity)
+
+
+def _check_forward(
+    stage: int,
+    mb: int,
+    is_first: bool,
+    is_last: bool,
+    rec: _Record | None,
+    inputs: tuple,
+    kwargs: dict,
+    target: Any,
+) -> None:
+    """Refuse a forward out of protocol: of a unit still in flight (``rec``, its record),
+    with a target off the last stage (or none on it), with several inputs after the first."""
+    if rec is not None:
+        raise StageChunkError(
+            stage, mb, f"forwarded twice; its {'B' if rec.state == 'F' else 'W'} has not run yet"
+        )
+    if is_last and target is None:
+        raise StageChunkError(stage, mb, "the last stage needs target= for the loss")
+    if not is_last and target is not None:
+        raise StageChunkError(
+            stage, mb, "target= is only used on the last stage; do not pass it here"
+        )
+    if not is_first and (len(inputs) != 1 or kwargs):
+        raise StageChunkError(
+            stage, mb, "a stage after the first takes one input, the received value"
+        )
+
+
+def _objective(stage: int, mb: int, objective: Tensor | None, out: Any) -> Tensor:
+    """What the last stage's F returns: the objective (``out`` is the root, loss_scale and
+    weights applied), or a refusal if the loss was no scalar (then ``objective`` is None)."""
+    if objective is None:
+        shape = tuple(out.shape) if isinstance(out, Tensor) else type(out)
+        raise StageChunkError(stage, mb, f"loss_fn must return a scalar tensor, got {shape}")
+    return objective
+
+
+def _held_bytes(
+    records: Iterable[_Record], held: list[Tensor], submodules: Sequence[nn.Module]
+) -> int:
+    """:meth:`StageChunk.held_bytes` counted: the records' inputs, roots and live saved
+    tensors, and ``held`` (the store's and the extensions'), without parameters and buffers."""
+    tensors: list[Tensor] = []
+    for rec in records:
+        if rec.x is not None:
+            tensors.extend(rec.x)
+        tensors.extend(r for r in rec.roots if isinstance(r, Tensor))
+        tensors.extend(t for ref in rec.saved if (t := ref()) is not None)
+    tensors.extend(held)
+    weights = [
+        t
+        for m in submodules
+        for t in (*m._parameters.values(), *m._buffers.values())
+        if t is not None
+    ]
+    return storage_bytes(tensors, exclude=weights)
+
+
+def _layer_of(module: nn.Module, error: BaseException) -> str | None:
+    """:meth:`StageChunk.layer_of`: the innermost named layer on ``error``'s traceback."""
+    names = {id(m): n for n, m in module.named_modules() if n}
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        m = tb.tb_frame.f_locals.get("self")
+        if isinstance(m, nn.Module) and id(m) in names:
+            found = f"layer {names[id(m)]!r} ({type(m).__name__})"
+        tb = tb.tb_next
+    return found
+
+
+def _check_stage(stage: int, num_stages: int, loss_fn: LossFn | None) -> None:
+    """Refuse a stage out of range, and a loss_fn missing on the last stage or given on
+    another."""
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage {stage} is not in [0, num_stages={num_stages})")
+    is_last = stage == num_stages - 1
+    if is_last and loss_fn is None:
+        raise ValueError(f"stage {stage} is the last stage: pass loss_fn")
+    if not is_last and loss_fn is not None:
+        raise ValueError(
+            f"stage {stage} is not the last of {num_stages} stages: only the last "
+            "stage computes the loss, drop loss_fn"
+        )
+
+
+def _grad_output(
+    stage: int, mb: int, is_last: bool, rec: _Record, grad: Any
+) -> list[Tensor] | None:
+    """``grad`` as one gradient per root (None on the last stage), checked against the
+    output tensors of ``rec`` that carry a gradient."""
+    if is_last:
+        if grad is not None:
             raise StageChunkError(
-                self.stage, mb, "grad_output is None; pass the gradient of this stage's output"
+                stage, mb, "the last stage's backward starts from its loss: pass grad_output=None"
             )
-        grads = [grad] if isinstance(grad, Tensor) else list(grad)
-        if len(grads) != len(rec.outs) or not all(isinstance(g, Tensor) for g in grads):
+        return None
+    if grad is None and not rec.roots:
+        return []  # the output carries no gradient (e.g. integer ids passed along)
+    if grad is None:
+        raise StageChunkError(
+            stage, mb, "grad_output is None; pass the gradient of this stage's output"
+        )
+    grads = [grad] if isinstance(grad, Tensor) else list(grad)
+    if len(grads) != len(rec.outs) or not all(isinstance(g, Tensor) for g in grads):
+        raise StageChunkError(
+            stage,
+            mb,
+            f"grad_output holds {len(grads)} values but the forward output has "
+            f"{len(rec.outs)} tensors that carry a gradient; pass one gradient per such "
+            "tensor, in depth-first order",
+        )
+    for i, (g, (shape, dtype, device)) in enumerate(zip(grads, rec.outs, strict=True)):
+        if (g.shape, g.dtype, g.device) != (shape, dtype, device):
+            which = "" if len(grads) == 1 else f" {i}"
             raise StageChunkError(
-                self.stage,
+                stage,
                 mb,
-                f"grad_output holds {len(grads)} values but the forward output has "
-                f"{len(rec.outs)} tensors that carry a gradient; pass one gradient per such "
-                "tensor, in depth-first order",
+                f"grad_output{which} has shape {tuple(g.shape)}, dtype {g.dtype}, device "
+                f"{g.device} but the forward output had shape {tuple(shape)}, "
+                f"dtype {dtype}, device {device}; send the gradient of this "
+                "stage's output for this microbatch",
             )
-        for i, (g, (shape, dtype, device)) in enumerate(zip(grads, rec.outs, strict=True)):
-            if (g.shape, g.dtype, g.device) != (shape, dtype, device):
-                which = "" if len(grads) == 1 else f" {i}"
-                raise StageChunkError(
-                    self.stage,
-                    mb,
-                    f"grad_output{which} has shape {tuple(g.shape)}, dtype {g.dtype}, device "
-                    f"{g.device} but the forward output had shape {tuple(shape)}, "
-                    f"dtype {dtype}, device {device}; send the gradient of this "
-                    "stage's output for this microbatch",
-                )
-        return grads
-
-
-def _carries_terms(out: Any) -> bool:
-    return bool(split_terms(out)[1])
+    return grads
 
 
 def _identity(t: Tensor) -> Tensor:
