@@ -34,6 +34,20 @@ Run: ``PYTHONPATH=src .venv/bin/python bench/bench_search.py [--jobs 2] [filters
 under seq-zb's peak as the limit; each with cost and peak (M_B), beside the work floor
 (3M at equal costs). One JSON line per row, then a summary (``--segment-search-only``:
 only the k' >= 2 part of auto, seconds instead of minutes at P = 8).
+
+``--a2a [FRAC ...]``: issue 46's table with an all-to-all (a mixture of experts' dispatch and
+combine in each F and each backward, ``CostModel.a2a``), FRAC of a device's mean F per
+microbatch (default 0, 0.25, 0.5 and 1), the same for each layer. ``auto`` runs with
+overlapped F&B pairs (``search_placements(..., overlap=True)``, the search behind
+``zerobubble schedule auto --overlap``) under each peer's simulated peak. Peers: PyTorch's
+DualPipeV (with its own ``OVERLAP_F_B`` pairs), ZBVZeroBubble and InterleavedZeroBubble (no
+pairs: each F and backward waits for its all-to-all), and our ``dualpipev --overlap`` and
+``zbv --overlap`` (``generate(kind, overlap=True, costs=...)``, no limit, as the CLI makes
+them). One simulator prices every column: a lone F or backward takes compute + all-to-all,
+a pair ``max(compute, all-to-all)`` of the two. Default mixes ``equal`` and ``fbw``, comm 0;
+``--peer`` picks among these five. A loss: auto costs more than a peer, or peaks higher.
+The summary counts wins, ties and losses, the worst ratio and the searches' CPU seconds.
+Run: ``PYTHONPATH=src .venv/bin/python bench/bench_search.py --a2a [--p 4] [--jobs 1]``.
 """
 
 from __future__ import annotations
@@ -43,11 +57,12 @@ import json
 import random
 import sys
 import time
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 
 from zerobubble.interop.torch_pipelining import torch_schedule
 from zerobubble.schedule.costs import CostModel, CostSpec
-from zerobubble.schedule.generators import generate
+from zerobubble.schedule.generators import NoPairWarning, generate
 from zerobubble.schedule.search.placement import auto, search_placements
 from zerobubble.schedule.search.segmented import search_segments
 from zerobubble.schedule.simulate import simulate
@@ -59,6 +74,10 @@ SEGMENT_MIXES = {
     "fbw-comm": CostSpec(F=1, B=2, W=0.6, comm=0.1),
 }
 PEERS = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+#: Our fixed kinds as peers (``--a2a``: made with overlap=True, their pairs where they pay).
+OUR_PEERS = ("dualpipev", "zbv")
+A2A_PEERS = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", *OUR_PEERS)
+A2A_FRACTIONS = (0.0, 0.25, 0.5, 1.0)
 MIXES = ("equal", "fbw", "layers")
 LAYERS_PER_DEVICE = 12
 
@@ -84,8 +103,11 @@ def layer_costs(p: int, mix: str, seed: int = 0) -> Layers:
     return f, b, w
 
 
-def stage_costs(placement: tuple[int, ...], layers: Layers, comm: float) -> CostModel:
-    """Per-stage costs of ``placement``: stage s holds layers [s*n, (s+1)*n)."""
+def stage_costs(
+    placement: tuple[int, ...], layers: Layers, comm: float, a2a: float = 0.0
+) -> CostModel:
+    """Per-stage costs of ``placement``: stage s holds layers [s*n, (s+1)*n); ``a2a`` is a
+    device's all-to-all per F and per backward, the same for each of its layers."""
     f, b, w = layers
     per = len(f) // len(placement)
     group = [range(s * per, (s + 1) * per) for s in range(len(placement))]
@@ -97,17 +119,23 @@ def stage_costs(placement: tuple[int, ...], layers: Layers, comm: float) -> Cost
         comm,
         mem_f=mem,
         mem_w=[x / 2 for x in mem],
+        a2a=[a2a * per / LAYERS_PER_DEVICE for _ in placement],
     )
 
 
-def ours(p: int, m: int, mix: str, comm: float, limit: float, fixed: bool) -> dict[str, dict]:
-    """``auto`` (and with ``fixed`` zb-auto and zbv-auto) under ``limit``."""
+def ours(
+    p: int, m: int, mix: str, comm: float, limit: float, fixed: bool, a2a: float | None = None
+) -> dict[str, dict]:
+    """``auto`` (and with ``fixed`` zb-auto and zbv-auto) under ``limit``; with ``a2a`` (a
+    device's all-to-all) ``auto`` with overlapped pairs, as ``auto --overlap`` runs it."""
     layers = layer_costs(p, mix)
     out = {}
     t0 = time.process_time()
-    sched = search_placements(p, m, lambda pl: stage_costs(pl, layers, comm), limit)
+    sched = search_placements(
+        p, m, lambda pl: stage_costs(pl, layers, comm, a2a or 0.0), limit, overlap=a2a is not None
+    )
     secs = time.process_time() - t0
-    res = simulate(sched, stage_costs(sched.placement, layers, comm))
+    res = simulate(sched, stage_costs(sched.placement, layers, comm, a2a or 0.0))
     out["auto"] = {
         "cost": round(float(res.cost), 4),
         "peak": round(float(max(res.peak_memory)), 6),
@@ -115,6 +143,8 @@ def ours(p: int, m: int, mix: str, comm: float, limit: float, fixed: bool) -> di
         "v_shape": sched.placement[p] == p - 1 if sched.num_stages > p else False,
         "cpu_s": round(secs, 2),
     }
+    if a2a is not None:
+        out["auto"]["pairs"] = len(sched.overlaps)
     for kind in ("zb-auto", "zbv-auto") if fixed else ():
         placement = generate(kind, p, 1).placement
         model = stage_costs(placement, layers, comm)
@@ -128,30 +158,53 @@ def ours(p: int, m: int, mix: str, comm: float, limit: float, fixed: bool) -> di
 
 
 def peer_rows(args: argparse.Namespace) -> list[dict]:
-    """The selected comparisons with the peer's cost and peak (cheap: simulation only)."""
+    """The selected comparisons with the peer's cost and peak (cheap: simulation only);
+    with ``args.a2a`` issue 46's peers under each all-to-all fraction."""
     rows = []
     for p in args.p:
         for m in (k * p for k in args.m_per_p):
             for mix in args.mix:
                 layers = layer_costs(p, mix)
+                mean_f = sum(layers[0]) / p  # a device's mean F
                 for comm_ratio in args.comm:
-                    comm = comm_ratio * sum(layers[0]) / p  # a fraction of a device's mean F
-                    for name in args.peer:
-                        theirs = torch_schedule(name, p, m)
-                        ref = simulate(theirs, stage_costs(theirs.placement, layers, comm))
-                        rows.append(
-                            {
-                                "P": p,
-                                "M": m,
-                                "mix": mix,
-                                "comm": round(comm, 6),
-                                "peer": name,
-                                "peer_cost": round(float(ref.cost), 4),
-                                "peer_peak": round(float(max(ref.peak_memory)), 9),
+                    comm = comm_ratio * mean_f
+                    for frac in args.a2a if args.a2a is not None else (None,):
+                        a2a = None if frac is None else frac * mean_f
+                        for name in args.peer:
+                            cost, peak, label = peer_result(name, p, m, layers, comm, a2a)
+                            row = {"P": p, "M": m, "mix": mix, "comm": round(comm, 6)}
+                            if a2a is not None:
+                                row["a2a"] = round(a2a, 6)
+                            row |= {
+                                "peer": label,
+                                "peer_cost": round(cost, 4),
+                                "peer_peak": round(peak, 9),
                                 "_comm": comm,
+                                "_a2a": a2a,
                             }
-                        )
+                            rows.append(row)
     return rows
+
+
+def peer_result(
+    name: str, p: int, m: int, layers: Layers, comm: float, a2a: float | None
+) -> tuple[float, float, str]:
+    """A peer's simulated cost, peak and label: PyTorch's schedule ``name`` as it lists it
+    (DualPipeV with its pairs), or our fixed kind, with ``a2a`` made with overlap=True (the
+    pairs where they pay under these costs, as ``zerobubble schedule KIND --overlap``)."""
+    if name in OUR_PEERS:
+        placement = generate(name, p, 1).placement
+        model = stage_costs(placement, layers, comm, a2a or 0.0)
+        with warnings.catch_warnings():  # no all-to-all: zbv forms no pair, and says so
+            warnings.simplefilter("ignore", NoPairWarning)
+            sched = generate(name, p, m, costs=CostSpec(stage_costs=model), overlap=a2a is not None)
+        label = name + (" --overlap" if a2a is not None else "")
+    else:
+        sched = torch_schedule(name, p, m)
+        model = stage_costs(sched.placement, layers, comm, a2a or 0.0)
+        label = name if a2a is None else "torch:" + name
+    res = simulate(sched, model)
+    return float(res.cost), float(max(res.peak_memory)), label
 
 
 def segment_row(p: int, m: int, k: int, mix: str, search_only: bool) -> dict:
@@ -231,9 +284,14 @@ def main() -> None:
     ap.add_argument(
         "--m-per-p", type=int, nargs="+", help="M as multiples of P (2 4; with --segments 1 2)"
     )
-    ap.add_argument("--mix", nargs="+", choices=MIXES, default=list(MIXES))
-    ap.add_argument("--comm", type=float, nargs="+", default=[0.0, 0.1], help="fractions of F")
-    ap.add_argument("--peer", nargs="+", choices=PEERS, default=list(PEERS))
+    ap.add_argument("--mix", nargs="+", choices=MIXES, help="cost mixes (with --a2a equal fbw)")
+    ap.add_argument("--comm", type=float, nargs="+", help="fractions of F (0 0.1; --a2a 0)")
+    ap.add_argument(
+        "--peer",
+        nargs="+",
+        choices=PEERS + OUR_PEERS,
+        help=f"peers (default {' '.join(PEERS)}; with --a2a {' '.join(A2A_PEERS)})",
+    )
     ap.add_argument("--fixed", action="store_true", help="also zb-auto and zbv-auto")
     ap.add_argument("--jobs", type=int, default=1, help="searches run at once")
     ap.add_argument("--segments", action="store_true", help="segment rows (see above)")
@@ -242,42 +300,74 @@ def main() -> None:
     ap.add_argument(
         "--segment-search-only", action="store_true", help="segment rows: only auto's k >= 2 part"
     )
+    ap.add_argument(
+        "--a2a",
+        type=float,
+        nargs="*",
+        metavar="FRAC",
+        help="all-to-all rows (see above): fractions of F (alone: 0 0.25 0.5 1)",
+    )
     args = ap.parse_args()
     if args.segments:
         segment_main(args)
         return
+    pairs = args.a2a is not None
+    if pairs and args.fixed:
+        ap.error("--fixed is not a column of the --a2a table")
+    if pairs and not args.a2a:
+        args.a2a = list(A2A_FRACTIONS)
     args.m_per_p = args.m_per_p or [2, 4]
+    args.mix = args.mix or (["equal", "fbw"] if pairs else list(MIXES))
+    args.comm = args.comm or ([0.0] if pairs else [0.0, 0.1])
+    args.peer = args.peer or list(A2A_PEERS if pairs else PEERS)
     rows = peer_rows(args)
     # One search per distinct (instance, limit): peers with the same peak share it.
     keys: dict[tuple, list[dict]] = {}
     for r in rows:
-        keys.setdefault((r["P"], r["M"], r["mix"], r["_comm"], r["peer_peak"]), []).append(r)
+        key = (r["P"], r["M"], r["mix"], r["_comm"], r["peer_peak"], r["_a2a"])
+        keys.setdefault(key, []).append(r)
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         futures = {
-            pool.submit(ours, p, m, mix, comm, limit, args.fixed): (p, m, mix, comm, limit)
-            for p, m, mix, comm, limit in keys
+            pool.submit(ours, p, m, mix, comm, limit, args.fixed, a2a): key
+            for key in keys
+            for p, m, mix, comm, limit, a2a in [key]
         }
         for fut in futures:  # submission order: small instances first
             mine = fut.result()
             for r in keys[futures[fut]]:
                 r.pop("_comm")
+                r.pop("_a2a")
                 r.update(mine)
                 r["auto_vs_peer"] = round(mine["auto"]["cost"] / r["peer_cost"], 4)
                 print(json.dumps(r), flush=True)
+    tol = 1e-9
     worse = [
-        r for r in rows if r["auto_vs_peer"] > 1 + 1e-9 or r["auto"]["peak"] > r["peer_peak"] + 1e-9
+        r
+        for r in rows
+        if r["auto"]["cost"] > r["peer_cost"] + tol or r["auto"]["peak"] > r["peer_peak"] + tol
     ]
+    where = ("P", "M", "mix", "comm", "a2a", "peer") if pairs else ("P", "M", "mix", "comm", "peer")
     summary = {
-        "benchmark": "search_vs_torch",
+        "benchmark": "search_with_pairs_vs_peers" if pairs else "search_vs_torch",
         "comparisons": len(rows),
         "searches": len(keys),
         "never_worse_at_equal_or_lower_peak": not worse,
-        "worse": [(r["P"], r["M"], r["mix"], r["comm"], r["peer"]) for r in worse],
-        "strictly_better": sum(1 for r in rows if r["auto_vs_peer"] < 1 - 1e-9),
+        "worse": [tuple(r[k] for k in where) for r in worse],
+        "strictly_better": sum(
+            1 for r in rows if r not in worse and r["auto"]["cost"] < r["peer_cost"] - tol
+        ),
         "worst_ratio": max(r["auto_vs_peer"] for r in rows),
         "best_ratio": min(r["auto_vs_peer"] for r in rows),
         "cases": " ".join(sys.argv[1:]) or "full grid",
     }
+    if pairs:
+        summary["wins_ties_losses"] = [
+            summary["strictly_better"],
+            len(rows) - summary["strictly_better"] - len(worse),
+            len(worse),
+        ]
+        cpu = {k: keys[k][0]["auto"]["cpu_s"] for k in keys}
+        summary["search_cpu_s"] = round(sum(cpu.values()), 1)
     print(json.dumps({"summary": summary}), flush=True)
 
 
