@@ -34,12 +34,8 @@ from torch import nn
 from zerobubble.parallel.dp import GradReducer, sum_over_dp
 from zerobubble.parallel.fsdp import ShardedStages
 from zerobubble.parallel.mesh import PipelineMesh, pipeline_group
-from zerobubble.parallel.transforms import (
-    ChunkTransforms,
-    StagePlan,
-    TensorParallel,
-    prepare_chunks,
-)
+from zerobubble.parallel.parallelize import Parallelize, ParallelizeFn, StagePlan
+from zerobubble.parallel.transforms import ChunkTransforms, prepare_chunks
 from zerobubble.program.builder import build_programs
 from zerobubble.program.plan import GradSync, ProgramPlan, Protocol
 from zerobubble.runtime.hooks import StepHooks
@@ -98,14 +94,19 @@ class PipelineExecutor:
             the optimizer over the chunks' parameters afterwards, the sharded DTensors).
             The loss is normalised over the global batch (``n_j / sum of N`` per
             microbatch, or the count summed over dp), so the synchronised gradients are
-            those of the global batch. With ``tp > 1`` every stage module is parallelized
-            over the mesh's ``tp_mesh`` first (:mod:`~zerobubble.parallel.transforms`'s "tp"
-            step): its parameters and gradients become DTensors, and a pipeline is the pp
-            ranks of one ``(dp, tp)`` coordinate, each stage sending its local output to
-            the same tp rank of the next.
+            those of the global batch. Every stage module meets the mesh's model-facing
+            dimensions first (:class:`~zerobubble.parallel.parallelize.Parallelize`): with
+            ``tp > 1`` its parameters and gradients become DTensors over the ``tp_mesh``,
+            and a pipeline is the pp ranks of one ``(dp, tp)`` coordinate, each stage
+            sending its local output to the same tp rank of the next; with ``ep > 1`` each
+            rank keeps its experts of its ep group.
         tp_plan: The tensor-parallel plan of the stages with a ``tp > 1`` mesh: a plan, a
             function ``(stage, stage module) -> plan`` or None (each stage module's default
-            plan); see :data:`~zerobubble.parallel.transforms.StagePlan`.
+            plan); see :data:`~zerobubble.parallel.parallelize.StagePlan`.
+        parallelize_fn: ``(stage, module, mesh) -> module``, which parallelizes each stage
+            by hand instead of the tp and ep steps (needs ``mesh``; not with ``tp_plan``).
+        parallelize: Those steps built already (a caller making several executors over the
+            same stages builds them once; then ``tp_plan`` and ``parallelize_fn`` are unused).
 
     Attributes:
         schedule: The schedule this executor runs (``schedule`` after
@@ -140,6 +141,8 @@ class PipelineExecutor:
         options: ExecutorOptions | None = None,
         mesh: PipelineMesh | None = None,
         tp_plan: StagePlan = None,
+        parallelize_fn: ParallelizeFn | None = None,
+        parallelize: Parallelize | None = None,
     ) -> None:
         self.options = opts = options or ExecutorOptions()
         self.cuts = check_cuts(opts.cuts, schedule.segments) if schedule.segments > 1 else None
@@ -174,7 +177,15 @@ class PipelineExecutor:
         _check_stages(stages, self.schedule.stages_of_device[self.rank], self.rank)
         self.chunks: dict[int, StageChunk] = {}
         self.sharding: ShardedStages | None = None
-        self._prepare(stages, loss_fn, tp_plan)
+        if parallelize is None:
+            parallelize = Parallelize.from_mesh(
+                mesh,
+                tp_plan=tp_plan,
+                fn=parallelize_fn,
+                group=group,
+                timeout_s=opts.comm_timeout_s,
+            )
+        self._prepare(stages, loss_fn, parallelize)
         for chunk in self.chunks.values():  # a W's replayed draws wait for a running forward
             chunk.store.rng_lock = self.rng.lock
         self.has_first = 0 in self.chunks
@@ -232,11 +243,11 @@ class PipelineExecutor:
         self,
         stages: Mapping[int, nn.Module | StageChunk],
         loss_fn: LossFn | None,
-        tp_plan: StagePlan,
+        parallelize: Parallelize,
     ) -> None:
-        """This rank's chunks through the one ordered transform step
-        (:func:`~zerobubble.parallel.transforms.prepare_chunks`: tp, split, recompute,
-        compile, FSDP)."""
+        """This rank's chunks through the one ordered transform list
+        (:func:`~zerobubble.parallel.transforms.prepare_chunks`: tp and ep, or a user's
+        function; split, recompute, compile, FSDP)."""
         S, opts = self.schedule.num_stages, self.options
         last = stages.get(S - 1)
         if last is not None and not isinstance(last, StageChunk) and loss_fn is None:
@@ -247,14 +258,6 @@ class PipelineExecutor:
         )
         transforms = {s: replace(every, split=s in split) for s in stages}
         mesh = self.mesh
-        tp = None
-        if mesh is not None and mesh.tp_mesh is not None:
-            tp = TensorParallel(mesh.tp_mesh, tp_plan, mesh.spec.sequence_parallel)
-        elif tp_plan is not None:
-            raise ValueError(
-                "tp_plan is given but the mesh has no tensor parallelism (tp=1): build the "
-                "mesh with build_mesh(..., tp=2 or more), or drop tp_plan"
-            )
         self.chunks, self.sharding = prepare_chunks(
             stages,
             S,
@@ -263,7 +266,7 @@ class PipelineExecutor:
             fsdp_mesh=mesh.mesh["dp"] if mesh is not None and self.plan.grad_sync.shards else None,
             device=self.device,
             timeout_s=opts.comm_timeout_s,
-            tp=tp,
+            parallelize=parallelize,
             name=plain_name if mesh is None else mesh.spec.name,
         )
 

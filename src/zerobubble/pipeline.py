@@ -26,9 +26,9 @@ from zerobubble.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.faults import FaultPlan
 from zerobubble.optim.trainer import Commit, PipelineTrainer, stage_kwargs
-from zerobubble.parallel.ep import ExpertGroup
-from zerobubble.parallel.experts import expert_shard, shard_all_experts, unsharded_experts
+from zerobubble.parallel.experts import expert_shard
 from zerobubble.parallel.mesh import PipelineMesh, pipeline_group
+from zerobubble.parallel.parallelize import Parallelize, ParallelizeFn, StagePlan
 from zerobubble.parallel.partition import (
     LayerSource,
     build_stage_modules,
@@ -37,7 +37,6 @@ from zerobubble.parallel.partition import (
     stage_bounds,
 )
 from zerobubble.parallel.tied import TiedGroups, TiedParam, find_shared
-from zerobubble.parallel.transforms import StagePlan
 from zerobubble.program.plan import ProgramPlan
 from zerobubble.runtime.microbatch import CountFn
 from zerobubble.runtime.stage import LossFn, StageChunk
@@ -83,35 +82,22 @@ class Pipeline:
             (a checksum each) every this many iterations; 0: never.
         mesh: A :class:`~zerobubble.parallel.mesh.PipelineMesh` from
             :func:`~zerobubble.parallel.mesh.build_mesh` (instead of ``group``): the
-            pipeline runs on ``mesh.pp_group`` and, with ``dp > 1``, each stage's
-            gradients are summed over ``mesh.dp_group`` (see
-            :class:`~zerobubble.executor.PipelineExecutor`). Each replica's
-            :meth:`step` gets that replica's part of the global batch. A mesh built with
-            ``build_mesh(pp, dp, fsdp=True)`` (its
-            :class:`~zerobubble.parallel.mesh.ParallelSpec`) shards every stage's
-            parameters, gradients and optimizer state over ``dp`` with FSDP2
-            (:mod:`~zerobubble.parallel.fsdp`): gathered from the stage's first F to its
-            last W of each step, gradients reduce-scattered (summed) after that W,
-            instead of the reduction of whole gradients. A mesh with ``ep > 1`` shards
-            the experts of every module of the stages with the layer contract's sharding
-            hook ``shard_experts`` (:func:`~zerobubble.parallel.experts.shard_all_experts`):
-            every :class:`~zerobubble.models.moe.MoE` layer, and every Hugging Face
-            experts module of transformers' experts layout (Mixtral, DeepSeek-V3,
-            Qwen2/3-MoE, OLMoE, GPT-OSS, ...) in a layer of the adapter
-            (:func:`~zerobubble.interop.hf.causal_lm_layers`,
-            :func:`~zerobubble.interop.hf_experts.shard_hf_experts`): this rank keeps its
-            experts, whose gradients are summed over ``mesh.edp_group``. Experts it cannot
-            shard, or a model without experts, raise ValueError on every rank (``ep > 1``
-            never runs as plain data parallelism). A mesh with
-            ``tp > 1`` (``build_mesh(pp, dp, tp=, sequence_parallel=)``) parallelizes every
-            stage over its ``tp_mesh`` with ``tp_plan`` before the B/W split
-            (:mod:`~zerobubble.parallel.tp`): the parameters, their gradients and the
-            entries of :meth:`state_dict` are DTensors (this rank's shards), and
-            :meth:`load_state_dict` takes DTensors of the same layout.
+            pipeline runs on ``mesh.pp_group``; each replica's :meth:`step` gets its part of
+            the global batch. The mesh's dimensions are applied to every stage before it
+            runs, in one order (:mod:`~zerobubble.parallel.transforms`): tp (parameters,
+            gradients and :meth:`state_dict` entries become DTensors, this rank's shards),
+            ep (this rank keeps its experts of every module with the sharding hook
+            ``shard_experts``: our MoE, transformers' experts modules in the adapter's
+            layers; experts nobody sharded raise ValueError on every rank), then the B/W
+            split, recompute, compile and, with ``fsdp=True``, FSDP2 over ``dp``; without
+            FSDP, gradients are summed over ``mesh.dp_group`` (experts' over ``edp_group``).
+            docs/scale.md and docs/moe.md say what each does.
         tp_plan: The tensor-parallel plan of a ``tp > 1`` mesh: one plan for every stage
             (names relative to the stage module, an ``nn.Sequential`` of its layers:
             ``"0.fc1"`` or ``"*.fc1"``), a function ``(stage, stage module) -> plan``, or
             None: each stage module's default plan.
+        parallelize_fn: ``(stage, module, mesh) -> module``: each stage parallelized by
+            hand, instead of the tp and ep steps (:mod:`~zerobubble.parallel.parallelize`).
 
     A parameter the model uses in several layers stays one parameter: layers of
     a stage share it; stages share it as a tie whose replicas take one summed
@@ -149,6 +135,7 @@ class Pipeline:
         tied_check_every: int = 0,
         mesh: PipelineMesh | None = None,
         tp_plan: StagePlan = None,
+        parallelize_fn: ParallelizeFn | None = None,
     ) -> None:
         group = _group_of(group, mesh)
         keys = layer_keys(layers, num_layers)
@@ -164,10 +151,15 @@ class Pipeline:
             copy_layers=copy_layers,
         )
         bounds = stage_bounds(len(keys), schedule.num_stages, boundaries)
-        if mesh is not None and mesh.ep_size > 1:  # this rank keeps its experts
-            timeout_s = (options or ExecutorOptions()).comm_timeout_s
-            stage_keys = {s: keys[bounds[s].start : bounds[s].stop] for s in stages}
-            _shard_experts(stages, stage_keys, ExpertGroup.of(mesh, timeout_s), group)
+        stage_keys = {s: keys[bounds[s].start : bounds[s].stop] for s in stages}
+        self._parallelize = Parallelize.from_mesh(
+            mesh,
+            tp_plan=tp_plan,
+            fn=parallelize_fn,
+            group=group,
+            timeout_s=(options or ExecutorOptions()).comm_timeout_s,
+            name=lambda s, name, module: _module_name(name, stage_keys[s], module),
+        )
         shared = self.shared = find_shared(layers, keys, bounds)
         _refuse_ties(shared, mesh)
         self._names = _Names(shared, {s: keys[bounds[s].start : bounds[s].stop] for s in stages})
@@ -176,7 +168,6 @@ class Pipeline:
         # with_schedule, so executors of one split-ness share one weight-gradient store.
         self._chunks: dict[bool, dict[int, StageChunk]] = {False: {}, True: {}}
         self._loss_fn, self._count_fn, self._device = loss_fn, count_fn, device
-        self._tp_plan = tp_plan
         self._group, self._mesh = group, mesh
         self.executor = self._executor(schedule, options)
         self.rank = self.executor.rank
@@ -214,7 +205,7 @@ class Pipeline:
             device=self._device,
             options=opts,
             mesh=self._mesh,
-            tp_plan=self._tp_plan,
+            parallelize=self._parallelize,
         )
         for s, chunk in executor.chunks.items():
             self._chunks[chunk.split].setdefault(s, chunk)
@@ -643,43 +634,3 @@ def _module_name(name: str, keys: Sequence[str], stage: nn.Module) -> str:
         return model_name(f"{name}._", keys, stage if isinstance(stage, nn.Sequential) else ())[:-2]
     except ValueError:
         return name
-
-
-def _shard_experts(
-    stages: Mapping[int, nn.Module],
-    keys: Mapping[int, Sequence[str]],
-    ep: ExpertGroup,
-    group: dist.ProcessGroup | None,
-) -> None:
-    """Shard every stage's experts over ``ep`` (each module's sharding hook, in module order:
-    :func:`~zerobubble.parallel.experts.shard_all_experts`), or raise on every rank of the pipeline
-    ``group`` (a collective): ``ep > 1`` never runs as plain data parallelism. Refused: a
-    stage with an experts module that cannot be sharded or that nothing sharded (named with
-    its stage and its model name), and a pipeline whose stages hold no experts at all."""
-    problems: list[str] = []
-    sharded = 0
-    for s, m in stages.items():
-        try:
-            sharded += shard_all_experts(m, ep)
-        except ValueError as e:
-            problems.append(f"stage {s}: {e}")
-            continue
-        for name, left in unsharded_experts(m):
-            problems.append(
-                f"stage {s}: {_module_name(name, keys[s], m)} ({type(left).__name__}) holds "
-                "experts in neither our MoE's nor transformers' experts layout "
-                "(use_experts_implementation), so ep cannot shard them; build the mesh with ep=1 "
-                "(experts then stay whole, their gradients dp-reduced) or shard them by hand "
-                "(a layer's sharding hook shard_experts: docs/layer-contract.md)"
-            )
-    found: list[tuple[list[str], int] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(found, (problems, sharded), group=group)
-    everyone = [p for f in found if f is not None for p in f[0]]
-    if everyone:
-        raise ValueError(f"ep={ep.size}: " + "; ".join(everyone))
-    if not sum(f[1] for f in found if f is not None):
-        raise ValueError(
-            f"ep={ep.size} but no stage of the model holds experts to shard (our MoE layers or "
-            "transformers' experts modules): expert parallelism would run as plain data "
-            "parallelism. Fix: build the mesh with ep=1"
-        )

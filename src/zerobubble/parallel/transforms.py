@@ -3,9 +3,9 @@
 Each stage module goes through the same steps, in one fixed order (as torchtitan's
 ``parallelize`` applies its transforms to each model part):
 
-1. **tp**: tensor parallelism over the mesh's ``tp`` dim
-   (:func:`~zerobubble.parallel.tp.parallelize_stage`: the plan's parallel styles turn the
-   layers' parameters into DTensors and install their input and output redistribution).
+1. **the model's dimensions** (:class:`~zerobubble.parallel.parallelize.Parallelize`, built
+   from the mesh): tp (the layers' parameters become DTensors over the mesh's ``tp`` dim),
+   then ep (each rank keeps its experts), or a user's ``parallelize_fn`` instead of both.
    First, so that the split layers take over the parallelized layers' parameters and
    hooks, and W computes the local shards' gradients;
 2. **split**: the B/W split swaps the layers a rule matches for split layers and gives
@@ -27,50 +27,22 @@ Steps 2 and 3 run inside :class:`StageChunk` (they need its store and stage inde
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from zerobubble.parallel.fsdp import ShardedStages
-from zerobubble.parallel.tp import TPPlan, parallelize_stage
+from zerobubble.parallel.parallelize import Parallelize
 from zerobubble.runtime.compile import compile_between_splits
 from zerobubble.runtime.p2p.comm import RankName, plain_name
 from zerobubble.runtime.recompute import Recompute, recompute_plan
 from zerobubble.runtime.split import SplitRules
 from zerobubble.runtime.stage import LossFn, StageChunk
 
-__all__ = ["ChunkTransforms", "StagePlan", "TensorParallel", "prepare_chunks"]
-
-StagePlan = TPPlan | Callable[[int, nn.Module], TPPlan] | None
-"""A tensor-parallel plan for every stage (its submodule names are relative to the stage
-module), a function ``(stage, stage module) -> plan``, or None: the default plan of each
-stage module (:func:`~zerobubble.parallel.tp.parallelize_stage`)."""
-
-
-@dataclass(frozen=True)
-class TensorParallel:
-    """The "tp" step of :func:`prepare_chunks`: which mesh, which plan."""
-
-    mesh: DeviceMesh
-    """The 1-D ``tp`` mesh (:attr:`~zerobubble.parallel.mesh.PipelineMesh.tp_mesh`)."""
-    plan: StagePlan = None
-    sequence_parallel: bool = False
-
-    def apply(self, stage: int, module: nn.Module) -> None:
-        """Parallelize ``module`` (stage ``stage``) in place, unless it is already: a module
-        with a DTensor parameter keeps its layout (its caller parallelized it, or an earlier
-        executor on the same stage modules did, as :meth:`Pipeline.with_schedule
-        <zerobubble.pipeline.Pipeline.with_schedule>` makes)."""
-        if any(isinstance(p, DTensor) for p in module.parameters()):
-            return
-        plan = self.plan(stage, module) if callable(self.plan) else self.plan
-        parallelize_stage(
-            module, self.mesh, plan, stage=stage, sequence_parallel=self.sequence_parallel
-        )
+__all__ = ["ChunkTransforms", "prepare_chunks"]
 
 
 @dataclass(frozen=True)
@@ -126,7 +98,7 @@ def prepare_chunks(
     fsdp_mesh: DeviceMesh | None = None,
     device: torch.device | str | None = None,
     timeout_s: float = 60.0,
-    tp: TensorParallel | None = None,
+    parallelize: Parallelize | None = None,
     name: RankName = plain_name,
 ) -> tuple[dict[int, StageChunk], ShardedStages | None]:
     """This rank's stages as chunks with their transforms applied, in the documented order.
@@ -140,7 +112,8 @@ def prepare_chunks(
         transforms: ``stage -> ChunkTransforms``, one per stage in ``modules``.
         fsdp_mesh: The ``dp`` dimension to shard every chunk over (FSDP2), or None.
         device, timeout_s, name: For :class:`~zerobubble.parallel.fsdp.ShardedStages`.
-        tp: The tensor parallelism of every module (None: none).
+        parallelize: The model-facing steps (tp, ep, or a user's function) of every module
+            that is not a ready chunk (None: none).
 
     Returns the chunks by stage and, with ``fsdp_mesh``, their sharding.
     """
@@ -149,16 +122,17 @@ def prepare_chunks(
             f"transforms are given for stages {sorted(transforms)} but the modules are "
             f"stages {sorted(modules)}: give one ChunkTransforms per stage"
         )
+    raw = {s: m for s, m in modules.items() if not isinstance(m, StageChunk)}
+    if parallelize is not None:
+        raw = parallelize.apply(raw)
     chunks: dict[int, StageChunk] = {}
-    for s, m in sorted(modules.items()):
+    for s, m in sorted({**modules, **raw}.items()):
         t = transforms[s]
         last = s == num_stages - 1
         if isinstance(m, StageChunk):
             _check_ready(m, s, num_stages, t)
             chunk = m
         else:
-            if tp is not None:
-                tp.apply(s, m)
             chunk = StageChunk(  # split, then recompute
                 m,
                 s,

@@ -20,9 +20,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from zerobubble.parallel.parallelize import StagePlan, TensorParallel
 from zerobubble.parallel.partition import layer_keys, model_name, stage_bounds
 from zerobubble.parallel.tied import find_shared
-from zerobubble.parallel.transforms import StagePlan, TensorParallel
 from zerobubble.reference.step import as_sequential, reference_step
 from zerobubble.runtime.loss_terms import TermWeight
 from zerobubble.runtime.microbatch import CountFn

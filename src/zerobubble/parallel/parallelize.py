@@ -1,0 +1,218 @@
+"""The model-facing steps of the transform list, built once from the mesh: tp, then ep.
+
+A stage module meets the parallel dimensions that change its parameters here, before the
+pipeline's own steps (split, recompute, compile, FSDP: :mod:`~zerobubble.parallel.transforms`).
+Each dimension is one step object, built from the mesh by :meth:`Parallelize.from_mesh`:
+
+1. **tp** (:class:`~zerobubble.parallel.transforms.TensorParallel`): the layers' ``tp_kinds``
+   (or a plan) turn their parameters into DTensors over the mesh's ``tp`` dim;
+2. **ep** (:class:`ExpertParallel`): every module's sharding hook ``shard_experts`` keeps this
+   rank's experts of its ep group (:func:`~zerobubble.parallel.experts.shard_all_experts`).
+
+A user's ``parallelize_fn(stage, module, mesh) -> module`` replaces both steps for every
+stage (as torchtitan's ``parallelize_fn`` does for a model part); what it returns is the
+stage. The checks that keep a dimension from running silently as another (``ep > 1`` with
+experts nobody sharded) run after either. A new dimension (context parallel, expert-tensor
+parallel) is one more step class here and one more mesh dim.
+
+A :class:`Parallelize` remembers what it returned per stage, so the executors a pipeline
+makes for several schedules over the same stages (``Pipeline.with_schedule``) parallelize
+each stage once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from zerobubble.parallel.ep import ExpertGroup, is_expert
+from zerobubble.parallel.experts import shard_all_experts, unsharded_experts
+from zerobubble.parallel.tp import TPPlan, parallelize_stage
+
+if TYPE_CHECKING:
+    from zerobubble.parallel.mesh import PipelineMesh
+
+__all__ = [
+    "ExpertParallel",
+    "Parallelize",
+    "ParallelizeFn",
+    "StageNamer",
+    "StagePlan",
+    "TensorParallel",
+]
+
+StagePlan = TPPlan | Callable[[int, nn.Module], TPPlan] | None
+"""A tensor-parallel plan for every stage (its submodule names are relative to the stage
+module), a function ``(stage, stage module) -> plan``, or None: the default plan of each
+stage module (:func:`~zerobubble.parallel.tp.parallelize_stage`)."""
+
+ParallelizeFn = Callable[[int, nn.Module, "PipelineMesh"], nn.Module]
+"""A user's ``(stage, module, mesh) -> module``: the stage parallelized by hand, replacing
+the tp and ep steps (the pipeline's own split, recompute, compile and FSDP still follow)."""
+
+StageNamer = Callable[[int, str, nn.Module], str]
+"""``(stage, submodule name in the stage, stage module) -> the name a user knows``: how a
+refusal names a submodule (the model's own names where the caller knows them)."""
+
+
+def _stage_name(stage: int, name: str, module: nn.Module) -> str:
+    return name
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """The "tp" step: which mesh, which plan."""
+
+    mesh: DeviceMesh
+    """The 1-D ``tp`` mesh (:attr:`~zerobubble.parallel.mesh.PipelineMesh.tp_mesh`)."""
+    plan: StagePlan = None
+    sequence_parallel: bool = False
+
+    def apply(self, stage: int, module: nn.Module) -> None:
+        """Parallelize ``module`` (stage ``stage``) in place, unless it is already: a module
+        with a DTensor parameter keeps its layout (its caller parallelized it)."""
+        if any(isinstance(p, DTensor) for p in module.parameters()):
+            return
+        plan = self.plan(stage, module) if callable(self.plan) else self.plan
+        parallelize_stage(
+            module, self.mesh, plan, stage=stage, sequence_parallel=self.sequence_parallel
+        )
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """The "ep" step: each stage's experts sharded over the rank's ep group, checked over the
+    pipeline (a collective of its ``group``): ``ep > 1`` never runs as plain data
+    parallelism."""
+
+    experts: ExpertGroup
+    group: dist.ProcessGroup | None
+    """The pipeline's group: every rank of it takes part in the check."""
+    name: StageNamer = _stage_name
+
+    def shard(self, stages: Mapping[int, nn.Module]) -> None:
+        """Shard every stage's experts (each module's hook, in module order), then
+        :meth:`check`."""
+        problems: list[str] = []
+        sharded: dict[int, nn.Module] = {}
+        for s, m in sorted(stages.items()):
+            try:
+                shard_all_experts(m, self.experts)
+            except ValueError as e:
+                problems.append(f"stage {s}: {e}")
+                continue
+            sharded[s] = m
+        self.check(sharded, problems)
+
+    def check(self, stages: Mapping[int, nn.Module], problems: list[str] | None = None) -> None:
+        """Refuse, on every rank of the pipeline, a stage whose experts nothing sharded
+        (named with its stage and its model name) and a pipeline with no experts at all
+        (``problems``: what went wrong before, reported with them)."""
+        problems = list(problems or [])
+        for s, m in sorted(stages.items()):
+            for name, left in unsharded_experts(m):
+                problems.append(
+                    f"stage {s}: {self.name(s, name, m)} ({type(left).__name__}) holds "
+                    "experts in neither our MoE's nor transformers' experts layout "
+                    "(use_experts_implementation), so ep cannot shard them; build the mesh with "
+                    "ep=1 (experts then stay whole, their gradients dp-reduced) or shard them by "
+                    "hand (a layer's sharding hook shard_experts: docs/layer-contract.md)"
+                )
+        held = sum(is_expert(p) for m in stages.values() for p in m.parameters())
+        found: list[tuple[list[str], int] | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(found, (problems, held), group=self.group)
+        everyone = [p for f in found if f is not None for p in f[0]]
+        if everyone:
+            raise ValueError(f"ep={self.experts.size}: " + "; ".join(everyone))
+        if not sum(f[1] for f in found if f is not None):
+            raise ValueError(
+                f"ep={self.experts.size} but no stage of the model holds experts to shard (our "
+                "MoE layers or transformers' experts modules): expert parallelism would run as "
+                "plain data parallelism. Fix: build the mesh with ep=1"
+            )
+
+
+@dataclass
+class Parallelize:
+    """The model-facing steps for every stage of a rank, in order (see the module docstring).
+
+    Build it with :meth:`from_mesh`; :meth:`apply` is idempotent per stage.
+    """
+
+    mesh: PipelineMesh | None = None
+    tp: TensorParallel | None = None
+    ep: ExpertParallel | None = None
+    fn: ParallelizeFn | None = None
+    """A user's override of the tp and ep steps."""
+    done: dict[int, nn.Module] = field(default_factory=dict)
+    """What :meth:`apply` returned per stage (the stages parallelized so far)."""
+
+    @classmethod
+    def from_mesh(
+        cls,
+        mesh: PipelineMesh | None,
+        *,
+        tp_plan: StagePlan = None,
+        fn: ParallelizeFn | None = None,
+        group: dist.ProcessGroup | None = None,
+        timeout_s: float | None = None,
+        name: StageNamer = _stage_name,
+    ) -> Parallelize:
+        """The steps ``mesh`` asks for: tp where it has a ``tp`` dim (with ``tp_plan``), ep
+        where ``ep > 1`` (checked over the pipeline ``group``); ``fn`` replaces both."""
+        if (mesh is None or mesh.tp_mesh is None) and tp_plan is not None:
+            raise ValueError(
+                "tp_plan is given but the mesh has no tensor parallelism (tp=1): build the "
+                "mesh with build_mesh(..., tp=2 or more), or drop tp_plan"
+            )
+        if fn is not None and mesh is None:
+            raise ValueError(
+                "parallelize_fn is given without a mesh: it receives the mesh, so pass "
+                "mesh=build_mesh(...)"
+            )
+        if fn is not None and tp_plan is not None:
+            raise ValueError(
+                "pass either parallelize_fn (which parallelizes each stage itself) or tp_plan "
+                "(the plan of the default tp step), not both"
+            )
+        if mesh is None:
+            return cls()
+        tp = None
+        if mesh.tp_mesh is not None:
+            tp = TensorParallel(mesh.tp_mesh, tp_plan, mesh.spec.sequence_parallel)
+        ep = None
+        if mesh.ep_size > 1:
+            ep = ExpertParallel(ExpertGroup.of(mesh, timeout_s), group, name)
+        return cls(mesh, tp, ep, fn)
+
+    def apply(self, modules: Mapping[int, nn.Module]) -> dict[int, nn.Module]:
+        """Every stage of ``modules`` parallelized (the ones seen before as they were)."""
+        fresh = {s: m for s, m in modules.items() if s not in self.done}
+        if fresh and self.fn is not None:
+            assert self.mesh is not None  # from_mesh refuses fn without a mesh
+            for s, m in sorted(fresh.items()):
+                out = self.fn(s, m, self.mesh)
+                if not isinstance(out, nn.Module):
+                    raise ValueError(
+                        f"parallelize_fn returned {type(out).__name__} for stage {s}: it must "
+                        "return the stage's module (the one it was given, or its replacement)"
+                    )
+                fresh[s] = out
+        elif fresh and self.tp is not None:
+            for s, m in sorted(fresh.items()):
+                self.tp.apply(s, m)
+        # A collective over the pipeline: every rank has fresh stages at its first executor
+        # and none at a later one (Pipeline.with_schedule), so all ranks take part or none.
+        if self.ep is not None and fresh:
+            if self.fn is None:
+                self.ep.shard(fresh)
+            else:
+                self.ep.check(fresh)
+        self.done.update(fresh)
+        return {s: self.done[s] for s in modules}
