@@ -326,6 +326,13 @@ def test_data_parallel_segment_pipelines_sum_the_replicas_bitwise():
     assert sorted(grads) == sorted(replicas[0])
     for name, g in grads.items():
         assert torch.equal(g, replicas[0][name] + replicas[1][name]), name
+    # the one reference composes the same: dp=2 x segments in one call
+    _, composed = zerobubble.reference_step(
+        copy.deepcopy(layers), token_loss, x, target=y, microbatches=3, dp=2, cuts=cuts,
+        count_fn=count,
+    )  # fmt: skip
+    for name, g in grads.items():
+        assert torch.equal(g, composed[name]), name
 
 
 def test_check_trace_with_segments_names_a_segment_run_out_of_order():

@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+import zerobubble
 from ranks import launch
 from zerobubble.executor import ExecutorOptions
 from zerobubble.interop.hf import CausalLMLoss, causal_lm_layers, tiny_model
@@ -327,6 +328,12 @@ def job() -> dict:
     # power of two), and the two replicas' sum is commutative (gloo's all-reduce).
     summed = {n: (refs[0][n] + refs[1][n]) * 0.5 for n in refs[0]}
     out["dp", mesh.dp_rank, mesh.tp_rank] = {"bad": compare(pipe, summed)}
+    # the one reference: dp=2 x tp in one call, each replica normalised by the global batch
+    _, composed = zerobubble.reference_step(
+        layers(), loss_fn, xs, target=ys, microbatches=M, dp=2, tp_mesh=mesh.tp_mesh,
+        tp_plan=plan,
+    )  # fmt: skip
+    out["dp composed", mesh.dp_rank, mesh.tp_rank] = {"bad": compare(pipe, composed)}
     return out
 
 
@@ -413,6 +420,7 @@ def test_pp_tp_bitwise_against_the_tp_reference() -> None:
     for t in range(TP):
         for j in range(2):
             assert results["dp", j, t]["bad"] == []
+            assert results["dp composed", j, t]["bad"] == []
     want = [
         "the world has 4 ranks but the mesh pp=2 x dp=1 x tp=4 needs 8; launch pp*dp*tp = 8 "
         "processes or change --pp/--dp/--tp",

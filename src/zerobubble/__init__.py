@@ -13,8 +13,10 @@ The public API, all importable from ``zerobubble``:
   this rank's stages, trained step by step), or its parts
   :func:`build_stage_modules` / :func:`stage_bounds`, :class:`PipelineExecutor`
   with :class:`ExecutorOptions`, and :func:`reference_step`, the single-process
-  result a pipeline reproduces bitwise (:func:`segment_reference_step` for a segment
-  schedule's arithmetic);
+  result a pipeline reproduces bitwise, with the job's dimensions as options (``dp``,
+  ``ep``, ``cuts``, ``tp_mesh``, ``seed``, loss terms); the single-dimension references
+  it composes stay as :func:`segment_reference_step`, :func:`tp_reference_step` and
+  :func:`ep_reference_step`;
 * optimizer semantics: :class:`PipelineTrainer` under an :class:`OptimConfig`
   (:class:`StepMode`, :class:`Rollback`), :func:`save_checkpoint` /
   :func:`load_checkpoint`;
@@ -56,7 +58,8 @@ if TYPE_CHECKING:
     from zerobubble.parallel.mesh import PipelineMesh, build_mesh
     from zerobubble.parallel.partition import build_stage_modules, stage_bounds
     from zerobubble.pipeline import Pipeline
-    from zerobubble.reference.step import reference_step, segment_reference_step
+    from zerobubble.reference.compose import reference_step
+    from zerobubble.reference.step import segment_reference_step
     from zerobubble.runtime.launcher import DistInfo, init_distributed
     from zerobubble.runtime.launcher import launch as launch_local
     from zerobubble.schedule.costs import CostModel
@@ -109,7 +112,7 @@ _WHERE: dict[str, tuple[str, str | None]] = {
     "build_stage_modules": ("zerobubble.parallel.partition", "build_stage_modules"),
     "load_checkpoint": ("zerobubble.optim.checkpoint", "load_checkpoint"),
     "models": ("zerobubble.models", None),
-    "reference_step": ("zerobubble.reference.step", "reference_step"),
+    "reference_step": ("zerobubble.reference.compose", "reference_step"),
     "save_checkpoint": ("zerobubble.optim.checkpoint", "save_checkpoint"),
     "segment_reference_step": ("zerobubble.reference.step", "segment_reference_step"),
     "stage_bounds": ("zerobubble.parallel.partition", "stage_bounds"),

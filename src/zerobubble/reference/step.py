@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
@@ -48,7 +49,24 @@ from zerobubble.runtime.sequence.kv import (
 )
 from zerobubble.runtime.shapes import tensor_leaves
 
-__all__ = ["as_sequential", "dp_reference_step", "reference_step", "segment_reference_step"]
+__all__ = [
+    "Share",
+    "as_sequential",
+    "dp_reference_step",
+    "reference_step",
+    "segment_reference_step",
+]
+
+
+@dataclass(frozen=True)
+class Share:
+    """A batch that is one data-parallel replica's part of a global batch: what the replica's
+    executor normalises by, summed over the replicas (``over_dp``)."""
+
+    total: Any
+    """The global batch's rows, or with a ``count_fn`` its count (the replicas' summed)."""
+    replicas: int
+    """How many replicas share the batch (the loss terms' weight counts them)."""
 
 
 def as_sequential(layers: Sequence[nn.Module] | nn.Sequential) -> nn.Sequential:
@@ -72,6 +90,7 @@ def reference_step(
     count_fn: CountFn | None = None,
     terms: dict[str, list[Tensor]] | None = None,
     term_weight: TermWeight = "mean",
+    share: Share | None = None,
     **kwargs: Any,
 ) -> tuple[list[Tensor], dict[str, Tensor]]:
     """One step of plain autograd over the microbatches, in microbatch order.
@@ -107,7 +126,10 @@ def reference_step(
     :attr:`~zerobubble.runtime.options.ExecutorOptions.term_weight`, one replica:
     :func:`~zerobubble.runtime.loss_terms.weighted_objective`), as a pipeline's last stage
     roots it; ``terms``, if given, gets each term's per-microbatch values (raw, detached),
-    as :meth:`~zerobubble.pipeline.Pipeline.step` does.
+    as :meth:`~zerobubble.pipeline.Pipeline.step` does. With ``share`` the batch is one
+    data-parallel replica's part (:class:`Share`): losses are normalised by the global
+    batch and terms weighted over the replicas, as that replica's executor does
+    (:func:`zerobubble.reference.compose.reference_step` composes the replicas).
 
     Returns:
         The unscaled per-microbatch losses (detached 0-dim tensors) and a copy
@@ -122,8 +144,8 @@ def reference_step(
     targets = split_tree(target, m, n)
     bounds = stage_bounds(len(model), num_stages, boundaries)
     stages = _Stages(model, bounds, _rng(model, (args, kwargs), seed), step)
-    weight = weight_of(term_weight, m, 1)
-    scales, extra = _scales(default_count_fn(loss_fn, count_fn), target, n, m)
+    weight = weight_of(term_weight, m, 1 if share is None else share.replicas)
+    scales, extra = _scales(default_count_fn(loss_fn, count_fn), target, n, m, share)
     for p in model.parameters():
         p.grad = None
     losses, per_mb = [], []
@@ -180,14 +202,15 @@ def _rng(model: nn.Sequential, batch: Any, seed: int | None) -> StageRng | None:
 
 
 def _scales(
-    count_fn: CountFn | None, target: Any, n: int, m: int
+    count_fn: CountFn | None, target: Any, n: int, m: int, share: Share | None = None
 ) -> tuple[list[float], tuple[Tensor | int, ...]]:
     """Each microbatch's loss weight and ``loss_fn``'s extra arguments, as the executor has
-    them: ``n_j / N`` without a ``count_fn``; 1 and the batch's count with one."""
+    them: ``n_j / N`` without a ``count_fn``; 1 and the batch's count with one (``N`` and
+    the count the global batch's for one replica's ``share``)."""
     if count_fn is None:
         sizes = [len(t) for t in torch.tensor_split(torch.empty(n), m)]
-        return loss_scales(sizes), ()
-    return [1.0] * m, (batch_count(count_fn, target),)
+        return (loss_scales(sizes) if share is None else [k / share.total for k in sizes]), ()
+    return [1.0] * m, (batch_count(count_fn, target) if share is None else share.total,)
 
 
 def _objective(
@@ -278,6 +301,7 @@ def segment_reference_step(
     step: int = 0,
     num_stages: int = 1,
     boundaries: Sequence[int] | None = None,
+    share: Share | None = None,
     **kwargs: Any,
 ) -> tuple[list[Tensor], dict[str, Tensor]]:
     """One step of a segment schedule's arithmetic in one process (the ground truth of
@@ -312,7 +336,7 @@ def segment_reference_step(
     n = batch_size((args, kwargs), "the input batch (segment_reference_step's arguments)")
     inputs = split_tree((args, kwargs), microbatches, n)
     targets = split_tree(target, microbatches, n)
-    total = batch_count(count_fn, target)
+    total = batch_count(count_fn, target) if share is None else share.total
     bounds = stage_bounds(len(model), num_stages, boundaries)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     stages = _Stages(model, bounds, None if seed is None else StageRng(seed, device), step)

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from zerobubble.parallel.parallelize import StagePlan, TensorParallel
 from zerobubble.parallel.partition import layer_keys, model_name, stage_bounds
 from zerobubble.parallel.tied import find_shared
-from zerobubble.reference.step import as_sequential, reference_step
+from zerobubble.reference.step import Share, as_sequential, reference_step
 from zerobubble.runtime.loss_terms import TermWeight
 from zerobubble.runtime.microbatch import CountFn
 
@@ -47,6 +47,7 @@ def tp_reference_step(
     count_fn: CountFn | None = None,
     terms: dict[str, list[Tensor]] | None = None,
     term_weight: TermWeight = "mean",
+    share: Share | None = None,
     **kwargs: Any,
 ) -> tuple[list[Tensor], dict[str, Tensor]]:
     """One step of ``layers`` in ``num_stages`` stages parallelized over ``tp_mesh``, unpipelined.
@@ -97,6 +98,7 @@ def tp_reference_step(
         count_fn=count_fn,
         terms=terms,
         term_weight=term_weight,
+        share=share,
         **kwargs,
     )
     return losses, _stage_grads(stages, keys, bounds)

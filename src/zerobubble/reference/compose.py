@@ -1,0 +1,229 @@
+"""The one reference: a pipelined step's ground truth for every combination, in one call.
+
+:func:`reference_step` takes the batch as :meth:`~zerobubble.pipeline.Pipeline.step` does
+and the job's dimensions as options; it composes the single-replica references of this
+package rather than restating their arithmetic:
+
+- **dp** (``dp=R``): the global batch's rows are cut into ``R`` parts as
+  ``torch.tensor_split`` cuts them (replica ``r`` takes part ``r``, as a job feeds its dp
+  ranks); each replica's step is normalised by the global batch (its
+  :class:`~zerobubble.reference.step.Share`: the rows or ``count_fn``'s count summed over the
+  replicas, the loss terms weighted over ``M * R``), and the replicas' gradients are summed
+  in rank order ``((g_0 + g_1) + g_2) + ...``, the order of the dp reduction. FSDP shards
+  that reduction's result, so its ground truth is the same;
+- **segments** (``cuts=``): :func:`~zerobubble.reference.step.segment_reference_step` per
+  replica;
+- **tp** (``tp_mesh=``, ``tp_plan=``, ``sequence_parallel=``):
+  :func:`~zerobubble.reference.tp.tp_reference_step` per replica (collective over the tp mesh:
+  every tp rank calls it with the same batch);
+- **ep** (``ep=E``): the replicas run together, the all-to-alls played between them
+  (:func:`~zerobubble.reference.ep.ep_reference_step` for top-level expert layers,
+  :func:`~zerobubble.reference.ep.threaded_ep_reference_step` otherwise);
+- **random ops** (``seed``, ``step``, ``num_stages``, ``boundaries``), **loss terms**
+  (``terms``, ``term_weight``) and **ties** (a parameter several layers share stays one
+  parameter here) as each of those does; **recompute** and **overlapped pairs** change no
+  arithmetic (tests/test_recompute.py, tests/test_overlap_runtime.py), so they have no option.
+
+A combination without a composed ground truth yet is refused with a ValueError naming it
+(segments with tp or ep; ep with tp, random ops or several stage inputs): docs/scale.md
+keeps the table.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from zerobubble.parallel.experts import ExpertLayer
+from zerobubble.parallel.parallelize import StagePlan
+from zerobubble.reference.ep import ep_reference_step, threaded_ep_reference_step
+from zerobubble.reference.step import (
+    Share,
+    as_sequential,
+    segment_reference_step,
+)
+from zerobubble.reference.step import _batch as read_batch
+from zerobubble.reference.step import (
+    reference_step as replica_step,
+)
+from zerobubble.reference.tp import tp_reference_step
+from zerobubble.runtime.loss_terms import TermWeight
+from zerobubble.runtime.microbatch import CountFn, batch_count, default_count_fn, split_tree
+
+__all__ = ["reference_step"]
+
+Part = tuple[tuple[Any, ...], dict[str, Any], Any]
+"""One replica's ``(args, kwargs, target)``."""
+
+
+def reference_step(
+    layers: Sequence[nn.Module] | nn.Sequential,
+    loss_fn: Callable[..., Tensor],
+    *args: Any,
+    target: Any = None,
+    microbatches: int | None = None,
+    dp: int = 1,
+    ep: int = 1,
+    cuts: Sequence[int] | None = None,
+    tp_mesh: DeviceMesh | None = None,
+    tp_plan: StagePlan = None,
+    sequence_parallel: bool = False,
+    seed: int | None = None,
+    step: int = 0,
+    num_stages: int = 1,
+    boundaries: Sequence[int] | None = None,
+    count_fn: CountFn | None = None,
+    terms: dict[str, list[Tensor]] | None = None,
+    term_weight: TermWeight = "mean",
+    **kwargs: Any,
+) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """One step of the whole job's arithmetic in one process (see the module docstring).
+
+    ``reference_step(layers, loss_fn, *args, target=..., microbatches=M, **kwargs)`` with no
+    option is :func:`zerobubble.reference.step.reference_step`; ``args``, ``kwargs`` and
+    ``target`` are the global batch (all replicas' rows). ``microbatches`` is per replica.
+
+    Returns:
+        The unscaled per-microbatch losses, replica-major (replica ``r``'s microbatch
+        ``j`` at ``r * M + j``), and every gradient keyed by the user's parameter names:
+        the replicas' sums (under tp, each rank's local shards; under ep, a sharded
+        experts tensor whole again). Without tp the sums are left in ``layers``' ``.grad``.
+    """
+    args, target, m, n = read_batch(args, target, microbatches, kwargs)
+    _refuse(dp, ep, cuts, tp_mesh, seed, len(args) == 1 and not kwargs)
+    parts = _parts(args, kwargs, target, dp, n)
+    model = as_sequential(layers)
+    if ep > 1:
+        return _experts(model, loss_fn, parts, m, ep, count_fn, term_weight, terms)
+    count_fn = default_count_fn(loss_fn, count_fn)
+    share = None if dp == 1 else Share(n if count_fn is None else _count(parts, count_fn), dp)
+    if tp_mesh is not None:  # parallelized once, in place of the caller's layers' copy
+        model = as_sequential(copy.deepcopy(list(model)))
+    common: dict[str, Any] = {"seed": seed, "step": step, "num_stages": num_stages}
+    common.update(boundaries=boundaries, count_fn=count_fn, share=share)
+    losses: list[Tensor] = []
+    sums: dict[str, Tensor] = {}
+    held: dict[int, Tensor] = {}  # id(parameter) -> its summed .grad
+    for a, k, t in parts:
+        if cuts is not None:
+            mine, grads = segment_reference_step(
+                model, loss_fn, *a, target=t, microbatches=m, cuts=cuts, **common, **k
+            )
+        elif tp_mesh is not None:
+            mine, grads = tp_reference_step(
+                model, loss_fn, *a, target=t, microbatches=m, tp_mesh=tp_mesh,
+                tp_plan=tp_plan, sequence_parallel=sequence_parallel, copy_layers=False,
+                terms=terms, term_weight=term_weight, **common, **k,
+            )  # fmt: skip
+        else:
+            mine, grads = replica_step(
+                model, loss_fn, *a, target=t, microbatches=m, terms=terms,
+                term_weight=term_weight, **common, **k,
+            )  # fmt: skip
+        losses.extend(mine)
+        sums = grads if not sums else _add(sums, grads)
+        if tp_mesh is None:
+            _hold(model, held)
+    if tp_mesh is None:
+        for p in model.parameters():
+            p.grad = held.get(id(p))
+    return losses, sums
+
+
+def _refuse(
+    dp: int,
+    ep: int,
+    cuts: Sequence[int] | None,
+    tp: DeviceMesh | None,
+    seed: int | None,
+    one_input: bool,
+) -> None:
+    """The combinations without a composed ground truth, named."""
+    if dp < 1 or ep < 1 or dp % ep:
+        raise ValueError(f"dp={dp} and ep={ep}: both >= 1, and ep must divide dp")
+    found = [
+        ("sequence segments (cuts)", cuts is not None),
+        ("tensor parallelism (tp_mesh)", tp is not None),
+        ("random ops (seed)", seed is not None),
+        ("stage inputs other than one positional argument", not one_input),
+    ]
+    chosen = [name for name, on in found if on]
+    if ep > 1 and chosen:
+        raise ValueError(
+            f"reference_step has no ground truth of expert parallelism (ep={ep}) with "
+            f"{' and '.join(chosen)} yet; docs/scale.md lists what composes"
+        )
+    if cuts is not None and tp is not None:
+        raise ValueError(
+            "reference_step has no ground truth of sequence segments (cuts) with tensor "
+            "parallelism (tp_mesh) yet; docs/scale.md lists what composes"
+        )
+
+
+def _parts(args: tuple, kwargs: dict, target: Any, dp: int, n: int) -> list[Part]:
+    """The global batch cut into the replicas' parts, as ``torch.tensor_split`` cuts rows."""
+    if n < dp:
+        raise ValueError(f"a batch of {n} rows cannot feed dp={dp} replicas")
+    inputs = split_tree((args, kwargs), dp, n)
+    targets = split_tree(target, dp, n)
+    return [(a, k, t) for (a, k), t in zip(inputs, targets, strict=True)]
+
+
+def _count(parts: Sequence[Part], count_fn: CountFn) -> Any:
+    """The replicas' counts summed in rank order (the dp all-reduce of the executors'
+    ``over_dp``)."""
+    counts = [batch_count(count_fn, t) for _, _, t in parts]
+    total = counts[0]
+    for c in counts[1:]:
+        total = total + c
+    return total
+
+
+def _add(a: dict[str, Tensor], b: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``a + b`` per name (a name one of them lacks keeps the other's)."""
+    out = dict(a)
+    for name, g in b.items():
+        out[name] = out[name] + g if name in out else g
+    return out
+
+
+def _hold(model: nn.Module, held: dict[int, Tensor]) -> None:
+    """Add this replica's ``.grad`` into ``held``, by parameter, in rank order."""
+    for p in model.parameters():
+        if p.grad is not None:
+            held[id(p)] = p.grad.clone() if id(p) not in held else held[id(p)] + p.grad
+
+
+def _experts(
+    model: nn.Sequential,
+    loss_fn: Callable[..., Tensor],
+    parts: Sequence[Part],
+    m: int,
+    ep: int,
+    count_fn: CountFn | None,
+    term_weight: TermWeight,
+    terms: dict[str, list[Tensor]] | None,
+) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """The ep replicas together; losses replica-major."""
+    if terms is not None:
+        raise ValueError(
+            "reference_step with ep > 1 does not report terms= per name yet: its losses are the "
+            "objectives (loss plus weighted terms)"
+        )
+    pairs = [(a[0], t) for a, _, t in parts]
+    top = all(isinstance(x, ExpertLayer) or not _holds_expert(x) for x in model)
+    if top and default_count_fn(loss_fn, count_fn) is None:
+        per, grads = ep_reference_step(model, loss_fn, pairs, m, ep, term_weight=term_weight)
+    else:
+        per, grads = threaded_ep_reference_step(
+            model, loss_fn, pairs, m, ep, count_fn=count_fn, term_weight=term_weight
+        )
+    return [loss for mine in per for loss in mine], grads
+
+
+def _holds_expert(layer: nn.Module) -> bool:
+    return any(isinstance(x, ExpertLayer) for x in layer.modules())
