@@ -219,9 +219,13 @@ def segment_inputs(inputs: Any, start: int, end: int) -> Any:
     """A stage's inputs for tokens ``[start, end)`` from those of the whole sequence.
 
     A tensor (token ids or hidden states, the sequence on dim 1) is sliced; in a mapping
-    (a tokenizer's batch, the HF adapter's boundary) so are all tensors but the 2-D
-    ``attention_mask``, which keeps the columns of every key the segment attends,
-    ``[0, end)``. A 4-D mask is refused: it would need rows and columns cut alike.
+    (a tokenizer's batch, the HF adapter's boundary) so are all tensors but two: the 2-D
+    ``attention_mask`` keeps the columns of every key the segment attends, ``[0, end)``,
+    and ``position_ids`` stay whole (a segment-aware layer takes its queries' positions
+    from columns ``[start, end)``, and from the rest what depends on the whole sequence:
+    the documents of a packed batch, whose positions restart at 0, and the length that
+    some rotary embeddings scale by). A 4-D mask is refused: it would need rows and
+    columns cut alike.
     """
     if isinstance(inputs, Tensor):
         return inputs[:, start:end]
@@ -238,6 +242,8 @@ def segment_inputs(inputs: Any, start: int, end: int) -> Any:
                     f"{tuple(value.shape)}"
                 )
             out[key] = value[:, :end]
+        elif key == "position_ids":
+            out[key] = value
         elif isinstance(value, Tensor):
             out[key] = value[:, start:end]
         else:
