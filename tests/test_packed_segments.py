@@ -273,6 +273,17 @@ def test_packed_segments_without_the_whole_position_ids_are_refused():
         layers[1](layers[0](inputs))
 
 
+def test_packed_segments_under_an_attention_without_mask_functions_are_refused():
+    """The document mask goes into the mask the layers build from a mask function, which
+    they do for sdpa and eager; another implementation (flex here, flash attention on a GPU)
+    is refused in segments, naming the fix, rather than attending across documents."""
+    model, batch, _ = case(("packed", "sdpa"))
+    model.config._attn_implementation = "flex_attention"
+    layers = hf.causal_lm_layers(model, check=False)
+    with pytest.raises(ValueError, match=r"not 'flex_attention': build the model with attn_impl"):
+        run_segments(layers, batch, (0, 12, 24), lambda o: o.sum())
+
+
 # ---- sliding windows ----------------------------------------------------------------------
 
 WINDOWS = [3, 9, 40]
