@@ -285,11 +285,15 @@ def test_a_mask_that_does_not_reach_the_segment_end_is_refused():
         segment_inputs({"attention_mask": torch.ones(B, 1, T, T)}, 4, 8)
 
 
-def test_sliding_window_attention_is_refused():
-    model = hf.tiny_model("hf-mistral", num_hidden_layers=1)
+def test_sliding_window_attention_runs_in_segments():
+    """Sliding windows are no longer refused (tests/test_packed_segments.py holds them to
+    Hugging Face's own pass): a window of 3 over cuts at 8."""
+    model = hf.tiny_model("hf-mistral", num_hidden_layers=1, sliding_window=3)
     layers = hf.causal_lm_layers(model, check=False)
-    with pytest.raises(ValueError, match="sliding-window attention in segments"):
-        run_segments(layers, ids(), (0, 8, 16), lambda o: o.sum())
+    run = run_segments(layers, ids(), (0, 8, 16), lambda o: o.sum())
+    with torch.no_grad():
+        whole = model(input_ids=ids()).logits
+    torch.testing.assert_close(run.output, whole, rtol=1e-5, atol=1e-6)
 
 
 class _PositionEmbedding(nn.Module):

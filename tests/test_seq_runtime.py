@@ -354,3 +354,50 @@ def test_check_trace_with_segments_names_a_segment_run_out_of_order():
     assert report.first is not None and report.first.check == "edge"
     assert "consumes the output of F(s0,mb0)" in str(report.first), report.first
     assert check_trace(swapped).ok  # without the segment count the order is not known
+
+
+# ---- the cuts ------------------------------------------------------------------------------
+
+
+def test_cuts_take_any_integers_and_name_what_is_not_one():
+    import numpy as np
+
+    from zerobubble.runtime.sequence.batch import check_cuts
+
+    for cuts in (np.array([0, 9, 16]), [np.int64(0), np.int32(9), 16], torch.tensor([0, 9, 16])):
+        taken = ExecutorOptions(cuts=cuts).cuts
+        assert taken == (0, 9, 16) and all(type(b) is int for b in taken)
+        assert check_cuts(cuts, 2) == (0, 9, 16)
+    for bad, message in [
+        ((0, 9.0, 16), r"cuts\[1\] is 9.0 \(float\), not a token position"),
+        ((0, True, 16), r"cuts\[1\] is True, not a token position"),
+        (8, "cuts must be a sequence of token positions, got int"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ExecutorOptions(cuts=bad)
+    # numpy cuts run the segment reference as Python ints do, bitwise
+    layers, x, y = model_and_batch("gpt", 2, 1)
+    twin = copy.deepcopy(layers)
+    plain = zerobubble.segment_reference_step(
+        layers, token_loss, x, target=y, microbatches=1, cuts=(0, 9, 16), count_fn=count
+    )
+    numpy = zerobubble.segment_reference_step(
+        twin, token_loss, x, target=y, microbatches=1, cuts=np.array([0, 9, 16]), count_fn=count
+    )
+    assert torch.equal(plain[0][0], numpy[0][0])
+
+
+def test_cuts_given_to_a_schedule_without_segments_are_refused_naming_it():
+    stages = {0: _stage0().module}
+    with pytest.raises(
+        ValueError,
+        match=r"schedule '1f1b' runs whole sequences \(no segments\), but ExecutorOptions\(cuts="
+        r"\[0, 8, 16\]\) was given and would be ignored: generate a segment schedule",
+    ):
+        PipelineExecutor(
+            generated("1f1b", 1, 2),
+            stages,
+            loss_fn=token_loss,
+            count_fn=count,
+            options=ExecutorOptions(cuts=(0, 8, 16)),
+        )

@@ -145,7 +145,7 @@ class PipelineExecutor:
         parallelize: Parallelize | None = None,
     ) -> None:
         self.options = opts = options or ExecutorOptions()
-        self.cuts = check_cuts(opts.cuts, schedule.segments) if schedule.segments > 1 else None
+        self.cuts = check_cuts(opts.cuts, schedule.segments, f"schedule {schedule.name!r}")
         """The segments' token boundaries (None without segments)."""
         self.count_fn = default_count_fn(loss_fn, count_fn)
         if self.cuts is not None:

@@ -28,7 +28,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+    find_packed_sequence_indices,
+    packed_sequence_mask_function,
+)
 
 from zerobubble.interop.hf_experts import shard_layer_experts
 from zerobubble.interop.hf_router import (
@@ -137,12 +142,48 @@ def _padding_mask(layer: str, mask: Tensor | None) -> Tensor | None:
     return mask.to(torch.bool)
 
 
-def _positions(hidden: Tensor, position_ids: Tensor | None, start: int = 0) -> Tensor:
-    """The user's position ids, or the models' default ``arange(S)[None]`` (from ``start``
-    for a segment)."""
+def _positions(hidden: Tensor, position_ids: Tensor | None) -> Tensor:
+    """The user's position ids, or the models' default ``arange(S)[None]``."""
     if position_ids is not None:
         return position_ids
-    return torch.arange(start, start + hidden.shape[1], device=hidden.device).unsqueeze(0)
+    return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+
+
+def _query_positions(name: str, hidden: Tensor, position_ids: Tensor | None, start: int) -> Tensor:
+    """A segment's positions: columns ``[start, end)`` of the whole sequence's position ids
+    (:func:`~zerobubble.runtime.sequence.kv.segment_inputs` keeps them whole), or
+    ``arange(start, end)[None]``."""
+    end = start + hidden.shape[1]
+    if position_ids is None:
+        return torch.arange(start, end, device=hidden.device).unsqueeze(0)
+    if position_ids.shape[-1] < end:
+        raise ValueError(
+            f"{name}: a segment of tokens [{start}, {end}) needs the position ids of the whole "
+            "sequence (segment_inputs keeps them whole: the earlier tokens' tell the documents "
+            f"of a packed batch), got shape {tuple(position_ids.shape)}"
+        )
+    return position_ids[..., start:end]
+
+
+def _documents(
+    position_ids: Tensor | None, mask: Tensor | None, batch: int, end: int
+) -> Tensor | None:
+    """The document of each token ``[0, end)`` of a packed batch, or None for one per row.
+
+    Hugging Face's packed-sequence convention: without a padding mask, position ids that do
+    not go up by one (restart at 0) start a new document, and no token attends to another
+    document's (``transformers.masking_utils.find_packed_sequence_indices``). The model's
+    own forward applies it only without a key/value cache, so with its default
+    ``use_cache=True`` it attends across documents; the layers apply it always, on the whole
+    sequence and on segments alike: a segment's queries see their own document's earlier
+    keys, those of earlier segments included.
+    """
+    if position_ids is None or mask is not None or position_ids.ndim != 2:
+        return None
+    ids = position_ids[:, :end]
+    if ids.shape[0] != batch:  # position ids given for one row, as the models allow
+        ids = ids.expand(batch, -1)
+    return find_packed_sequence_indices(ids)
 
 
 def _forward_cache(config: Any) -> DynamicCache | None:
@@ -158,6 +199,11 @@ def _forward_cache(config: Any) -> DynamicCache | None:
     return DynamicCache(config=config) if getattr(config, "use_cache", False) else None
 
 
+_DOCUMENT_MASKS = ("sdpa", "eager")
+"""Attention implementations whose masks the layers build from a mask function (the
+document mask of a packed batch in segments goes into it)."""
+
+
 def _attention_inputs(
     slot: SegmentSlot | None,
     config: Any,
@@ -166,76 +212,195 @@ def _attention_inputs(
     hidden: Tensor,
     mask: Tensor | None,
     position_ids: Tensor | None,
-) -> tuple[DynamicCache | None, Tensor | None, Tensor, Any]:
-    """The cache, padding mask, positions and causal mask of one block's call.
+) -> tuple[DynamicCache | None, Tensor | None, Tensor, Any, int]:
+    """The cache, padding mask, positions and causal mask of one block's call, and the first
+    token whose keys the cache holds.
 
     Without a segment, what the model's forward gives the block. In a segment of tokens
     ``[start, end)`` (:mod:`zerobubble.runtime.sequence.kv`) the cache holds the earlier
-    segments' keys and values (empty for the first, as :func:`_forward_cache`'s), so the
-    model's own code attends over them and the mask utilities take the query offset and
-    key length from it; the padding mask keeps the columns of keys ``[0, end)``.
+    segments' keys and values that the layer reads: all of them under full attention, those
+    of tokens ``[max(0, start - window + 1), start)`` under a sliding window (the earliest
+    key its first query sees), so the model's own code attends over them and the mask
+    utilities take the query offset and key length from it; the padding mask keeps the
+    columns of keys ``[0, end)`` (returned so, as it travels on) and the mask is built over
+    the cached keys' columns. A packed batch (:func:`_documents`) adds the document mask.
     """
     extra: dict[str, Any] = {}
+    first = 0
+    keys_mask = mask
     if slot is None:
         positions = _positions(hidden, position_ids)
         cache = _forward_cache(config)
-    else:  # the mask sized from this layer's cache: the others' are empty in a segment
-        mask, positions, cache = _segment_inputs(
-            config, make_mask, hidden, mask, position_ids, slot, index
-        )
+        docs = _documents(position_ids, mask, hidden.shape[0], hidden.shape[1])
+    else:
+        start = slot.start
+        end = start + hidden.shape[1]
+        window = _window(slot.name, config, make_mask)
+        first = 0 if window is None else max(0, start - window + 1)
+        mask = _segment_mask(slot.name, mask, end)
+        keys_mask = None if mask is None else mask[:, first:]
+        positions = _query_positions(slot.name, hidden, position_ids, start)
+        docs = _documents(position_ids, mask, hidden.shape[0], end)
+        if docs is not None and config._attn_implementation not in _DOCUMENT_MASKS:
+            raise ValueError(
+                f"{slot.name}: a packed batch (position ids that restart) in segments needs "
+                f"its document mask, which the layers build for {', '.join(_DOCUMENT_MASKS)} "
+                f"attention, not {config._attn_implementation!r}: build the model with "
+                "attn_implementation='sdpa', or train the packed batch without segments"
+            )
+        cache = _past_cache(slot, index, first)
         extra["layer_idx"] = index
+    if docs is not None:
+        extra["and_mask_function"] = packed_sequence_mask_function(docs[:, first:])
     causal = make_mask(
         config=config,
         inputs_embeds=hidden,
-        attention_mask=mask,
+        attention_mask=keys_mask,
         cache=cache,
-        position_ids=positions,
+        position_ids=None if docs is not None else positions,
         **extra,
     )
-    return cache, mask, positions, causal
+    return cache, mask, positions, causal, first
 
 
-def _segment_inputs(
-    config: Any,
-    make_mask: Callable[..., Any],
-    hidden: Tensor,
-    mask: Tensor | None,
-    position_ids: Tensor | None,
-    slot: SegmentSlot,
-    index: int,
-) -> tuple[Tensor | None, Tensor, DynamicCache]:
-    """A segment's padding mask (keys ``[0, end)``), positions (from its start) and a cache
-    holding the earlier segments' keys and values."""
-    end = slot.start + hidden.shape[1]
-    if make_mask is not create_causal_mask:
+def _window(name: str, config: Any, make_mask: Callable[..., Any]) -> int | None:
+    """The layer's sliding window (None for full attention): a query at ``t`` sees the keys
+    ``(t - window, t]``, as ``transformers.masking_utils.sliding_window_overlay``."""
+    if make_mask is create_causal_mask:
+        return None
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ValueError(
-            f"{slot.name}: sliding-window attention in segments would drop the earlier keys "
-            "its window leaves, and their gradients; segments take full attention only"
+            f"{name}: a sliding-window layer needs config.sliding_window, a positive number "
+            f"of tokens, got {window!r}"
         )
-    if mask is not None:
-        if mask.ndim != 2 or mask.shape[-1] < end:
-            raise ValueError(
-                f"{slot.name}: a segment ending at token {end} needs the 2-D padding mask "
-                f"of keys [0, {end}), got shape {tuple(mask.shape)}"
-            )
-        mask = mask[:, :end]
-    positions = _positions(hidden, position_ids, slot.start)
+    return window
+
+
+def _segment_mask(name: str, mask: Tensor | None, end: int) -> Tensor | None:
+    """A segment's padding mask: keys ``[0, end)``."""
+    if mask is None:
+        return None
+    if mask.ndim != 2 or mask.shape[-1] < end:
+        raise ValueError(
+            f"{name}: a segment ending at token {end} needs the 2-D padding mask "
+            f"of keys [0, {end}), got shape {tuple(mask.shape)}"
+        )
+    return mask[:, :end]
+
+
+def _past_cache(slot: SegmentSlot, index: int, first: int) -> DynamicCache:
+    """A cache whose layer ``index`` holds the earlier segments' keys and values of tokens
+    ``[first, start)`` (a full-attention cache layer: the segment's own keys are recorded
+    from it whole, :func:`_record_kv`)."""
     past_k, past_v = slot.past()
-    cache = DynamicCache(config=config)
-    if past_k:
-        cache.update(torch.cat(past_k, dim=-2), torch.cat(past_v, dim=-2), index)
-    return mask, positions, cache
+    cache = DynamicCache()
+    if first < slot.start:
+        cache.update(_tokens_from(past_k, first), _tokens_from(past_v, first), index)
+    return cache
 
 
-def _record_kv(slot: SegmentSlot, cache: DynamicCache | None, index: int) -> None:
-    """Hand the segment's own keys and values, the tail of the layer's cache, to the scope."""
+def _tokens_from(pieces: list[Tensor], first: int) -> Tensor:
+    """The pieces (consecutive tokens from 0, on dim -2) concatenated from token ``first``
+    on; a piece wholly before it is not read (nor sent a gradient)."""
+    kept = []
+    offset = 0
+    for piece in pieces:
+        n = piece.shape[-2]
+        if offset + n > first:
+            kept.append(piece[..., max(0, first - offset) :, :])
+        offset += n
+    return torch.cat(kept, dim=-2)
+
+
+def _record_kv(slot: SegmentSlot, cache: DynamicCache | None, index: int, first: int) -> None:
+    """Hand the segment's own keys and values, the tail of the layer's cache (which begins at
+    token ``first``), to the scope."""
     kv = None if cache is None else cache.layers[index]
     if not isinstance(kv, DynamicLayer) or kv.keys is None or kv.values is None:
         raise ValueError(
             f"{slot.name}: the layer left no keys and values in its cache; segments take "
             "attention layers that cache them"
         )
-    slot.record(kv.keys[..., slot.start :, :], kv.values[..., slot.start :, :])
+    own = slot.start - first
+    slot.record(kv.keys[..., own:, :], kv.values[..., own:, :])
+
+
+def _rope_type(rotary: nn.Module, layer_type: str | None) -> str:
+    """The rotary embedding's ``rope_type`` (for ``layer_type`` where it has one per type)."""
+    rope_type = getattr(rotary, "rope_type", "default")
+    if isinstance(rope_type, Mapping):
+        rope_type = rope_type.get(layer_type, "default")
+    return rope_type if isinstance(rope_type, str) else "default"
+
+
+def _check_rope(
+    name: str,
+    rotary: nn.Module,
+    layer_type: str | None,
+    positions: Tensor,
+    position_ids: Tensor | None,
+    start: int,
+) -> None:
+    """Refuse a segment whose rotary frequencies would not be the whole sequence's.
+
+    Two of transformers' ``rope_type`` values pick their frequencies by the length a call
+    sees, ``max(position_ids) + 1`` (``modeling_rope_utils.dynamic_rope_update``), which on
+    a segment is not the whole sequence's:
+
+    * ``dynamic`` (dynamic NTK) rescales beyond ``original_max_seq_len`` tokens to the
+      length seen (and keeps the scale, a state): exact only while every position is below
+      it, where it does not scale;
+    * ``longrope`` (Phi-3) takes ``long_factor`` beyond ``original_max_position_embeddings``
+      and ``short_factor`` within: exact when every segment is on the whole sequence's side,
+      that is the whole sequence within the length or the first cut beyond it.
+
+    The whole sequence's position ids travel with every segment when given
+    (:func:`~zerobubble.runtime.sequence.kv.segment_inputs`), so the rule is checked on
+    each; with the default positions ``arange(T)`` a segment knows only its own end, and a
+    ``longrope`` sequence cut inside the length is refused at the first segment beyond it.
+    """
+    rope_type = _rope_type(rotary, layer_type)
+    if "dynamic" not in rope_type and rope_type != "longrope":
+        return
+    end = start + positions.shape[-1]
+    seen = int(positions.max()) + 1
+    whole = None if position_ids is None else int(position_ids.max()) + 1
+    span = f"tokens [{start}, {end})"
+    if "dynamic" in rope_type:
+        limit = int(getattr(rotary, "original_max_seq_len", 0))
+        longest = max(seen, whole or 0)
+        if longest > limit:
+            raise ValueError(
+                f"{name}: rope_type {rope_type!r} (dynamic NTK) rescales its rotary "
+                f"frequencies to the length a call sees beyond {limit} tokens "
+                f"(max_position_embeddings), so a segment would rotate by those of a shorter "
+                f"sequence than the whole ({span} reach position {longest - 1}). Segments are "
+                f"exact only while every position is below {limit}: train sequences of at "
+                f"most {limit} tokens with segments, train this one without segments, or "
+                "take a rope_type whose frequencies do not depend on the length (linear, "
+                "yarn, llama3)"
+            )
+        return
+    params = getattr(getattr(rotary, "config", None), "rope_parameters", None) or {}
+    if layer_type is not None and isinstance(params.get(layer_type), Mapping):
+        params = params[layer_type]
+    limit = int(params.get("original_max_position_embeddings", 0) or 0)
+    if not limit:
+        limit = int(getattr(rotary, "original_max_seq_len", 0))
+    long_here = seen > limit
+    # Without position ids (arange(T)) the segment before this one ended at `start`.
+    wrong = long_here != (whole > limit) if whole is not None else long_here and 0 < start <= limit
+    if wrong:
+        raise ValueError(
+            f"{name}: rope_type 'longrope' rotates by its long_factor frequencies when a "
+            f"sequence is longer than original_max_position_embeddings={limit} tokens and by "
+            f"its short_factor within, choosing by the length a call sees: {span} and the "
+            "whole sequence fall on different sides, so the segments would rotate otherwise "
+            f"than the whole. Segments are exact when the whole sequence has at most {limit} "
+            f"tokens, or every segment reaches beyond token {limit} (the first cut b1 > "
+            f"{limit}): cut so (ExecutorOptions(cuts=...)), or train without segments"
+        )
 
 
 def _boundary(
@@ -295,8 +460,11 @@ class GPT2Embedding(SegmentAware, HFLayer):
         ids = args["input_ids"]
         ids = ids.view(-1, ids.shape[-1])
         embeds = self.wte(ids)
-        start = 0 if self.segment_slot is None else self.segment_slot.start
-        positions = _positions(embeds, args["position_ids"], start)
+        slot = self.segment_slot
+        if slot is None:
+            positions = _positions(embeds, args["position_ids"])
+        else:
+            positions = _query_positions(slot.name, embeds, args["position_ids"], slot.start)
         hidden = embeds + self.wpe(positions).to(embeds.device)
         if args["token_type_ids"] is not None:
             hidden = hidden + self.wte(args["token_type_ids"].view(-1, ids.shape[-1]))
@@ -326,12 +494,12 @@ class GPT2Block(SegmentAware, HFLayer):
     def forward(self, x: Boundary) -> Boundary:
         hidden, mask, position_ids = _unpack(type(self).__name__, x)
         slot = self.segment_slot
-        cache, mask, positions, causal = _attention_inputs(
+        cache, mask, positions, causal, first = _attention_inputs(
             slot, self.config, self.index, create_causal_mask, hidden, mask, position_ids
         )
         out = self.block(hidden, cache=cache, attention_mask=causal, position_ids=positions)
         if slot is not None:
-            _record_kv(slot, cache, self.index)
+            _record_kv(slot, cache, self.index, first)
         return _boundary(out[0] if isinstance(out, tuple) else out, mask, position_ids)
 
 
@@ -528,9 +696,12 @@ class DecoderBlock(SegmentAware, HFLayer):
         if self.sequence_shards > 1:  # a stand-in of the whole sequence's shape (no memory)
             b, t, d = hidden.shape
             whole = hidden.new_empty(()).expand(b, t * self.sequence_shards, d)
-        cache, mask, positions, causal = _attention_inputs(
+        cache, mask, positions, causal, first = _attention_inputs(
             slot, self.config, self.index, _MASKS[self.attention_type], whole, mask, position_ids
         )
+        if slot is not None:
+            layer_type = self.attention_type if self._rotary_by_type else None
+            _check_rope(slot.name, self.rotary_emb, layer_type, positions, position_ids, slot.start)
         if self._rotary_by_type:
             rotary = self.rotary_emb(hidden, positions, self.attention_type)
         else:
@@ -553,7 +724,7 @@ class DecoderBlock(SegmentAware, HFLayer):
             if handle is not None:
                 handle.remove()
         if slot is not None:
-            _record_kv(slot, cache, self.index)
+            _record_kv(slot, cache, self.index, first)
         stats = x.get("router")
         given = x.get("attention_mask")  # the padding mask as the model's forward was given it
         counting = self.balance is not None and torch.is_grad_enabled()

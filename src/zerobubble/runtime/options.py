@@ -12,6 +12,7 @@ from zerobubble.runtime.loss_terms import TermWeight, term_weight
 from zerobubble.runtime.overlap import OverlapFn
 from zerobubble.runtime.recompute import Recompute, recompute_plan
 from zerobubble.runtime.rng import StageRng
+from zerobubble.runtime.sequence.kv import token_cuts
 
 __all__ = ["ExecutorOptions"]
 
@@ -85,7 +86,8 @@ class ExecutorOptions:
     ``0 = b0 < ... < bk = T`` of every microbatch's sequence (dim 1 of stage 0's inputs and
     of the target), the same on every rank (a middle stage needs each segment's first
     token too). :func:`~zerobubble.schedule.segments.balanced_cuts` gives segments of equal
-    work. Required with segments, unused without."""
+    work. Required with segments, refused without (a schedule of whole sequences would
+    ignore them). Any integers (numpy's too)."""
 
     overlap_fn: OverlapFn | None = None
     """How an overlapped F&B pair of the schedule runs
@@ -105,8 +107,8 @@ class ExecutorOptions:
 
     def __post_init__(self) -> None:
         term_weight(self.term_weight, 1)  # a mode that is not one is refused here
-        if self.cuts is not None:
-            object.__setattr__(self, "cuts", tuple(self.cuts))
+        if self.cuts is not None:  # numpy's integers taken, a float or bool refused by index
+            object.__setattr__(self, "cuts", token_cuts(self.cuts))
         if not self.comm_timeout_s > 0:
             raise ValueError(f"comm_timeout_s must be > 0 seconds, got {self.comm_timeout_s}")
         if self.recv_lookahead < 0:

@@ -61,8 +61,9 @@ HF_MODELS = ("hf-gpt2", "hf-llama", "hf-mistral", "hf-qwen2")
 """The tiny Hugging Face configs shipped in ``zerobubble/models/configs``
 (:data:`zerobubble.interop.hf.TINY_CONFIGS`)."""
 
-SEGMENT_MODELS = ("gpt", "hf-gpt2", "hf-llama")
-"""The job's models whose attention runs in sequence segments (full attention)."""
+SEGMENT_MODELS = ("gpt", *HF_MODELS)
+"""The job's models whose attention runs in sequence segments (full attention, and the
+sliding windows of hf-mistral and hf-qwen2)."""
 
 GPT_FIELDS = ("d_model", "n_heads", "n_layers", "mlp_ratio", "tie_embeddings")
 """The model fields the job passes to :class:`~zerobubble.models.GPTConfig`."""
@@ -163,8 +164,8 @@ class ScheduleSection:
     segments of equal measured work (and into 2, 4, ... fewer) under seq-zb and seq1f1b,
     and the trials measure the best of them. Every schedule then trains a loss summed over
     tokens and divided by the batch's count (labels shifted once for the whole sequence),
-    and hf-* batches all have job.seq_len tokens (their rows still padded); gpt, hf-gpt2
-    and hf-llama only (sliding-window attention would drop keys), without recompute."""
+    and hf-* batches all have job.seq_len tokens (their rows still padded); without
+    recompute."""
 
     def __post_init__(self) -> None:
         if self.segments < 1:
@@ -350,9 +351,8 @@ class TrainConfig:
             return
         if self.model.name not in SEGMENT_MODELS:
             raise ValueError(
-                f"--segments {k}: {self.model.name} has sliding-window attention, which in "
-                "segments would drop the earlier keys its window leaves; use --model "
-                f"{', '.join(SEGMENT_MODELS)}, or --segments 1"
+                f"--segments {k}: {self.model.name} does not run in sequence segments; use "
+                f"--model {', '.join(SEGMENT_MODELS)}, or --segments 1"
             )
         if self.executor.recompute != "none":
             raise ValueError(

@@ -16,14 +16,27 @@ from typing import Any
 
 from torch import Tensor
 
-from zerobubble.runtime.sequence.kv import SegmentOf, segment_inputs
+from zerobubble.runtime.sequence.kv import SegmentOf, segment_inputs, token_cuts
 from zerobubble.runtime.step_batch import StepBatch
 
 __all__ = ["check_cuts", "cut_value", "segment_of", "segment_step", "sequence_length"]
 
 
-def check_cuts(cuts: Sequence[int] | None, segments: int) -> tuple[int, ...]:
-    """``cuts`` for ``segments`` segments: ``0 = b0 < b1 < ... < bk``, as a tuple."""
+def check_cuts(
+    cuts: Sequence[int] | None, segments: int, schedule: str = "the schedule"
+) -> tuple[int, ...] | None:
+    """``cuts`` for ``segments`` segments: ``0 = b0 < b1 < ... < bk``, as a tuple of ints
+    (numpy's integers taken); None for a schedule without segments, which refuses cuts
+    rather than ignore them."""
+    if segments == 1:
+        if cuts is not None:
+            raise ValueError(
+                f"{schedule} runs whole sequences (no segments), but ExecutorOptions(cuts="
+                f"{list(token_cuts(cuts))}) was given and would be ignored: generate a "
+                "segment schedule to cut the sequences (e.g. generate('seq-zb', P, M, "
+                "segments=k) with k + 1 cuts), or pass cuts=None"
+            )
+        return None
     if cuts is None:
         raise ValueError(
             f"the schedule cuts each sequence into {segments} segments: pass "
@@ -31,12 +44,8 @@ def check_cuts(cuts: Sequence[int] | None, segments: int) -> tuple[int, ...]:
             "(zerobubble.schedule.segments.balanced_cuts for segments of equal work, "
             "equal_token_cuts for equal lengths)"
         )
-    out = tuple(cuts)
-    if (
-        len(out) != segments + 1
-        or out[0] != 0
-        or any(type(b) is not int or b <= a for a, b in itertools.pairwise(out))
-    ):
+    out = token_cuts(cuts)
+    if len(out) != segments + 1 or out[0] != 0 or any(b <= a for a, b in itertools.pairwise(out)):
         raise ValueError(
             f"cuts={list(out)} must be {segments + 1} increasing token positions from 0 "
             f"(one segment between each two) for a schedule of {segments} segments"

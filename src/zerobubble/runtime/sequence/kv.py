@@ -33,6 +33,7 @@ the reference driver the tests compare with the whole sequence in one pass.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ __all__ = [
     "segment_inputs",
     "segment_scope",
     "sequence_tensor",
+    "token_cuts",
     "unaware_attention",
 ]
 
@@ -219,9 +221,13 @@ def segment_inputs(inputs: Any, start: int, end: int) -> Any:
     """A stage's inputs for tokens ``[start, end)`` from those of the whole sequence.
 
     A tensor (token ids or hidden states, the sequence on dim 1) is sliced; in a mapping
-    (a tokenizer's batch, the HF adapter's boundary) so are all tensors but the 2-D
-    ``attention_mask``, which keeps the columns of every key the segment attends,
-    ``[0, end)``. A 4-D mask is refused: it would need rows and columns cut alike.
+    (a tokenizer's batch, the HF adapter's boundary) so are all tensors but two: the 2-D
+    ``attention_mask`` keeps the columns of every key the segment attends, ``[0, end)``,
+    and ``position_ids`` stay whole (a segment-aware layer takes its queries' positions
+    from columns ``[start, end)``, and from the rest what depends on the whole sequence:
+    the documents of a packed batch, whose positions restart at 0, and the length that
+    some rotary embeddings scale by). A 4-D mask is refused: it would need rows and
+    columns cut alike.
     """
     if isinstance(inputs, Tensor):
         return inputs[:, start:end]
@@ -238,6 +244,8 @@ def segment_inputs(inputs: Any, start: int, end: int) -> Any:
                     f"{tuple(value.shape)}"
                 )
             out[key] = value[:, :end]
+        elif key == "position_ids":
+            out[key] = value
         elif isinstance(value, Tensor):
             out[key] = value[:, start:end]
         else:
@@ -289,9 +297,35 @@ def _call(layers: Sequence[nn.Module], inputs: Any) -> Any:
     return x
 
 
+def token_cuts(cuts: Any) -> tuple[int, ...]:
+    """``cuts`` as a tuple of Python ints: any integer type is taken (numpy's and torch's
+    integers, through ``__index__``); a float, a bool or anything else is refused, naming it
+    (their order is checked where the segment count is known)."""
+    if isinstance(cuts, str | bytes) or not isinstance(cuts, Sequence | Iterator):
+        try:
+            cuts = list(cuts)
+        except TypeError:
+            raise ValueError(
+                f"cuts must be a sequence of token positions, got {type(cuts).__name__}"
+            ) from None
+    out = []
+    for i, b in enumerate(cuts):
+        if isinstance(b, bool):
+            raise ValueError(f"cuts[{i}] is {b!r}, not a token position (an integer)")
+        try:
+            out.append(operator.index(b))
+        except TypeError:
+            raise ValueError(
+                f"cuts[{i}] is {b!r} ({type(b).__name__}), not a token position: cuts are "
+                "integers (Python's, numpy's or a torch integer scalar)"
+            ) from None
+    return tuple(out)
+
+
 def cut_pairs(cuts: Sequence[int], length: int) -> list[tuple[int, int]]:
     """The segments ``[(b0, b1), (b1, b2), ...]`` of ``cuts``, checked to run from 0 to the
     sequence ``length`` strictly increasing."""
+    cuts = token_cuts(cuts)
     if len(cuts) < 2 or cuts[0] != 0 or cuts[-1] != length:
         raise ValueError(f"cuts must run from 0 to the sequence length {length}, got {list(cuts)}")
     pairs = list(itertools.pairwise(cuts))
