@@ -126,6 +126,63 @@ def _tensors(experts: nn.Module, flags: dict[str, bool]) -> list[str]:
     return sorted(names, key=lambda n: declared.index(n) if n in declared else len(declared))
 
 
+def _checked_layout(experts: nn.Module, ep: ExpertGroup) -> tuple[dict[str, bool], int, list[str]]:
+    """The HF experts module's layout flags, expert count and per-expert tensor names, after
+    refusing what :class:`ShardedExperts` cannot reproduce (a missing flag, an overridden
+    forward, an expert count ``ep`` does not divide, tensors, buffers or submodules the
+    layout does not name) with a message that says so."""
+    cls = type(experts).__name__
+    hf: Any = experts  # HF's attributes, untyped
+    flags = {f: getattr(hf, f, None) for f in LAYOUT_FLAGS}
+    missing = [f for f, v in flags.items() if not isinstance(v, bool)]
+    if missing:
+        raise _refuse(cls, f"lacks the layout flags {missing} of transformers' experts")
+    layout: dict[str, bool] = {f: bool(v) for f, v in flags.items()}
+    forward = getattr(type(experts), "forward", None)
+    if getattr(forward, "__wrapped__", None) is None:
+        raise _refuse(
+            cls,
+            "overrides the forward that use_experts_implementation dispatches (its own "
+            "math around the experts)",
+        )
+    num_experts = getattr(hf, "num_experts", None)
+    if not isinstance(num_experts, int):
+        raise _refuse(cls, "has no integer num_experts (transformers' grouped_mm reads it)")
+    if num_experts % ep.size:
+        raise ValueError(
+            f"ep={ep.size} must divide the HF experts' num_experts={num_experts} "
+            f"({cls}); choose ep among the divisors of the expert count"
+        )
+    names = _tensors(experts, layout)
+    own = [n for n, p in experts._parameters.items() if p is not None]
+    for n in own:
+        if n not in names:
+            raise _refuse(cls, f"has the parameter {n!r}, which {layout} does not name")
+    for n in names:
+        if n not in own:
+            raise _refuse(cls, f"has no {n!r}, which {layout} calls for")
+        p = experts._parameters[n]
+        assert p is not None
+        dims = 2 if n.endswith("_bias") else 3
+        if p.dim() != dims or p.shape[0] != num_experts:
+            raise ValueError(
+                f"{cls}.{n} is not a ({num_experts}, {', '.join('.' * (dims - 1))}) tensor: "
+                "already sharded, or not HF's layout"
+            )
+    if experts._buffers:
+        raise _refuse(cls, f"has the buffers {sorted(experts._buffers)}")
+    norm = experts._modules.get("post_expert_norm")
+    if layout["has_post_expert_norm"] and norm is None:
+        raise _refuse(cls, "has has_post_expert_norm=True but no post_expert_norm module")
+    for n, m in experts._modules.items():
+        if m is not None and n != "post_expert_norm" and any(True for _ in m.parameters()):
+            raise _refuse(cls, f"has the submodule {n!r} with parameters")
+    act_fn = getattr(hf, "act_fn", None)
+    if not layout["has_gate"] and not callable(act_fn):
+        raise _refuse(cls, "has has_gate=False but no act_fn")
+    return layout, num_experts, names
+
+
 class ShardedExperts(SplitGrouped):
     """A HF experts module's experts ``[r * E / ep, (r + 1) * E / ep)`` (see the module
     docstring); called as the HF module is, ``(hidden_states, top_k_index, top_k_weights)``.
@@ -141,56 +198,10 @@ class ShardedExperts(SplitGrouped):
     def __init__(self, experts: nn.Module, ep: ExpertGroup | None = None, run: int = 0) -> None:
         super().__init__()
         ep = ExpertGroup() if ep is None else ep
-        cls = type(experts).__name__
+        layout, num_experts, names = _checked_layout(experts, ep)
         hf: Any = experts  # HF's attributes, untyped
-        flags = {f: getattr(hf, f, None) for f in LAYOUT_FLAGS}
-        missing = [f for f, v in flags.items() if not isinstance(v, bool)]
-        if missing:
-            raise _refuse(cls, f"lacks the layout flags {missing} of transformers' experts")
-        layout: dict[str, bool] = {f: bool(v) for f, v in flags.items()}
-        forward = getattr(type(experts), "forward", None)
-        if getattr(forward, "__wrapped__", None) is None:
-            raise _refuse(
-                cls,
-                "overrides the forward that use_experts_implementation dispatches (its own "
-                "math around the experts)",
-            )
-        num_experts = getattr(hf, "num_experts", None)
-        if not isinstance(num_experts, int):
-            raise _refuse(cls, "has no integer num_experts (transformers' grouped_mm reads it)")
-        if num_experts % ep.size:
-            raise ValueError(
-                f"ep={ep.size} must divide the HF experts' num_experts={num_experts} "
-                f"({cls}); choose ep among the divisors of the expert count"
-            )
-        names = _tensors(experts, layout)
-        own = [n for n, p in experts._parameters.items() if p is not None]
-        for n in own:
-            if n not in names:
-                raise _refuse(cls, f"has the parameter {n!r}, which {layout} does not name")
-        for n in names:
-            if n not in own:
-                raise _refuse(cls, f"has no {n!r}, which {layout} calls for")
-            p = experts._parameters[n]
-            assert p is not None
-            dims = 2 if n.endswith("_bias") else 3
-            if p.dim() != dims or p.shape[0] != num_experts:
-                raise ValueError(
-                    f"{cls}.{n} is not a ({num_experts}, {', '.join('.' * (dims - 1))}) tensor: "
-                    "already sharded, or not HF's layout"
-                )
-        if experts._buffers:
-            raise _refuse(cls, f"has the buffers {sorted(experts._buffers)}")
-        norm = experts._modules.get("post_expert_norm")
-        if layout["has_post_expert_norm"] and norm is None:
-            raise _refuse(cls, "has has_post_expert_norm=True but no post_expert_norm module")
-        for n, m in experts._modules.items():
-            if m is not None and n != "post_expert_norm" and any(True for _ in m.parameters()):
-                raise _refuse(cls, f"has the submodule {n!r} with parameters")
         act_fn = getattr(hf, "act_fn", None)
-        if not layout["has_gate"] and not callable(act_fn):
-            raise _refuse(cls, "has has_gate=False but no act_fn")
-
+        norm = experts._modules.get("post_expert_norm")
         self.num_experts, self.ep, self.runs = num_experts, ep, len(names)
         self.local = num_experts // ep.size
         self.start = ep.rank * self.local

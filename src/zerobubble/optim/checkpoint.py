@@ -170,25 +170,69 @@ def save_checkpoint(
         action=f"start of the {where}: nothing written yet",
         key=f"save/{root}/{name}/start",
     )
+    _write_shards(trainer, group, state, root / name, step, timeout, where)
+    trainer.faults.crash(trainer.rank, step, CrashPoint.DURING_SAVE)
+    trainer.faults.stall(trainer.rank, step, CrashPoint.DURING_SAVE)
+    files, confirmations, timeout = _hash_and_confirm(
+        trainer, group, exchange, root, name, step, timeout, where
+    )
+    if dist.get_rank(group) == 0:
+        for _, theirs in confirmations:
+            files.update(theirs)
+        files.update(_file_sums(root / name, "", skip=files))
+        _write_records(trainer, mesh, root, name, step, files)
+    exchange(
+        b"",
+        timeout_s=timeout,
+        action=f"commit of the {where} by rank 0 (committed once its manifest.json is written)",
+        key=f"save/{root}/{name}/commit",
+    )
+    return root / name
+
+
+def _write_shards(
+    trainer: PipelineTrainer,
+    group: dist.ProcessGroup | None,
+    state: dict[str, Any],
+    folder: Path,
+    step: int,
+    timeout: float,
+    where: str,
+) -> None:
+    """DCP's save of ``state`` into ``folder``, this rank's fault points before its write
+    and the group's transport timeout raised by its duration after it."""
 
     def before_write() -> None:
         trainer.faults.crash(trainer.rank, step, CrashPoint.IN_WRITE)
         trainer.faults.stall(trainer.rank, step, CrashPoint.IN_WRITE)
 
     writer = _BoundedWriter(
-        root / name,
+        folder,
         before=before_write,
         after=lambda took: set_timeout(_pg(group), timedelta(seconds=timeout + took)),
     )
     with _dcp_bounded(trainer, group, f"torch.distributed.checkpoint's save of the {where}"):
         dcp.save(state, storage_writer=writer, process_group=group)
-    trainer.faults.crash(trainer.rank, step, CrashPoint.DURING_SAVE)
-    trainer.faults.stall(trainer.rank, step, CrashPoint.DURING_SAVE)
+
+
+def _hash_and_confirm(
+    trainer: PipelineTrainer,
+    group: dist.ProcessGroup | None,
+    exchange: Callable[..., list[bytes]],
+    root: Path,
+    name: str,
+    step: int,
+    timeout: float,
+    where: str,
+) -> tuple[dict[str, dict[str, Any]], list[Any], float]:
+    """This rank's shards' sums, every rank's confirmation (its state and its sums) once
+    all agree on the state saved, and the timeout the commit then waits.
+
+    Each rank hashes the shards it wrote (DCP names them __<rank>_<n>.distcp, by rank in
+    the group that saved), in parallel, before the confirmation; rank 0 hashes whatever
+    is left (.metadata) afterwards. The confirmation waits comm_timeout_s past this rank's
+    own hashing (a peer's shard of a similar size takes as long)."""
     v = trainer.versions
-    # Each rank hashes the shards it wrote (DCP names them __<rank>_<n>.distcp, by rank in
-    # the group that saved), in parallel, before the confirmation; rank 0 hashes whatever
-    # is left (.metadata) afterwards. The confirmation waits comm_timeout_s past this rank's
-    # own hashing (a peer's shard of a similar size takes as long).
     mine = (step, v.iteration, v.param_version, str(v.opt))
     t0 = time.monotonic()
     files = _file_sums(root / name, f"__{dist.get_rank(group)}_")
@@ -211,29 +255,30 @@ def save_checkpoint(
             f"ranks saved different states {states} (step, iteration, version, optimizer "
             f"state); the checkpoint {root / name} is not committed"
         )
-    if dist.get_rank(group) == 0:
-        for _, theirs in confirmations:
-            files.update(theirs)
-        files.update(_file_sums(root / name, "", skip=files))
-        record = {
-            "step": step,
-            "path": name,
-            "world_size": trainer.world,
-            "schedule": trainer.pipe.schedule.name,
-            "num_stages": trainer.pipe.schedule.num_stages,
-            "dp_size": 1 if mesh is None else mesh.dp_size,
-            "tp_size": _tp_size(trainer),
-            "files": dict(sorted(files.items())),
-        }
-        _write_json(root / f"{name}.json", record)
-        _write_json(root / MANIFEST, record)
-    exchange(
-        b"",
-        timeout_s=timeout,
-        action=f"commit of the {where} by rank 0 (committed once its manifest.json is written)",
-        key=f"save/{root}/{name}/commit",
-    )
-    return root / name
+    return files, confirmations, timeout
+
+
+def _write_records(
+    trainer: PipelineTrainer,
+    mesh: PipelineMesh | None,
+    root: Path,
+    name: str,
+    step: int,
+    files: dict[str, dict[str, Any]],
+) -> None:
+    """Rank 0's commit: the step's record, then the manifest (the same record)."""
+    record = {
+        "step": step,
+        "path": name,
+        "world_size": trainer.world,
+        "schedule": trainer.pipe.schedule.name,
+        "num_stages": trainer.pipe.schedule.num_stages,
+        "dp_size": 1 if mesh is None else mesh.dp_size,
+        "tp_size": _tp_size(trainer),
+        "files": dict(sorted(files.items())),
+    }
+    _write_json(root / f"{name}.json", record)
+    _write_json(root / MANIFEST, record)
 
 
 def latest_checkpoint(root: str | Path) -> dict[str, Any] | None:
@@ -351,6 +396,30 @@ def load_checkpoint(
     if missing_ok and step is None and latest_checkpoint(root) is None:
         return None
     manifest = verify_checkpoint(root, step)
+    _check_layout(trainer, manifest, mesh)
+    group = _group(trainer, mesh)
+    own = _own_key(trainer, mesh)
+    path = Path(root) / manifest["path"]
+    state, by_name = _load_targets(trainer, own, path)
+    timeout = trainer.pipe.p2p.timeout_s
+    reader = _BoundedReader(
+        path,
+        after=lambda took: set_timeout(_pg(group), timedelta(seconds=timeout + took)),
+    )
+    where = f"torch.distributed.checkpoint's load of checkpoint {manifest['path']} under {root}"
+    with _dcp_bounded(trainer, group, where):
+        dcp.load(state, storage_reader=reader, process_group=group)
+    meta = _from_bytes(state[f"{own}.meta"])
+    _restore_optimizer(trainer, state, meta, by_name)
+    torch.set_rng_state(state[f"{own}.rng"])
+    trainer.restore(manifest["step"])
+    return meta["extra"]
+
+
+def _check_layout(
+    trainer: PipelineTrainer, manifest: dict[str, Any], mesh: PipelineMesh | None
+) -> None:
+    """The checkpoint was saved by a run of the same layout: ranks, stages, dp and tp."""
     sched = trainer.pipe.schedule
     if (manifest["world_size"], manifest["num_stages"]) != (trainer.world, sched.num_stages):
         raise ValueError(
@@ -371,9 +440,14 @@ def load_checkpoint(
             f"tp={manifest.get('tp_size', 1)}; this run has tp={_tp_size(trainer)}: resume "
             "with the same tp size (resharding a checkpoint to another tp size is not supported)"
         )
-    group = _group(trainer, mesh)
-    own = _own_key(trainer, mesh)
-    path = Path(root) / manifest["path"]
+
+
+def _load_targets(
+    trainer: PipelineTrainer, own: str, path: Path
+) -> tuple[dict[str, Any], Mapping[str, Tensor]]:
+    """What DCP loads into: the parameters, this rank's meta and RNG state, and a target
+    for each stored optimizer entry of a parameter this rank holds; and the parameters by
+    checkpoint name."""
     stored = FileSystemReader(path).read_metadata().state_dict_metadata
     state, _ = _state_dict(trainer, with_optimizer=False)
     names = _param_names(trainer)
@@ -387,30 +461,29 @@ def load_checkpoint(
             if p is not None:
                 assert isinstance(md, TensorStorageMetadata)
                 state[key] = _target(md, p)
-    timeout = trainer.pipe.p2p.timeout_s
-    reader = _BoundedReader(
-        path,
-        after=lambda took: set_timeout(_pg(group), timedelta(seconds=timeout + took)),
-    )
-    where = f"torch.distributed.checkpoint's load of checkpoint {manifest['path']} under {root}"
-    with _dcp_bounded(trainer, group, where):
-        dcp.load(state, storage_reader=reader, process_group=group)
+    return state, by_name
+
+
+def _restore_optimizer(
+    trainer: PipelineTrainer,
+    state: dict[str, Any],
+    meta: dict[str, Any],
+    by_name: Mapping[str, Tensor],
+) -> None:
+    """The optimizer's state (loaded tensors and the loose entries of ``meta``) and its
+    groups' settings."""
     opt_state: dict[Tensor, dict[str, Any]] = {}
     for key, value in state.items():
         if key.startswith("optim."):
             pname, field = key.removeprefix("optim.").rsplit(".", 1)
             p = by_name[pname]
             opt_state.setdefault(p, {})[field] = value.to(p.device) if field != "step" else value
-    meta = _from_bytes(state[f"{own}.meta"])
     for pname, fields in meta["state"].items():
         opt_state.setdefault(by_name[pname], {}).update(fields)
     trainer.optimizer.state.clear()
     trainer.optimizer.state.update(opt_state)
     for g, h in zip(trainer.optimizer.param_groups, meta["groups"], strict=True):
         g.update(h)
-    torch.set_rng_state(state[f"{own}.rng"])
-    trainer.restore(manifest["step"])
-    return meta["extra"]
 
 
 def _group(trainer: PipelineTrainer, mesh: PipelineMesh | None) -> dist.ProcessGroup | None:

@@ -1,7 +1,7 @@
 """The replica check: data-parallel replicas hold the same parameters, or the run stops.
 
 Replicas stay identical because they sum the same gradients and take the same decision on
-every step (:meth:`~zerobubble.optim.trainer.PipelineTrainer._agree`). What bypasses both (a
+every step (:meth:`~zerobubble.optim.trainer._GlobalNorm.agree`). What bypasses both (a
 parameter written on one rank, memory that flips a bit) would go unnoticed for the rest of
 the run, so :class:`ReplicaCheck` compares a checksum of each stage's parameters over the
 dp replicas every ``OptimConfig.replica_check_every`` steps: two sums of the parameters'

@@ -192,52 +192,13 @@ class PipelineTrainer:
             if isinstance(m, StepState)
         ]
         """The stages' modules with per-step state, in stage and module order."""
-        mine = {id(p) for p in self.params}
-        foreign = sum(id(p) not in mine for g in optimizer.param_groups for p in g["params"])
-        if foreign:
-            raise ValueError(
-                f"the optimizer holds {foreign} parameters that are not in rank "
-                f"{executor.rank}'s stages; build it from trainer.params (the executor's "
-                "stage parameters), not from the original model"
-            )
+        _refuse_unsupported(executor, optimizer, self.config, self.params, self.step_states)
         pv = self.config.post_validation
-        if self.config.speculative and self.step_states:
-            raise ValueError(
-                f"rank {executor.rank}: {type(self.step_states[0]).__name__} updates its state "
-                "once per applied optimizer step, but speculative post-validation runs the next "
-                "step's first forwards before this step is validated (with the state of before "
-                "the update); use OptimConfig(mode='sync') or mode='conservative'"
-            )
-        sharding = executor.sharding
-        if pv and sharding is not None:
-            raise ValueError(
-                f"rank {executor.rank}: post-validation ({self.config.mode.value}) with FSDP-"
-                "sharded stages is not supported (a rollback would leave the gathered "
-                "parameters stale); use the synchronous step (OptimConfig(mode='sync'))"
-            )
-        self._combine = None if sharding is None else sharding.combine_norms
         executor.set_protocol(Protocol.SPECULATIVE if self.config.speculative else Protocol.CHECKED)
         self.undo = make_undo(optimizer, self.config.rollback) if pv else None
-        norm_params = self.stage_params if tied is None else tied.norm_params(self.stage_params)
-        self.norm_params: Mapping[int, Sequence[Tensor | Remote]] = norm_params
-        self._experts: ExpertNorms | None = None
-        mesh = executor.mesh
-        if mesh is not None and mesh.ep_group is not None:  # experts sharded: slots for all
-            self.norm_params = expert_slots(norm_params, mesh.ep_rank, mesh.ep_size)
-        dp_mesh = None if sharding is None else sharding.dp_mesh
-        tp_mesh = tp_mesh_of(executor.rank, self.params, mesh, sharded_over=dp_mesh)
-        self.layout = ParamLayout.exchange(self.norm_params, executor.p2p, tp_mesh)
-        if mesh is not None and mesh.ep_group is not None:
-            self._experts = ExpertNorms(
-                self.layout, self.norm_params, mesh.ep_rank, mesh.ep_group, executor.p2p
-            )
-        self._replica_groups: list[tuple[dist.ProcessGroup, str]] = []
-        """The groups over which the replicas of a pipeline rank agree on the step (dp, then
-        tp): with the pipeline's own reduction, the whole job decides as one."""
-        if mesh is not None and mesh.dp_group is not None:
-            self._replica_groups.append((mesh.dp_group, "dp"))
-        if self.layout.tp_mesh is not None:
-            self._replica_groups.append((self.layout.tp_mesh.get_group(), "tp"))
+        self.norm = _GlobalNorm(executor, self.stage_params, self.params, self.config, tied)
+        self.norm_params = self.norm.params
+        self.layout = self.norm.layout
         self.replicas = ReplicaCheck.of(executor, self.stage_params)
         self.versions = RankVersions(speculative=self.config.speculative)
         self.rank, self.world = executor.rank, executor.schedule.num_devices
@@ -311,52 +272,12 @@ class PipelineTrainer:
     def _sync_tail(self, k: int) -> None:
         with self._span("opt_reduce", k):
             vec = self.layout.new_vector()
-            self._fill(vec, k)
+            self.norm.fill(vec, k)
             self.pipe.p2p.all_reduce(vec, f"all-reduce of iteration {k}'s gradient-norm state")
-            total = self._agree(vec, self._total(vec, k), k)
+            total = self.norm.agree(vec, self.norm.total(vec, k), k)
             action = decide(total, self.config)
         self._apply(action, total, k)
         self._commit(k, action, total)
-
-    def _agree(self, vec: Tensor, total: Tensor, k: int) -> Tensor:
-        """The global norm every replica of the job decides on: the largest over the dp and
-        the tp replicas (each pipeline's is the same unless gradients differ after the
-        reduction), NaN when any rank saw a non-finite norm. A NaN that reaches one
-        replica's gradients after the dp reduction then makes every replica skip, instead
-        of one skipping and the others stepping (their parameters would differ from then
-        on). One small all-reduce per replica dim; ``total`` unchanged without replicas."""
-        if not self._replica_groups:
-            return total
-        nonfinite = vec[self.layout.flags + FLAG_NONFINITE] > 0 or not torch.isfinite(total)
-        t = torch.tensor(
-            [float(nonfinite), 0.0 if nonfinite else float(total)],
-            dtype=torch.float64,
-            device=self.pipe.device,
-        )
-        for group, dim in self._replica_groups:
-            what = f"all-reduce over dim '{dim}' of iteration {k}'s skip decision and norm"
-            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
-            assert work is not None
-            self.pipe.p2p.wait_collective(work, what, group)
-        if t[0] > 0:
-            return total if not torch.isfinite(total) else torch.full_like(total, float("nan"))
-        return torch.tensor(float(t[1]), dtype=total.dtype, device=total.device)
-
-    def _total(self, vec: Tensor, k: int, *, prefix: bool = False) -> Tensor:
-        """The norm of ``vec`` (with tp: DTensor's reduction over the tp group, bounded by
-        its transport timeout and named like every other collective)."""
-        with self._tp_collectives(f"iteration {k}'s gradient norm"):
-            return self.layout.total(vec, self.config.norm_type, self.pipe.device, prefix=prefix)
-
-    def _tp_collectives(self, what: str) -> contextlib.AbstractContextManager[None]:
-        tp = self.layout.tp_mesh
-        if tp is None:
-            return contextlib.nullcontext()
-        return self.pipe.p2p.arrivals.watch(
-            tp.get_group(),
-            lambda: f"{what} (DTensor's reduction over dim 'tp')",
-            timeout_s=self.pipe.p2p.timeout_s,
-        )
 
     # ---- post-validation ----------------------------------------------------------------
 
@@ -369,21 +290,21 @@ class PipelineTrainer:
                 work = self.pipe.p2p.irecv(vec, d - 1, what, Channel.OPTIM)
                 self.pipe.p2p.wait(work, d - 1, what)
                 self._check(vec, StateKind.PREFIX, k, d - 1)
-            self._fill(vec, k)
+            self.norm.fill(vec, k)
             flags = self.layout.flags
             if last:
-                total = self._agree(vec, self._total(vec, k), k)
+                total = self.norm.agree(vec, self.norm.total(vec, k), k)
                 action = decide(total, self.config)
                 replay = not (action is Decision.STEP and vec[flags + FLAG_DEFERRED] == 0)
                 vec[flags + FLAG_REPLAY] = float(replay)
-                if self._replica_groups:  # the others decide on the agreed norm too
+                if self.norm.replica_groups:  # the others decide on the agreed norm too
                     vec[flags + FLAG_AGREED] = 1.0
                     vec[flags + FLAG_TOTAL] = float(total)
                 self.layout.stamp(vec, StateKind.FULL, k)
                 if d > 0:  # send the full state back first: the others' validation waits on it
                     self._send(vec, d - 1, f"send of iteration {k}'s validated optimizer state")
             else:
-                prefix = self._total(vec, k, prefix=True)
+                prefix = self.norm.total(vec, k, prefix=True)
                 stepped = may_step_early(prefix, self.config)
                 if not stepped:
                     vec[flags + FLAG_DEFERRED] = 1.0
@@ -431,7 +352,7 @@ class PipelineTrainer:
             if d > 0:
                 self._send(vec, d - 1, f"send of iteration {k}'s validated optimizer state")
             self._flush_sends(keep_last=d > 0)
-            total = self._total(vec, k)
+            total = self.norm.total(vec, k)
             if vec[self.layout.flags + FLAG_AGREED] > 0:
                 agreed = float(vec[self.layout.flags + FLAG_TOTAL])
                 total = torch.tensor(agreed, dtype=total.dtype, device=total.device)
@@ -454,18 +375,6 @@ class PipelineTrainer:
         return replay
 
     # ---- shared pieces ------------------------------------------------------------------
-
-    def _fill(self, vec: Tensor, k: int) -> None:
-        """Add the norms of this rank's gradients (with ep: and of its ep peers' experts, a
-        collective over ep) into their slots of ``vec``, which holds none of them yet."""
-        with self._tp_collectives(f"iteration {k}'s gradient norms"):
-            if self._experts is None:
-                self.layout.fill(vec, self.norm_params, self.config.norm_type, self._combine)
-                return
-            own = self.layout.new_vector()
-            self.layout.fill(own, self.norm_params, self.config.norm_type, self._combine)
-        self._experts.merge(own, k)
-        vec.add_(own)  # exact: the slots are disjoint (zeros on one side)
 
     def _end_states(self, k: int) -> None:
         """The step's :class:`StepState` s combine what they saw over dp (collective)."""
@@ -566,6 +475,128 @@ class PipelineTrainer:
                 mem_before=held,
                 mem_after=held,
             )
+        )
+
+
+def _refuse_unsupported(
+    executor: PipelineExecutor,
+    optimizer: torch.optim.Optimizer,
+    config: OptimConfig,
+    params: Sequence[Tensor],
+    step_states: Sequence[StepState],
+) -> None:
+    """Refuse an optimizer over parameters this rank does not hold, and the modes this
+    rank's stages cannot run in."""
+    mine = {id(p) for p in params}
+    foreign = sum(id(p) not in mine for g in optimizer.param_groups for p in g["params"])
+    if foreign:
+        raise ValueError(
+            f"the optimizer holds {foreign} parameters that are not in rank "
+            f"{executor.rank}'s stages; build it from trainer.params (the executor's "
+            "stage parameters), not from the original model"
+        )
+    if config.speculative and step_states:
+        raise ValueError(
+            f"rank {executor.rank}: {type(step_states[0]).__name__} updates its state "
+            "once per applied optimizer step, but speculative post-validation runs the next "
+            "step's first forwards before this step is validated (with the state of before "
+            "the update); use OptimConfig(mode='sync') or mode='conservative'"
+        )
+    if config.post_validation and executor.sharding is not None:
+        raise ValueError(
+            f"rank {executor.rank}: post-validation ({config.mode.value}) with FSDP-"
+            "sharded stages is not supported (a rollback would leave the gathered "
+            "parameters stale); use the synchronous step (OptimConfig(mode='sync'))"
+        )
+
+
+class _GlobalNorm:
+    """This rank's part in the global gradient norm: the layout of the norm-state vector
+    (agreed by every rank at construction, a collective), this rank's norms in it (with ep:
+    merged with its ep peers'), its total, and the agreement over the job's replicas."""
+
+    def __init__(
+        self,
+        executor: PipelineExecutor,
+        stage_params: Mapping[int, Sequence[Tensor]],
+        params: Sequence[Tensor],
+        config: OptimConfig,
+        tied: TiedGroups | None,
+    ) -> None:
+        self.pipe, self.config = executor, config
+        sharding = executor.sharding
+        self._combine = None if sharding is None else sharding.combine_norms
+        norm_params = stage_params if tied is None else tied.norm_params(stage_params)
+        self.params: Mapping[int, Sequence[Tensor | Remote]] = norm_params
+        self._experts: ExpertNorms | None = None
+        mesh = executor.mesh
+        if mesh is not None and mesh.ep_group is not None:  # experts sharded: slots for all
+            self.params = expert_slots(norm_params, mesh.ep_rank, mesh.ep_size)
+        dp_mesh = None if sharding is None else sharding.dp_mesh
+        tp_mesh = tp_mesh_of(executor.rank, params, mesh, sharded_over=dp_mesh)
+        self.layout = ParamLayout.exchange(self.params, executor.p2p, tp_mesh)
+        if mesh is not None and mesh.ep_group is not None:
+            self._experts = ExpertNorms(
+                self.layout, self.params, mesh.ep_rank, mesh.ep_group, executor.p2p
+            )
+        self.replica_groups: list[tuple[dist.ProcessGroup, str]] = []
+        """The groups over which the replicas of a pipeline rank agree on the step (dp, then
+        tp): with the pipeline's own reduction, the whole job decides as one."""
+        if mesh is not None and mesh.dp_group is not None:
+            self.replica_groups.append((mesh.dp_group, "dp"))
+        if self.layout.tp_mesh is not None:
+            self.replica_groups.append((self.layout.tp_mesh.get_group(), "tp"))
+
+    def fill(self, vec: Tensor, k: int) -> None:
+        """Add the norms of this rank's gradients (with ep: and of its ep peers' experts, a
+        collective over ep) into their slots of ``vec``, which holds none of them yet."""
+        with self.tp_collectives(f"iteration {k}'s gradient norms"):
+            if self._experts is None:
+                self.layout.fill(vec, self.params, self.config.norm_type, self._combine)
+                return
+            own = self.layout.new_vector()
+            self.layout.fill(own, self.params, self.config.norm_type, self._combine)
+        self._experts.merge(own, k)
+        vec.add_(own)  # exact: the slots are disjoint (zeros on one side)
+
+    def agree(self, vec: Tensor, total: Tensor, k: int) -> Tensor:
+        """The global norm every replica of the job decides on: the largest over the dp and
+        the tp replicas (each pipeline's is the same unless gradients differ after the
+        reduction), NaN when any rank saw a non-finite norm. A NaN that reaches one
+        replica's gradients after the dp reduction then makes every replica skip, instead
+        of one skipping and the others stepping (their parameters would differ from then
+        on). One small all-reduce per replica dim; ``total`` unchanged without replicas."""
+        if not self.replica_groups:
+            return total
+        nonfinite = vec[self.layout.flags + FLAG_NONFINITE] > 0 or not torch.isfinite(total)
+        t = torch.tensor(
+            [float(nonfinite), 0.0 if nonfinite else float(total)],
+            dtype=torch.float64,
+            device=self.pipe.device,
+        )
+        for group, dim in self.replica_groups:
+            what = f"all-reduce over dim '{dim}' of iteration {k}'s skip decision and norm"
+            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
+            assert work is not None
+            self.pipe.p2p.wait_collective(work, what, group)
+        if t[0] > 0:
+            return total if not torch.isfinite(total) else torch.full_like(total, float("nan"))
+        return torch.tensor(float(t[1]), dtype=total.dtype, device=total.device)
+
+    def total(self, vec: Tensor, k: int, *, prefix: bool = False) -> Tensor:
+        """The norm of ``vec`` (with tp: DTensor's reduction over the tp group, bounded by
+        its transport timeout and named like every other collective)."""
+        with self.tp_collectives(f"iteration {k}'s gradient norm"):
+            return self.layout.total(vec, self.config.norm_type, self.pipe.device, prefix=prefix)
+
+    def tp_collectives(self, what: str) -> contextlib.AbstractContextManager[None]:
+        tp = self.layout.tp_mesh
+        if tp is None:
+            return contextlib.nullcontext()
+        return self.pipe.p2p.arrivals.watch(
+            tp.get_group(),
+            lambda: f"{what} (DTensor's reduction over dim 'tp')",
+            timeout_s=self.pipe.p2p.timeout_s,
         )
 
 

@@ -151,52 +151,20 @@ def analyze_iteration(
     for e in mine:
         if (act := e.action) is not None:
             made.update(dict.fromkeys(produces(*act, num_stages), e))
-    arrivals = {(e.rank, e.msg): e.end_ns for e in mine if e.op is EventOp.WAIT_RECV}
-    t0 = min(c[0].start_ns for c in computes.values())
-    t1 = max(c.end_ns for cs in computes.values() for c in cs)
-
-    def producer(c: TraceEvent) -> tuple[TraceEvent | None, MessageId | None]:
-        """The compute whose output ``c`` consumes from another stage, and the message id."""
-        for k in needs(*_action(c), num_stages):
-            if k.kind.travels:
-                return made.get(k), (MsgKind(k.kind.value), k.stage, k.consumer_stage, k.mb)
-        return None, None
-
+    gaps = _Gaps(
+        iteration=iteration,
+        num_stages=num_stages,
+        made=made,
+        arrivals={(e.rank, e.msg): e.end_ns for e in mine if e.op is EventOp.WAIT_RECV},
+        t0=min(c[0].start_ns for c in computes.values()),
+        t1=max(c.end_ns for cs in computes.values() for c in cs),
+        mem_budget=mem_budget,
+        pairs=pairs,
+    )
     raw: dict[int, dict[str, int]] = {}
     busy: dict[int, int] = {}
-    peaks: dict[int, int] = {}
     for r in ranks:
-        cs = computes[r]
-        parts = dict.fromkeys(CATEGORIES, 0)
-        busy[r] = 0
-        peaks[r] = max(max(e.mem_before, e.mem_after) for e in per_rank[r])
-        lo = t0
-        for i, c in enumerate(cs):
-            hi = c.start_ns
-            if hi < lo:
-                if i == 0 or frozenset((cs[i - 1].action, c.action)) not in pairs:
-                    raise ValueError(
-                        f"rank {r}: compute events overlap at {c.op}(s{c.stage},mb{c.mb}) of "
-                        f"iteration {iteration}; only an overlapped F&B pair's may; check "
-                        "the trace with `zerobubble check-trace`"
-                    )
-                busy[r] += max(0, c.end_ns - lo)  # the pair's common time counts once
-                lo = max(lo, c.end_ns)
-                continue
-            busy[r] += c.end_ns - c.start_ns
-            p = a = lo
-            prod, msg = producer(c)
-            if prod is not None and prod.rank != r:
-                p = min(max(prod.end_ns, lo), hi)
-                a = min(max(arrivals.get((r, msg), prod.end_ns), p), hi)
-            stall = _memory_stall(c, cs[i + 1 :], lo, p, made, num_stages, t0, mem_budget)
-            parts["memory"] += stall
-            parts["dependency"] += p - lo - stall
-            parts["comm"] += a - p
-            parts["overhead"] += hi - a
-            lo = c.end_ns
-        parts["dependency"] += t1 - lo
-        raw[r] = parts
+        raw[r], busy[r] = gaps.split(r, computes[r])
     busiest = max(busy.values())
     devices = []
     for r in ranks:
@@ -208,15 +176,74 @@ def analyze_iteration(
             DeviceBubbles(
                 rank=r,
                 busy_ns=busy[r],
-                idle_ns=(t1 - t0) - busy[r],
+                idle_ns=(gaps.t1 - gaps.t0) - busy[r],
                 **{f"{k}_ns": v for k, v in parts.items()},
-                peak_memory=peaks[r],
+                peak_memory=max(max(e.mem_before, e.mem_after) for e in per_rank[r]),
                 reduce_wait_ns=sum(
                     e.end_ns - e.start_ns for e in per_rank[r] if e.op is EventOp.WAIT_REDUCE
                 ),
             )
         )
-    return IterationBubbles(iteration, t0, t1, tuple(devices))
+    return IterationBubbles(iteration, gaps.t0, gaps.t1, tuple(devices))
+
+
+@dataclass(frozen=True)
+class _Gaps:
+    """What splitting one iteration's idle gaps needs to know of every rank's events."""
+
+    iteration: int
+    num_stages: int
+    made: dict[Key, TraceEvent]
+    """The compute that produced each key."""
+    arrivals: dict[tuple[int, MessageId | None], int]
+    """When each rank's wait for each message ended."""
+    t0: int
+    t1: int
+    mem_budget: int | None
+    pairs: set[frozenset[Action]]
+    """The overlapped F&B pairs, the only computes that may overlap in time."""
+
+    def producer(self, c: TraceEvent) -> tuple[TraceEvent | None, MessageId | None]:
+        """The compute whose output ``c`` consumes from another stage, and the message id."""
+        for k in needs(*_action(c), self.num_stages):
+            if k.kind.travels:
+                return self.made.get(k), (MsgKind(k.kind.value), k.stage, k.consumer_stage, k.mb)
+        return None, None
+
+    def split(self, r: int, cs: list[TraceEvent]) -> tuple[dict[str, int], int]:
+        """Rank ``r``'s idle time between its computes ``cs`` by category (imbalance not
+        yet taken out of dependency), and its busy time."""
+        parts = dict.fromkeys(CATEGORIES, 0)
+        busy = 0
+        lo = self.t0
+        for i, c in enumerate(cs):
+            hi = c.start_ns
+            if hi < lo:
+                if i == 0 or frozenset((cs[i - 1].action, c.action)) not in self.pairs:
+                    raise ValueError(
+                        f"rank {r}: compute events overlap at {c.op}(s{c.stage},mb{c.mb}) of "
+                        f"iteration {self.iteration}; only an overlapped F&B pair's may; check "
+                        "the trace with `zerobubble check-trace`"
+                    )
+                busy += max(0, c.end_ns - lo)  # the pair's common time counts once
+                lo = max(lo, c.end_ns)
+                continue
+            busy += c.end_ns - c.start_ns
+            p = a = lo
+            prod, msg = self.producer(c)
+            if prod is not None and prod.rank != r:
+                p = min(max(prod.end_ns, lo), hi)
+                a = min(max(self.arrivals.get((r, msg), prod.end_ns), p), hi)
+            stall = _memory_stall(
+                c, cs[i + 1 :], lo, p, self.made, self.num_stages, self.t0, self.mem_budget
+            )
+            parts["memory"] += stall
+            parts["dependency"] += p - lo - stall
+            parts["comm"] += a - p
+            parts["overhead"] += hi - a
+            lo = c.end_ns
+        parts["dependency"] += self.t1 - lo
+        return parts, busy
 
 
 def _memory_stall(

@@ -276,6 +276,45 @@ def _launch(
     marks: str,
     port: int,
 ) -> list[Any]:
+    procs, conns = _spawn_ranks(fn, nprocs, args, ctx, marks, port)
+    deaths = _DeathWatch([functools.partial(connection.wait, [p.sentinel]) for p in procs])
+    deadline = time.monotonic() + timeout
+    results, errors, failed = _collect(procs, conns, deadline, grace)
+    timed_out = time.monotonic() >= deadline
+    deaths.settle(failed, 1.0)  # the ranks that ended by themselves get their time stamped
+    failed = _blame_order(failed, {r: procs[r].exitcode for r in failed}, deaths.at)
+    failures = [
+        RankFailure(
+            r,
+            procs[r].exitcode,
+            errors.get(r, _exit_text(procs[r].exitcode, _fault_path(marks, r))),
+        )
+        for r in failed
+    ]
+    alive = [r for r, p in enumerate(procs) if p.exitcode is None]
+    codes = {r: procs[r].exitcode for r in failed}
+    state = progress.read(marks, nprocs)
+    stall = _stalled(failed[0] if failed else None, codes, alive, state)
+    cause = _waited_on(failed, codes, state) if stall is None else None
+    if cause is not None:  # it failed in its own code while the first one waited on it
+        failures.insert(0, failures.pop(failed.index(cause)))
+    _stop_the_rest(procs, failures, errors, stall, timeout, grace, timed_out)
+    for c in conns:
+        c.close()
+    if failures:
+        raise LaunchError(failures)
+    return results
+
+
+def _spawn_ranks(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: tuple,
+    ctx: ForkServerContext | SpawnContext,
+    marks: str,
+    port: int,
+) -> tuple[list[Any], list[connection.Connection]]:
+    """Start every rank's process; returns them and the read ends of their result pipes."""
     procs, conns = [], []
     for rank in range(nprocs):
         recv_end, send_end = ctx.Pipe(duplex=False)
@@ -288,13 +327,19 @@ def _launch(
         send_end.close()
         procs.append(p)
         conns.append(recv_end)
+    return procs, conns
 
-    deaths = _DeathWatch([functools.partial(connection.wait, [p.sentinel]) for p in procs])
-    results: list[Any] = [None] * nprocs
+
+def _collect(
+    procs: list[Any], conns: list[connection.Connection], deadline: float, grace: float
+) -> tuple[list[Any], dict[int, str], list[int]]:
+    """Every rank's result or error until all have reported and exited, the ``deadline``
+    passes, or ``grace`` seconds after the first failure. Returns the results, the errors
+    the ranks reported and the ranks that failed, in the order they were seen to."""
+    results: list[Any] = [None] * len(procs)
     errors: dict[int, str] = {}
     failed: list[int] = []
     open_conns = dict(enumerate(conns))
-    deadline = time.monotonic() + timeout
     kill_at = deadline
     while open_conns or any(p.exitcode is None for p in procs):
         now = time.monotonic()
@@ -326,24 +371,20 @@ def _launch(
                 p.join(1.0)
                 failed.append(rank)
                 kill_at = min(kill_at, time.monotonic() + grace)
-    timed_out = time.monotonic() >= deadline
-    deaths.settle(failed, 1.0)  # the ranks that ended by themselves get their time stamped
-    failed = _blame_order(failed, {r: procs[r].exitcode for r in failed}, deaths.at)
-    failures = [
-        RankFailure(
-            r,
-            procs[r].exitcode,
-            errors.get(r, _exit_text(procs[r].exitcode, _fault_path(marks, r))),
-        )
-        for r in failed
-    ]
-    alive = [r for r, p in enumerate(procs) if p.exitcode is None]
-    codes = {r: procs[r].exitcode for r in failed}
-    state = progress.read(marks, nprocs)
-    stall = _stalled(failed[0] if failed else None, codes, alive, state)
-    cause = _waited_on(failed, codes, state) if stall is None else None
-    if cause is not None:  # it failed in its own code while the first one waited on it
-        failures.insert(0, failures.pop(failed.index(cause)))
+    return results, errors, failed
+
+
+def _stop_the_rest(
+    procs: list[Any],
+    failures: list[RankFailure],
+    errors: dict[int, str],
+    stall: tuple[int, str] | None,
+    timeout: float,
+    grace: float,
+    timed_out: bool,
+) -> None:
+    """Terminate (then kill) the ranks still alive, each added to ``failures`` with why it
+    was stopped; the rank that stalled goes first."""
     for rank, p in enumerate(procs):
         if p.exitcode is None:
             p.terminate()
@@ -364,11 +405,6 @@ def _launch(
                 failures.insert(0, RankFailure(rank, None, f"{stall[1]}; {why}", stalled=True))
             else:
                 failures.append(RankFailure(rank, None, errors.get(rank, why)))
-    for c in conns:
-        c.close()
-    if failures:
-        raise LaunchError(failures)
-    return results
 
 
 def _stalled(
@@ -529,6 +565,51 @@ def _run_script(
         )
     start = time.monotonic()
     deaths = _DeathWatch([p.wait for p in procs])
+    stopped, stall = _wait_then_stop(procs, deaths, start, timeout, grace, marks)
+    if stall is not None:
+        print(f"zerobubble.launch: rank {stall[0]} {stall[1]}; it was stopped", file=sys.stderr)
+    failed = [r for r in list(deaths.at) if r not in stopped and procs[r].returncode != 0]
+    failed = _blame_order(failed, {r: procs[r].returncode for r in failed}, deaths.at)
+    if stall is None:  # the rank waited on, if it failed later in its own code, goes first
+        exits = {r: procs[r].returncode for r in failed}
+        cause = _waited_on(failed, exits, progress.read(marks, nprocs))
+        if cause is not None:
+            failed.insert(0, failed.pop(failed.index(cause)))
+    if not failed:
+        if stopped:
+            print(f"zerobubble.launch: timed out after {timeout:g}s", file=sys.stderr)
+            return 124
+        return 0
+    first = failed[0]
+    code = procs[first].returncode
+    later = "".join(
+        f", rank {r} {_status_text(procs[r].returncode)} "
+        f"{abs(deaths.at[r] - deaths.at[first]):.3f}s "
+        + ("later" if deaths.at[r] >= deaths.at[first] else "earlier, waiting on it")
+        for r in failed[1:]
+    )
+    status = code if code > 0 else 128 - code
+    print(
+        f"zerobubble.launch: rank {first} failed first: it {_status_text(code)}{later}; "
+        f"job exit status {status}",
+        file=sys.stderr,
+    )
+    return status
+
+
+def _wait_then_stop(
+    procs: list[subprocess.Popen[bytes]],
+    deaths: _DeathWatch,
+    start: float,
+    timeout: float,
+    grace: float,
+    marks: str,
+) -> tuple[set[int], tuple[int, str] | None]:
+    """Wait for the script ranks to end, until the timeout or ``grace`` seconds after the
+    first failure (announced), then stop the rest (SIGTERM, then SIGKILL), also when the
+    wait is interrupted. Returns the ranks stopped and the live rank that stalled, if any
+    (judged before stopping them)."""
+    nprocs = len(procs)
     stopped: set[int] = set()
     kill_at = start + timeout
     announced = False
@@ -560,35 +641,7 @@ def _run_script(
             until = time.monotonic() + wait_s
             while len(deaths.at) < nprocs and deaths.next(until) is not None:
                 pass
-    if stall is not None:
-        print(f"zerobubble.launch: rank {stall[0]} {stall[1]}; it was stopped", file=sys.stderr)
-    failed = [r for r in list(deaths.at) if r not in stopped and procs[r].returncode != 0]
-    failed = _blame_order(failed, {r: procs[r].returncode for r in failed}, deaths.at)
-    if stall is None:  # the rank waited on, if it failed later in its own code, goes first
-        exits = {r: procs[r].returncode for r in failed}
-        cause = _waited_on(failed, exits, progress.read(marks, nprocs))
-        if cause is not None:
-            failed.insert(0, failed.pop(failed.index(cause)))
-    if not failed:
-        if stopped:
-            print(f"zerobubble.launch: timed out after {timeout:g}s", file=sys.stderr)
-            return 124
-        return 0
-    first = failed[0]
-    code = procs[first].returncode
-    later = "".join(
-        f", rank {r} {_status_text(procs[r].returncode)} "
-        f"{abs(deaths.at[r] - deaths.at[first]):.3f}s "
-        + ("later" if deaths.at[r] >= deaths.at[first] else "earlier, waiting on it")
-        for r in failed[1:]
-    )
-    status = code if code > 0 else 128 - code
-    print(
-        f"zerobubble.launch: rank {first} failed first: it {_status_text(code)}{later}; "
-        f"job exit status {status}",
-        file=sys.stderr,
-    )
-    return status
+    return stopped, stall
 
 
 _SAME_MOMENT_S = 0.25

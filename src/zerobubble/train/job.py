@@ -369,12 +369,62 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     cfg, P = ctx.cfg, ctx.world
     model = ctx.model = build_job_model(cfg, ctx.corpus)
     layers = model.layers
-    n_params = sum(p.numel() for p in nn.Sequential(*layers).parameters())
+    _say_job(ctx, model)
+    # 1. Per-layer costs on rank 0, the same cut everywhere.
+    lp, seg_cost = _profile_layers(ctx)
+    equal = tuple(boundaries_of(stage_bounds(len(layers), P)))
+    balanced = tuple(balanced_boundaries(lp.costs(), P))
+    ctx.say(f"layer cut: equal counts {list(equal)} -> balanced {list(balanced)}")
+    measured_equal = None
+    if equal != balanced:
+        measured_equal = _measure_cut(ctx, layers, equal)
+    # 2. Profile: 1F1B and ZB-H1 take turns step by step on the balanced cut (and train).
+    base = one_f_one_b(P, cfg.schedule.microbatches)
+    zbh1 = generate("zb-h1", P, cfg.schedule.microbatches)
+    root, phases, opt = _profile_phases(ctx, balanced, base, zbh1)
+    profiled, a2a = _profile_steps(ctx, root, phases)
+    boundary = cfg.job.microbatch_size * cfg.job.seq_len * model.hidden * 4  # float32
+    pairs = [(a, b) for _, a, b in boundary_pairs(base.placement)]
+    latency = p2p_latency(pairs, boundary, device=ctx.device)
+
+    # 3. Plan on rank 0; a refusal reaches every rank, so that all of them stop alike.
+    def plan_or_refusal() -> _Plan | PlanError:
+        try:
+            fixed = [x for ph in phases for x in ph.fixed_s]
+            steps = [(ph.pipe.schedule, statistics.median(ph.settled_s) * 1e3) for ph in phases]
+            return _plan(ctx, profiled, lp, balanced, latency, base, fixed, seg_cost, steps, a2a)
+        except PlanError as exc:
+            return exc
+
+    plan = _from_lead(ctx, plan_or_refusal)
+    if isinstance(plan, PlanError):
+        raise plan
+    ctx.say(_a2a_line(a2a, plan.profile.stages))
+    paired = len(plan.schedule.overlaps)
+    ctx.say(
+        f"planned with {plan.kind}{f' ({paired} overlapped pairs)' if paired else ''} under a "
+        f"memory limit of {plan.mem_limit / 2**20:.2f} MiB per device"
+    )
+    trials: tuple[TrialResult, ...] = ()
+    # 4. Train: the three schedules take turns (first the plan's candidates, if several).
+    if not cfg.job.profile_only:
+        phases, plan, trials = _train(ctx, root, zbh1, opt, phases, plan)
+    root.tied.check(root.executor.iteration)  # the replicas after the last step too
+    if not ctx.lead:
+        return None
+    cut = _Cut(lp, equal, balanced, measured_equal)
+    return _report(ctx, phases, cut, plan, trials, began=began)
+
+
+def _say_job(ctx: _Ctx, model: JobModel) -> None:
+    """The job's opening lines: the model, the corpus, the pipeline and recompute."""
+    cfg = ctx.cfg
+    n_params = sum(p.numel() for p in nn.Sequential(*model.layers).parameters())
     mb, L = cfg.job.microbatch_size, cfg.job.seq_len
     shape = f"{mb} padded rows of up to {L}" if model.count_fn is not None else f"{mb}x{L}"
     ctx.say(
         f"{model.summary}, {n_params / 1e6:.2f}M parameters; {ctx.corpus.sources} stdlib "
-        f"files, {len(ctx.corpus.tokens):,} characters; P={P} ranks, "
+        f"files, {len(ctx.corpus.tokens):,} characters; P={ctx.world} ranks, "
         f"M={cfg.schedule.microbatches} microbatches of {shape} tokens"
     )
     if cfg.executor.recompute != "none":
@@ -383,9 +433,15 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
             "inputs, B recomputes the forward; profiled and planned with it)"
         )
 
-    # 1. Per-layer costs on rank 0, the same cut everywhere (with segments, the cost of a
-    # segment of the sequence too, from the layers' forward on spans of a longest batch,
-    # and the check that every layer computes on segments what it does on the whole).
+
+def _profile_layers(ctx: _Ctx) -> tuple[LayerProfile, SegmentCost | None]:
+    """Per-layer costs, measured on rank 0 and sent to every rank; with segments, the cost
+    of a segment of the sequence too, from the layers' forward on spans of a longest batch,
+    and the check that every layer computes on segments what it does on the whole (a
+    refusal raises on every rank)."""
+    cfg, model = ctx.cfg, ctx.job_model
+    layers = model.layers
+
     def layer_profile() -> tuple[LayerProfile, SegmentCost | None] | PlanError:
         gen = torch.Generator().manual_seed(cfg.job.seed + 1)
         (x,), y = model.batch(cfg.job.microbatch_size, gen, False)
@@ -413,20 +469,18 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
             f"cuts {list(balanced_cuts(L, k, seg_cost))} of {L} tokens (each layer checked "
             "to compute on segments what it computes on the whole sequence)"
         )
-    equal = tuple(boundaries_of(stage_bounds(len(layers), P)))
-    balanced = tuple(balanced_boundaries(lp.costs(), P))
-    ctx.say(f"layer cut: equal counts {list(equal)} -> balanced {list(balanced)}")
-    measured_equal = None
-    if equal != balanced:
-        measured_equal = _measure_cut(ctx, layers, equal)
+    return lp, seg_cost
 
-    # 2. Profile: 1F1B and ZB-H1 take turns step by step on the balanced cut (and train),
-    # on batches of the longest length the job can draw: the plan's memory is taken there,
-    # so it holds on every step (activations grow with the length).
-    # Every phase is a Pipeline of the first one's family: one model, one set of tied groups.
-    base = one_f_one_b(P, cfg.schedule.microbatches)
+
+def _profile_phases(
+    ctx: _Ctx, balanced: tuple[int, ...], base: Schedule, zbh1: Schedule
+) -> tuple[Pipeline, list[_Phase], torch.optim.Optimizer]:
+    """The profile's phases, ``base`` (1F1B, the root pipeline) and ZB-H1 on the balanced
+    cut, and the optimizer they share. Every phase is a Pipeline of the first one's family:
+    one model, one set of tied groups."""
+    cfg, model = ctx.cfg, ctx.job_model
     root = Pipeline(
-        layers,
+        model.layers,
         model.loss_fn,
         base,
         boundaries=balanced,
@@ -436,12 +490,20 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
         tied_check_every=1,
     )
     _say_ties(ctx, root)
-    zbh1 = generate("zb-h1", P, cfg.schedule.microbatches)
     pipes = [root, root.with_schedule(zbh1, options=_options(cfg, seed=ctx.next_seed()))]
     # After every chunk exists (B/W splitting swaps layers in place); a rank holding two
     # replicas of a tie steps its memory once.
     opt = torch.optim.AdamW(root.parameters(), lr=cfg.optimizer.lr)
-    phases = [_phase(ctx, pipe, opt) for pipe in pipes]
+    return root, [_phase(ctx, pipe, opt) for pipe in pipes], opt
+
+
+def _profile_steps(
+    ctx: _Ctx, root: Pipeline, phases: list[_Phase]
+) -> tuple[list[list[TraceEvent]], _ExpertWaits]:
+    """The profile's steps, the phases taking turns on batches of the longest length the
+    job can draw (the plan's memory is taken there, so it holds on every step: activations
+    grow with the length); returns every phase's events and the expert all-to-all waits."""
+    cfg = ctx.cfg
     total = 2 * (cfg.job.warmup + cfg.job.baseline_steps)
     total += 0 if cfg.job.profile_only else 3 * (cfg.job.warmup + cfg.job.steps)
     if ctx.lead and ctx.reporter is not None:
@@ -455,47 +517,31 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
         _rotate(ctx, phases, rounds, measure=False, longest=True, profiler=prof)
     profiled = [gather_traces(ph.pipe.executor.trace) or [] for ph in phases]
     a2a = _expert_waits(ctx, groups, waited, phases[1].pipe.executor.trace.epoch_ns)
-    boundary = cfg.job.microbatch_size * cfg.job.seq_len * model.hidden * 4  # float32
-    pairs = [(a, b) for _, a, b in boundary_pairs(base.placement)]
-    latency = p2p_latency(pairs, boundary, device=ctx.device)
+    return profiled, a2a
 
-    # 3. Plan on rank 0; a refusal reaches every rank, so that all of them stop alike.
-    def plan_or_refusal() -> _Plan | PlanError:
-        try:
-            fixed = [x for ph in phases for x in ph.fixed_s]
-            steps = [(ph.pipe.schedule, statistics.median(ph.settled_s) * 1e3) for ph in phases]
-            return _plan(ctx, profiled, lp, balanced, latency, base, fixed, seg_cost, steps, a2a)
-        except PlanError as exc:
-            return exc
 
-    plan = _from_lead(ctx, plan_or_refusal)
-    if isinstance(plan, PlanError):
-        raise plan
-    ctx.say(_a2a_line(a2a, plan.profile.stages))
-    paired = len(plan.schedule.overlaps)
-    ctx.say(
-        f"planned with {plan.kind}{f' ({paired} overlapped pairs)' if paired else ''} under a "
-        f"memory limit of {plan.mem_limit / 2**20:.2f} MiB per device"
-    )
-    trials: tuple[TrialResult, ...] = ()
-
-    # 4. Train: the three schedules take turns, so that load drifts hit them alike,
-    # now with the executor's B/W fusion; first the candidates, if more than one.
-    if not cfg.job.profile_only:
-        fused = root.with_schedule(zbh1, options=_options(cfg, fuse=True, seed=ctx.next_seed()))
-        plan_ph, trials, chosen = _verify(ctx, root, opt, plan.candidates)
-        plan = plan._replace(schedule=chosen.schedule, kind=chosen.kind)
-        phases = [phases[0], _phase(ctx, fused, opt), plan_ph]
-        rounds = cfg.job.warmup + cfg.job.steps
-        with _torch_profile(ctx, rounds) as prof:
-            _rotate(ctx, phases, rounds, measure=True, profiler=prof)
-        for ph in phases:
-            ph.events = gather_traces(ph.pipe.executor.trace) or []
-    root.tied.check(root.executor.iteration)  # the replicas after the last step too
-    if not ctx.lead:
-        return None
-    cut = _Cut(lp, equal, balanced, measured_equal)
-    return _report(ctx, phases, cut, plan, trials, began=began)
+def _train(
+    ctx: _Ctx,
+    root: Pipeline,
+    zbh1: Schedule,
+    opt: torch.optim.Optimizer,
+    phases: list[_Phase],
+    plan: _Plan,
+) -> tuple[list[_Phase], _Plan, tuple[TrialResult, ...]]:
+    """The measured steps: 1F1B, ZB-H1 and the plan take turns, so that load drifts hit
+    them alike, now with the executor's B/W fusion; first the plan's candidates, if more
+    than one. Returns the three phases, the plan as chosen and the trials."""
+    cfg = ctx.cfg
+    fused = root.with_schedule(zbh1, options=_options(cfg, fuse=True, seed=ctx.next_seed()))
+    plan_ph, trials, chosen = _verify(ctx, root, opt, plan.candidates)
+    plan = plan._replace(schedule=chosen.schedule, kind=chosen.kind)
+    phases = [phases[0], _phase(ctx, fused, opt), plan_ph]
+    rounds = cfg.job.warmup + cfg.job.steps
+    with _torch_profile(ctx, rounds) as prof:
+        _rotate(ctx, phases, rounds, measure=True, profiler=prof)
+    for ph in phases:
+        ph.events = gather_traces(ph.pipe.executor.trace) or []
+    return phases, plan, trials
 
 
 class _ExpertWaits(NamedTuple):

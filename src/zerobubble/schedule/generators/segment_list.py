@@ -72,6 +72,62 @@ def backward_units(num_microbatches: int, segments: int) -> list[int]:
     return [mb * k + (k - 1 - r) for mb in range(num_microbatches) for r in range(k)]
 
 
+def _segment_costs(
+    costs: CostModel, S: int, k: int
+) -> tuple[list[list[list[float]]], list[list[float]], list[list[list[float]]]]:
+    """Per (op, stage, segment): duration (host tail whole, compute scaled); per (stage,
+    segment) what an F holds; per (op, stage, segment) the memory change.
+
+    Under recompute B may allocate (M_W > M_B): an F then reserves what its B will
+    hold, so that admitting F at the limit never lets a later B exceed it."""
+    scale_t, scale_m = costs.segment_scales(k)
+    dur = [
+        [
+            [
+                float(costs.host_time(op, s))
+                + float(costs.duration(op, s) - costs.host_time(op, s)) * float(scale_t[g])
+                for g in range(k)
+            ]
+            for s in range(S)
+        ]
+        for op in _OPS
+    ]
+    mem_f = [
+        [float(max(costs.mem_f[s], costs.mem_w[s])) * float(scale_m[g]) for g in range(k)]
+        for s in range(S)
+    ]
+    delta = [
+        [[float(costs.memory_delta(op, s)) * float(scale_m[g]) for g in range(k)] for s in range(S)]
+        for op in _OPS
+    ]
+    return dur, mem_f, delta
+
+
+def _segment_needs(
+    placement: tuple[int, ...], k: int
+) -> list[list[list[tuple[tuple[int, int, int, bool], ...]]]]:
+    """Producers of each (op, stage, segment): (op index, stage, unit offset, crosses)."""
+    S = len(placement)
+    return [
+        [
+            [
+                tuple(
+                    (
+                        _OPS.index(next(p for p in PRODUCERS[key.kind] if p in _OPS)),
+                        key.stage,
+                        key.mb - g,
+                        placement[key.stage] != placement[s],
+                    )
+                    for key in needs(op, s, g, S, k)
+                )
+                for g in range(k)
+            ]
+            for s in range(S)
+        ]
+        for op in _OPS
+    ]
+
+
 class SegmentPass:
     """One pass of the list scheduler: per-device orders of F/B/W actions over units."""
 
@@ -92,57 +148,14 @@ class SegmentPass:
         self.placement, self.S, self.P, self.k, self.U = placement, S, P, k, U
         self.m = num_microbatches
         self.policy = policy
-        scale_t, scale_m = costs.segment_scales(k)
-        # Per (op, stage, segment): duration (host tail whole, compute scaled) and memory.
-        self.dur = [
-            [
-                [
-                    float(costs.host_time(op, s))
-                    + float(costs.duration(op, s) - costs.host_time(op, s)) * float(scale_t[g])
-                    for g in range(k)
-                ]
-                for s in range(S)
-            ]
-            for op in _OPS
-        ]
+        self.dur, self.mem_f, self.delta = _segment_costs(costs, S, k)
         self.hop = [[float(costs.hop(op, s)) for s in range(S)] for op in _OPS]
-        # Under recompute B may allocate (M_W > M_B): an F then reserves what its B will
-        # hold, so that admitting F at the limit never lets a later B exceed it.
-        self.mem_f = [
-            [float(max(costs.mem_f[s], costs.mem_w[s])) * float(scale_m[g]) for g in range(k)]
-            for s in range(S)
-        ]
-        self.delta = [
-            [
-                [float(costs.memory_delta(op, s)) * float(scale_m[g]) for g in range(k)]
-                for s in range(S)
-            ]
-            for op in _OPS
-        ]
         self.limit = mem_limit + 1e-10 * max(1.0, abs(mem_limit))
         self.stages: list[list[int]] = [[] for _ in range(P)]
         for s, d in enumerate(placement):
             self.stages[d].append(s)
         self.order = (forward_units(num_microbatches, k), backward_units(num_microbatches, k))
-        # Producers of each (op, stage, segment): (op index, stage, unit offset, crosses).
-        self.need: list[list[list[tuple[tuple[int, int, int, bool], ...]]]] = [
-            [
-                [
-                    tuple(
-                        (
-                            _OPS.index(next(p for p in PRODUCERS[key.kind] if p in _OPS)),
-                            key.stage,
-                            key.mb - g,
-                            placement[key.stage] != placement[s],
-                        )
-                        for key in needs(op, s, g, S, k)
-                    )
-                    for g in range(k)
-                ]
-                for s in range(S)
-            ]
-            for op in _OPS
-        ]
+        self.need = _segment_needs(placement, k)
         self.consumers = [
             [
                 sorted({placement[t] for t in (s - 1, s + 1) if 0 <= t < S} - {placement[s]})

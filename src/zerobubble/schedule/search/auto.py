@@ -266,16 +266,54 @@ def search_beating(
     """
     kind = PairEvaluator if pairs else Evaluator
     ev = evaluator or kind(ActionGraph(placement, num_microbatches), costs)
-    polish_fn = refine_pairs if pairs else refine
     graph = ev.graph
-    limit = mem_limit + 1e-10 * max(1.0, abs(mem_limit))
     budget = PAIR_STEPS if pairs else REFINE_STEPS
     polish = polish and polishes(len(graph), budget)
-    # Candidates by cost; without polishing only the best matters, so passes prune.
+    converted = (encode(graph, seed) if pairs else graph.orders_of(seed.actions) for seed in seeds)
+    found = _costed_candidates(
+        ev,
+        placement,
+        num_microbatches,
+        costs,
+        mem_limit,
+        grid,
+        chain(converted, seed_orders),
+        polish=polish,
+        beat=beat,
+        deadline=deadline,
+    )
+    if not found:
+        return None
+    ranked = sorted(found.items(), key=lambda item: item[1])
+    if not polish:
+        ranked = ranked[:1]
+    winner, cost = [list(o) for o in ranked[0][0]], ranked[0][1]
+    if polish:
+        winner, cost = _polish(
+            ev, costs, mem_limit, ranked, winner, cost, budget, deadline, pairs=pairs, walk=walk
+        )
+    return decode(name, graph, winner) if pairs else _schedule(name, graph, winner)
+
+
+def _costed_candidates(
+    ev: Evaluator,
+    placement: tuple[int, ...],
+    num_microbatches: int,
+    costs: CostModel,
+    mem_limit: float,
+    grid: Sequence[Policy],
+    candidates: Iterable[tuple[tuple[int, ...], ...]],
+    *,
+    polish: bool,
+    beat: float,
+    deadline: float | None,
+) -> dict[tuple[tuple[int, ...], ...], float]:
+    """The grid's passes and the seeds' orders (``candidates``) that fit, each with its
+    cost; without polishing only the best matters, so passes and seeds that cannot beat
+    it (or ``beat``) are pruned."""
+    limit = mem_limit + 1e-10 * max(1.0, abs(mem_limit))
     found: dict[tuple[tuple[int, ...], ...], float] = {}
     best = beat
-    converted = (encode(graph, seed) if pairs else graph.orders_of(seed.actions) for seed in seeds)
-    candidates: Iterable[tuple[tuple[int, ...], ...]] = chain(converted, seed_orders)
     # Unpolished (and without a deadline), the seeds run first: the passes are the costlier
     # part, and the seeds' best cost (a little above it: the pass's own bound, which must
     # let through any pass at or below it) cuts them early; see _cheapest_seed for why the
@@ -310,23 +348,31 @@ def search_beating(
         cost = ev.cost_within(orders, bar)
         if cost is not None and (cost < bar if found else cost <= bar):
             found[orders] = cost
-    if not found:
-        return None
-    ranked = sorted(found.items(), key=lambda item: item[1])
-    if not polish:
-        ranked = ranked[:1]
-    winner, cost = [list(o) for o in ranked[0][0]], ranked[0][1]
+    return found
+
+
+def _polish(
+    ev: Evaluator,
+    costs: CostModel,
+    mem_limit: float,
+    ranked: list[tuple[tuple[tuple[int, ...], ...], float]],
+    winner: list[list[int]],
+    cost: float,
+    budget: int,
+    deadline: float | None,
+    *,
+    pairs: bool,
+    walk: bool,
+) -> tuple[list[list[int]], float]:
+    """Steps 3 to 5 on the ``ranked`` candidates (the cheapest, ``winner`` at ``cost``,
+    first): the local search on each while ``budget`` lasts, then kicks, then the walk."""
+    graph = ev.graph
+    polish_fn = refine_pairs if pairs else refine
     # No order runs faster than its busiest device's work back to back: a winner at that
     # floor is optimal, and as steps 3 to 5 keep only strictly cheaper orders they would
     # return this very winner after spending their whole budget, so each stops there.
-    # (Only the polishing steps use it: not computed for an instance too large to polish.)
-    if not polish:
-        floor = -math.inf
-    elif isinstance(ev, PairEvaluator):
-        floor = ev.floor()
-    else:
-        floor = work_floor(ev)
-    for orders, _ in ranked if polish else ():  # cheapest first; each may use what is left
+    floor = ev.floor() if isinstance(ev, PairEvaluator) else work_floor(ev)
+    for orders, _ in ranked:  # cheapest first; each may use what is left
         if budget <= 0 or expired(deadline) or at_floor(cost, floor):
             break
         polished, c, spent = polish_fn(
@@ -335,18 +381,36 @@ def search_beating(
         budget -= spent
         if c < cost:
             winner, cost = polished, c
-    # Iterated local search: kick the current orders out of their local optimum with a
-    # few random moves (seeded: the result stays a pure function) and polish again. The
-    # plain search's kicks are translated moves (each moves every microbatch of one op and
-    # stage at once, see refine.perturb) and it goes on from any polished kick that costs
-    # no more than the current orders, so it walks plateaus of equal cost; the best orders
-    # are kept. (The search with pairs kicks the best orders, and keeps only cheaper ones.)
+    winner, cost = _kicks(graph, costs, mem_limit, winner, cost, floor, budget, deadline, pairs)
+    if walk and not expired(deadline) and not at_floor(cost, floor):
+        winner, cost = _walk(graph, costs, mem_limit, winner, cost, deadline, pairs=pairs)
+    return winner, cost
+
+
+def _kicks(
+    graph: ActionGraph,
+    costs: CostModel,
+    mem_limit: float,
+    winner: list[list[int]],
+    cost: float,
+    floor: float,
+    budget: int,
+    deadline: float | None,
+    pairs: bool,
+) -> tuple[list[list[int]], float]:
+    """Iterated local search: kick the current orders out of their local optimum with a
+    few random moves (seeded: the result stays a pure function) and polish again. The
+    plain search's kicks are translated moves (each moves every microbatch of one op and
+    stage at once, see refine.perturb) and it goes on from any polished kick that costs
+    no more than the current orders, so it walks plateaus of equal cost; the best orders
+    are kept. (The search with pairs kicks the best orders, and keeps only cheaper ones.)"""
+    polish_fn = refine_pairs if pairs else refine
     rng = random.Random(0)
     kicks = 0
     budget = min(budget, PAIR_STEPS if pairs else KICK_STEPS)
     current, current_cost = winner, cost
     last_gain = 0  # the kick that last found cheaper orders (0: none yet)
-    while polish and budget > 0 and kicks < KICKS and not expired(deadline):
+    while budget > 0 and kicks < KICKS and not expired(deadline):
         if at_floor(cost, floor) or (not pairs and kicks - last_gain >= KICK_STALL):
             break
         kicks += 1
@@ -365,9 +429,7 @@ def search_beating(
             winner, cost, last_gain = polished, c, kicks
         if not pairs and c <= current_cost + 1e-12 * max(1.0, abs(current_cost)):
             current, current_cost = polished, c
-    if polish and walk and not expired(deadline) and not at_floor(cost, floor):
-        winner, cost = _walk(graph, costs, mem_limit, winner, cost, deadline, pairs=pairs)
-    return decode(name, graph, winner) if pairs else _schedule(name, graph, winner)
+    return winner, cost
 
 
 def _cheapest_seed(

@@ -129,6 +129,95 @@ def run_pass(
         return None
 
 
+def _memory_deltas(costs: CostModel) -> tuple[list[float], list[float], list[float]]:
+    """What an F, a B and a W of each stage add to its device's memory, as the pass counts.
+
+    Under recompute B may allocate (M_W > M_B): an F then reserves what its B will hold,
+    so that admitting F at the limit never lets a later B exceed it."""
+    pairs = list(zip(costs.mem_f, costs.mem_w, strict=True))
+    mem_f = [float(max(f, w)) for f, w in pairs]
+    mem_b = [
+        float(costs.memory_delta(Op.B, s)) if w <= f else float(w) - mem_f[s]
+        for s, (f, w) in enumerate(pairs)
+    ]
+    mem_w = [float(costs.memory_delta(Op.W, s)) for s in range(len(pairs))]
+    return mem_f, mem_b, mem_w
+
+
+def _reserves(stages: list[list[int]], mem_f: list[float]) -> list[float]:
+    """Room an F of stage s leaves for one F of each later stage on its device."""
+    reserve = [0.0] * len(mem_f)
+    for held in stages:
+        for k, s in enumerate(held):
+            reserve[s] = sum(mem_f[t] for t in held[k + 1 :])
+    return reserve
+
+
+_Need = tuple[int, list[int], int, list[float], float]
+"""One input of an action: (its producer's op, that op's counts, its stage, its end times
+there, the latency)."""
+
+
+def _dependency_tables(
+    placement: tuple[int, ...],
+    costs: CostModel,
+    dur: list[list[float]],
+    counts: list[list[int]],
+    ends: list[list[list[float]]],
+) -> tuple[
+    list[list[tuple[_Need, ...]]],
+    list[list[tuple[int, ...]]],
+    list[list[_Need | None]],
+    list[list[tuple[float, int, float, int]]],
+]:
+    """The dependency rule tabled per (op k, stage s), once per pass: each need of (k, s, j)
+    (its producer runs microbatch j too), reading the pass's live ``counts`` and ``ends``;
+    the other devices its outputs reach; its need if it has exactly one (else None); and
+    (the latency of that need, its device, its duration, its key k * S + s) for walking
+    chains of them."""
+    S = len(placement)
+    preds = direct_predecessors(S)
+    need = [
+        [
+            tuple(
+                (p, counts[p], t, ends[p][t], hop if placement[t] != placement[s] else 0.0)
+                for p, t, hop in (
+                    (OPS.index(op_p), t, float(costs.hop(op_p, t))) for op_p, t in preds[op, s]
+                )
+            )
+            for s in range(S)
+        ]
+        for op in OPS
+    ]
+    tell = [
+        [
+            tuple(
+                dict.fromkeys(
+                    placement[t] for t in consumer_stages(op, s, S) if placement[t] != placement[s]
+                )
+            )
+            for s in range(S)
+        ]
+        for op in OPS
+    ]
+    one = [[nd[0] if len(nd) == 1 else None for nd in row] for row in need]
+    step = [
+        [
+            (nd[0][4] if len(nd) == 1 else 0.0, placement[s], dur[k][s], k * S + s)
+            for s, nd in enumerate(row)
+        ]
+        for k, row in enumerate(need)
+    ]
+    return need, tell, one, step
+
+
+def _round_order(held: list[int], m: int, group: int) -> list[int]:
+    """Stages in interleaved order: ``group`` microbatches of each stage in turn (whole
+    rounds repeat one pattern; the last, shorter one has what is left)."""
+    whole, rest = divmod(m, group)
+    return [s for s in held for _ in range(group)] * whole + [s for s in held for _ in range(rest)]
+
+
 class _Builder:
     def __init__(
         self,
@@ -145,68 +234,19 @@ class _Builder:
         self.cutoff = cutoff * (1 - 1e-12)
         self.dur = [[float(costs.duration(op, s)) for s in range(S)] for op in OPS]
         self.f, self.b, self.w = self.dur
-        # Under recompute B may allocate (M_W > M_B): an F then reserves what its B will
-        # hold, so that admitting F at the limit never lets a later B exceed it.
-        self.mem_f = [float(max(f, w)) for f, w in zip(costs.mem_f, costs.mem_w, strict=True)]
-        self.mem_b = [
-            float(costs.memory_delta(Op.B, s)) if w <= f else float(w) - self.mem_f[s]
-            for s, (f, w) in enumerate(zip(costs.mem_f, costs.mem_w, strict=True))
-        ]
-        self.mem_w = [float(costs.memory_delta(Op.W, s)) for s in range(S)]
+        self.mem_f, self.mem_b, self.mem_w = _memory_deltas(costs)
         self.mem_delta = (self.mem_f, self.mem_b, self.mem_w)
         self.limit = limit + 1e-10 * max(1.0, abs(limit))
-        self.stages: list[list[int]] = [[] for _ in range(P)]
-        for s, d in enumerate(placement):
-            self.stages[d].append(s)
+        self.stages = [[s for s, e in enumerate(placement) if e == d] for d in range(P)]
         self.rev_stages = [h[::-1] for h in self.stages]
-        # Room an F of stage s leaves for one F of each later stage on its device.
-        self.reserve = [0.0] * S
-        for held in self.stages:
-            for k, s in enumerate(held):
-                self.reserve[s] = sum(self.mem_f[t] for t in held[k + 1 :])
+        self.reserve = _reserves(self.stages, self.mem_f)
         self.cap = [policy.inflight * (S - s) if policy.inflight > 0 else m for s in range(S)]
         self.n = [[0] * S for _ in OPS]  # actions of (k, s) run so far (in microbatch order)
         self.nf, self.nb = self.n[_F], self.n[_B]
         self.end = [[[0.0] * m for _ in range(S)] for _ in OPS]
-        # The rule per (op k, stage s): each need of (k, s, j) (its producer runs microbatch
-        # j too) as (its op, that op's counts, its stage, its end times there, the latency), and
-        # the other devices its outputs reach.
-        preds = direct_predecessors(S)
-        self.need = [
-            [
-                tuple(
-                    (p, self.n[p], t, self.end[p][t], hop if placement[t] != placement[s] else 0.0)
-                    for p, t, hop in (
-                        (OPS.index(op_p), t, float(costs.hop(op_p, t))) for op_p, t in preds[op, s]
-                    )
-                )
-                for s in range(S)
-            ]
-            for op in OPS
-        ]
-        self.tell = [
-            [
-                tuple(
-                    dict.fromkeys(
-                        placement[t]
-                        for t in consumer_stages(op, s, S)
-                        if placement[t] != placement[s]
-                    )
-                )
-                for s in range(S)
-            ]
-            for op in OPS
-        ]
-        # Per (k, s): its need if it has exactly one (else None), and (the latency of that
-        # need, its device, its duration, its key k * S + s) for walking chains of them.
-        self.one = [[nd[0] if len(nd) == 1 else None for nd in row] for row in self.need]
-        self.step = [
-            [
-                (nd[0][4] if len(nd) == 1 else 0.0, placement[s], self.dur[k][s], k * S + s)
-                for s, nd in enumerate(row)
-            ]
-            for k, row in enumerate(self.need)
-        ]
+        self.need, self.tell, self.one, self.step = _dependency_tables(
+            placement, costs, self.dur, self.n, self.end
+        )
         # The op whose action on the same stage and microbatch must run first (None: F),
         # and so how far each (k, s) may go: its local producer's count, else M.
         self.local = [None if (p := LOCAL_PRODUCER[op]) is None else OPS.index(p) for op in OPS]
@@ -215,6 +255,12 @@ class _Builder:
         # ``_bound``; still a lower bound while j is unscheduled (see ``_none_before``).
         self.seen = [[(-1, 0.0)] * S for _ in OPS]
         self.reuse_bounds = True
+        self._init_devices()
+
+    def _init_devices(self) -> None:
+        """Each device's state: free time, first start, memory, work left, the W it owes,
+        its order so far, where it stands in its rounds, and the wake-up queue."""
+        P, m, policy = self.P, self.m, self.policy
         self.free = [0.0] * P
         self.first = [-1.0] * P
         self.mem = [0.0] * P
@@ -227,21 +273,12 @@ class _Builder:
         # (built only for passes in rounds: no other reads them).
         group = policy.rounds or P
         rounds = policy.rounds > 0
-        self.seq_f = [self._rounds(held, m, group) if rounds else [] for held in self.stages]
-        self.seq_b = [self._rounds(held[::-1], m, group) if rounds else [] for held in self.stages]
+        self.seq_f = [_round_order(held, m, group) if rounds else [] for held in self.stages]
+        self.seq_b = [_round_order(held[::-1], m, group) if rounds else [] for held in self.stages]
         self.pos_f = [0] * P
         self.pos_b = [0] * P
         self.heap: list[tuple[float, int]] = [(0.0, d) for d in range(P)]
         self.queued: list[set[float]] = [{0.0} for _ in range(P)]
-
-    @staticmethod
-    def _rounds(held: list[int], m: int, group: int) -> list[int]:
-        """Stages in interleaved order: ``group`` microbatches of each stage in turn (whole
-        rounds repeat one pattern; the last, shorter one has what is left)."""
-        whole, rest = divmod(m, group)
-        return [s for s in held for _ in range(group)] * whole + [
-            s for s in held for _ in range(rest)
-        ]
 
     # ---- arrivals ------------------------------------------------------------------------
 
@@ -341,80 +378,15 @@ class _Builder:
             heapq.heappush(self.heap, (t, d))
 
     def _decide(self, d: int, now: float) -> None:
+        """Place the action the heuristic picks for free device ``d`` at ``now``, or queue
+        a wake-up for the next known arrival (unknown ones send news when scheduled)."""
         pol = self.policy
-        later = pol.later_first
-        free = self.free[d]
-        nf, nb = self.nf, self.nb
-        upto_f, upto_b = self.upto[_F], self.upto[_B]
         held = self.rev_stages[d]
-        held_b: Sequence[int] = held
-        held_f: Sequence[int] = held
-        whole = True  # both loops below see every stage held here
-        if pol.rounds and len(held) > 1:
-            whole = False
-            if self.pos_b[d] < len(self.seq_b[d]):
-                held_b = (self.seq_b[d][self.pos_b[d]],)
-            if self.pos_f[d] < len(self.seq_f[d]):
-                held_f = (self.seq_f[d][self.pos_f[d]],)
-        # The next B and F of each stage held here: ready now, or when they will arrive
-        # (``_ready``, written out: this is the pass's hottest loop). An arrival not
-        # scheduled yet is bounded below (``_bound``, a walk up its unscheduled ancestors)
-        # only if a choice needs it: ``unknown_b`` / ``unknown_f`` hold those stages,
-        # ``next_b`` / ``next_f`` the earliest of the known arrivals (``soon_f``: of every F,
-        # admitted by memory or not).
-        best_b, b_at, next_b = -1, _INF, _INF
-        unknown_b: list[int] = []
-        need = self.need[_B]
-        for s in held_b:
-            j = nb[s]
-            if j < upto_b[s]:
-                r = 0.0
-                for _, n, u, end, lat in need[s]:
-                    if n[u] <= j:
-                        r = _INF
-                        break
-                    x = end[j] + lat
-                    if x > r:
-                        r = x
-                if r <= now:
-                    if r < b_at and not (later and best_b >= 0):
-                        best_b, b_at = s, r
-                elif r == _INF:
-                    unknown_b.append(s)
-                elif r < next_b:
-                    next_b = r
-        best_f, f_at, next_f, soon_f = -1, _INF, _INF, _INF
-        unknown_f: list[int] = []
-        blocked = False
-        room = self.limit - self.mem[d]
-        mem_f, reserve, cap = self.mem_f, self.reserve, self.cap
-        need = self.need[_F]
-        for s in held_f:
-            j = nf[s]
-            if j < upto_f[s]:
-                fits = mem_f[s] + reserve[s] <= room and j - nb[s] < cap[s]
-                r = 0.0
-                for _, n, u, end, lat in need[s]:
-                    if n[u] <= j:
-                        r = _INF
-                        break
-                    x = end[j] + lat
-                    if x > r:
-                        r = x
-                if r <= now:
-                    if not fits:
-                        blocked = True
-                    elif r < f_at and not (later and best_f >= 0):
-                        best_f, f_at = s, r
-                else:
-                    if r < soon_f:
-                        soon_f = r
-                    if fits:
-                        if r == _INF:
-                            unknown_f.append(s)
-                        elif r < next_f:
-                            next_f = r
-
+        whole = not (pol.rounds and len(held) > 1)  # both scans see every stage held here
+        held_b, held_f = (held, held) if whole else self._round_heads(d)
+        best_b, b_at, next_b, unknown_b = self._scan_b(held_b, now)
+        best_f, f_at, next_f, soon_f, unknown_f, blocked = self._scan_f(d, held_f, now)
+        free = self.free[d]
         if best_b >= 0 and not (pol.f_first and best_f >= 0):
             self._put(d, _B, best_b, b_at if b_at > free else free)
             return
@@ -443,19 +415,102 @@ class _Builder:
             ):
                 self._put(d, _W, s, start)
                 return
-        # Wait for the next known arrival; unknown ones send news when scheduled.
-        if whole:
-            soon = soon_f if soon_f < next_b else next_b
-        else:
-            soon = _INF
-            for s in held:
-                for k in (_F, _B):
-                    if self.n[k][s] < self.upto[k][s]:
-                        r = self._ready(k, s)
-                        if now < r < soon:
-                            soon = r
+        soon = (soon_f if soon_f < next_b else next_b) if whole else self._next_arrival(d, now)
         if soon < _INF:
             self._wake(d, soon)
+
+    def _round_heads(self, d: int) -> tuple[Sequence[int], Sequence[int]]:
+        """In rounds: the stage whose turn it is for B and for F on ``d`` (every stage held
+        there once its sequence is done)."""
+        held = self.rev_stages[d]
+        held_b: Sequence[int] = held
+        held_f: Sequence[int] = held
+        if self.pos_b[d] < len(self.seq_b[d]):
+            held_b = (self.seq_b[d][self.pos_b[d]],)
+        if self.pos_f[d] < len(self.seq_f[d]):
+            held_f = (self.seq_f[d][self.pos_f[d]],)
+        return held_b, held_f
+
+    def _scan_b(self, held_b: Sequence[int], now: float) -> tuple[int, float, float, list[int]]:
+        """The next B of each stage held here: ready now, or when it will arrive (``_ready``,
+        written out: this is the pass's hottest loop). Returns the B to run (its stage, -1 if
+        none is ready, and its arrival), ``next_b``, the earliest of the known arrivals, and
+        ``unknown_b``, the stages whose next B is not scheduled yet: a choice that needs them
+        bounds them below (``_bound``, a walk up their unscheduled ancestors)."""
+        later = self.policy.later_first
+        nb, upto_b, need = self.nb, self.upto[_B], self.need[_B]
+        best_b, b_at, next_b = -1, _INF, _INF
+        unknown_b: list[int] = []
+        for s in held_b:
+            j = nb[s]
+            if j < upto_b[s]:
+                r = 0.0
+                for _, n, u, end, lat in need[s]:
+                    if n[u] <= j:
+                        r = _INF
+                        break
+                    x = end[j] + lat
+                    if x > r:
+                        r = x
+                if r <= now:
+                    if r < b_at and not (later and best_b >= 0):
+                        best_b, b_at = s, r
+                elif r == _INF:
+                    unknown_b.append(s)
+                elif r < next_b:
+                    next_b = r
+        return best_b, b_at, next_b, unknown_b
+
+    def _scan_f(
+        self, d: int, held_f: Sequence[int], now: float
+    ) -> tuple[int, float, float, float, list[int], bool]:
+        """As ``_scan_b`` for F, counting only the F that memory (and ``inflight``) admit,
+        plus ``soon_f``, the earliest arrival of every F, admitted or not, and whether memory
+        blocks a ready one."""
+        later = self.policy.later_first
+        nf, nb, upto_f, need = self.nf, self.nb, self.upto[_F], self.need[_F]
+        best_f, f_at, next_f, soon_f = -1, _INF, _INF, _INF
+        unknown_f: list[int] = []
+        blocked = False
+        room = self.limit - self.mem[d]
+        mem_f, reserve, cap = self.mem_f, self.reserve, self.cap
+        for s in held_f:
+            j = nf[s]
+            if j < upto_f[s]:
+                fits = mem_f[s] + reserve[s] <= room and j - nb[s] < cap[s]
+                r = 0.0
+                for _, n, u, end, lat in need[s]:
+                    if n[u] <= j:
+                        r = _INF
+                        break
+                    x = end[j] + lat
+                    if x > r:
+                        r = x
+                if r <= now:
+                    if not fits:
+                        blocked = True
+                    elif r < f_at and not (later and best_f >= 0):
+                        best_f, f_at = s, r
+                else:
+                    if r < soon_f:
+                        soon_f = r
+                    if fits:
+                        if r == _INF:
+                            unknown_f.append(s)
+                        elif r < next_f:
+                            next_f = r
+        return best_f, f_at, next_f, soon_f, unknown_f, blocked
+
+    def _next_arrival(self, d: int, now: float) -> float:
+        """In rounds: the earliest known arrival after ``now`` of any next F or B on ``d``."""
+        soon = _INF
+        for s in self.rev_stages[d]:
+            for k in (_F, _B):
+                if self.n[k][s] < self.upto[k][s]:
+                    r = self._ready(k, s)
+                    if now < r < soon:
+                        soon = r
+        return soon
 
     def _none_before(self, t: float, known: float, k: int, unknown: list[int]) -> bool:
         """Whether no next action of ``k`` arrives before ``t``: ``known`` is the earliest
@@ -574,13 +629,7 @@ class _PairBuilder(_Builder):
         held = self.rev_stages[d]
         if len(held) < 2:
             return False
-        held_b: Sequence[int] = held
-        held_f: Sequence[int] = held
-        if pol.rounds:
-            if self.pos_b[d] < len(self.seq_b[d]):
-                held_b = (self.seq_b[d][self.pos_b[d]],)
-            if self.pos_f[d] < len(self.seq_f[d]):
-                held_f = (self.seq_f[d][self.pos_f[d]],)
+        held_b, held_f = self._round_heads(d) if pol.rounds else (held, held)
         nf, nb = self.nf, self.nb
         upto_f, upto_b = self.upto[_F], self.upto[_B]
         ready = self._ready

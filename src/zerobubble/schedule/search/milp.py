@@ -212,51 +212,23 @@ def solve_optimal(
     dur = durations(graph, costs)
     if min(dur) <= 0:
         raise ValueError("the exact search needs every F, B and W duration to be > 0")
-    floor = min_feasible_limit(placement, costs)
-    if mem_limit is not None and mem_limit < floor:
-        raise ScheduleError(
-            Reason.MEMORY,
-            f"memory limit {float(mem_limit):g} is infeasible: the smallest feasible limit "
-            f"is {float(floor):g} (one microbatch's M_B on every stage of the busiest device)",
-        )
+    _check_memory_limit(placement, costs, mem_limit)
     incumbent = incumbent.with_actions(incumbent.actions, name=name)
     inc_cost = float(simulate(incumbent, costs).cost)
-    if not isinstance(node_limit, int) or isinstance(node_limit, bool) or node_limit < 1:
-        raise ValueError(f"node_limit must be an integer >= 1, got {node_limit!r}")
-    for what, x in (("time_limit", time_limit), ("root_time_limit", root_time_limit)):
-        if x is not None and not (isinstance(x, (int, float)) and x > 0 and not math.isnan(x)):
-            raise ValueError(f"{what} must be a number of seconds > 0 (or None), got {x!r}")
+    _check_solver_limits(node_limit, time_limit, root_time_limit)
     model = _build(graph, costs, dur, mem_limit, inc_cost)
     root_limit = min(
         math.inf if time_limit is None else time_limit,
         math.inf if root_time_limit is None else root_time_limit,
     )
-    # The root first, within its time (a node limit of 1: HiGHS stops after the root).
-    res = _solve(model, 1, root_limit, rel_gap)
-    stopped_early = None  # "root time limit" / "time limit" when the clock stopped it
-    if _timed_out(res):
-        stopped_early = "time limit" if root_limit == time_limit else "root time limit"
-    elif res.status not in (0, 2) and node_limit > 1:  # the root finished and proved nothing
-        res = _solve(model, node_limit, time_limit, rel_gap)
-        if _timed_out(res):
-            stopped_early = "time limit"
+    res, stopped_early = _solve_root_then_nodes(model, node_limit, time_limit, root_limit, rel_gap)
     best, best_cost = incumbent, inc_cost
     if res.x is not None:
         cand = _extract(graph, dur, res.x, incumbent)
         cand_cost = float(simulate(cand, costs).cost)
         if cand_cost < best_cost - 1e-9 * max(1.0, best_cost):
             best, best_cost = cand, cand_cost
-    if res.status == 0:  # solved to rel_gap
-        bound = float(res.fun) * (1 - rel_gap)
-    elif res.status == 2:  # nothing beats the cut: the incumbent is optimal
-        bound = best_cost
-    elif res.get("mip_dual_bound") is not None and math.isfinite(res.mip_dual_bound):
-        bound = float(res.mip_dual_bound)
-    else:  # stopped before HiGHS found a schedule of its own: it reports no bound
-        # The LP relaxation's, or the busiest device's work (a span covers the device's
-        # work), which needs no solver: a root stopped in presolve has no LP either.
-        bound = max(_relaxation_bound(model, root_limit), _work_bound(graph, dur))
-    bound = min(bound, best_cost)
+    bound = min(_lower_bound(res, model, graph, dur, best_cost, root_limit, rel_gap), best_cost)
     gap = (best_cost - bound) / best_cost if best_cost > 0 else 0.0
     # Stopped early with a bound that meets the schedule's cost, it is proven all the same.
     proven = res.status in (0, 2) or gap <= rel_gap
@@ -267,6 +239,67 @@ def solve_optimal(
     return OptimalResult(
         best, best_cost, bound, gap, proven, None if nodes is None else int(nodes), stopped
     )
+
+
+def _check_memory_limit(
+    placement: tuple[int, ...], costs: CostModel, mem_limit: Number | None
+) -> None:
+    floor = min_feasible_limit(placement, costs)
+    if mem_limit is not None and mem_limit < floor:
+        raise ScheduleError(
+            Reason.MEMORY,
+            f"memory limit {float(mem_limit):g} is infeasible: the smallest feasible limit "
+            f"is {float(floor):g} (one microbatch's M_B on every stage of the busiest device)",
+        )
+
+
+def _check_solver_limits(
+    node_limit: int, time_limit: float | None, root_time_limit: float | None
+) -> None:
+    if not isinstance(node_limit, int) or isinstance(node_limit, bool) or node_limit < 1:
+        raise ValueError(f"node_limit must be an integer >= 1, got {node_limit!r}")
+    for what, x in (("time_limit", time_limit), ("root_time_limit", root_time_limit)):
+        if x is not None and not (isinstance(x, (int, float)) and x > 0 and not math.isnan(x)):
+            raise ValueError(f"{what} must be a number of seconds > 0 (or None), got {x!r}")
+
+
+def _solve_root_then_nodes(
+    model: _Model, node_limit: int, time_limit: float | None, root_limit: float, rel_gap: float
+) -> tuple[Any, str | None]:
+    """The root first, within its time (a node limit of 1: HiGHS stops after the root), then,
+    if it finished and proved nothing, the whole search up to ``node_limit``. Returns HiGHS's
+    result and "root time limit" / "time limit" when the clock stopped it (else None)."""
+    res = _solve(model, 1, root_limit, rel_gap)
+    stopped_early = None
+    if _timed_out(res):
+        stopped_early = "time limit" if root_limit == time_limit else "root time limit"
+    elif res.status not in (0, 2) and node_limit > 1:  # the root finished and proved nothing
+        res = _solve(model, node_limit, time_limit, rel_gap)
+        if _timed_out(res):
+            stopped_early = "time limit"
+    return res, stopped_early
+
+
+def _lower_bound(
+    res: Any,
+    model: _Model,
+    graph: ActionGraph,
+    dur: list[float],
+    best_cost: float,
+    root_limit: float,
+    rel_gap: float,
+) -> float:
+    """The lower bound HiGHS's result proves (before capping it at the best cost)."""
+    if res.status == 0:  # solved to rel_gap
+        return float(res.fun) * (1 - rel_gap)
+    if res.status == 2:  # nothing beats the cut: the incumbent is optimal
+        return best_cost
+    if res.get("mip_dual_bound") is not None and math.isfinite(res.mip_dual_bound):
+        return float(res.mip_dual_bound)
+    # Stopped before HiGHS found a schedule of its own: it reports no bound. The LP
+    # relaxation's, or the busiest device's work (a span covers the device's work), which
+    # needs no solver: a root stopped in presolve has no LP either.
+    return max(_relaxation_bound(model, root_limit), _work_bound(graph, dur))
 
 
 def _why_stopped(message: str) -> str:
@@ -409,9 +442,35 @@ def _build(
     n = len(graph)
     hop = hops(graph, costs)
     t0 = first_starts(graph, costs)
+    lo, hi = _end_bounds(graph, dur, hop, t0, upper)
+    pair, ncols = _open_pairs(graph)
+    cost_col = n  # columns: e_0..e_{n-1}, C, then the y
+    rows = _Rows()
+    for a, b, cross in graph.edges:
+        rows.add({b: 1.0, a: -1.0}, dur[b] + (hop[a] if cross else 0.0), math.inf)
+    for (a, b), y in pair.items():
+        big_ab = hi[a] + dur[b] - lo[b]  # y=1: a first, so e_b >= e_a + dur_b
+        rows.add({b: 1.0, a: -1.0, y: -big_ab}, dur[b] - big_ab, math.inf)
+        big_ba = hi[b] + dur[a] - lo[a]  # y=0: b first
+        rows.add({a: 1.0, b: -1.0, y: big_ba}, dur[a], math.inf)
+    _add_device_rows(rows, graph, costs, dur, t0, pair, cost_col, mem_limit)
+    _add_chain_rows(rows, graph, pair)
+    objective = np.zeros(ncols)
+    objective[cost_col] = 1.0
+    integrality = np.zeros(ncols)
+    integrality[n + 1 :] = 1
+    lo_all = np.concatenate([lo, [0.0], np.zeros(ncols - n - 1)])
+    hi_all = np.concatenate([hi, [upper], np.ones(ncols - n - 1)])
+    return _Model(objective, rows, integrality, lo_all, hi_all, ncols)
+
+
+def _end_bounds(
+    graph: ActionGraph, dur: list[float], hop: list[float], t0: list[float], upper: float
+) -> tuple[list[float], list[float]]:
+    """Bounds on end times: earliest from the graph, latest from the cost cut."""
+    n = len(graph)
     dev = [graph.device(i) for i in range(n)]
     first = set(first_actions(graph))
-    # Bounds on end times: earliest from the graph, latest from the cost cut.
     order = graph.topological()
     lo = [0.0] * n
     for i in order:  # all the device's work that must come first fits after T0
@@ -426,37 +485,48 @@ def _build(
         hi[i] = t0[dev[i]] + upper - tail[i]
     for i in first:
         lo[i] = hi[i] = t0[dev[i]] + dur[i]
+    return lo, hi
 
-    # Binary ordering variables for the open pairs of each device.
+
+def _open_pairs(graph: ActionGraph) -> tuple[dict[tuple[int, int], int], int]:
+    """A binary ordering variable's column for each open pair of each device, and the
+    number of columns (after e_0..e_{n-1} and C)."""
     pair: dict[tuple[int, int], int] = {}
-    ncols = n + 1  # e_0..e_{n-1}, C
+    ncols = len(graph) + 1
     for held in graph.by_device:
         for x, a in enumerate(held):
             for b in held[x + 1 :]:
                 if not graph.precedes(a, b) and not graph.precedes(b, a):
                     pair[a, b] = ncols
                     ncols += 1
-    cost_col = n
+    return pair, ncols
 
-    def before(a: int, b: int) -> tuple[float, dict[int, float]]:
-        """``[a before b]`` as constant + linear terms."""
-        if graph.precedes(a, b):
-            return 1.0, {}
-        if graph.precedes(b, a):
-            return 0.0, {}
-        if (a, b) in pair:
-            return 0.0, {pair[a, b]: 1.0}
-        return 1.0, {pair[b, a]: -1.0}
 
-    rows = _Rows()
-    for a, b, cross in graph.edges:
-        rows.add({b: 1.0, a: -1.0}, dur[b] + (hop[a] if cross else 0.0), math.inf)
-    for (a, b), y in pair.items():
-        big_ab = hi[a] + dur[b] - lo[b]  # y=1: a first, so e_b >= e_a + dur_b
-        rows.add({b: 1.0, a: -1.0, y: -big_ab}, dur[b] - big_ab, math.inf)
-        big_ba = hi[b] + dur[a] - lo[a]  # y=0: b first
-        rows.add({a: 1.0, b: -1.0, y: big_ba}, dur[a], math.inf)
+def _before(
+    graph: ActionGraph, pair: dict[tuple[int, int], int], a: int, b: int
+) -> tuple[float, dict[int, float]]:
+    """``[a before b]`` as constant + linear terms."""
+    if graph.precedes(a, b):
+        return 1.0, {}
+    if graph.precedes(b, a):
+        return 0.0, {}
+    if (a, b) in pair:
+        return 0.0, {pair[a, b]: 1.0}
+    return 1.0, {pair[b, a]: -1.0}
 
+
+def _add_device_rows(
+    rows: _Rows,
+    graph: ActionGraph,
+    costs: CostModel,
+    dur: list[float],
+    t0: list[float],
+    pair: dict[tuple[int, int], int],
+    cost_col: int,
+    mem_limit: Number | None,
+) -> None:
+    """Per action, the "busy before" and "busy after" cuts and, after each F, the memory
+    limit on what is ordered before it."""
     deltas = memory_deltas(graph, costs)
     for d, held in enumerate(graph.by_device):
         for x in held:
@@ -466,13 +536,13 @@ def _build(
             for c in held:
                 if c == x:
                     continue
-                k, terms = before(c, x)
+                k, terms = _before(graph, pair, c, x)
                 head_c += dur[c] * k
                 mem_c += deltas[c] * k
                 for col, val in terms.items():
                     head[col] = head.get(col, 0.0) - dur[c] * val
                     mem[col] = mem.get(col, 0.0) + deltas[c] * val
-                k, terms = before(x, c)
+                k, terms = _before(graph, pair, x, c)
                 tail_c += dur[c] * k
                 for col, val in terms.items():
                     tail_t[col] = tail_t.get(col, 0.0) - dur[c] * val
@@ -481,27 +551,22 @@ def _build(
             rows.add(tail_t, tail_c - t0[d], math.inf)
             if mem_limit is not None and graph.actions[x].op is Op.F and mem:
                 rows.add(mem, -math.inf, float(mem_limit) - mem_c + 1e-9)
-    # y is monotone along the in-order chains: a later b / an earlier a keeps "a before b".
+
+
+def _add_chain_rows(rows: _Rows, graph: ActionGraph, pair: dict[tuple[int, int], int]) -> None:
+    """y is monotone along the in-order chains: a later b / an earlier a keeps "a before b"."""
     chain_next = {a: b for a, b, _ in graph.edges if _same_chain(graph, a, b)}
     for a, b in pair:
         for u, v in ((a, chain_next.get(b)), (chain_next.get(a), b)):
             if u is None or v is None:
                 continue
-            k1, t1 = before(a, b) if u == a else before(u, v)
-            k2, t2 = before(u, v) if u == a else before(a, b)
+            k1, t1 = _before(graph, pair, a, b) if u == a else _before(graph, pair, u, v)
+            k2, t2 = _before(graph, pair, u, v) if u == a else _before(graph, pair, a, b)
             row = dict(t1)  # before(lhs) - before(rhs) <= 0
             for col, val in t2.items():
                 row[col] = row.get(col, 0.0) - val
             if row:
                 rows.add(row, -math.inf, k2 - k1)
-
-    objective = np.zeros(ncols)
-    objective[cost_col] = 1.0
-    integrality = np.zeros(ncols)
-    integrality[n + 1 :] = 1
-    lo_all = np.concatenate([lo, [0.0], np.zeros(ncols - n - 1)])
-    hi_all = np.concatenate([hi, [upper], np.ones(ncols - n - 1)])
-    return _Model(objective, rows, integrality, lo_all, hi_all, ncols)
 
 
 def _same_chain(graph: ActionGraph, a: int, b: int) -> bool:

@@ -171,7 +171,6 @@ class PairEvaluator(Evaluator):
         member's inputs have arrived (inputs inside the block excepted), and all its members
         end together."""
         deps, dur, n = self.deps, self.dur, self.n
-        comp, a2a = self.comp, self.a2a
         while todo:
             progressed = False
             for d, lst in enumerate(orders):
@@ -191,44 +190,10 @@ class PairEvaluator(Evaluator):
                     else:
                         j = i + 1
                         if j < size and lst[j] >= n:  # a block: F, B (and B's W)
-                            b = lst[j] - n
-                            waiting = False
-                            for dep, lat in deps[b]:
-                                ready = end[dep]
-                                if ready < 0:
-                                    waiting = True
-                                    break
-                                ready += lat
-                                if ready > t:
-                                    t = ready
-                            if waiting:
+                            timed = self._time_block(lst, i, t, end, start)
+                            if timed is None:
                                 break
-                            c, x = comp[a] + comp[b], a2a[a] + a2a[b]
-                            j += 1
-                            w = -1
-                            if j < size and lst[j] >= n:
-                                w = lst[j] - n
-                                for dep, lat in deps[w]:
-                                    if dep == b:
-                                        continue
-                                    ready = end[dep]
-                                    if ready < 0:
-                                        waiting = True
-                                        break
-                                    ready += lat
-                                    if ready > t:
-                                        t = ready
-                                if waiting:
-                                    break
-                                c += comp[w]
-                                x += a2a[w]
-                                j += 1
-                            e = t + (c if c > x else x)
-                            start[a] = start[b] = start[b + n] = t
-                            end[a] = end[b] = end[b + n] = e
-                            if w >= 0:
-                                start[w] = start[w + n] = t
-                                end[w] = end[w + n] = e
+                            j, e = timed
                         else:
                             e = t + dur[a]
                             start[a] = t
@@ -252,6 +217,49 @@ class PairEvaluator(Evaluator):
             if not progressed:
                 return False
         return True
+
+    def _time_block(
+        self, lst: Sequence[int], i: int, t: float, end: list[float], start: list[float]
+    ) -> tuple[int, float] | None:
+        """Time the block whose F is ``lst[i]``, that F's inputs in by ``t``: it starts once
+        its B's inputs (and its W's, but the B) are in too. Records every member's start and
+        end under its index and its code; returns the position after the block and its end,
+        or None while some input has not arrived."""
+        deps, n, comp, a2a = self.deps, self.n, self.comp, self.a2a
+        size = len(lst)
+        a = lst[i]
+        b = lst[i + 1] - n
+        for dep, lat in deps[b]:
+            ready = end[dep]
+            if ready < 0:
+                return None
+            ready += lat
+            if ready > t:
+                t = ready
+        c, x = comp[a] + comp[b], a2a[a] + a2a[b]
+        j = i + 2
+        w = -1
+        if j < size and lst[j] >= n:
+            w = lst[j] - n
+            for dep, lat in deps[w]:
+                if dep == b:
+                    continue
+                ready = end[dep]
+                if ready < 0:
+                    return None
+                ready += lat
+                if ready > t:
+                    t = ready
+            c += comp[w]
+            x += a2a[w]
+            j += 1
+        e = t + (c if c > x else x)
+        start[a] = start[b] = start[b + n] = t
+        end[a] = end[b] = end[b + n] = e
+        if w >= 0:
+            start[w] = start[w + n] = t
+            end[w] = end[w + n] = e
+        return j, e
 
 
 # ---- orders <-> schedules -------------------------------------------------------------------

@@ -255,14 +255,7 @@ def search_placements(
     ``overlap``: each placement's paired candidates too (:func:`.paired.paired_candidates`).
     """
     p, m = check_counts(num_devices, num_microbatches)
-    if max_stages is not None and (
-        not isinstance(max_stages, int) or isinstance(max_stages, bool) or max_stages < p
-    ):
-        raise ValueError(
-            f"auto: max_stages={max_stages!r} (the layer count) cannot give each of the "
-            f"{p} devices a stage of one layer at least; pass a model of {p} layers or "
-            "more, or use fewer devices"
-        )
+    _check_max_stages(p, max_stages)
     best: Best | None = None
     refusals: list[str] = []
     searched: list[tuple[Candidate, CostModel, float, Schedule | None]] = []
@@ -281,28 +274,68 @@ def search_placements(
         except ScheduleError as exc:
             refusals.append(f"{cand.label}: {exc}")
             continue
-        # Polished, a placement gets zb-auto's whole search (pruning could lose its
-        # winner); unpolished only the cheapest pass counts, so passes that cannot
-        # beat the best placement so far stop early.
-        polished = polishes(3 * len(cand.placement) * m)
-        beat = math.inf if best is None or polished else best[0][0]
-        ev = Evaluator(ActionGraph(cand.placement, m), model)
-        sched = _plan_one(cand, p, m, model, limit, beat, ev, deadline)
-        if sched is not None:
-            best = _keep(best, sched, simulate(sched, model), cand)
-        # Then the fixed kinds not among the seeds, each against the best so far.
-        for fn in FIXED_KINDS.get((cand.looped, cand.chunks), ()):
-            if best is not None and expired(deadline):
-                break
-            got = _fixed(fn, p, m, model, limit, ev, math.inf if best is None else best[0][0])
-            if got is not None:
-                best = _keep(best, *got, cand)
+        best, sched = _search_placement(cand, p, m, model, limit, best, deadline)
         searched.append((cand, model, limit, sched))
-    # With pairs, each placement's paired candidates after every plain search (which runs
-    # as without pairs), the zig-zags first: DualPipeV's own pairs there set the bar that
-    # prunes the other placements' pairing passes when they are too large to polish.
+    if overlap:
+        best = _search_pairs(searched, m, best, deadline)
+    if best is None:
+        raise ScheduleError(
+            Reason.MEMORY, "no placement fits the memory limit: " + "; ".join(refusals)
+        )
+    return best[1]
+
+
+def _check_max_stages(p: int, max_stages: int | None) -> None:
+    if max_stages is not None and (
+        not isinstance(max_stages, int) or isinstance(max_stages, bool) or max_stages < p
+    ):
+        raise ValueError(
+            f"auto: max_stages={max_stages!r} (the layer count) cannot give each of the "
+            f"{p} devices a stage of one layer at least; pass a model of {p} layers or "
+            "more, or use fewer devices"
+        )
+
+
+def _search_placement(
+    cand: Candidate,
+    p: int,
+    m: int,
+    model: CostModel,
+    limit: float,
+    best: Best | None,
+    deadline: float | None,
+) -> tuple[Best | None, Schedule | None]:
+    """One placement's plain search, then the fixed kinds not among its seeds, each against
+    the best so far. Returns the new best and the placement's own schedule (None if none)."""
+    # Polished, a placement gets zb-auto's whole search (pruning could lose its
+    # winner); unpolished only the cheapest pass counts, so passes that cannot
+    # beat the best placement so far stop early.
+    polished = polishes(3 * len(cand.placement) * m)
+    beat = math.inf if best is None or polished else best[0][0]
+    ev = Evaluator(ActionGraph(cand.placement, m), model)
+    sched = _plan_one(cand, p, m, model, limit, beat, ev, deadline)
+    if sched is not None:
+        best = _keep(best, sched, simulate(sched, model), cand)
+    for fn in FIXED_KINDS.get((cand.looped, cand.chunks), ()):
+        if best is not None and expired(deadline):
+            break
+        got = _fixed(fn, p, m, model, limit, ev, math.inf if best is None else best[0][0])
+        if got is not None:
+            best = _keep(best, *got, cand)
+    return best, sched
+
+
+def _search_pairs(
+    searched: list[tuple[Candidate, CostModel, float, Schedule | None]],
+    m: int,
+    best: Best | None,
+    deadline: float | None,
+) -> Best | None:
+    """With pairs, each placement's paired candidates after every plain search (which runs
+    as without pairs), the zig-zags first: DualPipeV's own pairs there set the bar that
+    prunes the other placements' pairing passes when they are too large to polish."""
     for cand, model, limit, sched in sorted(searched, key=lambda t: t[0].looped):
-        if not overlap or (best is not None and expired(deadline)):
+        if best is not None and expired(deadline):
             break
         for got in paired_candidates(
             "auto",
@@ -318,11 +351,7 @@ def search_placements(
             paired_before=best is not None and bool(best[1].overlaps),
         ):
             best = _keep(best, *got, cand)
-    if best is None:
-        raise ScheduleError(
-            Reason.MEMORY, "no placement fits the memory limit: " + "; ".join(refusals)
-        )
-    return best[1]
+    return best
 
 
 def _keep(best: Best | None, sched: Schedule, res: SimResult, cand: Candidate) -> Best:
