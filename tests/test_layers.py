@@ -50,12 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 PACKAGE = "zerobubble"
 
-KNOWN_CIRCLES: set[frozenset[str]] = {
-    # schedule/search/ is being reworked on another branch; auto.py imports paired.py inside
-    # zbv_auto and paired.py imports auto.py at its top. Remove this entry with the circle
-    # (the test fails once the circle is gone and the entry stays).
-    frozenset({"zerobubble.schedule.search.auto", "zerobubble.schedule.search.paired"}),
-}
+KNOWN_CIRCLES: set[frozenset[str]] = set()
 """Circles that exist today and are owned elsewhere: a ratchet, never a place to add one."""
 
 
@@ -456,3 +451,36 @@ def test_the_checks_name_the_file_line_and_rule(tmp_path):
     (torch,) = torch_imports(found, ("low",), src)
     assert torch.startswith("zerobubble/low/b.py:1: zerobubble.low.b imports torch (module import)")
     assert not circles([a for a in found if a.source != "zerobubble.mid.d"], src)
+
+
+# ---- sizes: small modules, one job each -------------------------------------------------------
+
+MAX_FUNCTION, MAX_CLASS, MAX_EXECUTOR = 80, 350, 500
+LONG_BY_DESIGN = {("zerobubble/cli.py", "build_parser")}  # the parser table: one flag a row
+
+
+def oversized(src: Path) -> list[str]:
+    """Every function over MAX_FUNCTION and class over MAX_CLASS lines (def to last line,
+    docstring included), as ``path:line name (n lines)``."""
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        rel = path.relative_to(src).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                continue
+            n = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+            limit = MAX_CLASS if isinstance(node, ast.ClassDef) else MAX_FUNCTION
+            if n > limit and (rel, node.name) not in LONG_BY_DESIGN:
+                found.append(f"{rel}:{node.lineno} {node.name} ({n} lines > {limit})")
+    return found
+
+
+def test_functions_and_classes_stay_small():
+    assert oversized(SRC) == []
+    assert len((SRC / "zerobubble/executor.py").read_text().splitlines()) < MAX_EXECUTOR
+
+
+def test_the_size_check_names_what_is_too_long(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION))
+    (tmp_path / "m.py").write_text(f"def long():\n{body}\n")
+    assert oversized(tmp_path) == [f"m.py:1 long ({MAX_FUNCTION + 1} lines > {MAX_FUNCTION})"]

@@ -103,11 +103,9 @@ def reference_step(
     batch is split, everything else goes to every microbatch). The short form
     ``reference_step(layers, loss_fn, x, target, m)`` is the same call for one tensor ``x``.
 
-    Clears ``.grad`` (to None), then for j = 0..M-1 calls the first layer on
-    microbatch j's ``(*args_j, **kwargs_j)``, chains the others and back-propagates
-    ``loss_j * scale_j`` (scales from :func:`loss_scales` over the target's rows),
-    exactly what a pipeline computes. The gradients are left in ``.grad`` so an
-    optimizer can step.
+    Clears ``.grad``, then for j = 0..M-1 runs microbatch j's ``(*args_j, **kwargs_j)``
+    through the layers and back-propagates ``loss_j * scale_j`` (:func:`loss_scales`),
+    what a pipeline computes; the gradients stay in ``.grad`` for an optimizer.
 
     With a ``seed``, the layers of each stage (``num_stages`` cut as
     :func:`~zerobubble.parallel.partition.stage_bounds` cuts them, with
@@ -126,10 +124,8 @@ def reference_step(
     :attr:`~zerobubble.runtime.options.ExecutorOptions.term_weight`, one replica:
     :func:`~zerobubble.runtime.loss_terms.weighted_objective`), as a pipeline's last stage
     roots it; ``terms``, if given, gets each term's per-microbatch values (raw, detached),
-    as :meth:`~zerobubble.pipeline.Pipeline.step` does. With ``share`` the batch is one
-    data-parallel replica's part (:class:`Share`): losses are normalised by the global
-    batch and terms weighted over the replicas, as that replica's executor does
-    (:func:`zerobubble.reference.compose.reference_step` composes the replicas).
+    as :meth:`~zerobubble.pipeline.Pipeline.step` does. ``share``: the batch is one dp
+    replica's part (:class:`Share`; :mod:`~zerobubble.reference.compose` passes it).
 
     Returns:
         The unscaled per-microbatch losses (detached 0-dim tensors) and a copy

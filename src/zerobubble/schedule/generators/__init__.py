@@ -94,8 +94,8 @@ class _Lazy:
 
 _SEARCH = "zerobubble.schedule.search."
 _auto = _Lazy(_SEARCH + "placement", "auto", renamed=(("chunks", "max_chunks"),))
-_zb_auto = _Lazy(_SEARCH + "auto", "zb_auto")
-_zbv_auto = _Lazy(_SEARCH + "auto", "zbv_auto")
+_zb_auto = _Lazy(_SEARCH + "fixed", "zb_auto")
+_zbv_auto = _Lazy(_SEARCH + "fixed", "zbv_auto")
 _optimal = _Lazy(_SEARCH + "milp", "optimal")
 _optimal_v = _Lazy(_SEARCH + "milp", "optimal", fixed=(("v_shape", True),))
 

@@ -6,7 +6,8 @@
   certify the heuristic on small instances.
 """
 
-from zerobubble.schedule.search.auto import auto_schedule, resolve_costs, zb_auto, zbv_auto
+from zerobubble.schedule.search.auto import auto_schedule, resolve_costs
+from zerobubble.schedule.search.fixed import zb_auto, zbv_auto
 from zerobubble.schedule.search.graph import ActionGraph, min_feasible_limit
 from zerobubble.schedule.search.greedy import Policy, run_pass
 from zerobubble.schedule.search.milp import OptimalResult, optimal, optimal_search, solve_optimal

@@ -1,5 +1,6 @@
-"""The automatic zero-bubble schedulers: ``zb-auto`` (one stage per device, or
-interleaved with ``chunks``) and ``zbv-auto`` (V placement, two stages per device).
+"""The search of the automatic zero-bubble schedulers: ``zb-auto`` (one stage per device, or
+interleaved with ``chunks``) and ``zbv-auto`` (V placement, two stages per device), whose
+entry points are in :mod:`.fixed`.
 
 Both run the same search, a deterministic pure function of its inputs:
 
@@ -38,10 +39,9 @@ from itertools import chain
 from zerobubble.schedule.costs import CostModel, CostSpec, Number
 from zerobubble.schedule.errors import Reason, ScheduleError
 from zerobubble.schedule.generators.classic import interleaved_1f1b
-from zerobubble.schedule.generators.common import check_counts
 from zerobubble.schedule.generators.dualpipe import dualpipev
 from zerobubble.schedule.generators.zero_bubble import zb_h1, zb_h2, zbv
-from zerobubble.schedule.ir import Action, Op, Schedule, looped_placement, v_placement
+from zerobubble.schedule.ir import Action, Op, Schedule
 from zerobubble.schedule.search.graph import ActionGraph, min_feasible_limit
 from zerobubble.schedule.search.greedy import Policy, run_pass
 from zerobubble.schedule.search.pairs import (
@@ -53,7 +53,6 @@ from zerobubble.schedule.search.pairs import (
 )
 from zerobubble.schedule.search.refine import Evaluator, perturb, refine
 from zerobubble.schedule.search.templates import interleaved_family
-from zerobubble.schedule.simulate import simulate
 
 #: Grid for one stage per device. Chosen from every combination of the choices
 #: (f_first x f_overrun x w_overrun x inflight in {0, 1, 2}) as the smallest set
@@ -539,77 +538,3 @@ def plateau_walk(schedule: Schedule, costs: CostModel, mem_limit: float) -> Sche
         raise ValueError("plateau_walk() needs a schedule that runs; this one deadlocks")
     walked, _ = _walk(graph, costs, mem_limit, orders, max(spans))
     return _schedule(schedule.name, graph, walked)
-
-
-def zb_auto(
-    num_devices: int,
-    num_microbatches: int,
-    *,
-    chunks: int = 1,
-    costs: CostSpec | None = None,
-    mem_limit: Number | None = None,
-    overlap: bool = False,
-) -> Schedule:
-    """Automatic zero-bubble schedule under a memory limit.
-
-    One stage per device by default (the paper's ZB-1p / ZB-2p); ``chunks`` > 1
-    uses the interleaved (looped) placement, stage s on device s % P, like
-    PyTorch's InterleavedZeroBubble. Without ``mem_limit`` (here or in the costs
-    file) the limit is P microbatches' M_B, 1F1B's and ZB-H1's peak: ZB-1p.
-    Pass 2P for ZB-2p. ``overlap`` allows overlapped F&B pairs where they pay (with
-    ``chunks`` > 1 and an all-to-all cost; see ``auto``).
-    """
-    p, m = check_counts(num_devices, num_microbatches)
-    if not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
-    placement = looped_placement(p, chunks)
-    model, limit = resolve_costs(placement, costs, mem_limit, default=p)
-    grid, seeds, family = search_inputs(p, m, chunks, looped=True)
-    sched = auto_schedule("zb-auto", placement, m, model, limit, grid, seeds, seed_orders=family)
-    return _with_pairs(sched, model, limit, looped=True, chunks=chunks) if overlap else sched
-
-
-def zbv_auto(
-    num_devices: int,
-    num_microbatches: int,
-    *,
-    costs: CostSpec | None = None,
-    mem_limit: Number | None = None,
-    overlap: bool = False,
-) -> Schedule:
-    """Automatic ZB-V: V placement (device d holds stages d and 2P-1-d) under a memory limit.
-
-    Without ``mem_limit`` the limit is P microbatches' M_B per device, ZB-V's own peak.
-    ``overlap`` allows overlapped F&B pairs where they pay (an all-to-all cost; see ``auto``).
-    """
-    p, m = check_counts(num_devices, num_microbatches)
-    placement = v_placement(p)
-    model, limit = resolve_costs(placement, costs, mem_limit, default=p)
-    grid, seeds, _ = search_inputs(p, m, 2, looped=False)
-    sched = auto_schedule("zbv-auto", placement, m, model, limit, grid, seeds)
-    return _with_pairs(sched, model, limit, looped=False, chunks=2) if overlap else sched
-
-
-def _with_pairs(
-    plain: Schedule, costs: CostModel, mem_limit: float, *, looped: bool, chunks: int
-) -> Schedule:
-    """The cheapest of ``plain`` and the paired candidates of its placement
-    (:func:`.paired.paired_candidates`); ``plain`` on ties (cost, then peak memory)."""
-    from zerobubble.schedule.search.paired import paired_candidates  # it builds on this module
-
-    res = simulate(plain, costs)
-    best = (float(res.cost), float(max(res.peak_memory))), plain
-    for sched, got in paired_candidates(
-        plain.name,
-        plain.placement,
-        plain.num_microbatches,
-        costs,
-        mem_limit,
-        plain,
-        looped=looped,
-        chunks=chunks,
-    ):
-        key = float(got.cost), float(max(got.peak_memory))
-        if key < best[0]:
-            best = key, sched
-    return best[1]
