@@ -74,7 +74,9 @@ def test_train_profiles_plans_trains_and_writes_its_outputs(tmp_path, capfd):
     data = json.loads((out / "profile.json").read_text())
     assert data["boundaries"][0] == 0 and data["boundaries"][-1] == 4
     assert len(data["layers"]["F"]) == 4  # embedding, 1 block, norm, head
-    assert data["step_fixed_ms"] > 0  # a step starts before its first compute
+    # the time a step spends outside its compute window: a clamped timing, 0 when a loaded
+    # machine's clocks put the window over the whole step (no timing is asserted)
+    assert data["step_fixed_ms"] >= 0
     # the cost model charges the latency fitted to the profiled steps, within its bounds
     assert 0 <= data["comm_fit"] <= max(20 * data["comm_measured"], 1.0)
     assert data["comm"] == data["comm_fit"] and "latency charged per cross-device" in text
