@@ -9,6 +9,11 @@ from fractions import Fraction
 
 import pytest
 
+# The ranks run with one intra-op thread (the launcher sets OMP_NUM_THREADS=1), and a
+# single-process reference must reduce in their order: one thread here too, under bare
+# pytest as under `make test` (which sets it). Before torch is imported, so that it applies.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from generated import SHARED_ENV
 from zerobubble.schedule.costs import CostModel
 from zerobubble.schedule.ir import Schedule
