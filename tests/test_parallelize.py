@@ -111,6 +111,10 @@ def test_a_parallelize_fn_that_leaves_experts_whole_is_refused_on_every_rank(res
 
 
 def test_parallelize_misuse_needs_no_ranks():
+    with pytest.raises(ValueError, match=r"pass parallelize \(the steps built already\) or"):
+        zerobubble.PipelineExecutor(
+            zerobubble.generate("zbv", 3, 6), {}, parallelize=Parallelize(), tp_plan={}
+        )
     with pytest.raises(ValueError, match="tp_plan is given but the mesh has no tensor"):
         Parallelize.from_mesh(None, tp_plan={})
     with pytest.raises(ValueError, match="parallelize_fn is given without a mesh"):

@@ -106,7 +106,7 @@ class PipelineExecutor:
         parallelize_fn: ``(stage, module, mesh) -> module``, which parallelizes each stage
             by hand instead of the tp and ep steps (needs ``mesh``; not with ``tp_plan``).
         parallelize: Those steps built already (a caller making several executors over the
-            same stages builds them once; then ``tp_plan`` and ``parallelize_fn`` are unused).
+            same stages builds them once; not with ``tp_plan`` or ``parallelize_fn``).
 
     Attributes:
         schedule: The schedule this executor runs (``schedule`` after
@@ -144,6 +144,11 @@ class PipelineExecutor:
         parallelize_fn: ParallelizeFn | None = None,
         parallelize: Parallelize | None = None,
     ) -> None:
+        if parallelize is not None and (tp_plan is not None or parallelize_fn is not None):
+            raise ValueError(
+                "pass parallelize (the steps built already) or tp_plan/parallelize_fn (to "
+                "build them from the mesh), not both: the built steps would ignore the others"
+            )
         self.options = opts = options or ExecutorOptions()
         self.cuts = check_cuts(opts.cuts, schedule.segments, f"schedule {schedule.name!r}")
         """The segments' token boundaries (None without segments)."""
