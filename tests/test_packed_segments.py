@@ -31,8 +31,8 @@ from torch import nn
 
 from generated import generated
 from ranks import launch
-from zerobubble.executor import ExecutorOptions, PipelineExecutor
-from zerobubble.parallel.partition import build_stage_modules, model_name, stage_bounds
+from test_seq_runtime import stage_step_grads
+from zerobubble.parallel.partition import model_name
 from zerobubble.reference.step import reference_step, segment_reference_step
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.sequence.kv import SegmentContext, run_segments, segment_scope
@@ -333,17 +333,7 @@ def pipe_job(spec: tuple, kind: str, p: int, m: int, cuts: tuple[int, ...]) -> d
     sched = generated(kind, p, m, segments=len(cuts) - 1)
     model, batch, labels = case(spec)
     layers = hf.causal_lm_layers(model, check=False)
-    stages = build_stage_modules(layers, sched, rank)
-    pipe = PipelineExecutor(
-        sched, stages, loss_fn=token_loss, count_fn=count, options=ExecutorOptions(cuts=cuts)
-    )
-    losses = pipe.step(batch, target=labels)
-    bounds = stage_bounds(len(layers), sched.num_stages)
-    grads = {}
-    for s, chunk in pipe.chunks.items():
-        for name, param in chunk.module.named_parameters():
-            local, rest = name.split(".", 1)
-            grads[f"{bounds[s].start + int(local)}.{rest}"] = param.grad
+    _, losses, grads = stage_step_grads(sched, list(layers), batch, labels, cuts, rank)
     torch.distributed.destroy_process_group()
     return {"losses": losses, "grads": grads}
 

@@ -129,10 +129,11 @@ def references(
     return seg_losses, seg_grads, one_losses, one_grads
 
 
-def seq_job(model: str, kind: str, p: int, m: int, k: int, cuts: tuple[int, ...]) -> dict:
-    rank = init_distributed(timeout_s=60).rank
-    sched = generated(kind, p, m, segments=k)
-    layers, x, y = model_and_batch(model, sched.num_stages, m)
+def stage_step_grads(
+    sched: Any, layers: list[nn.Module], x: Any, y: torch.Tensor, cuts: tuple[int, ...], rank: int
+) -> tuple[PipelineExecutor, list[torch.Tensor] | None, dict[str, torch.Tensor]]:
+    """One step of this rank's stages with ``cuts``: the executor, its losses, and every
+    gradient under the whole model's layer index (``"<layer>.<name>"``)."""
     stages = build_stage_modules(layers, sched, rank)
     pipe = PipelineExecutor(
         sched, stages, loss_fn=token_loss, count_fn=count, options=ExecutorOptions(cuts=cuts)
@@ -144,6 +145,14 @@ def seq_job(model: str, kind: str, p: int, m: int, k: int, cuts: tuple[int, ...]
         for name, param in chunk.module.named_parameters():
             local, rest = name.split(".", 1)
             grads[f"{bounds[s].start + int(local)}.{rest}"] = param.grad
+    return pipe, losses, grads
+
+
+def seq_job(model: str, kind: str, p: int, m: int, k: int, cuts: tuple[int, ...]) -> dict:
+    rank = init_distributed(timeout_s=60).rank
+    sched = generated(kind, p, m, segments=k)
+    layers, x, y = model_and_batch(model, sched.num_stages, m)
+    pipe, losses, grads = stage_step_grads(sched, layers, x, y, cuts, rank)
     held = pipe.held_bytes()
     dist.destroy_process_group()
     return {"losses": losses, "grads": grads, "held": held, "events": list(pipe.trace.events)}
