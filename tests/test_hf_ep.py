@@ -488,17 +488,17 @@ def state_checks(mesh, name: str, modes: tuple[str, ...], tmp: str) -> dict:
     return out
 
 
-def checkpoint_keys(path: str) -> list[str]:
-    """Every entry of the distributed checkpoints saved under ``path``."""
+def checkpoint_metadata(path: str) -> dict:
+    """Every entry of the distributed checkpoints saved under ``path``, with its metadata."""
     from pathlib import Path
 
     from torch.distributed.checkpoint import FileSystemReader
 
-    return [
-        k
+    return {
+        k: md
         for meta in Path(path).rglob(".metadata")
-        for k in FileSystemReader(str(meta.parent)).read_metadata().state_dict_metadata
-    ]
+        for k, md in FileSystemReader(str(meta.parent)).read_metadata().state_dict_metadata.items()
+    }
 
 
 def ep_ranks(tmp: str) -> dict:
@@ -642,16 +642,20 @@ def test_hf_experts_on_pp2_ep2_are_bitwise_the_threaded_reference_and_close_to_h
         for name in STATE_CASES:
             state = r[("state", name)]
             assert state["loaded"] == [] and state["restored"] == [] and state["gathered"] == []
-        # the sharded tensors, biases included, are stored once per ep row block
-        keys = [k for k in checkpoint_keys(f"{tmp_path}/{name}") if ".experts." in k]
-        tensors = [n for n, _ in hf.tiny_model(name).model.layers[0].mlp.experts.named_parameters()]
-        blocks = {
-            (k.partition("@")[0].rpartition(".")[2], k.partition("@")[2])
-            for k in keys
-            if k.startswith("model.")
-        }
-        assert blocks == {(n, rows) for n in tensors for rows in ("rows0-2", "rows2-4")}, keys
-        assert all("@rows" in k for k in keys), keys
+        # the sharded tensors, biases included, are stored whole under HF's names, once
+        # per ep row block (DCP's chunks), and so is their optimizer state
+        whole = hf.tiny_model(name).state_dict()
+        stored = checkpoint_metadata(f"{tmp_path}/{name}")
+        experts = {k: md for k, md in stored.items() if ".experts." in k}
+        model_keys = {k.removeprefix("model.") for k in experts if k.startswith("model.")}
+        assert model_keys == {k for k in whole if ".experts." in k}, sorted(experts)
+        for key, md in experts.items():
+            if key.startswith("optim.") and key.endswith(".step"):
+                continue
+            kind, _, fqn = key.partition(".")
+            fqn = fqn if kind == "model" else fqn.rsplit(".", 1)[0]  # optim.<fqn>.<field>
+            assert tuple(md.size) == tuple(whole[fqn].shape), key
+            assert sorted(c.offsets[0] for c in md.chunks) == [0, 2], key
     for case in CASES:
         name, kind = case
         want_losses, want = refs[name]

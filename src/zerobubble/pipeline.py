@@ -259,7 +259,13 @@ class Pipeline:
         """
         _check_optimizer(optimizer, self.parameters(), self.rank)
         self.trainer = PipelineTrainer(
-            self.executor, optimizer, config, faults=faults, on_commit=on_commit, tied=self.tied
+            self.executor,
+            optimizer,
+            config,
+            faults=faults,
+            on_commit=on_commit,
+            tied=self.tied,
+            names=self._name,
         )
         return self.trainer
 

@@ -13,11 +13,10 @@ PhiMoE, FlexOlmo, GLM4-MoE and the rest of the ~70 families built so. It replace
 module by a :class:`ShardedExperts` holding rank ``r``'s rows ``[r * E / ep, (r + 1) * E /
 ep)`` of every per-expert tensor (the ``gate_up_proj`` or ``up_proj`` and ``down_proj``
 stacks, and their ``*_bias``) as local parameters of the **same names**, each marked with
-:func:`~zerobubble.parallel.ep.mark_expert` as its own run (gradients summed over ``edp``;
-the norm layout of :mod:`~zerobubble.optim.ep_norms` counts every row block once, ep rank
-0's first: the unsharded tensor cut into its ep row blocks) and with
-:func:`~zerobubble.parallel.experts.mark_expert_rows` (its rows of the whole tensor, which
-the pipeline's state dict and the checkpoints read: :func:`expert_shard`).
+:func:`~zerobubble.parallel.shards.mark_expert` as its own run with its rows of the whole
+tensor (gradients summed over ``edp``; the norm layout of :mod:`~zerobubble.optim.ep_norms`
+counts every row block once, ep rank 0's first: the unsharded tensor cut into its ep row
+blocks; the pipeline's state dict and the checkpoints read the rows: :func:`expert_shard`).
 
 The pipeline reaches this module through the layer contract: every layer of the adapter
 (:class:`~zerobubble.interop.hf_layers.HFLayer`) has the sharding hook ``shard_experts``,
@@ -64,20 +63,20 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
-from zerobubble.parallel.ep import ExpertGroup, mark_expert
+from zerobubble.parallel.ep import ExpertGroup
 from zerobubble.parallel.experts import (
     exchange_grouped,
     expert_shard,
-    mark_expert_rows,
     run_grouped,
     unsharded_experts,
 )
+from zerobubble.parallel.shards import global_view, mark_expert
 from zerobubble.runtime.split.grouped import SplitGrouped
 
 if TYPE_CHECKING:
@@ -216,8 +215,7 @@ class ShardedExperts(SplitGrouped):
             whole = experts._parameters[n]
             assert whole is not None
             p = nn.Parameter(whole.detach()[rows].clone(), whole.requires_grad)
-            mark_expert(p, run + i)
-            mark_expert_rows(p, self.start, self.start + self.local, num_experts)
+            mark_expert(p, run + i, (self.start, self.start + self.local, num_experts))
             self.register_parameter(n, p)
         if isinstance(act_fn, nn.Module):
             self.act_fn = act_fn
@@ -321,13 +319,11 @@ def gather_hf_experts(pipe: Pipeline, mesh: PipelineMesh) -> OrderedDict[str, Te
     (``model.load_state_dict`` takes them). A collective over ``mesh.ep_group`` (every ep
     peer holds the same stages, so the same sharded names, in the same order)."""
     state = pipe.state_dict()
-    if mesh.ep_group is None:
+    if mesh.ep_mesh is None:
         return state
-    shards = {n: expert_shard(p) for n, p in pipe.named_parameters()}
+    params = dict(pipe.named_parameters())
     for name, value in state.items():
-        if shards.get(name) is None:
-            continue
-        blocks = [torch.empty_like(value) for _ in range(mesh.ep_size)]
-        dist.all_gather(blocks, value.contiguous(), group=mesh.ep_group)
-        state[name] = torch.cat(blocks)
+        if name in params and expert_shard(params[name]) is not None:
+            whole = global_view(value, mesh.ep_mesh["ep"], like=params[name])
+            state[name] = cast(DTensor, whole).full_tensor()
     return state

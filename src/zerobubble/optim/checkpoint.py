@@ -30,14 +30,19 @@ checkpoint that still verifies; ``load_checkpoint(trainer, root, step=N)``
 falls back to it.
 
 Saved per rank: parameters and buffers of its stages, optimizer state (every
-tensor, keyed by stage and parameter name), param-group settings, the
+tensor), param-group settings, the
 trainer's counters, the CPU RNG state and the caller's ``extra`` (e.g. the
 data position).
 
 Over dp x pp (``mesh=``, a :class:`~zerobubble.parallel.mesh.PipelineMesh`) the
 save and the load are collectives over the whole job rather than one pipeline:
-the data-parallel replicas write one checkpoint. Model and optimizer entries keep
-their stage-keyed names, so ``torch.distributed.checkpoint`` stores a replicated
+the data-parallel replicas write one checkpoint. Model and optimizer entries are
+keyed by one scheme, the model's names (``model.<name>``, ``buffer.<name>``,
+``optim.<name>.<field>``; the trainer's :attr:`~PipelineTrainer.names`: a
+:class:`~zerobubble.Pipeline`'s are the user's model's state-dict keys, a hand-built
+executor's ``s<stage>.<name>``), and each holds the model's whole tensor as
+:func:`~zerobubble.parallel.shards.global_view` gives it, so
+``torch.distributed.checkpoint`` stores a replicated
 tensor (DDP-style data parallelism: every replica holds the same) once, and
 assembles FSDP's DTensor shards into the global tensor; loading reads each
 rank's shard (or the whole tensor) back. The per-rank entries (metadata, RNG,
@@ -50,6 +55,12 @@ same checkpoint: the save is over the whole job, parameters and optimizer state 
 stored as the DTensors they are (DCP writes each shard once and a replicated one once),
 per-rank entries add the tp rank, and the record notes the tp size: loading into another
 tp size raises ValueError (resharding across tp sizes is not supported).
+
+With expert parallelism a Hugging Face experts tensor, of which each ep rank holds rows,
+is stored once, whole (a DTensor ``Shard(0)`` over the ``ep`` mesh: DCP writes each row
+block once, whichever edp replica holds it); a per-expert module's parameters carry their
+global expert index in their names. A tie's replicas are one entry (under the tie's first
+name): every replica holds the same values.
 """
 
 from __future__ import annotations
@@ -78,14 +89,15 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import empty as dtensor_empty
 from torch.futures import Future
 
 from zerobubble.optim.faults import CrashPoint
 from zerobubble.optim.trainer import PipelineTrainer, group_settings
-from zerobubble.parallel.experts import expert_shard
 from zerobubble.parallel.mesh import PipelineMesh
+from zerobubble.parallel.shards import global_view
 from zerobubble.runtime.p2p.comm import exchange_bytes, set_timeout, transport_timeout
 
 __all__ = [
@@ -450,8 +462,8 @@ def _load_targets(
     checkpoint name."""
     stored = FileSystemReader(path).read_metadata().state_dict_metadata
     state, _ = _state_dict(trainer, with_optimizer=False)
-    names = _param_names(trainer)
-    by_name = {n: p for p, n in ((p, names[id(p)]) for p in trainer.params)}
+    names, ep_mesh = _param_names(trainer), _ep_mesh(trainer)
+    by_name = {names[id(p)]: p for p in trainer.params if id(p) in names}
     for key, md in stored.items():
         if key in (f"{own}.meta", f"{own}.rng"):
             assert isinstance(md, TensorStorageMetadata)
@@ -460,7 +472,7 @@ def _load_targets(
             p = by_name.get(key.removeprefix("optim.").rsplit(".", 1)[0])
             if p is not None:
                 assert isinstance(md, TensorStorageMetadata)
-                state[key] = _target(md, p)
+                state[key] = _target(md, p, ep_mesh)
     return state, by_name
 
 
@@ -477,6 +489,8 @@ def _restore_optimizer(
         if key.startswith("optim."):
             pname, field = key.removeprefix("optim.").rsplit(".", 1)
             p = by_name[pname]
+            if isinstance(value, DTensor) and not isinstance(p, DTensor):
+                value = value.to_local()  # an expert shard's rows of the whole tensor
             opt_state.setdefault(p, {})[field] = value.to(p.device) if field != "step" else value
     for pname, fields in meta["state"].items():
         opt_state.setdefault(by_name[pname], {}).update(fields)
@@ -577,15 +591,17 @@ def _tp_size(trainer: PipelineTrainer) -> int:
     return 1 if tp is None else tp.size()
 
 
-def _target(md: TensorStorageMetadata, param: Tensor) -> Tensor:
-    """Where an optimizer-state entry of ``param`` loads: sharded like the parameter when it
-    has the parameter's shape (FSDP's moments), else a whole tensor (a step count)."""
-    if isinstance(param, DTensor) and tuple(md.size) == tuple(param.shape):
+def _target(md: TensorStorageMetadata, param: Tensor, ep_mesh: DeviceMesh | None) -> Tensor:
+    """Where an optimizer-state entry of ``param`` loads: sharded like the parameter is
+    stored when it has the parameter's whole shape (Adam's moments of a tp, FSDP or expert
+    shard), else a whole tensor (a step count)."""
+    stored = global_view(param.detach(), ep_mesh, like=param)
+    if isinstance(stored, DTensor) and tuple(md.size) == tuple(stored.shape):
         return dtensor_empty(
             md.size,
             dtype=md.properties.dtype,
-            device_mesh=param.device_mesh,
-            placements=param.placements,
+            device_mesh=stored.device_mesh,
+            placements=stored.placements,
         )
     return torch.empty(md.size, dtype=md.properties.dtype)
 
@@ -698,42 +714,47 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def _param_names(trainer: PipelineTrainer) -> dict[int, str]:
-    """``id(param) -> "s<stage>.<name>"``: unique across ranks."""
+    """``id(param) -> key``: the model's name of each parameter this rank saves (a tie's
+    replica after the first on a rank shares the first's memory and is not saved again)."""
+    secondary = set() if trainer.tied is None else trainer.tied.secondary()
     return {
-        id(p): _param_key(s, n, p)
+        id(p): trainer.names(s, n)
         for s, chunk in trainer.pipe.chunks.items()
         for n, p in chunk.module.named_parameters()
+        if id(p) not in secondary
     }
 
 
-def _param_key(stage: int, name: str, param: Tensor) -> str:
-    """``s<stage>.<name>``; a tensor that is a row block of a whole experts tensor (a Hugging
-    Face experts tensor sharded over ep: :func:`~zerobubble.parallel.experts.expert_shard`)
-    adds its rows, ``@rows<a>-<b>``: its ep peers hold other rows under the same name."""
-    shard = expert_shard(param)
-    return f"s{stage}.{name}" + ("" if shard is None else f"@rows{shard[0]}-{shard[1]}")
+def _ep_mesh(trainer: PipelineTrainer) -> DeviceMesh | None:
+    """The 1-D ``ep`` mesh a stacked expert shard is stored over (None without ep)."""
+    mesh = trainer.pipe.mesh
+    return None if mesh is None or mesh.ep_mesh is None else mesh.ep_mesh["ep"]
 
 
 def _state_dict(
     trainer: PipelineTrainer, *, with_optimizer: bool = True
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """Tensors to save (or load into, in place): parameters, buffers, optimizer state; and
-    the optimizer state that is not a tensor (saved with the rank's metadata)."""
+    """Tensors to save (or load into, in place): parameters, buffers, optimizer state, keyed
+    by the model's names and held as the model's whole tensors
+    (:func:`~zerobubble.parallel.shards.global_view`); and the optimizer state that is not
+    a tensor (saved with the rank's metadata)."""
     out: dict[str, Any] = {}
     loose: dict[str, dict[str, Any]] = {}
+    names, ep_mesh = _param_names(trainer), _ep_mesh(trainer)
     for s, chunk in trainer.pipe.chunks.items():
-        for n, p in chunk.module.named_parameters():
-            out[f"model.{_param_key(s, n, p)}"] = p.detach()
+        for p in chunk.module.parameters():
+            if id(p) in names:
+                out[f"model.{names[id(p)]}"] = global_view(p.detach(), ep_mesh, like=p)
         for n, b in chunk.module.named_buffers():
-            out[f"buffer.s{s}.{n}"] = b
+            out[f"buffer.{trainer.names(s, n)}"] = b
     if with_optimizer:
-        names = _param_names(trainer)
         for param, st in trainer.optimizer.state.items():
             for field, value in st.items():
+                key = names[id(param)]
                 if isinstance(value, Tensor):
-                    out[f"optim.{names[id(param)]}.{field}"] = value
+                    out[f"optim.{key}.{field}"] = global_view(value, ep_mesh, like=param)
                 else:
-                    loose.setdefault(names[id(param)], {})[field] = value
+                    loose.setdefault(key, {})[field] = value
     return out, loose
 
 

@@ -83,7 +83,7 @@ from zerobubble.schedule.ir import Action as ComputeAction
 from zerobubble.schedule.step_sim import StepMode
 from zerobubble.trace.format import TraceEvent, event_name
 
-__all__ = ["Commit", "PipelineTrainer", "group_settings", "tp_mesh_of"]
+__all__ = ["Commit", "PipelineTrainer", "group_settings", "stage_key", "tp_mesh_of"]
 
 
 @dataclass(frozen=True)
@@ -153,6 +153,10 @@ class PipelineTrainer:
             (:class:`~zerobubble.parallel.tied.TiedGroups`): their gradients are summed
             over the holder stages at the tail, before the norm, clipping, the
             NaN/Inf check and the step; the norm counts each once.
+        names: ``(stage, stage entry name) -> name`` in the model: the key of every
+            parameter, buffer and optimizer-state entry in a checkpoint
+            (:class:`~zerobubble.Pipeline` passes the user's model's names, FQNs);
+            ``s<stage>.<name>`` by default (stages built by hand have no model above them).
 
     The stages' modules that implement :class:`~zerobubble.optim.step_state.StepState`
     (state moved once per applied step, e.g. DeepSeek-V3's expert biases) are told when a
@@ -176,9 +180,11 @@ class PipelineTrainer:
         faults: FaultPlan | None = None,
         on_commit: Callable[[Commit], None] | None = None,
         tied: TiedGroups | None = None,
+        names: Callable[[int, str], str] | None = None,
     ) -> None:
         self.pipe = executor
         self.tied = tied
+        self.names = names or stage_key
         self.optimizer = optimizer
         self.config = config or OptimConfig()
         self.faults = faults or FaultPlan()
@@ -598,6 +604,11 @@ class _GlobalNorm:
             lambda: f"{what} (DTensor's reduction over dim 'tp')",
             timeout_s=self.pipe.p2p.timeout_s,
         )
+
+
+def stage_key(stage: int, name: str) -> str:
+    """``s<stage>.<name>``: a stage entry's checkpoint key where no model names it."""
+    return f"s{stage}.{name}"
 
 
 def tp_mesh_of(

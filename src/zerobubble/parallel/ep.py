@@ -12,9 +12,10 @@ Every wait is bounded by the pipeline's comm timeout (:meth:`ExpertGroup.wait`):
 peer that dies or stalls becomes a :class:`~zerobubble.runtime.p2p.comm.PeerError` naming
 the all-to-all, dim ``ep`` and the group's ranks.
 
-Which group a gradient is summed over is decided here, once (:func:`is_expert`):
-expert parameters over the mesh's ``edp_group`` (the dp ranks holding the same
-experts), every other parameter over ``dp_group``.
+Which group a gradient is summed over follows the parameter's shard record
+(:mod:`~zerobubble.parallel.shards`, re-exported here: :func:`is_expert`): expert
+parameters over the mesh's ``edp_group`` (the dp ranks holding the same experts), every
+other parameter over ``dp_group``.
 
 What the profiler may know of a stage's experts is here too, so that it imports no model:
 a module that exchanges tokens for its experts holds its :class:`ExpertGroup` as attribute
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from zerobubble.parallel.shards import expert_run, is_expert, mark_expert
 from zerobubble.runtime.p2p.comm import Arrivals, PeerError
 
 if TYPE_CHECKING:
@@ -54,8 +56,6 @@ __all__ = [
     "start_all_to_all",
     "timing_waits",
 ]
-
-_EXPERT_ATTR = "_zb_expert_run"
 
 
 class LocalGroup:
@@ -200,23 +200,6 @@ class ExpertGroup:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ExpertGroup:
         return self
-
-
-def mark_expert(param: nn.Parameter, run: int) -> None:
-    """Mark ``param`` as an expert shard; ``run`` tells apart the MoE layers of a stage
-    (the parameters of one layer's local experts are consecutive and share a run)."""
-    setattr(param, _EXPERT_ATTR, run)
-
-
-def is_expert(param: Tensor) -> bool:
-    """Whether ``param`` is an expert shard: summed over ``edp_group``, not ``dp_group``."""
-    return hasattr(param, _EXPERT_ATTR)
-
-
-def expert_run(param: Tensor) -> int | None:
-    """The run :func:`mark_expert` gave ``param`` (None: a dense parameter)."""
-    run = getattr(param, _EXPERT_ATTR, None)
-    return None if run is None else int(run)
 
 
 def exchange_counts(counts: Tensor, group: ExpertGroup) -> Tensor:

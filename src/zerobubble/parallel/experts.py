@@ -13,10 +13,10 @@ imports no model (docs/layer-contract.md).
   hooks); our ``MoE`` has one, and so has every layer of the Hugging Face adapter
   (:class:`~zerobubble.interop.hf_layers.HFLayer`, for transformers' experts modules inside
   it). :func:`unsharded_experts` names what looks like experts yet holds no shard.
-* **Marks on parameters**: :func:`~zerobubble.parallel.ep.mark_expert` (an expert's gradient
-  is summed over ``edp``) and :func:`mark_expert_rows` (the tensor is rows ``[start, stop)``
-  of a whole ``(E, ...)`` tensor, as a sharded Hugging Face experts tensor is;
-  :func:`expert_shard` reads it), which the pipeline's state dict and the checkpoints read.
+* **The shard record** on each expert parameter:
+  :func:`~zerobubble.parallel.shards.mark_expert` (its MoE layer's run and, for a stacked
+  ``(E, ...)`` tensor, its rows ``[start, stop)``; :func:`expert_shard` reads the rows),
+  which the reductions, the norm, the pipeline's state dict and the checkpoints read.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from typing import Any, Protocol, cast
 import torch
 from torch import Tensor, nn
 
-from zerobubble.parallel.ep import ExpertGroup, all_to_all, exchange_counts, is_expert
+from zerobubble.parallel.ep import ExpertGroup, all_to_all, exchange_counts
+from zerobubble.parallel.shards import expert_shard_of, is_expert
 
 __all__ = [
     "ExpertLayer",
@@ -36,14 +37,11 @@ __all__ = [
     "exchange_grouped",
     "exchange_rows",
     "expert_shard",
-    "mark_expert_rows",
     "run_experts",
     "run_grouped",
     "shard_all_experts",
     "unsharded_experts",
 ]
-
-_ROWS_ATTR = "_zb_expert_rows"
 
 
 class ExpertLayer(nn.Module):
@@ -139,18 +137,13 @@ def exchange_grouped(
     return all_to_all(run(got, received), send, recv, ep)
 
 
-def mark_expert_rows(param: Tensor, start: int, stop: int, num_experts: int) -> None:
-    """Mark ``param`` as rows ``[start, stop)`` of a whole ``(num_experts, ...)`` tensor that
-    keeps its name (its ep peers hold the other rows under the same name)."""
-    setattr(param, _ROWS_ATTR, (start, stop, num_experts))
-
-
 def expert_shard(param: Tensor) -> tuple[int, int, int] | None:
     """``(start, stop, num_experts)``: the rows of the whole ``(E, ...)`` tensor that
-    ``param`` holds (:func:`mark_expert_rows`: a sharded Hugging Face experts tensor); None
+    ``param`` holds (a sharded Hugging Face experts tensor,
+    :attr:`~zerobubble.parallel.shards.ExpertShard.rows`); None
     for any other tensor."""
-    shard = getattr(param, _ROWS_ATTR, None)
-    return None if shard is None else (int(shard[0]), int(shard[1]), int(shard[2]))
+    shard = expert_shard_of(param)
+    return None if shard is None else shard.rows
 
 
 class ShardsExperts(Protocol):
