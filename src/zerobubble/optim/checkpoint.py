@@ -46,15 +46,21 @@ executor's ``s<stage>.<name>``), and each holds the model's whole tensor as
 tensor (DDP-style data parallelism: every replica holds the same) once, and
 assembles FSDP's DTensor shards into the global tensor; loading reads each
 rank's shard (or the whole tensor) back. The per-rank entries (metadata, RNG,
-``extra``) are keyed by pipeline and dp rank. The record notes the dp size,
-and a checkpoint loads only into a job of the same pp and dp sizes.
+``extra``) are keyed by pipeline and dp rank. The record notes the dp size.
 
 With tensor parallelism (stages parallelized over a tp mesh, see
 :func:`~zerobubble.optim.trainer.tp_mesh_of`) every tp rank's pipeline saves into the
 same checkpoint: the save is over the whole job, parameters and optimizer state are
 stored as the DTensors they are (DCP writes each shard once and a replicated one once),
-per-rank entries add the tp rank, and the record notes the tp size: loading into another
-tp size raises ValueError (resharding across tp sizes is not supported).
+per-rank entries add the tp rank, and the record notes the tp size.
+
+Resharding: a checkpoint loads into a job of another layout (pp, the stage cut, dp, tp,
+FSDP or not) as long as its entries are keyed by the model's names (a
+:class:`~zerobubble.Pipeline`'s trainer): every rank reads its parameters' and optimizer
+entries' parts of the stored whole tensors (DCP reshards), the optimizer's non-tensor
+state of every saved rank, and the param-group settings, ``extra`` and CPU RNG state of
+the saving job's first rank (at the same layout each rank gets its own back). Stage-keyed
+entries (a hand-built executor's) reload only into the same number of stages.
 
 With expert parallelism a Hugging Face experts tensor, of which each ep rank holds rows,
 is stored once, whole (a DTensor ``Shard(0)`` over the ``ep`` mesh: DCP writes each row
@@ -95,7 +101,7 @@ from torch.distributed.tensor import empty as dtensor_empty
 from torch.futures import Future
 
 from zerobubble.optim.faults import CrashPoint
-from zerobubble.optim.trainer import PipelineTrainer, group_settings
+from zerobubble.optim.trainer import PipelineTrainer, group_settings, stage_key
 from zerobubble.parallel.mesh import PipelineMesh
 from zerobubble.parallel.shards import global_view
 from zerobubble.runtime.p2p.comm import exchange_bytes, set_timeout, transport_timeout
@@ -287,6 +293,8 @@ def _write_records(
         "num_stages": trainer.pipe.schedule.num_stages,
         "dp_size": 1 if mesh is None else mesh.dp_size,
         "tp_size": _tp_size(trainer),
+        "keys": _key_kind(trainer),
+        "first": _own_key(trainer, mesh),
         "files": dict(sorted(files.items())),
     }
     _write_json(root / f"{name}.json", record)
@@ -398,9 +406,9 @@ def load_checkpoint(
     every rank before any collective.
 
     A collective (over the job with ``mesh``, as :func:`save_checkpoint`). The trainer
-    must run the same schedule on the same number of ranks (and dp replicas); it
-    continues exactly where the saved run stood after its drain. Sharded (FSDP) and
-    replicated parameters load into either kind of run: each rank reads its part.
+    continues exactly where the saved run stood after its drain. At another layout (see
+    the module: pp, stage cut, dp, tp, FSDP) each rank reads its parts of the stored
+    whole tensors, and ``extra`` is the saving job's first rank's.
     """
     root = Path(root)
     if step is not None and (type(step) is not int or step < 0):
@@ -408,9 +416,9 @@ def load_checkpoint(
     if missing_ok and step is None and latest_checkpoint(root) is None:
         return None
     manifest = verify_checkpoint(root, step)
-    _check_layout(trainer, manifest, mesh)
+    same = _same_layout(trainer, manifest, mesh)
     group = _group(trainer, mesh)
-    own = _own_key(trainer, mesh)
+    own = _own_key(trainer, mesh) if same else manifest["first"]
     path = Path(root) / manifest["path"]
     state, by_name = _load_targets(trainer, own, path)
     timeout = trainer.pipe.p2p.timeout_s
@@ -422,42 +430,59 @@ def load_checkpoint(
     with _dcp_bounded(trainer, group, where):
         dcp.load(state, storage_reader=reader, process_group=group)
     meta = _from_bytes(state[f"{own}.meta"])
+    meta["state"] = {  # every rank's, by parameter name: this run's stages may hold others'
+        k: v
+        for key in sorted(state)
+        if _is_meta(key)
+        for k, v in _from_bytes(state[key])["state"].items()
+    }
     _restore_optimizer(trainer, state, meta, by_name)
     torch.set_rng_state(state[f"{own}.rng"])
     trainer.restore(manifest["step"])
     return meta["extra"]
 
 
-def _check_layout(
+def _same_layout(
     trainer: PipelineTrainer, manifest: dict[str, Any], mesh: PipelineMesh | None
-) -> None:
-    """The checkpoint was saved by a run of the same layout: ranks, stages, dp and tp."""
-    sched = trainer.pipe.schedule
-    if (manifest["world_size"], manifest["num_stages"]) != (trainer.world, sched.num_stages):
-        raise ValueError(
-            f"checkpoint {manifest['path']} was saved by {manifest['world_size']} ranks with "
-            f"{manifest['num_stages']} stages; this run has {trainer.world} ranks and "
-            f"{sched.num_stages} stages: resume with the same pipeline layout"
-        )
+) -> bool:
+    """Whether the checkpoint was saved by a run of this layout (ranks, stages, dp, tp):
+    each rank then takes back its own entries. Another layout loads resharded where the
+    entries are keyed by the model's names; stage-keyed entries (a hand-built executor's)
+    need the same stages."""
     dp = 1 if mesh is None else mesh.dp_size
-    if manifest.get("dp_size", 1) != dp:
+    saved = (
+        manifest["world_size"],
+        manifest["num_stages"],
+        manifest.get("dp_size", 1),
+        manifest.get("tp_size", 1),
+    )
+    this = (trainer.world, trainer.pipe.schedule.num_stages, dp, _tp_size(trainer))
+    if saved == this:
+        return True
+    stage_keyed = "stage" in (manifest.get("keys", "stage"), _key_kind(trainer))
+    if stage_keyed and saved[1] != this[1]:
         raise ValueError(
-            f"checkpoint {manifest['path']} was saved by {manifest.get('dp_size', 1)} "
-            f"data-parallel replicas; this run has dp={dp}: resume with the same mesh "
-            "(and pass mesh= to load_checkpoint when the job has one)"
+            f"checkpoint {manifest['path']} was saved with {saved[1]} stages and this run has "
+            f"{this[1]}; entries keyed by stage (a trainer built on a hand-built executor) "
+            "reload only into the same stages: build both runs with zerobubble.Pipeline, whose "
+            "checkpoints are keyed by the model's names, to change the pipeline cut"
         )
-    if manifest.get("tp_size", 1) != _tp_size(trainer):
-        raise ValueError(
-            f"checkpoint {manifest['path']} was saved with tensor parallelism "
-            f"tp={manifest.get('tp_size', 1)}; this run has tp={_tp_size(trainer)}: resume "
-            "with the same tp size (resharding a checkpoint to another tp size is not supported)"
-        )
+    return False
+
+
+def _is_meta(key: str) -> bool:
+    """A saved rank's metadata entry (``rank<r>[.dp<d>][.tp<t>].meta``)."""
+    return key.startswith("rank") and key.endswith(".meta")
+
+
+def _key_kind(trainer: PipelineTrainer) -> str:
+    return "stage" if trainer.names is stage_key else "model"
 
 
 def _load_targets(
     trainer: PipelineTrainer, own: str, path: Path
 ) -> tuple[dict[str, Any], Mapping[str, Tensor]]:
-    """What DCP loads into: the parameters, this rank's meta and RNG state, and a target
+    """What DCP loads into: the parameters, every rank's meta, ``own``'s RNG state, and a target
     for each stored optimizer entry of a parameter this rank holds; and the parameters by
     checkpoint name."""
     stored = FileSystemReader(path).read_metadata().state_dict_metadata
@@ -465,7 +490,7 @@ def _load_targets(
     names, ep_mesh = _param_names(trainer), _ep_mesh(trainer)
     by_name = {names[id(p)]: p for p in trainer.params if id(p) in names}
     for key, md in stored.items():
-        if key in (f"{own}.meta", f"{own}.rng"):
+        if _is_meta(key) or key == f"{own}.rng":
             assert isinstance(md, TensorStorageMetadata)
             state[key] = torch.empty(md.size, dtype=md.properties.dtype)
         elif key.startswith("optim."):

@@ -1,0 +1,140 @@
+"""Resharding resume: a checkpoint saved at one mesh loads at another (gloo).
+
+Our GPT (tied nothing, no dropout), AdamW with clipping, zb-h1 (1f1b at pp=1). A job at
+pp2 x dp2 x tp2 with FSDP (8 ranks) trains 2 steps, saves, and reports the whole
+parameters and AdamW state it saved (``full_tensor()`` of every shard). At each target
+mesh, pp2 x dp1 x tp2, pp4 x dp1 x tp1 and pp1 x dp2 x tp2, one launch runs two pipelines:
+one loads the checkpoint, the other starts from that whole state by hand
+(``load_state_dict`` and the optimizer's state distributed like each parameter); both
+train the same 2 steps. Against the second, the resumed run's losses, parameters and
+AdamW state are bitwise equal: the checkpoint reloads at another mesh exactly as the
+state it holds. A job at pp2 x dp2 killed (SIGKILL) after its save resumes at pp2 x dp1 the
+same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+import zerobubble
+from ranks import launch
+from zerobubble.models import GPTConfig, build_gpt, gpt_loss
+from zerobubble.optim.checkpoint import load_checkpoint, save_checkpoint
+from zerobubble.optim.faults import Crash, FaultPlan
+from zerobubble.runtime.launcher import LaunchError
+
+pytestmark = pytest.mark.slow
+
+CFG = GPTConfig(vocab_size=16, max_seq_len=4, d_model=8, n_heads=2, n_layers=4)
+BATCH, M, SAVE_AT, MORE = 8, 2, 2, 2
+TARGETS = [(2, 1, 2), (4, 1, 1), (1, 2, 2)]
+
+
+def batch(k: int, dp: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(30 + k)
+    x, y = (torch.randint(0, 16, (BATCH, 4), generator=gen) for _ in range(2))
+    part = slice(replica * BATCH // dp, (replica + 1) * BATCH // dp)
+    return x[part], y[part]
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def make(mesh: zerobubble.PipelineMesh, faults: FaultPlan | None = None):
+    torch.manual_seed(0)
+    kind = "1f1b" if mesh.pp_size == 1 else "zb-h1"
+    pipe = zerobubble.Pipeline(build_gpt(CFG), gpt_loss, kind, microbatches=M, mesh=mesh)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.02)
+    trainer = pipe.set_optimizer(opt, zerobubble.OptimConfig(max_norm=0.5), faults=faults)
+    return pipe, opt, trainer
+
+
+def train(pipe, mesh, steps: range) -> list:
+    losses = []
+    for k in steps:
+        x, y = batch(k, mesh.dp_size, mesh.dp_rank)
+        out = pipe.step(x, target=y)
+        losses.append(None if out is None else [v.item() for v in out])
+    pipe.drain()
+    return losses
+
+
+def state(pipe, opt) -> dict:
+    """Every parameter and AdamW entry, whole (collective over the shards' meshes)."""
+    return {
+        n: (whole(p), {f: whole(v) for f, v in opt.state[p].items()})
+        for n, p in pipe.named_parameters()
+    }
+
+
+def save_job(root: str, pp: int, dp: int, tp: int, fsdp: bool, crash: bool) -> dict:
+    zerobubble.init_distributed(timeout_s=60)
+    mesh = zerobubble.build_mesh(pp, dp, tp=tp, fsdp=fsdp)
+    faults = FaultPlan(crashes=(Crash(0, SAVE_AT + 1, "at_tail"),)) if crash else None
+    pipe, opt, trainer = make(mesh, faults)
+    train(pipe, mesh, range(SAVE_AT))
+    save_checkpoint(trainer, root, mesh=mesh)
+    saved = state(pipe, opt)
+    torch.save(saved, Path(root) / f"whole_{torch.distributed.get_rank()}.pt")
+    train(pipe, mesh, range(SAVE_AT, SAVE_AT + MORE))  # the crash, if any, comes here
+    return saved
+
+
+def resume_job(root: str, pp: int, dp: int, tp: int) -> dict:
+    zerobubble.init_distributed(timeout_s=60)
+    mesh = zerobubble.build_mesh(pp, dp, tp=tp)
+    saved: dict = {}
+    for f in sorted(Path(root).glob("whole_*.pt")):
+        saved.update(torch.load(f))
+    steps = range(SAVE_AT, SAVE_AT + MORE)
+    pipe, opt, trainer = make(mesh)
+    load_checkpoint(trainer, root, mesh=mesh)
+    resumed = (train(pipe, mesh, steps), state(pipe, opt))
+    pipe, opt, _ = make(mesh)
+    pipe.load_state_dict({n: p for n, (p, _) in saved.items()}, strict=False)
+    for n, p in pipe.named_parameters():
+        opt.state[p] = {f: like(v, p) for f, v in saved[n][1].items()}
+    fresh = (train(pipe, mesh, steps), state(pipe, opt))
+    return {"resumed": resumed, "fresh": fresh}
+
+
+def like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """An optimizer entry placed as ``param`` is (a moment), or as it is (the step count)."""
+    if isinstance(param, DTensor) and value.shape == param.shape:
+        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    return value.clone()
+
+
+def same(results: list[dict]) -> None:
+    for rank, r in enumerate(results):
+        (losses, got), (want_losses, want) = r["resumed"], r["fresh"]
+        assert losses == want_losses, rank
+        assert got.keys() == want.keys() and got, rank
+        for n, (p, st) in got.items():
+            assert torch.equal(p, want[n][0]), (rank, n)
+            assert st.keys() == want[n][1].keys() == {"step", "exp_avg", "exp_avg_sq"}, n
+            assert all(torch.equal(v, want[n][1][f]) for f, v in st.items()), (rank, n)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("reshard")
+    launch(save_job, 8, str(root), 2, 2, 2, True, False, timeout=300)
+    return root
+
+
+@pytest.mark.parametrize(("pp", "dp", "tp"), TARGETS)
+def test_a_checkpoint_of_pp2_dp2_tp2_fsdp_resumes_at_another_mesh_exactly(saved, pp, dp, tp):
+    same(launch(resume_job, pp * dp * tp, str(saved), pp, dp, tp, timeout=300))
+
+
+def test_a_job_killed_at_pp2_dp2_resumes_at_pp2_dp1(tmp_path):
+    with pytest.raises(LaunchError) as err:
+        launch(save_job, 4, str(tmp_path), 2, 2, 1, False, True, timeout=300, grace=20)
+    assert any(f.error == "killed by signal SIGKILL" for f in err.value.failures)
+    same(launch(resume_job, 2, str(tmp_path), 2, 1, 1, timeout=300))
