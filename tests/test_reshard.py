@@ -9,7 +9,8 @@ one loads the checkpoint, the other starts from that whole state by hand
 train the same 2 steps. Against the second, the resumed run's losses, parameters and
 AdamW state are bitwise equal: the checkpoint reloads at another mesh exactly as the
 state it holds. A job at pp2 x dp2 killed (SIGKILL) after its save resumes at pp2 x dp1 the
-same way.
+same way. HF Mixtral (its experts one stacked tensor per projection, each ep rank holding
+rows) saved at pp2 x dp2 x ep2 resumes at pp2 x dp1 (experts whole) and at pp1 x dp2 x ep2.
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import zerobubble
 from ranks import launch
+from zerobubble.interop import hf
+from zerobubble.interop.hf_experts import expert_shard
 from zerobubble.models import GPTConfig, build_gpt, gpt_loss
 from zerobubble.optim.checkpoint import load_checkpoint, save_checkpoint
 from zerobubble.optim.faults import Crash, FaultPlan
+from zerobubble.parallel.shards import global_view
 from zerobubble.runtime.launcher import LaunchError
 
 pytestmark = pytest.mark.slow
@@ -32,6 +36,7 @@ pytestmark = pytest.mark.slow
 CFG = GPTConfig(vocab_size=16, max_seq_len=4, d_model=8, n_heads=2, n_layers=4)
 BATCH, M, SAVE_AT, MORE = 8, 2, 2, 2
 TARGETS = [(2, 1, 2), (4, 1, 1), (1, 2, 2)]
+MOE_TARGETS = [(2, 1, 1), (1, 2, 2)]  # (pp, dp, ep)
 
 
 def batch(k: int, dp: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,14 +46,22 @@ def batch(k: int, dp: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[part], y[part]
 
 
-def whole(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+def whole(t: torch.Tensor, mesh: zerobubble.PipelineMesh, param: torch.Tensor) -> torch.Tensor:
+    """``t`` (``param`` or its optimizer entry) as the model's whole tensor."""
+    ep = None if mesh.ep_mesh is None else mesh.ep_mesh["ep"]
+    t = global_view(t.detach(), ep, like=param)
+    return (t.full_tensor() if isinstance(t, DTensor) else t).clone()
 
 
-def make(mesh: zerobubble.PipelineMesh, faults: FaultPlan | None = None):
+def make(mesh: zerobubble.PipelineMesh, model: str, faults: FaultPlan | None = None):
     torch.manual_seed(0)
     kind = "1f1b" if mesh.pp_size == 1 else "zb-h1"
-    pipe = zerobubble.Pipeline(build_gpt(CFG), gpt_loss, kind, microbatches=M, mesh=mesh)
+    if model == "gpt":
+        layers, loss = build_gpt(CFG), gpt_loss
+    else:
+        hf_model = hf.tiny_model(model)
+        layers, loss = hf.causal_lm_layers(hf_model), hf.CausalLMLoss(hf_model)
+    pipe = zerobubble.Pipeline(layers, loss, kind, microbatches=M, mesh=mesh)
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.02)
     trainer = pipe.set_optimizer(opt, zerobubble.OptimConfig(max_norm=0.5), faults=faults)
     return pipe, opt, trainer
@@ -64,49 +77,53 @@ def train(pipe, mesh, steps: range) -> list:
     return losses
 
 
-def state(pipe, opt) -> dict:
+def state(pipe, opt, mesh) -> dict:
     """Every parameter and AdamW entry, whole (collective over the shards' meshes)."""
     return {
-        n: (whole(p), {f: whole(v) for f, v in opt.state[p].items()})
+        n: (whole(p, mesh, p), {f: whole(v, mesh, p) for f, v in opt.state[p].items()})
         for n, p in pipe.named_parameters()
     }
 
 
-def save_job(root: str, pp: int, dp: int, tp: int, fsdp: bool, crash: bool) -> dict:
+def save_job(root: str, model: str, pp: int, dp: int, tp: int, ep: int, fsdp: bool, crash: bool):
     zerobubble.init_distributed(timeout_s=60)
-    mesh = zerobubble.build_mesh(pp, dp, tp=tp, fsdp=fsdp)
+    mesh = zerobubble.build_mesh(pp, dp, tp=tp, ep=ep, fsdp=fsdp)
     faults = FaultPlan(crashes=(Crash(0, SAVE_AT + 1, "at_tail"),)) if crash else None
-    pipe, opt, trainer = make(mesh, faults)
+    pipe, opt, trainer = make(mesh, model, faults)
     train(pipe, mesh, range(SAVE_AT))
     save_checkpoint(trainer, root, mesh=mesh)
-    saved = state(pipe, opt)
+    saved = state(pipe, opt, mesh)
     torch.save(saved, Path(root) / f"whole_{torch.distributed.get_rank()}.pt")
     train(pipe, mesh, range(SAVE_AT, SAVE_AT + MORE))  # the crash, if any, comes here
     return saved
 
 
-def resume_job(root: str, pp: int, dp: int, tp: int) -> dict:
+def resume_job(root: str, model: str, pp: int, dp: int, tp: int, ep: int) -> dict:
     zerobubble.init_distributed(timeout_s=60)
-    mesh = zerobubble.build_mesh(pp, dp, tp=tp)
+    mesh = zerobubble.build_mesh(pp, dp, tp=tp, ep=ep)
     saved: dict = {}
     for f in sorted(Path(root).glob("whole_*.pt")):
         saved.update(torch.load(f))
     steps = range(SAVE_AT, SAVE_AT + MORE)
-    pipe, opt, trainer = make(mesh)
+    pipe, opt, trainer = make(mesh, model)
     load_checkpoint(trainer, root, mesh=mesh)
-    resumed = (train(pipe, mesh, steps), state(pipe, opt))
-    pipe, opt, _ = make(mesh)
+    resumed = (train(pipe, mesh, steps), state(pipe, opt, mesh))
+    pipe, opt, _ = make(mesh, model)
     pipe.load_state_dict({n: p for n, (p, _) in saved.items()}, strict=False)
     for n, p in pipe.named_parameters():
         opt.state[p] = {f: like(v, p) for f, v in saved[n][1].items()}
-    fresh = (train(pipe, mesh, steps), state(pipe, opt))
+    fresh = (train(pipe, mesh, steps), state(pipe, opt, mesh))
     return {"resumed": resumed, "fresh": fresh}
 
 
 def like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """An optimizer entry placed as ``param`` is (a moment), or as it is (the step count)."""
+    """An optimizer entry placed as ``param`` is (a moment: a DTensor's shard, an expert
+    tensor's rows), or as it is (the step count)."""
     if isinstance(param, DTensor) and value.shape == param.shape:
         return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    rows = expert_shard(param)
+    if rows is not None and value.dim() == param.dim():
+        return value[rows[0] : rows[1]].clone()
     return value.clone()
 
 
@@ -124,17 +141,29 @@ def same(results: list[dict]) -> None:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("reshard")
-    launch(save_job, 8, str(root), 2, 2, 2, True, False, timeout=300)
+    launch(save_job, 8, str(root), "gpt", 2, 2, 2, 1, True, False, timeout=300)
     return root
 
 
 @pytest.mark.parametrize(("pp", "dp", "tp"), TARGETS)
 def test_a_checkpoint_of_pp2_dp2_tp2_fsdp_resumes_at_another_mesh_exactly(saved, pp, dp, tp):
-    same(launch(resume_job, pp * dp * tp, str(saved), pp, dp, tp, timeout=300))
+    same(launch(resume_job, pp * dp * tp, str(saved), "gpt", pp, dp, tp, 1, timeout=300))
 
 
 def test_a_job_killed_at_pp2_dp2_resumes_at_pp2_dp1(tmp_path):
     with pytest.raises(LaunchError) as err:
-        launch(save_job, 4, str(tmp_path), 2, 2, 1, False, True, timeout=300, grace=20)
+        launch(save_job, 4, str(tmp_path), "gpt", 2, 2, 1, 1, False, True, timeout=300, grace=20)
     assert any(f.error == "killed by signal SIGKILL" for f in err.value.failures)
-    same(launch(resume_job, 2, str(tmp_path), 2, 1, 1, timeout=300))
+    same(launch(resume_job, 2, str(tmp_path), "gpt", 2, 1, 1, 1, timeout=300))
+
+
+@pytest.fixture(scope="module")
+def saved_moe(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("reshard_moe")
+    launch(save_job, 4, str(root), "hf-mixtral", 2, 2, 1, 2, False, False, timeout=300)
+    return root
+
+
+@pytest.mark.parametrize(("pp", "dp", "ep"), MOE_TARGETS)
+def test_hf_experts_saved_at_ep2_resume_at_another_ep_and_pp_exactly(saved_moe, pp, dp, ep):
+    same(launch(resume_job, pp * dp, str(saved_moe), "hf-mixtral", pp, dp, 1, ep, timeout=300))
