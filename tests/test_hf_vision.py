@@ -16,6 +16,8 @@ they are cut by hand (below) into the layers a ``Pipeline`` takes.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,6 +29,7 @@ transformers = pytest.importorskip("transformers")
 import zerobubble  # noqa: E402
 from ranks import launch  # noqa: E402
 from zerobubble.reference.step import reference_step  # noqa: E402
+from zerobubble.runtime.launcher import LaunchError  # noqa: E402
 from zerobubble.runtime.split import SplitOp, WeightGradStore, enable_bw_split  # noqa: E402
 
 pytestmark = pytest.mark.bitwise
@@ -192,3 +195,80 @@ def test_boundary_frames_keep_the_producers_memory_format():
         assert got[key].stride() == tree[key].stride() and torch.equal(got[key], tree[key]), key
     assert got["x"].is_contiguous(memory_format=torch.channels_last) and got["x"].requires_grad
     assert got["gap"].is_contiguous() and torch.equal(got["gap"], tree["gap"])
+
+
+class ReadsConfig(nn.Module):
+    """A layer whose forward reads an attribute its conv does not have (as MobileNetV2's
+    padding read ``stride`` of a split conv before the split layers answered for it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(x) * self.conv.tf_scale
+
+
+def failing_layers(stage: int) -> list[nn.Module]:
+    """``[conv, conv, conv, flatten]`` with layer ``stage`` reading a missing attribute."""
+    layers: list[nn.Module] = [nn.Conv2d(2, 2, 3, padding=1) for _ in range(3)]
+    layers[stage] = nn.Sequential(nn.Tanh(), ReadsConfig())
+    return [*layers, nn.Flatten()]
+
+
+def failing_job() -> None:
+    zerobubble.init_distributed(timeout_s=120)
+    options = zerobubble.ExecutorOptions(trace=False, comm_timeout_s=120)
+    pipe = zerobubble.Pipeline(
+        failing_layers(1),
+        F.mse_loss,
+        "zb-h1",
+        microbatches=2,
+        boundaries=[0, 1, 2, 4],
+        options=options,
+    )
+    pipe.step(torch.randn(4, 2, 3, 3), target=torch.randn(4, 18))
+
+
+@pytest.mark.slow
+def test_an_error_in_a_later_stage_names_it_and_the_layer_and_its_peers_fail_at_once():
+    """Stage 1 of 3 reads an attribute its (split) conv lacks: its rank names the stage,
+    the microbatch and the layer (module path in the stage) whose code raised, as the
+    stage's own failure, not a boundary mismatch with stage 0 (which it was). Both
+    neighbours fail on the closed connection, long before the comm timeout (120 s)."""
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as err:
+        launch(failing_job, 3, timeout=TIMEOUT, grace=100)
+    assert time.monotonic() - start < 60
+    by_rank = {f.rank: f.error for f in err.value.failures}
+    want = (
+        "StageChunkError: stage 1, microbatch 0: forward (rank 1) failed in layer '0.1' "
+        "(ReadsConfig): AttributeError: 'SplitOp' object (the split Conv2d) has no attribute "
+        "'tf_scale'"
+    )
+    assert want in by_rank[1] and "ShapeMismatchError" not in by_rank[1], by_rank[1]
+    for rank in (0, 2):
+        assert "PeerError" in by_rank[rank] and "the transport failed" in by_rank[rank]
+
+
+def test_an_error_in_stage_0_keeps_its_type_with_a_note_naming_stage_and_layer(tmp_path):
+    """One rank, two stages (zbv): the user's own exception type, and a note (shown with
+    its traceback) naming the stage, the microbatch, the rank and the layer."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        options = zerobubble.ExecutorOptions(trace=False)
+        pipe = zerobubble.Pipeline(
+            failing_layers(0),
+            F.mse_loss,
+            "zbv",
+            microbatches=2,
+            boundaries=[0, 2, 4],
+            options=options,
+        )
+        with pytest.raises(AttributeError, match="no attribute 'tf_scale'") as err:
+            pipe.step(torch.randn(4, 2, 3, 3), target=torch.randn(4, 18))
+    finally:
+        dist.destroy_process_group()
+    note = "stage 0, microbatch 0: forward (rank 0) failed in layer '0.1' (ReadsConfig)"
+    assert err.value.__notes__ == [note]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from zerobubble.runtime.p2p.comm import DTYPES, TensorMeta, dtype_code, dtype_of
 
@@ -74,12 +74,30 @@ def is_layout_error(error: BaseException) -> bool:
     kind, a torch error about shapes, sizes, dimensions, channels, dtypes or devices, or
     a layer's own check that "got" a value of the wrong Python type.
     Anything else (an in-place op refused, running out of memory, the user's own
-    assertion) is the stage's own failure, not its neighbour's."""
+    assertion, an attribute missing on a module rather than on the value) is the stage's
+    own failure, not its neighbour's."""
     if isinstance(error, torch.OutOfMemoryError):
         return False
+    if _module_attribute_error(error):
+        return False  # a layer lacks an attribute its code reads: the layer's own failure
     if isinstance(error, KeyError | IndexError | TypeError | AttributeError):
         return True
     return isinstance(error, RuntimeError | ValueError) and bool(_LAYOUT_WORDS.search(str(error)))
+
+
+def _module_attribute_error(error: BaseException) -> bool:
+    """Whether ``error`` is an attribute missing on a module (raised by a module's
+    ``__getattr__``), not on the value the stage received."""
+    if not isinstance(error, AttributeError):
+        return False
+    if isinstance(getattr(error, "obj", None), nn.Module):
+        return True
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None or tb.tb_frame.f_code.co_name != "__getattr__":
+        return False
+    return isinstance(tb.tb_frame.f_locals.get("self"), nn.Module)
 
 
 class BoundaryError(ValueError):
