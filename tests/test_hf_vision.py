@@ -272,3 +272,9 @@ def test_an_error_in_stage_0_keeps_its_type_with_a_note_naming_stage_and_layer(t
         dist.destroy_process_group()
     note = "stage 0, microbatch 0: forward (rank 0) failed in layer '0.1' (ReadsConfig)"
     assert err.value.__notes__ == [note]
+
+
+def test_seed_none_is_refused_naming_the_option_and_the_fix():
+    with pytest.raises(ValueError, match=r"ExecutorOptions\(seed=None\): seed must be an int"):
+        zerobubble.ExecutorOptions(seed=None)  # type: ignore[arg-type]
+    assert zerobubble.ExecutorOptions(seed=torch.tensor(7).numpy()[()]).seed == 7
