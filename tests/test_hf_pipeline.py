@@ -427,8 +427,9 @@ def test_mismatched_layouts_between_stages_name_both_stages_the_value_and_the_fi
         "stage 0 -> stage 1: stage 1 (rank 0) cannot consume stage 0's output of "
         "[5, 5, 64] float32 (grad) (microbatch 0): ValueError: DecoderBlock: expected the "
         "previous layer's dict with 'hidden' (a tensor), 'attention_mask' and 'position_ids'; "
-        "got Tensor; stage 1's first layer must take what stage 0 gives: change that layer or "
-        "the one before it, or cut elsewhere (Pipeline(boundaries=...))"
+        "got Tensor; raised in layer '0' (DecoderBlock); stage 1's first layer must take what "
+        "stage 0 gives: change that layer or the one before it, or cut elsewhere "
+        "(Pipeline(boundaries=...))"
     )
 
 

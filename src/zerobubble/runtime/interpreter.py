@@ -33,7 +33,7 @@ from zerobubble.program.instructions import (
     input_message,
     output_message,
 )
-from zerobubble.runtime.blame import forward_failure
+from zerobubble.runtime.blame import forward_failure, where_failed
 from zerobubble.runtime.hooks import StepHooks
 from zerobubble.runtime.options import ExecutorOptions
 from zerobubble.runtime.overlap import OverlapPair, run_pair
@@ -233,9 +233,11 @@ class Interpreter:
         except (StageChunkError, PeerError):  # a peer's failure is not this stage's input's
             raise
         except Exception as e:
-            if a.stage == 0:
+            layer = chunk.layer_path(e)
+            if a.stage == 0:  # the user's own exception, with a note saying where
+                e.add_note(f"stage 0, microbatch {a.mb}: {where_failed(layer, pipe.rank)}")
                 raise
-            raise forward_failure(e, a.stage, a.mb, chunk.layer_of(e), arg, pipe.rank) from e
+            raise forward_failure(e, a.stage, a.mb, layer, arg, pipe.rank) from e
 
     def overlap(self, ins: Overlap) -> None:
         """Both halves of a pair at once (:mod:`~zerobubble.runtime.overlap`): their version

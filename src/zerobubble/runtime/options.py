@@ -6,6 +6,7 @@ any process group or stage exists.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 from zerobubble.runtime.loss_terms import TermWeight, term_weight
@@ -66,7 +67,9 @@ class ExecutorOptions:
     (:class:`~zerobubble.runtime.rng.StageRng`), and the caller's states are restored after
     it. Dropout then draws the same under every schedule and on a replay, bitwise as
     :func:`~zerobubble.reference.step.reference_step` given the same seed. Every rank
-    must use the same seed."""
+    must use the same seed. Any integer (numpy's too); there is no unseeded mode
+    (``seed=None`` is refused with a ValueError: an unseeded stage would draw differently
+    under each schedule, on a replay and in a recomputation)."""
 
     recompute: Recompute = "none"
     """Activation checkpointing of the stages the executor wraps (``StageChunk(recompute=)``,
@@ -113,6 +116,7 @@ class ExecutorOptions:
             raise ValueError(f"comm_timeout_s must be > 0 seconds, got {self.comm_timeout_s}")
         if self.recv_lookahead < 0:
             raise ValueError(f"recv_lookahead must be >= 0, got {self.recv_lookahead}")
+        object.__setattr__(self, "seed", _seed(self.seed))
         StageRng(self.seed, "cpu")  # a seed out of range is refused here
         recompute_plan(self.recompute)  # and a recompute setting that is not one
         if self.compile is not None and recompute_plan(self.recompute).mode == "layers":
@@ -121,3 +125,16 @@ class ExecutorOptions:
                 "B recomputes a checkpointed layer eagerly, outside its compiled code; use "
                 "recompute='stage' or 'none' with compile"
             )
+
+
+def _seed(seed: object) -> int:
+    """``seed`` as an int; None or a non-integer refused naming the option and the fix."""
+    try:
+        return operator.index(seed)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(
+            f"ExecutorOptions(seed={seed!r}): seed must be an int; the stages' random ops are "
+            "always seeded from (seed, step, stage, microbatch), so that every schedule, a "
+            "replay and a recomputation draw alike. Pass an int (the default is 0) and give "
+            "reference_step the same seed="
+        ) from None

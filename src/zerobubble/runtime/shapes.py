@@ -12,6 +12,14 @@ it differs from the one the receiver expects (see :mod:`zerobubble.runtime.p2p.w
 Only floating tensors that require grad (flag set in the layout) get a gradient
 sent back; integer and bool tensors, and float tensors that do not require
 grad, travel forward only.
+
+A tensor keeps its memory format across a boundary: one that is dense and
+non-overlapping but whose strides are not the row-major ones (channels_last, a
+transposed matrix) is sent with its strides and received with exactly those
+strides (:func:`kept_strides`);
+the layouts of the next stage's kernels, and so their results, are then the ones
+the unpipelined model runs. Other tensors (row-major, or with gaps or overlaps)
+arrive row-major.
 """
 
 from __future__ import annotations
@@ -23,11 +31,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from zerobubble.runtime.p2p.comm import DTYPES, TensorMeta, dtype_code, dtype_of
 
-_TENSOR, _NONE, _INT, _BOOL, _TUPLE, _LIST, _DICT = range(7)
+_TENSOR, _NONE, _INT, _BOOL, _TUPLE, _LIST, _DICT, _STRIDED = range(8)
 _INT64 = (-(2**63), 2**63 - 1)
 
 ALIGN = 64
@@ -66,12 +74,30 @@ def is_layout_error(error: BaseException) -> bool:
     kind, a torch error about shapes, sizes, dimensions, channels, dtypes or devices, or
     a layer's own check that "got" a value of the wrong Python type.
     Anything else (an in-place op refused, running out of memory, the user's own
-    assertion) is the stage's own failure, not its neighbour's."""
+    assertion, an attribute missing on a module rather than on the value) is the stage's
+    own failure, not its neighbour's."""
     if isinstance(error, torch.OutOfMemoryError):
         return False
+    if _module_attribute_error(error):
+        return False  # a layer lacks an attribute its code reads: the layer's own failure
     if isinstance(error, KeyError | IndexError | TypeError | AttributeError):
         return True
     return isinstance(error, RuntimeError | ValueError) and bool(_LAYOUT_WORDS.search(str(error)))
+
+
+def _module_attribute_error(error: BaseException) -> bool:
+    """Whether ``error`` is an attribute missing on a module (raised by a module's
+    ``__getattr__``), not on the value the stage received."""
+    if not isinstance(error, AttributeError):
+        return False
+    if isinstance(getattr(error, "obj", None), nn.Module):
+        return True
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None or tb.tb_frame.f_code.co_name != "__getattr__":
+        return False
+    return isinstance(tb.tb_frame.f_locals.get("self"), nn.Module)
 
 
 class BoundaryError(ValueError):
@@ -110,7 +136,10 @@ def flatten(tree: Any, where: str) -> tuple[tuple[int, ...], list[Tensor]]:
                     f"boundary; expected one of {names} (cast it before the cut)",
                 )
             grad = node.requires_grad and node.is_floating_point()
-            codes.extend((_TENSOR, dtype_code(node.dtype), int(grad), node.dim(), *node.shape))
+            strides = kept_strides(node)
+            tag = _TENSOR if strides is None else _STRIDED
+            codes.extend((tag, dtype_code(node.dtype), int(grad), node.dim(), *node.shape))
+            codes.extend(strides or ())
             tensors.append(node)
         elif node is None:
             codes.append(_NONE)
@@ -153,49 +182,82 @@ def flatten(tree: Any, where: str) -> tuple[tuple[int, ...], list[Tensor]]:
     return tuple(codes), tensors
 
 
+def kept_strides(t: Tensor) -> tuple[int, ...] | None:
+    """The strides ``t`` keeps across a boundary: its own when it is dense and
+    non-overlapping but its strides are not the row-major ones (channels_last, a
+    transpose), else None (it travels row-major). Dense: its elements fill ``numel``
+    consecutive slots, whatever the order of its dimensions. The strides of size-1
+    dimensions count too: a channels_last tensor of one channel is contiguous, yet kernels
+    that pick a memory format from the strides read it as channels_last."""
+    if t.numel() == 0 or t.stride() == _row_major(t.shape):
+        return None
+    expected = 1
+    dims = zip(t.stride(), t.shape, strict=True)
+    for stride, size in sorted((st, n) for st, n in dims if n != 1):
+        if stride != expected:
+            return None
+        expected *= size
+    return tuple(t.stride())
+
+
+def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= size
+    return tuple(reversed(strides))
+
+
 @dataclass(frozen=True)
 class Layout:
     """A decoded layout: the tensors' metadata, which need a gradient, where they sit in
-    a frame (byte offsets after the frame header) and the frame's size."""
+    a frame (byte offsets after the frame header), the frame's size, and the strides of
+    the tensors that keep theirs (None: row-major)."""
 
     codes: tuple[int, ...]
     metas: tuple[TensorMeta, ...]
     grads: tuple[bool, ...]
     offsets: tuple[int, ...]
     nbytes: int
+    strides: tuple[tuple[int, ...] | None, ...] = ()
 
     @classmethod
     def of(cls, codes: Sequence[int], header: int) -> Layout:
         """The layout of ``codes`` for frames with a ``header``-byte header."""
-        metas, grads, offsets = [], [], []
+        metas, grads, offsets, strides = [], [], [], []
         end = header
-        for meta, grad in _tensor_specs(codes):
+        for leaf in _tensor_specs(codes):
             end = -(-end // ALIGN) * ALIGN
-            metas.append(meta)
-            grads.append(grad)
+            metas.append(leaf.meta)
+            grads.append(leaf.grad)
+            strides.append(leaf.strides)
             offsets.append(end)
-            end += math.prod(meta.shape) * meta.dtype.itemsize
-        return cls(tuple(codes), tuple(metas), tuple(grads), tuple(offsets), end)
+            end += math.prod(leaf.meta.shape) * leaf.meta.dtype.itemsize
+        return cls(tuple(codes), tuple(metas), tuple(grads), tuple(offsets), end, tuple(strides))
 
 
-def _tensor_specs(codes: Sequence[int]) -> list[tuple[TensorMeta, bool]]:
-    specs: list[tuple[TensorMeta, bool]] = []
-    _parse(codes, lambda meta, grad: specs.append((meta, grad)))
+def _tensor_specs(codes: Sequence[int]) -> list[_Leaf]:
+    specs: list[_Leaf] = []
+    _parse(codes, specs.append)
     return specs
 
 
-def _parse(codes: Sequence[int], leaf: Callable[[TensorMeta, bool], Any]) -> Any:
-    """The value a layout describes, with ``leaf(meta, grad)`` for each tensor."""
+def _parse(codes: Sequence[int], leaf: Callable[[_Leaf], Any]) -> Any:
+    """The value a layout describes, with ``leaf(spec)`` for each tensor."""
     pos = 0
 
     def build() -> Any:
         nonlocal pos
         tag = codes[pos]
-        if tag == _TENSOR:
+        if tag in (_TENSOR, _STRIDED):
             code, grad, ndim = codes[pos + 1 : pos + 4]
             shape = tuple(codes[pos + 4 : pos + 4 + ndim])
             pos += 4 + ndim
-            return leaf(TensorMeta(shape, dtype_of(code)), bool(grad))
+            strides = None
+            if tag == _STRIDED:
+                strides = tuple(codes[pos : pos + ndim])
+                pos += ndim
+            return leaf(_Leaf(TensorMeta(shape, dtype_of(code)), bool(grad), strides))
         if tag == _NONE:
             pos += 1
             return None
@@ -222,23 +284,29 @@ def _parse(codes: Sequence[int], leaf: Callable[[TensorMeta, bool], Any]) -> Any
 def unflatten(codes: Sequence[int], leaves: Sequence[Any]) -> Any:
     """Inverse of :func:`flatten`: the value with ``leaves`` in the tensors' places."""
     it = iter(leaves)
-    return _parse(codes, lambda meta, grad: next(it))
+    return _parse(codes, lambda spec: next(it))
 
 
 def describe(codes: Sequence[int]) -> str:
-    """A layout as text, e.g. ``{'hidden': [2, 5, 8] float32 (grad), 'mask': [2, 5] bool}``."""
-    return _render(_parse(codes, _Leaf))
+    """A layout as text, e.g. ``{'hidden': [2, 5, 8] float32 (grad), 'mask': [2, 5] bool}``;
+    a tensor that keeps its strides says them (``[2, 3, 4, 4] float32 strides (48, 1, 12, 3)``)."""
+    return _render(_parse(codes, lambda spec: spec))
 
 
 @dataclass(frozen=True)
 class _Leaf:
+    """One tensor of a layout: its metadata, whether it carries a gradient, and the
+    strides it keeps (None: row-major)."""
+
     meta: TensorMeta
     grad: bool
+    strides: tuple[int, ...] | None = None
 
 
 def _render(node: Any) -> str:
     if isinstance(node, _Leaf):
-        return f"{node.meta}{' (grad)' if node.grad else ''}"
+        kept = "" if node.strides is None else f" strides {node.strides}"
+        return f"{node.meta}{kept}{' (grad)' if node.grad else ''}"
     if isinstance(node, dict):
         return "{" + ", ".join(f"{k!r}: {_render(v)}" for k, v in node.items()) + "}"
     if isinstance(node, tuple):

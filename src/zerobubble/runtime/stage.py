@@ -422,6 +422,12 @@ class StageChunk:
     def layer_of(self, error: BaseException) -> str | None:
         """The innermost layer of this stage whose forward is on ``error``'s traceback,
         as ``"layer 'blocks.0.attn' (Attention)"``; None if none is (for messages)."""
+        found = self.layer_path(error)
+        return None if found is None else f"layer {found[0]!r} ({found[1]})"
+
+    def layer_path(self, error: BaseException) -> tuple[str, str] | None:
+        """:meth:`layer_of` as ``(module path in the stage, class name)``; the path's
+        first part is the layer's index in the stage."""
         return _layer_of(self.module, error)
 
     def pending(self) -> dict[int, str]:
@@ -542,15 +548,17 @@ def _held_bytes(
     return storage_bytes(tensors, exclude=weights)
 
 
-def _layer_of(module: nn.Module, error: BaseException) -> str | None:
-    """:meth:`StageChunk.layer_of`: the innermost named layer on ``error``'s traceback."""
+def _layer_of(module: nn.Module, error: BaseException) -> tuple[str, str] | None:
+    """:meth:`StageChunk.layer_path`: the innermost named layer on ``error``'s traceback
+    (whose code raised it: a module's ``__getattr__`` failing to find an attribute is not
+    that module's failure but its reader's)."""
     names = {id(m): n for n, m in module.named_modules() if n}
     found = None
     tb = error.__traceback__
     while tb is not None:
         m = tb.tb_frame.f_locals.get("self")
-        if isinstance(m, nn.Module) and id(m) in names:
-            found = f"layer {names[id(m)]!r} ({type(m).__name__})"
+        if tb.tb_frame.f_code.co_name != "__getattr__" and id(m) in names:
+            found = (names[id(m)], type(m).__name__)
         tb = tb.tb_next
     return found
 

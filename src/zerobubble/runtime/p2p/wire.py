@@ -125,10 +125,19 @@ def pack_frame(
     the layout's; default: exactly), as one uint8 tensor. Without ``header``: SAME."""
     buf = torch.empty(layout.nbytes if size is None else size, dtype=torch.uint8, device=device)
     _write_header(buf, header)
-    for t, meta, off in zip(tensors, layout.metas, layout.offsets, strict=True):
-        n = math.prod(meta.shape) * meta.dtype.itemsize
-        buf[off : off + n].view(meta.dtype).view(meta.shape).copy_(t.detach())
+    for i, t in enumerate(tensors):
+        _slot(buf, layout, i).copy_(t.detach())
     return buf
+
+
+def _slot(frame: Tensor, layout: Layout, i: int) -> Tensor:
+    """Tensor ``i`` of ``layout`` as a view of ``frame``: row-major, or with the strides the
+    sender's tensor had (:func:`~zerobubble.runtime.shapes.kept_strides`)."""
+    meta, off = layout.metas[i], layout.offsets[i]
+    n = math.prod(meta.shape) * meta.dtype.itemsize
+    flat = frame[off : off + n].view(meta.dtype)
+    strides = layout.strides[i] if layout.strides else None
+    return flat.view(meta.shape) if strides is None else flat.as_strided(meta.shape, strides)
 
 
 def stub_frame(size: int, header: FrameHeader, device: torch.device) -> Tensor:
@@ -154,11 +163,10 @@ def frame_header(frame: Tensor) -> FrameHeader:
 
 
 def unpack_frame(frame: Tensor, layout: Layout) -> list[Tensor]:
-    """The tensors of a received frame: views of it, those with a gradient flagged
-    ``requires_grad``."""
+    """The tensors of a received frame: views of it with the sender's memory format, those
+    with a gradient flagged ``requires_grad``."""
     out = []
-    for meta, grad, off in zip(layout.metas, layout.grads, layout.offsets, strict=True):
-        n = math.prod(meta.shape) * meta.dtype.itemsize
-        t = frame[off : off + n].view(meta.dtype).view(meta.shape)
+    for i, grad in enumerate(layout.grads):
+        t = _slot(frame, layout, i)
         out.append(t.requires_grad_(True) if grad else t)
     return out

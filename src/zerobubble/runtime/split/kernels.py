@@ -26,7 +26,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeGuard, TypeVar, overload
+from typing import Any, Protocol, TypeGuard, TypeVar, overload
 
 import torch
 import torch.nn.functional as F
@@ -335,7 +335,33 @@ _CAST_LINEAR_W = WeightGradFn(_cast_linear_grads)
 """W of linear calls recorded under autocast."""
 
 
-class SplitLinear(nn.Module):
+class _Wrapper(nn.Module):
+    """A split layer that answers for the layer it replaced: an attribute it does not have
+    itself (``stride``, ``kernel_size``, ``padding``, ``dilation``, ``in_channels``, a
+    user's own) is read from that layer, kept as ``layer`` outside the module tree (its
+    parameters are the split layer's). Model code that reads its layers' configuration
+    (transformers' TF-style padding reads a conv's ``stride``) then works on split layers.
+    Only reads: an attribute set on the split layer stays on it."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            layer = self.__dict__.get("layer")
+            if layer is None or name.startswith("__"):
+                raise
+        try:
+            return getattr(layer, name)
+        except AttributeError:
+            raise AttributeError(
+                f"{type(self).__name__!r} object (the split {type(layer).__name__}) has no "
+                f"attribute {name!r}",
+                name=name,
+                obj=self,
+            ) from None
+
+
+class SplitLinear(_Wrapper):
     """``nn.Linear`` whose backward defers the weight gradient to a store (B/W split).
 
     Reuses the original Parameter objects (optimizers and state_dict keys are
@@ -361,7 +387,9 @@ class SplitLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, store: WeightGradStore) -> SplitLinear:
         # nn.Linear's stub declares its weight a Tensor; it is the layer's Parameter
-        return cls(linear.weight, linear.bias, store)  # type: ignore[arg-type]
+        split = cls(linear.weight, linear.bias, store)  # type: ignore[arg-type]
+        split.__dict__["layer"] = linear  # not a submodule: answers for its attributes
+        return split
 
     @_eager_under_compile
     def forward(self, x: Tensor) -> Tensor:
@@ -480,7 +508,7 @@ _EMBEDDING_W = WeightGradFn(_embedding_grads)
 """W of recorded embedding calls."""
 
 
-class SplitEmbedding(nn.Module):
+class SplitEmbedding(_Wrapper):
     """``nn.Embedding`` whose weight gradient is deferred to a store (B/W split).
 
     B has nothing to compute (indices have no gradient); W runs the dense
@@ -504,6 +532,7 @@ class SplitEmbedding(nn.Module):
         self.norm_type = embedding.norm_type
         self.scale_grad_by_freq = embedding.scale_grad_by_freq
         self.weight = embedding.weight
+        self.__dict__["layer"] = embedding  # not a submodule: answers for its attributes
         self.store = store
         self._aliases: list[Tensor | None] = [None]  # of the weight, see _alias
 
@@ -608,14 +637,15 @@ _OP_W = WeightGradFn(_op_grads)
 """W of recorded :class:`SplitOp` calls."""
 
 
-class SplitOp(nn.Module):
+class SplitOp(_Wrapper):
     """A one-op layer whose weight gradients are deferred to a store, per a :class:`Kernel`.
 
     Registers the original layer's parameters under their own names (state_dict
     keys and Parameter objects unchanged) and keeps the layer itself, not as a
-    submodule, for its configuration. Inside ``store.record`` the op runs on
-    leaf aliases of the parameters and its call is recorded; anywhere else the
-    original layer runs, and its gradients are computed like plain autograd's.
+    submodule, for its configuration, which it exposes (``split.stride`` is the
+    conv's). Inside ``store.record`` the op runs on leaf aliases of the parameters
+    and its call is recorded; anywhere else the original layer runs, and its
+    gradients are computed like plain autograd's.
     """
 
     layer: nn.Module  # set in __dict__, not as a submodule (see __init__)
