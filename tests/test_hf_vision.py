@@ -16,6 +16,7 @@ they are cut by hand (below) into the layers a ``Pipeline`` takes.
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -169,6 +170,13 @@ def test_split_layers_answer_for_the_layer_they_replace():
         AttributeError, match=r"'SplitOp' object \(the split Conv2d\) has no .*'tf'"
     ):
         _ = conv.tf
+    # a write of the layer's configuration reaches the op that reads it
+    plain = torch.nn.Conv2d(3, 4, 3)
+    twin = enable_bw_split(torch.nn.Sequential(copy.deepcopy(plain)), WeightGradStore())[0]
+    twin.padding = plain.padding = (2, 2)
+    assert twin.layer.padding == (2, 2) and "padding" not in twin.__dict__
+    image = torch.randn(1, 3, 5, 5, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(twin(image), plain(image)) and plain(image).shape[-1] == 7
 
 
 def test_boundary_frames_keep_the_producers_memory_format():

@@ -341,7 +341,17 @@ class _Wrapper(nn.Module):
     user's own) is read from that layer, kept as ``layer`` outside the module tree (its
     parameters are the split layer's). Model code that reads its layers' configuration
     (transformers' TF-style padding reads a conv's ``stride``) then works on split layers.
-    Only reads: an attribute set on the split layer stays on it."""
+    Writes go the same way: setting an attribute that the split layer does not hold itself
+    but the replaced layer does (``split.padding = (2, 2)``) sets it there, where the op
+    reads it, rather than on a split layer that would ignore it."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        layer = self.__dict__.get("layer")
+        own = name in self.__dict__ or name in self._parameters or name in self._modules
+        if layer is not None and not own and hasattr(layer, name):
+            setattr(layer, name, value)
+            return
+        super().__setattr__(name, value)
 
     def __getattr__(self, name: str) -> Any:
         try:
