@@ -424,3 +424,33 @@ def test_a_rank_waited_on_that_failed_later_in_its_own_code_is_named_first(tmp_p
     assert _waited_on([0, 1, 2], {0: 1, 1: 1, 2: 1}, progress.read(tmp_path, 3)) is None
     marks[0].running()  # the first failed in its own code: the cause itself
     assert _waited_on([0, 1, 2], {0: 1, 1: 1, 2: 1}, progress.read(tmp_path, 3)) is None
+
+
+EXIT_SCRIPT = """
+import atexit, os, sys
+import torch.distributed as dist
+import zerobubble
+
+def report():  # registered first, so it runs after init_distributed's own handler
+    with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}"), "w") as f:
+        f.write(str(dist.is_initialized()))
+
+atexit.register(report)
+zerobubble.init_distributed()
+dist.barrier()
+if sys.argv[2] == "raise" and dist.get_rank() == 1:
+    raise RuntimeError("boom")
+"""
+
+
+@pytest.mark.parametrize("how", ["return", "raise"])
+def test_a_script_rank_destroys_its_process_group_at_a_clean_exit_only(tmp_path, how):
+    """Left to interpreter finalisation, gloo can abort a finished rank; after an unhandled
+    exception the group is left alone (work may be pending on dead peers)."""
+    script = tmp_path / "job.py"
+    script.write_text(EXIT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, "-m", "zerobubble.launch", "-n", "2", "--grace", "5"]
+    proc = subprocess.run([*cmd, str(script), str(tmp_path), how], env=env, timeout=120)
+    assert proc.returncode == (0 if how == "return" else 1)
+    assert (tmp_path / "rank1").read_text() == str(how == "raise")

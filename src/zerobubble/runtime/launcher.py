@@ -28,6 +28,7 @@ running outside any wait since the earliest moment, is reported first as stalled
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import faulthandler
@@ -179,7 +180,23 @@ def init_distributed(timeout_s: float = 60.0) -> DistInfo:
         dist.init_process_group(
             backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
         )
+        atexit.register(_destroy_at_exit)
     return DistInfo(rank, world, local_rank, device)
+
+
+def _destroy_at_exit(timeout_s: float = 30.0) -> None:
+    """Destroy the process group while the interpreter is still whole, unless the script
+    did: left to finalisation, gloo's worker threads can release tensors without the GIL
+    and abort the process ("terminate called without an active exception", seen on a
+    rank that had finished its work). Not after an unhandled exception (work may still be
+    pending on dead peers), and bounded: a destroy that does not return is left behind."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or hasattr(sys, "last_value"):
+        return
+    worker = threading.Thread(target=dist.destroy_process_group, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
 
 
 # ---- Python API: launch(fn, nprocs, *args) ---------------------------------------------------
