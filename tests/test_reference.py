@@ -64,8 +64,6 @@ def test_what_has_no_ground_truth_yet_is_refused_by_name():
     def call(**options):
         return zerobubble.reference_step(mlp(), mlp_loss, X, target=Y, microbatches=3, **options)
 
-    with pytest.raises(ValueError, match=r"segments \(cuts\) with tensor parallelism"):
-        call(cuts=(0, 2, 6), tp_mesh=object())
     with pytest.raises(ValueError, match=r"ep=2\) with random ops \(seed\) yet"):
         call(dp=2, ep=2, seed=0)
     with pytest.raises(ValueError, match=r"dp=3 and ep=2: both >= 1, and ep must divide dp"):

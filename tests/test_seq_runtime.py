@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import zerobubble
 from generated import generated
@@ -342,6 +343,60 @@ def test_data_parallel_segment_pipelines_sum_the_replicas_bitwise():
     )  # fmt: skip
     for name, g in grads.items():
         assert torch.equal(g, composed[name]), name
+
+
+def tp_job(cuts: tuple[int, ...]) -> dict:
+    """pp2 x tp2 seq-zb (k=2), with and without sequence parallelism: the pipeline's losses
+    and gradients, and the one reference's (tp and segments composed) on the same batch."""
+    init_distributed(timeout_s=60)
+    out: dict = {}
+    for sp in (False, True):
+        mesh = build_mesh(2, tp=2, sequence_parallel=sp)
+        sched = generated("seq-zb", 2, 3, segments=2)
+        _, x, y = model_and_batch("gpt", sched.num_stages, 3)
+        cfg = GPTConfig(vocab_size=18, max_seq_len=T, d_model=8, n_heads=2, n_layers=2)
+        layers = list(build_gpt(cfg))  # a vocab tp divides (ids and labels < 17)
+        options = ExecutorOptions(cuts=cuts)
+        pipe = zerobubble.Pipeline(
+            copy.deepcopy(layers), token_loss, sched, mesh=mesh, options=options, count_fn=count
+        )
+        losses = pipe.step(x, target=y)
+        want_losses, want = zerobubble.reference_step(
+            layers, token_loss, x, target=y, microbatches=3, cuts=cuts, tp_mesh=mesh.tp_mesh,
+            sequence_parallel=sp, num_stages=sched.num_stages, count_fn=count,
+        )  # fmt: skip
+        got = {n: q.grad for n, q in pipe.named_parameters()}
+        out[sp] = {
+            "names": sorted(got),
+            "bad": [n for n, g in got.items() if not same_shard(g, want[n])],
+            "losses": None if losses is None else all(map(torch.equal, losses, want_losses)),
+        }
+    dist.destroy_process_group()
+    return out
+
+
+def same_shard(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise the same local shard in the same layout (or the same plain tensor)."""
+    if isinstance(a, DTensor) or isinstance(b, DTensor):
+        return (
+            isinstance(a, DTensor)
+            and isinstance(b, DTensor)
+            and a.placements == b.placements
+            and torch.equal(a.to_local(), b.to_local())
+        )
+    return torch.equal(a, b)
+
+
+def test_segments_with_tensor_parallelism_are_bitwise_the_one_reference():
+    """pp2 x tp2, seq-zb at k=2 cut at 8 of 16 tokens (each segment a multiple of tp, as
+    sequence parallelism needs): every rank's gradient shards and the last stage's losses
+    equal :func:`zerobubble.reference_step` with ``tp_mesh`` and ``cuts`` bitwise."""
+    results = launch(tp_job, 4, (0, 8, 16), timeout=240)
+    for rank, out in enumerate(results):
+        for sp, r in out.items():
+            assert r["names"] and r["bad"] == [], (rank, sp, r["bad"])
+            assert r["losses"] is not False, (rank, sp)
+    assert sum(r[sp]["losses"] is True for r in results for sp in (False, True)) == 4
 
 
 def test_check_trace_with_segments_names_a_segment_run_out_of_order():

@@ -15,7 +15,7 @@ package rather than restating their arithmetic:
   replica;
 - **tp** (``tp_mesh=``, ``tp_plan=``, ``sequence_parallel=``):
   :func:`~zerobubble.reference.tp.tp_reference_step` per replica (collective over the tp mesh:
-  every tp rank calls it with the same batch);
+  every tp rank calls it with the same batch), with segments too (``cuts=``);
 - **ep** (``ep=E``): the replicas run together, the all-to-alls played between them
   (:func:`~zerobubble.reference.ep.ep_reference_step` for top-level expert layers,
   :func:`~zerobubble.reference.ep.threaded_ep_reference_step` otherwise);
@@ -25,7 +25,7 @@ package rather than restating their arithmetic:
   arithmetic (tests/test_recompute.py, tests/test_overlap_runtime.py), so they have no option.
 
 A combination without a composed ground truth yet is refused with a ValueError naming it
-(segments with tp or ep; ep with tp, random ops or several stage inputs): docs/scale.md
+(ep with segments, tp, random ops or several stage inputs): docs/scale.md
 keeps the table.
 """
 
@@ -109,16 +109,16 @@ def reference_step(
     sums: dict[str, Tensor] = {}
     held: dict[int, Tensor] = {}  # id(parameter) -> its summed .grad
     for a, k, t in parts:
-        if cuts is not None:
-            mine, grads = segment_reference_step(
-                model, loss_fn, *a, target=t, microbatches=m, cuts=cuts, **common, **k
-            )
-        elif tp_mesh is not None:
+        if tp_mesh is not None:
             mine, grads = tp_reference_step(
                 model, loss_fn, *a, target=t, microbatches=m, tp_mesh=tp_mesh,
                 tp_plan=tp_plan, sequence_parallel=sequence_parallel, copy_layers=False,
-                terms=terms, term_weight=term_weight, **common, **k,
+                terms=terms, term_weight=term_weight, cuts=cuts, **common, **k,
             )  # fmt: skip
+        elif cuts is not None:
+            mine, grads = segment_reference_step(
+                model, loss_fn, *a, target=t, microbatches=m, cuts=cuts, **common, **k
+            )
         else:
             mine, grads = replica_step(
                 model, loss_fn, *a, target=t, microbatches=m, terms=terms,
@@ -156,11 +156,6 @@ def _refuse(
         raise ValueError(
             f"reference_step has no ground truth of expert parallelism (ep={ep}) with "
             f"{' and '.join(chosen)} yet; docs/scale.md lists what composes"
-        )
-    if cuts is not None and tp is not None:
-        raise ValueError(
-            "reference_step has no ground truth of sequence segments (cuts) with tensor "
-            "parallelism (tp_mesh) yet; docs/scale.md lists what composes"
         )
 
 

@@ -13,10 +13,11 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from zerobubble.parallel.partition import model_name, stage_bounds
 from zerobubble.runtime.loss_terms import (
@@ -349,8 +350,19 @@ def segment_reference_step(
     for unit in per_unit:  # added in unit order, as the weight-gradient store adds them
         for p, g in zip(params, unit, strict=True):
             if g is not None:
-                p.grad = g.clone() if p.grad is None else p.grad + g
+                p.grad = local_sum(p.grad, g)
     return losses, _user_grads(model)
+
+
+def local_sum(acc: Tensor | None, g: Tensor) -> Tensor:
+    """``acc + g`` shard by shard (a copy of ``g`` when ``acc`` is None): a DTensor's own
+    ``+`` and ``clone()`` would move a ``Partial`` gradient (a sequence-parallel norm's,
+    each tp rank's share of the sum) to another layout, where the pipeline's store adds
+    each rank's shares as they are."""
+    if not isinstance(g, DTensor):
+        return g.clone() if acc is None else acc + g
+    local = g.to_local().clone() if acc is None else cast(DTensor, acc).to_local() + g.to_local()
+    return DTensor.from_local(local, g.device_mesh, g.placements, shape=g.shape, stride=g.stride())
 
 
 T = TypeVar("T")

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from zerobubble.parallel.parallelize import StagePlan, TensorParallel
 from zerobubble.parallel.partition import layer_keys, model_name, stage_bounds
 from zerobubble.parallel.tied import find_shared
-from zerobubble.reference.step import Share, as_sequential, reference_step
+from zerobubble.reference.step import Share, as_sequential, reference_step, segment_reference_step
 from zerobubble.runtime.loss_terms import TermWeight
 from zerobubble.runtime.microbatch import CountFn
 
@@ -48,6 +48,7 @@ def tp_reference_step(
     terms: dict[str, list[Tensor]] | None = None,
     term_weight: TermWeight = "mean",
     share: Share | None = None,
+    cuts: Sequence[int] | None = None,
     **kwargs: Any,
 ) -> tuple[list[Tensor], dict[str, Tensor]]:
     """One step of ``layers`` in ``num_stages`` stages parallelized over ``tp_mesh``, unpipelined.
@@ -60,8 +61,10 @@ def tp_reference_step(
     ``(stage, stage module) -> plan``, or None: the default plan) and
     ``sequence_parallel``, and :func:`~zerobubble.reference.step.reference_step` runs
     the stages in order on the microbatches (``seed`` and ``step`` seed stage ``s``'s
-    random ops as the executor does). Give the pipeline's cut: a plan may differ per
-    stage, and the stage decides where its layers' layouts meet the boundary's.
+    random ops as the executor does), or with ``cuts`` (sequence segments)
+    :func:`~zerobubble.reference.step.segment_reference_step` runs them on each microbatch's
+    segments. Give the pipeline's cut: a plan may differ per stage, and the stage decides
+    where its layers' layouts meet the boundary's.
 
     ``copy_layers`` False parallelizes the caller's layers themselves (a layer with a
     DTensor parameter is taken as parallelized already, as by an earlier call) and leaves
@@ -85,22 +88,18 @@ def tp_reference_step(
         stage = nn.Sequential(*(source[i] for i in layer_range))
         tp.apply(s, stage)
         stages.append(stage)
-    losses, _ = reference_step(
-        stages,
-        loss_fn,
-        *args,
-        target=target,
-        microbatches=microbatches,
-        seed=seed,
-        step=step,
-        num_stages=num_stages,
-        boundaries=list(range(num_stages + 1)),
-        count_fn=count_fn,
-        terms=terms,
-        term_weight=term_weight,
-        share=share,
-        **kwargs,
-    )
+    common: dict[str, Any] = {"seed": seed, "step": step, "num_stages": num_stages}
+    common.update(boundaries=list(range(num_stages + 1)), count_fn=count_fn, share=share)
+    if cuts is not None:
+        losses, _ = segment_reference_step(
+            stages, loss_fn, *args, target=target, microbatches=microbatches, cuts=cuts,
+            **common, **kwargs,
+        )  # fmt: skip
+    else:
+        losses, _ = reference_step(
+            stages, loss_fn, *args, target=target, microbatches=microbatches, terms=terms,
+            term_weight=term_weight, **common, **kwargs,
+        )  # fmt: skip
     return losses, _stage_grads(stages, keys, bounds)
 
 
