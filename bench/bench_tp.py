@@ -1,7 +1,9 @@
 """Tensor and sequence parallelism inside pipeline stages: bytes per rank (prints JSON lines).
 
 Our GPT at pp=2 under 1f1b, with tp=1 (2 CPU ranks), tp=2 without sequence parallelism and
-tp=2 with it (4 ranks each, the default plans): per pipeline rank,
+tp=2 with it (4 ranks each, the default plans), each tp=2 run with loss parallel (the
+default: the LM head's logits stay sharded over the vocabulary, the loss never gathers
+them) and without it (``loss_parallel=False``: gathered): per pipeline rank,
 
 * ``act_frame`` / ``grad_frame``: the bytes of one activation (gradient) message's frame
   on the wire, measured with the step hooks' ``encode`` (the largest frame a rank sends of
@@ -16,9 +18,13 @@ tp=2 with it (4 ranks each, the default plans): per pipeline rank,
 each also as a ratio to tp=1 at the same pipeline rank (``*_vs_tp1``). A tp rank holds
 ``1/tp`` of each sharded layer; the norms (and our GPT's position embedding) stay whole,
 and without sequence parallelism every tp rank keeps the whole residual stream and norm
-inputs, so its activations shrink less than its parameters.
+inputs, so its activations shrink less than its parameters. The last line is the summary:
+``peak_act_bytes_vs_tp1`` of the first and the last stage, per sequence parallelism, with
+loss parallel and gathered (the vocabulary, 4096 by default, makes the logits the last
+stage's largest activation).
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python bench/bench_tp.py [--seq-len 32] [--d-model 64]
+        [--vocab 4096]
 """
 
 from __future__ import annotations
@@ -36,7 +42,14 @@ from zerobubble.runtime.launcher import init_distributed, launch
 from zerobubble.runtime.p2p.wire import FRAME_HEADER
 
 PP, BATCH, M, STEPS = 2, 8, 4, 2
-CONFIGS = ((1, False), (2, False), (2, True))
+CONFIGS = (
+    (1, False, False),
+    (2, False, False),
+    (2, False, True),
+    (2, True, False),
+    (2, True, True),
+)
+"""(tp, sequence parallelism, loss parallel)."""
 
 
 class Frames(StepHooks):
@@ -55,13 +68,16 @@ def _local_bytes(p: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def _rank(cfg: GPTConfig, seq_len: int, tp: int, sp: bool) -> dict[str, Any]:
+def _rank(cfg: GPTConfig, seq_len: int, tp: int, sp: bool, lp: bool) -> dict[str, Any]:
     from zerobubble.parallel.mesh import build_mesh
     from zerobubble.pipeline import Pipeline
 
     init_distributed()
     mesh = build_mesh(PP, tp=tp, sequence_parallel=sp)
-    pipe = Pipeline(list(build_gpt(cfg)), gpt_loss, "1f1b", microbatches=M, mesh=mesh)
+    lp_option = None if tp == 1 else lp  # True: required (refused where it cannot run)
+    pipe = Pipeline(
+        list(build_gpt(cfg)), gpt_loss, "1f1b", microbatches=M, mesh=mesh, loss_parallel=lp_option
+    )
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (BATCH, seq_len), generator=gen)
     target = torch.randint(0, cfg.vocab_size, (BATCH, seq_len), generator=gen)
@@ -87,13 +103,13 @@ def measure(cfg: GPTConfig, seq_len: int) -> list[dict[str, Any]]:
     the same shapes)."""
     rows: list[dict[str, Any]] = []
     base: dict[int, dict[str, Any]] = {}
-    for tp, sp in CONFIGS:
-        ranks = launch(_rank, PP * tp, cfg, seq_len, tp, sp, timeout=1200)
+    for tp, sp, lp in CONFIGS:
+        ranks = launch(_rank, PP * tp, cfg, seq_len, tp, sp, lp, timeout=1200)
         for r in sorted(ranks, key=lambda r: r["pp_rank"]):
             if r["tp_rank"]:
                 continue
             d = r["pp_rank"]
-            row = {"tp": tp, "sequence_parallel": sp, **r}
+            row = {"tp": tp, "sequence_parallel": sp, "loss_parallel": lp, **r}
             row["act_payload"] = max(row["act_frame"] - FRAME_HEADER, 0)
             row["grad_payload"] = max(row["grad_frame"] - FRAME_HEADER, 0)
             base.setdefault(d, row)
@@ -103,17 +119,34 @@ def measure(cfg: GPTConfig, seq_len: int) -> list[dict[str, Any]]:
     return rows
 
 
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first and the last stage's peak activations against tp=1, at tp=2 per sequence
+    parallelism, with loss parallel and gathered."""
+    out: dict[str, Any] = {}
+    for row in rows:
+        if row["tp"] == 1:
+            continue
+        where = "first_stage" if row["pp_rank"] == 0 else "last_stage"
+        key = f"{'sp' if row['sequence_parallel'] else 'no_sp'}"
+        how = "loss_parallel" if row["loss_parallel"] else "gathered"
+        out.setdefault(key, {}).setdefault(where, {})[how] = row["peak_act_bytes_vs_tp1"]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=4096)
     args = parser.parse_args()
     cfg = GPTConfig(
-        vocab_size=256, max_seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers
+        vocab_size=args.vocab, max_seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers
     )
-    for row in measure(cfg, args.seq_len):
+    rows = measure(cfg, args.seq_len)
+    for row in rows:
         print(json.dumps(row))
+    print(json.dumps({**summary(rows), "vocab": args.vocab}))
 
 
 if __name__ == "__main__":

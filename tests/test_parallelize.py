@@ -26,8 +26,11 @@ GPT = GPTConfig(vocab_size=32, max_seq_len=8, d_model=16, n_heads=2, n_layers=2,
 
 
 def by_hand_tp(stage: int, module: nn.Module, mesh: zerobubble.PipelineMesh) -> nn.Module:
-    """The default tp step, written as a user would: each stage's default plan."""
-    parallelize_stage(module, mesh.tp_mesh, None, stage=stage, sequence_parallel=False)
+    """The default tp step, written as a user would: each stage's default plan, the last
+    stage's (1 of 2) with loss parallel (gpt_loss takes the logits vocabulary-sharded)."""
+    parallelize_stage(
+        module, mesh.tp_mesh, None, stage=stage, sequence_parallel=False, loss_parallel=stage == 1
+    )
     return module
 
 

@@ -20,7 +20,12 @@ layers, a padded batch given as a tokenizer's mapping), M=4, in six runs coverin
 pair of {model} x {1f1b, zb-h1, zbv} x {sequence parallelism off, on}: losses and every
 gradient bitwise against :func:`tp_reference_step`, and within ``MODEL_REL`` of the
 single-process :func:`reference_step` on the unparallelized model. Our GPT under zbv puts
-its final LayerNorm alone on a stage: its output, a boundary, is a sequence shard.
+its final LayerNorm alone on a stage: its output, a boundary, is a sequence shard. These
+run loss parallel (the default: the LM head hands the loss ``Shard(-1)`` logits, checked);
+the Llama under zb-h1 runs once more with ``loss_parallel=False`` (gathered logits, its
+padded labels normalised by the batch's token count): bitwise its own reference, and the
+two runs' losses within tests/test_loss_parallel.py's ``bound`` (scaled to the count),
+their gradients within its ``GRAD_REL``.
 """
 
 from __future__ import annotations
@@ -40,10 +45,12 @@ from torch.distributed.tensor.parallel import (
 
 import zerobubble
 from ranks import launch
+from test_loss_parallel import GRAD_REL, bound
 from zerobubble.executor import ExecutorOptions
-from zerobubble.interop.hf import CausalLMLoss, causal_lm_layers, tiny_model
+from zerobubble.interop.hf import CausalLMLoss, causal_lm_layers, count_tokens, tiny_model
 from zerobubble.models.gpt import GPTConfig, build_gpt, gpt_loss
 from zerobubble.parallel.mesh import ParallelSpec, build_mesh, pipeline_ranks
+from zerobubble.parallel.tp import ShardedLogits, default_plan
 from zerobubble.pipeline import Pipeline
 from zerobubble.program.instructions import Message, MsgKind
 from zerobubble.reference.step import reference_step
@@ -208,15 +215,33 @@ def lm_batch(name: str) -> tuple[object, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask}, ids.masked_fill(mask == 0, -100)
 
 
+def head_layouts(pipe: Pipeline) -> list[str]:
+    """Filled by each forward of the loss stage's last layer (if this rank holds it): the
+    placements of the logits it hands the loss, or "plain"."""
+    seen: list[str] = []
+    last = pipe.executor.chunks.get(pipe.schedule.num_stages - 1)
+    if last is not None:
+        head = list(last.module.children())[-1]
+        head.register_forward_hook(
+            lambda _m, _a, o: seen.append(str(o.placements) if isinstance(o, DTensor) else "plain")
+        )
+    return seen
+
+
+LM_GATHERED = ("llama", "zb-h1", False)
+"""The run of MODEL_RUNS made again with ``loss_parallel=False``."""
+
+
 def lm_runs(out: dict) -> None:
     """Our GPT and the tiny Llama and Qwen2 at pp=2 x tp=2 with the default plans
-    (``tp_plan=None``)."""
-    for name, kind, sp in MODEL_RUNS:
+    (``tp_plan=None``), and :data:`LM_GATHERED` with gathered logits."""
+    for name, kind, sp, lp in (*((*r, None) for r in MODEL_RUNS), (*LM_GATHERED, False)):
         mesh = build_mesh(PP, tp=TP, sequence_parallel=sp)
         assert mesh.tp_mesh is not None
         x, y = lm_batch(name)
         layers_, loss = lm(name)
-        pipe = Pipeline(layers_, loss, kind, microbatches=LM_M, mesh=mesh)
+        pipe = Pipeline(layers_, loss, kind, microbatches=LM_M, mesh=mesh, loss_parallel=lp)
+        heads = head_layouts(pipe)
         losses = pipe.executor.step(x, target=y)
         ref_layers, ref_loss = lm(name)
         ref_losses, ref = tp_reference_step(
@@ -227,13 +252,16 @@ def lm_runs(out: dict) -> None:
             microbatches=LM_M,
             tp_mesh=mesh.tp_mesh,
             sequence_parallel=sp,
+            loss_parallel=lp,
             num_stages=pipe.schedule.num_stages,
         )
-        out[name, kind, sp, mesh.pp_rank, mesh.tp_rank] = {
+        key = (name, kind, sp) if lp is None else "gathered"
+        out[key, mesh.pp_rank, mesh.tp_rank] = {
             "losses": None if losses is None else all(map(torch.equal, losses, ref_losses)),
             "values": losses,
             "bad": compare(pipe, ref),
             "full": {n: whole(p.grad) for n, p in pipe.named_parameters()},
+            "heads": sorted(set(heads)),
         }
 
 
@@ -380,6 +408,19 @@ def test_parallel_spec_fields_are_type_checked_naming_the_field(kwargs, field, s
     assert ParallelSpec(2, 2, tp=2).name(5) == "rank 5 (pp 1, dp 0, tp 1)"
 
 
+def test_the_hf_head_shards_for_causal_lm_loss_only() -> None:
+    """The adapter's head leaves the logits sharded under loss parallel; ``CausalLMLoss``
+    takes them for ``ForCausalLMLoss`` only (another loss of the model: gathered)."""
+    model = tiny_model("hf-llama", num_hidden_layers=2, seed=2)
+    head = nn.Sequential(causal_lm_layers(model)[-1])
+    for lp in (True, False):
+        plan = default_plan(head, TP, stage=1, sequence_parallel=True, loss_parallel=lp)
+        assert isinstance(plan["0.lm_head"], ShardedLogits) is lp
+    assert CausalLMLoss(model).loss_parallel is True
+    model.loss_function = lambda logits, labels, **kw: loss_fn(logits, labels)
+    assert CausalLMLoss(model).loss_parallel is False
+
+
 def test_pipelines_are_the_pp_ranks_of_each_dp_tp_coordinate() -> None:
     """rank = (pp_rank * dp + dp_rank) * tp + tp_rank; tp == 1 keeps the old layout."""
     assert pipeline_ranks(2, 2, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
@@ -457,9 +498,10 @@ def lm_checks(results: dict) -> None:
         holder = 0 if kind == "zbv" else PP - 1  # the V placement: the last stage on rank 0
         for d in range(PP):
             for t in range(TP):
-                r = results[name, kind, sp, d, t]
+                r = results[(name, kind, sp), d, t]
                 assert r["losses"] is (True if d == holder else None), (name, kind, sp, d, t)
                 assert r["bad"] == [], (name, kind, sp, d, t)
+                assert r["heads"] == (["(Shard(dim=2),)"] if d == holder else [])
                 assert r["full"].keys() <= single.keys()
                 for n, g in r["full"].items():
                     err = float((g - single[n]).abs().max()) / scale
@@ -469,7 +511,30 @@ def lm_checks(results: dict) -> None:
                         errs.get(name + " loss", 0.0), float((got - want).abs()) / loss_scale
                     )
         held = set().union(
-            *(results[name, kind, sp, d, t]["full"] for d in range(PP) for t in range(TP))
+            *(results[(name, kind, sp), d, t]["full"] for d in range(PP) for t in range(TP))
         )
         assert held == single.keys(), (name, kind, sp)
     assert len(errs) == 2 * len(singles) and max(errs.values()) < MODEL_REL, errs
+    gathered_checks(results)
+
+
+def gathered_checks(results: dict) -> None:
+    """The Llama's gathered run: bitwise its own reference; against the loss-parallel run,
+    the losses within ``bound`` (a token sum over the batch's count: the bound of the
+    microbatch's token mean, times its tokens over the count), the gradients within
+    ``GRAD_REL`` of the largest."""
+    _, labels = lm_batch("llama")
+    count = count_tokens(labels)
+    shifted = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    counted = [int((part != -100).sum()) for part in shifted.chunk(LM_M)]
+    for d in range(PP):
+        for t in range(TP):
+            r, lp = results["gathered", d, t], results[LM_GATHERED, d, t]
+            assert r["bad"] == [] and r["losses"] is (True if d == PP - 1 else None)
+            assert r["heads"] == (["plain"] if d == PP - 1 else [])
+            scale = max(float(g.abs().max()) for g in r["full"].values())
+            err = max(float((lp["full"][n] - g).abs().max()) for n, g in r["full"].items())
+            assert err / scale < GRAD_REL
+            for got, want, n in zip(lp["values"] or [], r["values"] or [], counted, strict=False):
+                mean = float(want) * count / n
+                assert abs(float(got - want)) <= bound(256, LM_B // LM_M * LM_T, mean) * n / count

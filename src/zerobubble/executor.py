@@ -33,6 +33,7 @@ from torch import nn
 
 from zerobubble.parallel.dp import GradReducer, sum_over_dp
 from zerobubble.parallel.fsdp import ShardedStages
+from zerobubble.parallel.loss import LossParallel
 from zerobubble.parallel.mesh import PipelineMesh, pipeline_group
 from zerobubble.parallel.parallelize import Parallelize, ParallelizeFn, StagePlan
 from zerobubble.parallel.transforms import ChunkTransforms, prepare_chunks
@@ -57,6 +58,16 @@ from zerobubble.runtime.step_batch import split_step
 from zerobubble.schedule.ir import Schedule
 
 __all__ = ["ExecutorOptions", "PipelineExecutor", "StepHooks"]
+
+
+def _refuse_both(parallelize: Parallelize | None, *given: object) -> None:
+    """``parallelize`` (the steps built already) ignores the options that build them."""
+    if parallelize is not None and any(g is not None for g in given):
+        raise ValueError(
+            "pass parallelize (the steps built already) or tp_plan/parallelize_fn/"
+            "loss_parallel (to build them from the mesh), not both: the built steps would "
+            "ignore the others"
+        )
 
 
 class PipelineExecutor:
@@ -105,8 +116,14 @@ class PipelineExecutor:
             plan); see :data:`~zerobubble.parallel.parallelize.StagePlan`.
         parallelize_fn: ``(stage, module, mesh) -> module``, which parallelizes each stage
             by hand instead of the tp and ep steps (needs ``mesh``; not with ``tp_plan``).
+        loss_parallel: With ``tp > 1`` and the default plans, whether the last stage's LM
+            head leaves its logits sharded over the vocabulary for the loss
+            (:mod:`~zerobubble.parallel.loss`): None (default) where ``loss_fn`` takes them
+            (``loss_fn.loss_parallel``), gathered for any other loss; True requires it
+            (ValueError naming the stage otherwise); False gathers them.
         parallelize: Those steps built already (a caller making several executors over the
-            same stages builds them once; not with ``tp_plan`` or ``parallelize_fn``).
+            same stages builds them once; not with ``tp_plan``, ``parallelize_fn`` or
+            ``loss_parallel``).
 
     Attributes:
         schedule: The schedule this executor runs (``schedule`` after
@@ -142,13 +159,10 @@ class PipelineExecutor:
         mesh: PipelineMesh | None = None,
         tp_plan: StagePlan = None,
         parallelize_fn: ParallelizeFn | None = None,
+        loss_parallel: bool | None = None,
         parallelize: Parallelize | None = None,
     ) -> None:
-        if parallelize is not None and (tp_plan is not None or parallelize_fn is not None):
-            raise ValueError(
-                "pass parallelize (the steps built already) or tp_plan/parallelize_fn (to "
-                "build them from the mesh), not both: the built steps would ignore the others"
-            )
+        _refuse_both(parallelize, tp_plan, parallelize_fn, loss_parallel)
         self.options = opts = options or ExecutorOptions()
         self.cuts = check_cuts(opts.cuts, schedule.segments, f"schedule {schedule.name!r}")
         """The segments' token boundaries (None without segments)."""
@@ -187,6 +201,7 @@ class PipelineExecutor:
                 mesh,
                 tp_plan=tp_plan,
                 fn=parallelize_fn,
+                loss=LossParallel(schedule.num_stages - 1, loss_fn, loss_parallel),
                 group=group,
                 timeout_s=opts.comm_timeout_s,
             )

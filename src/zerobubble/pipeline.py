@@ -27,6 +27,7 @@ from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.faults import FaultPlan
 from zerobubble.optim.trainer import Commit, PipelineTrainer, stage_kwargs
 from zerobubble.parallel.experts import expert_shard
+from zerobubble.parallel.loss import LossParallel
 from zerobubble.parallel.mesh import PipelineMesh, pipeline_group
 from zerobubble.parallel.parallelize import Parallelize, ParallelizeFn, StagePlan
 from zerobubble.parallel.partition import (
@@ -98,6 +99,10 @@ class Pipeline:
             None: each stage module's default plan.
         parallelize_fn: ``(stage, module, mesh) -> module``: each stage parallelized by
             hand, instead of the tp and ep steps (:mod:`~zerobubble.parallel.parallelize`).
+        loss_parallel: With ``tp > 1``, the last stage's LM head leaves its logits sharded
+            over the vocabulary for a loss that takes them (``loss_fn.loss_parallel``) and
+            gathers them for another (None, the default), requires it (True: ValueError
+            naming the stage otherwise) or gathers them (False): :mod:`~zerobubble.parallel.loss`.
 
     A parameter the model uses in several layers stays one parameter: layers of
     a stage share it; stages share it as a tie whose replicas take one summed
@@ -136,6 +141,7 @@ class Pipeline:
         mesh: PipelineMesh | None = None,
         tp_plan: StagePlan = None,
         parallelize_fn: ParallelizeFn | None = None,
+        loss_parallel: bool | None = None,
     ) -> None:
         group = _group_of(group, mesh)
         keys = layer_keys(layers, num_layers)
@@ -156,6 +162,7 @@ class Pipeline:
             mesh,
             tp_plan=tp_plan,
             fn=parallelize_fn,
+            loss=LossParallel(schedule.num_stages - 1, loss_fn, loss_parallel),
             group=group,
             timeout_s=(options or ExecutorOptions()).comm_timeout_s,
             name=lambda s, name, module: _module_name(name, stage_keys[s], module),

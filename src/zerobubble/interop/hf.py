@@ -33,6 +33,7 @@ from zerobubble.interop.hf_router import (
     router_z_term,
     routers_of,
 )
+from zerobubble.parallel.loss import cross_entropy, is_vocab_sharded
 from zerobubble.runtime.loss_terms import collect_loss_terms
 
 __all__ = [
@@ -436,6 +437,12 @@ class CausalLMLoss:
     given this loss and no ``count_fn`` uses :meth:`count_fn`, so it trains Hugging
     Face's normalisation (the mean over the batch's tokens), not a mean of per-row
     means weighted by rows.
+
+    Under tensor parallelism it takes the logits sharded over the vocabulary (loss
+    parallel: :attr:`loss_parallel`) where the model's loss is ``transformers``'
+    ``ForCausalLMLoss``: the same labels (padded with ``ignore_index``, shifted), the same
+    reduction and division, on :func:`~zerobubble.parallel.loss.cross_entropy`. A model
+    with another loss gets the gathered logits and its own loss.
     """
 
     shifts_labels = True
@@ -447,6 +454,9 @@ class CausalLMLoss:
         self._loss: Callable[..., Tensor] = _hf_attr(model, "loss_function")
         self.vocab_size: int = _hf_attr(model, "config").vocab_size
         self.ignore_index = ignore_index
+        self.loss_parallel = self._loss is _causal_lm_loss()
+        """Takes vocabulary-sharded logits (:mod:`~zerobubble.parallel.loss`): the model's
+        loss is ``ForCausalLMLoss``, whose arithmetic :meth:`__call__` restates on them."""
 
     def count_fn(self, labels: Tensor) -> int:
         """The whole batch's count that Hugging Face normalises by: :func:`count_tokens`."""
@@ -465,6 +475,8 @@ class CausalLMLoss:
                 f"num_items_in_batch must be positive (count_tokens of the whole batch), got "
                 f"{int(num_items_in_batch)}"
             )
+        if is_vocab_sharded(logits) and self.loss_parallel:
+            return self._sharded(logits, labels, num_items_in_batch)
         return self._loss(
             logits,
             labels,
@@ -472,6 +484,28 @@ class CausalLMLoss:
             num_items_in_batch=num_items_in_batch,
             ignore_index=self.ignore_index,
         )
+
+    def _sharded(self, logits: Tensor, labels: Tensor, num_items: int | Tensor | None) -> Tensor:
+        """``ForCausalLMLoss`` on vocabulary-sharded logits: float32, the labels padded with
+        ``ignore_index`` and shifted by one, the sum over ``num_items`` or the mean."""
+        labels = nn.functional.pad(labels, (0, 1), value=self.ignore_index)[..., 1:]
+        reduction = "mean" if num_items is None else "sum"
+        loss = cross_entropy(
+            logits.float(), labels, ignore_index=self.ignore_index, reduction=reduction
+        )
+        if num_items is None:
+            return loss
+        if isinstance(num_items, Tensor):
+            num_items = num_items.to(loss.device)
+        return loss / num_items
+
+
+def _causal_lm_loss() -> Callable[..., Tensor]:
+    """``transformers``' ``ForCausalLMLoss``, the loss :class:`CausalLMLoss` restates under
+    loss parallel."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss
 
 
 # ---- tiny configs -----------------------------------------------------------------------------

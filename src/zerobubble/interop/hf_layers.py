@@ -836,11 +836,12 @@ class DecoderHead(HFLayer):
         """The model's router loss: added as the loss term ``"router_aux"`` (None: none)."""
 
     def tp_kinds(self, layout: LayerLayout) -> dict[str, str]:
-        """Tensor parallelism (:mod:`~zerobubble.parallel.tp`): the LM head column-wise with
-        the logits gathered, so the loss runs unchanged; the norm on sequence shards with
-        sequence parallelism."""
+        """Tensor parallelism (:mod:`~zerobubble.parallel.tp`): the LM head column-wise, its
+        logits left sharded over the vocabulary for a loss-parallel loss
+        (``layout.loss_parallel``; ``logit_scale`` and the soft cap are elementwise) and
+        gathered otherwise; the norm on sequence shards with sequence parallelism."""
         norm = {"norm": "sequence_parallel"} if layout.sequence_parallel else {}
-        return {"lm_head": "colwise_gather_output"} | norm
+        return {"lm_head": layout.lm_head()} | norm
 
     def forward(self, x: Boundary) -> Tensor:
         hidden, _, _ = _unpack(type(self).__name__, x)

@@ -1,7 +1,8 @@
 """A small GPT, built as an ordered list of layers so a partitioner can cut it anywhere.
 
 ``build_gpt(cfg)`` returns ``nn.Sequential(embedding, block_0 .. block_{L-1},
-final LayerNorm, LM head)``; :func:`gpt_loss` is the token-mean cross-entropy.
+final LayerNorm, LM head)``; :func:`gpt_loss` is the token-mean cross-entropy (under
+tensor parallelism on the LM head's vocabulary shards: :mod:`~zerobubble.parallel.loss`).
 Attention is written with plain matmul and softmax (no fused SDPA kernel) so
 CPU results are deterministic and its saved tensors are ordinary autograd
 tensors. Dropout (``GPTConfig.dropout``, off by default) draws from the default
@@ -15,9 +16,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from zerobubble.parallel.loss import cross_entropy, takes_sharded_logits
 from zerobubble.parallel.tp import LayerLayout, dropout_kinds
 from zerobubble.runtime.sequence.kv import SegmentAware
 
@@ -231,6 +232,11 @@ def build_gpt(cfg: GPTConfig) -> nn.Sequential:
     return model
 
 
+@takes_sharded_logits
 def gpt_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean next-token cross-entropy: logits (B, T, V), targets (B, T) ids."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    """Mean next-token cross-entropy: logits (B, T, V), targets (B, T) ids (-100: left out).
+
+    Takes the logits sharded over the vocabulary (loss parallel under tp: the LM head's
+    ``Shard(-1)`` DTensor, never gathered) as well as whole.
+    """
+    return cross_entropy(logits, targets)

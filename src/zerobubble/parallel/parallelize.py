@@ -4,8 +4,10 @@ A stage module meets the parallel dimensions that change its parameters here, be
 pipeline's own steps (split, recompute, compile, FSDP: :mod:`~zerobubble.parallel.transforms`).
 Each dimension is one step object, built from the mesh by :meth:`Parallelize.from_mesh`:
 
-1. **tp** (:class:`~zerobubble.parallel.transforms.TensorParallel`): the layers' ``tp_kinds``
-   (or a plan) turn their parameters into DTensors over the mesh's ``tp`` dim;
+1. **tp** (:class:`TensorParallel`): the layers' ``tp_kinds`` (or a plan) turn their
+   parameters into DTensors over the mesh's ``tp`` dim; with the default plans the loss
+   stage's LM head leaves its logits sharded over the vocabulary where the loss takes them
+   (loss parallel, :class:`~zerobubble.parallel.loss.LossParallel`);
 2. **ep** (:class:`ExpertParallel`): every module's sharding hook ``shard_experts`` keeps this
    rank's experts of its ep group (:func:`~zerobubble.parallel.experts.shard_all_experts`).
 
@@ -33,7 +35,8 @@ from torch.distributed.tensor import DTensor
 
 from zerobubble.parallel.ep import ExpertGroup, is_expert
 from zerobubble.parallel.experts import shard_all_experts, unsharded_experts
-from zerobubble.parallel.tp import TPPlan, parallelize_stage
+from zerobubble.parallel.loss import LossParallel
+from zerobubble.parallel.tp import ShardedLogits, TPPlan, default_plan, parallelize_stage
 
 if TYPE_CHECKING:
     from zerobubble.parallel.mesh import PipelineMesh
@@ -73,6 +76,18 @@ class TensorParallel:
     """The 1-D ``tp`` mesh (:attr:`~zerobubble.parallel.mesh.PipelineMesh.tp_mesh`)."""
     plan: StagePlan = None
     sequence_parallel: bool = False
+    loss: LossParallel | None = None
+    """Where the loss meets the logits (None: gathered); a plan of the user's says it
+    itself, so ``loss_parallel=True`` is refused with one."""
+
+    def __post_init__(self) -> None:
+        if self.loss is not None and self.loss.option and self.plan is not None:
+            raise ValueError(
+                "loss_parallel=True with tp_plan=: the plan says where the logits are (for loss "
+                "parallel, the LM head ColwiseParallel(output_layouts=Shard(-1), "
+                "use_local_output=False), as zerobubble.parallel.tp.ShardedLogits); leave "
+                "loss_parallel at None"
+            )
 
     def apply(self, stage: int, module: nn.Module) -> None:
         """Parallelize ``module`` (stage ``stage``) in place, unless it is already: a module
@@ -80,9 +95,34 @@ class TensorParallel:
         if any(isinstance(p, DTensor) for p in module.parameters()):
             return
         plan = self.plan(stage, module) if callable(self.plan) else self.plan
+        if plan is None:
+            plan = self.default(stage, module)
         parallelize_stage(
             module, self.mesh, plan, stage=stage, sequence_parallel=self.sequence_parallel
         )
+
+    def default(self, stage: int, module: nn.Module) -> TPPlan:
+        """Stage ``stage``'s default plan, its LM head's logits sharded where :attr:`loss`
+        says so; ValueError where ``loss_parallel=True`` and its last layer cannot."""
+        sharded = self.loss is not None and self.loss.sharded(stage)
+        plan = default_plan(
+            module,
+            self.mesh.size(),
+            stage=stage,
+            sequence_parallel=self.sequence_parallel,
+            loss_parallel=sharded,
+        )
+        required = sharded and self.loss is not None and self.loss.option
+        if required and not any(isinstance(style, ShardedLogits) for style in plan.values()):
+            name, last = list(module.named_children())[-1]
+            raise ValueError(
+                f"stage {stage}: loss_parallel=True, but its last layer {name} "
+                f"({type(last).__name__}) does not leave the logits sharded over the "
+                "vocabulary (an nn.Linear head does; a layer's tp_kinds gives its head "
+                "layout.lm_head()). Fix: leave loss_parallel at None (the logits are then "
+                "gathered) or False"
+            )
+        return plan
 
 
 @dataclass(frozen=True)
@@ -160,12 +200,24 @@ class Parallelize:
         *,
         tp_plan: StagePlan = None,
         fn: ParallelizeFn | None = None,
+        loss: LossParallel | None = None,
         group: dist.ProcessGroup | None = None,
         timeout_s: float | None = None,
         name: StageNamer = _stage_name,
     ) -> Parallelize:
-        """The steps ``mesh`` asks for: tp where it has a ``tp`` dim (with ``tp_plan``), ep
-        where ``ep > 1`` (checked over the pipeline ``group``); ``fn`` replaces both."""
+        """The steps ``mesh`` asks for: tp where it has a ``tp`` dim (with ``tp_plan`` and
+        ``loss``, the loss stage's :class:`~zerobubble.parallel.loss.LossParallel`), ep where
+        ``ep > 1`` (checked over the pipeline ``group``); ``fn`` replaces both."""
+        if loss is not None and loss.option and (mesh is None or mesh.tp_mesh is None):
+            raise ValueError(
+                "loss_parallel=True but the mesh has no tensor parallelism (tp=1): the logits "
+                "are whole; build the mesh with tp >= 2, or leave loss_parallel at None"
+            )
+        if loss is not None and loss.option and fn is not None:
+            raise ValueError(
+                "loss_parallel=True with parallelize_fn: the function lays out the LM head "
+                "itself; leave loss_parallel at None"
+            )
         if (mesh is None or mesh.tp_mesh is None) and tp_plan is not None:
             raise ValueError(
                 "tp_plan is given but the mesh has no tensor parallelism (tp=1): build the "
@@ -185,7 +237,7 @@ class Parallelize:
             return cls()
         tp = None
         if mesh.tp_mesh is not None:
-            tp = TensorParallel(mesh.tp_mesh, tp_plan, mesh.spec.sequence_parallel)
+            tp = TensorParallel(mesh.tp_mesh, tp_plan, mesh.spec.sequence_parallel, loss)
         ep = None
         if mesh.ep_size > 1:
             ep = ExpertParallel(ExpertGroup.of(mesh, timeout_s), group, name)

@@ -24,8 +24,11 @@ method; any other layer with parameters and no method is refused. Our GPT
   the lookup's partial sums are reduced), not replicated, so that no rank keeps the
   largest matrix whole; our GPT's position embedding is replicated (a DTensor, so its
   gradient stays exact under sequence parallelism);
-* the LM head column-wise with the logits gathered (``Replicate``): every tp rank holds
-  the whole logits and the loss runs unchanged;
+* the LM head column-wise; on the loss stage with loss parallel
+  (:mod:`~zerobubble.parallel.loss`, the default where the loss takes it) its logits stay
+  sharded over the vocabulary (a ``Shard(-1)`` DTensor, the kind ``colwise_shard_output``)
+  and the loss never gathers them; otherwise they are gathered (``Replicate``): every tp
+  rank holds the whole logits and the loss runs unchanged;
 * the module that feeds several column-wise layers one input (attention's q/k/v, a gated
   MLP's gate/up) takes it as one ``Replicate`` DTensor (``PrepareModuleInput``, as
   torchtitan's Llama plan): with sequence parallelism one all-gather of the sequence
@@ -78,6 +81,7 @@ from zerobubble.runtime.rng import rank_stream
 __all__ = [
     "KINDS",
     "LayerLayout",
+    "ShardedLogits",
     "TPPlan",
     "TPRandom",
     "default_plan",
@@ -95,6 +99,7 @@ KINDS = (
     "colwise",
     "colwise_prepared",
     "colwise_gather_output",
+    "colwise_shard_output",
     "rowwise",
     "embedding",
     "embedding_dtensor",
@@ -109,7 +114,9 @@ KINDS = (
 """What a layer's ``tp_kinds`` may say of a submodule (the sequence layout ``seq`` is
 ``Shard(1)`` with sequence parallelism, ``Replicate()`` without): ``colwise`` (input
 ``seq``), ``colwise_prepared`` (input already a ``Replicate`` DTensor, see
-``prepare_input``), ``colwise_gather_output`` (output gathered), ``rowwise`` (output
+``prepare_input``), ``colwise_gather_output`` (output gathered), ``colwise_shard_output``
+(output left a DTensor sharded over its last dim: the loss-parallel LM head, where
+:attr:`LayerLayout.loss_parallel` says so), ``rowwise`` (output
 ``seq``), ``embedding`` (vocabulary-sharded, output ``seq``), ``embedding_dtensor`` (the
 same, output left a DTensor), ``replicated`` (whole parameters as DTensors),
 ``prepare_input`` (the module's first input made one ``Replicate`` DTensor for its
@@ -129,6 +136,13 @@ class LayerLayout:
     stage: int
     name: str
     """The layer's name in its stage module."""
+    loss_parallel: bool = False
+    """The layer's output is the logits the loss takes sharded over the vocabulary: its LM
+    head is ``colwise_shard_output`` (:mod:`~zerobubble.parallel.loss`), not gathered."""
+
+    def lm_head(self) -> str:
+        """The kind of an LM head here: its logits sharded or gathered."""
+        return "colwise_shard_output" if self.loss_parallel else "colwise_gather_output"
 
     def divisible(self, sub: str, what: str, n: int) -> None:
         """Raise ValueError naming the stage and ``sub`` unless ``tp`` divides ``n``."""
@@ -241,6 +255,14 @@ class TPRandom(ParallelStyle):
         return module
 
 
+class ShardedLogits(ColwiseParallel):
+    """The loss-parallel LM head: column-wise, its output left a DTensor ``Shard(-1)`` (each
+    rank's ``vocab / tp`` columns of the logits) for :mod:`~zerobubble.parallel.loss`."""
+
+    def __init__(self, seq: Placement) -> None:
+        super().__init__(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+
+
 def _style(kind: str, sp: bool) -> ParallelStyle:
     """The parallel style of ``kind`` with or without sequence parallelism."""
     seq: Placement = Shard(1) if sp else Replicate()
@@ -252,6 +274,8 @@ def _style(kind: str, sp: bool) -> ParallelStyle:
         return RowwiseParallel(output_layouts=seq)
     if kind == "colwise_gather_output":
         return ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+    if kind == "colwise_shard_output":
+        return ShardedLogits(seq)
     if kind == "embedding":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     if kind == "embedding_dtensor":
@@ -336,18 +360,29 @@ def _layer_kinds(layer: nn.Module, layout: LayerLayout) -> dict[str, str] | None
     if _is_norm(layer):  # a layer of its own, its output may be the stage's: a local shard
         return {"": "sequence_parallel_layer"} if layout.sequence_parallel else {}
     if type(layer) is nn.Linear:  # an LM head
-        return {"": "colwise_gather_output"}
+        return {"": layout.lm_head()}
     return None
 
 
-def default_plan(module: nn.Module, tp: int, *, stage: int, sequence_parallel: bool) -> TPPlan:
+def default_plan(
+    module: nn.Module,
+    tp: int,
+    *,
+    stage: int,
+    sequence_parallel: bool,
+    loss_parallel: bool = False,
+) -> TPPlan:
     """The default plan of stage ``stage``'s ``module`` (an ``nn.Sequential`` of layers that
     state their kinds, see the module docstring) over ``tp`` ranks; ValueError for a layer
-    that cannot be sharded exactly or states nothing."""
+    that cannot be sharded exactly or states nothing. ``loss_parallel``: the stage's last
+    layer is told its output is the loss's vocabulary-sharded logits
+    (:attr:`LayerLayout.loss_parallel`)."""
     sp = sequence_parallel
     plan: dict[str, ParallelStyle] = {}
-    for name, layer in module.named_children():
-        kinds = _layer_kinds(layer, LayerLayout(tp, sp, stage, name))
+    children = list(module.named_children())
+    for i, (name, layer) in enumerate(children):
+        last = loss_parallel and i == len(children) - 1
+        kinds = _layer_kinds(layer, LayerLayout(tp, sp, stage, name, last))
         if kinds is None and any(True for _ in layer.parameters()):
             # Left replicated, its weight gradients would be per-rank partial sums under
             # sequence parallelism, and it would hold whole matrices: refuse, not guess.
@@ -424,9 +459,12 @@ def parallelize_stage(
     *,
     stage: int,
     sequence_parallel: bool = False,
+    loss_parallel: bool = False,
 ) -> nn.Module:
-    """Apply ``plan`` (None: :func:`default_plan`) to stage ``stage``'s ``module`` over
-    ``tp_mesh``, in place; returns the module.
+    """Apply ``plan`` (None: :func:`default_plan`, its last layer's LM head leaving the logits
+    sharded over the vocabulary with ``loss_parallel``: the loss stage's, for a loss that
+    takes them) to stage ``stage``'s ``module`` over ``tp_mesh``, in place; returns the
+    module.
 
     Refuses dropout > 0 that no :class:`TPRandom` of the plan covers, and a parameter
     shared by two layers of the stage (tied embeddings on one stage): parallelizing each
@@ -434,7 +472,10 @@ def parallelize_stage(
     """
     tp = tp_mesh.size()
     if plan is None:
-        plan = default_plan(module, tp, stage=stage, sequence_parallel=sequence_parallel)
+        sp = sequence_parallel
+        plan = default_plan(
+            module, tp, stage=stage, sequence_parallel=sp, loss_parallel=loss_parallel
+        )
     _refuse_uncovered_dropout(module, plan, stage)
     tied = [n for n in _shared_names(module).values() if len(n) > 1]
     parallelize_module(module, tp_mesh, dict(plan))

@@ -13,7 +13,7 @@ package rather than restating their arithmetic:
   that reduction's result, so its ground truth is the same;
 - **segments** (``cuts=``): :func:`~zerobubble.reference.step.segment_reference_step` per
   replica;
-- **tp** (``tp_mesh=``, ``tp_plan=``, ``sequence_parallel=``):
+- **tp** (``tp_mesh=``, ``tp_plan=``, ``sequence_parallel=``, ``loss_parallel=``):
   :func:`~zerobubble.reference.tp.tp_reference_step` per replica (collective over the tp mesh:
   every tp rank calls it with the same batch), with segments too (``cuts=``);
 - **ep** (``ep=E``): the replicas run together, the all-to-alls played between them
@@ -72,6 +72,7 @@ def reference_step(
     tp_mesh: DeviceMesh | None = None,
     tp_plan: StagePlan = None,
     sequence_parallel: bool = False,
+    loss_parallel: bool | None = None,
     seed: int | None = None,
     step: int = 0,
     num_stages: int = 1,
@@ -95,6 +96,11 @@ def reference_step(
     """
     args, target, m, n = read_batch(args, target, microbatches, kwargs)
     _refuse(dp, ep, cuts, tp_mesh, seed, len(args) == 1 and not kwargs)
+    if loss_parallel and tp_mesh is None:
+        raise ValueError(
+            "loss_parallel=True without tensor parallelism (tp_mesh): the logits are whole; "
+            "pass tp_mesh=, or leave loss_parallel at None"
+        )
     parts = _parts(args, kwargs, target, dp, n)
     model = as_sequential(layers)
     if ep > 1:
@@ -112,7 +118,8 @@ def reference_step(
         if tp_mesh is not None:
             mine, grads = tp_reference_step(
                 model, loss_fn, *a, target=t, microbatches=m, tp_mesh=tp_mesh,
-                tp_plan=tp_plan, sequence_parallel=sequence_parallel, copy_layers=False,
+                tp_plan=tp_plan, sequence_parallel=sequence_parallel,
+                loss_parallel=loss_parallel, copy_layers=False,
                 terms=terms, term_weight=term_weight, cuts=cuts, **common, **k,
             )  # fmt: skip
         elif cuts is not None:

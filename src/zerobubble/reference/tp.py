@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from zerobubble.parallel.loss import LossParallel
 from zerobubble.parallel.parallelize import StagePlan, TensorParallel
 from zerobubble.parallel.partition import layer_keys, model_name, stage_bounds
 from zerobubble.parallel.tied import find_shared
@@ -39,6 +40,7 @@ def tp_reference_step(
     tp_mesh: DeviceMesh,
     tp_plan: StagePlan = None,
     sequence_parallel: bool = False,
+    loss_parallel: bool | None = None,
     num_stages: int = 1,
     boundaries: Sequence[int] | None = None,
     copy_layers: bool = True,
@@ -59,7 +61,10 @@ def tp_reference_step(
     :func:`~zerobubble.parallel.partition.stage_bounds`), each stage is an
     ``nn.Sequential`` of its layers parallelized with ``tp_plan`` (one plan, a function
     ``(stage, stage module) -> plan``, or None: the default plan) and
-    ``sequence_parallel``, and :func:`~zerobubble.reference.step.reference_step` runs
+    ``sequence_parallel``, the last stage's LM head leaving its logits sharded over the
+    vocabulary as ``loss_parallel`` says (the pipeline's rule:
+    :class:`~zerobubble.parallel.loss.LossParallel`, so the loss runs the same
+    vocab-parallel cross-entropy), and :func:`~zerobubble.reference.step.reference_step` runs
     the stages in order on the microbatches (``seed`` and ``step`` seed stage ``s``'s
     random ops as the executor does), or with ``cuts`` (sequence segments)
     :func:`~zerobubble.reference.step.segment_reference_step` runs them on each microbatch's
@@ -82,7 +87,8 @@ def tp_reference_step(
     bounds = stage_bounds(len(model), num_stages, boundaries)
     _refuse_tied(model, keys, bounds)
     source = copy.deepcopy(list(model)) if copy_layers else list(model)
-    tp = TensorParallel(tp_mesh, tp_plan, sequence_parallel)
+    loss = LossParallel(num_stages - 1, loss_fn, loss_parallel)
+    tp = TensorParallel(tp_mesh, tp_plan, sequence_parallel, loss)
     stages = []
     for s, layer_range in enumerate(bounds):
         stage = nn.Sequential(*(source[i] for i in layer_range))
