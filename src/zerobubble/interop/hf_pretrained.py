@@ -174,7 +174,26 @@ def _wanted(
     return out
 
 
-def _read(folder: Path, files: Mapping[str, str], wanted: Mapping[str, Any], rank: int) -> None:
+def _renamed(config: Any) -> str:
+    """Why a tensor may be missing where ``transformers`` renames checkpoints of this family
+    on loading (its conversion mapping: Mixtral's per-expert ``w1``/``w3`` stacked into
+    ``gate_up_proj``, ...), which reading by the modules' names does not apply; else ''."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    model_type = getattr(config, "model_type", "")
+    if not get_checkpoint_conversion_mapping(model_type):
+        return ""
+    return (
+        f"; {model_type} checkpoints store tensors under other names than its modules "
+        "(transformers converts them on loading, load_pipeline reads the modules' names): load "
+        "the model whole (from_pretrained), cut it with causal_lm_layers, and save_pipeline "
+        "writes a directory under the modules' names that load_pipeline reads per rank"
+    )
+
+
+def _read(
+    folder: Path, files: Mapping[str, str], wanted: Mapping[str, Any], rank: int, hint: str
+) -> None:
     """Copy every wanted tensor from its safetensors file, opening each file once."""
     by_file: dict[str, list[tuple[str, str]]] = {}
     for key, (_, names) in wanted.items():
@@ -182,8 +201,8 @@ def _read(folder: Path, files: Mapping[str, str], wanted: Mapping[str, Any], ran
         if found is None:
             raise ValueError(
                 f"tensor {key!r} (rank {rank}'s stages) is in none of the safetensors files of "
-                f"{folder} (they hold {len(files)} tensors): the files are of another model than "
-                f"{CONFIG} describes; re-save the directory with save_pretrained"
+                f"{folder} (they hold {len(files)} tensors)"
+                + (hint or f": the files are of another model than {CONFIG} describes")
             )
         by_file.setdefault(files[found], []).append((key, found))
     for file, pairs in by_file.items():
@@ -254,7 +273,7 @@ def load_pipeline(
         _materialize(layers, mine, where)
         for i in mine:
             _recompute_buffers(model, layers[i], f"{folder}: layer {i}")
-    _read(folder, files, _wanted(layers, mine), rank)
+    _read(folder, files, _wanted(layers, mine), rank, _renamed(config))
     loss = loss_fn if loss_fn is not None else CausalLMLoss(model)
     return Pipeline(layers, loss, plan, device=device, copy_layers=False, **pipeline_kwargs)
 
