@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from zerobubble.interop.hf import CausalLMLoss, _transformers, causal_lm_layers
+from zerobubble.interop.hf import CausalLMLoss, _forked_rng, _transformers, causal_lm_layers
 from zerobubble.interop.hf_experts import gather_hf_experts
 from zerobubble.parallel.partition import layer_keys
 from zerobubble.parallel.tied import find_shared
@@ -268,7 +268,7 @@ def load_pipeline(
     )
     rank = dist.get_rank()
     where = torch.device(device) if device is not None else torch.device("cpu")
-    rng = torch.random.fork_rng(devices=[] if where.type == "cpu" else [where])
+    rng = _forked_rng(where)
     with rng:  # _init_weights may draw: the caller's generators are left as they were
         _materialize(layers, mine, where)
         for i in mine:
