@@ -44,7 +44,7 @@ from zerobubble.runtime.stage import LossFn, StageChunk
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.ir import Schedule
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "rank_layers"]
 
 
 class Pipeline:
@@ -147,6 +147,10 @@ class Pipeline:
         keys = layer_keys(layers, num_layers)
         schedule = _schedule_of(schedule, microbatches, dist.get_world_size(group), len(keys))
         group = pipeline_group(schedule, mesh, group)
+        bounds = stage_bounds(len(keys), schedule.num_stages, boundaries)
+        # Before the stages are built: with copy_layers=False a tie between two stages of this
+        # rank gets a second Parameter on the same memory in the layers themselves.
+        shared = self.shared = find_shared(layers, keys, bounds)
         stages = build_stage_modules(
             layers,
             schedule,
@@ -156,7 +160,6 @@ class Pipeline:
             device=device,
             copy_layers=copy_layers,
         )
-        bounds = stage_bounds(len(keys), schedule.num_stages, boundaries)
         stage_keys = {s: keys[bounds[s].start : bounds[s].stop] for s in stages}
         self._parallelize = Parallelize.from_mesh(
             mesh,
@@ -167,7 +170,6 @@ class Pipeline:
             timeout_s=(options or ExecutorOptions()).comm_timeout_s,
             name=lambda s, name, module: _module_name(name, stage_keys[s], module),
         )
-        shared = self.shared = find_shared(layers, keys, bounds)
         _refuse_ties(shared, mesh)
         self._names = _Names(shared, {s: keys[bounds[s].start : bounds[s].stop] for s in stages})
         self._stages: dict[int, nn.Module] = dict(stages)
@@ -396,6 +398,30 @@ class Pipeline:
             raise ValueError(_mismatch(self.rank, missing, unexpected))
         for s, entries in local.items():
             self._module(s).load_state_dict(entries, strict=strict)
+
+
+def rank_layers(
+    schedule: Schedule | str,
+    num_layers: int,
+    *,
+    microbatches: int | None = None,
+    boundaries: Sequence[int] | None = None,
+    group: dist.ProcessGroup | None = None,
+    mesh: PipelineMesh | None = None,
+) -> tuple[Schedule, tuple[int, ...]]:
+    """The schedule a :class:`Pipeline` built with these arguments runs, and the indices of
+    the layers its stages on this rank hold, ascending.
+
+    So that a model too large for one device can be built as it is cut: every layer on the
+    meta device, then only these materialised (as ``interop.hf_pretrained.load_pipeline``
+    does). Pass the returned Schedule to the Pipeline (a kind is generated here, once).
+    Arguments as :class:`Pipeline`'s; not collective.
+    """
+    group = _group_of(group, mesh)
+    schedule = _schedule_of(schedule, microbatches, dist.get_world_size(group), num_layers)
+    rank = dist.get_rank(pipeline_group(schedule, mesh, group))
+    bounds = stage_bounds(num_layers, schedule.num_stages, boundaries)
+    return schedule, tuple(sorted(i for s in schedule.stages_of_device[rank] for i in bounds[s]))
 
 
 class _Names:

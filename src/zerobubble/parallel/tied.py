@@ -93,7 +93,8 @@ def find_shared(
     Raises ValueError, naming it, for what the runtime cannot honour: a buffer
     shared by layers of different stages (buffers are not synchronised), and two
     different Parameters of different stages sharing memory (a tie by ``.data``
-    rather than by object, which deep copies would break).
+    rather than by object, which deep copies would break). Meta tensors hold no memory, so
+    a model built on the meta device (to be materialised per rank) is checked by object only.
     """
     if not isinstance(layers, nn.Sequential | nn.ModuleList | Sequence):
         return ()
@@ -142,10 +143,11 @@ def _refuse_memory_ties(
     seen: dict[tuple[int, int], tuple[int, str, int]] = {}  # (device-ptr, nbytes) -> use
     for i, layer in enumerate(layers):
         for name, p in layer.named_parameters(remove_duplicate=False):
-            if p.numel() == 0:
-                continue
             # a DTensor wraps no storage of its own: its local shard's is what it holds
-            storage = (p.to_local() if isinstance(p, DTensor) else p).untyped_storage()
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if p.numel() == 0 or local.is_meta:
+                continue  # no memory to share: every meta tensor's storage reads (0, nbytes)
+            storage = local.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
             first = seen.setdefault(key, (id(p), _user_name(layer, keys[i], name), stage_of[i]))
             if first[0] != id(p) and first[2] != stage_of[i]:
