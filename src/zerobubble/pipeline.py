@@ -268,14 +268,9 @@ class Pipeline:
         """
         _check_optimizer(optimizer, self.parameters(), self.rank)
         self.trainer = PipelineTrainer(
-            self.executor,
-            optimizer,
-            config,
-            faults=faults,
-            on_commit=on_commit,
-            tied=self.tied,
-            names=self._name,
-        )
+            self.executor, optimizer, config, faults=faults, on_commit=on_commit,
+            tied=self.tied, names=self._name,
+        )  # fmt: skip
         return self.trainer
 
     def step(
