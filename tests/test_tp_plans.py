@@ -357,7 +357,8 @@ def test_default_plan_names_every_sharded_layer_of_a_gpt_stage():
     [
         ("gpt-heads", 8, r"stage 1: 0.attn has n_heads=4, not divisible by tp=8"),
         ("gpt-vocab", 3, r"stage 0: 0.tok has num_embeddings \(vocabulary\)=64"),
-        ("mistral", 2, r"stage 1: 0.layer.self_attn has num_key_value_heads=1"),
+        # kv heads fewer than tp are replicated; 3 at tp=2 can be neither sharded nor that
+        ("mistral", 2, r"stage 1: 0.layer.self_attn has num_key_value_heads=3, which tp=2 "),
         (
             "unknown",
             2,
@@ -380,7 +381,8 @@ def test_default_plan_refuses_what_it_cannot_shard_exactly(stage, tp, match):
         layers = causal_lm_layers(tiny_model("hf-gpt2"), check=False)
         module, s = nn.Sequential(layers[1]), 1
     elif stage == "mistral":
-        layers = causal_lm_layers(tiny_model("hf-mistral", num_hidden_layers=2), check=False)
+        kv3 = {"num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8}
+        layers = causal_lm_layers(tiny_model("hf-mistral", num_hidden_layers=2, **kv3), check=False)
         module, s = nn.Sequential(layers[1]), 1
     else:
         module, s = nn.Sequential(Wrapper()), 1

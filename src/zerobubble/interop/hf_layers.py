@@ -637,6 +637,7 @@ class DecoderBlock(SegmentAware, HFLayer):
         self.index = index
         self.attention_type = attention_type
         self.sequence_shards = 1
+        self._tensor_shards = 1
         """Over how many ranks the hidden states' sequence is sharded (sequence parallelism,
         :mod:`~zerobubble.parallel.tp`): the mask and positions are of the whole sequence."""
         self.router = router
@@ -661,10 +662,18 @@ class DecoderBlock(SegmentAware, HFLayer):
     def unsplit_submodules(self) -> list[nn.Module]:
         """The router, whose logits the router loss or z-loss reads outside its MoE block:
         the B/W split's graph-level fallback must leave it (and that block) on plain
-        autograd (:mod:`~zerobubble.runtime.split.swap`)."""
+        autograd (:mod:`~zerobubble.runtime.split.swap`). Under sequence parallelism also
+        each MoE block's children other than its experts (its router): the block gathers
+        the sequence in hooks (``whole_sequence``) that a graph split of the block would
+        re-run in W, so its experts are split on their own instead."""
+        kept = []
+        if self.sequence_shards > 1:  # whole_sequence blocks: their children split, not they
+            for name in _moe_blocks(self):
+                moe = self.get_submodule(name)
+                kept += [m for n, m in moe.named_children() if "experts" not in n.lower()]
         if self._router_path is None or (self.router is None and not self.z_loss):
-            return []
-        return [self.layer.get_submodule(self._router_path)]
+            return kept
+        return [*kept, self.layer.get_submodule(self._router_path)]
 
     def tp_kinds(self, layout: LayerLayout) -> dict[str, str]:
         """Tensor parallelism (:mod:`~zerobubble.parallel.tp`): the config's
@@ -675,19 +684,44 @@ class DecoderBlock(SegmentAware, HFLayer):
         left uncovered, so that :func:`~zerobubble.parallel.tp.parallelize_stage` refuses it
         (it may act on replicated activations)."""
         config = self.config
-        for what in ("num_attention_heads", "num_key_value_heads"):
-            layout.divisible("layer.self_attn", what, getattr(config, what))
+        layout.divisible("layer.self_attn", "num_attention_heads", config.num_attention_heads)
+        kv = config.num_key_value_heads
+        replicate_kv = kv < layout.tp and layout.tp % kv == 0
+        if not replicate_kv:
+            _kv_divisible(layout, kv)
         table = getattr(config, "base_model_tp_plan", None) or TP_TABLE
         try:
             kinds = hf_block_plan(table, {"layer": self._paths["layer"]}, self)
         except ValueError as e:
             raise ValueError(f"stage {layout.stage}: layer {layout.name}: {e}") from None
+        if replicate_kv:  # Megatron's kv-head replication: each rank the head its queries use
+            for sub in ("layer.self_attn.k_proj", "layer.self_attn.v_proj"):
+                if kinds.get(sub) == "colwise":
+                    kinds[sub] = f"replicated_heads:{kv}"
         modules = list(self.modules())
         if any(_attention_dropout(m) > 0 for m in modules) and not any(
             isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in modules
         ):
             kinds[""] = "random_sharded"
-        return share_column_inputs(kinds) | layout.norms(self)
+        # The norms the plan leaves unstated run on sequence shards (Qwen3's q_norm and
+        # k_norm act on local heads: the plan's heads_norm).
+        return layout.norms(self) | _whole_moe_blocks(self, share_column_inputs(kinds), layout)
+
+    @property
+    def tensor_shards(self) -> int:
+        """Over how many ranks the block is tensor-parallel (set by
+        :func:`~zerobubble.parallel.tp.parallelize_stage`). With fewer kv heads than that, each
+        rank holds one kv head for its ``heads / tp`` query heads (``replicated_heads``), so
+        the attention's ``num_key_value_groups`` becomes ``heads / tp``."""
+        return self._tensor_shards
+
+    @tensor_shards.setter
+    def tensor_shards(self, tp: int) -> None:
+        self._tensor_shards = tp
+        heads, kv = self.config.num_attention_heads, self.config.num_key_value_heads
+        attention = self.layer.get_submodule("self_attn")
+        if kv < tp and hasattr(attention, "num_key_value_groups"):
+            attention.num_key_value_groups = heads // tp
 
     def forward(self, x: Boundary) -> Boundary:
         hidden, mask, position_ids = _unpack(type(self).__name__, x)
@@ -739,6 +773,43 @@ class DecoderBlock(SegmentAware, HFLayer):
                 assert self.balance is not None
                 self.balance.count(call[-1])
         return _boundary(out[0] if isinstance(out, tuple) else out, mask, position_ids, stats)
+
+
+def _whole_moe_blocks(block: nn.Module, kinds: dict[str, str], layout: LayerLayout) -> dict:
+    """``kinds`` with each mixture-of-experts block (the parent of an experts module) run
+    whole on the whole sequence under sequence parallelism (``whole_sequence``: its
+    experts and router see the same tokens on every tp rank, so their replicated
+    parameters get equal gradients); kinds the plan states inside such a block (shared
+    experts) are dropped then, as the block takes no sequence shards."""
+    if not layout.sequence_parallel:
+        return kinds
+    blocks = _moe_blocks(block)
+    out = {k: v for k, v in kinds.items() if not any(k.startswith(f"{b}.") for b in blocks)}
+    return out | dict.fromkeys(blocks, "whole_sequence")
+
+
+def _moe_blocks(block: nn.Module) -> list[str]:
+    """The names of ``block``'s mixture-of-experts blocks: the parents of its experts modules
+    (named ``experts`` or of a class named ``...Experts``), outermost only."""
+    found = {
+        name.rpartition(".")[0]
+        for name, m in block.named_modules()
+        if "." in name
+        and (name.rpartition(".")[2] == "experts" or type(m).__name__.endswith("Experts"))
+    }
+    return sorted(b for b in found if not any(b.startswith(f"{o}.") for o in found))
+
+
+def _kv_divisible(layout: LayerLayout, kv: int) -> None:
+    """Refuse kv heads that tp neither divides nor is a multiple of: a rank's query heads
+    would need parts of several kv heads."""
+    if kv % layout.tp:
+        raise ValueError(
+            f"stage {layout.stage}: {layout.name}.layer.self_attn has num_key_value_heads={kv}, "
+            f"which tp={layout.tp} neither divides (each rank its own kv heads) nor is a "
+            f"multiple of (each kv head replicated on tp / {kv} ranks, as Megatron does): "
+            f"choose a tp that divides {kv} or that {kv} divides, or pass tp_plan="
+        )
 
 
 def _keep_call(

@@ -56,6 +56,7 @@ dropout > 0 that no :class:`TPRandom` covers is refused.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -65,7 +66,14 @@ from typing import Any
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -81,11 +89,13 @@ from zerobubble.runtime.rng import rank_stream
 __all__ = [
     "KINDS",
     "LayerLayout",
+    "ReplicatedExpertsWarning",
     "ShardedLogits",
     "TPPlan",
     "TPRandom",
     "default_plan",
     "dropout_kinds",
+    "is_norm",
     "norm_names",
     "parallelize_stage",
     "share_column_inputs",
@@ -108,6 +118,9 @@ KINDS = (
     "shard_output",
     "sequence_parallel",
     "sequence_parallel_layer",
+    "heads_norm",
+    "replicated_heads",
+    "whole_sequence",
     "random_sharded",
     "random_replicated",
 )
@@ -122,8 +135,19 @@ same, output left a DTensor), ``replicated`` (whole parameters as DTensors),
 ``prepare_input`` (the module's first input made one ``Replicate`` DTensor for its
 column-wise layers), ``shard_output`` (the module's output handed on as local ``seq``
 tensors), ``sequence_parallel`` (a norm on sequence shards), ``sequence_parallel_layer``
-(the same, its output local: a layer whose output may be the stage's), ``random_sharded``
-and ``random_replicated`` (:class:`TPRandom`)."""
+(the same, its output local: a layer whose output may be the stage's), ``heads_norm`` (a
+norm over the head dim of a column-wise projection's local heads, Qwen3's ``q_norm`` and
+``k_norm``: its input ``(..., heads / tp, head_dim)`` taken as sharded on the heads, its
+weight replicated, its gradient ``Partial``, each rank's covering its own heads, summed over
+tp where it is reduced), ``replicated_heads:N`` (a key or value projection of ``N`` heads,
+fewer than tp and dividing it, as Megatron replicates kv heads: the weight whole on every
+rank, each rank keeping head ``rank * N // tp`` of the output, the one its query heads
+use; the weight's and the input's gradients ``Partial``, each rank's covering its own
+query heads), ``whole_sequence`` (a module left whole on every rank, a mixture of experts'
+block: with sequence parallelism its input's sequence gathered and its output handed on as
+this rank's shard, so that every rank routes and computes the same tokens and its plain
+parameters get the same gradient everywhere; nothing without), ``random_sharded`` and
+``random_replicated`` (:class:`TPRandom`)."""
 
 
 @dataclass(frozen=True)
@@ -200,6 +224,118 @@ class _PrepareInput(PrepareModuleInput):
         return module
 
 
+class _ReplicatedHeads(ParallelStyle):
+    """A projection whose output is ``heads`` heads, fewer than tp (tp a multiple): each rank
+    computes them all from the whole weight (a ``Replicate`` DTensor, on the input made one
+    ``Replicate`` DTensor) and keeps head ``rank * heads // tp``. The output's gradient
+    covers this rank's query heads only, so it is marked ``Partial``: the weight's and the
+    input's gradients are partial sums over tp, reduced with the other layers'."""
+
+    def __init__(self, heads: int, seq: Placement) -> None:
+        super().__init__()
+        self.heads = heads
+        self.seq = seq
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        head = device_mesh.get_local_rank() * self.heads // device_mesh.size()
+
+        def inputs(_m: nn.Module, args: tuple, mesh: DeviceMesh) -> Any:
+            x = args[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, [self.seq], run_check=False)
+            return (x.redistribute(placements=[Replicate()]), *args[1:])
+
+        def outputs(_m: nn.Module, out: Any, _mesh: DeviceMesh) -> Any:
+            local = out.to_local(grad_placements=[Partial()])
+            width = local.shape[-1] // self.heads
+            return local[..., head * width : (head + 1) * width]
+
+        return distribute_module(module, device_mesh, input_fn=inputs, output_fn=outputs)
+
+
+class _WholeSequence(ParallelStyle):
+    """A module run whole on every rank on the whole sequence (sequence parallelism): its
+    first input (a sequence shard, local or a DTensor) is gathered, its output (or the first
+    of a tuple) cut back to this rank's shard. Backward: the output's gradient is gathered,
+    so that every rank's module gets the whole, equal gradient, and the input's is cut.
+    The B/W split must not graph-split the module itself (W would re-run these hooks): its
+    layer keeps a submodule of it unsplit (``unsplit_submodules``), so its children are
+    split instead."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        shard: list[Placement] = [Shard(1)]
+
+        def gather(x: Any) -> Any:
+            if not isinstance(x, Tensor):
+                return x
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, shard, run_check=False)
+            whole = x.redistribute(placements=[Replicate()])
+            return whole.to_local(grad_placements=[Replicate()])
+
+        def before(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args:
+                return (gather(args[0]), *args[1:]), kwargs
+            return args, {**kwargs, self.name: gather(kwargs.get(self.name))}
+
+        def cut(y: Tensor) -> Tensor:
+            whole = DTensor.from_local(y, device_mesh, [Replicate()], run_check=False)
+            return whole.redistribute(placements=shard).to_local()
+
+        def after(_m: nn.Module, _args: tuple, out: Any) -> Any:
+            if isinstance(out, tuple) and out and isinstance(out[0], Tensor):
+                return (cut(out[0]), *out[1:])
+            return cut(out) if isinstance(out, Tensor) else out
+
+        module.register_forward_pre_hook(before, with_kwargs=True)
+        module.register_forward_hook(after)
+        return module
+
+
+class ReplicatedExpertsWarning(UserWarning):
+    """A stage's experts stay whole on every tp rank (no expert-tensor parallelism): the
+    memory of every expert on every rank, and their compute repeated over tp."""
+
+
+def _warn_replicated_experts(module: nn.Module, stage: int, tp: int) -> None:
+    """Warn once for stage ``stage`` if it holds experts the plan left whole (plain tensors):
+    replicated over tp is a choice the user should see, not a silent default."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, m in module.named_modules():
+        looks = name.rpartition(".")[2] == "experts" or type(m).__name__.endswith("Experts")
+        params = list(m.parameters(recurse=True))
+        whole = looks and params and not any(isinstance(p, DTensor) for p in params)
+        if whole and not any(name.startswith(f"{f}.") for f, _ in found):
+            found.append((name, m))
+    if not found:
+        return
+    names = ", ".join(f"{_source(module, n)} ({type(m).__name__})" for n, m in found)
+    warnings.warn(
+        f"stage {stage}: the experts {names} are replicated over tp={tp}: every tp rank holds "
+        "each expert whole and computes it on the same tokens (with sequence parallelism the "
+        "block gathers the sequence), so their gradients are equal on every tp rank; "
+        "expert-tensor parallelism is not built. To shard experts use ep (with tp=1)",
+        ReplicatedExpertsWarning,
+        stacklevel=3,
+    )
+
+
+def _source(module: nn.Module, name: str) -> str:
+    """``name`` (in the stage) as the layer's model names it, where the layer says."""
+    layer, _, rest = name.partition(".")
+    source = getattr(module.get_submodule(layer), "source_name", None)
+    if rest and callable(source):
+        try:
+            return str(source(rest))
+        except ValueError:
+            pass
+    return name
+
+
 def _first_input(module: nn.Module) -> str:
     """The name of the first parameter of ``module.forward``."""
     return next(iter(inspect.signature(module.forward).parameters))
@@ -266,6 +402,8 @@ class ShardedLogits(ColwiseParallel):
 def _style(kind: str, sp: bool) -> ParallelStyle:
     """The parallel style of ``kind`` with or without sequence parallelism."""
     seq: Placement = Shard(1) if sp else Replicate()
+    if kind.startswith("replicated_heads:"):
+        return _ReplicatedHeads(int(kind.partition(":")[2]), seq)
     if kind == "colwise":
         return ColwiseParallel(input_layouts=seq)
     if kind == "colwise_prepared":  # the input is a Replicate DTensor already
@@ -286,6 +424,8 @@ def _style(kind: str, sp: bool) -> ParallelStyle:
         return SequenceParallel()
     if kind == "sequence_parallel_layer":  # a stage's layer: its output may be the boundary
         return SequenceParallel(use_local_output=True)
+    if kind == "heads_norm":  # heads (dim -2) sharded: the weight's gradient is Partial
+        return SequenceParallel(sequence_dim=-2, use_local_output=True)
     if kind in ("random_sharded", "random_replicated"):
         return TPRandom(sharded=kind == "random_sharded")
     raise AssertionError(kind)
@@ -308,14 +448,23 @@ def _check(stage: int, name: str, module: nn.Module, kind: str, tp: int) -> None
         _divisible(stage, name, "out_features", module.out_features, tp)
     elif isinstance(module, nn.Linear) and kind == "rowwise":
         _divisible(stage, name, "in_features", module.in_features, tp)
+    elif kind.startswith("replicated_heads:"):
+        heads = int(kind.partition(":")[2])
+        if tp % heads or not isinstance(module, nn.Linear) or module.out_features % heads:
+            raise ValueError(
+                f"stage {stage}: {name} is planned {kind!r}: its output's {heads} heads "
+                f"are replicated over tp={tp}, which needs an nn.Linear whose out_features "
+                f"{heads} divides and a tp that {heads} divides; pass tp_plan= instead"
+            )
 
 
 def norm_names(module: nn.Module) -> list[str]:
     """The names of ``module``'s norms (by type, as the B/W split knows them)."""
-    return [n for n, m in module.named_modules() if n and _is_norm(m)]
+    return [n for n, m in module.named_modules() if n and is_norm(m)]
 
 
-def _is_norm(m: nn.Module) -> bool:
+def is_norm(m: nn.Module) -> bool:
+    """Whether ``m`` is a norm (by type, as the B/W split knows them)."""
     return isinstance(m, nn.LayerNorm | nn.RMSNorm) or type(m).__name__.endswith("Norm")
 
 
@@ -338,16 +487,19 @@ def _dropout_p(m: nn.Module) -> float:
 
 def share_column_inputs(kinds: dict[str, str]) -> dict[str, str]:
     """``kinds`` with each module that holds two or more column-wise layers (attention's
-    q/k/v, a gated MLP's gate/up) preparing their shared input once."""
+    q/k/v, replicated k/v heads among them; a gated MLP's gate/up) preparing their shared
+    input once."""
     parents: dict[str, list[str]] = {}
     for sub, kind in kinds.items():
-        if kind == "colwise" and "." in sub:
+        column = kind == "colwise" or kind.startswith("replicated_heads:")
+        if column and "." in sub:
             parents.setdefault(sub.rpartition(".")[0], []).append(sub)
     out = dict(kinds)
     for parent, subs in parents.items():
         if len(subs) > 1:
             out[parent] = "prepare_input"
-            out |= dict.fromkeys(subs, "colwise_prepared")
+            # replicated_heads takes the prepared Replicate DTensor as it is
+            out |= {s: "colwise_prepared" for s in subs if kinds[s] == "colwise"}
     return out
 
 
@@ -357,7 +509,7 @@ def _layer_kinds(layer: nn.Module, layout: LayerLayout) -> dict[str, str] | None
     kinds = getattr(layer, "tp_kinds", None)
     if callable(kinds):
         return dict(kinds(layout))
-    if _is_norm(layer):  # a layer of its own, its output may be the stage's: a local shard
+    if is_norm(layer):  # a layer of its own, its output may be the stage's: a local shard
         return {"": "sequence_parallel_layer"} if layout.sequence_parallel else {}
     if type(layer) is nn.Linear:  # an LM head
         return {"": layout.lm_head()}
@@ -397,6 +549,9 @@ def default_plan(
             target = module.get_submodule(full)
             if kind == "replicated":
                 plan[full] = _Replicated()
+            elif kind == "whole_sequence":
+                if sp:
+                    plan[full] = _WholeSequence(_first_input(target))
             elif kind == "prepare_input":
                 plan[full] = _PrepareInput(_first_input(target), Shard(1) if sp else Replicate())
             elif kind == "shard_output":
@@ -487,6 +642,10 @@ def parallelize_stage(
                 "parallel plan shards as two; untie them (e.g. tie_embeddings=False) or keep "
                 "both layers on one style"
             )
+    _warn_replicated_experts(module, stage, tp)
+    for m in module.children():  # a layer that adapts its local shapes to tp (kv heads)
+        if hasattr(m, "tensor_shards"):
+            setattr(m, "tensor_shards", tp)  # noqa: B010 (nn.Module types it as a Module)
     if sequence_parallel:
         _shard_sequence(module, stage, tp)
     return module
