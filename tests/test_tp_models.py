@@ -148,7 +148,7 @@ def hf_grads(name: str) -> tuple[float, dict[str, torch.Tensor]]:
     ids, labels = batch()
     loss = m(input_ids=ids, labels=labels).loss
     loss.backward()
-    return float(loss), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+    return float(loss.detach()), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.bitwise
