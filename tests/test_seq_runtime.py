@@ -366,7 +366,16 @@ def tp_job(cuts: tuple[int, ...]) -> dict:
             sequence_parallel=sp, num_stages=sched.num_stages, count_fn=count,
         )  # fmt: skip
         got = {n: q.grad for n, q in pipe.named_parameters()}
+        try:  # a cut tp does not divide
+            zerobubble.Pipeline(
+                layers, token_loss, sched, mesh=mesh, options=ExecutorOptions(cuts=(0, 7, 16)),
+                count_fn=count,
+            )  # fmt: skip
+            refused = ""
+        except ValueError as e:
+            refused = str(e)
         out[sp] = {
+            "refused": refused,
             "names": sorted(got),
             "bad": [n for n, g in got.items() if not same_shard(g, want[n])],
             "losses": None if losses is None else all(map(torch.equal, losses, want_losses)),
@@ -390,12 +399,18 @@ def same_shard(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_segments_with_tensor_parallelism_are_bitwise_the_one_reference():
     """pp2 x tp2, seq-zb at k=2 cut at 8 of 16 tokens (each segment a multiple of tp, as
     sequence parallelism needs): every rank's gradient shards and the last stage's losses
-    equal :func:`zerobubble.reference_step` with ``tp_mesh`` and ``cuts`` bitwise."""
+    equal :func:`zerobubble.reference_step` with ``tp_mesh`` and ``cuts`` bitwise. A cut at
+    7 is refused with sequence parallelism, naming the cuts, and runs without it."""
     results = launch(tp_job, 4, (0, 8, 16), timeout=240)
     for rank, out in enumerate(results):
         for sp, r in out.items():
             assert r["names"] and r["bad"] == [], (rank, sp, r["bad"])
             assert r["losses"] is not False, (rank, sp)
+            if sp:
+                assert "cuts=[0, 7, 16]) with sequence parallelism over tp=2" in r["refused"]
+                assert "must be a multiple of 2 (not [7])" in r["refused"], r["refused"]
+            else:
+                assert r["refused"] == "", r["refused"]
     assert sum(r[sp]["losses"] is True for r in results for sp in (False, True)) == 4
 
 

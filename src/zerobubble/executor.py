@@ -169,6 +169,7 @@ class PipelineExecutor:
         self.count_fn = default_count_fn(loss_fn, count_fn)
         if self.cuts is not None:
             _check_segment_loss(schedule, loss_fn, self.count_fn)
+            _check_segment_shards(self.cuts, mesh)
         self.plan = ProgramPlan(
             fuse_local_backward=opts.fuse_local_backward,
             recv_lookahead=opts.recv_lookahead,
@@ -452,6 +453,21 @@ def _check_segment_loss(schedule: Schedule, loss_fn: LossFn | None, count_fn: An
             "their tokens' shares of the batch loss: pass count_fn (the batch's token "
             "count, e.g. non-ignored targets) and a loss_fn(output, target, num_items) "
             "that sums over tokens and divides by it"
+        )
+
+
+def _check_segment_shards(cuts: Sequence[int], mesh: PipelineMesh | None) -> None:
+    """Sequence parallelism shards each segment evenly over tp: refuse cuts (the sequence
+    length, the last, included) that leave a segment tp does not divide, naming the cuts
+    rather than a segment's length, which the user never chose."""
+    tp = 1 if mesh is None or not mesh.spec.sequence_parallel else mesh.tp_size
+    odd = [c for c in cuts[1:] if c % tp]
+    if odd:
+        raise ValueError(
+            f"ExecutorOptions(cuts={list(cuts)}) with sequence parallelism over tp={tp}: "
+            f"every segment's tokens are sharded evenly over the tp ranks, so every cut "
+            f"must be a multiple of {tp} (not {odd}); cut at multiples of {tp}, e.g. "
+            f"balanced_cuts(...) rounded, and pad sequences to a multiple of {tp} tokens"
         )
 
 
