@@ -177,10 +177,18 @@ def refusals(mesh) -> list[str]:
     with pytest.raises(ValueError) as e:
         build_mesh(PP, tp=4)
     out.append(str(e.value))
-    shared = nn.Linear(D, D)  # in stage 0 and stage 1
+    shared = nn.Linear(D, D)  # in stage 0 and stage 1, sharded on stage 0 only
     chain = [nn.Linear(IN, D), shared, Block(), shared, nn.Linear(D, OUT)]
     with pytest.raises(ValueError) as e:
-        Pipeline(chain, loss_fn, "1f1b", microbatches=M, mesh=mesh, tp_plan={})
+        half = {"1": ColwiseParallel()}
+        Pipeline(
+            chain,
+            loss_fn,
+            "1f1b",
+            microbatches=M,
+            mesh=mesh,
+            tp_plan=lambda s, _: half if s == 0 else {},
+        )
     out.append(str(e.value))
     with pytest.raises(ValueError) as e:
         overlapped = generate("dualpipev", PP, 4, overlap=True)
@@ -465,9 +473,11 @@ def test_pp_tp_bitwise_against_the_tp_reference() -> None:
     want = [
         "the world has 4 ranks but the mesh pp=2 x dp=1 x tp=4 needs 8; launch pp*dp*tp = 8 "
         "processes or change --pp/--dp/--tp",
-        "tensor parallelism (a mesh with tp=2) with parameters tied across stages ('1.weight', "
-        "'1.bias') is not supported (each stage would shard its replica on its own): untie "
-        "them or build the mesh with tp=1",
+        "tied parameter '1.weight' has different shapes, dtypes or tensor-parallel layouts on "
+        "its holder ranks ([dtype code, ndim, dims] layout: rank 0: [0, 2, 8, 8] (Shard(0)); "
+        "rank 1: [0, 2, 8, 8] whole); build the same model on every rank, and under tensor "
+        "parallelism shard the tied weight alike on every holder stage (e.g. a "
+        "vocabulary-sharded embedding and a column-wise LM head)",
         "schedule 'dualpipev' overlaps 6 F&B pairs, whose halves run at once, and tensor "
         "parallelism (tp=2) runs both halves' collectives on the one tp group, where the tp "
         "ranks could order them differently: build the mesh with tp=1 or a schedule without "

@@ -169,6 +169,7 @@ class Pipeline:
             group=group,
             timeout_s=(options or ExecutorOptions()).comm_timeout_s,
             name=lambda s, name, module: _module_name(name, stage_keys[s], module),
+            ties=shared,
         )
         _refuse_ties(shared, mesh)
         self._names = _Names(shared, {s: keys[bounds[s].start : bounds[s].stop] for s in stages})
@@ -529,7 +530,9 @@ def _schedule_of(
 
 def _refuse_ties(shared: Sequence[TiedParam], mesh: PipelineMesh | None) -> None:
     """Refuse parameters tied across stages where the mesh shards each stage on its own
-    (FSDP, tensor parallelism): each stage would shard its replica alone."""
+    over dp (FSDP: each stage would shard its replica alone). Tensor parallelism keeps them
+    (:func:`~zerobubble.parallel.tied.tie_local_replicas` after the plans; one layout on
+    every holder stage, checked by :class:`~zerobubble.parallel.tied.TiedGroups`)."""
     tied = [tp.name for tp in shared if len(tp.local) > 1]
     if mesh is None or not tied:
         return
@@ -538,12 +541,6 @@ def _refuse_ties(shared: Sequence[TiedParam], mesh: PipelineMesh | None) -> None
             f"FSDP (a mesh with fsdp=True) with parameters tied across stages "
             f"({', '.join(map(repr, tied))}) "
             "is not supported: untie them or build the mesh with fsdp=False"
-        )
-    if mesh.tp_size > 1:
-        raise ValueError(
-            f"tensor parallelism (a mesh with tp={mesh.tp_size}) with parameters tied "
-            f"across stages ({', '.join(map(repr, tied))}) is not supported (each stage "
-            "would shard its replica on its own): untie them or build the mesh with tp=1"
         )
 
 

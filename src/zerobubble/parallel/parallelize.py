@@ -24,7 +24,7 @@ each stage once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from zerobubble.parallel.ep import ExpertGroup, is_expert
 from zerobubble.parallel.experts import shard_all_experts, unsharded_experts
 from zerobubble.parallel.loss import LossParallel
+from zerobubble.parallel.tied import TiedParam, tie_local_replicas
 from zerobubble.parallel.tp import ShardedLogits, TPPlan, default_plan, parallelize_stage
 
 if TYPE_CHECKING:
@@ -190,6 +191,9 @@ class Parallelize:
     ep: ExpertParallel | None = None
     fn: ParallelizeFn | None = None
     """A user's override of the tp and ep steps."""
+    ties: Sequence[TiedParam] = ()
+    """Parameters tied across stages: after tp (or ``fn``) made each stage's replica a
+    DTensor of its own, the stages of one rank share one replica's memory again."""
     done: dict[int, nn.Module] = field(default_factory=dict)
     """What :meth:`apply` returned per stage (the stages parallelized so far)."""
 
@@ -204,6 +208,7 @@ class Parallelize:
         group: dist.ProcessGroup | None = None,
         timeout_s: float | None = None,
         name: StageNamer = _stage_name,
+        ties: Sequence[TiedParam] = (),
     ) -> Parallelize:
         """The steps ``mesh`` asks for: tp where it has a ``tp`` dim (with ``tp_plan`` and
         ``loss``, the loss stage's :class:`~zerobubble.parallel.loss.LossParallel`), ep where
@@ -241,7 +246,7 @@ class Parallelize:
         ep = None
         if mesh.ep_size > 1:
             ep = ExpertParallel(ExpertGroup.of(mesh, timeout_s), group, name)
-        return cls(mesh, tp, ep, fn)
+        return cls(mesh, tp, ep, fn, ties)
 
     def apply(self, modules: Mapping[int, nn.Module]) -> dict[int, nn.Module]:
         """Every stage of ``modules`` parallelized (the ones seen before as they were)."""
@@ -259,6 +264,8 @@ class Parallelize:
         elif fresh and self.tp is not None:
             for s, m in sorted(fresh.items()):
                 self.tp.apply(s, m)
+        if fresh and self.ties and (self.fn is not None or self.tp is not None):
+            tie_local_replicas(fresh, self.ties)
         # A collective over the pipeline: every rank has fresh stages at its first executor
         # and none at a later one (Pipeline.with_schedule), so all ranks take part or none.
         if self.ep is not None and fresh:

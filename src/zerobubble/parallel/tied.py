@@ -36,13 +36,20 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from zerobubble.runtime.microbatch import loss_scales, split_batch
 from zerobubble.runtime.p2p.comm import PeerError, dtype_code
 from zerobubble.runtime.progress import Progress
 
-__all__ = ["TiedGroups", "TiedParam", "find_shared", "tie_local_replicas", "tied_reference_step"]
+__all__ = [
+    "TiedGroups",
+    "TiedParam",
+    "find_shared",
+    "laid_out_as",
+    "tie_local_replicas",
+    "tied_reference_step",
+]
 
 _MAX_DIMS = 8
 
@@ -167,7 +174,8 @@ def tie_local_replicas(stages: Mapping[int, nn.Module], shared: Sequence[TiedPar
     data is one tensor, so the rank holds the values once. A Parameter object
     used by two of the stages (uncopied layers) is replaced in the later stage by
     a new Parameter on the same data. Call after moving the modules to their
-    device (a move gives every Parameter new memory).
+    device (a move gives every Parameter new memory), and again after tensor parallelism
+    made each replica a DTensor of its own (the replicas must then have one layout).
     """
     for tp in shared:
         here = [s for s in tp.stages if s in stages]
@@ -181,8 +189,49 @@ def tie_local_replicas(stages: Mapping[int, nn.Module], shared: Sequence[TiedPar
                 continue
             if (p.shape, p.dtype, p.device) != (first.shape, first.dtype, first.device):
                 raise ValueError(_mismatch(tp, here[0], first, s, p))
+            if isinstance(first, DTensor) or isinstance(p, DTensor):
+                _share_dtensor(stages, tp, (here[0], first), (s, p))
+                continue
             with torch.no_grad():
                 p.data = first.data
+
+
+def _share_dtensor(
+    stages: Mapping[int, nn.Module],
+    tp: TiedParam,
+    first: tuple[int, Tensor],
+    later: tuple[int, Tensor],
+) -> None:
+    """Stage ``later``'s replica of a tie as a new DTensor Parameter on the first replica's
+    local shard (one layout on both: a vocabulary-sharded embedding and a column-wise
+    LM head are both ``Shard(0)``)."""
+    (s0, p0), (s1, p1) = first, later
+    lay0, lay1 = _layout(p0), _layout(p1)
+    if lay0 != lay1:
+        raise ValueError(
+            f"tied parameter {tp.name!r}: stage {s0} holds it as {lay0} but stage {s1} as "
+            f"{lay1}; a tie under tensor parallelism needs one layout on every holder stage "
+            "(e.g. the embedding vocabulary-sharded and the LM head column-wise, both "
+            "Shard(0)): give both layers plans that shard the tied weight alike, or untie them"
+        )
+    replica = nn.Parameter(_like(local(p0.detach()), p0), requires_grad=p1.requires_grad)
+    for name in tp.local[s1]:
+        owner_name, _, leaf = name.rpartition(".")
+        setattr(stages[s1].get_submodule(owner_name), leaf, replica)
+
+
+def _layout(p: Tensor) -> str:
+    """A replica's layout, for comparing (across ranks too) and naming: its placements over
+    its mesh's dims, or "a whole tensor"."""
+    if not isinstance(p, DTensor):
+        return "a whole tensor"
+    mesh = p.device_mesh
+    return f"{tuple(p.placements)} over mesh dims {mesh.mesh_dim_names} {tuple(mesh.shape)}"
+
+
+def local(t: Tensor) -> Tensor:
+    """This rank's shard of ``t`` (``t`` itself unless a DTensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _replace(
@@ -204,6 +253,51 @@ def _replace(
         setattr(owner, leaf, replica)
 
 
+def laid_out_as(grad: Tensor, param: Tensor, name: str) -> Tensor:
+    """``grad`` in ``param``'s layout, so that a tie's gradients add shard by shard: a
+    replicated gradient of a vocabulary-sharded table is cut to this rank's rows (exact),
+    a partial one reduced (collective over the tp ranks, which all get here in order)."""
+    if isinstance(grad, DTensor) and isinstance(param, DTensor):
+        if grad.placements != param.placements:
+            grad = grad.redistribute(param.device_mesh, param.placements)
+        return grad
+    if isinstance(grad, DTensor) or isinstance(param, DTensor):
+        raise ValueError(
+            f"tied parameter {name!r}: a gradient {_layout(grad)} for a parameter "
+            f"{_layout(param)}; its stages must lay it out alike"
+        )
+    return grad
+
+
+_MESH_DIMS = 3
+
+
+def _layout_codes(p: Tensor) -> list[int]:
+    """A replica's placements as integers, one per mesh dim (for an all-gather): -2 a whole
+    tensor, 0 ``Replicate``, 1 ``Partial``, ``10 + d`` ``Shard(d)``, -1 no such mesh dim."""
+    if not isinstance(p, DTensor):
+        return [-2] * _MESH_DIMS
+    codes = [10 + q.dim if isinstance(q, Shard) else int(q.is_partial()) for q in p.placements]
+    return (codes + [-1] * _MESH_DIMS)[:_MESH_DIMS]
+
+
+def _decode(codes: Sequence[int]) -> str:
+    if codes and codes[0] == -2:
+        return "whole"
+    names = {0: "Replicate()", 1: "Partial()"}
+    return "(" + ", ".join(names.get(c, f"Shard({c - 10})") for c in codes if c != -1) + ")"
+
+
+def _like(shard: Tensor, param: Tensor) -> Tensor:
+    """``shard`` (this rank's part) laid out as ``param`` is."""
+    if not isinstance(param, DTensor):
+        return shard
+    return DTensor.from_local(
+        shard, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+        stride=param.stride(),
+    )  # fmt: skip
+
+
 def _mismatch(tp: TiedParam, s0: int, p0: Tensor, s1: int, p1: Tensor) -> str:
     return (
         f"tied parameter {tp.name!r}: stage {s0} holds it as {tuple(p0.shape)} {p0.dtype} on "
@@ -215,7 +309,7 @@ def _mismatch(tp: TiedParam, s0: int, p0: Tensor, s1: int, p1: Tensor) -> str:
 
 def checksum(t: Tensor) -> int:
     """A position-weighted sum of ``t``'s bits: equal tensors give equal sums, cheaply."""
-    flat = t.detach().reshape(-1)
+    flat = local(t.detach()).reshape(-1)
     ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
     bits = flat.view(ints).to(torch.int64)
     weights = torch.arange(bits.numel(), dtype=torch.int64, device=bits.device) % 65521 + 1
@@ -362,22 +456,28 @@ class TiedGroups:
                 )
 
     def _stage_grads(self, g: _Group, iteration: int) -> dict[int, Tensor | None]:
-        out: dict[int, Tensor | None] = {s: p.grad for s, p in g.replicas.items()}
+        """Every holder stage's gradient of the tie (the other ranks' gathered); under
+        tensor parallelism each rank's shard, with this rank's replica's layout."""
+        out: dict[int, Tensor | None] = {
+            s: None if p.grad is None else laid_out_as(p.grad, p, g.tp.name)
+            for s, p in g.replicas.items()
+        }
         if g.pg is None:
             return out
         ref = next(iter(g.replicas.values()))
-        rows = torch.zeros(len(g.tp.stages), ref.numel() + 1, dtype=ref.dtype, device=ref.device)
+        shard = local(ref)
+        rows = torch.zeros(len(g.tp.stages), shard.numel() + 1, dtype=ref.dtype, device=ref.device)
         for i, s in enumerate(g.tp.stages):
             grad = out.get(s)
             if grad is not None:
-                rows[i, :-1] = grad.reshape(-1)
+                rows[i, :-1] = local(grad).reshape(-1)
                 rows[i, -1] = 1
         what = f"reduction of tied parameter {g.tp.name!r}'s gradient at iteration {iteration}"
         parts = self._gather(g, rows, what)
         for i, s in enumerate(g.tp.stages):
             if s not in g.replicas:
                 row = parts[g.ranks.index(self._placement[s])][i]
-                out[s] = row[:-1].view_as(ref) if row[-1] == 1 else None
+                out[s] = _like(row[:-1].view_as(shard), ref) if row[-1] == 1 else None
         return out
 
     def _check_meta(self, g: _Group) -> None:
@@ -386,20 +486,30 @@ class TiedGroups:
         for s, p in items[1:]:
             if (p.shape, p.dtype, p.device) != (p0.shape, p0.dtype, p0.device):
                 raise ValueError(_mismatch(g.tp, s0, p0, s, p))
+            if _layout(p) != _layout(p0):
+                raise ValueError(
+                    f"tied parameter {g.tp.name!r}: stage {s0} holds it as {_layout(p0)} but "
+                    f"stage {s} as {_layout(p)}; give both layers plans that shard it alike"
+                )
         if g.pg is None:
             return
         if p0.dim() > _MAX_DIMS:
             raise ValueError(f"tied parameter {g.tp.name!r} has more than {_MAX_DIMS} dims")
         meta = [dtype_code(p0.dtype), p0.dim(), *p0.shape] + [0] * (_MAX_DIMS - p0.dim())
-        what = f"exchange of tied parameter {g.tp.name!r}'s shape and dtype"
+        meta += _layout_codes(p0)  # the tp layout: one on every holder
+        what = f"exchange of tied parameter {g.tp.name!r}'s shape, dtype and layout"
         metas = [t.tolist() for t in self._gather(g, torch.tensor(meta, device=p0.device), what)]
         if any(m != metas[0] for m in metas):
             got = "; ".join(
-                f"rank {r}: {m[: 2 + m[1]]}" for r, m in zip(g.ranks, metas, strict=True)
+                f"rank {r}: {m[: 2 + m[1]]} {_decode(m[2 + _MAX_DIMS :])}"
+                for r, m in zip(g.ranks, metas, strict=True)
             )
             raise ValueError(
-                f"tied parameter {g.tp.name!r} has different shapes or dtypes on its holder "
-                f"ranks ([dtype code, ndim, dims] {got}); build the same model on every rank"
+                f"tied parameter {g.tp.name!r} has different shapes, dtypes or tensor-parallel "
+                f"layouts on its holder ranks ([dtype code, ndim, dims] layout: {got}); build "
+                "the same model on every rank, and under tensor parallelism shard the tied "
+                "weight alike on every holder stage (e.g. a vocabulary-sharded embedding and a "
+                "column-wise LM head)"
             )
 
     def _gather(self, g: _Group, t: Tensor, what: str) -> list[Tensor]:

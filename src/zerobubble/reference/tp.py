@@ -23,8 +23,14 @@ from torch.distributed.tensor import DTensor
 from zerobubble.parallel.loss import LossParallel
 from zerobubble.parallel.parallelize import StagePlan, TensorParallel
 from zerobubble.parallel.partition import layer_keys, model_name, stage_bounds
-from zerobubble.parallel.tied import find_shared
-from zerobubble.reference.step import Share, as_sequential, reference_step, segment_reference_step
+from zerobubble.parallel.tied import find_shared, laid_out_as
+from zerobubble.reference.step import (
+    Share,
+    as_sequential,
+    local_sum,
+    reference_step,
+    segment_reference_step,
+)
 from zerobubble.runtime.loss_terms import TermWeight
 from zerobubble.runtime.microbatch import CountFn
 
@@ -74,8 +80,10 @@ def tp_reference_step(
     ``copy_layers`` False parallelizes the caller's layers themselves (a layer with a
     DTensor parameter is taken as parallelized already, as by an earlier call) and leaves
     the gradients in their ``.grad``, so that an optimizer over them can step; True
-    (default) works on a deep copy. Parameters tied across stages are refused, as the
-    pipeline refuses them with tp.
+    (default) works on a deep copy. A parameter tied across stages gets a replica per
+    stage, as the pipeline's stages hold it, and its gradient is the stages' summed in
+    stage order (:mod:`~zerobubble.parallel.tied`), under its first name (not left in
+    ``.grad``).
 
     Returns:
         The unscaled per-microbatch losses and a copy of every gradient (a DTensor where
@@ -85,13 +93,15 @@ def tp_reference_step(
     model = as_sequential(layers)
     keys = layer_keys(model)
     bounds = stage_bounds(len(model), num_stages, boundaries)
-    _refuse_tied(model, keys, bounds)
+    ties = [t for t in find_shared(model, keys, bounds) if len(t.local) > 1]
     source = copy.deepcopy(list(model)) if copy_layers else list(model)
     loss = LossParallel(num_stages - 1, loss_fn, loss_parallel)
     tp = TensorParallel(tp_mesh, tp_plan, sequence_parallel, loss)
     stages = []
     for s, layer_range in enumerate(bounds):
         stage = nn.Sequential(*(source[i] for i in layer_range))
+        if ties:  # each stage its own replica of a tie, as the pipeline's stages have
+            stage = copy.deepcopy(stage)
         tp.apply(s, stage)
         stages.append(stage)
     common: dict[str, Any] = {"seed": seed, "step": step, "num_stages": num_stages}
@@ -106,18 +116,18 @@ def tp_reference_step(
             stages, loss_fn, *args, target=target, microbatches=microbatches, terms=terms,
             term_weight=term_weight, **common, **kwargs,
         )  # fmt: skip
-    return losses, _stage_grads(stages, keys, bounds)
-
-
-def _refuse_tied(model: nn.Sequential, keys: Sequence[str], bounds: Sequence[range]) -> None:
-    """Refuse parameters tied across stages, as the pipeline refuses them with tp."""
-    tied = [t.name for t in find_shared(model, keys, bounds) if len(t.local) > 1]
-    if tied:
-        raise ValueError(
-            f"parameters tied across stages ({', '.join(map(repr, tied))}) are not supported "
-            "with tensor parallelism (each stage would shard its replica on its own): untie "
-            "them, or cut the model so that their layers share a stage"
-        )
+    grads = _stage_grads(stages, keys, bounds)
+    for tie in ties:  # the stages' gradients summed in stage order, under the first name
+        total: Tensor | None = None
+        for s in tie.stages:
+            p = stages[s].get_parameter(tie.local[s][0])
+            if p.grad is not None:
+                total = local_sum(total, laid_out_as(p.grad, p, tie.name))
+        for name in tie.names:
+            grads.pop(name, None)
+        if total is not None:
+            grads[tie.name] = total
+    return losses, grads
 
 
 def _stage_grads(
