@@ -86,6 +86,12 @@ def ranks() -> dict:
         one_step(moe, mlp_loss, batch, mesh, leave_whole)
     except ValueError as e:
         out["whole"] = str(e)
+    try:  # sequence segments with ep: no ground truth, refused on every rank
+        cut = zerobubble.ExecutorOptions(cuts=(0, 1, 3))
+        seq = zerobubble.generate("seq-zb", 2, 2, segments=2)
+        zerobubble.Pipeline(moe(), mlp_loss, seq, mesh=mesh, options=cut, count_fn=len)
+    except ValueError as e:
+        out["segments"] = str(e)
     torch.distributed.destroy_process_group()
     return out
 
@@ -105,6 +111,12 @@ def test_a_parallelize_fn_doing_the_default_is_the_default_bitwise(results, dim)
         assert default.keys() == by_fn.keys() and default, rank
         bad = [n for n in default if not torch.equal(default[n], by_fn[n])]
         assert not bad, (rank, bad)
+
+
+def test_segments_with_expert_parallelism_are_refused_on_every_rank(results):
+    for out in results:
+        assert "cuts=[0, 1, 3]) with expert parallelism (ep=2)" in out["segments"], out
+        assert "no ground truth yet" in out["segments"]
 
 
 def test_a_parallelize_fn_that_leaves_experts_whole_is_refused_on_every_rank(results):

@@ -60,6 +60,39 @@ def test_ep_runs_the_replicas_together():
     assert all(map(torch.equal, losses, per_replica[0] + per_replica[1])) and not same(got, want)
 
 
+class Scaled(nn.Module):
+    """A first layer of two inputs: ``lin(x) * scale`` (``scale`` a keyword, or baked in)."""
+
+    def __init__(self, lin: nn.Linear, scale: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.lin, self.scale = lin, scale
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lin(x) * (self.scale if scale is None else scale)
+
+
+def test_ep_takes_a_first_layer_of_several_inputs_as_a_stage_does():
+    """With ep, a keyword input goes to the first layer as the pipeline's first stage
+    passes it: the same as a model with that input baked into the layer, bitwise."""
+
+    def moe(scale: torch.Tensor | None) -> nn.Sequential:
+        model = build_moe_mlp((6, 8, 3), hidden=16, num_experts=4, top_k=2, blocks=2, seed=0)
+        first = next(i for i, m in enumerate(model) if isinstance(m, nn.Linear))
+        layers = list(model)
+        layers[first] = Scaled(layers[first], scale)
+        return nn.Sequential(*layers)
+
+    x, y = torch.randn(8, 3, 6, generator=G), torch.randn(8, 3, 3, generator=G)
+    scale = torch.full((1, 1, 8), 0.5)  # dim 0 is not the batch: every microbatch gets it
+    baked_losses, baked = zerobubble.reference_step(
+        moe(scale), mlp_loss, x, target=y, microbatches=2, dp=2, ep=2
+    )
+    losses, got = zerobubble.reference_step(
+        moe(None), mlp_loss, x, target=y, microbatches=2, dp=2, ep=2, scale=scale
+    )
+    assert all(map(torch.equal, losses, baked_losses)) and not same(got, baked)
+
+
 def test_what_has_no_ground_truth_yet_is_refused_by_name():
     def call(**options):
         return zerobubble.reference_step(mlp(), mlp_loss, X, target=Y, microbatches=3, **options)

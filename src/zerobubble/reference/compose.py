@@ -25,7 +25,7 @@ package rather than restating their arithmetic:
   arithmetic (tests/test_recompute.py, tests/test_overlap_runtime.py), so they have no option.
 
 A combination without a composed ground truth yet is refused with a ValueError naming it
-(ep with segments, tp, random ops or several stage inputs): docs/scale.md
+(ep with segments, tp or random ops): docs/scale.md
 keeps the table.
 """
 
@@ -95,7 +95,7 @@ def reference_step(
         experts tensor whole again). Without tp the sums are left in ``layers``' ``.grad``.
     """
     args, target, m, n = read_batch(args, target, microbatches, kwargs)
-    _refuse(dp, ep, cuts, tp_mesh, seed, len(args) == 1 and not kwargs)
+    _refuse(dp, ep, cuts, tp_mesh, seed)
     if loss_parallel and tp_mesh is None:
         raise ValueError(
             "loss_parallel=True without tensor parallelism (tp_mesh): the logits are whole; "
@@ -147,7 +147,6 @@ def _refuse(
     cuts: Sequence[int] | None,
     tp: DeviceMesh | None,
     seed: int | None,
-    one_input: bool,
 ) -> None:
     """The combinations without a composed ground truth, named."""
     if dp < 1 or ep < 1 or dp % ep:
@@ -156,7 +155,6 @@ def _refuse(
         ("sequence segments (cuts)", cuts is not None),
         ("tensor parallelism (tp_mesh)", tp is not None),
         ("random ops (seed)", seed is not None),
-        ("stage inputs other than one positional argument", not one_input),
     ]
     chosen = [name for name, on in found if on]
     if ep > 1 and chosen:
@@ -216,14 +214,16 @@ def _experts(
             "reference_step with ep > 1 does not report terms= per name yet: its losses are the "
             "objectives (loss plus weighted terms)"
         )
-    pairs = [(a[0], t) for a, _, t in parts]
+    spread = any(len(a) != 1 or k for a, k, _ in parts)  # several inputs: as a stage takes them
+    pairs = [((a, k) if spread else a[0], t) for a, k, t in parts]
     top = all(isinstance(x, ExpertLayer) or not _holds_expert(x) for x in model)
-    if top and default_count_fn(loss_fn, count_fn) is None:
+    if top and not spread and default_count_fn(loss_fn, count_fn) is None:
         per, grads = ep_reference_step(model, loss_fn, pairs, m, ep, term_weight=term_weight)
     else:
         per, grads = threaded_ep_reference_step(
-            model, loss_fn, pairs, m, ep, count_fn=count_fn, term_weight=term_weight
-        )
+            model, loss_fn, pairs, m, ep, count_fn=count_fn, term_weight=term_weight,
+            spread=spread,
+        )  # fmt: skip
     return [loss for mine in per for loss in mine], grads
 
 

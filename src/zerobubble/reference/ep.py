@@ -178,6 +178,7 @@ def threaded_ep_reference_step(
     *,
     count_fn: CountFn | None = None,
     term_weight: TermWeight = "mean",
+    spread: bool = False,
 ) -> tuple[list[list[Tensor]], dict[str, Tensor]]:
     """:func:`ep_reference_step` for expert layers anywhere in the model (a Hugging Face
     decoder layer's experts, :mod:`~zerobubble.interop.hf_experts`): one thread per dp
@@ -196,7 +197,9 @@ def threaded_ep_reference_step(
     (:func:`~zerobubble.runtime.loss_terms.weighted_objective`). The replicas' gradients
     are then summed in rank order: dense ones over all replicas, expert ones over the
     replicas with the same ep rank (edp). ``parts[r]`` is replica ``r``'s ``(x, target)``,
-    ``x`` what the first layer takes (split along dim 0).
+    ``x`` what the first layer takes (split along dim 0), or with ``spread`` its
+    ``(args, kwargs)`` (the first layer called as ``layer(*args, **kwargs)``, as a
+    pipeline's first stage calls it).
 
     Returns:
         Each replica's unscaled per-microbatch objectives, and every summed gradient
@@ -221,7 +224,7 @@ def threaded_ep_reference_step(
             n = batch_size(x, "x")
             for xj, tj in zip(split_tree(x, m, n), split_tree(target, m, n), strict=True):
                 with collect_loss_terms(rep) as found:
-                    out = rep(xj)
+                    out = _forward(rep, xj, spread)
                     if count is None:
                         scale = batch_size(xj, "x") / total
                         root, loss = weighted_objective(loss_fn(out, tj), found, scale, weight)
@@ -243,6 +246,17 @@ def threaded_ep_reference_step(
     if failed:
         raise failed[0]
     return losses, _user_sums(model, replicas, ep)
+
+
+def _forward(model: nn.Sequential, x: Any, spread: bool) -> Any:
+    """``model`` on ``x``, or with ``spread`` on ``*args, **kwargs`` for ``x = (args, kwargs)``."""
+    if not spread:
+        return model(x)
+    args, kwargs = x
+    h = model[0](*args, **kwargs)
+    for layer in list(model)[1:]:
+        h = layer(h)
+    return h
 
 
 def _sharded_replica(
