@@ -168,3 +168,36 @@ def test_the_docs_toml_example_is_the_job_it_describes(tmp_path):
     assert cfg.model.n_layers == 2 and cfg.optimizer.grad_clip == 1.0
     # The prose's flag example and its refusal are what the command line does.
     assert re.search(r"did you mean '--training\.steps'\?", text)
+
+
+@pytest.mark.slow
+def test_a_tiny_job_runs_from_a_torchtitan_toml(tmp_path, capfd):
+    """The one end-to-end run: the file's mesh and batch and the flag's steps are the job's."""
+    out = tmp_path / "out"
+    path = _file(tmp_path, f"""
+[job]
+dump_folder = "{out}"
+baseline_steps = 2
+
+[model]
+n_layers = 1
+d_model = 16
+n_heads = 2
+
+[training]
+steps = 4
+global_batch_size = 8
+seq_len = 8
+
+[parallelism]
+pipeline_parallel_degree = 2
+pipeline_parallel_microbatch_size = 2
+""")  # fmt: skip
+    assert main(["train", "--config", str(path), "--training.steps", "1"]) == 0
+    text = capfd.readouterr().out
+    assert "P=2 ranks, M=4 microbatches of 2x8 tokens" in text  # 8 = 4 x 2, seq_len 8
+    steps = [line for line in text.splitlines() if line.startswith("step ")]
+    assert sum("(profiling)" in s for s in steps) == 2 * 2  # baseline_steps of 1F1B and ZB-H1
+    last = max(i for i, s in enumerate(steps) if "try:" in s or "(profiling)" in s)
+    assert len(steps) - 1 - last == 3 * (1 + 1)  # 1F1B, ZB-H1, the plan: warm-up + 1 step
+    assert (out / "timeline.png").stat().st_size > 0
