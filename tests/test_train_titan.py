@@ -127,11 +127,12 @@ def test_an_unknown_flag_exits_2_naming_the_closest(capsys):
         ("parallelism.pipeline_parallel_schedule", "1F1B", "a fixed schedule kind"),
         ("checkpoint.enable", True, "checkpointing"),
         ("metrics.log_freq", 10, "a log_freq other than 1"),
+        ("activation_checkpoint.mode", "selective", "selective activation checkpointing"),
     ],
 )
 def test_a_key_the_job_cannot_honour_exits_2_in_file_and_flag(tmp_path, capsys, key, value, why):
     table, name = key.split(".")
-    toml = {True: "true", "1F1B": '"1F1B"'}.get(value, str(value))
+    toml = "true" if value is True else f'"{value}"' if isinstance(value, str) else str(value)
     assert main(["train", "--config", str(_file(tmp_path, f"[{table}]\n{name} = {toml}\n"))]) == 2
     err = capsys.readouterr().err
     assert f"{key} = {toml.replace(chr(34), chr(39))}: zerobubble train does not do {why}" in err
@@ -139,6 +140,14 @@ def test_a_key_the_job_cannot_honour_exits_2_in_file_and_flag(tmp_path, capsys, 
     assert f"does not do {why} yet" in capsys.readouterr().err
     with pytest.raises(ValueError, match=why):  # the API refuses it alike
         build_config({key: value}, devices=2)
+
+
+def test_local_batch_and_full_activation_checkpointing_map_onto_the_job(tmp_path):
+    text = "[training]\nlocal_batch_size = 8\n[activation_checkpoint]\nmode = 'full'\n"
+    values = load_toml(_file(tmp_path, text))
+    assert values == {"training.global_batch_size": 8, "executor.recompute": "layers"}
+    cfg = _cfg(["--config", str(tmp_path / "job.toml"), "--activation_checkpoint.mode", "none"])
+    assert cfg.executor.recompute == "none" and cfg.schedule.microbatches == 2  # 8 / 4
 
 
 def test_batch_sizes_that_disagree_are_refused(tmp_path, capsys):

@@ -36,9 +36,11 @@ class TitanTraining:
     """Sequences per step over the whole job; pipeline_parallel_microbatch_size must
     divide it, and the quotient is the microbatch count schedule.microbatches (data
     parallelism is 1, so this is also the local batch)."""
+    local_batch_size: int | None = None
+    """Sequences per step of one data-parallel replica; with one replica, the same as
+    global_batch_size (give one of the batch keys)."""
     batch_size: int | None = None
-    """torchtitan's older name of the per-replica batch; with one replica, the same as
-    global_batch_size (give one of the two)."""
+    """torchtitan's older name of local_batch_size."""
     seq_len: int | None = None
     """Tokens per sequence: job.seq_len."""
     max_norm: float | None = None
@@ -72,6 +74,15 @@ class TitanParallelism:
 
 
 @dataclass(frozen=True)
+class TitanActivationCheckpoint:
+    """``[activation_checkpoint]``: torchtitan's recomputation modes in the job's terms."""
+
+    mode: str = "none"
+    """none or full (each block's input kept, the block recomputed in the backward: the
+    job's executor.recompute = layers); selective is not built yet."""
+
+
+@dataclass(frozen=True)
 class TitanCheckpoint:
     """``[checkpoint]``: zerobubble train writes no checkpoints yet, so enable must be
     false; the other keys are accepted (as torchtitan's files carry them) and unused."""
@@ -98,6 +109,7 @@ TABLES: dict[str, type] = {
     "job": TitanJob,
     "training": TitanTraining,
     "parallelism": TitanParallelism,
+    "activation_checkpoint": TitanActivationCheckpoint,
     "checkpoint": TitanCheckpoint,
     "metrics": TitanMetrics,
 }
@@ -114,6 +126,12 @@ RENAMES = {
     "parallelism.pipeline_parallel_microbatch_size": "job.microbatch_size",
 }
 """torchtitan's keys that are one of the job's options under another name."""
+
+BATCHES = ("training.global_batch_size", "training.local_batch_size", "training.batch_size")
+"""Three names of one batch while data parallelism is 1."""
+
+AC_MODES = {"none": "none", "full": "layers"}
+"""activation_checkpoint.mode -> executor.recompute."""
 
 GLOBAL_BATCH = "training.global_batch_size"
 """Kept through merging: the microbatch count it means depends on the final
@@ -155,18 +173,35 @@ def to_job(values: Mapping[str, object], source: str) -> dict[str, object]:
                     f"{source}: {key} = {_toml(value)}: zerobubble train does not do {what} "
                     f"yet (issue 43); use {shown} (see docs/e2e.md, torchtitan's keys)"
                 )
-        elif key in ("training.global_batch_size", "training.batch_size"):
-            other = "training.batch_size" if key == GLOBAL_BATCH else GLOBAL_BATCH
-            if other in values:
+        elif key in BATCHES:
+            other = next((b for b in BATCHES if b != key and b in values), None)
+            if other is not None:
                 raise ValueError(f"{source}: {key} and {other} are the same batch; give one")
             if "schedule.microbatches" in values:
                 raise ValueError(
                     f"{source}: {key} and schedule.microbatches both size the batch; give one"
                 )
             out[GLOBAL_BATCH] = value
+        elif key == "activation_checkpoint.mode":
+            out.update(_recompute(value, values, source))
         else:
             assert key in _UNUSED, key  # every key of TABLES is handled above
     return out
+
+
+def _recompute(mode: object, values: Mapping[str, object], source: str) -> dict[str, object]:
+    if "executor.recompute" in values:
+        raise ValueError(
+            f"{source}: activation_checkpoint.mode and executor.recompute set the same "
+            "option; give one"
+        )
+    if mode not in AC_MODES:
+        raise ValueError(
+            f"{source}: activation_checkpoint.mode = {_toml(mode)}: zerobubble train does "
+            "not do selective activation checkpointing yet (issue 43); use 'none' or 'full' "
+            "(or executor.recompute = 'stage')"
+        )
+    return {"executor.recompute": AC_MODES[str(mode)]}
 
 
 def overlay(base: Mapping[str, object], top: Mapping[str, object]) -> dict[str, object]:
