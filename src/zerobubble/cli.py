@@ -399,9 +399,11 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
     """Defaults, then the ``--config`` file, then the flags given on the command line."""
     from zerobubble.train.config import default_devices
     from zerobubble.train.options import build_config, load_toml
+    from zerobubble.train.titan import overlay, to_job
 
     values = load_toml(args.config) if args.config is not None else {}
-    values.update((k, v) for k, v in vars(args).items() if "." in k)  # only flags given
+    given = {k: v for k, v in vars(args).items() if "." in k}  # only flags given
+    values = overlay(values, to_job(given, "the command line"))
     devices = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else default_devices()
     cfg = build_config(values, devices=devices, profile_only=args.command == "profile")
     if cfg.model.name != "gpt" and importlib.util.find_spec("transformers") is None:
@@ -413,20 +415,25 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
-    """One flag per field of the job's config (``--model.d-model``, alias ``--d-model``)."""
+    """One flag per field of the job's config (``--model.d-model``, also spelled
+    ``--model.d_model``, alias ``--d-model``) and per torchtitan key
+    (``--parallelism.tensor_parallel_degree``)."""
     from zerobubble.train.options import options
 
     p.add_argument(
         "--config",
         type=Path,
-        help="TOML file of [model], [schedule], [executor], [optimizer], [job] tables "
-        "(e.g. examples/job.toml); flags given here override it",
+        help="TOML file of the job's tables [model], [schedule], [executor], [optimizer], "
+        "[job] and torchtitan's [training], [parallelism], [checkpoint], [metrics] "
+        "(examples/job.toml; docs/e2e.md: torchtitan's keys); flags given here override it",
     )
     for opt in options():
         shown = "" if "default" in opt.doc else f" (default: {opt.default})"
+        spelled = ("--" + opt.key,) if "_" in opt.key else ()  # as the TOML key is written
         p.add_argument(
             *opt.aliases,
             opt.flag,
+            *spelled,
             dest=opt.key,
             type=_typed(opt.parse),
             default=argparse.SUPPRESS,
@@ -636,7 +643,12 @@ def _version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command in ("train", "profile"):
+        print(f"zerobubble {args.command}: error: {_unknown_flags(unknown)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # exits 2, as parse_args
     try:
         with warnings.catch_warnings():  # restores the handler below on the way out
             warnings.showwarning = _warning_line(args.command, warnings.showwarning)
@@ -644,6 +656,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:  # ScheduleError is a ValueError
         print(f"zerobubble {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def _unknown_flags(unknown: Sequence[str]) -> str:
+    """What ``zerobubble train`` says of flags it does not know: the first, with the
+    closest flag it does know (a misspelt key would otherwise be one more guess)."""
+    from zerobubble.train.options import closest, options
+
+    flags = [f for o in options() for f in (*o.aliases, o.flag, "--" + o.key)] + ["--config"]
+    word = next((u for u in unknown if u.startswith("-")), unknown[0])
+    name = word.split("=", 1)[0]
+    return f"unknown flag {name!r}{closest(name, flags)} (zerobubble train --help lists them)"
 
 
 def _warning_line(command: str, other: Callable[..., None]) -> Callable[..., None]:

@@ -119,6 +119,16 @@ class ModelSection:
     """hf-*: the attention kernel, sdpa or eager (Hugging Face's config name)."""
 
     def __post_init__(self) -> None:
+        if (
+            self.name != "gpt"
+            and self.name not in HF_MODELS
+            and ("/" in self.name or os.sep in self.name)
+        ):
+            raise ValueError(
+                f"model.name {self.name!r}: a Hugging Face directory is not a model of "
+                f"zerobubble train yet (issue 43); use gpt or one of {', '.join(HF_MODELS)}, "
+                "or zerobubble.interop.hf_pretrained.load_pipeline from Python"
+            )
         if self.name != "gpt" and self.name not in HF_MODELS:
             raise ValueError(
                 f"model.name {self.name!r} is not a model of the job; pass --model gpt or one "

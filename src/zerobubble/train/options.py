@@ -1,6 +1,7 @@
 """The job's options as dotted keys (``model.d_model``): help, types, TOML, overrides.
 
-A key is ``section.field`` of :class:`~zerobubble.train.config.TrainConfig`. Its help
+A key is ``section.field`` of :class:`~zerobubble.train.config.TrainConfig`, or
+``table.key`` of torchtitan's tables (:mod:`zerobubble.train.titan`). Its help
 is the field's docstring, read from the source with :mod:`ast`, so every option is
 documented once, where it is defined; its type is the field's annotation. The command
 line (:mod:`zerobubble.cli`) and TOML files (``zerobubble train --config job.toml``)
@@ -10,16 +11,18 @@ both go through here, so they accept exactly the same keys and values.
 from __future__ import annotations
 
 import ast
+import difflib
 import inspect
 import itertools
 import tomllib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from zerobubble.schedule.textfile import read_text
+from zerobubble.train import titan
 from zerobubble.train.config import TrainConfig, scaled_defaults
 
 _TRUE, _FALSE, _NONE = ("true", "yes", "1"), ("false", "no", "0"), ("none", "null")
@@ -114,10 +117,13 @@ def _sections() -> dict[str, type]:
 
 
 def options() -> tuple[Option, ...]:
-    """Every option of :class:`TrainConfig`, section by section, in field order."""
+    """Every option: the job's own (:class:`TrainConfig`, section by section, in field
+    order), then torchtitan's keys (:mod:`zerobubble.train.titan`), table by table."""
     out = []
     defaults = TrainConfig()
-    for section, cls in _sections().items():
+    tables = [(s, cls, getattr(defaults, s)) for s, cls in _sections().items()]
+    tables += [(t, cls, cls()) for t, cls in titan.TABLES.items()]
+    for section, cls, default in tables:
         hints, docs = typing.get_type_hints(cls), field_docs(cls)
         for f in fields(cls):
             if not f.metadata.get("option", True):
@@ -128,7 +134,7 @@ def options() -> tuple[Option, ...]:
                     f"{section}.{f.name}",
                     kind,
                     optional,
-                    getattr(getattr(defaults, section), f.name),
+                    getattr(default, f.name),
                     docs.get(f.name, ""),
                     tuple(f.metadata.get("aliases", ())),
                 )
@@ -136,40 +142,55 @@ def options() -> tuple[Option, ...]:
     return tuple(out)
 
 
+def closest(word: str, valid: Iterable[str]) -> str:
+    """``; did you mean X?`` for the valid name nearest ``word``, or nothing."""
+    found = difflib.get_close_matches(word, list(valid), n=1, cutoff=0.6)
+    return f"; did you mean {found[0]!r}?" if found else ""
+
+
 def load_toml(path: str | Path) -> dict[str, object]:
-    """The options a TOML file sets, as ``{key: value}``; errors name the file and the key."""
+    """The options a TOML file sets, as ``{key: value}`` (torchtitan's keys mapped onto
+    the job's, :func:`zerobubble.train.titan.to_job`); errors name the file, the key and
+    the closest valid one."""
     p = Path(path)
     try:
         data = tomllib.loads(read_text(p, "config file"))
     except tomllib.TOMLDecodeError as exc:  # its message carries the line and column
         raise ValueError(f"{p}: not valid TOML: {exc}") from None
     known = {o.key: o for o in options()}
-    sections = list(_sections())
+    tables = list(dict.fromkeys(k.split(".")[0] for k in known))
     out: dict[str, object] = {}
     for name, table in data.items():
-        if name not in sections or not isinstance(table, dict):
+        if name not in tables or not isinstance(table, dict):
             raise ValueError(
-                f"{p}: {name!r} is not a section; expected tables [{'], ['.join(sections)}]"
+                f"{p}: {name!r} is not a section{closest(name, tables)}; expected tables "
+                f"[{'], ['.join(tables)}]"
             )
         for field_name, value in table.items():
             key = f"{name}.{field_name}"
             if key not in known:
-                valid = ", ".join(k.split(".")[1] for k in known if k.startswith(name + "."))
-                raise ValueError(f"{p}: unknown key {key!r}; [{name}] takes {valid}")
+                mine = [k.split(".")[1] for k in known if k.startswith(name + ".")]
+                hint = closest(field_name, mine) or closest(key, known)
+                raise ValueError(
+                    f"{p}: unknown key {key!r}{hint} ([{name}] takes {', '.join(mine)})"
+                )
             out[key] = known[key].check(value, str(p))
-    return out
+    return titan.to_job(out, str(p))
 
 
 def build_config(
     values: Mapping[str, object], *, devices: int, profile_only: bool = False
 ) -> TrainConfig:
-    """A :class:`TrainConfig` from ``values`` (``{key: value}``, later sources already
-    merged over earlier ones); ``devices`` is P when ``values`` does not set it, and the
-    defaults that scale with P follow (:func:`~zerobubble.train.config.scaled_defaults`)."""
+    """A :class:`TrainConfig` from ``values`` (``{key: value}``, the job's keys or
+    torchtitan's, later sources already merged over earlier ones by
+    :func:`zerobubble.train.titan.overlay`); ``devices`` is P when ``values`` does not
+    set it, and the defaults that scale with P follow
+    (:func:`~zerobubble.train.config.scaled_defaults`)."""
     known = {o.key for o in options()}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"unknown option(s) {unknown}; see zerobubble train --help")
+    values = titan.resolve_batch(titan.to_job(values, "options"))
     P = values.get("schedule.devices", devices)
     if not isinstance(P, int) or isinstance(P, bool):
         raise ValueError(f"schedule.devices must be an integer, got {P!r}")
