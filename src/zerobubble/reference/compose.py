@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -218,7 +218,8 @@ def _experts(
     pairs = [((a, k) if spread else a[0], t) for a, k, t in parts]
     top = all(isinstance(x, ExpertLayer) or not _holds_expert(x) for x in model)
     if top and not spread and default_count_fn(loss_fn, count_fn) is None:
-        per, grads = ep_reference_step(model, loss_fn, pairs, m, ep, term_weight=term_weight)
+        tensors = cast(list[tuple[Tensor, Tensor]], pairs)  # one input each
+        per, grads = ep_reference_step(model, loss_fn, tensors, m, ep, term_weight=term_weight)
     else:
         per, grads = threaded_ep_reference_step(
             model, loss_fn, pairs, m, ep, count_fn=count_fn, term_weight=term_weight,

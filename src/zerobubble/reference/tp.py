@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from zerobubble.parallel.loss import LossParallel
 from zerobubble.parallel.parallelize import StagePlan, TensorParallel
 from zerobubble.parallel.partition import layer_keys, model_name, stage_bounds
-from zerobubble.parallel.tied import find_shared, laid_out_as
+from zerobubble.parallel.tied import TiedParam, find_shared, laid_out_as
 from zerobubble.reference.step import (
     Share,
     as_sequential,
@@ -116,8 +116,15 @@ def tp_reference_step(
             stages, loss_fn, *args, target=target, microbatches=microbatches, terms=terms,
             term_weight=term_weight, **common, **kwargs,
         )  # fmt: skip
-    grads = _stage_grads(stages, keys, bounds)
-    for tie in ties:  # the stages' gradients summed in stage order, under the first name
+    return losses, _tied_sums(_stage_grads(stages, keys, bounds), stages, ties)
+
+
+def _tied_sums(
+    grads: dict[str, Tensor], stages: Sequence[nn.Sequential], ties: Sequence[TiedParam]
+) -> dict[str, Tensor]:
+    """``grads`` with each tie's stage gradients summed in stage order (shard by shard, laid
+    out as the parameter), under its first name only, as the pipeline's tie reduction."""
+    for tie in ties:
         total: Tensor | None = None
         for s in tie.stages:
             p = stages[s].get_parameter(tie.local[s][0])
@@ -127,7 +134,7 @@ def tp_reference_step(
             grads.pop(name, None)
         if total is not None:
             grads[tie.name] = total
-    return losses, grads
+    return grads
 
 
 def _stage_grads(
