@@ -149,6 +149,29 @@ def test_reference_order_is_close_to_plain_autograd_and_exact_elsewhere():
             assert torch.equal(p.grad, q.grad), name
 
 
+@pytest.mark.parametrize("model_name", ["gpt", "mlp3"])
+def test_the_one_reference_with_num_stages_is_the_tied_order_bitwise(model_name):
+    """``zerobubble.reference_step`` given the pipeline's cut holds a replica of a tie per
+    stage and sums the stages' gradients in stage order, as tied_reference_step (the
+    pipelines' ground truth above) does: bitwise, under the tie's first name only."""
+    build = tied_gpt if model_name == "gpt" else tied_mlp3
+    n, stages = (7, 6) if model_name == "gpt" else (7, 3)
+    model, ref = build(), build()
+    x, y = batches(model_name, 1)[0]
+    loss_fn = gpt_loss if model_name == "gpt" else mlp_loss
+    want_losses = tied_reference_step(ref, loss_fn, x, y, M, stage_bounds(n, stages))
+    losses, grads = zerobubble.reference_step(
+        model, loss_fn, x, target=y, microbatches=M, num_stages=stages
+    )
+    assert all(map(torch.equal, losses, want_losses))
+    want = {name: p.grad for name, p in ref.named_parameters()}
+    assert grads.keys() == want.keys()
+    assert all(torch.equal(grads[k], want[k]) for k in want), [
+        k for k in want if not torch.equal(grads[k], want[k])
+    ]
+    assert all(torch.equal(p.grad, want[k]) for k, p in model.named_parameters())
+
+
 def test_sharing_the_runtime_cannot_honour_is_refused_naming_the_parameter():
     sched = zerobubble.generate("1f1b", P, M)
     buf = tied_mlp()

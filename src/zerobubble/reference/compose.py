@@ -19,10 +19,13 @@ package rather than restating their arithmetic:
 - **ep** (``ep=E``): the replicas run together, the all-to-alls played between them
   (:func:`~zerobubble.reference.ep.ep_reference_step` for top-level expert layers,
   :func:`~zerobubble.reference.ep.threaded_ep_reference_step` otherwise);
-- **random ops** (``seed``, ``step``, ``num_stages``, ``boundaries``), **loss terms**
-  (``terms``, ``term_weight``) and **ties** (a parameter several layers share stays one
-  parameter here) as each of those does; **recompute** and **overlapped pairs** change no
-  arithmetic (tests/test_recompute.py, tests/test_overlap_runtime.py), so they have no option.
+- **random ops** (``seed``, ``step``, ``num_stages``, ``boundaries``) and **loss terms**
+  (``terms``, ``term_weight``) as each of those does; **ties**: a parameter layers of
+  different stages share (the stages cut by ``num_stages`` and ``boundaries``, as the
+  pipeline cuts them) gets a replica per holder stage, and its gradient is the stages'
+  summed in stage order (after the dp sums), as the pipeline's tie reduction adds them;
+  **recompute** and **overlapped pairs** change no arithmetic (tests/test_recompute.py,
+  tests/test_overlap_runtime.py), so they have no option.
 
 A combination without a composed ground truth yet is refused with a ValueError naming it
 (ep with segments, tp or random ops): docs/scale.md
@@ -32,7 +35,9 @@ keeps the table.
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from torch import Tensor, nn
@@ -40,10 +45,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from zerobubble.parallel.experts import ExpertLayer
 from zerobubble.parallel.parallelize import StagePlan
+from zerobubble.parallel.partition import stage_bounds
+from zerobubble.parallel.tied import TiedParam, find_shared
 from zerobubble.reference.ep import ep_reference_step, threaded_ep_reference_step
 from zerobubble.reference.step import (
     Share,
     as_sequential,
+    local_sum,
     segment_reference_step,
 )
 from zerobubble.reference.step import _batch as read_batch
@@ -109,6 +117,7 @@ def reference_step(
     share = None if dp == 1 else Share(n if count_fn is None else _count(parts, count_fn), dp)
     if tp_mesh is not None:  # parallelized once, in place of the caller's layers' copy
         model = as_sequential(copy.deepcopy(list(model)))
+    run, ties = Ties.of(model, num_stages, boundaries, tp_mesh is None)
     common: dict[str, Any] = {"seed": seed, "step": step, "num_stages": num_stages}
     common.update(boundaries=boundaries, count_fn=count_fn, share=share)
     losses: list[Tensor] = []
@@ -124,21 +133,83 @@ def reference_step(
             )  # fmt: skip
         elif cuts is not None:
             mine, grads = segment_reference_step(
-                model, loss_fn, *a, target=t, microbatches=m, cuts=cuts, **common, **k
+                run, loss_fn, *a, target=t, microbatches=m, cuts=cuts, **common, **k
             )
         else:
             mine, grads = replica_step(
-                model, loss_fn, *a, target=t, microbatches=m, terms=terms,
+                run, loss_fn, *a, target=t, microbatches=m, terms=terms,
                 term_weight=term_weight, **common, **k,
             )  # fmt: skip
         losses.extend(mine)
         sums = grads if not sums else _add(sums, grads)
         if tp_mesh is None:
-            _hold(model, held)
+            _hold(run, held)
     if tp_mesh is None:
-        for p in model.parameters():
-            p.grad = held.get(id(p))
+        ties.give_back(model, run, held, sums)
     return losses, sums
+
+
+@dataclass
+class Ties:
+    """Parameters tied across stages, run as the pipeline runs them: a replica per holder
+    stage (:func:`_stage_replicas`), the stages' gradients summed in stage order after the
+    replicas' (dp) sums, under the tie's first name (:mod:`~zerobubble.parallel.tied`)."""
+
+    tied: Sequence[TiedParam] = ()
+    names: dict[tuple[str, int], str] = field(default_factory=dict)
+    """(tie's first name, stage) -> its replica's name in the run's model."""
+
+    def give_back(
+        self, model: nn.Sequential, run: nn.Sequential, held: dict[int, Tensor],
+        sums: dict[str, Tensor],
+    ) -> None:  # fmt: skip
+        """The run's summed gradients into ``model``'s ``.grad`` and ``sums``, each tie's
+        stage gradients summed in stage order under its first name."""
+        replicas = dict(run.named_parameters())
+        for name, p in model.named_parameters():
+            p.grad = held.get(id(replicas[name]))
+        for tie in self.tied:
+            total: Tensor | None = None
+            for s in tie.stages:
+                g = held.get(id(run.get_parameter(self.names[tie.name, s])))
+                total = total if g is None else local_sum(total, g)
+            for name in tie.source_names:  # the gradients' keys: the user's names
+                sums.pop(name, None)
+            if total is not None:
+                sums[tie.source_names[0]] = total
+            model.get_parameter(tie.name).grad = total
+
+    @staticmethod
+    def of(
+        model: nn.Sequential, num_stages: int, boundaries: Sequence[int] | None, staged: bool
+    ) -> tuple[nn.Sequential, Ties]:
+        """:func:`_stage_replicas` where ``staged`` (else ``model`` as it is: tensor
+        parallelism gives its stages their replicas itself)."""
+        return _stage_replicas(model, num_stages, boundaries) if staged else (model, Ties())
+
+
+def _stage_replicas(
+    model: nn.Sequential, num_stages: int, boundaries: Sequence[int] | None
+) -> tuple[nn.Sequential, Ties]:
+    """``model`` itself, or where layers of different stages share a parameter, a copy
+    whose stages hold their own replica of it (keys, names and values unchanged)."""
+    keys = tuple(model._modules)
+    bounds = stage_bounds(len(model), num_stages, boundaries)
+    tied = [t for t in find_shared(model, keys, bounds) if len(t.local) > 1]
+    if not tied:
+        return model, Ties()
+    stages = [copy.deepcopy(nn.Sequential(*(model[i] for i in r))) for r in bounds]
+    run = nn.Sequential(
+        OrderedDict((keys[r.start + i], layer) for r, st in zip(bounds, stages, strict=True)
+                    for i, layer in enumerate(st))
+    )  # fmt: skip
+    names = {
+        (t.name, s): f"{keys[bounds[s].start + int(i)]}.{rest}"
+        for t in tied
+        for s in t.stages
+        for i, _, rest in [t.local[s][0].partition(".")]
+    }
+    return run, Ties(tied, names)
 
 
 def _refuse(

@@ -130,10 +130,10 @@ def _tied_sums(
             p = stages[s].get_parameter(tie.local[s][0])
             if p.grad is not None:
                 total = local_sum(total, laid_out_as(p.grad, p, tie.name))
-        for name in tie.names:
+        for name in tie.source_names:  # the gradients' keys: the user's names
             grads.pop(name, None)
         if total is not None:
-            grads[tie.name] = total
+            grads[tie.source_names[0]] = total
     return grads
 
 
