@@ -115,6 +115,8 @@ def test_an_unknown_flag_exits_2_naming_the_closest(capsys):
     assert "did you mean '--training.steps'?" in capsys.readouterr().err
     assert main(["train", "--tensor_parallel_degree=2"]) == 2
     assert "did you mean '--parallelism.tensor_parallel_degree'?" in capsys.readouterr().err
+    assert main(["train", "--training.step", "3"]) == 2  # no abbreviation passes as a flag
+    assert "did you mean '--training.steps'?" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -581,8 +581,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser(
-        "train", help="profile, plan and train a small GPT or tiny HF model on local CPU ranks"
+    p = sub.add_parser(  # no abbreviations: --training.step must not pass as .steps
+        "train",
+        help="profile, plan and train a small GPT or tiny HF model on local CPU ranks",
+        allow_abbrev=False,
     )
     _add_train_args(p)
     p.set_defaults(func=cmd_train)
