@@ -99,6 +99,12 @@ def test_what_has_no_ground_truth_yet_is_refused_by_name():
 
     with pytest.raises(ValueError, match=r"ep=2\) with random ops \(seed\) yet"):
         call(dp=2, ep=2, seed=0)
+    tied = build_mlp((6, 8, 8, 8, 3), seed=0)
+    tied[2][0].weight = tied[1][0].weight  # layers 1 and 2: stages 0 and 1 of two
+    with pytest.raises(ValueError, match=r"ep=2\) with parameters tied across stages \('1.0"):
+        zerobubble.reference_step(
+            tied, mlp_loss, X, target=Y, microbatches=3, dp=2, ep=2, num_stages=2
+        )
     with pytest.raises(ValueError, match=r"dp=3 and ep=2: both >= 1, and ep must divide dp"):
         call(dp=3, ep=2)
     with pytest.raises(ValueError, match="a batch of 13 rows cannot feed dp=14 replicas"):

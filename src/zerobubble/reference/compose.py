@@ -28,7 +28,7 @@ package rather than restating their arithmetic:
   tests/test_overlap_runtime.py), so they have no option.
 
 A combination without a composed ground truth yet is refused with a ValueError naming it
-(ep with segments, tp or random ops): docs/scale.md
+(ep with segments, ties across stages, tp or random ops): docs/scale.md
 keeps the table.
 """
 
@@ -112,6 +112,7 @@ def reference_step(
     parts = _parts(args, kwargs, target, dp, n)
     model = as_sequential(layers)
     if ep > 1:
+        _refuse_ep_ties(model, num_stages, boundaries, ep)
         return _experts(model, loss_fn, parts, m, ep, count_fn, term_weight, terms)
     count_fn = default_count_fn(loss_fn, count_fn)
     share = None if dp == 1 else Share(n if count_fn is None else _count(parts, count_fn), dp)
@@ -210,6 +211,21 @@ def _stage_replicas(
         for i, _, rest in [t.local[s][0].partition(".")]
     }
     return run, Ties(tied, names)
+
+
+def _refuse_ep_ties(
+    model: nn.Sequential, num_stages: int, boundaries: Sequence[int] | None, ep: int
+) -> None:
+    """Refuse ties across stages with ep (the ep references run each replica whole), as
+    the pipeline refuses them."""
+    keys = tuple(model._modules)
+    bounds = stage_bounds(len(model), num_stages, boundaries)
+    tied = [t.name for t in find_shared(model, keys, bounds) if len(t.local) > 1]
+    if tied:
+        raise ValueError(
+            f"reference_step has no ground truth of expert parallelism (ep={ep}) with "
+            f"parameters tied across stages ({', '.join(map(repr, tied))}) yet"
+        )
 
 
 def _refuse(
