@@ -395,7 +395,7 @@ def test_evaluator_tables_match_the_edges():
         deps: list[list[tuple[int, float]]] = [[] for _ in range(len(g))]
         for a, b, cross in g.edges:
             deps[b].append((a, 0.25 if cross else 0.0))
-        assert ev.deps == deps
+        assert ev.deps == [tuple(d) for d in deps]
     g = ActionGraph(looped_placement(4, 1), 8)
     ev = Evaluator(g, ISSUE.resolve(g.placement))
     orders = [list(o) for o in g.orders_of(generate("zb-h1", 4, 8).actions)]

@@ -33,7 +33,7 @@ import math
 import random
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from itertools import chain
 
 from zerobubble.schedule.costs import CostModel, CostSpec, Number
@@ -129,15 +129,22 @@ def search_inputs(
     passes for several); otherwise the zig-zag (ZB-V and DualPipeV for the V).
     """
     p, m, v = num_devices, num_microbatches, chunks
+    grid = search_grid(p, v, looped=looped)
     if looped:
         family = interleaved_family(p, m, v)
         if v == 1:
-            return GRID_1, [zb_h1(p, m), zb_h2(p, m)], family
-        seeds = [interleaved_1f1b(p, m, chunks=v, split_backward=True)]
-        return GRID_V + round_grid(p), seeds, family
+            return grid, [zb_h1(p, m), zb_h2(p, m)], family
+        return grid, [interleaved_1f1b(p, m, chunks=v, split_backward=True)], family
     if v == 2:
-        return GRID_V, [zbv(p, m), split_backward(dualpipev(p, m))], ()
-    return GRID_V, [], ()
+        return grid, [zbv(p, m), split_backward(dualpipev(p, m))], ()
+    return grid, [], ()
+
+
+def search_grid(num_devices: int, chunks: int, *, looped: bool) -> tuple[Policy, ...]:
+    """The grid of :func:`search_inputs` alone (its seeds cost time to build)."""
+    if not looped:
+        return GRID_V
+    return GRID_1 if chunks == 1 else GRID_V + round_grid(num_devices)
 
 
 def split_backward(sched: Schedule) -> Schedule:
@@ -246,6 +253,7 @@ def search_beating(
     evaluator: Evaluator | None = None,
     deadline: float | None = None,
     pairs: bool = False,
+    pick: SeedPick | None = None,
 ) -> Schedule | None:
     """:func:`auto_schedule`, except that without polishing passes that cannot beat
     ``beat`` stop early; None when no pass or seed was kept (nothing beat ``beat``).
@@ -262,6 +270,10 @@ def search_beating(
     pairs, a paired BW as a block of B and its W), are timed with each block as
     ``max(compute, all-to-all)``, and the local search forms and undoes pairs too; the
     schedule returned lists its pairs in :attr:`~zerobubble.schedule.ir.Schedule.overlaps`.
+
+    ``pick``: the seeds already simulated (:func:`pick_seed`, with ``evaluator``), in place of
+    ``seeds`` and ``seed_orders`` (pass none); only unpolished and without a deadline, where
+    the seeds count only through their cheapest.
     """
     kind = PairEvaluator if pairs else Evaluator
     ev = evaluator or kind(ActionGraph(placement, num_microbatches), costs)
@@ -280,6 +292,7 @@ def search_beating(
         polish=polish,
         beat=beat,
         deadline=deadline,
+        pick=pick,
     )
     if not found:
         return None
@@ -306,18 +319,27 @@ def _costed_candidates(
     polish: bool,
     beat: float,
     deadline: float | None,
+    pick: SeedPick | None = None,
 ) -> dict[tuple[tuple[int, ...], ...], float]:
     """The grid's passes and the seeds' orders (``candidates``) that fit, each with its
     cost; without polishing only the best matters, so passes and seeds that cannot beat
-    it (or ``beat``) are pruned."""
-    limit = mem_limit + 1e-10 * max(1.0, abs(mem_limit))
+    it (or ``beat``) are pruned. ``pick``: the seeds simulated already (then
+    ``candidates`` is empty)."""
+    limit = _with_tolerance(mem_limit)
     found: dict[tuple[tuple[int, ...], ...], float] = {}
     best = beat
     # Unpolished (and without a deadline), the seeds run first: the passes are the costlier
     # part, and the seeds' best cost (a little above it: the pass's own bound, which must
     # let through any pass at or below it) cuts them early; see _cheapest_seed for why the
     # winner is the very one of passes first.
-    seeded = None if polish or deadline is not None else _cheapest_seed(ev, candidates, limit, beat)
+    if pick is not None:
+        if polish or deadline is not None:
+            raise ValueError("seeds simulated beforehand serve only an unpolished search")
+        seeded, candidates = pick.within(beat), ()
+    elif polish or deadline is not None:
+        seeded = None
+    else:
+        seeded = _cheapest_seed(ev, candidates, limit, beat)
     cap = math.inf if seeded is None else seeded[1] * (1 + 1e-6)
     for policy in grid:
         if found and expired(deadline):
@@ -431,12 +453,51 @@ def _kicks(
     return winner, cost
 
 
+#: A seed's per-device orders and its cost.
+Seeded = tuple[tuple[tuple[int, ...], ...], float]
+
+
+@dataclass(frozen=True)
+class SeedPick:
+    """A placement's seeds simulated once without a bar (:func:`pick_seed`): ``best``, the
+    first of the cheapest that fit and run, with its cost (None: none does)."""
+
+    best: Seeded | None
+
+    def within(self, beat: float) -> Seeded | None:
+        """What :func:`_cheapest_seed` gives with this ``beat``: the first seed it keeps is
+        the first that costs at most ``beat`` (and a relative 1e-9), then only a cheaper one
+        replaces it, so it ends at the same first of the cheapest when that one costs at
+        most ``beat``, and with None when none does."""
+        if self.best is None or not self.best[1] <= beat * (1 + 1e-9):
+            return None
+        return self.best
+
+
+def pick_seed(
+    ev: Evaluator,
+    mem_limit: float,
+    seeds: Sequence[Schedule],
+    seed_orders: Iterable[tuple[tuple[int, ...], ...]] = (),
+) -> SeedPick:
+    """The seeds of :func:`search_beating` (plain, not paired) simulated once, to be passed
+    as its ``pick``: the placement search's bar needs a seed's cost before it gets there."""
+    converted = (ev.graph.orders_of(seed.actions) for seed in seeds)
+    limit = _with_tolerance(mem_limit)
+    return SeedPick(_cheapest_seed(ev, chain(converted, seed_orders), limit, math.inf))
+
+
+def _with_tolerance(mem_limit: float) -> float:
+    """The memory limit as the search checks orders against it (rounding allowed)."""
+    return mem_limit + 1e-10 * max(1.0, abs(mem_limit))
+
+
 def _cheapest_seed(
     ev: Evaluator,
     candidates: Iterable[tuple[tuple[int, ...], ...]],
     limit: float,
     beat: float,
-) -> tuple[tuple[tuple[int, ...], ...], float] | None:
+) -> Seeded | None:
     """The first of the cheapest seeds within ``limit`` that costs at most ``beat``, with
     its cost (None: none does), each seed simulated only while it can still win.
 
@@ -453,7 +514,7 @@ def _cheapest_seed(
     S, and one cut by the cap costs more than S too), so it is kept exactly when it was,
     and one above S cannot win either way.
     """
-    kept: tuple[tuple[tuple[int, ...], ...], float] | None = None
+    kept: Seeded | None = None
     for orders in candidates:
         if not all(ev.fits(o, limit) for o in orders):
             continue

@@ -19,6 +19,9 @@ from zerobubble.schedule.graph import CODE, action_code
 from zerobubble.schedule.ir import Action, Op
 
 OPS = (Op.F, Op.B, Op.W)
+
+Deps = tuple[tuple[int, float], ...]
+"""What one action waits for: ``(action, latency)`` pairs (:meth:`ActionGraph.dependencies`)."""
 """The ops of a split-backward schedule; their codes are 0, 1, 2, so ids are dense."""
 
 
@@ -136,14 +139,16 @@ class ActionGraph:
                         out.append((key * M + j, key * M + j + 1, False))
         return tuple(out)
 
-    def dependencies(self, costs: CostModel) -> list[list[tuple[int, float]]]:
+    def dependencies(self, costs: CostModel) -> list[Deps]:
         """What each action waits for, as ``(action, latency)``: its in-order chain
         predecessor (same op and stage, the microbatch before), then its producers
         (their :meth:`~zerobubble.schedule.costs.CostModel.hop` across devices).
         :attr:`edges` by consumer, built by index arithmetic (the placement search needs
-        it once per placement, for millions of actions)."""
+        it once per placement, for millions of actions). Tuples, not lists: tuples of
+        numbers drop out of the garbage collector's tracking, and at those sizes its full
+        collections, which walk every tracked object, cost more than building the table."""
         S, M, pl = self.num_stages, self.num_microbatches, self.placement
-        deps: list[list[tuple[int, float]]] = [[] for _ in range(len(self))]
+        deps: list[Deps] = [()] * len(self)
         for s in range(S):
             for op in OPS:
                 key = CODE[op] * S + s
@@ -152,17 +157,17 @@ class ActionGraph:
                     for prod, src in predecessors(op, s, S)
                 ]
                 base = key * M
-                deps[base] = [(src * M, lat) for src, lat in preds]
+                deps[base] = tuple((src * M, lat) for src, lat in preds)
                 chain = range(base, base + M - 1)  # the microbatch before, for j = 1 .. M-1
                 if not preds:
-                    deps[base + 1 : base + M] = [[(a, 0.0)] for a in chain]
+                    deps[base + 1 : base + M] = [((a, 0.0),) for a in chain]
                 elif len(preds) == 1:
                     ((src, lat),) = preds
                     shift = src * M - base
-                    deps[base + 1 : base + M] = [[(a, 0.0), (a + 1 + shift, lat)] for a in chain]
+                    deps[base + 1 : base + M] = [((a, 0.0), (a + 1 + shift, lat)) for a in chain]
                 else:
                     deps[base + 1 : base + M] = [
-                        [(a, 0.0), *((src * M + a + 1 - base, lat) for src, lat in preds)]
+                        ((a, 0.0), *((src * M + a + 1 - base, lat) for src, lat in preds))
                         for a in chain
                     ]
         return deps

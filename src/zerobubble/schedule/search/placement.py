@@ -41,11 +41,14 @@ from zerobubble.schedule.generators.sequence import check_segments
 from zerobubble.schedule.generators.v_family import one_f_one_b_v, v_half, v_min
 from zerobubble.schedule.ir import Schedule, looped_placement
 from zerobubble.schedule.search.auto import (
+    SeedPick,
     deadline_after,
     expired,
+    pick_seed,
     polishes,
     resolve_costs,
     search_beating,
+    search_grid,
     search_inputs,
     split_backward,
 )
@@ -100,6 +103,54 @@ def candidates(num_devices: int, max_chunks: int = MAX_CHUNKS) -> list[Candidate
     return out
 
 
+@dataclass(frozen=True)
+class Prescan:
+    """A bar for the placement search when no placement polishes: the seeds of its last
+    looped placement (the most chunks), simulated before any placement is searched.
+
+    Every placement's result and every fixed kind kept replaces the best so far only when
+    cheaper, so the schedule returned costs at most any seed that fits (within rounding):
+    at most this one. A placement searched with its beat lowered to just above that cost
+    (a relative 1e-6, far above rounding) returns what it returned before when that was
+    below the bar, and None where it returned something dearer, which a later placement
+    displaced anyway; so the winner and every choice after it are unchanged, while the
+    passes of the placements before it stop as soon as they cannot come under the bar
+    instead of under their own best so far."""
+
+    label: str
+    ev: Evaluator
+    pick: SeedPick
+
+    @property
+    def bar(self) -> float:
+        best = self.pick.best
+        return math.inf if best is None else best[1] * (1 + 1e-6)
+
+
+def prescan(
+    cands: list[Candidate],
+    p: int,
+    m: int,
+    cost_of: Callable[[tuple[int, ...]], CostModel],
+    mem_limit: Number | None,
+) -> Prescan | None:
+    """The :class:`Prescan` of these candidates (None: none looped, or it polishes, or its
+    limit is infeasible)."""
+    looped = [cand for cand in cands if cand.looped]
+    if not looped or polishes(3 * len(looped[-1].placement) * m):
+        return None
+    cand = looped[-1]
+    try:
+        model, limit = resolve_costs(
+            cand.placement, CostSpec(stage_costs=cost_of(cand.placement)), mem_limit, default=p
+        )
+    except ScheduleError:
+        return None
+    ev = Evaluator(ActionGraph(cand.placement, m), model)
+    _, seeds, family = search_inputs(p, m, cand.chunks, looped=True)
+    return Prescan(cand.label, ev, pick_seed(ev, limit, seeds, family))
+
+
 def _plan_one(
     cand: Candidate,
     p: int,
@@ -109,10 +160,15 @@ def _plan_one(
     beat: float,
     ev: Evaluator,
     deadline: float | None,
+    pick: SeedPick | None = None,
 ) -> Schedule | None:
     """zb-auto's / zbv-auto's whole search on one placement (:func:`.auto.auto_schedule`,
-    with that placement's seeds); None if, unpolished, nothing beat ``beat``."""
-    grid, seeds, family = search_inputs(p, m, cand.chunks, looped=cand.looped)
+    with that placement's seeds, or their ``pick``); None if, unpolished, nothing beat
+    ``beat``."""
+    if pick is None:
+        grid, seeds, family = search_inputs(p, m, cand.chunks, looped=cand.looped)
+    else:
+        grid, seeds, family = search_grid(p, cand.chunks, looped=cand.looped), [], ()
     return search_beating(
         "auto",
         cand.placement,
@@ -125,6 +181,7 @@ def _plan_one(
         beat=beat,
         evaluator=ev,
         deadline=deadline,
+        pick=pick,
     )
 
 
@@ -259,13 +316,17 @@ def search_placements(
     best: Best | None = None
     refusals: list[str] = []
     searched: list[tuple[Candidate, CostModel, float, Schedule | None]] = []
-    for cand in candidates(p, max_chunks):
+    tried = [
+        cand
+        for cand in candidates(p, max_chunks)
+        if (stages is None or stages == len(cand.placement))
+        and (max_stages is None or len(cand.placement) <= max_stages)
+    ]
+    # Without pairs (which start from every placement's own schedule) and deterministic.
+    pre = None if overlap or deadline is not None else prescan(tried, p, m, cost_of, mem_limit)
+    for cand in tried:
         if best is not None and expired(deadline):
             break
-        if stages is not None and stages != len(cand.placement):
-            continue
-        if max_stages is not None and len(cand.placement) > max_stages:
-            continue
         model = cost_of(cand.placement)
         try:
             model, limit = resolve_costs(
@@ -274,7 +335,7 @@ def search_placements(
         except ScheduleError as exc:
             refusals.append(f"{cand.label}: {exc}")
             continue
-        best, sched = _search_placement(cand, p, m, model, limit, best, deadline)
+        best, sched = _search_placement(cand, p, m, model, limit, best, deadline, pre)
         searched.append((cand, model, limit, sched))
     if overlap:
         best = _search_pairs(searched, m, best, deadline)
@@ -304,22 +365,28 @@ def _search_placement(
     limit: float,
     best: Best | None,
     deadline: float | None,
+    pre: Prescan | None = None,
 ) -> tuple[Best | None, Schedule | None]:
     """One placement's plain search, then the fixed kinds not among its seeds, each against
-    the best so far. Returns the new best and the placement's own schedule (None if none)."""
+    the best so far (and the bar of ``pre``, unpolished). Returns the new best and the
+    placement's own schedule (None if none)."""
     # Polished, a placement gets zb-auto's whole search (pruning could lose its
     # winner); unpolished only the cheapest pass counts, so passes that cannot
-    # beat the best placement so far stop early.
+    # beat the best placement so far (or the prescan's bar) stop early.
     polished = polishes(3 * len(cand.placement) * m)
-    beat = math.inf if best is None or polished else best[0][0]
-    ev = Evaluator(ActionGraph(cand.placement, m), model)
-    sched = _plan_one(cand, p, m, model, limit, beat, ev, deadline)
+    bar = math.inf if pre is None or polished else pre.bar
+    beat = math.inf if polished else min(bar, math.inf if best is None else best[0][0])
+    mine = pre is not None and pre.label == cand.label
+    ev = pre.ev if pre is not None and mine else Evaluator(ActionGraph(cand.placement, m), model)
+    pick = pre.pick if pre is not None and mine else None
+    sched = _plan_one(cand, p, m, model, limit, beat, ev, deadline, pick)
     if sched is not None:
         best = _keep(best, sched, simulate(sched, model), cand)
     for fn in FIXED_KINDS.get((cand.looped, cand.chunks), ()):
         if best is not None and expired(deadline):
             break
-        got = _fixed(fn, p, m, model, limit, ev, math.inf if best is None else best[0][0])
+        so_far = math.inf if best is None else best[0][0]
+        got = _fixed(fn, p, m, model, limit, ev, min(so_far, bar))
         if got is not None:
             best = _keep(best, *got, cand)
     return best, sched

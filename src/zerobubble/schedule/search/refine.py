@@ -20,10 +20,15 @@ from collections.abc import Sequence
 from functools import cached_property
 from itertools import accumulate
 
+import numpy as np
+import numpy.typing as npt
+
 from zerobubble.schedule.costs import CostModel
 from zerobubble.schedule.search.graph import ActionGraph, durations, memory_deltas
 
 _EPS = 1e-9
+#: Orders at least this long are checked against the memory limit with numpy.
+FITS_BY_ARRAY = 512
 
 
 class Timing:
@@ -191,8 +196,19 @@ class Evaluator:
         return True
 
     def fits(self, order: Sequence[int], limit: float) -> bool:
-        """Whether the memory level stays within ``limit`` after every action of ``order``."""
-        return not order or max(accumulate(map(self.delta.__getitem__, order))) <= limit
+        """Whether the memory level stays within ``limit`` after every action of ``order``.
+
+        A long order (a seed of a large instance holds thousands of actions per device) is
+        summed by numpy, in half the time: ``cumsum`` adds one after another in the same
+        order, so the levels are the very floats of the plain sum."""
+        if len(order) < FITS_BY_ARRAY:
+            return not order or max(accumulate(map(self.delta.__getitem__, order))) <= limit
+        levels = np.cumsum(self._delta_array[np.fromiter(order, np.intp, len(order))])
+        return bool(levels.max() <= limit)
+
+    @cached_property
+    def _delta_array(self) -> npt.NDArray[np.float64]:
+        return np.array(self.delta, dtype=np.float64)
 
 
 def _key(timing: Timing, backward: range | None) -> tuple[float, ...]:

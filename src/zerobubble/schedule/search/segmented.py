@@ -57,7 +57,7 @@ from zerobubble.schedule.search.auto import (
     split_backward,
 )
 from zerobubble.schedule.search.auto import work_floor as evaluator_floor
-from zerobubble.schedule.search.graph import ActionGraph
+from zerobubble.schedule.search.graph import ActionGraph, Deps
 from zerobubble.schedule.search.refine import Evaluator, perturb, refine
 from zerobubble.schedule.simulate import simulate
 
@@ -118,14 +118,14 @@ class SegmentGraph(ActionGraph):
                         out.append((self.index(op, s, chain[i - 1]), b, False))
         return tuple(out)
 
-    def dependencies(self, costs: CostModel) -> list[list[tuple[int, float]]]:
+    def dependencies(self, costs: CostModel) -> list[Deps]:
         deps: list[list[tuple[int, float]]] = [[] for _ in range(len(self))]
         hop = {(op, s): float(costs.hop(op, s)) for op in _OPS for s in range(self.num_stages)}
         acts = self.actions
         for a, b, cross in self.edges:
             x = acts[a]
             deps[b].append((a, hop[x.op, x.stage] if cross else 0.0))
-        return deps
+        return [tuple(d) for d in deps]
 
 
 def uniform(costs: CostModel) -> bool:

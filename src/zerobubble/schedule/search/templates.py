@@ -65,18 +65,21 @@ def interleaved_orders(
 
 def _device_rounds(
     num_devices: int, num_microbatches: int, chunks: int, group: int
-) -> list[tuple[list[int], list[int]]]:
-    """Each device's F and B in rounds of ``group`` (the same for every member)."""
+) -> list[tuple[list[int], list[int], list[int]]]:
+    """Each device's F, B and W (the W of each B, in the B's order) in rounds of ``group``
+    (the same for every member)."""
     P, M, S = num_devices, num_microbatches, chunks * num_devices
+    w_shift = S * M  # index of W(s, j) = index of B(s, j) + S*M
     out = []
     for d in range(P):
         held = [c * P + d for c in range(chunks)]
-        out.append((_rounds(held, M, group, 0, S), _rounds(held[::-1], M, group, 1, S)))
+        bwd = _rounds(held[::-1], M, group, 1, S)
+        out.append((_rounds(held, M, group, 0, S), bwd, [x + w_shift for x in bwd]))
     return out
 
 
 def _member(
-    rows: list[tuple[list[int], list[int]]],
+    rows: list[tuple[list[int], list[int], list[int]]],
     num_devices: int,
     num_microbatches: int,
     chunks: int,
@@ -87,20 +90,20 @@ def _member(
 ) -> tuple[tuple[int, ...], ...]:
     """The member for ``(slope, extra, lagged)`` from each device's rounds."""
     P, v = num_devices, chunks
-    w_shift = v * P * num_microbatches  # index of W(s, j) = index of B(s, j) + S*M
     orders = []
-    for d, (fwd, bwd) in enumerate(rows):
+    for d, (fwd, bwd, wgt) in enumerate(rows):
         warm = min(len(fwd), max(1, (v - 1) * group + P - 1 - slope * d + extra))
-        orders.append(_interleave(fwd, bwd, warm, d if lagged else 0, w_shift))
+        orders.append(_interleave(fwd, bwd, wgt, warm, d if lagged else 0))
     return tuple(orders)
 
 
 def _interleave(
-    fwd: list[int], bwd: list[int], warm: int, lag: int, w_shift: int
+    fwd: list[int], bwd: list[int], wgt: list[int], warm: int, lag: int
 ) -> tuple[int, ...]:
-    """``warm`` F, then per B: the B, the W of the B ``lag`` places back, the next F; then
-    the Ws still pending. Written segment by segment with strided slices (each
-    segment has the same shape of step throughout): members hold millions of actions.
+    """``warm`` F, then per B: the B, the W of the B ``lag`` places back (``wgt``: the W of
+    each B), the next F; then the Ws still pending. Written segment by segment with strided
+    slices (each segment has the same shape of step throughout): members hold millions of
+    actions.
     """
     nb, rest = len(bwd), len(fwd) - warm  # rest < nb: there are as many F as B
     out = fwd[:warm]
@@ -111,11 +114,11 @@ def _interleave(
         seg = [0] * ((b - a) * size)
         seg[0::size] = bwd[a:b]
         if has_w:
-            seg[1::size] = [x + w_shift for x in bwd[a - lag : b - lag]]
+            seg[1::size] = wgt[a - lag : b - lag]
         if has_f:
             seg[size - 1 :: size] = fwd[warm + a : warm + b]
         out += seg
-    out += [x + w_shift for x in bwd[max(0, nb - lag) :]]
+    out += wgt[max(0, nb - lag) :]
     return tuple(out)
 
 
