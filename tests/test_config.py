@@ -9,6 +9,7 @@ import pytest
 
 from zerobubble.cli import _train_config, build_parser
 from zerobubble.models import GPTConfig
+from zerobubble.train import titan
 from zerobubble.train.config import (
     GPT_FIELDS,
     ExecutorSection,
@@ -58,18 +59,21 @@ def test_every_field_is_one_documented_flag(capsys):
         "job": JobSection,
     }
     assert [f.name for f in fields(TrainConfig)] == list(sections)
+    tables = [*sections.items(), *titan.TABLES.items()]  # torchtitan's read onto the job's
     opts = {o.key: o for o in options()}
-    expected = {f"{name}.{f.name}" for name, cls in sections.items() for f in fields(cls)} - {
+    docs = {
+        f"{name}.{f}": doc for name, cls in reversed(tables) for f, doc in field_docs(cls).items()
+    }
+    expected = {f"{name}.{f.name}" for name, cls in tables for f in fields(cls)} - {
         "job.profile_only"
     }  # set by the subcommand
     assert set(opts) == expected
     for key, opt in opts.items():
-        section, name = key.split(".")
-        assert opt.doc and opt.doc == field_docs(sections[section])[name], key
+        assert opt.doc and opt.doc == docs[key], key
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "--model.mlp-ratio INT Hidden width of each block's MLP, in multiples of d_model." in (
+    assert "--model.mlp_ratio INT Hidden width of each block's MLP, in multiples of d_model." in (
         help_text
     )
     assert field_docs(ModelSection)["n_heads"] == "Attention heads per block; must divide d_model."

@@ -862,9 +862,10 @@ def p3_ranks() -> dict:
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
+        tie_word_embeddings=False,  # ties across stages with ep are refused before the experts
     )
     out["jetmoe"] = refused(mesh, transformers.AutoModelForCausalLM.from_config(jetmoe))
-    out["dense"] = refused(mesh, hf.tiny_model("hf-llama"))
+    out["dense"] = refused(mesh, hf.tiny_model("hf-llama", tie_word_embeddings=False))
     dist.destroy_process_group()
     return out
 

@@ -14,7 +14,7 @@ only (the last stage, a sharded gradient) and two clipped iterations:
 * the synchronous step under zb-h1 and zbv (two stages per rank);
 * conservative (zb-h1) and speculative (zb-h2) post-validation with snapshot rollback;
 * a checkpoint saved after 4 iterations, loaded into a fresh trainer: the remaining
-  iterations equal the uninterrupted run; loading it without tp raises;
+  iterations equal the uninterrupted run; it also loads into pipelines without tp;
 * the same through the job mesh (``build_mesh(2, tp=2, sequence_parallel=True)``,
   ``Pipeline(..., mesh=, tp_plan=)``, ``set_optimizer``, ``save_checkpoint`` and
   ``load_checkpoint`` with ``mesh=``): the trainer's tp mesh is the mesh's, the record
@@ -286,18 +286,18 @@ def job(root: str) -> dict:
     trainer, snaps, _ = run("zb-h1", sync, pp_group, tp, iters=range(SAVE_AT, ITERS), root=root)
     out["resumed"] = sorted(snaps)
     out["bad"] += differences("resumed", trainer, snaps, refs[2][0])[0]
-    try:
-        run(
-            "zb-h1",
-            sync,
-            pp_group,
-            tp,
-            iters=range(SAVE_AT, ITERS),
-            root=root,
-            tensor_parallel=False,
-        )
-    except ValueError as e:
-        out["no-tp load"] = str(e)
+    # The tp checkpoint loads into pipelines without tp (resharded: tests/test_reshard.py
+    # shows such resumes bitwise the target's run from the whole state) and trains on.
+    _, plain, _ = run(
+        "zb-h1",
+        sync,
+        pp_group,
+        tp,
+        iters=range(SAVE_AT, ITERS),
+        root=root,
+        tensor_parallel=False,
+    )
+    out["no-tp resumed"] = sorted(plain)
     # The same through the job mesh, saved and resumed under its own root.
     mesh = build_mesh(PP, tp=TP, sequence_parallel=True)
     assert mesh.tp_mesh is not None
@@ -356,11 +356,11 @@ def test_every_rank_decides_alike_and_faults_on_one_tp_rank_skip_everywhere(resu
             assert [n for _, _, n in commits[0]] == results[0]["norms"][name], name
 
 
-def test_checkpoint_resumes_bitwise_and_refuses_another_tp_size(results):
+def test_checkpoint_resumes_bitwise_and_loads_into_another_tp_size(results):
     for res in results:
         assert res["resumed"] == res["mesh resumed"] == list(range(SAVE_AT, ITERS))
         assert res["tp mesh is the mesh's"]
         assert res["mesh record"] == (TP, 1)
         assert res["mesh own keys"] == [f"rank{d}.tp{t}.meta" for d in range(PP) for t in range(TP)]
         assert "not on the job mesh's tp dim" in res["other mesh"], res["other mesh"]
-        assert "tp=2" in res["no-tp load"] and "tp=1" in res["no-tp load"], res["no-tp load"]
+        assert res["no-tp resumed"] == list(range(SAVE_AT, ITERS))

@@ -348,7 +348,8 @@ class _Wrapper(nn.Module):
     def __setattr__(self, name: str, value: Any) -> None:
         layer = self.__dict__.get("layer")
         own = name in self.__dict__ or name in self._parameters or name in self._modules
-        if layer is not None and not own and hasattr(layer, name):
+        # public configuration only: __class__ (FSDP's swap), hooks and state stay ours
+        if layer is not None and not own and not name.startswith("_") and hasattr(layer, name):
             setattr(layer, name, value)
             return
         super().__setattr__(name, value)
