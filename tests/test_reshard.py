@@ -98,8 +98,13 @@ def save_job(root: str, model: str, pp: int, dp: int, tp: int, ep: int, fsdp: bo
     return saved
 
 
-def resume_job(root: str, model: str, pp: int, dp: int, tp: int, ep: int) -> dict:
+def resume_job(root: str, model: str, meshes: list[tuple[int, int, int, int]]) -> list[dict]:
+    """Each ``(pp, dp, tp, ep)`` mesh of one world size in turn, in one launch."""
     zerobubble.init_distributed(timeout_s=60)
+    return [resume_on(root, model, *sizes) for sizes in meshes]
+
+
+def resume_on(root: str, model: str, pp: int, dp: int, tp: int, ep: int) -> dict:
     mesh = zerobubble.build_mesh(pp, dp, tp=tp, ep=ep)
     saved: dict = {}
     for f in sorted(Path(root).glob("whole_*.pt")):
@@ -138,32 +143,41 @@ def same(results: list[dict]) -> None:
             assert all(torch.equal(v, want[n][1][f]) for f, v in st.items()), (rank, n)
 
 
+def saved_and_resumed(root: Path, model: str, source: tuple, world: int, targets: list) -> list:
+    """Save at ``source`` (``(world, pp, dp, tp, ep, fsdp)``), then resume at every target
+    mesh (``world`` ranks each) in one launch: per target, every rank's result."""
+    launch(save_job, source[0], str(root), model, *source[1:], False, timeout=300)
+    results = launch(resume_job, world, str(root), model, targets, timeout=300)
+    return [[r[i] for r in results] for i in range(len(targets))]
+
+
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> Path:
+def gpt_resumed(tmp_path_factory) -> list:
+    targets = [(pp, dp, tp, 1) for pp, dp, tp in TARGETS]  # four ranks each
     root = tmp_path_factory.mktemp("reshard")
-    launch(save_job, 8, str(root), "gpt", 2, 2, 2, 1, True, False, timeout=300)
-    return root
+    return saved_and_resumed(root, "gpt", (8, 2, 2, 2, 1, True), 4, targets)
 
 
-@pytest.mark.parametrize(("pp", "dp", "tp"), TARGETS)
-def test_a_checkpoint_of_pp2_dp2_tp2_fsdp_resumes_at_another_mesh_exactly(saved, pp, dp, tp):
-    same(launch(resume_job, pp * dp * tp, str(saved), "gpt", pp, dp, tp, 1, timeout=300))
+@pytest.mark.parametrize("target", range(len(TARGETS)), ids=[str(t) for t in TARGETS])
+def test_a_checkpoint_of_pp2_dp2_tp2_fsdp_resumes_at_another_mesh_exactly(gpt_resumed, target):
+    same(gpt_resumed[target])
 
 
 def test_a_job_killed_at_pp2_dp2_resumes_at_pp2_dp1(tmp_path):
     with pytest.raises(LaunchError) as err:
         launch(save_job, 4, str(tmp_path), "gpt", 2, 2, 1, 1, False, True, timeout=300, grace=20)
     assert any(f.error == "killed by signal SIGKILL" for f in err.value.failures)
-    same(launch(resume_job, 2, str(tmp_path), "gpt", 2, 1, 1, 1, timeout=300))
+    results = launch(resume_job, 2, str(tmp_path), "gpt", [(2, 1, 1, 1)], timeout=300)
+    same([mine for (mine,) in results])
 
 
 @pytest.fixture(scope="module")
-def saved_moe(tmp_path_factory) -> Path:
+def moe_resumed(tmp_path_factory) -> list:
+    targets = [(pp, dp, 1, ep) for pp, dp, ep in MOE_TARGETS]  # two ranks each
     root = tmp_path_factory.mktemp("reshard_moe")
-    launch(save_job, 4, str(root), "hf-mixtral", 2, 2, 1, 2, False, False, timeout=300)
-    return root
+    return saved_and_resumed(root, "hf-mixtral", (4, 2, 2, 1, 2, False), 2, targets)
 
 
-@pytest.mark.parametrize(("pp", "dp", "ep"), MOE_TARGETS)
-def test_hf_experts_saved_at_ep2_resume_at_another_ep_and_pp_exactly(saved_moe, pp, dp, ep):
-    same(launch(resume_job, pp * dp, str(saved_moe), "hf-mixtral", pp, dp, 1, ep, timeout=300))
+@pytest.mark.parametrize("target", range(len(MOE_TARGETS)), ids=[str(t) for t in MOE_TARGETS])
+def test_hf_experts_saved_at_ep2_resume_at_another_ep_and_pp_exactly(moe_resumed, target):
+    same(moe_resumed[target])
