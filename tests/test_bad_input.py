@@ -136,66 +136,66 @@ CASES = [
     ("costs-negative", "compare -p 2 -m 4 --costs F=-1", None, 2, ["'F=-1'", ">= 0"]),
     ("mem-limit-nan", "schedule zb-h1 -p 2 -m 4 --mem-limit nan", None, 2, ["not a number"]),
     (
-        "train-one-device",
-        "train -p 1",
+        "bench-one-device",
+        "bench -p 1",
         None,
         2,
         ["schedule.devices must be >= 2, got 1", "pass -p 2 or more"],
     ),
-    ("train-negative-steps", "train -p 2 --steps -1", None, 2, ["job.steps must be >= 0, got -1"]),
+    ("bench-negative-steps", "bench -p 2 --steps -1", None, 2, ["job.steps must be >= 0, got -1"]),
     (
-        "train-heads",
-        "train -p 2 --heads 3",
+        "bench-heads",
+        "bench -p 2 --heads 3",
         None,
         2,
         ["model.d_model=128 is not divisible by model.n_heads=3", "divisors of --d-model"],
     ),
     (
-        "train-out-below-file",
-        "train -p 2 --out {f}/sub",
+        "bench-out-below-file",
+        "bench -p 2 --out {f}/sub",
         "a regular file",
         2,
         ["cannot create the output folder", "infile is a file, not a folder"],
     ),
     (
-        "train-fractional-layers",
-        "train -p 2 --layers 0.5",
+        "bench-fractional-layers",
+        "bench -p 2 --layers 0.5",
         None,
         2,
         ["--model.n-layers", "expected an integer, got '0.5'"],
     ),
-    ("train-nan-lr", "train -p 2 --lr nan", None, 2, ["optimizer.lr must be a finite number"]),
+    ("bench-nan-lr", "bench -p 2 --lr nan", None, 2, ["optimizer.lr must be a finite number"]),
     (
-        "train-too-few-layers",
-        "train -p 8 --layers 2",
+        "bench-too-few-layers",
+        "bench -p 8 --layers 2",
         None,
         2,
         ["8 devices need at least 8 layers but the model has 5", "--layers 5"],
     ),
     (
-        "train-config-unknown-key",
-        "train --config {f}",
+        "bench-config-unknown-key",
+        "bench --config {f}",
         "[model]\nwidth = 3\n",
         2,
         ["infile: ", "unknown key 'model.width'", "[model] takes d_model, n_heads"],
     ),
     (
-        "train-config-float-for-int",
-        "train --config {f}",
+        "bench-config-float-for-int",
+        "bench --config {f}",
         "[job]\nmicrobatch_size = 0.7\n",
         2,
         ["job.microbatch_size must be an integer, got 0.7"],
     ),
     (
-        "train-config-syntax",
-        "train --config {f}",
+        "bench-config-syntax",
+        "bench --config {f}",
         "[job]\nsteps = = 3\n",
         2,
         ["infile: ", "not valid TOML", "line 2"],
     ),
     (
-        "train-config-not-a-section",
-        "train --config {f}",
+        "bench-config-not-a-section",
+        "bench --config {f}",
         "steps = 3\n",
         2,
         ["'steps' is not a section", "[job]"],
@@ -311,8 +311,8 @@ CASES = [
         ["infile: the trace is not UTF-8 text", "0xc3 on line 3"],
     ),
     (
-        "train-config-not-utf8",
-        "train --config {f}",
+        "bench-config-not-utf8",
+        "bench --config {f}",
         b"[job]\nsteps = 3 # \xe9t\xe9\n",
         2,
         ["infile: the config file is not UTF-8 text", "0xe9 on line 2"],
@@ -352,7 +352,7 @@ def test_bad_input_table(argv, content, code, fragments, tmp_path, capsys):
 
 
 def test_argparse_refusals_exit_2_naming_the_flag(capsys):
-    assert exit_status(["train", "--steps", "three"]) == 2
+    assert exit_status(["bench", "--steps", "three"]) == 2
     assert "argument --steps/--job.steps: expected an integer, got 'three'" in (
         capsys.readouterr().err
     )
@@ -373,7 +373,7 @@ def test_schedule_json_errors_name_the_source():
 @pytest.mark.slow
 def test_unplannable_memory_limit_is_one_message_from_the_parent(tmp_path, capfd):
     """Found only after profiling: every rank stops alike, the parent prints one message."""
-    argv = ["train", *TINY, "--steps", "1", "--baseline-steps", "1", "--mem-limit", "1"]
+    argv = ["bench", *TINY, "--steps", "1", "--baseline-steps", "1", "--mem-limit", "1"]
     assert main([*argv, "--out", str(tmp_path / "out")]) == 2
     captured = capfd.readouterr()
     assert "Traceback" not in captured.err and "rank " not in captured.err

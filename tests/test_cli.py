@@ -81,18 +81,18 @@ def test_bad_input_exits_2_with_a_message(capsys, tmp_path):
 
 
 def test_train_refuses_bad_models_before_launching(capsys, monkeypatch):
-    assert main(["train", "--model", "gpt-5", "-p", "2"]) == 2
+    assert main(["bench", "--model", "gpt-5", "-p", "2"]) == 2
     assert "model.name 'gpt-5' is not a model of the job" in capsys.readouterr().err
-    assert main(["train", "--model", "hf-llama", "-p", "9"]) == 2
+    assert main(["bench", "--model", "hf-llama", "-p", "9"]) == 2
     err = capsys.readouterr().err
     assert "9 devices need at least 9 layers but hf-llama has 8" in err
     assert "--model.num-hidden-layers 7" in err
-    assert main(["train", "--model", "hf-gpt2", "-p", "2", "--seq-len", "129"]) == 2
+    assert main(["bench", "--model", "hf-gpt2", "-p", "2", "--seq-len", "129"]) == 2
     assert "takes rows of 2 to 128 tokens (its max_position_embeddings)" in capsys.readouterr().err
-    assert main(["train", "--model", "hf-gpt2", "--model.attn-implementation", "flash"]) == 2
+    assert main(["bench", "--model", "hf-gpt2", "--model.attn-implementation", "flash"]) == 2
     assert "sdpa or eager" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
-    assert main(["train", "--model", "hf-llama", "-p", "2"]) == 2
+    assert main(["bench", "--model", "hf-llama", "-p", "2"]) == 2
     err = capsys.readouterr().err
     assert "--model hf-llama needs Hugging Face transformers" in err and "dev extra" in err
 

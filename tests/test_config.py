@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from zerobubble.cli import _train_config, build_parser
+from zerobubble.cli import _bench_config, build_parser
 from zerobubble.models import GPTConfig
 from zerobubble.train import titan
 from zerobubble.train.config import (
@@ -29,7 +29,7 @@ def config_of(argv: list[str], monkeypatch, world: int | None = None) -> TrainCo
         monkeypatch.delenv("WORLD_SIZE", raising=False)
     else:
         monkeypatch.setenv("WORLD_SIZE", str(world))
-    return _train_config(build_parser().parse_args(["train", *argv]))
+    return _bench_config(build_parser().parse_args(["bench", *argv]))
 
 
 def test_example_toml_loads_and_flags_override_it(monkeypatch):
@@ -71,7 +71,7 @@ def test_every_field_is_one_documented_flag(capsys):
     for key, opt in opts.items():
         assert opt.doc and opt.doc == docs[key], key
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["train", "--help"])
+        build_parser().parse_args(["bench", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--model.mlp_ratio INT Hidden width of each block's MLP, in multiples of d_model." in (
         help_text

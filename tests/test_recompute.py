@@ -229,7 +229,7 @@ def test_train_switch_is_checked_before_launching():
     with pytest.raises(ValueError, match=r"executor\.recompute must be one of none, stage, layers"):
         ExecutorSection(recompute="all")
     assert ExecutorSection(recompute="layers").recompute == "layers"
-    assert main(["train", "--recompute", "all"]) == 2
+    assert main(["bench", "--recompute", "all"]) == 2
 
 
 def test_profile_of_a_checkpointed_run_keeps_the_rebuilt_w_state():

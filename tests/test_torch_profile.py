@@ -121,7 +121,7 @@ def test_train_torch_profile_writes_a_kineto_trace_per_rank(tmp_path, capsys):
         "--seq-len", "8", "--microbatch-size", "1", "--steps", "1", "--baseline-steps", "1",
         "--job.layer-iters", "1", "--job.corpus-chars", "20000",
     ]  # fmt: skip
-    assert main(["train", *tiny, "--out", str(tmp_path / "out"), "--torch-profile", str(prof)]) == 0
+    assert main(["bench", *tiny, "--out", str(tmp_path / "out"), "--torch-profile", str(prof)]) == 0
     for rank in (0, 1):
         trace = json.loads((prof / f"rank{rank}.json").read_text())
         names = {e.get("name", "") for e in trace["traceEvents"]}
@@ -129,7 +129,7 @@ def test_train_torch_profile_writes_a_kineto_trace_per_rank(tmp_path, capsys):
     assert f"torch profile: {prof}" in capsys.readouterr().out
     blocker = tmp_path / "file"
     blocker.write_text("")
-    assert main(["train", *tiny, "--torch-profile", str(blocker)]) == 2
+    assert main(["bench", *tiny, "--torch-profile", str(blocker)]) == 2
     err = capsys.readouterr().err
     assert f"--torch-profile {blocker}: cannot create the output folder" in err
     assert "is a file, not a folder" in err and "Traceback" not in err

@@ -1,4 +1,4 @@
-"""`zerobubble train` end to end on a tiny GPT: profile, plan, train, outputs."""
+"""`zerobubble bench` end to end on a tiny GPT: profile, plan, train, outputs."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ TINY = [
 
 def test_train_profiles_plans_trains_and_writes_its_outputs(tmp_path, capfd):
     out = tmp_path / "out"
-    assert main(["train", *TINY, "--out", str(out)]) == 0
+    assert main(["bench", *TINY, "--out", str(out)]) == 0
     text = capfd.readouterr().out
     steps = [line for line in text.splitlines() if line.startswith("step ")]
     tried = [s.split()[2] for s in steps if s.split()[2].startswith("try:")]
@@ -108,7 +108,7 @@ def test_bad_configurations_are_refused_before_launching():
         JobSection(baseline_steps=0)
     with pytest.raises(ValueError, match="5 devices need at least 5 layers but the model has 4"):
         TrainConfig(schedule=ScheduleSection(devices=5), model=ModelSection(n_layers=1))
-    assert main(["train", "-p", "8", "--layers", "2"]) == 2
+    assert main(["bench", "-p", "8", "--layers", "2"]) == 2
     for windowed in ("hf-mistral", "hf-qwen2"):  # sliding windows run in segments
         TrainConfig(model=ModelSection(name=windowed), schedule=ScheduleSection(segments=2))
     with pytest.raises(ValueError, match="--segments 2 with --recompute stage"):
@@ -116,7 +116,7 @@ def test_bad_configurations_are_refused_before_launching():
         TrainConfig(schedule=two, executor=ExecutorSection(recompute="stage"))
     with pytest.raises(ValueError, match="at least 4 tokens"):
         TrainConfig(schedule=ScheduleSection(segments=2), job=JobSection(seq_len=3))
-    assert main(["train", "--segments", "0"]) == 2
+    assert main(["bench", "--segments", "0"]) == 2
 
 
 # ---- real architectures: the job against a single-process reference -----------------------
@@ -221,7 +221,7 @@ def test_the_job_on_real_architectures_equals_a_single_process_run(tmp_path, cap
         pytest.importorskip("transformers")
     out = tmp_path / "out"
     argv = [*flags, *SMALL, "--out", str(out)]
-    assert main(["train", *argv]) == 0  # the trace check passes (else exit 1)
+    assert main(["bench", *argv]) == 0  # the trace check passes (else exit 1)
     text = capfd.readouterr().out
     assert "trace check: OK" in text and "(planned)" in text
     assert (out / "timeline.png").stat().st_size > 0
@@ -245,7 +245,7 @@ def test_the_job_on_real_architectures_equals_a_single_process_run(tmp_path, cap
     losses = [r["loss"] for r in records]
     assert all(math.isfinite(v) for v in losses)
     cfg = build_config(
-        {k: v for k, v in vars(build_parser().parse_args(["train", *argv])).items() if "." in k},
+        {k: v for k, v in vars(build_parser().parse_args(["bench", *argv])).items() if "." in k},
         devices=2,
     )
     boundaries = json.loads((out / "profile.json").read_text())["boundaries"]

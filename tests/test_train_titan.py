@@ -1,4 +1,4 @@
-"""`zerobubble train` reads torchtitan's table and key names (zerobubble.train.titan)."""
+"""`zerobubble bench` reads torchtitan's table and key names (zerobubble.train.titan)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from test_docs import fences
-from zerobubble.cli import _train_config, build_parser, main
+from zerobubble.cli import _bench_config, build_parser, main
 from zerobubble.train.options import build_config, load_toml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +56,7 @@ def _file(tmp_path: Path, text: str) -> Path:
 
 
 def _cfg(argv: list[str]):
-    return _train_config(build_parser().parse_args(["train", *argv]))
+    return _bench_config(build_parser().parse_args(["bench", *argv]))
 
 
 def test_torchtitan_keys_become_the_jobs_options_exactly(tmp_path):
@@ -105,17 +105,17 @@ def test_flags_override_the_files_keys(tmp_path):
     ],
 )  # fmt: skip
 def test_an_unknown_table_or_key_exits_2_naming_the_closest(tmp_path, capsys, text, hint):
-    assert main(["train", "--config", str(_file(tmp_path, text))]) == 2
+    assert main(["bench", "--config", str(_file(tmp_path, text))]) == 2
     err = capsys.readouterr().err
-    assert "zerobubble train: error:" in err and hint in err
+    assert "zerobubble bench: error:" in err and hint in err
 
 
 def test_an_unknown_flag_exits_2_naming_the_closest(capsys):
-    assert main(["train", "--training.stepz", "3"]) == 2
+    assert main(["bench", "--training.stepz", "3"]) == 2
     assert "did you mean '--training.steps'?" in capsys.readouterr().err
-    assert main(["train", "--tensor_parallel_degree=2"]) == 2
+    assert main(["bench", "--tensor_parallel_degree=2"]) == 2
     assert "did you mean '--parallelism.tensor_parallel_degree'?" in capsys.readouterr().err
-    assert main(["train", "--training.step", "3"]) == 2  # no abbreviation passes as a flag
+    assert main(["bench", "--training.step", "3"]) == 2  # no abbreviation passes as a flag
     assert "did you mean '--training.steps'?" in capsys.readouterr().err
 
 
@@ -135,11 +135,13 @@ def test_an_unknown_flag_exits_2_naming_the_closest(capsys):
 def test_a_key_the_job_cannot_honour_exits_2_in_file_and_flag(tmp_path, capsys, key, value, why):
     table, name = key.split(".")
     toml = "true" if value is True else f'"{value}"' if isinstance(value, str) else str(value)
-    assert main(["train", "--config", str(_file(tmp_path, f"[{table}]\n{name} = {toml}\n"))]) == 2
+    assert main(["bench", "--config", str(_file(tmp_path, f"[{table}]\n{name} = {toml}\n"))]) == 2
     err = capsys.readouterr().err
-    assert f"{key} = {toml.replace(chr(34), chr(39))}: zerobubble train does not do {why}" in err
-    assert main(["train", f"--{key}", toml.strip('"')]) == 2
-    assert f"does not do {why} yet" in capsys.readouterr().err
+    assert f"{key} = {toml.replace(chr(34), chr(39))}: zerobubble bench does not do {why}" in err
+    assert main(["bench", f"--{key}", toml.strip('"')]) == 2
+    err = capsys.readouterr().err
+    assert f"does not do {why};" in err
+    assert why.startswith("selective") or "or zerobubble train, the trainer, which does" in err
     with pytest.raises(ValueError, match=why):  # the API refuses it alike
         build_config({key: value}, devices=2)
 
@@ -156,16 +158,16 @@ def test_batch_sizes_that_disagree_are_refused(tmp_path, capsys):
     bad = (
         "[training]\nglobal_batch_size = 7\n[parallelism]\npipeline_parallel_microbatch_size = 2\n"
     )
-    assert main(["train", "--config", str(_file(tmp_path, bad))]) == 2
+    assert main(["bench", "--config", str(_file(tmp_path, bad))]) == 2
     assert "not a positive multiple of the microbatch size 2" in capsys.readouterr().err
     both = "[training]\nglobal_batch_size = 8\nbatch_size = 8\n"
-    assert main(["train", "--config", str(_file(tmp_path, both))]) == 2
+    assert main(["bench", "--config", str(_file(tmp_path, both))]) == 2
     assert "are the same batch; give one" in capsys.readouterr().err
     twice = "[training]\nsteps = 8\n[job]\nsteps = 4\n"
-    assert main(["train", "--config", str(_file(tmp_path, twice))]) == 2
+    assert main(["bench", "--config", str(_file(tmp_path, twice))]) == 2
     assert "training.steps and job.steps set the same option" in capsys.readouterr().err
-    assert main(["train", "--model", "./my-llama/"]) == 2
-    assert "a Hugging Face directory is not a model of zerobubble train yet" in (
+    assert main(["bench", "--model", "./my-llama/"]) == 2
+    assert "a Hugging Face directory is not a model of zerobubble bench" in (
         capsys.readouterr().err
     )
 
@@ -204,7 +206,7 @@ seq_len = 8
 pipeline_parallel_degree = 2
 pipeline_parallel_microbatch_size = 2
 """)  # fmt: skip
-    assert main(["train", "--config", str(path), "--training.steps", "1"]) == 0
+    assert main(["bench", "--config", str(path), "--training.steps", "1"]) == 0
     text = capfd.readouterr().out
     assert "P=2 ranks, M=4 microbatches of 2x8 tokens" in text  # 8 = 4 x 2, seq_len 8
     steps = [line for line in text.splitlines() if line.startswith("step ")]

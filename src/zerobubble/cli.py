@@ -10,10 +10,12 @@ Subcommand names and flags are fixed (scripts depend on them)::
                          [--rank R] [--dp N] [--fsdp] [--protocol P] [-o FILE]
     zerobubble simulate FILE [--costs ...] [--costs-file F] [--mem-w R] [--mem-limit X] [--json]
     zerobubble compare -p P -m M [--costs ...] [--costs-file F] [--mem-limit X] [--plot FILE.png]
-    zerobubble train [-p P] [-m M] [--steps N] [--layers L] [--mem-limit BYTES] [--out DIR] ...
-    zerobubble train --config job.toml [--section.field VALUE ...]  (flags override the file;
+    zerobubble train --config train.toml [--table.key VALUE ...] [--export DIR]
+                     (the trainer: zerobubble.train.recipe; flags override the file)
+    zerobubble bench [-p P] [-m M] [--steps N] [--layers L] [--mem-limit BYTES] [--out DIR] ...
+    zerobubble bench --config job.toml [--section.field VALUE ...]  (flags override the file;
                      one flag per field of zerobubble.train.config)
-    zerobubble profile [same flags as train]
+    zerobubble profile [same flags as bench]
     zerobubble check-trace TRACE [--segments K] [--mem-budget BYTES] [--tolerance-us US]
                            [--opt-op NAME] [--conservative]
     zerobubble demo [--out DIR]
@@ -294,13 +296,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    """Profile -> plan -> train on local CPU ranks (or this rank, under torchrun)."""
+def cmd_bench(args: argparse.Namespace) -> int:
+    """The schedule benchmark: profile -> plan -> train 1F1B, ZB-H1 and the plan in turns on
+    local CPU ranks (or this rank, under torchrun)."""
     from zerobubble.runtime.launcher import LaunchError, launch
     from zerobubble.train.console import ConsoleReporter, print_summary
     from zerobubble.train.job import run_job
 
-    cfg = _train_config(args)
+    cfg = _bench_config(args)
     _make_out(Path(cfg.job.out), "--out")  # before any rank starts: a bad path is one message
     if cfg.job.torch_profile is not None:
         _make_out(Path(cfg.job.torch_profile), "--torch-profile")
@@ -391,11 +394,11 @@ def cmd_check_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The main job: ``zerobubble train`` with its defaults."""
-    return cmd_train(build_parser().parse_args(["train", "--out", str(args.out)]))
+    """The main job: ``zerobubble bench`` with its defaults."""
+    return cmd_bench(build_parser().parse_args(["bench", "--out", str(args.out)]))
 
 
-def _train_config(args: argparse.Namespace) -> TrainConfig:
+def _bench_config(args: argparse.Namespace) -> TrainConfig:
     """Defaults, then the ``--config`` file, then the flags given on the command line."""
     from zerobubble.train.config import default_devices
     from zerobubble.train.options import build_config, load_toml
@@ -414,7 +417,7 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
     return cfg
 
 
-def _add_train_args(p: argparse.ArgumentParser) -> None:
+def _add_bench_args(p: argparse.ArgumentParser) -> None:
     """One flag per field of the job's config (``--model.d-model``, also spelled
     ``--model.d_model``, alias ``--d-model``) and per torchtitan key
     (``--parallelism.tensor_parallel_degree``)."""
@@ -582,16 +585,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser(  # no abbreviations: --training.step must not pass as .steps
-        "train",
-        help="profile, plan and train a small GPT or tiny HF model on local CPU ranks",
+        "bench",
+        help="schedule benchmark: profile, plan and train 1F1B, ZB-H1 and the plan in turns "
+        "on a small GPT or tiny HF model on local CPU ranks",
         allow_abbrev=False,
     )
-    _add_train_args(p)
-    p.set_defaults(func=cmd_train)
+    _add_bench_args(p)
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("profile", help="measure stage costs and write the costs file")
-    _add_train_args(p)
-    p.set_defaults(func=cmd_train)
+    _add_bench_args(p)
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("check-trace", help="check an executed pipeline's JSONL trace")
     p.add_argument("trace", type=Path)
@@ -630,7 +634,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_check_trace)
 
-    p = sub.add_parser("demo", help="the main job (what `make demo` runs): zerobubble train")
+    p = sub.add_parser("demo", help="the main job (what `make demo` runs): zerobubble bench")
     p.add_argument("--out", default="out", help="folder for pictures and traces")
     p.set_defaults(func=cmd_demo)
     return parser
@@ -646,7 +650,7 @@ def _version() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if unknown and args.command in ("train", "profile"):
+    if unknown and args.command in ("bench", "profile"):
         print(f"zerobubble {args.command}: error: {_unknown_flags(unknown)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if unknown:
@@ -661,14 +665,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _unknown_flags(unknown: Sequence[str]) -> str:
-    """What ``zerobubble train`` says of flags it does not know: the first, with the
+    """What ``zerobubble bench`` says of flags it does not know: the first, with the
     closest flag it does know (a misspelt key would otherwise be one more guess)."""
     from zerobubble.train.options import closest, options
 
     flags = [f for o in options() for f in (*o.aliases, o.flag, "--" + o.key)] + ["--config"]
     word = next((u for u in unknown if u.startswith("-")), unknown[0])
     name = word.split("=", 1)[0]
-    return f"unknown flag {name!r}{closest(name, flags)} (zerobubble train --help lists them)"
+    return f"unknown flag {name!r}{closest(name, flags)} (zerobubble bench --help lists them)"
 
 
 def _warning_line(command: str, other: Callable[..., None]) -> Callable[..., None]:

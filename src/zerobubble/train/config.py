@@ -1,4 +1,4 @@
-"""Configuration of the end-to-end job (``zerobubble train`` / ``zerobubble profile``).
+"""Configuration of the end-to-end job (``zerobubble bench`` / ``zerobubble profile``): the schedule benchmark; the trainer, ``zerobubble train``, is configured by :mod:`zerobubble.train.recipe`.
 
 Five frozen sections (model, schedule, executor, optimizer, job), each field documented
 once, by its docstring. :mod:`zerobubble.train.options` derives the command-line flags
@@ -126,8 +126,8 @@ class ModelSection:
         ):
             raise ValueError(
                 f"model.name {self.name!r}: a Hugging Face directory is not a model of "
-                f"zerobubble train yet (issue 43); use gpt or one of {', '.join(HF_MODELS)}, "
-                "or zerobubble.interop.hf_pretrained.load_pipeline from Python"
+                f"zerobubble bench; use gpt or one of {', '.join(HF_MODELS)}, or train it "
+                "with zerobubble train (docs/train.md)"
             )
         if self.name != "gpt" and self.name not in HF_MODELS:
             raise ValueError(

@@ -4,7 +4,7 @@ A key is ``section.field`` of :class:`~zerobubble.train.config.TrainConfig`, or
 ``table.key`` of torchtitan's tables (:mod:`zerobubble.train.titan`). Its help
 is the field's docstring, read from the source with :mod:`ast`, so every option is
 documented once, where it is defined; its type is the field's annotation. The command
-line (:mod:`zerobubble.cli`) and TOML files (``zerobubble train --config job.toml``)
+line (:mod:`zerobubble.cli`) and TOML files (``zerobubble bench --config job.toml``)
 both go through here, so they accept exactly the same keys and values.
 """
 
@@ -189,7 +189,7 @@ def build_config(
     known = {o.key for o in options()}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(f"unknown option(s) {unknown}; see zerobubble train --help")
+        raise ValueError(f"unknown option(s) {unknown}; see zerobubble bench --help")
     values = titan.resolve_batch(titan.to_job(values, "options"))
     P = values.get("schedule.devices", devices)
     if not isinstance(P, int) or isinstance(P, bool):

@@ -1,4 +1,4 @@
-"""torchtitan's table and key names for ``zerobubble train``'s TOML files and flags.
+"""torchtitan's table and key names for ``zerobubble bench``'s TOML files and flags.
 
 A user coming from torchtitan writes ``[parallelism] pipeline_parallel_degree = 4`` and
 ``[training] steps = 8``; the job's own options (:mod:`zerobubble.train.config`) are named
@@ -58,13 +58,13 @@ class TitanParallelism:
     pipeline_parallel_degree: int | None = None
     """Pipeline ranks P (at least 2): schedule.devices."""
     data_parallel_replicate_degree: int = 1
-    """Data-parallel replicas: 1 only (not in zerobubble train yet)."""
+    """Data-parallel replicas: 1 only (the benchmark does not; zerobubble train does)."""
     data_parallel_shard_degree: int = -1
-    """FSDP shards: -1 or 1 only (not in zerobubble train yet)."""
+    """FSDP shards: -1 or 1 only (the benchmark does not; zerobubble train does)."""
     tensor_parallel_degree: int = 1
-    """Tensor-parallel ranks: 1 only (not in zerobubble train yet)."""
+    """Tensor-parallel ranks: 1 only (the benchmark does not; zerobubble train does)."""
     expert_parallel_degree: int = 1
-    """Expert-parallel ranks: 1 only (not in zerobubble train yet)."""
+    """Expert-parallel ranks: 1 only (the benchmark does not; zerobubble train does)."""
     pipeline_parallel_schedule: str = "auto"
     """auto only: the job profiles 1F1B and ZB-H1, plans a schedule, tries the plan's best
     candidates and trains 1F1B, ZB-H1 and the plan in turns; a fixed kind is not a choice
@@ -84,11 +84,11 @@ class TitanActivationCheckpoint:
 
 @dataclass(frozen=True)
 class TitanCheckpoint:
-    """``[checkpoint]``: zerobubble train writes no checkpoints yet, so enable must be
+    """``[checkpoint]``: the benchmark writes no checkpoints (zerobubble train does), so enable must be
     false; the other keys are accepted (as torchtitan's files carry them) and unused."""
 
     enable: bool = False
-    """false only (checkpoints in zerobubble train are not built yet)."""
+    """false only (the benchmark writes none; zerobubble train does)."""
     folder: str = "checkpoint"
     """Where checkpoints would go (unused while enable is false)."""
     interval: int = 500
@@ -170,8 +170,8 @@ def to_job(values: Mapping[str, object], source: str) -> dict[str, object]:
             if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
                 shown = " or ".join(_toml(a) for a in allowed)
                 raise ValueError(
-                    f"{source}: {key} = {_toml(value)}: zerobubble train does not do {what} "
-                    f"yet (issue 43); use {shown} (see docs/e2e.md, torchtitan's keys)"
+                    f"{source}: {key} = {_toml(value)}: zerobubble bench does not do {what}; "
+                    f"use {shown}, or zerobubble train, the trainer, which does (docs/train.md)"
                 )
         elif key in BATCHES:
             other = next((b for b in BATCHES if b != key and b in values), None)
@@ -197,8 +197,8 @@ def _recompute(mode: object, values: Mapping[str, object], source: str) -> dict[
         )
     if mode not in AC_MODES:
         raise ValueError(
-            f"{source}: activation_checkpoint.mode = {_toml(mode)}: zerobubble train does "
-            "not do selective activation checkpointing yet (issue 43); use 'none' or 'full' "
+            f"{source}: activation_checkpoint.mode = {_toml(mode)}: zerobubble bench does "
+            "not do selective activation checkpointing; use 'none' or 'full' "
             "(or executor.recompute = 'stage')"
         )
     return {"executor.recompute": AC_MODES[str(mode)]}
