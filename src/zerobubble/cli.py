@@ -328,6 +328,76 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if report is None or report.ok else 1
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """The trainer: the recipe's run on local ranks (or this rank, under torchrun)."""
+    from zerobubble.runtime.launcher import LaunchError, launch
+    from zerobubble.train.recipe import build_recipe, load_recipe
+
+    values = load_recipe(args.config) if args.config is not None else {}
+    values.update({k: v for k, v in vars(args).items() if "." in k})  # flags given
+    if args.export is not None:
+        values["checkpoint.export_folder"] = str(args.export)
+    recipe = build_recipe(values)
+    _check_recipe(recipe)
+    _make_out(Path(recipe.job.dump_folder), "[job] dump_folder")
+    began = time.perf_counter()
+    if "RANK" in os.environ:  # started by torchrun or zerobubble.launch: this process is a rank
+        result = _train_rank(recipe)
+    else:
+        world = recipe.parallelism.world_size
+        print(f"zerobubble train: {world} local ranks; outputs in {recipe.job.dump_folder}")
+        try:
+            result = launch(_train_rank, world, recipe, timeout=TRAIN_TIMEOUT_S)[0]
+        except LaunchError as exc:
+            print(f"zerobubble train: the job failed: {exc}", file=sys.stderr)
+            return 1
+    if isinstance(result, ValueError):  # refused on every rank alike
+        raise result
+    if result is None:
+        return 0
+    how = f"resumed at step {result.start}, " if result.start else ""
+    print(
+        f"zerobubble train: {how}{result.end} steps of {result.summary} under "
+        f"{result.schedule} in {time.perf_counter() - began:.1f} s"
+    )
+    if recipe.checkpoint.export_folder is not None:
+        print(f"zerobubble train: exported to {recipe.checkpoint.export_folder}")
+    return 0
+
+
+TRAIN_TIMEOUT_S = 30 * 24 * 3600.0
+"""How long local ranks of ``zerobubble train`` may run: a training run ends when it ends."""
+
+
+def _check_recipe(recipe: Any) -> None:
+    """What can be refused before any rank starts: the model's name, the export folder."""
+    from zerobubble.train.sources import check_name
+
+    check_name(recipe)
+    export = recipe.checkpoint.export_folder
+    if export is not None and Path(export).exists() and any(Path(export).iterdir()):
+        raise ValueError(
+            f"export folder {export} is not empty: export into a new or empty folder "
+            "(from_pretrained would read stale files)"
+        )
+
+
+def _train_rank(recipe: Any) -> Any:
+    """One rank of ``zerobubble train``: a refusal comes back as a value (one message, not
+    every rank's traceback); the lead rank prints the progress lines."""
+    import torch.distributed as dist
+
+    from zerobubble.runtime.launcher import init_distributed
+    from zerobubble.train.trainer import train
+
+    init_distributed()
+    try:
+        result = train(recipe, write_line=lambda line: print(line, flush=True))
+    except ValueError as exc:
+        return exc
+    return result if dist.get_rank() == 0 else None
+
+
 def _rank(cfg: TrainConfig, reporter: Reporter | None) -> JobResult | PlanError | None:
     """One launched rank of the job: a refusal (:class:`~zerobubble.train.job.PlanError`)
     comes back as a value, so the parent prints one message instead of every rank's
@@ -437,6 +507,39 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
             *opt.aliases,
             opt.flag,
             *spelled,
+            dest=opt.key,
+            type=_typed(opt.parse),
+            default=argparse.SUPPRESS,
+            metavar=opt.kind.__name__.upper(),
+            help=(opt.doc + shown).replace("%", "%%"),
+        )
+
+
+def _add_recipe_args(p: argparse.ArgumentParser) -> None:
+    """``--config``, ``--export`` and one flag per recipe key (``--training.steps``, also
+    spelled ``--training.steps``'s dashed form)."""
+    from zerobubble.train.recipe import recipe_options
+
+    p.add_argument(
+        "--config",
+        type=Path,
+        help="TOML recipe in torchtitan's tables: [job], [model], [optimizer], [lr_scheduler], "
+        "[training], [parallelism], [activation_checkpoint], [checkpoint], [metrics], [data] "
+        "(examples/train.toml; docs/train.md); flags given here override it",
+    )
+    p.add_argument(
+        "--export",
+        type=Path,
+        metavar="DIR",
+        help="after the last step, write the model as a Hugging Face directory here "
+        "(checkpoint.export_folder)",
+    )
+    for opt in recipe_options():
+        shown = "" if "default" in opt.doc else f" (default: {opt.default})"
+        dashed = (opt.flag,) if "_" in opt.key else ()
+        p.add_argument(
+            "--" + opt.key,
+            *dashed,
             dest=opt.key,
             type=_typed(opt.parse),
             default=argparse.SUPPRESS,
@@ -593,6 +696,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_args(p)
     p.set_defaults(func=cmd_bench)
 
+    p = sub.add_parser(
+        "train",
+        help="train a model (HF directory, shipped config or factory) from a TOML recipe: "
+        "pp x dp x tp x ep, checkpoints, export",
+        allow_abbrev=False,
+    )
+    _add_recipe_args(p)
+    p.set_defaults(func=cmd_train)
+
     p = sub.add_parser("profile", help="measure stage costs and write the costs file")
     _add_bench_args(p)
     p.set_defaults(func=cmd_bench)
@@ -650,8 +762,9 @@ def _version() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if unknown and args.command in ("bench", "profile"):
-        print(f"zerobubble {args.command}: error: {_unknown_flags(unknown)}", file=sys.stderr)
+    if unknown and args.command in ("bench", "profile", "train"):
+        message = _unknown_flags(unknown, args.command)
+        print(f"zerobubble {args.command}: error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # exits 2, as parse_args
@@ -664,15 +777,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
 
 
-def _unknown_flags(unknown: Sequence[str]) -> str:
-    """What ``zerobubble bench`` says of flags it does not know: the first, with the
-    closest flag it does know (a misspelt key would otherwise be one more guess)."""
+def _unknown_flags(unknown: Sequence[str], command: str) -> str:
+    """What ``zerobubble bench`` or ``train`` says of flags it does not know: the first, with
+    the closest flag it does know (a misspelt key would otherwise be one more guess)."""
     from zerobubble.train.options import closest, options
 
-    flags = [f for o in options() for f in (*o.aliases, o.flag, "--" + o.key)] + ["--config"]
+    if command == "train":
+        from zerobubble.train.recipe import recipe_options
+
+        flags = [f for o in recipe_options() for f in ("--" + o.key, o.flag)]
+        flags += ["--config", "--export"]
+    else:
+        flags = [f for o in options() for f in (*o.aliases, o.flag, "--" + o.key)] + ["--config"]
     word = next((u for u in unknown if u.startswith("-")), unknown[0])
     name = word.split("=", 1)[0]
-    return f"unknown flag {name!r}{closest(name, flags)} (zerobubble bench --help lists them)"
+    return f"unknown flag {name!r}{closest(name, flags)} (zerobubble {command} --help lists them)"
 
 
 def _warning_line(command: str, other: Callable[..., None]) -> Callable[..., None]:

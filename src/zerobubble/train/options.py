@@ -119,10 +119,17 @@ def _sections() -> dict[str, type]:
 def options() -> tuple[Option, ...]:
     """Every option: the job's own (:class:`TrainConfig`, section by section, in field
     order), then torchtitan's keys (:mod:`zerobubble.train.titan`), table by table."""
-    out = []
     defaults = TrainConfig()
     tables = [(s, cls, getattr(defaults, s)) for s, cls in _sections().items()]
     tables += [(t, cls, cls()) for t, cls in titan.TABLES.items()]
+    return table_options(tables)
+
+
+def table_options(tables: Iterable[tuple[str, type, object]]) -> tuple[Option, ...]:
+    """One :class:`Option` per field of each ``(table name, dataclass, default instance)``
+    (fields whose metadata says ``option: False`` left out): shared by the benchmark's
+    options and the trainer's recipe (:mod:`zerobubble.train.recipe`)."""
+    out = []
     for section, cls, default in tables:
         hints, docs = typing.get_type_hints(cls), field_docs(cls)
         for f in fields(cls):
@@ -152,12 +159,18 @@ def load_toml(path: str | Path) -> dict[str, object]:
     """The options a TOML file sets, as ``{key: value}`` (torchtitan's keys mapped onto
     the job's, :func:`zerobubble.train.titan.to_job`); errors name the file, the key and
     the closest valid one."""
+    return titan.to_job(read_toml(path, options()), str(path))
+
+
+def read_toml(path: str | Path, valid: Iterable[Option]) -> dict[str, object]:
+    """The ``valid`` options a TOML file sets, as ``{table.key: value}``, type-checked;
+    ValueError naming the file, the unknown table or key and the closest valid one."""
     p = Path(path)
     try:
         data = tomllib.loads(read_text(p, "config file"))
     except tomllib.TOMLDecodeError as exc:  # its message carries the line and column
         raise ValueError(f"{p}: not valid TOML: {exc}") from None
-    known = {o.key: o for o in options()}
+    known = {o.key: o for o in valid}
     tables = list(dict.fromkeys(k.split(".")[0] for k in known))
     out: dict[str, object] = {}
     for name, table in data.items():
@@ -175,7 +188,7 @@ def load_toml(path: str | Path) -> dict[str, object]:
                     f"{p}: unknown key {key!r}{hint} ([{name}] takes {', '.join(mine)})"
                 )
             out[key] = known[key].check(value, str(p))
-    return titan.to_job(out, str(p))
+    return out
 
 
 def build_config(
