@@ -92,6 +92,7 @@ def test_folder_reads_data_files_sorted_and_skips_the_rest(tmp_path: Path) -> No
     (tmp_path / "e.md").write_text("E", encoding="utf-8")
     (tmp_path / "z.bin").write_bytes(b"\xff\xfe")
     (tmp_path / ".hidden.txt").write_text("H", encoding="utf-8")
+    (tmp_path / "state.json").write_text("{}", encoding="utf-8")  # not a saved dataset alone
     data = _build(tmp_path, seq_len=8)
     names = [str(tmp_path / p) for p in ("a.txt", "b/c.jsonl", "e.md")]
     assert data.sources == tuple(names)
@@ -257,19 +258,21 @@ def test_bad_sources_and_arguments_are_refused(tmp_path: Path) -> None:
             data.batch(*args)
 
 
-def _saved_dataset(tmp_path: Path) -> Path:
+def _saved_dataset(tmp_path: Path, files: tuple[str, ...] = ("dataset_dict.json",)) -> Path:
     folder = tmp_path / "ds"
     folder.mkdir()
-    (folder / "dataset_dict.json").write_text('{"splits": ["train", "test"]}', encoding="utf-8")
+    for name in files:
+        (folder / name).write_text("{}", encoding="utf-8")
     return folder
 
 
+@pytest.mark.parametrize("files", [("dataset_dict.json",), ("state.json", "dataset_info.json")])
 def test_saved_dataset_needs_the_datasets_package(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: tuple[str, ...]
 ) -> None:
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
     with pytest.raises(ValueError, match="pip install datasets"):
-        _build(_saved_dataset(tmp_path))
+        _build(_saved_dataset(tmp_path, files))
 
 
 def test_saved_dataset_reads_the_train_split(

@@ -57,8 +57,9 @@ TEXT_SUFFIXES = (".txt", ".text", ".md")
 
 #: Files that make a directory a tokenizer directory (any one of them).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-#: Files ``datasets.Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` write.
-_DATASET_MARKERS = ("dataset_dict.json", "state.json")
+#: What ``DatasetDict.save_to_disk`` writes / what ``Dataset.save_to_disk`` writes (both files).
+_DATASET_DICT = "dataset_dict.json"
+_DATASET_FILES = ("state.json", "dataset_info.json")
 
 _ENCODE_CHUNK = 256  # documents per tokenizer call: bounded memory for the intermediate lists
 
@@ -373,7 +374,7 @@ def _documents(
         return
     if not root.is_dir():
         raise ValueError(f"data path {root} does not exist: give a text or JSONL file or a folder")
-    if any((root / m).is_file() for m in _DATASET_MARKERS):
+    if (root / _DATASET_DICT).is_file() or all((root / f).is_file() for f in _DATASET_FILES):
         yield str(root), _read_dataset(root, text_key)
         return
     files = sorted(
