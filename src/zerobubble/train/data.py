@@ -223,7 +223,7 @@ def build_batches(
             raise ValueError(f"{name}={value}: must be >= 1")
     if seed < 0:
         raise ValueError(f"seed={seed}: must be >= 0")
-    tokenizer = load_tokenizer(tokenizer_dir, vocab_size)
+    tokenizer = _load_tokenizer(tokenizer_dir, vocab_size)
     pieces: list[np.ndarray] = []
     lengths: list[int] = []
     sources: list[str] = []
@@ -270,7 +270,7 @@ def build_batches(
     )
 
 
-def load_tokenizer(directory: str | Path | None, vocab_size: int) -> _Tokenizer:
+def _load_tokenizer(directory: str | Path | None, vocab_size: int) -> _Tokenizer:
     """The directory's tokenizer, or the byte-level fallback when it holds none."""
     folder = Path(directory) if directory is not None else None
     if folder is not None and not folder.is_dir():
