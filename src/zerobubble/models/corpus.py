@@ -54,24 +54,39 @@ class CharCorpus:
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
-def stdlib_corpus(max_chars: int = 2_000_000, root: str | Path | None = None) -> CharCorpus:
-    """Read up to ``max_chars`` characters of ``.py`` files under the stdlib, sorted by path."""
+def stdlib_sources(
+    max_chars: int = 2_000_000, root: str | Path | None = None
+) -> list[tuple[Path, str]]:
+    """The stdlib's ``.py`` files, sorted by path, as (path, text): at most ``max_chars`` in all.
+
+    The last file is cut to fit. The same files and bytes :func:`stdlib_corpus` encodes, one
+    text per file, so a tokenizer can see file (document) boundaries.
+    """
     base = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
     if not base.is_dir():
         raise FileNotFoundError(f"no standard library sources at {base}; pass root=")
-    table = {ch: i for i, ch in enumerate(ALPHABET)}
-    unknown = table["?"]
-    ids: list[int] = []
-    sources = 0
+    sources: list[tuple[Path, str]] = []
+    total = 0
     for path in sorted(base.glob("*.py")):
         try:
             text = path.read_text(encoding="utf-8", errors="replace")
         except OSError:
             continue
-        ids.extend(table.get(ch, unknown) for ch in text[: max_chars - len(ids)])
-        sources += 1
-        if len(ids) >= max_chars:
+        text = text[: max_chars - total]
+        sources.append((path, text))
+        total += len(text)
+        if total >= max_chars:
             break
+    return sources
+
+
+def stdlib_corpus(max_chars: int = 2_000_000, root: str | Path | None = None) -> CharCorpus:
+    """Read up to ``max_chars`` characters of ``.py`` files under the stdlib, sorted by path."""
+    sources = stdlib_sources(max_chars, root)
+    table = {ch: i for i, ch in enumerate(ALPHABET)}
+    unknown = table["?"]
+    ids = [table.get(ch, unknown) for _, text in sources for ch in text]
     if not ids:
+        base = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
         raise FileNotFoundError(f"no .py sources found under {base}")
-    return CharCorpus(torch.tensor(ids, dtype=torch.int64), ALPHABET, sources)
+    return CharCorpus(torch.tensor(ids, dtype=torch.int64), ALPHABET, len(sources))
