@@ -78,9 +78,7 @@ def recipe(tmp: Path, name: str, model: Path, *, dp=1, tp=1, ep=1, ckpt=False, *
     import torch.distributed as dist
 
     path = tmp / f"{name}.{dist.get_rank() if dist.is_initialized() else 0}.toml"
-    text = RECIPE.format(
-        out=tmp / name, model=model, dp=dp, tp=tp, ep=ep, ckpt=str(ckpt).lower()
-    )
+    text = RECIPE.format(out=tmp / name, model=model, dp=dp, tp=tp, ep=ep, ckpt=str(ckpt).lower())
     path.write_text(text)
     return build_recipe({**load_recipe(path), **keys})
 
@@ -200,8 +198,15 @@ def test_the_example_recipe_parses():
         (["--parallelism.pipeline_parallel_schedule", "ZBV2"], "is not a schedule"),
         (["--model.name", "/no/such/dir"], "is not a directory"),
         (["--model.name", "no_module:fn"], "cannot import fn from no_module"),
-        (["--training.global_batch_size", "6", "--parallelism.data_parallel_replicate_degree",
-          "4"], "the global batch must be dp x a multiple"),  # fmt: skip
+        (
+            [
+                "--training.global_batch_size",
+                "6",
+                "--parallelism.data_parallel_replicate_degree",
+                "4",
+            ],
+            "the global batch must be dp x a multiple",
+        ),
         (["--optimizer.name", "SGD"], "AdamW only"),
     ],
 )

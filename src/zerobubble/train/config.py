@@ -1,4 +1,5 @@
-"""Configuration of the end-to-end job (``zerobubble bench`` / ``zerobubble profile``): the schedule benchmark; the trainer, ``zerobubble train``, is configured by :mod:`zerobubble.train.recipe`.
+"""Configuration of the schedule benchmark (``zerobubble bench`` / ``zerobubble profile``);
+the trainer, ``zerobubble train``, is configured by :mod:`zerobubble.train.recipe`.
 
 Five frozen sections (model, schedule, executor, optimizer, job), each field documented
 once, by its docstring. :mod:`zerobubble.train.options` derives the command-line flags

@@ -80,6 +80,9 @@ class ModelSource:
     """The model directory, whose tokenizer ``[data] path`` text is encoded with."""
     summary: str
     pad_id: int = 0
+    shape: tuple[int, int, int, int] | None = None
+    """``(parameters, embedding parameters, blocks, hidden width)`` of a Hugging Face model,
+    for its FLOPs per token (MFU); None: unknown."""
 
 
 def model_source(recipe: Recipe) -> ModelSource:
@@ -114,9 +117,7 @@ def model_source(recipe: Recipe) -> ModelSource:
 def _gpt(recipe: Recipe) -> ModelSource:
     from zerobubble.models import GPTConfig, build_gpt
 
-    cfg = GPTConfig(
-        vocab_size=256, max_seq_len=recipe.training.seq_len, seed=recipe.training.seed
-    )
+    cfg = GPTConfig(vocab_size=256, max_seq_len=recipe.training.seq_len, seed=recipe.training.seed)
     layers = list(build_gpt(cfg))
     return _layers(layers, cfg.vocab_size, "gpt (zerobubble's small GPT)")
 
@@ -155,7 +156,18 @@ def _whole_hf(model: nn.Module, folder: str | None, summary: str) -> ModelSource
         )  # fmt: skip
 
     pad = config.pad_token_id if config.pad_token_id is not None else 0
-    return ModelSource(build, len(layers), config.vocab_size, config, folder, summary, pad)
+    return ModelSource(
+        build, len(layers), config.vocab_size, config, folder, summary, pad, _shape(model)
+    )
+
+
+def _shape(model: nn.Module) -> tuple[int, int, int, int]:
+    """What :func:`~zerobubble.train.metrics.flops_per_token` needs of an HF model (a meta
+    model's sizes too), each parameter once."""
+    config: Any = model.config
+    params = {id(p): p.numel() for p in model.parameters()}
+    embed = model.get_input_embeddings().weight.numel()  # type: ignore[operator]
+    return sum(params.values()), embed, config.num_hidden_layers, config.hidden_size
 
 
 def _directory(folder: Path) -> ModelSource:
@@ -180,6 +192,7 @@ def _directory(folder: Path) -> ModelSource:
     from zerobubble.interop.hf import causal_lm_layers
 
     num_layers = len(causal_lm_layers(meta, check=False))
+    shape = _shape(meta)
     del meta
 
     def build(
@@ -191,7 +204,9 @@ def _directory(folder: Path) -> ModelSource:
 
     pad = config.pad_token_id if config.pad_token_id is not None else 0
     summary = f"{folder} ({config.model_type}, each rank reads its stages' tensors)"
-    return ModelSource(build, num_layers, config.vocab_size, config, str(folder), summary, pad)
+    return ModelSource(
+        build, num_layers, config.vocab_size, config, str(folder), summary, pad, shape
+    )
 
 
 def _factory(spec: str) -> ModelSource:

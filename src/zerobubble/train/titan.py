@@ -84,8 +84,9 @@ class TitanActivationCheckpoint:
 
 @dataclass(frozen=True)
 class TitanCheckpoint:
-    """``[checkpoint]``: the benchmark writes no checkpoints (zerobubble train does), so enable must be
-    false; the other keys are accepted (as torchtitan's files carry them) and unused."""
+    """``[checkpoint]``: the benchmark writes no checkpoints (zerobubble train does), so
+    enable must be false; the other keys are accepted (as torchtitan's files carry them)
+    and unused."""
 
     enable: bool = False
     """false only (the benchmark writes none; zerobubble train does)."""

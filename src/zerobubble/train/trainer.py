@@ -271,15 +271,21 @@ def _global_loss(out: list[Tensor] | None, mesh: PipelineMesh, device: torch.dev
 def _metrics(
     recipe: Recipe, source: ModelSource, pipe: Pipeline, write_line: Callable[[str], None] | None
 ) -> Any:
-    from zerobubble.train.metrics import MetricsLog
+    from zerobubble.train.metrics import MetricsLog, flops_per_token, peak_flops
 
     tb: bool | Path = False
     if recipe.metrics.enable_tensorboard:
         tb = recipe.path(recipe.metrics.save_tb_folder)
+    flops = None
+    if source.shape is not None:
+        params, embed, blocks, hidden = source.shape
+        seq = recipe.training.seq_len
+        flops = flops_per_token(params, blocks, hidden, seq, embedding_params=embed)
+    peak = peak_flops(_device())
     return MetricsLog(
         Path(recipe.job.dump_folder),
-        flops_per_token=None,
-        peak_flops=None,
+        flops_per_token=flops,
+        peak_flops=None if peak is None else peak * dist.get_world_size(),
         log_freq=recipe.metrics.log_freq,
         tensorboard=tb,
         write_line=write_line or (lambda line: None),
