@@ -1,5 +1,6 @@
 """Memory per pipeline rank before launch: parameters, gradients, optimizer state and the
-schedule's activation peak, without allocating any of it (``zerobubble train --dry-run``).
+schedule's activation peak, without allocating any of it (what ``zerobubble train
+--dry-run`` is to print).
 
 Activations are measured, not guessed: every stage runs one microbatch's F and then B as
 the runtime runs them (:class:`~zerobubble.runtime.stage.StageChunk`, B/W split and all),
