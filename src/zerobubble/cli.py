@@ -16,6 +16,8 @@ Subcommand names and flags are fixed (scripts depend on them)::
     zerobubble bench --config job.toml [--section.field VALUE ...]  (flags override the file;
                      one flag per field of zerobubble.train.config)
     zerobubble profile [same flags as bench]
+    zerobubble plan --pp P --microbatches M [--kind KIND] [--costs-file F | --model NAME|DIR]
+                    [--seq-len T] [--microbatch-size B] [--mem-limit X] [-o FILE.csv]
     zerobubble check-trace TRACE [--segments K] [--mem-budget BYTES] [--tolerance-us US]
                            [--opt-op NAME] [--conservative]
     zerobubble demo [--out DIR]
@@ -424,6 +426,51 @@ def _make_out(out: Path, flag: str) -> None:
         raise ValueError(f"{flag} {out}: the folder is not writable; pass a folder you may write")
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Write the PyTorch CSV of a schedule for one's own model (torchtitan's
+    ``pipeline_parallel_schedule_csv``)."""
+    from zerobubble.schedule.costs import CostSpec
+    from zerobubble.schedule.formats import torch_csv
+    from zerobubble.train.torch_plan import model_layers, plan_for_torch, profiled_costs, stages_of
+
+    _check_size(args.pp, args.microbatches, None)
+    spec, max_stages, source = None, None, "unit costs"
+    if args.costs_file is not None:
+        spec, source = load_costs_file(args.costs_file), str(args.costs_file)
+    elif args.model is not None:
+        layers, loss, vocab = model_layers(args.model)
+        max_stages = len(layers)
+        stages = stages_of(args.kind, args.pp, args.microbatches, max_stages)
+        costs = profiled_costs(
+            layers,
+            loss,
+            stages,
+            vocab=vocab,
+            seq_len=args.seq_len,
+            microbatch_size=args.microbatch_size,
+        )
+        spec, source = CostSpec(stage_costs=costs), f"{args.model} profiled here (ms, bytes)"
+    limit = args.mem_limit if args.mem_limit is not None else spec.mem_limit if spec else None
+    sched, result = plan_for_torch(
+        args.kind, args.pp, args.microbatches, costs=spec, mem_limit=limit, max_stages=max_stages
+    )
+    text = torch_csv.dumps(sched)
+    peak = float(max(result.peak_memory))
+    shown = f"{peak:,.0f}" if peak >= 1000 else f"{peak:g}"  # bytes, or M_B units
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    print(
+        f"{sched.name}: pp={sched.num_devices}, {sched.num_stages} stages, "
+        f"M={sched.num_microbatches}; simulated under {source}: bubble rate "
+        f"{result.bubble_rate:.1%}, peak activations {shown}"
+        + (f"; written to {args.output}" if args.output else ""),
+        file=sys.stderr,
+    )
+    return 0
+
+
 def cmd_check_trace(args: argparse.Namespace) -> int:
     from zerobubble.schedule.formats import load_schedule
     from zerobubble.trace.check import (
@@ -708,6 +755,51 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="measure stage costs and write the costs file")
     _add_bench_args(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser(
+        "plan",
+        help="write a schedule as the CSV PyTorch's pipelining runtime (and torchtitan's "
+        "pipeline_parallel_schedule_csv) reads, planned for a model",
+    )
+    p.add_argument("--pp", type=_positive_int, required=True, help="pipeline ranks")
+    p.add_argument(
+        "--microbatches", type=_positive_int, required=True, help="microbatches per step"
+    )
+    p.add_argument(
+        "--kind",
+        choices=list(GENERATORS),
+        default="auto",
+        metavar="KIND",
+        help="the schedule (default %(default)s: searched under the costs); one of: "
+        + ", ".join(GENERATORS),
+    )
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
+        "--costs-file",
+        type=Path,
+        help="costs file (zerobubble profile writes one) with one entry per stage",
+    )
+    source.add_argument(
+        "--model",
+        help="profile this model here first: a shipped tiny config (hf-llama, ...) or a "
+        "Hugging Face model directory (its config.json; weights are not read)",
+    )
+    p.add_argument(
+        "--seq-len", type=_positive_int, default=128, help="--model: tokens per sequence"
+    )
+    p.add_argument(
+        "--microbatch-size",
+        type=_positive_int,
+        default=1,
+        help="--model: sequences per microbatch (torchtitan's pipeline_parallel_microbatch_size)",
+    )
+    p.add_argument(
+        "--mem-limit",
+        type=_number,
+        help="activation memory per rank, in the costs' units (bytes with --model)",
+    )
+    p.add_argument("-o", "--output", help="write the CSV to FILE instead of stdout")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("check-trace", help="check an executed pipeline's JSONL trace")
     p.add_argument("trace", type=Path)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -85,15 +86,25 @@ def storage_bytes(tensors: Iterable[Tensor], exclude: Iterable[Tensor] = ()) -> 
 
     Views share their base's storage and count once, at its full size: that is
     what keeping them alive costs. A DTensor counts its local shard (what this rank holds).
+    Fake and meta tensors (no memory, as a memory estimate runs a stage) count by their
+    storage's identity, having no address.
     """
-    skip = {p.untyped_storage().data_ptr() for t in exclude for p in _plain(t)}
+    skip = {_storage_key(p) for t in exclude for p in _plain(t)}
     seen: dict[int, int] = {}
     for p in (p for t in tensors for p in _plain(t)):
-        st = p.untyped_storage()
-        ptr = st.data_ptr()
-        if ptr and ptr not in skip:
-            seen[ptr] = st.nbytes()
+        key = _storage_key(p)
+        if key and key not in skip:
+            seen[key] = p.untyped_storage().nbytes()
     return sum(seen.values())
+
+
+def _storage_key(t: Tensor) -> int:
+    """The address of ``t``'s storage (0 for none), or for a fake or meta tensor, which has
+    none, the storage object's (one per storage, shared by views)."""
+    st = t.untyped_storage()
+    if t.is_meta or isinstance(t, FakeTensor):
+        return int(st._cdata) if st.nbytes() else 0
+    return int(st.data_ptr())
 
 
 def _plain(t: Tensor) -> Iterator[Tensor]:
