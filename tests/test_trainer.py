@@ -5,8 +5,9 @@ reads its stages' tensors) trains from a TOML recipe at pp=2 x dp=2 with checkpo
 steps and an export; the same run "killed" after step 3 (the checkpoint of step 2 committed,
 step 3 lost) and started again resumes at step 2 by itself, and its steps 3 and 4 have the
 unbroken run's losses bitwise; pp=2 x tp=2 trains the same directory (its first loss within
-1e-5 of dp's: the same batch and weights, other reductions); a tiny Mixtral directory trains
-at pp=2 x ep=2. ``from_pretrained`` loads the export with every tensor equal to the trained
+1e-5 of dp's: the same batch and weights, other reductions); ``auto`` at pp=2 x dp=2 profiles,
+plans and measures its candidates, then trains bitwise as ZB-H1 did; a tiny Mixtral directory
+trains at pp=2 x ep=2. ``from_pretrained`` loads the export with every tensor equal to the trained
 parameters. Two ranks: pp=2 x dp=1 resumes from a copy of the dp=2 run's step-2 checkpoint
 (``load_step``) and its steps 3 and 4 run with the same learning rates and within 1e-5 of the
 dp=2 losses (the same global batches: the data is a function of the step, split over dp; the
@@ -15,9 +16,11 @@ reduction order differs). The command line's refusals exit 2 naming the fix.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -99,6 +102,10 @@ def four_ranks(tmp: str, llama: str, mixtral: str) -> dict:
     again = train(killed)
     out["killed"] = (first.losses, again.start, again.losses)
     out["tp"] = train(recipe(t, "tp", Path(llama), tp=2, **{"training.steps": 1})).losses
+    auto = {"training.steps": 2, "parallelism.pipeline_parallel_schedule": "auto"}
+    lines: list[str] = []
+    done = train(recipe(t, "auto", Path(llama), dp=2, **auto), write_line=lines.append)
+    out["auto"] = (done.losses, done.schedule, done.choice, lines)
     moe = recipe(t, "ep", Path(mixtral), dp=2, ep=2, **{"training.steps": 2})
     out["ep"] = train(moe).losses
     return out
@@ -140,6 +147,39 @@ def test_a_run_killed_after_a_checkpoint_resumes_bitwise(runs):
     assert first == {k: losses[k] for k in (1, 2, 3)}
     assert start == 2  # the newest committed checkpoint; step 3 was lost with the "kill"
     assert again == {3: losses[3], 4: losses[4]}
+
+
+@pytest.mark.slow
+def test_auto_measures_the_plan_against_fixed_kinds_and_trains_as_the_chosen_one(runs):
+    """Every kind trains this model bitwise alike (one cut per layer, microbatches summed in
+    order), so the auto run's losses equal the ZB-H1 run's whichever candidate won: the trial
+    steps (forward and backward, no optimizer step, on dropped pipelines) changed nothing."""
+    tmp, four, _ = runs
+    losses, _, _ = four[0]["unbroken"]
+    got, schedule, choice, lines = four[0]["auto"]
+    assert got == {1: losses[1], 2: losses[2]}
+    tried = [t["kind"] for t in choice["trials"]]
+    assert "auto" in tried and "1f1b" in tried and {"zbv", "interleaved-1f1b"} <= set(tried)
+    assert schedule.startswith(choice["chosen"]) and choice["chosen"] in tried
+    assert [t["kind"] for t in choice["trials"] if t["chosen"]] == [choice["chosen"]]
+    assert all(len(t["step_ms"]) == 2 for t in choice["trials"])
+    assert json.loads((tmp / "auto" / "schedule.json").read_text()) == choice
+    assert lines[0].startswith("auto: median step auto ")
+    assert (choice["warning"] is None) == (choice["chosen"] == "auto")
+
+
+def test_the_auto_warning_names_the_plan_and_the_winner_with_their_times():
+    from zerobubble.train.auto import _warning
+    from zerobubble.train.trials import TrialResult
+
+    plan = TrialResult("auto", 10.0, (0.030, 0.032), (0.030, 0.032), False)
+    f1b = TrialResult("1f1b", 11.0, (0.020, 0.022), (0.020, 0.022), True)
+    assert _warning([plan, f1b], "auto") == (
+        "the plan (auto) lost to 1f1b in the trial: median step 31.0 ms against 21.0 ms; "
+        "training with 1f1b"
+    )
+    won = TrialResult("auto", 10.0, (0.01,), (0.01,), True)
+    assert _warning([won, replace(f1b, chosen=False)], "auto") == ""
 
 
 @pytest.mark.slow

@@ -360,6 +360,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"zerobubble train: {how}{result.end} steps of {result.summary} under "
         f"{result.schedule} in {time.perf_counter() - began:.1f} s"
     )
+    if result.warning:
+        print(f"zerobubble train: warning: {result.warning}", file=sys.stderr)
     if recipe.checkpoint.export_folder is not None:
         print(f"zerobubble train: exported to {recipe.checkpoint.export_folder}")
     return 0
