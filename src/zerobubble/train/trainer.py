@@ -274,9 +274,9 @@ def _finish(
 
 def _whole(pipe: Pipeline, mesh: PipelineMesh) -> dict[str, Tensor]:
     """This rank's parameters as whole tensors (collective over the shards' meshes)."""
-    from zerobubble.interop.hf_pretrained import _whole_state
+    from zerobubble.interop.hf_pretrained import whole_state
 
-    return {n: t.clone() for n, t in _whole_state(pipe).items()}
+    return {n: t.clone() for n, t in whole_state(pipe).items()}
 
 
 def prune(root: Path, keep: int) -> list[int]:
