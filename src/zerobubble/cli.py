@@ -534,7 +534,8 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="DIR",
         help="after the last step, write the model as a Hugging Face directory here "
-        "(checkpoint.export_folder)",
+        "(checkpoint.export_folder); with --training.steps at a checkpoint's step (and "
+        "--checkpoint.load_step), export that checkpoint without training",
     )
     for opt in recipe_options():
         shown = "" if "default" in opt.doc else f" (default: {opt.default})"
