@@ -10,7 +10,8 @@ At P = 2 under ZB-V (rank 0 holds the embedding's and the head's stages, both re
 the tie) two steps, then :func:`save_pipeline`: ``from_pretrained`` loads every trained
 tensor exactly. A Mixtral at pp 2 x dp 2 with its experts sharded over ep 2 exports them
 whole, and :func:`load_pipeline` reads that directory back per rank (its names are the
-modules': a directory transformers saved itself renames experts, a refusal checked here).
+modules'), and the directory transformers saved itself (per-expert names, converted as
+``from_pretrained`` converts them) per rank too, equal to the whole model's tensors.
 """
 
 from __future__ import annotations
@@ -152,30 +153,46 @@ def test_a_trained_pipeline_exports_a_directory_from_pretrained_loads_exactly(tm
     )
 
 
-def ep_job(out: str) -> dict:
+def ep_job(out: str, native: str) -> dict:
     zerobubble.init_distributed()
     mesh = build_mesh(2, 2, ep=2)
     model = hf.tiny_model("hf-mixtral", seed=SEED)
     layers, loss = hf.causal_lm_layers(model), hf.CausalLMLoss(model)
     pipe = zerobubble.Pipeline(layers, loss, "1f1b", microbatches=2, mesh=mesh)
+    # transformers' own directory (per-expert w1/w2/w3 under block_sparse_moe), read per rank
+    # by its conversion mapping: the same tensors as the Pipeline of the whole model
+    direct = load_pipeline(native, "1f1b", microbatches=2, mesh=mesh)
+    mine, whole = direct.state_dict(), pipe.state_dict()
+    assert set(mine) == set(whole)
+    for name, value in whole.items():
+        assert torch.equal(mine[name], value), name
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    held = (held_bytes(direct), held_bytes(pipe), model_bytes)
+    del direct
     train(pipe, steps=1)
     save_pipeline(pipe, out, model.config)
     back = load_pipeline(out, "1f1b", microbatches=2, mesh=mesh)  # the native names, per rank
     mine = back.state_dict()
     for name, value in pipe.state_dict().items():
         assert torch.equal(mine[name], value), name
-    return {n: t.clone() for n, t in gather_hf_experts(pipe, mesh).items()}
+    return {"held": held, "state": {n: t.clone() for n, t in gather_hf_experts(pipe, mesh).items()}}
 
 
 @pytest.mark.slow
 def test_experts_sharded_over_ep_are_exported_whole_and_read_back_per_rank(tmp_path):
-    """pp 2 x dp 2 (ep 2) Mixtral: the stacked experts gathered whole into the files."""
+    """pp 2 x dp 2 (ep 2) Mixtral: the stacked experts gathered whole into the files; the
+    directory ``save_pretrained`` wrote (per-expert names) read per rank, each rank's modules
+    holding half the model or less (its stages, its experts), equal to the whole model's."""
     out = tmp_path / "mixtral"
-    parts = launch(ep_job, 4, str(out), timeout=240)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
-    assert set(loaded) == {n for part in parts for n in part}
+    hf.tiny_model("hf-mixtral", seed=SEED).save_pretrained(tmp_path / "native")
+    parts = launch(ep_job, 4, str(out), str(tmp_path / "native"), timeout=240)
     for part in parts:
-        for name, value in part.items():
+        direct, whole_path, model = part["held"]
+        assert direct == whole_path and direct < 0.5 * model
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert set(loaded) == {n for part in parts for n in part["state"]}
+    for part in parts:
+        for name, value in part["state"].items():
             assert torch.equal(loaded[name], value), name
 
 
@@ -200,8 +217,19 @@ def test_bad_directories_are_refused_naming_the_file_and_the_key(tmp_path):
         (folder / "model.safetensors.index.json").unlink()
         with pytest.raises(ValueError, match=r"'model\.norm\.weight' .* none of the safetensors"):
             load_pipeline(folder, "1f1b", microbatches=2)
-        hf.tiny_model("hf-mixtral").save_pretrained(tmp_path / "mixtral")
-        with pytest.raises(ValueError, match=r"mixtral checkpoints store tensors under other"):
-            load_pipeline(tmp_path / "mixtral", "1f1b", microbatches=2)
     finally:
         dist.destroy_process_group()
+
+
+def test_conversions_other_than_stacking_experts_are_named_as_not_read_per_rank(monkeypatch):
+    from transformers.core_model_loading import Chunk, WeightConverter
+
+    from zerobubble.interop import hf_pretrained as hp
+
+    for name in ("hf-llama", "hf-mixtral", "hf-qwen3-moe"):
+        assert hp.per_rank_refusal(hf.tiny_model(name).config) == "", name
+    split = WeightConverter("mlp.fused.weight", ["mlp.a.weight", "mlp.b.weight"],
+                            operations=[Chunk(dim=0)])  # fmt: skip
+    monkeypatch.setattr(hp, "_conversions", lambda model: [split])
+    why = hp.per_rank_refusal(tiny().config)
+    assert why.startswith("llama checkpoints are converted on loading by") and "Chunk" in why

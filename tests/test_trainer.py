@@ -5,23 +5,29 @@ reads its stages' tensors) trains from a TOML recipe at pp=2 x dp=2 with checkpo
 steps and an export; the same run "killed" after step 3 (the checkpoint of step 2 committed,
 step 3 lost) and started again resumes at step 2 by itself, and its steps 3 and 4 have the
 unbroken run's losses bitwise; pp=2 x tp=2 trains the same directory (its first loss within
-1e-5 of dp's: the same batch and weights, other reductions); a tiny Mixtral directory trains
-at pp=2 x ep=2. ``from_pretrained`` loads the export with every tensor equal to the trained
+1e-5 of dp's: the same batch and weights, other reductions); ``auto`` at pp=2 x dp=2 profiles,
+plans and measures its candidates, then trains bitwise as ZB-H1 did; a tiny Mixtral directory
+trains at pp=2 x ep=2. ``from_pretrained`` loads the export with every tensor equal to the trained
 parameters. Two ranks: pp=2 x dp=1 resumes from a copy of the dp=2 run's step-2 checkpoint
-(``load_step``) and its steps 3 and 4 run with the same learning rates and within 1e-5 of the
-dp=2 losses (the same global batches: the data is a function of the step, split over dp; the
-reduction order differs). The command line's refusals exit 2 naming the fix.
+(``load_step``): its steps 3 and 4 run with the same learning rates as the dp=2 run, within
+1e-5 of its losses (same global batches, other reduction order), and bitwise as the trainer's
+loop at dp=1 started by hand from the checkpoint's whole tensors (read by DCP's
+``dcp_to_torch_save``); then ``load_step = steps = 4`` with an export writes that checkpoint
+as an HF directory without training a step. The command line's refusals exit 2 naming the fix.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -99,20 +105,74 @@ def four_ranks(tmp: str, llama: str, mixtral: str) -> dict:
     again = train(killed)
     out["killed"] = (first.losses, again.start, again.losses)
     out["tp"] = train(recipe(t, "tp", Path(llama), tp=2, **{"training.steps": 1})).losses
+    auto = {"training.steps": 2, "parallelism.pipeline_parallel_schedule": "auto"}
+    lines: list[str] = []
+    done = train(recipe(t, "auto", Path(llama), dp=2, **auto), write_line=lines.append)
+    out["auto"] = (done.losses, done.schedule, done.choice, lines)
     moe = recipe(t, "ep", Path(mixtral), dp=2, ep=2, **{"training.steps": 2})
     out["ep"] = train(moe).losses
     return out
 
 
-def two_ranks(tmp: str, llama: str) -> dict:
+def two_ranks(tmp: str, llama: str, whole: str) -> dict:
     from zerobubble.runtime.launcher import init_distributed
     from zerobubble.train.trainer import train
 
     init_distributed()
     t = Path(tmp)
     run = recipe(t, "dp1", Path(llama), ckpt=True, **{"checkpoint.load_step": 2})
-    done = train(run)
-    return {"start": done.start, "losses": done.losses, "lrs": done.lrs}
+    done = train(run, return_state=True)
+    reference = by_hand(run, torch.load(whole), range(2, 4))
+    export = {"checkpoint.load_step": 4, "checkpoint.export_folder": str(t / "export4")}
+    exported = train(recipe(t, "dp1", Path(llama), ckpt=True, **export))
+    return {
+        "start": done.start,
+        "losses": done.losses,
+        "lrs": done.lrs,
+        "state": done.state,
+        "reference": reference,
+        "exported": (exported.start, exported.end, exported.losses),
+    }
+
+
+def by_hand(run, whole: dict, steps: range) -> tuple[dict, dict]:
+    """The trainer's loop at ``run``'s mesh, started from the ``whole`` state by hand: every
+    parameter and AdamW entry set from the checkpoint's stored whole tensors (what DCP
+    assembled from the saving mesh), the LR schedule stepped to ``steps.start``; then the
+    trainer's batches of ``steps``. Returns (losses, the parameters after)."""
+    import warnings
+
+    from zerobubble.executor import ExecutorOptions
+    from zerobubble.optim.config import OptimConfig
+    from zerobubble.parallel.mesh import build_mesh
+    from zerobubble.train import trainer as tr
+    from zerobubble.train.sources import model_source
+
+    mesh = build_mesh(run.parallelism.pipeline_parallel_degree, run.parallelism.dp)
+    source = model_source(run)
+    options = ExecutorOptions(seed=run.training.seed)
+    pipe = source.build("zb-h1", run.microbatches, mesh, options)
+    pipe.load_state_dict({n: whole[f"model.{n}"] for n, _ in pipe.named_parameters()}, strict=False)
+    o = run.optimizer
+    opt = torch.optim.AdamW(pipe.parameters(), lr=o.lr, eps=o.eps, weight_decay=o.weight_decay)
+    for n, p in pipe.named_parameters():
+        opt.state[p] = {
+            f: whole[f"optim.{n}.{f}"].clone() for f in ("step", "exp_avg", "exp_avg_sq")
+        }
+    lrs = torch.optim.lr_scheduler.LambdaLR(opt, run.lr_factor)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()"
+        for _ in range(steps.start):
+            lrs.step()
+    pipe.set_optimizer(opt, OptimConfig(max_norm=run.training.max_norm))
+    batches, losses = tr._batches(run, source), {}
+    for k in steps:
+        b = batches.batch(k, mesh.dp_rank, mesh.dp_size, run.local_batch_size)
+        out = pipe.step(tr._inputs(b, source), target=b.labels)
+        lrs.step()
+        losses[k + 1] = tr._global_loss(out, mesh, torch.device("cpu"))
+    pipe.drain()
+    return losses, tr._whole(pipe, mesh)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +184,9 @@ def runs(tmp_path_factory):
     hf.tiny_model("hf-mixtral", seed=2, num_hidden_layers=2).save_pretrained(mixtral)
     four = launch(four_ranks, 4, str(tmp), str(tmp / "llama"), str(mixtral), timeout=TIMEOUT)
     shutil.copytree(tmp / "dp" / "checkpoint", tmp / "dp1" / "checkpoint")
-    two = launch(two_ranks, 2, str(tmp), str(tmp / "llama"), timeout=TIMEOUT)
+    whole = tmp / "dp2_step2.pt"  # the checkpoint's stored whole tensors, read by DCP itself
+    dcp_to_torch_save(tmp / "dp" / "checkpoint" / "step_00000002", whole)
+    two = launch(two_ranks, 2, str(tmp), str(tmp / "llama"), str(whole), timeout=TIMEOUT)
     return tmp, four, two
 
 
@@ -143,6 +205,39 @@ def test_a_run_killed_after_a_checkpoint_resumes_bitwise(runs):
 
 
 @pytest.mark.slow
+def test_auto_measures_the_plan_against_fixed_kinds_and_trains_as_the_chosen_one(runs):
+    """Every kind trains this model bitwise alike (one cut per layer, microbatches summed in
+    order), so the auto run's losses equal the ZB-H1 run's whichever candidate won: the trial
+    steps (forward and backward, no optimizer step, on dropped pipelines) changed nothing."""
+    tmp, four, _ = runs
+    losses, _, _ = four[0]["unbroken"]
+    got, schedule, choice, lines = four[0]["auto"]
+    assert got == {1: losses[1], 2: losses[2]}
+    tried = [t["kind"] for t in choice["trials"]]
+    assert "auto" in tried and "1f1b" in tried and {"zbv", "interleaved-1f1b"} <= set(tried)
+    assert schedule.startswith(choice["chosen"]) and choice["chosen"] in tried
+    assert [t["kind"] for t in choice["trials"] if t["chosen"]] == [choice["chosen"]]
+    assert all(len(t["step_ms"]) == 2 for t in choice["trials"])
+    assert json.loads((tmp / "auto" / "schedule.json").read_text()) == choice
+    assert lines[0].startswith("auto: median step auto ")
+    assert (choice["warning"] is None) == (choice["chosen"] == "auto")
+
+
+def test_the_auto_warning_names_the_plan_and_the_winner_with_their_times():
+    from zerobubble.train.auto import _warning
+    from zerobubble.train.trials import TrialResult
+
+    plan = TrialResult("auto", 10.0, (0.030, 0.032), (0.030, 0.032), False)
+    f1b = TrialResult("1f1b", 11.0, (0.020, 0.022), (0.020, 0.022), True)
+    assert _warning([plan, f1b], "auto") == (
+        "the plan (auto) lost to 1f1b in the trial: median step 31.0 ms against 21.0 ms; "
+        "training with 1f1b"
+    )
+    won = TrialResult("auto", 10.0, (0.01,), (0.01,), True)
+    assert _warning([won, replace(f1b, chosen=False)], "auto") == ""
+
+
+@pytest.mark.slow
 def test_tp_and_ep_meshes_train_the_directories(runs):
     _, four, _ = runs
     tp, dp = four[0]["tp"], four[0]["unbroken"][0]
@@ -152,13 +247,38 @@ def test_tp_and_ep_meshes_train_the_directories(runs):
 
 
 @pytest.mark.slow
-def test_resume_onto_another_dp_size_continues_the_run(runs):
+def test_resume_onto_another_dp_size_equals_that_mesh_started_from_the_saved_state(runs):
+    """pp=2 x dp=1 resumed from the dp=2 run's step-2 checkpoint trains steps 3 and 4 bitwise
+    as the trainer's loop at dp=1 started by hand from the checkpoint's whole tensors (every
+    parameter and AdamW moment; the LR schedule at step 2): the trainer's resharded resume
+    restores exactly the saved state, the schedule and the data position. Against the dp=2
+    run itself it is only close (same global batches and learning rates; a dp=2 gradient is
+    two replicas' sums added, another rounding)."""
     _, four, two = runs
     losses, lrs, _ = four[0]["unbroken"]
     assert two[0]["start"] == 2
     assert two[0]["lrs"] == {k: lrs[k] for k in (3, 4)}
+    for part in two:
+        ref_losses, ref_state = part["reference"]
+        assert part["losses"] == ref_losses
+        assert set(part["state"]) == set(ref_state)
+        for name, value in part["state"].items():
+            assert torch.equal(value, ref_state[name]), name
     for k in (3, 4):
         assert two[0]["losses"][k] == pytest.approx(losses[k], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_exports_without_training_when_steps_is_its_step(runs):
+    """``--checkpoint.load_step 4 --training.steps 4 --export DIR``: resumed at step 4, no
+    step run, the directory holds the checkpoint's parameters."""
+    tmp, _, two = runs
+    assert two[0]["exported"] == (4, 4, {})
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp / "export4").state_dict()
+    trained = {n: t for part in two for n, t in part["state"].items()}
+    assert set(trained) == set(loaded)
+    for name, value in trained.items():
+        assert torch.equal(loaded[name], value), name
 
 
 @pytest.mark.slow

@@ -362,6 +362,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"zerobubble train: {how}{result.end} steps of {result.summary} under "
         f"{result.schedule} in {time.perf_counter() - began:.1f} s"
     )
+    if result.warning:
+        print(f"zerobubble train: warning: {result.warning}", file=sys.stderr)
     if recipe.checkpoint.export_folder is not None:
         print(f"zerobubble train: exported to {recipe.checkpoint.export_folder}")
     return 0
@@ -579,7 +581,8 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="DIR",
         help="after the last step, write the model as a Hugging Face directory here "
-        "(checkpoint.export_folder)",
+        "(checkpoint.export_folder); with --training.steps at a checkpoint's step (and "
+        "--checkpoint.load_step), export that checkpoint without training",
     )
     for opt in recipe_options():
         shown = "" if "default" in opt.doc else f" (default: {opt.default})"

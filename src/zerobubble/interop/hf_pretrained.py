@@ -20,6 +20,7 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,17 @@ from zerobubble.pipeline import Pipeline, rank_layers
 from zerobubble.runtime.stage import LossFn
 from zerobubble.schedule.ir import Schedule
 
-__all__ = ["CONFIG", "INDEX", "load_config", "load_pipeline", "save_pipeline"]
+__all__ = [
+    "CONFIG",
+    "INDEX",
+    "load_config",
+    "load_pipeline",
+    "meta_model",
+    "per_rank_refusal",
+    "save_pipeline",
+    "weight_map",
+    "whole_state",
+]
 
 CONFIG = "config.json"
 """The model's config in a Hugging Face directory."""
@@ -89,8 +100,9 @@ def _safe_open(file: Path) -> Any:
     return safe_open(str(file), framework="pt")
 
 
-def _meta_model(config: Any, dtype: torch.dtype) -> nn.Module:
-    """The causal LM of ``config`` on the meta device: every tensor a shape, no memory."""
+def meta_model(config: Any, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The causal LM of ``config`` on the meta device: every tensor a shape, no memory (its
+    sizes, its layers' layout: :func:`load_pipeline` materialises a rank's share of it)."""
     with torch.device("meta"):
         model: nn.Module = _transformers().AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model
@@ -174,35 +186,121 @@ def _wanted(
     return out
 
 
-def _renamed(config: Any) -> str:
-    """Why a tensor may be missing where ``transformers`` renames checkpoints of this family
-    on loading (its conversion mapping: Mixtral's per-expert ``w1``/``w3`` stacked into
-    ``gate_up_proj``, ...), which reading by the modules' names does not apply; else ''."""
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+@dataclass(frozen=True)
+class _Merged:
+    """A model tensor that ``transformers`` assembles from several checkpoint tensors: each
+    part's checkpoint names stacked on a new dim 0 (``MergeModulelist(dim=0)``: the experts in
+    order), the parts then concatenated on dim 1 (``Concatenate(dim=1)``: gate, then up)."""
 
-    model_type = getattr(config, "model_type", "")
-    if not get_checkpoint_conversion_mapping(model_type):
-        return ""
-    return (
-        f"; {model_type} checkpoints store tensors under other names than its modules "
-        "(transformers converts them on loading, load_pipeline reads the modules' names): load "
-        "the model whole (from_pretrained), cut it with causal_lm_layers, and save_pipeline "
-        "writes a directory under the modules' names that load_pipeline reads per rank"
+    parts: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True)
+class _Names:
+    """Where each model tensor is in a directory written under the checkpoint's names."""
+
+    renamed: dict[str, str]
+    """Model name -> the one checkpoint name it is stored under."""
+    merged: dict[str, _Merged]
+
+
+_MERGES = (("MergeModulelist", 0), ("Concatenate", 1))
+"""The converter operations read per rank, in this order (a prefix of it)."""
+
+
+def _conversions(model: nn.Module) -> list[Any]:
+    """``transformers``' weight conversions of ``model`` (what ``from_pretrained`` applies to
+    the checkpoint's names: renamings and converters), fresh (they keep matching state)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    pretrained: Any = model  # a transformers PreTrainedModel
+    return list(get_model_conversion_mapping(pretrained))
+
+
+def per_rank_refusal(config: Any) -> str:
+    """Why :func:`load_pipeline` cannot read a directory of ``config``'s family per rank;
+    '' where it can: a family ``transformers`` loads by name, by renamings, or by converters
+    that stack per-expert tensors and concatenate them (Mixtral, Qwen2/3-MoE, OLMoE,
+    DeepSeek-V2/3 and the others on Qwen2-MoE's mapping). Any other conversion (splitting,
+    transposing, interleaving, ...) names itself here."""
+    from transformers.core_model_loading import WeightConverter
+
+    for c in _conversions(meta_model(config)):
+        if not isinstance(c, WeightConverter):
+            continue
+        ops = [(type(op).__name__, getattr(op, "dim", None)) for op in c.operations]
+        if len(c.target_patterns) != 1 or not ops or ops != list(_MERGES[: len(ops)]):
+            return (
+                f"{getattr(config, 'model_type', '?')} checkpoints are converted on loading by "
+                f"{c!r} with {ops}, which load_pipeline does not apply; load the model whole "
+                "(from_pretrained), cut it with causal_lm_layers, and save_pipeline writes a "
+                "directory under the modules' names that load_pipeline reads per rank"
+            )
+    return ""
+
+
+def _checkpoint_names(model: nn.Module, files: Mapping[str, str]) -> _Names:
+    """The model names of the files' tensors, as ``from_pretrained`` maps them: every
+    checkpoint name through ``transformers``' renamings and at most one converter
+    (``rename_source_key``, in its natural key order); names only, no tensor is read."""
+    from transformers.core_model_loading import (
+        WeightConverter,
+        dot_natural_key,
+        rename_source_key,
     )
+
+    conversions = _conversions(model)
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    renamings = [c for c in conversions if not isinstance(c, WeightConverter)]
+    meta = dict.fromkeys(model.state_dict(), True)
+    prefix = getattr(model, "base_model_prefix", None)
+    renamed: dict[str, str] = {}
+    parts: dict[str, dict[str, list[str]]] = {}
+    for name in sorted(files, key=dot_natural_key):
+        key, pattern = rename_source_key(name, renamings, converters, prefix, meta)
+        if key not in meta and name in meta:
+            key, pattern = name, None
+        if pattern is None:
+            renamed.setdefault(key, name)
+        else:
+            parts.setdefault(key, {}).setdefault(pattern, []).append(name)
+    order = {p: c.source_patterns for c in converters for p in c.source_patterns}
+    merged = {
+        key: _Merged(tuple(tuple(by[p]) for p in order[next(iter(by))] if p in by))
+        for key, by in parts.items()
+    }
+    return _Names(renamed, merged)
 
 
 def _read(
-    folder: Path, files: Mapping[str, str], wanted: Mapping[str, Any], rank: int, hint: str
+    folder: Path,
+    files: Mapping[str, str],
+    wanted: Mapping[str, Any],
+    rank: int,
+    model: nn.Module,
 ) -> None:
-    """Copy every wanted tensor from its safetensors file, opening each file once."""
+    """Copy every wanted tensor from its safetensors file, opening each file once. A name
+    the files do not hold is looked up as ``from_pretrained`` maps the checkpoint's names
+    (:func:`_checkpoint_names`, worked out once, on the first such name): renamed, or
+    assembled from per-expert tensors."""
     by_file: dict[str, list[tuple[str, str]]] = {}
-    for key, (_, names) in wanted.items():
-        found = next((n for n in names if n in files), None)
+    merged: dict[str, _Merged] = {}
+    names: _Names | None = None
+    for key, (_, aliases) in wanted.items():
+        found = next((n for n in aliases if n in files), None)
         if found is None:
+            names = names or _checkpoint_names(model, files)
+            found = next((names.renamed[n] for n in aliases if n in names.renamed), None)
+            parts = next((names.merged[n] for n in aliases if n in names.merged), None)
+            if found is None and parts is not None:
+                merged[key] = parts
+                continue
+        if found is None or found not in files:
+            why = per_rank_refusal(getattr(model, "config", None))
             raise ValueError(
                 f"tensor {key!r} (rank {rank}'s stages) is in none of the safetensors files of "
                 f"{folder} (they hold {len(files)} tensors)"
-                + (hint or f": the files are of another model than {CONFIG} describes")
+                + (f"; {why}" if why else f": the files are of another model than {CONFIG} says")
             )
         by_file.setdefault(files[found], []).append((key, found))
     for file, pairs in by_file.items():
@@ -212,17 +310,35 @@ def _read(
                 if name not in held:
                     raise ValueError(
                         f"tensor {name!r} is not in {folder / file}, where {INDEX} says it is; "
-                        "re-save the directory with save_pretrained"
+                        "re-save the directory with save_pipeline or save_pretrained"
                     )
-                value, target = f.get_tensor(name), wanted[key][0]
-                if value.shape != target.shape:
-                    raise ValueError(
-                        f"tensor {name!r} of {folder / file} has shape {tuple(value.shape)} but "
-                        f"the model of {CONFIG} has {tuple(target.shape)}: the files are of "
-                        "another model; re-save the directory with save_pretrained"
-                    )
-                with torch.no_grad():
-                    target.copy_(value)
+                _copy(f.get_tensor(name), wanted[key][0], f"tensor {name!r} of {folder / file}")
+    for key, parts in merged.items():
+        value = _assemble(folder, files, parts)
+        _copy(value, wanted[key][0], f"{key!r} assembled from {parts.parts[0][0]!r}, ...")
+
+
+def _assemble(folder: Path, files: Mapping[str, str], merged: _Merged) -> Tensor:
+    """The model tensor of ``merged``: each part's tensors stacked, the stacks concatenated
+    on dim 1, as ``transformers``' ``MergeModulelist(0)`` and ``Concatenate(1)`` do."""
+    got: dict[str, Tensor] = {}
+    needed = [n for part in merged.parts for n in part]
+    for file in dict.fromkeys(files[n] for n in needed):
+        with _safe_open(folder / file) as f:
+            got.update((n, f.get_tensor(n)) for n in needed if files[n] == file)
+    stacks = [torch.stack([got.pop(n) for n in part]) for part in merged.parts]
+    return stacks[0] if len(stacks) == 1 else torch.cat(stacks, dim=1)
+
+
+def _copy(value: Tensor, target: Tensor, what: str) -> None:
+    if value.shape != target.shape:
+        raise ValueError(
+            f"{what} has shape {tuple(value.shape)} but the model of {CONFIG} has "
+            f"{tuple(target.shape)}: the files are of another model; re-save the directory "
+            "with save_pretrained"
+        )
+    with torch.no_grad():
+        target.copy_(value)
 
 
 def load_pipeline(
@@ -254,7 +370,7 @@ def load_pipeline(
     folder = Path(path)
     config = load_config(folder, **dict(config_overrides or {}))
     files = weight_map(folder)
-    model = _meta_model(config, dtype)
+    model = meta_model(config, dtype)
     layers = causal_lm_layers(
         model, check=False, router_z_loss=router_z_loss, bias_update=bias_update
     )
@@ -273,15 +389,17 @@ def load_pipeline(
         _materialize(layers, mine, where)
         for i in mine:
             _recompute_buffers(model, layers[i], f"{folder}: layer {i}")
-    _read(folder, files, _wanted(layers, mine), rank, _renamed(config))
+    _read(folder, files, _wanted(layers, mine), rank, model)
     loss = loss_fn if loss_fn is not None else CausalLMLoss(model)
     return Pipeline(layers, loss, plan, device=device, copy_layers=False, **pipeline_kwargs)
 
 
-def _whole_state(pipe: Pipeline) -> dict[str, Tensor]:
-    """``pipe``'s state dict with every entry the model's whole tensor: HF stacked experts
-    gathered over ep, DTensors (tp, FSDP) over their meshes; collective over those peers,
-    which hold the same stages and so the same entries in the same order."""
+def whole_state(pipe: Pipeline) -> dict[str, Tensor]:
+    """``pipe``'s state dict with every entry the model's whole tensor (what
+    :func:`save_pipeline` writes; detached, sharing memory where nothing was gathered): HF
+    stacked experts gathered over ep, DTensors (tp, FSDP) over their meshes; collective
+    over those peers, which hold the same stages and so the same entries in the same
+    order."""
     mesh = pipe.executor.mesh
     state = gather_hf_experts(pipe, mesh) if mesh is not None else pipe.state_dict()
     return {
@@ -317,7 +435,7 @@ def save_pipeline(pipe: Pipeline, path: str | os.PathLike[str], config: Any) -> 
             "(from_pretrained would read stale shards)"
         )
     dist.barrier()  # every rank has looked before any writes
-    state = _whole_state(pipe)
+    state = whole_state(pipe)
     if getattr(config, "tie_word_embeddings", False):
         later = {n for tp in pipe.shared for n in tp.source_names[1:]}
         state = {n: t for n, t in state.items() if n not in later}

@@ -214,8 +214,8 @@ class ParallelismTable:
     degree."""
     pipeline_parallel_schedule: str = "1F1B"
     """A schedule kind (1F1B, ZBH1, ZBVZeroBubble, DualPipeV, interleaved1F1B, GPipe, or our
-    spelling: zb-h1, zbv, ...), or auto: the library's planner on unit stage costs, with no
-    measured trial (docs/train.md)."""
+    spelling: zb-h1, zbv, ...), or auto: profile a few steps, plan, measure the plan against
+    1F1B and the fixed kinds, train with the fastest (docs/train.md)."""
     pipeline_parallel_schedule_csv: str | None = None
     """A schedule file (JSON, or PyTorch's CSV as torchtitan reads it) run instead of
     pipeline_parallel_schedule; it must have pipeline_parallel_degree devices."""

@@ -3,10 +3,11 @@ user's factory; each built as this rank's :class:`~zerobubble.pipeline.Pipeline`
 
 A Hugging Face directory goes through :func:`~zerobubble.interop.hf_pretrained.load_pipeline`:
 the model is built on the meta device and each rank reads only its stages' tensors, so
-per-rank parameter memory is about 1/P of the model. A directory whose family
-``transformers`` renames on loading (Mixtral's per-expert tensors, ...) cannot be read by
-name per rank; it is loaded whole (``from_pretrained``) on every rank instead, with a
-warning, and an export writes it back under the modules' names, which load per rank.
+per-rank parameter memory is about 1/P of the model; checkpoint names ``transformers``
+converts on loading are followed (Mixtral's and Qwen-MoE's per-expert tensors stacked, see
+:func:`~zerobubble.interop.hf_pretrained.per_rank_refusal`). A family whose conversion it
+does not apply is loaded whole (``from_pretrained``) on every rank instead, with a warning,
+and an export writes it back under the modules' names, which load per rank.
 A shipped tiny config and a factory build their layers on every rank (the Pipeline keeps
 only this rank's stages).
 """
@@ -175,20 +176,19 @@ def _directory(folder: Path) -> ModelSource:
 
     config = hp.load_config(folder)
     hp.weight_map(folder)  # no safetensors: refused here, before any rank builds
-    why = hp._renamed(config)
+    why = hp.per_rank_refusal(config)
     if why:
         from zerobubble.interop.hf import _transformers
 
         warnings.warn(
-            f"{folder}: every rank loads the whole model ({config.model_type} checkpoints "
-            "are renamed by transformers on loading, which per-rank reads cannot follow); "
-            "export the trained model (--export) for a directory that loads per rank",
+            f"{folder}: every rank loads the whole model ({why}); export the trained model "
+            "(--export) for a directory that loads per rank",
             stacklevel=2,
         )
         auto = _transformers().AutoModelForCausalLM
         model = auto.from_pretrained(str(folder), local_files_only=True)
         return _whole_hf(model, str(folder), f"{folder} ({type(model).__name__}, whole)")
-    meta = hp._meta_model(config, torch.float32)
+    meta = hp.meta_model(config, torch.float32)
     from zerobubble.interop.hf import causal_lm_layers
 
     num_layers = len(causal_lm_layers(meta, check=False))

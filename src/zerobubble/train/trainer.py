@@ -58,6 +58,11 @@ class TrainResult:
     """This rank's parameters, whole (``return_state=True``)."""
     schedule: str = ""
     summary: str = ""
+    choice: dict[str, Any] | None = None
+    """``auto``'s trial (:meth:`~zerobubble.train.auto.AutoChoice.to_dict`; also
+    ``dump_folder/schedule.json``); None for a named schedule."""
+    warning: str = ""
+    """``auto``'s warning when the plan lost to a fixed kind (printed by the lead rank)."""
 
 
 def build_schedule(recipe: Recipe) -> Schedule | str:
@@ -119,7 +124,17 @@ def train(
         seed=recipe.training.seed,
         recompute="layers" if recipe.activation_checkpoint.mode == "full" else "none",
     )
-    pipe = source.build(build_schedule(recipe), recipe.microbatches, mesh, options)
+    batches = _batches(recipe, source)
+    schedule = build_schedule(recipe)
+    lead = dist.get_rank() == 0
+    choice = None
+    if schedule == "auto":
+        if _finished(recipe):  # only an export is left: nothing to measure
+            schedule = "1f1b"
+        else:
+            choice = _auto(recipe, source, mesh, options, batches, device, write_line, lead)
+            schedule = choice.schedule
+    pipe = source.build(schedule, recipe.microbatches, mesh, options)
     opt = torch.optim.AdamW(
         pipe.parameters(),
         lr=recipe.optimizer.lr,
@@ -143,11 +158,12 @@ def train(
             for g in opt.param_groups:  # this recipe's schedule (the steps may have changed)
                 g["lr"] = g["initial_lr"] * recipe.lr_factor(start)
     result = TrainResult(start, start, schedule=pipe.schedule.name, summary=source.summary)
+    if choice is not None:
+        result.schedule = f"{choice.kind} (auto: the fastest in the trial)"
+        result.choice, result.warning = choice.to_dict(), choice.warning
     if start >= recipe.training.steps:
         pipe.drain()
         return _finish(recipe, pipe, mesh, source, result, return_state)
-    batches = _batches(recipe, source)
-    lead = dist.get_rank() == 0
     log = _metrics(recipe, source, pipe, write_line) if lead else None
     try:
         for k in range(start, recipe.training.steps):
@@ -177,6 +193,67 @@ def train(
     return _finish(recipe, pipe, mesh, source, result, return_state)
 
 
+def _finished(recipe: Recipe) -> bool:
+    """Whether the checkpoint a run resumes from is at (or past) ``training.steps``."""
+    ckpt = recipe.checkpoint
+    if not ckpt.enable:
+        return False
+    steps = committed_steps(recipe.path(ckpt.folder))
+    at = ckpt.load_step if ckpt.load_step != -1 else max(steps, default=0)
+    return at >= recipe.training.steps
+
+
+def _auto(
+    recipe: Recipe,
+    source: ModelSource,
+    mesh: PipelineMesh,
+    options: ExecutorOptions,
+    batches: Any,
+    device: torch.device,
+    write_line: Callable[[str], None] | None,
+    lead: bool,
+) -> Any:
+    """``auto``: the trial of :func:`~zerobubble.train.auto.choose_schedule` on the first
+    step's batch (forward and backward on pipelines dropped afterwards: the trained model
+    is built after it); the lead rank reports it and writes ``schedule.json``."""
+    import json
+
+    from zerobubble.train.auto import choose_schedule
+
+    b = batches.batch(0, mesh.dp_rank, mesh.dp_size, recipe.local_batch_size)
+    inputs, target = _inputs(b, source), b.labels.to(device)
+    m = recipe.microbatches
+
+    def step(pipe: Pipeline) -> None:
+        with _precision(recipe, device):
+            pipe.step(inputs, target=target)
+
+    choice = choose_schedule(
+        lambda sched, opts: source.build(sched, m, mesh, opts),
+        step,
+        num_devices=recipe.parallelism.pipeline_parallel_degree,
+        microbatches=m,
+        num_layers=source.num_layers,
+        options=options,
+        device=device,
+    )
+    if device.type == "cuda":  # the trial's peak is not the run's
+        torch.cuda.reset_peak_memory_stats(device)
+    if lead:
+        folder = Path(recipe.job.dump_folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "schedule.json").write_text(json.dumps(choice.to_dict(), indent=1) + "\n")
+        say = write_line or (lambda line: None)
+        say(
+            "auto: median step "
+            + ", ".join(f"{r.kind} {r.step_time * 1e3:.1f} ms" for r in choice.trials)
+            + f"; training with {choice.kind}"
+        )
+        if choice.warning:
+            say(f"warning: {choice.warning}")
+    return choice
+
+
 def _finish(
     recipe: Recipe,
     pipe: Pipeline,
@@ -197,9 +274,9 @@ def _finish(
 
 def _whole(pipe: Pipeline, mesh: PipelineMesh) -> dict[str, Tensor]:
     """This rank's parameters as whole tensors (collective over the shards' meshes)."""
-    from zerobubble.interop.hf_pretrained import _whole_state
+    from zerobubble.interop.hf_pretrained import whole_state
 
-    return {n: t.clone() for n, t in _whole_state(pipe).items()}
+    return {n: t.clone() for n, t in whole_state(pipe).items()}
 
 
 def prune(root: Path, keep: int) -> list[int]:
