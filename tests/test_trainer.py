@@ -98,8 +98,15 @@ def four_ranks(tmp: str, llama: str, mixtral: str) -> dict:
     out = {}
     exported = str(t / "export")
     run = recipe(t, "dp", Path(llama), dp=2, ckpt=True, **{"checkpoint.export_folder": exported})
-    unbroken = train(run, return_state=True)
+    seen: list[list[dict]] = []  # metrics.jsonl as it stands at each progress line
+
+    def watch(line: str) -> None:
+        rows = (t / "dp" / "metrics.jsonl").read_text().splitlines()
+        seen.append([json.loads(r) for r in rows])
+
+    unbroken = train(run, return_state=True, write_line=watch)
     out["unbroken"] = (unbroken.losses, unbroken.lrs, unbroken.state)
+    out["seen"] = seen
     killed = recipe(t, "killed", Path(llama), dp=2, ckpt=True)
     first = train(killed, stop_after=3)
     again = train(killed)
@@ -348,3 +355,55 @@ def test_an_unknown_table_in_a_recipe_exits_2_from_the_command(tmp_path):
     assert done.returncode == 2
     assert "'trainig' is not a section; did you mean 'training'?" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_the_metrics_stream_has_a_flushed_line_per_step_while_the_job_runs(runs):
+    _, four, _ = runs
+    seen = four[0]["seen"]
+    losses = four[0]["unbroken"][0]
+    # At step k's progress line the file already holds steps 1..k: written as the job runs.
+    assert [[row["step"] for row in rows] for rows in seen] == [
+        [1],
+        [1, 2],
+        [1, 2, 3],
+        [1, 2, 3, 4],
+    ]
+    fields = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_ms", "mfu",
+              "memory_gib", "time"}  # fmt: skip
+    for row in seen[-1]:
+        assert set(row) == fields
+        assert row["loss"] == pytest.approx(losses[row["step"]], rel=1e-6)
+        assert row["tokens"] == 8 * 16  # the global batch's tokens
+        assert row["tokens_per_s"] > 0 and row["step_ms"] > 0 and row["memory_gib"] > 0
+        assert row["mfu"] is None  # CPU: no peak FLOP/s known
+    assert all(rank["seen"] == [] for rank in four[1:])  # only the lead rank writes
+
+
+def test_dry_run_prices_a_directory_without_reading_it(tmp_path, capsys, monkeypatch):
+    """The estimate of a directory (a meta model: no tensor read) equals the estimate of the
+    same model built whole; the command exits 1 when a rank does not fit."""
+    from zerobubble.train.dry_run import dry_run
+    from zerobubble.train.estimate import estimate_memory
+
+    model = hf.tiny_model("hf-llama", seed=1, num_hidden_layers=2)
+    model.save_pretrained(tmp_path / "llama")
+    from zerobubble.interop import hf_pretrained
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("the dry run read a tensor")
+
+    monkeypatch.setattr(hf_pretrained, "_read", no_read)
+    run = recipe(tmp_path, "dry", tmp_path / "llama", dp=2)
+    found = dry_run(run, device_bytes=10**9)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    whole = estimate_memory(
+        hf.causal_lm_layers(model), hf.CausalLMLoss(model, ignore_index=-100), "zb-h1",
+        {"input_ids": ids}, ids, pp=2, microbatches=2,
+    )  # fmt: skip
+    assert found.ranks == whole.ranks and found.fits()
+    toml = tmp_path / "dry.0.toml"
+    assert main(["train", "--config", str(toml), "--dry-run", "--device-memory", "1e9"]) == 0
+    assert "memory estimate, zb-h1" in capsys.readouterr().out
+    assert main(["train", "--config", str(toml), "--dry-run", "--device-memory", "1000"]) == 1
+    assert "does not fit: rank(s) 0, 1" in capsys.readouterr().err

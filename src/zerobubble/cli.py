@@ -341,6 +341,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         values["checkpoint.export_folder"] = str(args.export)
     recipe = build_recipe(values)
     _check_recipe(recipe)
+    if args.dry_run:
+        return _dry_run(recipe, args.device_memory)
     _make_out(Path(recipe.job.dump_folder), "[job] dump_folder")
     began = time.perf_counter()
     if "RANK" in os.environ:  # started by torchrun or zerobubble.launch: this process is a rank
@@ -367,6 +369,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     if recipe.checkpoint.export_folder is not None:
         print(f"zerobubble train: exported to {recipe.checkpoint.export_folder}")
     return 0
+
+
+def _dry_run(recipe: Any, device_bytes: float | None) -> int:
+    """``train --dry-run``: the memory estimate's table; 1 when a rank does not fit."""
+    from zerobubble.train.dry_run import dry_run
+
+    found = dry_run(recipe, None if device_bytes is None else int(device_bytes))
+    print(found.table())
+    if found.device_bytes is None:
+        print("no device memory known (no CUDA device): pass --device-memory BYTES to compare")
+        return 0
+    if found.fits():
+        return 0
+    over = [str(r.rank) for r in found.ranks if not found.fits_rank(r.rank)]
+    print(f"does not fit: rank(s) {', '.join(over)} exceed the device memory", file=sys.stderr)
+    return 1
 
 
 TRAIN_TIMEOUT_S = 30 * 24 * 3600.0
@@ -583,6 +601,19 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
         help="after the last step, write the model as a Hugging Face directory here "
         "(checkpoint.export_folder); with --training.steps at a checkpoint's step (and "
         "--checkpoint.load_step), export that checkpoint without training",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="start no rank: print each pipeline rank's predicted parameters, gradients, "
+        "optimizer state and activation peak under the schedule, and whether it fits "
+        "(--device-memory, or the CUDA device's); exit 1 if it does not",
+    )
+    p.add_argument(
+        "--device-memory",
+        type=_number,
+        metavar="BYTES",
+        help="--dry-run: the device memory per rank to compare with",
     )
     for opt in recipe_options():
         shown = "" if "default" in opt.doc else f" (default: {opt.default})"
@@ -881,7 +912,7 @@ def _unknown_flags(unknown: Sequence[str], command: str) -> str:
         from zerobubble.train.recipe import recipe_options
 
         flags = [f for o in recipe_options() for f in ("--" + o.key, o.flag)]
-        flags += ["--config", "--export"]
+        flags += ["--config", "--export", "--dry-run", "--device-memory"]
     else:
         flags = [f for o in options() for f in (*o.aliases, o.flag, "--" + o.key)] + ["--config"]
     word = next((u for u in unknown if u.startswith("-")), unknown[0])

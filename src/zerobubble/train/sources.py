@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from zerobubble.executor import ExecutorOptions
 from zerobubble.parallel.mesh import PipelineMesh
 from zerobubble.pipeline import Pipeline
+from zerobubble.runtime.stage import LossFn
 from zerobubble.schedule.ir import Schedule
 from zerobubble.train.recipe import Recipe
 
@@ -84,6 +85,9 @@ class ModelSource:
     shape: tuple[int, int, int, int] | None = None
     """``(parameters, embedding parameters, blocks, hidden width)`` of a Hugging Face model,
     for its FLOPs per token (MFU); None: unknown."""
+    plan_layers: Callable[[], tuple[list[nn.Module], LossFn]] | None = None
+    """``() -> (layers, loss_fn)`` whose tensors may be on the meta device: what the memory
+    estimate (``--dry-run``) measures without building the model; None: the built layers."""
 
 
 def model_source(recipe: Recipe) -> ModelSource:
@@ -134,7 +138,9 @@ def _layers(layers: list[nn.Module], vocab: int, summary: str) -> ModelSource:
             count_fn=loss.count_fn,
         )  # fmt: skip
 
-    return ModelSource(build, len(layers), vocab, None, None, summary)
+    return ModelSource(
+        build, len(layers), vocab, None, None, summary, plan_layers=lambda: (layers, loss)
+    )
 
 
 def _m(schedule: Schedule | str, m: int) -> int | None:
@@ -158,8 +164,9 @@ def _whole_hf(model: nn.Module, folder: str | None, summary: str) -> ModelSource
 
     pad = config.pad_token_id if config.pad_token_id is not None else 0
     return ModelSource(
-        build, len(layers), config.vocab_size, config, folder, summary, pad, _shape(model)
-    )
+        build, len(layers), config.vocab_size, config, folder, summary, pad, _shape(model),
+        lambda: (layers, loss),
+    )  # fmt: skip
 
 
 def _shape(model: nn.Module) -> tuple[int, int, int, int]:
@@ -202,11 +209,19 @@ def _directory(folder: Path) -> ModelSource:
             folder, schedule, microbatches=_m(schedule, m), mesh=mesh, options=options,
         )  # fmt: skip
 
+    def plan_layers() -> tuple[list[nn.Module], LossFn]:
+        from zerobubble.interop.hf import CausalLMLoss
+
+        model = hp.meta_model(config, torch.float32)  # sizes only: no tensor is read
+        layers = causal_lm_layers(model, check=False)  # checking would run the meta model
+        return layers, CausalLMLoss(model, ignore_index=IGNORE_INDEX)
+
     pad = config.pad_token_id if config.pad_token_id is not None else 0
     summary = f"{folder} ({config.model_type}, each rank reads its stages' tensors)"
     return ModelSource(
-        build, num_layers, config.vocab_size, config, str(folder), summary, pad, shape
-    )
+        build, num_layers, config.vocab_size, config, str(folder), summary, pad, shape,
+        plan_layers,
+    )  # fmt: skip
 
 
 def _factory(spec: str) -> ModelSource:
