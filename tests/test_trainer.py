@@ -407,3 +407,20 @@ def test_dry_run_prices_a_directory_without_reading_it(tmp_path, capsys, monkeyp
     assert "memory estimate, zb-h1" in capsys.readouterr().out
     assert main(["train", "--config", str(toml), "--dry-run", "--device-memory", "1000"]) == 1
     assert "does not fit: rank(s) 0, 1" in capsys.readouterr().err
+
+
+def test_the_bench_warns_when_its_plan_measured_slower_than_a_fixed_kind():
+    from types import SimpleNamespace
+
+    from zerobubble.train.console import plan_lost
+
+    def phase(name, planned, *steps):
+        return SimpleNamespace(name=name, planned=planned, step_time=sorted(steps)[1])
+
+    fixed = [phase("1f1b", False, 0.030, 0.031, 0.032), phase("zb-h1", False, 0.028, 0.029, 0.05)]
+    assert plan_lost([*fixed, phase("plan", True, 0.027, 0.0285, 0.04)]) == ""
+    assert plan_lost([*fixed, phase("plan", True, 0.03, 0.0295, 0.02)]) == (
+        "warning: the plan (plan) measured slower than zb-h1: median step 29.5 ms against "
+        "29.0 ms; the profile may be off (a loaded machine): rerun, or train with the fixed kind"
+    )
+    assert plan_lost(fixed) == ""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from rich.console import Console
 from rich.progress import (
@@ -92,6 +92,9 @@ def print_summary(result: JobResult, console: Console | None = None) -> None:
     if result.phases:
         _schedule_table(result, con)
         _idle_table(result, con)
+        note = plan_lost(result.phases)
+        if note:
+            con.print(note, highlight=False, markup=False)
     else:
         _predictions(result, con)
     rep = result.trace_report
@@ -111,6 +114,23 @@ def print_summary(result: JobResult, console: Console | None = None) -> None:
             )
     for what, path in result.files.items():
         con.print(f"{what}: {path}", highlight=False)
+
+
+def plan_lost(phases: Sequence[PhaseResult]) -> str:
+    """A warning when the planned schedule's median step measured slower than a fixed kind's
+    that trained beside it (a loaded machine, a profile off): empty when the plan won."""
+    plan = next((p for p in phases if p.planned), None)
+    fixed = [p for p in phases if not p.planned]
+    if plan is None or not fixed:
+        return ""
+    best = min(fixed, key=lambda p: p.step_time)
+    if plan.step_time <= best.step_time:
+        return ""
+    return (
+        f"warning: the plan ({plan.name}) measured slower than {best.name}: median step "
+        f"{plan.step_time * 1e3:.1f} ms against {best.step_time * 1e3:.1f} ms; the profile "
+        "may be off (a loaded machine): rerun, or train with the fixed kind"
+    )
 
 
 def _recompute_note(result: JobResult) -> str:
