@@ -125,3 +125,28 @@ def test_model_name_refuses_what_is_not_a_stage_name(name):
     message = "is not '<layer index>.<name>' of a stage with 2 layers"
     with pytest.raises(ValueError, match=re.escape(message)):
         model_name(name, ("4", "5"))
+
+
+def test_a_whole_model_gives_its_layers_through_pipeline_layers_or_is_refused():
+    from zerobubble.parallel.partition import model_layers
+
+    class Cut(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+        def pipeline_layers(self):
+            return [self.a, self.b]
+
+    model = Cut()
+    assert model_layers(model) == [model.a, model.b]
+    seq = nn.Sequential(nn.Linear(2, 2))
+    assert model_layers(seq) is seq
+    with pytest.raises(ValueError, match="Linear is a whole model, not its layers: pass the"):
+        model_layers(nn.Linear(2, 2))
+    model.pipeline_layers = lambda: nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"Cut.pipeline_layers\(\) returned Linear: return"):
+        model_layers(model)

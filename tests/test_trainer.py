@@ -424,3 +424,21 @@ def test_the_bench_warns_when_its_plan_measured_slower_than_a_fixed_kind():
         "29.0 ms; the profile may be off (a loaded machine): rerun, or train with the fixed kind"
     )
     assert plan_lost(fixed) == ""
+
+
+def test_plan_profiles_ones_own_model_given_as_module_function(tmp_path, monkeypatch):
+    (tmp_path / "my_model.py").write_text(
+        "from zerobubble.models import GPTConfig, build_gpt\n\n\n"
+        "def layers():\n"
+        "    return list(build_gpt(GPTConfig(vocab_size=256, d_model=32, n_heads=2, n_layers=4,"
+        " max_seq_len=16)))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "plan.csv"
+    argv = ["plan", "--pp", "2", "--microbatches", "4", "--kind", "zb-h1", "--model",
+            "my_model:layers", "--seq-len", "16", "-o", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    from zerobubble.schedule.formats import torch_csv
+
+    sched = torch_csv.loads(out.read_text())
+    assert (sched.num_devices, sched.num_microbatches) == (2, 4)

@@ -34,6 +34,7 @@ from zerobubble.parallel.partition import (
     LayerSource,
     build_stage_modules,
     layer_keys,
+    model_layers,
     model_name,
     stage_bounds,
 )
@@ -54,7 +55,8 @@ class Pipeline:
         layers: The model's layers in order: a list, ``nn.Sequential`` or
             ``nn.ModuleList`` (deep-copied per stage: the caller's model is left
             untouched), or a factory ``i -> layer i`` (with ``num_layers``) that
-            builds layer ``i`` identically on every rank. A layer with a
+            builds layer ``i`` identically on every rank, or a whole model with a
+            ``pipeline_layers()`` method returning its layers in order. A layer with a
             ``source_name(name)`` method names its own state (see
             :mod:`~zerobubble.parallel.partition`; :mod:`zerobubble.interop.hf`).
         loss_fn: ``loss_fn(output, target) -> scalar`` of one microbatch; the
@@ -143,6 +145,7 @@ class Pipeline:
         parallelize_fn: ParallelizeFn | None = None,
         loss_parallel: bool | None = None,
     ) -> None:
+        layers = model_layers(layers)
         group = _group_of(group, mesh)
         keys = layer_keys(layers, num_layers)
         schedule = _schedule_of(schedule, microbatches, dist.get_world_size(group), len(keys))

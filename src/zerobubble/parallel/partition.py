@@ -81,6 +81,31 @@ def stage_bounds(
     return tuple(range(edges[s], edges[s + 1]) for s in range(num_stages))
 
 
+def model_layers(source: LayerSource | nn.Module) -> LayerSource:
+    """The layers of ``source``: itself when it is a layer list, Sequential, ModuleList or
+    factory; a whole model's ``pipeline_layers()`` (its layers in order, the documented way
+    for one's own ``nn.Module`` to say where it may be cut). Any other module is refused: its
+    ``forward`` may do what no list of layers does (a residual around two of them, a loop)."""
+    if not isinstance(source, nn.Module) or isinstance(source, nn.Sequential | nn.ModuleList):
+        return source
+    cut = getattr(source, "pipeline_layers", None)
+    if cut is None:
+        raise ValueError(
+            f"{type(source).__name__} is a whole model, not its layers: pass the layers in "
+            "order (a list, nn.Sequential or nn.ModuleList, each layer's output the next one's "
+            "input) or give the model a pipeline_layers() method that returns them"
+        )
+    layers = cut()
+    if isinstance(layers, nn.Sequential | nn.ModuleList):
+        return layers
+    if not isinstance(layers, Sequence) or not all(isinstance(x, nn.Module) for x in layers):
+        raise ValueError(
+            f"{type(source).__name__}.pipeline_layers() returned {type(layers).__name__}: "
+            "return the layers in order (a list, nn.Sequential or nn.ModuleList of modules)"
+        )
+    return list(layers)
+
+
 def layer_keys(source: LayerSource, num_layers: int | None = None) -> tuple[str, ...]:
     """The name of every layer in the user's model, in order.
 

@@ -112,7 +112,7 @@ def model_source(recipe: Recipe) -> ModelSource:
     if Path(name).is_dir() or "/" in name:
         return _directory(Path(name))
     if ":" in name:
-        return _factory(name)
+        return factory_source(name)
     raise ValueError(
         f"model.name {name!r} is no model: give a Hugging Face directory (config.json and "
         f"*.safetensors), one of gpt, {', '.join(SHIPPED_HF)}, or module:function"
@@ -224,7 +224,9 @@ def _directory(folder: Path) -> ModelSource:
     )  # fmt: skip
 
 
-def _factory(spec: str) -> ModelSource:
+def factory_source(spec: str) -> ModelSource:
+    """One's own model from ``module:function`` (a layer list, or a module with
+    ``pipeline_layers()``); ValueError naming what the factory returned otherwise."""
     module_name, _, fn_name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), fn_name)

@@ -52,11 +52,20 @@ def stage_cost_model(profile: LayerProfile, bounds: Sequence[range]) -> CostMode
 
 def model_layers(model: str) -> tuple[list[nn.Module], LossFn, int]:
     """``(layers, loss, vocabulary size)`` of a shipped tiny Hugging Face config (``hf-llama``,
-    ...) or of a local Hugging Face directory's ``config.json`` (freshly initialised: costs do
-    not depend on the weights, nothing is read or downloaded)."""
+    ...), of a local Hugging Face directory's ``config.json`` (freshly initialised: costs do
+    not depend on the weights, nothing is read or downloaded), or of one's own model as
+    ``module:function`` (the trainer's factory: :mod:`zerobubble.train.sources`; its first
+    layer takes the token ids, its loss the logits and the ids)."""
     from zerobubble.interop import hf
 
     shipped = hf.TINY_CONFIGS + hf.TINY_MOE_CONFIGS
+    if ":" in model and not Path(model).is_dir():
+        from zerobubble.train.sources import factory_source
+
+        source = factory_source(model)
+        assert source.plan_layers is not None  # a factory's layers are at hand
+        layers, loss = source.plan_layers()
+        return list(layers), _TokenMean(loss), source.vocab_size
     if model in shipped:
         net = hf.tiny_model(model)
     elif Path(model).is_dir():
@@ -71,10 +80,22 @@ def model_layers(model: str) -> tuple[list[nn.Module], LossFn, int]:
     else:
         raise ValueError(
             f"--model {model!r} is neither a shipped tiny config ({', '.join(shipped)}) nor a "
-            "directory: pass one of those names or a Hugging Face model directory"
+            "directory: pass one of those names, a Hugging Face model directory or one's own "
+            "model as module:function"
         )
     vocab = int(getattr(net, "config").vocab_size)  # noqa: B009 (a transformers model)
     return hf.causal_lm_layers(net), hf.CausalLMLoss(net), vocab
+
+
+class _TokenMean:
+    """A factory model's token loss as one microbatch's mean (the profiler passes no count);
+    its first layer takes the ids themselves, not HF's keyword dict."""
+
+    def __init__(self, loss: Any) -> None:
+        self.loss = loss
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss(logits, labels, self.loss.count_fn(labels))
 
 
 def profiled_costs(
@@ -92,7 +113,8 @@ def profiled_costs(
     bounds = stage_bounds(len(layers), num_stages)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (microbatch_size, seq_len), generator=gen)
-    profile = profile_layers(layers, loss_fn, {"input_ids": ids}, ids, iters=iters)
+    example = ids if isinstance(loss_fn, _TokenMean) else {"input_ids": ids}  # HF: kwargs
+    profile = profile_layers(layers, loss_fn, example, ids, iters=iters)
     return stage_cost_model(profile, bounds)
 
 
