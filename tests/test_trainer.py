@@ -132,7 +132,11 @@ def two_ranks(tmp: str, llama: str, whole: str) -> dict:
     reference = by_hand(run, torch.load(whole), range(2, 4))
     export = {"checkpoint.load_step": 4, "checkpoint.export_folder": str(t / "export4")}
     exported = train(recipe(t, "dp1", Path(llama), ckpt=True, **export))
+    short = {"training.steps": 2, "parallelism.pipeline_parallel_schedule": "DualPipeV"}
+    plain = train(recipe(t, "plain", Path(llama), **short)).losses
+    paired = train(recipe(t, "pairs", Path(llama), **short, **{"parallelism.overlap": True}))
     return {
+        "pairs": (plain, paired.losses, paired.schedule),
         "start": done.start,
         "losses": done.losses,
         "lrs": done.lrs,
@@ -442,3 +446,45 @@ def test_plan_profiles_ones_own_model_given_as_module_function(tmp_path, monkeyp
 
     sched = torch_csv.loads(out.read_text())
     assert (sched.num_devices, sched.num_microbatches) == (2, 4)
+
+
+@pytest.mark.slow
+def test_overlapped_pairs_train_bitwise_as_the_same_kind_without_them(runs):
+    *_, two = runs
+    plain, paired, name = two[0]["pairs"]
+    assert name == "dualpipev" and sorted(paired) == [1, 2]
+    assert paired == plain
+
+
+def test_segments_and_overlap_build_their_kinds_or_are_refused_naming_those_that_take_them():
+    from zerobubble.train.trainer import build_schedule
+
+    base = {"training.global_batch_size": 8, "parallelism.pipeline_parallel_microbatch_size": 1}
+    pairs = build_schedule(
+        build_recipe(
+            {
+                **base,
+                "parallelism.overlap": True,
+                "parallelism.pipeline_parallel_schedule": "DualPipeV",
+            }
+        )
+    )
+    assert pairs.name == "dualpipev" and pairs.overlaps
+    cut = build_schedule(
+        build_recipe(
+            {**base, "parallelism.segments": 2, "parallelism.pipeline_parallel_schedule": "seq-zb"}
+        )
+    )
+    assert (cut.name, cut.segments, cut.num_microbatches) == ("seq-zb", 2, 8)
+    with pytest.raises(ValueError, match="'ZBH1' takes no overlap; give a kind that does: dualp"):
+        build_schedule(
+            build_recipe(
+                {
+                    **base,
+                    "parallelism.overlap": True,
+                    "parallelism.pipeline_parallel_schedule": "ZBH1",
+                }
+            )
+        )
+    with pytest.raises(ValueError, match="'1F1B' takes no segments; give a kind that does: seq"):
+        build_schedule(build_recipe({**base, "parallelism.segments": 2}))

@@ -223,6 +223,10 @@ class ParallelismTable:
     """Sequences per microbatch; it must divide the local batch."""
     segments: int = 1
     """Ours: sequence segments per microbatch of the seq* kinds (docs/long-context.md)."""
+    overlap: bool = False
+    """Ours: overlapped F&B pairs (one microbatch's forward beside another's backward, e.g.
+    MoE all-to-alls hidden behind compute) in the kinds that form them (zbv-auto, zb-auto,
+    dualpipev; docs/moe.md)."""
 
     def __post_init__(self) -> None:
         for name in (

@@ -33,7 +33,7 @@ from zerobubble.parallel.mesh import PipelineMesh, build_mesh
 from zerobubble.pipeline import Pipeline
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.schedule.ir import Schedule
-from zerobubble.train.recipe import Recipe, schedule_kind
+from zerobubble.train.recipe import SCHEDULE_NAMES, Recipe, schedule_kind
 from zerobubble.train.sources import ModelSource, model_source
 
 __all__ = ["TrainResult", "build_schedule", "train"]
@@ -86,12 +86,23 @@ def build_schedule(recipe: Recipe) -> Schedule | str:
             )
         return sched
     kind = schedule_kind(par.pipeline_parallel_schedule)
+    extra: dict[str, object] = {}
     if par.segments > 1:
-        from zerobubble.schedule.generators import generate
+        extra["segments"] = par.segments
+    if par.overlap:
+        extra["overlap"] = True
+    if not extra:
+        return kind
+    from zerobubble.schedule.generators import GENERATORS, generate
 
-        return generate(kind, par.pipeline_parallel_degree, recipe.microbatches,
-                        segments=par.segments)  # fmt: skip
-    return kind
+    names = sorted(set(SCHEDULE_NAMES.values()) - {"auto"})
+    takes = [k for k in names if set(extra) <= GENERATORS[k].options]
+    if kind == "auto" or not set(extra) <= GENERATORS[kind].options:
+        raise ValueError(
+            f"parallelism: pipeline_parallel_schedule {par.pipeline_parallel_schedule!r} takes "
+            f"no {' and '.join(sorted(extra))}; give a kind that does: {', '.join(takes)}"
+        )
+    return generate(kind, par.pipeline_parallel_degree, recipe.microbatches, **extra)  # type: ignore[arg-type]
 
 
 def train(
