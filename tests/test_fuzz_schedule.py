@@ -33,7 +33,7 @@ from zerobubble.schedule.validate import validate
 KINDS = sorted(GENERATORS)
 SIZES = [(2, 3), (3, 4), (4, 5)]  # P >= 3 includes every V-shaped kind at P = 3 and 4
 SEARCHING = frozenset({"auto", "optimal", "optimal-v", "zb-auto", "zbv-auto"})
-"""The kinds that solve a search (0.4 to 9 s each per size); they run at SEARCH_SIZES."""
+"""The kinds that solve a search (up to 9 s each per size); they run at SEARCH_SIZES."""
 SEARCH_SIZES = [(3, 4)]
 
 
