@@ -198,7 +198,9 @@ def mutated(draw, kind: str) -> tuple[Schedule, list[str]]:
                 for a in moving:  # in their old order, at random places of the new device
                     acts[new].insert(draw(st.integers(len(acts[new]) // 2, len(acts[new]))), a)
                 done[-1] = "placement+actions"
-    out = Schedule(sched.name, p, sched.num_stages, m, tuple(placement), acts)
+    out = Schedule(
+        sched.name, p, sched.num_stages, m, tuple(placement), acts, segments=sched.segments
+    )
     return out, done
 
 
