@@ -57,13 +57,15 @@ def test_simulate_json_with_costs(capsys, tmp_path):
 
 
 def test_compare_lists_every_kind_and_plots(capsys, tmp_path):
+    """M = 3: every kind is searched and drawn, so the smallest M at which zb-h2 reaches
+    its 3M at P = 2 (at M = 2 it takes 7)."""
     png = tmp_path / "c.png"
-    assert main(["compare", "-p", "2", "-m", "4", "--json", "--plot", str(png)]) == 0
+    assert main(["compare", "-p", "2", "-m", "3", "--json", "--plot", str(png)]) == 0
     text = capsys.readouterr().out
     data = json.loads(text[: text.rindex("]") + 1])
     assert [d["kind"] for d in data] == list(GENERATORS)
     by_kind = {d["kind"]: d for d in data}
-    assert by_kind["zb-h2"]["cost"] == 12 and by_kind["1f1b"]["cost"] == 15  # 3M, 3(M+P-1)
+    assert by_kind["zb-h2"]["cost"] == 9 and by_kind["1f1b"]["cost"] == 12  # 3M, 3(M+P-1)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

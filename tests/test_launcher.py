@@ -251,8 +251,11 @@ sys.exit(int(sys.argv[2]) if rank == 1 else 0)
 """
 
 
-@pytest.mark.parametrize("code", [0, 3])
-def test_module_entry_point_runs_a_script(tmp_path, code):
+def test_module_entry_point_runs_a_script(tmp_path):
+    """Rank 1 exits 3: the job exits 3, and both ranks saw the same world and port. (A clean
+    exit 0 through the entry point is asserted by test_example_trains_with_the_same_losses
+    and test_a_script_rank_destroys_its_process_group_at_a_clean_exit_only[return].)"""
+    code = 3
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
@@ -315,8 +318,11 @@ except ConnectionError:
 """
 
 
-@pytest.mark.parametrize("world", [3, 4])
-def test_script_launcher_blames_the_rank_that_died_first(tmp_path, world):
+def test_script_launcher_blames_the_rank_that_died_first(tmp_path):
+    """Four ranks, the victim rank 2: neighbours below it (ranks 0, 1, which a poll loop in
+    index order sees first) and above it (rank 3). Four runs, as the race needs; a world of
+    three (one neighbour each side) adds no case and is not run."""
+    world = 4
     script = tmp_path / "job.py"
     script.write_text(NEIGHBOURS)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
@@ -336,8 +342,9 @@ def test_script_launcher_blames_the_rank_that_died_first(tmp_path, world):
         assert proc.stderr.rstrip().endswith("job exit status 137"), proc.stderr
 
 
-@pytest.mark.parametrize("world", [3, 4])
-def test_launch_orders_failures_by_time_of_death(world):
+def test_launch_orders_failures_by_time_of_death():
+    """As above, through launch(): four ranks, neighbours on both sides of the victim."""
+    world = 4
     victim = world - 2
     for _ in range(3):
         with pytest.raises(LaunchError) as err:

@@ -83,30 +83,44 @@ def test_same_device_edges_need_no_message():
     assert all(isinstance(i, Compute) for i in single.programs[0])
 
 
+SEARCHING = frozenset({"auto", "optimal", "optimal-v", "zb-auto", "zbv-auto"})
+"""The kinds that solve a search (seconds per size); they lower at SEARCH_SIZES only."""
+SEARCH_SIZES = ((1, 3), (2, 2), (3, 2), (3, 7), (4, 1))
+"""Each P at least once and each M class at least once (M = 1 at P = 4, M = P - 1 at P = 3,
+M = P at P = 2, M = 2P + 1 at P = 1 and at P = 3, where the searches pick V-shaped and
+multi-chunk placements)."""
+
+
+def sizes(kind: str) -> list[tuple[int, int]]:
+    if kind in SEARCHING:
+        return list(SEARCH_SIZES)
+    return [(p, m) for p in (1, 2, 3, 4) for m in sorted({1, max(p - 1, 1), p, 2 * p + 1})]
+
+
 @pytest.mark.parametrize("kind", list(GENERATORS))
 def test_every_generator_lowers_and_runs(kind):
-    # M = 1, below P, P and 2P + 1: the sizes test_replay and test_executor run every kind
-    # at (with the same options), so the searching kinds are not solved again for this.
-    for p in (1, 2, 3, 4):
-        for m in sorted({1, max(p - 1, 1), p, 2 * p + 1}):
-            if (kind, p, m) in SLOW_SOLVES:
-                continue
-            sched = generated(kind, p, m, **options(kind))
-            for lookahead in (0, 2, 1000):
-                low = lower(sched, recv_lookahead=lookahead)
-                validate_lowered(low)
-                computes = [
-                    [i.action for i in prog if isinstance(i, Compute)] for prog in low.programs
-                ]
-                assert computes == [list(a) for a in sched.actions]
-                sends = sum(isinstance(i, Send) for prog in low.programs for i in prog)
-                cross = sum(
-                    sched.placement[s] != sched.placement[s + 1]
-                    for s in range(sched.num_stages - 1)
-                )
-                assert (
-                    sends == 2 * cross * sched.num_units
-                )  # one activation, one gradient per edge, unit
+    """A covering design over (kind, P, M): the kinds made directly lower at every P in 1..4
+    and M = 1, below P, P and 2P + 1 (at P = 1, 2 and 4 the sizes test_executor runs every
+    kind at, with the same options); the searching kinds at SEARCH_SIZES, every P and every
+    M class at least once. Lowering reads placements and orders, not how a search found
+    them."""
+    assert set(GENERATORS) >= SEARCHING
+    for p, m in sizes(kind):
+        if (kind, p, m) in SLOW_SOLVES:
+            continue
+        sched = generated(kind, p, m, **options(kind))
+        for lookahead in (0, 2, 1000):
+            low = lower(sched, recv_lookahead=lookahead)
+            validate_lowered(low)
+            computes = [[i.action for i in prog if isinstance(i, Compute)] for prog in low.programs]
+            assert computes == [list(a) for a in sched.actions]
+            sends = sum(isinstance(i, Send) for prog in low.programs for i in prog)
+            cross = sum(
+                sched.placement[s] != sched.placement[s + 1] for s in range(sched.num_stages - 1)
+            )
+            assert (
+                sends == 2 * cross * sched.num_units
+            )  # one activation, one gradient per edge, unit
 
 
 @pytest.mark.parametrize(

@@ -166,8 +166,12 @@ def test_pass_times_equal_simulate(v_shape):
 
 @pytest.mark.parametrize("P", [2, 3, 4, 6])
 def test_zb_auto_equal_costs(P):
-    """F=B=W: at limit 2P zero bubble (3M) once M >= 2P; at limit P ZB-H1's 3M+P-1 or better."""
-    for M in (P, 2 * P, 3 * P) if P < 6 else (P, 2 * P):  # 3P: P <= 4 (18 at P=6 took 4 s)
+    """F=B=W: at limit 2P zero bubble (3M) once M >= 2P; at limit P ZB-H1's 3M+P-1 or better.
+
+    M = P (no steady state) and M = 2P (the threshold of zero bubble) at every P; M = 3P, a
+    longer steady state of the same bounds, at P = 2 and 3 only (M = 12 at P = 4 and 18 at
+    P = 6 took seconds of search each for the bounds M = 2P already checks there)."""
+    for M in (P, 2 * P, 3 * P) if P <= 3 else (P, 2 * P):
         costs = exact(looped_placement(P, 1))
         two = validate(zb_auto(P, M, mem_limit=2 * P), 2 * P, costs)
         if M >= 2 * P:
@@ -183,9 +187,10 @@ def test_zb_auto_equal_costs(P):
 # 1.000001 (zb-auto equals the MILP optimum on all 480; never above zb-h1 / zb-h2). With
 # --harsh costs (stages up to 4x apart) all 480 are within 1% too, worst 1.0066 (seed 9,
 # P=4, M=6, limit 4). This is a seeded subset of the same instances (same rng seeding)
-# that runs in seconds, plus the harsh instances that needed the perturbed restarts.
+# that runs in seconds, plus the harsh instances that needed the perturbed restarts: each
+# (P, M) once, the seeds alternating (each seed at P = 3 and P = 4), not every (P, M, seed).
 NEAR_OPTIMAL_CASES = [
-    (P, M, seed) for P, M in [(2, 5), (3, 4), (3, 6), (4, 5), (4, 6)] for seed in (0, 1)
+    (P, M, i % 2) for i, (P, M) in enumerate([(2, 5), (3, 4), (3, 6), (4, 5), (4, 6)])
 ]
 
 
@@ -195,7 +200,8 @@ def test_zb_auto_within_one_percent_of_milp(P, M, seed):
 
     Random uneven per-stage costs (``realistic``, seeded by (P, M, seed)); memory
     limits P (ZB-1p, compared with ZB-H1) and 2P (ZB-2p, compared with ZB-H2).
-    Worst ratio on this subset: 1.000001 (the MILP's bound is 1e-6 below its optimum).
+    Worst ratio on the ten-case subset this was cut from: 1.000001 (the MILP's bound is 1e-6
+    below its optimum).
     """
     rng = random.Random(1000 * P + 10 * M + seed)
     costs = realistic(rng, P)
