@@ -8,9 +8,10 @@ microbatches of an unpadded batch:
   ``replicated_with_grad_allreduce`` per-head ``q_norm``/``k_norm`` run on the local heads,
   their gradient ``Partial`` over tp;
 * Qwen3-MoE at pp2 x tp2 with sequence parallelism (zb-h1), Mixtral without (1f1b; a
-  covering design of family x sequence parallelism, not the product): the experts stay whole on every tp rank (a ``ReplicatedExpertsWarning``
-  per stage names them), their block gathers the sequence, so every tp rank routes the same
-  tokens and the experts' gradients are plain tensors, equal on every tp rank;
+  covering design of family x sequence parallelism, not the product): the experts stay
+  whole on every tp rank (a ``ReplicatedExpertsWarning`` per stage names them), their
+  block gathers the sequence, so every tp rank routes the same tokens and the experts'
+  gradients are plain tensors, equal on every tp rank;
 * kv heads fewer than tp at pp1 x tp4: a Llama with one kv head (multi-query) and a Qwen3
   with 8 query heads and 2 kv heads under sequence parallelism: each rank keeps the kv head
   its query heads use, the k/v weights whole with a ``Partial`` gradient.
