@@ -66,11 +66,15 @@ def _run(sched: str, kind: str, backend: str, amp: bool = False) -> None:
     assert all(c.split_share.fraction > 0.9 for c in chunks[1:-1])
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-@pytest.mark.parametrize("sched", ["zb-h1", "zbv"])
+@pytest.mark.parametrize(
+    ("sched", "kind"), [("zb-h1", "gpt2"), ("zb-h1", "llama"), ("zbv", "gpt2")]
+)
 def test_compiled_blocks_under_split_schedules_match_compiled_reference_bitwise(
     sched: str, kind: str
 ) -> None:
+    """A covering design with the two tests below, not the product of backend x schedule x
+    model x precision: every (schedule, model) pair under aot_eager (zbv with Llama in
+    bf16), inductor on the V placement with Llama."""
     _run(sched, kind, "aot_eager")
 
 
@@ -80,11 +84,8 @@ def test_compiled_blocks_under_autocast_bf16_match_compiled_reference_bitwise() 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sched", ["zb-h1", "zbv"])
-def test_inductor_blocks_under_split_schedules_match_compiled_reference_bitwise(
-    sched: str,
-) -> None:
-    _run(sched, "llama", "inductor")
+def test_inductor_blocks_under_split_schedules_match_compiled_reference_bitwise() -> None:
+    _run("zbv", "llama", "inductor")
 
 
 def test_graph_split_modules_and_their_ancestors_stay_uncompiled() -> None:

@@ -12,7 +12,9 @@ head's gradient to the embedding's afterwards (stage order, as
 both sides.
 
 Checked for GPT-2 (tied, dropout 0.1, padding; ``sdpa`` and ``eager``) and Llama
-(grouped-query attention, rotary, padding, attention dropout): per-microbatch
+(grouped-query attention, rotary, padding, attention dropout), every kind once on a
+covering design of P (2, 4), M (P, 2P + 1), family and attention (see :func:`design`;
+P = 4 and the V placement at both P kept): per-microbatch
 losses, every gradient and every parameter after every step bitwise, the tied
 replicas bitwise equal on every holder, and the gathered state dict loading
 strictly into a fresh model equal to the reference's. The sequence length changes
@@ -258,29 +260,53 @@ def case_key(schedule: zerobubble.Schedule, variant: str) -> tuple[str, int, str
 
 
 #: The design's rows as (P is 4, M is 2P + 1, Llama, eager): a half fraction of the 2^4
-#: product (the rows whose levels sum to an even number), in complementary pairs. Any two
-#: factors take all four level pairs over its rows.
+#: product (the rows whose levels sum to an even number). Any two factors take all four
+#: level pairs over its eight rows.
 ROWS = ((0, 0, 0, 0), (0, 0, 1, 1), (0, 1, 0, 1), (0, 1, 1, 0))
 ROWS += tuple(tuple(1 - x for x in row) for row in ROWS)
+
+#: Each kind's row. The looped kinds take all eight rows, the V kinds (the last stage on
+#: rank 0; checked by :func:`cases`) seven; the searching kinds sit where they solve in
+#: about a second (auto at P = 2, M = 2 picks a looped placement); GPT-2 at P = 4, M = 9
+#: (row 5) runs looped (interleaved-1f1b: the tied replicas on ranks 0 and 3) and V (zbv:
+#: both on rank 0).
+ROW = {
+    "auto": 0,
+    "zb-auto": 1,
+    "optimal": 2,
+    "gpipe": 3,
+    "zb-h2": 4,
+    "interleaved-1f1b": 5,
+    "zb-h1": 6,
+    "1f1b": 7,
+    "1f1b-v": 0,
+    "dualpipev": 1,
+    "optimal-v": 3,
+    "zbv-auto": 4,
+    "zbv": 5,
+    "v-half": 6,
+    "v-min": 7,
+}
+V_KINDS = frozenset(("1f1b-v", "dualpipev", "optimal-v", "zbv-auto", "zbv", "v-half", "v-min"))
 
 
 def design() -> list[tuple[str, int, int, str]]:
     """(kind, P, M, variant) of every run: a covering design, not the full product.
 
-    Each kind runs twice, as one complementary pair of rows (the pair rotating with the
-    kind), so every kind meets both P, both M points, both families and both attention
-    implementations, and over the kinds every pair of the other four factors occurs
-    (test_the_design_covers_every_pair). Neither family nor attention implementation
-    touches the schedule: what a kind changes (placement, order, the tied replicas' ranks)
-    is checked at both P and both M with a tied and an untied model.
+    Each kind runs once, on its :data:`ROW` of the half fraction, so over the kinds every
+    pair of the four other factors occurs, and so does every pair of placement family (V or
+    looped) with each of them (test_the_design_covers_every_pair). Neither family nor
+    attention implementation touches the schedule: what a kind changes (placement, order,
+    the tied replicas' ranks) is checked for each family of kinds at both P and both M with
+    a tied and an untied model.
     """
     out = []
-    for i, kind in enumerate(RUNTIME_KINDS):
-        for row in (ROWS[i % 4], ROWS[i % 4 + 4]):
-            p = 4 if row[0] else 2
-            m = 2 * p + 1 if row[1] else p
-            variant = f"{'llama' if row[2] else 'gpt2'}-{'eager' if row[3] else 'sdpa'}"
-            out.append((kind, p, m, variant))
+    for kind in RUNTIME_KINDS:
+        row = ROWS[ROW[kind]]
+        p = 4 if row[0] else 2
+        m = 2 * p + 1 if row[1] else p
+        variant = f"{'llama' if row[2] else 'gpt2'}-{'eager' if row[3] else 'sdpa'}"
+        out.append((kind, p, m, variant))
     return out
 
 
@@ -288,7 +314,7 @@ def cases(p: int) -> list[tuple[zerobubble.Schedule, str, int]]:
     """The design's runs at ``p``. Two chunks where a kind takes a chunk count (8 stages at
     P = 4: the models' 8 layers). GPT-2 runs 5 steps at P = 4, M = 9 (the tied replicas
     after 5 AdamW steps), the rest 2 (the first clips, the second does not; the sequence
-    length changes between them). What generated.SLOW_SOLVES skips runs at M = P - 1 instead.
+    length changes between them).
     """
     out = []
     for kind, q, m, variant in design():
@@ -296,30 +322,34 @@ def cases(p: int) -> list[tuple[zerobubble.Schedule, str, int]]:
             continue
         opts = {"chunks": 2} if "chunks" in GENERATORS[kind].options else {}
         steps = 5 if variant.startswith("gpt2") and m > p == 4 else 2
-        mine = p - 1 if (kind, p, m) in SLOW_SOLVES else m
-        out.append((generated(kind, p, mine, **opts), variant, steps))
+        schedule = generated(kind, p, m, **opts)
+        assert (schedule.placement[-1] == 0) == (kind in V_KINDS), (kind, schedule.placement)
+        out.append((schedule, variant, steps))
     return out
 
 
 def test_the_design_covers_every_pair():
     runs = design()
     factors = [
-        [k for k, *_ in runs],
+        ["v" if k in V_KINDS else "looped" for k, *_ in runs],
         [p for _, p, _, _ in runs],
         ["long" if m > p else "short" for _, p, m, _ in runs],
         [v.split("-")[0] for *_, v in runs],
         [v.split("-")[1] for *_, v in runs],
     ]
     levels = [set(f) for f in factors]
-    assert [len(x) for x in levels] == [len(RUNTIME_KINDS), 2, 2, 2, 2]
+    assert [len(x) for x in levels] == [2, 2, 2, 2, 2]
     for a in range(len(factors)):
         for b in range(a + 1, len(factors)):
             seen = set(zip(factors[a], factors[b], strict=True))
             assert seen == {(x, y) for x in levels[a] for y in levels[b]}, (a, b)
     assert {v for *_, v in runs} == set(VARIANTS)
-    # Tied replicas after 5 steps at P = 4, M = 9: some kinds run GPT-2 there.
-    assert any(p == 4 and m == 9 and v.startswith("gpt2") for _, p, m, v in runs)
-    assert len(runs) == 2 * len(RUNTIME_KINDS)
+    assert [k for k, *_ in runs] == list(RUNTIME_KINDS)  # every kind, once
+    assert V_KINDS.issubset(RUNTIME_KINDS) and ROW.keys() == set(RUNTIME_KINDS)
+    assert not {(k, p, m) for k, p, m, _ in runs} & SLOW_SOLVES
+    # Tied replicas after 5 steps at P = 4, M = 9: a looped and a V kind run GPT-2 there.
+    tied = {k in V_KINDS for k, p, m, v in runs if p == 4 and m == 9 and v.startswith("gpt2")}
+    assert tied == {False, True}
 
 
 def check_matrix(p: int) -> None:
@@ -342,12 +372,12 @@ def check_matrix(p: int) -> None:
 
 
 @pytest.mark.slow
-def test_every_kind_at_p2_is_bitwise_the_hf_models_own_training():
+def test_the_design_at_p2_is_bitwise_the_hf_models_own_training():
     check_matrix(2)
 
 
 @pytest.mark.slow
-def test_every_kind_at_p4_is_bitwise_the_hf_models_own_training():
+def test_the_design_at_p4_is_bitwise_the_hf_models_own_training():
     check_matrix(4)
 
 

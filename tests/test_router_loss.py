@@ -198,8 +198,30 @@ def test_the_references_weigh_terms_as_the_formula(name):
 
 
 def matrix_ranks(dp: int, cases: list[tuple[str, int, str]]) -> dict:
-    """dp = 1: P = 3 under zb-h1; dp = 2: pp = 2 x dp = 2 under zbv. One step per case."""
+    """:func:`matrix_steps` in a launch of its own."""
     init_distributed(timeout_s=120)
+    out = matrix_steps(dp, cases)
+    dist.destroy_process_group()
+    return out
+
+
+def four_ranks(cases: list[tuple[str, int, str]], tmp: str) -> dict:
+    """The two 4-rank jobs in one launch: :func:`matrix_steps` at dp = 2, then
+    :func:`bias_steps`."""
+    init_distributed(timeout_s=120)
+    out = {"matrix": matrix_steps(2, cases), "bias": bias_steps(tmp)}
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory) -> list[dict]:
+    tmp = str(tmp_path_factory.mktemp("router_bias"))
+    return launch(four_ranks, 4, matrix_cases(), tmp, timeout=TIMEOUT)
+
+
+def matrix_steps(dp: int, cases: list[tuple[str, int, str]]) -> dict:
+    """dp = 1: P = 3 under zb-h1; dp = 2: pp = 2 x dp = 2 under zbv. One step per case."""
     world = dist.get_world_size()
     mesh = build_mesh(world // dp, dp) if dp > 1 else None
     kind = "zbv" if dp > 1 else "zb-h1"
@@ -223,7 +245,6 @@ def matrix_ranks(dp: int, cases: list[tuple[str, int, str]]) -> dict:
             "terms": terms,
             "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
         }
-    dist.destroy_process_group()
     return out
 
 
@@ -240,15 +261,18 @@ def matrix_cases() -> list[tuple[str, int, str]]:
 
 @pytest.mark.slow
 @pytest.mark.bitwise
-@pytest.mark.parametrize(("dp", "world"), [(1, 3), (2, 4)])
-def test_the_router_terms_weigh_one_over_m_dp_at_every_m_and_dp(dp, world):
+@pytest.mark.parametrize("dp", [1, 2])
+def test_the_router_terms_weigh_one_over_m_dp_at_every_m_and_dp(dp, request):
     """Each microbatch's router terms (our MoE's ``router_balance`` and ``router_z``;
     Mixtral's ``router_aux`` and ``router_z``) enter the step's objective times
     ``1 / (M * dp)``: losses, the raw terms and every gradient after the dp reduction are
     bitwise the formula written out by hand, and with ``term_weight="per_call"`` bitwise the
     old objective (each microbatch's whole term, weighted as its loss)."""
     cases = matrix_cases()
-    results = launch(matrix_ranks, world, dp, cases, timeout=TIMEOUT)
+    if dp == 1:
+        results = launch(matrix_ranks, 3, dp, cases, timeout=TIMEOUT)
+    else:  # pp = 2 x dp = 2, in the launch test_deepseek_bias_... shares
+        results = [r["matrix"] for r in request.getfixturevalue("four")]
     for case in cases:
         name, m, mode = case
         want = formula(name, dp, m, mode)
@@ -439,14 +463,13 @@ def state_of(pipe: zerobubble.Pipeline) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in pipe.state_dict().items()}
 
 
-def bias_ranks(tmp: str) -> dict:
+def bias_steps(tmp: str) -> dict:
     """pp = 2 x dp = 2, M = 2, AdamW with clipping: four sync steps (the second skipped by a
     NaN gradient, a checkpoint after the third), the fourth again from the checkpoint, the
     first three in conservative mode, and speculative refused."""
     from zerobubble.optim.checkpoint import load_checkpoint, save_checkpoint
     from zerobubble.optim.faults import FaultPlan, GradFault
 
-    init_distributed(timeout_s=120)
     mesh = build_mesh(2, 2)
     nan = FaultPlan(grads=(GradFault(1, 0),))
 
@@ -487,20 +510,19 @@ def bias_ranks(tmp: str) -> dict:
         make("speculative")
     except ValueError as e:
         out["speculative"] = str(e)
-    dist.destroy_process_group()
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.bitwise
-def test_deepseek_bias_moves_once_per_applied_step_from_every_replicas_loads(tmp_path):
+def test_deepseek_bias_moves_once_per_applied_step_from_every_replicas_loads(four):
     """Each router's bias after step k is the one before plus ``RATE * sign(mean load -
     load)``, the loads of step k's microbatches of both replicas counted by hand from
     Hugging Face's own model holding the pipeline's parameters; equal on both replicas; a
     skipped step (NaN gradient) leaves it; the checkpoint round-trips it (a resumed step is
     bitwise the uninterrupted one); conservative post-validation leaves what the sync step
     does; speculative is refused, naming the block and the modes that work."""
-    results = launch(bias_ranks, 4, str(tmp_path), timeout=TIMEOUT)
+    results = [r["bias"] for r in four]  # the 4-rank launch the dp = 2 matrix shares
     assert all(r["actions"] == ["clip", "skip", "clip", "clip"] for r in results)
     # the whole model's state after each step (each pp rank's keys; dp replicas equal)
     for r in results:

@@ -447,24 +447,31 @@ def check_turns(results: list[dict]) -> None:
     assert recompute.startswith("options recompute 'stage' but the stages were built with 'none'")
 
 
+FAST_RUNS, FAST_POST = [(k, m) for k in FAST for m in CASES], ["interleaved-1f1b"]
+SLOW_POST = ["zbv", "zb-h1"]
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    """Both tests' runs in one launch (a launch's start-up dominates)."""
+    runs, post = FAST_RUNS + covering_runs(SLOW), FAST_POST + SLOW_POST
+    return launch(job, P, runs, post, True, schedules(KINDS), timeout=TIMEOUT)
+
+
 @pytest.mark.bitwise
-def test_tied_pipelines_match_the_stage_order_reference_bitwise():
-    runs, post = [(k, m) for k in FAST for m in CASES], ["interleaved-1f1b"]
-    results = launch(job, P, runs, post, True, schedules(FAST), timeout=TIMEOUT)
-    check(results, runs, post)
-    check_shared(results)
-    check_turns(results)
+def test_tied_pipelines_match_the_stage_order_reference_bitwise(ranks):
+    check(ranks, FAST_RUNS, FAST_POST)
+    check_shared(ranks)
+    check_turns(ranks)
 
 
 def test_the_runs_cover_every_kind_model_and_placement_family():
-    runs = [(k, m) for k in FAST for m in CASES] + covering_runs(SLOW)
+    runs = FAST_RUNS + covering_runs(SLOW)
     assert {k for k, _ in runs} == set(KINDS)
     family = {k: s.placement for k, s in schedules(KINDS).items()}
     assert {(family[k], m) for k, m in runs} == {(f, m) for f in family.values() for m in CASES}
 
 
 @pytest.mark.slow
-def test_every_kind_with_a_tie_and_post_validation():
-    runs, post = covering_runs(SLOW), ["zbv", "zb-h1"]
-    results = launch(job, P, runs, post, False, schedules(SLOW + post), timeout=TIMEOUT)
-    check(results, runs, post)
+def test_every_kind_with_a_tie_and_post_validation(ranks):
+    check(ranks, covering_runs(SLOW), SLOW_POST)
