@@ -110,7 +110,7 @@ def choose_schedule(
     it. ``options`` are the training run's (seed, recompute); the profile runs them
     unfused, the trials as given.
     """
-    from zerobubble.train.job import PLANNER, plan_schedule
+    from zerobubble.train.job import PLANNER
 
     P, M = num_devices, microbatches
     rc = options.recompute != "none"
@@ -133,33 +133,9 @@ def choose_schedule(
         traces.append(_gather(other))
         del other
 
-    def plan() -> tuple[Candidate, ...] | ValueError:  # on rank 0, which holds the traces
-        zb, full_run = traces[0] or [], traces[1] or []
-        split = stage_profile(zb, P, skip_iterations=TRIAL_WARMUP, recompute=rc)
-        full = stage_profile(full_run, P, skip_iterations=TRIAL_WARMUP, recompute=rc)
-        paid = message_latency(full_run, zb, skip_iterations=TRIAL_WARMUP)
-        pairs = boundary_pairs(f1b.placement)
-        lat = tuple((s, paid[s]) for s, _, _ in pairs if s in paid and paid[s].median >= 0)
-        prof = Profile(split, f1b.placement, lat, warmup=TRIAL_WARMUP, fused=full)
-        costs = prof.cost_model()
-        peak = max(float(m) for m in simulate(f1b, prof.cost_model(fused=True)).peak_memory)
-        if rc:  # 1F1B's B rebuilds one M_W at least
-            peak = max(peak, float(min_feasible_limit(f1b.placement, costs)))
-        limit = int(mem_ratio * peak)
-        try:
-            planned, kind = plan_schedule(P, M, costs, limit, num_layers=num_layers)
-        except ValueError as exc:  # ScheduleError too
-            return ValueError(
-                f"pipeline_parallel_schedule auto: the planner found no schedule within "
-                f"{mem_ratio} x 1F1B's activation peak ({exc}); name a schedule kind instead"
-            )
-        found = list(plan_candidates(prof, (kind, planned), M, limit, top=8, pairs=False))
-        ran = fuse_local_backward(f1b)
-        if all(fuse_local_backward(c.schedule).actions != ran.actions for c in found):
-            found.append(Candidate("1f1b", f1b, predict_ms(prof, ran)))
-        return tuple(found)
-
-    box: list[Any] = [plan() if dist.get_rank() == 0 else None]
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:  # rank 0 holds the traces
+        box[0] = _plan(traces, f1b, M, num_layers, recompute=rc, mem_ratio=mem_ratio)
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], ValueError):  # refused alike on every rank
         raise box[0]
@@ -177,6 +153,47 @@ def choose_schedule(
     )
     won = tried[best][0]
     return AutoChoice(won.schedule, won.kind, results, _warning(results, PLANNER))
+
+
+def _plan(
+    traces: list[list[TraceEvent] | None],
+    f1b: Schedule,
+    M: int,
+    num_layers: int,
+    *,
+    recompute: bool,
+    mem_ratio: float,
+) -> tuple[Candidate, ...] | ValueError:
+    """The trial's candidates from the ZB-H1 and 1F1B traces: the profile, the plan within
+    ``mem_ratio`` x 1F1B's activation peak, its best predictions and 1F1B; a ValueError to
+    raise on every rank when the planner finds nothing."""
+    from zerobubble.train.job import plan_schedule
+
+    P, rc = f1b.num_devices, recompute
+    zb, full_run = traces[0] or [], traces[1] or []
+    split = stage_profile(zb, P, skip_iterations=TRIAL_WARMUP, recompute=rc)
+    full = stage_profile(full_run, P, skip_iterations=TRIAL_WARMUP, recompute=rc)
+    paid = message_latency(full_run, zb, skip_iterations=TRIAL_WARMUP)
+    pairs = boundary_pairs(f1b.placement)
+    lat = tuple((s, paid[s]) for s, _, _ in pairs if s in paid and paid[s].median >= 0)
+    prof = Profile(split, f1b.placement, lat, warmup=TRIAL_WARMUP, fused=full)
+    costs = prof.cost_model()
+    peak = max(float(m) for m in simulate(f1b, prof.cost_model(fused=True)).peak_memory)
+    if rc:  # 1F1B's B rebuilds one M_W at least
+        peak = max(peak, float(min_feasible_limit(f1b.placement, costs)))
+    limit = int(mem_ratio * peak)
+    try:
+        planned, kind = plan_schedule(P, M, costs, limit, num_layers=num_layers)
+    except ValueError as exc:  # ScheduleError too
+        return ValueError(
+            f"pipeline_parallel_schedule auto: the planner found no schedule within "
+            f"{mem_ratio} x 1F1B's activation peak ({exc}); name a schedule kind instead"
+        )
+    found = list(plan_candidates(prof, (kind, planned), M, limit, top=8, pairs=False))
+    ran = fuse_local_backward(f1b)
+    if all(fuse_local_backward(c.schedule).actions != ran.actions for c in found):
+        found.append(Candidate("1f1b", f1b, predict_ms(prof, ran)))
+    return tuple(found)
 
 
 def _gather(pipe: Pipeline) -> list[TraceEvent] | None:

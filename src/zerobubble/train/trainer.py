@@ -24,11 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.optim.lr_scheduler import LambdaLR
 
 from zerobubble.executor import ExecutorOptions
 from zerobubble.optim.checkpoint import committed_steps, load_checkpoint, save_checkpoint
 from zerobubble.optim.config import OptimConfig
-from zerobubble.optim.trainer import Commit
+from zerobubble.optim.trainer import Commit, PipelineTrainer
 from zerobubble.parallel.mesh import PipelineMesh, build_mesh
 from zerobubble.pipeline import Pipeline
 from zerobubble.runtime.launcher import init_distributed
@@ -123,13 +124,8 @@ def train(
         init_distributed()
     device = _device()
     par = recipe.parallelism
-    mesh = build_mesh(
-        par.pipeline_parallel_degree,
-        par.dp,
-        fsdp=par.shard > 1,
-        ep=par.expert_parallel_degree,
-        tp=par.tensor_parallel_degree,
-    )
+    mesh = build_mesh(par.pipeline_parallel_degree, par.dp, fsdp=par.shard > 1,
+                      ep=par.expert_parallel_degree, tp=par.tensor_parallel_degree)  # fmt: skip
     source = model_source(recipe)
     options = ExecutorOptions(
         seed=recipe.training.seed,
@@ -146,28 +142,10 @@ def train(
             choice = _auto(recipe, source, mesh, options, batches, device, write_line, lead)
             schedule = choice.schedule
     pipe = source.build(schedule, recipe.microbatches, mesh, options)
-    opt = torch.optim.AdamW(
-        pipe.parameters(),
-        lr=recipe.optimizer.lr,
-        eps=recipe.optimizer.eps,
-        weight_decay=recipe.optimizer.weight_decay,
-    )
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(opt, recipe.lr_factor)
-    commits: list[Commit] = []
-    trainer = pipe.set_optimizer(
-        opt, OptimConfig(max_norm=recipe.training.max_norm), on_commit=commits.append
-    )
+    opt, lr_scheduler, trainer, commits = _optimizer(recipe, pipe)
     ckpt = recipe.checkpoint
     root = recipe.path(ckpt.folder)
-    start = 0
-    if ckpt.enable:
-        step = None if ckpt.load_step == -1 else ckpt.load_step
-        extra = load_checkpoint(trainer, root, step=step, missing_ok=step is None, mesh=mesh)
-        if extra is not None:
-            start = int(extra["step"])
-            lr_scheduler.load_state_dict(extra["lr_scheduler"])
-            for g in opt.param_groups:  # this recipe's schedule (the steps may have changed)
-                g["lr"] = g["initial_lr"] * recipe.lr_factor(start)
+    start = _resume(recipe, trainer, lr_scheduler, mesh) if ckpt.enable else 0
     result = TrainResult(start, start, schedule=pipe.schedule.name, summary=source.summary)
     if choice is not None:
         result.schedule = f"{choice.kind} (auto: the fastest in the trial)"
@@ -202,6 +180,38 @@ def train(
             log.close()
     pipe.drain()
     return _finish(recipe, pipe, mesh, source, result, return_state)
+
+
+def _optimizer(
+    recipe: Recipe, pipe: Pipeline
+) -> tuple[torch.optim.AdamW, LambdaLR, PipelineTrainer, list[Commit]]:
+    """AdamW over this rank's parameters, its warm-up/decay schedule, and the trainer that
+    steps it (the commits it reports: each step's gradient norm)."""
+    o = recipe.optimizer
+    opt = torch.optim.AdamW(pipe.parameters(), lr=o.lr, eps=o.eps, weight_decay=o.weight_decay)
+    lr_scheduler = LambdaLR(opt, recipe.lr_factor)
+    commits: list[Commit] = []
+    config = OptimConfig(max_norm=recipe.training.max_norm)
+    trainer = pipe.set_optimizer(opt, config, on_commit=commits.append)
+    return opt, lr_scheduler, trainer, commits
+
+
+def _resume(
+    recipe: Recipe, trainer: PipelineTrainer, lr_scheduler: LambdaLR, mesh: PipelineMesh
+) -> int:
+    """Load the checkpoint ``[checkpoint]`` names (the newest, or ``load_step``) into the
+    trainer and the LR schedule; the step it was saved at (0: none yet)."""
+    ckpt = recipe.checkpoint
+    step = None if ckpt.load_step == -1 else ckpt.load_step
+    root = recipe.path(ckpt.folder)
+    extra = load_checkpoint(trainer, root, step=step, missing_ok=step is None, mesh=mesh)
+    if extra is None:
+        return 0
+    start = int(extra["step"])
+    lr_scheduler.load_state_dict(extra["lr_scheduler"])
+    for g in lr_scheduler.optimizer.param_groups:  # this recipe's schedule (steps may differ)
+        g["lr"] = g["initial_lr"] * recipe.lr_factor(start)
+    return start
 
 
 def _finished(recipe: Recipe) -> bool:
