@@ -53,6 +53,7 @@ from zerobubble.runtime.recorder import (
 )
 from zerobubble.runtime.rng import StageRng
 from zerobubble.runtime.sequence.batch import check_cuts, segment_step
+from zerobubble.runtime.sequence.guard import SegmentGuard
 from zerobubble.runtime.stage import LossFn, StageChunk
 from zerobubble.runtime.step_batch import split_step
 from zerobubble.schedule.ir import Schedule
@@ -207,6 +208,7 @@ class PipelineExecutor:
                 timeout_s=opts.comm_timeout_s,
             )
         self._prepare(stages, loss_fn, parallelize)
+        self.segment_guard = SegmentGuard.install(self.cuts, self.chunks, self.device, mesh)
         for chunk in self.chunks.values():  # a W's replayed draws wait for a running forward
             chunk.store.rng_lock = self.rng.lock
         self.has_first = 0 in self.chunks
@@ -398,6 +400,8 @@ class PipelineExecutor:
         run = Interpreter(self, batch, hooks or StepHooks())
         run.run()
         self.iteration += 1
+        if self.segment_guard is not None:  # raises on every rank if a stage failed
+            self.segment_guard.agree(self.group, self.options.comm_timeout_s, self.p2p.progress)
         if not self.has_last:
             return None
         out = [loss for loss in run.losses if loss is not None]
