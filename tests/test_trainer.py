@@ -122,6 +122,10 @@ def four_ranks(tmp: str, llama: str, mixtral: str) -> dict:
 
 
 def two_ranks(tmp: str, llama: str, whole: str) -> dict:
+    import warnings
+
+    import torch.distributed as dist
+
     from zerobubble.runtime.launcher import init_distributed
     from zerobubble.train.trainer import train
 
@@ -135,7 +139,16 @@ def two_ranks(tmp: str, llama: str, whole: str) -> dict:
     short = {"training.steps": 2, "parallelism.pipeline_parallel_schedule": "DualPipeV"}
     plain = train(recipe(t, "plain", Path(llama), **short)).losses
     paired = train(recipe(t, "pairs", Path(llama), **short, **{"parallelism.overlap": True}))
+    if dist.get_rank() == 0:  # step 4's checkpoint damaged: the newest that verifies is 2
+        victim = sorted((t / "dp1" / "checkpoint" / "step_00000004").iterdir())[0]
+        victim.write_bytes(bytes(len(victim.read_bytes())))
+    dist.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = train(recipe(t, "dp1", Path(llama), ckpt=True))
+    said = [str(w.message) for w in caught if "newest checkpoint that verifies" in str(w.message)]
     return {
+        "damaged": (again.start, again.losses, said),
         "pairs": (plain, paired.losses, paired.schedule),
         "start": done.start,
         "losses": done.losses,
@@ -488,3 +501,11 @@ def test_segments_and_overlap_build_their_kinds_or_are_refused_naming_those_that
         )
     with pytest.raises(ValueError, match="'1F1B' takes no segments; give a kind that does: seq"):
         build_schedule(build_recipe({**base, "parallelism.segments": 2}))
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_resumes_from_the_newest_that_verifies(runs):
+    *_, two = runs
+    start, losses, said = two[0]["damaged"]
+    assert start == 2 and losses == two[0]["losses"]  # bitwise the first resume from step 2
+    assert len(said) == 1 and "resuming from step 2" in said[0]

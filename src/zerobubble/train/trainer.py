@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,12 @@ from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from zerobubble.executor import ExecutorOptions
-from zerobubble.optim.checkpoint import committed_steps, load_checkpoint, save_checkpoint
+from zerobubble.optim.checkpoint import (
+    CheckpointError,
+    committed_steps,
+    load_checkpoint,
+    save_checkpoint,
+)
 from zerobubble.optim.config import OptimConfig
 from zerobubble.optim.trainer import Commit, PipelineTrainer
 from zerobubble.parallel.mesh import PipelineMesh, build_mesh
@@ -199,12 +205,22 @@ def _optimizer(
 def _resume(
     recipe: Recipe, trainer: PipelineTrainer, lr_scheduler: LambdaLR, mesh: PipelineMesh
 ) -> int:
-    """Load the checkpoint ``[checkpoint]`` names (the newest, or ``load_step``) into the
-    trainer and the LR schedule; the step it was saved at (0: none yet)."""
+    """Load the checkpoint ``[checkpoint]`` names (the newest that verifies, with a warning
+    when a newer one is damaged; or ``load_step``, exactly) into the trainer and the LR
+    schedule; the step it was saved at (0: none yet)."""
     ckpt = recipe.checkpoint
     step = None if ckpt.load_step == -1 else ckpt.load_step
     root = recipe.path(ckpt.folder)
-    extra = load_checkpoint(trainer, root, step=step, missing_ok=step is None, mesh=mesh)
+    try:
+        extra = load_checkpoint(trainer, root, step=step, missing_ok=step is None, mesh=mesh)
+    except CheckpointError as exc:  # every rank verifies the same files: all land here alike
+        if step is not None or exc.fallback is None:
+            raise
+        warnings.warn(
+            f"{exc}; resuming from step {exc.fallback}, the newest checkpoint that verifies",
+            stacklevel=2,
+        )
+        extra = load_checkpoint(trainer, root, step=exc.fallback, mesh=mesh)
     if extra is None:
         return 0
     start = int(extra["step"])
