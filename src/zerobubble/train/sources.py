@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from zerobubble.executor import ExecutorOptions
 from zerobubble.parallel.mesh import PipelineMesh
+from zerobubble.parallel.partition import model_layers
 from zerobubble.pipeline import Pipeline
 from zerobubble.runtime.stage import LossFn
 from zerobubble.schedule.ir import Schedule
@@ -226,17 +227,13 @@ def _directory(folder: Path) -> ModelSource:
 
 def factory_source(spec: str) -> ModelSource:
     """One's own model from ``module:function`` (a layer list, or a module with
-    ``pipeline_layers()``); ValueError naming what the factory returned otherwise."""
-    module_name, _, fn_name = spec.partition(":")
+    ``pipeline_layers()``: :func:`~zerobubble.parallel.partition.model_layers`); ValueError
+    naming what the factory returned otherwise."""
+    made: Any = _import_factory(spec)()
     try:
-        fn = getattr(importlib.import_module(module_name), fn_name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(
-            f"model.name {spec!r}: cannot import {fn_name} from {module_name} ({exc}); give "
-            "module:function with the module importable (on PYTHONPATH)"
-        ) from None
-    made = fn()
-    layers = made.pipeline_layers() if hasattr(made, "pipeline_layers") else made
+        layers = model_layers(made)
+    except ValueError as exc:
+        raise ValueError(f"model.name {spec!r}: {exc}") from None
     if isinstance(layers, nn.Sequential | nn.ModuleList):
         layers = list(layers)
     if not isinstance(layers, list) or not all(isinstance(x, nn.Module) for x in layers):
@@ -247,6 +244,19 @@ def factory_source(spec: str) -> ModelSource:
         )
     vocab = getattr(made, "vocab_size", 256)
     return _layers(layers, int(vocab), f"{spec} ({len(layers)} layers)")
+
+
+def _import_factory(spec: str) -> Callable[[], object]:
+    """The function ``module:function`` names; ValueError when it does not import."""
+    module_name, _, fn_name = spec.partition(":")
+    try:
+        fn: Callable[[], object] = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(
+            f"model.name {spec!r}: cannot import {fn_name} from {module_name} ({exc}); give "
+            "module:function with the module importable (on PYTHONPATH)"
+        ) from None
+    return fn
 
 
 def check_name(recipe: Recipe) -> None:
@@ -266,11 +276,4 @@ def check_name(recipe: Recipe) -> None:
             f"model.name {name!r} is no model: give a Hugging Face directory (config.json and "
             f"*.safetensors), one of gpt, {', '.join(SHIPPED_HF)}, or module:function"
         )
-    module_name, _, fn_name = name.partition(":")
-    try:
-        getattr(importlib.import_module(module_name), fn_name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(
-            f"model.name {name!r}: cannot import {fn_name} from {module_name} ({exc}); give "
-            "module:function with the module importable (on PYTHONPATH)"
-        ) from None
+    _import_factory(name)
