@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -176,3 +177,15 @@ def test_segments_join_back_to_the_whole_sequence():
     pieces = [cut_value(batch, s, e) for s, e in itertools.pairwise(CUTS)]
     whole = join_segments(pieces, CUTS)
     assert all(torch.equal(whole[k], batch[k]) for k in batch)
+
+
+def test_where_the_guard_cannot_run_it_warns_instead_of_staying_silent():
+    from types import SimpleNamespace
+
+    from zerobubble.runtime.sequence.guard import SegmentGuard, UncheckedSegmentsWarning
+
+    for tp, fsdp, what in ((2, False, "tensor parallelism"), (1, True, "FSDP")):
+        mesh = SimpleNamespace(tp_size=tp, spec=SimpleNamespace(fsdp=fsdp))
+        with pytest.warns(UncheckedSegmentsWarning, match=f"segments under {what}: the segment"):
+            assert SegmentGuard.install((0, 4, 8), {}, torch.device("cpu"), mesh) is None
+    assert SegmentGuard.install(None, {}, torch.device("cpu"), mesh) is None  # no segments

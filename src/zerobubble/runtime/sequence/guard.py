@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -197,6 +198,10 @@ def fresh_copy(module: nn.Module) -> nn.Module:
     return out
 
 
+class UncheckedSegmentsWarning(UserWarning):
+    """Segments run where the guard cannot check them (under tp or FSDP)."""
+
+
 class SegmentGuard:
     """The verdicts of this rank's stages' checks for one executor (see the module).
 
@@ -221,7 +226,19 @@ class SegmentGuard:
         """With ``cuts``, the guard of an executor's ``chunks`` (one extension appended to
         each chunk's list); None without segments, and under tp or FSDP, whose stages run
         collectives that a local copy cannot."""
-        if cuts is None or (mesh is not None and (mesh.tp_size > 1 or mesh.spec.fsdp)):
+        if cuts is None:
+            return None
+        if mesh is not None and (mesh.tp_size > 1 or mesh.spec.fsdp):
+            what = "tensor parallelism" if mesh.tp_size > 1 else "FSDP"
+            warnings.warn(
+                f"sequence segments under {what}: the segment guard does not run (a stage's "
+                "collectives cannot run on a local copy), so a layer that is not exact on "
+                "segments is not caught; check the model without it first "
+                "(zerobubble.runtime.sequence.check.check_segments, or a run of the same cuts "
+                "without it)",
+                UncheckedSegmentsWarning,
+                stacklevel=3,
+            )
             return None
         guard = cls(cuts, device)
         for stage, chunk in chunks.items():
