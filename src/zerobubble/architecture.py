@@ -18,7 +18,11 @@ from __future__ import annotations
 __all__ = ["LAYERS", "MODEL_SIDE", "TORCH_FREE"]
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("architecture", "schedule"),  # what to run, in which order (no torch); this table
+    (
+        "architecture",
+        "composition",
+        "schedule",
+    ),  # what to run, in which order (no torch); the tables
     ("program",),  # each rank's instructions: the builder, its passes, the final check (no torch)
     ("trace",),  # the trace format, its offline check and clock alignment (no torch)
     ("runtime",),  # how to run one stage and one instruction: split, stage, p2p, interpreter
@@ -37,5 +41,5 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 MODEL_SIDE: tuple[str, ...] = ("models", "interop")
 """The rooms that implement the layer contract: no room below them imports them."""
 
-TORCH_FREE: tuple[str, ...] = ("architecture", "schedule", "program", "trace")
+TORCH_FREE: tuple[str, ...] = ("architecture", "composition", "schedule", "program", "trace")
 """The rooms that never import torch (the schedule commands stay fast and torch-less)."""

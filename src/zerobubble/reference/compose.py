@@ -10,7 +10,9 @@ package rather than restating their arithmetic:
   :class:`~zerobubble.reference.step.Share`: the rows or ``count_fn``'s count summed over the
   replicas, the loss terms weighted over ``M * R``), and the replicas' gradients are summed
   in rank order ``((g_0 + g_1) + g_2) + ...``, the order of the dp reduction. FSDP shards
-  that reduction's result, so its ground truth is the same;
+  that reduction's result, so its ground truth is the same, but for one order: FSDP2
+  reduces a gradient that is ``Partial`` over tp (a sequence-parallel norm's) over tp
+  before its dp reduction, where the plain dp path sums over dp first (``fsdp=True``);
 - **segments** (``cuts=``): :func:`~zerobubble.reference.step.segment_reference_step` per
   replica;
 - **tp** (``tp_mesh=``, ``tp_plan=``, ``sequence_parallel=``, ``loss_parallel=``):
@@ -42,6 +44,7 @@ from typing import Any, cast
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 
 from zerobubble.parallel.experts import ExpertLayer
 from zerobubble.parallel.parallelize import StagePlan
@@ -58,7 +61,7 @@ from zerobubble.reference.step import _batch as read_batch
 from zerobubble.reference.step import (
     reference_step as replica_step,
 )
-from zerobubble.reference.tp import tp_reference_step
+from zerobubble.reference.tp import sum_parts, tp_reference_step
 from zerobubble.runtime.loss_terms import TermWeight
 from zerobubble.runtime.microbatch import CountFn, batch_count, default_count_fn, split_tree
 
@@ -81,6 +84,7 @@ def reference_step(
     tp_plan: StagePlan = None,
     sequence_parallel: bool = False,
     loss_parallel: bool | None = None,
+    fsdp: bool = False,
     seed: int | None = None,
     step: int = 0,
     num_stages: int = 1,
@@ -103,12 +107,7 @@ def reference_step(
         experts tensor whole again). Without tp the sums are left in ``layers``' ``.grad``.
     """
     args, target, m, n = read_batch(args, target, microbatches, kwargs)
-    _refuse(dp, ep, cuts, tp_mesh, seed)
-    if loss_parallel and tp_mesh is None:
-        raise ValueError(
-            "loss_parallel=True without tensor parallelism (tp_mesh): the logits are whole; "
-            "pass tp_mesh=, or leave loss_parallel at None"
-        )
+    _refuse(dp, ep, cuts, tp_mesh, seed, loss_parallel)
     parts = _parts(args, kwargs, target, dp, n)
     model = as_sequential(layers)
     if ep > 1:
@@ -124,14 +123,13 @@ def reference_step(
     losses: list[Tensor] = []
     sums: dict[str, Tensor] = {}
     held: dict[int, Tensor] = {}  # id(parameter) -> its summed .grad
+    tie_parts: dict[str, list[Tensor | None]] = {}  # tp: a tie's stage gradients, dp-summed
     for a, k, t in parts:
         if tp_mesh is not None:
-            mine, grads = tp_reference_step(
-                model, loss_fn, *a, target=t, microbatches=m, tp_mesh=tp_mesh,
-                tp_plan=tp_plan, sequence_parallel=sequence_parallel,
-                loss_parallel=loss_parallel, copy_layers=False,
-                terms=terms, term_weight=term_weight, cuts=cuts, **common, **k,
-            )  # fmt: skip
+            tp: dict[str, Any] = {"tp_mesh": tp_mesh, "tp_plan": tp_plan}
+            tp.update(sequence_parallel=sequence_parallel)
+            tp.update(loss_parallel=loss_parallel, terms=terms, term_weight=term_weight, cuts=cuts)
+            mine, grads = _tp_replica(model, loss_fn, (a, k, t), m, tie_parts, fsdp, tp, common)
         elif cuts is not None:
             mine, grads = segment_reference_step(
                 run, loss_fn, *a, target=t, microbatches=m, cuts=cuts, **common, **k
@@ -147,7 +145,41 @@ def reference_step(
             _hold(run, held)
     if tp_mesh is None:
         ties.give_back(model, run, held, sums)
+    for name, summed in tie_parts.items():  # the dp sums first, then the stages, in order
+        if (total := sum_parts(summed)) is not None:
+            sums[name] = total
     return losses, sums
+
+
+def _tp_replica(
+    model: nn.Sequential, loss_fn: Callable[..., Tensor], part: Part, m: int,
+    tie_parts: dict[str, list[Tensor | None]], fsdp: bool, tp: dict[str, Any],
+    common: dict[str, Any],
+) -> tuple[list[Tensor], dict[str, Tensor]]:  # fmt: skip
+    """One replica's :func:`tp_reference_step`; its ties' stage gradients added into
+    ``tie_parts`` (summed over the stages after every replica, as the pipeline sums them)."""
+    a, k, t = part
+    mine_parts: dict[str, list[Tensor | None]] = {}
+    mine, grads = tp_reference_step(
+        model, loss_fn, *a, target=t, microbatches=m, copy_layers=False, tie_parts=mine_parts,
+        **tp, **common, **k,
+    )  # fmt: skip
+    if fsdp:  # FSDP2 reduces a Partial tp gradient over tp before its dp reduction
+        grads = {n: _over_tp(g) for n, g in grads.items()}
+    for name, stage_grads in mine_parts.items():
+        held = tie_parts.setdefault(name, [None] * len(stage_grads))
+        for i, g in enumerate(stage_grads):
+            if g is not None:
+                held[i] = local_sum(held[i], _over_tp(g) if fsdp else g)
+    return mine, grads
+
+
+def _over_tp(g: Tensor) -> Tensor:
+    """``g`` with a ``Partial`` placement reduced (the tp all-reduce), other layouts as is."""
+    if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):
+        done = [Replicate() if p.is_partial() else p for p in g.placements]
+        return g.redistribute(g.device_mesh, done)
+    return g
 
 
 @dataclass
@@ -234,8 +266,15 @@ def _refuse(
     cuts: Sequence[int] | None,
     tp: DeviceMesh | None,
     seed: int | None,
+    loss_parallel: bool | None = None,
 ) -> None:
-    """The combinations without a composed ground truth, named."""
+    """The combinations without a composed ground truth, named, and loss parallel without
+    tp."""
+    if loss_parallel and tp is None:
+        raise ValueError(
+            "loss_parallel=True without tensor parallelism (tp_mesh): the logits are whole; "
+            "pass tp_mesh=, or leave loss_parallel at None"
+        )
     if dp < 1 or ep < 1 or dp % ep:
         raise ValueError(f"dp={dp} and ep={ep}: both >= 1, and ep must divide dp")
     found = [

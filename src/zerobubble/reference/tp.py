@@ -57,6 +57,7 @@ def tp_reference_step(
     term_weight: TermWeight = "mean",
     share: Share | None = None,
     cuts: Sequence[int] | None = None,
+    tie_parts: dict[str, list[Tensor | None]] | None = None,
     **kwargs: Any,
 ) -> tuple[list[Tensor], dict[str, Tensor]]:
     """One step of ``layers`` in ``num_stages`` stages parallelized over ``tp_mesh``, unpipelined.
@@ -83,7 +84,9 @@ def tp_reference_step(
     (default) works on a deep copy. A parameter tied across stages gets a replica per
     stage, as the pipeline's stages hold it, and its gradient is the stages' summed in
     stage order (:mod:`~zerobubble.parallel.tied`), under its first name (not left in
-    ``.grad``).
+    ``.grad``). Given ``tie_parts``, a tie's stage gradients are not summed: they go there,
+    under its first name, one per holder stage (laid out as the parameter), for a caller
+    that sums them over the dp replicas first, as the pipeline does.
 
     Returns:
         The unscaled per-microbatch losses and a copy of every gradient (a DTensor where
@@ -97,13 +100,7 @@ def tp_reference_step(
     source = copy.deepcopy(list(model)) if copy_layers else list(model)
     loss = LossParallel(num_stages - 1, loss_fn, loss_parallel)
     tp = TensorParallel(tp_mesh, tp_plan, sequence_parallel, loss)
-    stages = []
-    for s, layer_range in enumerate(bounds):
-        stage = nn.Sequential(*(source[i] for i in layer_range))
-        if ties:  # each stage its own replica of a tie, as the pipeline's stages have
-            stage = copy.deepcopy(stage)
-        tp.apply(s, stage)
-        stages.append(stage)
+    stages = [_stage(tp, s, [source[i] for i in r], bool(ties)) for s, r in enumerate(bounds)]
     common: dict[str, Any] = {"seed": seed, "step": step, "num_stages": num_stages}
     common.update(boundaries=list(range(num_stages + 1)), count_fn=count_fn, share=share)
     if cuts is not None:
@@ -116,25 +113,53 @@ def tp_reference_step(
             stages, loss_fn, *args, target=target, microbatches=microbatches, terms=terms,
             term_weight=term_weight, **common, **kwargs,
         )  # fmt: skip
-    return losses, _tied_sums(_stage_grads(stages, keys, bounds), stages, ties)
+    return losses, _with_ties(_stage_grads(stages, keys, bounds), stages, ties, tie_parts)
 
 
-def _tied_sums(
-    grads: dict[str, Tensor], stages: Sequence[nn.Sequential], ties: Sequence[TiedParam]
-) -> dict[str, Tensor]:
-    """``grads`` with each tie's stage gradients summed in stage order (shard by shard, laid
-    out as the parameter), under its first name only, as the pipeline's tie reduction."""
+def _stage(tp: TensorParallel, s: int, layers: list[nn.Module], tied: bool) -> nn.Sequential:
+    """Stage ``s`` of ``layers`` parallelized; with ties its own copy (each stage its own
+    replica of a tie, as the pipeline's stages have)."""
+    stage = nn.Sequential(*layers)
+    if tied:
+        stage = copy.deepcopy(stage)
+    tp.apply(s, stage)
+    return stage
+
+
+def _with_ties(
+    grads: dict[str, Tensor], stages: Sequence[nn.Sequential], ties: Sequence[TiedParam],
+    tie_parts: dict[str, list[Tensor | None]] | None,
+) -> dict[str, Tensor]:  # fmt: skip
+    """``grads`` with each tie under its first name only: its stage gradients summed (or,
+    given ``tie_parts``, put there unsummed)."""
     for tie in ties:
-        total: Tensor | None = None
-        for s in tie.stages:
-            p = stages[s].get_parameter(tie.local[s][0])
-            if p.grad is not None:
-                total = local_sum(total, laid_out_as(p.grad, p, tie.name))
+        parts = _tie_parts(stages, tie)
         for name in tie.source_names:  # the gradients' keys: the user's names
             grads.pop(name, None)
-        if total is not None:
+        if tie_parts is not None:
+            tie_parts[tie.source_names[0]] = parts
+        elif (total := sum_parts(parts)) is not None:
             grads[tie.source_names[0]] = total
     return grads
+
+
+def _tie_parts(stages: Sequence[nn.Sequential], tie: TiedParam) -> list[Tensor | None]:
+    """Each holder stage's gradient of ``tie``, laid out as the parameter."""
+    parts: list[Tensor | None] = []
+    for s in tie.stages:
+        p = stages[s].get_parameter(tie.local[s][0])
+        parts.append(None if p.grad is None else laid_out_as(p.grad, p, tie.name))
+    return parts
+
+
+def sum_parts(parts: Sequence[Tensor | None]) -> Tensor | None:
+    """A tie's stage gradients summed in stage order (shard by shard), as the pipeline's tie
+    reduction sums them; None if no stage has one."""
+    total: Tensor | None = None
+    for g in parts:
+        if g is not None:
+            total = local_sum(total, g)
+    return total
 
 
 def _stage_grads(

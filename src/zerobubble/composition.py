@@ -1,0 +1,234 @@
+"""Which parallelism features compose: the one table, read by the checks, the docs and the tests.
+
+A pipeline job picks features from :data:`FEATURES` (data parallelism, FSDP, tensor and
+sequence parallelism, expert parallelism, sequence segments, recompute, overlapped F&B pairs,
+parameters tied across stages, random ops); any schedule kind, V placements included, runs
+under each. Every pair of features is a :class:`Cell` of :data:`CELLS`: it either composes
+(``tests/test_composition.py`` shows the pipeline bitwise against the composed
+reference, ``zerobubble.reference_step``) or is refused for a stated reason, with the fix.
+Every pair is listed once (a test checks it).
+
+:func:`check` is the one refusal: the mesh, the executor, the pipeline and the reference
+call it with the features a job uses, so the same combination gets the same message
+everywhere. ``docs/scale.md``'s composition table is :func:`markdown` (a test compares
+them), so the docs cannot drift from what is refused. ``tests/test_composition.py`` runs a
+covering design of the whole matrix on gloo ranks.
+
+Pure data and string formatting: torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["CELLS", "FEATURES", "Cell", "cell", "check", "markdown", "refusal"]
+
+FEATURES: dict[str, str] = {
+    "dp": "data-parallel replicas (gradients all-reduced)",
+    "fsdp": "FSDP2 (the dp replicas shard their stages)",
+    "tp": "tensor parallelism",
+    "sp": "sequence parallelism (tp's activations sharded over the sequence)",
+    "ep": "expert parallelism",
+    "segments": "sequence segments",
+    "recompute": "activation recompute",
+    "overlap": "overlapped F&B pairs",
+    "ties": "parameters tied across stages",
+    "random": "random ops (a seed: dropout in training mode)",
+}
+"""The features, in the table's order, with the words messages use for them."""
+
+IMPLIES: dict[str, str] = {"fsdp": "dp", "sp": "tp", "ep": "dp"}
+"""A feature that needs another: FSDP shards over dp, SP over tp, experts over dp ranks."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """A pair of features and how they compose."""
+
+    pair: tuple[str, str]
+    """Two keys of :data:`FEATURES`, in its order."""
+    composes: bool
+    why: str
+    """Composes: what the composition rests on. Refused: why it is not honoured."""
+    fix: str = ""
+    """Refused: what the user does instead."""
+
+
+def _cell(a: str, b: str, why: str, fix: str = "") -> Cell:
+    order = list(FEATURES)
+    pair = (a, b) if order.index(a) < order.index(b) else (b, a)
+    return Cell(pair, not fix, why, fix)
+
+
+CELLS: tuple[Cell, ...] = (
+    _cell("dp", "fsdp", "FSDP is the dp replicas' sharded form"),
+    _cell("dp", "tp", "the dp all-reduce of each tp rank's shards"),
+    _cell("dp", "sp", "sequence shards are per replica"),
+    _cell("dp", "ep", "experts are sharded over ep consecutive dp ranks"),
+    _cell("dp", "segments", "segments cut each replica's sequences"),
+    _cell("dp", "recompute", "recompute changes no arithmetic"),
+    _cell("dp", "overlap", "the dp reduction runs outside the pairs"),
+    _cell("dp", "ties", "the tie is reduced after the dp sums"),
+    _cell("dp", "random", "every replica seeds by (step, stage, microbatch)"),
+    _cell("fsdp", "tp", "FSDP shards the tp DTensors over dp"),
+    _cell("fsdp", "sp", "FSDP shards the tp DTensors over dp"),
+    _cell(
+        "fsdp",
+        "ep",
+        "expert parameters would need their own shard group (edp)",
+        "use ep=1 with fsdp, or fsdp=False with ep",
+    ),
+    _cell("fsdp", "segments", "FSDP's hooks run per unit"),
+    _cell("fsdp", "recompute", "the recomputed forward all-gathers again"),
+    _cell(
+        "fsdp",
+        "overlap",
+        "FSDP keeps one state per stage for its hooks, and the two halves' collectives would "
+        "share the dp group",
+        "build the mesh with fsdp=False, or a schedule without overlap",
+    ),
+    _cell(
+        "fsdp",
+        "ties",
+        "each holder stage would shard its replica of the tie alone",
+        "untie the parameters, or build the mesh with fsdp=False",
+    ),
+    _cell("fsdp", "random", "sharding changes no draw"),
+    _cell("tp", "sp", "sequence parallelism is a tp layout"),
+    _cell(
+        "tp",
+        "ep",
+        "the experts' all-to-all would have to run on tensor-parallel shards",
+        "use ep=1 with tp, or tp=1 with ep",
+    ),
+    _cell("tp", "segments", "each segment is parallelized as a whole sequence"),
+    _cell("tp", "recompute", "the recomputed forward runs the same collectives"),
+    _cell(
+        "tp",
+        "overlap",
+        "both halves' collectives would run on the one tp group, in an order the tp ranks "
+        "could differ on",
+        "build the mesh with tp=1, or a schedule without overlap",
+    ),
+    _cell("tp", "ties", "the tie is reduced over the shards"),
+    _cell("tp", "random", "shared and per-rank streams (TPRandom)"),
+    _cell(
+        "sp",
+        "ep",
+        "the experts' all-to-all would have to run on tensor-parallel shards",
+        "use ep=1 with tp, or tp=1 with ep",
+    ),
+    _cell("sp", "segments", "each segment sharded evenly over tp"),
+    _cell("sp", "recompute", "the recomputed forward runs the same collectives"),
+    _cell(
+        "sp",
+        "overlap",
+        "both halves' collectives would run on the one tp group",
+        "build the mesh with tp=1, or a schedule without overlap",
+    ),
+    _cell("sp", "ties", "the tie is reduced over the shards"),
+    _cell("sp", "random", "sequence shards draw from per-rank streams"),
+    _cell(
+        "ep",
+        "segments",
+        "no composed ground truth yet (reference_step refuses it)",
+        "run the segments with ep=1, or ep without segments",
+    ),
+    _cell("ep", "recompute", "the recomputed forward exchanges again"),
+    _cell("ep", "overlap", "each half's all-to-all on its own lane"),
+    _cell(
+        "ep",
+        "ties",
+        "no composed ground truth yet (reference_step refuses it)",
+        "untie the parameters, or run ep=1",
+    ),
+    _cell(
+        "ep",
+        "random",
+        "no composed ground truth yet (reference_step refuses it)",
+        "run the ep model without random ops, or ep=1",
+    ),
+    _cell(
+        "segments",
+        "recompute",
+        "the recomputed forward would not see the earlier segments' keys and values",
+        "use recompute='none' with segments",
+    ),
+    _cell(
+        "segments",
+        "overlap",
+        "overlapped pairs of segment units are not built",
+        "run segments without overlap",
+    ),
+    _cell("segments", "ties", "the tie is reduced once per step"),
+    _cell("segments", "random", "each unit seeds by its segment"),
+    _cell(
+        "recompute",
+        "overlap",
+        "recompute replays a forward, with its random state, inside the backward the other "
+        "half runs beside",
+        "drop one of the two",
+    ),
+    _cell("recompute", "ties", "recompute changes no arithmetic"),
+    _cell("recompute", "random", "the replay draws from F's generator state"),
+    _cell("overlap", "ties", "the tie is reduced after the step"),
+    _cell("overlap", "random", "the forward holds the stage's generator lock"),
+    _cell("ties", "random", "the replicas draw by their stage"),
+)
+"""Every pair of :data:`FEATURES`, once."""
+
+
+def cell(a: str, b: str) -> Cell:
+    """The cell of features ``a`` and ``b`` (either order)."""
+    for c in CELLS:
+        if set(c.pair) == {a, b}:
+            return c
+    raise ValueError(f"no composition cell for {a!r} and {b!r}; features: {', '.join(FEATURES)}")
+
+
+def closure(features: Iterable[str]) -> set[str]:
+    """``features`` with what they imply (:data:`IMPLIES`)."""
+    out = set(features)
+    for f in list(out):
+        if f not in FEATURES:
+            raise ValueError(f"unknown feature {f!r}; features: {', '.join(FEATURES)}")
+        if f in IMPLIES:
+            out.add(IMPLIES[f])
+    return out
+
+
+def refusal(features: Iterable[str]) -> Cell | None:
+    """The first refused cell (table order) among the pairs of ``features``, or None."""
+    on = closure(features)
+    for c in CELLS:
+        if not c.composes and set(c.pair) <= on:
+            return c
+    return None
+
+
+def check(features: Iterable[str], where: str) -> None:
+    """Raise ValueError if the pairs of ``features`` include a refused cell: ``where`` (the
+    job's words for what was asked, e.g. ``"build_mesh(fsdp=True, ep=2)"``), the two
+    features, the reason and the fix."""
+    c = refusal(features)
+    if c is not None:
+        a, b = (FEATURES[f] for f in c.pair)
+        raise ValueError(f"{where}: {a} with {b} is not supported ({c.why}); {c.fix}")
+
+
+def markdown() -> str:
+    """The composition table of ``docs/scale.md``: a grid of the pairs, then each refused
+    pair's reason and fix."""
+    keys = list(FEATURES)
+    refused = [c for c in CELLS if not c.composes]
+    mark = {c.pair: f"no ({refused.index(c) + 1})" for c in refused}
+    rows = ["| | " + " | ".join(keys[1:]) + " |", "|---" * len(keys) + "|"]
+    for i, a in enumerate(keys[:-1]):
+        row = [("" if j <= i else mark.get((a, b), "yes")) for j, b in enumerate(keys) if j]
+        rows.append(f"| **{a}** | " + " | ".join(row) + " |")
+    notes = [
+        f"{n}. {c.pair[0]} with {c.pair[1]}: {c.why}; {c.fix}" for n, c in enumerate(refused, 1)
+    ]
+    legend = [f"- `{k}`: {v}" for k, v in FEATURES.items()]
+    return "\n".join([*legend, "", *rows, "", *notes]) + "\n"
