@@ -17,19 +17,21 @@ package rather than restating their arithmetic:
   :func:`~zerobubble.reference.tp.tp_reference_step` per replica (collective over the tp mesh:
   every tp rank calls it with the same batch), with segments too (``cuts=``);
 - **ep** (``ep=E``): the replicas run together, the all-to-alls played between them
-  (:func:`~zerobubble.reference.ep.ep_reference_step` for top-level expert layers,
-  :func:`~zerobubble.reference.ep.threaded_ep_reference_step` otherwise);
+  (:func:`~zerobubble.reference.ep.ep_reference_step` for top-level expert layers); with
+  random ops, ties or segments (or experts inside a layer, several inputs, a ``count_fn``)
+  each replica runs its single-replica reference of this list in a thread of its own
+  (:func:`~zerobubble.reference.ep.ep_replicas_step`), the threads taking turns with their
+  own generator state, so each replica draws what its dp rank draws;
 - **random ops** (``seed``, ``step``, ``num_stages``, ``boundaries``) and **loss terms**
   (``terms``, ``term_weight``) as each of those does; **ties**: a parameter layers of
   different stages share (the stages cut by ``num_stages`` and ``boundaries``, as the
   pipeline cuts them) gets a replica per holder stage, and its gradient is the stages'
-  summed in stage order (after the dp sums), as the pipeline's tie reduction adds them;
-  **recompute** and **overlapped pairs** change no arithmetic (tests/test_recompute.py,
+  summed in stage order (after the dp and edp sums), as the pipeline's tie reduction adds
+  them; **recompute** and **overlapped pairs** change no arithmetic (tests/test_recompute.py,
   tests/test_overlap_runtime.py), so they have no option.
 
-A combination without a composed ground truth yet is refused with a ValueError naming it
-(ep with segments, ties across stages, tp or random ops): docs/scale.md
-keeps the table.
+A combination without a composed ground truth is refused with a ValueError naming it (ep
+with tp, which the mesh refuses too); docs/scale.md keeps the table.
 """
 
 from __future__ import annotations
@@ -113,16 +115,16 @@ def reference_step(
         )
     parts = _parts(args, kwargs, target, dp, n)
     model = as_sequential(layers)
+    staged: dict[str, Any] = {"seed": seed, "step": step, "num_stages": num_stages}
+    staged["boundaries"] = boundaries  # how the stages are cut and seeded
     if ep > 1:
-        common = {"seed": seed, "step": step, "num_stages": num_stages, "boundaries": boundaries}
-        return _experts(model, loss_fn, parts, m, n, ep, count_fn, term_weight, terms, cuts, common)
+        return _experts(model, loss_fn, parts, m, n, ep, count_fn, term_weight, terms, cuts, staged)
     count_fn = default_count_fn(loss_fn, count_fn)
     share = None if dp == 1 else Share(n if count_fn is None else _count(parts, count_fn), dp)
     if tp_mesh is not None:  # parallelized once, in place of the caller's layers' copy
         model = as_sequential(copy.deepcopy(list(model)))
     run, ties = Ties.of(model, num_stages, boundaries, tp_mesh is None)
-    common: dict[str, Any] = {"seed": seed, "step": step, "num_stages": num_stages}
-    common.update(boundaries=boundaries, count_fn=count_fn, share=share)
+    common: dict[str, Any] = {**staged, "count_fn": count_fn, "share": share}
     losses: list[Tensor] = []
     sums: dict[str, Tensor] = {}
     held: dict[int, Tensor] = {}  # id(parameter) -> its summed .grad

@@ -11,6 +11,12 @@ back split by source. Stage cuts do not change what is computed, so the model ru
 whole. Bitwise equality with a pipeline run holds by construction, not by a
 kernel's luck.
 
+Where the stages matter (random ops seeded per stage, parameters tied across stages,
+sequence segments), :func:`ep_replicas_step` makes a single-replica reference the ep one:
+each replica runs it in a thread of its own on its sharded copy, the all-to-alls played
+between the threads, the threads taking turns so that each draws from its own generator
+state.
+
 The model is reached through the layer contract only (docs/layer-contract.md): the expert
 layers' phases (:class:`~zerobubble.parallel.experts.ExpertLayer`) and, for the threaded
 reference, each module's sharding hook ``shard_experts``; this module imports no model.
@@ -196,10 +202,10 @@ def threaded_ep_reference_step(
     terms weighted as ``term_weight`` says for ``M = m`` and ``dp = len(parts)``
     (:func:`~zerobubble.runtime.loss_terms.weighted_objective`). The replicas' gradients
     are then summed in rank order: dense ones over all replicas, expert ones over the
-    replicas with the same ep rank (edp). ``parts[r]`` is replica ``r``'s ``(x, target)``,
-    ``x`` what the first layer takes (split along dim 0), or with ``spread`` its
-    ``(args, kwargs)`` (the first layer called as ``layer(*args, **kwargs)``, as a
-    pipeline's first stage calls it).
+    replicas with the same ep rank (edp). The threads are :func:`ep_replicas_step`'s.
+    ``parts[r]`` is replica ``r``'s ``(x, target)``, ``x`` what the first layer takes
+    (split along dim 0), or with ``spread`` its ``(args, kwargs)`` (the first layer called
+    as ``layer(*args, **kwargs)``, as a pipeline's first stage calls it).
 
     Returns:
         Each replica's unscaled per-microbatch objectives, and every summed gradient
