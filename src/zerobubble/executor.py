@@ -461,17 +461,9 @@ def _check_segment_loss(schedule: Schedule, loss_fn: LossFn | None, count_fn: An
 
 
 def _check_segment_shards(cuts: Sequence[int], mesh: PipelineMesh | None) -> None:
-    """Refuse segments with expert parallelism (no ground truth), and, as sequence
-    parallelism shards each segment evenly over tp, cuts (the sequence length, the last,
-    included) that leave a segment tp does not divide, naming the cuts rather than a
-    segment's length, which the user never chose."""
-    if mesh is not None and mesh.ep_size > 1:
-        raise ValueError(
-            f"ExecutorOptions(cuts={list(cuts)}) with expert parallelism (ep={mesh.ep_size}): "
-            "sequence segments with ep have no ground truth yet (zerobubble.reference_step "
-            "refuses the combination, so nothing could show the result right); run the "
-            "segments with ep=1, or ep without segments"
-        )
+    """Refuse, as sequence parallelism shards each segment evenly over tp, cuts (the
+    sequence length, the last, included) that leave a segment tp does not divide, naming
+    the cuts rather than a segment's length, which the user never chose."""
     tp = 1 if mesh is None or not mesh.spec.sequence_parallel else mesh.tp_size
     odd = [c for c in cuts[1:] if c % tp]
     if odd:

@@ -533,8 +533,7 @@ def _schedule_of(
 
 def _refuse_ties(shared: Sequence[TiedParam], mesh: PipelineMesh | None) -> None:
     """Refuse parameters tied across stages where the mesh shards each stage on its own
-    over dp (FSDP: each stage would shard its replica alone), and with expert parallelism
-    (no ground truth). Tensor parallelism keeps them
+    over dp (FSDP: each stage would shard its replica alone). Tensor parallelism keeps them
     (:func:`~zerobubble.parallel.tied.tie_local_replicas` after the plans; one layout on
     every holder stage, checked by :class:`~zerobubble.parallel.tied.TiedGroups`)."""
     tied = [tp.name for tp in shared if len(tp.local) > 1]
@@ -545,13 +544,6 @@ def _refuse_ties(shared: Sequence[TiedParam], mesh: PipelineMesh | None) -> None
             f"FSDP (a mesh with fsdp=True) with parameters tied across stages "
             f"({', '.join(map(repr, tied))}) "
             "is not supported: untie them or build the mesh with fsdp=False"
-        )
-    if mesh.ep_size > 1:
-        raise ValueError(
-            f"expert parallelism (ep={mesh.ep_size}) with parameters tied across stages "
-            f"({', '.join(map(repr, tied))}) has no ground truth yet (zerobubble.reference_step "
-            "runs each ep replica's model whole, not the pipeline's per-stage sum): untie "
-            "them or build the mesh with ep=1"
         )
 
 

@@ -250,10 +250,9 @@ def build_moe_gpt(
 ) -> nn.Sequential:
     """:func:`~zerobubble.models.gpt.build_gpt`'s model with :class:`MoEGPTBlock` s:
     ``[GPTEmbedding, MoEGPTBlock x n_layers, LayerNorm, Linear head]``, initialised as
-    it is (seeded by ``cfg.seed``); ``cfg.tie_embeddings`` is not supported. ``balance``,
-    ``z_loss``: each MoE's load-balancing and router z-loss terms (:class:`MoE`)."""
-    if cfg.tie_embeddings:
-        raise ValueError("build_moe_gpt: tie_embeddings=True is not supported; leave it False")
+    it is (seeded by ``cfg.seed``), the head tied to the token embedding with
+    ``cfg.tie_embeddings``. ``balance``, ``z_loss``: each MoE's load-balancing and router
+    z-loss terms (:class:`MoE`)."""
     with torch.random.fork_rng(devices=[]):
         embedding = GPTEmbedding(cfg)
         blocks = [
@@ -264,6 +263,8 @@ def build_moe_gpt(
         head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         model = nn.Sequential(embedding, *blocks, norm, head)
         _init(model, cfg)
+    if cfg.tie_embeddings:
+        head.weight = embedding.tok.weight
     return model
 
 

@@ -19,19 +19,21 @@ package rather than restating their arithmetic:
   :func:`~zerobubble.reference.tp.tp_reference_step` per replica (collective over the tp mesh:
   every tp rank calls it with the same batch), with segments too (``cuts=``);
 - **ep** (``ep=E``): the replicas run together, the all-to-alls played between them
-  (:func:`~zerobubble.reference.ep.ep_reference_step` for top-level expert layers,
-  :func:`~zerobubble.reference.ep.threaded_ep_reference_step` otherwise);
+  (:func:`~zerobubble.reference.ep.ep_reference_step` for top-level expert layers); with
+  random ops, ties or segments (or experts inside a layer, several inputs, a ``count_fn``)
+  each replica runs its single-replica reference of this list in a thread of its own
+  (:func:`~zerobubble.reference.ep.ep_replicas_step`), the threads taking turns with their
+  own generator state, so each replica draws what its dp rank draws;
 - **random ops** (``seed``, ``step``, ``num_stages``, ``boundaries``) and **loss terms**
   (``terms``, ``term_weight``) as each of those does; **ties**: a parameter layers of
   different stages share (the stages cut by ``num_stages`` and ``boundaries``, as the
   pipeline cuts them) gets a replica per holder stage, and its gradient is the stages'
-  summed in stage order (after the dp sums), as the pipeline's tie reduction adds them;
-  **recompute** and **overlapped pairs** change no arithmetic (tests/test_recompute.py,
+  summed in stage order (after the dp and edp sums), as the pipeline's tie reduction adds
+  them; **recompute** and **overlapped pairs** change no arithmetic (tests/test_recompute.py,
   tests/test_overlap_runtime.py), so they have no option.
 
-A combination without a composed ground truth yet is refused with a ValueError naming it
-(ep with segments, ties across stages, tp or random ops): docs/scale.md
-keeps the table.
+A combination without a composed ground truth is refused with a ValueError naming it (ep
+with tp, which the mesh refuses too); docs/scale.md keeps the table.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import copy
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -48,9 +50,9 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from zerobubble.parallel.experts import ExpertLayer
 from zerobubble.parallel.parallelize import StagePlan
-from zerobubble.parallel.partition import stage_bounds
+from zerobubble.parallel.partition import model_name, stage_bounds
 from zerobubble.parallel.tied import TiedParam, find_shared
-from zerobubble.reference.ep import ep_reference_step, threaded_ep_reference_step
+from zerobubble.reference.ep import ep_reference_step, ep_replicas_step
 from zerobubble.reference.step import (
     Share,
     as_sequential,
@@ -104,22 +106,24 @@ def reference_step(
         The unscaled per-microbatch losses, replica-major (replica ``r``'s microbatch
         ``j`` at ``r * M + j``), and every gradient keyed by the user's parameter names:
         the replicas' sums (under tp, each rank's local shards; under ep, a sharded
-        experts tensor whole again). Without tp the sums are left in ``layers``' ``.grad``.
+        experts tensor whole again). Without tp the sums are left in ``layers``' ``.grad``
+        (under ep only by :func:`~zerobubble.reference.ep.ep_reference_step`'s case: top-level
+        expert layers without random ops, ties, segments or several inputs).
     """
     args, target, m, n = read_batch(args, target, microbatches, kwargs)
-    _refuse(dp, ep, cuts, tp_mesh, seed, loss_parallel)
+    _refuse(dp, ep, tp_mesh, loss_parallel)
     parts = _parts(args, kwargs, target, dp, n)
     model = as_sequential(layers)
+    staged: dict[str, Any] = {"seed": seed, "step": step, "num_stages": num_stages}
+    staged["boundaries"] = boundaries  # how the stages are cut and seeded
     if ep > 1:
-        _refuse_ep_ties(model, num_stages, boundaries, ep)
-        return _experts(model, loss_fn, parts, m, ep, count_fn, term_weight, terms)
+        return _experts(model, loss_fn, parts, m, n, ep, count_fn, term_weight, terms, cuts, staged)
     count_fn = default_count_fn(loss_fn, count_fn)
     share = None if dp == 1 else Share(n if count_fn is None else _count(parts, count_fn), dp)
     if tp_mesh is not None:  # parallelized once, in place of the caller's layers' copy
         model = as_sequential(copy.deepcopy(list(model)))
     run, ties = Ties.of(model, num_stages, boundaries, tp_mesh is None)
-    common: dict[str, Any] = {"seed": seed, "step": step, "num_stages": num_stages}
-    common.update(boundaries=boundaries, count_fn=count_fn, share=share)
+    common: dict[str, Any] = {**staged, "count_fn": count_fn, "share": share}
     losses: list[Tensor] = []
     sums: dict[str, Tensor] = {}
     held: dict[int, Tensor] = {}  # id(parameter) -> its summed .grad
@@ -212,6 +216,19 @@ class Ties:
                 sums[tie.source_names[0]] = total
             model.get_parameter(tie.name).grad = total
 
+    def fold(self, run: nn.Sequential, sums: dict[str, Tensor]) -> None:
+        """Each tie's stage gradients in ``sums`` (under their replicas' user names in
+        ``run``, as the ep references key them) summed in stage order under its first name."""
+        keys, layers = tuple(run._modules), list(run)
+        for tie in self.tied:
+            total: Tensor | None = None
+            for s in tie.stages:
+                key, _, rest = self.names[tie.name, s].partition(".")
+                g = sums.pop(model_name(f"{keys.index(key)}.{rest}", keys, layers), None)
+                total = total if g is None else local_sum(total, g)
+            if total is not None:
+                sums[tie.source_names[0]] = total
+
     @staticmethod
     def of(
         model: nn.Sequential, num_stages: int, boundaries: Sequence[int] | None, staged: bool
@@ -245,29 +262,7 @@ def _stage_replicas(
     return run, Ties(tied, names)
 
 
-def _refuse_ep_ties(
-    model: nn.Sequential, num_stages: int, boundaries: Sequence[int] | None, ep: int
-) -> None:
-    """Refuse ties across stages with ep (the ep references run each replica whole), as
-    the pipeline refuses them."""
-    keys = tuple(model._modules)
-    bounds = stage_bounds(len(model), num_stages, boundaries)
-    tied = [t.name for t in find_shared(model, keys, bounds) if len(t.local) > 1]
-    if tied:
-        raise ValueError(
-            f"reference_step has no ground truth of expert parallelism (ep={ep}) with "
-            f"parameters tied across stages ({', '.join(map(repr, tied))}) yet"
-        )
-
-
-def _refuse(
-    dp: int,
-    ep: int,
-    cuts: Sequence[int] | None,
-    tp: DeviceMesh | None,
-    seed: int | None,
-    loss_parallel: bool | None = None,
-) -> None:
+def _refuse(dp: int, ep: int, tp: DeviceMesh | None, loss_parallel: bool | None) -> None:
     """The combinations without a composed ground truth, named, and loss parallel without
     tp."""
     if loss_parallel and tp is None:
@@ -277,16 +272,11 @@ def _refuse(
         )
     if dp < 1 or ep < 1 or dp % ep:
         raise ValueError(f"dp={dp} and ep={ep}: both >= 1, and ep must divide dp")
-    found = [
-        ("sequence segments (cuts)", cuts is not None),
-        ("tensor parallelism (tp_mesh)", tp is not None),
-        ("random ops (seed)", seed is not None),
-    ]
-    chosen = [name for name, on in found if on]
-    if ep > 1 and chosen:
+    if ep > 1 and tp is not None:
         raise ValueError(
-            f"reference_step has no ground truth of expert parallelism (ep={ep}) with "
-            f"{' and '.join(chosen)} yet; docs/scale.md lists what composes"
+            f"reference_step has no ground truth of expert parallelism (ep={ep}) with tensor "
+            "parallelism (tp_mesh): the mesh refuses ep with tp too; docs/scale.md lists what "
+            "composes"
         )
 
 
@@ -329,28 +319,49 @@ def _experts(
     loss_fn: Callable[..., Tensor],
     parts: Sequence[Part],
     m: int,
+    n: int,
     ep: int,
     count_fn: CountFn | None,
     term_weight: TermWeight,
     terms: dict[str, list[Tensor]] | None,
+    cuts: Sequence[int] | None,
+    common: dict[str, Any],
 ) -> tuple[list[Tensor], dict[str, Tensor]]:
-    """The ep replicas together; losses replica-major."""
+    """The ep replicas together; losses replica-major. Top-level expert layers without
+    random ops, ties or segments: :func:`ep_reference_step`; otherwise each replica's
+    single-replica reference (:func:`replica_step`, :func:`segment_reference_step`, on
+    the stages' replicas of tied parameters) in its own thread, the all-to-alls played
+    between them (:func:`ep_replicas_step`), and the ties' stage gradients summed after."""
     if terms is not None:
         raise ValueError(
             "reference_step with ep > 1 does not report terms= per name yet: its losses are the "
             "objectives (loss plus weighted terms)"
         )
     spread = any(len(a) != 1 or k for a, k, _ in parts)  # several inputs: as a stage takes them
-    pairs = [((a, k) if spread else a[0], t) for a, k, t in parts]
+    run, ties = _stage_replicas(model, common["num_stages"], common["boundaries"])
+    plain = common["seed"] is None and cuts is None and not ties.tied and not spread
     top = all(isinstance(x, ExpertLayer) or not _holds_expert(x) for x in model)
-    if top and not spread and default_count_fn(loss_fn, count_fn) is None:
-        tensors = cast(list[tuple[Tensor, Tensor]], pairs)  # one input each
+    count_fn = default_count_fn(loss_fn, count_fn)
+    if plain and top and count_fn is None:
+        tensors = [(a[0], t) for a, _, t in parts]  # one input each
         per, grads = ep_reference_step(model, loss_fn, tensors, m, ep, term_weight=term_weight)
-    else:
-        per, grads = threaded_ep_reference_step(
-            model, loss_fn, pairs, m, ep, count_fn=count_fn, term_weight=term_weight,
-            spread=spread,
-        )  # fmt: skip
+        return [loss for mine in per for loss in mine], grads
+    share = Share(n if count_fn is None else _count(parts, count_fn), len(parts))
+
+    def replica(r: int, rep: nn.Sequential) -> list[Tensor]:
+        a, k, t = parts[r]
+        if cuts is not None:
+            return segment_reference_step(
+                rep, loss_fn, *a, target=t, microbatches=m, cuts=cuts, count_fn=count_fn,
+                share=share, **common, **k,
+            )[0]  # fmt: skip
+        return replica_step(
+            rep, loss_fn, *a, target=t, microbatches=m, count_fn=count_fn,
+            term_weight=term_weight, share=share, **common, **k,
+        )[0]  # fmt: skip
+
+    per, grads = ep_replicas_step(run, replica, len(parts), ep)
+    ties.fold(run, grads)
     return [loss for mine in per for loss in mine], grads
 
 

@@ -11,6 +11,12 @@ back split by source. Stage cuts do not change what is computed, so the model ru
 whole. Bitwise equality with a pipeline run holds by construction, not by a
 kernel's luck.
 
+Where the stages matter (random ops seeded per stage, parameters tied across stages,
+sequence segments), :func:`ep_replicas_step` makes a single-replica reference the ep one:
+each replica runs it in a thread of its own on its sharded copy, the all-to-alls played
+between the threads, the threads taking turns so that each draws from its own generator
+state.
+
 The model is reached through the layer contract only (docs/layer-contract.md): the expert
 layers' phases (:class:`~zerobubble.parallel.experts.ExpertLayer`) and, for the threaded
 reference, each module's sharding hook ``shard_experts``; this module imports no model.
@@ -20,8 +26,8 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -42,7 +48,7 @@ from zerobubble.runtime.microbatch import (
     split_tree,
 )
 
-__all__ = ["ep_reference_step", "threaded_ep_reference_step"]
+__all__ = ["ReplicaStep", "ep_reference_step", "ep_replicas_step", "threaded_ep_reference_step"]
 
 
 def ep_reference_step(
@@ -196,10 +202,10 @@ def threaded_ep_reference_step(
     terms weighted as ``term_weight`` says for ``M = m`` and ``dp = len(parts)``
     (:func:`~zerobubble.runtime.loss_terms.weighted_objective`). The replicas' gradients
     are then summed in rank order: dense ones over all replicas, expert ones over the
-    replicas with the same ep rank (edp). ``parts[r]`` is replica ``r``'s ``(x, target)``,
-    ``x`` what the first layer takes (split along dim 0), or with ``spread`` its
-    ``(args, kwargs)`` (the first layer called as ``layer(*args, **kwargs)``, as a
-    pipeline's first stage calls it).
+    replicas with the same ep rank (edp). The threads are :func:`ep_replicas_step`'s.
+    ``parts[r]`` is replica ``r``'s ``(x, target)``, ``x`` what the first layer takes
+    (split along dim 0), or with ``spread`` its ``(args, kwargs)`` (the first layer called
+    as ``layer(*args, **kwargs)``, as a pipeline's first stage calls it).
 
     Returns:
         Each replica's unscaled per-microbatch objectives, and every summed gradient
@@ -207,45 +213,151 @@ def threaded_ep_reference_step(
         (its ep ranks' row blocks concatenated in ep-rank order).
     """
     model = as_sequential(layers)
-    dp = len(parts)
-    if ep < 1 or dp % ep:
-        raise ValueError(f"ep={ep} must divide the {dp} replicas (parts); pass one per dp rank")
-    groups = [LocalGroup(ep) for _ in range(dp // ep)]
-    replicas = [_sharded_replica(model, groups, r, ep) for r in range(dp)]
-    weight = weight_of(term_weight, m, dp)
+    weight = weight_of(term_weight, m, len(parts))
     total = sum(batch_size(x, "x") for x, _ in parts)
     count = _global_count(default_count_fn(loss_fn, count_fn), parts)
+
+    def run(r: int, rep: nn.Sequential) -> list[Tensor]:
+        x, target = parts[r]
+        n = batch_size(x, "x")
+        losses: list[Tensor] = []
+        for xj, tj in zip(split_tree(x, m, n), split_tree(target, m, n), strict=True):
+            with collect_loss_terms(rep) as found:
+                out = _forward(rep, xj, spread)
+                if count is None:
+                    scale = batch_size(xj, "x") / total
+                    root, loss = weighted_objective(loss_fn(out, tj), found, scale, weight)
+                else:
+                    main = loss_fn(out, tj, count)
+                    root, loss = weighted_objective(main, found, 1.0, weight)
+            root.backward()
+            losses.append(loss)
+        return losses
+
+    return ep_replicas_step(model, run, len(parts), ep)
+
+
+ReplicaStep = Callable[[int, nn.Sequential], list[Tensor]]
+"""One dp replica's step: ``(replica index, its sharded model) -> its per-microbatch losses``,
+its gradients left in the model's ``.grad``."""
+
+
+def ep_replicas_step(
+    layers: Sequence[nn.Module] | nn.Sequential, step: ReplicaStep, dp: int, ep: int
+) -> tuple[list[list[Tensor]], dict[str, Tensor]]:
+    """``step`` of each of ``dp`` replicas, each in its own thread on its own copy of the
+    model sharded as ep rank ``r % ep`` of its ep group shards it, the groups' all-to-alls
+    played between the threads (a :class:`~zerobubble.parallel.ep.LocalGroup` each): a
+    single-replica reference (:func:`~zerobubble.reference.step.reference_step`,
+    :func:`~zerobubble.reference.step.segment_reference_step`) becomes the ep one.
+
+    The replicas take turns (:class:`_Turns`): one runs at a time, from where it took its
+    turn up to its next all-to-all, with its own state of the default generators. So a
+    replica's random ops draw what its pipeline rank draws, whatever the other replicas
+    draw in between (with a seed each stage's forward starts from ``(seed, step, stage,
+    microbatch)``'s state, the same on every replica, as on every dp rank); the caller's
+    generator state is put back afterwards.
+
+    Returns:
+        Each replica's losses, and the replicas' gradients summed in rank order (dense ones
+        over all replicas, expert ones over the replicas of one ep rank), keyed by the
+        user's names (:func:`threaded_ep_reference_step`).
+    """
+    model = as_sequential(layers)
+    if ep < 1 or dp % ep:
+        raise ValueError(f"ep={ep} must divide the {dp} replicas (parts); pass one per dp rank")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    turns = _Turns(dp, device)
+    groups = [_TurnGroup(ep, turns, g * ep) for g in range(dp // ep)]
+    replicas = [_sharded_replica(model, groups, r, ep) for r in range(dp)]
     losses: list[list[Tensor]] = [[] for _ in range(dp)]
     failed: list[BaseException] = []
 
     def run(r: int) -> None:
-        rep, (x, target) = replicas[r], parts[r]
         try:
-            n = batch_size(x, "x")
-            for xj, tj in zip(split_tree(x, m, n), split_tree(target, m, n), strict=True):
-                with collect_loss_terms(rep) as found:
-                    out = _forward(rep, xj, spread)
-                    if count is None:
-                        scale = batch_size(xj, "x") / total
-                        root, loss = weighted_objective(loss_fn(out, tj), found, scale, weight)
-                    else:
-                        main = loss_fn(out, tj, count)
-                        root, loss = weighted_objective(main, found, 1.0, weight)
-                root.backward()
-                losses[r].append(loss)
+            with turns.turn(r):
+                losses[r] = step(r, replicas[r])
         except BaseException as e:
             failed.append(e)
             for g in groups:
                 g.abort()
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(dp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with turns.kept():
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     if failed:
         raise failed[0]
     return losses, _user_sums(model, replicas, ep)
+
+
+class _Turns:
+    """Replicas in threads taking turns, each with its own state of the default generators
+    (the CPU's and ``device``'s): the generators are the process's, so replicas running
+    at once would interleave their draws. A replica holds the turn except while it waits
+    at an all-to-all (:class:`_TurnGroup`), so no wait happens with the turn held."""
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self._lock = threading.Lock()  # a replica's turn, handed on by whichever thread runs it
+        self._device = device
+        self._mod = None if device.type == "cpu" else torch.get_device_module(device.type)
+        start = self._state()
+        self._states = [start] * n
+
+    def _state(self) -> tuple[Tensor, Tensor | None]:
+        mod = self._mod
+        return torch.get_rng_state(), None if mod is None else mod.get_rng_state(self._device)
+
+    def _set(self, state: tuple[Tensor, Tensor | None]) -> None:
+        torch.set_rng_state(state[0])
+        if self._mod is not None:
+            self._mod.set_rng_state(state[1], self._device)
+
+    @contextmanager
+    def kept(self) -> Iterator[None]:
+        """The caller's generator states, as they were before the block."""
+        saved = self._state()
+        try:
+            yield
+        finally:
+            self._set(saved)
+
+    @contextmanager
+    def turn(self, r: int) -> Iterator[None]:
+        """Replica ``r`` runs, drawing from its own generator state."""
+        self._lock.acquire()
+        self._set(self._states[r])
+        try:
+            yield
+        finally:
+            self._states[r] = self._state()
+            self._lock.release()
+
+    @contextmanager
+    def wait(self, r: int) -> Iterator[None]:
+        """Replica ``r`` waits, letting the others run."""
+        self._states[r] = self._state()
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
+            self._set(self._states[r])
+
+
+class _TurnGroup(LocalGroup):
+    """A :class:`LocalGroup` whose ranks are replicas ``first, first + 1, ...`` of
+    ``turns``: each gives up its turn while it waits at the exchange."""
+
+    def __init__(self, size: int, turns: _Turns, first: int) -> None:
+        super().__init__(size)
+        self._turns, self._first = turns, first
+
+    def exchange(self, rank: int, blocks: list[Tensor]) -> list[Tensor]:
+        with self._turns.wait(self._first + rank):
+            return super().exchange(rank, blocks)
 
 
 def _forward(model: nn.Sequential, x: Any, spread: bool) -> Any:
