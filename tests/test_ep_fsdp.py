@@ -215,3 +215,22 @@ def test_fsdp_with_ep_against_the_reference_and_the_job_without_fsdp(ranks, kind
     assert set(held) == set(want_grads)
     for n, count in held.items():
         assert count == (dp // 2 if ".experts." in n else dp), n
+
+
+def test_an_expert_beside_dense_parameters_in_one_module_is_refused():
+    """FSDP shards a module's parameters together: an expert parameter whose module also
+    holds a dense one cannot go to the experts' edp group alone."""
+    from zerobubble.parallel.fsdp import _expert_modules
+
+    stage = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    mark_expert(stage[1].weight, 0)
+    with pytest.raises(ValueError) as e:
+        _expert_modules(3, stage)
+    assert str(e.value) == (
+        "stage 3: expert parameter '1.weight' shares its module with parameters that are not "
+        "experts, so FSDP cannot shard it over the experts' edp group apart from them: keep "
+        "a MoE layer's experts in a submodule of their own (as MoE.experts and "
+        "transformers' experts modules are), or leave fsdp off"
+    )
+    mark_expert(stage[1].bias, 0)  # the whole Linear is experts: one unit of its own
+    assert _expert_modules(3, stage) == [stage[1]]

@@ -114,8 +114,9 @@ class ShardedStages:
         self.chunks = dict(chunks)
         self.dp_mesh = dp_mesh
         self.dp_size = dp_mesh.size()
-        shards_experts = expert_mesh is not None and expert_mesh.size() > 1
-        self.expert_mesh = expert_mesh if shards_experts else None
+        self.expert_mesh = (
+            expert_mesh if expert_mesh is not None and expert_mesh.size() > 1 else None
+        )
         self.modules: dict[int, FSDPModule] = {}
         self.units: dict[int, list[FSDPModule]] = {}
         for s, chunk in sorted(self.chunks.items()):
@@ -128,9 +129,10 @@ class ShardedStages:
             # The experts first, over edp (or left out: edp == 1), as torchtitan nests them;
             # then one unit per layer and the stage (whatever parameters remain) over dp:
             # the gather and reduce-scatter buffers are a layer's, not the stage's.
-            units = [self._wrap(m, expert_mesh) for m in experts] if shards_experts else []
+            edp_mesh = self.expert_mesh
+            units = [] if edp_mesh is None else [self._wrap(m, edp_mesh) for m in experts]
             ignored = None
-            if experts and not shards_experts:
+            if experts and edp_mesh is None:
                 ignored = {p for m in experts for p in m.parameters()}
             layers = [
                 c
@@ -232,7 +234,8 @@ class ShardedStages:
             index = [i for i, d in enumerate(where) if d == dim]
             if index:
                 assert p2p is not None  # an edp-sharded gradient exists only with its mesh
-                for i, n in zip(index, _combine(p2p, [local[i] for i in index], norm_type, dim)):
+                combined = _combine(p2p, [local[i] for i in index], norm_type, dim)
+                for i, n in zip(index, combined, strict=True):
                     out[i] = n
         return out
 
