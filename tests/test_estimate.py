@@ -138,6 +138,25 @@ def test_parameters_are_split_by_tp_and_fsdp_and_refused_when_wrong():
         estimate_memory(layers, loss, "zb-h1", *batch())
 
 
+def test_fsdp_shards_experts_over_the_replicas_holding_them():
+    """With ep, FSDP shards an expert over the ``dp_shard / ep`` replicas holding it (its
+    edp group), every other parameter over ``dp_shard`` (the parameter count alone: the
+    MoE's routing cannot run on fake tensors)."""
+    from zerobubble.models import build_moe_mlp
+    from zerobubble.train.estimate import _param_bytes
+
+    layers = list(build_moe_mlp((6, 8, 3), hidden=16, num_experts=4, top_k=2, blocks=2))
+    bounds = stage_bounds(len(layers), 2)
+    sched = generate("zb-h1", 2, 2)
+    for dp_shard, edp in ((2, 1), (4, 2)):
+        for r in range(2):
+            named = [(n, p) for i in bounds[r] for n, p in layers[i].named_parameters()]
+            experts = sum(p.numel() // 2 // edp for n, p in named if ".experts." in n)
+            dense = sum(-(-p.numel() // dp_shard) for n, p in named if ".experts." not in n)
+            got = _param_bytes(layers, list(bounds[r]), bounds, sched, r, 1, 2, dp_shard)
+            assert got[2] == experts + dense, (dp_shard, r)
+
+
 def run_job() -> dict:
     import zerobubble
 

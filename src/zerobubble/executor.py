@@ -281,12 +281,16 @@ class PipelineExecutor:
         )
         transforms = {s: replace(every, split=s in split) for s in stages}
         mesh = self.mesh
+        shards = mesh is not None and self.plan.grad_sync.shards
         self.chunks, self.sharding = prepare_chunks(
             stages,
             S,
             loss_fn=loss_fn,
             transforms=transforms,
-            fsdp_mesh=mesh.mesh["dp"] if mesh is not None and self.plan.grad_sync.shards else None,
+            fsdp_mesh=mesh.mesh["dp"] if shards and mesh is not None else None,
+            expert_mesh=(
+                mesh.ep_mesh["edp"] if shards and mesh is not None and mesh.ep_mesh else None
+            ),
             device=self.device,
             timeout_s=opts.comm_timeout_s,
             parallelize=parallelize,

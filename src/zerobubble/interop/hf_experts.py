@@ -324,6 +324,6 @@ def gather_hf_experts(pipe: Pipeline, mesh: PipelineMesh) -> OrderedDict[str, Te
     params = dict(pipe.named_parameters())
     for name, value in state.items():
         if name in params and expert_shard(params[name]) is not None:
-            whole = global_view(value, mesh.ep_mesh["ep"], like=params[name])
+            whole = global_view(value, mesh.ep_mesh["ep"], like=params[name], name=repr(name))
             state[name] = cast(DTensor, whole).full_tensor()
     return state

@@ -769,7 +769,8 @@ def _state_dict(
     for s, chunk in trainer.pipe.chunks.items():
         for p in chunk.module.parameters():
             if id(p) in names:
-                out[f"model.{names[id(p)]}"] = global_view(p.detach(), ep_mesh, like=p)
+                name = names[id(p)]
+                out[f"model.{name}"] = global_view(p.detach(), ep_mesh, like=p, name=repr(name))
         for n, b in chunk.module.named_buffers():
             out[f"buffer.{trainer.names(s, n)}"] = b
     if with_optimizer:
@@ -777,7 +778,9 @@ def _state_dict(
             for field, value in st.items():
                 key = names[id(param)]
                 if isinstance(value, Tensor):
-                    out[f"optim.{key}.{field}"] = global_view(value, ep_mesh, like=param)
+                    out[f"optim.{key}.{field}"] = global_view(
+                        value, ep_mesh, like=param, name=repr(key)
+                    )
                 else:
                     loose.setdefault(key, {})[field] = value
     return out, loose

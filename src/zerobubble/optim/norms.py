@@ -191,14 +191,15 @@ class ParamLayout:
         vec: Tensor,
         stage_params: Mapping[int, Sequence[Tensor | Remote]],
         norm_type: float,
-        combine: Callable[[Sequence[Tensor], float], list[Tensor]] | None = None,
+        combine: Callable[[Sequence[Tensor], float, Sequence[Tensor]], list[Tensor]] | None = None,
     ) -> None:
         """Write the norms of these parameters' gradients into their slots of ``vec``.
 
         Sharded gradients (DTensors, FSDP) contribute the norms of their local shards,
-        which ``combine`` (collective over the shards' replicas) turns into the norms of
-        the whole gradients; with a tp mesh too, the norm of this tp rank's part of
-        them, marked :data:`PARTIAL` where the gradient is sharded over tp (FSDP has
+        which ``combine(norms, norm_type, grads)`` (collective over the shards' replicas,
+        which it reads from the gradients) turns into the norms of the whole gradients;
+        with a tp mesh too, the norm of this tp rank's part of them, marked
+        :data:`PARTIAL` where the gradient is sharded over tp (FSDP has
         reduced partial sums over tp already). Without ``combine`` and with a tp mesh,
         norms are taken as DTensors (collective over tp for partial-sum gradients; a
         plain gradient as a replicated one) and their local values written, partial
@@ -220,7 +221,8 @@ class ParamLayout:
             return
         tp = self.tp_mesh
         if combine is not None:
-            norms = combine(per_tensor_norms([_local(g) for g in grads], norm_type), norm_type)
+            local = per_tensor_norms([_local(g) for g in grads], norm_type)
+            norms = combine(local, norm_type, grads)
             partial = [tp is not None and _sharded_over(g, tp) for g in grads]
         else:
             if tp is not None:

@@ -538,8 +538,8 @@ class _GlobalNorm:
         mesh = executor.mesh
         if mesh is not None and mesh.ep_group is not None:  # experts sharded: slots for all
             self.params = expert_slots(norm_params, mesh.ep_rank, mesh.ep_size)
-        dp_mesh = None if sharding is None else sharding.dp_mesh
-        tp_mesh = tp_mesh_of(executor.rank, params, mesh, sharded_over=dp_mesh)
+        sharded_over = () if sharding is None else sharding.meshes
+        tp_mesh = tp_mesh_of(executor.rank, params, mesh, sharded_over=sharded_over)
         self.layout = ParamLayout.exchange(self.params, executor.p2p, tp_mesh)
         if mesh is not None and mesh.ep_group is not None:
             self._experts = ExpertNorms(
@@ -616,14 +616,15 @@ def tp_mesh_of(
     params: Sequence[Tensor],
     mesh: PipelineMesh | None = None,
     *,
-    sharded_over: DeviceMesh | None = None,
+    sharded_over: Sequence[DeviceMesh] = (),
 ) -> DeviceMesh | None:
     """The tensor-parallel mesh of this rank's DTensor parameters (None if it has none).
 
     The gradient norm is taken over it as ``clip_grad_norm_`` takes it over DTensors
     (:mod:`~zerobubble.optim.norms`); plain parameters beside them count as replicated.
-    ``sharded_over``: the dp mesh FSDP shards the parameters over, whose dim leads their
-    meshes (``("dp",)``, or ``("dp", "tp")`` over tp DTensors) and is not tp's. With the
+    ``sharded_over``: the meshes FSDP shards the parameters over (dp, and with ep the
+    experts' edp), whose dim leads their meshes (``("dp",)``, or ``("dp", "tp")`` over tp
+    DTensors) and is not tp's. With the
     job's ``mesh`` at ``tp > 1`` the result is its :attr:`~PipelineMesh.tp_mesh`, which
     the parameters' must be (the checkpoint's per-rank keys and the norm's tp reduction
     then follow the mesh even where a plan leaves a stage's parameters plain).
@@ -631,13 +632,14 @@ def tp_mesh_of(
     Raises ValueError when the parameters live on several meshes, a multi-dimensional
     one, or not on the job mesh's tp dim.
     """
-    lead = None if sharded_over is None else sharded_over.mesh_dim_names
+    leads = [m.mesh_dim_names or () for m in sharded_over]
     meshes = set()
     for p in params:
         if isinstance(p, DTensor):
             m = p.device_mesh
             names = m.mesh_dim_names or ()
-            if lead is not None and names[: len(lead)] == lead:  # FSDP's dp dim first
+            lead = next((d for d in leads if names[: len(d)] == d), None)
+            if lead is not None:  # FSDP's dp (or edp) dim first
                 if len(names) == len(lead):
                     continue  # sharded over dp only: a plain parameter's shards
                 m = m[names[len(lead) :]]

@@ -65,7 +65,8 @@ class ParallelSpec:
     fsdp: bool = False
     """Shard every stage's parameters, gradients and optimizer state over ``dp`` with FSDP2
     (:mod:`~zerobubble.parallel.fsdp`) instead of replicating them and all-reducing whole
-    gradients. Needs ``dp >= 2``."""
+    gradients. Needs ``dp >= 2``. With ``ep > 1`` the experts are sharded over the
+    ``dp / ep`` replicas holding them instead (``edp``; left whole when that is 1)."""
     ep: int = 1
     """Expert-parallel ranks: each MoE layer's experts are sharded over ``ep`` consecutive
     dp ranks (``dp % ep == 0``); the ``dp / ep`` ranks holding the same experts sum their
@@ -104,11 +105,6 @@ class ParallelSpec:
             raise ValueError(
                 f"ep={self.ep} must divide dp={self.dp} (experts are sharded over ep ranks "
                 f"inside the data-parallel ranks); choose dp as a multiple of ep"
-            )
-        if self.fsdp and self.ep > 1:
-            raise ValueError(
-                f"fsdp=True with ep={self.ep} is not supported (expert parameters would need "
-                "their own shard group); use ep=1 with fsdp, or fsdp=False with ep"
             )
         if self.fsdp and self.dp < 2:
             raise ValueError(

@@ -84,14 +84,30 @@ def expert_run(param: Tensor) -> int | None:
     return None if shard is None else shard.run
 
 
-def global_view(t: Tensor, ep_mesh: DeviceMesh | None, *, like: Tensor | None = None) -> Tensor:
+def global_view(
+    t: Tensor, ep_mesh: DeviceMesh | None, *, like: Tensor | None = None, name: str = "an expert"
+) -> Tensor:
     """``t`` as the model's whole tensor is stored, sharded as parameter ``like`` (default:
     ``t`` itself) is: rows of a stacked expert tensor as a DTensor ``Shard(0)`` over
     ``ep_mesh`` (the 1-D ``ep`` mesh), sharing ``t``'s storage so that a load into it fills
     ``t``; anything else (a whole tensor, a DTensor, a tensor of another shape than the
-    parameter's, e.g. an optimizer's step count) as it is."""
-    shard = expert_shard_of(t if like is None else like)
-    if shard is None or shard.rows is None or isinstance(t, DTensor):
+    parameter's, e.g. an optimizer's step count) as it is. Rows that FSDP also shards over
+    edp (the parameter is a DTensor) are refused, naming the tensor (``name``): their
+    two-level view is not built."""
+    param = t if like is None else like
+    shard = expert_shard_of(param)
+    if shard is None or shard.rows is None:
+        return t
+    if isinstance(param, DTensor):
+        start, stop, total = shard.rows
+        raise ValueError(
+            f"{name} tensor holding rows [{start}, {stop}) of {total} experts is also "
+            f"sharded by FSDP over its edp replicas (mesh {param.device_mesh.mesh_dim_names}): "
+            "the whole (E, ...) view over ep and edp is not built, so it cannot be stored or "
+            "gathered whole; build the mesh with dp == ep (edp = 1: FSDP leaves the experts "
+            "whole on their ep rank) or fsdp=False"
+        )
+    if isinstance(t, DTensor):
         return t
     start, stop, total = shard.rows
     if like is not None and t.shape != like.shape:

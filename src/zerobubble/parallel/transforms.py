@@ -18,8 +18,9 @@ Each stage module goes through the same steps, in one fixed order (as torchtitan
    that it sees which layers are split and keeps them (and graph-split modules) eager:
    compiled first, a layer's weight gradient would be computed in B inside the compiled
    graph's one backward node;
-5. **FSDP** over all this rank's chunks (:class:`~zerobubble.parallel.fsdp.ShardedStages`).
-   Last, so that it shards the parameters the split layers hold and the chunks see.
+5. **FSDP** over all this rank's chunks (:class:`~zerobubble.parallel.fsdp.ShardedStages`;
+   with ep, the experts over ``edp`` first, then the rest over ``dp``). Last, so that it
+   shards the parameters the split layers hold and the chunks see.
 
 Steps 2 and 3 run inside :class:`StageChunk` (they need its store and stage index);
 :func:`prepare_chunks` is the caller that decides them.
@@ -96,6 +97,7 @@ def prepare_chunks(
     loss_fn: LossFn | None,
     transforms: Mapping[int, ChunkTransforms],
     fsdp_mesh: DeviceMesh | None = None,
+    expert_mesh: DeviceMesh | None = None,
     device: torch.device | str | None = None,
     timeout_s: float = 60.0,
     parallelize: Parallelize | None = None,
@@ -111,6 +113,8 @@ def prepare_chunks(
         loss_fn: The loss, given to the last stage only (required if this rank holds it).
         transforms: ``stage -> ChunkTransforms``, one per stage in ``modules``.
         fsdp_mesh: The ``dp`` dimension to shard every chunk over (FSDP2), or None.
+        expert_mesh: With ``fsdp_mesh`` and expert parallelism, the ``edp`` dimension the
+            experts are sharded over instead (:class:`~zerobubble.parallel.fsdp.ShardedStages`).
         device, timeout_s, name: For :class:`~zerobubble.parallel.fsdp.ShardedStages`.
         parallelize: The model-facing steps (tp, ep, or a user's function) of every module
             that is not a ready chunk (None: none).
@@ -149,7 +153,14 @@ def prepare_chunks(
     sharding = (
         None
         if fsdp_mesh is None
-        else ShardedStages(chunks, fsdp_mesh, device=device, timeout_s=timeout_s, name=name)
+        else ShardedStages(
+            chunks,
+            fsdp_mesh,
+            device=device,
+            timeout_s=timeout_s,
+            name=name,
+            expert_mesh=expert_mesh,
+        )
     )
     return chunks, sharding
 

@@ -10,9 +10,10 @@ package rather than restating their arithmetic:
   :class:`~zerobubble.reference.step.Share`: the rows or ``count_fn``'s count summed over the
   replicas, the loss terms weighted over ``M * R``), and the replicas' gradients are summed
   in rank order ``((g_0 + g_1) + g_2) + ...``, the order of the dp reduction. FSDP shards
-  that reduction's result, so its ground truth is the same, but for one order: FSDP2
-  reduces a gradient that is ``Partial`` over tp (a sequence-parallel norm's) over tp
-  before its dp reduction, where the plain dp path sums over dp first (``fsdp=True``);
+  that reduction's result, so its ground truth is the same (with ep too: the experts'
+  sums over their edp replicas, the rest over dp), but for one order: FSDP2 reduces a
+  gradient that is ``Partial`` over tp (a sequence-parallel norm's) over tp before its
+  dp reduction, where the plain dp path sums over dp first (``fsdp=True``);
 - **segments** (``cuts=``): :func:`~zerobubble.reference.step.segment_reference_step` per
   replica;
 - **tp** (``tp_mesh=``, ``tp_plan=``, ``sequence_parallel=``, ``loss_parallel=``):

@@ -346,20 +346,27 @@ def _param_bytes(
     dp_shard: int,
 ) -> tuple[int, int, int]:
     """(bytes before FSDP, bytes of the FSDP shard, parameter elements of the shard) of the
-    parameters of ``held`` layers on ``device`` after tp and ep; each Parameter once."""
-    divisor = _divisors(layers, bounds, schedule, device, tp, ep)
+    parameters of ``held`` layers on ``device`` after tp and ep; each Parameter once. FSDP
+    shards an expert over the ``dp_shard / ep`` replicas holding it, the rest over
+    ``dp_shard``."""
+    divisor, experts = _divisors(layers, bounds, schedule, device, tp, ep)
     seen: set[int] = set()
-    whole, elements = 0, 0
+    dense, experts_whole, experts_shard, elements = 0, 0, 0, 0
     for i in held:
         for p in layers[i].parameters():
             if id(p) in seen:
                 continue
             seen.add(id(p))
             n = math.ceil(p.numel() / divisor.get(id(p), 1))
-            whole += n * p.element_size()
-            elements += math.ceil(n / dp_shard)
-    shard = math.ceil(whole / dp_shard)
-    return whole, shard, elements
+            if id(p) in experts:
+                part = math.ceil(n / max(1, dp_shard // ep))
+                experts_whole += n * p.element_size()
+                experts_shard += part * p.element_size()
+            else:
+                part = math.ceil(n / dp_shard)
+                dense += n * p.element_size()
+            elements += part
+    return dense + experts_whole, math.ceil(dense / dp_shard) + experts_shard, elements
 
 
 def _divisors(
@@ -369,9 +376,11 @@ def _divisors(
     device: int,
     tp: int,
     ep: int,
-) -> dict[int, int]:
-    """Parameter id -> how many ways tp and ep split it on this device's stages."""
+) -> tuple[dict[int, int], set[int]]:
+    """Parameter id -> how many ways tp and ep split it on this device's stages; and the
+    ids of the experts' parameters."""
     out: dict[int, int] = {}
+    experts: set[int] = set()
     for s in schedule.stages_of_device[device]:
         module = nn.Sequential(*(layers[i] for i in bounds[s]))
         if tp > 1:
@@ -389,7 +398,8 @@ def _divisors(
             for _, m in _expert_modules(module):
                 for p in m.parameters():
                     out[id(p)] = out.get(id(p), 1) * ep
-    return out
+                    experts.add(id(p))
+    return out, experts
 
 
 def _expert_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
