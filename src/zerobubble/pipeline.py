@@ -532,20 +532,15 @@ def _schedule_of(
 
 
 def _refuse_ties(shared: Sequence[TiedParam], mesh: PipelineMesh | None) -> None:
-    """Refuse parameters tied across stages where the mesh shards each stage on its own
-    over dp (FSDP: each stage would shard its replica alone), and with expert parallelism
-    (no ground truth). Tensor parallelism keeps them
-    (:func:`~zerobubble.parallel.tied.tie_local_replicas` after the plans; one layout on
-    every holder stage, checked by :class:`~zerobubble.parallel.tied.TiedGroups`)."""
+    """Refuse parameters tied across stages with expert parallelism (no ground truth).
+    Tensor parallelism keeps them (:func:`~zerobubble.parallel.tied.tie_local_replicas`
+    after the plans; one layout on every holder stage, checked by
+    :class:`~zerobubble.parallel.tied.TiedGroups`), and so does FSDP (every holder stage's
+    replica sharded alike over dp: the tie adds local shards,
+    :meth:`~zerobubble.parallel.fsdp.ShardedStages.share_replicas`)."""
     tied = [tp.name for tp in shared if len(tp.local) > 1]
     if mesh is None or not tied:
         return
-    if mesh.spec.fsdp:
-        raise ValueError(
-            f"FSDP (a mesh with fsdp=True) with parameters tied across stages "
-            f"({', '.join(map(repr, tied))}) "
-            "is not supported: untie them or build the mesh with fsdp=False"
-        )
     if mesh.ep_size > 1:
         raise ValueError(
             f"expert parallelism (ep={mesh.ep_size}) with parameters tied across stages "
