@@ -12,7 +12,9 @@ keep one sharded memory. Per kind:
   gradients the dp sums added in stage order), and the state dict lists the tie under its
   first name only;
 * two AdamW steps (no clipping), the replicas compared every step (``tied_check_every=1``):
-  the parameters and AdamW state, gathered, bitwise the same job with ``fsdp=False``.
+  the parameters and AdamW state, gathered, bitwise the same job with ``fsdp=False``; the
+  first step's global norm, FSDP's and the DDP-style path's, within ``NORM_TOL`` of the
+  reference gradients' norm with the tie counted once (twice would be far outside).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ CFG = GPTConfig(vocab_size=17, max_seq_len=8, d_model=8, n_heads=2, n_layers=2, 
 M, STEPS = 2, 2
 KINDS = ("zb-h1", "zbv")
 TIE = "0.tok.weight"
+NORM_TOL = 1e-6
+"""The reported global norm against the reference's: rounding (shard norms combined)."""
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -50,22 +54,26 @@ def mine(x: torch.Tensor, mesh: zerobubble.PipelineMesh) -> torch.Tensor:
     return x.tensor_split(2)[mesh.dp_rank]
 
 
-def train(model, kind: str, mesh, fsdp: bool) -> dict:
+def train(model, kind: str, mesh, fsdp: bool) -> tuple[dict, float]:
     pipe = zerobubble.Pipeline(
         copy.deepcopy(model), gpt_loss, kind, microbatches=M, mesh=mesh.with_fsdp(fsdp),
         tied_check_every=1,
     )  # fmt: skip
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.05)
     pipe.set_optimizer(opt)
+    norms = []
     for k in range(STEPS):
         x, y = batch(k)
         pipe.step(mine(x, mesh), target=mine(y, mesh))
+        assert pipe.trainer is not None and pipe.trainer.last_commit is not None
+        norms.append(pipe.trainer.last_commit.total_norm)
     pipe.drain()
     pipe.tied.check(99)  # raises if the replicas differ across ranks
-    return {
+    state = {
         n: [full(p), *(full(v) for _, v in sorted(opt.state[p].items()))]
         for n, p in pipe.named_parameters()
     }
+    return state, norms[0]
 
 
 def shared_shard(pipe: zerobubble.Pipeline) -> bool | None:
@@ -104,7 +112,17 @@ def job(kinds: tuple[str, ...]) -> dict:
             "shared": shared_shard(pipe),
             "state_keys": sorted(pipe.state_dict()),
         }
-        fsdp, ddp = train(model, kind, mesh, True), train(model, kind, mesh, False)
+        (fsdp, norm), (ddp, ddp_norm) = (
+            train(model, kind, mesh, True),
+            train(model, kind, mesh, False),
+        )
+        # the step's global norm, the tie counted once (the reference lists it once)
+        want_norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g) for g in want.values() if g is not None])
+        ).item()
+        got["norms"] = [abs(n - want_norm) / want_norm for n in (norm, ddp_norm)]
+        tie = torch.linalg.vector_norm(want[TIE]).item()
+        got["twice"] = abs((want_norm**2 + tie**2) ** 0.5 - want_norm) / want_norm
         got["trained"] = sorted(fsdp) == sorted(ddp) and all(
             all(map(torch.equal, fsdp[n], ddp[n])) and len(fsdp[n]) == 4 for n in fsdp
         )
@@ -130,6 +148,8 @@ def test_tied_embeddings_under_fsdp_are_bitwise_the_reference_and_the_ddp_job(re
         assert r["trained"], rank
         assert (TIE in r["state_keys"]) == (TIE in r["names"]) == (TIE in r["trained_names"])
         assert "4.weight" not in r["state_keys"] and "4.weight" not in r["names"], rank
+    for r in results:  # FSDP's norm combines shard norms: rounding apart, within NORM_TOL
+        assert max(r[kind]["norms"]) <= NORM_TOL < r[kind]["twice"], r[kind]["norms"]
     assert sum(r[kind]["losses"] is True for r in results) == 2  # the last stage's dp ranks
     held_twice = [r[kind]["shared"] for r in results if r[kind]["shared"] is not None]
     assert held_twice == ([True, True] if kind == "zbv" else [])
