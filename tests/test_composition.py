@@ -90,6 +90,8 @@ def count(labels: torch.Tensor) -> int:
 def schedule(job: frozenset[str], index: int, pp: int) -> zerobubble.Schedule:
     """The job's schedule of ``2 * pp`` microbatches (dualpipev pairs need that many)."""
     m = 2 * pp
+    if "segments" in job and "overlap" in job:
+        return zerobubble.generate("seq-zbv", pp, m, segments=2, overlap=True, costs=A2A)
     if "segments" in job:
         return zerobubble.generate(("seq-zb", "seq-zbv")[index % 2], pp, m, segments=2)
     if "overlap" in job:

@@ -4,6 +4,7 @@ cost, the validator, the fusion pass and the formats."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from fractions import Fraction
@@ -85,8 +86,10 @@ def test_the_ir_refuses_pairs_it_cannot_run():
     with pytest.raises(ValueError, match="an action is in two overlapped pairs"):
         acts = (f0, bw0, f1, bw1)
         Schedule("x", 1, 1, 2, (0,), (acts,), overlaps=((f0, bw0), (f1, bw1), (f1, bw1)))
-    with pytest.raises(ValueError, match="with sequence segments are not built"):
-        Schedule("x", 1, 1, 1, (0,), ((f0, f1, bw1, bw0),), segments=2, overlaps=((f1, bw1),))
+    # with segments the IR takes a pair of units as it is; the validator judges it
+    seg = Schedule("x", 1, 1, 1, (0,), ((f0, f1, bw1, bw0),), segments=2, overlaps=((f1, bw1),))
+    with pytest.raises(ScheduleError, match="whose result it needs"):
+        validate(seg)
 
 
 def test_the_validator_refuses_a_pair_of_one_stage():
@@ -217,7 +220,11 @@ def test_the_command_line_overlaps_dualpipev(capsys):
     out = capsys.readouterr().out
     assert "cost=61" in out and "&B" in out  # 83 without pairs
     assert main(["schedule", "seq-zb", "-p", "2", "-m", "4", "--overlap"]) == 2
-    assert "with sequence segments are not built" in capsys.readouterr().err
+    assert "'seq-zb' places one stage per device" in capsys.readouterr().err
+    argv = ["schedule", "seq-zbv", "-p", "2", "-m", "3", "--segments", "2", "--overlap"]
+    assert main([*argv, "--costs", "a2a=1"]) == 0
+    out = capsys.readouterr().out
+    assert "cost=13.25" in out and "F2.0a&B0.0b" in out  # 15.5 without pairs
     assert main(["schedule", "zb-h1", "-p", "3", "-m", "6", "--overlap"]) == 2
     assert "error: schedule kind 'zb-h1' places one stage per device" in capsys.readouterr().err
     assert main(["schedule", "zbv", "-p", "3", "-m", "6", "--overlap"]) == 0
@@ -246,3 +253,21 @@ def test_the_documented_costs():
                 sched = generate(kind, 4, 16, overlap=overlap, costs=spec)
             got.append(simulate(sched, spec.resolve(sched.placement)).cost)
         assert tuple(got) == costs, (kind, overlap)
+
+
+def test_a_pair_of_segment_units_is_timed_on_its_units_scaled_costs():
+    """With segments each half is one segment's unit: its compute and its all-to-all scale
+    by its segment's ``segment_time`` (unequal here), as a lone unit's do."""
+    sched = generate("seq-zbv", 2, 3, segments=2, overlap=True, costs=CostSpec(a2a=1))
+    base = CostSpec(a2a=1).resolve(sched.placement, 2)
+    costs = dataclasses.replace(base, segment_time=(0.5, 1.5))
+    got = simulate(sched, costs)
+    scale = {0: 0.5, 1: 1.5}
+    for f, b in sched.overlaps:
+        d = sched.placement[f.stage]
+        i = sched.actions[d].index(f)
+        sf, sb = scale[f.mb % 2], scale[b.mb % 2]
+        comm = costs.a2a[f.stage] * sf + costs.a2a[b.stage] * sb
+        compute = costs.duration(F, f.stage) * sf + costs.duration(b.op, b.stage) * sb - comm
+        assert got.end[d][i] - got.start[d][i] == max(compute, comm), (f, b)
+        assert got.end[d][i + 1] == got.end[d][i]  # the backward ends with the block

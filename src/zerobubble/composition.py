@@ -73,12 +73,7 @@ CELLS: tuple[Cell, ...] = (
     _cell("dp", "random", "every replica seeds by (step, stage, microbatch)"),
     _cell("fsdp", "tp", "FSDP shards the tp DTensors over dp"),
     _cell("fsdp", "sp", "FSDP shards the tp DTensors over dp"),
-    _cell(
-        "fsdp",
-        "ep",
-        "expert parameters would need their own shard group (edp)",
-        "use ep=1 with fsdp, or fsdp=False with ep",
-    ),
+    _cell("fsdp", "ep", "experts shard over their edp group, the rest over dp"),
     _cell("fsdp", "segments", "FSDP's hooks run per unit"),
     _cell("fsdp", "recompute", "the recomputed forward all-gathers again"),
     _cell(
@@ -88,12 +83,7 @@ CELLS: tuple[Cell, ...] = (
         "share the dp group",
         "build the mesh with fsdp=False, or a schedule without overlap",
     ),
-    _cell(
-        "fsdp",
-        "ties",
-        "each holder stage would shard its replica of the tie alone",
-        "untie the parameters, or build the mesh with fsdp=False",
-    ),
+    _cell("fsdp", "ties", "the holder stages' shards are laid out alike; the tie adds them"),
     _cell("fsdp", "random", "sharding changes no draw"),
     _cell("tp", "sp", "sequence parallelism is a tp layout"),
     _cell(
@@ -140,12 +130,7 @@ CELLS: tuple[Cell, ...] = (
         "the recomputed forward would not see the earlier segments' keys and values",
         "use recompute='none' with segments",
     ),
-    _cell(
-        "segments",
-        "overlap",
-        "overlapped pairs of segment units are not built",
-        "run segments without overlap",
-    ),
+    _cell("segments", "overlap", "a pair is two units of different stages"),
     _cell("segments", "ties", "the tie is reduced once per step"),
     _cell("segments", "random", "each unit seeds by its segment"),
     _cell(

@@ -174,7 +174,6 @@ class Pipeline:
             name=lambda s, name, module: _module_name(name, stage_keys[s], module),
             ties=shared,
         )
-        _refuse_ties(shared, mesh)
         self._names = _Names(shared, {s: keys[bounds[s].start : bounds[s].stop] for s in stages})
         self._stages: dict[int, nn.Module] = dict(stages)
         # Every StageChunk made for the stages, by split-ness: shared by the Pipelines of
@@ -529,22 +528,6 @@ def _schedule_of(
             f"{schedule.num_microbatches}; drop microbatches= or generate the schedule for it"
         )
     return schedule
-
-
-def _refuse_ties(shared: Sequence[TiedParam], mesh: PipelineMesh | None) -> None:
-    """Refuse parameters tied across stages where the mesh shards each stage on its own
-    over dp (FSDP: each stage would shard its replica alone). Tensor parallelism keeps them
-    (:func:`~zerobubble.parallel.tied.tie_local_replicas` after the plans; one layout on
-    every holder stage, checked by :class:`~zerobubble.parallel.tied.TiedGroups`)."""
-    tied = [tp.name for tp in shared if len(tp.local) > 1]
-    if mesh is None or not tied:
-        return
-    if mesh.spec.fsdp:
-        raise ValueError(
-            f"FSDP (a mesh with fsdp=True) with parameters tied across stages "
-            f"({', '.join(map(repr, tied))}) "
-            "is not supported: untie them or build the mesh with fsdp=False"
-        )
 
 
 def _holders(

@@ -27,6 +27,14 @@ during the step. Between steps only the shards are held, and the optimizer
 (built over :meth:`~zerobubble.pipeline.Pipeline.parameters`, the sharded
 DTensors) keeps sharded state.
 
+Parameters tied across stages (:mod:`~zerobubble.parallel.tied`): each holder stage's
+replica is sharded alike (one shape, the one dp mesh, ``Shard(0)``), so the tie's
+reduction adds the holder stages' reduce-scattered local shards elementwise, at the
+iteration's tail after every ``reduce_scatter``: each shard of a sum is the sum of the
+shards, exact. Where one rank holds two replicas (a V placement), FSDP would give each its
+own sharded copy; :meth:`ShardedStages.share_replicas` points the later replicas' shards at
+the first one's memory again, so the optimizer, which steps only the first, steps them all.
+
 The gradient norm spans dp x pp: :meth:`ShardedStages.combine_norms` turns the
 norms of the local shards into the norm of each whole gradient (an all-reduce of
 ``|shard|^p`` over dp), which then enters the pipeline's norm vector like any
@@ -55,7 +63,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -65,6 +73,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from zerobubble.parallel.shards import expert_shard_of, is_expert, mark_expert
+from zerobubble.parallel.tied import TiedParam
 from zerobubble.program.instructions import ShardAction, ShardOp
 from zerobubble.runtime.p2p.comm import P2P, RankName, plain_name, set_timeout
 from zerobubble.runtime.stage import StageChunk
@@ -152,6 +161,42 @@ class ShardedStages:
             edp = self.expert_mesh.get_group()
             self._expert_p2p = P2P(edp, self.device, timeout_s, dim="edp", name=name)
             set_timeout(edp, timedelta(seconds=timeout_s))
+
+    def share_replicas(self, ties: Sequence[TiedParam]) -> None:
+        """Give the replicas of each tie on this rank's stages one sharded memory: the
+        later stages' FSDP parameters read (all-gather) and hold the first stage's padded
+        shard, as :func:`~zerobubble.parallel.tied.tie_local_replicas` shares whole tensors.
+
+        Every replica is sharded alike (one shape, mesh and placement), so the padded
+        shards have one size; FSDP's lazy initialisation keeps a shard whose storage is
+        already its own (``reset_sharded_param``), so the sharing survives it.
+        """
+        for tie in ties:
+            here = [s for s in tie.stages if s in self.chunks]
+            if len(here) < 2:
+                continue
+            first = self._fsdp_param(here[0], tie.local[here[0]][0])
+            for s in here[1:]:
+                later = self._fsdp_param(s, tie.local[s][0])
+                if later.padded_sharded_param_size != first.padded_sharded_param_size:
+                    raise ValueError(
+                        f"tied parameter {tie.name!r}: FSDP shards stage {here[0]}'s replica "
+                        f"to {tuple(first.padded_sharded_param_size)} but stage {s}'s to "
+                        f"{tuple(later.padded_sharded_param_size)}; every replica of a tie "
+                        "must have one shape and layout"
+                    )
+                later._sharded_param_data = first._sharded_param_data
+                later.sharded_param._local_tensor = first.sharded_param._local_tensor
+
+    def _fsdp_param(self, stage: int, name: str) -> Any:
+        """FSDP's record of stage ``stage``'s sharded parameter ``name``."""
+        param = self.chunks[stage].module.get_parameter(name)
+        for m in self.units[stage]:
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                for fp in group.fsdp_params:
+                    if fp.sharded_param is param:
+                        return fp
+        raise ValueError(f"stage {stage}: FSDP does not manage parameter {name!r}")
 
     @staticmethod
     def _wrap(

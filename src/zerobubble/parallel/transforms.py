@@ -150,18 +150,13 @@ def prepare_chunks(
         if t.compile is not None:
             _compile(chunk, t.compile)
         chunks[s] = chunk
-    sharding = (
-        None
-        if fsdp_mesh is None
-        else ShardedStages(
-            chunks,
-            fsdp_mesh,
-            device=device,
-            timeout_s=timeout_s,
-            name=name,
-            expert_mesh=expert_mesh,
-        )
+    if fsdp_mesh is None:
+        return chunks, None
+    sharding = ShardedStages(
+        chunks, fsdp_mesh, device=device, timeout_s=timeout_s, name=name, expert_mesh=expert_mesh
     )
+    if parallelize is not None:
+        sharding.share_replicas(parallelize.ties)
     return chunks, sharding
 
 

@@ -141,8 +141,6 @@ class Schedule:
     def _check_overlaps(self) -> None:
         """Each pair: an F directly followed on its device by a B or BW, each action in
         at most one pair."""
-        if self.segments > 1:
-            raise ValueError("overlapped F&B pairs with sequence segments are not built")
         where = {(a, d): i for d, acts in enumerate(self.actions) for i, a in enumerate(acts)}
         used: set[Action] = set()
         for f, b in self.overlaps:

@@ -91,8 +91,6 @@ def overlap_where_it_pays(
     schedule's own pairs stay. One simulation per candidate: quadratic in the actions,
     meant for schedules of a few thousand.
     """
-    if schedule.segments > 1:
-        raise ValueError("overlapped F&B pairs with sequence segments are not built")
     first = simulate(schedule, costs)
     model, best = first.costs, first.makespan
     limit = math.inf if mem_limit is None else mem_limit

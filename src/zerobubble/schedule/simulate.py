@@ -105,9 +105,7 @@ class SimResult:
         c, sched = self.costs, self.schedule
 
         def exposed(a: Action, b: Action | None) -> Number:
-            return (
-                c.a2a_time(a.op, a.stage) if b is None else c.overlapped(a.stage, b.op, b.stage)[1]
-            )
+            return _a2a(c, sched, a) if b is None else _block(c, sched, a, b)[1]
 
         return tuple(
             sum((exposed(a, b) for a, b in sched.blocks(d)), 0) for d in range(sched.num_devices)
@@ -272,7 +270,7 @@ def _times(
     leave = list(map(hops.__getitem__, map(_op_stage, flat)))
     deps: list[tuple[int, ...]] = list(zip(dep1, dep2, dep3, strict=True))
     for g, h in _pairs(schedule, graph):  # an overlapped pair is one block, timed on its F:
-        dur[g], _ = costs.overlapped(flat[g].stage, flat[h].op, flat[h].stage)
+        dur[g], _ = _block(costs, schedule, flat[g], flat[h])
         dur[h] = 0  # its backward ends with it
         deps[g] = tuple(x for x in (*deps[g], *deps[h]) if x != g)  # both inputs first
 
@@ -314,6 +312,36 @@ def _times(
     per_dev_start = tuple(tuple(start[offsets[d] : offsets[d + 1]]) for d in range(num_devices))
     per_dev_end = tuple(tuple(end[offsets[d] : offsets[d + 1]]) for d in range(num_devices))
     return per_dev_start, per_dev_end
+
+
+def _scale(costs: CostModel, schedule: Schedule, a: Action) -> Number | None:
+    """The time factor of ``a``'s segment (:attr:`CostModel.segment_time`); None without
+    segments (the durations are the model's own)."""
+    k = schedule.segments
+    return None if k == 1 else costs.segment_scales(k)[0][a.mb % k]
+
+
+def _a2a(costs: CostModel, schedule: Schedule, a: Action) -> Number:
+    """The all-to-all time of unit ``a`` (scaled by its segment, as its compute is)."""
+    x, scale = costs.a2a_time(a.op, a.stage), _scale(costs, schedule, a)
+    return x if scale is None else x * scale
+
+
+def _block(costs: CostModel, schedule: Schedule, f: Action, b: Action) -> tuple[Number, Number]:
+    """An overlapped pair's duration and exposed all-to-all
+    (:meth:`CostModel.overlapped`), each half's compute and all-to-all scaled by its
+    segment (the halves may be units of different segments)."""
+    if schedule.segments == 1:
+        return costs.overlapped(f.stage, b.op, b.stage)
+
+    def duration(a: Action) -> Number:  # as _times scales a lone unit
+        t, tail = costs.duration(a.op, a.stage), costs.host_time(a.op, a.stage)
+        return tail + (t - tail) * costs.segment_scales(schedule.segments)[0][a.mb % k]
+
+    k = schedule.segments
+    comm = _a2a(costs, schedule, f) + _a2a(costs, schedule, b)
+    compute = duration(f) + duration(b) - comm
+    return max(compute, comm), max(comm - compute, 0)
 
 
 def _pairs(schedule: Schedule, graph: Graph) -> list[tuple[int, int]]:

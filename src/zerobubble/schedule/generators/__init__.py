@@ -286,7 +286,8 @@ def _no_pair(kind: str, sched: Schedule, costs: CostSpec | None, *, searched: bo
         raise ValueError(
             f"schedule kind {kind!r} places one stage per device, and an overlapped pair is "
             "an F and a backward of two different stages on one device; choose a kind with "
-            "several stages per device (dualpipev, zbv, interleaved-1f1b, auto) or drop overlap"
+            "several stages per device (dualpipev, zbv, seq-zbv, interleaved-1f1b, auto) or "
+            "drop overlap"
         )
     if costs is None or not any(costs.resolve(sched.placement, sched.segments).a2a):
         why = "no all-to-all cost was given (costs=..., a2a=X)"

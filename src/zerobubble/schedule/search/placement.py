@@ -250,8 +250,10 @@ def auto(
         check_segments(segments)
         if overlap and segments > 1:
             raise ValueError(
-                "auto: overlapped F&B pairs with sequence segments are not built; pass "
-                "overlap or segments, not both"
+                "auto: overlapped F&B pairs with sequence segments are not searched (the "
+                "segment search compares unpaired schedules); pass overlap or segments, not "
+                "both, or pair a segment kind: generate('seq-zbv', P, M, segments=k, "
+                "overlap=True, costs=...)"
             )
     spec = costs if costs is not None else CostSpec()
     if mem_limit is None:
