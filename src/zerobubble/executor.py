@@ -421,10 +421,14 @@ class PipelineExecutor:
 def _check_overlap(schedule: Schedule, opts: ExecutorOptions, mesh: PipelineMesh | None) -> None:
     """Refuse what would share state between the two halves of an overlapped pair."""
     pairs = f"schedule {schedule.name!r} overlaps {len(schedule.overlaps)} F&B pairs"
-    if opts.recompute != "none":
+    if opts.recompute != "none" and mesh is not None and mesh.ep_size > 1:
         raise ValueError(
             f"{pairs}, whose halves run at once, and recompute={opts.recompute!r} replays a "
-            "forward (with its random state) inside the backward: drop one of the two"
+            f"forward inside the backward, whose all-to-alls over dim 'ep' (ep="
+            f"{mesh.ep_size}) would then run on the forwards' group from the backward's "
+            "thread, where the ep ranks could order them differently (and a replay that "
+            "draws random numbers holds the rank's generators while it waits for its "
+            "peers): build the mesh with ep=1, recompute='none' or a schedule without overlap"
         )
     if mesh is not None and mesh.spec.fsdp:
         raise ValueError(
