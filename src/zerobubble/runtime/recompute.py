@@ -24,6 +24,14 @@ hands its module copies of the inputs, so there in-place ops work as without
 it). Buffers the forward updates (BatchNorm's running statistics) are put back
 after the recomputation (:mod:`~zerobubble.runtime.split.buffers`): each
 microbatch updates them once, as in plain autograd.
+
+A replay holds the process's default generators under the rank's forward lock
+(:attr:`WeightGradStore.rng_lock`) when F drew from them, so it composes with an
+overlapped pair's forward running at once on another thread; everything else it touches
+is its stage's or thread-local. Under a segment scope the region takes its part of it
+(:class:`~zerobubble.runtime.sequence.kv.RegionSegments`): the past keys and values its
+attention reads are extra inputs, its own keys and values extra outputs, and the replay
+runs in a scope of F's start over the same past, so it computes what F computed.
 """
 
 from __future__ import annotations

@@ -196,7 +196,9 @@ def _segment_aware(layers: Sequence[nn.Module]) -> list[tuple[str, SegmentAware]
 
 
 @contextmanager
-def _installed(found: Sequence[tuple[str, SegmentAware]], context: SegmentContext) -> Iterator[None]:
+def _installed(
+    found: Sequence[tuple[str, SegmentAware]], context: SegmentContext
+) -> Iterator[None]:
     """``context`` on the modules of ``found`` (attention layers numbered in their order) for
     the block; ``context.past`` must have one entry per attention layer."""
     n_kv = sum(module.holds_kv for _, module in found)
