@@ -120,6 +120,7 @@ def run_cases(cases: list[tuple[str, str, bool]]) -> dict:
             runs.append((losses, terms, grads))
         out[kind, name, pairs] = runs
     out["noisy"] = noisy_steps()
+    out["recomputed"] = recomputed_steps()
     torch.distributed.destroy_process_group()
     return out
 
@@ -222,3 +223,79 @@ def test_a_forward_that_draws_beside_a_w_that_replays_draws_is_bitwise_the_refer
         grads = {n: g for r in results for n, g in r[i][1].items()}
         assert grads.keys() == want_grads.keys()
         assert all(torch.equal(g, want_grads[n]) for n, g in grads.items()), i
+
+
+# ---- recompute in the pairs: a backward's replay beside a forward ------------------------------
+
+
+class NoisyLinear(nn.Module):
+    """A linear layer between two dropouts with a long computation between the draws (as
+    :class:`NoisyScale`), its parameters in a child (so "layers" recompute checkpoints it)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.drop = nn.Dropout(0.5)
+        self.register_buffer("work", torch.ones(160, 160) / 160, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.lin(x))
+        w = self.work
+        for _ in range(6):
+            w = w @ self.work
+        return self.drop(h) + 0 * w.sum()
+
+
+def moe_noisy_layers() -> list[nn.Module]:
+    """Per stage of 2P, a MoE model's layer (its ends, or a MoE block) then a NoisyLinear."""
+    moe = build_moe_mlp((8, 8, 8), hidden=16, num_experts=E, top_k=K, blocks=2 * P - 2, seed=0)
+    torch.manual_seed(1)
+    return [x for layer in moe for x in (layer, NoisyLinear(8))]
+
+
+RECOMPUTED = [(kind, rc) for kind in ("zbv", "dualpipev") for rc in ("none", "stage", "layers")]
+
+
+def recomputed_steps() -> dict:
+    """Each of :data:`RECOMPUTED` ``REPEATS`` times, without recompute once (in
+    :func:`run_cases`)."""
+    out: dict = {}
+    for kind, recompute in RECOMPUTED:
+        sched = paired(kind)
+        runs = []
+        for _ in range(1 if recompute == "none" else REPEATS):
+            options = ExecutorOptions(recompute=recompute)
+            pipe = zerobubble.Pipeline(moe_noisy_layers(), mlp_loss, sched, options=options)
+            x, y = noisy_batch()
+            losses = pipe.step(x, target=y)
+            runs.append((losses, {n: q.grad.clone() for n, q in pipe.named_parameters()}))
+        out[kind, recompute] = runs
+    return out
+
+
+@pytest.mark.bitwise
+def test_recompute_in_pairs_is_bitwise_the_reference_and_the_run_without_it(ranks):
+    """zbv's and dualpipev's pairs over MoE blocks and dropout, recompute "stage" and
+    "layers": a backward's replay draws F's numbers again while the pair's forward draws its
+    own on the other thread (both hold the rank's generators only under its lock). Losses
+    and every gradient bitwise the reference, and the run without recompute, every run."""
+    x, y = noisy_batch()
+    want_losses, want_grads = reference_step(
+        moe_noisy_layers(), mlp_loss, x, target=y, microbatches=M, seed=0, num_stages=2 * P
+    )
+    for kind, recompute in RECOMPUTED:
+        for i in range(1 if recompute == "none" else REPEATS):
+            case = (kind, recompute, i)
+            runs = [r["recomputed"][kind, recompute][i] for r in ranks]
+            plain = [r["recomputed"][kind, "none"][0] for r in ranks]
+            losses = next(losses for losses, _ in runs if losses is not None)
+            assert all(map(torch.equal, losses, want_losses)), case
+            grads = {n: g for _, gr in runs for n, g in gr.items()}
+            without = {n: g for _, gr in plain for n, g in gr.items()}
+            assert grads.keys() == want_grads.keys() == without.keys(), case
+            bad = [
+                n
+                for n, g in grads.items()
+                if not (torch.equal(g, want_grads[n]) and torch.equal(g, without[n]))
+            ]
+            assert not bad, (case, bad)

@@ -342,10 +342,20 @@ def test_a_collective_of_the_forward_is_in_flight_while_the_paired_backward_comp
         assert _hidden(spans, backwards) == 0
 
 
-def test_overlap_with_recompute_is_refused_before_any_process_group():
+def test_overlap_with_recompute_under_expert_parallelism_is_refused():
+    """Recompute composes with pairs (tests/test_overlap_moe.py), but not where the replay's
+    all-to-alls would run on the forwards' ep group from the backward's thread."""
+    from types import SimpleNamespace
+
+    from zerobubble.executor import _check_overlap
+
     sched = generate("dualpipev", 2, 6, overlap=True)
-    with pytest.raises(ValueError, match="recompute='stage' replays a forward"):
-        PipelineExecutor(sched, {}, options=ExecutorOptions(recompute="stage"))
+    mesh = SimpleNamespace(spec=SimpleNamespace(fsdp=False), tp_size=1, ep_size=2)
+    with pytest.raises(ValueError, match=r"recompute='layers' replays a forward .* \(ep=2\)"):
+        _check_overlap(sched, ExecutorOptions(recompute="layers"), mesh)  # type: ignore[arg-type]
+    _check_overlap(sched, ExecutorOptions(), mesh)  # type: ignore[arg-type]
+    one = SimpleNamespace(spec=SimpleNamespace(fsdp=False), tp_size=1, ep_size=1)
+    _check_overlap(sched, ExecutorOptions(recompute="stage"), one)  # type: ignore[arg-type]
 
 
 def test_overlap_with_fsdp_is_refused():
@@ -360,3 +370,21 @@ def test_overlap_with_fsdp_is_refused():
     _check_overlap(
         sched, ExecutorOptions(), SimpleNamespace(spec=SimpleNamespace(fsdp=False), tp_size=1)
     )  # type: ignore[arg-type]
+
+
+def test_overlap_with_recompute_over_hand_built_expert_groups_is_refused_naming_the_stage():
+    from types import SimpleNamespace
+
+    from zerobubble.executor import _check_overlap_experts
+    from zerobubble.parallel.ep import ExpertGroup, LocalGroup
+
+    sched = generate("dualpipev", 2, 6, overlap=True)
+    layer = nn.Linear(2, 2)
+    layer.ep = ExpertGroup(LocalGroup(2), rank=0, size=2)  # type: ignore[assignment]
+    chunks = {
+        0: SimpleNamespace(module=nn.Sequential(nn.Linear(2, 2))),
+        3: SimpleNamespace(module=nn.Sequential(layer)),
+    }
+    with pytest.raises(ValueError, match=r"replays stage 3's forward .* over its 2 ep ranks"):
+        _check_overlap_experts(sched, ExecutorOptions(recompute="stage"), chunks)  # type: ignore[arg-type]
+    _check_overlap_experts(sched, ExecutorOptions(recompute="stage"), {0: chunks[0]})  # type: ignore[arg-type]

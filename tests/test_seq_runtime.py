@@ -56,9 +56,10 @@ def count(labels: torch.Tensor) -> int:
 
 
 def model_and_batch(
-    model: str, num_stages: int, m: int
+    model: str, num_stages: int, m: int, dropout: float = 0.0
 ) -> tuple[list[nn.Module], Any, torch.Tensor]:
-    """Our GPT or a tiny HF Llama (sdpa) of num_stages blocks, and 2m+1 rows.
+    """Our GPT or a tiny HF Llama (sdpa) of num_stages blocks, and 2m+1 rows; ``dropout``:
+    every dropout's (the GPT's, the Llama's attention dropout).
 
     GPT: the last labels of every other row ignored (padding at the end). Llama: a padding
     mask (row 1 padded on the left, row 2 on the right), the labels shifted once for the
@@ -68,7 +69,9 @@ def model_and_batch(
     gen = torch.Generator().manual_seed(7)
     n = 2 * m + 1
     if model == "gpt":
-        cfg = GPTConfig(vocab_size=17, max_seq_len=T, d_model=8, n_heads=2, n_layers=num_stages)
+        cfg = GPTConfig(
+            vocab_size=17, max_seq_len=T, d_model=8, n_heads=2, n_layers=num_stages, dropout=dropout
+        )
         x = torch.randint(0, 17, (n, T), generator=gen)
         y = torch.randint(0, 17, (n, T), generator=gen)
         for row in range(0, n, 2):
@@ -79,6 +82,7 @@ def model_and_batch(
         attn_implementation="sdpa",
         num_hidden_layers=num_stages,
         tie_word_embeddings=False,
+        attention_dropout=dropout,
     ).train()
     ids = torch.randint(3, 256, (n, T), generator=gen)
     mask = torch.ones(n, T, dtype=torch.long)
@@ -221,11 +225,68 @@ def test_a_stage_runs_a_sequence_forward_in_order_and_backward_last_first():
     assert chunk.pending() == {} and chunk.held_bytes() == 0
 
 
-def test_recompute_with_segments_is_refused_naming_the_stage():
-    cfg = GPTConfig(vocab_size=17, max_seq_len=T, d_model=8, n_heads=2, n_layers=2)
-    chunk = StageChunk(nn.Sequential(*list(build_gpt(cfg))[:2]), 0, 2, recompute="stage")
-    with pytest.raises(ValueError, match="stage 0: recompute='stage' with sequence segments"):
-        chunk.forward(0, torch.zeros(1, 8, dtype=torch.long), segment=SegmentOf(0, 0, 2, 0))
+# (model, kind, k, cuts, recompute): P = 2, seq-zb (a stage per rank) and seq-zbv (the V, two
+# stages per rank), k = 2..4, both modes on both models, dropout drawn in every stage
+RECOMPUTED = [
+    ("gpt", "seq-zb", 2, (0, 9, 16), "stage"),
+    ("gpt", "seq-zb", 4, (0, 6, 10, 13, 16), "layers"),
+    ("gpt", "seq-zbv", 3, (0, 5, 11, 16), "layers"),
+    ("gpt", "seq-zbv", 4, (0, 1, 2, 15, 16), "stage"),
+    ("llama", "seq-zb", 3, (0, 4, 10, 16), "layers"),
+    ("llama", "seq-zbv", 2, (0, 10, 16), "stage"),
+    ("llama", "seq-zbv", 4, (0, 3, 7, 12, 16), "layers"),
+]
+DROPOUT = 0.2
+
+
+def recomputed_job(cases: list[tuple]) -> list[dict]:
+    """Every case of :data:`RECOMPUTED` in one launch: this rank's losses and gradients."""
+    rank = init_distributed(timeout_s=60).rank
+    out = []
+    for model, kind, k, cuts, recompute in cases:
+        sched = generated(kind, 2, 3, segments=k)
+        layers, x, y = model_and_batch(model, sched.num_stages, 3, DROPOUT)
+        stages = build_stage_modules(layers, sched, rank)
+        options = ExecutorOptions(cuts=cuts, recompute=recompute)
+        pipe = PipelineExecutor(sched, stages, loss_fn=token_loss, count_fn=count, options=options)
+        losses = pipe.step(x, target=y)
+        bounds = stage_bounds(len(layers), sched.num_stages)
+        grads = {}
+        for s, chunk in pipe.chunks.items():
+            for name, param in chunk.module.named_parameters():
+                local, rest = name.split(".", 1)
+                grads[f"{bounds[s].start + int(local)}.{rest}"] = param.grad
+        out.append({"losses": losses, "grads": grads, "held": pipe.held_bytes()})
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.bitwise
+def test_recomputed_segments_are_bitwise_the_one_reference():
+    """Recompute ("stage" and "layers") on segment schedules: a checkpointed region's
+    replay in B runs in its segment's scope over the past keys and values F read, so the
+    losses and every gradient (the past keys' and values' included, through the earlier
+    segments' backwards) are bitwise ``zerobubble.reference_step(cuts=...)``'s, dropout too."""
+    results = launch(recomputed_job, 2, RECOMPUTED, timeout=240)
+    for i, (model, kind, k, cuts, recompute) in enumerate(RECOMPUTED):
+        case = (model, kind, k, recompute)
+        num_stages = generated(kind, 2, 3, segments=k).num_stages
+        layers, x, y = model_and_batch(model, num_stages, 3, DROPOUT)
+        want_losses, want = zerobubble.reference_step(
+            layers, token_loss, x, target=y, microbatches=3, cuts=cuts, count_fn=count,
+            seed=0, num_stages=num_stages,
+        )  # fmt: skip
+        keys = tuple(str(j) for j in range(len(layers)))
+        runs = [r[i] for r in results]
+        assert all(r["held"] == 0 for r in runs), case
+        losses = next(r["losses"] for r in runs if r["losses"] is not None)
+        assert all(map(torch.equal, losses, want_losses)), case
+        grads = {n: g for r in runs for n, g in r["grads"].items()}
+        assert {model_name(n, keys, layers) for n in grads} == {
+            n for n, g in want.items() if g is not None
+        }, case
+        bad = [n for n, g in grads.items() if not torch.equal(g, want[model_name(n, keys, layers)])]
+        assert not bad, (case, bad)
 
 
 def test_a_loss_that_shifts_labels_is_refused_with_segments():

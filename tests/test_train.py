@@ -92,8 +92,10 @@ def test_train_profiles_plans_trains_and_writes_its_outputs(tmp_path, capfd):
 def test_profile_with_segments_fits_the_segment_cost_and_predicts_the_segment_kinds(
     tmp_path, capfd
 ):
-    out = tmp_path / "out"
-    assert main(["profile", *TINY, "--segments", "2", "--out", str(out)]) == 0
+    out = tmp_path / "out"  # with recompute too: a checkpointed segment's replay in B
+    assert (
+        main(["profile", *TINY, "--segments", "2", "--recompute", "stage", "--out", str(out)]) == 0
+    )
     text = capfd.readouterr().out
     assert "each layer checked to compute on segments what it computes" in text
     said = " ".join(text[text.index("predicted pipeline step") : text.index("profile:")].split())
@@ -111,9 +113,9 @@ def test_bad_configurations_are_refused_before_launching():
     assert main(["bench", "-p", "8", "--layers", "2"]) == 2
     for windowed in ("hf-mistral", "hf-qwen2"):  # sliding windows run in segments
         TrainConfig(model=ModelSection(name=windowed), schedule=ScheduleSection(segments=2))
-    with pytest.raises(ValueError, match="--segments 2 with --recompute stage"):
+    for recompute in ("stage", "layers"):  # segments compose with recompute
         two = ScheduleSection(segments=2)
-        TrainConfig(schedule=two, executor=ExecutorSection(recompute="stage"))
+        TrainConfig(schedule=two, executor=ExecutorSection(recompute=recompute))
     with pytest.raises(ValueError, match="at least 4 tokens"):
         TrainConfig(schedule=ScheduleSection(segments=2), job=JobSection(seq_len=3))
     assert main(["bench", "--segments", "0"]) == 2

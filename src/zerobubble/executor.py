@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerobubble.parallel.dp import GradReducer, sum_over_dp
+from zerobubble.parallel.ep import expert_groups
 from zerobubble.parallel.fsdp import ShardedStages
 from zerobubble.parallel.loss import LossParallel
 from zerobubble.parallel.mesh import PipelineMesh, pipeline_group
@@ -208,6 +209,8 @@ class PipelineExecutor:
                 timeout_s=opts.comm_timeout_s,
             )
         self._prepare(stages, loss_fn, parallelize)
+        if schedule.overlaps and opts.recompute != "none":
+            _check_overlap_experts(schedule, opts, self.chunks)
         self.segment_guard = SegmentGuard.install(self.cuts, self.chunks, self.device, mesh)
         for chunk in self.chunks.values():  # a W's replayed draws wait for a running forward
             chunk.store.rng_lock = self.rng.lock
@@ -425,10 +428,14 @@ class PipelineExecutor:
 def _check_overlap(schedule: Schedule, opts: ExecutorOptions, mesh: PipelineMesh | None) -> None:
     """Refuse what would share state between the two halves of an overlapped pair."""
     pairs = f"schedule {schedule.name!r} overlaps {len(schedule.overlaps)} F&B pairs"
-    if opts.recompute != "none":
+    if opts.recompute != "none" and mesh is not None and mesh.ep_size > 1:
         raise ValueError(
             f"{pairs}, whose halves run at once, and recompute={opts.recompute!r} replays a "
-            "forward (with its random state) inside the backward: drop one of the two"
+            f"forward inside the backward, whose all-to-alls over dim 'ep' (ep="
+            f"{mesh.ep_size}) would then run on the forwards' group from the backward's "
+            "thread, where the ep ranks could order them differently (and a replay that "
+            "draws random numbers holds the rank's generators while it waits for its "
+            "peers): build the mesh with ep=1, recompute='none' or a schedule without overlap"
         )
     if mesh is not None and mesh.spec.fsdp:
         raise ValueError(
@@ -442,6 +449,23 @@ def _check_overlap(schedule: Schedule, opts: ExecutorOptions, mesh: PipelineMesh
             "tp ranks could order them differently: build the mesh with tp=1 or a schedule "
             "without overlap"
         )
+
+
+def _check_overlap_experts(
+    schedule: Schedule, opts: ExecutorOptions, chunks: Mapping[int, StageChunk]
+) -> None:
+    """:func:`_check_overlap`'s refusal of recompute with all-to-alls over ep ranks, for
+    expert groups a mesh did not make (built by hand over the caller's process groups)."""
+    for stage, chunk in sorted(chunks.items()):
+        for group in expert_groups(chunk.module):
+            if group.size > 1:
+                raise ValueError(
+                    f"schedule {schedule.name!r} overlaps F&B pairs, whose halves run at "
+                    f"once, and recompute={opts.recompute!r} replays stage {stage}'s forward "
+                    f"inside its backward, whose all-to-alls over its {group.size} ep ranks "
+                    "would then run on the forwards' group from the backward's thread: "
+                    "recompute='none' or a schedule without overlap"
+                )
 
 
 def _check_segment_loss(schedule: Schedule, loss_fn: LossFn | None, count_fn: Any) -> None:

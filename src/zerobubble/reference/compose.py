@@ -30,8 +30,9 @@ package rather than restating their arithmetic:
   different stages share (the stages cut by ``num_stages`` and ``boundaries``, as the
   pipeline cuts them) gets a replica per holder stage, and its gradient is the stages'
   summed in stage order (after the dp and edp sums), as the pipeline's tie reduction adds
-  them; **recompute** and **overlapped pairs** change no arithmetic (tests/test_recompute.py,
-  tests/test_overlap_runtime.py), so they have no option.
+  them; **recompute** and **overlapped pairs** change no arithmetic, alone, together or
+  (recompute) with segments (tests/test_recompute.py, tests/test_overlap_runtime.py,
+  tests/test_overlap_moe.py, tests/test_seq_runtime.py), so they have no option.
 
 A combination without a composed ground truth is refused with a ValueError naming it (ep
 with tp, which the mesh refuses too); docs/scale.md keeps the table.

@@ -24,12 +24,21 @@ hands its module copies of the inputs, so there in-place ops work as without
 it). Buffers the forward updates (BatchNorm's running statistics) are put back
 after the recomputation (:mod:`~zerobubble.runtime.split.buffers`): each
 microbatch updates them once, as in plain autograd.
+
+A replay holds the process's default generators under the rank's forward lock
+(:attr:`WeightGradStore.rng_lock`) when F drew from them, so it composes with an
+overlapped pair's forward running at once on another thread; everything else it touches
+is its stage's or thread-local. Under a segment scope the region takes its part of it
+(:class:`~zerobubble.runtime.sequence.kv.RegionSegments`): the past keys and values its
+attention reads are extra inputs, its own keys and values extra outputs, and the replay
+runs in a scope of F's start over the same past, so it computes what F computed.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any, Literal, TypeAlias
 
 import torch
@@ -37,6 +46,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 from torch.utils import _pytree as pytree
 
+from zerobubble.runtime.sequence.kv import RegionSegments
 from zerobubble.runtime.split.buffers import restored
 from zerobubble.runtime.split.store import Call, GradList, WeightGradStore, Work
 
@@ -103,30 +113,53 @@ class _State:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.cpu_rng = torch.get_rng_state()
-        acc = None if device.type == "cpu" else torch.get_device_module(device.type)
-        self.acc_rng = None if acc is None else acc.get_rng_state(device)
+        self.cpu_rng, self.acc_rng = _rng_states(device)
         types = ["cpu"] if device.type == "cpu" else ["cpu", device.type]
         self.autocast = [
             (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types
         ]
         self.cache = torch.is_autocast_cache_enabled()
+        self.drew = True
+        """Whether F drew from the default generators (set after it ran, :meth:`ran`)."""
+
+    def ran(self) -> None:
+        """F ran: note whether it moved the default generators. A replay of a forward that
+        drew nothing leaves them alone (it draws nothing either), and so needs no lock."""
+        after = _rng_states(self.device)
+        self.drew = not all(
+            a is b or (a is not None and b is not None and torch.equal(a, b))
+            for a, b in zip((self.cpu_rng, self.acc_rng), after, strict=True)
+        )
 
     @contextmanager
-    def replay(self) -> Iterator[None]:
-        """Inside: F's generator and autocast states; the caller's generators come back."""
+    def replay(self, rng_lock: AbstractContextManager[Any]) -> Iterator[None]:
+        """Inside: F's generator and autocast states; the caller's generators come back.
+
+        The default generators are the process's: while the replay holds them it holds
+        ``rng_lock`` (:attr:`WeightGradStore.rng_lock`, the lock every forward of the rank
+        holds), so that the forward of an overlapped pair's other half, running at once on
+        another thread, neither moves them under the replay nor sees them moved.
+        """
         dev = self.device
         devices = [] if self.acc_rng is None else [dev]
         with ExitStack() as stack:
-            stack.enter_context(torch.random.fork_rng(devices=devices, device_type=dev.type))
-            torch.set_rng_state(self.cpu_rng)
-            if self.acc_rng is not None:
-                torch.get_device_module(dev.type).set_rng_state(self.acc_rng, dev)
+            if self.drew:
+                stack.enter_context(rng_lock)
+                stack.enter_context(torch.random.fork_rng(devices=devices, device_type=dev.type))
+                torch.set_rng_state(self.cpu_rng)
+                if self.acc_rng is not None:
+                    torch.get_device_module(dev.type).set_rng_state(self.acc_rng, dev)
             for t, enabled, dtype in self.autocast:
                 stack.enter_context(
                     torch.autocast(t, dtype=dtype, enabled=enabled, cache_enabled=self.cache)
                 )
             yield
+
+
+def _rng_states(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """The CPU's and ``device``'s default generator states (None: ``device`` is the CPU)."""
+    acc = None if device.type == "cpu" else torch.get_device_module(device.type)
+    return torch.get_rng_state(), None if acc is None else acc.get_rng_state(device)
 
 
 class _Region:
@@ -142,6 +175,7 @@ class _Region:
         store: WeightGradStore | None,
         module: nn.Module | None,
         name: str,
+        segments: RegionSegments | None,
     ) -> None:
         self.fn = fn
         self.spec = spec
@@ -151,14 +185,17 @@ class _Region:
         self.store = store
         self.module = module  # whose buffers the recomputation puts back
         self.name = name  # for messages: "stage 2", "stage 2: layer 'mlp' (MLP)"
+        self.segments = segments  # the region's part in a segment scope, or None
         self.state: _State | None = None
         self.out_spec: pytree.TreeSpec | None = None
         self.out_leaves: list[Any] = []
         self.out_slots: list[int] = []
 
     def call(self, tensors: Sequence[Tensor]) -> Any:
+        """The function on ``tensors``: the call's tensors, then the segments' past leaves
+        (which the function reads from its scope)."""
         leaves = list(self.leaves)
-        for i, t in zip(self.slots, tensors, strict=True):
+        for i, t in zip(self.slots, tensors[: len(self.slots)], strict=True):
             leaves[i] = t
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         return self.fn(*args, **kwargs)
@@ -198,6 +235,9 @@ class _Checkpoint(torch.autograd.Function):
         region.state = _State(device)
         versions = [t._version for t in inputs]
         outs = region.outputs(region.call(inputs))
+        region.state.ran()
+        if region.segments is not None:  # its own keys and values: extra outputs
+            outs += region.segments.outputs()
         modified = [
             i for i, (t, v) in enumerate(zip(inputs, versions, strict=True)) if t._version != v
         ]
@@ -229,9 +269,18 @@ class _Checkpoint(torch.autograd.Function):
         assert region.state is not None
         record = store is not None and store.capturing is not None
         kept = nullcontext() if region.module is None else restored(region.module)
+        rng_lock = nullcontext() if store is None else store.rng_lock
+        segments = _replay_segments(region, xs)
         try:
-            with kept, region.state.replay(), torch.enable_grad(), _recording(store, calls, record):
+            with (
+                kept,
+                region.state.replay(rng_lock),
+                torch.enable_grad(),
+                _recording(store, calls, record),
+                segments as own_kv,
+            ):
                 outs = region.outputs(region.call(xs))
+                outs += own_kv()
         except torch.OutOfMemoryError:
             raise  # keeps its type: callers catch it to retry smaller
         except Exception as e:
@@ -261,6 +310,17 @@ class _Checkpoint(torch.autograd.Function):
         out += [next(it) if x.requires_grad else None for x in xs]
         out += [next(it) if p.requires_grad else None for p in params]
         return tuple(out)
+
+
+def _replay_segments(
+    region: _Region, xs: Sequence[Tensor]
+) -> AbstractContextManager[Callable[[], list[Tensor]]]:
+    """The segment scope of ``region``'s replay over the recomputation's past leaves (the
+    inputs after the call's), yielding what gives its own keys and values; for a region
+    outside segments, no scope and none."""
+    if region.segments is None:
+        return nullcontext(list)
+    return region.segments.replay(xs[len(region.slots) :])
 
 
 def _edge(node: Any) -> GradientEdge:
@@ -323,13 +383,19 @@ def run_checkpointed(
     """
     leaves, spec = pytree.tree_flatten((args, kwargs))
     slots = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
-    tensors = [leaves[i] for i in slots]
+    # Under a segment scope the past keys and values are inputs too, the own ones outputs.
+    segments = None if module is None else RegionSegments.of(module)
+    tensors = [leaves[i] for i in slots] + ([] if segments is None else segments.inputs())
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in [*tensors, *params]):
         return fn(*args, **kwargs)
     for i in slots:
         leaves[i] = None
-    region = _Region(fn, spec, leaves, slots, list(params), store, module, name)
-    return region.rebuild(_Checkpoint.apply(region, *tensors, *params))
+    region = _Region(fn, spec, leaves, slots, list(params), store, module, name, segments)
+    got = _Checkpoint.apply(region, *tensors, *params)
+    n = len(region.out_slots)
+    if segments is not None:
+        segments.adopt(got[n:])
+    return region.rebuild(got[:n])
 
 
 # ---- per-layer regions ------------------------------------------------------------------
@@ -346,6 +412,13 @@ class _LayerForward:
         self.module = module
         self.name = name  # "stage 1: layer 'act' (Hardswish)", from the first install
         self.stores: list[WeightGradStore] = []
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _LayerForward:
+        """The forward of a copy of the module: bound to the copy, recording into the same
+        stores (a copy of a checkpointed layer is checkpointed, and runs itself)."""
+        out = _LayerForward(copy.deepcopy(self.module, memo), self.name)
+        out.stores = list(self.stores)
+        return out
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         m = self.module

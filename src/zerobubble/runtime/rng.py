@@ -123,8 +123,9 @@ class StageRng:
         self._acc = None if self.device.type == "cpu" else torch.Generator(self.device)
         self.lock = threading.RLock()
         """Held for a whole forward (:meth:`scope`): the default generators are the
-        process's, and an overlapped pair runs a forward beside a backward whose W may
-        replay a forward's draws (``WeightGradStore.rng_lock``)."""
+        process's, and an overlapped pair runs a forward beside a backward whose
+        recomputation (activation checkpointing) or W may replay a forward's draws
+        (``WeightGradStore.rng_lock``)."""
 
     @contextmanager
     def scope(self, step: int, stage: int, mb: int) -> Iterator[None]:

@@ -197,7 +197,7 @@ class StageChunk:
         self._loss_terms = LossTermExtension(self._submodules)
         self.extensions: list[StageExtension] = [
             self._loss_terms,
-            SegmentExtension(self.module, self.recompute),
+            SegmentExtension(self.module),
         ]
         """Called in this order at each point of F and B; a new one is one more entry."""
 

@@ -365,12 +365,6 @@ class TrainConfig:
                 f"--segments {k}: {self.model.name} does not run in sequence segments; use "
                 f"--model {', '.join(SEGMENT_MODELS)}, or --segments 1"
             )
-        if self.executor.recompute != "none":
-            raise ValueError(
-                f"--segments {k} with --recompute {self.executor.recompute}: a segment's keys "
-                "and values stay in later segments' graphs, which recomputation would rebuild "
-                "as new tensors; pass --recompute none"
-            )
         if self.job.seq_len < max(4, k):
             raise ValueError(
                 f"--segments {k} needs sequences of at least {max(4, k)} tokens (one per "

@@ -68,15 +68,17 @@ class _Kept:
 class SegmentExtension(StageExtension):
     """The keys and values of a stage's segmented microbatches, kept between their units.
 
+    Under activation recompute a checkpointed region takes its part of the context with it
+    (:class:`~zerobubble.runtime.sequence.kv.RegionSegments`): its replay in B reads the
+    same past and gives its own keys and values again, so F, B and this extension are the
+    same with and without it.
+
     Args:
         module: The stage's layers (their segment-aware attention reads the context).
-        recompute: The chunk's recompute mode; segments need "none" (a recomputed forward
-            would not see the earlier segments' keys and values).
     """
 
-    def __init__(self, module: nn.Module, recompute: str) -> None:
+    def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self.recompute = recompute
         self._sequences: dict[int, _Sequence] = {}
         """Per microbatch whose sequence runs in segments, what its segments share."""
         self._kept: dict[int, _Kept] = {}
@@ -107,14 +109,8 @@ class SegmentExtension(StageExtension):
         return segment_scope([self.module], self._context)
 
     def _refuse(self, stage: int) -> None:
-        """Raise if this stage cannot run segments: recompute, or an attention layer that
-        would see only its own segment."""
-        if self.recompute != "none":
-            raise ValueError(
-                f"stage {stage}: recompute={self.recompute!r} with sequence segments is "
-                "not supported (the recomputed forward would not see the earlier segments' "
-                "keys and values); use recompute='none'"
-            )
+        """Raise if this stage cannot run segments: an attention layer that would see only
+        its own segment."""
         if self._unaware is None:  # once: the module's layers do not change
             self._unaware = unaware_attention(self.module) or ""
         if layer := self._unaware:

@@ -188,7 +188,8 @@ def fresh_copy(module: nn.Module) -> nn.Module:
     for m in module.modules():
         memo.update((id(p), p) for p in m._parameters.values() if p is not None)
         for key, value in vars(m).items():
-            skip = key in ("_parameters", "_buffers", "_modules")
+            # An instance forward (activation recompute's) runs its module: the copy's its copy.
+            skip = key in ("_parameters", "_buffers", "_modules", "forward")
             if not (skip or isinstance(value, (Tensor, nn.Module, *_PLAIN))):
                 memo[id(value)] = value
     out = copy.deepcopy(module, memo)

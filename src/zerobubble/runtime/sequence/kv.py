@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "KV",
+    "RegionSegments",
     "SegmentAware",
     "SegmentContext",
     "SegmentOf",
@@ -181,13 +182,9 @@ def unaware_attention(module: nn.Module) -> str | None:
     return None
 
 
-@contextmanager
-def segment_scope(layers: Sequence[nn.Module], context: SegmentContext) -> Iterator[SegmentContext]:
-    """Install ``context`` on the segment-aware modules of ``layers`` for the block.
-
-    Attention layers are numbered in the order ``layers`` and their ``named_modules``
-    list them; ``context.past`` must have one entry per attention layer.
-    """
+def _segment_aware(layers: Sequence[nn.Module]) -> list[tuple[str, SegmentAware]]:
+    """The segment-aware modules of ``layers``, each once, named ``"<layer>.<path>"``, in the
+    order that numbers the attention layers (``layers``, then their ``named_modules``)."""
     found: list[tuple[str, SegmentAware]] = []
     seen: set[int] = set()
     for i, layer in enumerate(layers):
@@ -195,6 +192,15 @@ def segment_scope(layers: Sequence[nn.Module], context: SegmentContext) -> Itera
             if isinstance(module, SegmentAware) and id(module) not in seen:
                 seen.add(id(module))
                 found.append((f"{i}.{name}" if name else str(i), module))
+    return found
+
+
+@contextmanager
+def _installed(
+    found: Sequence[tuple[str, SegmentAware]], context: SegmentContext
+) -> Iterator[None]:
+    """``context`` on the modules of ``found`` (attention layers numbered in their order) for
+    the block; ``context.past`` must have one entry per attention layer."""
     n_kv = sum(module.holds_kv for _, module in found)
     if context.past is not None and len(context.past) != n_kv:
         raise ValueError(
@@ -211,10 +217,109 @@ def segment_scope(layers: Sequence[nn.Module], context: SegmentContext) -> Itera
             module.segment_slot = SegmentSlot(context, index if module.holds_kv else -1, name)
             installed.append(module)
             index += module.holds_kv
-        yield context
+        yield
     finally:
         for module in installed:
             del module.segment_slot  # back to the class's None
+
+
+@contextmanager
+def segment_scope(layers: Sequence[nn.Module], context: SegmentContext) -> Iterator[SegmentContext]:
+    """Install ``context`` on the segment-aware modules of ``layers`` for the block.
+
+    Attention layers are numbered in the order ``layers`` and their ``named_modules``
+    list them; ``context.past`` must have one entry per attention layer.
+    """
+    with _installed(_segment_aware(layers), context):
+        yield context
+
+
+class RegionSegments:
+    """A checkpointed region's part in the segment scope its forward runs in (activation
+    recompute, :mod:`~zerobubble.runtime.recompute`).
+
+    The region's forward reads the past keys and values of its attention layers and
+    writes their own ones to the scope; its recomputation in B runs after the scope is gone.
+    So the region takes the past leaves as extra inputs (their gradients flow back through
+    it) and gives the own keys and values as extra outputs (the later segments' gradients
+    flow into it), and the recomputation runs in a scope of the same start over the
+    recomputation's past leaves, whose own keys and values are its extra outputs: the
+    replay computes what F computed, and its backward what F's graph would have.
+    """
+
+    def __init__(self, found: list[tuple[str, SegmentAware]], context: SegmentContext) -> None:
+        self.found = found
+        self.context = context
+        self._kv = [
+            m.segment_slot.index for _, m in found if m.segment_slot is not None and m.holds_kv
+        ]
+        """The scope's index of each attention layer of the region, in the region's order."""
+        past = context.past
+        self._pieces = 0 if past is None or not self._kv else len(past[self._kv[0]])
+        """How many earlier segments' keys and values each attention layer reads."""
+
+    @classmethod
+    def of(cls, module: nn.Module) -> RegionSegments | None:
+        """``module``'s part in the segment scope installed on it, or None (none is)."""
+        aware = [m for _, m in _segment_aware([module])]
+        slots = [m.segment_slot for m in aware if m.segment_slot is not None]
+        if not slots:
+            return None
+        if len(slots) != len(aware) or len({id(s.context) for s in slots}) != 1:
+            raise ValueError(
+                f"{slots[0].name}: the segment-aware layers of one checkpointed region are "
+                "not all in one segment scope"
+            )
+        found = [(slot.name, m) for slot, m in zip(slots, aware, strict=True)]
+        return cls(found, slots[0].context)
+
+    def inputs(self) -> list[Tensor]:
+        """The past leaves the region's attention layers read (per layer, per earlier
+        segment, ``k`` then ``v``)."""
+        past = self.context.past
+        return [] if past is None else [t for i in self._kv for kv in past[i] for t in kv]
+
+    def outputs(self) -> list[Tensor]:
+        """F's own keys and values of the region's attention layers (``k`` then ``v`` each)."""
+        return _flat_new(self.context, self._kv, self.found)
+
+    def adopt(self, tensors: Sequence[Tensor]) -> None:
+        """Put the region's outputs standing for :meth:`outputs` in the scope in their place."""
+        it = iter(tensors)
+        for i in self._kv:
+            self.context.new[i] = (next(it), next(it))
+
+    @contextmanager
+    def replay(self, inputs: Sequence[Tensor]) -> Iterator[Callable[[], list[Tensor]]]:
+        """Inside: the region's modules in a scope of F's start over ``inputs`` (the
+        recomputation's past leaves, ordered as :meth:`inputs`); yields what gives the
+        recomputed own keys and values (ordered as :meth:`outputs`) after the call."""
+        n = self._pieces
+        it = iter(inputs)
+        past = None
+        if self.context.past is not None:
+            past = [[(next(it), next(it)) for _ in range(n)] for _ in self._kv]
+        context = SegmentContext(self.context.start, past)
+        local = list(range(len(self._kv)))
+        with _installed(self.found, context):
+            yield lambda: _flat_new(context, local, self.found)
+
+
+def _flat_new(
+    context: SegmentContext, indices: Sequence[int], found: Sequence[tuple[str, SegmentAware]]
+) -> list[Tensor]:
+    """The own keys and values at ``indices`` of ``context`` (``k`` then ``v`` each)."""
+    out: list[Tensor] = []
+    for i in indices:
+        kv = context.new[i]
+        if kv is None:
+            names = [name for name, m in found if m.holds_kv]
+            raise ValueError(
+                f"{names[len(out) // 2]} did not run in this segment's call of its "
+                "checkpointed region"
+            )
+        out += kv
+    return out
 
 
 def segment_inputs(inputs: Any, start: int, end: int) -> Any:

@@ -266,10 +266,11 @@ class WeightGradStore:
         (source, cast)`` (an entry keeps its source alive); None outside :meth:`record`."""
         self.rng_lock: AbstractContextManager[Any] = nullcontext()
         """Held while W replays a forward that drew from the default generators (the
-        graph-level split), which are the process's: the executor gives every store of a
-        rank the lock its forwards hold (:class:`~zerobubble.runtime.rng.StageRng`), so a
-        replay never moves a generator under a forward running at once (an overlapped pair's
-        other half). A reusable no-op outside an executor."""
+        graph-level split), or B a checkpointed region's (activation recompute), which are
+        the process's: the executor gives every store of a rank the lock its forwards hold
+        (:class:`~zerobubble.runtime.rng.StageRng`), so a replay never moves a generator
+        under a forward running at once (an overlapped pair's other half). A reusable no-op
+        outside an executor."""
         self._key: Key | None = None
         self._micro: dict[Key, _Micro] = {}
 
