@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["CELLS", "FEATURES", "Cell", "cell", "check", "markdown", "refusal"]
+__all__ = ["CELLS", "FEATURES", "TRIPLES", "Cell", "cell", "check", "markdown", "refusal"]
 
 FEATURES: dict[str, str] = {
     "dp": "data-parallel replicas (gradients all-reduced)",
@@ -44,10 +44,10 @@ IMPLIES: dict[str, str] = {"fsdp": "dp", "sp": "tp", "ep": "dp"}
 
 @dataclass(frozen=True)
 class Cell:
-    """A pair of features and how they compose."""
+    """A set of features (a pair, or a larger set refused as a whole) and how they compose."""
 
-    pair: tuple[str, str]
-    """Two keys of :data:`FEATURES`, in its order."""
+    pair: tuple[str, ...]
+    """Two (or more) keys of :data:`FEATURES`, in its order."""
     composes: bool
     why: str
     """Composes: what the composition rests on. Refused: why it is not honoured."""
@@ -55,10 +55,12 @@ class Cell:
     """Refused: what the user does instead."""
 
 
-def _cell(a: str, b: str, why: str, fix: str = "") -> Cell:
+def _cell(*args: str) -> Cell:
+    """``_cell(feature, feature, ..., why[, fix])``: a fix means refused."""
+    names = [a for a in args if a in FEATURES]
+    why, fix = [*args[len(names) :], ""][:2]
     order = list(FEATURES)
-    pair = (a, b) if order.index(a) < order.index(b) else (b, a)
-    return Cell(pair, not fix, why, fix)
+    return Cell(tuple(sorted(names, key=order.index)), not fix, why, fix)
 
 
 CELLS: tuple[Cell, ...] = (
@@ -124,22 +126,11 @@ CELLS: tuple[Cell, ...] = (
     _cell("ep", "overlap", "each half's all-to-all on its own lane"),
     _cell("ep", "ties", "the tie is reduced after the dp and edp sums"),
     _cell("ep", "random", "replicas draw by (step, stage, microbatch), with no dp rank"),
-    _cell(
-        "segments",
-        "recompute",
-        "the recomputed forward would not see the earlier segments' keys and values",
-        "use recompute='none' with segments",
-    ),
+    _cell("segments", "recompute", "a checkpointed region takes the past K/V as inputs"),
     _cell("segments", "overlap", "a pair is two units of different stages"),
     _cell("segments", "ties", "the tie is reduced once per step"),
     _cell("segments", "random", "each unit seeds by its segment"),
-    _cell(
-        "recompute",
-        "overlap",
-        "recompute replays a forward, with its random state, inside the backward the other "
-        "half runs beside",
-        "drop one of the two",
-    ),
+    _cell("recompute", "overlap", "the replay holds the stage's generator lock"),
     _cell("recompute", "ties", "recompute changes no arithmetic"),
     _cell("recompute", "random", "the replay draws from F's generator state"),
     _cell("overlap", "ties", "the tie is reduced after the step"),
@@ -147,6 +138,19 @@ CELLS: tuple[Cell, ...] = (
     _cell("ties", "random", "the replicas draw by their stage"),
 )
 """Every pair of :data:`FEATURES`, once."""
+
+TRIPLES: tuple[Cell, ...] = (
+    _cell(
+        "ep",
+        "recompute",
+        "overlap",
+        "the replay's all-to-alls would run on the forwards' group from the backward's "
+        "thread, beside the paired forward's, and a replay holding the generator lock could "
+        "wait on a peer whose forward holds its own",
+        "drop recompute, or overlap, under ep",
+    ),
+)
+"""Sets of three features refused although each of their pairs composes."""
 
 
 def cell(a: str, b: str) -> Cell:
@@ -169,36 +173,35 @@ def closure(features: Iterable[str]) -> set[str]:
 
 
 def refusal(features: Iterable[str]) -> Cell | None:
-    """The first refused cell (table order) among the pairs of ``features``, or None."""
+    """The first refused cell (table order, pairs before triples) inside ``features``, or
+    None."""
     on = closure(features)
-    for c in CELLS:
+    for c in (*CELLS, *TRIPLES):
         if not c.composes and set(c.pair) <= on:
             return c
     return None
 
 
 def check(features: Iterable[str], where: str) -> None:
-    """Raise ValueError if the pairs of ``features`` include a refused cell: ``where`` (the
-    job's words for what was asked, e.g. ``"build_mesh(fsdp=True, ep=2)"``), the two
-    features, the reason and the fix."""
+    """Raise ValueError if ``features`` include a refused cell: ``where`` (the job's words
+    for what was asked, e.g. ``"build_mesh(tp=2, ep=2)"``), the features, the reason and
+    the fix."""
     c = refusal(features)
     if c is not None:
-        a, b = (FEATURES[f] for f in c.pair)
-        raise ValueError(f"{where}: {a} with {b} is not supported ({c.why}); {c.fix}")
+        names = " with ".join(FEATURES[f] for f in c.pair)
+        raise ValueError(f"{where}: {names} is not supported ({c.why}); {c.fix}")
 
 
 def markdown() -> str:
     """The composition table of ``docs/scale.md``: a grid of the pairs, then each refused
     pair's reason and fix."""
     keys = list(FEATURES)
-    refused = [c for c in CELLS if not c.composes]
+    refused = [c for c in (*CELLS, *TRIPLES) if not c.composes]
     mark = {c.pair: f"no ({refused.index(c) + 1})" for c in refused}
     rows = ["| | " + " | ".join(keys[1:]) + " |", "|---" * len(keys) + "|"]
     for i, a in enumerate(keys[:-1]):
         row = [("" if j <= i else mark.get((a, b), "yes")) for j, b in enumerate(keys) if j]
         rows.append(f"| **{a}** | " + " | ".join(row) + " |")
-    notes = [
-        f"{n}. {c.pair[0]} with {c.pair[1]}: {c.why}; {c.fix}" for n, c in enumerate(refused, 1)
-    ]
+    notes = [f"{n}. {' with '.join(c.pair)}: {c.why}; {c.fix}" for n, c in enumerate(refused, 1)]
     legend = [f"- `{k}`: {v}" for k, v in FEATURES.items()]
     return "\n".join([*legend, "", *rows, "", *notes]) + "\n"
