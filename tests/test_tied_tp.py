@@ -8,6 +8,11 @@ step's losses and gradient shards are bitwise :func:`zerobubble.reference_step` 
 tp mesh (each stage its own replica, the tie's gradients summed in stage order); then two
 AdamW steps with the tie's replicas compared every step (``tied_check_every=1``) leave the
 replicas bitwise equal on every rank.
+
+With the tie inside one stage (pp1 x dp2 x tp2: embedding and head on the one stage) the
+plan's two styles give the one weight the same ``Shard(0)`` layout, so it stays one
+Parameter: bitwise the reference (dp=2 with the tp mesh), within ``TOL`` of the model without
+tp, and one step of AdamW leaves the embedding and the head one tensor.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ pytestmark = pytest.mark.slow
 
 CFG = GPTConfig(vocab_size=16, max_seq_len=8, d_model=8, n_heads=2, n_layers=2, tie_embeddings=True)
 M = 2
+TOL = 1e-6
+"""The tied gradient against the model without tp: the vocab-parallel sums round apart."""
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -35,6 +42,43 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if isinstance(a, DTensor):
         return a.placements == b.placements and torch.equal(a.to_local(), b.to_local())
     return torch.equal(a, b)
+
+
+def one_stage() -> dict:
+    """pp1 x dp2 x tp2: the tie inside the one stage."""
+    zerobubble.init_distributed(timeout_s=60)
+    mesh = zerobubble.build_mesh(1, 2, tp=2)
+    gen = torch.Generator().manual_seed(5)
+    x, y = (torch.randint(0, 16, (8, 8), generator=gen) for _ in range(2))
+    model = build_gpt(CFG)
+    mine = slice(4 * mesh.dp_rank, 4 * mesh.dp_rank + 4)
+    pipe = zerobubble.Pipeline(copy.deepcopy(model), gpt_loss, "1f1b", microbatches=M, mesh=mesh)
+    losses = pipe.step(x[mine], target=y[mine])
+    _, want = zerobubble.reference_step(
+        model, gpt_loss, x, target=y, microbatches=M, dp=2, tp_mesh=mesh.tp_mesh
+    )
+    _, plain = zerobubble.reference_step(model, gpt_loss, x, target=y, microbatches=M, dp=2)
+    grads = {n: p.grad for n, p in pipe.named_parameters()}
+    tied = grads["0.tok.weight"].full_tensor()
+    out = {
+        "bad": [n for n, g in grads.items() if g is None or not same(g, want[n])],
+        "names": sorted(grads),
+        "losses": losses is not None,
+        "rel": float((tied - plain["0.tok.weight"]).norm() / plain["0.tok.weight"].norm()),
+    }
+    pipe.set_optimizer(torch.optim.AdamW(pipe.parameters(), lr=0.05))
+    pipe.step(x[mine], target=y[mine])
+    stage = next(iter(pipe._stages.values()))
+    out["one"] = stage.get_parameter("0.tok.weight") is stage.get_parameter("4.weight")
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_tie_inside_one_stage_under_tp_stays_one_parameter():
+    for rank, r in enumerate(launch(one_stage, 4, timeout=300)):
+        assert r["names"] and r["bad"] == [], (rank, r["bad"])
+        assert "4.weight" not in r["names"] and r["losses"] and r["one"], rank
+        assert r["rel"] < TOL, (rank, r["rel"])
 
 
 def job(kind: str) -> dict:

@@ -621,9 +621,10 @@ def parallelize_stage(
     takes them) to stage ``stage``'s ``module`` over ``tp_mesh``, in place; returns the
     module.
 
-    Refuses dropout > 0 that no :class:`TPRandom` of the plan covers, and a parameter
-    shared by two layers of the stage (tied embeddings on one stage): parallelizing each
-    layer would untie it.
+    Refuses dropout > 0 that no :class:`TPRandom` of the plan covers. A parameter two layers
+    of the stage share (tied embeddings on one stage) stays one parameter where the plan
+    lays it out alike for both (the default plan's embedding and LM head), and is refused
+    otherwise.
     """
     tp = tp_mesh.size()
     if plan is None:
@@ -634,14 +635,8 @@ def parallelize_stage(
     _refuse_uncovered_dropout(module, plan, stage)
     tied = [n for n in _shared_names(module).values() if len(n) > 1]
     parallelize_module(module, tp_mesh, dict(plan))
-    after = {name: id(p) for name, p in _named_all(module)}
     for names in tied:
-        if len({after[n] for n in names}) > 1:
-            raise ValueError(
-                f"stage {stage}: {' and '.join(names)} are one parameter that the tensor-"
-                "parallel plan shards as two; untie them (e.g. tie_embeddings=False) or keep "
-                "both layers on one style"
-            )
+        _retie(module, names, stage)
     _warn_replicated_experts(module, stage, tp)
     for m in module.children():  # a layer that adapts its local shapes to tp (kv heads)
         if hasattr(m, "tensor_shards"):
@@ -649,6 +644,27 @@ def parallelize_stage(
     if sequence_parallel:
         _shard_sequence(module, stage, tp)
     return module
+
+
+def _retie(module: nn.Module, names: list[str], stage: int) -> None:
+    """Make ``names``, one parameter before the plan, one again: each layer's style made its
+    own DTensor of it. Where they agree on the layout (a vocabulary-sharded embedding and
+    LM head both shard the ``(vocab, d)`` matrix's rows) every name takes the first's
+    Parameter, so autograd sums the uses into one gradient, as without tp; otherwise the
+    plan cannot hold one tensor and is refused."""
+    params = [module.get_parameter(n) for n in names]
+    first = params[0]
+    layout = [(type(p), getattr(p, "placements", None), p.shape) for p in params]
+    if any(x != layout[0] for x in layout[1:]):
+        raise ValueError(
+            f"stage {stage}: {' and '.join(names)} are one parameter that the tensor-"
+            f"parallel plan lays out two ways ({', '.join(str(x[1]) for x in layout)}); "
+            "untie them (e.g. tie_embeddings=False) or give both layers one layout"
+        )
+    for name, p in zip(names[1:], params[1:], strict=True):
+        if p is not first:
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner), attr, first)
 
 
 def _named_all(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
