@@ -30,11 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from zerobubble.parallel.dp import GradReducer, sum_over_dp
 from zerobubble.parallel.fsdp import ShardedStages
 from zerobubble.parallel.loss import LossParallel
-from zerobubble.parallel.mesh import PipelineMesh, pipeline_group
+from zerobubble.parallel.mesh import PipelineMesh, pipeline_group, stage_lanes
 from zerobubble.parallel.parallelize import Parallelize, ParallelizeFn, StagePlan
 from zerobubble.parallel.transforms import ChunkTransforms, prepare_chunks
 from zerobubble.program.builder import build_programs
@@ -178,7 +179,7 @@ class PipelineExecutor:
         )
         self._source = schedule
         if schedule.overlaps:
-            _check_overlap(schedule, opts, mesh)
+            _check_overlap(schedule, opts)
         self.programs = build_programs(schedule, self.plan)
         self.schedule = self.programs.schedule
         self.group = group = pipeline_group(schedule, mesh, group)
@@ -206,8 +207,11 @@ class PipelineExecutor:
                 loss=LossParallel(schedule.num_stages - 1, loss_fn, loss_parallel),
                 group=group,
                 timeout_s=opts.comm_timeout_s,
+                lanes=stage_lanes(schedule),
             )
         self._prepare(stages, loss_fn, parallelize)
+        if schedule.overlaps:
+            _check_lanes(self.schedule, self.chunks, mesh, group)
         self.segment_guard = SegmentGuard.install(self.cuts, self.chunks, self.device, mesh)
         for chunk in self.chunks.values():  # a W's replayed draws wait for a running forward
             chunk.store.rng_lock = self.rng.lock
@@ -418,25 +422,56 @@ class PipelineExecutor:
         return out
 
 
-def _check_overlap(schedule: Schedule, opts: ExecutorOptions, mesh: PipelineMesh | None) -> None:
+def _check_overlap(schedule: Schedule, opts: ExecutorOptions) -> None:
     """Refuse what would share state between the two halves of an overlapped pair."""
-    pairs = f"schedule {schedule.name!r} overlaps {len(schedule.overlaps)} F&B pairs"
     if opts.recompute != "none":
         raise ValueError(
-            f"{pairs}, whose halves run at once, and recompute={opts.recompute!r} replays a "
-            "forward (with its random state) inside the backward: drop one of the two"
+            f"schedule {schedule.name!r} overlaps {len(schedule.overlaps)} F&B pairs, whose "
+            f"halves run at once, and recompute={opts.recompute!r} replays a forward (with "
+            "its random state) inside the backward: drop one of the two"
         )
-    if mesh is not None and mesh.spec.fsdp:
+
+
+def _check_lanes(
+    schedule: Schedule,
+    chunks: Mapping[int, StageChunk],
+    mesh: PipelineMesh | None,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Refuse, on every rank of the pipeline (a collective of its ``group``), an overlapped
+    pair whose two stages run collectives on one process group (other than FSDP's dp group,
+    whose collectives run outside the pairs): the two threads could issue them in different
+    orders on the group's ranks. A stage's groups are those of its DTensor parameters'
+    meshes; each stage of a rank has its own tp lane unless its caller parallelized it
+    otherwise (a ``parallelize_fn`` that ignores the stage's ``mesh.tp_mesh``, or stages
+    parallelized for a schedule without pairs)."""
+    dp = None if mesh is None or mesh.dp_group is None else mesh.dp_group.group_name
+    groups: dict[int, set[str]] = {}
+    for s, chunk in chunks.items():
+        names = set()
+        for p in chunk.module.parameters():
+            if isinstance(p, DTensor):
+                m = p.device_mesh
+                names.update(m.get_group(i).group_name for i in range(m.ndim))
+        groups[s] = names - {dp}
+    rank = dist.get_rank(group)
+    mine = [
+        f"rank {rank} overlaps {f} with {b}, but stages {f.stage} and {b.stage} run their "
+        "DTensor collectives on one process group"
+        for f, b in schedule.overlaps
+        if f.stage in groups and b.stage in groups and groups[f.stage] & groups[b.stage]
+    ]
+    found: list[list[str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(found, mine, group=group)
+    problems = [p for f in found if f is not None for p in f]
+    if problems:
         raise ValueError(
-            f"{pairs}, whose halves run at once, and FSDP keeps one state per stage for "
-            "its hooks: build the mesh with fsdp=False or a schedule without overlap"
-        )
-    if mesh is not None and mesh.tp_size > 1:
-        raise ValueError(
-            f"{pairs}, whose halves run at once, and tensor parallelism (tp="
-            f"{mesh.tp_size}) runs both halves' collectives on the one tp group, where the "
-            "tp ranks could order them differently: build the mesh with tp=1 or a schedule "
-            "without overlap"
+            f"schedule {schedule.name!r} runs the halves of its F&B pairs at once, where the "
+            "tp ranks could order two halves' collectives on one group differently: "
+            + "; ".join(problems)
+            + ". Parallelize each stage over its own tp lane (the mesh a parallelize_fn is "
+            "given for a stage: its tp_mesh), or build this schedule's Pipeline first "
+            "(stages parallelized for a schedule without pairs share one)"
         )
 
 
