@@ -346,17 +346,3 @@ def test_overlap_with_recompute_is_refused_before_any_process_group():
     sched = generate("dualpipev", 2, 6, overlap=True)
     with pytest.raises(ValueError, match="recompute='stage' replays a forward"):
         PipelineExecutor(sched, {}, options=ExecutorOptions(recompute="stage"))
-
-
-def test_overlap_with_fsdp_is_refused():
-    from types import SimpleNamespace
-
-    from zerobubble.executor import _check_overlap
-
-    sched = generate("dualpipev", 2, 6, overlap=True)
-    mesh = SimpleNamespace(spec=SimpleNamespace(fsdp=True), tp_size=1)
-    with pytest.raises(ValueError, match="FSDP keeps one state per stage"):
-        _check_overlap(sched, ExecutorOptions(), mesh)  # type: ignore[arg-type]
-    _check_overlap(
-        sched, ExecutorOptions(), SimpleNamespace(spec=SimpleNamespace(fsdp=False), tp_size=1)
-    )  # type: ignore[arg-type]

@@ -44,13 +44,15 @@ the forward of one of its stages beside the backward of another, on two threads;
 different orders. So each stage a rank holds gets its own tp *lane*
 (:meth:`PipelineMesh.with_tp_lanes`): the same tp ranks, but a process group of its own, as
 a 1-D DeviceMesh named ``"tp"`` (lane 0, :attr:`PipelineMesh.tp_mesh` itself) or
-``"tp_lane<k>"``. The name matters: DTensor treats meshes with equal ranks and names as one
-(its caches hand back the first one's), so a lane must differ from the others by name.
+``"tp_lane<k>_<its group's name>"``. The name matters: DTensor treats meshes with equal
+ranks and names as one (its sharding caches hand back the mesh, and so the group, of the
+first one they saw), so a lane must differ by name from every other mesh, those of another
+mesh's lanes included. A mesh makes its lanes once, for all the pipelines built on it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -209,7 +211,7 @@ class PipelineMesh:
             with the same pp and dp ranks), which the stages are parallelized over; None when
             ``tp == 1``.
         tp_rank: This rank's coordinate in it (0 when ``tp == 1``).
-        tp_lanes: The further tp lanes (:meth:`with_tp_lanes`): lane ``k`` is
+        tp_lanes: The further tp lanes made so far (:meth:`with_tp_lanes`): lane ``k`` is
             ``tp_lanes[k - 1]``, the tp ranks of :attr:`tp_mesh` over a group of its own.
     """
 
@@ -227,7 +229,7 @@ class PipelineMesh:
     ep_backward_group: dist.ProcessGroup | None = None
     tp_mesh: DeviceMesh | None = None
     tp_rank: int = 0
-    tp_lanes: tuple[DeviceMesh, ...] = ()
+    tp_lanes: list[DeviceMesh] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def ep_rank(self) -> int:
@@ -253,37 +255,36 @@ class PipelineMesh:
         return self.tp_lanes[lane - 1]
 
     def with_tp_lanes(self, lanes: int) -> PipelineMesh:
-        """This mesh with at least ``lanes`` tp lanes (the same mesh where it has them, or
-        where ``tp == 1``). Collective over the job where it makes groups: every rank makes
-        every tp group of each new lane, in one order, and keeps its own.
+        """This mesh, with at least ``lanes`` tp lanes made (none where ``tp == 1``): the
+        missing ones are added to :attr:`tp_lanes`, kept for every later caller. Collective
+        over the job where it makes groups: every rank makes every tp group of each new
+        lane, in one order, and keeps its own.
 
-        A lane's mesh is the tp dim of a ``("pp", "dp", "tp_lane<k>")`` mesh over the job's
-        ranks (the pp and dp groups the job's own), so FSDP2 can lay a parameter over the dp
-        dim and a lane's tp dim as it does over the job mesh's ``("dp", "tp")``.
+        A lane's mesh is the tp dim of a ``("pp", "dp", <lane>)`` mesh over the job's ranks
+        (its pp and dp groups the job's own), so FSDP2 can lay a parameter over the dp dim
+        and a lane's tp dim as it does over the job mesh's ``("dp", "tp")``.
         """
-        have = 1 + len(self.tp_lanes)
-        if self.tp_mesh is None or lanes <= have:
+        if self.tp_mesh is None:
             return self
-        spec, mesh, rank = self.spec, self.mesh, dist.get_rank()
-        tp_ranks = mesh.mesh.reshape(-1, spec.tp).tolist()  # every tp group, in rank order
+        mesh, rank = self.mesh, dist.get_rank()
+        tp_ranks = mesh.mesh.reshape(-1, self.spec.tp).tolist()  # every tp group, in order
         timeout = default_timeout()
-        added = list(self.tp_lanes)
-        for k in range(have, lanes):
+        for k in range(1 + len(self.tp_lanes), lanes):
             mine = None
             for ranks in tp_ranks:
                 group = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     mine = group
             assert mine is not None  # every rank is in one tp group
-            name = f"{TP_LANE}{k}"
+            name = f"{TP_LANE}{k}_{mine.group_name}"
             root = DeviceMesh.from_group(
                 [mesh.get_group("pp"), mesh.get_group("dp"), mine],
                 mesh.device_type,
                 mesh.mesh,
                 mesh_dim_names=("pp", "dp", name),
             )
-            added.append(root[name])
-        return replace(self, tp_lanes=tuple(added))
+            self.tp_lanes.append(root[name])
+        return self
 
     def with_fsdp(self, fsdp: bool = True) -> PipelineMesh:
         """The same mesh (same groups) with the dp replicas sharding, or not, their stages."""
