@@ -185,8 +185,10 @@ def test_pairs_under_tp_are_bitwise_the_reference_and_the_run_without_pairs(tp_r
 def test_stages_of_a_pair_on_one_tp_group_are_refused_on_every_rank(tp_ranks):
     for r in tp_ranks:
         assert r["refused"].startswith("schedule 'dualpipev' runs the halves of its F&B pairs")
-        assert "rank 0 overlaps F(s0,mb3) with BW(s3,mb1), but stages 0 and 3 run their DTensor " \
-            "collectives on one process group" in r["refused"], r["refused"]
+        assert (
+            "rank 0 overlaps F(s0,mb3) with BW(s3,mb1), but stages 0 and 3 run their DTensor "
+            "collectives on one process group" in r["refused"]
+        ), r["refused"]
 
 
 # ---- FSDP ----------------------------------------------------------------------------------------

@@ -448,7 +448,7 @@ def _check_lanes(
     dp = None if mesh is None or mesh.dp_group is None else mesh.dp_group.group_name
     groups: dict[int, set[str]] = {}
     for s, chunk in chunks.items():
-        names = set()
+        names: set[str] = set()
         for p in chunk.module.parameters():
             if isinstance(p, DTensor):
                 m = p.device_mesh

@@ -255,7 +255,7 @@ class Parallelize:
         tp = None
         if mesh.tp_mesh is not None:
             lanes = lanes or {}
-            mesh = mesh.with_tp_lanes(1 + max(lanes.values(), default=0))
+            mesh.with_tp_lanes(1 + max(lanes.values(), default=0))
             own: dict[int, DeviceMesh] = {}
             for s, k in lanes.items():
                 lane = mesh.tp_lane(k)

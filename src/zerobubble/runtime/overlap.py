@@ -15,9 +15,12 @@ What a half may do: the two halves share nothing but the rank's collectives. A l
 whose forward and backward both run collectives on one process group would let the
 two threads issue them in a different order on different ranks; such a layer must
 give its forward and its backward a group each (:class:`LaneGroups`), so that each
-group sees one thread's sequence, the same on every rank. The executor refuses what
-would share other state between the halves (recomputation replays a forward inside
-the backward, FSDP's hooks keep one state per stage).
+group sees one thread's sequence, the same on every rank. The two halves are always of
+two stages, so tensor parallelism gives each stage of a rank its own tp group (a tp lane,
+:meth:`~zerobubble.parallel.mesh.PipelineMesh.with_tp_lanes`); FSDP's collectives run
+outside the pairs, and each stage is its own FSDP root. The executor refuses what would
+share other state between the halves (recomputation replays a forward inside the
+backward) and a pair whose stages' DTensor parameters share a group.
 """
 
 from __future__ import annotations
