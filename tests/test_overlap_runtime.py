@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ranks import launch
+from zerobubble import composition
 from zerobubble.cli import main
 from zerobubble.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.models import GPTConfig, build_gpt, gpt_loss
@@ -347,35 +348,25 @@ def test_overlap_with_recompute_under_expert_parallelism_is_refused():
     all-to-alls would run on the forwards' ep group from the backward's thread."""
     from types import SimpleNamespace
 
-    from zerobubble.executor import _check_overlap
+    from zerobubble.parallel.checks import features as _features
 
     sched = generate("dualpipev", 2, 6, overlap=True)
-    mesh = SimpleNamespace(spec=SimpleNamespace(fsdp=False), tp_size=1, ep_size=2)
-    with pytest.raises(ValueError, match=r"recompute='layers' replays a forward .* \(ep=2\)"):
-        _check_overlap(sched, ExecutorOptions(recompute="layers"), mesh)  # type: ignore[arg-type]
-    _check_overlap(sched, ExecutorOptions(), mesh)  # type: ignore[arg-type]
-    one = SimpleNamespace(spec=SimpleNamespace(fsdp=False), tp_size=1, ep_size=1)
-    _check_overlap(sched, ExecutorOptions(recompute="stage"), one)  # type: ignore[arg-type]
-
-
-def test_overlap_with_fsdp_is_refused():
-    from types import SimpleNamespace
-
-    from zerobubble.executor import _check_overlap
-
-    sched = generate("dualpipev", 2, 6, overlap=True)
-    mesh = SimpleNamespace(spec=SimpleNamespace(fsdp=True), tp_size=1)
-    with pytest.raises(ValueError, match="FSDP keeps one state per stage"):
-        _check_overlap(sched, ExecutorOptions(), mesh)  # type: ignore[arg-type]
-    _check_overlap(
-        sched, ExecutorOptions(), SimpleNamespace(spec=SimpleNamespace(fsdp=False), tp_size=1)
-    )  # type: ignore[arg-type]
+    spec = SimpleNamespace(fsdp=False, sequence_parallel=False)
+    mesh = SimpleNamespace(spec=spec, tp_size=1, ep_size=2, dp_size=2)
+    layers = ExecutorOptions(recompute="layers")
+    features = _features(sched, layers, mesh)  # type: ignore[arg-type]
+    assert features == {"overlap", "recompute", "dp", "ep"}
+    with pytest.raises(ValueError, match=r"^schedule 'dualpipev': expert parallelism with .*"):
+        composition.check(features, "schedule 'dualpipev'")
+    composition.check(_features(sched, ExecutorOptions(), mesh), "")  # type: ignore[arg-type]
+    one = SimpleNamespace(spec=spec, tp_size=1, ep_size=1, dp_size=1)
+    composition.check(_features(sched, layers, one), "")  # type: ignore[arg-type]
 
 
 def test_overlap_with_recompute_over_hand_built_expert_groups_is_refused_naming_the_stage():
     from types import SimpleNamespace
 
-    from zerobubble.executor import _check_overlap_experts
+    from zerobubble.parallel.checks import _check_overlap_experts
     from zerobubble.parallel.ep import ExpertGroup, LocalGroup
 
     sched = generate("dualpipev", 2, 6, overlap=True)

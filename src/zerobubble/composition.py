@@ -79,11 +79,7 @@ CELLS: tuple[Cell, ...] = (
     _cell("fsdp", "segments", "FSDP's hooks run per unit"),
     _cell("fsdp", "recompute", "the recomputed forward all-gathers again"),
     _cell(
-        "fsdp",
-        "overlap",
-        "FSDP keeps one state per stage for its hooks, and the two halves' collectives would "
-        "share the dp group",
-        "build the mesh with fsdp=False, or a schedule without overlap",
+        "fsdp", "overlap", "FSDP's collectives run outside the pairs; each stage is its own root"
     ),
     _cell("fsdp", "ties", "the holder stages' shards are laid out alike; the tie adds them"),
     _cell("fsdp", "random", "sharding changes no draw"),
@@ -96,13 +92,7 @@ CELLS: tuple[Cell, ...] = (
     ),
     _cell("tp", "segments", "each segment is parallelized as a whole sequence"),
     _cell("tp", "recompute", "the recomputed forward runs the same collectives"),
-    _cell(
-        "tp",
-        "overlap",
-        "both halves' collectives would run on the one tp group, in an order the tp ranks "
-        "could differ on",
-        "build the mesh with tp=1, or a schedule without overlap",
-    ),
+    _cell("tp", "overlap", "each stage of a rank on its own tp lane (group)"),
     _cell("tp", "ties", "the tie is reduced over the shards"),
     _cell("tp", "random", "shared and per-rank streams (TPRandom)"),
     _cell(
@@ -113,12 +103,7 @@ CELLS: tuple[Cell, ...] = (
     ),
     _cell("sp", "segments", "each segment sharded evenly over tp"),
     _cell("sp", "recompute", "the recomputed forward runs the same collectives"),
-    _cell(
-        "sp",
-        "overlap",
-        "both halves' collectives would run on the one tp group",
-        "build the mesh with tp=1, or a schedule without overlap",
-    ),
+    _cell("sp", "overlap", "each stage of a rank on its own tp lane (group)"),
     _cell("sp", "ties", "the tie is reduced over the shards"),
     _cell("sp", "random", "sequence shards draw from per-rank streams"),
     _cell("ep", "segments", "each segment's tokens go through the experts' all-to-all"),

@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerobubble.parallel.checks import check_job, check_pairs
 from zerobubble.parallel.dp import GradReducer, sum_over_dp
-from zerobubble.parallel.ep import expert_groups
 from zerobubble.parallel.fsdp import ShardedStages
 from zerobubble.parallel.loss import LossParallel
-from zerobubble.parallel.mesh import PipelineMesh, pipeline_group
+from zerobubble.parallel.mesh import PipelineMesh, pipeline_group, stage_lanes
 from zerobubble.parallel.parallelize import Parallelize, ParallelizeFn, StagePlan
 from zerobubble.parallel.transforms import ChunkTransforms, prepare_chunks
 from zerobubble.program.builder import build_programs
@@ -171,15 +171,13 @@ class PipelineExecutor:
         self.count_fn = default_count_fn(loss_fn, count_fn)
         if self.cuts is not None:
             _check_segment_loss(schedule, loss_fn, self.count_fn)
-            _check_segment_shards(self.cuts, mesh)
         self.plan = ProgramPlan(
             fuse_local_backward=opts.fuse_local_backward,
             recv_lookahead=opts.recv_lookahead,
             grad_sync=GradSync.NONE if mesh is None else mesh.spec.grad_sync,
         )
         self._source = schedule
-        if schedule.overlaps:
-            _check_overlap(schedule, opts, mesh)
+        check_job(schedule, opts, mesh, self.cuts)
         self.programs = build_programs(schedule, self.plan)
         self.schedule = self.programs.schedule
         self.group = group = pipeline_group(schedule, mesh, group)
@@ -207,10 +205,10 @@ class PipelineExecutor:
                 loss=LossParallel(schedule.num_stages - 1, loss_fn, loss_parallel),
                 group=group,
                 timeout_s=opts.comm_timeout_s,
+                lanes=stage_lanes(schedule),
             )
         self._prepare(stages, loss_fn, parallelize)
-        if schedule.overlaps and opts.recompute != "none":
-            _check_overlap_experts(schedule, opts, self.chunks)
+        check_pairs(self.schedule, opts, self.chunks, mesh, group)
         self.segment_guard = SegmentGuard.install(self.cuts, self.chunks, self.device, mesh)
         for chunk in self.chunks.values():  # a W's replayed draws wait for a running forward
             chunk.store.rng_lock = self.rng.lock
@@ -425,49 +423,6 @@ class PipelineExecutor:
         return out
 
 
-def _check_overlap(schedule: Schedule, opts: ExecutorOptions, mesh: PipelineMesh | None) -> None:
-    """Refuse what would share state between the two halves of an overlapped pair."""
-    pairs = f"schedule {schedule.name!r} overlaps {len(schedule.overlaps)} F&B pairs"
-    if opts.recompute != "none" and mesh is not None and mesh.ep_size > 1:
-        raise ValueError(
-            f"{pairs}, whose halves run at once, and recompute={opts.recompute!r} replays a "
-            f"forward inside the backward, whose all-to-alls over dim 'ep' (ep="
-            f"{mesh.ep_size}) would then run on the forwards' group from the backward's "
-            "thread, where the ep ranks could order them differently (and a replay that "
-            "draws random numbers holds the rank's generators while it waits for its "
-            "peers): build the mesh with ep=1, recompute='none' or a schedule without overlap"
-        )
-    if mesh is not None and mesh.spec.fsdp:
-        raise ValueError(
-            f"{pairs}, whose halves run at once, and FSDP keeps one state per stage for "
-            "its hooks: build the mesh with fsdp=False or a schedule without overlap"
-        )
-    if mesh is not None and mesh.tp_size > 1:
-        raise ValueError(
-            f"{pairs}, whose halves run at once, and tensor parallelism (tp="
-            f"{mesh.tp_size}) runs both halves' collectives on the one tp group, where the "
-            "tp ranks could order them differently: build the mesh with tp=1 or a schedule "
-            "without overlap"
-        )
-
-
-def _check_overlap_experts(
-    schedule: Schedule, opts: ExecutorOptions, chunks: Mapping[int, StageChunk]
-) -> None:
-    """:func:`_check_overlap`'s refusal of recompute with all-to-alls over ep ranks, for
-    expert groups a mesh did not make (built by hand over the caller's process groups)."""
-    for stage, chunk in sorted(chunks.items()):
-        for group in expert_groups(chunk.module):
-            if group.size > 1:
-                raise ValueError(
-                    f"schedule {schedule.name!r} overlaps F&B pairs, whose halves run at "
-                    f"once, and recompute={opts.recompute!r} replays stage {stage}'s forward "
-                    f"inside its backward, whose all-to-alls over its {group.size} ep ranks "
-                    "would then run on the forwards' group from the backward's thread: "
-                    "recompute='none' or a schedule without overlap"
-                )
-
-
 def _check_segment_loss(schedule: Schedule, loss_fn: LossFn | None, count_fn: Any) -> None:
     """Refuse a loss that segments would compute wrongly: one that shifts the labels inside
     each call, or one not normalised by a count over the whole batch (``count_fn``)."""
@@ -485,21 +440,6 @@ def _check_segment_loss(schedule: Schedule, loss_fn: LossFn | None, count_fn: An
             "their tokens' shares of the batch loss: pass count_fn (the batch's token "
             "count, e.g. non-ignored targets) and a loss_fn(output, target, num_items) "
             "that sums over tokens and divides by it"
-        )
-
-
-def _check_segment_shards(cuts: Sequence[int], mesh: PipelineMesh | None) -> None:
-    """Refuse, as sequence parallelism shards each segment evenly over tp, cuts (the
-    sequence length, the last, included) that leave a segment tp does not divide, naming
-    the cuts rather than a segment's length, which the user never chose."""
-    tp = 1 if mesh is None or not mesh.spec.sequence_parallel else mesh.tp_size
-    odd = [c for c in cuts[1:] if c % tp]
-    if odd:
-        raise ValueError(
-            f"ExecutorOptions(cuts={list(cuts)}) with sequence parallelism over tp={tp}: "
-            f"every segment's tokens are sharded evenly over the tp ranks, so every cut "
-            f"must be a multiple of {tp} (not {odd}); cut at multiples of {tp}, e.g. "
-            f"balanced_cuts(...) rounded, and pad sequences to a multiple of {tp} tokens"
         )
 
 

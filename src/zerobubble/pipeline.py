@@ -28,7 +28,7 @@ from zerobubble.optim.faults import FaultPlan
 from zerobubble.optim.trainer import Commit, PipelineTrainer, stage_kwargs
 from zerobubble.parallel.experts import expert_shard
 from zerobubble.parallel.loss import LossParallel
-from zerobubble.parallel.mesh import PipelineMesh, pipeline_group
+from zerobubble.parallel.mesh import PipelineMesh, pipeline_group, stage_lanes
 from zerobubble.parallel.parallelize import Parallelize, ParallelizeFn, StagePlan
 from zerobubble.parallel.partition import (
     LayerSource,
@@ -173,6 +173,7 @@ class Pipeline:
             timeout_s=(options or ExecutorOptions()).comm_timeout_s,
             name=lambda s, name, module: _module_name(name, stage_keys[s], module),
             ties=shared,
+            lanes=stage_lanes(schedule),
         )
         self._names = _Names(shared, {s: keys[bounds[s].start : bounds[s].stop] for s in stages})
         self._stages: dict[int, nn.Module] = dict(stages)

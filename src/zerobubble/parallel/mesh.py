@@ -37,11 +37,22 @@ gradients still sum over the whole ``dp_group``). pp=2 x dp=4 x ep=2::
     dp rank       0 1 2 3 | 0 1 2 3
     ep rank       0 1 0 1 | 0 1 0 1     ep groups  [0,1] [2,3] [4,5] [6,7]
     edp rank      0 0 1 1 | 0 0 1 1     edp groups [0,2] [1,3] [4,6] [5,7]
+
+Under a schedule with overlapped F&B pairs (:mod:`~zerobubble.runtime.overlap`) a rank runs
+the forward of one of its stages beside the backward of another, on two threads; with
+``tp > 1`` both run DTensor collectives among the same tp ranks, which could issue them in
+different orders. So each stage a rank holds gets its own tp *lane*
+(:meth:`PipelineMesh.with_tp_lanes`): the same tp ranks, but a process group of its own, as
+a 1-D DeviceMesh named ``"tp"`` (lane 0, :attr:`PipelineMesh.tp_mesh` itself) or
+``"tp_lane<k>_<its group's name>"``. The name matters: DTensor treats meshes with equal
+ranks and names as one (its sharding caches hand back the mesh, and so the group, of the
+first one they saw), so a lane must differ by name from every other mesh, those of another
+mesh's lanes included. A mesh makes its lanes once, for all the pipelines built on it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -51,7 +62,23 @@ from zerobubble.program.plan import GradSync
 from zerobubble.runtime.p2p.comm import default_timeout, set_timeout
 from zerobubble.schedule.ir import Schedule
 
-__all__ = ["ParallelSpec", "PipelineMesh", "build_mesh", "pipeline_group", "pipeline_ranks"]
+__all__ = [
+    "ParallelSpec",
+    "PipelineMesh",
+    "build_mesh",
+    "is_tp_dim",
+    "pipeline_group",
+    "pipeline_ranks",
+    "stage_lanes",
+]
+
+TP_LANE = "tp_lane"
+"""The dim name of tp lane ``k >= 1`` is ``f"{TP_LANE}{k}"`` (lane 0's is ``"tp"``)."""
+
+
+def is_tp_dim(name: str | None) -> bool:
+    """Whether a mesh dim named ``name`` is the tp dim (of any lane)."""
+    return name == "tp" or (name is not None and name.startswith(TP_LANE))
 
 
 @dataclass(frozen=True)
@@ -180,6 +207,8 @@ class PipelineMesh:
             with the same pp and dp ranks), which the stages are parallelized over; None when
             ``tp == 1``.
         tp_rank: This rank's coordinate in it (0 when ``tp == 1``).
+        tp_lanes: The further tp lanes made so far (:meth:`with_tp_lanes`): lane ``k`` is
+            ``tp_lanes[k - 1]``, the tp ranks of :attr:`tp_mesh` over a group of its own.
     """
 
     mesh: DeviceMesh
@@ -196,6 +225,7 @@ class PipelineMesh:
     ep_backward_group: dist.ProcessGroup | None = None
     tp_mesh: DeviceMesh | None = None
     tp_rank: int = 0
+    tp_lanes: list[DeviceMesh] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def ep_rank(self) -> int:
@@ -213,6 +243,44 @@ class PipelineMesh:
     def tp_group(self) -> dist.ProcessGroup | None:
         """The process group of :attr:`tp_mesh` (None when ``tp == 1``)."""
         return None if self.tp_mesh is None else self.tp_mesh.get_group()
+
+    def tp_lane(self, lane: int) -> DeviceMesh | None:
+        """Tp lane ``lane``'s mesh (lane 0: :attr:`tp_mesh`; None when ``tp == 1``)."""
+        if self.tp_mesh is None or lane == 0:
+            return self.tp_mesh
+        return self.tp_lanes[lane - 1]
+
+    def with_tp_lanes(self, lanes: int) -> PipelineMesh:
+        """This mesh, with at least ``lanes`` tp lanes made (none where ``tp == 1``): the
+        missing ones are added to :attr:`tp_lanes`, kept for every later caller. Collective
+        over the job where it makes groups: every rank makes every tp group of each new
+        lane, in one order, and keeps its own.
+
+        A lane's mesh is the tp dim of a ``("pp", "dp", <lane>)`` mesh over the job's ranks
+        (its pp and dp groups the job's own), so FSDP2 can lay a parameter over the dp dim
+        and a lane's tp dim as it does over the job mesh's ``("dp", "tp")``.
+        """
+        if self.tp_mesh is None:
+            return self
+        mesh, rank = self.mesh, dist.get_rank()
+        tp_ranks = mesh.mesh.reshape(-1, self.spec.tp).tolist()  # every tp group, in order
+        timeout = default_timeout()
+        for k in range(1 + len(self.tp_lanes), lanes):
+            mine = None
+            for ranks in tp_ranks:
+                group = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    mine = group
+            assert mine is not None  # every rank is in one tp group
+            name = f"{TP_LANE}{k}_{mine.group_name}"
+            root = DeviceMesh.from_group(
+                [mesh.get_group("pp"), mesh.get_group("dp"), mine],
+                mesh.device_type,
+                mesh.mesh,
+                mesh_dim_names=("pp", "dp", name),
+            )
+            self.tp_lanes.append(root[name])
+        return self
 
     def with_fsdp(self, fsdp: bool = True) -> PipelineMesh:
         """The same mesh (same groups) with the dp replicas sharding, or not, their stages."""
@@ -312,6 +380,15 @@ def build_mesh(
         tp_mesh=mesh["tp"] if tp > 1 else None,
         tp_rank=rank % tp,
     )
+
+
+def stage_lanes(schedule: Schedule) -> dict[int, int]:
+    """Each stage's tp lane under ``schedule``: its index among its device's stages, so the
+    two stages of an overlapped pair (always two stages of one device) never share one;
+    every stage lane 0 where the schedule overlaps nothing."""
+    if not schedule.overlaps:
+        return dict.fromkeys(range(schedule.num_stages), 0)
+    return {s: i for stages in schedule.stages_of_device for i, s in enumerate(stages)}
 
 
 def pipeline_group(

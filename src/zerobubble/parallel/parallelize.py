@@ -25,7 +25,7 @@ each stage once.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -80,6 +80,13 @@ class TensorParallel:
     loss: LossParallel | None = None
     """Where the loss meets the logits (None: gathered); a plan of the user's says it
     itself, so ``loss_parallel=True`` is refused with one."""
+    lanes: Mapping[int, DeviceMesh] = field(default_factory=dict)
+    """A stage's own tp lane (:meth:`~zerobubble.parallel.mesh.PipelineMesh.with_tp_lanes`)
+    where it is not :attr:`mesh`: under overlapped F&B pairs each stage of a rank has one."""
+
+    def mesh_of(self, stage: int) -> DeviceMesh:
+        """The tp mesh stage ``stage`` is parallelized over (its lane)."""
+        return self.lanes.get(stage, self.mesh)
 
     def __post_init__(self) -> None:
         if self.loss is not None and self.loss.option and self.plan is not None:
@@ -99,7 +106,7 @@ class TensorParallel:
         if plan is None:
             plan = self.default(stage, module)
         parallelize_stage(
-            module, self.mesh, plan, stage=stage, sequence_parallel=self.sequence_parallel
+            module, self.mesh_of(stage), plan, stage=stage, sequence_parallel=self.sequence_parallel
         )
 
     def default(self, stage: int, module: nn.Module) -> TPPlan:
@@ -209,10 +216,15 @@ class Parallelize:
         timeout_s: float | None = None,
         name: StageNamer = _stage_name,
         ties: Sequence[TiedParam] = (),
+        lanes: Mapping[int, int] | None = None,
     ) -> Parallelize:
         """The steps ``mesh`` asks for: tp where it has a ``tp`` dim (with ``tp_plan`` and
         ``loss``, the loss stage's :class:`~zerobubble.parallel.loss.LossParallel`), ep where
-        ``ep > 1`` (checked over the pipeline ``group``); ``fn`` replaces both."""
+        ``ep > 1`` (checked over the pipeline ``group``); ``fn`` replaces both.
+
+        ``lanes``: each stage's tp lane (:func:`~zerobubble.parallel.mesh.stage_lanes`);
+        with tp, the lanes beyond 0 are made here (collective) and each stage is
+        parallelized over its own, ``fn`` given a mesh whose ``tp_mesh`` is the stage's."""
         if loss is not None and loss.option and (mesh is None or mesh.tp_mesh is None):
             raise ValueError(
                 "loss_parallel=True but the mesh has no tensor parallelism (tp=1): the logits "
@@ -242,11 +254,25 @@ class Parallelize:
             return cls()
         tp = None
         if mesh.tp_mesh is not None:
-            tp = TensorParallel(mesh.tp_mesh, tp_plan, mesh.spec.sequence_parallel, loss)
+            lanes = lanes or {}
+            mesh.with_tp_lanes(1 + max(lanes.values(), default=0))
+            own: dict[int, DeviceMesh] = {}
+            for s, k in lanes.items():
+                lane = mesh.tp_lane(k)
+                if k and lane is not None:
+                    own[s] = lane
+            tp = TensorParallel(mesh.tp_mesh, tp_plan, mesh.spec.sequence_parallel, loss, own)
         ep = None
         if mesh.ep_size > 1:
             ep = ExpertParallel(ExpertGroup.of(mesh, timeout_s), group, name)
         return cls(mesh, tp, ep, fn, ties)
+
+    def stage_mesh(self, stage: int) -> PipelineMesh:
+        """The mesh as stage ``stage`` sees it: its ``tp_mesh`` the stage's tp lane."""
+        assert self.mesh is not None
+        if self.tp is None or stage not in self.tp.lanes:
+            return self.mesh
+        return replace(self.mesh, tp_mesh=self.tp.lanes[stage])
 
     def apply(self, modules: Mapping[int, nn.Module]) -> dict[int, nn.Module]:
         """Every stage of ``modules`` parallelized (the ones seen before as they were)."""
@@ -254,7 +280,7 @@ class Parallelize:
         if fresh and self.fn is not None:
             assert self.mesh is not None  # from_mesh refuses fn without a mesh
             for s, m in sorted(fresh.items()):
-                out = self.fn(s, m, self.mesh)
+                out = self.fn(s, m, self.stage_mesh(s))
                 if not isinstance(out, nn.Module):
                     raise ValueError(
                         f"parallelize_fn returned {type(out).__name__} for stage {s}: it must "

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
+from zerobubble.parallel.mesh import is_tp_dim
 from zerobubble.runtime.microbatch import loss_scales, split_batch
 from zerobubble.runtime.p2p.comm import PeerError, dtype_code
 from zerobubble.runtime.progress import Progress
@@ -214,7 +215,8 @@ def _share_dtensor(
             "(e.g. the embedding vocabulary-sharded and the LM head column-wise, both "
             "Shard(0)): give both layers plans that shard the tied weight alike, or untie them"
         )
-    replica = nn.Parameter(_like(local(p0.detach()), p0), requires_grad=p1.requires_grad)
+    # On the later stage's own mesh: under overlapped pairs each stage has its own tp lane.
+    replica = nn.Parameter(_like(local(p0.detach()), p1), requires_grad=p1.requires_grad)
     for name in tp.local[s1]:
         owner_name, _, leaf = name.rpartition(".")
         setattr(stages[s1].get_submodule(owner_name), leaf, replica)
@@ -222,11 +224,15 @@ def _share_dtensor(
 
 def _layout(p: Tensor) -> str:
     """A replica's layout, for comparing (across ranks too) and naming: its placements over
-    its mesh's dims, or "a whole tensor"."""
+    its mesh's dims (a tp lane's as "tp": the stages' lanes are one dim), or "a whole
+    tensor"."""
     if not isinstance(p, DTensor):
         return "a whole tensor"
     mesh = p.device_mesh
-    return f"{tuple(p.placements)} over mesh dims {mesh.mesh_dim_names} {tuple(mesh.shape)}"
+    names = None if mesh.mesh_dim_names is None else tuple(
+        "tp" if is_tp_dim(n) else n for n in mesh.mesh_dim_names
+    )  # fmt: skip
+    return f"{tuple(p.placements)} over mesh dims {names} {tuple(mesh.shape)}"
 
 
 def local(t: Tensor) -> Tensor:

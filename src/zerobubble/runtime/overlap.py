@@ -15,12 +15,15 @@ What a half may do: the two halves share nothing but the rank's collectives. A l
 whose forward and backward both run collectives on one process group would let the
 two threads issue them in a different order on different ranks; such a layer must
 give its forward and its backward a group each (:class:`LaneGroups`), so that each
-group sees one thread's sequence, the same on every rank. The process's default random
+group sees one thread's sequence, the same on every rank. The two halves are always of
+two stages, so tensor parallelism gives each stage of a rank its own tp group (a tp lane,
+:meth:`~zerobubble.parallel.mesh.PipelineMesh.with_tp_lanes`); FSDP's collectives run
+outside the pairs, and each stage is its own FSDP root. The process's default random
 generators go to one half at a time: a forward holds the rank's lock
 (:class:`~zerobubble.runtime.rng.StageRng`), and a backward's replay of a forward that drew
-(activation recompute, the graph-level split's W) takes it too. The executor refuses what
-would share other state between the halves (FSDP's hooks keep one state per stage; under
-ep > 1 a recomputation would run its forward's all-to-alls on the forwards' group).
+(activation recompute, the graph-level split's W) takes it too. The executor refuses a
+recomputation under ep > 1 (it would run its forward's all-to-alls on the forwards' group)
+and a pair whose stages' DTensor parameters share a group.
 """
 
 from __future__ import annotations

@@ -251,9 +251,8 @@ def auto(
         if overlap and segments > 1:
             raise ValueError(
                 "auto: overlapped F&B pairs with sequence segments are not searched (the "
-                "segment search compares unpaired schedules); pass overlap or segments, not "
-                "both, or pair a segment kind: generate('seq-zbv', P, M, segments=k, "
-                "overlap=True, costs=...)"
+                "segment search compares unpaired schedules); pass overlap or segments, or "
+                "pair a segment kind: generate('seq-zbv', P, M, segments=k, overlap=True)"
             )
     spec = costs if costs is not None else CostSpec()
     if mem_limit is None:
