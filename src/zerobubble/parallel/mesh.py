@@ -25,18 +25,31 @@ collectives run on :attr:`PipelineMesh.tp_mesh`. pp=2 x dp=2 x tp=2::
     tp rank       0 1 0 1 | 0 1 0 1     tp groups  [0,1] [2,3] [4,5] [6,7]
                                         pipelines  [0,4] [1,5] [2,6] [3,7]
 
-With ``ep > 1`` (and ``tp == 1``) the dp rank splits as ``dp_rank = edp_rank * ep +
-ep_rank``: the ``ep`` consecutive dp ranks of one pipeline rank form its
+With ``ep > 1`` the dp rank splits as ``dp_rank = edp_rank * ep + ep_rank``: the ``ep``
+dp ranks of one pipeline rank and one tp rank that differ in their ep rank form its
 :attr:`PipelineMesh.ep_group` (they hold different experts and exchange tokens with
-all-to-all), and the dp ranks with the same ep rank form its :attr:`PipelineMesh.edp_group`
-(size ``dp / ep``: they hold the same experts, whose gradients are summed over it; dense
-gradients still sum over the whole ``dp_group``). pp=2 x dp=4 x ep=2::
+all-to-all), and the dp ranks with the same ep (and tp) rank form its
+:attr:`PipelineMesh.edp_group` (size ``dp / ep``: they hold the same experts, whose
+gradients are summed over it; dense gradients still sum over the whole ``dp_group``).
+pp=2 x dp=4 x ep=2::
 
     global rank   0 1 2 3 | 4 5 6 7
     pp rank       0 0 0 0 | 1 1 1 1
     dp rank       0 1 2 3 | 0 1 2 3
     ep rank       0 1 0 1 | 0 1 0 1     ep groups  [0,1] [2,3] [4,5] [6,7]
     edp rank      0 0 1 1 | 0 0 1 1     edp groups [0,2] [1,3] [4,6] [5,7]
+
+With ``tp > 1`` too, the experts are replicated over tp (no expert-tensor parallelism, as
+Megatron-core's and torchtitan's ``etp = 1``): each tp rank holds its ep rank's experts
+whole and runs the all-to-all with the ranks of its own tp rank, so there is one ep group
+per ``(pp, edp, tp)`` coordinate. Every tp rank routes the same tokens (a MoE block's
+input is replicated over tp, or under sequence parallelism gathered by the block), so
+the expert gradients are equal on the tp ranks and need no tp reduction.
+pp=1 x dp=2 x ep=2 x tp=2::
+
+    global rank   0 1 2 3
+    dp (ep) rank  0 0 1 1     ep groups  [0,2] [1,3]
+    tp rank       0 1 0 1     tp groups  [0,1] [2,3]
 """
 
 from __future__ import annotations
@@ -69,7 +82,8 @@ class ParallelSpec:
     ep: int = 1
     """Expert-parallel ranks: each MoE layer's experts are sharded over ``ep`` consecutive
     dp ranks (``dp % ep == 0``); the ``dp / ep`` ranks holding the same experts sum their
-    gradients."""
+    gradients. With ``tp > 1`` the experts are replicated over tp (each tp rank runs its
+    own ep group)."""
     tp: int = 1
     """Tensor-parallel ranks: each stage's layers are sharded over ``tp`` consecutive ranks
     (DTensor, :mod:`~zerobubble.parallel.tp`)."""
@@ -121,11 +135,6 @@ class ParallelSpec:
                 f"needs tp >= 2 (got tp={self.tp}); build the mesh with tp >= 2 or leave "
                 "sequence_parallel off"
             )
-        if self.ep > 1 and self.tp > 1:
-            raise ValueError(
-                f"ep={self.ep} with tp={self.tp} is not supported (the experts' all-to-all "
-                "would have to run on tensor-parallel shards); use ep=1 with tp, or tp=1 with ep"
-            )
 
     @property
     def world_size(self) -> int:
@@ -172,11 +181,12 @@ class PipelineMesh:
             pp and tp ranks); None when ``dp == 1``.
         pp_rank, pp_size, dp_rank, dp_size: This rank's coordinates and the dim sizes.
         spec: The :class:`ParallelSpec` it was built from.
-        ep_group: The ``ep`` consecutive dp ranks of this rank's pipeline rank, which shard
-            the experts and exchange tokens (None when ``ep == 1``).
-        edp_group: The dp ranks holding this rank's experts (same pp and ep rank, size
+        ep_group: The ``ep`` consecutive dp ranks of this rank's pipeline rank and tp rank,
+            which shard the experts and exchange tokens (None when ``ep == 1``).
+        edp_group: The dp ranks holding this rank's experts (same pp, ep and tp rank, size
             ``dp / ep``), over which expert gradients are summed (None when it is 1).
-        ep_mesh: The ``(pp, edp, ep)`` DeviceMesh of those groups (None when ``ep == 1``).
+        ep_mesh: The ``(pp, edp, ep)`` DeviceMesh of those groups, ``(pp, tp, edp, ep)``
+            with ``tp > 1`` (None when ``ep == 1``).
         ep_backward_group: A second group of ``ep_group``'s ranks, for the all-to-alls of
             backwards, so that an overlapped F&B pair's two threads never share a group
             (:class:`~zerobubble.parallel.ep.ExpertGroup`).
@@ -250,8 +260,8 @@ def build_mesh(
 ) -> PipelineMesh:
     """Build the mesh of :class:`ParallelSpec` ``(pp, dp, fsdp, ep, tp, sequence_parallel)``
     over the default process group; collective. ``(pp, dp)``, or ``(pp, dp, tp)`` with
-    ``tp > 1``; with ``ep > 1`` also the ``(pp, dp / ep, ep)`` mesh of the expert groups
-    (see the module docstring for the layout).
+    ``tp > 1``; with ``ep > 1`` also the ``(pp, dp / ep, ep)`` mesh of the expert groups,
+    ``(pp, tp, dp / ep, ep)`` with ``tp > 1`` (see the module docstring for the layout).
 
     ``device_type`` defaults to that of the default group's backend (``"cpu"`` for
     gloo, the accelerator's type otherwise). Raises ValueError when the world size
@@ -288,8 +298,12 @@ def build_mesh(
     timeout = default_timeout()
     ep_mesh = backward = None
     if ep > 1:
-        layout = torch.arange(pp * dp).view(pp, dp // ep, ep)
-        ep_mesh = DeviceMesh(device_type, layout, mesh_dim_names=("pp", "edp", "ep"))
+        ranks_of = torch.arange(pp * dp * tp).view(pp, dp // ep, ep, tp)
+        if tp == 1:
+            layout, names = ranks_of[..., 0], ("pp", "edp", "ep")
+        else:  # one (edp, ep) grid per tp rank: experts replicated over tp
+            layout, names = ranks_of.permute(0, 3, 1, 2), ("pp", "tp", "edp", "ep")
+        ep_mesh = DeviceMesh(device_type, layout, mesh_dim_names=names)
         for ranks in layout.reshape(-1, ep).tolist():  # new_group is collective: every rank
             group = dist.new_group(ranks, timeout=timeout)  # makes every group, in one
             if rank in ranks:  # order, and keeps its own

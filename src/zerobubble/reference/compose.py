@@ -18,7 +18,10 @@ package rather than restating their arithmetic:
   every tp rank calls it with the same batch), with segments too (``cuts=``);
 - **ep** (``ep=E``): the replicas run together, the all-to-alls played between them
   (:func:`~zerobubble.reference.ep.ep_reference_step` for top-level expert layers,
-  :func:`~zerobubble.reference.ep.threaded_ep_reference_step` otherwise);
+  :func:`~zerobubble.reference.ep.threaded_ep_reference_step` otherwise); with ``tp_mesh``
+  too, the threaded one with each replica's layers laid out by the tp reference
+  (:func:`~zerobubble.reference.tp.tp_layers`, collective over the tp mesh): the experts
+  replicated over tp, each tp rank's replicas exchanging tokens among themselves;
 - **random ops** (``seed``, ``step``, ``num_stages``, ``boundaries``) and **loss terms**
   (``terms``, ``term_weight``) as each of those does; **ties**: a parameter layers of
   different stages share (the stages cut by ``num_stages`` and ``boundaries``, as the
@@ -28,7 +31,7 @@ package rather than restating their arithmetic:
   tests/test_overlap_runtime.py), so they have no option.
 
 A combination without a composed ground truth yet is refused with a ValueError naming it
-(ep with segments, ties across stages, tp or random ops): docs/scale.md
+(ep with segments, ties across stages or random ops): docs/scale.md
 keeps the table.
 """
 
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
+from functools import partial
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -58,7 +62,7 @@ from zerobubble.reference.step import _batch as read_batch
 from zerobubble.reference.step import (
     reference_step as replica_step,
 )
-from zerobubble.reference.tp import tp_reference_step
+from zerobubble.reference.tp import tp_layers, tp_reference_step
 from zerobubble.runtime.loss_terms import TermWeight
 from zerobubble.runtime.microbatch import CountFn, batch_count, default_count_fn, split_tree
 
@@ -103,7 +107,7 @@ def reference_step(
         experts tensor whole again). Without tp the sums are left in ``layers``' ``.grad``.
     """
     args, target, m, n = read_batch(args, target, microbatches, kwargs)
-    _refuse(dp, ep, cuts, tp_mesh, seed)
+    _refuse(dp, ep, cuts, seed)
     if loss_parallel and tp_mesh is None:
         raise ValueError(
             "loss_parallel=True without tensor parallelism (tp_mesh): the logits are whole; "
@@ -113,7 +117,14 @@ def reference_step(
     model = as_sequential(layers)
     if ep > 1:
         _refuse_ep_ties(model, num_stages, boundaries, ep)
-        return _experts(model, loss_fn, parts, m, ep, count_fn, term_weight, terms)
+        tp = None
+        if tp_mesh is not None:  # each replica's layers laid out as the tp reference's
+            tp = partial(
+                tp_layers, loss_fn=loss_fn, tp_mesh=tp_mesh, tp_plan=tp_plan,
+                sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                num_stages=num_stages, boundaries=boundaries,
+            )  # fmt: skip
+        return _experts(model, loss_fn, parts, m, ep, count_fn, term_weight, terms, tp)
     count_fn = default_count_fn(loss_fn, count_fn)
     share = None if dp == 1 else Share(n if count_fn is None else _count(parts, count_fn), dp)
     if tp_mesh is not None:  # parallelized once, in place of the caller's layers' copy
@@ -228,21 +239,11 @@ def _refuse_ep_ties(
         )
 
 
-def _refuse(
-    dp: int,
-    ep: int,
-    cuts: Sequence[int] | None,
-    tp: DeviceMesh | None,
-    seed: int | None,
-) -> None:
+def _refuse(dp: int, ep: int, cuts: Sequence[int] | None, seed: int | None) -> None:
     """The combinations without a composed ground truth, named."""
     if dp < 1 or ep < 1 or dp % ep:
         raise ValueError(f"dp={dp} and ep={ep}: both >= 1, and ep must divide dp")
-    found = [
-        ("sequence segments (cuts)", cuts is not None),
-        ("tensor parallelism (tp_mesh)", tp is not None),
-        ("random ops (seed)", seed is not None),
-    ]
+    found = [("sequence segments (cuts)", cuts is not None), ("random ops (seed)", seed is not None)]
     chosen = [name for name, on in found if on]
     if ep > 1 and chosen:
         raise ValueError(
@@ -294,8 +295,11 @@ def _experts(
     count_fn: CountFn | None,
     term_weight: TermWeight,
     terms: dict[str, list[Tensor]] | None,
+    tp: Callable[[nn.Sequential], nn.Sequential] | None,
 ) -> tuple[list[Tensor], dict[str, Tensor]]:
-    """The ep replicas together; losses replica-major."""
+    """The ep replicas together; losses replica-major. ``tp``: each replica's layers laid
+    out over the tp mesh (:func:`~zerobubble.reference.tp.tp_layers`), run by the threaded
+    reference, whose replicas take turns (their tp collectives in one order everywhere)."""
     if terms is not None:
         raise ValueError(
             "reference_step with ep > 1 does not report terms= per name yet: its losses are the "
@@ -304,13 +308,13 @@ def _experts(
     spread = any(len(a) != 1 or k for a, k, _ in parts)  # several inputs: as a stage takes them
     pairs = [((a, k) if spread else a[0], t) for a, k, t in parts]
     top = all(isinstance(x, ExpertLayer) or not _holds_expert(x) for x in model)
-    if top and not spread and default_count_fn(loss_fn, count_fn) is None:
+    if tp is None and top and not spread and default_count_fn(loss_fn, count_fn) is None:
         tensors = cast(list[tuple[Tensor, Tensor]], pairs)  # one input each
         per, grads = ep_reference_step(model, loss_fn, tensors, m, ep, term_weight=term_weight)
     else:
         per, grads = threaded_ep_reference_step(
             model, loss_fn, pairs, m, ep, count_fn=count_fn, term_weight=term_weight,
-            spread=spread,
+            spread=spread, parallelize=tp,
         )  # fmt: skip
     return [loss for mine in per for loss in mine], grads
 

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from zerobubble.parallel.ep import ExpertGroup, LocalGroup, is_expert
+from zerobubble.parallel.ep import ExpertGroup, LocalGroup, Turns, is_expert
 from zerobubble.parallel.experts import ExpertLayer, expert_shard, run_experts, shard_all_experts
 from zerobubble.parallel.partition import model_name
-from zerobubble.reference.step import as_sequential
+from zerobubble.reference.step import as_sequential, local_sum
 from zerobubble.runtime.loss_terms import TermWeight, collect_loss_terms, weighted_objective
 from zerobubble.runtime.loss_terms import term_weight as weight_of
 from zerobubble.runtime.microbatch import (
@@ -179,6 +179,7 @@ def threaded_ep_reference_step(
     count_fn: CountFn | None = None,
     term_weight: TermWeight = "mean",
     spread: bool = False,
+    parallelize: Callable[[nn.Sequential], nn.Sequential] | None = None,
 ) -> tuple[list[list[Tensor]], dict[str, Tensor]]:
     """:func:`ep_reference_step` for expert layers anywhere in the model (a Hugging Face
     decoder layer's experts, :mod:`~zerobubble.interop.hf_experts`): one thread per dp
@@ -188,6 +189,16 @@ def threaded_ep_reference_step(
     of a :class:`~zerobubble.parallel.ep.LocalGroup`: the ep group's all-to-alls (forward
     and backward) hand the same blocks between the threads, in source-rank order, that
     the process group hands between ep ranks, so every op sees the rows it sees there.
+    The threads run one at a time, handing the turn on only where a replica waits for its
+    ep peers (:class:`~zerobubble.parallel.ep.Turns`), so their ops run in an order fixed by
+    the program.
+
+    ``parallelize``: applied to each replica's copy before its experts are sharded (the
+    pipeline's order: tp, then ep), returning the layers the replica runs under the same
+    keys; :func:`~zerobubble.reference.tp.tp_layers` lays them out over a tp mesh
+    (collective over it: every tp rank calls this with the same batch, its replicas then
+    issue their tp collectives in the same order on every tp rank). Each tp rank's
+    replicas meet only each other, as each tp rank's ep group does.
 
     Per replica, in microbatch order, the objective is back-propagated: ``loss_fn``'s
     loss scaled by ``n_j / N`` (``N`` the global batch), or with ``count_fn`` (default:
@@ -210,8 +221,9 @@ def threaded_ep_reference_step(
     dp = len(parts)
     if ep < 1 or dp % ep:
         raise ValueError(f"ep={ep} must divide the {dp} replicas (parts); pass one per dp rank")
-    groups = [LocalGroup(ep) for _ in range(dp // ep)]
-    replicas = [_sharded_replica(model, groups, r, ep) for r in range(dp)]
+    turns = Turns(dp)
+    groups = [LocalGroup(turns, g * ep, ep) for g in range(dp // ep)]
+    replicas = [_sharded_replica(model, groups, r, ep, parallelize) for r in range(dp)]
     weight = weight_of(term_weight, m, dp)
     total = sum(batch_size(x, "x") for x, _ in parts)
     count = _global_count(default_count_fn(loss_fn, count_fn), parts)
@@ -221,6 +233,7 @@ def threaded_ep_reference_step(
     def run(r: int) -> None:
         rep, (x, target) = replicas[r], parts[r]
         try:
+            turns.begin(r)
             n = batch_size(x, "x")
             for xj, tj in zip(split_tree(x, m, n), split_tree(target, m, n), strict=True):
                 with collect_loss_terms(rep) as found:
@@ -233,10 +246,10 @@ def threaded_ep_reference_step(
                         root, loss = weighted_objective(main, found, 1.0, weight)
                 root.backward()
                 losses[r].append(loss)
+            turns.end(r)
         except BaseException as e:
             failed.append(e)
-            for g in groups:
-                g.abort()
+            turns.abort()
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(dp)]
     for t in threads:
@@ -260,11 +273,17 @@ def _forward(model: nn.Sequential, x: Any, spread: bool) -> Any:
 
 
 def _sharded_replica(
-    model: nn.Sequential, groups: Sequence[LocalGroup], r: int, ep: int
+    model: nn.Sequential,
+    groups: Sequence[LocalGroup],
+    r: int,
+    ep: int,
+    parallelize: Callable[[nn.Sequential], nn.Sequential] | None = None,
 ) -> nn.Sequential:
-    """Replica ``r``'s copy of ``model``, its experts sharded as ep rank ``r % ep`` of its
-    ep group shards them, its gradients cleared."""
+    """Replica ``r``'s copy of ``model`` (``parallelize`` d), its experts sharded as ep rank
+    ``r % ep`` of its ep group shards them, its gradients cleared."""
     rep = copy.deepcopy(model)
+    if parallelize is not None:
+        rep = parallelize(rep)
     group = ExpertGroup(groups[r // ep] if ep > 1 else None, r % ep, ep)
     shard_all_experts(rep, group)
     for p in rep.parameters():
@@ -300,7 +319,7 @@ def _user_sums(model: nn.Sequential, replicas: Sequence[nn.Module], ep: int) -> 
             key, _, rest = name.partition(".")
             user = model_name(f"{keys.index(key)}.{rest}", keys, list(model))
             into = experts[r % ep] if is_expert(p) else dense
-            into[user] = p.grad.clone() if user not in into else into[user] + p.grad
+            into[user] = local_sum(into.get(user), p.grad)  # a DTensor's shards as they are
             whole[user] = expert_shard(p) is not None
     out = dict(dense)
     for q in range(ep):
