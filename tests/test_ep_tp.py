@@ -15,7 +15,8 @@ the ep groups are the ranks of one tp rank; the expert gradients equal on the tw
 of a (pp, dp) coordinate; and every gradient, whole, within ``REL`` of the ep-only
 reference (``reference_step(dp=2, ep=2)``, tp=1) of the largest: tp changes the rounding
 of the attention's partial sums, nothing else, so the experts (and everything) get the
-gradients of the ep-only run.
+gradients of the ep-only run; the trainer's clipping norm (every expert counted once, not
+once per tp rank) is the same on every rank and within ``REL`` of the ep-only gradients'.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ PP, DP, EP, TP, M = 2, 2, 2, 2, 2
 LOCAL, T = 4, 6  # rows per replica, tokens (tp divides them: sequence parallelism)
 RUNS = ((False, "zb-h1"), (True, "zbv"))
 """(sequence parallelism, schedule)."""
+NO_CLIP = zerobubble.OptimConfig(max_norm=1e9)
 REL = 1e-5
 """Against the ep-only reference, relative to the largest gradient (tp's partial sums add
 in another order; measured in the test's message on failure)."""
@@ -65,7 +67,11 @@ def one_run(sp: bool, kind: str) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ReplicatedExpertsWarning)  # the stated choice
         pipe = Pipeline(causal_lm_layers(m), CausalLMLoss(m), kind, microbatches=M, mesh=mesh)
-        losses = pipe.executor.step(ids[rows], target=labels[rows])
+        # lr 0, no clipping: the gradients stay as the step left them; the trainer's norm
+        trainer = pipe.set_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.0), NO_CLIP)
+        losses = pipe.step(ids[rows], target=labels[rows])
+        pipe.drain()
+        assert trainer.last_commit is not None
         ref_model = model()
         ref_losses, ref = zerobubble.reference_step(
             causal_lm_layers(ref_model), CausalLMLoss(ref_model), ids, target=labels,
@@ -95,6 +101,7 @@ def one_run(sp: bool, kind: str) -> dict[str, Any]:
         "ep_ranks": dist.get_process_group_ranks(mesh.ep_group),
         "edp": mesh.edp_group,
         "losses": None if losses is None else all(map(torch.equal, losses, mine)),
+        "norm": float(trainer.last_commit.total_norm),
         "bad": bad,
         "full": full,
         "experts": experts,
@@ -131,7 +138,7 @@ def test_ep_with_tp_is_bitwise_the_composed_reference(results: dict, run: tuple)
     err, held = 0.0, set()
     for rank in range(PP * DP * TP):
         r = results[run, rank]
-        pp, dp, tp = r["coords"]
+        pp, _, tp = r["coords"]
         assert r["bad"] == [], (rank, r["bad"])
         assert r["losses"] in (True, None), rank
         # one ep group per (pp, tp): the dp ranks of this tp rank
@@ -151,3 +158,8 @@ def test_ep_with_tp_is_bitwise_the_composed_reference(results: dict, run: tuple)
     assert held == want.keys()  # the experts of every layer among them
     assert sum(results[run, rank]["losses"] is True for rank in range(8)) == DP * TP
     assert err < REL, err
+    # the clipping norm counts every expert once (not once per tp rank)
+    norms = {results[run, rank]["norm"] for rank in range(PP * DP * TP)}
+    assert len(norms) == 1, norms
+    whole = float(torch.nn.utils.get_total_norm(list(want.values())))
+    assert abs(norms.pop() - whole) < REL * whole

@@ -39,12 +39,12 @@ pp=2 x dp=4 x ep=2::
     ep rank       0 1 0 1 | 0 1 0 1     ep groups  [0,1] [2,3] [4,5] [6,7]
     edp rank      0 0 1 1 | 0 0 1 1     edp groups [0,2] [1,3] [4,6] [5,7]
 
-With ``tp > 1`` too, the experts are replicated over tp (no expert-tensor parallelism, as
-Megatron-core's and torchtitan's ``etp = 1``): each tp rank holds its ep rank's experts
-whole and runs the all-to-all with the ranks of its own tp rank, so there is one ep group
-per ``(pp, edp, tp)`` coordinate. Every tp rank routes the same tokens (a MoE block's
-input is replicated over tp, or under sequence parallelism gathered by the block), so
-the expert gradients are equal on the tp ranks and need no tp reduction.
+With ``tp > 1`` too, the experts are replicated over tp (no expert-tensor parallelism):
+each tp rank holds its ep rank's experts whole and runs the all-to-all with the ranks of
+its own tp rank, so there is one ep group per ``(pp, edp, tp)`` coordinate. Every tp rank
+routes the same tokens (a MoE block's input is replicated over tp, or under sequence
+parallelism gathered by the block), so the expert gradients are equal on the tp ranks and
+need no tp reduction.
 pp=1 x dp=2 x ep=2 x tp=2::
 
     global rank   0 1 2 3
@@ -299,11 +299,11 @@ def build_mesh(
     ep_mesh = backward = None
     if ep > 1:
         ranks_of = torch.arange(pp * dp * tp).view(pp, dp // ep, ep, tp)
-        if tp == 1:
-            layout, names = ranks_of[..., 0], ("pp", "edp", "ep")
-        else:  # one (edp, ep) grid per tp rank: experts replicated over tp
-            layout, names = ranks_of.permute(0, 3, 1, 2), ("pp", "tp", "edp", "ep")
-        ep_mesh = DeviceMesh(device_type, layout, mesh_dim_names=names)
+        ep_names: tuple[str, ...] = ("pp", "edp", "ep")
+        layout = ranks_of[..., 0]
+        if tp > 1:  # one (edp, ep) grid per tp rank: experts replicated over tp
+            ep_names, layout = ("pp", "tp", "edp", "ep"), ranks_of.permute(0, 3, 1, 2)
+        ep_mesh = DeviceMesh(device_type, layout, mesh_dim_names=ep_names)
         for ranks in layout.reshape(-1, ep).tolist():  # new_group is collective: every rank
             group = dist.new_group(ranks, timeout=timeout)  # makes every group, in one
             if rank in ranks:  # order, and keeps its own

@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from functools import partial
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, cast
 
 from torch import Tensor, nn
@@ -243,7 +243,10 @@ def _refuse(dp: int, ep: int, cuts: Sequence[int] | None, seed: int | None) -> N
     """The combinations without a composed ground truth, named."""
     if dp < 1 or ep < 1 or dp % ep:
         raise ValueError(f"dp={dp} and ep={ep}: both >= 1, and ep must divide dp")
-    found = [("sequence segments (cuts)", cuts is not None), ("random ops (seed)", seed is not None)]
+    found = [
+        ("sequence segments (cuts)", cuts is not None),
+        ("random ops (seed)", seed is not None),
+    ]
     chosen = [name for name, on in found if on]
     if ep > 1 and chosen:
         raise ValueError(
