@@ -21,7 +21,9 @@ once per tp rank) is the same on every rank and within ``REL`` of the ep-only gr
 
 from __future__ import annotations
 
+import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -32,6 +34,7 @@ from torch.distributed.tensor import DTensor
 import zerobubble
 from ranks import launch
 from zerobubble.interop.hf import CausalLMLoss, causal_lm_layers, tiny_model
+from zerobubble.parallel.ep import LocalGroup, Turns
 from zerobubble.parallel.experts import expert_shard
 from zerobubble.parallel.mesh import build_mesh
 from zerobubble.parallel.tp import ReplicatedExpertsWarning
@@ -163,3 +166,44 @@ def test_ep_with_tp_is_bitwise_the_composed_reference(results: dict, run: tuple)
     assert len(norms) == 1, norms
     whole = float(torch.nn.utils.get_total_norm(list(want.values())))
     assert abs(norms.pop() - whole) < REL * whole
+
+
+def test_the_threaded_references_turns_fix_the_order_and_a_lone_exchange_raises() -> None:
+    """The replicas' threads run one at a time, in an order fixed by the program (what keeps
+    their tp collectives in one order on every tp rank); an exchange nobody meets raises."""
+
+    def threads(turns: Turns, body: Callable[[int], None]) -> list[BaseException]:
+        failed: list[BaseException] = []
+
+        def run(r: int) -> None:
+            try:
+                turns.begin(r)
+                body(r)
+                turns.end(r)
+            except BaseException as e:
+                failed.append(e)
+                turns.abort()
+
+        ts = [threading.Thread(target=run, args=(r,)) for r in range(turns.size)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        return failed
+
+    for _ in range(5):
+        turns, log = Turns(2), []
+        group = LocalGroup(turns, 0, 2)
+
+        def body(r: int, group: LocalGroup = group, log: list = log) -> None:
+            log.append((r, "before"))
+            got = group.exchange(r, [torch.tensor(10 * r + d) for d in range(2)])
+            log.append((r, [int(t) for t in got]))
+
+        assert threads(turns, body) == []
+        assert log == [(0, "before"), (1, "before"), (1, [1, 11]), (0, [0, 10])]
+    turns = Turns(2, timeout_s=30.0)
+    lone = LocalGroup(turns, 0, 2)
+    failed = threads(turns, lambda r: None if r else lone.exchange(0, [torch.zeros(1)] * 2))
+    assert [type(e) for e in failed] == [RuntimeError]
+    assert "replica 0 cannot go on" in str(failed[0])
