@@ -101,8 +101,9 @@ def schedule(job: frozenset[str], index: int, pp: int) -> zerobubble.Schedule:
 
 
 def model(job: frozenset[str], blocks: int) -> list[nn.Module]:
-    """Our GPT with ``blocks`` blocks (MoE blocks of 4 experts, top 2, under ep), the
-    embedding and the head tied where ``ties`` is on, dropout where ``random`` is."""
+    """Our GPT with ``blocks`` blocks (every other one a MoE block of 4 experts, top 2, under
+    ep: left whole under tp, the others tp-sharded), the embedding and the head tied where
+    ``ties`` is on, dropout where ``random`` is."""
     cfg = GPTConfig(
         vocab_size=VOCAB, max_seq_len=T, d_model=8, n_heads=2, n_layers=blocks, mlp_ratio=2,
         tie_embeddings="ties" in job, dropout=0.1 if "random" in job else 0.0,
@@ -111,7 +112,8 @@ def model(job: frozenset[str], blocks: int) -> list[nn.Module]:
     if "ep" in job:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(3)
-            layers[1:-2] = [MoEGPTBlock(cfg, 4, 2) for _ in range(blocks)]
+            for i in range(1, blocks + 1, 2):
+                layers[i] = MoEGPTBlock(cfg, 4, 2)
     return layers
 
 

@@ -386,12 +386,8 @@ def test_parallel_spec_refuses_bad_tp() -> None:
         "sequence_parallel=True shards activations over the mesh's tp dimension: it needs "
         "tp >= 2 (got tp=1); build the mesh with tp >= 2 or leave sequence_parallel off"
     )
-    with pytest.raises(ValueError) as e:
-        ParallelSpec(2, 2, ep=2, tp=2)
-    assert str(e.value) == (
-        "ep=2 with tp=2 is not supported (the experts' all-to-all would have to run on "
-        "tensor-parallel shards); use ep=1 with tp, or tp=1 with ep"
-    )
+    # ep with tp: the experts replicated over tp, one ep group per tp rank (test_ep_tp)
+    assert ParallelSpec(2, 2, ep=2, tp=2).coordinates(7) == {"pp": 1, "dp": 1, "tp": 1, "ep": 1}
     assert ParallelSpec(2, 2, tp=2, sequence_parallel=True).world_size == 8
 
 

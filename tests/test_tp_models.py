@@ -188,7 +188,8 @@ def test_qwen3_moe_and_replicated_kv_heads_bitwise_the_tp_reference() -> None:
                 "over tp=2: every tp rank holds each expert whole and computes it on the "
                 "same tokens (with sequence parallelism the block gathers the sequence), so "
                 "their gradients are equal on every tp rank; expert-tensor parallelism is "
-                "not built. To shard experts use ep (with tp=1)"
+                "not built. To shard experts over the dp ranks use ep (each tp rank then "
+                "holds its ep rank's experts)"
             ], run
             # plain tensors with the same gradient on both tp ranks of the stage
             g = "model.layers.0.mlp.experts.down_proj"

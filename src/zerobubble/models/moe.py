@@ -46,6 +46,7 @@ from zerobubble.parallel.experts import (
     run_experts,
     run_grouped,
 )
+from zerobubble.parallel.tp import LayerLayout, dropout_kinds
 from zerobubble.runtime.loss_terms import add_loss_term
 
 __all__ = [
@@ -205,6 +206,11 @@ class MoEBlock(ExpertLayer):
         self.norm = nn.LayerNorm(dim)
         self.moe = MoE(dim, hidden, num_experts, top_k, balance=balance, z_loss=z_loss)
 
+    def tp_kinds(self, layout: LayerLayout) -> dict[str, str]:
+        """Tensor parallelism: the block left whole on every tp rank (``whole_sequence``), its
+        experts replicated over tp."""
+        return {"": "whole_sequence"}
+
     def dispatch(self, x: Tensor) -> tuple[Any, Tensor, Tensor]:
         ctx, rows, counts = self.moe.dispatch(self.norm(x))
         return (x, ctx), rows, counts
@@ -234,6 +240,15 @@ class MoEGPTBlock(ExpertLayer):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.moe = MoE(d, cfg.mlp_ratio * d, num_experts, top_k, balance=balance, z_loss=z_loss)
+
+    def tp_kinds(self, layout: LayerLayout) -> dict[str, str]:
+        """Tensor parallelism (:mod:`~zerobubble.parallel.tp`): the block left whole on every
+        tp rank (``whole_sequence``: with sequence parallelism it gathers the sequence and
+        hands on its shard), its experts replicated over tp (a ``ReplicatedExpertsWarning``
+        says so), its attention computed alike on every rank, so its dropouts draw from the
+        shared stream."""
+        drops = {"attn.attn_drop": False, "attn.resid_drop": False}
+        return {"": "whole_sequence"} | dropout_kinds(self, drops)
 
     def dispatch(self, x: Tensor) -> tuple[Any, Tensor, Tensor]:
         x = x + self.attn(self.ln1(x))

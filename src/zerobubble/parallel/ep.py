@@ -46,6 +46,7 @@ __all__ = [
     "AllToAll",
     "ExpertGroup",
     "LocalGroup",
+    "Turns",
     "WaitLog",
     "all_to_all",
     "exchange_counts",
@@ -58,33 +59,104 @@ __all__ = [
 ]
 
 
+class Turns:
+    """The threads of a threaded reference, one per replica, run one at a time: a thread
+    keeps the turn until it waits at a :class:`LocalGroup` exchange (or ends), then hands it
+    to the next thread that can run, in replica order from its own. The order in which
+    the threads' ops run is then a function of the program alone, the same in every
+    process: the collectives the threads issue on a process group they share (a tensor-
+    parallel mesh, each process one tp rank) meet in the same order on every rank.
+    """
+
+    def __init__(self, size: int, timeout_s: float = 120.0) -> None:
+        self.size = size
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._turn: int | None = 0
+        self._blocked: set[int] = set()
+        self._done: set[int] = set()
+        self._failed = False
+
+    def begin(self, thread: int) -> None:
+        """Wait for ``thread``'s first turn (thread 0 has it)."""
+        with self._cond:
+            self._wait(thread)
+
+    def end(self, thread: int) -> None:
+        """``thread`` is done: the turn goes on."""
+        with self._cond:
+            self._done.add(thread)
+            self._pass(thread)
+
+    def abort(self) -> None:
+        """A thread failed: every wait raises instead of hanging."""
+        with self._cond:
+            self._failed = True
+            self._cond.notify_all()
+
+    def block(self, thread: int) -> None:
+        """``thread`` waits at an exchange: hand the turn on, and wait until the exchange is
+        complete (:meth:`release`) and the turn is back."""
+        with self._cond:
+            self._blocked.add(thread)
+            self._pass(thread)
+            self._wait(thread)
+
+    def release(self, threads: range) -> None:
+        """The exchange ``threads`` wait at is complete: they may run again, each when the
+        turn reaches it."""
+        with self._cond:
+            self._blocked.difference_update(threads)
+
+    def _pass(self, thread: int) -> None:
+        order = [(thread + i) % self.size for i in range(1, self.size + 1)]
+        ready = [t for t in order if t not in self._done and t not in self._blocked]
+        self._turn = ready[0] if ready else None
+        if self._turn is None and len(self._done) < self.size:
+            self._failed = True  # every thread left waits at an exchange that cannot complete
+        self._cond.notify_all()
+
+    def _wait(self, thread: int) -> None:
+        ok = self._cond.wait_for(lambda: self._turn == thread or self._failed, self.timeout_s)
+        if self._failed or not ok:
+            self._failed = True
+            self._cond.notify_all()
+            raise RuntimeError(
+                f"threaded reference: replica {thread} cannot go on (another replica failed, "
+                f"or its exchange was not met within {self.timeout_s} s)"
+            )
+
+
 class LocalGroup:
-    """An in-process stand-in for an ep process group: one thread per ep rank, meeting at
-    a barrier (:func:`~zerobubble.reference.ep.threaded_ep_reference_step`).
+    """An in-process stand-in for an ep process group: the threads of replicas ``first,
+    ..., first + size - 1`` of a :class:`Turns` meeting at an exchange
+    (:func:`~zerobubble.reference.ep.threaded_ep_reference_step`).
 
     :func:`exchange_counts` and :func:`all_to_all` over an :class:`ExpertGroup` whose
     ``group`` is one hand the same blocks between threads that the process group hands
     between processes: each rank receives its blocks in source-rank order.
     """
 
-    def __init__(self, size: int, timeout_s: float = 120.0) -> None:
+    def __init__(self, turns: Turns, first: int, size: int) -> None:
         self.size = size
+        self.turns = turns
+        self._threads = range(first, first + size)
         self._slots: list[list[Tensor] | None] = [None] * size
-        self._barrier = threading.Barrier(size, timeout=timeout_s)
+        self._got: list[list[Tensor]] = [[] for _ in range(size)]
 
     def exchange(self, rank: int, blocks: list[Tensor]) -> list[Tensor]:
         """Send ``blocks[d]`` to rank ``d``; returns what each source sent to ``rank``."""
         if len(blocks) != self.size:
             raise ValueError(f"LocalGroup.exchange: {len(blocks)} blocks for {self.size} ranks")
         self._slots[rank] = blocks
-        self._barrier.wait()
-        got = [slot[rank] for slot in self._slots if slot is not None]
-        self._barrier.wait()  # every rank has read the slots before any writes them again
-        return got
-
-    def abort(self) -> None:
-        """Break the barrier: the other threads' waits raise instead of hanging."""
-        self._barrier.abort()
+        if all(slot is not None for slot in self._slots):  # the last to arrive: deliver
+            slots = [slot for slot in self._slots if slot is not None]
+            self._got = [[slot[d] for slot in slots] for d in range(self.size)]
+            self._slots = [None] * self.size
+            self.turns.release(self._threads)
+        else:
+            self.turns.block(self._threads[rank])
+        return self._got[rank]
 
 
 class WaitLog:

@@ -25,12 +25,13 @@ collectives run on :attr:`PipelineMesh.tp_mesh`. pp=2 x dp=2 x tp=2::
     tp rank       0 1 0 1 | 0 1 0 1     tp groups  [0,1] [2,3] [4,5] [6,7]
                                         pipelines  [0,4] [1,5] [2,6] [3,7]
 
-With ``ep > 1`` (and ``tp == 1``) the dp rank splits as ``dp_rank = edp_rank * ep +
-ep_rank``: the ``ep`` consecutive dp ranks of one pipeline rank form its
+With ``ep > 1`` the dp rank splits as ``dp_rank = edp_rank * ep + ep_rank``: the ``ep``
+dp ranks of one pipeline rank and one tp rank that differ in their ep rank form its
 :attr:`PipelineMesh.ep_group` (they hold different experts and exchange tokens with
-all-to-all), and the dp ranks with the same ep rank form its :attr:`PipelineMesh.edp_group`
-(size ``dp / ep``: they hold the same experts, whose gradients are summed over it; dense
-gradients still sum over the whole ``dp_group``). pp=2 x dp=4 x ep=2::
+all-to-all), and the dp ranks with the same ep (and tp) rank form its
+:attr:`PipelineMesh.edp_group` (size ``dp / ep``: they hold the same experts, whose
+gradients are summed over it; dense gradients still sum over the whole ``dp_group``).
+pp=2 x dp=4 x ep=2::
 
     global rank   0 1 2 3 | 4 5 6 7
     pp rank       0 0 0 0 | 1 1 1 1
@@ -48,11 +49,24 @@ a 1-D DeviceMesh named ``"tp"`` (lane 0, :attr:`PipelineMesh.tp_mesh` itself) or
 ranks and names as one (its sharding caches hand back the mesh, and so the group, of the
 first one they saw), so a lane must differ by name from every other mesh, those of another
 mesh's lanes included. A mesh makes its lanes once, for all the pipelines built on it.
+
+With ``tp > 1`` too, the experts are replicated over tp (no expert-tensor parallelism):
+each tp rank holds its ep rank's experts whole and runs the all-to-all with the ranks of
+its own tp rank, so there is one ep group per ``(pp, edp, tp)`` coordinate. Every tp rank
+routes the same tokens (a MoE block's input is replicated over tp, or under sequence
+parallelism gathered by the block), so the expert gradients are equal on the tp ranks and
+need no tp reduction.
+pp=1 x dp=2 x ep=2 x tp=2::
+
+    global rank   0 1 2 3
+    dp (ep) rank  0 0 1 1     ep groups  [0,2] [1,3]
+    tp rank       0 1 0 1     tp groups  [0,1] [2,3]
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -97,7 +111,8 @@ class ParallelSpec:
     ep: int = 1
     """Expert-parallel ranks: each MoE layer's experts are sharded over ``ep`` consecutive
     dp ranks (``dp % ep == 0``); the ``dp / ep`` ranks holding the same experts sum their
-    gradients."""
+    gradients. With ``tp > 1`` the experts are replicated over tp (each tp rank runs its
+    own ep group)."""
     tp: int = 1
     """Tensor-parallel ranks: each stage's layers are sharded over ``tp`` consecutive ranks
     (DTensor, :mod:`~zerobubble.parallel.tp`)."""
@@ -143,11 +158,6 @@ class ParallelSpec:
                 f"sequence_parallel=True shards activations over the mesh's tp dimension: it "
                 f"needs tp >= 2 (got tp={self.tp}); build the mesh with tp >= 2 or leave "
                 "sequence_parallel off"
-            )
-        if self.ep > 1 and self.tp > 1:
-            raise ValueError(
-                f"ep={self.ep} with tp={self.tp} is not supported (the experts' all-to-all "
-                "would have to run on tensor-parallel shards); use ep=1 with tp, or tp=1 with ep"
             )
 
     @property
@@ -195,11 +205,12 @@ class PipelineMesh:
             pp and tp ranks); None when ``dp == 1``.
         pp_rank, pp_size, dp_rank, dp_size: This rank's coordinates and the dim sizes.
         spec: The :class:`ParallelSpec` it was built from.
-        ep_group: The ``ep`` consecutive dp ranks of this rank's pipeline rank, which shard
-            the experts and exchange tokens (None when ``ep == 1``).
-        edp_group: The dp ranks holding this rank's experts (same pp and ep rank, size
+        ep_group: The ``ep`` consecutive dp ranks of this rank's pipeline rank and tp rank,
+            which shard the experts and exchange tokens (None when ``ep == 1``).
+        edp_group: The dp ranks holding this rank's experts (same pp, ep and tp rank, size
             ``dp / ep``), over which expert gradients are summed (None when it is 1).
-        ep_mesh: The ``(pp, edp, ep)`` DeviceMesh of those groups (None when ``ep == 1``).
+        ep_mesh: The ``(pp, edp, ep)`` DeviceMesh of those groups, ``(pp, tp, edp, ep)``
+            with ``tp > 1`` (None when ``ep == 1``).
         ep_backward_group: A second group of ``ep_group``'s ranks, for the all-to-alls of
             backwards, so that an overlapped F&B pair's two threads never share a group
             (:class:`~zerobubble.parallel.ep.ExpertGroup`).
@@ -314,8 +325,8 @@ def build_mesh(
 ) -> PipelineMesh:
     """Build the mesh of :class:`ParallelSpec` ``(pp, dp, fsdp, ep, tp, sequence_parallel)``
     over the default process group; collective. ``(pp, dp)``, or ``(pp, dp, tp)`` with
-    ``tp > 1``; with ``ep > 1`` also the ``(pp, dp / ep, ep)`` mesh of the expert groups
-    (see the module docstring for the layout).
+    ``tp > 1``; with ``ep > 1`` also the ``(pp, dp / ep, ep)`` mesh of the expert groups,
+    ``(pp, tp, dp / ep, ep)`` with ``tp > 1`` (see the module docstring for the layout).
 
     ``device_type`` defaults to that of the default group's backend (``"cpu"`` for
     gloo, the accelerator's type otherwise). Raises ValueError when the world size
@@ -350,14 +361,7 @@ def build_mesh(
     mesh = init_device_mesh(device_type, dims, mesh_dim_names=names)
     rank = dist.get_rank()
     timeout = default_timeout()
-    ep_mesh = backward = None
-    if ep > 1:
-        layout = torch.arange(pp * dp).view(pp, dp // ep, ep)
-        ep_mesh = DeviceMesh(device_type, layout, mesh_dim_names=("pp", "edp", "ep"))
-        for ranks in layout.reshape(-1, ep).tolist():  # new_group is collective: every rank
-            group = dist.new_group(ranks, timeout=timeout)  # makes every group, in one
-            if rank in ranks:  # order, and keeps its own
-                backward = group
+    ep_mesh, backward = _expert_meshes(spec, device_type, rank, timeout) if ep > 1 else (None, None)
     # DeviceMesh makes its subgroups with torch's default timeout (30 minutes), not the one
     # given to init_distributed: each of this rank's groups gets the user's.
     for sub in (mesh, ep_mesh):
@@ -380,6 +384,27 @@ def build_mesh(
         tp_mesh=mesh["tp"] if tp > 1 else None,
         tp_rank=rank % tp,
     )
+
+
+def _expert_meshes(
+    spec: ParallelSpec, device_type: str, rank: int, timeout: timedelta | None
+) -> tuple[DeviceMesh, dist.ProcessGroup | None]:
+    """The ``(pp, edp, ep)`` mesh of the expert groups (``(pp, tp, edp, ep)`` with tp: one
+    grid per tp rank, the experts replicated over tp), and this rank's second ep group, for
+    the backwards' all-to-alls; collective."""
+    pp, dp, ep, tp = spec.pp, spec.dp, spec.ep, spec.tp
+    ranks_of = torch.arange(pp * dp * tp).view(pp, dp // ep, ep, tp)
+    ep_names: tuple[str, ...] = ("pp", "edp", "ep")
+    layout = ranks_of[..., 0]
+    if tp > 1:
+        ep_names, layout = ("pp", "tp", "edp", "ep"), ranks_of.permute(0, 3, 1, 2)
+    ep_mesh = DeviceMesh(device_type, layout, mesh_dim_names=ep_names)
+    backward = None
+    for ranks in layout.reshape(-1, ep).tolist():  # new_group is collective: every rank
+        group = dist.new_group(ranks, timeout=timeout)  # makes every group, in one order,
+        if rank in ranks:  # and keeps its own
+            backward = group
+    return ep_mesh, backward
 
 
 def stage_lanes(schedule: Schedule) -> dict[int, int]:

@@ -318,7 +318,8 @@ def _warn_replicated_experts(module: nn.Module, stage: int, tp: int) -> None:
         f"stage {stage}: the experts {names} are replicated over tp={tp}: every tp rank holds "
         "each expert whole and computes it on the same tokens (with sequence parallelism the "
         "block gathers the sequence), so their gradients are equal on every tp rank; "
-        "expert-tensor parallelism is not built. To shard experts use ep (with tp=1)",
+        "expert-tensor parallelism is not built. To shard experts over the dp ranks use ep "
+        "(each tp rank then holds its ep rank's experts)",
         ReplicatedExpertsWarning,
         stacklevel=3,
     )

@@ -25,6 +25,9 @@ package rather than restating their arithmetic:
   each replica runs its single-replica reference of this list in a thread of its own
   (:func:`~zerobubble.reference.ep.ep_replicas_step`), the threads taking turns with their
   own generator state, so each replica draws what its dp rank draws;
+  with ``tp_mesh`` too, each replica's layers laid out first by the tp reference
+  (:func:`~zerobubble.reference.tp.tp_layers`, collective over the tp mesh): the experts
+  replicated over tp, each tp rank's replicas exchanging tokens among themselves;
 - **random ops** (``seed``, ``step``, ``num_stages``, ``boundaries``) and **loss terms**
   (``terms``, ``term_weight``) as each of those does; **ties**: a parameter layers of
   different stages share (the stages cut by ``num_stages`` and ``boundaries``, as the
@@ -34,8 +37,8 @@ package rather than restating their arithmetic:
   (recompute) with segments (tests/test_recompute.py, tests/test_overlap_runtime.py,
   tests/test_overlap_moe.py, tests/test_seq_runtime.py), so they have no option.
 
-A combination without a composed ground truth is refused with a ValueError naming it (ep
-with tp, which the mesh refuses too); docs/scale.md keeps the table.
+A combination without a composed ground truth is refused with a ValueError naming it;
+docs/scale.md keeps the table.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import copy
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from torch import Tensor, nn
@@ -65,7 +69,7 @@ from zerobubble.reference.step import _batch as read_batch
 from zerobubble.reference.step import (
     reference_step as replica_step,
 )
-from zerobubble.reference.tp import sum_parts, tp_reference_step
+from zerobubble.reference.tp import sum_parts, tp_layers, tp_reference_step
 from zerobubble.runtime.loss_terms import TermWeight
 from zerobubble.runtime.microbatch import CountFn, batch_count, default_count_fn, split_tree
 
@@ -118,8 +122,12 @@ def reference_step(
     model = as_sequential(layers)
     staged: dict[str, Any] = {"seed": seed, "step": step, "num_stages": num_stages}
     staged["boundaries"] = boundaries  # how the stages are cut and seeded
+    tp: dict[str, Any] = {"tp_mesh": tp_mesh, "tp_plan": tp_plan}
+    tp.update(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     if ep > 1:
-        return _experts(model, loss_fn, parts, m, n, ep, count_fn, term_weight, terms, cuts, staged)
+        return _experts(
+            model, loss_fn, parts, m, n, ep, count_fn, term_weight, terms, cuts, staged, tp
+        )
     count_fn = default_count_fn(loss_fn, count_fn)
     share = None if dp == 1 else Share(n if count_fn is None else _count(parts, count_fn), dp)
     if tp_mesh is not None:  # parallelized once, in place of the caller's layers' copy
@@ -132,9 +140,7 @@ def reference_step(
     tie_parts: dict[str, list[Tensor | None]] = {}  # tp: a tie's stage gradients, dp-summed
     for a, k, t in parts:
         if tp_mesh is not None:
-            tp: dict[str, Any] = {"tp_mesh": tp_mesh, "tp_plan": tp_plan}
-            tp.update(sequence_parallel=sequence_parallel)
-            tp.update(loss_parallel=loss_parallel, terms=terms, term_weight=term_weight, cuts=cuts)
+            tp.update(terms=terms, term_weight=term_weight, cuts=cuts)
             mine, grads = _tp_replica(model, loss_fn, (a, k, t), m, tie_parts, fsdp, tp, common)
         elif cuts is not None:
             mine, grads = segment_reference_step(
@@ -151,10 +157,13 @@ def reference_step(
             _hold(run, held)
     if tp_mesh is None:
         ties.give_back(model, run, held, sums)
-    for name, summed in tie_parts.items():  # the dp sums first, then the stages, in order
-        if (total := sum_parts(summed)) is not None:
-            sums[name] = total
+    sums.update(_summed_parts(tie_parts))
     return losses, sums
+
+
+def _summed_parts(tie_parts: dict[str, list[Tensor | None]]) -> dict[str, Tensor]:
+    """Under tp, each tie's gradient: its dp-summed stage gradients summed in stage order."""
+    return {n: total for n, p in tie_parts.items() if (total := sum_parts(p)) is not None}
 
 
 def _tp_replica(
@@ -265,8 +274,7 @@ def _stage_replicas(
 
 
 def _refuse(dp: int, ep: int, tp: DeviceMesh | None, loss_parallel: bool | None) -> None:
-    """The combinations without a composed ground truth, named, and loss parallel without
-    tp."""
+    """Sizes that do not fit, and loss parallel without tp."""
     if loss_parallel and tp is None:
         raise ValueError(
             "loss_parallel=True without tensor parallelism (tp_mesh): the logits are whole; "
@@ -274,12 +282,6 @@ def _refuse(dp: int, ep: int, tp: DeviceMesh | None, loss_parallel: bool | None)
         )
     if dp < 1 or ep < 1 or dp % ep:
         raise ValueError(f"dp={dp} and ep={ep}: both >= 1, and ep must divide dp")
-    if ep > 1 and tp is not None:
-        raise ValueError(
-            f"reference_step has no ground truth of expert parallelism (ep={ep}) with tensor "
-            "parallelism (tp_mesh): the mesh refuses ep with tp too; docs/scale.md lists what "
-            "composes"
-        )
 
 
 def _parts(args: tuple, kwargs: dict, target: Any, dp: int, n: int) -> list[Part]:
@@ -328,12 +330,21 @@ def _experts(
     terms: dict[str, list[Tensor]] | None,
     cuts: Sequence[int] | None,
     common: dict[str, Any],
+    tp: dict[str, Any],
 ) -> tuple[list[Tensor], dict[str, Tensor]]:
     """The ep replicas together; losses replica-major. Top-level expert layers without
-    random ops, ties or segments: :func:`ep_reference_step`; otherwise each replica's
+    random ops, ties, segments or tp: :func:`ep_reference_step`; otherwise each replica's
     single-replica reference (:func:`replica_step`, :func:`segment_reference_step`, on
-    the stages' replicas of tied parameters) in its own thread, the all-to-alls played
-    between them (:func:`ep_replicas_step`), and the ties' stage gradients summed after."""
+    the stages' replicas of tied parameters, laid out over the tp mesh by ``tp``:
+    :func:`~zerobubble.reference.tp.tp_layers` where ``tp["tp_mesh"]`` is one) in its own
+    thread, the all-to-alls played between them (:func:`ep_replicas_step`), and the ties'
+    stage gradients summed after."""
+    lay_out = None
+    if tp["tp_mesh"] is not None:  # each replica's layers laid out as the tp reference's
+        lay_out = partial(
+            tp_layers, loss_fn=loss_fn, num_stages=common["num_stages"],
+            boundaries=common["boundaries"], **tp,
+        )  # fmt: skip
     if terms is not None:
         raise ValueError(
             "reference_step with ep > 1 does not report terms= per name yet: its losses are the "
@@ -344,7 +355,7 @@ def _experts(
     plain = common["seed"] is None and cuts is None and not ties.tied and not spread
     top = all(isinstance(x, ExpertLayer) or not _holds_expert(x) for x in model)
     count_fn = default_count_fn(loss_fn, count_fn)
-    if plain and top and count_fn is None:
+    if plain and top and count_fn is None and lay_out is None:
         tensors = [(a[0], t) for a, _, t in parts]  # one input each
         per, grads = ep_reference_step(model, loss_fn, tensors, m, ep, term_weight=term_weight)
         return [loss for mine in per for loss in mine], grads
@@ -362,7 +373,7 @@ def _experts(
             term_weight=term_weight, share=share, **common, **k,
         )[0]  # fmt: skip
 
-    per, grads = ep_replicas_step(run, replica, len(parts), ep)
+    per, grads = ep_replicas_step(run, replica, len(parts), ep, parallelize=lay_out)
     ties.fold(run, grads)
     return [loss for mine in per for loss in mine], grads
 

@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from zerobubble.parallel.ep import ExpertGroup, LocalGroup, is_expert
+from zerobubble.parallel.ep import ExpertGroup, LocalGroup, Turns, is_expert
 from zerobubble.parallel.experts import ExpertLayer, expert_shard, run_experts, shard_all_experts
 from zerobubble.parallel.partition import model_name
-from zerobubble.reference.step import as_sequential
+from zerobubble.reference.step import as_sequential, local_sum
 from zerobubble.runtime.loss_terms import TermWeight, collect_loss_terms, weighted_objective
 from zerobubble.runtime.loss_terms import term_weight as weight_of
 from zerobubble.runtime.microbatch import (
@@ -185,6 +185,7 @@ def threaded_ep_reference_step(
     count_fn: CountFn | None = None,
     term_weight: TermWeight = "mean",
     spread: bool = False,
+    parallelize: Callable[[nn.Sequential], nn.Sequential] | None = None,
 ) -> tuple[list[list[Tensor]], dict[str, Tensor]]:
     """:func:`ep_reference_step` for expert layers anywhere in the model (a Hugging Face
     decoder layer's experts, :mod:`~zerobubble.interop.hf_experts`): one thread per dp
@@ -194,6 +195,16 @@ def threaded_ep_reference_step(
     of a :class:`~zerobubble.parallel.ep.LocalGroup`: the ep group's all-to-alls (forward
     and backward) hand the same blocks between the threads, in source-rank order, that
     the process group hands between ep ranks, so every op sees the rows it sees there.
+    The threads run one at a time, handing the turn on only where a replica waits for its
+    ep peers (:class:`~zerobubble.parallel.ep.Turns`), so their ops run in an order fixed by
+    the program.
+
+    ``parallelize``: applied to each replica's copy before its experts are sharded (the
+    pipeline's order: tp, then ep), returning the layers the replica runs under the same
+    keys; :func:`~zerobubble.reference.tp.tp_layers` lays them out over a tp mesh
+    (collective over it: every tp rank calls this with the same batch, its replicas then
+    issue their tp collectives in the same order on every tp rank). Each tp rank's
+    replicas meet only each other, as each tp rank's ep group does.
 
     Per replica, in microbatch order, the objective is back-propagated: ``loss_fn``'s
     loss scaled by ``n_j / N`` (``N`` the global batch), or with ``count_fn`` (default:
@@ -234,7 +245,7 @@ def threaded_ep_reference_step(
             losses.append(loss)
         return losses
 
-    return ep_replicas_step(model, run, len(parts), ep)
+    return ep_replicas_step(model, run, len(parts), ep, parallelize=parallelize)
 
 
 ReplicaStep = Callable[[int, nn.Sequential], list[Tensor]]
@@ -243,7 +254,12 @@ its gradients left in the model's ``.grad``."""
 
 
 def ep_replicas_step(
-    layers: Sequence[nn.Module] | nn.Sequential, step: ReplicaStep, dp: int, ep: int
+    layers: Sequence[nn.Module] | nn.Sequential,
+    step: ReplicaStep,
+    dp: int,
+    ep: int,
+    *,
+    parallelize: Callable[[nn.Sequential], nn.Sequential] | None = None,
 ) -> tuple[list[list[Tensor]], dict[str, Tensor]]:
     """``step`` of each of ``dp`` replicas, each in its own thread on its own copy of the
     model sharded as ep rank ``r % ep`` of its ep group shards it, the groups' all-to-alls
@@ -251,12 +267,15 @@ def ep_replicas_step(
     single-replica reference (:func:`~zerobubble.reference.step.reference_step`,
     :func:`~zerobubble.reference.step.segment_reference_step`) becomes the ep one.
 
-    The replicas take turns (:class:`_Turns`): one runs at a time, from where it took its
-    turn up to its next all-to-all, with its own state of the default generators. So a
-    replica's random ops draw what its pipeline rank draws, whatever the other replicas
-    draw in between (with a seed each stage's forward starts from ``(seed, step, stage,
-    microbatch)``'s state, the same on every replica, as on every dp rank); the caller's
-    generator state is put back afterwards.
+    The replicas take turns (:class:`~zerobubble.parallel.ep.Turns`): one runs at a time,
+    from where it took its turn up to its next all-to-all, then the turn goes to the next
+    replica that can run, in replica order: an order fixed by the program, so the tp
+    collectives of replicas laid out over a tp mesh (``parallelize``, applied to each copy
+    before its experts are sharded) meet in one order on every tp rank. Each replica draws
+    from its own state of the default generators (:class:`_Generators`), so its random ops
+    draw what its pipeline rank draws, whatever the others draw in between (with a seed each
+    stage's forward starts from ``(seed, step, stage, microbatch)``'s state, the same on
+    every replica, as on every dp rank); the caller's generator state is put back afterwards.
 
     Returns:
         Each replica's losses, and the replicas' gradients summed in rank order (dense ones
@@ -267,23 +286,25 @@ def ep_replicas_step(
     if ep < 1 or dp % ep:
         raise ValueError(f"ep={ep} must divide the {dp} replicas (parts); pass one per dp rank")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    turns = _Turns(dp, device)
-    groups = [_TurnGroup(ep, turns, g * ep) for g in range(dp // ep)]
-    replicas = [_sharded_replica(model, groups, r, ep) for r in range(dp)]
+    turns, gens = Turns(dp), _Generators(dp, device)
+    groups = [_TurnGroup(turns, g * ep, ep, gens) for g in range(dp // ep)]
+    replicas = [_sharded_replica(model, groups, r, ep, parallelize) for r in range(dp)]
     losses: list[list[Tensor]] = [[] for _ in range(dp)]
     failed: list[BaseException] = []
 
     def run(r: int) -> None:
         try:
-            with turns.turn(r):
-                losses[r] = step(r, replicas[r])
+            turns.begin(r)
+            gens.enter(r)
+            losses[r] = step(r, replicas[r])
+            gens.leave(r)
+            turns.end(r)
         except BaseException as e:
             failed.append(e)
-            for g in groups:
-                g.abort()
+            turns.abort()
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(dp)]
-    with turns.kept():
+    with gens.kept():
         for t in threads:
             t.start()
         for t in threads:
@@ -293,14 +314,13 @@ def ep_replicas_step(
     return losses, _user_sums(model, replicas, ep)
 
 
-class _Turns:
-    """Replicas in threads taking turns, each with its own state of the default generators
-    (the CPU's and ``device``'s): the generators are the process's, so replicas running
-    at once would interleave their draws. A replica holds the turn except while it waits
-    at an all-to-all (:class:`_TurnGroup`), so no wait happens with the turn held."""
+class _Generators:
+    """Each replica's state of the default generators (the CPU's and ``device``'s): they are
+    the process's, so replicas taking turns would otherwise draw from one another's streams.
+    A replica's state is put in place when it takes the turn (:meth:`enter`) and kept when it
+    hands the turn on (:meth:`leave`)."""
 
     def __init__(self, n: int, device: torch.device) -> None:
-        self._lock = threading.Lock()  # a replica's turn, handed on by whichever thread runs it
         self._device = device
         self._mod = None if device.type == "cpu" else torch.get_device_module(device.type)
         start = self._state()
@@ -324,40 +344,26 @@ class _Turns:
         finally:
             self._set(saved)
 
-    @contextmanager
-    def turn(self, r: int) -> Iterator[None]:
-        """Replica ``r`` runs, drawing from its own generator state."""
-        self._lock.acquire()
+    def enter(self, r: int) -> None:
         self._set(self._states[r])
-        try:
-            yield
-        finally:
-            self._states[r] = self._state()
-            self._lock.release()
 
-    @contextmanager
-    def wait(self, r: int) -> Iterator[None]:
-        """Replica ``r`` waits, letting the others run."""
+    def leave(self, r: int) -> None:
         self._states[r] = self._state()
-        self._lock.release()
-        try:
-            yield
-        finally:
-            self._lock.acquire()
-            self._set(self._states[r])
 
 
 class _TurnGroup(LocalGroup):
-    """A :class:`LocalGroup` whose ranks are replicas ``first, first + 1, ...`` of
-    ``turns``: each gives up its turn while it waits at the exchange."""
+    """A :class:`LocalGroup` whose replicas keep their generator state while another runs."""
 
-    def __init__(self, size: int, turns: _Turns, first: int) -> None:
-        super().__init__(size)
-        self._turns, self._first = turns, first
+    def __init__(self, turns: Turns, first: int, size: int, gens: _Generators) -> None:
+        super().__init__(turns, first, size)
+        self._gens, self._first = gens, first
 
     def exchange(self, rank: int, blocks: list[Tensor]) -> list[Tensor]:
-        with self._turns.wait(self._first + rank):
+        self._gens.leave(self._first + rank)
+        try:
             return super().exchange(rank, blocks)
+        finally:
+            self._gens.enter(self._first + rank)
 
 
 def _forward(model: nn.Sequential, x: Any, spread: bool) -> Any:
@@ -372,11 +378,17 @@ def _forward(model: nn.Sequential, x: Any, spread: bool) -> Any:
 
 
 def _sharded_replica(
-    model: nn.Sequential, groups: Sequence[LocalGroup], r: int, ep: int
+    model: nn.Sequential,
+    groups: Sequence[LocalGroup],
+    r: int,
+    ep: int,
+    parallelize: Callable[[nn.Sequential], nn.Sequential] | None = None,
 ) -> nn.Sequential:
-    """Replica ``r``'s copy of ``model``, its experts sharded as ep rank ``r % ep`` of its
-    ep group shards them, its gradients cleared."""
+    """Replica ``r``'s copy of ``model`` (``parallelize`` d), its experts sharded as ep rank
+    ``r % ep`` of its ep group shards them, its gradients cleared."""
     rep = copy.deepcopy(model)
+    if parallelize is not None:
+        rep = parallelize(rep)
     group = ExpertGroup(groups[r // ep] if ep > 1 else None, r % ep, ep)
     shard_all_experts(rep, group)
     for p in rep.parameters():
@@ -412,7 +424,7 @@ def _user_sums(model: nn.Sequential, replicas: Sequence[nn.Module], ep: int) -> 
             key, _, rest = name.partition(".")
             user = model_name(f"{keys.index(key)}.{rest}", keys, list(model))
             into = experts[r % ep] if is_expert(p) else dense
-            into[user] = p.grad.clone() if user not in into else into[user] + p.grad
+            into[user] = local_sum(into.get(user), p.grad)  # a DTensor's shards as they are
             whole[user] = expert_shard(p) is not None
     out = dict(dense)
     for q in range(ep):

@@ -13,6 +13,7 @@ gradients, whose local matmuls are the same.
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ from zerobubble.reference.step import (
 from zerobubble.runtime.loss_terms import TermWeight
 from zerobubble.runtime.microbatch import CountFn
 
-__all__ = ["tp_reference_step"]
+__all__ = ["tp_layers", "tp_reference_step"]
 
 
 def tp_reference_step(
@@ -100,7 +101,7 @@ def tp_reference_step(
     source = copy.deepcopy(list(model)) if copy_layers else list(model)
     loss = LossParallel(num_stages - 1, loss_fn, loss_parallel)
     tp = TensorParallel(tp_mesh, tp_plan, sequence_parallel, loss)
-    stages = [_stage(tp, s, [source[i] for i in r], bool(ties)) for s, r in enumerate(bounds)]
+    stages = _tp_stages(source, bounds, tp, copy_stages=bool(ties))
     common: dict[str, Any] = {"seed": seed, "step": step, "num_stages": num_stages}
     common.update(boundaries=list(range(num_stages + 1)), count_fn=count_fn, share=share)
     if cuts is not None:
@@ -116,14 +117,56 @@ def tp_reference_step(
     return losses, _with_ties(_stage_grads(stages, keys, bounds), stages, ties, tie_parts)
 
 
-def _stage(tp: TensorParallel, s: int, layers: list[nn.Module], tied: bool) -> nn.Sequential:
-    """Stage ``s`` of ``layers`` parallelized; with ties its own copy (each stage its own
-    replica of a tie, as the pipeline's stages have)."""
-    stage = nn.Sequential(*layers)
+def _tp_stages(
+    source: Sequence[nn.Module], bounds: Sequence[range], tp: TensorParallel, copy_stages: bool
+) -> list[nn.Sequential]:
+    """``source`` cut at ``bounds`` into stage modules, each parallelized by ``tp`` as the
+    pipeline's stage is (``copy_stages``: each a copy, for ties: a replica per stage)."""
+    stages = []
+    for s, layer_range in enumerate(bounds):
+        stage = nn.Sequential(*(source[i] for i in layer_range))
+        if copy_stages:
+            stage = copy.deepcopy(stage)
+        tp.apply(s, stage)
+        stages.append(stage)
+    return stages
+
+
+def tp_layers(
+    model: nn.Sequential,
+    loss_fn: Callable[..., Tensor],
+    *,
+    tp_mesh: DeviceMesh,
+    tp_plan: StagePlan = None,
+    sequence_parallel: bool = False,
+    loss_parallel: bool | None = None,
+    num_stages: int = 1,
+    boundaries: Sequence[int] | None = None,
+) -> nn.Sequential:
+    """``model``'s layers in place, each stage of the pipeline's cut parallelized as
+    :func:`tp_reference_step` parallelizes it, as one ``nn.Sequential`` under ``model``'s
+    keys (running it runs the stages in order): a replica of the expert-parallel reference
+    (:func:`~zerobubble.reference.ep.threaded_ep_reference_step`'s ``parallelize``).
+    ValueError for parameters tied across stages (each stage would need its own replica)
+    and for a plan that puts hooks on a stage module itself (lost in the flat form)."""
+    keys = layer_keys(model)
+    bounds = stage_bounds(len(model), num_stages, boundaries)
+    tied = [t.name for t in find_shared(model, keys, bounds) if len(t.local) > 1]
     if tied:
-        stage = copy.deepcopy(stage)
-    tp.apply(s, stage)
-    return stage
+        raise ValueError(
+            f"tp_layers: parameters tied across stages ({', '.join(map(repr, tied))}) need a "
+            "replica per stage; use tp_reference_step"
+        )
+    loss = LossParallel(num_stages - 1, loss_fn, loss_parallel)
+    tp = TensorParallel(tp_mesh, tp_plan, sequence_parallel, loss)
+    stages = _tp_stages(list(model), bounds, tp, copy_stages=False)
+    for s, stage in enumerate(stages):
+        if stage._forward_hooks or stage._forward_pre_hooks:
+            raise ValueError(
+                f"tp_layers: the plan of stage {s} hooks the stage module itself, which the "
+                "flat layers cannot keep; name its layers in the plan instead"
+            )
+    return nn.Sequential(OrderedDict(zip(keys, [x for st in stages for x in st], strict=True)))
 
 
 def _with_ties(
