@@ -428,15 +428,15 @@ class TiedGroups:
             self.check(iteration)
         for g in self.groups:
             grads = self._stage_grads(g, iteration)
-            present = [t for s in g.tp.stages if (t := grads[s]) is not None]
+            present = [local(t) for s in g.tp.stages if (t := grads[s]) is not None]
             total: Tensor | None = None
-            if present:
+            if present:  # shard by shard: the replicas of one rank may sit on two tp lanes
                 total = present[0]
                 for more in present[1:]:
                     total = total + more
             first = min(g.replicas)
             for s, p in g.replicas.items():
-                p.grad = None if total is None or s != first else total.clone()
+                p.grad = None if total is None or s != first else _like(total.clone(), p)
 
     def check(self, iteration: int) -> None:
         """Raise if a tie's replicas differ across its holder ranks (a checksum each)."""

@@ -52,12 +52,11 @@ from typing import Any
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
 
 from zerobubble.parallel.experts import ExpertLayer
 from zerobubble.parallel.parallelize import StagePlan
 from zerobubble.parallel.partition import model_name, stage_bounds
-from zerobubble.parallel.tied import TiedParam, find_shared
+from zerobubble.parallel.tied import TiedParam, find_shared, laid_out_as
 from zerobubble.reference.ep import ep_reference_step, ep_replicas_step
 from zerobubble.reference.step import (
     Share,
@@ -69,7 +68,7 @@ from zerobubble.reference.step import _batch as read_batch
 from zerobubble.reference.step import (
     reference_step as replica_step,
 )
-from zerobubble.reference.tp import sum_parts, tp_layers, tp_reference_step
+from zerobubble.reference.tp import reduced_over_tp, sum_parts, tp_layers, tp_reference_step
 from zerobubble.runtime.loss_terms import TermWeight
 from zerobubble.runtime.microbatch import CountFn, batch_count, default_count_fn, split_tree
 
@@ -118,16 +117,16 @@ def reference_step(
     """
     args, target, m, n = read_batch(args, target, microbatches, kwargs)
     _refuse(dp, ep, tp_mesh, loss_parallel)
-    parts = _parts(args, kwargs, target, dp, n)
-    model = as_sequential(layers)
+    parts, model = _parts(args, kwargs, target, dp, n), as_sequential(layers)
     staged: dict[str, Any] = {"seed": seed, "step": step, "num_stages": num_stages}
     staged["boundaries"] = boundaries  # how the stages are cut and seeded
     tp: dict[str, Any] = {"tp_mesh": tp_mesh, "tp_plan": tp_plan}
     tp.update(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     if ep > 1:
         return _experts(
-            model, loss_fn, parts, m, n, ep, count_fn, term_weight, terms, cuts, staged, tp
-        )
+            model, loss_fn, parts, m, n, ep, count_fn, term_weight, terms, cuts, staged,
+            {**tp, "fsdp": fsdp},
+        )  # fmt: skip
     count_fn = default_count_fn(loss_fn, count_fn)
     share = None if dp == 1 else Share(n if count_fn is None else _count(parts, count_fn), dp)
     if tp_mesh is not None:  # parallelized once, in place of the caller's layers' copy
@@ -180,21 +179,13 @@ def _tp_replica(
         **tp, **common, **k,
     )  # fmt: skip
     if fsdp:  # FSDP2 reduces a Partial tp gradient over tp before its dp reduction
-        grads = {n: _over_tp(g) for n, g in grads.items()}
+        grads = {n: reduced_over_tp(g) for n, g in grads.items()}
     for name, stage_grads in mine_parts.items():
         held = tie_parts.setdefault(name, [None] * len(stage_grads))
         for i, g in enumerate(stage_grads):
             if g is not None:
-                held[i] = local_sum(held[i], _over_tp(g) if fsdp else g)
+                held[i] = local_sum(held[i], reduced_over_tp(g) if fsdp else g)
     return mine, grads
-
-
-def _over_tp(g: Tensor) -> Tensor:
-    """``g`` with a ``Partial`` placement reduced (the tp all-reduce), other layouts as is."""
-    if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):
-        done = [Replicate() if p.is_partial() else p for p in g.placements]
-        return g.redistribute(g.device_mesh, done)
-    return g
 
 
 @dataclass
@@ -227,16 +218,20 @@ class Ties:
                 sums[tie.source_names[0]] = total
             model.get_parameter(tie.name).grad = total
 
-    def fold(self, run: nn.Sequential, sums: dict[str, Tensor]) -> None:
+    def fold(self, run: nn.Sequential, sums: dict[str, Tensor], params: dict[str, Tensor]) -> None:
         """Each tie's stage gradients in ``sums`` (under their replicas' user names in
-        ``run``, as the ep references key them) summed in stage order under its first name."""
+        ``run``, as the ep references key them) summed in stage order under its first name,
+        each first laid out as its replica in ``params`` is (under tp a replicated table
+        gradient cut to the rank's rows), as the pipeline's tie reduction adds them."""
         keys, layers = tuple(run._modules), list(run)
         for tie in self.tied:
             total: Tensor | None = None
             for s in tie.stages:
                 key, _, rest = self.names[tie.name, s].partition(".")
-                g = sums.pop(model_name(f"{keys.index(key)}.{rest}", keys, layers), None)
-                total = total if g is None else local_sum(total, g)
+                user = model_name(f"{keys.index(key)}.{rest}", keys, layers)
+                g = sums.pop(user, None)
+                if g is not None:
+                    total = local_sum(total, laid_out_as(g, params[user], tie.name))
             if total is not None:
                 sums[tie.source_names[0]] = total
 
@@ -339,6 +334,7 @@ def _experts(
     :func:`~zerobubble.reference.tp.tp_layers` where ``tp["tp_mesh"]`` is one) in its own
     thread, the all-to-alls played between them (:func:`ep_replicas_step`), and the ties'
     stage gradients summed after."""
+    fsdp = tp.pop("fsdp", False)
     lay_out = None
     if tp["tp_mesh"] is not None:  # each replica's layers laid out as the tp reference's
         lay_out = partial(
@@ -373,8 +369,11 @@ def _experts(
             term_weight=term_weight, share=share, **common, **k,
         )[0]  # fmt: skip
 
-    per, grads = ep_replicas_step(run, replica, len(parts), ep, parallelize=lay_out)
-    ties.fold(run, grads)
+    params: dict[str, Tensor] = {}
+    per, grads = ep_replicas_step(
+        run, replica, len(parts), ep, parallelize=lay_out, params=params, fsdp=fsdp
+    )
+    ties.fold(run, grads, params)
     return [loss for mine in per for loss in mine], grads
 
 

@@ -37,6 +37,7 @@ from zerobubble.parallel.ep import ExpertGroup, LocalGroup, Turns, is_expert
 from zerobubble.parallel.experts import ExpertLayer, expert_shard, run_experts, shard_all_experts
 from zerobubble.parallel.partition import model_name
 from zerobubble.reference.step import as_sequential, local_sum
+from zerobubble.reference.tp import reduced_over_tp
 from zerobubble.runtime.loss_terms import TermWeight, collect_loss_terms, weighted_objective
 from zerobubble.runtime.loss_terms import term_weight as weight_of
 from zerobubble.runtime.microbatch import (
@@ -260,6 +261,8 @@ def ep_replicas_step(
     ep: int,
     *,
     parallelize: Callable[[nn.Sequential], nn.Sequential] | None = None,
+    params: dict[str, Tensor] | None = None,
+    fsdp: bool = False,
 ) -> tuple[list[list[Tensor]], dict[str, Tensor]]:
     """``step`` of each of ``dp`` replicas, each in its own thread on its own copy of the
     model sharded as ep rank ``r % ep`` of its ep group shards it, the groups' all-to-alls
@@ -276,6 +279,10 @@ def ep_replicas_step(
     draw what its pipeline rank draws, whatever the others draw in between (with a seed each
     stage's forward starts from ``(seed, step, stage, microbatch)``'s state, the same on
     every replica, as on every dp rank); the caller's generator state is put back afterwards.
+
+    ``params`` (filled: each user name's parameter of replica 0, the layout a tie's
+    gradients are summed in); ``fsdp``: a dense gradient ``Partial`` over tp reduced over tp
+    before the replicas' sum, as FSDP2 reduces it.
 
     Returns:
         Each replica's losses, and the replicas' gradients summed in rank order (dense ones
@@ -311,7 +318,7 @@ def ep_replicas_step(
             t.join()
     if failed:
         raise failed[0]
-    return losses, _user_sums(model, replicas, ep)
+    return losses, _user_sums(model, replicas, ep, params, fsdp)
 
 
 class _Generators:
@@ -409,7 +416,13 @@ def _global_count(
     return count
 
 
-def _user_sums(model: nn.Sequential, replicas: Sequence[nn.Module], ep: int) -> dict[str, Tensor]:
+def _user_sums(
+    model: nn.Sequential,
+    replicas: Sequence[nn.Module],
+    ep: int,
+    params: dict[str, Tensor] | None = None,
+    fsdp: bool = False,
+) -> dict[str, Tensor]:
     """The replicas' gradients summed in rank order and keyed by the user's names: dense
     ones over all replicas, expert ones over the replicas with the same ep rank (edp); a
     sharded HF experts tensor whole again (its ep ranks' blocks in ep-rank order)."""
@@ -423,8 +436,11 @@ def _user_sums(model: nn.Sequential, replicas: Sequence[nn.Module], ep: int) -> 
                 continue
             key, _, rest = name.partition(".")
             user = model_name(f"{keys.index(key)}.{rest}", keys, list(model))
+            if params is not None and r == 0:  # the layout a tie's gradients are summed in
+                params[user] = p
             into = experts[r % ep] if is_expert(p) else dense
-            into[user] = local_sum(into.get(user), p.grad)  # a DTensor's shards as they are
+            g = reduced_over_tp(p.grad) if fsdp else p.grad  # FSDP2: over tp, then over dp
+            into[user] = local_sum(into.get(user), g)  # a DTensor's shards as they are
             whole[user] = expert_shard(p) is not None
     out = dict(dense)
     for q in range(ep):

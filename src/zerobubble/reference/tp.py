@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from zerobubble.parallel.loss import LossParallel
 from zerobubble.parallel.parallelize import StagePlan, TensorParallel
@@ -193,6 +193,14 @@ def _tie_parts(stages: Sequence[nn.Sequential], tie: TiedParam) -> list[Tensor |
         p = stages[s].get_parameter(tie.local[s][0])
         parts.append(None if p.grad is None else laid_out_as(p.grad, p, tie.name))
     return parts
+
+
+def reduced_over_tp(g: Tensor) -> Tensor:
+    """``g`` with a ``Partial`` placement reduced (the tp all-reduce), other layouts as is."""
+    if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):
+        done = [Replicate() if p.is_partial() else p for p in g.placements]
+        return g.redistribute(g.device_mesh, done)
+    return g
 
 
 def sum_parts(parts: Sequence[Tensor | None]) -> Tensor | None:
