@@ -14,7 +14,9 @@ outside the pairs.
   without pairs. One more run per case starts the two halves in opposite orders on the
   two tp ranks (:func:`skewed`), which on one shared group would meet one half's collective
   with the other's; a ``parallelize_fn`` that puts every stage on the job's one tp group
-  is refused on every rank.
+  is refused on every rank. Trained: a tied GPT under dualpipev with pairs, two AdamW steps
+  with clipping (the norm over the stages' two tp lanes, the tie's two replicas on two
+  lanes of one rank), every parameter bitwise the same run without pairs.
 * ``pp=2 x dp=2``, ``fsdp=True``: the same pairs over a GPT, bitwise
   :func:`zerobubble.reference_step` with ``dp=2`` (gradients gathered from their shards).
 """
@@ -133,6 +135,20 @@ def one_group_for_all(stage: int, module: nn.Module, mesh: PipelineMesh) -> nn.M
     return module
 
 
+def trained(mesh: PipelineMesh, pairs: bool) -> dict[str, tuple[torch.Tensor, str]]:
+    """A tied GPT trained two AdamW steps (clipped) under dualpipev: every parameter's shard."""
+    cfg = GPTConfig(vocab_size=64, max_seq_len=16, d_model=32, n_heads=4, n_layers=2, seed=1,
+                    tie_embeddings=True)  # fmt: skip
+    pipe = Pipeline(list(build_gpt(cfg)), gpt_loss, schedule("dualpipev", pairs), mesh=mesh)
+    pipe.set_optimizer(
+        torch.optim.AdamW(pipe.parameters(), lr=0.01), zerobubble.OptimConfig(max_norm=0.5)
+    )
+    x, y = batch(B)
+    for _ in range(2):
+        pipe.step(x, target=y)
+    return {n: shard(p.detach()) for n, p in pipe.named_parameters()}
+
+
 def tp_job() -> dict:
     init_distributed(timeout_s=120)
     out: dict = {}
@@ -155,6 +171,7 @@ def tp_job() -> dict:
             "pairs vs plain": [same(r, plain) for r in runs],
         }
     mesh = build_mesh(PP, tp=2)
+    out["trained"] = [trained(mesh, pairs) for pairs in (False, True)]
     with pytest.raises(ValueError) as e:
         Pipeline(
             list(build_gpt(GPT)), gpt_loss, schedule("dualpipev", True), mesh=mesh,
@@ -180,6 +197,19 @@ def test_pairs_under_tp_are_bitwise_the_reference_and_the_run_without_pairs(tp_r
             assert case["plain vs reference"] == [], (kind, sp, rank)
             assert case["pairs vs reference"] == [[]] * (REPEATS + 1), (kind, sp, rank)
             assert case["pairs vs plain"] == [[]] * (REPEATS + 1), (kind, sp, rank)
+
+
+def test_pairs_under_tp_train_bitwise_the_run_without_pairs(tp_ranks):
+    for rank, r in enumerate(tp_ranks):
+        plain, paired = r["trained"]
+        assert plain.keys() == paired.keys(), rank
+        assert ("0.tok.weight" in plain) == (rank < 2), rank  # the V: both ends on pp 0
+        bad = [
+            n
+            for n, (p, where) in plain.items()
+            if paired[n][1] != where or not torch.equal(paired[n][0], p)
+        ]
+        assert not bad, (rank, bad)
 
 
 def test_stages_of_a_pair_on_one_tp_group_are_refused_on_every_rank(tp_ranks):

@@ -629,8 +629,9 @@ def tp_mesh_of(
     the parameters' must be (the checkpoint's per-rank keys and the norm's tp reduction
     then follow the mesh even where a plan leaves a stage's parameters plain).
 
-    Raises ValueError when the parameters live on several meshes, a multi-dimensional
-    one, or not on the job mesh's tp dim.
+    The tp lanes of a schedule with overlapped pairs (the same tp ranks, a group per stage
+    of a rank) count as the job mesh's tp dim. Raises ValueError when the parameters live
+    on several meshes, a multi-dimensional one, or not on the job mesh's tp dim.
     """
     leads = [m.mesh_dim_names or () for m in sharded_over]
     meshes = set()
@@ -647,6 +648,8 @@ def tp_mesh_of(
     want = None if mesh is None else mesh.tp_mesh
     if not meshes:
         return want
+    if want is not None:  # a stage's tp lane (overlapped pairs): the tp ranks, another group
+        meshes = {want if _same_ranks(m, want) else m for m in meshes}
     found = meshes.pop()
     if meshes or found.ndim != 1:
         seen = sorted(str(m.mesh_dim_names or m.shape) for m in (found, *meshes))
@@ -663,6 +666,10 @@ def tp_mesh_of(
             "Pipeline(..., mesh=) do it)"
         )
     return found
+
+
+def _same_ranks(a: DeviceMesh, b: DeviceMesh) -> bool:
+    return a.ndim == b.ndim == 1 and a.mesh.tolist() == b.mesh.tolist()
 
 
 def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
