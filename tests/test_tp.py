@@ -27,10 +27,19 @@ the Llama under zb-h1 runs once more with ``loss_parallel=False`` (gathered logi
 padded labels normalised by the batch's token count): bitwise its own reference, and the
 two runs' losses within tests/test_loss_parallel.py's ``bound`` (scaled to the count),
 their gradients within its ``GRAD_REL``.
+
+And our GPT with a vocabulary tp=2 does not divide (17: DTensor's uneven ``Shard(0)``,
+:data:`ODD_RUNS`): zb-h1 with sequence parallelism off and on, the logits sharded for the
+loss and gathered, and zbv with tied embeddings: losses and every gradient bitwise
+``zerobubble.reference_step(tp_mesh=...)``, within ``ODD_REL`` of it at tp=1; the logits
+the loss sees (9 + 8 local columns, or 17 gathered), the tables' local rows, and the state
+dict (the model's own tensors, gathered).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -245,6 +254,84 @@ def head_layouts(pipe: Pipeline) -> list[str]:
     return seen
 
 
+ODD = GPTConfig(vocab_size=17, max_seq_len=8, d_model=8, n_heads=2, n_layers=2, seed=4)
+"""Our GPT with a vocabulary tp=2 does not divide: DTensor's uneven ``Shard(0)``, rows 0-8
+on tp rank 0 and 9-16 on tp rank 1 (the token table and the LM head)."""
+ODD_RUNS = (
+    ("zb-h1", False, None, False),
+    ("zb-h1", True, None, False),
+    ("zb-h1", False, False, False),
+    ("zb-h1", True, False, False),
+    ("zbv", True, None, True),
+)
+"""(kind, sequence parallelism, loss_parallel, tie_embeddings): each way of the logits
+(sharded for the loss, or gathered) with sequence parallelism off and on, and the tied
+table under the V placement (both replicas on pipeline rank 0, one local shard)."""
+ODD_REL = 1e-6
+"""Against the single process (tp=1): max |difference| over the gradients relative to the
+largest, and over the losses relative to the largest loss (measured: 2.6e-7 and 8.3e-8 at most)."""
+
+
+def odd(tie: bool) -> list[nn.Module]:
+    return list(build_gpt(dataclasses.replace(ODD, tie_embeddings=tie)))
+
+
+def odd_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids and targets over the whole vocabulary (the last id, 16, on tp rank 1's short
+    shard), some targets left out (-100)."""
+    g = torch.Generator().manual_seed(31)
+    x, y = (torch.randint(0, ODD.vocab_size, (LM_B, ODD.max_seq_len), generator=g) for _ in "xy")
+    x[0, 0] = y[0, 1] = ODD.vocab_size - 1
+    y[1, :3] = -100
+    return x, y
+
+
+def vocab_runs(out: dict) -> None:
+    """:data:`ODD_RUNS` at pp=2 x tp=2 with the default plan: bitwise
+    ``zerobubble.reference_step`` with the tp mesh; the logits the loss sees, the local
+    rows of the vocabulary-sharded tables and the state dict (the user's shapes)."""
+    x, y = odd_batch()
+    odd_v = ODD.vocab_size
+    for kind, sp, lp, tie in ODD_RUNS:
+        mesh = build_mesh(PP, tp=TP, sequence_parallel=sp)
+        model = odd(tie)
+        pipe = Pipeline(
+            copy.deepcopy(model), gpt_loss, kind, microbatches=LM_M, mesh=mesh, loss_parallel=lp
+        )
+        seen: list[tuple] = []
+        last = pipe.executor.chunks.get(pipe.schedule.num_stages - 1)
+        if last is not None:
+            head = list(last.module.children())[-1]
+            head.register_forward_hook(lambda _m, _a, o, into=seen: into.append(_logits(o)))
+        losses = pipe.step(x, target=y)
+        if tie:
+            pipe.tied.reduce(0)  # without an optimizer each replica holds its stage's part
+        want_losses, want = zerobubble.reference_step(
+            model, gpt_loss, x, target=y, microbatches=LM_M, tp_mesh=mesh.tp_mesh,
+            sequence_parallel=sp, loss_parallel=lp, num_stages=pipe.schedule.num_stages,
+        )  # fmt: skip
+        params = dict(pipe.named_parameters())
+        whole_model = nn.Sequential(*model).state_dict()
+        out[("vocab", kind, sp, lp, tie), mesh.pp_rank, mesh.tp_rank] = {
+            "losses": None if losses is None else all(map(torch.equal, losses, want_losses)),
+            "values": losses,
+            "bad": compare(pipe, want),
+            "full": {n: whole(p.grad) for n, p in params.items()},
+            "heads": sorted(set(seen)),
+            "rows": {n: shard(p)[0].shape[0] for n, p in params.items() if p.shape[0] == odd_v},
+            "state": {
+                k: torch.equal(whole(v), whole_model[k]) for k, v in pipe.state_dict().items()
+            },
+        }
+
+
+def _logits(o: torch.Tensor) -> tuple:
+    """The logits the loss takes: placements (or "plain"), whole width, local width."""
+    if isinstance(o, DTensor):
+        return str(o.placements), o.shape[-1], o.to_local().shape[-1]
+    return "plain", o.shape[-1], o.shape[-1]
+
+
 LM_GATHERED = ("llama", "zb-h1", False)
 """The run of MODEL_RUNS made again with ``loss_parallel=False``."""
 
@@ -286,6 +373,7 @@ def job() -> dict:
     init_distributed()
     out: dict = {}
     lm_runs(out)
+    vocab_runs(out)
     x, y = batch()
     for sp in (False, True):
         mesh = build_mesh(PP, tp=TP, sequence_parallel=sp)
@@ -506,6 +594,7 @@ def test_pp_tp_bitwise_against_the_tp_reference() -> None:
         for t in range(TP):
             assert results["refusals", d, t] == want
     lm_checks(results)
+    vocab_checks(results)
 
 
 def lm_checks(results: dict) -> None:
@@ -565,3 +654,33 @@ def gathered_checks(results: dict) -> None:
             for got, want, n in zip(lp["values"] or [], r["values"] or [], counted, strict=False):
                 mean = float(want) * count / n
                 assert abs(float(got - want)) <= bound(256, LM_B // LM_M * LM_T, mean) * n / count
+
+
+def vocab_checks(results: dict) -> None:
+    """:data:`ODD_RUNS`: bitwise the tp reference on every rank; the loss sees sharded
+    logits 9 + 8 columns wide under loss parallel, the whole 17 gathered; each table holds
+    its 9 or 8 rows; the state dict is the model's; within ``ODD_REL`` of tp=1."""
+    x, y = odd_batch()
+    for kind, sp, lp, tie in ODD_RUNS:
+        single_losses, single = reference_step(odd(tie), gpt_loss, x, target=y, microbatches=LM_M)
+        scale = max(float(g.abs().max()) for g in single.values())
+        loss_scale = max(float(v.abs()) for v in single_losses)
+        holder = 0 if kind == "zbv" else PP - 1
+        held: set[str] = set()
+        for d in range(PP):
+            for t in range(TP):
+                r = results[("vocab", kind, sp, lp, tie), d, t]
+                assert r["losses"] is (True if d == holder else None), (kind, sp, lp, d, t)
+                assert r["bad"] == [], (kind, sp, lp, d, t)
+                rows = 9 if t == 0 else 8
+                logits = ("(Shard(dim=2),)", 17, rows) if lp is None else ("plain", 17, 17)
+                assert r["heads"] == ([logits] if d == holder else [])
+                middle = kind == "zbv" and d == 1  # the V: both ends on pipeline rank 0
+                assert set(r["rows"].values()) == (set() if middle else {rows})
+                assert r["state"] and all(r["state"].values())
+                held |= r["full"].keys()
+                for n, g in r["full"].items():
+                    assert float((g - single[n]).abs().max()) <= ODD_REL * scale, n
+                for got, want in zip(r["values"] or single_losses, single_losses, strict=True):
+                    assert float((got - want).abs()) <= ODD_REL * loss_scale
+        assert held == single.keys()
