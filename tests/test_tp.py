@@ -33,18 +33,23 @@ And our GPT with a vocabulary tp=2 does not divide (17: DTensor's uneven ``Shard
 loss and gathered, and zbv with tied embeddings: losses and every gradient bitwise
 ``zerobubble.reference_step(tp_mesh=...)``, within ``ODD_REL`` of it at tp=1; the logits
 the loss sees (9 + 8 local columns, or 17 gathered), the tables' local rows, and the state
-dict (the model's own tensors, gathered).
+dict (the model's own tensors, gathered). Its checkpoint (tied, zbv, AdamW) stores the
+table and its AdamW state at the model's ``(17, 8)``, and a fresh pipeline that loads it
+takes the next step bitwise as the uninterrupted run.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -59,6 +64,7 @@ from test_loss_parallel import GRAD_REL, bound
 from zerobubble.executor import ExecutorOptions
 from zerobubble.interop.hf import CausalLMLoss, causal_lm_layers, count_tokens, tiny_model
 from zerobubble.models.gpt import GPTConfig, build_gpt, gpt_loss
+from zerobubble.optim.checkpoint import load_checkpoint, save_checkpoint
 from zerobubble.parallel.mesh import ParallelSpec, build_mesh, pipeline_ranks
 from zerobubble.parallel.tp import ShardedLogits, default_plan
 from zerobubble.pipeline import Pipeline
@@ -325,6 +331,38 @@ def vocab_runs(out: dict) -> None:
         }
 
 
+def vocab_checkpoint(out: dict, root: str) -> None:
+    """Our GPT with vocabulary 17 at pp=2 x tp=2 (tied: the V placement's shared shard):
+    two AdamW steps, a checkpoint after the first; a fresh pipeline that loads it and takes
+    the second step holds every parameter and AdamW state shard bitwise the uninterrupted
+    run's."""
+    mesh = build_mesh(PP, tp=TP)
+    x, y = odd_batch()
+    runs = []
+    for _ in range(2):
+        pipe = Pipeline(odd(True), gpt_loss, "zbv", microbatches=LM_M, mesh=mesh)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
+        runs.append((pipe, opt, pipe.set_optimizer(opt)))
+    (pipe, opt, trainer), (resumed, resumed_opt, resumed_trainer) = runs
+    pipe.step(x, target=y)
+    save_checkpoint(trainer, root, mesh=mesh)
+    load_checkpoint(resumed_trainer, root, mesh=mesh)
+    for p_ in (pipe, resumed):
+        p_.step(x, target=y)
+        p_.drain()
+    bad = []
+    for (n, a), (_, b) in zip(pipe.named_parameters(), resumed.named_parameters(), strict=True):
+        state, loaded = opt.state[a], resumed_opt.state[b]
+        pairs = [(a, b)] + [(v, loaded[k]) for k, v in state.items()]
+        if (
+            not state
+            or state.keys() != loaded.keys()
+            or not all(torch.equal(shard(u)[0], shard(v)[0]) for u, v in pairs)
+        ):
+            bad.append(n)
+    out["vocab checkpoint", mesh.pp_rank, mesh.tp_rank] = bad
+
+
 def _logits(o: torch.Tensor) -> tuple:
     """The logits the loss takes: placements (or "plain"), whole width, local width."""
     if isinstance(o, DTensor):
@@ -369,11 +407,12 @@ def lm_runs(out: dict) -> None:
         }
 
 
-def job() -> dict:
+def job(root: str) -> dict:
     init_distributed()
     out: dict = {}
     lm_runs(out)
     vocab_runs(out)
+    vocab_checkpoint(out, root)
     x, y = batch()
     for sp in (False, True):
         mesh = build_mesh(PP, tp=TP, sequence_parallel=sp)
@@ -543,9 +582,9 @@ def test_the_model_runs_cover_every_pair() -> None:
 
 
 @pytest.mark.bitwise
-def test_pp_tp_bitwise_against_the_tp_reference() -> None:
+def test_pp_tp_bitwise_against_the_tp_reference(tmp_path: Path) -> None:
     results: dict = {}
-    for r in launch(job, PP * TP, timeout=TIMEOUT):
+    for r in launch(job, PP * TP, str(tmp_path), timeout=TIMEOUT):
         results.update(r)
     x, y = batch()
     for sp in (False, True):
@@ -595,6 +634,14 @@ def test_pp_tp_bitwise_against_the_tp_reference() -> None:
             assert results["refusals", d, t] == want
     lm_checks(results)
     vocab_checks(results)
+    record = json.loads((tmp_path / "manifest.json").read_text())
+    stored = FileSystemReader(str(tmp_path / record["path"])).read_metadata()
+    shapes = {k: tuple(v.size) for k, v in stored.state_dict_metadata.items() if "weight" in k}
+    assert shapes["model.0.tok.weight"] == shapes["optim.0.tok.weight.exp_avg"] == (17, 8)
+    assert "model.4.weight" not in shapes  # the tie, stored once under its first name
+    for d in range(PP):
+        for t in range(TP):
+            assert results["vocab checkpoint", d, t] == [], (d, t)
 
 
 def lm_checks(results: dict) -> None:
