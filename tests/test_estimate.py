@@ -138,6 +138,26 @@ def test_parameters_are_split_by_tp_and_fsdp_and_refused_when_wrong():
         estimate_memory(layers, loss, "zb-h1", *batch())
 
 
+def test_a_vocabulary_tp_does_not_divide_counts_the_first_ranks_rows():
+    """Vocabulary 17 at tp=2: tp rank 0 holds 9 rows of the token table and the LM head
+    (DTensor's uneven ``Shard(0)``), as many as with a vocabulary of 18."""
+    from zerobubble.models import GPTConfig, build_gpt, gpt_loss
+
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    est = {}
+    for vocab in (17, 18):
+        for tie in (False, True):
+            cfg = GPTConfig(
+                vocab_size=vocab, max_seq_len=8, d_model=8, n_heads=2, tie_embeddings=tie
+            )
+            layers = list(build_gpt(cfg))
+            est[vocab, tie] = estimate_memory(
+                layers, gpt_loss, "zb-h1", ids, ids, pp=2, microbatches=2, tp=2
+            )
+    for tie in (False, True):
+        assert [r.params for r in est[17, tie].ranks] == [r.params for r in est[18, tie].ranks]
+
+
 def test_fsdp_shards_experts_over_the_replicas_holding_them():
     """With ep, FSDP shards an expert over the ``dp_shard / ep`` replicas holding it (its
     edp group), every other parameter over ``dp_shard`` (the parameter count alone: the

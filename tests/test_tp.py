@@ -27,15 +27,29 @@ the Llama under zb-h1 runs once more with ``loss_parallel=False`` (gathered logi
 padded labels normalised by the batch's token count): bitwise its own reference, and the
 two runs' losses within tests/test_loss_parallel.py's ``bound`` (scaled to the count),
 their gradients within its ``GRAD_REL``.
+
+And our GPT with a vocabulary tp=2 does not divide (17: DTensor's uneven ``Shard(0)``,
+:data:`ODD_RUNS`): zb-h1 with sequence parallelism off and on, the logits sharded for the
+loss and gathered, and zbv with tied embeddings: losses and every gradient bitwise
+``zerobubble.reference_step(tp_mesh=...)``, within ``ODD_REL`` of it at tp=1; the logits
+the loss sees (9 + 8 local columns, or 17 gathered), the tables' local rows, and the state
+dict (the model's own tensors, gathered). Its checkpoint (tied, zbv, AdamW) stores the
+table and its AdamW state at the model's ``(17, 8)``, and a fresh pipeline that loads it
+takes the next step bitwise as the uninterrupted run.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -50,6 +64,7 @@ from test_loss_parallel import GRAD_REL, bound
 from zerobubble.executor import ExecutorOptions
 from zerobubble.interop.hf import CausalLMLoss, causal_lm_layers, count_tokens, tiny_model
 from zerobubble.models.gpt import GPTConfig, build_gpt, gpt_loss
+from zerobubble.optim.checkpoint import load_checkpoint, save_checkpoint
 from zerobubble.parallel.mesh import ParallelSpec, build_mesh, pipeline_ranks
 from zerobubble.parallel.tp import ShardedLogits, default_plan
 from zerobubble.pipeline import Pipeline
@@ -240,6 +255,116 @@ def head_layouts(pipe: Pipeline) -> list[str]:
     return seen
 
 
+ODD = GPTConfig(vocab_size=17, max_seq_len=8, d_model=8, n_heads=2, n_layers=2, seed=4)
+"""Our GPT with a vocabulary tp=2 does not divide: DTensor's uneven ``Shard(0)``, rows 0-8
+on tp rank 0 and 9-16 on tp rank 1 (the token table and the LM head)."""
+ODD_RUNS = (
+    ("zb-h1", False, None, False),
+    ("zb-h1", True, None, False),
+    ("zb-h1", False, False, False),
+    ("zb-h1", True, False, False),
+    ("zbv", True, None, True),
+)
+"""(kind, sequence parallelism, loss_parallel, tie_embeddings): each way of the logits
+(sharded for the loss, or gathered) with sequence parallelism off and on, and the tied
+table under the V placement (both replicas on pipeline rank 0, one local shard)."""
+ODD_REL = 1e-6
+"""Against the single process (tp=1): max |difference| over the gradients relative to the
+largest, and over the losses relative to the largest loss (measured: 2.6e-7 and 8.3e-8 at most)."""
+
+
+def odd(tie: bool) -> list[nn.Module]:
+    return list(build_gpt(dataclasses.replace(ODD, tie_embeddings=tie)))
+
+
+def odd_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids and targets over the whole vocabulary (the last id, 16, on tp rank 1's short
+    shard), some targets left out (-100)."""
+    g = torch.Generator().manual_seed(31)
+    x, y = (torch.randint(0, ODD.vocab_size, (LM_B, ODD.max_seq_len), generator=g) for _ in "xy")
+    x[0, 0] = y[0, 1] = ODD.vocab_size - 1
+    y[1, :3] = -100
+    return x, y
+
+
+def vocab_runs(out: dict) -> None:
+    """:data:`ODD_RUNS` at pp=2 x tp=2 with the default plan: bitwise
+    ``zerobubble.reference_step`` with the tp mesh; the logits the loss sees, the local
+    rows of the vocabulary-sharded tables and the state dict (the user's shapes)."""
+    x, y = odd_batch()
+    odd_v = ODD.vocab_size
+    for kind, sp, lp, tie in ODD_RUNS:
+        mesh = build_mesh(PP, tp=TP, sequence_parallel=sp)
+        model = odd(tie)
+        pipe = Pipeline(
+            copy.deepcopy(model), gpt_loss, kind, microbatches=LM_M, mesh=mesh, loss_parallel=lp
+        )
+        seen: list[tuple] = []
+        last = pipe.executor.chunks.get(pipe.schedule.num_stages - 1)
+        if last is not None:
+            head = list(last.module.children())[-1]
+            head.register_forward_hook(lambda _m, _a, o, into=seen: into.append(_logits(o)))
+        losses = pipe.step(x, target=y)
+        if tie:
+            pipe.tied.reduce(0)  # without an optimizer each replica holds its stage's part
+        want_losses, want = zerobubble.reference_step(
+            model, gpt_loss, x, target=y, microbatches=LM_M, tp_mesh=mesh.tp_mesh,
+            sequence_parallel=sp, loss_parallel=lp, num_stages=pipe.schedule.num_stages,
+        )  # fmt: skip
+        params = dict(pipe.named_parameters())
+        whole_model = nn.Sequential(*model).state_dict()
+        out[("vocab", kind, sp, lp, tie), mesh.pp_rank, mesh.tp_rank] = {
+            "losses": None if losses is None else all(map(torch.equal, losses, want_losses)),
+            "values": losses,
+            "bad": compare(pipe, want),
+            "full": {n: whole(p.grad) for n, p in params.items()},
+            "heads": sorted(set(seen)),
+            "rows": {n: shard(p)[0].shape[0] for n, p in params.items() if p.shape[0] == odd_v},
+            "state": {
+                k: torch.equal(whole(v), whole_model[k]) for k, v in pipe.state_dict().items()
+            },
+        }
+
+
+def vocab_checkpoint(out: dict, root: str) -> None:
+    """Our GPT with vocabulary 17 at pp=2 x tp=2 (tied: the V placement's shared shard):
+    two AdamW steps, a checkpoint after the first; a fresh pipeline that loads it and takes
+    the second step holds every parameter and AdamW state shard bitwise the uninterrupted
+    run's."""
+    mesh = build_mesh(PP, tp=TP)
+    x, y = odd_batch()
+    runs = []
+    for _ in range(2):
+        pipe = Pipeline(odd(True), gpt_loss, "zbv", microbatches=LM_M, mesh=mesh)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
+        runs.append((pipe, opt, pipe.set_optimizer(opt)))
+    (pipe, opt, trainer), (resumed, resumed_opt, resumed_trainer) = runs
+    pipe.step(x, target=y)
+    save_checkpoint(trainer, root, mesh=mesh)
+    load_checkpoint(resumed_trainer, root, mesh=mesh)
+    for p_ in (pipe, resumed):
+        p_.step(x, target=y)
+        p_.drain()
+    bad = []
+    for (n, a), (_, b) in zip(pipe.named_parameters(), resumed.named_parameters(), strict=True):
+        state, loaded = opt.state[a], resumed_opt.state[b]
+        pairs = [(a, b)] + [(v, loaded[k]) for k, v in state.items()]
+        if (
+            not state
+            or state.keys() != loaded.keys()
+            or not all(torch.equal(shard(u)[0], shard(v)[0]) for u, v in pairs)
+        ):
+            bad.append(n)
+    out["vocab checkpoint", mesh.pp_rank, mesh.tp_rank] = bad
+
+
+def _logits(o: torch.Tensor) -> tuple:
+    """The logits the loss takes: placements (or "plain"), whole width, local width."""
+    if isinstance(o, DTensor):
+        return str(o.placements), o.shape[-1], o.to_local().shape[-1]
+    return "plain", o.shape[-1], o.shape[-1]
+
+
 LM_GATHERED = ("llama", "zb-h1", False)
 """The run of MODEL_RUNS made again with ``loss_parallel=False``."""
 
@@ -277,10 +402,12 @@ def lm_runs(out: dict) -> None:
         }
 
 
-def job() -> dict:
+def job(root: str) -> dict:
     init_distributed()
     out: dict = {}
     lm_runs(out)
+    vocab_runs(out)
+    vocab_checkpoint(out, root)
     x, y = batch()
     for sp in (False, True):
         mesh = build_mesh(PP, tp=TP, sequence_parallel=sp)
@@ -446,9 +573,9 @@ def test_the_model_runs_cover_every_pair() -> None:
 
 
 @pytest.mark.bitwise
-def test_pp_tp_bitwise_against_the_tp_reference() -> None:
+def test_pp_tp_bitwise_against_the_tp_reference(tmp_path: Path) -> None:
     results: dict = {}
-    for r in launch(job, PP * TP, timeout=TIMEOUT):
+    for r in launch(job, PP * TP, str(tmp_path), timeout=TIMEOUT):
         results.update(r)
     x, y = batch()
     for sp in (False, True):
@@ -493,6 +620,15 @@ def test_pp_tp_bitwise_against_the_tp_reference() -> None:
         for t in range(TP):
             assert results["refusals", d, t] == want
     lm_checks(results)
+    vocab_checks(results)
+    record = json.loads((tmp_path / "manifest.json").read_text())
+    stored = FileSystemReader(str(tmp_path / record["path"])).read_metadata()
+    shapes = {k: tuple(v.size) for k, v in stored.state_dict_metadata.items() if "weight" in k}
+    assert shapes["model.0.tok.weight"] == shapes["optim.0.tok.weight.exp_avg"] == (17, 8)
+    assert "model.4.weight" not in shapes  # the tie, stored once under its first name
+    for d in range(PP):
+        for t in range(TP):
+            assert results["vocab checkpoint", d, t] == [], (d, t)
 
 
 def lm_checks(results: dict) -> None:
@@ -552,3 +688,33 @@ def gathered_checks(results: dict) -> None:
             for got, want, n in zip(lp["values"] or [], r["values"] or [], counted, strict=False):
                 mean = float(want) * count / n
                 assert abs(float(got - want)) <= bound(256, LM_B // LM_M * LM_T, mean) * n / count
+
+
+def vocab_checks(results: dict) -> None:
+    """:data:`ODD_RUNS`: bitwise the tp reference on every rank; the loss sees sharded
+    logits 9 + 8 columns wide under loss parallel, the whole 17 gathered; each table holds
+    its 9 or 8 rows; the state dict is the model's; within ``ODD_REL`` of tp=1."""
+    x, y = odd_batch()
+    for kind, sp, lp, tie in ODD_RUNS:
+        single_losses, single = reference_step(odd(tie), gpt_loss, x, target=y, microbatches=LM_M)
+        scale = max(float(g.abs().max()) for g in single.values())
+        loss_scale = max(float(v.abs()) for v in single_losses)
+        holder = 0 if kind == "zbv" else PP - 1
+        held: set[str] = set()
+        for d in range(PP):
+            for t in range(TP):
+                r = results[("vocab", kind, sp, lp, tie), d, t]
+                assert r["losses"] is (True if d == holder else None), (kind, sp, lp, d, t)
+                assert r["bad"] == [], (kind, sp, lp, d, t)
+                rows = 9 if t == 0 else 8
+                logits = ("(Shard(dim=2),)", 17, rows) if lp is None else ("plain", 17, 17)
+                assert r["heads"] == ([logits] if d == holder else [])
+                middle = kind == "zbv" and d == 1  # the V: both ends on pipeline rank 0
+                assert set(r["rows"].values()) == (set() if middle else {rows})
+                assert r["state"] and all(r["state"].values())
+                held |= r["full"].keys()
+                for n, g in r["full"].items():
+                    assert float((g - single[n]).abs().max()) <= ODD_REL * scale, n
+                for got, want in zip(r["values"] or single_losses, single_losses, strict=True):
+                    assert float((got - want).abs()) <= ODD_REL * loss_scale
+        assert held == single.keys()

@@ -352,11 +352,26 @@ def test_default_plan_names_every_sharded_layer_of_a_gpt_stage():
     assert sorted(default_plan(gpt_stages()[2], 2, stage=2, sequence_parallel=False)) == ["1"]
 
 
+@pytest.mark.parametrize("loss_parallel", [False, True])
+def test_default_plan_shards_a_vocabulary_tp_does_not_divide(loss_parallel):
+    """Vocabulary 17 at tp=2: the token table and the LM head (tied or not) are planned,
+    to be sharded by DTensor unevenly (tests/test_tp.py runs them)."""
+    for tie in (False, True):
+        cfg = GPTConfig(vocab_size=17, d_model=8, n_heads=2, seed=1, tie_embeddings=tie)
+        layers = list(build_gpt(cfg))
+        first, last = nn.Sequential(*layers[:2]), nn.Sequential(*layers[3:])
+        lp = loss_parallel
+        assert "0.tok" in default_plan(first, 2, stage=0, sequence_parallel=True)
+        assert "1" in default_plan(last, 2, stage=2, sequence_parallel=False, loss_parallel=lp)
+
+
 @pytest.mark.parametrize(
     ("stage", "tp", "match"),
     [
         ("gpt-heads", 8, r"stage 1: 0.attn has n_heads=4, not divisible by tp=8"),
-        ("gpt-vocab", 3, r"stage 0: 0.tok has num_embeddings \(vocabulary\)=64"),
+        # the vocabulary (64) is sharded unevenly at tp=3; the heads (4) are refused
+        ("gpt-vocab", 3, r"stage 0: 1.attn has n_heads=4, not divisible by tp=3"),
+        ("odd-mlp", 2, r"stage 1: 0.fc has out_features=5, not divisible by tp=2; "),
         # kv heads fewer than tp are replicated; 3 at tp=2 can be neither sharded nor that
         ("mistral", 2, r"stage 1: 0.layer.self_attn has num_key_value_heads=3, which tp=2 "),
         (
@@ -373,6 +388,14 @@ def test_default_plan_refuses_what_it_cannot_shard_exactly(stage, tp, match):
             super().__init__()
             self.lin = nn.Linear(4, 4)
 
+    class OddMLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 5)
+
+        def tp_kinds(self, _layout: object) -> dict[str, str]:
+            return {"fc": "colwise"}  # not a vocabulary dim: 5 is refused at tp=2
+
     if stage == "gpt-heads":
         module, s = gpt_stages()[1], 1
     elif stage == "gpt-vocab":
@@ -384,6 +407,8 @@ def test_default_plan_refuses_what_it_cannot_shard_exactly(stage, tp, match):
         kv3 = {"num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8}
         layers = causal_lm_layers(tiny_model("hf-mistral", num_hidden_layers=2, **kv3), check=False)
         module, s = nn.Sequential(layers[1]), 1
+    elif stage == "odd-mlp":
+        module, s = nn.Sequential(OddMLP()), 1
     else:
         module, s = nn.Sequential(Wrapper()), 1
     with pytest.raises(ValueError, match=match):

@@ -9,7 +9,9 @@ and :func:`cross_entropy` computes Megatron's vocab-parallel cross-entropy on ea
 shard: the row max (one all-reduce, MAX), then each row's sum of exponentials and its
 target logit (one all-reduce, SUM, of both), the loss ``log(sum) - target logit``. It
 saves its ``(rows, vocab / tp)`` softmax for backward, whose gradient
-``softmax - onehot`` is local: no collective in B.
+``softmax - onehot`` is local: no collective in B. A vocabulary tp does not divide is
+split as DTensor's ``Shard`` splits it (``torch.chunk``: ``ceil(vocab / tp)`` columns a
+rank, the last ones fewer), and each rank matches the targets against its real offset.
 
 The arithmetic differs from the gathered ``F.cross_entropy`` only in the order of the
 sum of exponentials (each tp rank's partial sum, then their sum) and in where the

@@ -24,6 +24,13 @@ method; any other layer with parameters and no method is refused. Our GPT
   the lookup's partial sums are reduced), not replicated, so that no rank keeps the
   largest matrix whole; our GPT's position embedding is replicated (a DTensor, so its
   gradient stays exact under sequence parallelism);
+* a vocabulary that tp does not divide (the token table's rows, the LM head's outputs,
+  :data:`VOCABULARY_KINDS`) is sharded unevenly by DTensor's own ``Shard(0)``
+  (``torch.chunk``'s split: ``ceil(vocab / tp)`` rows a rank, the last ones fewer), not
+  padded as Megatron does: the parameters keep the user's global shapes, so state dicts,
+  checkpoints and exports are unchanged, and no padded row needs keeping out of the
+  optimizer. DTensor's lookup mask and :mod:`~zerobubble.parallel.loss` use each rank's
+  real offset and width. Every other dim is sharded evenly or refused;
 * the LM head column-wise; on the loss stage with loss parallel
   (:mod:`~zerobubble.parallel.loss`, the default where the loss takes it) its logits stay
   sharded over the vocabulary (a ``Shard(-1)`` DTensor, the kind ``colwise_shard_output``)
@@ -88,6 +95,7 @@ from zerobubble.runtime.rng import rank_stream
 
 __all__ = [
     "KINDS",
+    "VOCABULARY_KINDS",
     "LayerLayout",
     "ReplicatedExpertsWarning",
     "ShardedLogits",
@@ -441,11 +449,22 @@ def _divisible(stage: int, name: str, what: str, n: int, tp: int) -> None:
         )
 
 
+VOCABULARY_KINDS = (
+    "embedding",
+    "embedding_dtensor",
+    "colwise_gather_output",
+    "colwise_shard_output",
+)
+"""The kinds whose sharded dim is the vocabulary (a token table's rows, an LM head's
+outputs): sharded unevenly where tp does not divide it, every other dim evenly."""
+
+
 def _check(stage: int, name: str, module: nn.Module, kind: str, tp: int) -> None:
-    """What the default plan cannot shard evenly raises (DTensor would shard unevenly)."""
-    if isinstance(module, nn.Embedding):
-        _divisible(stage, name, "num_embeddings (vocabulary)", module.num_embeddings, tp)
-    elif isinstance(module, nn.Linear) and kind.startswith("colwise"):
+    """What the default plan cannot shard evenly raises; the vocabulary dims are left to
+    DTensor's uneven ``Shard(0)`` (``torch.chunk``'s split, see the module docstring)."""
+    if kind in VOCABULARY_KINDS:
+        return
+    if isinstance(module, nn.Linear) and kind.startswith("colwise"):
         _divisible(stage, name, "out_features", module.out_features, tp)
     elif isinstance(module, nn.Linear) and kind == "rowwise":
         _divisible(stage, name, "in_features", module.in_features, tp)

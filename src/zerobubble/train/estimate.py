@@ -349,7 +349,7 @@ def _param_bytes(
     parameters of ``held`` layers on ``device`` after tp and ep; each Parameter once. FSDP
     shards an expert over the ``dp_shard / ep`` replicas holding it, the rest over
     ``dp_shard``."""
-    divisor, experts = _divisors(layers, bounds, schedule, device, tp, ep)
+    divisor, rows, experts = _divisors(layers, bounds, schedule, device, tp, ep)
     seen: set[int] = set()
     dense, experts_whole, experts_shard, elements = 0, 0, 0, 0
     for i in held:
@@ -357,7 +357,11 @@ def _param_bytes(
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            n = math.ceil(p.numel() / divisor.get(id(p), 1))
+            d = divisor.get(id(p), 1)
+            if id(p) in rows:  # torch.chunk's rows: the first tp rank's the most
+                n = math.ceil(p.shape[0] / d) * (p.numel() // max(1, p.shape[0]))
+            else:
+                n = math.ceil(p.numel() / d)
             if id(p) in experts:
                 part = math.ceil(n / max(1, dp_shard // ep))
                 experts_whole += n * p.element_size()
@@ -376,30 +380,34 @@ def _divisors(
     device: int,
     tp: int,
     ep: int,
-) -> tuple[dict[int, int], set[int]]:
-    """Parameter id -> how many ways tp and ep split it on this device's stages; and the
-    ids of the experts' parameters."""
+) -> tuple[dict[int, int], set[int], set[int]]:
+    """Parameter id -> how many ways tp and ep split it on this device's stages; the ids of
+    those tp splits by rows (dim 0: column-wise weights, embedding tables, whose vocabulary
+    tp may not divide); and the ids of the experts' parameters."""
     out: dict[int, int] = {}
+    rows: set[int] = set()
     experts: set[int] = set()
     for s in schedule.stages_of_device[device]:
         module = nn.Sequential(*(layers[i] for i in bounds[s]))
         if tp > 1:
             for name, style in default_plan(module, tp, stage=s, sequence_parallel=False).items():
                 target = module.get_submodule(name)
-                if isinstance(style, ColwiseParallel):
+                table = isinstance(style, RowwiseParallel) and isinstance(target, nn.Embedding)
+                if isinstance(style, ColwiseParallel) or table:
                     sharded = list(target.parameters(recurse=False))
+                    rows.update(id(p) for p in sharded)
                 elif isinstance(style, RowwiseParallel):  # the bias stays whole
                     sharded = [p for n, p in target.named_parameters(recurse=False) if n != "bias"]
                 else:
                     sharded = []
-                for p in sharded:
-                    out[id(p)] = out.get(id(p), 1) * tp
+                for p in sharded:  # split tp ways once, however many stages here use it
+                    out[id(p)] = tp
         if ep > 1:
             for _, m in _expert_modules(module):
                 for p in m.parameters():
                     out[id(p)] = out.get(id(p), 1) * ep
                     experts.add(id(p))
-    return out, experts
+    return out, rows, experts
 
 
 def _expert_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
