@@ -144,15 +144,17 @@ tensors), ``sequence_parallel`` (a norm on sequence shards), ``sequence_parallel
 norm over the head dim of a column-wise projection's local heads, Qwen3's ``q_norm`` and
 ``k_norm``: its input ``(..., heads / tp, head_dim)`` taken as sharded on the heads, its
 weight replicated, its gradient ``Partial``, each rank's covering its own heads, summed over
-tp where it is reduced), ``replicated_heads:N`` (a key or value projection of ``N`` heads,
-fewer than tp and dividing it, as Megatron replicates kv heads: the weight whole on every
-rank, each rank keeping head ``rank * N // tp`` of the output, the one its query heads
-use; the weight's and the input's gradients ``Partial``, each rank's covering its own
-query heads), ``whole_sequence`` (a module left whole on every rank, a mixture of experts'
-block: with sequence parallelism its input's sequence gathered and its output handed on as
-this rank's shard, so that every rank routes and computes the same tokens and its plain
-parameters get the same gradient everywhere; nothing without), ``random_sharded`` and
-``random_replicated`` (:class:`TPRandom`)."""
+tp where it is reduced; also a norm of a replicated latent whose gradient is partial,
+multi-head latent attention's ``kv_a_layernorm``), ``replicated_heads:N`` (a key or value
+projection of ``N`` heads, fewer than tp and dividing it, as Megatron replicates kv heads:
+the weight whole on every rank, each rank keeping head ``rank * N // tp`` of the output, the
+one its query heads use; ``N = 1`` a latent every head shares; the weight's and the input's
+gradients ``Partial``, each rank's covering its own query heads), ``whole_sequence`` (a
+module left whole on every rank, a mixture of experts' block: with sequence parallelism its
+input's sequence gathered and its output handed on as this rank's shard, so that every rank
+routes and computes the same tokens and its plain parameters get the same gradient
+everywhere; nothing without), ``random_sharded`` and ``random_replicated``
+(:class:`TPRandom`)."""
 
 
 @dataclass(frozen=True)
