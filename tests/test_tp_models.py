@@ -1,5 +1,6 @@
 """Tensor parallelism for the models people train (issue 42, item 4): Qwen3, Qwen3-MoE,
-Mixtral, and kv heads fewer than tp, on gloo ranks bitwise against ``tp_reference_step``.
+Mixtral, DeepSeek-V3's multi-head latent attention, and kv heads fewer than tp, on gloo
+ranks bitwise against ``tp_reference_step``.
 
 One 4-rank launch, every run a tiny model built from its config (never downloaded), two
 microbatches of an unpadded batch:
@@ -14,7 +15,11 @@ microbatches of an unpadded batch:
   gradients are plain tensors, equal on every tp rank;
 * kv heads fewer than tp at pp1 x tp4: a Llama with one kv head (multi-query) and a Qwen3
   with 8 query heads and 2 kv heads under sequence parallelism: each rank keeps the kv head
-  its query heads use, the k/v weights whole with a ``Partial`` gradient.
+  its query heads use, the k/v weights whole with a ``Partial`` gradient;
+* DeepSeek-V3 (dense layers) at pp2 x tp2, with ``q_lora_rank`` (zb-h1 without sequence
+  parallelism, zbv with it) and without (1f1b with, zb-h1 without): the latent path
+  (``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms) whole on every rank, its
+  gradients ``Partial``; ``q_b_proj``/``kv_b_proj`` column-wise over the heads.
 
 Each: losses and every gradient (local shard and placements) bitwise ``tp_reference_step``
 on every rank, and within ``HF_REL`` of Hugging Face's own model on the whole batch (the
@@ -48,7 +53,7 @@ HF_REL = 1e-5
 """Against HF's model on the whole batch, relative to its largest gradient (its loss): the
 tp partial sums and the microbatches add in another order (measured 3.3e-7 Qwen3, 5.0e-7
 Qwen3-MoE, 5.1e-7 Mixtral, 8.3e-7 Llama with one kv head at tp=4, 3.7e-7 Qwen3 with 2 kv
-heads at tp=4; the losses 8.6e-8)."""
+heads at tp=4, 4.7e-7 DeepSeek-V3, 4.5e-7 without q_lora_rank; the losses 8.6e-8)."""
 RUNS = (
     ("qwen3", 2, 2, False, "zb-h1"),
     ("qwen3", 2, 2, True, "zbv"),
@@ -56,6 +61,10 @@ RUNS = (
     ("mixtral", 2, 2, False, "1f1b"),
     ("llama-kv1", 1, 4, False, "1f1b"),
     ("qwen3-kv2", 1, 4, True, "1f1b"),
+    ("deepseek-v3", 2, 2, False, "zb-h1"),
+    ("deepseek-v3", 2, 2, True, "zbv"),
+    ("deepseek-v3-nolora", 2, 2, True, "1f1b"),
+    ("deepseek-v3-nolora", 2, 2, False, "zb-h1"),
 )
 """(model, pp, tp, sequence parallelism, schedule)."""
 
@@ -79,6 +88,11 @@ def model(name: str) -> nn.Module:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(2)
             return transformers.AutoModelForCausalLM.from_config(config)
+    if name.startswith("deepseek-v3"):  # dense layers: the MoE is Qwen3-MoE's case
+        lora = {"q_lora_rank": None} if name.endswith("nolora") else {}
+        return tiny_model(
+            "hf-deepseek-v3", num_hidden_layers=2, first_k_dense_replace=2, seed=2, **lora
+        )
     if name == "llama-kv1":
         return tiny_model("hf-llama", num_hidden_layers=2, num_key_value_heads=1, seed=2)
     no_aux = {"output_router_logits": False}  # HF's aux loss is of the whole batch
@@ -178,6 +192,10 @@ def test_qwen3_moe_and_replicated_kv_heads_bitwise_the_tp_reference() -> None:
         partial = set().union(*(results[run, rank]["partial"] for rank in range(4)))
         if name.startswith("qwen3"):  # per-head norms: replicated, the gradient Partial
             assert "model.layers.0.self_attn.k_norm.weight" in partial, run
+        if name.startswith("deepseek"):  # the latent path replicated, its gradients Partial
+            latent = ["kv_a_proj_with_mqa", "kv_a_layernorm"]
+            latent += [] if name.endswith("nolora") else ["q_a_proj", "q_a_layernorm"]
+            assert {f"model.layers.1.self_attn.{n}.weight" for n in latent} <= partial, run
         if "kv" in name:  # the kv projections whole, their gradient Partial
             assert "model.layers.1.self_attn.v_proj.weight" in partial, run
         experts = [w for w in first["warnings"] if w[0] is ReplicatedExpertsWarning]
@@ -253,13 +271,45 @@ def test_moe_blocks_take_the_whole_sequence_under_sequence_parallelism_only() ->
     assert "layer.mlp" not in block.tp_kinds(LayerLayout(2, False, 0, "1"))
 
 
-def test_deepseek_v3_latent_attention_is_refused_naming_the_plan_string() -> None:
-    layers = causal_lm_layers(tiny_model("hf-deepseek-v3"))
+def deepseek_block(**overrides: Any) -> DecoderBlock:
+    model = tiny_model("hf-deepseek-v3", num_hidden_layers=1, first_k_dense_replace=1, **overrides)
+    block = causal_lm_layers(model)[1]
+    assert isinstance(block, DecoderBlock)
+    return block
+
+
+@pytest.mark.parametrize("lora", [16, None])
+def test_deepseek_v3_plan_maps_latent_attention_onto_tp(lora: int | None) -> None:
+    block = deepseek_block(q_lora_rank=lora)
+    a = "layer.self_attn"
+    for sp in (False, True):
+        kinds = block.tp_kinds(LayerLayout(2, sp, 0, "1"))
+        want = {
+            f"{a}.kv_a_proj_with_mqa": "replicated_heads:1",
+            f"{a}.kv_a_layernorm": "heads_norm",
+            f"{a}.kv_b_proj": "colwise_partial_grad",
+            f"{a}.o_proj": "rowwise",
+            a: "prepare_input",
+        }
+        if lora is None:
+            want[f"{a}.q_proj"] = "colwise_prepared"
+        else:
+            want[f"{a}.q_a_proj"] = "replicated_heads:1"
+            want[f"{a}.q_a_layernorm"] = "heads_norm"
+            want[f"{a}.q_b_proj"] = "colwise_partial_grad"
+        assert {k: v for k, v in kinds.items() if k.startswith(a)} == want
+        assert ("layer.input_layernorm" in kinds) is sp
+
+
+def test_latent_attention_with_a_module_the_plan_does_not_know_is_refused() -> None:
+    block = deepseek_block()
+    block.layer.self_attn.extra = nn.Linear(4, 4)
     with pytest.raises(ValueError) as e:
-        layers[1].tp_kinds(LayerLayout(2, False, 0, "1"))
+        block.tp_kinds(LayerLayout(2, False, 0, "1"))
     assert str(e.value) == (
-        "stage 0: layer 1: base_model_tp_plan['layers.*.self_attn.kv_a_proj_with_mqa'] = "
-        "'mla_kv_a_proj': multi-head latent attention (DeepSeek-V3) is not mapped by the "
-        "default plan (its latent kv projection is replicated and its kv_a_layernorm sees "
-        "the whole latent); pass tp_plan= with a plan for its attention, or use tp=1"
+        "stage 0: layer 1: base_model_tp_plan names "
+        "model.layers.0.self_attn.kv_a_proj_with_mqa 'mla_kv_a_proj', but "
+        "model.layers.0.self_attn.extra (Linear) is none of multi-head latent attention's "
+        "modules the default plan maps (q_a_proj, q_a_layernorm, q_b_proj, kv_a_layernorm, "
+        "kv_b_proj and the plan's own); pass tp_plan= instead"
     )

@@ -22,16 +22,19 @@ HF_STYLES = (
     "colwise_gather_output",
     "sequence_parallel",
     "replicated_with_grad_allreduce",
+    "mla_kv_a_proj",
 )
 """The ``base_model_tp_plan`` strings of ``transformers`` that :func:`hf_block_plan` maps
 (``colwise_rep`` is read as ``colwise_gather_output``; ``replicated_with_grad_allreduce``,
 Qwen3's per-head ``q_norm``/``k_norm`` on the local heads, as ``heads_norm``: the weight
-replicated, its gradient summed over tp); any other raises ValueError."""
+replicated, its gradient summed over tp; ``mla_kv_a_proj``, DeepSeek's multi-head latent
+attention, see :func:`_latent_attention`); any other raises ValueError."""
 
 _KINDS = {
     **{k: k for k in HF_STYLES},
     "colwise_rep": "colwise_gather_output",
     "replicated_with_grad_allreduce": "heads_norm",
+    "mla_kv_a_proj": "replicated_heads:1",
 }
 
 
@@ -48,29 +51,80 @@ def hf_block_plan(
     """
     rules = []
     for fqn, kind in base_model_tp_plan.items():
-        if kind == "mla_kv_a_proj":
-            raise ValueError(
-                f"base_model_tp_plan[{fqn!r}] = 'mla_kv_a_proj': multi-head latent attention "
-                "(DeepSeek-V3) is not mapped by the default plan (its latent kv projection is "
-                "replicated and its kv_a_layernorm sees the whole latent); pass tp_plan= with "
-                "a plan for its attention, or use tp=1"
-            )
         if kind not in _KINDS:
             raise ValueError(
                 f"base_model_tp_plan[{fqn!r}] = {kind!r}: no mapping to a parallel style (the "
                 f"default plan maps {', '.join(sorted(_KINDS))}); pass tp_plan= instead"
             )
         regex = r"[^.]+".join(re.escape(part) for part in f"model.{fqn}".split("*"))
-        rules.append((re.compile(regex), _KINDS[kind]))
+        rules.append((re.compile(regex), _KINDS[kind], kind == "mla_kv_a_proj"))
     out: dict[str, str] = {}
+    latent: dict[str, str] = {}  # attention (name in layer) -> its path in the model
     for attr, path in paths.items():
         for rest, _ in layer.get_submodule(attr).named_modules():
             full = f"{path}.{rest}" if rest else path
-            for pattern, kind in rules:
+            name = f"{attr}.{rest}" if rest else attr
+            for pattern, kind, mla in rules:
                 if pattern.fullmatch(full):
-                    out[f"{attr}.{rest}" if rest else attr] = _checked(
-                        full, kind, layer, attr, rest
-                    )
+                    out[name] = _checked(full, kind, layer, attr, rest)
+                    if mla:
+                        latent[name.rpartition(".")[0]] = full.rpartition(".")[0]
+    for attention, full in latent.items():
+        out |= _latent_attention(layer, attention, full, out)
+    return out
+
+
+_LATENT = {
+    "q_a_proj": "replicated_heads:1",
+    "q_a_layernorm": "heads_norm",
+    "q_b_proj": "colwise_partial_grad",
+    "kv_a_layernorm": "heads_norm",
+    "kv_b_proj": "colwise_partial_grad",
+}
+"""Multi-head latent attention's modules around ``kv_a_proj_with_mqa`` (``mla_kv_a_proj``,
+``replicated_heads:1``), which ``base_model_tp_plan`` leaves unnamed or names column-wise
+on the whole input."""
+
+
+def _latent_attention(
+    layer: nn.Module, attention: str, full: str, kinds: Mapping[str, str]
+) -> dict[str, str]:
+    """The kinds of the multi-head latent attention ``attention`` (``full`` in the model),
+    whose ``kv_a_proj_with_mqa`` the plan names ``mla_kv_a_proj``.
+
+    The down projections (``kv_a_proj_with_mqa``: the compressed kv and the one rope key
+    every head shares; ``q_a_proj``: the query latent) are replicated, ``replicated_heads:1``:
+    every rank computes the latent whole, and as each rank's heads use it, its gradient is
+    ``Partial``; the latents' norms likewise (``heads_norm``), and the up projections
+    (``q_b_proj``, ``kv_b_proj``) shard the heads column-wise on that latent, leaving its
+    gradient partial (``colwise_partial_grad``), so that the latent path adds no collective:
+    the partial gradients meet the other projections' at the attention's input and are
+    reduced there once. Without ``q_lora_rank`` the plan's ``q_proj`` (column-wise on the
+    attention's input) stays. A submodule with parameters that none of this covers raises
+    ValueError (it would hold a partial gradient as a whole one)."""
+    attn = layer.get_submodule(attention)
+    out = {
+        f"{attention}.{sub}": kind
+        for sub, kind in _LATENT.items()
+        if isinstance(getattr(attn, sub, None), nn.Module)
+    }
+    planned = {**kinds, **out}
+    for rest, m in attn.named_modules():
+        name = f"{attention}.{rest}" if rest else attention
+        if any(True for _ in m.parameters(recurse=False)) and name not in planned:
+            raise ValueError(
+                f"base_model_tp_plan names {full}.kv_a_proj_with_mqa 'mla_kv_a_proj', but "
+                f"{full}.{rest} ({type(m).__name__}) is none of multi-head latent attention's "
+                f"modules the default plan maps ({', '.join(_LATENT)} and the plan's "
+                "own); pass tp_plan= instead"
+            )
+    for rest in ("kv_a_layernorm", "kv_b_proj"):
+        if f"{attention}.{rest}" not in out:
+            raise ValueError(
+                f"base_model_tp_plan names {full}.kv_a_proj_with_mqa 'mla_kv_a_proj', but "
+                f"{full} has no {rest}: not the multi-head latent attention the default plan "
+                "maps; pass tp_plan= instead"
+            )
     return out
 
 

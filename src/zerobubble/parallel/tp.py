@@ -116,6 +116,7 @@ wildcards allowed) -> parallel style."""
 KINDS = (
     "colwise",
     "colwise_prepared",
+    "colwise_partial_grad",
     "colwise_gather_output",
     "colwise_shard_output",
     "rowwise",
@@ -135,11 +136,15 @@ KINDS = (
 """What a layer's ``tp_kinds`` may say of a submodule (the sequence layout ``seq`` is
 ``Shard(1)`` with sequence parallelism, ``Replicate()`` without): ``colwise`` (input
 ``seq``), ``colwise_prepared`` (input already a ``Replicate`` DTensor, see
-``prepare_input``), ``colwise_gather_output`` (output gathered), ``colwise_shard_output``
-(output left a DTensor sharded over its last dim: the loss-parallel LM head, where
-:attr:`LayerLayout.loss_parallel` says so), ``rowwise`` (output
-``seq``), ``embedding`` (vocabulary-sharded, output ``seq``), ``embedding_dtensor`` (the
-same, output left a DTensor), ``replicated`` (whole parameters as DTensors),
+``prepare_input``), ``colwise_partial_grad`` (input a local tensor every rank holds whole
+whose gradient is ``Partial``, the output of a ``replicated_heads:1`` projection or of a
+``heads_norm`` after one: the input's gradient is left a partial sum, reduced with theirs,
+not all-reduced here; multi-head latent attention's up projections),
+``colwise_gather_output`` (output gathered), ``colwise_shard_output`` (output left a
+DTensor sharded over its last dim: the loss-parallel LM head, where
+:attr:`LayerLayout.loss_parallel` says so), ``rowwise`` (output ``seq``), ``embedding``
+(vocabulary-sharded, output ``seq``), ``embedding_dtensor`` (the same, output left a
+DTensor), ``replicated`` (whole parameters as DTensors),
 ``prepare_input`` (the module's first input made one ``Replicate`` DTensor for its
 column-wise layers), ``shard_output`` (the module's output handed on as local ``seq``
 tensors), ``sequence_parallel`` (a norm on sequence shards), ``sequence_parallel_layer``
@@ -147,15 +152,17 @@ tensors), ``sequence_parallel`` (a norm on sequence shards), ``sequence_parallel
 norm over the head dim of a column-wise projection's local heads, Qwen3's ``q_norm`` and
 ``k_norm``: its input ``(..., heads / tp, head_dim)`` taken as sharded on the heads, its
 weight replicated, its gradient ``Partial``, each rank's covering its own heads, summed over
-tp where it is reduced), ``replicated_heads:N`` (a key or value projection of ``N`` heads,
-fewer than tp and dividing it, as Megatron replicates kv heads: the weight whole on every
-rank, each rank keeping head ``rank * N // tp`` of the output, the one its query heads
-use; the weight's and the input's gradients ``Partial``, each rank's covering its own
-query heads), ``whole_sequence`` (a module left whole on every rank, a mixture of experts'
-block: with sequence parallelism its input's sequence gathered and its output handed on as
-this rank's shard, so that every rank routes and computes the same tokens and its plain
-parameters get the same gradient everywhere; nothing without), ``random_sharded`` and
-``random_replicated`` (:class:`TPRandom`)."""
+tp where it is reduced; also a norm of a replicated latent whose gradient is partial,
+multi-head latent attention's ``kv_a_layernorm``), ``replicated_heads:N`` (a key or value
+projection of ``N`` heads, fewer than tp and dividing it, as Megatron replicates kv heads:
+the weight whole on every rank, each rank keeping head ``rank * N // tp`` of the output, the
+one its query heads use; ``N = 1`` a latent every head shares; the weight's and the input's
+gradients ``Partial``, each rank's covering its own query heads), ``whole_sequence`` (a
+module left whole on every rank, a mixture of experts' block: with sequence parallelism its
+input's sequence gathered and its output handed on as this rank's shard, so that every rank
+routes and computes the same tokens and its plain parameters get the same gradient
+everywhere; nothing without), ``random_sharded`` and ``random_replicated``
+(:class:`TPRandom`)."""
 
 
 @dataclass(frozen=True)
@@ -259,6 +266,33 @@ class _ReplicatedHeads(ParallelStyle):
             return local[..., head * width : (head + 1) * width]
 
         return distribute_module(module, device_mesh, input_fn=inputs, output_fn=outputs)
+
+
+class _ColwisePartialGrad(ColwiseParallel):
+    """Column-wise on a local input that every rank holds whole but whose gradient is a
+    partial sum over tp (each rank's covering its own heads): a latent computed by
+    replicated layers that mark their outputs' gradients ``Partial`` (``replicated_heads``,
+    ``heads_norm``). ``ColwiseParallel`` would all-reduce the input's gradient, which the
+    replicated layers before it then take as partial and sum again; here it stays
+    ``Partial`` and is reduced once, with theirs, where they meet the layer input."""
+
+    def __init__(self) -> None:
+        super().__init__(input_layouts=Replicate())
+
+    @staticmethod
+    def _prepare_input_fn(
+        input_layouts: Any, desired_input_layouts: Any, mod: nn.Module, inputs: Any, mesh: Any
+    ) -> DTensor:
+        x = inputs[0]
+        if isinstance(x, DTensor):
+            raise ValueError(
+                f"{type(mod).__name__} is planned 'colwise_partial_grad', which takes a local "
+                f"tensor whose gradient is partial, but was given a DTensor "
+                f"({x.placements}); plan it 'colwise_prepared' instead"
+            )
+        return DTensor.from_local(
+            x, mesh, [Replicate()], run_check=False, grad_placements=[Partial()]
+        )
 
 
 class _WholeSequence(ParallelStyle):
@@ -417,6 +451,8 @@ def _style(kind: str, sp: bool) -> ParallelStyle:
         return ColwiseParallel(input_layouts=seq)
     if kind == "colwise_prepared":  # the input is a Replicate DTensor already
         return ColwiseParallel(input_layouts=Replicate())
+    if kind == "colwise_partial_grad":
+        return _ColwisePartialGrad()
     if kind == "rowwise":
         return RowwiseParallel(output_layouts=seq)
     if kind == "colwise_gather_output":
