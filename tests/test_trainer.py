@@ -19,6 +19,7 @@ as an HF directory without training a step. The command line's refusals exit 2 n
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from ranks import launch  # noqa: E402
+from zerobubble import composition  # noqa: E402
 from zerobubble.cli import main  # noqa: E402
 from zerobubble.interop import hf  # noqa: E402
 from zerobubble.train.recipe import build_recipe, load_recipe  # noqa: E402
@@ -327,6 +329,26 @@ def test_prune_keeps_the_newest_committed_steps(tmp_path):
         "step_00000004", "step_00000004.json", "step_00000006", "step_00000006.json",
     ]  # fmt: skip
     assert prune(tmp_path, 0) == []
+
+
+def test_the_recipe_refuses_what_the_composition_table_refuses_before_any_rank_starts():
+    """Every feature the recipe can switch on at once: refused with the table's reason where
+    the table refuses a set inside it, accepted (and its features named) otherwise."""
+    on = {
+        f"parallelism.{k}": v
+        for k, v in {
+            "pipeline_parallel_degree": 2, "data_parallel_shard_degree": 2,
+            "tensor_parallel_degree": 2, "expert_parallel_degree": 2, "segments": 2,
+            "overlap": True, "pipeline_parallel_schedule": "seq-zbv",
+        }.items()
+    } | {"activation_checkpoint.mode": "full"}  # fmt: skip
+    everything = {"dp", "fsdp", "tp", "ep", "segments", "overlap", "recompute"}
+    cell = composition.refusal(everything)
+    if cell is None:
+        assert build_recipe(on).features == everything
+    else:
+        with pytest.raises(ValueError, match=re.escape(cell.why)):
+            build_recipe(on)
 
 
 def test_the_example_recipe_parses():

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from zerobubble import composition
 from zerobubble.train.options import Option, closest, read_toml, table_options
 
 __all__ = [
@@ -377,6 +378,23 @@ class Recipe:
                 f"lr_scheduler.warmup_steps {self.lr_scheduler.warmup_steps} is more than "
                 f"training.steps {self.training.steps}"
             )
+        composition.check(self.features, "the recipe")
+
+    @property
+    def features(self) -> set[str]:
+        """The run's :mod:`~zerobubble.composition` features, checked before any rank starts
+        (the executor checks them again)."""
+        par = self.parallelism
+        on = {
+            "dp": par.dp > 1,
+            "fsdp": par.shard > 1,
+            "tp": par.tensor_parallel_degree > 1,
+            "ep": par.expert_parallel_degree > 1,
+            "segments": par.segments > 1,
+            "overlap": par.overlap,
+            "recompute": self.activation_checkpoint.mode != "none",
+        }
+        return {f for f, yes in on.items() if yes}
 
     @property
     def global_batch_size(self) -> int:
