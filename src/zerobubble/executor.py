@@ -24,7 +24,6 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
-from functools import partial
 from typing import Any
 
 import torch
@@ -54,6 +53,7 @@ from zerobubble.runtime.recorder import (
 )
 from zerobubble.runtime.rng import StageRng
 from zerobubble.runtime.sequence.batch import check_cuts, segment_step
+from zerobubble.runtime.sequence.cp import ContextShards, shard_batch
 from zerobubble.runtime.sequence.guard import SegmentGuard
 from zerobubble.runtime.stage import LossFn, StageChunk
 from zerobubble.runtime.step_batch import split_step
@@ -172,6 +172,11 @@ class PipelineExecutor:
         if self.cuts is not None:
             _check_segment_loss(schedule, loss_fn, self.count_fn)
             _check_segment_shards(self.cuts, mesh)
+        self.context: ContextShards | None = None
+        """This rank's sequence chunks under context parallelism (None: whole sequences)."""
+        if mesh is not None and mesh.cp_size > 1:
+            _check_context(schedule, self.cuts, self.count_fn, loss_fn, mesh)
+            self.context = ContextShards(mesh.cp_size, mesh.cp_rank)
         self.plan = ProgramPlan(
             fuse_local_backward=opts.fuse_local_backward,
             recv_lookahead=opts.recv_lookahead,
@@ -191,7 +196,9 @@ class PipelineExecutor:
             retain_freed_memory()
         self.rank = dist.get_rank(group)
         self.term_weight = term_weight(
-            opts.term_weight, schedule.num_microbatches, 1 if mesh is None else mesh.spec.dp
+            opts.term_weight,
+            schedule.num_microbatches,
+            1 if mesh is None else mesh.spec.dp * mesh.spec.cp,
         )
         """Each microbatch's loss terms' weight in the step's objective (None: as its loss;
         :attr:`ExecutorOptions.term_weight`)."""
@@ -237,15 +244,30 @@ class PipelineExecutor:
         mesh = self.mesh
         if mesh is None or not self.plan.grad_sync.reduces:
             return None
-        assert mesh.dp_group is not None  # a ParallelSpec with dp > 1
         params = {s: list(c.module.parameters()) for s, c in self.chunks.items()}
+        group, inner = mesh.dp_group, mesh.cp_group  # cp first, then dp
+        if group is None:
+            group, inner = inner, None
+        assert group is not None  # a ParallelSpec with dp > 1 or cp > 1
         return GradReducer(
-            mesh.dp_group,
+            group,
             params,
             self.options.comm_timeout_s,
             expert_group=mesh.edp_group,
             name=mesh.spec.name,
+            inner_group=inner,
+            dim="dp" if mesh.dp_group is not None else "cp",
         )
+
+    def _over_replicas(self, n: Any) -> Any:
+        """``n`` (a batch size or count) summed over the replicas sharing the step's batch:
+        over cp first (a sequence's chunks), then over dp."""
+        mesh = self.mesh
+        if mesh is None:
+            return n
+        if mesh.cp_group is not None:
+            n = sum_over_dp(mesh.cp_group, self.p2p, self.iteration, n, dim="cp")
+        return sum_over_dp(mesh.dp_group, self.p2p, self.iteration, n)
 
     def _connect(self) -> None:
         """The pipeline's point-to-point links, then one start-up barrier (every rank leaves
@@ -388,6 +410,10 @@ class PipelineExecutor:
         With ``count_fn`` the losses are the microbatches' shares of the batch loss
         (they sum to it).
         """
+        if self.context is not None:  # this rank's chunks of every sequence
+            args = shard_batch(args, self.context, "the input batch")
+            kwargs = shard_batch(kwargs, self.context, "the input batch")
+            target = shard_batch(target, self.context, "target")
         batch = split_step(
             args,
             kwargs,
@@ -398,9 +424,7 @@ class PipelineExecutor:
             last=self.has_last,
             count_fn=self.count_fn,
             device=self.device,
-            over_dp=partial(
-                sum_over_dp, self.mesh.dp_group if self.mesh else None, self.p2p, self.iteration
-            ),
+            over_dp=self._over_replicas,
         )
         if self.cuts is not None:
             batch = segment_step(batch, self.cuts)
@@ -423,6 +447,41 @@ class PipelineExecutor:
             for name, values in self.last_terms.items():
                 terms.setdefault(name, []).extend(values)
         return out
+
+
+def _check_context(
+    schedule: Schedule,
+    cuts: tuple[int, ...] | None,
+    count_fn: Any,
+    loss_fn: LossFn | None,
+    mesh: PipelineMesh,
+) -> None:
+    """Refuse what context parallelism cannot honour: segments, overlapped pairs, a loss
+    not normalised by a count over the whole batch."""
+    cp = f"context parallelism (cp={mesh.cp_size})"
+    if cuts is not None:
+        raise ValueError(
+            f"schedule {schedule.name!r} cuts the sequences into segments, and {cp} shards "
+            "them into chunks: segments of chunks are not supported; use a schedule without "
+            "segments or build the mesh with cp=1"
+        )
+    if schedule.overlaps:
+        raise ValueError(
+            f"schedule {schedule.name!r} overlaps F&B pairs, whose halves would run the cp "
+            f"group's gathers at once, where the cp ranks could order them differently; {cp} "
+            "takes a schedule without overlap"
+        )
+    if count_fn is None:
+        raise ValueError(
+            f"{cp} needs count_fn: each rank's loss is its chunks' share of the batch loss, "
+            "loss_fn(output, target, count_fn(target)) with the count summed over cp (a "
+            "token-summed loss); pass count_fn"
+        )
+    if getattr(loss_fn, "shifts_labels", False):
+        raise ValueError(
+            f"{cp}: the loss shifts labels inside each call, which would drop each chunk's "
+            "last target; shift the labels once for the whole sequence"
+        )
 
 
 def _check_overlap(schedule: Schedule, opts: ExecutorOptions, mesh: PipelineMesh | None) -> None:

@@ -19,6 +19,10 @@ With expert parallelism (a mesh with ``ep > 1``) expert parameters
 (:func:`~zerobubble.parallel.ep.is_expert`) are summed over the ``edp_group`` (the
 replicas holding the same experts) instead, and not at all when it has one rank.
 
+With context parallelism (a mesh with ``cp > 1``) the cp ranks' gradients are summed first
+(``inner_group``, blocking), then the dp replicas' (asynchronously, as without cp): with two
+ranks each, ``(g_00 + g_01) + (g_10 + g_11)`` bitwise, the reference's order.
+
 With tensor parallelism a DTensor gradient's local shard is summed (the dp group is the
 ranks with the same pp and tp ranks, which hold the same shard).
 
@@ -63,6 +67,8 @@ class GradReducer:
         expert_group: The group expert parameters are summed over (the mesh's
             ``edp_group``); None: they are not reduced (each rank holds its experts alone).
         name: How a message names a rank that never arrived (its mesh coordinates).
+        inner_group: Summed over first, before ``group`` (the mesh's cp group); None: none.
+        dim: The dim ``group`` is, for messages.
     """
 
     def __init__(
@@ -72,8 +78,12 @@ class GradReducer:
         timeout_s: float,
         expert_group: dist.ProcessGroup | None = None,
         name: RankName = plain_name,
+        inner_group: dist.ProcessGroup | None = None,
+        dim: str = "dp",
     ) -> None:
         self.group = group
+        self.inner_group = inner_group
+        self.dim = dim
         self.expert_group = expert_group
         self.stage_params = {s: list(ps) for s, ps in stage_params.items()}
         self.timeout_s = timeout_s
@@ -101,6 +111,8 @@ class GradReducer:
             group = self.expert_group if expert else self.group
             ranks = self.expert_ranks if expert else self.ranks
             try:
+                if self.inner_group is not None and not expert:
+                    dist.all_reduce(flat, group=self.inner_group)
                 work = dist.all_reduce(flat, group=group, async_op=True)
             except Exception as e:
                 raise PeerError(self.rank, None, what, str(e), group=ranks) from e
@@ -136,8 +148,8 @@ class GradReducer:
                 f"group, iteration {iteration})"
             )
         return (
-            f"all-reduce of stage {stage}'s gradients over dim 'dp' (mesh dp group, "
-            f"iteration {iteration})"
+            f"all-reduce of stage {stage}'s gradients over dim '{self.dim}' (mesh "
+            f"{self.dim} group, iteration {iteration})"
         )
 
 
@@ -156,6 +168,7 @@ def sum_over_dp(
     iteration: int,
     n: Tensor | int,
     of: str = "batch size or count",
+    dim: str = "dp",
 ) -> Tensor | int:
     """``n`` summed over the dp replicas (a step's global batch size or count, which the
     losses are weighted by, or what ``of`` names); the ranks of all replicas call it
@@ -164,7 +177,7 @@ def sum_over_dp(
     if dp_group is None:
         return n
     t = torch.as_tensor(n, device=p2p.device).clone()
-    what = f"all-reduce over dim 'dp' of iteration {iteration}'s {of}"
+    what = f"all-reduce over dim '{dim}' of iteration {iteration}'s {of}"
     work = dist.all_reduce(t, group=dp_group, async_op=True)
     assert work is not None
     p2p.wait_collective(work, what, dp_group)

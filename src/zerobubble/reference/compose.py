@@ -14,6 +14,11 @@ package rather than restating their arithmetic:
   sums over their edp replicas, the rest over dp), but for one order: FSDP2 reduces a
   gradient that is ``Partial`` over tp (a sequence-parallel norm's) over tp before its
   dp reduction, where the plain dp path sums over dp first (``fsdp=True``);
+- **cp** (``cp=C``): each dp replica's sequences are played by ``C`` cp ranks
+  (:func:`~zerobubble.reference.cp.context_reference_step`: the single-replica reference on
+  each rank's two chunks in a thread of its own, the attention layers' gathers played
+  between the threads), normalised by ``count_fn``'s count of the global batch; their
+  gradients summed in cp-rank order, then over dp. Losses are ``(dp, cp)``-rank-major;
 - **segments** (``cuts=``): :func:`~zerobubble.reference.step.segment_reference_step` per
   replica;
 - **tp** (``tp_mesh=``, ``tp_plan=``, ``sequence_parallel=``, ``loss_parallel=``):
@@ -54,6 +59,7 @@ from zerobubble.parallel.experts import ExpertLayer
 from zerobubble.parallel.parallelize import StagePlan
 from zerobubble.parallel.partition import model_name, stage_bounds
 from zerobubble.parallel.tied import TiedParam, find_shared
+from zerobubble.reference.cp import context_reference_step
 from zerobubble.reference.ep import ep_reference_step, ep_replicas_step
 from zerobubble.reference.step import (
     Share,
@@ -62,6 +68,7 @@ from zerobubble.reference.step import (
     segment_reference_step,
 )
 from zerobubble.reference.step import _batch as read_batch
+from zerobubble.reference.step import _user_grads as user_grads
 from zerobubble.reference.step import (
     reference_step as replica_step,
 )
@@ -83,6 +90,7 @@ def reference_step(
     microbatches: int | None = None,
     dp: int = 1,
     ep: int = 1,
+    cp: int = 1,
     cuts: Sequence[int] | None = None,
     tp_mesh: DeviceMesh | None = None,
     tp_plan: StagePlan = None,
@@ -110,10 +118,12 @@ def reference_step(
         the replicas' sums (under tp, each rank's local shards; under ep, a sharded
         experts tensor whole again). Without tp the sums are left in ``layers``' ``.grad``
         (under ep only by :func:`~zerobubble.reference.ep.ep_reference_step`'s case: top-level
-        expert layers without random ops, ties, segments or several inputs).
+        expert layers without random ops, ties, segments or several inputs). With ``cp``
+        the losses are each cp rank's share, ``(dp rank * cp + cp rank) * M + j``.
     """
     args, target, m, n = read_batch(args, target, microbatches, kwargs)
     _refuse(dp, ep, tp_mesh, loss_parallel)
+    _refuse_cp(cp, ep, tp_mesh, cuts, default_count_fn(loss_fn, count_fn))
     parts = _parts(args, kwargs, target, dp, n)
     model = as_sequential(layers)
     staged: dict[str, Any] = {"seed": seed, "step": step, "num_stages": num_stages}
@@ -121,7 +131,9 @@ def reference_step(
     if ep > 1:
         return _experts(model, loss_fn, parts, m, n, ep, count_fn, term_weight, terms, cuts, staged)
     count_fn = default_count_fn(loss_fn, count_fn)
-    share = None if dp == 1 else Share(n if count_fn is None else _count(parts, count_fn), dp)
+    share = None
+    if dp * cp > 1:
+        share = Share(n if count_fn is None else _count(parts, count_fn), dp * cp)
     if tp_mesh is not None:  # parallelized once, in place of the caller's layers' copy
         model = as_sequential(copy.deepcopy(list(model)))
     run, ties = Ties.of(model, num_stages, boundaries, tp_mesh is None)
@@ -136,6 +148,12 @@ def reference_step(
             tp.update(sequence_parallel=sequence_parallel)
             tp.update(loss_parallel=loss_parallel, terms=terms, term_weight=term_weight, cuts=cuts)
             mine, grads = _tp_replica(model, loss_fn, (a, k, t), m, tie_parts, fsdp, tp, common)
+        elif cp > 1:
+            assert share is not None and count_fn is not None  # _refuse_cp
+            mine = context_reference_step(
+                run, loss_fn, (a, k, t), m, cp, share, count_fn, **staged
+            )
+            grads = {}
         elif cuts is not None:
             mine, grads = segment_reference_step(
                 run, loss_fn, *a, target=t, microbatches=m, cuts=cuts, **common, **k
@@ -149,6 +167,10 @@ def reference_step(
         sums = grads if not sums else _add(sums, grads)
         if tp_mesh is None:
             _hold(run, held)
+    if cp > 1:  # the cp sums were left in run's .grad, summed over dp by _hold
+        for p in run.parameters():
+            p.grad = held.get(id(p))
+        sums = user_grads(run)
     if tp_mesh is None:
         ties.give_back(model, run, held, sums)
     for name, summed in tie_parts.items():  # the dp sums first, then the stages, in order
@@ -279,6 +301,27 @@ def _refuse(dp: int, ep: int, tp: DeviceMesh | None, loss_parallel: bool | None)
             f"reference_step has no ground truth of expert parallelism (ep={ep}) with tensor "
             "parallelism (tp_mesh): the mesh refuses ep with tp too; docs/scale.md lists what "
             "composes"
+        )
+
+
+def _refuse_cp(
+    cp: int, ep: int, tp: DeviceMesh | None, cuts: Sequence[int] | None, count_fn: Any
+) -> None:
+    """Context parallelism's combinations without a composed ground truth, named."""
+    if cp < 1:
+        raise ValueError(f"cp={cp}: must be >= 1")
+    if cp == 1:
+        return
+    other = "ep" if ep > 1 else "tp" if tp is not None else "cuts" if cuts is not None else None
+    if other is not None:
+        raise ValueError(
+            f"reference_step has no ground truth of context parallelism (cp={cp}) with "
+            f"{other}: the mesh and the executor refuse it too"
+        )
+    if count_fn is None:
+        raise ValueError(
+            f"reference_step with cp={cp} needs count_fn (each cp rank's loss is its chunks' "
+            "share of the batch's token count), as the executor does"
         )
 
 

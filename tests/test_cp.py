@@ -1,0 +1,180 @@
+"""Context parallelism (pp x cp, gloo): bitwise ``zerobubble.reference_step(cp=...)``.
+
+One launch of pp=2 x cp=2 (4 ranks) runs our GPT (with dropout, seeded) and a tiny HF Llama
+(sdpa and eager) under zb-h1 and zbv (the V: two stages per rank); every rank's losses and
+every gradient after the cp reduction are ``torch.equal`` the composed reference's, which
+plays the cp ranks in threads (:mod:`zerobubble.reference.cp`). Against the model run
+whole on one process (plain autograd) the losses and gradients agree within float32
+rounding at the values' scale. A second launch adds dp=2 (8 ranks).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import zerobubble
+from generated import generated
+from ranks import launch
+from zerobubble.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.interop import hf
+from zerobubble.models import GPTConfig, build_gpt
+from zerobubble.parallel.mesh import ParallelSpec, build_mesh
+from zerobubble.parallel.partition import build_stage_modules, model_name, stage_bounds
+from zerobubble.runtime.launcher import init_distributed
+from zerobubble.runtime.sequence.cp import ContextShards, shard_batch
+
+IGNORE = -100
+T = 16
+M = 2
+CASES = [
+    ("gpt", "zb-h1"),
+    ("gpt", "zbv"),
+    ("llama-sdpa", "zb-h1"),
+    ("llama-eager", "zbv"),
+]
+
+
+def token_loss(out: torch.Tensor, labels: torch.Tensor, num_items: object) -> torch.Tensor:
+    ce = F.cross_entropy(out.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    return ce / num_items
+
+
+def count(labels: torch.Tensor) -> int:
+    return int((labels != IGNORE).sum())
+
+
+def model_and_batch(model: str, layers: int, rows: int) -> tuple[list[nn.Module], Any, Any]:
+    """Our GPT (dropout 0.1) or a tiny HF Llama of ``layers`` blocks, and ``rows`` rows of
+    T tokens (some labels ignored; the Llama's shifted once for the whole sequence)."""
+    gen = torch.Generator().manual_seed(3)
+    if model == "gpt":
+        cfg = GPTConfig(
+            vocab_size=17, max_seq_len=T, d_model=8, n_heads=2, n_layers=layers, dropout=0.1
+        )
+        x = torch.randint(0, 17, (rows, T), generator=gen)
+        y = torch.randint(0, 17, (rows, T), generator=gen)
+        y[0, -3:] = IGNORE
+        return list(build_gpt(cfg)), x, y
+    llama = hf.tiny_model(
+        "hf-llama",
+        attn_implementation=model.split("-")[1],
+        num_hidden_layers=layers,
+        tie_word_embeddings=False,
+    ).train()
+    ids = torch.randint(3, 256, (rows, T), generator=gen)
+    y = torch.full((rows, T), IGNORE)
+    y[:, :-1] = ids[:, 1:]
+    return hf.causal_lm_layers(llama, check=False), {"input_ids": ids}, y
+
+
+def stage_grads(pipe: PipelineExecutor, num_layers: int) -> dict[str, torch.Tensor]:
+    """Every gradient of this rank's stages under the whole model's layer index."""
+    bounds = stage_bounds(num_layers, pipe.schedule.num_stages)
+    out = {}
+    for s, chunk in pipe.chunks.items():
+        for name, p in chunk.module.named_parameters():
+            local, rest = name.split(".", 1)
+            out[f"{bounds[s].start + int(local)}.{rest}"] = p.grad.clone()
+    return out
+
+
+def cp_job(dp: int) -> dict:
+    init_distributed(timeout_s=60)
+    mesh = build_mesh(2, dp, cp=2)
+    out: dict[str, Any] = {"cp": mesh.cp_rank, "dp": mesh.dp_rank}
+    for model, kind in CASES:
+        sched = generated(kind, 2, M)
+        layers, x, y = model_and_batch(model, sched.num_stages, M * dp)
+        stages = build_stage_modules(layers, sched, mesh.pp_rank)
+        pipe = PipelineExecutor(
+            sched, stages, loss_fn=token_loss, count_fn=count, mesh=mesh,
+            options=ExecutorOptions(seed=5),
+        )  # fmt: skip
+        # every rank passes its dp part of whole sequences; the executor takes its chunks
+        part = torch.tensor_split(torch.arange(M * dp), dp)[mesh.dp_rank]
+        xs = x[part] if isinstance(x, torch.Tensor) else {k: v[part] for k, v in x.items()}
+        losses = pipe.step(xs, target=y[part])
+        out[model, kind] = {
+            "losses": losses,
+            "grads": stage_grads(pipe, len(layers)),
+            "held": pipe.held_bytes(),
+        }
+    dist.destroy_process_group()
+    return out
+
+
+@functools.cache
+def reference(model: str, kind: str, dp: int) -> tuple[list, dict, list, dict]:
+    """(composed reference losses and grads, whole-model losses and grads)."""
+    num_stages = generated(kind, 2, M).num_stages
+    layers, x, y = model_and_batch(model, num_stages, M * dp)
+    kw = {"target": y, "microbatches": M, "count_fn": count, "num_stages": num_stages}
+    losses, grads = zerobubble.reference_step(layers, token_loss, x, dp=dp, cp=2, seed=5, **kw)
+    for m in layers:  # the model run whole: dropout off, so the bound holds
+        m.eval()
+    whole, whole_grads = zerobubble.reference_step(layers, token_loss, x, **kw)
+    keys = tuple(str(i) for i in range(len(layers)))
+    names = [n for n, _ in nn.Sequential(*layers).named_parameters()]
+    by_layer = {n: model_name(n, keys, layers) for n in names}  # the user's names
+    return (
+        losses,
+        {n: grads[u] for n, u in by_layer.items()},
+        whole,
+        {n: whole_grads[u] for n, u in by_layer.items()},
+    )
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[int, list[dict]]:
+    return {dp: launch(cp_job, 4 * dp, dp, timeout=240) for dp in (1, 2)}
+
+
+@pytest.mark.bitwise
+@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize(("model", "kind"), CASES)
+def test_pp_cp_matches_the_composed_reference(results, model, kind, dp):
+    losses, grads, _, _ = reference(model, kind, dp)
+    got: dict[str, torch.Tensor] = {}
+    for r in results[dp]:
+        run = r[model, kind]
+        assert run["held"] == 0
+        if run["losses"] is not None:  # the last stage's ranks: this cp rank's shares
+            at = (r["dp"] * 2 + r["cp"]) * M
+            assert all(map(torch.equal, run["losses"], losses[at : at + M]))
+        for name, g in run["grads"].items():  # every cp and dp rank holds the sums
+            assert torch.equal(g, grads[name]), name
+            got[name] = g
+    assert sorted(got) == sorted(grads)
+
+
+@pytest.mark.parametrize(("model", "kind"), [c for c in CASES if c[0] != "gpt"])
+def test_pp_cp_is_the_whole_model_within_rounding(results, model, kind):
+    """Without dropout (the Llama), the cp ranks' shares sum to the whole model's loss
+    and every gradient is within float32 rounding at the largest gradient's scale."""
+    losses, grads, whole, whole_grads = reference(model, kind, 1)
+    for j in range(M):
+        torch.testing.assert_close(losses[j] + losses[M + j], whole[j], rtol=1e-5, atol=1e-6)
+    scale = max(float(g.abs().max()) for g in whole_grads.values())
+    for name, g in grads.items():
+        torch.testing.assert_close(g, whole_grads[name], rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_layout_and_refusals() -> None:
+    shards = [ContextShards(2, r) for r in range(2)]
+    x = torch.arange(8).view(1, 8)
+    assert [s.shard(x).tolist() for s in shards] == [[[0, 1, 6, 7]], [[2, 3, 4, 5]]]
+    assert shards[1].positions(4).tolist() == [2, 3, 4, 5]
+    with pytest.raises(ValueError, match="multiple of 2 \\* cp = 4"):
+        shards[0].shard(torch.zeros(1, 6))
+    with pytest.raises(ValueError, match="attention_mask"):
+        shard_batch({"input_ids": x, "attention_mask": x}, shards[0], "the input batch")
+    with pytest.raises(ValueError, match="cp=2 with tp"):
+        ParallelSpec(2, cp=2, tp=2)
+    assert ParallelSpec(2, 2, cp=2).name(5) == "rank 5 (pp 1, dp 0, cp 1)"
