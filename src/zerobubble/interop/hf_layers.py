@@ -788,6 +788,7 @@ class DecoderBlock(SegmentAware, ContextAware, HFLayer):
         if self.sequence_shards > 1:  # a stand-in of the whole sequence's shape (no memory)
             b, t, d = hidden.shape
             whole = hidden.new_empty(()).expand(b, t * self.sequence_shards, d)
+        cache: Any  # the cache the attention updates (a cp rank's gathers the sequence)
         if self.cp_slot is not None:
             layer_type = self.attention_type if self._rotary_by_type else None
             cache, positions, causal = _context_inputs(

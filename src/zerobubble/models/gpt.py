@@ -199,7 +199,7 @@ class CausalSelfAttention(SegmentAware, ContextAware, nn.Module):
         out = []
         for half, chunk in enumerate(cp.shards.chunks):
             start, end = chunk * n, (chunk + 1) * n
-            scores = (q[:, :, half * n : (half + 1) * n] @ keys[:, :, :end].transpose(-2, -1))
+            scores = q[:, :, half * n : (half + 1) * n] @ keys[:, :, :end].transpose(-2, -1)
             scores = (scores * self.scale).masked_fill(self.future[start:end, :end], float("-inf"))
             out.append(self.attn_drop(torch.softmax(scores, dim=-1)) @ values[:, :, :end])
         return torch.cat(out, dim=2)

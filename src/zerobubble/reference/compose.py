@@ -150,9 +150,7 @@ def reference_step(
             mine, grads = _tp_replica(model, loss_fn, (a, k, t), m, tie_parts, fsdp, tp, common)
         elif cp > 1:
             assert share is not None and count_fn is not None  # _refuse_cp
-            mine = context_reference_step(
-                run, loss_fn, (a, k, t), m, cp, share, count_fn, **staged
-            )
+            mine = context_reference_step(run, loss_fn, (a, k, t), m, cp, share, count_fn, **staged)
             grads = {}
         elif cuts is not None:
             mine, grads = segment_reference_step(
