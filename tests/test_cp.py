@@ -1,11 +1,12 @@
 """Context parallelism (pp x cp, gloo): bitwise ``zerobubble.reference_step(cp=...)``.
 
-One launch of pp=2 x cp=2 (4 ranks) runs our GPT (with dropout, seeded) and a tiny HF Llama
-(sdpa and eager) under zb-h1 and zbv (the V: two stages per rank); every rank's losses and
+One launch of pp=2 x cp=2 (4 ranks) runs our GPT (with dropout, seeded; under zbv with the
+stage recomputed in B) and a tiny HF Llama (sdpa and eager) under zb-h1 and zbv (the V: two
+stages per rank); every rank's losses and
 every gradient after the cp reduction are ``torch.equal`` the composed reference's, which
 plays the cp ranks in threads (:mod:`zerobubble.reference.cp`). Against the model run
 whole on one process (plain autograd) the losses and gradients agree within float32
-rounding at the values' scale. A second launch adds dp=2 (8 ranks).
+rounding at the values' scale. A second launch adds dp=2 (8 ranks, two of the cases).
 """
 
 from __future__ import annotations
@@ -25,20 +26,23 @@ from ranks import launch
 from zerobubble.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.interop import hf
 from zerobubble.models import GPTConfig, build_gpt
+from zerobubble.parallel.ep import LocalGroup
 from zerobubble.parallel.mesh import ParallelSpec, build_mesh
 from zerobubble.parallel.partition import build_stage_modules, model_name, stage_bounds
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.sequence.cp import ContextShards, shard_batch
+from zerobubble.runtime.sequence.cp import ContextShards, context_parallel, shard_batch
 
 IGNORE = -100
 T = 16
 M = 2
 CASES = [
     ("gpt", "zb-h1"),
-    ("gpt", "zbv"),
+    ("gpt", "zbv"),  # recompute="stage"
     ("llama-sdpa", "zb-h1"),
     ("llama-eager", "zbv"),
 ]
+CUTS = ExecutorOptions(cuts=(0, 8, T))
+WITH_DP = [("gpt", "zbv"), ("llama-sdpa", "zb-h1")]
 
 
 def token_loss(out: torch.Tensor, labels: torch.Tensor, num_items: object) -> torch.Tensor:
@@ -89,13 +93,13 @@ def cp_job(dp: int) -> dict:
     init_distributed(timeout_s=60)
     mesh = build_mesh(2, dp, cp=2)
     out: dict[str, Any] = {"cp": mesh.cp_rank, "dp": mesh.dp_rank}
-    for model, kind in CASES:
+    for model, kind in CASES if dp == 1 else WITH_DP:
         sched = generated(kind, 2, M)
         layers, x, y = model_and_batch(model, sched.num_stages, M * dp)
         stages = build_stage_modules(layers, sched, mesh.pp_rank)
         pipe = PipelineExecutor(
             sched, stages, loss_fn=token_loss, count_fn=count, mesh=mesh,
-            options=ExecutorOptions(seed=5),
+            options=ExecutorOptions(seed=5, recompute="stage" if kind == "zbv" else "none"),
         )  # fmt: skip
         # every rank passes its dp part of whole sequences; the executor takes its chunks
         part = torch.tensor_split(torch.arange(M * dp), dp)[mesh.dp_rank]
@@ -106,6 +110,23 @@ def cp_job(dp: int) -> dict:
             "grads": stage_grads(pipe, len(layers)),
             "held": pipe.held_bytes(),
         }
+    if dp == 1:  # refused before any collective, on every rank
+        layers, _, _ = model_and_batch("gpt", 2, M)
+        refused = []
+        for sched, kw in [
+            (generated("zb-h1", 2, M), {}),  # no count_fn
+            (generated("seq-zb", 2, M, segments=2), {"count_fn": count, "options": CUTS}),
+            (
+                generated("zb-h1", 2, M),
+                {"loss_fn": hf.CausalLMLoss(hf.tiny_model("hf-llama", num_hidden_layers=1))},
+            ),
+        ]:
+            try:
+                stages = build_stage_modules(layers, sched, mesh.pp_rank)
+                PipelineExecutor(sched, stages, **{"loss_fn": token_loss, **kw}, mesh=mesh)
+            except ValueError as e:
+                refused.append(str(e))
+        out["refused"] = refused
     dist.destroy_process_group()
     return out
 
@@ -137,8 +158,9 @@ def results() -> dict[int, list[dict]]:
 
 
 @pytest.mark.bitwise
-@pytest.mark.parametrize("dp", [1, 2])
-@pytest.mark.parametrize(("model", "kind"), CASES)
+@pytest.mark.parametrize(
+    ("model", "kind", "dp"), [(*c, 1) for c in CASES] + [(*c, 2) for c in WITH_DP]
+)
 def test_pp_cp_matches_the_composed_reference(results, model, kind, dp):
     losses, grads, _, _ = reference(model, kind, dp)
     got: dict[str, torch.Tensor] = {}
@@ -166,6 +188,14 @@ def test_pp_cp_is_the_whole_model_within_rounding(results, model, kind):
         torch.testing.assert_close(g, whole_grads[name], rtol=1e-5, atol=1e-5 * scale)
 
 
+def test_executor_refusals(results):
+    for r in results[1]:
+        no_count, segments, shifting = r["refused"]
+        assert "cp=2) needs count_fn" in no_count
+        assert "segments of chunks are not supported" in segments
+        assert "shifts labels inside each call" in shifting
+
+
 def test_layout_and_refusals() -> None:
     shards = [ContextShards(2, r) for r in range(2)]
     x = torch.arange(8).view(1, 8)
@@ -178,3 +208,6 @@ def test_layout_and_refusals() -> None:
     with pytest.raises(ValueError, match="cp=2 with tp"):
         ParallelSpec(2, cp=2, tp=2)
     assert ParallelSpec(2, 2, cp=2).name(5) == "rank 5 (pp 1, dp 0, cp 1)"
+    with pytest.raises(ValueError, match="stage 3: 1 \\(MultiheadAttention\\) is an attention"):
+        context_parallel(nn.Sequential(nn.Linear(4, 4), nn.MultiheadAttention(4, 1)), shards[0],
+                         LocalGroup(2), 3)  # fmt: skip
