@@ -208,6 +208,14 @@ def test_layout_and_refusals() -> None:
     with pytest.raises(ValueError, match="cp=2 with tp"):
         ParallelSpec(2, cp=2, tp=2)
     assert ParallelSpec(2, 2, cp=2).name(5) == "rank 5 (pp 1, dp 0, cp 1)"
+    gpt2 = nn.Sequential(*hf.causal_lm_layers(hf.tiny_model("hf-gpt2", num_hidden_layers=1)))
+    with pytest.raises(ValueError, match="stage 0 0 \\(GPT2Embedding\\) reads token positions"):
+        context_parallel(gpt2, shards[0], LocalGroup(2), 0)
+    llama = nn.Sequential(*hf.causal_lm_layers(hf.tiny_model("hf-llama", num_hidden_layers=1)))
+    context_parallel(llama, shards[0], LocalGroup(2), 0)
+    packed = {"input_ids": x[:, :4], "position_ids": torch.tensor([[0, 1, 0, 1]])}  # 2 documents
+    with pytest.raises(ValueError, match="position ids other than the tokens' own"):
+        llama[1](llama[0](**packed))
     with pytest.raises(ValueError, match="stage 3: 1 \\(MultiheadAttention\\) is an attention"):
         context_parallel(nn.Sequential(nn.Linear(4, 4), nn.MultiheadAttention(4, 1)), shards[0],
                          LocalGroup(2), 3)  # fmt: skip

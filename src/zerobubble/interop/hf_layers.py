@@ -367,7 +367,7 @@ def _context_inputs(
     elif _rope_type(block.rotary_emb, layer_type) in ("dynamic", "longrope"):
         why = "a rotary embedding that scales with the sequence's length"
     own = slot.positions(hidden.shape[1], hidden.device)
-    if why is None and position_ids is not None and not bool((position_ids == own).all()):
+    if why is None and position_ids is not None and not _same_positions(position_ids, own):
         why = "position ids other than the tokens' own (packed documents)"
     if why is not None:
         raise ValueError(
@@ -380,6 +380,11 @@ def _context_inputs(
         causal = torch.zeros(seen.shape, dtype=hidden.dtype, device=hidden.device)
         causal = causal.masked_fill(~seen, torch.finfo(hidden.dtype).min)
     return _GatheredCache(slot), own.unsqueeze(0), causal
+
+
+def _same_positions(position_ids: Tensor, own: Tensor) -> bool:
+    """Whether the given position ids are every row's tokens' own, ``own``."""
+    return position_ids.shape[-1] == own.shape[0] and bool((position_ids == own).all())
 
 
 def _rope_type(rotary: nn.Module, layer_type: str | None) -> str:

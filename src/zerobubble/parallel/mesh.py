@@ -117,15 +117,22 @@ class ParallelSpec:
         if self.cp < 1:
             raise ValueError(f"mesh sizes must be >= 1, got cp={self.cp}")
         if self.cp > 1:
-            others = {"tp": self.tp > 1, "ep": self.ep > 1, "fsdp": self.fsdp}
-            if any(others.values()):
-                name = next(k for k, v in others.items() if v)
-                raise ValueError(
-                    f"cp={self.cp} with {name} is not supported yet: context parallelism "
-                    "gathers whole keys and values per attention layer, which no reference "
-                    f"composes with {name}'s shards yet; build the mesh with cp=1, or without "
-                    f"{name}"
-                )
+            why = {
+                "tp": "its ground truth would run tp's DTensor collectives from the threads "
+                "that play the cp ranks (zerobubble.reference.cp), which one tp group "
+                "cannot order",
+                "ep": "the experts' all-to-alls and the cp gathers would both be played "
+                "between threads of one reference, which plays one group at a time",
+                "fsdp": "FSDP shards over the dp dim only, and the cp replicas would need "
+                "their gradients summed before its reduce-scatter",
+            }
+            on = {"tp": self.tp > 1, "ep": self.ep > 1, "fsdp": self.fsdp}
+            for name, used in on.items():
+                if used:
+                    raise ValueError(
+                        f"cp={self.cp} with {name} is not supported yet: {why[name]}; build "
+                        f"the mesh with cp=1, or without {name}"
+                    )
         if self.pp < 1 or self.dp < 1 or self.ep < 1 or self.tp < 1:
             sizes = f"pp={self.pp}, dp={self.dp}, ep={self.ep}"
             raise ValueError(

@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from zerobubble.runtime.sequence.kv import SegmentAware
+
 __all__ = [
     "ContextAware",
     "ContextShards",
@@ -184,10 +186,20 @@ def context_parallel(
     module: nn.Module, shards: ContextShards, group: Exchange, stage: int | str
 ) -> None:
     """Give every context-aware module of a stage its slot, refusing an attention layer
-    that is not context-aware (it would attend to this rank's chunks only)."""
+    that is not context-aware (it would attend to this rank's chunks only) and a
+    segment-aware module that is not (it reads positions or keys beyond its own tokens,
+    which on a cp rank are not where it takes them)."""
     for name, m in module.named_modules():
+        where = f"stage {stage} {name or '(the stage)'}"
         if isinstance(m, ContextAware):
-            m.cp_slot = ContextSlot(shards, group, f"stage {stage} {name or '(the stage)'}")
+            m.cp_slot = ContextSlot(shards, group, where)
+        elif isinstance(m, SegmentAware):
+            raise ValueError(
+                f"{where} ({type(m).__name__}) reads token positions or earlier keys (it is "
+                f"segment-aware) but is not context-aware: on a cp rank (cp={shards.size}) "
+                "it would take its two chunks for the sequence's start. Derive it from "
+                "zerobubble.runtime.sequence.cp.ContextAware, or build the mesh with cp=1"
+            )
     loose = unaware_attention(module)
     if loose is not None:
         raise ValueError(
