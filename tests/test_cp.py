@@ -26,6 +26,7 @@ from ranks import launch
 from zerobubble.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.interop import hf
 from zerobubble.models import GPTConfig, build_gpt
+from zerobubble.optim.checkpoint import save_checkpoint
 from zerobubble.parallel.ep import LocalGroup
 from zerobubble.parallel.mesh import ParallelSpec, build_mesh
 from zerobubble.parallel.partition import build_stage_modules, model_name, stage_bounds
@@ -126,6 +127,10 @@ def cp_job(dp: int) -> dict:
                 PipelineExecutor(sched, stages, **{"loss_fn": token_loss, **kw}, mesh=mesh)
             except ValueError as e:
                 refused.append(str(e))
+        try:  # refused before the trainer is read
+            save_checkpoint(None, "unused", mesh=mesh)  # type: ignore[arg-type]
+        except ValueError as e:
+            refused.append(str(e))
         out["refused"] = refused
     dist.destroy_process_group()
     return out
@@ -190,7 +195,8 @@ def test_pp_cp_is_the_whole_model_within_rounding(results, model, kind):
 
 def test_executor_refusals(results):
     for r in results[1]:
-        no_count, segments, shifting = r["refused"]
+        no_count, segments, shifting, checkpoint = r["refused"]
+        assert "cannot save a checkpoint of a mesh with cp=2" in checkpoint
         assert "cp=2) needs count_fn" in no_count
         assert "segments of chunks are not supported" in segments
         assert "shifts labels inside each call" in shifting

@@ -104,10 +104,16 @@ class Exchange(Protocol):
 
 class ProcessExchange:
     """:class:`Exchange` over a process group: one ``all_to_all_single`` (the blocks have one
-    shape, which every rank's blocks share)."""
+    shape, which every rank's blocks share); :meth:`gather` is an ``all_gather``."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
+
+    def gather(self, x: Tensor) -> list[Tensor]:
+        """``x`` of every rank, in rank order."""
+        out = [torch.empty_like(x) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(out, x.contiguous(), group=self.group)
+        return out
 
     def exchange(self, rank: int, blocks: list[Tensor]) -> list[Tensor]:
         send = torch.stack(blocks).contiguous()
@@ -151,7 +157,11 @@ class _Gather(torch.autograd.Function):
         ctx.slot = slot
         shards = slot.shards
         c, r = shards.size, shards.rank
-        parts = slot.group.exchange(r, [x.detach()] * c)
+        group = slot.group
+        if isinstance(group, ProcessExchange):
+            parts = group.gather(x.detach())
+        else:  # an in-process group: the same block to every rank (no copies)
+            parts = group.exchange(r, [x.detach()] * c)
         n = x.shape[-2] // 2
         pieces = []
         for i in range(2 * c):
