@@ -36,14 +36,15 @@ from zerobubble.runtime.sequence.cp import ContextShards, context_parallel, shar
 IGNORE = -100
 T = 16
 M = 2
-CASES = [
-    ("gpt", "zb-h1"),
-    ("gpt", "zbv"),  # recompute="stage"
+CASES = [  # pp=2 x cp=2; under zbv recompute="stage"
+    ("gpt", "zb-h1"),  # attention dropout: the all-gather
+    ("gpt-ring", "zbv"),  # no dropout: the ring
     ("llama-sdpa", "zb-h1"),
     ("llama-eager", "zbv"),
 ]
 CUTS = ExecutorOptions(cuts=(0, 8, T))
-WITH_DP = [("gpt", "zbv"), ("llama-sdpa", "zb-h1")]
+WITH_DP = [("gpt-ring", "zbv"), ("llama-sdpa", "zb-h1")]  # pp=2 x dp=2 x cp=2
+CP4 = [("gpt-ring", "zb-h1"), ("gpt", "zbv")]  # pp=2 x cp=4
 
 
 def token_loss(out: torch.Tensor, labels: torch.Tensor, num_items: object) -> torch.Tensor:
@@ -56,12 +57,14 @@ def count(labels: torch.Tensor) -> int:
 
 
 def model_and_batch(model: str, layers: int, rows: int) -> tuple[list[nn.Module], Any, Any]:
-    """Our GPT (dropout 0.1) or a tiny HF Llama of ``layers`` blocks, and ``rows`` rows of
-    T tokens (some labels ignored; the Llama's shifted once for the whole sequence)."""
+    """Our GPT (dropout 0.1; "gpt-ring" none) or a tiny HF Llama of ``layers`` blocks, and
+    ``rows`` rows of T tokens (some labels ignored; the Llama's shifted once for the whole
+    sequence)."""
     gen = torch.Generator().manual_seed(3)
-    if model == "gpt":
+    if model.startswith("gpt"):
+        drop = 0.1 if model == "gpt" else 0.0
         cfg = GPTConfig(
-            vocab_size=17, max_seq_len=T, d_model=8, n_heads=2, n_layers=layers, dropout=0.1
+            vocab_size=17, max_seq_len=T, d_model=8, n_heads=2, n_layers=layers, dropout=drop
         )
         x = torch.randint(0, 17, (rows, T), generator=gen)
         y = torch.randint(0, 17, (rows, T), generator=gen)
@@ -90,59 +93,70 @@ def stage_grads(pipe: PipelineExecutor, num_layers: int) -> dict[str, torch.Tens
     return out
 
 
-def cp_job(dp: int) -> dict:
+def cp_job(world: int) -> dict:
+    """pp=2 x cp=2 on 4 ranks; pp=2 x dp=2 x cp=2, then pp=2 x cp=4 on 8."""
     init_distributed(timeout_s=60)
-    mesh = build_mesh(2, dp, cp=2)
-    out: dict[str, Any] = {"cp": mesh.cp_rank, "dp": mesh.dp_rank}
-    for model, kind in CASES if dp == 1 else WITH_DP:
-        sched = generated(kind, 2, M)
-        layers, x, y = model_and_batch(model, sched.num_stages, M * dp)
-        stages = build_stage_modules(layers, sched, mesh.pp_rank)
-        pipe = PipelineExecutor(
-            sched, stages, loss_fn=token_loss, count_fn=count, mesh=mesh,
-            options=ExecutorOptions(seed=5, recompute="stage" if kind == "zbv" else "none"),
-        )  # fmt: skip
-        # every rank passes its dp part of whole sequences; the executor takes its chunks
-        part = torch.tensor_split(torch.arange(M * dp), dp)[mesh.dp_rank]
-        xs = x[part] if isinstance(x, torch.Tensor) else {k: v[part] for k, v in x.items()}
-        losses = pipe.step(xs, target=y[part])
-        out[model, kind] = {
-            "losses": losses,
-            "grads": stage_grads(pipe, len(layers)),
-            "held": pipe.held_bytes(),
-        }
-    if dp == 1:  # refused before any collective, on every rank
-        layers, _, _ = model_and_batch("gpt", 2, M)
-        refused = []
-        for sched, kw in [
-            (generated("zb-h1", 2, M), {}),  # no count_fn
-            (generated("seq-zb", 2, M, segments=2), {"count_fn": count, "options": CUTS}),
-            (
-                generated("zb-h1", 2, M),
-                {"loss_fn": hf.CausalLMLoss(hf.tiny_model("hf-llama", num_hidden_layers=1))},
-            ),
-        ]:
-            try:
-                stages = build_stage_modules(layers, sched, mesh.pp_rank)
-                PipelineExecutor(sched, stages, **{"loss_fn": token_loss, **kw}, mesh=mesh)
-            except ValueError as e:
-                refused.append(str(e))
-        try:  # refused before the trainer is read
-            save_checkpoint(None, "unused", mesh=mesh)  # type: ignore[arg-type]
-        except ValueError as e:
-            refused.append(str(e))
-        out["refused"] = refused
+    out: dict[str, Any] = {}
+    layouts = [(1, 2, CASES)] if world == 4 else [(2, 2, WITH_DP), (1, 4, CP4)]
+    for dp, cp, cases in layouts:
+        mesh = build_mesh(2, dp, cp=cp)
+        for model, kind in cases:
+            out[model, kind, dp, cp] = run_case(mesh, model, kind)
+            out[model, kind, dp, cp]["at"] = (mesh.dp_rank * cp + mesh.cp_rank) * M
+    if world == 4:
+        out["refused"] = refusals(mesh)
     dist.destroy_process_group()
     return out
 
 
+def run_case(mesh: Any, model: str, kind: str) -> dict:
+    """One step of ``model`` under ``kind`` on ``mesh``: this rank's losses and gradients."""
+    dp = mesh.dp_size
+    sched = generated(kind, 2, M)
+    layers, x, y = model_and_batch(model, sched.num_stages, M * dp)
+    stages = build_stage_modules(layers, sched, mesh.pp_rank)
+    pipe = PipelineExecutor(
+        sched, stages, loss_fn=token_loss, count_fn=count, mesh=mesh,
+        options=ExecutorOptions(seed=5, recompute="stage" if kind == "zbv" else "none"),
+    )  # fmt: skip
+    # every rank passes its dp part of whole sequences; the executor takes its chunks
+    part = torch.tensor_split(torch.arange(M * dp), dp)[mesh.dp_rank]
+    xs = x[part] if isinstance(x, torch.Tensor) else {k: v[part] for k, v in x.items()}
+    losses = pipe.step(xs, target=y[part])
+    return {"losses": losses, "grads": stage_grads(pipe, len(layers)), "held": pipe.held_bytes()}
+
+
+def refusals(mesh: Any) -> list[str]:
+    """What the executor and the checkpoints refuse, before any collective, on every rank."""
+    layers, _, _ = model_and_batch("gpt", 2, M)
+    refused = []
+    for sched, kw in [
+        (generated("zb-h1", 2, M), {}),  # no count_fn
+        (generated("seq-zb", 2, M, segments=2), {"count_fn": count, "options": CUTS}),
+        (
+            generated("zb-h1", 2, M),
+            {"loss_fn": hf.CausalLMLoss(hf.tiny_model("hf-llama", num_hidden_layers=1))},
+        ),
+    ]:
+        try:
+            stages = build_stage_modules(layers, sched, mesh.pp_rank)
+            PipelineExecutor(sched, stages, **{"loss_fn": token_loss, **kw}, mesh=mesh)
+        except ValueError as e:
+            refused.append(str(e))
+    try:  # refused before the trainer is read
+        save_checkpoint(None, "unused", mesh=mesh)  # type: ignore[arg-type]
+    except ValueError as e:
+        refused.append(str(e))
+    return refused
+
+
 @functools.cache
-def reference(model: str, kind: str, dp: int) -> tuple[list, dict, list, dict]:
+def reference(model: str, kind: str, dp: int, cp: int) -> tuple[list, dict, list, dict]:
     """(composed reference losses and grads, whole-model losses and grads)."""
     num_stages = generated(kind, 2, M).num_stages
     layers, x, y = model_and_batch(model, num_stages, M * dp)
     kw = {"target": y, "microbatches": M, "count_fn": count, "num_stages": num_stages}
-    losses, grads = zerobubble.reference_step(layers, token_loss, x, dp=dp, cp=2, seed=5, **kw)
+    losses, grads = zerobubble.reference_step(layers, token_loss, x, dp=dp, cp=cp, seed=5, **kw)
     for m in layers:  # the model run whole: dropout off, so the bound holds
         m.eval()
     whole, whole_grads = zerobubble.reference_step(layers, token_loss, x, **kw)
@@ -159,21 +173,22 @@ def reference(model: str, kind: str, dp: int) -> tuple[list, dict, list, dict]:
 
 @pytest.fixture(scope="module")
 def results() -> dict[int, list[dict]]:
-    return {dp: launch(cp_job, 4 * dp, dp, timeout=240) for dp in (1, 2)}
+    return {world: launch(cp_job, world, world, timeout=240) for world in (4, 8)}
+
+
+LAYOUTS = [(*c, 1, 2) for c in CASES] + [(*c, 2, 2) for c in WITH_DP] + [(*c, 1, 4) for c in CP4]
 
 
 @pytest.mark.bitwise
-@pytest.mark.parametrize(
-    ("model", "kind", "dp"), [(*c, 1) for c in CASES] + [(*c, 2) for c in WITH_DP]
-)
-def test_pp_cp_matches_the_composed_reference(results, model, kind, dp):
-    losses, grads, _, _ = reference(model, kind, dp)
+@pytest.mark.parametrize(("model", "kind", "dp", "cp"), LAYOUTS)
+def test_pp_cp_matches_the_composed_reference(results, model, kind, dp, cp):
+    losses, grads, _, _ = reference(model, kind, dp, cp)
     got: dict[str, torch.Tensor] = {}
-    for r in results[dp]:
-        run = r[model, kind]
+    for r in results[4 if dp * cp == 2 else 8]:
+        run = r[model, kind, dp, cp]
         assert run["held"] == 0
         if run["losses"] is not None:  # the last stage's ranks: this cp rank's shares
-            at = (r["dp"] * 2 + r["cp"]) * M
+            at = run["at"]
             assert all(map(torch.equal, run["losses"], losses[at : at + M]))
         for name, g in run["grads"].items():  # every cp and dp rank holds the sums
             assert torch.equal(g, grads[name]), name
@@ -181,20 +196,20 @@ def test_pp_cp_matches_the_composed_reference(results, model, kind, dp):
     assert sorted(got) == sorted(grads)
 
 
-@pytest.mark.parametrize(("model", "kind"), [c for c in CASES if c[0] != "gpt"])
-def test_pp_cp_is_the_whole_model_within_rounding(results, model, kind):
-    """Without dropout (the Llama), the cp ranks' shares sum to the whole model's loss
-    and every gradient is within float32 rounding at the largest gradient's scale."""
-    losses, grads, whole, whole_grads = reference(model, kind, 1)
-    for j in range(M):
-        torch.testing.assert_close(losses[j] + losses[M + j], whole[j], rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize(("model", "kind", "dp", "cp"), [c for c in LAYOUTS if c[0] != "gpt"])
+def test_pp_cp_is_the_whole_model_within_rounding(model, kind, dp, cp):
+    """Without dropout (the Llama, the GPT's ring), the ranks' shares sum to the whole
+    batch's loss and every gradient is within float32 rounding at the largest gradient's
+    scale."""
+    losses, grads, whole, whole_grads = reference(model, kind, dp, cp)
+    torch.testing.assert_close(sum(losses), sum(whole), rtol=1e-5, atol=1e-6)
     scale = max(float(g.abs().max()) for g in whole_grads.values())
     for name, g in grads.items():
         torch.testing.assert_close(g, whole_grads[name], rtol=1e-5, atol=1e-5 * scale)
 
 
 def test_executor_refusals(results):
-    for r in results[1]:
+    for r in results[4]:
         no_count, segments, shifting, checkpoint = r["refused"]
         assert "cannot save a checkpoint of a mesh with cp=2" in checkpoint
         assert "cp=2) needs count_fn" in no_count

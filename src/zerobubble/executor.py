@@ -245,17 +245,13 @@ class PipelineExecutor:
         if mesh is None or not self.plan.grad_sync.reduces:
             return None
         params = {s: list(c.module.parameters()) for s, c in self.chunks.items()}
-        group, inner = mesh.dp_group, mesh.cp_group  # cp first, then dp
-        if group is None:
-            group, inner = inner, None
-        assert group is not None  # a ParallelSpec with dp > 1 or cp > 1
-        return GradReducer(
-            group,
+        return GradReducer(  # cp first (in cp-rank order), then dp
+            mesh.dp_group,
             params,
             self.options.comm_timeout_s,
             expert_group=mesh.edp_group,
             name=mesh.spec.name,
-            inner_group=inner,
+            inner_group=mesh.cp_group,
             dim="dp" if mesh.dp_group is not None else "cp",
         )
 

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from zerobubble.parallel.loss import cross_entropy, takes_sharded_logits
 from zerobubble.parallel.tp import LayerLayout, dropout_kinds
-from zerobubble.runtime.sequence.cp import ContextAware, ContextSlot
+from zerobubble.runtime.sequence.cp import ContextAware, ContextSlot, ring_attention
 from zerobubble.runtime.sequence.kv import SegmentAware
 
 __all__ = ["Block", "CausalSelfAttention", "GPTConfig", "GPTEmbedding", "build_gpt", "gpt_loss"]
@@ -185,10 +185,14 @@ class CausalSelfAttention(SegmentAware, ContextAware, nn.Module):
         return self.resid_drop(self.out(y.transpose(1, 2).reshape(b, t, width)))
 
     def _context(self, q: Tensor, k: Tensor, v: Tensor, cp: ContextSlot) -> Tensor:
-        """A cp rank's attention (B, H, 2n, D): each chunk's queries over the keys up to
-        its end (the causal half of the gathered sequence; masked columns never scored)."""
+        """A cp rank's attention (B, H, 2n, D). Without attention dropout a ring
+        (:func:`~zerobubble.runtime.sequence.cp.ring_attention`); with it, each chunk's
+        queries over the gathered keys up to its end (masked columns never scored), whose
+        probabilities the dropout draws on."""
         if self.segment_slot is not None:
             raise ValueError(f"{cp.name}: sequence segments with context parallelism")
+        if not (self.training and self.attn_drop.p > 0):  # no probabilities to drop: a ring
+            return ring_attention(q, k, v, cp, self.scale)
         keys, values = cp.gather(k), cp.gather(v)
         n = q.shape[2] // 2
         if keys.shape[2] > self.future.shape[0]:

@@ -20,8 +20,11 @@ With expert parallelism (a mesh with ``ep > 1``) expert parameters
 replicas holding the same experts) instead, and not at all when it has one rank.
 
 With context parallelism (a mesh with ``cp > 1``) the cp ranks' gradients are summed first
-(``inner_group``, blocking), then the dp replicas' (asynchronously, as without cp): with two
-ranks each, ``(g_00 + g_01) + (g_10 + g_11)`` bitwise, the reference's order.
+(``inner_group``, blocking) in cp-rank order: an all-gather of the bucket (``cp`` times its
+size, for the moment of the sum), not gloo's all-reduce, whose order depends on the
+element, so the sum is the reference's at any cp. Then the dp replicas' (asynchronously,
+as without cp; none with dp = 1): at dp = 2, ``(g_00 + g_01 + ...) + (g_10 + g_11 + ...)``
+bitwise, the reference's order.
 
 With tensor parallelism a DTensor gradient's local shard is summed (the dp group is the
 ranks with the same pp and tp ranks, which hold the same shard).
@@ -54,14 +57,16 @@ class _Bucket:
     expert: bool
     flat: Tensor
     grads: list[Tensor]
-    work: dist.Work
+    work: dist.Work | None
+    """None: summed already (over cp alone)."""
 
 
 class GradReducer:
     """Sums stage gradients over a dp group, asynchronously, with bounded waits.
 
     Args:
-        group: The dp group (this rank's data-parallel replicas).
+        group: The dp group (this rank's data-parallel replicas); None with ``inner_group``
+            only (cp without dp).
         stage_params: ``stage -> parameters`` of this rank, in model order.
         timeout_s: Longest the wait for one stage's reduction may block.
         expert_group: The group expert parameters are summed over (the mesh's
@@ -73,7 +78,7 @@ class GradReducer:
 
     def __init__(
         self,
-        group: dist.ProcessGroup,
+        group: dist.ProcessGroup | None,
         stage_params: Mapping[int, Sequence[nn.Parameter]],
         timeout_s: float,
         expert_group: dist.ProcessGroup | None = None,
@@ -88,7 +93,7 @@ class GradReducer:
         self.stage_params = {s: list(ps) for s, ps in stage_params.items()}
         self.timeout_s = timeout_s
         self.rank = dist.get_rank()
-        self.ranks = tuple(dist.get_process_group_ranks(group))
+        self.ranks = () if group is None else tuple(dist.get_process_group_ranks(group))
         self.expert_ranks = (
             () if expert_group is None else tuple(dist.get_process_group_ranks(expert_group))
         )
@@ -110,13 +115,15 @@ class GradReducer:
             what = self._what(stage, iteration, expert)
             group = self.expert_group if expert else self.group
             ranks = self.expert_ranks if expert else self.ranks
+            work = None
             try:
                 if self.inner_group is not None and not expert:
-                    dist.all_reduce(flat, group=self.inner_group)
-                work = dist.all_reduce(flat, group=group, async_op=True)
+                    flat = _in_rank_order(flat, self.inner_group)
+                if group is not None:
+                    work = dist.all_reduce(flat, group=group, async_op=True)
+                    assert work is not None
             except Exception as e:
                 raise PeerError(self.rank, None, what, str(e), group=ranks) from e
-            assert work is not None
             self._in_flight.append(_Bucket(stage, expert, flat, gs, work))
 
     def wait(self, iteration: int) -> None:
@@ -132,9 +139,10 @@ class GradReducer:
                 return PeerError(self.rank, None, what, why, group=ranks, missing=missing)
 
             group = self.expert_group if b.expert else self.group
-            self.arrivals.wait(
-                b.work, group=group, ranks=ranks, timeout_s=self.timeout_s, error=blame
-            )
+            if b.work is not None:
+                self.arrivals.wait(
+                    b.work, group=group, ranks=ranks, timeout_s=self.timeout_s, error=blame
+                )
             offset = 0
             for g in b.grads:
                 n = g.numel()
@@ -151,6 +159,16 @@ class GradReducer:
             f"all-reduce of stage {stage}'s gradients over dim '{self.dim}' (mesh "
             f"{self.dim} group, iteration {iteration})"
         )
+
+
+def _in_rank_order(flat: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``flat`` summed over ``group`` in rank order, ``((x_0 + x_1) + x_2) + ...``."""
+    parts = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, flat, group=group)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
 
 
 def _local(g: Tensor) -> Tensor:

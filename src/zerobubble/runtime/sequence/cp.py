@@ -28,7 +28,7 @@ The group is anything with ``exchange(rank, blocks) -> received`` (a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -46,6 +46,7 @@ __all__ = [
     "ProcessExchange",
     "context_parallel",
     "gather_sequence",
+    "ring_attention",
     "shard_batch",
     "unaware_attention",
 ]
@@ -113,6 +114,18 @@ class ProcessExchange:
         """``x`` of every rank, in rank order."""
         out = [torch.empty_like(x) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(out, x.contiguous(), group=self.group)
+        return out
+
+    def shift(self, rank: int, x: Tensor) -> Tensor:
+        """Send ``x`` to the next rank (``rank + 1``, cyclically); returns the previous one's."""
+        size = dist.get_world_size(self.group)
+        to = dist.get_global_rank(self.group, (rank + 1) % size)
+        source = dist.get_global_rank(self.group, (rank - 1) % size)
+        out = torch.empty_like(x)
+        ops = [dist.P2POp(dist.isend, x.contiguous(), to, self.group),
+               dist.P2POp(dist.irecv, out, source, self.group)]  # fmt: skip
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
         return out
 
     def exchange(self, rank: int, blocks: list[Tensor]) -> list[Tensor]:
@@ -183,6 +196,109 @@ class _Gather(torch.autograd.Function):
         for g in got[1:]:  # cp-rank order
             total = total + g
         return total, None
+
+
+def _shift(slot: ContextSlot, tensors: Sequence[Tensor]) -> list[Tensor]:
+    """``tensors`` (one shape each on every rank) sent to the next cp rank, the previous
+    rank's received: one flat message."""
+    c, r = slot.shards.size, slot.shards.rank
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    group = slot.group
+    if isinstance(group, ProcessExchange):
+        got = group.shift(r, flat)
+    else:  # an in-process group: an exchange with one block that is not empty
+        blocks = [flat if d == (r + 1) % c else flat[:0] for d in range(c)]
+        got = group.exchange(r, blocks)[(r - 1) % c]
+    return [piece.view_as(t) for piece, t in zip(got.split([t.numel() for t in tensors]),
+                                                  tensors, strict=True)]  # fmt: skip
+
+
+def _blocks(slot: ContextSlot, source: int) -> list[tuple[int, int, int, int]]:
+    """The (query half, its chunk, key half, its chunk) pairs a rank computes with cp rank
+    ``source``'s keys: a key chunk after the query chunk is skipped (causal)."""
+    mine = slot.shards.chunks
+    theirs = ContextShards(slot.shards.size, source).chunks
+    return [(hi, ci, hj, cj) for hi, ci in enumerate(mine) for hj, cj in enumerate(theirs)
+            if cj <= ci]  # fmt: skip
+
+
+class _Ring(torch.autograd.Function):
+    """Causal attention of a cp rank's two chunks, the key/value blocks passed around the
+    ring (flash-style: an online softmax forward, the backward recomputing each block's
+    probabilities from the saved log-sum-exp)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, slot: ContextSlot, scale: float
+    ) -> Tensor:
+        c, r = slot.shards.size, slot.shards.rank
+        n = q.shape[-2] // 2
+        future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        qs = q.split(n, dim=-2)
+        m = [q.new_full((*q.shape[:-2], n, 1), float("-inf")) for _ in range(2)]
+        total = [q.new_zeros((*q.shape[:-2], n, 1)) for _ in range(2)]
+        acc = [q.new_zeros((*q.shape[:-2], n, q.shape[-1])) for _ in range(2)]
+        kv = [k, v]
+        for step in range(c):
+            ks, vs = kv[0].split(n, dim=-2), kv[1].split(n, dim=-2)
+            for hi, ci, hj, cj in _blocks(slot, (r - step) % c):
+                scores = (qs[hi] @ ks[hj].transpose(-2, -1)) * scale
+                if cj == ci:
+                    scores = scores.masked_fill(future, float("-inf"))
+                top = torch.maximum(m[hi], scores.amax(dim=-1, keepdim=True))
+                p = torch.exp(scores - top)
+                alpha = torch.exp(m[hi] - top)
+                total[hi] = total[hi] * alpha + p.sum(dim=-1, keepdim=True)
+                acc[hi] = acc[hi] * alpha + p @ vs[hj]
+                m[hi] = top
+            if step < c - 1:
+                kv = _shift(slot, kv)
+        out = torch.cat([acc[h] / total[h] for h in range(2)], dim=-2)
+        lse = torch.cat([m[h] + torch.log(total[h]) for h in range(2)], dim=-2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.slot, ctx.scale = slot, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
+        q, k, v, out, lse = ctx.saved_tensors
+        slot: ContextSlot = ctx.slot
+        scale: float = ctx.scale
+        c, r = slot.shards.size, slot.shards.rank
+        n = q.shape[-2] // 2
+        future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        qs, dos, lses = q.split(n, dim=-2), dout.split(n, dim=-2), lse.split(n, dim=-2)
+        delta = (dout * out).sum(dim=-1, keepdim=True).split(n, dim=-2)
+        dq = [torch.zeros_like(x) for x in qs]
+        travelling = [k, v, torch.zeros_like(k), torch.zeros_like(v)]
+        for step in range(c):
+            kb, vb, dk, dv = travelling
+            ks, vs = kb.split(n, dim=-2), vb.split(n, dim=-2)
+            dks, dvs = list(dk.split(n, dim=-2)), list(dv.split(n, dim=-2))
+            for hi, ci, hj, cj in _blocks(slot, (r - step) % c):
+                scores = (qs[hi] @ ks[hj].transpose(-2, -1)) * scale
+                if cj == ci:
+                    scores = scores.masked_fill(future, float("-inf"))
+                p = torch.exp(scores - lses[hi])
+                dvs[hj] = dvs[hj] + p.transpose(-2, -1) @ dos[hi]
+                ds = p * (dos[hi] @ vs[hj].transpose(-2, -1) - delta[hi])
+                dq[hi] = dq[hi] + (ds @ ks[hj]) * scale
+                dks[hj] = dks[hj] + (ds.transpose(-2, -1) @ qs[hi]) * scale
+            dk, dv = torch.cat(dks, dim=-2), torch.cat(dvs, dim=-2)
+            if step < c - 1:
+                travelling = _shift(slot, [kb, vb, dk, dv])
+            else:  # the last block's gradients go home to their owner, the next rank
+                dk, dv = _shift(slot, [dk, dv])
+        return torch.cat(dq, dim=-2), dk, dv, None, None
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, slot: ContextSlot, scale: float) -> Tensor:
+    """Causal attention (B, H, 2n, D) of a cp rank's two chunks over the whole sequence, the
+    keys and values passed around the cp ranks in ``cp - 1`` steps and their gradients
+    back to their owners in ``cp`` (a ring: each rank holds one other block at a time and
+    saves only its own queries, keys, values, output and log-sum-exp). A key chunk after a
+    query chunk is never scored; no dropout on the probabilities (they are never held)."""
+    return _Ring.apply(q, k, v, slot, scale)
 
 
 def gather_sequence(x: Tensor, slot: ContextSlot) -> Tensor:
