@@ -11,7 +11,12 @@ rank's peak of the activation bytes its stages hold (the executor's trace,
 ``2 * kv_width`` floats per token per layer, and the ``T / cp x T`` mask are the extra).
 The step time on a shared CPU machine is indicative only.
 
-Run: ``PYTHONPATH=src .venv/bin/python bench/bench_cp.py [--seq 2048] [--m 4] [--attn sdpa]``;
+``--model gpt``: our GPT instead (``--width``, 4 heads, MLP 4x, no dropout), whose attention
+runs the ring under cp (it holds no other rank's keys and values) and, whole, scores every
+query against every key (eager).
+
+Run: ``PYTHONPATH=src .venv/bin/python bench/bench_cp.py [--seq 2048] [--m 4] [--attn sdpa]
+[--model gpt]``;
 prints one JSON line per configuration, then the ratios.
 """
 
@@ -28,6 +33,7 @@ import torch.nn.functional as F
 
 from zerobubble.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.interop import hf
+from zerobubble.models import GPTConfig, build_gpt
 from zerobubble.parallel.mesh import build_mesh
 from zerobubble.parallel.partition import build_stage_modules
 from zerobubble.runtime.launcher import init_distributed, launch
@@ -42,17 +48,19 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
+    parser.add_argument("--model", default="hf-llama", choices=["hf-llama", "gpt"])
     args = parser.parse_args()
     rows = {}
     for cp in (1, 2):
         per_rank = launch(
             _ranks, 2 * cp, cp, args.seq, args.m, args.width, args.layers, args.steps,
-            args.attn, timeout=3600,
+            args.attn, args.model, timeout=3600,
         )  # fmt: skip
         row = {
             "config": "pp2" if cp == 1 else "pp2 x cp2",
             "kind": "zb-h1",
-            "model": f"hf-llama {args.attn}, width {args.width}, {args.layers} layers",
+            "model": f"{args.model}{' ' + args.attn if args.model == 'hf-llama' else ''}, "
+            f"width {args.width}, {args.layers} layers",
             "seq": args.seq,
             "m": args.m,
             "step_ms": per_rank[0]["step_ms"],
@@ -79,22 +87,27 @@ def _count(labels: torch.Tensor) -> int:
 
 
 def _ranks(
-    cp: int, t: int, m: int, width: int, layers: int, steps: int, attn: str
+    cp: int, t: int, m: int, width: int, layers: int, steps: int, attn: str, which: str
 ) -> dict[str, object]:
     init_distributed()
     torch.set_num_threads(1)
     mesh = build_mesh(2, cp=cp)
-    model = hf.tiny_model(
-        "hf-llama",
-        attn_implementation=attn,
-        hidden_size=width,
-        intermediate_size=2 * width,
-        num_hidden_layers=layers,
-        max_position_embeddings=t,
-        tie_word_embeddings=False,
-    ).train()
+    if which == "gpt":
+        cfg = GPTConfig(vocab_size=256, max_seq_len=t, d_model=width, n_heads=4, n_layers=layers)
+        model_layers = list(build_gpt(cfg))
+    else:
+        model = hf.tiny_model(
+            "hf-llama",
+            attn_implementation=attn,
+            hidden_size=width,
+            intermediate_size=2 * width,
+            num_hidden_layers=layers,
+            max_position_embeddings=t,
+            tie_word_embeddings=False,
+        ).train()
+        model_layers = hf.causal_lm_layers(model, check=False)
     sched = generate("zb-h1", 2, m)
-    stages = build_stage_modules(hf.causal_lm_layers(model, check=False), sched, mesh.pp_rank)
+    stages = build_stage_modules(model_layers, sched, mesh.pp_rank)
     pipe = PipelineExecutor(
         sched, stages, loss_fn=_token_loss, count_fn=_count, mesh=mesh,
         options=ExecutorOptions(trace=True),
@@ -102,13 +115,14 @@ def _ranks(
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (m, t), generator=gen)
     y = torch.randint(0, 256, (m, t), generator=gen)
+    batch = ids if which == "gpt" else {"input_ids": ids}
     times: list[float] = []
     peak = 0
     for step in range(steps + 1):
         pipe.trace.clear()
         dist.barrier()
         start = time.perf_counter()
-        pipe.step({"input_ids": ids}, target=y)
+        pipe.step(batch, target=y)
         dist.barrier()
         if step:
             times.append((time.perf_counter() - start) * 1e3)

@@ -31,9 +31,8 @@ r`` of ``2 cp``). Its dim sits between ``dp`` and ``tp`` (torchtitan's order pp,
 tp): global rank ``((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank``, so the cp
 peers, which gather keys and values in every attention layer, are neighbours. Each of
 the ``dp * cp * tp`` pipelines runs one program; :attr:`PipelineMesh.cp_group` is the ranks
-with the same ``(pp, dp, tp)``. Gradients are summed over cp first, then over dp (two
-reductions: with two ranks each, both are bitwise the rank-order sums); the loss's token
-count likewise. pp=2 x dp=2 x cp=2::
+with the same ``(pp, dp, tp)``. Gradients are summed over cp first (in cp-rank order),
+then over dp; the loss's token count likewise. pp=2 x dp=2 x cp=2::
 
     global rank   0 1 2 3 | 4 5 6 7
     pp rank       0 0 0 0 | 1 1 1 1

@@ -12,14 +12,15 @@ Layers that read more than their own tokens take part by deriving from
 segments): :func:`context_parallel` gives each one a :class:`ContextSlot` (the layout and the
 group), and a stage with an attention layer that is not context-aware is refused. A layer
 reads its tokens' global positions from :meth:`ContextSlot.positions`; an attention layer
-gathers the keys and values of the whole sequence with :func:`gather_sequence`. That is an
-all-gather per attention layer (a first version, not a ring): each rank holds the whole
-sequence's keys and values of one layer, ``cp`` times its own, from the layer's forward to
-the end of its backward (the autograd graph keeps them), plus the same once more in the
-backward, where each rank sends every owner the gradient of its keys and values
-(an all-to-all) and the owner sums what it receives in cp-rank order. Only that sum is
-arithmetic; everything else moves data, so a run is bitwise the one-process reference that
-plays the group between threads (:mod:`zerobubble.reference.cp`).
+either runs :func:`ring_attention` (key/value blocks passed around the ranks, nothing of
+the others' held after the layer's forward) or gathers the keys and values of the whole
+sequence with :func:`gather_sequence`: an all-gather per attention layer, each rank then
+holding the whole sequence's keys and values of one layer, ``cp`` times its own, from the
+layer's forward to the end of its backward (the autograd graph keeps them), plus the same
+once more in the backward, where each rank sends every owner the gradient of its keys and
+values (an all-to-all) and the owner sums what arrives in cp-rank order. The arithmetic
+depends on the rank and the layout only, so a run is bitwise the one-process reference
+that plays the group between threads (:mod:`zerobubble.reference.cp`).
 
 The group is anything with ``exchange(rank, blocks) -> received`` (a
 :class:`~zerobubble.parallel.ep.LocalGroup` in the reference) or a process group
