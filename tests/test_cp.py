@@ -1,8 +1,10 @@
 """Context parallelism (pp x cp, gloo): bitwise ``zerobubble.reference_step(cp=...)``.
 
-One launch of pp=2 x cp=2 (4 ranks) runs our GPT (with dropout, seeded; under zbv with the
-stage recomputed in B) and a tiny HF Llama (sdpa and eager) under zb-h1 and zbv (the V: two
-stages per rank); every rank's losses and
+Every case runs through ``zerobubble.Pipeline`` (its tie reduction called after the step).
+One launch of pp=2 x cp=2 (4 ranks) runs our GPT (with dropout, seeded: the all-gather;
+without, its LM head tied to the embedding: the ring; under zbv with the stage recomputed
+in B) and a tiny HF Llama (sdpa and eager) under zb-h1 and zbv (the V: two stages per
+rank); every rank's losses and
 every gradient after the cp reduction are ``torch.equal`` the composed reference's, which
 plays the cp ranks in threads (:mod:`zerobubble.reference.cp`). Against the model run
 whole on one process (plain autograd) the losses and gradients agree within float32
@@ -29,7 +31,7 @@ from zerobubble.models import GPTConfig, build_gpt
 from zerobubble.optim.checkpoint import save_checkpoint
 from zerobubble.parallel.ep import LocalGroup
 from zerobubble.parallel.mesh import ParallelSpec, build_mesh
-from zerobubble.parallel.partition import build_stage_modules, model_name, stage_bounds
+from zerobubble.parallel.partition import build_stage_modules
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.sequence.cp import ContextShards, context_parallel, shard_batch
 
@@ -62,10 +64,11 @@ def model_and_batch(model: str, layers: int, rows: int) -> tuple[list[nn.Module]
     sequence)."""
     gen = torch.Generator().manual_seed(3)
     if model.startswith("gpt"):
-        drop = 0.1 if model == "gpt" else 0.0
+        ring = model == "gpt-ring"
         cfg = GPTConfig(
-            vocab_size=17, max_seq_len=T, d_model=8, n_heads=2, n_layers=layers, dropout=drop
-        )
+            vocab_size=17, max_seq_len=T, d_model=8, n_heads=2, n_layers=layers,
+            dropout=0.0 if ring else 0.1, tie_embeddings=ring,
+        )  # fmt: skip
         x = torch.randint(0, 17, (rows, T), generator=gen)
         y = torch.randint(0, 17, (rows, T), generator=gen)
         y[0, -3:] = IGNORE
@@ -80,17 +83,6 @@ def model_and_batch(model: str, layers: int, rows: int) -> tuple[list[nn.Module]
     y = torch.full((rows, T), IGNORE)
     y[:, :-1] = ids[:, 1:]
     return hf.causal_lm_layers(llama, check=False), {"input_ids": ids}, y
-
-
-def stage_grads(pipe: PipelineExecutor, num_layers: int) -> dict[str, torch.Tensor]:
-    """Every gradient of this rank's stages under the whole model's layer index."""
-    bounds = stage_bounds(num_layers, pipe.schedule.num_stages)
-    out = {}
-    for s, chunk in pipe.chunks.items():
-        for name, p in chunk.module.named_parameters():
-            local, rest = name.split(".", 1)
-            out[f"{bounds[s].start + int(local)}.{rest}"] = p.grad.clone()
-    return out
 
 
 def cp_job(world: int) -> dict:
@@ -114,16 +106,17 @@ def run_case(mesh: Any, model: str, kind: str) -> dict:
     dp = mesh.dp_size
     sched = generated(kind, 2, M)
     layers, x, y = model_and_batch(model, sched.num_stages, M * dp)
-    stages = build_stage_modules(layers, sched, mesh.pp_rank)
-    pipe = PipelineExecutor(
-        sched, stages, loss_fn=token_loss, count_fn=count, mesh=mesh,
+    pipe = zerobubble.Pipeline(
+        layers, token_loss, sched, mesh=mesh, count_fn=count,
         options=ExecutorOptions(seed=5, recompute="stage" if kind == "zbv" else "none"),
     )  # fmt: skip
     # every rank passes its dp part of whole sequences; the executor takes its chunks
     part = torch.tensor_split(torch.arange(M * dp), dp)[mesh.dp_rank]
     xs = x[part] if isinstance(x, torch.Tensor) else {k: v[part] for k, v in x.items()}
     losses = pipe.step(xs, target=y[part])
-    return {"losses": losses, "grads": stage_grads(pipe, len(layers)), "held": pipe.held_bytes()}
+    pipe.tied.reduce(0)  # the tie's stage gradients summed (a trainer's step does it)
+    grads = {name: p.grad.clone() for name, p in pipe.named_parameters()}
+    return {"losses": losses, "grads": grads, "held": pipe.executor.held_bytes()}
 
 
 def refusals(mesh: Any) -> list[str]:
@@ -160,15 +153,7 @@ def reference(model: str, kind: str, dp: int, cp: int) -> tuple[list, dict, list
     for m in layers:  # the model run whole: dropout off, so the bound holds
         m.eval()
     whole, whole_grads = zerobubble.reference_step(layers, token_loss, x, **kw)
-    keys = tuple(str(i) for i in range(len(layers)))
-    names = [n for n, _ in nn.Sequential(*layers).named_parameters()]
-    by_layer = {n: model_name(n, keys, layers) for n in names}  # the user's names
-    return (
-        losses,
-        {n: grads[u] for n, u in by_layer.items()},
-        whole,
-        {n: whole_grads[u] for n, u in by_layer.items()},
-    )
+    return losses, grads, whole, whole_grads  # under the user's names, as the Pipeline's
 
 
 @pytest.fixture(scope="module")
