@@ -24,13 +24,14 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerobubble.parallel.dp import GradReducer, sum_over_dp
+from zerobubble.parallel.dp import GradReducer, sum_over_replicas
 from zerobubble.parallel.ep import expert_groups
 from zerobubble.parallel.fsdp import ShardedStages
 from zerobubble.parallel.loss import LossParallel
@@ -53,7 +54,7 @@ from zerobubble.runtime.recorder import (
 )
 from zerobubble.runtime.rng import StageRng
 from zerobubble.runtime.sequence.batch import check_cuts, segment_step
-from zerobubble.runtime.sequence.cp import ContextShards, shard_batch
+from zerobubble.runtime.sequence.cp import ContextShards, shard_step
 from zerobubble.runtime.sequence.guard import SegmentGuard
 from zerobubble.runtime.stage import LossFn, StageChunk
 from zerobubble.runtime.step_batch import split_step
@@ -172,11 +173,7 @@ class PipelineExecutor:
         if self.cuts is not None:
             _check_segment_loss(schedule, loss_fn, self.count_fn)
             _check_segment_shards(self.cuts, mesh)
-        self.context: ContextShards | None = None
-        """This rank's sequence chunks under context parallelism (None: whole sequences)."""
-        if mesh is not None and mesh.cp_size > 1:
-            _check_context(schedule, self.cuts, self.count_fn, loss_fn, mesh)
-            self.context = ContextShards(mesh.cp_size, mesh.cp_rank)
+        self.context = _context(schedule, self.cuts, self.count_fn, loss_fn, mesh)
         self.plan = ProgramPlan(
             fuse_local_backward=opts.fuse_local_backward,
             recv_lookahead=opts.recv_lookahead,
@@ -195,11 +192,8 @@ class PipelineExecutor:
         if retain or (retain is None and self.device.type == "cpu"):
             retain_freed_memory()
         self.rank = dist.get_rank(group)
-        self.term_weight = term_weight(
-            opts.term_weight,
-            schedule.num_microbatches,
-            1 if mesh is None else mesh.spec.dp * mesh.spec.cp,
-        )
+        replicas = 1 if mesh is None else mesh.spec.dp * mesh.spec.cp
+        self.term_weight = term_weight(opts.term_weight, schedule.num_microbatches, replicas)
         """Each microbatch's loss terms' weight in the step's objective (None: as its loss;
         :attr:`ExecutorOptions.term_weight`)."""
         self._load_program()
@@ -245,25 +239,7 @@ class PipelineExecutor:
         if mesh is None or not self.plan.grad_sync.reduces:
             return None
         params = {s: list(c.module.parameters()) for s, c in self.chunks.items()}
-        return GradReducer(  # cp first (in cp-rank order), then dp
-            mesh.dp_group,
-            params,
-            self.options.comm_timeout_s,
-            expert_group=mesh.edp_group,
-            name=mesh.spec.name,
-            inner_group=mesh.cp_group,
-            dim="dp" if mesh.dp_group is not None else "cp",
-        )
-
-    def _over_replicas(self, n: Any) -> Any:
-        """``n`` (a batch size or count) summed over the replicas sharing the step's batch:
-        over cp first (a sequence's chunks), then over dp."""
-        mesh = self.mesh
-        if mesh is None:
-            return n
-        if mesh.cp_group is not None:
-            n = sum_over_dp(mesh.cp_group, self.p2p, self.iteration, n, dim="cp")
-        return sum_over_dp(mesh.dp_group, self.p2p, self.iteration, n)
+        return GradReducer.of_mesh(mesh, params, self.options.comm_timeout_s)
 
     def _connect(self) -> None:
         """The pipeline's point-to-point links, then one start-up barrier (every rank leaves
@@ -407,9 +383,7 @@ class PipelineExecutor:
         (they sum to it).
         """
         if self.context is not None:  # this rank's chunks of every sequence
-            args = shard_batch(args, self.context, "the input batch")
-            kwargs = shard_batch(kwargs, self.context, "the input batch")
-            target = shard_batch(target, self.context, "target")
+            args, kwargs, target = shard_step(self.context, args, kwargs, target)
         batch = split_step(
             args,
             kwargs,
@@ -420,7 +394,7 @@ class PipelineExecutor:
             last=self.has_last,
             count_fn=self.count_fn,
             device=self.device,
-            over_dp=self._over_replicas,
+            over_dp=partial(sum_over_replicas, self.mesh, self.p2p, self.iteration),
         )
         if self.cuts is not None:
             batch = segment_step(batch, self.cuts)
@@ -445,15 +419,18 @@ class PipelineExecutor:
         return out
 
 
-def _check_context(
+def _context(
     schedule: Schedule,
     cuts: tuple[int, ...] | None,
     count_fn: Any,
     loss_fn: LossFn | None,
-    mesh: PipelineMesh,
-) -> None:
-    """Refuse what context parallelism cannot honour: segments, overlapped pairs, a loss
-    not normalised by a count over the whole batch."""
+    mesh: PipelineMesh | None,
+) -> ContextShards | None:
+    """This rank's sequence chunks under context parallelism (None: whole sequences),
+    refusing what it cannot honour: segments, overlapped pairs, a loss not normalised by a
+    count over the whole batch."""
+    if mesh is None or mesh.cp_size == 1:
+        return None
     cp = f"context parallelism (cp={mesh.cp_size})"
     if cuts is not None:
         raise ValueError(
@@ -478,6 +455,7 @@ def _check_context(
             f"{cp}: the loss shifts labels inside each call, which would drop each chunk's "
             "last target; shift the labels once for the whole sequence"
         )
+    return ContextShards(mesh.cp_size, mesh.cp_rank)
 
 
 def _check_overlap(schedule: Schedule, opts: ExecutorOptions, mesh: PipelineMesh | None) -> None:

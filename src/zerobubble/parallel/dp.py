@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,10 @@ from torch.distributed.tensor import DTensor
 from zerobubble.parallel.ep import is_expert
 from zerobubble.runtime.p2p.comm import P2P, Arrivals, PeerError, RankName, plain_name
 
-__all__ = ["GradReducer", "sum_over_dp"]
+if TYPE_CHECKING:
+    from zerobubble.parallel.mesh import PipelineMesh
+
+__all__ = ["GradReducer", "sum_over_dp", "sum_over_replicas"]
 
 
 @dataclass
@@ -99,6 +103,22 @@ class GradReducer:
         )
         self.arrivals = Arrivals(self.rank, name)
         self._in_flight: list[_Bucket] = []
+
+    @classmethod
+    def of_mesh(
+        cls, mesh: PipelineMesh, params: Mapping[int, Sequence[nn.Parameter]], timeout_s: float
+    ) -> GradReducer:
+        """The mesh's reduction: over cp first (in cp-rank order), then over dp; the experts'
+        over edp."""
+        return cls(
+            mesh.dp_group,
+            params,
+            timeout_s,
+            expert_group=mesh.edp_group,
+            name=mesh.spec.name,
+            inner_group=mesh.cp_group,
+            dim="dp" if mesh.dp_group is not None else "cp",
+        )
 
     def launch(self, stage: int, iteration: int) -> None:
         """Start summing ``stage``'s gradients over dp (one bucket per dtype)."""
@@ -159,6 +179,18 @@ class GradReducer:
             f"all-reduce of stage {stage}'s gradients over dim '{self.dim}' (mesh "
             f"{self.dim} group, iteration {iteration})"
         )
+
+
+def sum_over_replicas(
+    mesh: PipelineMesh | None, p2p: P2P, iteration: int, n: Tensor | int
+) -> Tensor | int:
+    """``n`` (a batch size or count) summed over the replicas sharing the step's batch: over
+    cp first (a sequence's chunks), then over dp."""
+    if mesh is None:
+        return n
+    if mesh.cp_group is not None:
+        n = sum_over_dp(mesh.cp_group, p2p, iteration, n, dim="cp")
+    return sum_over_dp(mesh.dp_group, p2p, iteration, n)
 
 
 def _in_rank_order(flat: Tensor, group: dist.ProcessGroup) -> Tensor:

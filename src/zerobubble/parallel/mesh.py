@@ -312,24 +312,7 @@ def build_mesh(
             "torch.distributed is not initialised: call zerobubble.init_distributed() before "
             "build_mesh"
         )
-    world = dist.get_world_size()
-    if world != spec.world_size:
-        if cp > 1:
-            raise ValueError(
-                f"the world has {world} ranks but the mesh pp={pp} x dp={dp} x cp={cp} needs "
-                f"{spec.world_size}; launch pp*dp*cp = {spec.world_size} processes or change "
-                "--pp/--dp/--cp"
-            )
-        if tp == 1:
-            raise ValueError(
-                f"the world has {world} ranks but the mesh pp={pp} x dp={dp} needs {pp * dp}; "
-                f"launch pp*dp = {pp * dp} processes or change --pp/--dp"
-            )
-        raise ValueError(
-            f"the world has {world} ranks but the mesh pp={pp} x dp={dp} x tp={tp} needs "
-            f"{spec.world_size}; launch pp*dp*tp = {spec.world_size} processes or change "
-            "--pp/--dp/--tp"
-        )
+    _check_world(spec, dist.get_world_size())
     if device_type is None:
         device_type = "cpu" if dist.get_backend() == "gloo" else _accelerator_type()
     dims, names = ((pp, dp), ("pp", "dp")) if tp == 1 else ((pp, dp, tp), ("pp", "dp", "tp"))
@@ -369,6 +352,29 @@ def build_mesh(
         tp_rank=rank % tp,
         cp_group=mesh.get_group("cp") if cp > 1 else None,
         cp_rank=rank // tp % cp,
+    )
+
+
+def _check_world(spec: ParallelSpec, world: int) -> None:
+    """Refuse a world of another size than the mesh's, naming both and the fix."""
+    if world == spec.world_size:
+        return
+    pp, dp, cp, tp = spec.pp, spec.dp, spec.cp, spec.tp
+    if cp > 1:
+        raise ValueError(
+            f"the world has {world} ranks but the mesh pp={pp} x dp={dp} x cp={cp} needs "
+            f"{spec.world_size}; launch pp*dp*cp = {spec.world_size} processes or change "
+            "--pp/--dp/--cp"
+        )
+    if tp == 1:
+        raise ValueError(
+            f"the world has {world} ranks but the mesh pp={pp} x dp={dp} needs {pp * dp}; "
+            f"launch pp*dp = {pp * dp} processes or change --pp/--dp"
+        )
+    raise ValueError(
+        f"the world has {world} ranks but the mesh pp={pp} x dp={dp} x tp={tp} needs "
+        f"{spec.world_size}; launch pp*dp*tp = {spec.world_size} processes or change "
+        "--pp/--dp/--tp"
     )
 
 

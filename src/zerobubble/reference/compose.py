@@ -106,11 +106,9 @@ def reference_step(
     term_weight: TermWeight = "mean",
     **kwargs: Any,
 ) -> tuple[list[Tensor], dict[str, Tensor]]:
-    """One step of the whole job's arithmetic in one process (see the module docstring).
-
-    ``reference_step(layers, loss_fn, *args, target=..., microbatches=M, **kwargs)`` with no
-    option is :func:`zerobubble.reference.step.reference_step`; ``args``, ``kwargs`` and
-    ``target`` are the global batch (all replicas' rows). ``microbatches`` is per replica.
+    """One step of the whole job's arithmetic in one process (the module docstring); with no
+    option :func:`zerobubble.reference.step.reference_step`. ``args``, ``kwargs`` and
+    ``target`` are the global batch (all replicas' rows); ``microbatches`` is per replica.
 
     Returns:
         The unscaled per-microbatch losses, replica-major (replica ``r``'s microbatch
@@ -118,22 +116,19 @@ def reference_step(
         the replicas' sums (under tp, each rank's local shards; under ep, a sharded
         experts tensor whole again). Without tp the sums are left in ``layers``' ``.grad``
         (under ep only by :func:`~zerobubble.reference.ep.ep_reference_step`'s case: top-level
-        expert layers without random ops, ties, segments or several inputs). With ``cp``
-        the losses are each cp rank's share, ``(dp rank * cp + cp rank) * M + j``.
+        expert layers without random ops, ties, segments or several inputs).
     """
     args, target, m, n = read_batch(args, target, microbatches, kwargs)
-    _refuse(dp, ep, tp_mesh, loss_parallel)
-    _refuse_cp(cp, ep, tp_mesh, cuts, default_count_fn(loss_fn, count_fn))
+    _refuse(dp, ep, tp_mesh, loss_parallel, cp)
     parts = _parts(args, kwargs, target, dp, n)
     model = as_sequential(layers)
-    staged: dict[str, Any] = {"seed": seed, "step": step, "num_stages": num_stages}
-    staged["boundaries"] = boundaries  # how the stages are cut and seeded
+    staged = _staged(seed, step, num_stages, boundaries)  # how the stages are cut and seeded
     if ep > 1:
         return _experts(model, loss_fn, parts, m, n, ep, count_fn, term_weight, terms, cuts, staged)
     count_fn = default_count_fn(loss_fn, count_fn)
-    share = None
-    if dp * cp > 1:
-        share = Share(n if count_fn is None else _count(parts, count_fn), dp * cp)
+    if cp != 1:
+        return _context(model, loss_fn, parts, m, cp, count_fn, (tp_mesh, cuts), staged)
+    share = None if dp == 1 else Share(n if count_fn is None else _count(parts, count_fn), dp)
     if tp_mesh is not None:  # parallelized once, in place of the caller's layers' copy
         model = as_sequential(copy.deepcopy(list(model)))
     run, ties = Ties.of(model, num_stages, boundaries, tp_mesh is None)
@@ -148,10 +143,6 @@ def reference_step(
             tp.update(sequence_parallel=sequence_parallel)
             tp.update(loss_parallel=loss_parallel, terms=terms, term_weight=term_weight, cuts=cuts)
             mine, grads = _tp_replica(model, loss_fn, (a, k, t), m, tie_parts, fsdp, tp, common)
-        elif cp > 1:
-            assert share is not None and count_fn is not None  # _refuse_cp
-            mine = context_reference_step(run, loss_fn, (a, k, t), m, cp, share, count_fn, **staged)
-            grads = {}
         elif cuts is not None:
             mine, grads = segment_reference_step(
                 run, loss_fn, *a, target=t, microbatches=m, cuts=cuts, **common, **k
@@ -165,16 +156,19 @@ def reference_step(
         sums = grads if not sums else _add(sums, grads)
         if tp_mesh is None:
             _hold(run, held)
-    if cp > 1:  # the cp sums were left in run's .grad, summed over dp by _hold
-        for p in run.parameters():
-            p.grad = held.get(id(p))
-        sums = user_grads(run)
     if tp_mesh is None:
         ties.give_back(model, run, held, sums)
     for name, summed in tie_parts.items():  # the dp sums first, then the stages, in order
         if (total := sum_parts(summed)) is not None:
             sums[name] = total
     return losses, sums
+
+
+def _staged(
+    seed: int | None, step: int, num_stages: int, boundaries: Sequence[int] | None
+) -> dict[str, Any]:
+    """The options that cut and seed the stages, as the single-replica references take them."""
+    return {"seed": seed, "step": step, "num_stages": num_stages, "boundaries": boundaries}
 
 
 def _tp_replica(
@@ -284,7 +278,9 @@ def _stage_replicas(
     return run, Ties(tied, names)
 
 
-def _refuse(dp: int, ep: int, tp: DeviceMesh | None, loss_parallel: bool | None) -> None:
+def _refuse(
+    dp: int, ep: int, tp: DeviceMesh | None, loss_parallel: bool | None, cp: int = 1
+) -> None:
     """The combinations without a composed ground truth, named, and loss parallel without
     tp."""
     if loss_parallel and tp is None:
@@ -294,6 +290,11 @@ def _refuse(dp: int, ep: int, tp: DeviceMesh | None, loss_parallel: bool | None)
         )
     if dp < 1 or ep < 1 or dp % ep:
         raise ValueError(f"dp={dp} and ep={ep}: both >= 1, and ep must divide dp")
+    if cp < 1 or (cp > 1 and ep > 1):
+        raise ValueError(
+            f"cp={cp}: must be >= 1, and reference_step has no ground truth of context "
+            f"parallelism with ep={ep} (the mesh refuses it too)"
+        )
     if ep > 1 and tp is not None:
         raise ValueError(
             f"reference_step has no ground truth of expert parallelism (ep={ep}) with tensor "
@@ -302,15 +303,42 @@ def _refuse(dp: int, ep: int, tp: DeviceMesh | None, loss_parallel: bool | None)
         )
 
 
+def _context(
+    model: nn.Sequential,
+    loss_fn: Callable[..., Tensor],
+    parts: Sequence[Part],
+    m: int,
+    cp: int,
+    count_fn: CountFn | None,
+    others: tuple[DeviceMesh | None, Sequence[int] | None],
+    staged: dict[str, Any],
+) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """The dp replicas over ``cp`` ranks each (:func:`context_reference_step`), their cp
+    sums added over dp in rank order, the ties' stage gradients summed after; losses
+    ``(dp, cp)``-rank-major."""
+    _refuse_cp(cp, others, count_fn)
+    assert count_fn is not None  # _refuse_cp
+    share = Share(_count(parts, count_fn), len(parts) * cp)
+    run, ties = Ties.of(model, staged["num_stages"], staged["boundaries"], True)
+    losses: list[Tensor] = []
+    held: dict[int, Tensor] = {}  # id(parameter) -> its summed .grad
+    for part in parts:  # each leaves its cp sums in run's .grad
+        losses += context_reference_step(run, loss_fn, part, m, cp, share, count_fn, **staged)
+        _hold(run, held)
+    for p in run.parameters():
+        p.grad = held.get(id(p))
+    sums = user_grads(run)
+    ties.give_back(model, run, held, sums)
+    return losses, sums
+
+
 def _refuse_cp(
-    cp: int, ep: int, tp: DeviceMesh | None, cuts: Sequence[int] | None, count_fn: Any
+    cp: int, others: tuple[DeviceMesh | None, Sequence[int] | None], count_fn: Any
 ) -> None:
-    """Context parallelism's combinations without a composed ground truth, named."""
-    if cp < 1:
-        raise ValueError(f"cp={cp}: must be >= 1")
-    if cp == 1:
-        return
-    other = "ep" if ep > 1 else "tp" if tp is not None else "cuts" if cuts is not None else None
+    """Context parallelism's combinations without a composed ground truth, named (ep is
+    refused before: its reference runs first)."""
+    tp, cuts = others
+    other = "tp" if tp is not None else "cuts" if cuts is not None else None
     if other is not None:
         raise ValueError(
             f"reference_step has no ground truth of context parallelism (cp={cp}) with "

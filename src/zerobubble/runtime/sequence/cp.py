@@ -49,6 +49,7 @@ __all__ = [
     "gather_sequence",
     "ring_attention",
     "shard_batch",
+    "shard_step",
     "unaware_attention",
 ]
 
@@ -352,6 +353,15 @@ def unaware_attention(module: nn.Module) -> str | None:
         if isinstance(m, nn.MultiheadAttention) or type(m).__name__.endswith("Attention"):
             return f"{name or '(the layer)'} ({type(m).__name__})"
     return None
+
+
+def shard_step(shards: ContextShards, args: Any, kwargs: Any, target: Any) -> tuple[Any, Any, Any]:
+    """A step's ``(args, kwargs, target)`` cut to this rank's chunks (:func:`shard_batch`)."""
+    return (
+        shard_batch(args, shards, "the input batch"),
+        shard_batch(kwargs, shards, "the input batch"),
+        shard_batch(target, shards, "target"),
+    )
 
 
 def shard_batch(value: Any, shards: ContextShards, what: str) -> Any:
