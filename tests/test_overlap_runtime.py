@@ -349,17 +349,17 @@ def test_overlap_with_recompute_under_expert_parallelism_is_refused():
     from types import SimpleNamespace
 
     from zerobubble.parallel.checks import features as _features
+    from zerobubble.parallel.mesh import ParallelSpec
 
     sched = generate("dualpipev", 2, 6, overlap=True)
-    spec = SimpleNamespace(fsdp=False, sequence_parallel=False)
-    mesh = SimpleNamespace(spec=spec, tp_size=1, ep_size=2, dp_size=2)
+    mesh = SimpleNamespace(spec=ParallelSpec(2, 2, ep=2))
     layers = ExecutorOptions(recompute="layers")
     features = _features(sched, layers, mesh)  # type: ignore[arg-type]
     assert features == {"overlap", "recompute", "dp", "ep"}
     with pytest.raises(ValueError, match=r"^schedule 'dualpipev': expert parallelism with .*"):
         composition.check(features, "schedule 'dualpipev'")
     composition.check(_features(sched, ExecutorOptions(), mesh), "")  # type: ignore[arg-type]
-    one = SimpleNamespace(spec=spec, tp_size=1, ep_size=1, dp_size=1)
+    one = SimpleNamespace(spec=ParallelSpec(2))
     composition.check(_features(sched, layers, one), "")  # type: ignore[arg-type]
 
 
@@ -367,11 +367,11 @@ def test_overlap_with_recompute_over_hand_built_expert_groups_is_refused_naming_
     from types import SimpleNamespace
 
     from zerobubble.parallel.checks import _check_overlap_experts
-    from zerobubble.parallel.ep import ExpertGroup, LocalGroup
+    from zerobubble.parallel.ep import ExpertGroup, LocalGroup, Turns
 
     sched = generate("dualpipev", 2, 6, overlap=True)
     layer = nn.Linear(2, 2)
-    layer.ep = ExpertGroup(LocalGroup(2), rank=0, size=2)  # type: ignore[assignment]
+    layer.ep = ExpertGroup(LocalGroup(Turns(2), 0, 2), rank=0, size=2)  # type: ignore[assignment]
     chunks = {
         0: SimpleNamespace(module=nn.Sequential(nn.Linear(2, 2))),
         3: SimpleNamespace(module=nn.Sequential(layer)),

@@ -30,6 +30,7 @@ FEATURES: dict[str, str] = {
     "tp": "tensor parallelism",
     "sp": "sequence parallelism (tp's activations sharded over the sequence)",
     "ep": "expert parallelism",
+    "cp": "context parallelism (sequences sharded over cp ranks)",
     "segments": "sequence segments",
     "recompute": "activation recompute",
     "overlap": "overlapped F&B pairs",
@@ -101,6 +102,50 @@ CELLS: tuple[Cell, ...] = (
     _cell("ep", "overlap", "each half's all-to-all on its own lane"),
     _cell("ep", "ties", "the tie is reduced after the dp and edp sums"),
     _cell("ep", "random", "replicas draw by (step, stage, microbatch), with no dp rank"),
+    _cell("dp", "cp", "gradients summed over cp (in cp-rank order), then over dp"),
+    _cell(
+        "fsdp",
+        "cp",
+        "FSDP shards over the dp dim only, and the cp ranks' gradients would have to be summed "
+        "before its reduce-scatter",
+        "use fsdp=False with cp, or cp=1",
+    ),
+    _cell(
+        "tp",
+        "cp",
+        "the ground truth would run tp's DTensor collectives from the threads that play the "
+        "cp ranks, which one tp group cannot order",
+        "use tp=1 with cp, or cp=1",
+    ),
+    _cell(
+        "sp",
+        "cp",
+        "sequence parallelism is a tp layout, and tp does not compose with cp yet",
+        "use tp=1 with cp, or cp=1",
+    ),
+    _cell(
+        "ep",
+        "cp",
+        "the experts' all-to-alls and the cp gathers would both be played between the threads "
+        "of one reference, which plays one group at a time",
+        "use ep=1 with cp, or cp=1",
+    ),
+    _cell(
+        "cp",
+        "segments",
+        "segments of context-parallel chunks are not built",
+        "use a schedule without segments, or cp=1",
+    ),
+    _cell("cp", "recompute", "the replay gathers the keys and values again"),
+    _cell(
+        "cp",
+        "overlap",
+        "both halves would run the cp group's gathers at once, in an order the cp ranks could "
+        "differ on",
+        "use a schedule without overlap, or cp=1",
+    ),
+    _cell("cp", "ties", "the tie is reduced after the cp and dp sums"),
+    _cell("cp", "random", "each cp rank draws by (step, stage, microbatch), as a dp rank does"),
     _cell("segments", "recompute", "a checkpointed region takes the past K/V as inputs"),
     _cell("segments", "overlap", "a pair is two units of different stages"),
     _cell("segments", "ties", "the tie is reduced once per step"),

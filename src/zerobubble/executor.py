@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerobubble.parallel.checks import check_job, check_pairs
-from zerobubble.parallel.dp import GradReducer, sum_over_dp
+from zerobubble.parallel.dp import GradReducer, sum_over_replicas
 from zerobubble.parallel.fsdp import ShardedStages
 from zerobubble.parallel.loss import LossParallel
 from zerobubble.parallel.mesh import PipelineMesh, pipeline_group, stage_lanes
@@ -54,6 +54,7 @@ from zerobubble.runtime.recorder import (
 )
 from zerobubble.runtime.rng import StageRng
 from zerobubble.runtime.sequence.batch import check_cuts, segment_step
+from zerobubble.runtime.sequence.cp import ContextShards, shard_step
 from zerobubble.runtime.sequence.guard import SegmentGuard
 from zerobubble.runtime.stage import LossFn, StageChunk
 from zerobubble.runtime.step_batch import split_step
@@ -171,6 +172,7 @@ class PipelineExecutor:
         self.count_fn = default_count_fn(loss_fn, count_fn)
         if self.cuts is not None:
             _check_segment_loss(schedule, loss_fn, self.count_fn)
+        self.context = _context(schedule, self.count_fn, loss_fn, mesh)
         self.plan = ProgramPlan(
             fuse_local_backward=opts.fuse_local_backward,
             recv_lookahead=opts.recv_lookahead,
@@ -188,9 +190,8 @@ class PipelineExecutor:
         if retain or (retain is None and self.device.type == "cpu"):
             retain_freed_memory()
         self.rank = dist.get_rank(group)
-        self.term_weight = term_weight(
-            opts.term_weight, schedule.num_microbatches, 1 if mesh is None else mesh.spec.dp
-        )
+        replicas = 1 if mesh is None else mesh.spec.dp * mesh.spec.cp
+        self.term_weight = term_weight(opts.term_weight, schedule.num_microbatches, replicas)
         """Each microbatch's loss terms' weight in the step's objective (None: as its loss;
         :attr:`ExecutorOptions.term_weight`)."""
         self._load_program()
@@ -235,15 +236,8 @@ class PipelineExecutor:
         mesh = self.mesh
         if mesh is None or not self.plan.grad_sync.reduces:
             return None
-        assert mesh.dp_group is not None  # a ParallelSpec with dp > 1
         params = {s: list(c.module.parameters()) for s, c in self.chunks.items()}
-        return GradReducer(
-            mesh.dp_group,
-            params,
-            self.options.comm_timeout_s,
-            expert_group=mesh.edp_group,
-            name=mesh.spec.name,
-        )
+        return GradReducer.of_mesh(mesh, params, self.options.comm_timeout_s)
 
     def _connect(self) -> None:
         """The pipeline's point-to-point links, then one start-up barrier (every rank leaves
@@ -386,6 +380,8 @@ class PipelineExecutor:
         With ``count_fn`` the losses are the microbatches' shares of the batch loss
         (they sum to it).
         """
+        if self.context is not None:  # this rank's chunks of every sequence
+            args, kwargs, target = shard_step(self.context, args, kwargs, target)
         batch = split_step(
             args,
             kwargs,
@@ -396,9 +392,7 @@ class PipelineExecutor:
             last=self.has_last,
             count_fn=self.count_fn,
             device=self.device,
-            over_dp=partial(
-                sum_over_dp, self.mesh.dp_group if self.mesh else None, self.p2p, self.iteration
-            ),
+            over_dp=partial(sum_over_replicas, self.mesh, self.p2p, self.iteration),
         )
         if self.cuts is not None:
             batch = segment_step(batch, self.cuts)
@@ -421,6 +415,29 @@ class PipelineExecutor:
             for name, values in self.last_terms.items():
                 terms.setdefault(name, []).extend(values)
         return out
+
+
+def _context(
+    schedule: Schedule, count_fn: Any, loss_fn: LossFn | None, mesh: PipelineMesh | None
+) -> ContextShards | None:
+    """This rank's sequence chunks under context parallelism (None: whole sequences),
+    refusing a loss not normalised by a count over the whole batch (what cp composes with
+    is the composition table's, :func:`~zerobubble.parallel.checks.check_job`)."""
+    if mesh is None or mesh.cp_size == 1:
+        return None
+    cp = f"context parallelism (cp={mesh.cp_size})"
+    if count_fn is None:
+        raise ValueError(
+            f"{cp} needs count_fn: each rank's loss is its chunks' share of the batch loss, "
+            "loss_fn(output, target, count_fn(target)) with the count summed over cp (a "
+            "token-summed loss); pass count_fn"
+        )
+    if getattr(loss_fn, "shifts_labels", False):
+        raise ValueError(
+            f"{cp}: the loss shifts labels inside each call, which would drop each chunk's "
+            "last target; shift the labels once for the whole sequence"
+        )
+    return ContextShards(mesh.cp_size, mesh.cp_rank)
 
 
 def _check_segment_loss(schedule: Schedule, loss_fn: LossFn | None, count_fn: Any) -> None:

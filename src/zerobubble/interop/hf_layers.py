@@ -52,6 +52,7 @@ from zerobubble.interop.hf_tp import hf_block_plan
 from zerobubble.parallel.ep import ExpertGroup
 from zerobubble.parallel.tp import LayerLayout, share_column_inputs
 from zerobubble.runtime.loss_terms import add_loss_term
+from zerobubble.runtime.sequence.cp import ContextAware, ContextSlot
 from zerobubble.runtime.sequence.kv import SegmentAware, SegmentSlot
 
 Boundary = dict[str, Any]
@@ -326,6 +327,66 @@ def _record_kv(slot: SegmentSlot, cache: DynamicCache | None, index: int, first:
     slot.record(kv.keys[..., own:, :], kv.values[..., own:, :])
 
 
+class _GatheredCache:
+    """A cp rank's stand-in for the attention's key/value cache: ``update`` returns the whole
+    sequence's keys and values, gathered from the cp ranks (their gradients sent back)."""
+
+    def __init__(self, slot: ContextSlot) -> None:
+        self.slot = slot
+
+    def update(self, keys: Tensor, values: Tensor, *args: Any, **kwargs: Any) -> tuple:
+        return self.slot.gather(keys), self.slot.gather(values)
+
+
+def _context_inputs(
+    slot: ContextSlot,
+    block: DecoderBlock,
+    layer_type: str | None,
+    hidden: Tensor,
+    mask: Tensor | None,
+    position_ids: Tensor | None,
+) -> tuple[_GatheredCache, Tensor, Tensor]:
+    """A cp rank's cache, positions and causal mask: its two chunks' global positions, and
+    a 4-D mask of its queries over the whole sequence's keys (key ``t`` seen from a query
+    at ``p`` iff ``t <= p``), boolean for sdpa, additive for eager. Refused: padding,
+    position ids other than the tokens' own (packed documents), sliding windows, tensor
+    parallelism's sequence shards, sequence segments, rotary embeddings that scale with
+    the length."""
+    config = block.config
+    why = None
+    if block.segment_slot is not None:
+        why = "sequence segments"
+    elif mask is not None:
+        why = "a padding attention_mask"
+    elif block.attention_type != "full_attention":
+        why = f"{block.attention_type!r} layers (only full attention is sharded)"
+    elif block.sequence_shards > 1:
+        why = "sequence parallelism"
+    elif config._attn_implementation not in _DOCUMENT_MASKS:
+        why = f"attn_implementation={config._attn_implementation!r} (sdpa or eager take the mask)"
+    elif _rope_type(block.rotary_emb, layer_type) in ("dynamic", "longrope"):
+        why = "a rotary embedding that scales with the sequence's length"
+    own = slot.positions(hidden.shape[1], hidden.device)
+    if why is None and position_ids is not None and not _same_positions(position_ids, own):
+        why = "position ids other than the tokens' own (packed documents)"
+    if why is not None:
+        raise ValueError(
+            f"{slot.name}: context parallelism does not take {why}; build the mesh with cp=1"
+        )
+    keys = torch.arange(own.shape[0] * slot.shards.size, device=hidden.device)
+    seen = (keys[None, :] <= own[:, None])[None, None]
+    causal: Tensor = seen
+    if config._attn_implementation == "eager":
+        causal = torch.zeros(seen.shape, dtype=hidden.dtype, device=hidden.device)
+        causal = causal.masked_fill(~seen, torch.finfo(hidden.dtype).min)
+    return _GatheredCache(slot), own.unsqueeze(0), causal
+
+
+def _same_positions(position_ids: Tensor, own: Tensor) -> bool:
+    """Whether the given position ids are every row's tokens' own, ``own``."""
+    return position_ids.shape[-1] == own.shape[0] and bool((position_ids == own).all())
+
+
 def _rope_type(rotary: nn.Module, layer_type: str | None) -> str:
     """The rotary embedding's ``rope_type`` (for ``layer_type`` where it has one per type)."""
     rope_type = getattr(rotary, "rope_type", "default")
@@ -589,7 +650,7 @@ def _own_rotary(rotary_emb: nn.Module) -> nn.Module:
     return copy.deepcopy(rotary_emb)
 
 
-class DecoderBlock(SegmentAware, HFLayer):
+class DecoderBlock(SegmentAware, ContextAware, HFLayer):
     """One decoder layer with its mask (full or sliding window) and rotary embedding.
 
     ``attention_type`` is the key of the model's mask mapping for this layer
@@ -597,7 +658,9 @@ class DecoderBlock(SegmentAware, HFLayer):
 
     In a segment scope it attends over the earlier segments' keys and values too, its
     rotary positions offset by the segment's start (see :func:`_attention_inputs`); full
-    attention only.
+    attention only. On a cp rank (:mod:`zerobubble.runtime.sequence.cp`) it takes its two
+    chunks' global positions and attends the whole sequence's gathered keys and values
+    under the causal mask of those positions (:func:`_context_inputs`).
 
     ``router``: the model's router loss (the block adds its router's statistics);
     ``routers``: where the model's routers are, for ``z_loss``, the coefficient of the
@@ -730,9 +793,18 @@ class DecoderBlock(SegmentAware, HFLayer):
         if self.sequence_shards > 1:  # a stand-in of the whole sequence's shape (no memory)
             b, t, d = hidden.shape
             whole = hidden.new_empty(()).expand(b, t * self.sequence_shards, d)
-        cache, mask, positions, causal, first = _attention_inputs(
-            slot, self.config, self.index, _MASKS[self.attention_type], whole, mask, position_ids
-        )
+        cache: Any  # the cache the attention updates (a cp rank's gathers the sequence)
+        if self.cp_slot is not None:
+            layer_type = self.attention_type if self._rotary_by_type else None
+            cache, positions, causal = _context_inputs(
+                self.cp_slot, self, layer_type, hidden, mask, position_ids
+            )
+            first = 0
+        else:
+            cache, mask, positions, causal, first = _attention_inputs(
+                slot, self.config, self.index, _MASKS[self.attention_type], whole, mask,
+                position_ids,
+            )  # fmt: skip
         if slot is not None:
             layer_type = self.attention_type if self._rotary_by_type else None
             _check_rope(slot.name, self.rotary_emb, layer_type, positions, position_ids, slot.start)

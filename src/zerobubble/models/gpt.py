@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from zerobubble.parallel.loss import cross_entropy, takes_sharded_logits
 from zerobubble.parallel.tp import LayerLayout, dropout_kinds
+from zerobubble.runtime.sequence.cp import ContextAware, ContextSlot, ring_attention
 from zerobubble.runtime.sequence.kv import SegmentAware
 
 __all__ = ["Block", "CausalSelfAttention", "GPTConfig", "GPTEmbedding", "build_gpt", "gpt_loss"]
@@ -74,11 +75,12 @@ class GPTConfig:
         return self.d_model // self.n_heads
 
 
-class GPTEmbedding(SegmentAware, nn.Module):
+class GPTEmbedding(SegmentAware, ContextAware, nn.Module):
     """Token plus learned position embedding: (B, T) ids -> (B, T, d_model).
 
     In a segment scope (:mod:`zerobubble.runtime.sequence.kv`) the ids are tokens
-    ``[start, start + T)`` of the sequence and take those positions.
+    ``[start, start + T)`` of the sequence and take those positions; on a cp rank
+    (:mod:`zerobubble.runtime.sequence.cp`) its two chunks' global positions.
     """
 
     def __init__(self, cfg: GPTConfig) -> None:
@@ -102,6 +104,15 @@ class GPTEmbedding(SegmentAware, nn.Module):
 
     def forward(self, idx: Tensor) -> Tensor:
         t = idx.shape[-1]
+        cp = self.cp_slot
+        if cp is not None:
+            positions = cp.positions(t, idx.device)
+            if int(positions[-1]) >= self.max_seq_len:
+                raise ValueError(
+                    f"{cp.name}: tokens up to position {int(positions[-1])} exceed "
+                    f"max_seq_len={self.max_seq_len}"
+                )
+            return self.drop(self.tok(idx) + self.pos(positions))
         start = 0 if self.segment_slot is None else self.segment_slot.start
         if start + t > self.max_seq_len:
             what = f"sequence length {t}" if start == 0 else f"segment [{start}, {start + t})"
@@ -111,12 +122,16 @@ class GPTEmbedding(SegmentAware, nn.Module):
         )
 
 
-class CausalSelfAttention(SegmentAware, nn.Module):
+class CausalSelfAttention(SegmentAware, ContextAware, nn.Module):
     """Multi-head causal self-attention with separate q/k/v/out nn.Linear projections.
 
     In a segment scope the queries of tokens ``[start, start + T)`` attend over the earlier
     segments' keys and values followed by their own (each query row meets the same keys,
     in the same order, as in one pass), and the own keys and values go to the scope.
+
+    On a cp rank (:mod:`zerobubble.runtime.sequence.cp`) it gathers the whole sequence's
+    keys and values, and each of its two chunks ``[s, e)`` attends keys ``[0, e)`` as the
+    segment ``[s, e)`` would.
     """
 
     holds_kv = True
@@ -148,6 +163,9 @@ class CausalSelfAttention(SegmentAware, nn.Module):
             return y.view(b, t, width // self.head_dim, self.head_dim).transpose(1, 2)  # (B,H,T,D)
 
         q, k, v = heads(q), heads(k), heads(v)
+        if self.cp_slot is not None:
+            y = self._context(q, k, v, self.cp_slot)
+            return self.resid_drop(self.out(y.transpose(1, 2).reshape(b, t, width)))
         start, end = 0, t
         slot = self.segment_slot
         if slot is not None:
@@ -165,6 +183,30 @@ class CausalSelfAttention(SegmentAware, nn.Module):
         scores = scores.masked_fill(self.future[start:end, :end], float("-inf"))
         y = self.attn_drop(torch.softmax(scores, dim=-1)) @ v
         return self.resid_drop(self.out(y.transpose(1, 2).reshape(b, t, width)))
+
+    def _context(self, q: Tensor, k: Tensor, v: Tensor, cp: ContextSlot) -> Tensor:
+        """A cp rank's attention (B, H, 2n, D). Without attention dropout a ring
+        (:func:`~zerobubble.runtime.sequence.cp.ring_attention`); with it, each chunk's
+        queries over the gathered keys up to its end (masked columns never scored), whose
+        probabilities the dropout draws on."""
+        if self.segment_slot is not None:
+            raise ValueError(f"{cp.name}: sequence segments with context parallelism")
+        if not (self.training and self.attn_drop.p > 0):  # no probabilities to drop: a ring
+            return ring_attention(q, k, v, cp, self.scale)
+        keys, values = cp.gather(k), cp.gather(v)
+        n = q.shape[2] // 2
+        if keys.shape[2] > self.future.shape[0]:
+            raise ValueError(
+                f"{cp.name}: a sequence of {keys.shape[2]} tokens exceeds max_seq_len="
+                f"{self.future.shape[0]}"
+            )
+        out = []
+        for half, chunk in enumerate(cp.shards.chunks):
+            start, end = chunk * n, (chunk + 1) * n
+            scores = q[:, :, half * n : (half + 1) * n] @ keys[:, :, :end].transpose(-2, -1)
+            scores = (scores * self.scale).masked_fill(self.future[start:end, :end], float("-inf"))
+            out.append(self.attn_drop(torch.softmax(scores, dim=-1)) @ values[:, :, :end])
+        return torch.cat(out, dim=2)
 
 
 class Block(nn.Module):

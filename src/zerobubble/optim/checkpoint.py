@@ -165,6 +165,7 @@ def save_checkpoint(
     plans and ``comm_timeout_s`` plus this rank's own write time once it wrote its shards
     (the wait for the slowest writer), and a rank that never arrives is named the same way.
     """
+    _refuse_cp(mesh, "save")
     trainer.drain()
     group = _group(trainer, mesh)
     step = trainer.versions.committed
@@ -410,6 +411,7 @@ def load_checkpoint(
     the module: pp, stage cut, dp, tp, FSDP) each rank reads its parts of the stored
     whole tensors, and ``extra`` is the saving job's first rank's.
     """
+    _refuse_cp(mesh, "load")
     root = Path(root)
     if step is not None and (type(step) is not int or step < 0):
         raise ValueError(f"step must be a committed step number (an int >= 0), got {step!r}")
@@ -600,6 +602,17 @@ class _BoundedReader(FileSystemReader):
         done.wait()
         self._after(time.monotonic() - t0)
         return done
+
+
+def _refuse_cp(mesh: PipelineMesh | None, what: str) -> None:
+    """Checkpoints key each rank's own entries by pp, dp and tp rank: the cp ranks of one
+    pipeline rank would write the same ones."""
+    if mesh is not None and mesh.cp_size > 1:
+        raise ValueError(
+            f"cannot {what} a checkpoint of a mesh with cp={mesh.cp_size}: its entries are "
+            "keyed by pp, dp and tp rank, and the cp ranks of a pipeline rank would share "
+            "them (not supported yet); checkpoint a run with cp=1"
+        )
 
 
 def _own_key(trainer: PipelineTrainer, mesh: PipelineMesh | None) -> str:

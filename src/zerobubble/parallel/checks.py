@@ -56,13 +56,8 @@ def features(schedule: Schedule, opts: ExecutorOptions, mesh: PipelineMesh | Non
         "overlap": bool(schedule.overlaps),
         "segments": schedule.segments > 1,
         "recompute": opts.recompute != "none",
-        "dp": mesh is not None and mesh.dp_size > 1,
-        "fsdp": mesh is not None and mesh.spec.fsdp,
-        "tp": mesh is not None and mesh.tp_size > 1,
-        "sp": mesh is not None and mesh.spec.sequence_parallel,
-        "ep": mesh is not None and mesh.ep_size > 1,
     }
-    return {f for f, yes in on.items() if yes}
+    return {f for f, yes in on.items() if yes} | (set() if mesh is None else mesh.spec.features)
 
 
 def _check_lanes(

@@ -19,6 +19,13 @@ With expert parallelism (a mesh with ``ep > 1``) expert parameters
 (:func:`~zerobubble.parallel.ep.is_expert`) are summed over the ``edp_group`` (the
 replicas holding the same experts) instead, and not at all when it has one rank.
 
+With context parallelism (a mesh with ``cp > 1``) the cp ranks' gradients are summed first
+(``inner_group``, blocking) in cp-rank order: an all-gather of the bucket (``cp`` times its
+size, for the moment of the sum), not gloo's all-reduce, whose order depends on the
+element, so the sum is the reference's at any cp. Then the dp replicas' (asynchronously,
+as without cp; none with dp = 1): at dp = 2, ``(g_00 + g_01 + ...) + (g_10 + g_11 + ...)``
+bitwise, the reference's order.
+
 With tensor parallelism a DTensor gradient's local shard is summed (the dp group is the
 ranks with the same pp and tp ranks, which hold the same shard).
 
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -41,7 +49,10 @@ from torch.distributed.tensor import DTensor
 from zerobubble.parallel.ep import is_expert
 from zerobubble.runtime.p2p.comm import P2P, Arrivals, PeerError, RankName, plain_name
 
-__all__ = ["GradReducer", "sum_over_dp"]
+if TYPE_CHECKING:
+    from zerobubble.parallel.mesh import PipelineMesh
+
+__all__ = ["GradReducer", "sum_over_dp", "sum_over_replicas"]
 
 
 @dataclass
@@ -50,40 +61,64 @@ class _Bucket:
     expert: bool
     flat: Tensor
     grads: list[Tensor]
-    work: dist.Work
+    work: dist.Work | None
+    """None: summed already (over cp alone)."""
 
 
 class GradReducer:
     """Sums stage gradients over a dp group, asynchronously, with bounded waits.
 
     Args:
-        group: The dp group (this rank's data-parallel replicas).
+        group: The dp group (this rank's data-parallel replicas); None with ``inner_group``
+            only (cp without dp).
         stage_params: ``stage -> parameters`` of this rank, in model order.
         timeout_s: Longest the wait for one stage's reduction may block.
         expert_group: The group expert parameters are summed over (the mesh's
             ``edp_group``); None: they are not reduced (each rank holds its experts alone).
         name: How a message names a rank that never arrived (its mesh coordinates).
+        inner_group: Summed over first, before ``group`` (the mesh's cp group); None: none.
+        dim: The dim ``group`` is, for messages.
     """
 
     def __init__(
         self,
-        group: dist.ProcessGroup,
+        group: dist.ProcessGroup | None,
         stage_params: Mapping[int, Sequence[nn.Parameter]],
         timeout_s: float,
         expert_group: dist.ProcessGroup | None = None,
         name: RankName = plain_name,
+        inner_group: dist.ProcessGroup | None = None,
+        dim: str = "dp",
     ) -> None:
         self.group = group
+        self.inner_group = inner_group
+        self.dim = dim
         self.expert_group = expert_group
         self.stage_params = {s: list(ps) for s, ps in stage_params.items()}
         self.timeout_s = timeout_s
         self.rank = dist.get_rank()
-        self.ranks = tuple(dist.get_process_group_ranks(group))
+        self.ranks = () if group is None else tuple(dist.get_process_group_ranks(group))
         self.expert_ranks = (
             () if expert_group is None else tuple(dist.get_process_group_ranks(expert_group))
         )
         self.arrivals = Arrivals(self.rank, name)
         self._in_flight: list[_Bucket] = []
+
+    @classmethod
+    def of_mesh(
+        cls, mesh: PipelineMesh, params: Mapping[int, Sequence[nn.Parameter]], timeout_s: float
+    ) -> GradReducer:
+        """The mesh's reduction: over cp first (in cp-rank order), then over dp; the experts'
+        over edp."""
+        return cls(
+            mesh.dp_group,
+            params,
+            timeout_s,
+            expert_group=mesh.edp_group,
+            name=mesh.spec.name,
+            inner_group=mesh.cp_group,
+            dim="dp" if mesh.dp_group is not None else "cp",
+        )
 
     def launch(self, stage: int, iteration: int) -> None:
         """Start summing ``stage``'s gradients over dp (one bucket per dtype)."""
@@ -100,11 +135,15 @@ class GradReducer:
             what = self._what(stage, iteration, expert)
             group = self.expert_group if expert else self.group
             ranks = self.expert_ranks if expert else self.ranks
+            work = None
             try:
-                work = dist.all_reduce(flat, group=group, async_op=True)
+                if self.inner_group is not None and not expert:
+                    flat = _in_rank_order(flat, self.inner_group)
+                if group is not None:
+                    work = dist.all_reduce(flat, group=group, async_op=True)
+                    assert work is not None
             except Exception as e:
                 raise PeerError(self.rank, None, what, str(e), group=ranks) from e
-            assert work is not None
             self._in_flight.append(_Bucket(stage, expert, flat, gs, work))
 
     def wait(self, iteration: int) -> None:
@@ -120,9 +159,10 @@ class GradReducer:
                 return PeerError(self.rank, None, what, why, group=ranks, missing=missing)
 
             group = self.expert_group if b.expert else self.group
-            self.arrivals.wait(
-                b.work, group=group, ranks=ranks, timeout_s=self.timeout_s, error=blame
-            )
+            if b.work is not None:
+                self.arrivals.wait(
+                    b.work, group=group, ranks=ranks, timeout_s=self.timeout_s, error=blame
+                )
             offset = 0
             for g in b.grads:
                 n = g.numel()
@@ -136,9 +176,31 @@ class GradReducer:
                 f"group, iteration {iteration})"
             )
         return (
-            f"all-reduce of stage {stage}'s gradients over dim 'dp' (mesh dp group, "
-            f"iteration {iteration})"
+            f"all-reduce of stage {stage}'s gradients over dim '{self.dim}' (mesh "
+            f"{self.dim} group, iteration {iteration})"
         )
+
+
+def sum_over_replicas(
+    mesh: PipelineMesh | None, p2p: P2P, iteration: int, n: Tensor | int
+) -> Tensor | int:
+    """``n`` (a batch size or count) summed over the replicas sharing the step's batch: over
+    cp first (a sequence's chunks), then over dp."""
+    if mesh is None:
+        return n
+    if mesh.cp_group is not None:
+        n = sum_over_dp(mesh.cp_group, p2p, iteration, n, dim="cp")
+    return sum_over_dp(mesh.dp_group, p2p, iteration, n)
+
+
+def _in_rank_order(flat: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``flat`` summed over ``group`` in rank order, ``((x_0 + x_1) + x_2) + ...``."""
+    parts = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, flat, group=group)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
 
 
 def _local(g: Tensor) -> Tensor:
@@ -156,6 +218,7 @@ def sum_over_dp(
     iteration: int,
     n: Tensor | int,
     of: str = "batch size or count",
+    dim: str = "dp",
 ) -> Tensor | int:
     """``n`` summed over the dp replicas (a step's global batch size or count, which the
     losses are weighted by, or what ``of`` names); the ranks of all replicas call it
@@ -164,7 +227,7 @@ def sum_over_dp(
     if dp_group is None:
         return n
     t = torch.as_tensor(n, device=p2p.device).clone()
-    what = f"all-reduce over dim 'dp' of iteration {iteration}'s {of}"
+    what = f"all-reduce over dim '{dim}' of iteration {iteration}'s {of}"
     work = dist.all_reduce(t, group=dp_group, async_op=True)
     assert work is not None
     p2p.wait_collective(work, what, dp_group)

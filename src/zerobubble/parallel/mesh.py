@@ -25,6 +25,21 @@ collectives run on :attr:`PipelineMesh.tp_mesh`. pp=2 x dp=2 x tp=2::
     tp rank       0 1 0 1 | 0 1 0 1     tp groups  [0,1] [2,3] [4,5] [6,7]
                                         pipelines  [0,4] [1,5] [2,6] [3,7]
 
+Context parallelism (``cp``) shards every sequence over ``cp`` ranks
+(:mod:`~zerobubble.runtime.sequence.cp`: cp rank ``r`` holds chunks ``r`` and ``2 cp - 1 -
+r`` of ``2 cp``). Its dim sits between ``dp`` and ``tp`` (torchtitan's order pp, dp, cp,
+tp): global rank ``((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank``, so the cp
+peers, which gather keys and values in every attention layer, are neighbours. Each of
+the ``dp * cp * tp`` pipelines runs one program; :attr:`PipelineMesh.cp_group` is the ranks
+with the same ``(pp, dp, tp)``. Gradients are summed over cp first (in cp-rank order),
+then over dp; the loss's token count likewise. pp=2 x dp=2 x cp=2::
+
+    global rank   0 1 2 3 | 4 5 6 7
+    pp rank       0 0 0 0 | 1 1 1 1
+    dp rank       0 0 1 1 | 0 0 1 1     dp groups  [0,2] [1,3] [4,6] [5,7]
+    cp rank       0 1 0 1 | 0 1 0 1     cp groups  [0,1] [2,3] [4,5] [6,7]
+                                        pipelines  [0,4] [1,5] [2,6] [3,7]
+
 With ``ep > 1`` the dp rank splits as ``dp_rank = edp_rank * ep + ep_rank``: the ``ep``
 dp ranks of one pipeline rank and one tp rank that differ in their ep rank form its
 :attr:`PipelineMesh.ep_group` (they hold different experts and exchange tokens with
@@ -72,6 +87,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from zerobubble import composition
 from zerobubble.program.plan import GradSync
 from zerobubble.runtime.p2p.comm import default_timeout, set_timeout
 from zerobubble.schedule.ir import Schedule
@@ -119,11 +135,14 @@ class ParallelSpec:
     sequence_parallel: bool = False
     """Shard the activations between the tensor-parallel regions (norms, dropout, the stage
     boundaries) over the sequence dim of the ``tp`` ranks. Needs ``tp >= 2``."""
+    cp: int = 1
+    """Context-parallel ranks: every sequence is sharded over ``cp`` ranks
+    (:mod:`~zerobubble.runtime.sequence.cp`); not with tp, ep or FSDP yet."""
 
     def __post_init__(self) -> None:
         # Types first: a string size would otherwise fail deep inside the comparisons below
         # (or, worse, multiply into a repeated string), naming no field.
-        for name in ("pp", "dp", "ep", "tp"):
+        for name in ("pp", "dp", "ep", "tp", "cp"):
             value = getattr(self, name)
             if type(value) is not int:
                 raise ValueError(
@@ -137,6 +156,8 @@ class ParallelSpec:
                     f"ParallelSpec.{name} must be True or False, got {value!r} "
                     f"({type(value).__name__})"
                 )
+        if self.cp < 1:
+            raise ValueError(f"mesh sizes must be >= 1, got cp={self.cp}")
         if self.pp < 1 or self.dp < 1 or self.ep < 1 or self.tp < 1:
             sizes = f"pp={self.pp}, dp={self.dp}, ep={self.ep}"
             raise ValueError(
@@ -159,20 +180,31 @@ class ParallelSpec:
                 f"needs tp >= 2 (got tp={self.tp}); build the mesh with tp >= 2 or leave "
                 "sequence_parallel off"
             )
+        sizes = f"pp={self.pp}, dp={self.dp}, ep={self.ep}, tp={self.tp}, cp={self.cp}"
+        composition.check(self.features, f"the mesh ({sizes}, fsdp={self.fsdp})")
+
+    @property
+    def features(self) -> set[str]:
+        """The mesh's :mod:`~zerobubble.composition` features."""
+        on = {"dp": self.dp > 1, "fsdp": self.fsdp, "tp": self.tp > 1}
+        on.update(sp=self.sequence_parallel, ep=self.ep > 1, cp=self.cp > 1)
+        return {f for f, yes in on.items() if yes}
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """Global rank ``rank``'s coordinates: ``pp``, ``dp``, ``tp`` and ``ep`` (the dims
         of size > 1 and always ``pp``; the layout of the module docstring)."""
-        tp_rank, dp_rank, pp_rank = (
+        tp_rank, cp_rank, dp_rank, pp_rank = (
             rank % self.tp,
-            rank // self.tp % self.dp,
-            rank // (self.dp * self.tp),
+            rank // self.tp % self.cp,
+            rank // (self.tp * self.cp) % self.dp,
+            rank // (self.dp * self.cp * self.tp),
         )
-        out = {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank, "ep": dp_rank % self.ep}
+        out = {"pp": pp_rank, "dp": dp_rank, "cp": cp_rank, "tp": tp_rank}
+        out["ep"] = dp_rank % self.ep
         return {k: v for k, v in out.items() if k == "pp" or getattr(self, k) > 1}
 
     def name(self, rank: int) -> str:
@@ -188,7 +220,7 @@ class ParallelSpec:
     @property
     def grad_sync(self) -> GradSync:
         """How the program meets the other replicas' gradients (a pass of the builder)."""
-        if self.dp == 1:
+        if self.dp == 1 and self.cp == 1:
             return GradSync.NONE
         return GradSync.FSDP if self.fsdp else GradSync.REDUCE
 
@@ -237,6 +269,14 @@ class PipelineMesh:
     tp_mesh: DeviceMesh | None = None
     tp_rank: int = 0
     tp_lanes: list[DeviceMesh] = field(default_factory=list, compare=False, repr=False)
+    cp_group: dist.ProcessGroup | None = None
+    """The ranks with this rank's pp, dp and tp ranks, which share its sequences (None when
+    ``cp == 1``)."""
+    cp_rank: int = 0
+
+    @property
+    def cp_size(self) -> int:
+        return self.spec.cp
 
     @property
     def ep_rank(self) -> int:
@@ -299,12 +339,12 @@ class PipelineMesh:
 
     def pipelines(self) -> list[list[int]]:
         """The global ranks of every pipeline (one list per (dp, tp) coordinate, in pp order)."""
-        return pipeline_ranks(self.pp_size, self.dp_size, self.tp_size)
+        return pipeline_ranks(self.pp_size, self.dp_size * self.cp_size, self.tp_size)
 
 
 def pipeline_ranks(pp: int, dp: int, tp: int = 1) -> list[list[int]]:
     """Global ranks of each of the ``dp * tp`` pipelines of a ``(pp, dp, tp)`` mesh, ordered
-    by their first rank.
+    by their first rank (with cp, pass ``dp * cp`` as ``dp``: cp sits inside dp).
 
     Subgroups inside a pipeline (directed P2P lanes, tie groups) are made with
     ``dist.new_group``, which is collective over the default group: every rank
@@ -322,6 +362,7 @@ def build_mesh(
     tp: int = 1,
     sequence_parallel: bool = False,
     device_type: str | None = None,
+    cp: int = 1,
 ) -> PipelineMesh:
     """Build the mesh of :class:`ParallelSpec` ``(pp, dp, fsdp, ep, tp, sequence_parallel)``
     over the default process group; collective. ``(pp, dp)``, or ``(pp, dp, tp)`` with
@@ -332,7 +373,7 @@ def build_mesh(
     gloo, the accelerator's type otherwise). Raises ValueError when the world size
     is not ``pp * dp * tp``.
     """
-    spec = ParallelSpec(pp, dp, fsdp, ep, tp, sequence_parallel)  # its fields checked first
+    spec = ParallelSpec(pp, dp, fsdp, ep, tp, sequence_parallel, cp)  # its fields checked first
     if device_type is not None and not isinstance(device_type, str):
         raise ValueError(
             f"build_mesh: device_type must be a device type name such as 'cpu' or 'cuda' (or "
@@ -343,21 +384,12 @@ def build_mesh(
             "torch.distributed is not initialised: call zerobubble.init_distributed() before "
             "build_mesh"
         )
-    world = dist.get_world_size()
-    if world != spec.world_size:
-        if tp == 1:
-            raise ValueError(
-                f"the world has {world} ranks but the mesh pp={pp} x dp={dp} needs {pp * dp}; "
-                f"launch pp*dp = {pp * dp} processes or change --pp/--dp"
-            )
-        raise ValueError(
-            f"the world has {world} ranks but the mesh pp={pp} x dp={dp} x tp={tp} needs "
-            f"{spec.world_size}; launch pp*dp*tp = {spec.world_size} processes or change "
-            "--pp/--dp/--tp"
-        )
+    _check_world(spec, dist.get_world_size())
     if device_type is None:
         device_type = "cpu" if dist.get_backend() == "gloo" else _accelerator_type()
     dims, names = ((pp, dp), ("pp", "dp")) if tp == 1 else ((pp, dp, tp), ("pp", "dp", "tp"))
+    if cp > 1:  # tp == 1 (the spec refuses cp with tp)
+        dims, names = (pp, dp, cp), ("pp", "dp", "cp")
     mesh = init_device_mesh(device_type, dims, mesh_dim_names=names)
     rank = dist.get_rank()
     timeout = default_timeout()
@@ -372,9 +404,9 @@ def build_mesh(
         mesh=mesh,
         pp_group=mesh.get_group("pp"),
         dp_group=mesh.get_group("dp") if dp > 1 else None,
-        pp_rank=rank // (dp * tp),
+        pp_rank=rank // (dp * cp * tp),
         pp_size=pp,
-        dp_rank=rank // tp % dp,
+        dp_rank=rank // (cp * tp) % dp,
         dp_size=dp,
         spec=spec,
         ep_group=None if ep_mesh is None else ep_mesh.get_group("ep"),
@@ -383,6 +415,31 @@ def build_mesh(
         ep_backward_group=backward,
         tp_mesh=mesh["tp"] if tp > 1 else None,
         tp_rank=rank % tp,
+        cp_group=mesh.get_group("cp") if cp > 1 else None,
+        cp_rank=rank // tp % cp,
+    )
+
+
+def _check_world(spec: ParallelSpec, world: int) -> None:
+    """Refuse a world of another size than the mesh's, naming both and the fix."""
+    if world == spec.world_size:
+        return
+    pp, dp, cp, tp = spec.pp, spec.dp, spec.cp, spec.tp
+    if cp > 1:
+        raise ValueError(
+            f"the world has {world} ranks but the mesh pp={pp} x dp={dp} x cp={cp} needs "
+            f"{spec.world_size}; launch pp*dp*cp = {spec.world_size} processes or change "
+            "--pp/--dp/--cp"
+        )
+    if tp == 1:
+        raise ValueError(
+            f"the world has {world} ranks but the mesh pp={pp} x dp={dp} needs {pp * dp}; "
+            f"launch pp*dp = {pp * dp} processes or change --pp/--dp"
+        )
+    raise ValueError(
+        f"the world has {world} ranks but the mesh pp={pp} x dp={dp} x tp={tp} needs "
+        f"{spec.world_size}; launch pp*dp*tp = {spec.world_size} processes or change "
+        "--pp/--dp/--tp"
     )
 
 

@@ -9,7 +9,11 @@ Each dimension is one step object, built from the mesh by :meth:`Parallelize.fro
    stage's LM head leaves its logits sharded over the vocabulary where the loss takes them
    (loss parallel, :class:`~zerobubble.parallel.loss.LossParallel`);
 2. **ep** (:class:`ExpertParallel`): every module's sharding hook ``shard_experts`` keeps this
-   rank's experts of its ep group (:func:`~zerobubble.parallel.experts.shard_all_experts`).
+   rank's experts of its ep group (:func:`~zerobubble.parallel.experts.shard_all_experts`);
+3. **cp** (:class:`ContextParallel`): every context-aware module gets its cp rank's slot
+   (:func:`~zerobubble.runtime.sequence.cp.context_parallel`: the chunk layout and the
+   mesh's cp group), after a user's function too; a stage with an attention layer that is
+   not context-aware is refused.
 
 A user's ``parallelize_fn(stage, module, mesh) -> module`` replaces both steps for every
 stage (as torchtitan's ``parallelize_fn`` does for a model part); what it returns is the
@@ -38,11 +42,13 @@ from zerobubble.parallel.experts import shard_all_experts, unsharded_experts
 from zerobubble.parallel.loss import LossParallel
 from zerobubble.parallel.tied import TiedParam, tie_local_replicas
 from zerobubble.parallel.tp import ShardedLogits, TPPlan, default_plan, parallelize_stage
+from zerobubble.runtime.sequence.cp import ContextShards, ProcessExchange, context_parallel
 
 if TYPE_CHECKING:
     from zerobubble.parallel.mesh import PipelineMesh
 
 __all__ = [
+    "ContextParallel",
     "ExpertParallel",
     "Parallelize",
     "ParallelizeFn",
@@ -201,6 +207,8 @@ class Parallelize:
     ties: Sequence[TiedParam] = ()
     """Parameters tied across stages: after tp (or ``fn``) made each stage's replica a
     DTensor of its own, the stages of one rank share one replica's memory again."""
+    cp: ContextParallel | None = None
+    """The cp step (None: no context parallelism)."""
     done: dict[int, nn.Module] = field(default_factory=dict)
     """What :meth:`apply` returned per stage (the stages parallelized so far)."""
 
@@ -265,7 +273,11 @@ class Parallelize:
         ep = None
         if mesh.ep_size > 1:
             ep = ExpertParallel(ExpertGroup.of(mesh, timeout_s), group, name)
-        return cls(mesh, tp, ep, fn, ties)
+        cp = None
+        if mesh.cp_size > 1:
+            assert mesh.cp_group is not None
+            cp = ContextParallel(ContextShards(mesh.cp_size, mesh.cp_rank), mesh.cp_group)
+        return cls(mesh, tp, ep, fn, ties, cp=cp)
 
     def stage_mesh(self, stage: int) -> PipelineMesh:
         """The mesh as stage ``stage`` sees it: its ``tp_mesh`` the stage's tp lane."""
@@ -299,5 +311,19 @@ class Parallelize:
                 self.ep.shard(fresh)
             else:
                 self.ep.check(fresh)
+        if self.cp is not None:
+            for s, m in sorted(fresh.items()):
+                self.cp.apply(s, m)
         self.done.update(fresh)
         return {s: self.done[s] for s in modules}
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """The cp step: this rank's place in the sequence layout and the cp group."""
+
+    shards: ContextShards
+    group: dist.ProcessGroup
+
+    def apply(self, stage: int, module: nn.Module) -> None:
+        context_parallel(module, self.shards, ProcessExchange(self.group), stage)

@@ -14,6 +14,11 @@ package rather than restating their arithmetic:
   sums over their edp replicas, the rest over dp), but for one order: FSDP2 reduces a
   gradient that is ``Partial`` over tp (a sequence-parallel norm's) over tp before its
   dp reduction, where the plain dp path sums over dp first (``fsdp=True``);
+- **cp** (``cp=C``): each dp replica's sequences are played by ``C`` cp ranks
+  (:func:`~zerobubble.reference.cp.context_reference_step`: the single-replica reference on
+  each rank's two chunks in a thread of its own, the attention layers' gathers played
+  between the threads), normalised by ``count_fn``'s count of the global batch; their
+  gradients summed in cp-rank order, then over dp. Losses are ``(dp, cp)``-rank-major;
 - **segments** (``cuts=``): :func:`~zerobubble.reference.step.segment_reference_step` per
   replica;
 - **tp** (``tp_mesh=``, ``tp_plan=``, ``sequence_parallel=``, ``loss_parallel=``):
@@ -57,6 +62,7 @@ from zerobubble.parallel.experts import ExpertLayer
 from zerobubble.parallel.parallelize import StagePlan
 from zerobubble.parallel.partition import model_name, stage_bounds
 from zerobubble.parallel.tied import TiedParam, find_shared, laid_out_as
+from zerobubble.reference.cp import context_reference_step
 from zerobubble.reference.ep import ep_reference_step, ep_replicas_step
 from zerobubble.reference.step import (
     Share,
@@ -65,6 +71,7 @@ from zerobubble.reference.step import (
     segment_reference_step,
 )
 from zerobubble.reference.step import _batch as read_batch
+from zerobubble.reference.step import _user_grads as user_grads
 from zerobubble.reference.step import (
     reference_step as replica_step,
 )
@@ -86,6 +93,7 @@ def reference_step(
     microbatches: int | None = None,
     dp: int = 1,
     ep: int = 1,
+    cp: int = 1,
     cuts: Sequence[int] | None = None,
     tp_mesh: DeviceMesh | None = None,
     tp_plan: StagePlan = None,
@@ -101,11 +109,9 @@ def reference_step(
     term_weight: TermWeight = "mean",
     **kwargs: Any,
 ) -> tuple[list[Tensor], dict[str, Tensor]]:
-    """One step of the whole job's arithmetic in one process (see the module docstring).
-
-    ``reference_step(layers, loss_fn, *args, target=..., microbatches=M, **kwargs)`` with no
-    option is :func:`zerobubble.reference.step.reference_step`; ``args``, ``kwargs`` and
-    ``target`` are the global batch (all replicas' rows). ``microbatches`` is per replica.
+    """One step of the whole job's arithmetic in one process (the module docstring); with no
+    option :func:`zerobubble.reference.step.reference_step`. ``args``, ``kwargs`` and
+    ``target`` are the global batch (all replicas' rows); ``microbatches`` is per replica.
 
     Returns:
         The unscaled per-microbatch losses, replica-major (replica ``r``'s microbatch
@@ -116,10 +122,9 @@ def reference_step(
         expert layers without random ops, ties, segments or several inputs).
     """
     args, target, m, n = read_batch(args, target, microbatches, kwargs)
-    _refuse(dp, ep, tp_mesh, loss_parallel)
+    _refuse(dp, ep, tp_mesh, loss_parallel, cp)
     parts, model = _parts(args, kwargs, target, dp, n), as_sequential(layers)
-    staged: dict[str, Any] = {"seed": seed, "step": step, "num_stages": num_stages}
-    staged["boundaries"] = boundaries  # how the stages are cut and seeded
+    staged = _staged(seed, step, num_stages, boundaries)  # how the stages are cut and seeded
     tp: dict[str, Any] = {"tp_mesh": tp_mesh, "tp_plan": tp_plan}
     tp.update(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     if ep > 1:
@@ -128,6 +133,8 @@ def reference_step(
             {**tp, "fsdp": fsdp},
         )  # fmt: skip
     count_fn = default_count_fn(loss_fn, count_fn)
+    if cp != 1:
+        return _context(model, loss_fn, parts, m, cp, count_fn, (tp_mesh, cuts), staged)
     share = None if dp == 1 else Share(n if count_fn is None else _count(parts, count_fn), dp)
     if tp_mesh is not None:  # parallelized once, in place of the caller's layers' copy
         model = as_sequential(copy.deepcopy(list(model)))
@@ -163,6 +170,13 @@ def reference_step(
 def _summed_parts(tie_parts: dict[str, list[Tensor | None]]) -> dict[str, Tensor]:
     """Under tp, each tie's gradient: its dp-summed stage gradients summed in stage order."""
     return {n: total for n, p in tie_parts.items() if (total := sum_parts(p)) is not None}
+
+
+def _staged(
+    seed: int | None, step: int, num_stages: int, boundaries: Sequence[int] | None
+) -> dict[str, Any]:
+    """The options that cut and seed the stages, as the single-replica references take them."""
+    return {"seed": seed, "step": step, "num_stages": num_stages, "boundaries": boundaries}
 
 
 def _tp_replica(
@@ -268,8 +282,11 @@ def _stage_replicas(
     return run, Ties(tied, names)
 
 
-def _refuse(dp: int, ep: int, tp: DeviceMesh | None, loss_parallel: bool | None) -> None:
-    """Sizes that do not fit, and loss parallel without tp."""
+def _refuse(
+    dp: int, ep: int, tp: DeviceMesh | None, loss_parallel: bool | None, cp: int = 1
+) -> None:
+    """The combinations without a composed ground truth, named, and loss parallel without
+    tp."""
     if loss_parallel and tp is None:
         raise ValueError(
             "loss_parallel=True without tensor parallelism (tp_mesh): the logits are whole; "
@@ -277,6 +294,59 @@ def _refuse(dp: int, ep: int, tp: DeviceMesh | None, loss_parallel: bool | None)
         )
     if dp < 1 or ep < 1 or dp % ep:
         raise ValueError(f"dp={dp} and ep={ep}: both >= 1, and ep must divide dp")
+    if cp < 1 or (cp > 1 and ep > 1):
+        raise ValueError(
+            f"cp={cp}: must be >= 1, and reference_step has no ground truth of context "
+            f"parallelism with ep={ep} (the mesh refuses it too)"
+        )
+
+
+def _context(
+    model: nn.Sequential,
+    loss_fn: Callable[..., Tensor],
+    parts: Sequence[Part],
+    m: int,
+    cp: int,
+    count_fn: CountFn | None,
+    others: tuple[DeviceMesh | None, Sequence[int] | None],
+    staged: dict[str, Any],
+) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """The dp replicas over ``cp`` ranks each (:func:`context_reference_step`), their cp
+    sums added over dp in rank order, the ties' stage gradients summed after; losses
+    ``(dp, cp)``-rank-major."""
+    _refuse_cp(cp, others, count_fn)
+    assert count_fn is not None  # _refuse_cp
+    share = Share(_count(parts, count_fn), len(parts) * cp)
+    run, ties = Ties.of(model, staged["num_stages"], staged["boundaries"], True)
+    losses: list[Tensor] = []
+    held: dict[int, Tensor] = {}  # id(parameter) -> its summed .grad
+    for part in parts:  # each leaves its cp sums in run's .grad
+        losses += context_reference_step(run, loss_fn, part, m, cp, share, count_fn, **staged)
+        _hold(run, held)
+    for p in run.parameters():
+        p.grad = held.get(id(p))
+    sums = user_grads(run)
+    ties.give_back(model, run, held, sums)
+    return losses, sums
+
+
+def _refuse_cp(
+    cp: int, others: tuple[DeviceMesh | None, Sequence[int] | None], count_fn: Any
+) -> None:
+    """Context parallelism's combinations without a composed ground truth, named (ep is
+    refused before: its reference runs first)."""
+    tp, cuts = others
+    other = "tp" if tp is not None else "cuts" if cuts is not None else None
+    if other is not None:
+        raise ValueError(
+            f"reference_step has no ground truth of context parallelism (cp={cp}) with "
+            f"{other}: the mesh and the executor refuse it too"
+        )
+    if count_fn is None:
+        raise ValueError(
+            f"reference_step with cp={cp} needs count_fn (each cp rank's loss is its chunks' "
+            "share of the batch's token count), as the executor does"
+        )
 
 
 def _parts(args: tuple, kwargs: dict, target: Any, dp: int, n: int) -> list[Part]:
