@@ -35,7 +35,7 @@ from zerobubble.schedule.costs import CostSpec
 pytestmark = pytest.mark.slow
 
 IGNORE, T, VOCAB = -100, 8, 16
-MESH = frozenset({"dp", "fsdp", "ep", "tp", "sp"})
+MESH = frozenset({"dp", "fsdp", "ep", "tp", "sp", "cp"})
 """The features that shape the mesh (the others change what each stage runs)."""
 KINDS = ("zb-h1", "zbv", "interleaved-1f1b", "1f1b")
 A2A = CostSpec(a2a=1)
@@ -73,9 +73,15 @@ def refused_jobs() -> list[tuple[frozenset[str], composition.Cell]]:
     ]
 
 
+def sizes(job: frozenset[str]) -> tuple[int, int, int]:
+    """The job's dp, tp and cp sizes (2 where the job uses the dimension)."""
+    two = [2 if job & dims else 1 for dims in ({"dp", "fsdp", "ep"}, {"tp", "sp"}, {"cp"})]
+    return two[0], two[1], two[2]
+
+
 def world(job: frozenset[str]) -> int:
-    dp, tp = 2 if job & {"dp", "fsdp", "ep"} else 1, 2 if job & {"tp", "sp"} else 1
-    return 4 if dp * tp == 1 else 2 * dp * tp
+    dp, tp, cp = sizes(job)
+    return 4 if dp * tp * cp == 1 else 2 * dp * tp * cp
 
 
 @takes_sharded_logits
@@ -132,11 +138,11 @@ def whole(g: torch.Tensor | None) -> torch.Tensor | None:
 
 def run(job: frozenset[str], index: int) -> dict[str, Any]:
     """One job on this launch's ranks: the pipeline's step and the reference's, compared."""
-    dp, tp = 2 if job & {"dp", "fsdp", "ep"} else 1, 2 if job & {"tp", "sp"} else 1
-    pp = dist.get_world_size() // (dp * tp)
+    dp, tp, cp = sizes(job)
+    pp = dist.get_world_size() // (dp * tp * cp)
     mesh = zerobubble.build_mesh(
         pp, dp, fsdp="fsdp" in job, ep=2 if "ep" in job else 1, tp=tp,
-        sequence_parallel="sp" in job,
+        sequence_parallel="sp" in job, cp=cp,
     )  # fmt: skip
     sched = schedule(job, index, pp)
     layers = model(job, sched.num_stages)
@@ -154,7 +160,7 @@ def run(job: frozenset[str], index: int) -> dict[str, Any]:
     want_losses, want = zerobubble.reference_step(
         layers, token_loss, x, target=y, microbatches=m, dp=dp, ep=2 if "ep" in job else 1,
         cuts=cuts, tp_mesh=mesh.tp_mesh, sequence_parallel="sp" in job, fsdp="fsdp" in job,
-        seed=5 if "random" in job else None,
+        seed=5 if "random" in job else None, cp=cp,
         num_stages=sched.num_stages, count_fn=count,
     )  # fmt: skip
     got = dict(pipe.named_parameters())
@@ -164,8 +170,9 @@ def run(job: frozenset[str], index: int) -> dict[str, Any]:
         if not torch.equal(a, b):
             bad.append((n, None if a is None or b is None else float((a - b).abs().max())))
     same = None
-    if losses is not None:
-        theirs = want_losses[mesh.dp_rank * m : (mesh.dp_rank + 1) * m]
+    if losses is not None:  # under cp each cp rank's share, cp-rank-major in each replica
+        at = (mesh.dp_rank * cp + mesh.cp_rank) * m
+        theirs = want_losses[at : at + m]
         same = all(map(torch.equal, losses, theirs))
     return {"names": sorted(got), "bad": bad, "losses": same, "pairs": len(sched.overlaps)}
 
@@ -220,11 +227,14 @@ def test_every_accepted_job_is_bitwise_the_composed_reference(results):
 
 
 def test_every_refused_pair_is_refused_on_every_rank_with_its_reason(results):
+    """Each refused set tried alone (with what it implies: sp brings tp, so it raises the
+    table's first refusal inside the set), on every rank, naming the reason and the fix."""
     for size, per_rank in results.items():
-        mine = [c for j, c in refused_jobs() if world(j) == size]
+        mine = [j for j, _ in refused_jobs() if world(j) == size]
         for out in per_rank:
-            for c, message in zip(mine, out["refused"], strict=True):
-                assert c.why in message and c.fix in message, (c.pair, message)
+            for job, message in zip(mine, out["refused"], strict=True):
+                c = composition.refusal(job)
+                assert c is not None and c.why in message and c.fix in message, (job, message)
 
 
 def test_the_docs_table_is_the_composition_table():
