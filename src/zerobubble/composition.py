@@ -114,17 +114,7 @@ CELLS: tuple[Cell, ...] = (
 )
 """Every pair of :data:`FEATURES`, once."""
 
-TRIPLES: tuple[Cell, ...] = (
-    _cell(
-        "ep",
-        "recompute",
-        "overlap",
-        "the replay's all-to-alls would run on the forwards' group from the backward's "
-        "thread, beside the paired forward's, and a replay holding the generator lock could "
-        "wait on a peer whose forward holds its own",
-        "drop recompute, or overlap, under ep",
-    ),
-)
+TRIPLES: tuple[Cell, ...] = ()
 """Sets of three features refused although each of their pairs composes."""
 
 

@@ -208,7 +208,7 @@ class PipelineExecutor:
                 lanes=stage_lanes(schedule),
             )
         self._prepare(stages, loss_fn, parallelize)
-        check_pairs(self.schedule, opts, self.chunks, mesh, group)
+        check_pairs(self.schedule, self.chunks, mesh, group)
         self.segment_guard = SegmentGuard.install(self.cuts, self.chunks, self.device, mesh)
         for chunk in self.chunks.values():  # a W's replayed draws wait for a running forward
             chunk.store.rng_lock = self.rng.lock

@@ -21,9 +21,11 @@ two stages, so tensor parallelism gives each stage of a rank its own tp group (a
 outside the pairs, and each stage is its own FSDP root. The process's default random
 generators go to one half at a time: a forward holds the rank's lock
 (:class:`~zerobubble.runtime.rng.StageRng`), and a backward's replay of a forward that drew
-(activation recompute, the graph-level split's W) takes it too. The executor refuses a
-recomputation under ep > 1 (it would run its forward's all-to-alls on the forwards' group)
-and a pair whose stages' DTensor parameters share a group.
+(activation recompute, the graph-level split's W) takes it too; a thread waiting at an ep
+all-to-all gives it up meanwhile (:func:`~zerobubble.runtime.rng.yield_generators`). A
+recomputation's all-to-alls go on the backwards' ep group
+(:func:`~zerobubble.runtime.recompute.replaying`). The executor refuses a pair whose
+stages' DTensor parameters share a group.
 """
 
 from __future__ import annotations
