@@ -269,13 +269,13 @@ class ExpertGroup:
     def wait(self, work: dist.Work, what: str, group: dist.ProcessGroup | None = None) -> None:
         """Wait for ``work`` (a collective over this group, or ``group``), bounded by
         ``timeout_s``, without the rank's generator lock (:func:`yield_generators`); the
-        wait goes to :attr:`log` while it records."""
-        t0 = time.perf_counter_ns()
-        try:
-            with yield_generators():
+        wait (not the lock's return) goes to :attr:`log` while it records."""
+        with yield_generators():
+            t0 = time.perf_counter_ns()
+            try:
                 self._wait(work, what, group)
-        finally:
-            self.log.record(t0, time.perf_counter_ns())
+            finally:
+                self.log.record(t0, time.perf_counter_ns())
 
     def _wait(self, work: dist.Work, what: str, group: dist.ProcessGroup | None) -> None:
         if self.timeout_s is None:

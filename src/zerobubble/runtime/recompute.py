@@ -117,7 +117,8 @@ class _Replaying(threading.local):
     """Whether this thread is replaying a checkpointed region's forward (per thread: a
     pair's forward runs at once on another)."""
 
-    on = False
+    def __init__(self) -> None:
+        self.on = False
 
 
 _REPLAYING = _Replaying()
