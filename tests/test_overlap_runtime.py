@@ -343,9 +343,9 @@ def test_a_collective_of_the_forward_is_in_flight_while_the_paired_backward_comp
         assert _hidden(spans, backwards) == 0
 
 
-def test_overlap_with_recompute_under_expert_parallelism_is_refused():
-    """Recompute composes with pairs (tests/test_overlap_moe.py), but not where the replay's
-    all-to-alls would run on the forwards' ep group from the backward's thread."""
+def test_overlap_with_recompute_under_expert_parallelism_is_accepted():
+    """Pairs, recompute and ep together are a job's features, which the table accepts (the
+    replay's all-to-alls go on the backwards' lane: tests/test_ep_compose.py runs them)."""
     from types import SimpleNamespace
 
     from zerobubble.parallel.checks import features as _features
@@ -353,29 +353,32 @@ def test_overlap_with_recompute_under_expert_parallelism_is_refused():
 
     sched = generate("dualpipev", 2, 6, overlap=True)
     mesh = SimpleNamespace(spec=ParallelSpec(2, 2, ep=2))
-    layers = ExecutorOptions(recompute="layers")
-    features = _features(sched, layers, mesh)  # type: ignore[arg-type]
+    features = _features(sched, ExecutorOptions(recompute="layers"), mesh)  # type: ignore[arg-type]
     assert features == {"overlap", "recompute", "dp", "ep"}
-    with pytest.raises(ValueError, match=r"^schedule 'dualpipev': expert parallelism with .*"):
-        composition.check(features, "schedule 'dualpipev'")
-    composition.check(_features(sched, ExecutorOptions(), mesh), "")  # type: ignore[arg-type]
-    one = SimpleNamespace(spec=ParallelSpec(2))
-    composition.check(_features(sched, layers, one), "")  # type: ignore[arg-type]
+    assert composition.refusal(features) is None
+    composition.check(features, "schedule 'dualpipev'")
 
 
-def test_overlap_with_recompute_over_hand_built_expert_groups_is_refused_naming_the_stage():
+def test_pairs_run_in_sequence_under_tp_with_recompute_and_at_once_otherwise():
+    """A drawing replay and the paired forward could wait on each other across tp ranks
+    (DTensor's collectives cannot hand the generators on): under tp with recompute the
+    executor runs a pair's halves one after the other; a user's hook always wins."""
     from types import SimpleNamespace
 
-    from zerobubble.parallel.checks import _check_overlap_experts
-    from zerobubble.parallel.ep import ExpertGroup, LocalGroup, Turns
+    from zerobubble.parallel.checks import pair_runner
+    from zerobubble.runtime.overlap import in_sequence
 
-    sched = generate("dualpipev", 2, 6, overlap=True)
-    layer = nn.Linear(2, 2)
-    layer.ep = ExpertGroup(LocalGroup(Turns(2), 0, 2), rank=0, size=2)  # type: ignore[assignment]
-    chunks = {
-        0: SimpleNamespace(module=nn.Sequential(nn.Linear(2, 2))),
-        3: SimpleNamespace(module=nn.Sequential(layer)),
-    }
-    with pytest.raises(ValueError, match=r"replays stage 3's forward .* over its 2 ep ranks"):
-        _check_overlap_experts(sched, ExecutorOptions(recompute="stage"), chunks)  # type: ignore[arg-type]
-    _check_overlap_experts(sched, ExecutorOptions(recompute="stage"), {0: chunks[0]})  # type: ignore[arg-type]
+    tp, flat = SimpleNamespace(tp_size=2), SimpleNamespace(tp_size=1)
+    stage = ExecutorOptions(recompute="stage")
+    assert pair_runner(stage, tp) is in_sequence  # type: ignore[arg-type]
+    assert pair_runner(ExecutorOptions(), tp) is None  # type: ignore[arg-type]
+    assert pair_runner(stage, flat) is None  # type: ignore[arg-type]
+    assert pair_runner(stage, None) is None
+    mine = ExecutorOptions(recompute="stage", overlap_fn=in_sequence)
+    assert pair_runner(mine, flat) is in_sequence  # type: ignore[arg-type]
+    ran: list[str] = []
+    pair = OverlapPair(
+        Action(Op.F, 0, 1), Action(Op.B, 3, 0), lambda: ran.append("F"), lambda: ran.append("B")
+    )
+    in_sequence(pair)
+    assert ran == ["F", "B"]

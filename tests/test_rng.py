@@ -21,7 +21,7 @@ from generated import RUNTIME_KINDS, generated
 from ranks import launch
 from zerobubble.optim.faults import FaultPlan, GradFault
 from zerobubble.runtime.microbatch import batch_count, token_count
-from zerobubble.runtime.rng import StageRng, derive_seed
+from zerobubble.runtime.rng import StageRng, derive_seed, yield_generators
 
 TIMEOUT = 600.0
 WIDTH = 6
@@ -59,6 +59,42 @@ def test_scope_sets_the_state_and_gives_the_callers_back():
     assert torch.equal(a, again) and not torch.equal(a, other)
     g = torch.Generator().manual_seed(derive_seed(5, 1, 2, 0))
     assert torch.equal(a, torch.rand(8, generator=g))  # the state is the derived seed's
+
+
+def test_a_forward_that_yields_the_lock_draws_what_it_would_have_drawn():
+    """A forward holding the generator lock (twice: it is re-entrant) gives it up while it
+    waits (an ep all-to-all): another thread's forward takes it and draws in between; the
+    first then draws exactly what it draws without the wait, and the caller's generator
+    state comes back after both."""
+    import threading
+
+    rng = StageRng(5, "cpu")
+    with rng.scope(0, 1, 0):
+        want = torch.rand(16)
+    with rng.scope(0, 2, 0):
+        want_other = torch.rand(16)
+    for _ in range(5):
+        torch.manual_seed(7)
+        caller = torch.get_rng_state()
+        got: dict[str, torch.Tensor] = {}
+
+        def other(got: dict[str, torch.Tensor]) -> None:
+            with rng.scope(0, 2, 0):  # blocks until the first yields the lock
+                got["other"] = torch.rand(16)
+
+        thread = threading.Thread(target=other, args=(got,))
+        with rng.scope(0, 1, 0), rng.lock:
+            first = torch.rand(8)
+            thread.start()
+            with yield_generators():
+                thread.join(timeout=30)
+                assert not thread.is_alive()  # it took the lock and finished
+            second = torch.rand(8)
+        assert torch.equal(torch.cat([first, second]), want)
+        assert torch.equal(got["other"], want_other)
+        assert torch.equal(torch.get_rng_state(), caller)
+    with yield_generators():  # holding none: a no-op
+        pass
 
 
 def test_batch_count_refuses_what_cannot_normalise():

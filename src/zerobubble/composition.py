@@ -88,7 +88,12 @@ CELLS: tuple[Cell, ...] = (
     _cell("tp", "ep", "experts replicated over tp; each tp rank's ep group exchanges"),
     _cell("tp", "segments", "each segment is parallelized as a whole sequence"),
     _cell("tp", "recompute", "the recomputed forward runs the same collectives"),
-    _cell("tp", "overlap", "each stage of a rank on its own tp lane (group)"),
+    _cell(
+        "tp",
+        "overlap",
+        "each stage of a rank on its own tp lane (group); with recompute a pair's halves run "
+        "one after the other",
+    ),
     _cell("tp", "ties", "the tie is reduced over the shards"),
     _cell("tp", "random", "shared and per-rank streams (TPRandom)"),
     _cell("sp", "ep", "the MoE block gathers the sequence; experts replicated over tp"),
@@ -159,17 +164,7 @@ CELLS: tuple[Cell, ...] = (
 )
 """Every pair of :data:`FEATURES`, once."""
 
-TRIPLES: tuple[Cell, ...] = (
-    _cell(
-        "ep",
-        "recompute",
-        "overlap",
-        "the replay's all-to-alls would run on the forwards' group from the backward's "
-        "thread, beside the paired forward's, and a replay holding the generator lock could "
-        "wait on a peer whose forward holds its own",
-        "drop recompute, or overlap, under ep",
-    ),
-)
+TRIPLES: tuple[Cell, ...] = ()
 """Sets of three features refused although each of their pairs composes."""
 
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerobubble.parallel.checks import check_job, check_pairs
+from zerobubble.parallel.checks import check_job, check_pairs, pair_runner
 from zerobubble.parallel.dp import GradReducer, sum_over_replicas
 from zerobubble.parallel.fsdp import ShardedStages
 from zerobubble.parallel.loss import LossParallel
@@ -46,6 +46,7 @@ from zerobubble.runtime.interpreter import Interpreter
 from zerobubble.runtime.loss_terms import gather_terms, term_weight
 from zerobubble.runtime.microbatch import CountFn, default_count_fn
 from zerobubble.runtime.options import ExecutorOptions
+from zerobubble.runtime.overlap import OverlapFn
 from zerobubble.runtime.p2p.comm import exchange_bytes, plain_name, set_timeout
 from zerobubble.runtime.p2p.links import Links, pipeline_p2p
 from zerobubble.runtime.recorder import (
@@ -209,7 +210,7 @@ class PipelineExecutor:
                 lanes=stage_lanes(schedule),
             )
         self._prepare(stages, loss_fn, parallelize)
-        check_pairs(self.schedule, opts, self.chunks, mesh, group)
+        check_pairs(self.schedule, self.chunks, mesh, group)
         self.segment_guard = SegmentGuard.install(self.cuts, self.chunks, self.device, mesh)
         for chunk in self.chunks.values():  # a W's replayed draws wait for a running forward
             chunk.store.rng_lock = self.rng.lock
@@ -229,6 +230,11 @@ class PipelineExecutor:
         self.replays = 0
         self.last_terms: dict[str, list[torch.Tensor]] = {}
         """On the last stage's rank, the loss terms of the latest step (see :meth:`step`)."""
+
+    @property
+    def overlap_fn(self) -> OverlapFn | None:
+        """How an overlapped pair runs (:func:`~zerobubble.parallel.checks.pair_runner`)."""
+        return pair_runner(self.options, self.mesh)
 
     def _reducer(self) -> GradReducer | None:
         """The reduction of the stages' gradients over the mesh's dp group (the experts'

@@ -11,13 +11,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from zerobubble import composition
-from zerobubble.parallel.ep import expert_groups
 from zerobubble.parallel.mesh import PipelineMesh
 from zerobubble.runtime.options import ExecutorOptions
+from zerobubble.runtime.overlap import OverlapFn, in_sequence
 from zerobubble.runtime.stage import StageChunk
 from zerobubble.schedule.ir import Schedule
 
-__all__ = ["check_job", "check_pairs", "features"]
+__all__ = ["check_job", "check_pairs", "features", "pair_runner"]
 
 
 def check_job(
@@ -33,9 +33,20 @@ def check_job(
     composition.check(features(schedule, opts, mesh), f"schedule {schedule.name!r}")
 
 
+def pair_runner(opts: ExecutorOptions, mesh: PipelineMesh | None) -> OverlapFn | None:
+    """How the executor runs an overlapped pair: the user's hook, else both halves at once
+    (None), except under tp with recompute, where :func:`~zerobubble.runtime.overlap.in_sequence`
+    runs them one after the other (a drawing replay and the paired forward could wait on
+    each other across tp ranks)."""
+    if opts.overlap_fn is not None:
+        return opts.overlap_fn
+    if mesh is not None and mesh.tp_size > 1 and opts.recompute != "none":
+        return in_sequence
+    return None
+
+
 def check_pairs(
     schedule: Schedule,
-    opts: ExecutorOptions,
     chunks: Mapping[int, StageChunk],
     mesh: PipelineMesh | None,
     group: dist.ProcessGroup | None,
@@ -44,8 +55,6 @@ def check_pairs(
     halves of an overlapped pair (collective over the pipeline's ``group``)."""
     if not schedule.overlaps:
         return
-    if opts.recompute != "none":
-        _check_overlap_experts(schedule, opts, chunks)
     _check_lanes(schedule, chunks, mesh, group)
 
 
@@ -101,23 +110,6 @@ def _check_lanes(
             "given for a stage: its tp_mesh), or build this schedule's Pipeline first "
             "(stages parallelized for a schedule without pairs share one)"
         )
-
-
-def _check_overlap_experts(
-    schedule: Schedule, opts: ExecutorOptions, chunks: Mapping[int, StageChunk]
-) -> None:
-    """The composition table's refusal of recompute with pairs under ep, for
-    expert groups a mesh did not make (built by hand over the caller's process groups)."""
-    for stage, chunk in sorted(chunks.items()):
-        for group in expert_groups(chunk.module):
-            if group.size > 1:
-                raise ValueError(
-                    f"schedule {schedule.name!r} overlaps F&B pairs, whose halves run at "
-                    f"once, and recompute={opts.recompute!r} replays stage {stage}'s forward "
-                    f"inside its backward, whose all-to-alls over its {group.size} ep ranks "
-                    "would then run on the forwards' group from the backward's thread: "
-                    "recompute='none' or a schedule without overlap"
-                )
 
 
 def _check_segment_shards(cuts: Sequence[int], mesh: PipelineMesh | None) -> None:

@@ -8,6 +8,13 @@ up: an overlapped F&B pair (:mod:`~zerobubble.runtime.overlap`) runs one microba
 forward beside another's backward, each waiting for its own all-to-all on its own lane
 (:attr:`ExpertGroup.group`, :attr:`ExpertGroup.backward`) while the other computes.
 
+A forward's all-to-alls run on :attr:`ExpertGroup.group`, save in activation recompute's
+replay inside B (:func:`~zerobubble.runtime.recompute.replaying`), which runs on the
+backward's thread and so goes on the backwards' lane (:attr:`ExpertGroup.forward_group`).
+A thread that holds the rank's generator lock (a forward, a replay that draws) gives it up
+while it waits for an all-to-all (:func:`~zerobubble.runtime.rng.yield_generators`): its
+ep peer's forward may be waiting, holding its own lock, for this rank's other half.
+
 Every wait is bounded by the pipeline's comm timeout (:meth:`ExpertGroup.wait`): an ep
 peer that dies or stalls becomes a :class:`~zerobubble.runtime.p2p.comm.PeerError` naming
 the all-to-all, dim ``ep`` and the group's ranks.
@@ -38,6 +45,8 @@ from torch import Tensor, nn
 
 from zerobubble.parallel.shards import expert_run, is_expert, mark_expert
 from zerobubble.runtime.p2p.comm import Arrivals, PeerError
+from zerobubble.runtime.recompute import replaying
+from zerobubble.runtime.rng import yield_generators
 
 if TYPE_CHECKING:
     from zerobubble.parallel.mesh import PipelineMesh
@@ -250,25 +259,37 @@ class ExpertGroup:
         """The group the backwards' all-to-alls run on."""
         return self.group if self.backward is None else self.backward
 
+    @property
+    def forward_group(self) -> dist.ProcessGroup | LocalGroup | None:
+        """The group a forward's all-to-alls run on now: :attr:`group`, or in a replay of
+        the forward inside B (activation recompute, which every ep peer runs at the same
+        point of its backward) :attr:`backward_group`, the lane of the thread it runs on."""
+        return self.backward_group if replaying() else self.group
+
     def wait(self, work: dist.Work, what: str, group: dist.ProcessGroup | None = None) -> None:
-        """Wait for ``work`` (a collective over this group), bounded by ``timeout_s``; the
-        wait goes to :attr:`log` while it records."""
-        t0 = time.perf_counter_ns()
-        try:
-            if self.timeout_s is None:
-                work.wait()
-                return
-            pg = group or self.group
-            assert not isinstance(pg, LocalGroup)
-            ranks = tuple(dist.get_process_group_ranks(pg))
-            arrivals = self.arrivals or Arrivals(dist.get_rank())
+        """Wait for ``work`` (a collective over this group, or ``group``), bounded by
+        ``timeout_s``, without the rank's generator lock (:func:`yield_generators`); the
+        wait (not the lock's return) goes to :attr:`log` while it records."""
+        with yield_generators():
+            t0 = time.perf_counter_ns()
+            try:
+                self._wait(work, what, group)
+            finally:
+                self.log.record(t0, time.perf_counter_ns())
 
-            def blame(why: str, missing: tuple[int, ...]) -> PeerError:
-                return PeerError(arrivals.rank, None, what, why, group=ranks, missing=missing)
+    def _wait(self, work: dist.Work, what: str, group: dist.ProcessGroup | None) -> None:
+        if self.timeout_s is None:
+            work.wait()
+            return
+        pg = group or self.group
+        assert not isinstance(pg, LocalGroup)
+        ranks = tuple(dist.get_process_group_ranks(pg))
+        arrivals = self.arrivals or Arrivals(dist.get_rank())
 
-            arrivals.wait(work, group=pg, ranks=ranks, timeout_s=self.timeout_s, error=blame)
-        finally:
-            self.log.record(t0, time.perf_counter_ns())
+        def blame(why: str, missing: tuple[int, ...]) -> PeerError:
+            return PeerError(arrivals.rank, None, what, why, group=ranks, missing=missing)
+
+        arrivals.wait(work, group=pg, ranks=ranks, timeout_s=self.timeout_s, error=blame)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ExpertGroup:
         return self
@@ -277,12 +298,13 @@ class ExpertGroup:
 def exchange_counts(counts: Tensor, group: ExpertGroup) -> Tensor:
     """Per-expert row counts (``E``, in global expert order) sent to the experts' owners:
     returns ``(ep, E / ep)``, row ``src`` the counts rank ``src`` sends for each local expert."""
-    if isinstance(group.group, LocalGroup):
-        return torch.stack(group.group.exchange(group.rank, list(counts.view(group.size, -1))))
+    pg = group.forward_group
+    if isinstance(pg, LocalGroup):
+        return torch.stack(pg.exchange(group.rank, list(counts.view(group.size, -1))))
     out = torch.empty_like(counts)
-    work = dist.all_to_all_single(out, counts.contiguous(), group=group.group, async_op=True)
+    work = dist.all_to_all_single(out, counts.contiguous(), group=pg, async_op=True)
     assert work is not None
-    group.wait(work, "all-to-all of the per-expert token counts over dim 'ep'")
+    group.wait(work, "all-to-all of the per-expert token counts over dim 'ep'", pg)
     return out.view(group.size, -1)
 
 
@@ -307,10 +329,11 @@ class AllToAll(torch.autograd.Function):
         ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int], group: ExpertGroup
     ) -> Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        if isinstance(group.group, LocalGroup):
-            return torch.cat(group.group.exchange(group.rank, list(x.detach().split(in_splits))))
-        out, work = start_all_to_all(x, out_splits, in_splits, group.group)
-        group.wait(work, "all-to-all of the routed tokens over dim 'ep'")
+        pg = group.forward_group
+        if isinstance(pg, LocalGroup):
+            return torch.cat(pg.exchange(group.rank, list(x.detach().split(in_splits))))
+        out, work = start_all_to_all(x, out_splits, in_splits, pg)
+        group.wait(work, "all-to-all of the routed tokens over dim 'ep'", pg)
         return out
 
     @staticmethod

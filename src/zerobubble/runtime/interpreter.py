@@ -90,6 +90,8 @@ class Rank(Protocol):
     @property
     def cuts(self) -> tuple[int, ...] | None: ...
     @property
+    def overlap_fn(self) -> Any: ...  # how a pair runs (None: both halves at once)
+    @property
     def term_weight(self) -> Any: ...
     @property
     def rank(self) -> int: ...
@@ -266,7 +268,7 @@ class Interpreter:
 
         pair = OverlapPair(f.action, b.action, half(f), half(b))
         try:
-            run_pair(pair, pipe.options.overlap_fn, pipe.options.comm_timeout_s)
+            run_pair(pair, pipe.overlap_fn, pipe.options.comm_timeout_s)
         except PeerError:  # the other half may have marked this rank running since: it
             pipe.p2p.progress.waiting(None)  # dies waiting (the launcher's blame reads it)
             raise

@@ -21,9 +21,11 @@ two stages, so tensor parallelism gives each stage of a rank its own tp group (a
 outside the pairs, and each stage is its own FSDP root. The process's default random
 generators go to one half at a time: a forward holds the rank's lock
 (:class:`~zerobubble.runtime.rng.StageRng`), and a backward's replay of a forward that drew
-(activation recompute, the graph-level split's W) takes it too. The executor refuses a
-recomputation under ep > 1 (it would run its forward's all-to-alls on the forwards' group)
-and a pair whose stages' DTensor parameters share a group.
+(activation recompute, the graph-level split's W) takes it too; a thread waiting at an ep
+all-to-all gives it up meanwhile (:func:`~zerobubble.runtime.rng.yield_generators`). A
+recomputation's all-to-alls go on the backwards' ep group
+(:func:`~zerobubble.runtime.recompute.replaying`). The executor refuses a pair whose
+stages' DTensor parameters share a group.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any
 from zerobubble.runtime.p2p.comm import SETTLE_S
 from zerobubble.schedule.ir import Action
 
-__all__ = ["LaneGroups", "OverlapFn", "OverlapPair", "run_pair", "run_together"]
+__all__ = ["LaneGroups", "OverlapFn", "OverlapPair", "in_sequence", "run_pair", "run_together"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,18 @@ def run_together(pair: OverlapPair, timeout_s: float | None = None) -> None:
         )
     if failed:
         raise failed[0]
+
+
+def in_sequence(pair: OverlapPair) -> None:
+    """The F, then the backward, on this thread: the pair's arithmetic without overlap.
+
+    The executor runs pairs so under tensor parallelism with recompute: a backward that
+    replays a forward that drew holds the rank's generators while DTensor's collectives
+    (which cannot hand the generators on while they wait, as the ep all-to-alls do) wait
+    for a tp peer, whose paired forward may hold its own: run at once, the two ranks could
+    wait on each other."""
+    pair.run_forward()
+    pair.run_backward()
 
 
 def run_pair(pair: OverlapPair, hook: OverlapFn | None, timeout_s: float) -> None:

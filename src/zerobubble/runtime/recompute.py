@@ -28,7 +28,10 @@ microbatch updates them once, as in plain autograd.
 A replay holds the process's default generators under the rank's forward lock
 (:attr:`WeightGradStore.rng_lock`) when F drew from them, so it composes with an
 overlapped pair's forward running at once on another thread; everything else it touches
-is its stage's or thread-local. Under a segment scope the region takes its part of it
+is its stage's or thread-local. A collective layer that runs in both directions tells a
+replay from a forward by :func:`replaying` (an ep layer's all-to-alls then go on its
+backwards' group: the replay runs on the backward's thread, beside a pair's forward on the
+forwards' group). Under a segment scope the region takes its part of it
 (:class:`~zerobubble.runtime.sequence.kv.RegionSegments`): the past keys and values its
 attention reads are extra inputs, its own keys and values extra outputs, and the replay
 runs in a scope of F's start over the same past, so it computes what F computed.
@@ -37,6 +40,7 @@ runs in a scope of F's start over the same past, so it computes what F computed.
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any, Literal, TypeAlias
@@ -55,6 +59,7 @@ __all__ = [
     "RecomputePlan",
     "install_layer_recompute",
     "recompute_plan",
+    "replaying",
     "run_checkpointed",
 ]
 
@@ -106,6 +111,37 @@ def recompute_plan(spec: Recompute) -> RecomputePlan:
 
 
 # ---- the checkpointed region ------------------------------------------------------------
+
+
+class _Replaying(threading.local):
+    """Whether this thread is replaying a checkpointed region's forward (per thread: a
+    pair's forward runs at once on another)."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+
+_REPLAYING = _Replaying()
+
+
+def replaying() -> bool:
+    """Whether this thread runs a checkpointed region's forward again, inside its B.
+
+    Every peer of a collective replays at the same program point of its backward, so a
+    layer whose forward communicates may put a replay's collectives on its backwards'
+    group (:class:`~zerobubble.runtime.overlap.LaneGroups`): they then run in one order
+    with the backward's own, on the backward's thread, never beside a pair's forward's."""
+    return _REPLAYING.on
+
+
+@contextmanager
+def _marked() -> Iterator[None]:
+    """Inside: :func:`replaying` is true on this thread."""
+    was, _REPLAYING.on = _REPLAYING.on, True
+    try:
+        yield
+    finally:
+        _REPLAYING.on = was
 
 
 class _State:
@@ -275,6 +311,7 @@ class _Checkpoint(torch.autograd.Function):
             with (
                 kept,
                 region.state.replay(rng_lock),
+                _marked(),
                 torch.enable_grad(),
                 _recording(store, calls, record),
                 segments as own_kv,

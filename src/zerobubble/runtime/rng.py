@@ -24,6 +24,12 @@ stream is seeded from that value and the rank (:func:`derive_rank_seed`), a func
 ``(seed, step, stage, microbatch, tp rank)`` and the op's place in the forward. A replayed
 or recomputed forward starts from the same shared state, so it draws the same again. The
 tensor-parallel plan says which region is which (:class:`~zerobubble.parallel.tp.TPRandom`).
+
+The default generators are the process's, and an overlapped F&B pair runs a forward beside
+a backward that may replay one: whoever uses them holds the rank's :class:`GeneratorLock`.
+A holder that blocks on its peers (an ep all-to-all) gives it up meanwhile
+(:func:`yield_generators`), with its generator states put aside and back, so the other
+half may run and what the holder draws next is what it would have drawn without the wait.
 """
 
 from __future__ import annotations
@@ -33,10 +39,19 @@ import struct
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeAlias
 
 import torch
 
-__all__ = ["StageRng", "derive_rank_seed", "derive_seed", "rank_stream"]
+__all__ = [
+    "GeneratorLock",
+    "StageRng",
+    "derive_rank_seed",
+    "derive_seed",
+    "rank_stream",
+    "yield_generators",
+]
 
 _MASK63 = (1 << 63) - 1
 
@@ -105,6 +120,111 @@ def rank_stream(rank: int, device: torch.device | str = "cpu") -> Iterator[None]
         yield
 
 
+States: TypeAlias = tuple[torch.Tensor, torch.Tensor | None]
+"""The CPU's and a device's default generator states (None: the device is the CPU)."""
+
+
+def generator_states(device: torch.device) -> States:
+    """The CPU's and ``device``'s default generator states."""
+    mod = None if device.type == "cpu" else torch.get_device_module(device.type)
+    return torch.get_rng_state(), None if mod is None else mod.get_rng_state(device)
+
+
+def set_generator_states(states: States, device: torch.device) -> None:
+    """Set the CPU's and ``device``'s default generators to ``states``."""
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.get_device_module(device.type).set_rng_state(states[1], device)
+
+
+@dataclass
+class _Hold:
+    """A thread's hold on a :class:`GeneratorLock`: how deep, and the generator states it
+    found when it took the lock (what they hold whenever nobody holds it)."""
+
+    lock: GeneratorLock
+    depth: int
+    found: States
+
+
+class _Holds(threading.local):
+    """The generator locks this thread holds, outermost first (per thread: a thread
+    blocking on its peers gives up only its own)."""
+
+    def __init__(self) -> None:
+        self.holds: list[_Hold] = []
+
+
+_HOLDS = _Holds()
+
+
+class GeneratorLock:
+    """The rank's hold on the process's default generators (the CPU's and ``device``'s): a
+    re-entrant lock that its holder may give up while it blocks (:func:`yield_generators`).
+
+    Whoever sets or draws from them holds it: every forward (:meth:`StageRng.scope`), and a
+    replay of a forward that drew (activation recompute's B, the graph-level split's W). A
+    holder that waits on its peers while another thread of the rank waits for the lock would
+    close a cycle across ranks (an ep peer's forward holding its own lock waiting for this
+    rank's forward), so a holder gives the lock up for its waits.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._lock = threading.RLock()
+
+    def _hold(self) -> _Hold | None:
+        return next((h for h in _HOLDS.holds if h.lock is self), None)
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        hold = self._hold()
+        if hold is None:
+            _HOLDS.holds.append(_Hold(self, 1, generator_states(self.device)))
+        else:
+            hold.depth += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        hold = self._hold()
+        assert hold is not None, "GeneratorLock released by a thread that does not hold it"
+        hold.depth -= 1
+        if hold.depth == 0:
+            _HOLDS.holds.remove(hold)
+        self._lock.release()
+
+
+@contextmanager
+def yield_generators() -> Iterator[None]:
+    """Inside: this thread holds no :class:`GeneratorLock` (wrap a blocking wait in it).
+
+    Each lock it held is given up wholly (however deep), its generators first set back to
+    the states the thread found when it took the lock, so another thread takes them as if
+    the lock had been free all along; on exit the thread holds each again, as deep, with the
+    generator states it had (whatever another thread drew or set meanwhile). A thread that
+    holds none: a no-op.
+    """
+    holds = list(_HOLDS.holds)
+    if not holds:
+        yield
+        return
+    own = []
+    for hold in reversed(holds):  # innermost first
+        own.append(generator_states(hold.lock.device))
+        set_generator_states(hold.found, hold.lock.device)
+        for _ in range(hold.depth):
+            hold.lock._lock.release()
+    _HOLDS.holds = []
+    try:
+        yield
+    finally:
+        for hold, states in zip(holds, reversed(own), strict=True):  # outermost first
+            for _ in range(hold.depth):
+                hold.lock._lock.acquire()
+            hold.found = generator_states(hold.lock.device)
+            set_generator_states(states, hold.lock.device)
+        _HOLDS.holds = holds
+
+
 class StageRng:
     """Seeds the default generators of the CPU and of ``device`` for one stage's forward.
 
@@ -121,11 +241,11 @@ class StageRng:
         derive_seed(seed, 0, 0, 0)  # refuse a bad seed here, not at the first forward
         self._cpu = torch.Generator()
         self._acc = None if self.device.type == "cpu" else torch.Generator(self.device)
-        self.lock = threading.RLock()
-        """Held for a whole forward (:meth:`scope`): the default generators are the
-        process's, and an overlapped pair runs a forward beside a backward whose
-        recomputation (activation checkpointing) or W may replay a forward's draws
-        (``WeightGradStore.rng_lock``)."""
+        self.lock = GeneratorLock(self.device)
+        """Held for a whole forward (:meth:`scope`), but for its waits on its peers
+        (:func:`yield_generators`): the default generators are the process's, and an
+        overlapped pair runs a forward beside a backward whose recomputation (activation
+        checkpointing) or W may replay a forward's draws (``WeightGradStore.rng_lock``)."""
 
     @contextmanager
     def scope(self, step: int, stage: int, mb: int) -> Iterator[None]:

@@ -926,7 +926,7 @@ def _plan(
             costs,
             limit,
             num_layers=lp.num_layers,
-            overlap=any(costs.a2a) and not rc,  # a2a: ep > 1, where pairs refuse recompute
+            overlap=any(costs.a2a) and not rc,  # a2a: ep > 1; pairs planned without recompute
         )
     except ValueError as exc:  # ScheduleError too
         given = (
