@@ -51,7 +51,7 @@ from zerobubble.interop.hf_router import (
 from zerobubble.interop.hf_tp import hf_block_plan
 from zerobubble.parallel.ep import ExpertGroup
 from zerobubble.parallel.tp import LayerLayout, share_column_inputs
-from zerobubble.runtime.loss_terms import add_loss_term
+from zerobubble.runtime.loss_terms import add_loss_term, segments_refusal
 from zerobubble.runtime.sequence.kv import SegmentAware, SegmentSlot
 
 Boundary = dict[str, Any]
@@ -726,6 +726,9 @@ class DecoderBlock(SegmentAware, HFLayer):
     def forward(self, x: Boundary) -> Boundary:
         hidden, mask, position_ids = _unpack(type(self).__name__, x)
         slot = self.segment_slot
+        if slot is not None and (self.router is not None or self.z_loss):
+            # before the router's statistics meet the segment's mask (of its keys)
+            raise segments_refusal(f"layer {slot.name} ({type(self).__name__})")
         whole = hidden
         if self.sequence_shards > 1:  # a stand-in of the whole sequence's shape (no memory)
             b, t, d = hidden.shape

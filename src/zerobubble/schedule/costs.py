@@ -96,6 +96,18 @@ class CostModel:
             and their memory deltas (default: all 1). The per-stage terms are then those
             of a mean segment; unequal cuts make unequal segments
             (:func:`~zerobubble.schedule.segments.segment_model`).
+        kv_grad, segment_tokens: For a schedule of k sequence segments, per virtual stage
+            the memory of a mean segment's key and value gradients (default 0), and per
+            segment its tokens over the mean segment's (default all 1). A segment's later
+            segments send gradients into its keys and values, summed on the stage from the
+            last segment's backward (which reads every earlier segment) until the segment's
+            own: the last segment's backward allocates ``kv_grad[s] * segment_tokens[j]``
+            for each earlier segment ``j``, and segment ``j``'s backward frees its part
+            (:meth:`unit_memory_delta`).
+        memory_per_token: Per virtual stage, the part of its memory that goes with the
+            tokens (a segment's share ``segment_tokens``), the rest going with
+            ``segment_memory`` (default 0: all of it; a stage without attention layers
+            saves per token only).
         a2a: Per virtual stage, the all-to-all time (a mixture of experts' dispatch and
             combine) of each F and each backward (B or BW) of the stage, on the device's
             comm lane; default 0. A lone action waits for it, so it counts in the
@@ -119,17 +131,20 @@ class CostModel:
     segment_time: tuple[Number, ...] = ()
     segment_memory: tuple[Number, ...] = ()
     a2a: tuple[Number, ...] = ()
+    kv_grad: tuple[Number, ...] = ()
+    segment_tokens: tuple[Number, ...] = ()
+    memory_per_token: tuple[Number, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.f)
-        for name in ("segment_time", "segment_memory"):
+        for name in ("segment_time", "segment_memory", "segment_tokens"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
             for i, x in enumerate(getattr(self, name)):
                 if why := _amount_error(x):
                     raise ValueError(f"{name}[{i}]={x} {why}")
         for name in ("host_f", "host_b", "host_w"):
             object.__setattr__(self, name, tuple(getattr(self, name)) or (0,) * n)
-        for name in ("reduce", "a2a"):  # per stage, 0 by default
+        for name in ("reduce", "a2a", "kv_grad", "memory_per_token"):  # per stage, 0 by default
             xs = tuple(getattr(self, name)) or (0,) * n
             object.__setattr__(self, name, xs)
             if len(xs) != n or any(_amount_error(x) for x in xs):
@@ -251,20 +266,53 @@ class CostModel:
             mem_f=part(self.mem_f),
             mem_w=part(self.mem_w),
             a2a=part(self.a2a),
+            kv_grad=part(self.kv_grad),
         )
 
     def segment_scales(self, segments: int) -> tuple[tuple[Number, ...], tuple[Number, ...]]:
         """The time and memory factor of each of ``segments`` segments (1 where unset)."""
-        out = []
-        for name in ("segment_time", "segment_memory"):
-            xs: tuple[Number, ...] = getattr(self, name)
-            if xs and len(xs) != segments:
-                raise ValueError(
-                    f"cost model has {len(xs)} {name} factors, the schedule {segments} "
-                    "segments per microbatch"
-                )
-            out.append(xs or (1,) * segments)
-        return out[0], out[1]
+        return (
+            self.segment_factors("segment_time", segments),
+            self.segment_factors("segment_memory", segments),
+        )
+
+    def segment_factors(self, name: str, segments: int) -> tuple[Number, ...]:
+        """The per-segment factors ``name`` of ``segments`` segments (1 where unset)."""
+        xs: tuple[Number, ...] = getattr(self, name)
+        if xs and len(xs) != segments:
+            raise ValueError(
+                f"cost model has {len(xs)} {name} factors, the schedule {segments} "
+                "segments per microbatch"
+            )
+        return xs or (1,) * segments
+
+    def segment_memory_factor(self, stage: int, segment: int, segments: int) -> Number:
+        """What segment ``segment`` of ``segments`` holds on ``stage`` over a mean
+        segment's: ``segment_tokens`` for the stage's :attr:`memory_per_token` part,
+        ``segment_memory`` for the rest."""
+        share = self.memory_per_token[stage]
+        pairs = self.segment_factors("segment_memory", segments)[segment]
+        if not share:
+            return pairs
+        tokens = self.segment_factors("segment_tokens", segments)[segment]
+        return share * tokens + (1 - share) * pairs
+
+    def unit_memory_delta(self, op: Op, stage: int, segment: int, segments: int) -> Number:
+        """Net memory change when ``op`` of ``stage`` completes on segment ``segment`` of
+        ``segments``: :meth:`memory_delta` scaled by the segment's :attr:`segment_memory`,
+        and a backward's change in the key and value gradient sums (:attr:`kv_grad`)."""
+        delta = self.memory_delta(op, stage)
+        if segments == 1:
+            return delta
+        delta = delta * self.segment_memory_factor(stage, segment, segments)
+        kv = self.kv_grad[stage]
+        if op in (Op.B, Op.BW) and kv:
+            tokens = self.segment_factors("segment_tokens", segments)
+            if segment == segments - 1:  # the sums of every earlier segment start here
+                delta = delta + kv * sum(tokens[:-1])
+            else:  # the segment's own sum is consumed
+                delta = delta - kv * tokens[segment]
+        return delta
 
     def duration(self, op: Op, stage: int) -> Number:
         """How long ``op`` takes on virtual stage ``stage``."""
@@ -408,8 +456,11 @@ class CostModel:
         }
         if self.recompute:
             out["recompute"] = True
-        for name in ("segment_time", "segment_memory"):
+        for name in ("segment_time", "segment_memory", "segment_tokens"):
             if getattr(self, name):
+                out[name] = [float(x) for x in getattr(self, name)]
+        for name in ("kv_grad", "memory_per_token"):
+            if any(getattr(self, name)):
                 out[name] = [float(x) for x in getattr(self, name)]
         if any(self.a2a):
             out["a2a"] = [float(x) for x in self.a2a]

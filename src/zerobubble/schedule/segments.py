@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -220,18 +220,97 @@ def time_factors(cuts: tuple[int, ...], cost: SegmentCost) -> tuple[float, ...]:
     return tuple(c / mean for c in costs)
 
 
-def segment_model(costs: CostModel, cuts: tuple[int, ...], cost: SegmentCost) -> CostModel:
+@dataclass(frozen=True)
+class SegmentMemory:
+    """What a segment of a causal sequence holds on a layer or stage, in bytes.
+
+    Attributes:
+        linear: Saved bytes per token (projections, MLP, norms, its own keys and values).
+        attention: Saved bytes per query-key pair (eager attention's probabilities).
+        kv: One token's keys and values, the size of the gradient that the later
+            segments sum into them (0 without attention).
+        kernel: How the pairs are counted (:class:`SegmentCost`).
+    """
+
+    linear: float
+    attention: float
+    kv: float
+    kernel: Attention = "dense"
+
+    def __post_init__(self) -> None:
+        for name in ("linear", "attention", "kv"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"SegmentMemory.{name} must be a finite number >= 0, got {v!r}")
+
+    def of(self, start: int, end: int) -> float:
+        """The bytes that the segment ``[start, end)`` saves."""
+        return self.linear * (end - start) + self.attention * _pairs(start, end, self.kernel)
+
+    @classmethod
+    def total(cls, parts: Iterable[SegmentMemory]) -> SegmentMemory:
+        """Layers' memories added up (a stage's), all counting pairs alike."""
+        parts = list(parts)
+        kernels = {m.kernel for m in parts}
+        if len(kernels) > 1:
+            raise ValueError(f"cannot add memories of kernels {sorted(kernels)}")
+        return cls(
+            sum(m.linear for m in parts),
+            sum(m.attention for m in parts),
+            sum(m.kv for m in parts),
+            kernels.pop() if kernels else "dense",
+        )
+
+
+def segment_model(
+    costs: CostModel,
+    cuts: tuple[int, ...],
+    cost: SegmentCost,
+    memory: Sequence[SegmentMemory] | None = None,
+) -> CostModel:
     """The cost model of a schedule that cuts every sequence at ``cuts``, from ``costs`` of
     whole microbatches: a mean segment's terms (:meth:`CostModel.per_segment`), each
-    segment's compute scaled by its share of the work (:func:`time_factors`) and its
-    memory by its share of the tokens (activations are per token). Not priced: the
-    copies of the earlier segments' keys and values a later segment's attention
-    concatenates, and the sums of their gradients."""
+    segment's compute scaled by its share of the work (:func:`time_factors`).
+
+    With ``memory`` (one per virtual stage) a segment's memory on a stage is its share of
+    the whole sequence's saved bytes there: per token (:attr:`CostModel.memory_per_token`,
+    :attr:`CostModel.segment_tokens`) and per query-key pair
+    (:attr:`CostModel.segment_memory`; under eager attention a segment's queries meet only
+    the keys up to its end, so the segments together save less than one pass), and the
+    sums of the earlier segments' key and value gradients are priced
+    (:attr:`CostModel.kv_grad`, scaled from ``mem_f``: under recompute, where ``mem_f`` is
+    the checkpointed inputs only, they are underpriced). Without it each segment's memory
+    is its share of the tokens and the sums are not priced."""
     k = len(cuts) - 1
     tokens = tuple(e - s for s, e in itertools.pairwise(cuts))
     mean = sum(tokens) / k
+    if memory is None:
+        return replace(
+            costs.per_segment(k),
+            segment_time=time_factors(cuts, cost),
+            segment_memory=tuple(n / mean for n in tokens),
+        )
+    if len(memory) != costs.num_stages:
+        raise ValueError(
+            f"{len(memory)} segment memories for a cost model of {costs.num_stages} stages"
+        )
+    length = cuts[-1]
+    kernels = {m.kernel for m in memory}
+    if len(kernels) != 1:
+        raise ValueError(f"segment memories of kernels {sorted(kernels)}: use one")
+    kernel = kernels.pop()
+    whole = [m.of(0, length) for m in memory]
+    per_token = [
+        m.linear * length / w if w > 0 else 1.0 for m, w in zip(memory, whole, strict=True)
+    ]
+    kv = [m.kv * length / w if w > 0 else 0.0 for m, w in zip(memory, whole, strict=True)]
+    pairs = _pairs(0, length, kernel)
     return replace(
-        costs.per_segment(k),
+        replace(
+            costs, kv_grad=tuple(mf * x for mf, x in zip(costs.mem_f, kv, strict=True))
+        ).per_segment(k),
         segment_time=time_factors(cuts, cost),
-        segment_memory=tuple(n / mean for n in tokens),
+        segment_memory=tuple(k * _pairs(s, e, kernel) / pairs for s, e in itertools.pairwise(cuts)),
+        segment_tokens=tuple(n / mean for n in tokens),
+        memory_per_token=tuple(per_token),
     )
