@@ -197,3 +197,27 @@ def test_a_pipeline_refuses_router_terms_with_segments():
 
     (message,) = launch(pipeline_refusal_job, 1, timeout=120)
     assert re.search(REFUSAL, message), message
+
+
+def test_a_stages_hf_blocks_share_one_causal_mask_in_a_segment():
+    """The blocks of a stage get one mask tensor per segment (a kernel that saves its mask,
+    sdpa on an accelerator, then keeps one per stage, not one per layer)."""
+    from zerobubble.interop import hf
+
+    model = hf.tiny_model("hf-llama", num_hidden_layers=3).train()
+    layers = hf.causal_lm_layers(model, check=False)
+    ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :5] = 0  # padded: the blocks need a mask tensor
+    batch = {"input_ids": ids, "attention_mask": mask}
+    given: list[torch.Tensor] = []
+
+    def keep(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        given.append(kwargs["attention_mask"])
+
+    for block in layers[1:-1]:
+        block.layer.register_forward_pre_hook(keep, with_kwargs=True)
+    run_segments(layers, batch, (0, 5, 12), lambda out: out.square().sum())
+    assert len(given) == 6 and all(isinstance(m, torch.Tensor) for m in given)
+    assert given[0] is given[1] is given[2] and given[3] is given[4] is given[5]
+    assert given[0] is not given[3]  # one per segment

@@ -252,14 +252,22 @@ def _attention_inputs(
         extra["layer_idx"] = index
     if docs is not None:
         extra["and_mask_function"] = packed_sequence_mask_function(docs[:, first:])
-    causal = make_mask(
-        config=config,
-        inputs_embeds=hidden,
-        attention_mask=keys_mask,
-        cache=cache,
-        position_ids=None if docs is not None else positions,
-        **extra,
-    )
+    # In a segment the stage's blocks of one kind build the same mask (the same padding
+    # mask, positions and cached length): the first builds it, the others share it, so a
+    # kernel that saves its mask (sdpa) keeps one per stage rather than one per layer.
+    key = (make_mask, first, tuple(hidden.shape), hidden.dtype)
+    causal = None if slot is None else slot.context.shared.get(key)
+    if causal is None:
+        causal = make_mask(
+            config=config,
+            inputs_embeds=hidden,
+            attention_mask=keys_mask,
+            cache=cache,
+            position_ids=None if docs is not None else positions,
+            **extra,
+        )
+        if slot is not None:
+            slot.context.shared[key] = causal
     return cache, mask, positions, causal, first
 
 

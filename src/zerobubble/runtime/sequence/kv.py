@@ -107,6 +107,10 @@ class SegmentContext:
     start: int
     past: Sequence[Sequence[KV]] | None = None
     new: list[KV | None] = field(default_factory=list, init=False)
+    shared: dict[Any, Any] = field(default_factory=dict, init=False)
+    """What the stage's layers compute alike in this call, computed by the first that needs
+    it (the Hugging Face blocks' causal mask: one tensor for the stage, not one per layer,
+    so the saved graphs share it)."""
 
     def __post_init__(self) -> None:
         if self.start < 0:
