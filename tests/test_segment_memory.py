@@ -221,3 +221,23 @@ def test_a_stages_hf_blocks_share_one_causal_mask_in_a_segment():
     assert len(given) == 6 and all(isinstance(m, torch.Tensor) for m in given)
     assert given[0] is given[1] is given[2] and given[3] is given[4] is given[5]
     assert given[0] is not given[3]  # one per segment
+
+
+def test_the_fitted_segment_memory_is_what_each_span_saves():
+    """Three spans fit each layer's bytes per token, pair and key exactly: a Hugging Face
+    Llama block keeps its keys and values joined and expanded to the query heads (per key),
+    our GPT's blocks nothing per key."""
+    from zerobubble.interop import hf
+
+    model = hf.tiny_model("hf-llama", num_hidden_layers=1, attn_implementation="eager").train()
+    llama = hf.causal_lm_layers(model, check=False)
+    cases = [
+        (llama, {"input_ids": torch.randint(3, 200, (1, 64))}, 2 * 64 * 4),  # (k, v) x 4 heads
+        (list(build_gpt(CFG)), torch.randint(0, 64, (1, 64)), 0),  # x 16 x float32; none
+    ]
+    for layers, batch, per_key in cases:
+        memory = profile_segment_memory(layers, batch, kernel="dense")
+        for start, end in ((0, 16), (16, 40), (40, 64)):
+            got = span_memory(layers, batch, start, end)
+            assert round(memory[1].of(start, end)) == got[1][0]  # the block
+        assert round(memory[1].keys) == per_key

@@ -168,9 +168,9 @@ def profile_segment_memory(
     spans: Sequence[tuple[int, int]] | None = None,
 ) -> tuple[SegmentMemory, ...]:
     """Per layer, a :class:`SegmentMemory` fitted to what its forward holds on each span
-    (:func:`span_memory`; spans as :func:`profile_segment_cost`'s): saved bytes per token
-    and per query-key pair, and one token's keys and values. A stage's is their
-    :meth:`~SegmentMemory.total`."""
+    (:func:`span_memory`; spans as :func:`profile_segment_cost`'s): saved bytes per token,
+    per query-key pair and per key attended, and one token's keys and values. A stage's is
+    their :meth:`~SegmentMemory.total`."""
     length = _length(inputs)
     spans = list(spans) if spans is not None else default_spans(length)
     measured = [span_memory(layers, inputs, start, end) for start, end in spans]
@@ -178,11 +178,7 @@ def profile_segment_memory(
     for i in range(len(layers)):
         samples = [(s, e, float(m[i][0])) for (s, e), m in zip(spans, measured, strict=True)]
         kv = max(m[i][1] / (e - s) for (s, e), m in zip(spans, measured, strict=True))
-        if all(c == 0 for _, _, c in samples):
-            out.append(SegmentMemory(0.0, 0.0, kv, kernel))
-            continue
-        fit = SegmentCost.fit(samples, kernel)
-        out.append(SegmentMemory(fit.linear, fit.attention, kv, kernel))
+        out.append(SegmentMemory.fit(samples, kv, kernel))
     return tuple(out)
 
 

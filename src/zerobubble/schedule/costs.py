@@ -104,10 +104,10 @@ class CostModel:
             own: the last segment's backward allocates ``kv_grad[s] * segment_tokens[j]``
             for each earlier segment ``j``, and segment ``j``'s backward frees its part
             (:meth:`unit_memory_delta`).
-        memory_per_token: Per virtual stage, the part of its memory that goes with the
-            tokens (a segment's share ``segment_tokens``), the rest going with
-            ``segment_memory`` (default 0: all of it; a stage without attention layers
-            saves per token only).
+        stage_segment_memory: Per virtual stage, per segment, the memory factor of that
+            segment on that stage, in place of ``segment_memory`` (default: none; a
+            stage's layers save per token, per query-key pair and per key in their own
+            mix, so each stage splits its memory over the segments its own way).
         a2a: Per virtual stage, the all-to-all time (a mixture of experts' dispatch and
             combine) of each F and each backward (B or BW) of the stage, on the device's
             comm lane; default 0. A lone action waits for it, so it counts in the
@@ -133,10 +133,21 @@ class CostModel:
     a2a: tuple[Number, ...] = ()
     kv_grad: tuple[Number, ...] = ()
     segment_tokens: tuple[Number, ...] = ()
-    memory_per_token: tuple[Number, ...] = ()
+    stage_segment_memory: tuple[tuple[Number, ...], ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.f)
+        rows = tuple(tuple(row) for row in self.stage_segment_memory)
+        object.__setattr__(self, "stage_segment_memory", rows)
+        if rows and (len(rows) != n or len({len(row) for row in rows}) != 1):
+            raise ValueError(
+                f"stage_segment_memory needs one row per virtual stage ({n}), all of one "
+                f"length, got {[len(row) for row in rows]}"
+            )
+        for s, row in enumerate(rows):
+            for i, x in enumerate(row):
+                if why := _amount_error(x):
+                    raise ValueError(f"stage_segment_memory[{s}][{i}]={x} {why}")
         for name in ("segment_time", "segment_memory", "segment_tokens"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
             for i, x in enumerate(getattr(self, name)):
@@ -144,7 +155,7 @@ class CostModel:
                     raise ValueError(f"{name}[{i}]={x} {why}")
         for name in ("host_f", "host_b", "host_w"):
             object.__setattr__(self, name, tuple(getattr(self, name)) or (0,) * n)
-        for name in ("reduce", "a2a", "kv_grad", "memory_per_token"):  # per stage, 0 by default
+        for name in ("reduce", "a2a", "kv_grad"):  # per stage, 0 by default
             xs = tuple(getattr(self, name)) or (0,) * n
             object.__setattr__(self, name, xs)
             if len(xs) != n or any(_amount_error(x) for x in xs):
@@ -288,14 +299,16 @@ class CostModel:
 
     def segment_memory_factor(self, stage: int, segment: int, segments: int) -> Number:
         """What segment ``segment`` of ``segments`` holds on ``stage`` over a mean
-        segment's: ``segment_tokens`` for the stage's :attr:`memory_per_token` part,
-        ``segment_memory`` for the rest."""
-        share = self.memory_per_token[stage]
-        pairs = self.segment_factors("segment_memory", segments)[segment]
-        if not share:
-            return pairs
-        tokens = self.segment_factors("segment_tokens", segments)[segment]
-        return share * tokens + (1 - share) * pairs
+        segment's: :attr:`stage_segment_memory` where given, else ``segment_memory``."""
+        if not self.stage_segment_memory:
+            return self.segment_factors("segment_memory", segments)[segment]
+        row = self.stage_segment_memory[stage]
+        if len(row) != segments:
+            raise ValueError(
+                f"cost model has {len(row)} stage_segment_memory factors per stage, the "
+                f"schedule {segments} segments per microbatch"
+            )
+        return row[segment]
 
     def unit_memory_delta(self, op: Op, stage: int, segment: int, segments: int) -> Number:
         """Net memory change when ``op`` of ``stage`` completes on segment ``segment`` of
@@ -459,9 +472,10 @@ class CostModel:
         for name in ("segment_time", "segment_memory", "segment_tokens"):
             if getattr(self, name):
                 out[name] = [float(x) for x in getattr(self, name)]
-        for name in ("kv_grad", "memory_per_token"):
-            if any(getattr(self, name)):
-                out[name] = [float(x) for x in getattr(self, name)]
+        if any(self.kv_grad):
+            out["kv_grad"] = [float(x) for x in self.kv_grad]
+        if self.stage_segment_memory:
+            out["stage_segment_memory"] = [[float(x) for x in r] for r in self.stage_segment_memory]
         if any(self.a2a):
             out["a2a"] = [float(x) for x in self.a2a]
         if any(self.host_f) or any(self.host_b) or any(self.host_w):

@@ -21,8 +21,7 @@ is then ``new.detach()`` of that segment: an alias of keys and values its own gr
 anyway, so a waiting segment holds no copy of the past (a concatenated leaf would be one
 more ``O(start)`` copy per layer, alive from the forward to the backward), and its
 gradient arrives already split by segment: it goes into that segment's accumulator as is,
-with no lengths to track. The attention concatenates the pieces with its own keys, a copy
-it makes in any case.
+with no lengths to track.
 
 Layers take part by deriving from :class:`SegmentAware`; :func:`segment_scope` installs
 the context on them for one call and removes it afterwards, even on an exception, so
