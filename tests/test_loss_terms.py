@@ -165,7 +165,7 @@ def test_terms_with_sequence_segments_are_refused():
     from zerobubble.runtime.sequence.kv import SegmentOf
 
     chunk = StageChunk(toy(["a"]), 0, 2)
-    with pytest.raises(ValueError, match=r"loss terms .* with sequence segments are not supported"):
+    with pytest.raises(ValueError, match=r"stage 0: loss terms .* not supported with sequence"):
         chunk.forward(0, torch.zeros(2, 4), segment=SegmentOf(0, 0, 2, 0))
 
 

@@ -98,6 +98,28 @@ def run(
     return None, guard.checks
 
 
+def run_shared(layers: list[nn.Module], x: object, y: torch.Tensor) -> tuple[str | None, int]:
+    """Pipelines of 2 and 3 segments sharing their chunks (``with_schedule``, as the job's
+    trials): each guard checks its own cuts only (each stepped before the other's check
+    ran, so each chunk carries both checks): the error (or None) and the checks run."""
+    one = Pipeline(
+        layers, token_loss, schedule=generated("seq-zb", 2, 2, segments=2), count_fn=count,
+        options=ExecutorOptions(cuts=CUTS, comm_timeout_s=60),
+    )  # fmt: skip
+    three = (0, 5, 11, T)
+    other = one.with_schedule(
+        generated("seq-zb", 2, 2, segments=3),
+        options=ExecutorOptions(cuts=three, comm_timeout_s=60),
+    )
+    try:
+        for pipe in (one, other, one, other):
+            pipe.step(x, target=y)
+    except ValueError as e:
+        return str(e), -1
+    guards = [p.executor.segment_guard for p in (one, other)]
+    return None, sum(g.checks for g in guards if g is not None)
+
+
 def guard_job() -> dict[str, tuple[str | None, int]]:
     init_distributed(timeout_s=60)
     gen = torch.Generator().manual_seed(1)
@@ -108,6 +130,7 @@ def guard_job() -> dict[str, tuple[str | None, int]]:
     out["table"] = run([PositionTable(), *gpt[1:]], x, y)
     out["mixer"] = run([*gpt[:2], CausalMixer(), *gpt[2:]], x, y, [0, 2, 6])
     out["gpt"] = run(gpt_layers(), x, y)
+    out["shared"] = run_shared(gpt_layers(), x, y)
     llama = hf.tiny_model("hf-llama", attn_implementation="sdpa", num_hidden_layers=2)
     mask = torch.ones(4, T, dtype=torch.long)
     mask[1, :5] = 0
@@ -132,6 +155,7 @@ def test_the_guard_refuses_position_readers_on_every_rank_and_passes_segment_awa
             assert "a schedule without segments" in message
             assert "rtol=1e-05, atol=1e-06" in message
         assert out["gpt"] == (None, 1)  # one stage per rank, checked once over two steps
+        assert out["shared"] == (None, 2)  # each cut set once, by its own guard
         assert out["llama"] == (None, 1)
 
 

@@ -51,7 +51,7 @@ from zerobubble.interop.hf_router import (
 from zerobubble.interop.hf_tp import hf_block_plan
 from zerobubble.parallel.ep import ExpertGroup
 from zerobubble.parallel.tp import LayerLayout, share_column_inputs
-from zerobubble.runtime.loss_terms import add_loss_term
+from zerobubble.runtime.loss_terms import add_loss_term, segments_refusal
 from zerobubble.runtime.sequence.cp import ContextAware, ContextSlot
 from zerobubble.runtime.sequence.kv import SegmentAware, SegmentSlot
 
@@ -253,14 +253,22 @@ def _attention_inputs(
         extra["layer_idx"] = index
     if docs is not None:
         extra["and_mask_function"] = packed_sequence_mask_function(docs[:, first:])
-    causal = make_mask(
-        config=config,
-        inputs_embeds=hidden,
-        attention_mask=keys_mask,
-        cache=cache,
-        position_ids=None if docs is not None else positions,
-        **extra,
-    )
+    # In a segment the stage's blocks of one kind build the same mask (the same padding
+    # mask, positions and cached length): the first builds it, the others share it, so a
+    # kernel that saves its mask (sdpa) keeps one per stage rather than one per layer.
+    key = (make_mask, first, tuple(hidden.shape), hidden.dtype)
+    causal = None if slot is None else slot.context.shared.get(key)
+    if causal is None:
+        causal = make_mask(
+            config=config,
+            inputs_embeds=hidden,
+            attention_mask=keys_mask,
+            cache=cache,
+            position_ids=None if docs is not None else positions,
+            **extra,
+        )
+        if slot is not None:
+            slot.context.shared[key] = causal
     return cache, mask, positions, causal, first
 
 
@@ -789,6 +797,9 @@ class DecoderBlock(SegmentAware, ContextAware, HFLayer):
     def forward(self, x: Boundary) -> Boundary:
         hidden, mask, position_ids = _unpack(type(self).__name__, x)
         slot = self.segment_slot
+        if slot is not None and (self.router is not None or self.z_loss):
+            # before the router's statistics meet the segment's mask (of its keys)
+            raise segments_refusal(f"layer {slot.name} ({type(self).__name__})")
         whole = hidden
         if self.sequence_shards > 1:  # a stand-in of the whole sequence's shape (no memory)
             b, t, d = hidden.shape

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from zerobubble.parallel.loss import cross_entropy, takes_sharded_logits
 from zerobubble.parallel.tp import LayerLayout, dropout_kinds
 from zerobubble.runtime.sequence.cp import ContextAware, ContextSlot, ring_attention
-from zerobubble.runtime.sequence.kv import SegmentAware
+from zerobubble.runtime.sequence.kv import SegmentAware, joined_kv
 
 __all__ = ["Block", "CausalSelfAttention", "GPTConfig", "GPTEmbedding", "build_gpt", "gpt_loss"]
 
@@ -176,13 +176,24 @@ class CausalSelfAttention(SegmentAware, ContextAware, nn.Module):
                     f"{self.future.shape[0]}"
                 )
             past_k, past_v = slot.past()
+            if past_k:  # the joined keys and values are saved as their pieces (joined_kv)
+                slot.record(k, v)
+                with joined_kv([[*past_k, k], [*past_v, v]], dim=2) as (k, v):
+                    return self._attend(q, k, v, start, end)
+            # The first segment: the copies one pass's matmuls make of the keys and values
+            # (the same layouts, so the same products), made here and handed to the later
+            # segments too: its graph saves them, and nothing else holds them again.
+            k, v = k.transpose(-2, -1).contiguous().transpose(-2, -1), v.contiguous()
             slot.record(k, v)
-            if past_k:  # without a past, the very tensors (and layouts) of one pass
-                k, v = torch.cat([*past_k, k], dim=2), torch.cat([*past_v, v], dim=2)
+        return self._attend(q, k, v, start, end)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, start: int, end: int) -> Tensor:
+        """Queries of tokens ``[start, end)`` over the keys and values of ``[0, end)``."""
+        b, _, t, _ = q.shape
         scores = (q @ k.transpose(-2, -1)) * self.scale
         scores = scores.masked_fill(self.future[start:end, :end], float("-inf"))
         y = self.attn_drop(torch.softmax(scores, dim=-1)) @ v
-        return self.resid_drop(self.out(y.transpose(1, 2).reshape(b, t, width)))
+        return self.resid_drop(self.out(y.transpose(1, 2).reshape(b, t, -1)))
 
     def _context(self, q: Tensor, k: Tensor, v: Tensor, cp: ContextSlot) -> Tensor:
         """A cp rank's attention (B, H, 2n, D). Without attention dropout a ring

@@ -15,6 +15,8 @@ it: :meth:`Profile.cost_model` with ``fused=True`` takes F and BW from that run.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +25,12 @@ from zerobubble.profile.layers import LayerProfile
 from zerobubble.profile.stages import StageProfile
 from zerobubble.profile.stats import OpStats
 from zerobubble.schedule.costs import CostModel
-from zerobubble.schedule.segments import SegmentCost, balanced_cuts, segment_model
+from zerobubble.schedule.segments import (
+    SegmentCost,
+    SegmentMemory,
+    balanced_cuts,
+    segment_model,
+)
 
 
 def _costs(st: StageProfile, op: str, stats: tuple[OpStats, ...]) -> list[float]:
@@ -65,6 +72,11 @@ class Profile:
             :func:`~zerobubble.profile.segments.profile_segment_cost`), if measured: what
             a segment schedule's cuts balance and its prediction scales by.
         seq_len: The length of the profiled sequences (the cuts' last position).
+        segment_memory: Per layer, what a segment holds (fitted to the saved bytes of
+            spans, :func:`~zerobubble.profile.segments.profile_segment_memory`), if
+            measured: with :attr:`boundaries`, how a segment schedule's prediction splits
+            each stage's memory over its segments and prices the key and value gradient
+            sums.
         comm_fit: The latency (ms) per cross-device dependency under which the profiled
             schedules' simulated steps best match their measured ones
             (:func:`~zerobubble.profile.calibrate.fit_latency`), if fitted: the cost
@@ -83,6 +95,7 @@ class Profile:
     segment_cost: SegmentCost | None = None
     seq_len: int | None = None
     comm_fit: float | None = None
+    segment_memory: tuple[SegmentMemory, ...] | None = None
 
     def cuts(self, segments: int) -> tuple[int, ...]:
         """Where to cut the profiled sequences into ``segments`` segments of equal work."""
@@ -100,7 +113,19 @@ class Profile:
             return costs
         cuts = self.cuts(segments)
         assert self.segment_cost is not None  # cuts() checked it
-        return segment_model(costs, cuts, self.segment_cost)
+        return segment_model(costs, cuts, self.segment_cost, self.stage_segment_memory())
+
+    def stage_segment_memory(self) -> list[SegmentMemory] | None:
+        """Per virtual stage, the :attr:`segment_memory` of its layers (None without it or
+        without the layer cut)."""
+        bounds, memory = self.boundaries, self.segment_memory
+        if memory is None or bounds is None:
+            return None
+        if bounds[-1] != len(memory):
+            raise ValueError(
+                f"the profile's segment memory has {len(memory)} layers, its cut {list(bounds)}"
+            )
+        return [SegmentMemory.total(memory[a:b]) for a, b in itertools.pairwise(bounds)]
 
     @property
     def comm(self) -> float:
@@ -280,6 +305,12 @@ class Profile:
                 "kernel": c.kernel,
                 "seq_len": self.seq_len,
                 "unit": "ms of the whole model's forward",
+            }
+        if self.segment_memory is not None:
+            out["segment_memory"] = {
+                "layers": [dataclasses.asdict(m) for m in self.segment_memory],
+                "unit": "bytes each layer's forward saves a token (linear) and a query-key "
+                "pair (attention); kv: one token's keys and values",
             }
         return out
 

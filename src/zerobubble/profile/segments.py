@@ -18,17 +18,27 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.autograd.graph import saved_tensors_hooks
 
 from zerobubble.runtime.sequence.kv import (
+    SegmentAware,
     SegmentContext,
+    past_leaves,
     segment_inputs,
     segment_scope,
     sequence_tensor,
 )
-from zerobubble.schedule.segments import Attention, SegmentCost
+from zerobubble.schedule.segments import Attention, SegmentCost, SegmentMemory
 
-__all__ = ["default_spans", "past_of", "profile_segment_cost", "run_span"]
+__all__ = [
+    "default_spans",
+    "past_of",
+    "profile_segment_cost",
+    "profile_segment_memory",
+    "run_span",
+    "span_memory",
+]
 
 
 def default_spans(length: int) -> list[tuple[int, int]]:
@@ -97,6 +107,83 @@ def profile_segment_cost(
                 times.append((time.perf_counter() - t0) * 1e3)
         samples.append((start, end, statistics.median(times)))
     return SegmentCost.fit(samples, kernel)
+
+
+def span_memory(
+    layers: Sequence[nn.Module], inputs: Any, start: int, end: int, past: Any = None
+) -> list[tuple[int, int]]:
+    """Per layer, what its forward on tokens ``[start, end)`` of ``inputs`` holds for the
+    backward and the bytes of its own keys and values: the distinct storages the layer's
+    graph saves first (a storage saved by two layers counts for the first), less the
+    parameters, the buffers and the past's keys and values (the earlier segments', leaves
+    here), as a stage's ``held_bytes`` counts them."""
+    if past is None:
+        past = past_of(layers, inputs, start)
+    leaves = past_leaves([[layer[0] for layer in past]]) if past else None
+    saved: list[list[Tensor]] = [[] for _ in layers]
+    at = [0]
+
+    def pack(t: Tensor) -> Tensor:
+        saved[at[0]].append(t.detach())
+        return t
+
+    context = SegmentContext(start, leaves)
+    x = segment_inputs(inputs, start, end)
+    with torch.enable_grad(), saved_tensors_hooks(pack, _same), segment_scope(layers, context):
+        for i, layer in enumerate(layers):
+            at[0] = i
+            x = layer(x)
+    own = iter(context.new_kv())
+    seen = {
+        t.untyped_storage().data_ptr()
+        for layer in layers
+        for t in (*layer.parameters(), *layer.buffers())
+    }
+    seen |= {t.untyped_storage().data_ptr() for layer in leaves or [] for kv in layer for t in kv}
+    out = []
+    for layer, tensors in zip(layers, saved, strict=True):
+        held = 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                held += storage.nbytes()
+        kv = sum(
+            t.numel() * t.element_size() for _ in range(_attention_layers(layer)) for t in next(own)
+        )
+        out.append((held, kv))
+    return out
+
+
+def _attention_layers(layer: nn.Module) -> int:
+    """How many attention layers with keys and values in the protocol ``layer`` holds."""
+    return len({id(m) for m in layer.modules() if isinstance(m, SegmentAware) and m.holds_kv})
+
+
+def profile_segment_memory(
+    layers: Sequence[nn.Module],
+    inputs: Any,
+    *,
+    kernel: Attention,
+    spans: Sequence[tuple[int, int]] | None = None,
+) -> tuple[SegmentMemory, ...]:
+    """Per layer, a :class:`SegmentMemory` fitted to what its forward holds on each span
+    (:func:`span_memory`; spans as :func:`profile_segment_cost`'s): saved bytes per token,
+    per query-key pair and per key attended, and one token's keys and values. A stage's is
+    their :meth:`~SegmentMemory.total`."""
+    length = _length(inputs)
+    spans = list(spans) if spans is not None else default_spans(length)
+    measured = [span_memory(layers, inputs, start, end) for start, end in spans]
+    out = []
+    for i in range(len(layers)):
+        samples = [(s, e, float(m[i][0])) for (s, e), m in zip(spans, measured, strict=True)]
+        kv = max(m[i][1] / (e - s) for (s, e), m in zip(spans, measured, strict=True))
+        out.append(SegmentMemory.fit(samples, kv, kernel))
+    return tuple(out)
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
 
 
 def _chain(layers: Sequence[nn.Module], x: Any) -> Any:

@@ -24,6 +24,7 @@ from zerobubble.runtime.loss_terms import (
     TermWeight,
     collect_loss_terms,
     gather_terms,
+    segments_refusal,
     weighted_objective,
 )
 from zerobubble.runtime.loss_terms import term_weight as weight_of
@@ -313,7 +314,8 @@ def segment_reference_step(
     each segment's roots its loss and its own keys and values with the gradients the
     later segments sent back (summed, last segment first). A microbatch's loss is the sum
     of its segments' in order, and every parameter's gradient is the per-unit gradients
-    added in unit order: what the pipeline's chunks compute, so a segment schedule
+    added in backward order (microbatch by microbatch, last segment first, as the
+    weight-gradient store adds them): what the pipeline's chunks compute, so a segment schedule
     equals this bitwise. ``seed``, ``step``, ``num_stages`` and ``boundaries`` seed each
     stage's random ops per unit, as the executor does.
 
@@ -345,9 +347,9 @@ def segment_reference_step(
     for j, ((aj, kj), tj) in enumerate(zip(inputs, targets, strict=True)):
         units = [j * k + i for i in range(k)]
         seg_losses, contexts = _segments_forward(stages, pairs, units, (aj, kj, tj), loss_fn, total)
-        per_unit.extend(_segments_backward(seg_losses, contexts, params))
+        per_unit.extend(reversed(_segments_backward(seg_losses, contexts, params)))
         losses.append(sum(seg_losses[1:], seg_losses[0]).detach())
-    for unit in per_unit:  # added in unit order, as the weight-gradient store adds them
+    for unit in per_unit:  # in backward order, as the weight-gradient store adds them
         for p, g in zip(params, unit, strict=True):
             if g is not None:
                 p.grad = local_sum(p.grad, g)
@@ -411,11 +413,7 @@ def _segments_forward(
         with segment_scope([stages.model], context), collect_loss_terms(stages.model) as found:
             h = stages.run(unit, a_seg, k_seg, last)
         if found:
-            raise ValueError(
-                f"the layers added loss terms {sorted(found)}: loss terms with sequence "
-                "segments are not supported (each segment would add its own); run without "
-                "segments"
-            )
+            raise segments_refusal(f"the layers added loss terms {sorted(found)}")
         seg_losses.append(h)
         contexts.append(context)
     return seg_losses, contexts

@@ -39,6 +39,7 @@ __all__ = [
     "collect_loss_terms",
     "gather_terms",
     "objective",
+    "segments_refusal",
     "split_terms",
     "term_scope",
     "term_weight",
@@ -109,6 +110,23 @@ def add_loss_term(module: nn.Module, name: str, value: Tensor) -> None:
             "scalar tensor (reduce it to one value per microbatch)"
         )
     sink.add(module, name, value)
+
+
+def segments_refusal(where: str) -> ValueError:
+    """The one refusal of loss terms with sequence segments, raised by every path (the
+    stage, the references, the Hugging Face adapter's router blocks, the job) where
+    ``where`` names the stage, layer or model.
+
+    A term over one segment's tokens is not that segment's share of the sequence's term:
+    a router's balance loss multiplies the fraction of tokens sent to each expert by the
+    mean router probability, both over every token of the batch, so segments adding their
+    own terms would train another objective."""
+    return ValueError(
+        f"{where}: loss terms (add_loss_term: a router's balance or z-loss) are not "
+        "supported with sequence segments: a term over one segment's tokens is not its "
+        "share of the whole sequence's term (a balance loss multiplies token fractions and "
+        "mean probabilities over every token); run without segments, or without the terms"
+    )
 
 
 @contextmanager

@@ -253,7 +253,8 @@ class StageChunk:
         with torch.enable_grad(), _saving(self.track_memory, saved), ExitStack() as stack:
             for scope in scopes:
                 stack.enter_context(scope)
-            stack.enter_context(self.store.record(self.stage, mb))
+            order = None if segment is None else (segment.microbatch, -segment.index)
+            stack.enter_context(self.store.record(self.stage, mb, order))
             out = self._run(unit, args, kw, target, num_items)
             result = _objective(self.stage, mb, self._objective, out) if self.is_last else out
         self._objective = None

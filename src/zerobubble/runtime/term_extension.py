@@ -17,7 +17,13 @@ from typing import Any
 from torch import Tensor, nn
 
 from zerobubble.runtime.extension import Call, StageExtension, Unit
-from zerobubble.runtime.loss_terms import split_terms, term_scope, weighted_objective, with_terms
+from zerobubble.runtime.loss_terms import (
+    segments_refusal,
+    split_terms,
+    term_scope,
+    weighted_objective,
+    with_terms,
+)
 
 __all__ = ["LossTermExtension"]
 
@@ -52,6 +58,8 @@ class LossTermExtension(StageExtension):
                 args = (value,)
             with term_scope(self.modules, carried) as sink:
                 out = fn(args, kw)
+            if unit.segment is not None and sink.sums:  # at the stage that adds them
+                raise segments_refusal(f"stage {unit.stage}")
             if not unit.last:
                 return with_terms(out, sink.sums)
             self._sums = sink.sums
@@ -63,14 +71,9 @@ class LossTermExtension(StageExtension):
         return weighted_objective(loss, self._sums, unit.loss_scale, unit.term_weight)
 
     def keep(self, unit: Unit, out: Any) -> bool:
-        """Keep the last stage's terms for :meth:`take` (refused with segments: each segment
-        would add its own term)."""
+        """Keep the last stage's terms for :meth:`take` (refused with segments, where they
+        are added: :meth:`call`)."""
         reported, self._sums = self._sums, {}
-        if unit.segment is not None and (reported or split_terms(out)[1]):
-            raise ValueError(
-                f"stage {unit.stage}: loss terms (add_loss_term) with sequence segments are "
-                "not supported (each segment would add its own term); run without segments"
-            )
         if reported:
             self._terms[unit.mb] = {n: reported[n].detach() for n in sorted(reported)}
         return False

@@ -96,6 +96,18 @@ class CostModel:
             and their memory deltas (default: all 1). The per-stage terms are then those
             of a mean segment; unequal cuts make unequal segments
             (:func:`~zerobubble.schedule.segments.segment_model`).
+        kv_grad, segment_tokens: For a schedule of k sequence segments, per virtual stage
+            the memory of a mean segment's key and value gradients (default 0), and per
+            segment its tokens over the mean segment's (default all 1). A segment's later
+            segments send gradients into its keys and values, summed on the stage from the
+            last segment's backward (which reads every earlier segment) until the segment's
+            own: the last segment's backward allocates ``kv_grad[s] * segment_tokens[j]``
+            for each earlier segment ``j``, and segment ``j``'s backward frees its part
+            (:meth:`unit_memory_delta`).
+        stage_segment_memory: Per virtual stage, per segment, the memory factor of that
+            segment on that stage, in place of ``segment_memory`` (default: none; a
+            stage's layers save per token, per query-key pair and per key in their own
+            mix, so each stage splits its memory over the segments its own way).
         a2a: Per virtual stage, the all-to-all time (a mixture of experts' dispatch and
             combine) of each F and each backward (B or BW) of the stage, on the device's
             comm lane; default 0. A lone action waits for it, so it counts in the
@@ -119,54 +131,12 @@ class CostModel:
     segment_time: tuple[Number, ...] = ()
     segment_memory: tuple[Number, ...] = ()
     a2a: tuple[Number, ...] = ()
+    kv_grad: tuple[Number, ...] = ()
+    segment_tokens: tuple[Number, ...] = ()
+    stage_segment_memory: tuple[tuple[Number, ...], ...] = ()
 
     def __post_init__(self) -> None:
-        n = len(self.f)
-        for name in ("segment_time", "segment_memory"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
-            for i, x in enumerate(getattr(self, name)):
-                if why := _amount_error(x):
-                    raise ValueError(f"{name}[{i}]={x} {why}")
-        for name in ("host_f", "host_b", "host_w"):
-            object.__setattr__(self, name, tuple(getattr(self, name)) or (0,) * n)
-        for name in ("reduce", "a2a"):  # per stage, 0 by default
-            xs = tuple(getattr(self, name)) or (0,) * n
-            object.__setattr__(self, name, xs)
-            if len(xs) != n or any(_amount_error(x) for x in xs):
-                raise ValueError(
-                    f"{name}={list(xs)} must hold one finite number >= 0 (at most "
-                    f"{MAX_AMOUNT:g}) per virtual stage ({n})"
-                )
-        for name in ("f", "b", "w", "mem_f", "mem_w"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
-        if not self.mem_f:
-            object.__setattr__(self, "mem_f", (1,) * n)
-        if not self.mem_w:
-            object.__setattr__(self, "mem_w", tuple(_div(m, 2) for m in self.mem_f))
-        for name in ("b", "w", "mem_f", "mem_w", "host_f", "host_b", "host_w"):
-            if len(getattr(self, name)) != n:
-                raise ValueError(
-                    f"cost array {name!r} has {len(getattr(self, name))} entries, "
-                    f"expected one per virtual stage ({n})"
-                )
-        for name in ("f", "b", "w", "mem_f", "mem_w"):
-            for s, x in enumerate(getattr(self, name)):
-                if why := _amount_error(x):
-                    raise ValueError(f"{name}[{s}]={x} {why}")
-        if why := _amount_error(self.comm):
-            raise ValueError(f"comm={self.comm} {why}")
-        for s, (mf, mw) in enumerate(zip(self.mem_f, self.mem_w, strict=True)):
-            if mw > mf and not self.recompute:
-                raise ValueError(
-                    f"mem_w[{s}]={mw} exceeds mem_f[{s}]={mf}: W cannot hold more than F allocated"
-                )
-        for name, whole in (("host_f", self.f), ("host_b", self.b), ("host_w", self.w)):
-            for s, (x, t) in enumerate(zip(getattr(self, name), whole, strict=True)):
-                if (why := _amount_error(x)) or x > t:
-                    raise ValueError(
-                        f"{name}[{s}]={x} {why or f'exceeds {name[-1]}[{s}]={t}'}: the host "
-                        "part of an op is part of its duration"
-                    )
+        _settle(self)
 
     @property
     def num_stages(self) -> int:
@@ -251,20 +221,55 @@ class CostModel:
             mem_f=part(self.mem_f),
             mem_w=part(self.mem_w),
             a2a=part(self.a2a),
+            kv_grad=part(self.kv_grad),
         )
 
     def segment_scales(self, segments: int) -> tuple[tuple[Number, ...], tuple[Number, ...]]:
         """The time and memory factor of each of ``segments`` segments (1 where unset)."""
-        out = []
-        for name in ("segment_time", "segment_memory"):
-            xs: tuple[Number, ...] = getattr(self, name)
-            if xs and len(xs) != segments:
-                raise ValueError(
-                    f"cost model has {len(xs)} {name} factors, the schedule {segments} "
-                    "segments per microbatch"
-                )
-            out.append(xs or (1,) * segments)
-        return out[0], out[1]
+        return (
+            self.segment_factors("segment_time", segments),
+            self.segment_factors("segment_memory", segments),
+        )
+
+    def segment_factors(self, name: str, segments: int) -> tuple[Number, ...]:
+        """The per-segment factors ``name`` of ``segments`` segments (1 where unset)."""
+        xs: tuple[Number, ...] = getattr(self, name)
+        if xs and len(xs) != segments:
+            raise ValueError(
+                f"cost model has {len(xs)} {name} factors, the schedule {segments} "
+                "segments per microbatch"
+            )
+        return xs or (1,) * segments
+
+    def segment_memory_factor(self, stage: int, segment: int, segments: int) -> Number:
+        """What segment ``segment`` of ``segments`` holds on ``stage`` over a mean
+        segment's: :attr:`stage_segment_memory` where given, else ``segment_memory``."""
+        if not self.stage_segment_memory:
+            return self.segment_factors("segment_memory", segments)[segment]
+        row = self.stage_segment_memory[stage]
+        if len(row) != segments:
+            raise ValueError(
+                f"cost model has {len(row)} stage_segment_memory factors per stage, the "
+                f"schedule {segments} segments per microbatch"
+            )
+        return row[segment]
+
+    def unit_memory_delta(self, op: Op, stage: int, segment: int, segments: int) -> Number:
+        """Net memory change when ``op`` of ``stage`` completes on segment ``segment`` of
+        ``segments``: :meth:`memory_delta` scaled by the segment's :attr:`segment_memory`,
+        and a backward's change in the key and value gradient sums (:attr:`kv_grad`)."""
+        delta = self.memory_delta(op, stage)
+        if segments == 1:
+            return delta
+        delta = delta * self.segment_memory_factor(stage, segment, segments)
+        kv = self.kv_grad[stage]
+        if op in (Op.B, Op.BW) and kv:
+            tokens = self.segment_factors("segment_tokens", segments)
+            if segment == segments - 1:  # the sums of every earlier segment start here
+                delta = delta + kv * sum(tokens[:-1])
+            else:  # the segment's own sum is consumed
+                delta = delta - kv * tokens[segment]
+        return delta
 
     def duration(self, op: Op, stage: int) -> Number:
         """How long ``op`` takes on virtual stage ``stage``."""
@@ -398,27 +403,98 @@ class CostModel:
         )
 
     def to_dict(self) -> dict[str, object]:
-        out: dict[str, object] = {
-            "F": [float(x) for x in self.f],
-            "B": [float(x) for x in self.b],
-            "W": [float(x) for x in self.w],
-            "comm": float(self.comm),
-            "mem_B": [float(x) for x in self.mem_f],
-            "mem_W": [float(x) for x in self.mem_w],
+        return _as_dict(self)
+
+
+def _settle(m: CostModel) -> None:
+    """Normalise ``m``'s fields to tuples (defaults filled) and check every amount: the
+    model's ``__post_init__``."""
+    n = len(m.f)
+    rows = tuple(tuple(row) for row in m.stage_segment_memory)
+    object.__setattr__(m, "stage_segment_memory", rows)
+    if rows and (len(rows) != n or len({len(row) for row in rows}) != 1):
+        raise ValueError(
+            f"stage_segment_memory needs one row per virtual stage ({n}), all of one "
+            f"length, got {[len(row) for row in rows]}"
+        )
+    for s, row in enumerate(rows):
+        for i, x in enumerate(row):
+            if why := _amount_error(x):
+                raise ValueError(f"stage_segment_memory[{s}][{i}]={x} {why}")
+    for name in ("segment_time", "segment_memory", "segment_tokens"):
+        object.__setattr__(m, name, tuple(getattr(m, name)))
+        for i, x in enumerate(getattr(m, name)):
+            if why := _amount_error(x):
+                raise ValueError(f"{name}[{i}]={x} {why}")
+    for name in ("host_f", "host_b", "host_w"):
+        object.__setattr__(m, name, tuple(getattr(m, name)) or (0,) * n)
+    for name in ("reduce", "a2a", "kv_grad"):  # per stage, 0 by default
+        xs = tuple(getattr(m, name)) or (0,) * n
+        object.__setattr__(m, name, xs)
+        if len(xs) != n or any(_amount_error(x) for x in xs):
+            raise ValueError(
+                f"{name}={list(xs)} must hold one finite number >= 0 (at most "
+                f"{MAX_AMOUNT:g}) per virtual stage ({n})"
+            )
+    for name in ("f", "b", "w", "mem_f", "mem_w"):
+        object.__setattr__(m, name, tuple(getattr(m, name)))
+    if not m.mem_f:
+        object.__setattr__(m, "mem_f", (1,) * n)
+    if not m.mem_w:
+        object.__setattr__(m, "mem_w", tuple(_div(m, 2) for m in m.mem_f))
+    for name in ("b", "w", "mem_f", "mem_w", "host_f", "host_b", "host_w"):
+        if len(getattr(m, name)) != n:
+            raise ValueError(
+                f"cost array {name!r} has {len(getattr(m, name))} entries, "
+                f"expected one per virtual stage ({n})"
+            )
+    for name in ("f", "b", "w", "mem_f", "mem_w"):
+        for s, x in enumerate(getattr(m, name)):
+            if why := _amount_error(x):
+                raise ValueError(f"{name}[{s}]={x} {why}")
+    if why := _amount_error(m.comm):
+        raise ValueError(f"comm={m.comm} {why}")
+    for s, (mf, mw) in enumerate(zip(m.mem_f, m.mem_w, strict=True)):
+        if mw > mf and not m.recompute:
+            raise ValueError(
+                f"mem_w[{s}]={mw} exceeds mem_f[{s}]={mf}: W cannot hold more than F allocated"
+            )
+    for name, whole in (("host_f", m.f), ("host_b", m.b), ("host_w", m.w)):
+        for s, (x, t) in enumerate(zip(getattr(m, name), whole, strict=True)):
+            if (why := _amount_error(x)) or x > t:
+                raise ValueError(
+                    f"{name}[{s}]={x} {why or f'exceeds {name[-1]}[{s}]={t}'}: the host "
+                    "part of an op is part of its duration"
+                )
+
+
+def _as_dict(m: CostModel) -> dict[str, object]:
+    """``m`` as the costs file writes it (only what differs from the defaults)."""
+    out: dict[str, object] = {
+        "F": [float(x) for x in m.f],
+        "B": [float(x) for x in m.b],
+        "W": [float(x) for x in m.w],
+        "comm": float(m.comm),
+        "mem_B": [float(x) for x in m.mem_f],
+        "mem_W": [float(x) for x in m.mem_w],
+    }
+    if m.recompute:
+        out["recompute"] = True
+    for name in ("segment_time", "segment_memory", "segment_tokens"):
+        if getattr(m, name):
+            out[name] = [float(x) for x in getattr(m, name)]
+    if any(m.kv_grad):
+        out["kv_grad"] = [float(x) for x in m.kv_grad]
+    if m.stage_segment_memory:
+        out["stage_segment_memory"] = [[float(x) for x in r] for r in m.stage_segment_memory]
+    if any(m.a2a):
+        out["a2a"] = [float(x) for x in m.a2a]
+    if any(m.host_f) or any(m.host_b) or any(m.host_w):
+        out["host"] = {
+            op: [float(x) for x in xs]
+            for op, xs in (("F", m.host_f), ("B", m.host_b), ("W", m.host_w))
         }
-        if self.recompute:
-            out["recompute"] = True
-        for name in ("segment_time", "segment_memory"):
-            if getattr(self, name):
-                out[name] = [float(x) for x in getattr(self, name)]
-        if any(self.a2a):
-            out["a2a"] = [float(x) for x in self.a2a]
-        if any(self.host_f) or any(self.host_b) or any(self.host_w):
-            out["host"] = {
-                op: [float(x) for x in xs]
-                for op, xs in (("F", self.host_f), ("B", self.host_b), ("W", self.host_w))
-            }
-        return out
+    return out
 
 
 @dataclass(frozen=True)

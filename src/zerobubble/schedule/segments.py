@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -220,18 +220,143 @@ def time_factors(cuts: tuple[int, ...], cost: SegmentCost) -> tuple[float, ...]:
     return tuple(c / mean for c in costs)
 
 
-def segment_model(costs: CostModel, cuts: tuple[int, ...], cost: SegmentCost) -> CostModel:
+@dataclass(frozen=True)
+class SegmentMemory:
+    """What a segment of a causal sequence holds on a layer or stage, in bytes.
+
+    Attributes:
+        linear: Saved bytes per token (projections, MLP, norms, its own keys and values).
+        attention: Saved bytes per query-key pair (eager attention's probabilities).
+        keys: Saved bytes per key the segment attends, ``[0, end)`` (a copy of the past
+            and own keys and values that the attention keeps, as the Hugging Face blocks'
+            cache concatenation; 0 where the past is read from the earlier segments').
+        kv: One token's keys and values, the size of the gradient that the later
+            segments sum into them (0 without attention).
+        kernel: How the pairs are counted (:class:`SegmentCost`).
+    """
+
+    linear: float
+    attention: float
+    keys: float
+    kv: float
+    kernel: Attention = "dense"
+
+    def __post_init__(self) -> None:
+        for name in ("linear", "attention", "keys", "kv"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"SegmentMemory.{name} must be a finite number >= 0, got {v!r}")
+
+    def of(self, start: int, end: int) -> float:
+        """The bytes that the segment ``[start, end)`` saves."""
+        return (
+            self.linear * (end - start)
+            + self.attention * _pairs(start, end, self.kernel)
+            + self.keys * end
+        )
+
+    @classmethod
+    def fit(
+        cls, samples: Iterable[tuple[int, int, float]], kv: float, kernel: Attention
+    ) -> SegmentMemory:
+        """The non-negative least-squares terms of measured ``(start, end, bytes)`` spans
+        (tokens, pairs and keys need three spans whose counts are independent, e.g. two
+        lengths from position 0 and one late span); ``kv`` as measured."""
+        rows = [((float(e - s), _pairs(s, e, kernel), float(e)), float(b)) for s, e, b in samples]
+        best: tuple[float, tuple[float, float, float]] | None = None
+        for used in ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,)):
+            terms = _least_squares(rows, used)
+            if terms is None or min(terms) < 0:
+                continue
+            full = [0.0, 0.0, 0.0]
+            for i, x in zip(used, terms, strict=True):
+                full[i] = x
+            err = sum((sum(a * x for a, x in zip(r, full, strict=True)) - b) ** 2 for r, b in rows)
+            if best is None or err < best[0] * (1 - 1e-12):
+                best = (err, (full[0], full[1], full[2]))
+        if best is None:
+            raise ValueError(f"cannot fit a segment memory to {len(rows)} spans")
+        linear, attention, keys = best[1]
+        return cls(linear, attention, keys, kv, kernel)
+
+    @classmethod
+    def total(cls, parts: Iterable[SegmentMemory]) -> SegmentMemory:
+        """Layers' memories added up (a stage's), all counting pairs alike."""
+        parts = list(parts)
+        kernels = {m.kernel for m in parts}
+        if len(kernels) > 1:
+            raise ValueError(f"cannot add memories of kernels {sorted(kernels)}")
+        return cls(
+            sum(m.linear for m in parts),
+            sum(m.attention for m in parts),
+            sum(m.keys for m in parts),
+            sum(m.kv for m in parts),
+            kernels.pop() if kernels else "dense",
+        )
+
+
+def _least_squares(
+    rows: list[tuple[tuple[float, float, float], float]], used: tuple[int, ...]
+) -> list[float] | None:
+    """The least-squares coefficients of the columns ``used`` (None if singular)."""
+    n = len(used)
+    a = [[sum(r[i] * r[j] for r, _ in rows) for j in used] for i in used]
+    y = [sum(r[i] * b for r, b in rows) for i in used]
+    scale = max(abs(a[i][i]) for i in range(n)) or 1.0
+    for c in range(n):  # Gaussian elimination with partial pivoting
+        p = max(range(c, n), key=lambda r: abs(a[r][c]))
+        if abs(a[p][c]) <= 1e-12 * scale:
+            return None
+        a[c], a[p], y[c], y[p] = a[p], a[c], y[p], y[c]
+        for r in range(c + 1, n):
+            f = a[r][c] / a[c][c]
+            a[r] = [x - f * z for x, z in zip(a[r], a[c], strict=True)]
+            y[r] -= f * y[c]
+    out = [0.0] * n
+    for c in reversed(range(n)):
+        out[c] = (y[c] - sum(a[c][j] * out[j] for j in range(c + 1, n))) / a[c][c]
+    return out
+
+
+def segment_model(
+    costs: CostModel,
+    cuts: tuple[int, ...],
+    cost: SegmentCost,
+    memory: Sequence[SegmentMemory] | None = None,
+) -> CostModel:
     """The cost model of a schedule that cuts every sequence at ``cuts``, from ``costs`` of
     whole microbatches: a mean segment's terms (:meth:`CostModel.per_segment`), each
-    segment's compute scaled by its share of the work (:func:`time_factors`) and its
-    memory by its share of the tokens (activations are per token). Not priced: the
-    copies of the earlier segments' keys and values a later segment's attention
-    concatenates, and the sums of their gradients."""
+    segment's compute scaled by its share of the work (:func:`time_factors`).
+
+    With ``memory`` (one per virtual stage) a segment's memory on a stage is its share of
+    the whole sequence's saved bytes there (:attr:`CostModel.stage_segment_memory`; under
+    eager attention a segment's queries meet only the keys up to its end, so the segments
+    together save less than one pass), and the sums of the earlier segments' key and value
+    gradients are priced (:attr:`CostModel.kv_grad`, scaled from ``mem_f``: under
+    recompute, where ``mem_f`` is the checkpointed inputs only, they are underpriced).
+    Without it each segment's memory is its share of the tokens and the sums are not
+    priced."""
     k = len(cuts) - 1
     tokens = tuple(e - s for s, e in itertools.pairwise(cuts))
     mean = sum(tokens) / k
-    return replace(
-        costs.per_segment(k),
-        segment_time=time_factors(cuts, cost),
-        segment_memory=tuple(n / mean for n in tokens),
+    share = tuple(n / mean for n in tokens)
+    model = replace(
+        costs.per_segment(k), segment_time=time_factors(cuts, cost), segment_memory=share
     )
+    if memory is None:
+        return model
+    if len(memory) != costs.num_stages:
+        raise ValueError(
+            f"{len(memory)} segment memories for a cost model of {costs.num_stages} stages"
+        )
+    length = cuts[-1]
+    rows, kv = [], []
+    for m, mem_f in zip(memory, costs.mem_f, strict=True):
+        whole = m.of(0, length)
+        if whole <= 0:  # saves nothing measurable: by the tokens
+            rows.append(share)
+            kv.append(0.0)
+            continue
+        rows.append(tuple(k * m.of(s, e) / whole for s, e in itertools.pairwise(cuts)))
+        kv.append(mem_f * m.kv * mean / whole)
+    return replace(model, stage_segment_memory=tuple(rows), kv_grad=tuple(kv), segment_tokens=share)

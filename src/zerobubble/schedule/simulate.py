@@ -397,15 +397,20 @@ def _deadlock_error(
 
 
 def _memory(schedule: Schedule, costs: CostModel) -> tuple[tuple[Number, ...], ...]:
-    table = {(op, s): costs.memory_delta(op, s) for op in Op for s in range(costs.num_stages)}
-    get = table.__getitem__
     if schedule.segments > 1:
         k = schedule.segments
-        _, scale = costs.segment_scales(k)
+        units = {
+            (op, s, g): costs.unit_memory_delta(op, s, g, k)
+            for op in Op
+            for s in range(costs.num_stages)
+            for g in range(k)
+        }
         return tuple(
-            tuple(accumulate((get((a.op, a.stage)) * scale[a.mb % k] for a in lst), initial=0))[1:]
+            tuple(accumulate((units[a.op, a.stage, a.mb % k] for a in lst), initial=0))[1:]
             for lst in schedule.actions
         )
+    table = {(op, s): costs.memory_delta(op, s) for op in Op for s in range(costs.num_stages)}
+    get = table.__getitem__
     return tuple(
         tuple(accumulate(map(get, map(_op_stage, lst)), initial=0))[1:] for lst in schedule.actions
     )

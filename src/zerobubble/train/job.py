@@ -67,7 +67,7 @@ from zerobubble.profile.bubbles import IterationBubbles, analyze_iteration
 from zerobubble.profile.calibrate import fit_latency
 from zerobubble.profile.costs_file import Profile
 from zerobubble.profile.layers import LayerProfile, profile_layers
-from zerobubble.profile.segments import profile_segment_cost
+from zerobubble.profile.segments import profile_segment_cost, profile_segment_memory
 from zerobubble.profile.stages import (
     StageProfile,
     all_to_all_ms,
@@ -85,7 +85,7 @@ from zerobubble.schedule.costs import CostModel, CostSpec
 from zerobubble.schedule.generators import NoPairWarning, generate, one_f_one_b
 from zerobubble.schedule.ir import Schedule
 from zerobubble.schedule.search.graph import min_feasible_limit
-from zerobubble.schedule.segments import SegmentCost, balanced_cuts
+from zerobubble.schedule.segments import SegmentCost, SegmentMemory, balanced_cuts
 from zerobubble.schedule.simulate import SimResult, simulate
 from zerobubble.schedule.validate import validate
 from zerobubble.trace.check import TraceReport, check_trace
@@ -371,7 +371,7 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
     layers = model.layers
     _say_job(ctx, model)
     # 1. Per-layer costs on rank 0, the same cut everywhere.
-    lp, seg_cost = _profile_layers(ctx)
+    lp, seg_cost, seg_memory = _profile_layers(ctx)
     equal = tuple(boundaries_of(stage_bounds(len(layers), P)))
     balanced = tuple(balanced_boundaries(lp.costs(), P))
     ctx.say(f"layer cut: equal counts {list(equal)} -> balanced {list(balanced)}")
@@ -392,7 +392,8 @@ def _run(ctx: _Ctx, began: float) -> JobResult | None:
         try:
             fixed = [x for ph in phases for x in ph.fixed_s]
             steps = [(ph.pipe.schedule, statistics.median(ph.settled_s) * 1e3) for ph in phases]
-            return _plan(ctx, profiled, lp, balanced, latency, base, fixed, seg_cost, steps, a2a)
+            segment = (seg_cost, seg_memory)
+            return _plan(ctx, profiled, lp, balanced, latency, base, fixed, segment, steps, a2a)
         except PlanError as exc:
             return exc
 
@@ -434,33 +435,37 @@ def _say_job(ctx: _Ctx, model: JobModel) -> None:
         )
 
 
-def _profile_layers(ctx: _Ctx) -> tuple[LayerProfile, SegmentCost | None]:
+def _profile_layers(
+    ctx: _Ctx,
+) -> tuple[LayerProfile, SegmentCost | None, tuple[SegmentMemory, ...] | None]:
     """Per-layer costs, measured on rank 0 and sent to every rank; with segments, the cost
-    of a segment of the sequence too, from the layers' forward on spans of a longest batch,
-    and the check that every layer computes on segments what it does on the whole (a
-    refusal raises on every rank)."""
+    and the memory of a segment of the sequence too, from the layers' forward on spans of a
+    longest batch, and the check that every layer computes on segments what it does on the
+    whole (a refusal raises on every rank)."""
     cfg, model = ctx.cfg, ctx.job_model
     layers = model.layers
 
-    def layer_profile() -> tuple[LayerProfile, SegmentCost | None] | PlanError:
+    def layer_profile() -> (
+        tuple[LayerProfile, SegmentCost | None, tuple[SegmentMemory, ...] | None] | PlanError
+    ):
         gen = torch.Generator().manual_seed(cfg.job.seed + 1)
         (x,), y = model.batch(cfg.job.microbatch_size, gen, False)
         lp = profile_layers(layers, model.profile_loss, x, y, warmup=1, iters=cfg.job.layer_iters)
         k, L = cfg.schedule.segments, cfg.job.seq_len
         if k == 1:
-            return lp, None
+            return lp, None, None
         (x,), _ = model.batch(cfg.job.microbatch_size, gen, True)
         cost = profile_segment_cost(layers, x, kernel="dense", iters=cfg.job.layer_iters)
         try:
             check_segments(layers, x, balanced_cuts(L, k, cost))
         except ValueError as exc:
             return PlanError(f"cannot run --segments {k}: {exc}")
-        return lp, cost
+        return lp, cost, profile_segment_memory(layers, x, kernel="dense")
 
     profiled_layers = _from_lead(ctx, layer_profile)
     if isinstance(profiled_layers, PlanError):
         raise profiled_layers
-    lp, seg_cost = profiled_layers
+    lp, seg_cost, seg_memory = profiled_layers
     if seg_cost is not None:
         k, L = cfg.schedule.segments, cfg.job.seq_len
         ctx.say(
@@ -469,7 +474,7 @@ def _profile_layers(ctx: _Ctx) -> tuple[LayerProfile, SegmentCost | None]:
             f"cuts {list(balanced_cuts(L, k, seg_cost))} of {L} tokens (each layer checked "
             "to compute on segments what it computes on the whole sequence)"
         )
-    return lp, seg_cost
+    return lp, seg_cost, seg_memory
 
 
 def _profile_phases(
@@ -880,11 +885,12 @@ def _plan(
     latency: Mapping[tuple[int, int], OpStats],
     base: Schedule,
     fixed_s: list[float],
-    seg_cost: SegmentCost | None,
+    segment: tuple[SegmentCost | None, tuple[SegmentMemory, ...] | None],
     steps: list[tuple[Schedule, float]],
     a2a: _ExpertWaits,
 ) -> _Plan:
     cfg = ctx.cfg
+    seg_cost, seg_memory = segment
     f1b, zbh1 = profiled
     S = base.num_stages
     rc = cfg.executor.recompute != "none"  # measured: B includes the recomputation
@@ -909,6 +915,7 @@ def _plan(
         fixed_ms,
         seg_cost,
         cfg.job.seq_len if seg_cost is not None else None,
+        segment_memory=seg_memory,
     )
     prof = _fit_latency(prof, steps)
     costs = prof.cost_model()

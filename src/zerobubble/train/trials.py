@@ -204,12 +204,11 @@ def segment_schedules(
 
 
 def segment_counts(segments: int) -> tuple[int, ...]:
-    """The segment counts the candidates try for ``segments``: the powers of two from 2
-    below it, and itself (none for 1)."""
+    """The segment counts the candidates try for ``segments``: every k from 2 to it (none
+    for 1); :func:`candidates` keeps those that fit the memory limit."""
     if segments < 1:
         raise ValueError(f"segments must be >= 1, got {segments}")
-    twos = tuple(2**i for i in range(1, segments.bit_length()) if 2**i < segments)
-    return (*twos, segments) if segments > 1 else ()
+    return tuple(range(2, segments + 1))
 
 
 def fastest(trials: list[tuple[float, float]]) -> int:

@@ -46,6 +46,7 @@ from zerobubble.runtime.sequence.batch import cut_value
 from zerobubble.runtime.sequence.kv import (
     SegmentAware,
     SegmentContext,
+    SegmentOf,
     past_leaves,
     segment_inputs,
     segment_scope,
@@ -302,9 +303,20 @@ class _StageCheck(StageExtension):
         self._pieces: list[Inputs] = []
         self._rows = 0
 
+    def _ours(self, segment: SegmentOf | None) -> bool:
+        """Whether ``segment`` is microbatch 0's under this guard's cuts: executors of other
+        cuts may share the chunk (``Pipeline.with_schedule``), each with its own check."""
+        cuts = self.guard.cuts
+        return (
+            segment is not None
+            and segment.microbatch == 0
+            and segment.count == len(cuts) - 1
+            and segment.start == cuts[segment.index]
+        )
+
     def call(self, unit: Unit, fn: Call) -> Call:
         segment = unit.segment
-        if segment is None or segment.microbatch != 0:
+        if segment is None or not self._ours(segment):
             return fn
 
         def run(args: tuple, kwargs: dict) -> Any:
@@ -327,7 +339,7 @@ class _StageCheck(StageExtension):
     def keep(self, unit: Unit, out: Any) -> bool:
         segment = unit.segment
         fresh = self._fresh
-        if segment is None or fresh is None or segment.microbatch != 0:
+        if segment is None or fresh is None or not self._ours(segment):
             return False
         if segment.index + 1 == segment.count:
             pieces, self._fresh, self._pieces = self._pieces, None, []

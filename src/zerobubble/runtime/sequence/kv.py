@@ -21,13 +21,20 @@ is then ``new.detach()`` of that segment: an alias of keys and values its own gr
 anyway, so a waiting segment holds no copy of the past (a concatenated leaf would be one
 more ``O(start)`` copy per layer, alive from the forward to the backward), and its
 gradient arrives already split by segment: it goes into that segment's accumulator as is,
-with no lengths to track. The attention concatenates the pieces with its own keys, a copy
-it makes in any case.
+with no lengths to track.
 
 Layers take part by deriving from :class:`SegmentAware`; :func:`segment_scope` installs
 the context on them for one call and removes it afterwards, even on an exception, so
 nothing lives on the modules (or anywhere else) between calls. :func:`run_segments` is
 the reference driver the tests compare with the whole sequence in one pass.
+
+An attention layer joins the pieces with its own keys and values for its kernel, and the
+kernel's backward needs the joined tensors: saved as they are, each segment would keep a
+copy of everything before it (``O(end)`` per layer, ``(k + 1) / 2`` times the sequence's
+keys and values over ``k`` segments). :func:`joined_kv` joins them and, for the kernel's
+duration, has autograd save the joined tensors as their pieces (which the earlier
+segments' graphs and the leaves keep anyway), joining them again when the backward reads
+them: the same values in the same layout, so the backward computes what it would have.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = [
     "KV",
@@ -53,6 +62,7 @@ __all__ = [
     "add_past_grads",
     "cut_pairs",
     "flat_past",
+    "joined_kv",
     "past_leaves",
     "run_segments",
     "segment_inputs",
@@ -96,6 +106,10 @@ class SegmentContext:
     start: int
     past: Sequence[Sequence[KV]] | None = None
     new: list[KV | None] = field(default_factory=list, init=False)
+    shared: dict[Any, Any] = field(default_factory=dict, init=False)
+    """What the stage's layers compute alike in this call, computed by the first that needs
+    it (the Hugging Face blocks' causal mask: one tensor for the stage, not one per layer,
+    so the saved graphs share it)."""
 
     def __post_init__(self) -> None:
         if self.start < 0:
@@ -320,6 +334,67 @@ def _flat_new(
             )
         out += kv
     return out
+
+
+@dataclass(frozen=True)
+class _Joined:
+    """A saved view of a joined tensor, kept as the pieces it was joined from."""
+
+    pieces: tuple[Any, ...]
+    """Each piece as the enclosing saved-tensor hooks packed it."""
+    dim: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _storage(t: Tensor) -> int | None:
+    """The address of ``t``'s storage (None for a wrapper subclass, which has none)."""
+    if is_traceable_wrapper_subclass(t):
+        return None
+    return t.untyped_storage().data_ptr()
+
+
+def _same(t: Any) -> Any:
+    return t
+
+
+@contextmanager
+def joined_kv(pieces: Sequence[Sequence[Tensor]], dim: int = -2) -> Iterator[list[Tensor]]:
+    """Yield each list of ``pieces`` concatenated on ``dim``; inside, autograd saves any
+    view of a concatenation as its pieces (each through the hooks installed outside, such
+    as a stage's memory tracking) and concatenates them again in the backward.
+
+    Run the ops that read the joined tensors inside, the rest outside: their backward then
+    keeps no ``O(length)`` copy per segment, only the pieces. The rebuilt tensor has the
+    values and layout of the forward's (the same ``cat`` of the same pieces), so the
+    backward is the one autograd would have run on the copy.
+    """
+    joined = [torch.cat(list(group), dim=dim) for group in pieces]
+    plain = all(_storage(j) is not None for j in joined)
+    if not plain:  # a wrapper subclass: saved as it is
+        yield joined
+        return
+    by_storage = {_storage(j): (j, group) for j, group in zip(joined, pieces, strict=True)}
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    outer_pack, outer_unpack = outer if outer is not None else (_same, _same)
+
+    def pack(t: Tensor) -> Any:
+        found = by_storage.get(_storage(t))
+        if found is None or found[0].dtype != t.dtype:
+            return outer_pack(t)
+        # detached: a piece may be this very graph's output (no cycle through the graph)
+        kept = tuple(outer_pack(p.detach()) for p in found[1])
+        return _Joined(kept, dim, tuple(t.shape), t.stride(), int(t.storage_offset()))
+
+    def unpack(x: Any) -> Tensor:
+        if not isinstance(x, _Joined):
+            return outer_unpack(x)
+        whole = torch.cat([outer_unpack(p) for p in x.pieces], dim=x.dim)
+        return whole.as_strided(x.size, x.stride, x.offset)
+
+    with saved_tensors_hooks(pack, unpack):
+        yield joined
 
 
 def segment_inputs(inputs: Any, start: int, end: int) -> Any:

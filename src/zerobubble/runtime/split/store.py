@@ -15,7 +15,9 @@ Two ways in, one store:
 
 Gradients are added to ``.grad`` in microbatch order, with plain autograd's
 arithmetic (first microbatch assigned, later ones added), even when W ops run
-out of order.
+out of order. The segments of a microbatch's sequence (units of a segment schedule)
+are added in the order their backwards run, last segment first: a segment's gradients
+then never wait for its earlier segments' (k - 1 copies of the stage's gradients).
 """
 
 from __future__ import annotations
@@ -215,6 +217,8 @@ class _Raw(NamedTuple):
 class _Micro:
     """Everything the store holds for one (chunk, microbatch), from its forward to its sum."""
 
+    order: tuple[int, int] = (0, 0)
+    """Where its gradients go among its chunk's: ``(microbatch, -segment)``."""
     state: State = State.OPEN
     recorded: list[Call] = field(default_factory=list)
     """Calls recorded at forward, until B turns them into ``raw``."""
@@ -276,19 +280,22 @@ class WeightGradStore:
 
     # ---- protocol -----------------------------------------------------------------------
 
-    def begin(self, chunk: int, mb: int) -> None:
-        """Register microbatch ``mb`` of ``chunk`` as in flight (at its forward)."""
+    def begin(self, chunk: int, mb: int, order: tuple[int, int] | None = None) -> None:
+        """Register microbatch ``mb`` of ``chunk`` as in flight (at its forward); ``order``:
+        where its gradients go among the chunk's, ``(microbatch, -segment)`` for a unit of
+        a segment schedule (default ``(mb, 0)``)."""
         key = (chunk, mb)
         if key in self._micro:
             raise RuntimeError(
                 f"chunk {chunk}, microbatch {mb} is already in flight in this store; "
                 "run its W before forwarding it again"
             )
-        self._micro[key] = _Micro()
+        self._micro[key] = _Micro(order=(mb, 0) if order is None else order)
 
     @contextmanager
-    def record(self, chunk: int, mb: int) -> Iterator[None]:
-        """Forward of (chunk, mb): begins it and lets split layers record their calls.
+    def record(self, chunk: int, mb: int, order: tuple[int, int] | None = None) -> Iterator[None]:
+        """Forward of (chunk, mb): begins it (``order`` as :meth:`begin`'s) and lets split
+        layers record their calls.
 
         Its backward must then go through :meth:`backward`, which asks autograd
         for the gradients of the recorded outputs (a plain ``.backward()`` would
@@ -299,7 +306,7 @@ class WeightGradStore:
                 f"record({chunk}, {mb}) entered while another forward is being recorded; "
                 "run one microbatch's forward at a time"
             )
-        self.begin(chunk, mb)
+        self.begin(chunk, mb, order)
         calls: list[Call] = []
         self.recording = calls
         self.casts = {}
@@ -398,7 +405,7 @@ class WeightGradStore:
         micro = self._micro.get(key)
         if micro is None or micro.state is not State.OPEN or micro.recorded:
             return False
-        return min(k for k in tuple(self._micro) if k[0] == chunk) == key
+        return self._first(chunk) == key
 
     def finish(self, chunk: int, mb: int) -> None:
         """Close (chunk, mb) after its gradients went to ``.grad`` directly (see :meth:`direct`)."""
@@ -482,10 +489,15 @@ class WeightGradStore:
     def _flush(self, chunk: int) -> None:
         """Add every ready microbatch of ``chunk`` that no earlier one is waiting for."""
         while True:
-            first = min((k for k in tuple(self._micro) if k[0] == chunk), default=None)
+            first = self._first(chunk)
             if first is None or self._micro[first].state is not State.READY:
                 return
             _accumulate(self._micro.pop(first).ready)
+
+    def _first(self, chunk: int) -> Key | None:
+        """The in-flight key of ``chunk`` whose gradients go first, if any."""
+        keys = [k for k in tuple(self._micro) if k[0] == chunk]
+        return min(keys, key=lambda k: self._micro[k].order, default=None)
 
 
 @contextmanager

@@ -78,9 +78,10 @@ def _segment_costs(
     """Per (op, stage, segment): duration (host tail whole, compute scaled); per (stage,
     segment) what an F holds; per (op, stage, segment) the memory change.
 
-    Under recompute B may allocate (M_W > M_B): an F then reserves what its B will
+    Under recompute B may allocate (M_W > M_B), and the last segment's B allocates the
+    earlier segments' key and value gradient sums: an F then reserves what its B will
     hold, so that admitting F at the limit never lets a later B exceed it."""
-    scale_t, scale_m = costs.segment_scales(k)
+    scale_t, _ = costs.segment_scales(k)
     dur = [
         [
             [
@@ -92,12 +93,19 @@ def _segment_costs(
         ]
         for op in _OPS
     ]
+    # the last segment's B also starts the earlier segments' key and value gradient sums
+    before_last = sum(costs.segment_factors("segment_tokens", k)[:-1])
+    sums = [float(costs.kv_grad[s] * before_last) for s in range(S)]
     mem_f = [
-        [float(max(costs.mem_f[s], costs.mem_w[s])) * float(scale_m[g]) for g in range(k)]
+        [
+            float(max(costs.mem_f[s], costs.mem_w[s]) * costs.segment_memory_factor(s, g, k))
+            + (sums[s] if g == k - 1 else 0.0)
+            for g in range(k)
+        ]
         for s in range(S)
     ]
     delta = [
-        [[float(costs.memory_delta(op, s)) * float(scale_m[g]) for g in range(k)] for s in range(S)]
+        [[float(costs.unit_memory_delta(op, s, g, k)) for g in range(k)] for s in range(S)]
         for op in _OPS
     ]
     return dur, mem_f, delta

@@ -131,7 +131,9 @@ class SegmentGraph(ActionGraph):
 def uniform(costs: CostModel) -> bool:
     """Whether every segment of ``costs`` is alike (no per-segment factors but 1): the
     searches' evaluator then times and counts the units right."""
-    return all(x == 1 for x in (*costs.segment_time, *costs.segment_memory))
+    rows = [x for row in costs.stage_segment_memory for x in row]
+    factors = (*costs.segment_time, *costs.segment_memory, *costs.segment_tokens, *rows)
+    return all(x == 1 for x in factors) and not any(costs.kv_grad)
 
 
 def work_floor(schedule: Schedule, costs: CostModel) -> float:
