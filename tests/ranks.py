@@ -1,7 +1,8 @@
 """``launch`` for the tests: ranks forked from a server that imported torch once.
 
 A spawned rank imports torch itself, seconds of CPU each on a loaded machine, and the
-suite starts a few hundred ranks. The launcher's own tests (test_launcher.py) cover
+suite starts a few hundred ranks; the server imports torch, the library and the Hugging Face
+adapter once, and every rank forks from it. The launcher's own tests (test_launcher.py) cover
 both start methods.
 """
 
@@ -13,7 +14,21 @@ from typing import Any
 
 from zerobubble.runtime.launcher import launch as _launch
 
-PRELOAD = ["torch", "torch.distributed", "zerobubble.executor", "zerobubble.optim.trainer"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "zerobubble.executor",
+    "zerobubble.optim.trainer",
+    "zerobubble.reference.compose",
+    "zerobubble.models",
+    # The Hugging Face adapter and the model families the suite builds most: about 1.6 s of
+    # imports per rank otherwise (an import that fails, transformers missing, is skipped).
+    "zerobubble.interop.hf",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.mixtral.modeling_mixtral",
+    "transformers.models.qwen2.modeling_qwen2",
+    "transformers.models.gpt2.modeling_gpt2",
+]
 
 
 def launch(fn: Any, nprocs: int, *args: Any, **kwargs: Any) -> list[Any]:

@@ -31,7 +31,7 @@ from zerobubble.schedule.costs import CostSpec
 from zerobubble.schedule.generators import generate
 from zerobubble.schedule.ir import Schedule
 
-P, M, REPEATS = 3, 6, 5
+P, M, REPEATS = 3, 6, 3
 A2A = CostSpec(a2a=1)  # the pass pairs where an all-to-all would hide
 
 
