@@ -144,13 +144,18 @@ def stage_step_grads(
         sched, stages, loss_fn=token_loss, count_fn=count, options=ExecutorOptions(cuts=cuts)
     )
     losses = pipe.step(x, target=y)
-    bounds = stage_bounds(len(layers), sched.num_stages)
+    return pipe, losses, layer_grads(pipe, len(layers))
+
+
+def layer_grads(pipe: PipelineExecutor, num_layers: int) -> dict[str, torch.Tensor]:
+    """This rank's gradients under the whole model's layer index (``"<layer>.<name>"``)."""
+    bounds = stage_bounds(num_layers, pipe.schedule.num_stages)
     grads = {}
     for s, chunk in pipe.chunks.items():
         for name, param in chunk.module.named_parameters():
             local, rest = name.split(".", 1)
             grads[f"{bounds[s].start + int(local)}.{rest}"] = param.grad
-    return pipe, losses, grads
+    return grads
 
 
 def seq_job(model: str, kind: str, p: int, m: int, k: int, cuts: tuple[int, ...]) -> dict:
@@ -250,13 +255,9 @@ def recomputed_job(cases: list[tuple]) -> list[dict]:
         options = ExecutorOptions(cuts=cuts, recompute=recompute)
         pipe = PipelineExecutor(sched, stages, loss_fn=token_loss, count_fn=count, options=options)
         losses = pipe.step(x, target=y)
-        bounds = stage_bounds(len(layers), sched.num_stages)
-        grads = {}
-        for s, chunk in pipe.chunks.items():
-            for name, param in chunk.module.named_parameters():
-                local, rest = name.split(".", 1)
-                grads[f"{bounds[s].start + int(local)}.{rest}"] = param.grad
-        out.append({"losses": losses, "grads": grads, "held": pipe.held_bytes()})
+        out.append(
+            {"losses": losses, "grads": layer_grads(pipe, len(layers)), "held": pipe.held_bytes()}
+        )
     dist.destroy_process_group()
     return out
 

@@ -17,19 +17,17 @@ ranks' gradients are summed in cp-rank order (the mesh's cp reduction, before dp
 from __future__ import annotations
 
 import copy
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from zerobubble.parallel.ep import Turns
-from zerobubble.reference.ep import _Generators, _TurnGroup
+from zerobubble.reference.ep import TurnTaking
 from zerobubble.reference.step import Share
 from zerobubble.reference.step import reference_step as replica_step
 from zerobubble.runtime.microbatch import CountFn
-from zerobubble.runtime.sequence.cp import ContextShards, context_parallel, shard_batch
+from zerobubble.runtime.sequence.cp import ContextShards, context_parallel, shard_step
 
 __all__ = ["context_reference_step"]
 
@@ -51,42 +49,22 @@ def context_reference_step(
     order in ``run``'s ``.grad``."""
     args, kwargs, target = part
     device = next((p.device for p in run.parameters()), torch.device("cpu"))
-    turns, gens = Turns(cp), _Generators(cp, device)
-    group = _TurnGroup(turns, 0, cp, gens)
+    turned = TurnTaking(cp, device)
+    group = turned.group(0, cp)
     replicas = []
     for r in range(cp):
         rep = copy.deepcopy(run)
         context_parallel(rep, ContextShards(cp, r), group, "reference")
         replicas.append(rep)
-    losses: list[list[Tensor]] = [[] for _ in range(cp)]
-    failed: list[BaseException] = []
 
-    def thread(r: int) -> None:
-        shards = ContextShards(cp, r)
-        a = shard_batch(args, shards, "the input batch")
-        k = shard_batch(kwargs, shards, "the input batch")
-        t = shard_batch(target, shards, "target")
-        try:
-            turns.begin(r)
-            gens.enter(r)
-            losses[r] = replica_step(
-                replicas[r], loss_fn, *a, target=t, microbatches=m, count_fn=count_fn,
-                share=share, **common, **k,
-            )[0]  # fmt: skip
-            gens.leave(r)
-            turns.end(r)
-        except BaseException as e:
-            failed.append(e)
-            turns.abort()
+    def rank(r: int) -> list[Tensor]:
+        a, k, t = shard_step(ContextShards(cp, r), args, kwargs, target)
+        return replica_step(
+            replicas[r], loss_fn, *a, target=t, microbatches=m, count_fn=count_fn,
+            share=share, **common, **k,
+        )[0]  # fmt: skip
 
-    threads = [threading.Thread(target=thread, args=(r,)) for r in range(cp)]
-    with gens.kept():
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-    if failed:
-        raise failed[0]
+    losses = turned.run(rank)
     _sum_into(run, replicas)
     return [loss for mine in losses for loss in mine]
 

@@ -28,7 +28,7 @@ import copy
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -49,7 +49,15 @@ from zerobubble.runtime.microbatch import (
     split_tree,
 )
 
-__all__ = ["ReplicaStep", "ep_reference_step", "ep_replicas_step", "threaded_ep_reference_step"]
+T = TypeVar("T")
+
+__all__ = [
+    "ReplicaStep",
+    "TurnTaking",
+    "ep_reference_step",
+    "ep_replicas_step",
+    "threaded_ep_reference_step",
+]
 
 
 def ep_reference_step(
@@ -293,32 +301,54 @@ def ep_replicas_step(
     if ep < 1 or dp % ep:
         raise ValueError(f"ep={ep} must divide the {dp} replicas (parts); pass one per dp rank")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    turns, gens = Turns(dp), _Generators(dp, device)
-    groups = [_TurnGroup(turns, g * ep, ep, gens) for g in range(dp // ep)]
+    turned = TurnTaking(dp, device)
+    groups = [turned.group(g * ep, ep) for g in range(dp // ep)]
     replicas = [_sharded_replica(model, groups, r, ep, parallelize) for r in range(dp)]
-    losses: list[list[Tensor]] = [[] for _ in range(dp)]
-    failed: list[BaseException] = []
-
-    def run(r: int) -> None:
-        try:
-            turns.begin(r)
-            gens.enter(r)
-            losses[r] = step(r, replicas[r])
-            gens.leave(r)
-            turns.end(r)
-        except BaseException as e:
-            failed.append(e)
-            turns.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(dp)]
-    with gens.kept():
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    if failed:
-        raise failed[0]
+    losses = turned.run(lambda r: step(r, replicas[r]))
     return losses, _user_sums(model, replicas, ep, params, fsdp)
+
+
+class TurnTaking:
+    """``n`` threads of a threaded reference, one per replica (or cp rank), taking turns
+    (:class:`~zerobubble.parallel.ep.Turns`: one runs at a time, up to its next exchange, in
+    an order fixed by the program), each drawing from its own state of the default
+    generators; :meth:`group` makes the in-process groups they exchange over."""
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.turns, self.gens = Turns(n), _Generators(n, device)
+
+    def group(self, first: int, size: int) -> LocalGroup:
+        """The threads ``first, ..., first + size - 1`` as one group."""
+        return _TurnGroup(self.turns, first, size, self.gens)
+
+    def run(self, work: Callable[[int], T]) -> list[T]:
+        """``work(i)`` on thread ``i`` for every ``i``, in turns; the results in thread order.
+        The first failure is raised here (the other threads' waits raise instead of hanging);
+        the caller's generator states are put back."""
+        n = self.turns.size
+        out: list[Any] = [None] * n
+        failed: list[BaseException] = []
+
+        def thread(i: int) -> None:
+            try:
+                self.turns.begin(i)
+                self.gens.enter(i)
+                out[i] = work(i)
+                self.gens.leave(i)
+                self.turns.end(i)
+            except BaseException as e:
+                failed.append(e)
+                self.turns.abort()
+
+        threads = [threading.Thread(target=thread, args=(i,)) for i in range(n)]
+        with self.gens.kept():
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        if failed:
+            raise failed[0]
+        return out
 
 
 class _Generators:

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from zerobubble.runtime.sequence.kv import SegmentAware
+from zerobubble.runtime.sequence.kv import SegmentAware, unaware_attention
 
 __all__ = [
     "ContextAware",
@@ -50,7 +50,6 @@ __all__ = [
     "ring_attention",
     "shard_batch",
     "shard_step",
-    "unaware_attention",
 ]
 
 
@@ -328,7 +327,7 @@ def context_parallel(
                 "it would take its two chunks for the sequence's start. Derive it from "
                 "zerobubble.runtime.sequence.cp.ContextAware, or build the mesh with cp=1"
             )
-    loose = unaware_attention(module)
+    loose = unaware_attention(module, ContextAware)
     if loose is not None:
         raise ValueError(
             f"stage {stage}: {loose} is an attention layer that is not context-aware: "
@@ -337,22 +336,6 @@ def context_parallel(
             "zerobubble.runtime.sequence.cp.ContextAware (our GPT's attention, the Hugging "
             "Face adapter's decoder blocks); build the mesh with cp=1 for this model"
         )
-
-
-def unaware_attention(module: nn.Module) -> str | None:
-    """The name of an attention layer of ``module`` that no context-aware attention layer
-    holds, or None (the heuristic of
-    :func:`~zerobubble.runtime.sequence.kv.unaware_attention`)."""
-    covered: list[str] = []
-    for name, m in module.named_modules():
-        if any(c == "" or name == c or name.startswith(c + ".") for c in covered):
-            continue
-        if isinstance(m, ContextAware) and m.holds_kv:
-            covered.append(name)
-            continue
-        if isinstance(m, nn.MultiheadAttention) or type(m).__name__.endswith("Attention"):
-            return f"{name or '(the layer)'} ({type(m).__name__})"
-    return None
 
 
 def shard_step(shards: ContextShards, args: Any, kwargs: Any, target: Any) -> tuple[Any, Any, Any]:

@@ -178,17 +178,19 @@ class SegmentAware:
     segment_slot: SegmentSlot | None = None
 
 
-def unaware_attention(module: nn.Module) -> str | None:
-    """The name of an attention layer of ``module`` that would not see the earlier segments
-    (none of the segment-aware layers holds it), or None.
+def unaware_attention(module: nn.Module, aware: type = SegmentAware) -> str | None:
+    """The name of an attention layer of ``module`` that would not see the rest of the
+    sequence (no ``aware`` module that holds keys and values holds it: :class:`SegmentAware`
+    for segments, the context-parallel :class:`~zerobubble.runtime.sequence.cp.ContextAware`
+    for cp chunks), or None.
 
     A heuristic, to refuse the likely silent error: ``nn.MultiheadAttention`` and modules
     whose class name ends in ``Attention`` count as attention."""
     covered: list[str] = []
     for name, m in module.named_modules():
-        if any(name == c or name.startswith(c + ".") for c in covered):
+        if any(c == "" or name == c or name.startswith(c + ".") for c in covered):
             continue
-        if isinstance(m, SegmentAware) and m.holds_kv:
+        if isinstance(m, aware) and getattr(m, "holds_kv", False):
             covered.append(name)
             continue
         if isinstance(m, nn.MultiheadAttention) or type(m).__name__.endswith("Attention"):
