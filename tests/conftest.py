@@ -51,3 +51,26 @@ def pytest_configure(config) -> None:
     os.environ[SHARED_ENV] = folder
     config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
     config.add_cleanup(lambda: os.environ.pop(SHARED_ENV, None))
+
+
+HEAVY_FIRST = (
+    "test_placement_search.py",
+    "test_train.py",
+    "test_fault_matrix.py",
+    "test_reshard.py",
+    "test_fault_scale.py",
+    "test_optim_peers.py",
+    "test_replay.py",
+    "test_overlap_moe.py",
+    "test_tp.py",
+    "test_composition.py",
+    "test_seq_runtime.py",
+)
+"""The modules that take longest (``pytest --durations``), run first: xdist hands modules to
+idle workers in collection order, so a long module collected last would leave the other
+worker idle at the end of the run."""
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    first = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: order kept
