@@ -308,21 +308,23 @@ def test_sliding_windows_in_segments_match_hfs_whole_pass(family, window, padded
 
 
 def test_a_window_reads_only_the_keys_it_sees(monkeypatch):
-    """Under a window of 3 a segment's cache gets the 2 keys before it, not the whole past:
+    """Under a window of 3 a segment's cache joins the 2 keys before it, not the whole past:
     per segment of (0, 5, 12, 20, 24) and layer, the past's length (none for the first
-    segment), then the segment's own keys."""
+    segment), the segment's own keys and the joined keys the attention reads."""
     model = windowed("mistral", 3)
     layers = hf.causal_lm_layers(model, check=False)
-    seen: list[int] = []
-    update = hf_layers.DynamicCache.update
+    seen: list[tuple[int, int, int]] = []
+    update = hf_layers._SegmentKV.update
 
     def spy(self, k, v, *args, **kwargs):
-        seen.append(k.shape[-2])
-        return update(self, k, v, *args, **kwargs)
+        joined, _ = update(self, k, v, *args, **kwargs)
+        seen.append((sum(p.shape[-2] for p in self.past[0]), k.shape[-2], joined.shape[-2]))
+        return joined, _
 
-    monkeypatch.setattr(hf_layers.DynamicCache, "update", spy)
+    monkeypatch.setattr(hf_layers._SegmentKV, "update", spy)
     run_segments(layers, {"input_ids": ids()}, (0, 5, 12, 20, 24), lambda o: o.sum())
-    assert seen == [5, 5, 2, 7, 2, 7, 2, 8, 2, 8, 2, 4, 2, 4]
+    per_segment = [(0, 5, 5), (2, 7, 9), (2, 8, 10), (2, 4, 6)]
+    assert seen == [s for s in per_segment for _ in range(2)]  # two layers
 
 
 # ---- the pipeline -------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ranks import launch
 from zerobubble.executor import ExecutorOptions, PipelineExecutor
+from zerobubble.interop import hf
 from zerobubble.models import GPTConfig, build_gpt
 from zerobubble.parallel.partition import build_stage_modules, stage_bounds
 from zerobubble.profile.segments import profile_segment_memory, span_memory
@@ -86,6 +87,43 @@ def test_joined_keys_and_values_are_saved_as_their_pieces_bitwise(monkeypatch):
         assert late[i][1] == early[i][1] == 2 * 2 * 16 * 32 * 4  # (k, v) x rows x tokens x
     for i in (0, 3, 4):  # width x bytes; the embedding, norm and head: per token
         assert late[i] == early[i] and late[i][1] == 0
+
+
+@contextmanager
+def _joined_as_copies() -> Iterator:
+    """What the Hugging Face blocks did before ``saving_joined``: plain concatenations."""
+    yield lambda pieces, dim: torch.cat(list(pieces), dim=dim)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_hf_blocks_save_their_keys_and_values_once_bitwise(monkeypatch, attn):
+    """A Llama block (grouped-query: 4 query heads, 2 key/value heads) in a late segment
+    holds exactly the repeated keys and values of 64 past tokens less than with the joined
+    copies saved, an early one the same; the loss and every gradient are bitwise those of
+    saving the copies."""
+    model = hf.tiny_model("hf-llama", num_hidden_layers=2, attn_implementation=attn).train()
+    layers = hf.causal_lm_layers(model, check=False)
+    x = {"input_ids": torch.randint(3, 200, (2, 96), generator=torch.Generator().manual_seed(0))}
+    cuts = (0, 20, 56, 96)
+
+    def run() -> tuple[torch.Tensor, dict, list, list]:
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+        r = run_segments(layers, x, cuts, lambda out: out.square().mean())
+        return r.loss, r.grads, span_memory(layers, x, 0, 16), span_memory(layers, x, 64, 80)
+
+    loss, grads, early, late = run()
+    with monkeypatch.context() as m:
+        m.setattr("zerobubble.interop.hf_layers.saving_joined", _joined_as_copies)
+        loss_copy, grads_copy, early_copy, late_copy = run()
+    assert torch.equal(loss, loss_copy) and grads.keys() == grads_copy.keys()
+    for name, g in grads.items():
+        assert torch.equal(g, grads_copy[name]), name
+    past = 2 * 2 * 4 * 64 * 16 * 4  # (k, v) x rows x query heads x past tokens x head_dim x fp32
+    for i in (1, 2):
+        assert early_copy[i] == early[i]
+        assert late_copy[i][0] - late[i][0] == past
+        assert late[i][1] == early[i][1] == 2 * 2 * 4 * 16 * 16 * 4  # own, repeated once
 
 
 def memory_job(k_values: tuple[int, ...], m: int) -> dict:
@@ -224,20 +262,22 @@ def test_a_stages_hf_blocks_share_one_causal_mask_in_a_segment():
 
 
 def test_the_fitted_segment_memory_is_what_each_span_saves():
-    """Three spans fit each layer's bytes per token, pair and key exactly: a Hugging Face
-    Llama block keeps its keys and values joined and expanded to the query heads (per key),
-    our GPT's blocks nothing per key."""
+    """Three spans fit each layer's bytes per token, pair and key exactly: neither a Hugging
+    Face Llama block (grouped-query, eager) nor our GPT's keeps anything per past key (the
+    joined keys and values are saved as their pieces), and the Llama's own keys and values
+    are kept expanded to its 4 query heads."""
     from zerobubble.interop import hf
 
     model = hf.tiny_model("hf-llama", num_hidden_layers=1, attn_implementation="eager").train()
     llama = hf.causal_lm_layers(model, check=False)
     cases = [
-        (llama, {"input_ids": torch.randint(3, 200, (1, 64))}, 2 * 64 * 4),  # (k, v) x 4 heads
-        (list(build_gpt(CFG)), torch.randint(0, 64, (1, 64)), 0),  # x 16 x float32; none
+        (llama, {"input_ids": torch.randint(3, 200, (1, 64))}, 2 * 4 * 16 * 4),  # (k, v) x heads
+        (list(build_gpt(CFG)), torch.randint(0, 64, (1, 64)), 2 * 32 * 4),  # x dims x fp32
     ]
-    for layers, batch, per_key in cases:
+    for layers, batch, per_token_kv in cases:
         memory = profile_segment_memory(layers, batch, kernel="dense")
         for start, end in ((0, 16), (16, 40), (40, 64)):
             got = span_memory(layers, batch, start, end)
             assert round(memory[1].of(start, end)) == got[1][0]  # the block
-        assert round(memory[1].keys) == per_key
+        assert round(memory[1].keys) == 0
+        assert round(memory[1].kv) == per_token_kv

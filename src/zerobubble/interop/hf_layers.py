@@ -21,13 +21,14 @@ from __future__ import annotations
 import copy
 import inspect
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import (
     create_causal_mask,
     create_sliding_window_causal_mask,
@@ -53,7 +54,7 @@ from zerobubble.parallel.ep import ExpertGroup
 from zerobubble.parallel.tp import LayerLayout, share_column_inputs
 from zerobubble.runtime.loss_terms import add_loss_term, segments_refusal
 from zerobubble.runtime.sequence.cp import ContextAware, ContextSlot
-from zerobubble.runtime.sequence.kv import SegmentAware, SegmentSlot
+from zerobubble.runtime.sequence.kv import SegmentAware, SegmentSlot, saving_joined
 
 Boundary = dict[str, Any]
 """What travels between layers: ``hidden``, ``attention_mask``, ``position_ids``."""
@@ -213,22 +214,23 @@ def _attention_inputs(
     hidden: Tensor,
     mask: Tensor | None,
     position_ids: Tensor | None,
-) -> tuple[DynamicCache | None, Tensor | None, Tensor, Any, int]:
-    """The cache, padding mask, positions and causal mask of one block's call, and the first
-    token whose keys the cache holds.
+) -> tuple[Any, Tensor | None, Tensor, Any]:
+    """The cache, padding mask, positions and causal mask of one block's call.
 
     Without a segment, what the model's forward gives the block. In a segment of tokens
-    ``[start, end)`` (:mod:`zerobubble.runtime.sequence.kv`) the cache holds the earlier
-    segments' keys and values that the layer reads: all of them under full attention, those
-    of tokens ``[max(0, start - window + 1), start)`` under a sliding window (the earliest
-    key its first query sees), so the model's own code attends over them and the mask
-    utilities take the query offset and key length from it; the padding mask keeps the
+    ``[start, end)`` (:mod:`zerobubble.runtime.sequence.kv`) the cache (:class:`_SegmentKV`)
+    joins to the layer's own keys and values the earlier segments' that it reads: all of
+    them under full attention, those of tokens ``[max(0, start - window + 1), start)`` under
+    a sliding window (the earliest key its first query sees), so the model's own code
+    attends over them; the mask utilities take the query offset and key length from a
+    cache of placeholders (:func:`_mask_cache`); the padding mask keeps the
     columns of keys ``[0, end)`` (returned so, as it travels on) and the mask is built over
     the cached keys' columns. A packed batch (:func:`_documents`) adds the document mask.
     """
     extra: dict[str, Any] = {}
     first = 0
     keys_mask = mask
+    cache: DynamicCache | _SegmentKV | None
     if slot is None:
         positions = _positions(hidden, position_ids)
         cache = _forward_cache(config)
@@ -249,7 +251,7 @@ def _attention_inputs(
                 f"attention, not {config._attn_implementation!r}: build the model with "
                 "attn_implementation='sdpa', or train the packed batch without segments"
             )
-        cache = _past_cache(slot, index, first)
+        cache = _SegmentKV(slot, first)
         extra["layer_idx"] = index
     if docs is not None:
         extra["and_mask_function"] = packed_sequence_mask_function(docs[:, first:])
@@ -263,13 +265,13 @@ def _attention_inputs(
             config=config,
             inputs_embeds=hidden,
             attention_mask=keys_mask,
-            cache=cache,
+            cache=cache if slot is None else _mask_cache(hidden, slot.start - first, index),
             position_ids=None if docs is not None else positions,
             **extra,
         )
         if slot is not None:
             slot.context.shared[key] = causal
-    return cache, mask, positions, causal, first
+    return cache, mask, positions, causal
 
 
 def _window(name: str, config: Any, make_mask: Callable[..., Any]) -> int | None:
@@ -298,20 +300,79 @@ def _segment_mask(name: str, mask: Tensor | None, end: int) -> Tensor | None:
     return mask[:, :end]
 
 
-def _past_cache(slot: SegmentSlot, index: int, first: int) -> DynamicCache:
-    """A cache whose layer ``index`` holds the earlier segments' keys and values of tokens
-    ``[first, start)`` (a full-attention cache layer: the segment's own keys are recorded
-    from it whole, :func:`_record_kv`)."""
-    past_k, past_v = slot.past()
+def _mask_cache(hidden: Tensor, past: int, index: int) -> DynamicCache:
+    """A cache that tells the mask utilities ``past`` cached keys before the queries (their
+    length is all they read): placeholders of one element per key, not the keys."""
     cache = DynamicCache()
-    if first < slot.start:
-        cache.update(_tokens_from(past_k, first), _tokens_from(past_v, first), index)
+    if past:
+        stub = hidden.new_zeros(hidden.shape[0], 1, past, 1)
+        cache.update(stub, stub, index)
     return cache
 
 
-def _tokens_from(pieces: list[Tensor], first: int) -> Tensor:
-    """The pieces (consecutive tokens from 0, on dim -2) concatenated from token ``first``
-    on; a piece wholly before it is not read (nor sent a gradient)."""
+class _SegmentKV:
+    """A segment's stand-in for the attention's key/value cache.
+
+    ``update`` hands the layer's own keys and values to the scope and returns them joined
+    after the earlier segments' of tokens ``[first, start)`` (all of them under full
+    attention), the joined tensors saved as their pieces while :meth:`saving` lasts
+    (:func:`~zerobubble.runtime.sequence.kv.saving_joined`): each segment's graph keeps its
+    own keys and values once, not a copy of the past per segment. With grouped-query
+    attention the keys and values are repeated to the query heads before they are kept, and
+    the attention is told there is one query head per key head for the call, so the repeated
+    pieces are saved once too (the model's kernels would repeat the joined tensors, a copy
+    of the past per segment).
+    """
+
+    def __init__(self, slot: SegmentSlot, first: int) -> None:
+        self.slot = slot
+        past_k, past_v = slot.past()
+        self.past = (_pieces_from(past_k, first), _pieces_from(past_v, first))
+        self.groups = 1
+        self.recorded = False
+        self._join: Callable[[Sequence[Tensor], int], Tensor] | None = None
+
+    @contextmanager
+    def saving(self, attention: nn.Module | None) -> Iterator[None]:
+        """Join inside: the layer's call, ``attention`` its attention module."""
+        groups = getattr(attention, "num_key_value_groups", 1)
+        with saving_joined() as join:
+            self._join, self.groups = join, groups
+            if groups > 1:
+                attention.num_key_value_groups = 1  # type: ignore[union-attr]
+            try:
+                yield
+            finally:
+                if groups > 1:
+                    attention.num_key_value_groups = groups  # type: ignore[union-attr]
+                self._join = None
+        if not self.recorded:
+            raise ValueError(
+                f"{self.slot.name}: the layer left no keys and values in its cache; segments "
+                "take attention layers that cache them"
+            )
+
+    def update(self, keys: Tensor, values: Tensor, *args: Any, **kwargs: Any) -> tuple:
+        if self._join is None:
+            raise RuntimeError(f"{self.slot.name}: the segment cache is used outside its call")
+        keys, values = _repeat_heads(keys, self.groups), _repeat_heads(values, self.groups)
+        self.slot.record(keys, values)
+        self.recorded = True
+        return self._join([*self.past[0], keys], -2), self._join([*self.past[1], values], -2)
+
+
+def _repeat_heads(x: Tensor, groups: int) -> Tensor:
+    """``x`` (B, kv heads, T, D) with each head repeated ``groups`` times, as the models'
+    ``repeat_kv``."""
+    if groups == 1:
+        return x
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
+
+
+def _pieces_from(pieces: list[Tensor], first: int) -> list[Tensor]:
+    """The pieces (consecutive tokens from 0, on dim -2) from token ``first`` on, as views;
+    a piece wholly before it is not read (nor sent a gradient)."""
     kept = []
     offset = 0
     for piece in pieces:
@@ -319,20 +380,18 @@ def _tokens_from(pieces: list[Tensor], first: int) -> Tensor:
         if offset + n > first:
             kept.append(piece[..., max(0, first - offset) :, :])
         offset += n
-    return torch.cat(kept, dim=-2)
+    return kept
 
 
-def _record_kv(slot: SegmentSlot, cache: DynamicCache | None, index: int, first: int) -> None:
-    """Hand the segment's own keys and values, the tail of the layer's cache (which begins at
-    token ``first``), to the scope."""
-    kv = None if cache is None else cache.layers[index]
-    if not isinstance(kv, DynamicLayer) or kv.keys is None or kv.values is None:
-        raise ValueError(
-            f"{slot.name}: the layer left no keys and values in its cache; segments take "
-            "attention layers that cache them"
-        )
-    own = slot.start - first
-    slot.record(kv.keys[..., own:, :], kv.values[..., own:, :])
+def _attention_module(layer: nn.Module) -> nn.Module | None:
+    """A decoder layer's attention module (``self_attn`` in the models' layout)."""
+    attention = getattr(layer, "self_attn", None)
+    return attention if isinstance(attention, nn.Module) else None
+
+
+def _saving(cache: Any, attention: nn.Module | None) -> AbstractContextManager[None]:
+    """The context a block's layer runs in: a segment cache's :meth:`_SegmentKV.saving`."""
+    return cache.saving(attention) if isinstance(cache, _SegmentKV) else nullcontext()
 
 
 class _GatheredCache:
@@ -563,12 +622,11 @@ class GPT2Block(SegmentAware, HFLayer):
     def forward(self, x: Boundary) -> Boundary:
         hidden, mask, position_ids = _unpack(type(self).__name__, x)
         slot = self.segment_slot
-        cache, mask, positions, causal, first = _attention_inputs(
+        cache, mask, positions, causal = _attention_inputs(
             slot, self.config, self.index, create_causal_mask, hidden, mask, position_ids
         )
-        out = self.block(hidden, cache=cache, attention_mask=causal, position_ids=positions)
-        if slot is not None:
-            _record_kv(slot, cache, self.index, first)
+        with _saving(cache, None):
+            out = self.block(hidden, cache=cache, attention_mask=causal, position_ids=positions)
         return _boundary(out[0] if isinstance(out, tuple) else out, mask, position_ids)
 
 
@@ -810,9 +868,8 @@ class DecoderBlock(SegmentAware, ContextAware, HFLayer):
             cache, positions, causal = _context_inputs(
                 self.cp_slot, self, layer_type, hidden, mask, position_ids
             )
-            first = 0
         else:
-            cache, mask, positions, causal, first = _attention_inputs(
+            cache, mask, positions, causal = _attention_inputs(
                 slot, self.config, self.index, _MASKS[self.attention_type], whole, mask,
                 position_ids,
             )  # fmt: skip
@@ -830,18 +887,17 @@ class DecoderBlock(SegmentAware, ContextAware, HFLayer):
             keep = partial(_keep_call, calls, self._routers.index, threading.get_ident())
             handle = gate.register_forward_hook(keep)
         try:
-            out = self.layer(
-                hidden,
-                cache=cache,
-                attention_mask=causal,
-                position_embeddings=rotary,
-                position_ids=positions,
-            )
+            with _saving(cache, _attention_module(self.layer)):
+                out = self.layer(
+                    hidden,
+                    cache=cache,
+                    attention_mask=causal,
+                    position_embeddings=rotary,
+                    position_ids=positions,
+                )
         finally:
             if handle is not None:
                 handle.remove()
-        if slot is not None:
-            _record_kv(slot, cache, self.index, first)
         stats = x.get("router")
         given = x.get("attention_mask")  # the padding mask as the model's forward was given it
         counting = self.balance is not None and torch.is_grad_enabled()

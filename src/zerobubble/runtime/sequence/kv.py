@@ -65,6 +65,7 @@ __all__ = [
     "joined_kv",
     "past_leaves",
     "run_segments",
+    "saving_joined",
     "segment_inputs",
     "segment_scope",
     "sequence_tensor",
@@ -372,22 +373,34 @@ def joined_kv(pieces: Sequence[Sequence[Tensor]], dim: int = -2) -> Iterator[lis
     values and layout of the forward's (the same ``cat`` of the same pieces), so the
     backward is the one autograd would have run on the copy.
     """
-    joined = [torch.cat(list(group), dim=dim) for group in pieces]
-    plain = all(_storage(j) is not None for j in joined)
-    if not plain:  # a wrapper subclass: saved as it is
-        yield joined
-        return
-    by_storage = {_storage(j): (j, group) for j, group in zip(joined, pieces, strict=True)}
+    with saving_joined() as join:
+        yield [join(group, dim) for group in pieces]
+
+
+@contextmanager
+def saving_joined() -> Iterator[Callable[[Sequence[Tensor], int], Tensor]]:
+    """Yield ``join(pieces, dim)``, :func:`joined_kv`'s concatenation for code that joins
+    inside a call it does not own (a Hugging Face attention's cache ``update``): until the
+    context ends, autograd saves any view of a joined tensor as its pieces. The joined
+    tensors are held until then, so that no other tensor takes their storage's address."""
+    joins: dict[int | None, tuple[Tensor, tuple[Tensor, ...], int]] = {}
     outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
     outer_pack, outer_unpack = outer if outer is not None else (_same, _same)
 
+    def join(pieces: Sequence[Tensor], dim: int) -> Tensor:
+        joined = torch.cat(list(pieces), dim=dim)
+        key = _storage(joined)
+        if key is not None:  # a wrapper subclass is saved as it is
+            joins[key] = (joined, tuple(pieces), dim)
+        return joined
+
     def pack(t: Tensor) -> Any:
-        found = by_storage.get(_storage(t))
+        found = joins.get(_storage(t))
         if found is None or found[0].dtype != t.dtype:
             return outer_pack(t)
         # detached: a piece may be this very graph's output (no cycle through the graph)
         kept = tuple(outer_pack(p.detach()) for p in found[1])
-        return _Joined(kept, dim, tuple(t.shape), t.stride(), int(t.storage_offset()))
+        return _Joined(kept, found[2], tuple(t.shape), t.stride(), int(t.storage_offset()))
 
     def unpack(x: Any) -> Tensor:
         if not isinstance(x, _Joined):
@@ -396,7 +409,7 @@ def joined_kv(pieces: Sequence[Sequence[Tensor]], dim: int = -2) -> Iterator[lis
         return whole.as_strided(x.size, x.stride, x.offset)
 
     with saved_tensors_hooks(pack, unpack):
-        yield joined
+        yield join
 
 
 def segment_inputs(inputs: Any, start: int, end: int) -> Any:
