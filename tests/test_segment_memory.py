@@ -100,7 +100,8 @@ def test_hf_blocks_save_their_keys_and_values_once_bitwise(monkeypatch, attn):
     """A Llama block (grouped-query: 4 query heads, 2 key/value heads) in a late segment
     holds exactly the repeated keys and values of 64 past tokens less than with the joined
     copies saved, an early one the same; the loss and every gradient are bitwise those of
-    saving the copies."""
+    saving the copies. Under sdpa the stage's blocks share one additive mask (sdpa would
+    save its own conversion of the boolean mask per block)."""
     model = hf.tiny_model("hf-llama", num_hidden_layers=2, attn_implementation=attn).train()
     layers = hf.causal_lm_layers(model, check=False)
     x = {"input_ids": torch.randint(3, 200, (2, 96), generator=torch.Generator().manual_seed(0))}
@@ -124,6 +125,8 @@ def test_hf_blocks_save_their_keys_and_values_once_bitwise(monkeypatch, attn):
         assert early_copy[i] == early[i]
         assert late_copy[i][0] - late[i][0] == past
         assert late[i][1] == early[i][1] == 2 * 2 * 4 * 16 * 16 * 4  # own, repeated once
+    if attn == "sdpa":  # one additive mask (rows x queries x keys x fp32) for the stage
+        assert late[1][0] - late[2][0] == 2 * 16 * 80 * 4 and early[1] == early[2]
 
 
 def memory_job(k_values: tuple[int, ...], m: int) -> dict:

@@ -270,8 +270,25 @@ def _attention_inputs(
             **extra,
         )
         if slot is not None:
+            causal = _additive_for_sdpa(config, causal, hidden.dtype)
             slot.context.shared[key] = causal
     return cache, mask, positions, causal
+
+
+def _additive_for_sdpa(config: Any, causal: Any, dtype: torch.dtype) -> Any:
+    """A boolean mask that sdpa gets, as the additive mask sdpa would make of it.
+
+    ``scaled_dot_product_attention`` turns a boolean mask into zeros and ``-inf`` of the
+    queries' dtype on every call, and its graph saves that copy: one mask per layer. Made
+    here, the stage's layers share one, and the kernel reads the values it would have made
+    (so it computes what it did)."""
+    if config._attn_implementation != "sdpa" or not isinstance(causal, Tensor):
+        return causal
+    if causal.dtype != torch.bool:
+        return causal
+    return torch.zeros(causal.shape, dtype=dtype, device=causal.device).masked_fill_(
+        causal.logical_not(), float("-inf")
+    )
 
 
 def _window(name: str, config: Any, make_mask: Callable[..., Any]) -> int | None:
