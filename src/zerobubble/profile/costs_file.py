@@ -113,7 +113,8 @@ class Profile:
             return costs
         cuts = self.cuts(segments)
         assert self.segment_cost is not None  # cuts() checked it
-        return segment_model(costs, cuts, self.segment_cost, self.stage_segment_memory())
+        memory = self.stage_segment_memory()  # bytes, as the profile's cost model counts
+        return segment_model(costs, cuts, self.segment_cost, memory, 1.0 if memory else None)
 
     def stage_segment_memory(self) -> list[SegmentMemory] | None:
         """Per virtual stage, the :attr:`segment_memory` of its layers (None without it or

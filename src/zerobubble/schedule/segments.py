@@ -323,6 +323,7 @@ def segment_model(
     cuts: tuple[int, ...],
     cost: SegmentCost,
     memory: Sequence[SegmentMemory] | None = None,
+    bytes_per_unit: float | None = None,
 ) -> CostModel:
     """The cost model of a schedule that cuts every sequence at ``cuts``, from ``costs`` of
     whole microbatches: a mean segment's terms (:meth:`CostModel.per_segment`), each
@@ -332,10 +333,14 @@ def segment_model(
     the whole sequence's saved bytes there (:attr:`CostModel.stage_segment_memory`; under
     eager attention a segment's queries meet only the keys up to its end, so the segments
     together save less than one pass), and the sums of the earlier segments' key and value
-    gradients are priced (:attr:`CostModel.kv_grad`, scaled from ``mem_f``: under
-    recompute, where ``mem_f`` is the checkpointed inputs only, they are underpriced).
-    Without it each segment's memory is its share of the tokens and the sums are not
-    priced."""
+    gradients are priced (:attr:`CostModel.kv_grad`): ``memory``'s bytes in ``costs``'
+    units, ``bytes_per_unit`` bytes to a unit (a profile's models count bytes: 1), or,
+    without it, scaled by ``mem_f`` over the whole pass's saved bytes. Under recompute
+    ``mem_f`` is the checkpointed inputs, shared by the tokens, and a segment's F also
+    keeps its own keys and values (the later segments read them) until its B: its ``mem_f``
+    grows by them; neither they nor the sums can be scaled from the inputs, so they need
+    ``bytes_per_unit``. Without ``memory`` each segment's memory is its share of the tokens
+    and the sums are not priced."""
     k = len(cuts) - 1
     tokens = tuple(e - s for s, e in itertools.pairwise(cuts))
     mean = sum(tokens) / k
@@ -349,14 +354,26 @@ def segment_model(
         raise ValueError(
             f"{len(memory)} segment memories for a cost model of {costs.num_stages} stages"
         )
+    if costs.recompute and bytes_per_unit is None:
+        raise ValueError(
+            "segment_model: under recompute the key and value gradient sums cannot be scaled "
+            "from mem_f (the checkpointed inputs); pass bytes_per_unit, the bytes of one unit "
+            "of the cost model's memory (1 for a profile's model, which counts bytes)"
+        )
+    if bytes_per_unit is not None and not bytes_per_unit > 0:
+        raise ValueError(f"segment_model: bytes_per_unit must be > 0, got {bytes_per_unit}")
     length = cuts[-1]
     rows, kv = [], []
     for m, mem_f in zip(memory, costs.mem_f, strict=True):
         whole = m.of(0, length)
-        if whole <= 0:  # saves nothing measurable: by the tokens
+        if bytes_per_unit is not None:
+            kv.append(m.kv * mean / bytes_per_unit)
+        else:
+            kv.append(mem_f * m.kv * mean / whole if whole > 0 else 0.0)
+        if whole <= 0 or costs.recompute:  # by the tokens
             rows.append(share)
-            kv.append(0.0)
-            continue
-        rows.append(tuple(k * m.of(s, e) / whole for s, e in itertools.pairwise(cuts)))
-        kv.append(mem_f * m.kv * mean / whole)
+        else:
+            rows.append(tuple(k * m.of(s, e) / whole for s, e in itertools.pairwise(cuts)))
+    if costs.recompute:  # F also keeps its own keys and values, until its B
+        model = replace(model, mem_f=tuple(f + x for f, x in zip(model.mem_f, kv, strict=True)))
     return replace(model, stage_segment_memory=tuple(rows), kv_grad=tuple(kv), segment_tokens=share)
