@@ -33,7 +33,13 @@ from zerobubble.parallel.ep import LocalGroup, Turns
 from zerobubble.parallel.mesh import ParallelSpec, build_mesh
 from zerobubble.parallel.partition import build_stage_modules
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.sequence.cp import ContextShards, context_parallel, shard_batch
+from zerobubble.runtime.sequence.cp import (
+    ContextShards,
+    ContextSlot,
+    context_parallel,
+    ring_attention,
+    shard_batch,
+)
 
 IGNORE = -100
 T = 16
@@ -274,3 +280,35 @@ def test_layout_and_refusals() -> None:
     with pytest.raises(ValueError, match="stage 3: 1 \\(MultiheadAttention\\) is an attention"):
         context_parallel(nn.Sequential(nn.Linear(4, 4), nn.MultiheadAttention(4, 1)), shards[0],
                          LocalGroup(Turns(2), 0, 2), 3)  # fmt: skip
+
+
+class _Alone:
+    """The exchange of a cp group of one rank: what it sends it receives."""
+
+    def exchange(self, rank: int, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+        return blocks
+
+
+def test_ring_over_past_segments_is_attention_over_the_joined_keys() -> None:
+    """A segment's ring (one cp rank: its chunks in order) over two earlier segments' pieces
+    is causal attention of its queries over the joined keys (within float32 rounding),
+    gradients of the pieces included; it saves the pieces themselves, no joined copy."""
+    slot = ContextSlot(ContextShards(1, 0), _Alone(), "test")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, *pieces = (torch.randn(2, 2, n, 4, generator=gen).requires_grad_()
+                        for n in (4, 4, 4, 6, 2, 6, 2))  # fmt: skip
+    past = (pieces[:2], pieces[2:])
+    out = ring_attention(q, k, v, slot, 0.5, past=past)
+    keys, values = torch.cat([*past[0], k], dim=2), torch.cat([*past[1], v], dim=2)
+    future = torch.ones(4, 12, dtype=torch.bool).triu(9)  # queries at positions 8..11
+    expect = torch.softmax((q @ keys.transpose(-2, -1) * 0.5).masked_fill(future, -torch.inf), -1)
+    expect = expect @ values
+    torch.testing.assert_close(out, expect)
+    saved = out.grad_fn.saved_tensors
+    assert all(any(s.data_ptr() == p.data_ptr() for s in saved) for p in pieces)
+    assert all(s.shape[2] <= 8 for s in saved)  # nothing of the joined 12 tokens
+    dout = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad(out, [q, k, v, *pieces], dout)
+    want = torch.autograd.grad(expect, [q, k, v, *pieces], dout)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
