@@ -140,7 +140,7 @@ def run_case(mesh: Any, model: str, kind: str) -> dict:
 def refusals(mesh: Any) -> list[str]:
     """What the executor and the checkpoints refuse, before any collective, on every rank."""
     gpt, _, _ = model_and_batch("gpt", 2, M)
-    llama, _, _ = model_and_batch("llama-sdpa", 2, M)  # a decoder block on each stage
+    llama, _, _ = model_and_batch("llama-sdpa", 1, M)  # one stage's block: every rank raises
     seq = generated("seq-zb", 2, M, segments=2)
     refused = []
     for layers, sched, kw in [

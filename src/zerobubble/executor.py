@@ -210,9 +210,9 @@ class PipelineExecutor:
                 lanes=stage_lanes(schedule),
             )
         self._prepare(stages, loss_fn, parallelize)
-        if self.context is not None and self.cuts is not None:
-            for s, chunk in sorted(self.chunks.items()):
-                refuse_segments(chunk.module, s)
+        self._refused_segments = self._segments_refusal()
+        """Why this rank's stages cannot run the segments under cp (raised on every rank
+        at the agreement on the cuts), or None."""
         check_pairs(self.schedule, self.chunks, mesh, group)
         self.segment_guard = SegmentGuard.install(self.cuts, self.chunks, self.device, mesh)
         for chunk in self.chunks.values():  # a W's replayed draws wait for a running forward
@@ -301,14 +301,27 @@ class PipelineExecutor:
             name=plain_name if mesh is None else mesh.spec.name,
         )
 
+    def _segments_refusal(self) -> str | None:
+        """Under cp with segments, why a context-aware module of this rank's stages does
+        not take them (:func:`~zerobubble.runtime.sequence.cp.refuse_segments`), or None."""
+        if self.context is None or self.cuts is None:
+            return None
+        try:
+            for stage, chunk in sorted(self.chunks.items()):
+                refuse_segments(chunk.module, stage)
+        except ValueError as e:
+            return str(e)
+        return None
+
     def _agree_on_cuts(self) -> None:
         """Every rank of the job must cut the sequences at the same tokens (a pipeline whose
         ranks slice differently would exchange boundary values of other lengths, or hang):
         one bounded all-gather of the cuts at start-up, over the job with a mesh (the dp and
-        tp replicas too), else over the pipeline."""
+        tp replicas too), else over the pipeline. Each rank's refusal of its stages under cp
+        rides along, so every rank raises it (not only those holding the layer)."""
         assert self.cuts is not None
         group = None if self.mesh is not None else self.group
-        mine = json.dumps(self.cuts).encode()
+        mine = json.dumps({"cuts": self.cuts, "refused": self._refused_segments}).encode()
         theirs = exchange_bytes(
             mine,
             group=group,
@@ -319,9 +332,13 @@ class PipelineExecutor:
             progress=self.p2p.progress,
         )
         ranks = dist.get_process_group_ranks(group) if group is not None else range(len(theirs))
-        differ = {r: json.loads(t) for r, t in zip(ranks, theirs, strict=True) if t != mine}
+        got = {r: json.loads(t) for r, t in zip(ranks, theirs, strict=True)}
+        name = plain_name if self.mesh is None else self.mesh.spec.name
+        refused = [f"{name(r)}: {g['refused']}" for r, g in sorted(got.items()) if g["refused"]]
+        if refused:
+            raise ValueError("; ".join(refused))
+        differ = {r: g["cuts"] for r, g in got.items() if tuple(g["cuts"]) != self.cuts}
         if differ:
-            name = plain_name if self.mesh is None else self.mesh.spec.name
             me = dist.get_rank()
             seen = "; ".join(f"{name(r)} cuts={list(c)}" for r, c in sorted(differ.items()))
             raise ValueError(
