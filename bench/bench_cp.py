@@ -15,8 +15,13 @@ The step time on a shared CPU machine is indicative only.
 runs the ring under cp (it holds no other rank's keys and values) and, whole, scores every
 query against every key (eager).
 
+``--segments k`` (with ``--model gpt``): seq-zb with ``k`` equal segments instead of zb-h1,
+both configurations (under cp each segment sharded over the cp ranks; the ring carries the
+earlier segments' keys and values and holds none of them after the layer's forward), so
+the ratio is cp's over segments alone.
+
 Run: ``PYTHONPATH=src .venv/bin/python bench/bench_cp.py [--seq 2048] [--m 4] [--attn sdpa]
-[--model gpt]``;
+[--model gpt] [--segments 4]``;
 prints one JSON line per configuration, then the ratios.
 """
 
@@ -49,16 +54,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     parser.add_argument("--model", default="hf-llama", choices=["hf-llama", "gpt"])
+    parser.add_argument("--segments", type=int, default=1)
     args = parser.parse_args()
+    if args.segments > 1 and args.model != "gpt":
+        parser.error("--segments takes --model gpt (HF blocks are refused under cp x segments)")
     rows = {}
     for cp in (1, 2):
         per_rank = launch(
             _ranks, 2 * cp, cp, args.seq, args.m, args.width, args.layers, args.steps,
-            args.attn, args.model, timeout=3600,
+            args.attn, args.model, args.segments, timeout=3600,
         )  # fmt: skip
         row = {
             "config": "pp2" if cp == 1 else "pp2 x cp2",
-            "kind": "zb-h1",
+            "kind": "zb-h1" if args.segments == 1 else f"seq-zb, {args.segments} segments",
             "model": f"{args.model}{' ' + args.attn if args.model == 'hf-llama' else ''}, "
             f"width {args.width}, {args.layers} layers",
             "seq": args.seq,
@@ -87,8 +95,9 @@ def _count(labels: torch.Tensor) -> int:
 
 
 def _ranks(
-    cp: int, t: int, m: int, width: int, layers: int, steps: int, attn: str, which: str
-) -> dict[str, object]:
+    cp: int, t: int, m: int, width: int, layers: int, steps: int, attn: str, which: str,
+    segments: int,
+) -> dict[str, object]:  # fmt: skip
     init_distributed()
     torch.set_num_threads(1)
     mesh = build_mesh(2, cp=cp)
@@ -106,11 +115,14 @@ def _ranks(
             tie_word_embeddings=False,
         ).train()
         model_layers = hf.causal_lm_layers(model, check=False)
-    sched = generate("zb-h1", 2, m)
+    sched = (
+        generate("zb-h1", 2, m) if segments == 1 else generate("seq-zb", 2, m, segments=segments)
+    )
+    cuts = None if segments == 1 else tuple(i * t // segments for i in range(segments + 1))
     stages = build_stage_modules(model_layers, sched, mesh.pp_rank)
     pipe = PipelineExecutor(
         sched, stages, loss_fn=_token_loss, count_fn=_count, mesh=mesh,
-        options=ExecutorOptions(trace=True),
+        options=ExecutorOptions(trace=True, cuts=cuts),
     )  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (m, t), generator=gen)

@@ -33,20 +33,31 @@ from zerobubble.parallel.ep import LocalGroup, Turns
 from zerobubble.parallel.mesh import ParallelSpec, build_mesh
 from zerobubble.parallel.partition import build_stage_modules
 from zerobubble.runtime.launcher import init_distributed
-from zerobubble.runtime.sequence.cp import ContextShards, context_parallel, shard_batch
+from zerobubble.runtime.sequence.cp import (
+    ContextShards,
+    ContextSlot,
+    context_parallel,
+    ring_attention,
+    shard_batch,
+)
 
 IGNORE = -100
 T = 16
 M = 2
-CASES = [  # pp=2 x cp=2; under zbv recompute="stage"
+CASES = [  # pp=2 x cp=2; under zbv and seq-zbv recompute="stage"
     ("gpt", "zb-h1"),  # attention dropout: the all-gather
     ("gpt-ring", "zbv"),  # no dropout: the ring
     ("llama-sdpa", "zb-h1"),
     ("llama-eager", "zbv"),
+    ("gpt-ring", "seq-zb"),  # segments: the ring carries the earlier segments' keys
+    ("gpt-ring", "seq-zbv"),  # three uneven segments, recomputed
+    ("gpt", "seq-zbv"),  # segments with attention dropout: the earlier segments gathered
 ]
-CUTS = ExecutorOptions(cuts=(0, 8, T))
+SEGMENTS = {"seq-zb": (0, 8, T), "seq-zbv": (0, 4, 8, T)}
+"""The cuts of each segment schedule (every segment a multiple of 2 * cp tokens)."""
+CUTS = ExecutorOptions(cuts=(0, 6, T))  # segment 0 has 6 tokens: refused at cp=2
 WITH_DP = [("gpt-ring", "zbv"), ("llama-sdpa", "zb-h1")]  # pp=2 x dp=2 x cp=2
-CP4 = [("gpt-ring", "zb-h1"), ("gpt", "zbv")]  # pp=2 x cp=4
+CP4 = [("gpt-ring", "zb-h1"), ("gpt", "zbv"), ("gpt-ring", "seq-zb")]  # pp=2 x cp=4
 
 
 def token_loss(out: torch.Tensor, labels: torch.Tensor, num_items: object) -> torch.Tensor:
@@ -101,14 +112,21 @@ def cp_job(world: int) -> dict:
     return out
 
 
+def schedule(kind: str) -> Any:
+    """``kind`` at P=2, M=2 (a segment kind cut at :data:`SEGMENTS`)."""
+    cuts = SEGMENTS.get(kind)
+    return generated(kind, 2, M) if cuts is None else generated(kind, 2, M, segments=len(cuts) - 1)
+
+
 def run_case(mesh: Any, model: str, kind: str) -> dict:
     """One step of ``model`` under ``kind`` on ``mesh``: this rank's losses and gradients."""
     dp = mesh.dp_size
-    sched = generated(kind, 2, M)
+    sched = schedule(kind)
     layers, x, y = model_and_batch(model, sched.num_stages, M * dp)
+    recompute = "stage" if kind.endswith("zbv") else "none"
     pipe = zerobubble.Pipeline(
         layers, token_loss, sched, mesh=mesh, count_fn=count,
-        options=ExecutorOptions(seed=5, recompute="stage" if kind == "zbv" else "none"),
+        options=ExecutorOptions(seed=5, recompute=recompute, cuts=SEGMENTS.get(kind)),
     )  # fmt: skip
     # every rank passes its dp part of whole sequences; the executor takes its chunks
     part = torch.tensor_split(torch.arange(M * dp), dp)[mesh.dp_rank]
@@ -121,12 +139,16 @@ def run_case(mesh: Any, model: str, kind: str) -> dict:
 
 def refusals(mesh: Any) -> list[str]:
     """What the executor and the checkpoints refuse, before any collective, on every rank."""
-    layers, _, _ = model_and_batch("gpt", 2, M)
+    gpt, _, _ = model_and_batch("gpt", 2, M)
+    llama, _, _ = model_and_batch("llama-sdpa", 1, M)  # one stage's block: every rank raises
+    seq = generated("seq-zb", 2, M, segments=2)
     refused = []
-    for sched, kw in [
-        (generated("zb-h1", 2, M), {}),  # no count_fn
-        (generated("seq-zb", 2, M, segments=2), {"count_fn": count, "options": CUTS}),
+    for layers, sched, kw in [
+        (gpt, generated("zb-h1", 2, M), {}),  # no count_fn
+        (gpt, seq, {"count_fn": count, "options": CUTS}),  # a segment of 6 tokens
+        (llama, seq, {"count_fn": count, "options": ExecutorOptions(cuts=SEGMENTS["seq-zb"])}),
         (
+            gpt,
             generated("zb-h1", 2, M),
             {"loss_fn": hf.CausalLMLoss(hf.tiny_model("hf-llama", num_hidden_layers=1))},
         ),
@@ -146,10 +168,13 @@ def refusals(mesh: Any) -> list[str]:
 @functools.cache
 def reference(model: str, kind: str, dp: int, cp: int) -> tuple[list, dict, list, dict]:
     """(composed reference losses and grads, whole-model losses and grads)."""
-    num_stages = generated(kind, 2, M).num_stages
+    num_stages = schedule(kind).num_stages
     layers, x, y = model_and_batch(model, num_stages, M * dp)
     kw = {"target": y, "microbatches": M, "count_fn": count, "num_stages": num_stages}
-    losses, grads = zerobubble.reference_step(layers, token_loss, x, dp=dp, cp=cp, seed=5, **kw)
+    cuts = SEGMENTS.get(kind)
+    losses, grads = zerobubble.reference_step(
+        layers, token_loss, x, dp=dp, cp=cp, seed=5, cuts=cuts, **kw
+    )
     for m in layers:  # the model run whole: dropout off, so the bound holds
         m.eval()
     whole, whole_grads = zerobubble.reference_step(layers, token_loss, x, **kw)
@@ -195,12 +220,41 @@ def test_pp_cp_is_the_whole_model_within_rounding(model, kind, dp, cp):
 
 def test_executor_refusals(results):
     for r in results[4]:
-        no_count, segments, shifting, checkpoint = r["refused"]
+        no_count, uneven, hf_segments, shifting, checkpoint = r["refused"]
         assert "cannot save a checkpoint of a mesh with cp=2" in checkpoint
         assert "cp=2) needs count_fn" in no_count
-        assert "with sequence segments is not supported" in segments
-        assert "segments of context-parallel chunks are not built" in segments
+        assert "segment 0 [0, 6) has 6 tokens, not a multiple of 2 * cp = 4" in uneven
+        assert "move the cuts to multiples of 4" in uneven
+        assert "(DecoderBlock) does not take sequence segments under context" in hf_segments
         assert "shifts labels inside each call" in shifting
+
+
+def test_segment_layout() -> None:
+    """Segments outer, cp inner: each segment cut into 2 * cp chunks, a rank's chunks of
+    every segment side by side, its own tokens cut at the cuts / cp."""
+    shards = [ContextShards(2, r, (0, 4, 12)) for r in range(2)]
+    x = torch.arange(12).view(1, 12)
+    assert [s.shard(x).tolist() for s in shards] == [[[0, 3, 4, 5, 10, 11]], [[1, 2, 6, 7, 8, 9]]]
+    assert shards[0].local_cuts == (0, 2, 6)
+    assert shards[0].positions(2).tolist() == [0, 3]
+    assert shards[0].positions(4, start=2).tolist() == [4, 5, 10, 11]
+    assert shards[1].positions(4, start=2).tolist() == [6, 7, 8, 9]
+    batch = shard_batch({"input_ids": x, "labels": x}, shards[1], "the input batch")
+    assert batch["labels"].tolist() == [[1, 2, 6, 7, 8, 9]]
+    with pytest.raises(
+        ValueError, match=r"segment 1 \[4, 10\) has 6 tokens, not a multiple of 2 \* cp"
+    ):
+        ContextShards(2, 0, (0, 4, 10))
+    with pytest.raises(ValueError, match="sequences of 8 tokens but the segment cuts"):
+        shards[0].shard(torch.zeros(1, 8))
+    llama = hf.causal_lm_layers(hf.tiny_model("hf-llama", num_hidden_layers=1))
+    with pytest.raises(
+        ValueError, match=r"reference 1 \(DecoderBlock\) does not take sequence segments"
+    ):
+        zerobubble.reference_step(
+            llama, token_loss, torch.zeros(1, 8, dtype=torch.long), target=torch.zeros(1, 8),
+            microbatches=1, count_fn=count, cp=2, cuts=(0, 4, 8),
+        )  # fmt: skip
 
 
 def test_layout_and_refusals() -> None:
@@ -226,3 +280,35 @@ def test_layout_and_refusals() -> None:
     with pytest.raises(ValueError, match="stage 3: 1 \\(MultiheadAttention\\) is an attention"):
         context_parallel(nn.Sequential(nn.Linear(4, 4), nn.MultiheadAttention(4, 1)), shards[0],
                          LocalGroup(Turns(2), 0, 2), 3)  # fmt: skip
+
+
+class _Alone:
+    """The exchange of a cp group of one rank: what it sends it receives."""
+
+    def exchange(self, rank: int, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+        return blocks
+
+
+def test_ring_over_past_segments_is_attention_over_the_joined_keys() -> None:
+    """A segment's ring (one cp rank: its chunks in order) over two earlier segments' pieces
+    is causal attention of its queries over the joined keys (within float32 rounding),
+    gradients of the pieces included; it saves the pieces themselves, no joined copy."""
+    slot = ContextSlot(ContextShards(1, 0), _Alone(), "test")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, *pieces = (torch.randn(2, 2, n, 4, generator=gen).requires_grad_()
+                        for n in (4, 4, 4, 6, 2, 6, 2))  # fmt: skip
+    past = (pieces[:2], pieces[2:])
+    out = ring_attention(q, k, v, slot, 0.5, past=past)
+    keys, values = torch.cat([*past[0], k], dim=2), torch.cat([*past[1], v], dim=2)
+    future = torch.ones(4, 12, dtype=torch.bool).triu(9)  # queries at positions 8..11
+    expect = torch.softmax((q @ keys.transpose(-2, -1) * 0.5).masked_fill(future, -torch.inf), -1)
+    expect = expect @ values
+    torch.testing.assert_close(out, expect)
+    saved = out.grad_fn.saved_tensors
+    assert all(any(s.data_ptr() == p.data_ptr() for s in saved) for p in pieces)
+    assert all(s.shape[2] <= 8 for s in saved)  # nothing of the joined 12 tokens
+    dout = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad(out, [q, k, v, *pieces], dout)
+    want = torch.autograd.grad(expect, [q, k, v, *pieces], dout)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)

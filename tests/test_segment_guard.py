@@ -208,8 +208,12 @@ def test_where_the_guard_cannot_run_it_warns_instead_of_staying_silent():
 
     from zerobubble.runtime.sequence.guard import SegmentGuard, UncheckedSegmentsWarning
 
-    for tp, fsdp, what in ((2, False, "tensor parallelism"), (1, True, "FSDP")):
-        mesh = SimpleNamespace(tp_size=tp, spec=SimpleNamespace(fsdp=fsdp))
+    for tp, fsdp, cp, what in (
+        (2, False, 1, "tensor parallelism"),
+        (1, True, 1, "FSDP"),
+        (1, False, 2, "context parallelism"),
+    ):
+        mesh = SimpleNamespace(tp_size=tp, cp_size=cp, spec=SimpleNamespace(fsdp=fsdp))
         with pytest.warns(UncheckedSegmentsWarning, match=f"segments under {what}: the segment"):
             assert SegmentGuard.install((0, 4, 8), {}, torch.device("cpu"), mesh) is None
     assert SegmentGuard.install(None, {}, torch.device("cpu"), mesh) is None  # no segments

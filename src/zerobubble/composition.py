@@ -138,8 +138,7 @@ CELLS: tuple[Cell, ...] = (
     _cell(
         "cp",
         "segments",
-        "segments of context-parallel chunks are not built",
-        "use a schedule without segments, or cp=1",
+        "each segment sharded over cp alike; its ring carries the earlier segments' keys",
     ),
     _cell("cp", "recompute", "the replay gathers the keys and values again"),
     _cell(

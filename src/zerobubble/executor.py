@@ -55,7 +55,7 @@ from zerobubble.runtime.recorder import (
 )
 from zerobubble.runtime.rng import StageRng
 from zerobubble.runtime.sequence.batch import check_cuts, segment_step
-from zerobubble.runtime.sequence.cp import ContextShards, shard_step
+from zerobubble.runtime.sequence.cp import ContextShards, refuse_segments, shard_step
 from zerobubble.runtime.sequence.guard import SegmentGuard
 from zerobubble.runtime.stage import LossFn, StageChunk
 from zerobubble.runtime.step_batch import split_step
@@ -173,7 +173,7 @@ class PipelineExecutor:
         self.count_fn = default_count_fn(loss_fn, count_fn)
         if self.cuts is not None:
             _check_segment_loss(schedule, loss_fn, self.count_fn)
-        self.context = _context(schedule, self.count_fn, loss_fn, mesh)
+        self.context = _context(schedule, self.count_fn, loss_fn, mesh, self.cuts)
         self.plan = ProgramPlan(
             fuse_local_backward=opts.fuse_local_backward,
             recv_lookahead=opts.recv_lookahead,
@@ -210,6 +210,9 @@ class PipelineExecutor:
                 lanes=stage_lanes(schedule),
             )
         self._prepare(stages, loss_fn, parallelize)
+        self._refused_segments = self._segments_refusal()
+        """Why this rank's stages cannot run the segments under cp (raised on every rank
+        at the agreement on the cuts), or None."""
         check_pairs(self.schedule, self.chunks, mesh, group)
         self.segment_guard = SegmentGuard.install(self.cuts, self.chunks, self.device, mesh)
         for chunk in self.chunks.values():  # a W's replayed draws wait for a running forward
@@ -298,14 +301,27 @@ class PipelineExecutor:
             name=plain_name if mesh is None else mesh.spec.name,
         )
 
+    def _segments_refusal(self) -> str | None:
+        """Under cp with segments, why a context-aware module of this rank's stages does
+        not take them (:func:`~zerobubble.runtime.sequence.cp.refuse_segments`), or None."""
+        if self.context is None or self.cuts is None:
+            return None
+        try:
+            for stage, chunk in sorted(self.chunks.items()):
+                refuse_segments(chunk.module, stage)
+        except ValueError as e:
+            return str(e)
+        return None
+
     def _agree_on_cuts(self) -> None:
         """Every rank of the job must cut the sequences at the same tokens (a pipeline whose
         ranks slice differently would exchange boundary values of other lengths, or hang):
         one bounded all-gather of the cuts at start-up, over the job with a mesh (the dp and
-        tp replicas too), else over the pipeline."""
+        tp replicas too), else over the pipeline. Each rank's refusal of its stages under cp
+        rides along, so every rank raises it (not only those holding the layer)."""
         assert self.cuts is not None
         group = None if self.mesh is not None else self.group
-        mine = json.dumps(self.cuts).encode()
+        mine = json.dumps({"cuts": self.cuts, "refused": self._refused_segments}).encode()
         theirs = exchange_bytes(
             mine,
             group=group,
@@ -316,9 +332,13 @@ class PipelineExecutor:
             progress=self.p2p.progress,
         )
         ranks = dist.get_process_group_ranks(group) if group is not None else range(len(theirs))
-        differ = {r: json.loads(t) for r, t in zip(ranks, theirs, strict=True) if t != mine}
+        got = {r: json.loads(t) for r, t in zip(ranks, theirs, strict=True)}
+        name = plain_name if self.mesh is None else self.mesh.spec.name
+        refused = [f"{name(r)}: {g['refused']}" for r, g in sorted(got.items()) if g["refused"]]
+        if refused:
+            raise ValueError("; ".join(refused))
+        differ = {r: g["cuts"] for r, g in got.items() if tuple(g["cuts"]) != self.cuts}
         if differ:
-            name = plain_name if self.mesh is None else self.mesh.spec.name
             me = dist.get_rank()
             seen = "; ".join(f"{name(r)} cuts={list(c)}" for r, c in sorted(differ.items()))
             raise ValueError(
@@ -345,6 +365,12 @@ class PipelineExecutor:
         per build: a step only looks them up)."""
         self.program = self.programs.programs[self.rank]
         self.names = [instruction_name(ins) for ins in self.program]
+
+    @property
+    def local_cuts(self) -> tuple[int, ...] | None:
+        """The segments' boundaries in this rank's tokens: :attr:`cuts`, or under context
+        parallelism the cuts / cp (each segment sharded over the cp ranks alike)."""
+        return self.cuts if self.context is None else self.context.local_cuts
 
     def held_bytes(self) -> int:
         """Activation bytes held by this rank's stages."""
@@ -400,8 +426,8 @@ class PipelineExecutor:
             device=self.device,
             over_dp=partial(sum_over_replicas, self.mesh, self.p2p, self.iteration),
         )
-        if self.cuts is not None:
-            batch = segment_step(batch, self.cuts)
+        if self.local_cuts is not None:
+            batch = segment_step(batch, self.local_cuts)
         run = Interpreter(self, batch, hooks or StepHooks())
         run.run()
         self.iteration += 1
@@ -424,11 +450,16 @@ class PipelineExecutor:
 
 
 def _context(
-    schedule: Schedule, count_fn: Any, loss_fn: LossFn | None, mesh: PipelineMesh | None
+    schedule: Schedule,
+    count_fn: Any,
+    loss_fn: LossFn | None,
+    mesh: PipelineMesh | None,
+    cuts: tuple[int, ...] | None,
 ) -> ContextShards | None:
-    """This rank's sequence chunks under context parallelism (None: whole sequences),
-    refusing a loss not normalised by a count over the whole batch (what cp composes with
-    is the composition table's, :func:`~zerobubble.parallel.checks.check_job`)."""
+    """This rank's sequence chunks under context parallelism (None: whole sequences; with
+    segments, its chunks of every segment, whose lengths must divide by 2 * cp), refusing a
+    loss not normalised by a count over the whole batch (what cp composes with is the
+    composition table's, :func:`~zerobubble.parallel.checks.check_job`)."""
     if mesh is None or mesh.cp_size == 1:
         return None
     cp = f"context parallelism (cp={mesh.cp_size})"
@@ -443,7 +474,7 @@ def _context(
             f"{cp}: the loss shifts labels inside each call, which would drop each chunk's "
             "last target; shift the labels once for the whole sequence"
         )
-    return ContextShards(mesh.cp_size, mesh.cp_rank)
+    return ContextShards(mesh.cp_size, mesh.cp_rank, cuts)
 
 
 def _check_segment_loss(schedule: Schedule, loss_fn: LossFn | None, count_fn: Any) -> None:

@@ -80,8 +80,11 @@ class GPTEmbedding(SegmentAware, ContextAware, nn.Module):
 
     In a segment scope (:mod:`zerobubble.runtime.sequence.kv`) the ids are tokens
     ``[start, start + T)`` of the sequence and take those positions; on a cp rank
-    (:mod:`zerobubble.runtime.sequence.cp`) its two chunks' global positions.
+    (:mod:`zerobubble.runtime.sequence.cp`) its two chunks' global positions (of the
+    segment, under both).
     """
+
+    takes_segments = True
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -105,15 +108,15 @@ class GPTEmbedding(SegmentAware, ContextAware, nn.Module):
     def forward(self, idx: Tensor) -> Tensor:
         t = idx.shape[-1]
         cp = self.cp_slot
-        if cp is not None:
-            positions = cp.positions(t, idx.device)
-            if int(positions[-1]) >= self.max_seq_len:
+        start = 0 if self.segment_slot is None else self.segment_slot.start
+        if cp is not None:  # a segment's own start, in the rank's tokens
+            positions = cp.positions(t, idx.device, start)
+            if int(positions.max()) >= self.max_seq_len:
                 raise ValueError(
-                    f"{cp.name}: tokens up to position {int(positions[-1])} exceed "
+                    f"{cp.name}: tokens up to position {int(positions.max())} exceed "
                     f"max_seq_len={self.max_seq_len}"
                 )
             return self.drop(self.tok(idx) + self.pos(positions))
-        start = 0 if self.segment_slot is None else self.segment_slot.start
         if start + t > self.max_seq_len:
             what = f"sequence length {t}" if start == 0 else f"segment [{start}, {start + t})"
             raise ValueError(f"{what} exceeds max_seq_len={self.max_seq_len}")
@@ -129,12 +132,14 @@ class CausalSelfAttention(SegmentAware, ContextAware, nn.Module):
     segments' keys and values followed by their own (each query row meets the same keys,
     in the same order, as in one pass), and the own keys and values go to the scope.
 
-    On a cp rank (:mod:`zerobubble.runtime.sequence.cp`) it gathers the whole sequence's
-    keys and values, and each of its two chunks ``[s, e)`` attends keys ``[0, e)`` as the
-    segment ``[s, e)`` would.
+    On a cp rank (:mod:`zerobubble.runtime.sequence.cp`) its two chunks attend the whole
+    sequence's keys by a ring (or, with attention dropout, over the gathered keys: each
+    chunk ``[s, e)`` attends keys ``[0, e)`` as the segment ``[s, e)`` would); under both,
+    the segment's chunks attend every rank's earlier segments' keys and values too.
     """
 
     holds_kv = True
+    takes_segments = True
     future: Tensor  # a buffer: nn.Module's attribute lookup alone types it as Tensor | Module
 
     def __init__(self, cfg: GPTConfig) -> None:
@@ -197,14 +202,25 @@ class CausalSelfAttention(SegmentAware, ContextAware, nn.Module):
 
     def _context(self, q: Tensor, k: Tensor, v: Tensor, cp: ContextSlot) -> Tensor:
         """A cp rank's attention (B, H, 2n, D). Without attention dropout a ring
-        (:func:`~zerobubble.runtime.sequence.cp.ring_attention`); with it, each chunk's
-        queries over the gathered keys up to its end (masked columns never scored), whose
-        probabilities the dropout draws on."""
-        if self.segment_slot is not None:
-            raise ValueError(f"{cp.name}: sequence segments with context parallelism")
+        (:func:`~zerobubble.runtime.sequence.cp.ring_attention`; in a segment scope over
+        the earlier segments' pieces too, the own keys and values recorded); with it, each
+        chunk's queries over the gathered keys up to its end (masked columns never scored),
+        whose probabilities the dropout draws on. Under segments that gathers every earlier
+        segment's keys and values again in each segment, and its graph holds them until its
+        backward (``cp`` times the rank's keys and values up to the segment's end, per
+        layer): the ring holds none of them."""
+        slot, past = self.segment_slot, None
+        if slot is not None:  # the earlier segments' keys and values: this rank's pieces
+            past = slot.past()
+            slot.record(k, v)
         if not (self.training and self.attn_drop.p > 0):  # no probabilities to drop: a ring
-            return ring_attention(q, k, v, cp, self.scale)
-        keys, values = cp.gather(k), cp.gather(v)
+            return ring_attention(q, k, v, cp, self.scale, past=past)
+        keys, values, offset = cp.gather(k), cp.gather(v), 0
+        if slot is not None and past is not None:  # tokens [0, the segment's end) in order:
+            # every earlier segment's pieces gathered again (their gradients sent home)
+            keys = torch.cat([*(cp.gather(t) for t in past[0]), keys], dim=2)
+            values = torch.cat([*(cp.gather(t) for t in past[1]), values], dim=2)
+            offset = slot.start * cp.shards.size  # the segment's first global position
         n = q.shape[2] // 2
         if keys.shape[2] > self.future.shape[0]:
             raise ValueError(
@@ -213,7 +229,7 @@ class CausalSelfAttention(SegmentAware, ContextAware, nn.Module):
             )
         out = []
         for half, chunk in enumerate(cp.shards.chunks):
-            start, end = chunk * n, (chunk + 1) * n
+            start, end = offset + chunk * n, offset + (chunk + 1) * n
             scores = q[:, :, half * n : (half + 1) * n] @ keys[:, :, :end].transpose(-2, -1)
             scores = (scores * self.scale).masked_fill(self.future[start:end, :end], float("-inf"))
             out.append(self.attn_drop(torch.softmax(scores, dim=-1)) @ values[:, :, :end])

@@ -19,6 +19,8 @@ package rather than restating their arithmetic:
   each rank's two chunks in a thread of its own, the attention layers' gathers played
   between the threads), normalised by ``count_fn``'s count of the global batch; their
   gradients summed in cp-rank order, then over dp. Losses are ``(dp, cp)``-rank-major;
+  with segments (``cuts=``) each rank runs the segment reference on its chunks of every
+  segment;
 - **segments** (``cuts=``): :func:`~zerobubble.reference.step.segment_reference_step` per
   replica;
 - **tp** (``tp_mesh=``, ``tp_plan=``, ``sequence_parallel=``, ``loss_parallel=``):
@@ -320,8 +322,11 @@ def _context(
     run, ties = Ties.of(model, staged["num_stages"], staged["boundaries"], True)
     losses: list[Tensor] = []
     held: dict[int, Tensor] = {}  # id(parameter) -> its summed .grad
+    cuts = others[1]
     for part in parts:  # each leaves its cp sums in run's .grad
-        losses += context_reference_step(run, loss_fn, part, m, cp, share, count_fn, **staged)
+        losses += context_reference_step(
+            run, loss_fn, part, m, cp, share, count_fn, cuts=cuts, **staged
+        )
         _hold(run, held)
     for p in run.parameters():
         p.grad = held.get(id(p))
@@ -335,12 +340,10 @@ def _refuse_cp(
 ) -> None:
     """Context parallelism's combinations without a composed ground truth, named (ep is
     refused before: its reference runs first)."""
-    tp, cuts = others
-    other = "tp" if tp is not None else "cuts" if cuts is not None else None
-    if other is not None:
+    if others[0] is not None:
         raise ValueError(
             f"reference_step has no ground truth of context parallelism (cp={cp}) with "
-            f"{other}: the mesh and the executor refuse it too"
+            "tp: the mesh and the executor refuse it too"
         )
     if count_fn is None:
         raise ValueError(

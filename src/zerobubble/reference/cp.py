@@ -4,8 +4,10 @@ One process plays the ``cp`` ranks of one pipeline replica: each has its own cop
 model, given its cp rank's slot over an in-process group
 (:func:`~zerobubble.runtime.sequence.cp.context_parallel` with a
 :class:`~zerobubble.parallel.ep.LocalGroup`), and runs the single-replica reference
-(:func:`~zerobubble.reference.step.reference_step`) on its two chunks of every sequence
-(:func:`~zerobubble.runtime.sequence.cp.shard_batch`) in a thread of its own. The threads
+(:func:`~zerobubble.reference.step.reference_step`; with segments
+:func:`~zerobubble.reference.step.segment_reference_step` at the rank's own cuts) on its two
+chunks of every sequence (of every segment; :func:`~zerobubble.runtime.sequence.cp.shard_batch`)
+in a thread of its own. The threads
 take turns as :func:`~zerobubble.reference.ep.ep_replicas_step`'s do (each draws from its
 own generator state), and meet where the cp ranks meet: at each attention layer's gather of
 keys and values and at its backward's return of their gradients, which hand the same
@@ -24,10 +26,15 @@ import torch
 from torch import Tensor, nn
 
 from zerobubble.reference.ep import TurnTaking
-from zerobubble.reference.step import Share
+from zerobubble.reference.step import Share, segment_reference_step
 from zerobubble.reference.step import reference_step as replica_step
 from zerobubble.runtime.microbatch import CountFn
-from zerobubble.runtime.sequence.cp import ContextShards, context_parallel, shard_step
+from zerobubble.runtime.sequence.cp import (
+    ContextShards,
+    context_parallel,
+    refuse_segments,
+    shard_step,
+)
 
 __all__ = ["context_reference_step"]
 
@@ -40,25 +47,37 @@ def context_reference_step(
     cp: int,
     share: Share,
     count_fn: CountFn,
+    cuts: Sequence[int] | None = None,
     **common: Any,
 ) -> list[Tensor]:
     """One dp replica's step over its ``cp`` ranks (see the module docstring): ``part`` is
     its whole sequences ``(args, kwargs, target)``, ``share`` the global batch's count (over
-    every dp and cp rank). Returns the cp ranks' per-microbatch losses, cp-rank-major (each
-    its chunks' share of the microbatch's loss), and leaves the gradients summed in cp-rank
-    order in ``run``'s ``.grad``."""
+    every dp and cp rank); with ``cuts`` (sequence segments) each rank runs the segment
+    reference (:func:`~zerobubble.reference.step.segment_reference_step`) on its chunks of
+    every segment, cut at its own tokens' cuts. Returns the cp ranks' per-microbatch losses,
+    cp-rank-major (each its chunks' share of the microbatch's loss), and leaves the
+    gradients summed in cp-rank order in ``run``'s ``.grad``."""
     args, kwargs, target = part
     device = next((p.device for p in run.parameters()), torch.device("cpu"))
     turned = TurnTaking(cp, device)
     group = turned.group(0, cp)
+    shards = [ContextShards(cp, r, None if cuts is None else tuple(cuts)) for r in range(cp)]
     replicas = []
     for r in range(cp):
         rep = copy.deepcopy(run)
-        context_parallel(rep, ContextShards(cp, r), group, "reference")
+        context_parallel(rep, shards[r], group, "reference")
+        if cuts is not None:
+            refuse_segments(rep, "reference")
         replicas.append(rep)
 
     def rank(r: int) -> list[Tensor]:
-        a, k, t = shard_step(ContextShards(cp, r), args, kwargs, target)
+        a, k, t = shard_step(shards[r], args, kwargs, target)
+        local = shards[r].local_cuts
+        if local is not None:
+            return segment_reference_step(
+                replicas[r], loss_fn, *a, target=t, microbatches=m, cuts=local,
+                count_fn=count_fn, share=share, **common, **k,
+            )[0]  # fmt: skip
         return replica_step(
             replicas[r], loss_fn, *a, target=t, microbatches=m, count_fn=count_fn,
             share=share, **common, **k,

@@ -88,7 +88,7 @@ class Rank(Protocol):
     @property
     def trace(self) -> Trace: ...
     @property
-    def cuts(self) -> tuple[int, ...] | None: ...
+    def local_cuts(self) -> tuple[int, ...] | None: ...  # the segments' cuts in this rank's tokens
     @property
     def overlap_fn(self) -> Any: ...  # how a pair runs (None: both halves at once)
     @property
@@ -211,6 +211,7 @@ class Interpreter:
         """F of ``a``; an exception blames what failed: the stage's own code (naming the
         layer), or its input's layout (naming both stages) when the error says so."""
         pipe, batch, last = self.pipe, self.batch, a.stage == self.S - 1
+        cuts = pipe.local_cuts
         if a.stage == 0:
             assert batch.inputs is not None  # _batch splits it on stage 0's rank
             args, kwargs = batch.inputs[a.mb]
@@ -228,7 +229,7 @@ class Interpreter:
                     target=target,
                     loss_scale=scale,
                     num_items=batch.num_items if last else None,
-                    segment=None if pipe.cuts is None else segment_of(a.mb, pipe.cuts),
+                    segment=None if cuts is None else segment_of(a.mb, cuts),
                     term_weight=pipe.term_weight if last else None,
                     **kwargs,
                 )

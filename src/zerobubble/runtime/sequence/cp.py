@@ -22,6 +22,11 @@ values (an all-to-all) and the owner sums what arrives in cp-rank order. The ari
 depends on the rank and the layout only, so a run is bitwise the one-process reference
 that plays the group between threads (:mod:`zerobubble.reference.cp`).
 
+Under sequence segments (Seq1F1B-style, :mod:`~zerobubble.runtime.sequence.kv`) the layout
+is segments outer, cp inner: every segment is sharded alike (``ContextShards(cuts=...)``),
+the rank's own tokens are cut at the cuts / ``cp``, and a segment's ring carries each rank's
+earlier segments' keys and values along with its own (:func:`ring_attention`'s ``past``).
+
 The group is anything with ``exchange(rank, blocks) -> received`` (a
 :class:`~zerobubble.parallel.ep.LocalGroup` in the reference) or a process group
 (:class:`ProcessExchange`).
@@ -29,6 +34,7 @@ The group is anything with ``exchange(rank, blocks) -> received`` (a
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -37,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from zerobubble.runtime.sequence.kv import SegmentAware, unaware_attention
+from zerobubble.runtime.sequence.kv import SegmentAware, cut_pairs, token_cuts, unaware_attention
 
 __all__ = [
     "ContextAware",
@@ -47,6 +53,7 @@ __all__ = [
     "ProcessExchange",
     "context_parallel",
     "gather_sequence",
+    "refuse_segments",
     "ring_attention",
     "shard_batch",
     "shard_step",
@@ -56,18 +63,43 @@ __all__ = [
 @dataclass(frozen=True)
 class ContextShards:
     """Cp rank ``rank`` of ``size``: it holds chunks ``rank`` and ``2 * size - 1 - rank`` of
-    the ``2 * size`` equal chunks of every sequence."""
+    the ``2 * size`` equal chunks of every sequence.
+
+    With sequence segments (``cuts``, the global token boundaries ``0 = b0 < ... < bk =
+    T``) the layout is segments outer, cp inner: *each segment* is cut into ``2 * size``
+    chunks and the rank holds chunks ``rank`` and ``2 * size - 1 - rank`` of every
+    segment, segment after segment. So every segment is balanced over the ranks, a
+    segment's boundaries are the same global positions on every rank, and the rank's own
+    tokens are cut at :attr:`local_cuts` (the cuts / ``size``)."""
 
     size: int
     rank: int
+    cuts: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
             raise ValueError(f"cp rank {self.rank} is not in [0, {self.size})")
+        if self.cuts is None:
+            return
+        cuts = token_cuts(self.cuts)
+        object.__setattr__(self, "cuts", cuts)
+        for i, (start, end) in enumerate(cut_pairs(cuts, cuts[-1] if cuts else 0)):
+            if (end - start) % (2 * self.size):
+                raise ValueError(
+                    f"segment {i} [{start}, {end}) has {end - start} tokens, not a multiple "
+                    f"of 2 * cp = {2 * self.size}: context parallelism cuts every segment into "
+                    "2 * cp equal chunks; move the cuts to multiples of "
+                    f"{2 * self.size} (ExecutorOptions(cuts=...)), or build the mesh with cp=1"
+                )
 
     @property
     def chunks(self) -> tuple[int, int]:
         return self.rank, 2 * self.size - 1 - self.rank
+
+    @property
+    def local_cuts(self) -> tuple[int, ...] | None:
+        """The segments' boundaries in this rank's own tokens (None without segments)."""
+        return None if self.cuts is None else tuple(b // self.size for b in self.cuts)
 
     def chunk_len(self, length: int, what: str = "the sequence") -> int:
         """Tokens per chunk of a whole sequence of ``length`` tokens, checked to divide."""
@@ -80,20 +112,41 @@ class ContextShards:
         return length // (2 * self.size)
 
     def shard(self, x: Tensor, dim: int = 1, what: str = "the sequence") -> Tensor:
-        """This rank's two chunks of ``x`` along ``dim``, side by side."""
+        """This rank's two chunks of ``x`` along ``dim``, side by side (with :attr:`cuts`,
+        its two chunks of every segment, segment after segment)."""
+        if self.cuts is None:
+            return self._two_chunks(x, dim, what)
+        if x.shape[dim] != self.cuts[-1]:
+            raise ValueError(
+                f"{what} has sequences of {x.shape[dim]} tokens but the segment cuts "
+                f"{list(self.cuts)} cover {self.cuts[-1]}; cut for this length "
+                "(ExecutorOptions(cuts=...))"
+            )
+        pieces = [
+            self._two_chunks(x.narrow(dim, start, end - start), dim, f"{what}'s segment {i}")
+            for i, (start, end) in enumerate(itertools.pairwise(self.cuts))
+        ]
+        return torch.cat(pieces, dim=dim)
+
+    def _two_chunks(self, x: Tensor, dim: int, what: str) -> Tensor:
         n = self.chunk_len(x.shape[dim], what)
         a, b = self.chunks
         return torch.cat([x.narrow(dim, a * n, n), x.narrow(dim, b * n, n)], dim=dim)
 
-    def positions(self, local: int, device: torch.device | str | None = None) -> Tensor:
-        """The global positions of this rank's ``local`` tokens (its two chunks)."""
+    def positions(
+        self, local: int, device: torch.device | str | None = None, start: int = 0
+    ) -> Tensor:
+        """The global positions of this rank's ``local`` tokens (its two chunks) of the
+        segment whose first own token is ``start`` (a local position: the segment starts
+        at global position ``start * size`` and has ``local * size`` tokens)."""
         if local % 2:
             raise ValueError(f"a cp rank holds two equal chunks, got {local} tokens")
         n = local // 2
         a, b = self.chunks
+        first = start * self.size
         return torch.cat(
-            [torch.arange(a * n, (a + 1) * n, device=device),
-             torch.arange(b * n, (b + 1) * n, device=device)]
+            [torch.arange(first + a * n, first + (a + 1) * n, device=device),
+             torch.arange(first + b * n, first + (b + 1) * n, device=device)]
         )  # fmt: skip
 
 
@@ -147,8 +200,12 @@ class ContextSlot:
     group: Exchange
     name: str
 
-    def positions(self, local: int, device: torch.device | str | None = None) -> Tensor:
-        return self.shards.positions(local, device)
+    def positions(
+        self, local: int, device: torch.device | str | None = None, start: int = 0
+    ) -> Tensor:
+        """Global positions of the rank's ``local`` tokens of the segment whose first own
+        token is ``start`` (0: the whole sequence, or its first segment)."""
+        return self.shards.positions(local, device, start)
 
     def gather(self, x: Tensor) -> Tensor:
         """``x`` (this rank's tokens on dim -2) of every rank, in the whole sequence's order;
@@ -162,6 +219,11 @@ class ContextAware:
     it is an attention layer that gathers the keys and values."""
 
     holds_kv: ClassVar[bool] = False
+    takes_segments: ClassVar[bool] = False
+    """Whether it runs under sequence segments too (a segment's chunks, and for an attention
+    layer the earlier segments' keys and values of every rank: :func:`ring_attention`'s
+    ``past``); one that does not is refused before a segment schedule runs
+    (:func:`refuse_segments`)."""
     cp_slot: ContextSlot | None = None
 
 
@@ -223,15 +285,35 @@ def _blocks(slot: ContextSlot, source: int) -> list[tuple[int, int, int, int]]:
             if cj <= ci]  # fmt: skip
 
 
+def _visible(slot: ContextSlot, source: int, past: int) -> list[tuple[int, int, int, bool]]:
+    """The (query half, key piece, key half, masked) blocks a rank computes with cp rank
+    ``source``'s keys, which are ``past`` earlier segments' pieces (every key before every
+    query: each piece whole, key half -1) and the current segment's two chunks (a key chunk
+    after the query chunk skipped, the query chunk itself masked above the diagonal:
+    :func:`_blocks`)."""
+    whole = [(hi, j, -1, False) for hi in range(2) for j in range(past)]
+    own = [(hi, past, hj, cj == ci) for hi, ci, hj, cj in _blocks(slot, source)]
+    return whole + own
+
+
+def _block_kv(pieces: Sequence[Tensor], j: int, half: int, n: int) -> Tensor:
+    """Piece ``j`` of the travelling keys (or values): whole (``half`` -1, a past piece) or
+    one of the current segment's two chunks of ``n`` tokens."""
+    return pieces[j] if half < 0 else pieces[j].narrow(-2, half * n, n)
+
+
 class _Ring(torch.autograd.Function):
     """Causal attention of a cp rank's two chunks, the key/value blocks passed around the
     ring (flash-style: an online softmax forward, the backward recomputing each block's
-    probabilities from the saved log-sum-exp)."""
+    probabilities from the saved log-sum-exp). Under segments each rank's earlier segments'
+    keys and values travel with its own (``past`` pieces, every key visible); their
+    gradients come home with the own ones and leave as the pieces' gradients."""
 
     @staticmethod
     def forward(
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, slot: ContextSlot, scale: float
-    ) -> Tensor:
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, slot: ContextSlot, scale: float,
+        past: int, *pieces: Tensor,
+    ) -> Tensor:  # fmt: skip
         c, r = slot.shards.size, slot.shards.rank
         n = q.shape[-2] // 2
         future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
@@ -239,67 +321,105 @@ class _Ring(torch.autograd.Function):
         m = [q.new_full((*q.shape[:-2], n, 1), float("-inf")) for _ in range(2)]
         total = [q.new_zeros((*q.shape[:-2], n, 1)) for _ in range(2)]
         acc = [q.new_zeros((*q.shape[:-2], n, q.shape[-1])) for _ in range(2)]
-        kv = [k, v]
+        kv = [*pieces[:past], k, *pieces[past:], v]  # keys, then values: past pieces, own
         for step in range(c):
-            ks, vs = kv[0].split(n, dim=-2), kv[1].split(n, dim=-2)
-            for hi, ci, hj, cj in _blocks(slot, (r - step) % c):
-                scores = (qs[hi] @ ks[hj].transpose(-2, -1)) * scale
-                if cj == ci:
+            source = (r - step) % c
+            keys, values = kv[: past + 1], kv[past + 1 :]
+            for hi, j, hj, masked in _visible(slot, source, past):
+                scores = (qs[hi] @ _block_kv(keys, j, hj, n).transpose(-2, -1)) * scale
+                if masked:
                     scores = scores.masked_fill(future, float("-inf"))
                 top = torch.maximum(m[hi], scores.amax(dim=-1, keepdim=True))
                 p = torch.exp(scores - top)
                 alpha = torch.exp(m[hi] - top)
                 total[hi] = total[hi] * alpha + p.sum(dim=-1, keepdim=True)
-                acc[hi] = acc[hi] * alpha + p @ vs[hj]
+                acc[hi] = acc[hi] * alpha + p @ _block_kv(values, j, hj, n)
                 m[hi] = top
             if step < c - 1:
                 kv = _shift(slot, kv)
         out = torch.cat([acc[h] / total[h] for h in range(2)], dim=-2)
         lse = torch.cat([m[h] + torch.log(total[h]) for h in range(2)], dim=-2)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.slot, ctx.scale = slot, scale
+        ctx.save_for_backward(q, k, v, out, lse, *pieces)  # the past pieces: no copies
+        ctx.slot, ctx.scale, ctx.past = slot, scale, past
         return out
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
-        q, k, v, out, lse = ctx.saved_tensors
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse, *pieces = ctx.saved_tensors
         slot: ContextSlot = ctx.slot
         scale: float = ctx.scale
+        past: int = ctx.past
         c, r = slot.shards.size, slot.shards.rank
         n = q.shape[-2] // 2
         future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
         qs, dos, lses = q.split(n, dim=-2), dout.split(n, dim=-2), lse.split(n, dim=-2)
         delta = (dout * out).sum(dim=-1, keepdim=True).split(n, dim=-2)
         dq = [torch.zeros_like(x) for x in qs]
-        travelling = [k, v, torch.zeros_like(k), torch.zeros_like(v)]
+        kv = [*pieces[:past], k, *pieces[past:], v]
+        travelling = kv + [torch.zeros_like(t) for t in kv]  # then the keys' and values' grads
+        w = past + 1
         for step in range(c):
-            kb, vb, dk, dv = travelling
-            ks, vs = kb.split(n, dim=-2), vb.split(n, dim=-2)
-            dks, dvs = list(dk.split(n, dim=-2)), list(dv.split(n, dim=-2))
-            for hi, ci, hj, cj in _blocks(slot, (r - step) % c):
-                scores = (qs[hi] @ ks[hj].transpose(-2, -1)) * scale
-                if cj == ci:
+            source = (r - step) % c
+            keys, values = travelling[:w], travelling[w : 2 * w]
+            # each piece's gradient, kept as its halves (or whole) until the block loop ends
+            grads = [_halves(g, j, past, n) for j, g in enumerate(travelling[2 * w :])]
+            for hi, j, hj, masked in _visible(slot, source, past):
+                kb, vb = _block_kv(keys, j, hj, n), _block_kv(values, j, hj, n)
+                scores = (qs[hi] @ kb.transpose(-2, -1)) * scale
+                if masked:
                     scores = scores.masked_fill(future, float("-inf"))
                 p = torch.exp(scores - lses[hi])
-                dvs[hj] = dvs[hj] + p.transpose(-2, -1) @ dos[hi]
-                ds = p * (dos[hi] @ vs[hj].transpose(-2, -1) - delta[hi])
-                dq[hi] = dq[hi] + (ds @ ks[hj]) * scale
-                dks[hj] = dks[hj] + (ds.transpose(-2, -1) @ qs[hi]) * scale
-            dk, dv = torch.cat(dks, dim=-2), torch.cat(dvs, dim=-2)
+                gv, gk = grads[w + j], grads[j]
+                gv[max(hj, 0)] = gv[max(hj, 0)] + p.transpose(-2, -1) @ dos[hi]
+                ds = p * (dos[hi] @ vb.transpose(-2, -1) - delta[hi])
+                dq[hi] = dq[hi] + (ds @ kb) * scale
+                gk[max(hj, 0)] = gk[max(hj, 0)] + (ds.transpose(-2, -1) @ qs[hi]) * scale
+            summed = [torch.cat(g, dim=-2) if len(g) > 1 else g[0] for g in grads]
             if step < c - 1:
-                travelling = _shift(slot, [kb, vb, dk, dv])
+                travelling = _shift(slot, [*keys, *values, *summed])
             else:  # the last block's gradients go home to their owner, the next rank
-                dk, dv = _shift(slot, [dk, dv])
-        return torch.cat(dq, dim=-2), dk, dv, None, None
+                travelling = _shift(slot, summed)
+        dkeys, dvalues = travelling[:w], travelling[w:]
+        return (
+            torch.cat(dq, dim=-2), dkeys[past], dvalues[past], None, None, None,
+            *dkeys[:past], *dvalues[:past],
+        )  # fmt: skip
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, slot: ContextSlot, scale: float) -> Tensor:
+def _halves(grad: Tensor, j: int, past: int, n: int) -> list[Tensor]:
+    """A travelling gradient as the blocks add into it: a past piece whole, the current
+    segment's (piece ``past``, in the keys' and in the values' halves of the list) as its
+    two chunks."""
+    return list(grad.split(n, dim=-2)) if j % (past + 1) == past else [grad]
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    slot: ContextSlot,
+    scale: float,
+    *,
+    past: tuple[Sequence[Tensor], Sequence[Tensor]] | None = None,
+) -> Tensor:
     """Causal attention (B, H, 2n, D) of a cp rank's two chunks over the whole sequence, the
     keys and values passed around the cp ranks in ``cp - 1`` steps and their gradients
     back to their owners in ``cp`` (a ring: each rank holds one other block at a time and
     saves only its own queries, keys, values, output and log-sum-exp). A key chunk after a
-    query chunk is never scored; no dropout on the probabilities (they are never held)."""
-    return _Ring.apply(q, k, v, slot, scale)
+    query chunk is never scored; no dropout on the probabilities (they are never held).
+
+    Under sequence segments (:mod:`~zerobubble.runtime.sequence.kv`) the chunks are the
+    current segment's, and ``past`` is this rank's keys and values of the earlier segments
+    (the segment slot's :meth:`~zerobubble.runtime.sequence.kv.SegmentSlot.past` pieces,
+    saved as they are: no copy): every rank's travel the ring with its own, every query
+    sees them whole, and their gradients come back to their owners as the pieces'."""
+    keys, values = ([], []) if past is None else (list(past[0]), list(past[1]))
+    if len(keys) != len(values):
+        raise ValueError(
+            f"{slot.name}: ring attention's past has {len(keys)} key pieces but "
+            f"{len(values)} value pieces"
+        )
+    return _Ring.apply(q, k, v, slot, scale, len(keys), *keys, *values)
 
 
 def gather_sequence(x: Tensor, slot: ContextSlot) -> Tensor:
@@ -336,6 +456,19 @@ def context_parallel(
             "zerobubble.runtime.sequence.cp.ContextAware (our GPT's attention, the Hugging "
             "Face adapter's decoder blocks); build the mesh with cp=1 for this model"
         )
+
+
+def refuse_segments(module: nn.Module, stage: int | str) -> None:
+    """Under sequence segments, refuse a context-aware module of a stage that does not take
+    them (:attr:`ContextAware.takes_segments`): before any segment runs, rather than on the
+    ranks that reach it first."""
+    for name, m in module.named_modules():
+        if isinstance(m, ContextAware) and not m.takes_segments:
+            raise ValueError(
+                f"stage {stage} {name or '(the stage)'} ({type(m).__name__}) does not take "
+                "sequence segments under context parallelism yet (our GPT's layers do): run "
+                "it with a schedule without segments, or build the mesh with cp=1"
+            )
 
 
 def shard_step(shards: ContextShards, args: Any, kwargs: Any, target: Any) -> tuple[Any, Any, Any]:

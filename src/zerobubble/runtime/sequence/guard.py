@@ -201,7 +201,7 @@ def fresh_copy(module: nn.Module) -> nn.Module:
 
 
 class UncheckedSegmentsWarning(UserWarning):
-    """Segments run where the guard cannot check them (under tp or FSDP)."""
+    """Segments run where the guard cannot check them (under tp, FSDP or cp)."""
 
 
 class SegmentGuard:
@@ -226,12 +226,15 @@ class SegmentGuard:
         cls, cuts: Sequence[int] | None, chunks: Mapping[int, Any], device: torch.device, mesh: Any
     ) -> SegmentGuard | None:
         """With ``cuts``, the guard of an executor's ``chunks`` (one extension appended to
-        each chunk's list); None without segments, and under tp or FSDP, whose stages run
-        collectives that a local copy cannot."""
+        each chunk's list); None without segments, and under tp, FSDP or cp, whose stages
+        run collectives that a local copy cannot (and under cp a rank's segments joined are
+        not the whole sequence's chunks)."""
         if cuts is None:
             return None
-        if mesh is not None and (mesh.tp_size > 1 or mesh.spec.fsdp):
+        cp = mesh is not None and mesh.cp_size > 1
+        if mesh is not None and (mesh.tp_size > 1 or mesh.spec.fsdp or cp):
             what = "tensor parallelism" if mesh.tp_size > 1 else "FSDP"
+            what = "context parallelism" if cp else what
             warnings.warn(
                 f"sequence segments under {what}: the segment guard does not run (a stage's "
                 "collectives cannot run on a local copy), so a layer that is not exact on "
