@@ -118,15 +118,13 @@ CELLS: tuple[Cell, ...] = (
     _cell(
         "tp",
         "cp",
-        "the ground truth would run tp's DTensor collectives from the threads that play the "
-        "cp ranks, which one tp group cannot order",
-        "use tp=1 with cp, or cp=1",
+        "each tp rank attends its own heads over its cp group (the cp ranks of its tp rank); "
+        "the ground truth plays this process's cp rank over that group",
     ),
     _cell(
         "sp",
         "cp",
-        "sequence parallelism is a tp layout, and tp does not compose with cp yet",
-        "use tp=1 with cp, or cp=1",
+        "tp's sequence shards cut each cp rank's two chunks; attention gathers them first",
     ),
     _cell(
         "ep",
