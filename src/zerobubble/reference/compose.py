@@ -126,8 +126,9 @@ def reference_step(
     """One step of the whole job's arithmetic in one process (the module docstring); with no
     option :func:`zerobubble.reference.step.reference_step`. ``args``, ``kwargs`` and
     ``target`` are the global batch (all replicas' rows); ``microbatches`` is per replica.
-    ``cp_group``: with ``cp > 1`` and ``tp_mesh`` (only then), this process's cp group
-    (:attr:`~zerobubble.parallel.mesh.PipelineMesh.cp_group`): it plays its own cp rank.
+    ``cp_group``: with ``cp > 1`` and ``tp_mesh``, this process's cp group
+    (:attr:`~zerobubble.parallel.mesh.PipelineMesh.cp_group`), over which it plays its own cp
+    rank (without tp unused: one process plays every cp rank).
 
     Returns:
         The unscaled per-microbatch losses, replica-major (replica ``r``'s microbatch
@@ -414,11 +415,6 @@ def _refuse_cp(
         raise ValueError(
             f"reference_step with cp={cp} and tp_mesh needs cp_group (the mesh's cp_group): "
             "under tensor parallelism each process plays its own cp rank over the real group"
-        )
-    if tp is None and cp_group is not None:
-        raise ValueError(
-            f"reference_step: cp_group is for cp={cp} with tp_mesh; without tp one process "
-            "plays every cp rank (drop cp_group)"
         )
 
 
