@@ -10,10 +10,10 @@ plays the cp ranks in threads (:mod:`zerobubble.reference.cp`). Against the mode
 whole on one process (plain autograd) the losses and gradients agree within float32
 rounding at the values' scale. A second launch (8 ranks) adds dp=2 (two of the cases),
 cp=4 (two more) and tensor parallelism: pp=2 x cp=2 x tp=2, two cases without and two with
-sequence parallelism, each rank's local shards ``torch.equal`` the composed reference run on
-the same ranks (``reference_step(cp=2, cp_group=, tp_mesh=)``: each process plays its own cp
-rank over the mesh's cp group), whose gradients gathered whole are the whole model's within
-float32 rounding.
+sequence parallelism, and pp=1 x dp=2 x cp=2 x tp=2 with it, each rank's local shards
+``torch.equal`` the composed reference run on the same ranks (``reference_step(cp=2,
+cp_group=, tp_mesh=)``: each process plays its own cp rank over the mesh's cp group), whose
+gradients gathered whole are the whole model's within float32 rounding.
 """
 
 from __future__ import annotations
@@ -53,8 +53,13 @@ CASES = [  # pp=2 x cp=2; under zbv recompute="stage"
 CUTS = ExecutorOptions(cuts=(0, 8, T))
 WITH_DP = [("gpt-ring", "zbv"), ("llama-sdpa", "zb-h1")]  # pp=2 x dp=2 x cp=2
 CP4 = [("gpt-ring", "zb-h1"), ("gpt", "zbv")]  # pp=2 x cp=4
-WITH_TP = [("gpt-ring", "zbv"), ("llama-sdpa", "zb-h1")]  # pp=2 x cp=2 x tp=2
-WITH_SP = [("gpt", "zb-h1"), ("llama-eager", "zbv")]  # the same, sequence parallel
+TP_LAYOUTS = [  # (model, kind, pp, dp, sequence parallel): cp=2 x tp=2
+    ("gpt-ring", "zbv", 2, 1, False),
+    ("llama-sdpa", "zb-h1", 2, 1, False),
+    ("gpt", "zb-h1", 2, 1, True),
+    ("llama-eager", "zbv", 2, 1, True),
+    ("gpt-ring", "zb-h1", 1, 2, True),  # pp=1 x dp=2: the reference's dp sums
+]
 
 
 def token_loss(out: torch.Tensor, labels: torch.Tensor, num_items: object) -> torch.Tensor:
@@ -105,10 +110,12 @@ def cp_job(world: int) -> dict:
             out[model, kind, dp, cp] = run_case(mesh, model, kind)
             out[model, kind, dp, cp]["at"] = (mesh.dp_rank * cp + mesh.cp_rank) * M
     if world == 8:
-        for sp, cases in ((False, WITH_TP), (True, WITH_SP)):
-            mesh = build_mesh(2, cp=2, tp=2, sequence_parallel=sp)
-            for model, kind in cases:
-                out[model, kind, sp] = run_tp_case(mesh, model, kind)
+        meshes: dict[tuple[int, int, bool], Any] = {}
+        for model, kind, pp, dp, sp in TP_LAYOUTS:  # each mesh built once, in list order
+            if (pp, dp, sp) not in meshes:
+                meshes[pp, dp, sp] = build_mesh(pp, dp, cp=2, tp=2, sequence_parallel=sp)
+            out[model, kind, pp, dp, sp] = run_tp_case(meshes[pp, dp, sp], model, kind)
+        out["refused_tp"] = reference_refusals(meshes[2, 1, False])
     if world == 4:
         out["refused"] = refusals(mesh)
     dist.destroy_process_group()
@@ -125,7 +132,7 @@ def run_case(mesh: Any, model: str, kind: str) -> dict:
 def pipeline_step(mesh: Any, model: str, kind: str) -> tuple[zerobubble.Pipeline, Any]:
     """The pipeline of ``model`` under ``kind`` on ``mesh`` after one step, and its losses."""
     dp = mesh.dp_size
-    sched = generated(kind, 2, M)
+    sched = generated(kind, mesh.pp_size, M)
     layers, x, y = model_and_batch(model, sched.num_stages, M * dp)
     pipe = zerobubble.Pipeline(
         layers, token_loss, sched, mesh=mesh, count_fn=count,
@@ -148,18 +155,18 @@ def run_tp_case(mesh: Any, model: str, kind: str) -> dict:
     over their tp mesh and cp group): the names whose local shards differ, whether this
     rank's losses are the reference's, and the reference gathered whole."""
     pipe, losses = pipeline_step(mesh, model, kind)
-    num_stages = generated(kind, 2, M).num_stages
-    layers, x, y = model_and_batch(model, num_stages, M)
+    num_stages, dp = generated(kind, mesh.pp_size, M).num_stages, mesh.dp_size
+    layers, x, y = model_and_batch(model, num_stages, M * dp)
     want_losses, want = zerobubble.reference_step(
         layers, token_loss, x, target=y, microbatches=M, count_fn=count, num_stages=num_stages,
-        cp=2, cp_group=mesh.cp_group, tp_mesh=mesh.tp_mesh,
+        dp=dp, cp=2, cp_group=mesh.cp_group, tp_mesh=mesh.tp_mesh,
         sequence_parallel=mesh.spec.sequence_parallel, seed=5,
     )  # fmt: skip
     mine = dict(pipe.named_parameters())
     bad = [n for n, p in sorted(mine.items()) if not torch.equal(local(p.grad), local(want[n]))]
     same = None
     if losses is not None:
-        at = mesh.cp_rank * M
+        at = (mesh.dp_rank * 2 + mesh.cp_rank) * M
         same = all(map(torch.equal, losses, want_losses[at : at + M]))
     whole = {n: g.full_tensor() if isinstance(g, DTensor) else g for n, g in sorted(want.items())}
     return {"names": sorted(mine), "bad": bad, "losses": same, "want": (want_losses, whole)}
@@ -189,10 +196,26 @@ def refusals(mesh: Any) -> list[str]:
     return refused
 
 
+def reference_refusals(mesh: Any) -> list[str]:
+    """What ``reference_step`` refuses under tp with cp, before any collective: no cp group,
+    and a cp group of another size than ``cp``."""
+    layers, x, y = model_and_batch("gpt-ring", 2, M)
+    kw = {"target": y, "microbatches": M, "count_fn": count, "tp_mesh": mesh.tp_mesh}
+    refused = []
+    for cp, group in ((2, None), (4, mesh.cp_group)):
+        try:
+            zerobubble.reference_step(layers, token_loss, x, cp=cp, cp_group=group, **kw)
+        except ValueError as e:
+            refused.append(str(e))
+    return refused
+
+
 @functools.cache
-def reference(model: str, kind: str, dp: int, cp: int) -> tuple[list, dict, list, dict]:
+def reference(
+    model: str, kind: str, dp: int, cp: int, pp: int = 2
+) -> tuple[list, dict, list, dict]:
     """(composed reference losses and grads, whole-model losses and grads)."""
-    num_stages = generated(kind, 2, M).num_stages
+    num_stages = generated(kind, pp, M).num_stages
     layers, x, y = model_and_batch(model, num_stages, M * dp)
     kw = {"target": y, "microbatches": M, "count_fn": count, "num_stages": num_stages}
     losses, grads = zerobubble.reference_step(layers, token_loss, x, dp=dp, cp=cp, seed=5, **kw)
@@ -239,35 +262,34 @@ def test_pp_cp_is_the_whole_model_within_rounding(model, kind, dp, cp):
         torch.testing.assert_close(g, whole_grads[name], rtol=1e-5, atol=1e-5 * scale)
 
 
-TP_LAYOUTS = [(*c, False) for c in WITH_TP] + [(*c, True) for c in WITH_SP]
-
-
 @pytest.mark.bitwise
-@pytest.mark.parametrize(("model", "kind", "sp"), TP_LAYOUTS)
-def test_pp_cp_tp_matches_the_composed_reference(results, model, kind, sp):
+@pytest.mark.parametrize(("model", "kind", "pp", "dp", "sp"), TP_LAYOUTS)
+def test_pp_cp_tp_matches_the_composed_reference(results, model, kind, pp, dp, sp):
     """pp=2 x cp=2 x tp=2: every rank's local shards and losses are the reference's, every
     parameter on some rank; the reference's gradients (gathered whole) and losses the same
     on every rank."""
     names: set[str] = set()
     for r in results[8]:
-        run = r[model, kind, sp]
+        run = r[model, kind, pp, dp, sp]
         assert run["names"] and not run["bad"], run["bad"]
         assert run["losses"] is not False
         names.update(run["names"])
         losses, grads = run["want"]
-        first_losses, first = results[8][0][model, kind, sp]["want"]
+        first_losses, first = results[8][0][model, kind, pp, dp, sp]["want"]
         assert all(map(torch.equal, losses, first_losses))
         assert all(torch.equal(g, first[n]) for n, g in grads.items())
     assert sorted(names) == sorted(first)
-    assert len(first_losses) == 2 * M  # both cp ranks' shares
+    assert len(first_losses) == dp * 2 * M  # every dp and cp rank's shares
 
 
-@pytest.mark.parametrize(("model", "kind", "sp"), [c for c in TP_LAYOUTS if c[0] != "gpt"])
-def test_pp_cp_tp_is_the_whole_model_within_rounding(results, model, kind, sp):
+@pytest.mark.parametrize(
+    ("model", "kind", "pp", "dp", "sp"), [c for c in TP_LAYOUTS if c[0] != "gpt"]
+)
+def test_pp_cp_tp_is_the_whole_model_within_rounding(results, model, kind, pp, dp, sp):
     """The tp x cp reference (so the pipeline) is the whole model within float32 rounding:
     the ranks' loss shares sum to its loss, every gradient gathered whole is its gradient."""
-    losses, grads = results[8][0][model, kind, sp]["want"]
-    _, _, whole, whole_grads = reference(model, kind, 1, 2)
+    losses, grads = results[8][0][model, kind, pp, dp, sp]["want"]
+    _, _, whole, whole_grads = reference(model, kind, dp, 2, pp)
     torch.testing.assert_close(sum(losses), sum(whole), rtol=1e-5, atol=1e-6)
     scale = max(float(g.abs().max()) for g in whole_grads.values())
     assert sorted(grads) == sorted(whole_grads)
@@ -283,6 +305,13 @@ def test_executor_refusals(results):
         assert "with sequence segments is not supported" in segments
         assert "segments of context-parallel chunks are not built" in segments
         assert "shifts labels inside each call" in shifting
+
+
+def test_reference_refusals_under_tp(results):
+    for r in results[8]:
+        no_group, wrong_size = r["refused_tp"]
+        assert "cp=2 and tp_mesh needs cp_group (the mesh's cp_group)" in no_group
+        assert "cp=4 but cp_group has 2 ranks" in wrong_size
 
 
 def test_layout_and_refusals() -> None:
