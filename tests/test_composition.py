@@ -48,8 +48,9 @@ def accepted_pairs() -> list[tuple[str, str]]:
 
 def design() -> list[frozenset[str]]:
     """Jobs covering every accepted pair: greedily, each job starts from the first pair no job
-    covers yet and takes, in table order, every further feature that keeps it accepted and
-    covers a new pair. Pairs without a mesh feature first, in jobs without one (run at P=4)."""
+    covers yet and takes, in table order, every further feature that keeps it accepted, fits
+    8 ranks (two of the dp, tp and cp dims at most) and covers a new pair. Pairs without a
+    mesh feature first, in jobs without one (run at P=4)."""
     todo = accepted_pairs()
     jobs: list[frozenset[str]] = []
     for local in (True, False):
@@ -59,7 +60,8 @@ def design() -> list[frozenset[str]]:
             for f in pool:
                 more = composition.closure(job | {f})
                 new = any(set(p) <= more and p in todo for p in want)
-                if f not in job and new and composition.refusal(more) is None:
+                fits = world(frozenset(more)) <= 8
+                if f not in job and new and fits and composition.refusal(more) is None:
                     job = more
             covered = {p for p in todo if set(p) <= job}
             todo = [p for p in todo if p not in covered]
@@ -69,7 +71,9 @@ def design() -> list[frozenset[str]]:
 
 def refused_jobs() -> list[tuple[frozenset[str], composition.Cell]]:
     return [
-        (frozenset(composition.closure(c.pair)), c) for c in composition.CELLS if not c.composes
+        (frozenset(composition.closure(c.pair)), c)
+        for c in (*composition.CELLS, *composition.TRIPLES)
+        if not c.composes
     ]
 
 
@@ -160,7 +164,7 @@ def run(job: frozenset[str], index: int) -> dict[str, Any]:
     want_losses, want = zerobubble.reference_step(
         layers, token_loss, x, target=y, microbatches=m, dp=dp, ep=2 if "ep" in job else 1,
         cuts=cuts, tp_mesh=mesh.tp_mesh, sequence_parallel="sp" in job, fsdp="fsdp" in job,
-        seed=5 if "random" in job else None, cp=cp,
+        seed=5 if "random" in job else None, cp=cp, cp_group=mesh.cp_group,
         num_stages=sched.num_stages, count_fn=count,
     )  # fmt: skip
     got = dict(pipe.named_parameters())

@@ -8,7 +8,12 @@ rank); every rank's losses and
 every gradient after the cp reduction are ``torch.equal`` the composed reference's, which
 plays the cp ranks in threads (:mod:`zerobubble.reference.cp`). Against the model run
 whole on one process (plain autograd) the losses and gradients agree within float32
-rounding at the values' scale. A second launch adds dp=2 (8 ranks, two of the cases).
+rounding at the values' scale. A second launch (8 ranks) adds dp=2 (two of the cases),
+cp=4 (two more) and tensor parallelism: pp=2 x cp=2 x tp=2, two cases without and two with
+sequence parallelism, and pp=1 x dp=2 x cp=2 x tp=2 with it, each rank's local shards
+``torch.equal`` the composed reference run on the same ranks (``reference_step(cp=2,
+cp_group=, tp_mesh=)``: each process plays its own cp rank over the mesh's cp group), whose
+gradients gathered whole are the whole model's within float32 rounding.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import zerobubble
 from generated import generated
@@ -58,6 +64,13 @@ SEGMENTS = {"seq-zb": (0, 8, T), "seq-zbv": (0, 4, 8, T)}
 CUTS = ExecutorOptions(cuts=(0, 6, T))  # segment 0 has 6 tokens: refused at cp=2
 WITH_DP = [("gpt-ring", "zbv"), ("llama-sdpa", "zb-h1")]  # pp=2 x dp=2 x cp=2
 CP4 = [("gpt-ring", "zb-h1"), ("gpt", "zbv"), ("gpt-ring", "seq-zb")]  # pp=2 x cp=4
+TP_LAYOUTS = [  # (model, kind, pp, dp, sequence parallel): cp=2 x tp=2
+    ("gpt-ring", "zbv", 2, 1, False),
+    ("llama-sdpa", "zb-h1", 2, 1, False),
+    ("gpt", "zb-h1", 2, 1, True),
+    ("llama-eager", "zbv", 2, 1, True),
+    ("gpt-ring", "zb-h1", 1, 2, True),  # pp=1 x dp=2: the reference's dp sums
+]
 
 
 def token_loss(out: torch.Tensor, labels: torch.Tensor, num_items: object) -> torch.Tensor:
@@ -97,31 +110,48 @@ def model_and_batch(model: str, layers: int, rows: int) -> tuple[list[nn.Module]
 
 
 def cp_job(world: int) -> dict:
-    """pp=2 x cp=2 on 4 ranks; pp=2 x dp=2 x cp=2, then pp=2 x cp=4 on 8."""
+    """pp=2 x cp=2 on 4 ranks; pp=2 x dp=2 x cp=2, pp=2 x cp=4, then pp=2 x cp=2 x tp=2
+    without and with sequence parallelism on 8."""
     init_distributed(timeout_s=60)
     out: dict[str, Any] = {}
-    layouts = [(1, 2, CASES)] if world == 4 else [(2, 2, WITH_DP), (1, 4, CP4)]
-    for dp, cp, cases in layouts:
+    layouts = [(1, 2, 1, CASES)] if world == 4 else [(2, 2, 1, WITH_DP), (1, 4, 1, CP4)]
+    for dp, cp, _, cases in layouts:
         mesh = build_mesh(2, dp, cp=cp)
         for model, kind in cases:
             out[model, kind, dp, cp] = run_case(mesh, model, kind)
             out[model, kind, dp, cp]["at"] = (mesh.dp_rank * cp + mesh.cp_rank) * M
+    if world == 8:
+        meshes: dict[tuple[int, int, bool], Any] = {}
+        for model, kind, pp, dp, sp in TP_LAYOUTS:  # each mesh built once, in list order
+            if (pp, dp, sp) not in meshes:
+                meshes[pp, dp, sp] = build_mesh(pp, dp, cp=2, tp=2, sequence_parallel=sp)
+            out[model, kind, pp, dp, sp] = run_tp_case(meshes[pp, dp, sp], model, kind)
+        out["refused_tp"] = reference_refusals(meshes[2, 1, False])
     if world == 4:
         out["refused"] = refusals(mesh)
     dist.destroy_process_group()
     return out
 
 
-def schedule(kind: str) -> Any:
-    """``kind`` at P=2, M=2 (a segment kind cut at :data:`SEGMENTS`)."""
+def schedule(kind: str, pp: int = 2) -> Any:
+    """``kind`` at P=pp, M=2 (a segment kind cut at :data:`SEGMENTS`)."""
     cuts = SEGMENTS.get(kind)
-    return generated(kind, 2, M) if cuts is None else generated(kind, 2, M, segments=len(cuts) - 1)
+    if cuts is None:
+        return generated(kind, pp, M)
+    return generated(kind, pp, M, segments=len(cuts) - 1)
 
 
 def run_case(mesh: Any, model: str, kind: str) -> dict:
     """One step of ``model`` under ``kind`` on ``mesh``: this rank's losses and gradients."""
+    pipe, losses = pipeline_step(mesh, model, kind)
+    grads = {name: p.grad.clone() for name, p in pipe.named_parameters()}
+    return {"losses": losses, "grads": grads, "held": pipe.executor.held_bytes()}
+
+
+def pipeline_step(mesh: Any, model: str, kind: str) -> tuple[zerobubble.Pipeline, Any]:
+    """The pipeline of ``model`` under ``kind`` on ``mesh`` after one step, and its losses."""
     dp = mesh.dp_size
-    sched = schedule(kind)
+    sched = schedule(kind, mesh.pp_size)
     layers, x, y = model_and_batch(model, sched.num_stages, M * dp)
     recompute = "stage" if kind.endswith("zbv") else "none"
     pipe = zerobubble.Pipeline(
@@ -133,8 +163,33 @@ def run_case(mesh: Any, model: str, kind: str) -> dict:
     xs = x[part] if isinstance(x, torch.Tensor) else {k: v[part] for k, v in x.items()}
     losses = pipe.step(xs, target=y[part])
     pipe.tied.reduce(0)  # the tie's stage gradients summed (a trainer's step does it)
-    grads = {name: p.grad.clone() for name, p in pipe.named_parameters()}
-    return {"losses": losses, "grads": grads, "held": pipe.executor.held_bytes()}
+    return pipe, losses
+
+
+def local(g: torch.Tensor) -> torch.Tensor:
+    return g.to_local() if isinstance(g, DTensor) else g
+
+
+def run_tp_case(mesh: Any, model: str, kind: str) -> dict:
+    """One step under tp and cp, and the composed reference on the same ranks (collective
+    over their tp mesh and cp group): the names whose local shards differ, whether this
+    rank's losses are the reference's, and the reference gathered whole."""
+    pipe, losses = pipeline_step(mesh, model, kind)
+    num_stages, dp = generated(kind, mesh.pp_size, M).num_stages, mesh.dp_size
+    layers, x, y = model_and_batch(model, num_stages, M * dp)
+    want_losses, want = zerobubble.reference_step(
+        layers, token_loss, x, target=y, microbatches=M, count_fn=count, num_stages=num_stages,
+        dp=dp, cp=2, cp_group=mesh.cp_group, tp_mesh=mesh.tp_mesh,
+        sequence_parallel=mesh.spec.sequence_parallel, seed=5,
+    )  # fmt: skip
+    mine = dict(pipe.named_parameters())
+    bad = [n for n, p in sorted(mine.items()) if not torch.equal(local(p.grad), local(want[n]))]
+    same = None
+    if losses is not None:
+        at = (mesh.dp_rank * 2 + mesh.cp_rank) * M
+        same = all(map(torch.equal, losses, want_losses[at : at + M]))
+    whole = {n: g.full_tensor() if isinstance(g, DTensor) else g for n, g in sorted(want.items())}
+    return {"names": sorted(mine), "bad": bad, "losses": same, "want": (want_losses, whole)}
 
 
 def refusals(mesh: Any) -> list[str]:
@@ -165,10 +220,26 @@ def refusals(mesh: Any) -> list[str]:
     return refused
 
 
+def reference_refusals(mesh: Any) -> list[str]:
+    """What ``reference_step`` refuses under tp with cp, before any collective: no cp group,
+    and a cp group of another size than ``cp``."""
+    layers, x, y = model_and_batch("gpt-ring", 2, M)
+    kw = {"target": y, "microbatches": M, "count_fn": count, "tp_mesh": mesh.tp_mesh}
+    refused = []
+    for cp, group in ((2, None), (4, mesh.cp_group)):
+        try:
+            zerobubble.reference_step(layers, token_loss, x, cp=cp, cp_group=group, **kw)
+        except ValueError as e:
+            refused.append(str(e))
+    return refused
+
+
 @functools.cache
-def reference(model: str, kind: str, dp: int, cp: int) -> tuple[list, dict, list, dict]:
+def reference(
+    model: str, kind: str, dp: int, cp: int, pp: int = 2
+) -> tuple[list, dict, list, dict]:
     """(composed reference losses and grads, whole-model losses and grads)."""
-    num_stages = schedule(kind).num_stages
+    num_stages = schedule(kind, pp).num_stages
     layers, x, y = model_and_batch(model, num_stages, M * dp)
     kw = {"target": y, "microbatches": M, "count_fn": count, "num_stages": num_stages}
     cuts = SEGMENTS.get(kind)
@@ -218,6 +289,41 @@ def test_pp_cp_is_the_whole_model_within_rounding(model, kind, dp, cp):
         torch.testing.assert_close(g, whole_grads[name], rtol=1e-5, atol=1e-5 * scale)
 
 
+@pytest.mark.bitwise
+@pytest.mark.parametrize(("model", "kind", "pp", "dp", "sp"), TP_LAYOUTS)
+def test_pp_cp_tp_matches_the_composed_reference(results, model, kind, pp, dp, sp):
+    """pp=2 x cp=2 x tp=2: every rank's local shards and losses are the reference's, every
+    parameter on some rank; the reference's gradients (gathered whole) and losses the same
+    on every rank."""
+    names: set[str] = set()
+    for r in results[8]:
+        run = r[model, kind, pp, dp, sp]
+        assert run["names"] and not run["bad"], run["bad"]
+        assert run["losses"] is not False
+        names.update(run["names"])
+        losses, grads = run["want"]
+        first_losses, first = results[8][0][model, kind, pp, dp, sp]["want"]
+        assert all(map(torch.equal, losses, first_losses))
+        assert all(torch.equal(g, first[n]) for n, g in grads.items())
+    assert sorted(names) == sorted(first)
+    assert len(first_losses) == dp * 2 * M  # every dp and cp rank's shares
+
+
+@pytest.mark.parametrize(
+    ("model", "kind", "pp", "dp", "sp"), [c for c in TP_LAYOUTS if c[0] != "gpt"]
+)
+def test_pp_cp_tp_is_the_whole_model_within_rounding(results, model, kind, pp, dp, sp):
+    """The tp x cp reference (so the pipeline) is the whole model within float32 rounding:
+    the ranks' loss shares sum to its loss, every gradient gathered whole is its gradient."""
+    losses, grads = results[8][0][model, kind, pp, dp, sp]["want"]
+    _, _, whole, whole_grads = reference(model, kind, dp, 2, pp)
+    torch.testing.assert_close(sum(losses), sum(whole), rtol=1e-5, atol=1e-6)
+    scale = max(float(g.abs().max()) for g in whole_grads.values())
+    assert sorted(grads) == sorted(whole_grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, whole_grads[name], rtol=1e-5, atol=1e-5 * scale)
+
+
 def test_executor_refusals(results):
     for r in results[4]:
         no_count, uneven, hf_segments, shifting, checkpoint = r["refused"]
@@ -257,6 +363,13 @@ def test_segment_layout() -> None:
         )  # fmt: skip
 
 
+def test_reference_refusals_under_tp(results):
+    for r in results[8]:
+        no_group, wrong_size = r["refused_tp"]
+        assert "cp=2 and tp_mesh needs cp_group (the mesh's cp_group)" in no_group
+        assert "cp=4 but cp_group has 2 ranks" in wrong_size
+
+
 def test_layout_and_refusals() -> None:
     shards = [ContextShards(2, r) for r in range(2)]
     x = torch.arange(8).view(1, 8)
@@ -266,8 +379,9 @@ def test_layout_and_refusals() -> None:
         shards[0].shard(torch.zeros(1, 6))
     with pytest.raises(ValueError, match="attention_mask"):
         shard_batch({"input_ids": x, "attention_mask": x}, shards[0], "the input batch")
-    with pytest.raises(ValueError, match="tensor parallelism with context parallelism"):
-        ParallelSpec(2, cp=2, tp=2)
+    with pytest.raises(ValueError, match="expert parallelism with context parallelism"):
+        ParallelSpec(2, 2, ep=2, cp=2)
+    assert ParallelSpec(2, cp=2, tp=2).name(5) == "rank 5 (pp 1, cp 0, tp 1)"
     assert ParallelSpec(2, 2, cp=2).name(5) == "rank 5 (pp 1, dp 0, cp 1)"
     gpt2 = nn.Sequential(*hf.causal_lm_layers(hf.tiny_model("hf-gpt2", num_hidden_layers=1)))
     with pytest.raises(ValueError, match="stage 0 0 \\(GPT2Embedding\\) reads token positions"):

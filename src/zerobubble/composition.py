@@ -118,15 +118,13 @@ CELLS: tuple[Cell, ...] = (
     _cell(
         "tp",
         "cp",
-        "the ground truth would run tp's DTensor collectives from the threads that play the "
-        "cp ranks, which one tp group cannot order",
-        "use tp=1 with cp, or cp=1",
+        "each tp rank attends its own heads over its cp group (the cp ranks of its tp rank); "
+        "the ground truth plays this process's cp rank over that group",
     ),
     _cell(
         "sp",
         "cp",
-        "sequence parallelism is a tp layout, and tp does not compose with cp yet",
-        "use tp=1 with cp, or cp=1",
+        "tp's sequence shards cut each cp rank's two chunks; attention gathers them first",
     ),
     _cell(
         "ep",
@@ -163,7 +161,16 @@ CELLS: tuple[Cell, ...] = (
 )
 """Every pair of :data:`FEATURES`, once."""
 
-TRIPLES: tuple[Cell, ...] = ()
+TRIPLES: tuple[Cell, ...] = (
+    _cell(
+        "cp",
+        "tp",
+        "segments",
+        "the cp x tp ground truth plays this process's cp rank with tp's reference, which "
+        "does not cut the cp chunks into segments",
+        "use a schedule without segments, or tp=1, with cp",
+    ),
+)
 """Sets of three features refused although each of their pairs composes."""
 
 

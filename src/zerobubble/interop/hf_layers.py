@@ -433,9 +433,9 @@ def _context_inputs(
     """A cp rank's cache, positions and causal mask: its two chunks' global positions, and
     a 4-D mask of its queries over the whole sequence's keys (key ``t`` seen from a query
     at ``p`` iff ``t <= p``), boolean for sdpa, additive for eager. Refused: padding,
-    position ids other than the tokens' own (packed documents), sliding windows, tensor
-    parallelism's sequence shards, sequence segments, rotary embeddings that scale with
-    the length."""
+    position ids other than the tokens' own (packed documents), sliding windows, sequence
+    segments, rotary embeddings that scale with the length. ``hidden``: the rank's two chunks
+    whole (under sequence parallelism a stand-in of their shape: tp's shards cut them)."""
     config = block.config
     why = None
     if block.segment_slot is not None:
@@ -444,8 +444,6 @@ def _context_inputs(
         why = "a padding attention_mask"
     elif block.attention_type != "full_attention":
         why = f"{block.attention_type!r} layers (only full attention is sharded)"
-    elif block.sequence_shards > 1:
-        why = "sequence parallelism"
     elif config._attn_implementation not in _DOCUMENT_MASKS:
         why = f"attn_implementation={config._attn_implementation!r} (sdpa or eager take the mask)"
     elif _rope_type(block.rotary_emb, layer_type) in ("dynamic", "longrope"):
@@ -882,8 +880,8 @@ class DecoderBlock(SegmentAware, ContextAware, HFLayer):
         cache: Any  # the cache the attention updates (a cp rank's gathers the sequence)
         if self.cp_slot is not None:
             layer_type = self.attention_type if self._rotary_by_type else None
-            cache, positions, causal = _context_inputs(
-                self.cp_slot, self, layer_type, hidden, mask, position_ids
+            cache, positions, causal = _context_inputs(  # whole: the cp rank's chunks
+                self.cp_slot, self, layer_type, whole, mask, position_ids
             )
         else:
             cache, mask, positions, causal = _attention_inputs(

@@ -40,6 +40,13 @@ then over dp; the loss's token count likewise. pp=2 x dp=2 x cp=2::
     cp rank       0 1 0 1 | 0 1 0 1     cp groups  [0,1] [2,3] [4,5] [6,7]
                                         pipelines  [0,4] [1,5] [2,6] [3,7]
 
+With tp too, each tp rank's heads run over the cp group of its tp rank; pp=2 x cp=2 x
+tp=2::
+
+    global rank   0 1 2 3 | 4 5 6 7
+    cp rank       0 0 1 1 | 0 0 1 1     cp groups  [0,2] [1,3] [4,6] [5,7]
+    tp rank       0 1 0 1 | 0 1 0 1     tp groups  [0,1] [2,3] [4,5] [6,7]
+
 With ``ep > 1`` the dp rank splits as ``dp_rank = edp_rank * ep + ep_rank``: the ``ep``
 dp ranks of one pipeline rank and one tp rank that differ in their ep rank form its
 :attr:`PipelineMesh.ep_group` (they hold different experts and exchange tokens with
@@ -137,7 +144,8 @@ class ParallelSpec:
     boundaries) over the sequence dim of the ``tp`` ranks. Needs ``tp >= 2``."""
     cp: int = 1
     """Context-parallel ranks: every sequence is sharded over ``cp`` ranks
-    (:mod:`~zerobubble.runtime.sequence.cp`); not with tp, ep or FSDP yet."""
+    (:mod:`~zerobubble.runtime.sequence.cp`); with tp each tp rank's heads (not with ep or
+    FSDP yet)."""
 
     def __post_init__(self) -> None:
         # Types first: a string size would otherwise fail deep inside the comparisons below
@@ -387,9 +395,10 @@ def build_mesh(
     _check_world(spec, dist.get_world_size())
     if device_type is None:
         device_type = "cpu" if dist.get_backend() == "gloo" else _accelerator_type()
-    dims, names = ((pp, dp), ("pp", "dp")) if tp == 1 else ((pp, dp, tp), ("pp", "dp", "tp"))
-    if cp > 1:  # tp == 1 (the spec refuses cp with tp)
-        dims, names = (pp, dp, cp), ("pp", "dp", "cp")
+    # torchtitan's order pp, dp, cp, tp; a dim of size 1 left out (but dp)
+    sized = [(pp, "pp"), (dp, "dp"), (cp, "cp"), (tp, "tp")]
+    kept = [(n, name) for n, name in sized if n > 1 or name in ("pp", "dp")]
+    dims, names = tuple(n for n, _ in kept), tuple(name for _, name in kept)
     mesh = init_device_mesh(device_type, dims, mesh_dim_names=names)
     rank = dist.get_rank()
     timeout = default_timeout()
@@ -426,10 +435,11 @@ def _check_world(spec: ParallelSpec, world: int) -> None:
         return
     pp, dp, cp, tp = spec.pp, spec.dp, spec.cp, spec.tp
     if cp > 1:
+        tps = "" if tp == 1 else f" x tp={tp}"
         raise ValueError(
-            f"the world has {world} ranks but the mesh pp={pp} x dp={dp} x cp={cp} needs "
-            f"{spec.world_size}; launch pp*dp*cp = {spec.world_size} processes or change "
-            "--pp/--dp/--cp"
+            f"the world has {world} ranks but the mesh pp={pp} x dp={dp} x cp={cp}{tps} needs "
+            f"{spec.world_size}; launch pp*dp*cp{'*tp' if tps else ''} = {spec.world_size} "
+            f"processes or change --pp/--dp/--cp{'/--tp' if tps else ''}"
         )
     if tp == 1:
         raise ValueError(

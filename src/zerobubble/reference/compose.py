@@ -20,7 +20,12 @@ package rather than restating their arithmetic:
   between the threads), normalised by ``count_fn``'s count of the global batch; their
   gradients summed in cp-rank order, then over dp. Losses are ``(dp, cp)``-rank-major;
   with segments (``cuts=``) each rank runs the segment reference on its chunks of every
-  segment;
+  segment. With ``tp_mesh`` too (``cp_group=``, the mesh's cp group: collective over it and
+  the tp mesh), each process plays its own cp rank over the real group instead: the tp
+  reference on the rank's chunks, every gradient (a DTensor's local shard) summed over the
+  group in cp-rank order, then over dp, and every cp rank's losses gathered (threads could
+  not play the cp ranks: each would run tp's collectives, which the other processes'
+  threads would have to meet in the same order); tp with segments under cp is refused;
 - **segments** (``cuts=``): :func:`~zerobubble.reference.step.segment_reference_step` per
   replica;
 - **tp** (``tp_mesh=``, ``tp_plan=``, ``sequence_parallel=``, ``loss_parallel=``):
@@ -57,6 +62,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -64,7 +70,12 @@ from zerobubble.parallel.experts import ExpertLayer
 from zerobubble.parallel.parallelize import StagePlan
 from zerobubble.parallel.partition import model_name, stage_bounds
 from zerobubble.parallel.tied import TiedParam, find_shared, laid_out_as
-from zerobubble.reference.cp import context_reference_step
+from zerobubble.reference.cp import (
+    context_reference_step,
+    cp_rank_shards,
+    gathered_over_cp,
+    sum_over_cp,
+)
 from zerobubble.reference.ep import ep_reference_step, ep_replicas_step
 from zerobubble.reference.step import (
     Share,
@@ -80,6 +91,7 @@ from zerobubble.reference.step import (
 from zerobubble.reference.tp import reduced_over_tp, sum_parts, tp_layers, tp_reference_step
 from zerobubble.runtime.loss_terms import TermWeight
 from zerobubble.runtime.microbatch import CountFn, batch_count, default_count_fn, split_tree
+from zerobubble.runtime.sequence.cp import shard_step
 
 __all__ = ["reference_step"]
 
@@ -96,6 +108,7 @@ def reference_step(
     dp: int = 1,
     ep: int = 1,
     cp: int = 1,
+    cp_group: dist.ProcessGroup | None = None,
     cuts: Sequence[int] | None = None,
     tp_mesh: DeviceMesh | None = None,
     tp_plan: StagePlan = None,
@@ -114,6 +127,9 @@ def reference_step(
     """One step of the whole job's arithmetic in one process (the module docstring); with no
     option :func:`zerobubble.reference.step.reference_step`. ``args``, ``kwargs`` and
     ``target`` are the global batch (all replicas' rows); ``microbatches`` is per replica.
+    ``cp_group``: with ``cp > 1`` and ``tp_mesh``, this process's cp group
+    (:attr:`~zerobubble.parallel.mesh.PipelineMesh.cp_group`), over which it plays its own cp
+    rank (without tp unused: one process plays every cp rank).
 
     Returns:
         The unscaled per-microbatch losses, replica-major (replica ``r``'s microbatch
@@ -136,7 +152,14 @@ def reference_step(
         )  # fmt: skip
     count_fn = default_count_fn(loss_fn, count_fn)
     if cp != 1:
-        return _context(model, loss_fn, parts, m, cp, count_fn, (tp_mesh, cuts), staged)
+        _refuse_cp(cp, (tp_mesh, cuts), count_fn, cp_group)
+        assert count_fn is not None  # _refuse_cp
+        if tp_mesh is not None:
+            assert cp_group is not None  # _refuse_cp
+            return _context_tp(model, loss_fn, parts, m, (cp, cp_group), count_fn, tp, staged)
+        return _context(model, loss_fn, parts, m, cp, count_fn, cuts, staged)
+    if cp_group is not None:
+        raise ValueError("reference_step: cp_group is given but cp=1; pass cp= its size")
     share = None if dp == 1 else Share(n if count_fn is None else _count(parts, count_fn), dp)
     if tp_mesh is not None:  # parallelized once, in place of the caller's layers' copy
         model = as_sequential(copy.deepcopy(list(model)))
@@ -184,16 +207,22 @@ def _staged(
 def _tp_replica(
     model: nn.Sequential, loss_fn: Callable[..., Tensor], part: Part, m: int,
     tie_parts: dict[str, list[Tensor | None]], fsdp: bool, tp: dict[str, Any],
-    common: dict[str, Any],
+    common: dict[str, Any], over_cp: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[list[Tensor], dict[str, Tensor]]:  # fmt: skip
     """One replica's :func:`tp_reference_step`; its ties' stage gradients added into
-    ``tie_parts`` (summed over the stages after every replica, as the pipeline sums them)."""
+    ``tie_parts`` (summed over the stages after every replica, as the pipeline sums them).
+    ``over_cp``: each gradient and stage gradient summed over the cp ranks first."""
     a, k, t = part
     mine_parts: dict[str, list[Tensor | None]] = {}
     mine, grads = tp_reference_step(
         model, loss_fn, *a, target=t, microbatches=m, copy_layers=False, tie_parts=mine_parts,
         **tp, **common, **k,
     )  # fmt: skip
+    if over_cp is not None:  # the pipeline sums each stage's gradients over cp first
+        grads = {n: over_cp(g) for n, g in grads.items()}
+        mine_parts = {
+            n: [None if g is None else over_cp(g) for g in gs] for n, gs in mine_parts.items()
+        }
     if fsdp:  # FSDP2 reduces a Partial tp gradient over tp before its dp reduction
         grads = {n: reduced_over_tp(g) for n, g in grads.items()}
     for name, stage_grads in mine_parts.items():
@@ -309,20 +338,17 @@ def _context(
     parts: Sequence[Part],
     m: int,
     cp: int,
-    count_fn: CountFn | None,
-    others: tuple[DeviceMesh | None, Sequence[int] | None],
+    count_fn: CountFn,
+    cuts: Sequence[int] | None,
     staged: dict[str, Any],
 ) -> tuple[list[Tensor], dict[str, Tensor]]:
     """The dp replicas over ``cp`` ranks each (:func:`context_reference_step`), their cp
     sums added over dp in rank order, the ties' stage gradients summed after; losses
     ``(dp, cp)``-rank-major."""
-    _refuse_cp(cp, others, count_fn)
-    assert count_fn is not None  # _refuse_cp
     share = Share(_count(parts, count_fn), len(parts) * cp)
     run, ties = Ties.of(model, staged["num_stages"], staged["boundaries"], True)
     losses: list[Tensor] = []
     held: dict[int, Tensor] = {}  # id(parameter) -> its summed .grad
-    cuts = others[1]
     for part in parts:  # each leaves its cp sums in run's .grad
         losses += context_reference_step(
             run, loss_fn, part, m, cp, share, count_fn, cuts=cuts, **staged
@@ -335,20 +361,64 @@ def _context(
     return losses, sums
 
 
+def _context_tp(
+    model: nn.Sequential,
+    loss_fn: Callable[..., Tensor],
+    parts: Sequence[Part],
+    m: int,
+    cp: tuple[int, dist.ProcessGroup],
+    count_fn: CountFn,
+    tp: dict[str, Any],
+    staged: dict[str, Any],
+) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """Context with tensor parallelism: this process plays its own cp rank over the real cp
+    group (``cp``: its size and the group; :mod:`~zerobubble.reference.cp`), the tp
+    reference on the rank's chunks of each dp replica's sequences; each gradient (a tie's
+    stage gradients too) summed over cp in cp-rank order, then over dp in rank order, the
+    ties' stage sums after, as the pipeline's reductions run. Collective over the tp mesh
+    and the cp group. Losses ``(dp, cp)``-rank-major, every cp rank's gathered."""
+    size, group = cp
+    model = as_sequential(copy.deepcopy(list(model)))
+    shards = cp_rank_shards(model, size, group)
+    share = Share(_count(parts, count_fn), len(parts) * size)
+    common: dict[str, Any] = {**staged, "count_fn": count_fn, "share": share}
+    losses: list[Tensor] = []
+    sums: dict[str, Tensor] = {}
+    tie_parts: dict[str, list[Tensor | None]] = {}  # a tie's stage gradients, cp and dp summed
+    tp.update(terms=None, term_weight="mean", cuts=None)
+    over_cp = partial(sum_over_cp, group=group)
+    for a, k, t in parts:
+        part = shard_step(shards, a, k, t)
+        mine, grads = _tp_replica(model, loss_fn, part, m, tie_parts, False, tp, common, over_cp)
+        losses += gathered_over_cp(mine, group)
+        sums = grads if not sums else _add(sums, grads)
+    sums.update(_summed_parts(tie_parts))
+    return losses, sums
+
+
 def _refuse_cp(
-    cp: int, others: tuple[DeviceMesh | None, Sequence[int] | None], count_fn: Any
+    cp: int,
+    others: tuple[DeviceMesh | None, Sequence[int] | None],
+    count_fn: Any,
+    cp_group: dist.ProcessGroup | None,
 ) -> None:
     """Context parallelism's combinations without a composed ground truth, named (ep is
     refused before: its reference runs first)."""
-    if others[0] is not None:
+    tp, cuts = others
+    if tp is not None and cuts is not None:
         raise ValueError(
-            f"reference_step has no ground truth of context parallelism (cp={cp}) with "
-            "tp: the mesh and the executor refuse it too"
+            f"reference_step has no ground truth of context parallelism (cp={cp}) with both "
+            "tp and cuts: the mesh and the executor refuse it too"
         )
     if count_fn is None:
         raise ValueError(
             f"reference_step with cp={cp} needs count_fn (each cp rank's loss is its chunks' "
             "share of the batch's token count), as the executor does"
+        )
+    if tp is not None and cp_group is None:
+        raise ValueError(
+            f"reference_step with cp={cp} and tp_mesh needs cp_group (the mesh's cp_group): "
+            "under tensor parallelism each process plays its own cp rank over the real group"
         )
 
 

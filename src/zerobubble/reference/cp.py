@@ -14,6 +14,15 @@ keys and values and at its backward's return of their gradients, which hand the 
 blocks between the threads that the process group hands between ranks. Every op then sees
 what it sees on its cp rank, so the pipeline equals this bitwise by construction; the cp
 ranks' gradients are summed in cp-rank order (the mesh's cp reduction, before dp's).
+
+Under tensor parallelism the threads cannot play the cp ranks: each would run tp's DTensor
+collectives over the tp ranks of its process, and the other processes' threads would have
+to meet them there in the same order. Then each process plays its own cp rank over the
+job's real cp group instead (:func:`cp_rank_shards`, :func:`sum_over_cp`,
+:func:`gathered_over_cp`: the tp reference on the rank's chunks, its layers given a
+:class:`~zerobubble.runtime.sequence.cp.ProcessExchange` of the group), as the tp reference
+plays its own tp rank over the tp mesh: the same collectives as the pipeline's, so bitwise
+by construction again.
 """
 
 from __future__ import annotations
@@ -23,7 +32,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from zerobubble.reference.ep import TurnTaking
 from zerobubble.reference.step import Share, segment_reference_step
@@ -31,12 +42,13 @@ from zerobubble.reference.step import reference_step as replica_step
 from zerobubble.runtime.microbatch import CountFn
 from zerobubble.runtime.sequence.cp import (
     ContextShards,
+    ProcessExchange,
     context_parallel,
     refuse_segments,
     shard_step,
 )
 
-__all__ = ["context_reference_step"]
+__all__ = ["context_reference_step", "cp_rank_shards", "gathered_over_cp", "sum_over_cp"]
 
 
 def context_reference_step(
@@ -96,3 +108,41 @@ def _sum_into(run: nn.Module, replicas: Sequence[nn.Module]) -> None:
             if q.grad is not None:
                 total = q.grad.clone() if total is None else total + q.grad
         p.grad = total
+
+
+def cp_rank_shards(model: nn.Sequential, cp: int, group: dist.ProcessGroup) -> ContextShards:
+    """This process's cp rank of ``group`` (``cp`` ranks, checked), its context-aware layers
+    of ``model`` given their slot over the real group; returns the rank's layout."""
+    size = dist.get_world_size(group)
+    if size != cp:
+        raise ValueError(
+            f"reference_step: cp={cp} but cp_group has {size} ranks; pass the mesh's cp_group "
+            "(the ranks that share this process's sequences)"
+        )
+    shards = ContextShards(cp, dist.get_rank(group))
+    context_parallel(model, shards, ProcessExchange(group), "reference")
+    return shards
+
+
+def sum_over_cp(g: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``g`` summed over ``group`` in cp-rank order, ``((g_0 + g_1) + g_2) + ...``, as the
+    mesh's cp reduction sums it (a DTensor's local shard, laid out again as ``g``);
+    collective over ``group``."""
+    local = g.to_local() if isinstance(g, DTensor) else g
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    if not isinstance(g, DTensor):
+        return total
+    return DTensor.from_local(total, g.device_mesh, g.placements, shape=g.shape, stride=g.stride())
+
+
+def gathered_over_cp(losses: Sequence[Tensor], group: dist.ProcessGroup) -> list[Tensor]:
+    """Every cp rank's losses of ``group``, cp-rank-major (as the threaded reference returns
+    them); collective over ``group``."""
+    mine = torch.stack([x.detach() for x in losses])
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    return [loss for part in parts for loss in part.unbind(0)]
