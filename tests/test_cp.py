@@ -260,18 +260,24 @@ def hf_cp_step(model: nn.Module, cp: int, rows: int = 1) -> tuple[list, dict, li
     return losses, grads, whole, whole_grads
 
 
-def test_qwen3_ring_is_the_whole_model_within_rounding() -> None:
-    """Qwen3 (per-head q_norm and k_norm before RoPE, grouped kv heads) takes the ring
-    unchanged: at cp=2 its shares sum to the whole loss, its gradients within rounding."""
-    config = transformers.Qwen3Config(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(2)
-        qwen3 = transformers.AutoModelForCausalLM.from_config(config).train()
-    losses, grads, whole, whole_grads = hf_cp_step(qwen3, 2)
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_hf_ring_is_the_whole_model_within_rounding(family: str) -> None:
+    """Qwen3 (per-head q_norm and k_norm before RoPE, grouped kv heads) and Mistral without
+    its sliding window (its attention passes ``sliding_window=None`` to the interface, one
+    kv head) take the ring unchanged: at cp=2 the shares sum to the whole loss, the
+    gradients within rounding."""
+    if family == "qwen3":
+        config = transformers.Qwen3Config(
+            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            max_position_embeddings=64, tie_word_embeddings=False,
+        )  # fmt: skip
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(2)
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    else:
+        model = hf.tiny_model("hf-mistral", num_hidden_layers=2, sliding_window=None)
+    losses, grads, whole, whole_grads = hf_cp_step(model.train(), 2)
     torch.testing.assert_close(sum(losses), sum(whole), rtol=1e-5, atol=1e-6)
     scale = max(float(g.abs().max()) for g in whole_grads.values())
     for name, g in grads.items():

@@ -14,6 +14,15 @@ values are bitwise those of the model.
 
 Every layer names its state as the model does (:meth:`HFLayer.source_name`), so
 a pipeline's parameters and state dicts carry Hugging Face names.
+
+Under context parallelism (:mod:`zerobubble.runtime.sequence.cp`) a decoder block's
+attention runs the cp ring: importing this module registers :func:`_ring_interface` in
+transformers' ``AttentionInterface`` as ``"zerobubble_cp_ring"``; a block given its cp slot
+points its attention modules at a copy of their config that names it, and passes the slot
+through the decoder layer's keyword arguments, which Hugging Face hands to the attention
+function (Llama, Qwen3 and Mistral-style attention do). No mask and no other rank's keys
+are held. With attention dropout the block gathers the keys and values instead
+(:func:`_context_inputs`).
 """
 
 from __future__ import annotations
@@ -809,8 +818,10 @@ class DecoderBlock(SegmentAware, ContextAware, HFLayer):
     In a segment scope it attends over the earlier segments' keys and values too, its
     rotary positions offset by the segment's start (see :func:`_attention_inputs`); full
     attention only. On a cp rank (:mod:`zerobubble.runtime.sequence.cp`) it takes its two
-    chunks' global positions and attends the whole sequence's gathered keys and values
-    under the causal mask of those positions (:func:`_context_inputs`).
+    chunks' global positions and its attention runs the ring
+    (:func:`~zerobubble.runtime.sequence.cp.ring_attention`, through
+    :func:`_ring_interface`); with attention dropout it attends the whole sequence's gathered
+    keys and values under the causal mask of those positions (:func:`_context_inputs`).
 
     ``router``: the model's router loss (the block adds its router's statistics);
     ``routers``: where the model's routers are, for ``z_loss``, the coefficient of the
