@@ -909,11 +909,18 @@ class DecoderBlock(SegmentAware, ContextAware, HFLayer):
         blocks untouched; the reference copies the model per cp rank, so this state is per
         rank); without a slot, or when an attention module has ``attention_dropout > 0``
         (the ring holds no probabilities to drop: the block gathers the keys and values),
-        restore their own. An attention module without a config to point is refused."""
+        restore their own. A layer without an attention module, or an attention module
+        without a config to point, is refused."""
         for module, config in self._own_configs:
             setattr(module, "config", config)  # noqa: B010 (a plain attribute, not a submodule)
         self._own_configs = []
         attention = _attention_modules(self.layer)
+        if slot is not None and not attention:
+            raise ValueError(
+                f"{slot.name}: its decoder layer has no attention module (no submodule whose "
+                "class name ends in Attention) to run the context-parallel ring or gather the "
+                "sequence: build the mesh with cp=1 for this model"
+            )
         if slot is None or any(_attention_dropout(m) > 0 for m in attention):
             return
         for m in attention:
