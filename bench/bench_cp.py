@@ -6,10 +6,11 @@ A tiny HF Llama (``--width`` hidden, 4 heads, 2 kv heads, MLP 2x, ``--layers`` b
 each holds chunks ``r`` and ``3 - r`` of every sequence). Per configuration: the median
 step (wall ms on global rank 0, between barriers, after one warm-up step) and each
 rank's peak of the activation bytes its stages hold (the executor's trace,
-``mem_after``). Expected: the cp ranks hold about ``1 / cp`` of the pp-only ranks' peak
-(every saved activation is per token; the gathered keys and values of the whole sequence,
-``2 * kv_width`` floats per token per layer, and the ``T / cp x T`` mask are the extra).
-The step time on a shared CPU machine is indicative only.
+``mem_after``). Expected: the cp ranks hold about ``1 / cp`` of the pp-only ranks' peak:
+the decoder blocks run the cp ring (every tensor they save is of the rank's own tokens; no
+mask, no other rank's keys and values), whose extra is per token too (the keys and values
+repeated to the query heads, the output and its log-sum-exp). The step time on a shared
+CPU machine is indicative only.
 
 ``--model gpt``: our GPT instead (``--width``, 4 heads, MLP 4x, no dropout), whose attention
 runs the ring under cp (it holds no other rank's keys and values) and, whole, scores every

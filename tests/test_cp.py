@@ -3,21 +3,28 @@
 Every case runs through ``zerobubble.Pipeline`` (its tie reduction called after the step).
 One launch of pp=2 x cp=2 (4 ranks) runs our GPT (with dropout, seeded: the all-gather;
 without, its LM head tied to the embedding: the ring; under zbv with the stage recomputed
-in B) and a tiny HF Llama (sdpa and eager) under zb-h1 and zbv (the V: two stages per
-rank); every rank's losses and
-every gradient after the cp reduction are ``torch.equal`` the composed reference's, which
-plays the cp ranks in threads (:mod:`zerobubble.reference.cp`). Against the model run
-whole on one process (plain autograd) the losses and gradients agree within float32
-rounding at the values' scale. A second launch (8 ranks) adds dp=2 (two of the cases),
-cp=4 (two more) and tensor parallelism: pp=2 x cp=2 x tp=2, two cases without and two with
-sequence parallelism, and pp=1 x dp=2 x cp=2 x tp=2 with it, each rank's local shards
+in B; under the segment schedules, each segment sharded over the cp ranks, the ring or the
+gathers carrying the earlier segments' keys) and a tiny HF Llama (4 query heads over 2
+key/value heads) whose decoder blocks run the ring (sdpa under zb-h1, eager under zbv: the
+V, two stages per rank) or, with attention dropout (seeded), the all-gather; every rank's
+losses and every gradient after the cp reduction are ``torch.equal`` the composed
+reference's, which plays the cp ranks in threads (:mod:`zerobubble.reference.cp`). Against
+the model run whole on one process (plain autograd) the cases without dropout agree within
+float32 rounding at the values' scale. A second launch (8 ranks) adds dp=2 (two of the
+cases), cp=4 (the GPT's gathers, its ring over segments and the sdpa Llama's ring) and
+tensor parallelism: pp=2 x cp=2 x tp=2, two cases without and two with sequence
+parallelism, and pp=1 x dp=2 x cp=2 x tp=2 with it, each rank's local shards
 ``torch.equal`` the composed reference run on the same ranks (``reference_step(cp=2,
 cp_group=, tp_mesh=)``: each process plays its own cp rank over the mesh's cp group), whose
-gradients gathered whole are the whole model's within float32 rounding.
+gradients gathered whole are the whole model's within float32 rounding. In one process:
+Qwen3 (q_norm, k_norm) under the ring within rounding of the whole model; the ring's blocks
+save no tensor of the whole sequence's length (the gather's do); what the ring cannot
+honour (soft cap, sinks, sliding window, output_attentions) is refused.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -25,6 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import transformers
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -33,11 +41,13 @@ from generated import generated
 from ranks import launch
 from zerobubble.executor import ExecutorOptions, PipelineExecutor
 from zerobubble.interop import hf
+from zerobubble.interop.hf_layers import DecoderBlock
 from zerobubble.models import GPTConfig, build_gpt
 from zerobubble.optim.checkpoint import save_checkpoint
 from zerobubble.parallel.ep import LocalGroup, Turns
 from zerobubble.parallel.mesh import ParallelSpec, build_mesh
 from zerobubble.parallel.partition import build_stage_modules
+from zerobubble.reference.ep import TurnTaking
 from zerobubble.runtime.launcher import init_distributed
 from zerobubble.runtime.sequence.cp import (
     ContextShards,
@@ -53,17 +63,19 @@ M = 2
 CASES = [  # pp=2 x cp=2; under zbv and seq-zbv recompute="stage"
     ("gpt", "zb-h1"),  # attention dropout: the all-gather
     ("gpt-ring", "zbv"),  # no dropout: the ring
-    ("llama-sdpa", "zb-h1"),
+    ("llama-sdpa", "zb-h1"),  # the ring, grouped kv heads repeated to the query heads
     ("llama-eager", "zbv"),
+    ("llama-dropout", "zb-h1"),  # sdpa with attention dropout: the all-gather
     ("gpt-ring", "seq-zb"),  # segments: the ring carries the earlier segments' keys
     ("gpt-ring", "seq-zbv"),  # three uneven segments, recomputed
     ("gpt", "seq-zbv"),  # segments with attention dropout: the earlier segments gathered
 ]
+DROPOUT = ("gpt", "llama-dropout")  # seeded draws: bitwise the reference, not the whole model
 SEGMENTS = {"seq-zb": (0, 8, T), "seq-zbv": (0, 4, 8, T)}
 """The cuts of each segment schedule (every segment a multiple of 2 * cp tokens)."""
 CUTS = ExecutorOptions(cuts=(0, 6, T))  # segment 0 has 6 tokens: refused at cp=2
 WITH_DP = [("gpt-ring", "zbv"), ("llama-sdpa", "zb-h1")]  # pp=2 x dp=2 x cp=2
-CP4 = [("gpt-ring", "zb-h1"), ("gpt", "zbv"), ("gpt-ring", "seq-zb")]  # pp=2 x cp=4
+CP4 = [("gpt", "zbv"), ("gpt-ring", "seq-zb"), ("llama-sdpa", "zbv")]  # pp=2 x cp=4
 TP_LAYOUTS = [  # (model, kind, pp, dp, sequence parallel): cp=2 x tp=2
     ("gpt-ring", "zbv", 2, 1, False),
     ("llama-sdpa", "zb-h1", 2, 1, False),
@@ -97,9 +109,11 @@ def model_and_batch(model: str, layers: int, rows: int) -> tuple[list[nn.Module]
         y = torch.randint(0, 17, (rows, T), generator=gen)
         y[0, -3:] = IGNORE
         return list(build_gpt(cfg)), x, y
+    attn = model.split("-")[1]
     llama = hf.tiny_model(
         "hf-llama",
-        attn_implementation=model.split("-")[1],
+        attn_implementation="sdpa" if attn == "dropout" else attn,
+        attention_dropout=0.1 if attn == "dropout" else 0.0,
         num_hidden_layers=layers,
         tie_word_embeddings=False,
     ).train()
@@ -145,7 +159,10 @@ def run_case(mesh: Any, model: str, kind: str) -> dict:
     """One step of ``model`` under ``kind`` on ``mesh``: this rank's losses and gradients."""
     pipe, losses = pipeline_step(mesh, model, kind)
     grads = {name: p.grad.clone() for name, p in pipe.named_parameters()}
-    return {"losses": losses, "grads": grads, "held": pipe.executor.held_bytes()}
+    blocks = [m for c in pipe.executor.chunks.values() for m in c.module.modules()
+              if isinstance(m, DecoderBlock)]  # fmt: skip
+    rings = {b.runs_ring for b in blocks}  # the HF blocks: all ring, or all gather
+    return {"losses": losses, "grads": grads, "held": pipe.executor.held_bytes(), "rings": rings}
 
 
 def pipeline_step(mesh: Any, model: str, kind: str) -> tuple[zerobubble.Pipeline, Any]:
@@ -265,9 +282,11 @@ LAYOUTS = [(*c, 1, 2) for c in CASES] + [(*c, 2, 2) for c in WITH_DP] + [(*c, 1,
 def test_pp_cp_matches_the_composed_reference(results, model, kind, dp, cp):
     losses, grads, _, _ = reference(model, kind, dp, cp)
     got: dict[str, torch.Tensor] = {}
+    rings: set[bool] = set()  # whether the HF blocks ran the ring (some ranks hold none)
     for r in results[4 if dp * cp == 2 else 8]:
         run = r[model, kind, dp, cp]
         assert run["held"] == 0
+        rings |= run["rings"]
         if run["losses"] is not None:  # the last stage's ranks: this cp rank's shares
             at = run["at"]
             assert all(map(torch.equal, run["losses"], losses[at : at + M]))
@@ -275,9 +294,11 @@ def test_pp_cp_matches_the_composed_reference(results, model, kind, dp, cp):
             assert torch.equal(g, grads[name]), name
             got[name] = g
     assert sorted(got) == sorted(grads)
+    llama_ring = model.startswith("llama") and model not in DROPOUT
+    assert rings == (set() if model.startswith("gpt") else {llama_ring})
 
 
-@pytest.mark.parametrize(("model", "kind", "dp", "cp"), [c for c in LAYOUTS if c[0] != "gpt"])
+@pytest.mark.parametrize(("model", "kind", "dp", "cp"), [c for c in LAYOUTS if c[0] not in DROPOUT])
 def test_pp_cp_is_the_whole_model_within_rounding(model, kind, dp, cp):
     """Without dropout (the Llama, the GPT's ring), the ranks' shares sum to the whole
     batch's loss and every gradient is within float32 rounding at the largest gradient's
@@ -426,3 +447,112 @@ def test_ring_over_past_segments_is_attention_over_the_joined_keys() -> None:
     want = torch.autograd.grad(expect, [q, k, v, *pieces], dout)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
+
+
+def hf_cp_step(model: nn.Module, cp: int, rows: int = 1) -> tuple[list, dict, list, dict]:
+    """One step of an HF model's layers (two stages) at T tokens: the composed cp reference's
+    losses and gradients, and the model's run whole."""
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, 200, (rows, T), generator=gen)
+    layers = hf.causal_lm_layers(model, check=False)
+    kw = {"target": ids, "microbatches": rows, "count_fn": count, "num_stages": 2}
+    losses, grads = zerobubble.reference_step(layers, token_loss, {"input_ids": ids}, cp=cp, **kw)
+    whole, whole_grads = zerobubble.reference_step(layers, token_loss, {"input_ids": ids}, **kw)
+    return losses, grads, whole, whole_grads
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_hf_ring_is_the_whole_model_within_rounding(family: str) -> None:
+    """Qwen3 (per-head q_norm and k_norm before RoPE, grouped kv heads) and Mistral without
+    its sliding window (its attention passes ``sliding_window=None`` to the interface, one
+    kv head) take the ring unchanged: at cp=2 the shares sum to the whole loss, the
+    gradients within rounding."""
+    if family == "qwen3":
+        config = transformers.Qwen3Config(
+            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            max_position_embeddings=64, tie_word_embeddings=False,
+        )  # fmt: skip
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(2)
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    else:
+        model = hf.tiny_model("hf-mistral", num_hidden_layers=2, sliding_window=None)
+    losses, grads, whole, whole_grads = hf_cp_step(model.train(), 2)
+    torch.testing.assert_close(sum(losses), sum(whole), rtol=1e-5, atol=1e-6)
+    scale = max(float(g.abs().max()) for g in whole_grads.values())
+    for name, g in grads.items():
+        torch.testing.assert_close(g, whole_grads[name], rtol=1e-5, atol=1e-5 * scale)
+
+
+WHOLE = 24
+"""The sequence length of the saved-tensors test: no width, head count or head size of the
+tiny Llama (64, 128, 256; 4, 2; 16) and no cp rank's token count (12, 6) is 24."""
+
+
+def saved_sizes(model: nn.Module, cp: int) -> set[int]:
+    """Every size of every dim of the tensors autograd saved in one cp step of ``model``'s
+    decoder blocks at ``WHOLE`` tokens (each cp rank in a thread of its own, a saved-tensors
+    hook in each)."""
+    layers = nn.Sequential(*hf.causal_lm_layers(model, check=False))
+    ids = torch.randint(3, 200, (1, WHOLE), generator=torch.Generator().manual_seed(4))
+    turned = TurnTaking(cp, torch.device("cpu"))
+    group = turned.group(0, cp)
+    seen: set[int] = set()
+
+    def keep(x: torch.Tensor) -> torch.Tensor:
+        seen.update(x.shape)
+        return x
+
+    def rank(r: int) -> None:
+        rep = copy.deepcopy(layers)
+        shards = ContextShards(cp, r)
+        context_parallel(rep, shards, group, 0)
+        hidden = rep[0](input_ids=shards.shard(ids))
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda x: x):
+            for block in rep[1:-1]:
+                hidden = block(hidden)
+        hidden["hidden"].sum().backward()
+
+    turned.run(rank)
+    return seen
+
+
+def test_hf_ring_saves_no_whole_sequence_keys() -> None:
+    """The ring's blocks save only their own tokens' tensors (``WHOLE / cp`` tokens): no saved
+    tensor has the whole sequence's keys or values, nor a (T / cp) x T mask or scores, with
+    sdpa or eager; the gather (attention dropout) saves them."""
+    for attn in ("sdpa", "eager"):
+        ring = hf.tiny_model("hf-llama", num_hidden_layers=2, attn_implementation=attn)
+        sizes = saved_sizes(ring.train(), 2)
+        assert WHOLE // 2 in sizes and WHOLE not in sizes, attn
+    dropout = hf.tiny_model("hf-llama", num_hidden_layers=2, attention_dropout=0.1).train()
+    assert WHOLE in saved_sizes(dropout, 2)
+
+
+def test_hf_ring_refusals() -> None:
+    """What the ring cannot honour is refused, naming the layer, before any exchange."""
+    gemma2 = transformers.Gemma2Config(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, attn_implementation="eager",
+        layer_types=["full_attention"], attn_logit_softcapping=50.0,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        softcap = transformers.AutoModelForCausalLM.from_config(gemma2)
+    cases = [
+        (softcap, "1 \\(Gemma2Attention\\): the context-parallel ring does not take a soft cap"),
+        (
+            hf.tiny_model("hf-gpt-oss", num_hidden_layers=1, layer_types=["full_attention"]),
+            "1 \\(GptOssAttention\\): .* does not take attention sinks \\(s_aux\\)",
+        ),
+        (hf.tiny_model("hf-mistral", num_hidden_layers=1), "does not take 'sliding_attention'"),
+        (
+            hf.tiny_model(
+                "hf-llama", num_hidden_layers=1, attn_implementation="eager", output_attentions=True
+            ),
+            "1 \\(LlamaAttention\\): .* does not take output_attentions",
+        ),
+    ]
+    for model, match in cases:
+        with pytest.raises(ValueError, match=match):
+            hf_cp_step(model.train(), 2)

@@ -14,6 +14,15 @@ values are bitwise those of the model.
 
 Every layer names its state as the model does (:meth:`HFLayer.source_name`), so
 a pipeline's parameters and state dicts carry Hugging Face names.
+
+Under context parallelism (:mod:`zerobubble.runtime.sequence.cp`) a decoder block's
+attention runs the cp ring: importing this module registers :func:`_ring_interface` in
+transformers' ``AttentionInterface`` as ``"zerobubble_cp_ring"``; a block given its cp slot
+points its attention modules at a copy of their config that names it, and passes the slot
+through the decoder layer's keyword arguments, which Hugging Face hands to the attention
+function (Llama, Qwen3 and Mistral-style attention do). No mask and no other rank's keys
+are held. With attention dropout the block gathers the keys and values instead
+(:func:`_context_inputs`).
 """
 
 from __future__ import annotations
@@ -28,7 +37,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
+from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import (
     create_causal_mask,
     create_sliding_window_causal_mask,
@@ -53,7 +64,7 @@ from zerobubble.interop.hf_tp import hf_block_plan
 from zerobubble.parallel.ep import ExpertGroup
 from zerobubble.parallel.tp import LayerLayout, share_column_inputs
 from zerobubble.runtime.loss_terms import add_loss_term, segments_refusal
-from zerobubble.runtime.sequence.cp import ContextAware, ContextSlot
+from zerobubble.runtime.sequence.cp import ContextAware, ContextSlot, ring_attention
 from zerobubble.runtime.sequence.kv import SegmentAware, SegmentSlot, saving_joined
 
 Boundary = dict[str, Any]
@@ -422,6 +433,126 @@ class _GatheredCache:
         return self.slot.gather(keys), self.slot.gather(values)
 
 
+class _RingCall:
+    """What one block call hands its attention modules (through the decoder layer's keyword
+    arguments, which Hugging Face forwards to the attention interface): the cp slot, and a
+    count of the attention calls that ran the ring, which the block checks afterwards (an
+    attention module that never reached the interface would have attended to its rank's
+    chunks only)."""
+
+    def __init__(self, slot: ContextSlot) -> None:
+        self.slot = slot
+        self.calls = 0
+
+
+RING_ATTENTION = "zerobubble_cp_ring"
+"""The name under which :func:`_ring_interface` is registered in transformers'
+``AttentionInterface`` (a cp rank's blocks point their attention modules' config copy at it)."""
+
+_RING_KWARG = "zerobubble_cp_ring"
+"""The keyword argument that carries a block call's :class:`_RingCall` to the interface."""
+
+
+def _ring_interface(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """A Hugging Face attention function (``AttentionInterface``) that runs
+    :func:`~zerobubble.runtime.sequence.cp.ring_attention` over a cp rank's two chunks.
+
+    Pure: the slot comes with the call (the ``zerobubble_cp_ring`` keyword the block passes
+    its decoder layer). Grouped key/value heads are repeated to the query heads first
+    (``repeat_kv``: the ring is groups-free; their gradients sum back through the repeat).
+    What the ring cannot honour is refused, naming the layer: a mask (the ring is the
+    causal mask of the chunks' positions), attention dropout, a logit soft cap, attention
+    sinks, a sliding window, a position bias, a non-causal attention, returned attention
+    weights (the ring never holds the probabilities).
+    """
+    ring = kwargs.pop(_RING_KWARG, None)
+    if not isinstance(ring, _RingCall):
+        raise ValueError(
+            f"{type(module).__name__}: attn_implementation={RING_ATTENTION!r} is zerobubble's "
+            "context-parallel ring, which runs only inside the Hugging Face adapter's "
+            "DecoderBlock on a cp rank (the block passes its slot through the decoder layer's "
+            "keyword arguments); this attention was called without it: its decoder layer does "
+            "not forward its keyword arguments to the attention. Build the mesh with cp=1 "
+            "for this model"
+        )
+    why = _ring_refusal(module, attention_mask, dropout, kwargs)
+    if why is not None:
+        raise ValueError(
+            f"{ring.slot.name} ({type(module).__name__}): the context-parallel ring does not "
+            f"take {why}"
+        )
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads % kv_heads:
+        raise ValueError(
+            f"{ring.slot.name} ({type(module).__name__}): {heads} query heads over {kv_heads} "
+            "key/value heads, which do not divide them"
+        )
+    key, value = repeat_kv(key, heads // kv_heads), repeat_kv(value, heads // kv_heads)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = ring_attention(query, key, value, ring.slot, scale)
+    ring.calls += 1
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _ring_refusal(
+    module: nn.Module, mask: Tensor | None, dropout: float, kwargs: dict[str, Any]
+) -> str | None:
+    """Why the ring cannot run this attention call (with the fix), or None."""
+    if dropout > 0:
+        return (
+            f"attention dropout ({dropout}): the block gathers the keys and values instead "
+            "when its attention modules have attention_dropout > 0 as it gets its cp slot; "
+            "set attention_dropout before building the pipeline, or to 0"
+        )
+    if kwargs.get("softcap") is not None:
+        return "a soft cap of the attention logits (softcap); build the mesh with cp=1"
+    if kwargs.get("s_aux") is not None:
+        return "attention sinks (s_aux); build the mesh with cp=1"
+    if kwargs.get("sliding_window") is not None:
+        return (
+            f"a sliding window (sliding_window={kwargs['sliding_window']}); set "
+            "config.sliding_window=None, or build the mesh with cp=1"
+        )
+    if kwargs.get("position_bias") is not None:
+        return "a position bias; build the mesh with cp=1"
+    if mask is not None:
+        return "an attention mask (the ring is the causal mask); build the mesh with cp=1"
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+        return "a non-causal attention; build the mesh with cp=1"
+    config = getattr(module, "config", None)
+    if kwargs.get("output_attentions") or getattr(config, "output_attentions", False):
+        return (
+            "output_attentions (the ring never holds the attention probabilities); set "
+            "config.output_attentions=False, or build the mesh with cp=1"
+        )
+    return None
+
+
+AttentionInterface.register(RING_ATTENTION, _ring_interface)
+
+
+def _attention_modules(layer: nn.Module) -> list[nn.Module]:
+    """The attention modules of a decoder layer: those whose class name ends in
+    ``Attention`` (the heuristic :func:`~zerobubble.runtime.sequence.kv.unaware_attention`
+    refuses by), outermost only."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, m in layer.named_modules():
+        if type(m).__name__.endswith("Attention") and not any(
+            name.startswith(f"{outer}.") for outer, _ in found
+        ):
+            found.append((name, m))
+    return [m for _, m in found]
+
+
 def _context_inputs(
     slot: ContextSlot,
     block: DecoderBlock,
@@ -429,13 +560,17 @@ def _context_inputs(
     hidden: Tensor,
     mask: Tensor | None,
     position_ids: Tensor | None,
-) -> tuple[_GatheredCache, Tensor, Tensor]:
+    ring: bool,
+) -> tuple[_GatheredCache | None, Tensor, Tensor | None]:
     """A cp rank's cache, positions and causal mask: its two chunks' global positions, and
-    a 4-D mask of its queries over the whole sequence's keys (key ``t`` seen from a query
-    at ``p`` iff ``t <= p``), boolean for sdpa, additive for eager. Refused: padding,
-    position ids other than the tokens' own (packed documents), sliding windows, sequence
-    segments, rotary embeddings that scale with the length. ``hidden``: the rank's two chunks
-    whole (under sequence parallelism a stand-in of their shape: tp's shards cut them)."""
+    with ``ring`` no cache and no mask (the ring is causal over the chunks' positions),
+    else the gathering cache and a 4-D mask of its queries over the whole sequence's keys
+    (key ``t`` seen from a query at ``p`` iff ``t <= p``), boolean for sdpa, additive for
+    eager. Refused: padding, position ids other than the tokens' own (packed documents),
+    sliding windows, sequence segments, rotary embeddings that scale with the length, and
+    for the gather other attention implementations than sdpa and eager. ``hidden``: the
+    rank's two chunks whole (under sequence parallelism a stand-in of their shape: tp's
+    shards cut them)."""
     config = block.config
     why = None
     if block.segment_slot is not None:
@@ -444,8 +579,11 @@ def _context_inputs(
         why = "a padding attention_mask"
     elif block.attention_type != "full_attention":
         why = f"{block.attention_type!r} layers (only full attention is sharded)"
-    elif config._attn_implementation not in _DOCUMENT_MASKS:
-        why = f"attn_implementation={config._attn_implementation!r} (sdpa or eager take the mask)"
+    elif not ring and config._attn_implementation not in _DOCUMENT_MASKS:
+        why = (
+            f"attn_implementation={config._attn_implementation!r} with attention dropout (the "
+            "gather path: sdpa or eager take its mask)"
+        )
     elif _rope_type(block.rotary_emb, layer_type) in ("dynamic", "longrope"):
         why = "a rotary embedding that scales with the sequence's length"
     own = slot.positions(hidden.shape[1], hidden.device)
@@ -455,6 +593,8 @@ def _context_inputs(
         raise ValueError(
             f"{slot.name}: context parallelism does not take {why}; build the mesh with cp=1"
         )
+    if ring:
+        return None, own.unsqueeze(0), None
     keys = torch.arange(own.shape[0] * slot.shards.size, device=hidden.device)
     seen = (keys[None, :] <= own[:, None])[None, None]
     causal: Tensor = seen
@@ -462,6 +602,18 @@ def _context_inputs(
         causal = torch.zeros(seen.shape, dtype=hidden.dtype, device=hidden.device)
         causal = causal.masked_fill(~seen, torch.finfo(hidden.dtype).min)
     return _GatheredCache(slot), own.unsqueeze(0), causal
+
+
+def _check_ring(ring: _RingCall, modules: int) -> None:
+    """Refuse a block call whose attention modules did not all run the ring: one that does
+    not call transformers' attention interface attended to its rank's chunks only."""
+    if ring.calls != modules:
+        raise ValueError(
+            f"{ring.slot.name}: {modules} attention modules point at the context-parallel "
+            f"ring, but {ring.calls} attention calls ran it: an attention module that does not "
+            "call transformers' attention interface would attend to its rank's chunks only; "
+            "build the mesh with cp=1 for this model"
+        )
 
 
 def _same_positions(position_ids: Tensor, own: Tensor) -> bool:
@@ -740,8 +892,10 @@ class DecoderBlock(SegmentAware, ContextAware, HFLayer):
     In a segment scope it attends over the earlier segments' keys and values too, its
     rotary positions offset by the segment's start (see :func:`_attention_inputs`); full
     attention only. On a cp rank (:mod:`zerobubble.runtime.sequence.cp`) it takes its two
-    chunks' global positions and attends the whole sequence's gathered keys and values
-    under the causal mask of those positions (:func:`_context_inputs`).
+    chunks' global positions and its attention runs the ring
+    (:func:`~zerobubble.runtime.sequence.cp.ring_attention`, through
+    :func:`_ring_interface`); with attention dropout it attends the whole sequence's gathered
+    keys and values under the causal mask of those positions (:func:`_context_inputs`).
 
     ``router``: the model's router loss (the block adds its router's statistics);
     ``routers``: where the model's routers are, for ``z_loss``, the coefficient of the
@@ -802,6 +956,59 @@ class DecoderBlock(SegmentAware, ContextAware, HFLayer):
         :class:`BiasBalancedBlock`)."""
         # Models with per-type rotary tables (local/global) take the layer type too.
         self._rotary_by_type = "layer_type" in inspect.signature(rotary_emb.forward).parameters
+        self._cp_slot: ContextSlot | None = None
+        self._own_configs: list[tuple[nn.Module, Any]] = []
+        """The attention modules pointed at the ring's config copy, with their own configs."""
+
+    @property
+    def cp_slot(self) -> ContextSlot | None:
+        """The cp slot (:mod:`~zerobubble.runtime.sequence.cp`; None: no cp). Setting it
+        points the attention modules at the ring (:meth:`_point_attention`)."""
+        return self._cp_slot
+
+    @cp_slot.setter
+    def cp_slot(self, slot: ContextSlot | None) -> None:
+        self._point_attention(slot)
+        self._cp_slot = slot
+
+    @property
+    def runs_ring(self) -> bool:
+        """Whether a cp rank's forward runs the ring (its attention modules point at it);
+        False with attention dropout, which needs the probabilities: it gathers."""
+        return bool(self._own_configs)
+
+    def _point_attention(self, slot: ContextSlot | None) -> None:
+        """On a cp rank, point each attention module at a copy of its config whose
+        ``_attn_implementation`` is :data:`RING_ATTENTION` (the model's config and other
+        blocks untouched; the reference copies the model per cp rank, so this state is per
+        rank); without a slot, or when an attention module has ``attention_dropout > 0``
+        (the ring holds no probabilities to drop: the block gathers the keys and values),
+        restore their own. A layer without an attention module, or an attention module
+        without a config to point, is refused."""
+        for module, config in self._own_configs:
+            setattr(module, "config", config)  # noqa: B010 (a plain attribute, not a submodule)
+        self._own_configs = []
+        attention = _attention_modules(self.layer)
+        if slot is not None and not attention:
+            raise ValueError(
+                f"{slot.name}: its decoder layer has no attention module (no submodule whose "
+                "class name ends in Attention) to run the context-parallel ring or gather the "
+                "sequence: build the mesh with cp=1 for this model"
+            )
+        if slot is None or any(_attention_dropout(m) > 0 for m in attention):
+            return
+        for m in attention:
+            own: Any = getattr(m, "config", None)
+            if not hasattr(own, "_attn_implementation"):
+                raise ValueError(
+                    f"{slot.name}: its {type(m).__name__} has no Hugging Face config whose "
+                    "attn_implementation could select the context-parallel ring: build the "
+                    "mesh with cp=1 for this model"
+                )
+            ring = copy.deepcopy(own)  # a deep copy: the setter recurses into sub-configs
+            ring._attn_implementation = RING_ATTENTION
+            setattr(m, "config", ring)  # noqa: B010 (a plain attribute, not a submodule)
+            self._own_configs.append((m, own))
 
     def unsplit_submodules(self) -> list[nn.Module]:
         """The router, whose logits the router loss or z-loss reads outside its MoE block:
@@ -878,11 +1085,15 @@ class DecoderBlock(SegmentAware, ContextAware, HFLayer):
             b, t, d = hidden.shape
             whole = hidden.new_empty(()).expand(b, t * self.sequence_shards, d)
         cache: Any  # the cache the attention updates (a cp rank's gathers the sequence)
-        if self.cp_slot is not None:
+        ring: dict[str, _RingCall] = {}  # a cp rank's ring: the slot for the attention
+        cp = self.cp_slot
+        if cp is not None:
             layer_type = self.attention_type if self._rotary_by_type else None
             cache, positions, causal = _context_inputs(  # whole: the cp rank's chunks
-                self.cp_slot, self, layer_type, whole, mask, position_ids
+                cp, self, layer_type, whole, mask, position_ids, self.runs_ring
             )
+            if self.runs_ring:
+                ring[_RING_KWARG] = _RingCall(cp)
         else:
             cache, mask, positions, causal = _attention_inputs(
                 slot, self.config, self.index, _MASKS[self.attention_type], whole, mask,
@@ -909,10 +1120,13 @@ class DecoderBlock(SegmentAware, ContextAware, HFLayer):
                     attention_mask=causal,
                     position_embeddings=rotary,
                     position_ids=positions,
+                    **ring,
                 )
         finally:
             if handle is not None:
                 handle.remove()
+        if ring:
+            _check_ring(ring[_RING_KWARG], len(self._own_configs))
         stats = x.get("router")
         given = x.get("attention_mask")  # the padding mask as the model's forward was given it
         counting = self.balance is not None and torch.is_grad_enabled()

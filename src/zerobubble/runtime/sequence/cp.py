@@ -18,7 +18,10 @@ sequence with :func:`gather_sequence`: an all-gather per attention layer, each r
 holding the whole sequence's keys and values of one layer, ``cp`` times its own, from the
 layer's forward to the end of its backward (the autograd graph keeps them), plus the same
 once more in the backward, where each rank sends every owner the gradient of its keys and
-values (an all-to-all) and the owner sums what arrives in cp-rank order. The arithmetic
+values (an all-to-all) and the owner sums what arrives in cp-rank order. Our GPT's attention
+and the Hugging Face adapter's decoder blocks (:mod:`zerobubble.interop.hf_layers`, through
+a registered attention function) run the ring, and gather only when attention dropout
+draws (the ring never holds the probabilities it would drop). The arithmetic
 depends on the rank and the layout only, so a run is bitwise the one-process reference
 that plays the group between threads (:mod:`zerobubble.reference.cp`).
 
@@ -216,7 +219,8 @@ class ContextSlot:
 class ContextAware:
     """Mixin of a module that runs on a cp rank's two chunks when given a
     :class:`ContextSlot` (``cp_slot``; None: it runs as it always does). ``holds_kv`` says
-    it is an attention layer that gathers the keys and values."""
+    it is an attention layer that reads the other ranks' keys and values (a ring or a
+    gather)."""
 
     holds_kv: ClassVar[bool] = False
     takes_segments: ClassVar[bool] = False
