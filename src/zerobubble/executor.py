@@ -54,8 +54,8 @@ from zerobubble.runtime.recorder import (
     instruction_name,
 )
 from zerobubble.runtime.rng import StageRng
-from zerobubble.runtime.sequence.batch import check_cuts, segment_step
-from zerobubble.runtime.sequence.cp import ContextShards, refuse_segments, shard_step
+from zerobubble.runtime.sequence.batch import check_agreed_cuts, check_cuts, segment_step
+from zerobubble.runtime.sequence.cp import ContextShards, segments_refusal, shard_step
 from zerobubble.runtime.sequence.guard import SegmentGuard
 from zerobubble.runtime.stage import LossFn, StageChunk
 from zerobubble.runtime.step_batch import split_step
@@ -210,9 +210,6 @@ class PipelineExecutor:
                 lanes=stage_lanes(schedule),
             )
         self._prepare(stages, loss_fn, parallelize)
-        self._refused_segments = self._segments_refusal()
-        """Why this rank's stages cannot run the segments under cp (raised on every rank
-        at the agreement on the cuts), or None."""
         check_pairs(self.schedule, self.chunks, mesh, group)
         self.segment_guard = SegmentGuard.install(self.cuts, self.chunks, self.device, mesh)
         for chunk in self.chunks.values():  # a W's replayed draws wait for a running forward
@@ -301,18 +298,6 @@ class PipelineExecutor:
             name=plain_name if mesh is None else mesh.spec.name,
         )
 
-    def _segments_refusal(self) -> str | None:
-        """Under cp with segments, why a context-aware module of this rank's stages does
-        not take them (:func:`~zerobubble.runtime.sequence.cp.refuse_segments`), or None."""
-        if self.context is None or self.cuts is None:
-            return None
-        try:
-            for stage, chunk in sorted(self.chunks.items()):
-                refuse_segments(chunk.module, stage)
-        except ValueError as e:
-            return str(e)
-        return None
-
     def _agree_on_cuts(self) -> None:
         """Every rank of the job must cut the sequences at the same tokens (a pipeline whose
         ranks slice differently would exchange boundary values of other lengths, or hang):
@@ -321,7 +306,8 @@ class PipelineExecutor:
         rides along, so every rank raises it (not only those holding the layer)."""
         assert self.cuts is not None
         group = None if self.mesh is not None else self.group
-        mine = json.dumps({"cuts": self.cuts, "refused": self._refused_segments}).encode()
+        refused = None if self.context is None else segments_refusal(self.chunks)
+        mine = json.dumps({"cuts": self.cuts, "refused": refused}).encode()
         theirs = exchange_bytes(
             mine,
             group=group,
@@ -333,19 +319,7 @@ class PipelineExecutor:
         )
         ranks = dist.get_process_group_ranks(group) if group is not None else range(len(theirs))
         got = {r: json.loads(t) for r, t in zip(ranks, theirs, strict=True)}
-        name = plain_name if self.mesh is None else self.mesh.spec.name
-        refused = [f"{name(r)}: {g['refused']}" for r, g in sorted(got.items()) if g["refused"]]
-        if refused:
-            raise ValueError("; ".join(refused))
-        differ = {r: g["cuts"] for r, g in got.items() if tuple(g["cuts"]) != self.cuts}
-        if differ:
-            me = dist.get_rank()
-            seen = "; ".join(f"{name(r)} cuts={list(c)}" for r, c in sorted(differ.items()))
-            raise ValueError(
-                f"{name(me)} cuts the sequences at {list(self.cuts)} but {seen}: every rank "
-                "must pass the same ExecutorOptions(cuts=...) (a pipeline's ranks exchange "
-                "each segment's boundary values, the replicas sum the same segments' gradients)"
-            )
+        check_agreed_cuts(got, self.cuts, plain_name if self.mesh is None else self.mesh.spec.name)
 
     def set_protocol(self, protocol: Protocol | str) -> None:
         """Build the programs again with the optimizer protocol's instructions (version

@@ -127,9 +127,8 @@ def reference_step(
     """One step of the whole job's arithmetic in one process (the module docstring); with no
     option :func:`zerobubble.reference.step.reference_step`. ``args``, ``kwargs`` and
     ``target`` are the global batch (all replicas' rows); ``microbatches`` is per replica.
-    ``cp_group``: with ``cp > 1`` and ``tp_mesh``, this process's cp group
-    (:attr:`~zerobubble.parallel.mesh.PipelineMesh.cp_group`), over which it plays its own cp
-    rank (without tp unused: one process plays every cp rank).
+    ``cp_group`` (with ``cp > 1`` and ``tp_mesh``): the mesh's ``cp_group``, over which this
+    process plays its own cp rank (unused without tp: one process plays every cp rank).
 
     Returns:
         The unscaled per-microbatch losses, replica-major (replica ``r``'s microbatch
@@ -143,30 +142,20 @@ def reference_step(
     _refuse(dp, ep, tp_mesh, loss_parallel, cp)
     parts, model = _parts(args, kwargs, target, dp, n), as_sequential(layers)
     staged = _staged(seed, step, num_stages, boundaries)  # how the stages are cut and seeded
-    tp: dict[str, Any] = {"tp_mesh": tp_mesh, "tp_plan": tp_plan}
-    tp.update(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    tp: dict[str, Any] = dict(tp_mesh=tp_mesh, tp_plan=tp_plan, loss_parallel=loss_parallel)
+    tp["sequence_parallel"] = sequence_parallel
     if ep > 1:
-        return _experts(
-            model, loss_fn, parts, m, n, ep, count_fn, term_weight, terms, cuts, staged,
-            {**tp, "fsdp": fsdp},
-        )  # fmt: skip
+        return _experts(model, loss_fn, parts, m, n, ep, count_fn, term_weight, terms, cuts,
+                        staged, {**tp, "fsdp": fsdp})  # fmt: skip
     count_fn = default_count_fn(loss_fn, count_fn)
-    if cp != 1:
-        _refuse_cp(cp, (tp_mesh, cuts), count_fn, cp_group)
-        assert count_fn is not None  # _refuse_cp
-        if tp_mesh is not None:
-            assert cp_group is not None  # _refuse_cp
-            return _context_tp(model, loss_fn, parts, m, (cp, cp_group), count_fn, tp, staged)
-        return _context(model, loss_fn, parts, m, cp, count_fn, cuts, staged)
-    if cp_group is not None:
-        raise ValueError("reference_step: cp_group is given but cp=1; pass cp= its size")
+    if cp != 1 or cp_group is not None:
+        return _any_context(model, loss_fn, parts, m, (cp, cp_group), count_fn, tp, cuts, staged)
     share = None if dp == 1 else Share(n if count_fn is None else _count(parts, count_fn), dp)
     if tp_mesh is not None:  # parallelized once, in place of the caller's layers' copy
         model = as_sequential(copy.deepcopy(list(model)))
     run, ties = Ties.of(model, num_stages, boundaries, tp_mesh is None)
     common: dict[str, Any] = {**staged, "count_fn": count_fn, "share": share}
-    losses: list[Tensor] = []
-    sums: dict[str, Tensor] = {}
+    losses, sums = list[Tensor](), dict[str, Tensor]()
     held: dict[int, Tensor] = {}  # id(parameter) -> its summed .grad
     tie_parts: dict[str, list[Tensor | None]] = {}  # tp: a tie's stage gradients, dp-summed
     for a, k, t in parts:
@@ -330,6 +319,31 @@ def _refuse(
             f"cp={cp}: must be >= 1, and reference_step has no ground truth of context "
             f"parallelism with ep={ep} (the mesh refuses it too)"
         )
+
+
+def _any_context(
+    model: nn.Sequential,
+    loss_fn: Callable[..., Tensor],
+    parts: Sequence[Part],
+    m: int,
+    cp: tuple[int, dist.ProcessGroup | None],
+    count_fn: CountFn | None,
+    tp: dict[str, Any],
+    cuts: Sequence[int] | None,
+    staged: dict[str, Any],
+) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """The cp paths: :func:`_context_tp` with a tp mesh (over ``cp``'s group), else
+    :func:`_context` (threads), after :func:`_refuse_cp`."""
+    size, group = cp
+    if size == 1:
+        raise ValueError("reference_step: cp_group is given but cp=1; pass cp= its size")
+    tp_mesh = tp["tp_mesh"]
+    _refuse_cp(size, (tp_mesh, cuts), count_fn, group)
+    assert count_fn is not None  # _refuse_cp
+    if tp_mesh is not None:
+        assert group is not None  # _refuse_cp
+        return _context_tp(model, loss_fn, parts, m, (size, group), count_fn, tp, staged)
+    return _context(model, loss_fn, parts, m, size, count_fn, cuts, staged)
 
 
 def _context(

@@ -11,15 +11,23 @@ loss normalised by a count of the whole batch gives (``count_fn``), so that is r
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch.distributed as dist
 from torch import Tensor
 
 from zerobubble.runtime.sequence.kv import SegmentOf, segment_inputs, token_cuts
 from zerobubble.runtime.step_batch import StepBatch
 
-__all__ = ["check_cuts", "cut_value", "segment_of", "segment_step", "sequence_length"]
+__all__ = [
+    "check_agreed_cuts",
+    "check_cuts",
+    "cut_value",
+    "segment_of",
+    "segment_step",
+    "sequence_length",
+]
 
 
 def check_cuts(
@@ -111,4 +119,22 @@ def _same_length(n: int, cuts: tuple[int, ...], what: str) -> None:
         raise ValueError(
             f"{what} has sequences of {n} tokens but the segment cuts {list(cuts)} cover "
             f"{cuts[-1]}; cut for this length (ExecutorOptions(cuts=...))"
+        )
+
+
+def check_agreed_cuts(
+    got: Mapping[int, Any], cuts: tuple[int, ...], name: Callable[[int], str]
+) -> None:
+    """Raise every rank's refusal of its stages (so every rank raises it), then any rank
+    whose cuts are not ``cuts``."""
+    refused = [f"{name(r)}: {g['refused']}" for r, g in sorted(got.items()) if g["refused"]]
+    if refused:
+        raise ValueError("; ".join(refused))
+    differ = {r: g["cuts"] for r, g in got.items() if tuple(g["cuts"]) != cuts}
+    if differ:
+        seen = "; ".join(f"{name(r)} cuts={list(c)}" for r, c in sorted(differ.items()))
+        raise ValueError(
+            f"{name(dist.get_rank())} cuts the sequences at {list(cuts)} but {seen}: every "
+            "rank must pass the same ExecutorOptions(cuts=...) (a pipeline's ranks exchange "
+            "each segment's boundary values, the replicas sum the same segments' gradients)"
         )

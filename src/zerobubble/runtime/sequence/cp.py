@@ -58,6 +58,7 @@ __all__ = [
     "gather_sequence",
     "refuse_segments",
     "ring_attention",
+    "segments_refusal",
     "shard_batch",
     "shard_step",
 ]
@@ -501,3 +502,14 @@ def shard_batch(value: Any, shards: ContextShards, what: str) -> Any:
     if isinstance(value, tuple | list):
         return type(value)(shard_batch(v, shards, f"{what}[{i}]") for i, v in enumerate(value))
     return value
+
+
+def segments_refusal(chunks: Mapping[int, Any]) -> str | None:
+    """Under cp with segments, why a context-aware module of these stages (``chunks``: stage
+    -> a chunk with a ``module``) does not take them (:func:`refuse_segments`), or None."""
+    try:
+        for stage, chunk in sorted(chunks.items()):
+            refuse_segments(chunk.module, stage)
+    except ValueError as e:
+        return str(e)
+    return None
