@@ -76,6 +76,7 @@ SEGMENTS = {"seq-zb": (0, 8, T), "seq-zbv": (0, 4, 8, T)}
 CUTS = ExecutorOptions(cuts=(0, 6, T))  # segment 0 has 6 tokens: refused at cp=2
 WITH_DP = [("gpt-ring", "zbv"), ("llama-sdpa", "zb-h1")]  # pp=2 x dp=2 x cp=2
 CP4 = [("gpt", "zbv"), ("gpt-ring", "seq-zb"), ("llama-sdpa", "zbv")]  # pp=2 x cp=4
+PP4 = [("gpt-ring", "seq-zbv"), ("llama-eager", "zbv")]  # pp=4 x cp=2: P >= 3 on the V
 TP_LAYOUTS = [  # (model, kind, pp, dp, sequence parallel): cp=2 x tp=2
     ("gpt-ring", "zbv", 2, 1, False),
     ("llama-sdpa", "zb-h1", 2, 1, False),
@@ -124,16 +125,17 @@ def model_and_batch(model: str, layers: int, rows: int) -> tuple[list[nn.Module]
 
 
 def cp_job(world: int) -> dict:
-    """pp=2 x cp=2 on 4 ranks; pp=2 x dp=2 x cp=2, pp=2 x cp=4, then pp=2 x cp=2 x tp=2
-    without and with sequence parallelism on 8."""
+    """pp=2 x cp=2 on 4 ranks; pp=2 x dp=2 x cp=2, pp=2 x cp=4, pp=4 x cp=2, then pp=2 x
+    cp=2 x tp=2 without and with sequence parallelism on 8."""
     init_distributed(timeout_s=60)
     out: dict[str, Any] = {}
-    layouts = [(1, 2, 1, CASES)] if world == 4 else [(2, 2, 1, WITH_DP), (1, 4, 1, CP4)]
-    for dp, cp, _, cases in layouts:
-        mesh = build_mesh(2, dp, cp=cp)
+    layouts = [(2, 1, 2, CASES)] if world == 4 else [(2, 2, 2, WITH_DP), (2, 1, 4, CP4)]
+    layouts += [] if world == 4 else [(4, 1, 2, PP4)]
+    for pp, dp, cp, cases in layouts:
+        mesh = build_mesh(pp, dp, cp=cp)
         for model, kind in cases:
-            out[model, kind, dp, cp] = run_case(mesh, model, kind)
-            out[model, kind, dp, cp]["at"] = (mesh.dp_rank * cp + mesh.cp_rank) * M
+            out[model, kind, pp, dp, cp] = run_case(mesh, model, kind)
+            out[model, kind, pp, dp, cp]["at"] = (mesh.dp_rank * cp + mesh.cp_rank) * M
     if world == 8:
         meshes: dict[tuple[int, int, bool], Any] = {}
         for model, kind, pp, dp, sp in TP_LAYOUTS:  # each mesh built once, in list order
@@ -274,17 +276,20 @@ def results() -> dict[int, list[dict]]:
     return {world: launch(cp_job, world, world, timeout=240) for world in (4, 8)}
 
 
-LAYOUTS = [(*c, 1, 2) for c in CASES] + [(*c, 2, 2) for c in WITH_DP] + [(*c, 1, 4) for c in CP4]
+LAYOUTS = (  # (model, kind, pp, dp, cp)
+    [(*c, 2, 1, 2) for c in CASES] + [(*c, 2, 2, 2) for c in WITH_DP]
+    + [(*c, 2, 1, 4) for c in CP4] + [(*c, 4, 1, 2) for c in PP4]
+)  # fmt: skip
 
 
 @pytest.mark.bitwise
-@pytest.mark.parametrize(("model", "kind", "dp", "cp"), LAYOUTS)
-def test_pp_cp_matches_the_composed_reference(results, model, kind, dp, cp):
-    losses, grads, _, _ = reference(model, kind, dp, cp)
+@pytest.mark.parametrize(("model", "kind", "pp", "dp", "cp"), LAYOUTS)
+def test_pp_cp_matches_the_composed_reference(results, model, kind, pp, dp, cp):
+    losses, grads, _, _ = reference(model, kind, dp, cp, pp)
     got: dict[str, torch.Tensor] = {}
     rings: set[bool] = set()  # whether the HF blocks ran the ring (some ranks hold none)
-    for r in results[4 if dp * cp == 2 else 8]:
-        run = r[model, kind, dp, cp]
+    for r in results[pp * dp * cp]:
+        run = r[model, kind, pp, dp, cp]
         assert run["held"] == 0
         rings |= run["rings"]
         if run["losses"] is not None:  # the last stage's ranks: this cp rank's shares
@@ -298,12 +303,14 @@ def test_pp_cp_matches_the_composed_reference(results, model, kind, dp, cp):
     assert rings == (set() if model.startswith("gpt") else {llama_ring})
 
 
-@pytest.mark.parametrize(("model", "kind", "dp", "cp"), [c for c in LAYOUTS if c[0] not in DROPOUT])
-def test_pp_cp_is_the_whole_model_within_rounding(model, kind, dp, cp):
+@pytest.mark.parametrize(
+    ("model", "kind", "pp", "dp", "cp"), [c for c in LAYOUTS if c[0] not in DROPOUT]
+)
+def test_pp_cp_is_the_whole_model_within_rounding(model, kind, pp, dp, cp):
     """Without dropout (the Llama, the GPT's ring), the ranks' shares sum to the whole
     batch's loss and every gradient is within float32 rounding at the largest gradient's
     scale."""
-    losses, grads, whole, whole_grads = reference(model, kind, dp, cp)
+    losses, grads, whole, whole_grads = reference(model, kind, dp, cp, pp)
     torch.testing.assert_close(sum(losses), sum(whole), rtol=1e-5, atol=1e-6)
     scale = max(float(g.abs().max()) for g in whole_grads.values())
     for name, g in grads.items():

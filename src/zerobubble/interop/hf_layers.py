@@ -361,18 +361,25 @@ class _SegmentKV:
         self._join: Callable[[Sequence[Tensor], int], Tensor] | None = None
 
     @contextmanager
-    def saving(self, attention: nn.Module | None) -> Iterator[None]:
-        """Join inside: the layer's call, ``attention`` its attention module."""
-        groups = getattr(attention, "num_key_value_groups", 1)
+    def saving(self, attention: Sequence[nn.Module]) -> Iterator[None]:
+        """Join inside: the layer's call, ``attention`` its attention modules (which must
+        agree on their query heads per key head)."""
+        grouped = [m for m in attention if getattr(m, "num_key_value_groups", 1) > 1]
+        counts: set[int] = {getattr(m, "num_key_value_groups") for m in grouped}  # noqa: B009
+        if len(counts) > 1:
+            raise ValueError(
+                f"{self.slot.name}: its attention modules repeat their key/value heads "
+                f"{sorted(counts)} times; segments take one count per layer"
+            )
         with saving_joined() as join:
-            self._join, self.groups = join, groups
-            if groups > 1:
-                attention.num_key_value_groups = 1  # type: ignore[union-attr]
+            self._join, self.groups = join, counts.pop() if counts else 1
+            for m in grouped:  # a plain attribute, not a submodule
+                setattr(m, "num_key_value_groups", 1)  # noqa: B010
             try:
                 yield
             finally:
-                if groups > 1:
-                    attention.num_key_value_groups = groups  # type: ignore[union-attr]
+                for m in grouped:
+                    setattr(m, "num_key_value_groups", self.groups)  # noqa: B010
                 self._join = None
         if not self.recorded:
             raise ValueError(
@@ -383,19 +390,10 @@ class _SegmentKV:
     def update(self, keys: Tensor, values: Tensor, *args: Any, **kwargs: Any) -> tuple:
         if self._join is None:
             raise RuntimeError(f"{self.slot.name}: the segment cache is used outside its call")
-        keys, values = _repeat_heads(keys, self.groups), _repeat_heads(values, self.groups)
+        keys, values = repeat_kv(keys, self.groups), repeat_kv(values, self.groups)
         self.slot.record(keys, values)
         self.recorded = True
         return self._join([*self.past[0], keys], -2), self._join([*self.past[1], values], -2)
-
-
-def _repeat_heads(x: Tensor, groups: int) -> Tensor:
-    """``x`` (B, kv heads, T, D) with each head repeated ``groups`` times, as the models'
-    ``repeat_kv``."""
-    if groups == 1:
-        return x
-    b, h, t, d = x.shape
-    return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
 
 
 def _pieces_from(pieces: list[Tensor], first: int) -> list[Tensor]:
@@ -411,13 +409,7 @@ def _pieces_from(pieces: list[Tensor], first: int) -> list[Tensor]:
     return kept
 
 
-def _attention_module(layer: nn.Module) -> nn.Module | None:
-    """A decoder layer's attention module (``self_attn`` in the models' layout)."""
-    attention = getattr(layer, "self_attn", None)
-    return attention if isinstance(attention, nn.Module) else None
-
-
-def _saving(cache: Any, attention: nn.Module | None) -> AbstractContextManager[None]:
+def _saving(cache: Any, attention: Sequence[nn.Module]) -> AbstractContextManager[None]:
     """The context a block's layer runs in: a segment cache's :meth:`_SegmentKV.saving`."""
     return cache.saving(attention) if isinstance(cache, _SegmentKV) else nullcontext()
 
@@ -792,7 +784,7 @@ class GPT2Block(SegmentAware, HFLayer):
         cache, mask, positions, causal = _attention_inputs(
             slot, self.config, self.index, create_causal_mask, hidden, mask, position_ids
         )
-        with _saving(cache, None):
+        with _saving(cache, ()):
             out = self.block(hidden, cache=cache, attention_mask=causal, position_ids=positions)
         return _boundary(out[0] if isinstance(out, tuple) else out, mask, position_ids)
 
@@ -1113,7 +1105,7 @@ class DecoderBlock(SegmentAware, ContextAware, HFLayer):
             keep = partial(_keep_call, calls, self._routers.index, threading.get_ident())
             handle = gate.register_forward_hook(keep)
         try:
-            with _saving(cache, _attention_module(self.layer)):
+            with _saving(cache, _attention_modules(self.layer)):
                 out = self.layer(
                     hidden,
                     cache=cache,

@@ -52,7 +52,7 @@ from zerobubble.runtime.p2p.comm import P2P, Arrivals, PeerError, RankName, plai
 if TYPE_CHECKING:
     from zerobubble.parallel.mesh import PipelineMesh
 
-__all__ = ["GradReducer", "sum_over_dp", "sum_over_replicas"]
+__all__ = ["GradReducer", "sum_in_rank_order", "sum_over_dp", "sum_over_replicas"]
 
 
 @dataclass
@@ -138,7 +138,7 @@ class GradReducer:
             work = None
             try:
                 if self.inner_group is not None and not expert:
-                    flat = _in_rank_order(flat, self.inner_group)
+                    flat = sum_in_rank_order(flat, self.inner_group)
                 if group is not None:
                     work = dist.all_reduce(flat, group=group, async_op=True)
                     assert work is not None
@@ -193,8 +193,9 @@ def sum_over_replicas(
     return sum_over_dp(mesh.dp_group, p2p, iteration, n)
 
 
-def _in_rank_order(flat: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """``flat`` summed over ``group`` in rank order, ``((x_0 + x_1) + x_2) + ...``."""
+def sum_in_rank_order(flat: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``flat`` summed over ``group`` in rank order, ``((x_0 + x_1) + x_2) + ...`` (the
+    mesh's cp reduction; the cp x tp reference sums so too). Collective over ``group``."""
     parts = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, flat, group=group)
     total = parts[0]

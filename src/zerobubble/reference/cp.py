@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from zerobubble.parallel.dp import sum_in_rank_order
 from zerobubble.reference.ep import TurnTaking
 from zerobubble.reference.step import Share, segment_reference_step
 from zerobubble.reference.step import reference_step as replica_step
@@ -125,15 +126,11 @@ def cp_rank_shards(model: nn.Sequential, cp: int, group: dist.ProcessGroup) -> C
 
 
 def sum_over_cp(g: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """``g`` summed over ``group`` in cp-rank order, ``((g_0 + g_1) + g_2) + ...``, as the
-    mesh's cp reduction sums it (a DTensor's local shard, laid out again as ``g``);
-    collective over ``group``."""
+    """``g`` summed over ``group`` in cp-rank order, as the mesh's cp reduction sums it
+    (:func:`~zerobubble.parallel.dp.sum_in_rank_order`; a DTensor's local shard, laid out
+    again as ``g``); collective over ``group``."""
     local = g.to_local() if isinstance(g, DTensor) else g
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
+    total = sum_in_rank_order(local.contiguous(), group)
     if not isinstance(g, DTensor):
         return total
     return DTensor.from_local(total, g.device_mesh, g.placements, shape=g.shape, stride=g.stride())
@@ -142,7 +139,5 @@ def sum_over_cp(g: Tensor, group: dist.ProcessGroup) -> Tensor:
 def gathered_over_cp(losses: Sequence[Tensor], group: dist.ProcessGroup) -> list[Tensor]:
     """Every cp rank's losses of ``group``, cp-rank-major (as the threaded reference returns
     them); collective over ``group``."""
-    mine = torch.stack([x.detach() for x in losses])
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, mine, group=group)
+    parts = ProcessExchange(group).gather(torch.stack([x.detach() for x in losses]))
     return [loss for part in parts for loss in part.unbind(0)]
